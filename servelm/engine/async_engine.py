@@ -1,0 +1,297 @@
+"""The front end's handle on the engine core, which runs in its own process behind ZMQ.
+
+Processes:
+- the caller (HTTP server or offline Engine) owns an AsyncEngine: it sends requests down a PUSH
+  socket and a background task routes the core's outputs to one asyncio.Queue per request.
+- the engine process runs ``LLMEngine.step()`` in a loop; between steps it drains its input
+  socket (add, abort, info, shutdown), so a long forward pass never blocks the HTTP event loop.
+
+Invariants:
+- Every request given to ``generate`` ends with exactly one finished RequestOutput, or the
+  consumer stops early, in which case the request is aborted and its KV freed.
+- If the engine process dies, every pending request fails with an error and ``is_alive`` is
+  False (health checks then report 503).
+Moving the engine elsewhere (another host, several replicas) changes only this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from servelm.config import EngineConfig
+from servelm.engine.outputs import RequestOutput
+from servelm.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 10.0
+_STARTUP_POLL_MS = 500
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process exited; no request can be served."""
+
+
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Entry point of the engine process: load the model, then step until told to stop."""
+    from servelm.engine.engine import LLMEngine
+    from servelm.logging_utils import configure_logging
+
+    configure_logging(config.server.log_level)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    parent_pid = os.getppid()
+    try:
+        engine = LLMEngine(config)
+    except Exception as error:
+        logger.exception("engine failed to start")
+        outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
+        return
+    outputs.send_pyobj(("ready", engine.model_info))
+    stats = _StatsLogger(engine)
+    while True:
+        timeout_ms = 0 if engine.has_unfinished() else 1000
+        if inputs.poll(timeout_ms):
+            while True:
+                message = inputs.recv_pyobj()
+                if message[0] == "shutdown":
+                    return
+                _handle(engine, message, outputs)
+                if not inputs.poll(0):
+                    break
+        elif os.getppid() != parent_pid:
+            logger.error("front end process exited; engine stopping")
+            return
+        if engine.has_unfinished():
+            step_outputs = engine.step()
+            if step_outputs:
+                outputs.send_pyobj(("outputs", step_outputs))
+        stats.maybe_log()
+
+
+def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket) -> None:
+    kind = message[0]
+    if kind == "add":
+        _, request_id, prompt_token_ids, params = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params)
+        if rejected is not None:
+            outputs.send_pyobj(("outputs", [rejected]))
+    elif kind == "abort":
+        aborted = engine.abort_request(message[1])
+        if aborted is not None:
+            outputs.send_pyobj(("outputs", [aborted]))
+    elif kind == "info":
+        outputs.send_pyobj(("info", message[1], engine.stats()))
+    else:
+        raise AssertionError(f"unknown engine message {kind!r}")
+
+
+class _StatsLogger:
+    """Logs throughput and pool use every few seconds while there is work."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.last_s = time.monotonic()
+        self.last_tokens = 0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_s < _STATS_INTERVAL_S:
+            return
+        tokens = self.engine.num_generated_tokens
+        if tokens != self.last_tokens or self.engine.has_unfinished():
+            stats = self.engine.stats()
+            logger.info("running=%d waiting=%d kv_usage=%.1f%% gen_throughput=%.1f tok/s",
+                        stats["num_running"], stats["num_waiting"], 100 * stats["token_usage"],
+                        (tokens - self.last_tokens) / (now - self.last_s))
+        self.last_s, self.last_tokens = now, tokens
+
+
+class AsyncEngine:
+    """Submit requests to the engine process and stream back their outputs."""
+
+    def __init__(self, config: EngineConfig, process: multiprocessing.process.BaseProcess,
+                 socket_dir: str, push: zmq.Socket, pull: zmq.asyncio.Socket,
+                 model_info: dict[str, Any]) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.tokenizer: Any = None
+        self._process = process
+        self._socket_dir = socket_dir
+        self._push = push
+        self._pull = pull
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dead_reason: str | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig) -> AsyncEngine:
+        """Spawn the engine process and wait until its model is loaded."""
+        socket_dir = tempfile.mkdtemp(prefix="servelm-")
+        input_address = f"ipc://{socket_dir}/input"
+        output_address = f"ipc://{socket_dir}/output"
+        sync_context = zmq.Context.instance()
+        push = sync_context.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.bind(input_address)
+        pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        pull.bind(output_address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(config, input_address, output_address),
+            name="servelm-engine", daemon=True)
+        process.start()
+        try:
+            model_info = await cls._wait_ready(process, pull)
+        except BaseException:
+            process.kill()
+            push.close(linger=0)
+            pull.close(linger=0)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        engine = cls(config, process, socket_dir, push, pull, model_info)
+        engine.tokenizer = await asyncio.to_thread(engine._load_tokenizer)
+        engine._tasks = [asyncio.create_task(engine._route_outputs()),
+                         asyncio.create_task(engine._watch_process())]
+        return engine
+
+    @staticmethod
+    async def _wait_ready(process: multiprocessing.process.BaseProcess,
+                          pull: zmq.asyncio.Socket) -> dict[str, Any]:
+        while True:
+            if await pull.poll(_STARTUP_POLL_MS):
+                message = await pull.recv_pyobj()
+                if message[0] == "ready":
+                    return dict(message[1])
+                if message[0] == "failed":
+                    raise RuntimeError(f"engine failed to start: {message[1]}")
+            elif not process.is_alive():
+                raise RuntimeError(f"engine process exited during start-up (exit code {process.exitcode})")
+
+    def _load_tokenizer(self) -> Any:
+        """The front end's own tokenizer (the engine process has already cached conversions)."""
+        if self.config.model.skip_tokenizer_init:
+            return None
+        from servelm.model.source import resolve_model_source
+        from servelm.model.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.model, resolve_model_source(self.config.model))
+
+    # -- background tasks -------------------------------------------------------------------
+    async def _route_outputs(self) -> None:
+        while True:
+            message = await self._pull.recv_pyobj()
+            if message[0] == "outputs":
+                for output in message[1]:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif message[0] == "info":
+                future = self._calls.pop(message[1], None)
+                if future is not None and not future.done():
+                    future.set_result(message[2])
+
+    async def _watch_process(self) -> None:
+        while self._process.is_alive():
+            await asyncio.sleep(0.5)
+        self._dead_reason = f"engine process exited (exit code {self._process.exitcode})"
+        logger.error(self._dead_reason)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(self._dead_reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(self._dead_reason))
+
+    # -- public API -------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        self._push.send_pyobj(message)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; stopping early (cancel, close) aborts it."""
+        assert request_id not in self._queues, f"request id {request_id} already in use"
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        is_finished = False
+        try:
+            self._send(("add", request_id, list(prompt_token_ids), params))
+            while True:
+                output = await queue.get()
+                if isinstance(output, Exception):
+                    is_finished = True
+                    raise output
+                is_finished = output.is_finished
+                yield output
+                if is_finished:
+                    return
+        finally:
+            del self._queues[request_id]
+            if not is_finished and self._dead_reason is None:
+                self._push.send_pyobj(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self._dead_reason is None:
+            self._push.send_pyobj(("abort", request_id))
+
+    async def get_server_info(self) -> dict[str, Any]:
+        call_id = next(self._call_ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send(("info", call_id))
+        try:
+            return await asyncio.wait_for(future, timeout=30)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def health_generate(self) -> bool:
+        """True when the engine can run a one-token generation."""
+        if self._dead_reason is not None:
+            return False
+        request_id = f"health-{next(self._call_ids)}-{time.monotonic_ns()}"
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            async for output in self.generate(request_id, [0], params):
+                if output.is_finished:
+                    return output.finish_reason != "error"
+        except EngineDeadError:
+            return False
+        return False
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._process.is_alive():
+            try:
+                self._push.send_pyobj(("shutdown",))
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+                await asyncio.to_thread(self._process.join, 5)
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)

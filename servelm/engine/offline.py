@@ -1,0 +1,150 @@
+"""servelm.Engine: offline batch generation through the same engine process as the server.
+
+The engine's asyncio client runs on a private event loop in a background thread; the public
+methods here are synchronous and block until their requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from servelm.config import EngineConfig
+from servelm.engine.async_engine import AsyncEngine
+from servelm.engine.outputs import TokenLogprob
+from servelm.sampling.params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's completion."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int]
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine:
+    """Load a model and run batches of prompts: ``Engine(model_path=...).generate(prompts, params)``.
+
+    Keyword arguments are EngineConfig field names (``max_total_tokens=4096``,
+    ``chunked_prefill_size=256``, ...). Use it as a context manager, or call ``shutdown()``.
+    """
+
+    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
+        if model_path is not None:
+            server_args["model"] = model_path
+        self.config = EngineConfig.from_flat(server_args)
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="servelm-engine-client",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._engine = self._run(AsyncEngine.start(self.config))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return self._engine.model_info
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> Any:
+        """Generate for each prompt (text or token ids). A single prompt gives one result,
+        a list gives a list in the same order."""
+        token_lists, is_single = self._token_lists(prompts, input_ids)
+        params = self._params(sampling_params, len(token_lists))
+        results = self._run(self._generate_all(token_lists, params))
+        return results[0] if is_single else results
+
+    def _token_lists(self, prompts: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts and input_ids")
+        if input_ids is not None:
+            is_single = bool(input_ids) and isinstance(input_ids[0], int)
+            lists = [list(input_ids)] if is_single else [list(ids) for ids in input_ids]
+            return lists, is_single
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass input_ids")
+        is_single = isinstance(prompts, str)
+        texts = [prompts] if is_single else list(prompts)
+        return [self.tokenizer.encode(text) for text in texts], is_single
+
+    @staticmethod
+    def _params(sampling_params: Any, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(sampling_params, dict):
+            return [SamplingParams(**sampling_params) for _ in range(count)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"{len(params)} sampling params for {count} prompts")
+        return params
+
+    async def _generate_all(self, token_lists: list[list[int]],
+                            params: list[SamplingParams]) -> list[GenerationResult]:
+        return list(await asyncio.gather(*(
+            self._generate_one(f"offline-{next(self._ids)}", ids, p)
+            for ids, p in zip(token_lists, params, strict=True))))
+
+    async def _generate_one(self, request_id: str, prompt_token_ids: list[int],
+                            params: SamplingParams) -> GenerationResult:
+        result = GenerationResult("", [], "", prompt_token_ids)
+        async for output in self._engine.generate(request_id, prompt_token_ids, params):
+            result.text += output.new_text
+            result.token_ids.extend(output.new_token_ids)
+            result.logprobs.extend(output.logprobs or [])
+            if output.is_finished:
+                result.finish_reason = output.finish_reason or ""
+                result.stop_reason = output.stop_reason
+                result.error = output.error
+        return result
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._run(self._engine.get_server_info())
+
+    def shutdown(self) -> None:
+        if self._loop.is_running():
+            self._run(self._engine.shutdown())
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,48 @@
+"""What the engine reports for a request: one RequestOutput per request per step (a delta).
+
+Invariants: the concatenation of a request's ``new_token_ids`` (and ``new_text``) over its outputs
+is its full completion; exactly one output has ``finish_reason`` set, and it is the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one chosen token and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token_id, logprob) of the top-k tokens at this position, most likely first."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced since its previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    """Detokenized text of new_token_ids (stop strings removed); empty without a tokenizer."""
+    finish_reason: str | None = None
+    """None while running; then "stop", "length", "abort" or "error"."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, when finish_reason is "stop"."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Set on the first output only, when asked for: None for the first prompt token."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    """Total so far, including new_token_ids."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache."""
+    error: str | None = None
+    """Why the request failed, when finish_reason is "error"."""
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

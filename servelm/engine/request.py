@@ -1,0 +1,84 @@
+"""A request's life inside the engine: its tokens, its KV blocks and its state.
+
+Invariants:
+- ``num_computed_tokens <= num_tokens``; positions below ``num_computed_tokens`` have K/V in
+  ``block_ids`` (recompute preemption resets both to zero/empty).
+- A finished request holds no blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from servelm.engine.outputs import TokenLogprob
+from servelm.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int]
+    max_context_tokens: int
+    """Prompt plus output may not exceed this (the model's context length)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Logprobs of tokens sampled since the last output was sent."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Filled during prefill when params.prompt_logprobs is set; None for position 0."""
+    is_prompt_logprobs_sent: bool = False
+    num_sent_tokens: int = 0
+    """Output tokens already reported to the client."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are asked for and not yet complete."""
+        return (self.params.prompt_logprobs is not None
+                and (self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens))
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]

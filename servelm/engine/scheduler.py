@@ -1,0 +1,273 @@
+"""Continuous batching: which tokens of which requests are computed in the next step.
+
+There is no prefill or decode phase. Each request has ``num_computed_tokens`` (K/V already in
+the cache) and ``num_tokens`` (prompt + output); a step computes up to the gap for as many
+requests as the token budget, the chunk cap and the free blocks allow. A decode is a gap of one;
+a prompt is a gap of many, cut into chunks; a preempted request's gap is all of its tokens.
+
+Invariants:
+- Running requests are served before waiting ones, oldest first; when blocks run out, the newest
+  running request is preempted (its blocks freed, its computed count reset, re-queued at the
+  front) so that older ones make progress. Its output so far is kept and recomputed, so greedy
+  results are unchanged by preemption.
+- A request finished here (stop token, length, abort, error) releases its blocks at once.
+- The scheduler never asks for more blocks than the pool has free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from servelm.cache.block_pool import BlockPool
+from servelm.config import SchedulerConfig
+from servelm.engine.outputs import TokenLogprob
+from servelm.engine.request import FinishReason, Request, RequestStatus
+from servelm.model.forward_batch import BatchPlan, SequencePlan
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_tokens: int
+    """Tokens computed this step, starting at the request's num_computed_tokens."""
+    num_logits: int
+    """Logits rows returned for this request (trailing positions of its chunk)."""
+    is_sampling: bool
+    """The chunk reaches the end of the request's tokens, so its last row is sampled."""
+    num_prompt_logprob_rows: int
+    """Leading rows of this request's logits that give prompt-token logprobs."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: the model's plan and how its rows map back to requests."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """Requests in plan order."""
+    plan: BatchPlan = field(default_factory=BatchPlan)
+    """The tokens, positions and blocks the model computes."""
+    finished: list[Request] = field(default_factory=list)
+    """Requests the scheduler ended this step without running them (e.g. cannot fit the pool)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the model produced for one scheduled request."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """Accepted new tokens (one when sampling; none for a non-final prefill chunk)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the requests' blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int) -> None:
+        self.config = config
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    @property
+    def pool_capacity_tokens(self) -> int:
+        return self.block_pool.num_blocks * self.block_size
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None,
+               error: str | None = None) -> None:
+        """End a request and free its blocks; it leaves the queues."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.error = error
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_tokens_per_step
+        did_preempt = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = self._chunk(request, budget)
+            target_tokens = request.num_computed_tokens + num_tokens
+            if not self._grow(request, target_tokens):
+                did_preempt = True
+                if not self._preempt_for(request, target_tokens, output):
+                    continue  # request itself was preempted or failed; the list shifted
+                if not self._grow(request, target_tokens):
+                    continue
+            self._add(output, request, num_tokens)
+            budget -= num_tokens
+            index += 1
+
+        while (self.waiting and budget > 0 and not did_preempt
+               and len(self.running) < self.config.max_running_requests):
+            request = self.waiting[0]
+            if self._cannot_ever_fit(request):
+                self.finish(request, FinishReason.ERROR, error=(
+                    f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
+                    f"{self.pool_capacity_tokens}"))
+                output.finished.append(request)
+                continue
+            num_tokens = self._chunk(request, budget)
+            if not self._grow(request, request.num_computed_tokens + num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add(output, request, num_tokens)
+            budget -= num_tokens
+        return output
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        cap = self.config.max_chunk_tokens
+        return min(remaining, budget, cap) if cap is not None else min(remaining, budget)
+
+    def _cannot_ever_fit(self, request: Request) -> bool:
+        return cdiv(request.num_tokens + 1, self.block_size) > self.block_pool.num_blocks
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Make the request's blocks cover ``num_tokens`` positions; False if the pool is short."""
+        missing = cdiv(num_tokens, self.block_size) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        new_blocks = self.block_pool.allocate(missing)
+        if new_blocks is None:
+            return False
+        request.block_ids.extend(new_blocks)
+        return True
+
+    def _preempt_for(self, request: Request, target_tokens: int, output: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until ``request`` can cover ``target_tokens``.
+
+        Returns False when ``request`` itself had to go (preempted, or failed when alone).
+        """
+        while True:
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1 and not self.waiting:
+                self.finish(request, FinishReason.ERROR, error=(
+                    f"KV pool exhausted: request reached {request.num_tokens} tokens and the pool "
+                    f"holds {self.pool_capacity_tokens}"))
+                output.finished.append(request)
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+            needed = cdiv(target_tokens, self.block_size) - len(request.block_ids)
+            if self.block_pool.can_allocate(max(needed, 0)):
+                return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_ids:
+            self.block_pool.release(request.block_ids)
+            request.block_ids = []
+
+    def _add(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        start = request.num_computed_tokens
+        is_sampling = start + num_tokens == request.num_tokens
+        num_prompt_rows = 0
+        if request.wants_prompt_logprobs:
+            # Row i predicts position start + i + 1; prompt positions end at num_prompt_tokens - 1.
+            num_prompt_rows = max(0, min(num_tokens, request.num_prompt_tokens - 1 - start))
+        num_logits = num_prompt_rows + (1 if is_sampling else 0)
+        if num_prompt_rows and is_sampling:
+            num_logits = num_tokens  # prompt rows plus the final sampling row are contiguous
+        output.scheduled.append(ScheduledRequest(request, num_tokens, num_logits, is_sampling,
+                                                 num_prompt_rows))
+        output.plan.sequences.append(SequencePlan(
+            token_ids=request.token_slice(start, start + num_tokens),
+            start_position=start,
+            block_ids=request.block_ids,
+            num_logits=num_logits,
+        ))
+
+    # -- update -----------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[Request]:
+        """Apply the model's results; returns the requests that got new tokens or finished."""
+        touched: list[Request] = list(output.finished)
+        for scheduled, result in zip(output.scheduled, results, strict=True):
+            request = scheduled.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += scheduled.num_tokens
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]  # the first prompt token has no logprob
+            if result.prompt_logprobs:
+                assert request.prompt_logprobs is not None
+                request.prompt_logprobs.extend(result.prompt_logprobs)
+            if not result.token_ids:
+                continue
+            request.pending_logprobs.extend(result.logprobs)
+            for token_id in result.token_ids:
+                request.output_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            touched.append(request)
+        return touched
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        params = request.params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                self.finish(request, FinishReason.STOP, stop_reason=token_id)
+                return True
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                self.finish(request, FinishReason.STOP)
+                return True
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            self.finish(request, FinishReason.LENGTH)
+            return True
+        if request.num_tokens >= request.max_context_tokens:
+            self.finish(request, FinishReason.LENGTH)
+            return True
+        return False

@@ -1,0 +1,94 @@
+"""Pieces every decoder-only architecture shares: the gated MLP, layer-type lookup, weight loading.
+
+Weight names follow the HF checkpoints. Fused parameters (``qkv_proj``, ``gate_up_proj``) load from
+their HF shards through ``STACKED_PARAMS``; every other tensor loads by its own name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.model.layers.activation import ActAndMul
+from servelm.model.layers.linear import LinearMethod, MergedColumnParallelLinear, RowParallelLinear
+
+# (fused parameter, HF shard, shard id)
+STACKED_PARAMS: list[tuple[str, str, int | str]] = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False,
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
+                                                       linear_method, dtype)
+        self.act = ActAndMul(activation)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
+    """The sliding window of one layer, or None for full attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_id] == "sliding_attention" else None
+    if getattr(hf_config, "model_type", "") == "mistral":
+        return window
+    return None
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       rename: Callable[[str], str | None] = lambda name: name) -> set[str]:
+    """Load HF-named tensors into ``model``; returns the names of the parameters it filled.
+
+    ``rename`` maps a checkpoint name to ours, or None to skip the tensor. Raises ValueError for a
+    tensor that matches no parameter and for parameters left unloaded (a mismatched checkpoint).
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for checkpoint_name, tensor in weights:
+        name = rename(checkpoint_name)
+        if name is None or name.endswith("rotary_emb.inv_freq"):
+            continue
+        shard_id: int | str | None = None
+        for fused, shard, sid in STACKED_PARAMS:
+            if f".{shard}." in name:
+                name, shard_id = name.replace(f".{shard}.", f".{fused}."), sid
+                break
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
+                             f"{type(model).__name__}")
+        param = params[name]
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        loader = getattr(owner, "weight_loader", None)
+        if shard_id is not None:
+            assert loader is not None, f"{name} is fused but its module has no weight_loader"
+            loader(param, tensor, shard_id)
+        elif loader is not None:
+            loader(param, tensor)
+        else:
+            assert param.shape == tensor.shape, f"{name}: {tuple(tensor.shape)} != {tuple(param.shape)}"
+            param.data.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
+    return loaded

@@ -1,0 +1,129 @@
+"""Gemma 3 (text): interleaved sliding-window and global attention layers.
+
+Differences from Llama, all following the HF reference:
+- ``layer_types`` (or ``sliding_window_pattern``: every Nth layer global) picks each layer's kind;
+  sliding layers see the last ``sliding_window`` positions and use the local rope base
+  (``rope_local_base_freq`` / ``rope_parameters["sliding_attention"]``).
+- (1 + w) RMSNorm everywhere, per-head q/k norms, norms after attention and around the MLP.
+- embeddings scaled by sqrt(hidden) rounded to the model dtype; attention scale
+  ``query_pre_attn_scalar ** -0.5``; gelu_pytorch_tanh MLP; tied LM head; optional final softcap.
+A multimodal Gemma3Config is served through its ``text_config``; vision weights are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.model.architectures.common import GatedMLP, head_dim_of, load_named_weights
+from servelm.model.attention import Attention
+from servelm.model.forward_batch import ForwardBatch
+from servelm.model.layers.embedding import LMHead, VocabEmbedding
+from servelm.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from servelm.model.layers.norm import GemmaRMSNorm
+from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def gemma3_layer_types(text_config: Any) -> list[str]:
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    pattern = getattr(text_config, "sliding_window_pattern", 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(text_config.num_hidden_layers)]
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+        super().__init__()
+        num_heads = config.num_attention_heads
+        num_kv_heads = config.num_key_value_heads
+        head_dim = head_dim_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        is_sliding = layer_type == "sliding_attention"
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config, layer_type))
+        self.attn = Attention(layer_id, num_heads, num_kv_heads, head_dim,
+                              scale=config.query_pre_attn_scalar ** -0.5,
+                              sliding_window=config.sliding_window if is_sliding else None)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        q, k = self.rotary_emb(batch.positions, self.q_norm(q), self.k_norm(k))
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_id, layer_type)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size ** 0.5)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, layer_type)
+                                    for i, layer_type in enumerate(gemma3_layer_types(config)))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """``forward(batch) -> hidden [num_tokens, hidden]``; ``compute_logits(hidden) -> [n, vocab]``."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        config = getattr(hf_config, "text_config", None) or hf_config
+        self.hf_config = config
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise NotImplementedError("Gemma attention logit softcapping is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError("bidirectional Gemma 3 attention is not supported")
+        self.model = Gemma3Model(config)
+        tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", True) else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied,
+                              final_softcap=getattr(config, "final_logit_softcapping", None))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        is_tied = self.lm_head.is_tied
+
+        def rename(name: str) -> str | None:
+            for prefix in ("model.language_model.", "language_model.model."):
+                if name.startswith(prefix):
+                    name = "model." + name[len(prefix):]
+            name = name.removeprefix("language_model.")
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                return None
+            if is_tied and name.startswith("lm_head."):
+                return None
+            return name
+
+        return load_named_weights(self, weights, rename)

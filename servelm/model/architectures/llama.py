@@ -1,0 +1,111 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2); Qwen2 and Qwen3 subclass it.
+
+pre-norm blocks: ``h += o(attn(rope(qkv(norm(h)))))``, ``h += down(act(gate(x)) * up(x))``, final norm.
+Class attributes choose the variants: ``qkv_bias``/``o_bias`` (None: the config's
+``attention_bias``) and ``has_qk_norm`` (per-head RMSNorm of q and k before rope, Qwen3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.model.architectures.common import (
+    GatedMLP, head_dim_of, layer_sliding_window, load_named_weights)
+from servelm.model.attention import Attention
+from servelm.model.forward_batch import ForwardBatch
+from servelm.model.layers.embedding import LMHead, VocabEmbedding
+from servelm.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from servelm.model.layers.norm import RMSNorm
+from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.has_qk_norm = has_qk_norm
+        if has_qk_norm:
+            self.q_norm = RMSNorm(head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config))
+        self.attn = Attention(layer_id, num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5,
+                              sliding_window=layer_sliding_window(hf_config, layer_id))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, layer_id, qkv_bias, o_bias, has_qk_norm)
+        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
+                            bias=getattr(hf_config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm)
+            for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(batch) -> hidden [num_tokens, hidden]``; ``compute_logits(hidden) -> [n, vocab]``."""
+
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    has_qk_norm = False
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        self.model = LlamaModel(hf_config, qkv_bias, o_bias, self.has_qk_norm)
+        tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        is_tied = self.lm_head.is_tied
+        return load_named_weights(
+            self, weights, lambda name: None if is_tied and name.startswith("lm_head.") else name)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with an optional sliding window on every layer (handled by layer_sliding_window)."""

@@ -1,0 +1,48 @@
+"""The attention seam: one nn.Module the architectures use, one Protocol each backend implements.
+
+A backend turns a ForwardBatch into its own metadata once per forward (``build_metadata``), then
+for every layer writes the new K/V into the paged cache and attends each sequence's new tokens to
+its whole context (causal, offset by start_position; within ``sliding_window`` when set).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from servelm.model.forward_batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    """What an attention backend provides."""
+
+    def build_metadata(self, batch: ForwardBatch) -> Any: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """Paged attention of one layer: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        """Keys at positions > query_position - sliding_window are visible; None: all."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return batch.attention.forward(q, k, v, self, batch)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}")

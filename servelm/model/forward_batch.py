@@ -1,0 +1,135 @@
+"""The CPU plan of one forward pass (BatchPlan) and the device tensors built from it (ForwardBatch).
+
+The scheduler produces a BatchPlan of plain Python lists; only this module turns it into tensors.
+model/ never sees a Request: a SequencePlan is just tokens, positions and KV blocks.
+
+Invariants of a SequencePlan:
+- ``token_ids`` are the tokens whose K/V are computed and written this step, at positions
+  ``start_position .. start_position + len(token_ids) - 1``.
+- positions ``0 .. start_position - 1`` already hold valid K/V in ``block_ids``.
+- ``block_ids`` cover at least ``start_position + len(token_ids)`` tokens; slot of position p is
+  ``block_ids[p // block_size] * block_size + p % block_size``.
+- ``num_logits`` trailing positions get logits (0 for a non-final prefill chunk, 1 to sample one
+  token, k+1 to verify k speculative tokens, len(token_ids) for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class SequencePlan:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]
+    """Tokens computed this step."""
+    start_position: int
+    """Position of token_ids[0]; equals the number of tokens already in the KV cache."""
+    block_ids: list[int]
+    """KV blocks of the whole sequence, in order."""
+    num_logits: int = 1
+    """How many trailing positions of token_ids get logits."""
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """Every sequence computed in one forward pass, in output order."""
+
+    sequences: list[SequencePlan] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(s.num_logits for s in self.sequences)
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors of one forward pass, built once from a BatchPlan by ``ForwardBatch.build``.
+
+    Token rows are the plan's tokens concatenated in sequence order ("packed" layout, no padding).
+    Layers read ``positions``; attention layers write K/V at ``slot_mapping`` in ``kv_cache`` and
+    read ``attn_metadata``, which the attention backend derived from this batch.
+    """
+
+    input_ids: torch.Tensor
+    """[num_tokens] int64 token ids."""
+    positions: torch.Tensor
+    """[num_tokens] int64 position of each token in its sequence."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64 KV slot each token's K/V is written to."""
+    logits_indices: torch.Tensor
+    """[num_logits] int64 token rows that get logits, in plan order."""
+    block_table: torch.Tensor
+    """[num_sequences, max_blocks] int64 block ids, padded with 0 (never read past context_lens)."""
+    query_lens: list[int]
+    """Tokens computed this step, per sequence."""
+    start_positions: list[int]
+    """Tokens already in the cache, per sequence."""
+    block_size: int
+    kv_cache: Any = None
+    """KVCache the attention layers write to and read from (None: a model run without cache)."""
+    attention: Any = None
+    """Attention backend (servelm.model.attention) that interprets ``attn_metadata``."""
+    attn_metadata: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Tokens in the cache after this step, per sequence."""
+        return [s + n for s, n in zip(self.start_positions, self.query_lens)]
+
+    @classmethod
+    def build(cls, plan: BatchPlan, block_size: int, device: torch.device,
+              kv_cache: Any = None, attention: Any = None) -> ForwardBatch:
+        """Turn the plan's lists into device tensors (and the backend's metadata, when given)."""
+        sequences = plan.sequences
+        query_lens = [len(s.token_ids) for s in sequences]
+        start_positions = [s.start_position for s in sequences]
+        for s, n in zip(sequences, query_lens):
+            assert n > 0, "a SequencePlan computes at least one token"
+            assert 0 <= s.num_logits <= n, f"num_logits {s.num_logits} outside [0, {n}]"
+            assert len(s.block_ids) * block_size >= s.start_position + n, (
+                f"{len(s.block_ids)} blocks cannot hold {s.start_position + n} tokens")
+        num_sequences = len(sequences)
+        flat_ids = [t for s in sequences for t in s.token_ids]
+        lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        starts_t = torch.tensor(start_positions, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(num_sequences), lens_t)
+        query_start = torch.cumsum(lens_t, 0) - lens_t
+        positions = starts_t[seq_index] + torch.arange(len(flat_ids)) - query_start[seq_index]
+        max_blocks = max((len(s.block_ids) for s in sequences), default=1)
+        block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sequences]
+                                   or [[0]], dtype=torch.int64)
+        slots = block_table[seq_index, positions // block_size] * block_size + positions % block_size
+        logits_rows = [row for start, n, s in zip(query_start.tolist(), query_lens, sequences)
+                       for row in range(start + n - s.num_logits, start + n)]
+        batch = cls(
+            input_ids=torch.tensor(flat_ids, dtype=torch.int64).to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device),
+            block_table=block_table.to(device),
+            query_lens=query_lens,
+            start_positions=start_positions,
+            block_size=block_size,
+            kv_cache=kv_cache,
+            attention=attention,
+        )
+        if attention is not None:
+            batch.attn_metadata = attention.build_metadata(batch)
+        return batch

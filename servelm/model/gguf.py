@@ -1,0 +1,372 @@
+"""GGUF files: metadata -> transformers config, quantized tensors -> HF-named float tensors.
+
+llama.cpp's converter renames tensors and changes some of them; this module undoes that so the
+result equals what ``transformers`` loads from the same file (our parity reference):
+
+- names: ``blk.N.attn_q.weight`` -> ``model.layers.N.self_attn.q_proj.weight`` and so on
+  (``_LAYER_NAMES``); ``ffn_norm`` is the pre-MLP norm, which Gemma 3 calls
+  ``pre_feedforward_layernorm`` and the others ``post_attention_layernorm``.
+- llama architecture: Q/K rows were permuted from HF's half-split rotary layout to llama.cpp's
+  interleaved one (per head: rows ``[a0 b0 a1 b1 ...]`` -> HF ``[a0 a1 ... b0 b1 ...]``);
+  ``reverse_llama_permute`` undoes it. Qwen2/Qwen3/Gemma3 are stored unpermuted.
+- Gemma: every RMSNorm weight is stored as ``w + 1`` (HF's Gemma norm multiplies by ``1 + w``).
+- A file without ``output.weight`` has a tied head: the config says ``tie_word_embeddings=True``
+  and no ``lm_head.weight`` is yielded, exactly like a tied HF safetensors checkpoint.
+
+Tensors are dequantized one at a time (float32), so peak memory is one tensor beyond the model.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+# llama.cpp architecture -> transformers model_type (Gemma 3 GGUFs hold the text backbone only).
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+
+# GGUF metadata key (after "<arch>.") -> config field, per architecture.
+_COMMON_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_ARCH_KEYS = {
+    "llama": {**_COMMON_KEYS, "rope.dimension_count": "head_dim"},
+    "qwen2": _COMMON_KEYS,
+    "qwen3": {**_COMMON_KEYS, "attention.key_length": "head_dim"},
+    "gemma3": {**_COMMON_KEYS, "attention.key_length": "head_dim",
+               "attention.sliding_window": "sliding_window"},
+}
+_TOKEN_ID_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+# Tensors llama.cpp adds that have no HF parameter (recomputed from the config).
+_IGNORED = {"rope_freqs.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_0-9]+)\.(weight|bias)$")
+
+# GGUF general.file_type -> llama.cpp's name for the quantization mix.
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+               11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+               17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+
+
+class GGUFError(ValueError):
+    """The GGUF file is unreadable or holds an architecture or tensor we cannot map."""
+
+
+def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
+    """HF parameter name for a llama.cpp tensor name; None for tensors HF does not keep.
+
+    Raises GGUFError for a name this module does not know (better than silently dropping it).
+    """
+    if gguf_name in _IGNORED:
+        return None
+    if match := _LAYER_RE.match(gguf_name):
+        layer, part, suffix = match.groups()
+        names = _GEMMA_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{suffix}"
+    elif (match := _GLOBAL_RE.match(gguf_name)) and match.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
+    raise GGUFError(f"unknown GGUF tensor {gguf_name!r} for architecture {architecture!r}")
+
+
+def reverse_llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (``num_heads``: heads of this projection).
+
+    llama.cpp stores, per head, rows ``reshape(2, head_dim // 2).swapaxes``: the two rotary halves
+    interleaved. Works for weights [rows, cols] and biases [rows].
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape).contiguous())
+
+
+def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's forward permutation (inverse of ``reverse_llama_permute``); used by tests."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, 2, half, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape).contiguous())
+
+
+_MAGIC = b"GGUF"
+# GGUF metadata value types -> struct format (8: string, 9: array handled separately).
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file. ``shape`` is in torch order (rows first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int    # absolute byte offset in the file
+    num_bytes: int
+
+
+@dataclass
+class _StringArray:
+    """A string array left unparsed (token lists are large): its position and length."""
+
+    pos: int
+    count: int
+
+
+class GGUFFile:
+    """An opened GGUF file: metadata, config, and lazy, dequantized access to its tensors.
+
+    Our own header parser (memory-mapped, ~10-50 ms) replaces ``gguf.GGUFReader``, whose
+    constructor turns every token and merge into a field part (2-6 s per start); dequantization
+    is the gguf package's ``gguf.quants.dequantize``.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._blob = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self.fields, self.tensor_infos = self._parse()
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+            raise GGUFError(f"cannot read GGUF file {self.path}: {e}") from e
+        self.architecture = str(self.fields.get("general.architecture"))
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise GGUFError(f"{self.path.name}: GGUF architecture {self.architecture!r} is not "
+                            f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    @classmethod
+    def open(cls, path: str | Path) -> GGUFFile:
+        return cls(path)
+
+    # -- header parsing -------------------------------------------------------------------------
+
+    def _parse(self) -> tuple[dict[str, Any], list[TensorInfo]]:
+        buf = memoryview(self._blob)
+        if bytes(buf[:4]) != _MAGIC:
+            raise ValueError("not a GGUF file (bad magic)")
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old (need 2 or later)")
+        pos = 24
+        fields: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = _read_string(buf, pos)
+            (value_type,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            fields[key], pos = _read_value(buf, pos, value_type)
+        entries = []
+        for _ in range(tensor_count):
+            name, pos = _read_string(buf, pos)
+            (num_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{num_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * num_dims)
+            pos += 4 + 8 * num_dims + 12
+            entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+        alignment = int(fields.get("general.alignment", 32))
+        data_start = (pos + alignment - 1) // alignment * alignment
+        infos = [TensorInfo(name, shape, ggml_type, data_start + offset, _tensor_bytes(shape, ggml_type))
+                 for name, shape, ggml_type, offset in entries]
+        return fields, infos
+
+    # -- metadata -------------------------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value; string arrays (token lists) come back parsed."""
+        value = self.fields.get(key, default)
+        if isinstance(value, _StringArray):
+            value = _read_string_array(memoryview(self._blob), value)
+            self.fields[key] = value
+        return value
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [info.name for info in self.tensor_infos]
+
+    @property
+    def quantization(self) -> str:
+        file_type = self.fields.get("general.file_type")
+        return _FILE_TYPES.get(file_type, f"file_type {file_type}") if file_type is not None else "unknown"
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.fields.get("tokenizer.chat_template")
+
+    def token_id(self, token: str) -> int | None:
+        """Id of one vocabulary token, or None."""
+        tokens = self.metadata("tokenizer.ggml.tokens")
+        if not tokens:
+            return None
+        try:
+            return tokens.index(token)
+        except ValueError:
+            return None
+
+    def config_dict(self) -> dict[str, Any]:
+        """The transformers config fields this file defines (same values transformers derives)."""
+        arch = self.architecture
+        values: dict[str, Any] = {}
+        for key, name in _ARCH_KEYS[arch].items():
+            value = self.metadata(f"{arch}.{key}")
+            if value is not None:
+                values[name] = value
+        for key, name in _TOKEN_ID_KEYS.items():
+            value = self.metadata(key)
+            if value is not None:
+                values[name] = value
+        if "vocab_size" not in values:
+            tokens = self.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise GGUFError(f"{self.path.name}: no vocab_size and no tokenizer.ggml.tokens")
+            values["vocab_size"] = tokens.count if isinstance(tokens, _StringArray) else len(tokens)
+        values["tie_word_embeddings"] = "output.weight" not in self.tensor_names
+        return values
+
+    def hf_config(self, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+        """A transformers config for this file, with ``overrides`` applied before construction."""
+        values = {**self.config_dict(), **(overrides or {})}
+        model_type = _MODEL_TYPES[self.architecture]
+        config = CONFIG_MAPPING[model_type](**values)
+        config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+        return config
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named float32 tensors, dequantized one at a time, in file order.
+
+        The Q/K un-permutation uses the file's own head counts, never overridden ones.
+        """
+        config = self.config_dict()
+        for info in self.tensor_infos:
+            name = gguf_to_hf_name(info.name, self.architecture)
+            if name is None:
+                continue
+            yield name, self._undo_conversion(info.name, self.dequantize(info), config)
+
+    def dequantize(self, info: TensorInfo) -> torch.Tensor:
+        """One tensor as float32 [*shape], copied out of the memory map."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        raw = self._blob[info.offset:info.offset + info.num_bytes]
+        ggml_type = GGMLQuantizationType(info.ggml_type)
+        if ggml_type in _PLAIN_DTYPES:
+            values = raw.view(_PLAIN_DTYPES[ggml_type]).astype(np.float32)  # astype copies
+        elif ggml_type == GGMLQuantizationType.BF16:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = dequantize(raw.reshape(*info.shape[:-1], -1), ggml_type)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
+
+    def _undo_conversion(self, gguf_name: str, weight: torch.Tensor, config: dict[str, Any]
+                         ) -> torch.Tensor:
+        if self.architecture == "llama":
+            num_heads = config["num_attention_heads"]
+            if ".attn_q." in gguf_name:
+                return reverse_llama_permute(weight, num_heads)
+            if ".attn_k." in gguf_name:
+                return reverse_llama_permute(weight, config.get("num_key_value_heads", num_heads))
+        if self.architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+            return weight - 1.0
+        return weight
+
+
+_PLAIN_DTYPES: dict[Any, Any] = {}
+
+
+def _init_plain_dtypes() -> None:
+    from gguf import GGMLQuantizationType as T
+    _PLAIN_DTYPES.update({T.F32: np.float32, T.F16: np.float16, T.F64: np.float64,
+                          T.I8: np.int8, T.I16: np.int16, T.I32: np.int32})
+
+
+def _tensor_bytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    block_elements, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    num_elements = int(np.prod(shape))
+    if num_elements % block_elements:
+        raise ValueError(f"tensor of {num_elements} elements is not whole blocks of {block_elements}")
+    return num_elements // block_elements * block_bytes
+
+
+def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8:pos + 8 + length]).decode("utf-8"), pos + 8 + length
+
+
+def _read_value(buf: memoryview, pos: int, value_type: int) -> tuple[Any, int]:
+    if value_type == _STRING:
+        return _read_string(buf, pos)
+    if value_type in _SCALAR_FORMATS:
+        fmt = "<" + _SCALAR_FORMATS[value_type]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if value_type != _ARRAY:
+        raise ValueError(f"unknown GGUF value type {value_type}")
+    element_type, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if element_type == _STRING:  # skip over it now, parse on demand
+        start = pos
+        for _ in range(count):
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        return _StringArray(start, count), pos
+    if element_type in _SCALAR_FORMATS:
+        fmt = f"<{count}{_SCALAR_FORMATS[element_type]}"
+        return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
+    values = []
+    for _ in range(count):
+        value, pos = _read_value(buf, pos, element_type)
+        values.append(value)
+    return values, pos
+
+
+def _read_string_array(buf: memoryview, array: _StringArray) -> list[str]:
+    values, pos = [], array.pos
+    for _ in range(array.count):
+        value, pos = _read_string(buf, pos)
+        values.append(value)
+    return values
+
+
+_init_plain_dtypes()

@@ -1,0 +1,55 @@
+"""The paged KV pool: the K/V tensors behind the block ids the scheduler hands out.
+
+Layout (per layer, K and V separately)::
+
+    k[layer]: [num_blocks * block_size, num_kv_heads, head_dim]
+               slot = block_id * block_size + offset_in_block
+
+Invariants:
+- Block ids come from the scheduler (servelm/cache); this module never allocates or frees blocks,
+  it only stores what the attention layers write at the slots the ForwardBatch names.
+- The pool is zero-initialised: attention may gather slots it then masks out, and masked values
+  must be finite (0 * NaN would poison the softmax-weighted sum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V tensors of every layer, indexed by slot."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
+        self.k_caches[layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.v_caches[layer_id].index_copy_(0, slots, v.to(self.dtype))
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""
+        return self.k_caches[layer_id], self.v_caches[layer_id]

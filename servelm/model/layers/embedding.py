@@ -1,0 +1,50 @@
+"""Token embedding and LM head (vocab-parallel seams at tp world size 1).
+
+The LM head may share its weight with the embedding (``tie_word_embeddings``); then the checkpoint's
+``lm_head.weight`` (if any) is ignored and only the embedding is loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    """``[num_tokens] -> [num_tokens, hidden]``, optionally multiplied by a scale in the weight dtype."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.scale = scale
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embedded = F.embedding(input_ids, self.weight)
+        if self.scale is not None:
+            # Round the scale to the model dtype first, as transformers' Gemma does.
+            embedded = embedded * torch.tensor(self.scale, dtype=self.weight.dtype, device=embedded.device)
+        return embedded
+
+
+class LMHead(nn.Module):
+    """``[n, hidden] -> [n, vocab]`` logits in the model dtype; ``final_softcap`` as in Gemma."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
+                 final_softcap: float | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.final_softcap = final_softcap
+        self.is_tied = tied_to is not None
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

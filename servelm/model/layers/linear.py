@@ -1,0 +1,143 @@
+"""Linear layers behind one LinearMethod seam, written column/row-parallel with tp world size 1.
+
+Invariants:
+- Every linear layer owns its parameters through a LinearMethod: ``create_weights`` registers them
+  on the layer, ``apply`` computes the output. Quantization (a method with packed weights and
+  scales) and LoRA (a wrapper adding a low-rank delta) plug in here, not in the architectures.
+- Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns
+  output rows ``tp_rank * n .. (tp_rank + 1) * n``; a row-parallel layer owns input columns likewise.
+  With ``tp_size == 1`` the slices are the whole tensor, but the loaders already narrow by rank.
+- Fused layers (QKV, gate_up) load HF shards by ``shard_id`` into their row range of the fused weight.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# One process runs the whole model today (ParallelConfig only allows 1); see servelm/distributed.
+TP_SIZE = 1
+TP_RANK = 0
+
+
+class LinearMethod(Protocol):
+    """How a linear layer stores its weights and computes ``x @ W.T + b``."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       dtype: torch.dtype | None) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """Plain dense weights in the model dtype."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       dtype: torch.dtype | None) -> None:
+        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    """A linear layer of this rank's partition: ``input_size -> output_size`` (per partition)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.linear_method: LinearMethod = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, input_size, output_size, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, f"weight shape {tuple(loaded.shape)} != param {tuple(param.shape)}"
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across ranks; its output stays partitioned (no all-gather)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+        assert output_size % TP_SIZE == 0
+        super().__init__(input_size, output_size // TP_SIZE, bias, linear_method, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = param.shape[0]
+        _copy_checked(param, loaded.narrow(0, TP_RANK * rows, rows))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; partial outputs would be all-reduced (no-op at tp 1)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+        assert input_size % TP_SIZE == 0
+        super().__init__(input_size // TP_SIZE, output_size, bias, linear_method, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias is added once, after the reduce
+            _copy_checked(param, loaded)
+            return
+        cols = param.shape[1]
+        _copy_checked(param, loaded.narrow(1, TP_RANK * cols, cols))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one (e.g. gate_up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+        self.output_sizes = [size // TP_SIZE for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, linear_method, dtype)
+
+    def shard_range(self, shard_id: int | str) -> tuple[int, int]:
+        """(row offset, rows) of one shard inside this rank's fused weight."""
+        index = int(shard_id)
+        return sum(self.output_sizes[:index]), self.output_sizes[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
+                      shard_id: int | str | None = None) -> None:
+        assert shard_id is not None, "fused layers load one shard at a time"
+        offset, rows = self.shard_range(shard_id)
+        _copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, TP_RANK * rows, rows))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections fused; HF shards ``q_proj``/``k_proj``/``v_proj`` load as "q"/"k"/"v"."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, linear_method: LinearMethod | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.head_dim = head_dim
+        self.num_heads = num_heads // TP_SIZE
+        self.num_kv_heads = max(1, num_kv_heads // TP_SIZE)
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim], bias, linear_method, dtype)
+
+    def shard_range(self, shard_id: int | str) -> tuple[int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        return super().shard_range(index)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[num_tokens, q+k+v] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+        q, k, v = qkv.split(self.output_sizes, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))

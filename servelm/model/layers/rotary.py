@@ -1,0 +1,97 @@
+"""Rotary position embedding (neox / rotate-half layout, as HF Llama, Qwen and Gemma use).
+
+Invariants:
+- ``inv_freq`` is float32; cos/sin are computed in float32 from ``positions * inv_freq`` and cast to
+  the activation dtype before rotating, which matches the transformers reference bit for bit.
+- Rope parameters are read from ``hf_config.rope_parameters`` (transformers 5) or from
+  ``rope_theta`` + ``rope_scaling`` (transformers 4); both become one dict
+  ``{"rope_type", "rope_theta", ...}``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The rope dict of ``hf_config`` (of ``layer_type`` for per-layer-type configs like Gemma 3)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    if isinstance(params, dict) and "rope_theta" in params:
+        result = dict(params)
+    else:  # transformers 4 layout
+        theta = getattr(hf_config, "rope_theta", 10000.0)
+        if layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None):
+            theta = hf_config.rope_local_base_freq
+            scaling = None
+        else:
+            scaling = getattr(hf_config, "rope_scaling", None)
+        result = {"rope_type": "default", "rope_theta": theta, **(scaling or {})}
+    result["rope_type"] = result.get("rope_type", result.get("type", "default"))
+    return result
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """float32 ``[head_dim // 2]`` inverse frequencies for the rope type in ``params``."""
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths / factor, short ones kept, smooth between."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context = float(params["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q ``[T, H, D]`` and k ``[T, Hkv, D]`` at ``positions`` ``[T]``."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_type = params["rope_type"]
+        # Not a buffer: model.to(dtype) must never round it.
+        self.inv_freq = compute_inv_freq(head_dim, params).to(torch.get_default_device())
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` in ``dtype``."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rope_type={self.rope_type}"

@@ -1,0 +1,111 @@
+"""Builds our nn.Module for an HF config and fills it with HF-named weights or seeded random ones.
+
+Invariants:
+- Parameters are created directly on the target device in the target dtype (the default dtype and
+  device are switched only while the module is constructed).
+- Random (dummy) weights depend only on the seed and parameter shapes/order, not on the device:
+  they are drawn on the CPU in float32 and then copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from servelm.model.architectures.common import STACKED_PARAMS
+from servelm.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "float32": torch.float32}
+DUMMY_WEIGHT_STD = 0.02
+"""Std of random weights: small enough that activations and logits stay finite in float16."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU; on CUDA the checkpoint's dtype (bfloat16 when it names none)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    configured = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured if isinstance(configured, torch.dtype) else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Our module for ``hf_config`` with uninitialised parameters on ``device`` in ``dtype``."""
+    model_class = get_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config)
+    return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic random weights: N(0, DUMMY_WEIGHT_STD), norms at their identity value."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            fill = getattr(owner, "dummy_fill", None)
+            if fill is not None:
+                param.fill_(fill)
+            else:
+                values = torch.randn(param.shape, generator=generator) * DUMMY_WEIGHT_STD
+                param.copy_(values)
+
+
+def expected_checkpoint_tensors(model: nn.Module) -> int:
+    """How many HF tensors a full checkpoint has for ``model`` (fused parameters count per shard)."""
+    shards_per_fused: dict[str, int] = {}
+    for fused, _, _ in STACKED_PARAMS:
+        shards_per_fused[fused] = shards_per_fused.get(fused, 0) + 1
+    total = 0
+    for name, _ in model.named_parameters():
+        module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+        total += shards_per_fused.get(module_name, 1)
+    return total
+
+
+def load_model(hf_config: Any, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None,
+               dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
+    """Build the module and load ``weights()`` into it (random weights when ``weights`` is None)."""
+    model = build_model(hf_config, dtype, device)
+    if weights is None:
+        init_dummy_weights(model, seed)
+        logger.info("initialised dummy weights (seed %d)", seed)
+        return model
+    with torch.no_grad(), tqdm(total=expected_checkpoint_tensors(model), desc="Loading weights",
+                               unit="tensor", leave=False) as progress:
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in weights():
+                yield item
+                progress.update(1)
+        model.load_weights(counted())
+    return model

@@ -1,0 +1,54 @@
+"""Architecture name (``hf_config.architectures[0]``) -> our nn.Module class, imported lazily.
+
+Every class has ``__init__(hf_config)``, ``forward(batch: ForwardBatch) -> hidden [num_tokens,
+hidden]``, ``compute_logits(hidden [n, hidden]) -> [n, vocab]`` and
+``load_weights(Iterable[(hf_name, tensor)]) -> set[str]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),  # text part only
+}
+
+# Configs without ``architectures`` (e.g. built from GGUF metadata) fall back to model_type.
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def architecture_name(hf_config: Any) -> str:
+    """The architecture we will run for ``hf_config``; ValueError when unsupported."""
+    for name in getattr(hf_config, "architectures", None) or []:
+        if name in _ARCHITECTURES:
+            return name
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(f"unsupported model architecture {getattr(hf_config, 'architectures', None)} "
+                     f"(model_type {model_type!r}); supported: {supported_architectures()}")
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    module_name, class_name = _ARCHITECTURES[architecture_name(hf_config)]
+    module = importlib.import_module(f"servelm.model.architectures.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,89 @@
+"""ModelRunner: owns the model and the KV pool, and turns a BatchPlan into float32 logits.
+
+Invariants:
+- The pool holds ``num_blocks * block_size`` token slots per layer, sized once at start-up and never
+  grown; block ids in every plan must be below ``num_blocks`` (the scheduler allocates them).
+- ``execute`` writes the K/V of every planned token and returns logits only for the rows the plan
+  asks for: ``[plan.num_logits, vocab_size]`` in plan order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from servelm.config import CacheConfig, EngineConfig
+from servelm.model.attention import Attention, get_attention_backend
+from servelm.model.forward_batch import BatchPlan, ForwardBatch
+from servelm.model.kv_cache import KVCache
+from servelm.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from servelm.model.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+MAX_CPU_KV_TOKENS = 2 ** 18
+"""Cap on the CPU pool when sized from free RAM (262,144 tokens = 64 requests x 4,096 tokens): a CPU
+cannot usefully decode more context than that at once, and zero-filling a bigger pool only delays
+start-up and takes RAM from the other processes on a shared host. --max-total-tokens overrides it."""
+
+
+def kv_pool_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.device) -> int:
+    """Number of KV blocks: ``max_total_tokens`` if set, else ``mem_fraction_static`` of free memory."""
+    if cache.max_total_tokens is not None:
+        return cache.max_total_tokens // cache.page_size
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    else:
+        free_bytes = psutil.virtual_memory().available
+    tokens = int(free_bytes * cache.mem_fraction_static) // bytes_per_token
+    if device.type == "cpu":
+        tokens = min(tokens, MAX_CPU_KV_TOKENS)
+    num_blocks = tokens // cache.page_size
+    if num_blocks < 1:
+        raise RuntimeError(f"not enough free memory for one KV block ({free_bytes} bytes free, "
+                           f"{bytes_per_token * cache.page_size} bytes per block); lower the model "
+                           "size or raise --mem-fraction-static")
+    return num_blocks
+
+
+class ModelRunner:
+    """Runs our model for one EngineConfig and ModelSource (see CONTRACTS.md)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource, attention_backend: str = "torch_native") -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
+        self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed)
+        self.vocab_size: int = self.model.lm_head.vocab_size
+        self.block_size = config.cache.page_size
+        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+        first = attention_layers[0]
+        bytes_per_token = KVCache.bytes_per_token(len(attention_layers), first.num_kv_heads, first.head_dim,
+                                                  kv_dtype)
+        self.num_blocks = kv_pool_blocks(config.cache, bytes_per_token, self.device)
+        self.kv_cache = KVCache(len(attention_layers), self.num_blocks, self.block_size, first.num_kv_heads,
+                                first.head_dim, kv_dtype, self.device)
+        self.kv_cache_bytes = self.kv_cache.nbytes
+        self.attention = get_attention_backend(attention_backend)
+        logger.info("model %s on %s (%s); KV pool %d blocks x %d = %d tokens, %.1f MiB (%s)",
+                    type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    self.kv_cache_bytes / 2 ** 20, str(kv_dtype).removeprefix("torch."))
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> torch.Tensor:
+        """Run one forward pass; float32 logits ``[plan.num_logits, vocab_size]`` in plan order."""
+        if not plan.sequences:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        for sequence in plan.sequences:
+            assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
+        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
+        hidden = self.model(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return logits.float()

@@ -1,0 +1,279 @@
+"""Model sources: turn ``--model`` into a config, a lazy weight stream, a tokenizer path and limits.
+
+Accepted ``--model`` values, in the order they are tried:
+1. an existing path: a ``.gguf`` file, a Hugging Face directory (config.json + *.safetensors,
+   sharded or not, or pytorch_model*.bin), or a directory holding a single ``.gguf``;
+2. a packaged short name (``servelm.model.packaged``);
+3. a hub id, found only in a local cache (``--download-dir`` or ~/.cache/huggingface/hub): the hub
+   is never contacted, so an uncached id fails at once with a clear ModelSourceError.
+
+Invariants:
+- Weights are yielded lazily, one tensor at a time, HF-named and in HF layout; the source holds no
+  tensor itself. ``weights`` is None for ``--load-format dummy``.
+- ``hf_config`` has ``--hf-overrides`` applied; ``context_length`` is the effective limit
+  (``--context-length`` if given, else the model's ``max_position_embeddings``). Asking for more
+  than the model's maximum is a ValueError: we never extend RoPE silently.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from servelm.config import ModelConfig
+from servelm.model.gguf import GGUFFile
+from servelm.model.packaged import PACKAGED_MODELS, GENERATIVE_MODEL_NAMES, packaged_model_path
+
+_HF_HUB_CACHE = Path.home() / ".cache" / "huggingface" / "hub"
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+# Extra stop tokens for families whose GGUF lists fewer than upstream's generation_config.
+_EXTRA_EOS_TOKENS = {"qwen2": ("<|endoftext|>",), "qwen3": ("<|endoftext|>",)}
+
+
+class ModelSourceError(ValueError):
+    """``--model`` (with its flags) names nothing we can load; the message says what to do."""
+
+
+@dataclass
+class ModelSource:
+    """Everything the runner and tokenizer need from a checkpoint, with nothing loaded yet."""
+
+    hf_config: PretrainedConfig   # with --hf-overrides applied
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None  # HF-named tensors; None = dummy
+    tokenizer_path: str | None    # HF dir, or a .gguf file (load it with load_tokenizer); None: none
+    eos_token_ids: list[int]      # all ids that end generation
+    context_length: int           # effective max context in tokens
+    description: str              # e.g. "qwen2.5-coder-0.5b (GGUF Q4_K_M, /path/file.gguf)"
+    model_path: str = ""          # the local file or directory the model came from
+    gguf_path: str | None = None  # set when the weights are a GGUF file
+
+
+def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None = None) -> ModelSource:
+    """Resolve ``config.model`` to a ModelSource; raises ModelSourceError with what to do."""
+    if config.trust_remote_code:
+        raise ModelSourceError("--trust-remote-code is not supported: servelm runs every architecture "
+                               "with its own modules and never executes code from a checkpoint")
+    overrides = _parse_overrides(config.hf_overrides)
+    path, label = _locate(config, Path(hub_cache_dir) if hub_cache_dir else _HF_HUB_CACHE)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+    if path.suffix == ".gguf":
+        source = _gguf_source(config, path, label, overrides)
+    else:
+        source = _hf_dir_source(config, path, label, overrides)
+    if config.tokenizer is not None:
+        source.tokenizer_path = str(Path(config.tokenizer).expanduser())
+    if config.skip_tokenizer_init:
+        source.tokenizer_path = None
+    return source
+
+
+def _parse_overrides(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelSourceError(f"--hf-overrides is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ModelSourceError(f"--hf-overrides must be a JSON object, got {type(overrides).__name__}")
+    return overrides
+
+
+def _locate(config: ModelConfig, hub_cache_dir: Path) -> tuple[Path, str]:
+    """The local path of ``config.model`` and a short label for descriptions."""
+    name = config.model
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve(), str(path)
+    if name.lower() in PACKAGED_MODELS:
+        return packaged_model_path(name), name.lower()
+    looks_like_path = name.startswith(("/", ".", "~")) or name.endswith(".gguf") or name.count("/") > 1
+    if looks_like_path or not _HUB_ID_RE.match(name):
+        raise ModelSourceError(f"--model {name!r}: no such file or directory")
+    cached = _find_in_hub_cache(name, config.revision, config.download_dir, hub_cache_dir)
+    if cached is not None:
+        return cached, name
+    noted = [flag for flag, value in (("--revision", config.revision), ("--download-dir", config.download_dir))
+             if value]
+    raise ModelSourceError(
+        f"--model {name!r} looks like a Hugging Face hub id, but the hub is not reachable from "
+        f"servelm (no downloads) and no local copy was found in "
+        f"{config.download_dir or hub_cache_dir}"
+        + (f" ({' and '.join(noted)} noted)" if noted else "")
+        + f". Pass a local path (a .gguf file or a Hugging Face directory) or a packaged model: "
+        f"{', '.join(GENERATIVE_MODEL_NAMES)}.")
+
+
+def _find_in_hub_cache(hub_id: str, revision: str | None, download_dir: str | None,
+                       hub_cache_dir: Path) -> Path | None:
+    """A snapshot of ``hub_id`` already on disk (HF hub cache layout, or download_dir/org/name)."""
+    roots = [Path(download_dir).expanduser()] if download_dir else []
+    roots.append(hub_cache_dir)
+    for root in roots:
+        plain = root / hub_id
+        if (plain / "config.json").exists():
+            return plain
+        repo = root / ("models--" + hub_id.replace("/", "--"))
+        if not repo.is_dir():
+            continue
+        ref = repo / "refs" / (revision or "main")
+        commit = ref.read_text().strip() if ref.is_file() else revision
+        snapshots = repo / "snapshots"
+        if commit and (snapshots / commit / "config.json").exists():
+            return snapshots / commit
+        if revision is None and snapshots.is_dir():
+            candidates = [s for s in sorted(snapshots.iterdir()) if (s / "config.json").exists()]
+            if len(candidates) == 1:
+                return candidates[0]
+    return None
+
+
+def _context_length(config: ModelConfig, hf_config: PretrainedConfig, label: str) -> int:
+    text_config = hf_config.get_text_config()
+    model_max = getattr(text_config, "max_position_embeddings", None)
+    if config.context_length is None:
+        if model_max is None:
+            raise ModelSourceError(f"{label}: the model config has no max_position_embeddings; "
+                                   "pass --context-length")
+        return int(model_max)
+    if model_max is not None and config.context_length > model_max:
+        raise ValueError(f"--context-length={config.context_length} exceeds the maximum of {label} "
+                         f"({model_max} tokens, max_position_embeddings); to go beyond it, change the "
+                         f"RoPE settings with --hf-overrides")
+    return config.context_length
+
+
+def _unique_ids(*groups: Any) -> list[int]:
+    ids: list[int] = []
+    for group in groups:
+        for token_id in ([group] if isinstance(group, int) else (group or [])):
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+def _gguf_source(config: ModelConfig, path: Path, label: str, overrides: dict[str, Any]) -> ModelSource:
+    if config.load_format not in ("auto", "gguf", "dummy"):
+        raise ModelSourceError(f"--load-format {config.load_format} does not match {path} (a GGUF file)")
+    gguf = GGUFFile.open(path)
+    hf_config = gguf.hf_config(overrides)
+    extra = [gguf.token_id(token) for token in _EXTRA_EOS_TOKENS.get(gguf.architecture, ())]
+    eos = _unique_ids(hf_config.eos_token_id, [i for i in extra if i is not None])
+    weights = None if config.load_format == "dummy" else (lambda: GGUFFile.open(path).tensors())
+    return ModelSource(
+        hf_config=hf_config,
+        weights=weights,
+        tokenizer_path=str(path),
+        eos_token_ids=eos,
+        context_length=_context_length(config, hf_config, label),
+        description=f"{label} (GGUF {gguf.quantization}, {path})",
+        model_path=str(path),
+        gguf_path=str(path),
+    )
+
+
+# -- Hugging Face directories -------------------------------------------------------------------
+
+def _hf_dir_source(config: ModelConfig, path: Path, label: str, overrides: dict[str, Any]) -> ModelSource:
+    from transformers import AutoConfig
+    if not (path / "config.json").exists():
+        raise ModelSourceError(f"{path} is not a model directory: it has no config.json and no single "
+                               ".gguf file")
+    if config.load_format == "gguf":
+        raise ModelSourceError(f"--load-format gguf, but {path} is a Hugging Face directory")
+    hf_config = AutoConfig.from_pretrained(path, **overrides)
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    weight_format = "dummy weights"
+    if config.load_format != "dummy":
+        files, weight_format = _weight_files(path, config.load_format)
+        weights = (lambda: _iter_safetensors(files)) if weight_format == "safetensors" else \
+            (lambda: _iter_torch_bins(files))
+        weight_format = f"{weight_format}, {len(files)} file{'s' if len(files) > 1 else ''}"
+    return ModelSource(
+        hf_config=hf_config,
+        weights=weights,
+        tokenizer_path=str(path),
+        eos_token_ids=_dir_eos_ids(path, hf_config),
+        context_length=_context_length(config, hf_config, label),
+        description=f"{label} ({weight_format}, {path})",
+        model_path=str(path),
+    )
+
+
+def _weight_files(path: Path, load_format: str) -> tuple[list[Path], str]:
+    """The checkpoint files in load order and their format (safetensors preferred under auto)."""
+    candidates = {
+        "safetensors": ("model.safetensors.index.json", "*.safetensors"),
+        "pt": ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    }
+    formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    for weight_format in formats:
+        index_name, pattern = candidates[weight_format]
+        index = path / index_name
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / name for name in sorted(set(weight_map.values()))], weight_format
+        files = sorted(path.glob(pattern))
+        if files:
+            return files, weight_format
+    raise ModelSourceError(f"{path} has no weights for --load-format {load_format} (looked for "
+                           "*.safetensors and pytorch_model*.bin); use --load-format dummy for random "
+                           "weights")
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _iter_torch_bins(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()
+        del state
+
+
+def _dir_eos_ids(path: Path, hf_config: PretrainedConfig) -> list[int]:
+    """generation_config.json's eos ids, then the config's, then the tokenizer's eos token."""
+    generation: Any = None
+    generation_file = path / "generation_config.json"
+    if generation_file.exists():
+        generation = json.loads(generation_file.read_text()).get("eos_token_id")
+    tokenizer_eos = _tokenizer_eos_id(path)
+    return _unique_ids(generation, getattr(hf_config.get_text_config(), "eos_token_id", None),
+                       tokenizer_eos)
+
+
+def _tokenizer_eos_id(path: Path) -> int | None:
+    """The tokenizer's eos id from tokenizer_config.json + tokenizer.json, without loading it."""
+    try:
+        eos = json.loads((path / "tokenizer_config.json").read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if not isinstance(eos, str):
+            return None
+        tokenizer = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == eos:
+            return int(added["id"])
+    vocab = tokenizer.get("model", {}).get("vocab")
+    if isinstance(vocab, dict) and eos in vocab:
+        return int(vocab[eos])
+    return None

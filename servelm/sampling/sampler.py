@@ -1,0 +1,302 @@
+"""Batched token selection: one token per logits row, each row with its own SamplingParams.
+
+Order of operations per row (what vLLM/SGLang users expect):
+  1. logit_bias
+  2. min_tokens: eos_token_ids and stop_token_ids are banned while fewer than min_tokens tokens
+     have been generated
+  3. allowed_token_mask (grammar seam): disallowed tokens get -inf
+  4. penalties: repetition (prompt + output), frequency and presence (output only)
+  5. greedy rows (temperature below _GREEDY_TEMPERATURE): argmax, ties to the lowest token id
+  6. sampled rows: temperature, top_k, top_p, min_p, then one draw
+
+Invariants:
+- The caller's logits tensor is never modified; logprobs are log_softmax of it (see logprobs.py).
+- A seeded row's token depends only on (seed, its logits row, len(output_token_ids)), never on
+  the other rows of the batch: its randomness comes from a generator seeded from exactly that.
+- Work is vectorised across rows and skipped when no row needs it (no clone without a processor,
+  no vocab sort without top_k/top_p, no log_softmax without logprobs).
+
+Sampling uses the exponential race: ``argmax(probs / E)`` with ``E ~ Exp(1)`` i.i.d. per token
+picks token i with probability ``probs[i] / sum(probs)``, so filtered distributions need no
+renormalisation and each row's draw is a fixed-size block of noise from its own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from servelm.engine.outputs import TokenLogprob
+from servelm.sampling.logprobs import compute_prompt_logprobs, gather_logprobs
+from servelm.sampling.params import SamplingParams
+from servelm.sampling.penalties import apply_allowed_masks, apply_logit_bias, apply_penalties, ban_tokens
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
+
+_GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are treated as greedy: dividing by them overflows float32 for no gain."""
+
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One logits row to sample from, with the request state the processors need."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Generated so far (for penalties, min_tokens and the seeded generator's step)."""
+    eos_token_ids: list[int]
+    """Suppressed while len(output_token_ids) < params.min_tokens."""
+    allowed_token_mask: torch.Tensor | None = None
+    """bool [vocab_size]; False tokens are never picked. Seam for grammars."""
+
+
+@dataclass
+class SamplerOutput:
+    """The chosen token for each row, in row order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None
+    """None when no row asked; else one entry per row, None for rows that did not ask."""
+
+
+class Sampler:
+    """Picks one token per logits row. Stateless apart from the generator of unseeded rows."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        """``seed`` fixes the shared generator of unseeded rows (tests); None seeds it randomly."""
+        self._seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        processed = self._process(logits, rows)
+        token_ids = self._select(processed, rows)
+        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, rows, token_ids))
+
+    # -- steps 1-4: logit processors -------------------------------------------------------------
+
+    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Bias, min_tokens bans, allowed masks and penalties; returns a copy when any applies."""
+        biases = [(i, token_id, bias)
+                  for i, row in enumerate(rows) if row.params.logit_bias
+                  for token_id, bias in row.params.logit_bias.items()]
+        bans = [(i, row.eos_token_ids + row.params.stop_token_ids)
+                for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
+        masks = [(i, row.allowed_token_mask)
+                 for i, row in enumerate(rows) if row.allowed_token_mask is not None]
+        penalized = [i for i, row in enumerate(rows) if row.params.needs_penalties]
+        if not (biases or bans or masks or penalized):
+            return logits
+        logits = logits.to(torch.float32, copy=True)
+        apply_logit_bias(logits, biases)
+        ban_tokens(logits, bans)
+        apply_allowed_masks(logits, masks)
+        if penalized:
+            index = torch.tensor(penalized, device=logits.device)
+            selected = logits[index]
+            apply_penalties(
+                selected,
+                [rows[i].prompt_token_ids for i in penalized],
+                [rows[i].output_token_ids for i in penalized],
+                [rows[i].params.repetition_penalty for i in penalized],
+                [rows[i].params.frequency_penalty for i in penalized],
+                [rows[i].params.presence_penalty for i in penalized],
+            )
+            logits[index] = selected
+        return logits
+
+    # -- steps 5-6: selection --------------------------------------------------------------------
+
+    def _select(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
+        if len(greedy) == len(rows):
+            # torch.argmax returns the first maximal index: ties go to the lowest token id.
+            token_ids: list[int] = logits.argmax(dim=-1).tolist()
+            return token_ids
+        sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
+        device = logits.device
+        chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
+        if greedy:
+            greedy_index = torch.tensor(greedy, device=device)
+            chosen[greedy_index] = logits[greedy_index].argmax(dim=-1)
+        sampled_index = torch.tensor(sampled, device=device)
+        sampled_logits = logits if len(sampled) == len(rows) else logits[sampled_index]
+        chosen[sampled_index] = self._sample(sampled_logits, [rows[i] for i in sampled])
+        result: list[int] = chosen.tolist()
+        return result
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Draw one token per row of ``logits`` ``[m, vocab_size]`` (all rows non-greedy)."""
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        params = [row.params for row in rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        logits = logits / temperature[:, None]
+
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        noise = self._exponential_noise(rows, vocab_size, device)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int,
+                           device: torch.device) -> torch.Tensor:
+        """Exp(1) noise ``[len(rows), vocab_size]``; seeded rows' rows come from their own seed."""
+        noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        shared = self._shared_generator(device)
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=shared)
+        elif unseeded:
+            block = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
+            noise[torch.tensor(unseeded, device=device)] = block.exponential_(generator=shared)
+        for j, row in enumerate(rows):
+            if row.params.seed is not None:
+                generator = self._seeded_generator(device)
+                generator.manual_seed(_row_seed(row.params.seed, len(row.output_token_ids)))
+                noise[j].exponential_(generator=generator)
+        # A zero draw would make 0/0 = NaN for filtered tokens, and argmax prefers NaN.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(_row_seed(self._seed, 0))
+            self._shared_generators[device] = generator
+        return generator
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._seeded_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            self._seeded_generators[device] = generator
+        return generator
+
+    # -- logprobs --------------------------------------------------------------------------------
+
+    def _logprobs(self, raw_logits: torch.Tensor, rows: list[SamplingRow],
+                  token_ids: list[int]) -> list[TokenLogprob | None] | None:
+        asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        if not asking:
+            return None
+        selected = raw_logits if len(asking) == len(rows) else raw_logits[
+            torch.tensor(asking, device=raw_logits.device)]
+        computed = gather_logprobs(selected, [token_ids[i] for i in asking],
+                                   [rows[i].params.logprobs or 0 for i in asking])
+        result: list[TokenLogprob | None] = [None] * len(rows)
+        for i, entry in zip(asking, computed):
+            result[i] = entry
+        return result
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every token outside each row's top_k, then outside its top_p nucleus.
+
+    Semantics are those of a stable descending sort of the vocabulary: ties are broken towards
+    the lowest token id exactly as greedy does (top_k=1 and a tiny top_p both reproduce argmax),
+    top_p is measured on the distribution left after top_k, and the most likely token always
+    survives. Sorting 150k-token rows dominates the sampler's cost, so each row first tries the
+    exact shortcut of _filter_candidates and only rows it cannot settle get the full sort. Which
+    path a row takes depends on that row alone, so seeded rows stay batch-independent.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    top_k_tensor = torch.tensor(top_k, device=device)
+    bound = _top_p_bound(top_p, device)
+    removed = torch.zeros_like(logits, dtype=torch.bool)
+    unsettled = [i for i in range(num_rows) if top_k[i] < vocab_size or top_p[i] < 1.0]
+    if vocab_size > _NUM_CANDIDATES:
+        # The shortcut needs the whole top_k inside the candidates (or top_k off).
+        shortcut = [i for i in unsettled if top_k[i] < _NUM_CANDIDATES or top_k[i] == vocab_size]
+        if shortcut:
+            index = torch.tensor(shortcut, device=device)
+            row_removed, is_exact = _filter_candidates(logits[index], top_k_tensor[index], bound[index])
+            removed[index] = row_removed
+            settled = set(index[is_exact].tolist())
+            unsettled = [i for i in unsettled if i not in settled]
+    if unsettled:
+        index = torch.tensor(unsettled, device=device)
+        removed[index] = _filter_sorted(logits[index], top_k_tensor[index], bound[index])
+    return logits.masked_fill(removed, float("-inf"))
+
+
+_NUM_CANDIDATES = 1024
+"""Tokens the top_k/top_p shortcut looks at; rows with a larger top_k use the full sort."""
+
+
+def _top_p_bound(top_p: list[float], device: torch.device) -> torch.Tensor:
+    """[m, 1] mass bound; rows with top_p == 1 get inf so cumsum rounding can drop nothing."""
+    return torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=device)[:, None]
+
+
+def _filter_sorted(logits: torch.Tensor, top_k: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Removed-token mask [m, vocab] from a stable descending sort of each whole row."""
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=logits.device)[None, :]
+    is_removed = positions >= top_k[:, None]
+    if bool(torch.isfinite(bound).any()):
+        probs = torch.softmax(sorted_logits.masked_fill(is_removed, float("-inf")), dim=-1)
+        is_removed |= (probs.cumsum(dim=-1) - probs) >= bound
+    return torch.zeros_like(is_removed).scatter_(1, sorted_ids, is_removed)
+
+
+def _filter_candidates(logits: torch.Tensor, top_k: torch.Tensor, bound: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Removed-token mask [m, vocab] from each row's _NUM_CANDIDATES largest logits, and a bool
+    [m] saying for which rows it equals _filter_sorted's.
+
+    Exact when every kept token is strictly above the smallest candidate: then the kept tokens
+    lie in the set of tokens larger than it, which topk always returns in full, and ordering the
+    candidates by (logit desc, id asc) puts that set in the same positions as the full stable
+    sort. The top_p normaliser is the logsumexp of the top_k candidates, or of the whole row when
+    top_k is off, so the nucleus mass is that of the full distribution.
+    """
+    num_candidates = _NUM_CANDIDATES
+    values, ids = torch.topk(logits, num_candidates, dim=-1)
+    ids, order = ids.sort(dim=-1)                      # ids ascending ...
+    values = values.gather(1, order)
+    values, order = values.sort(dim=-1, descending=True, stable=True)  # ... then logits descending
+    ids = ids.gather(1, order)
+    positions = torch.arange(num_candidates, device=logits.device)[None, :]
+    is_removed = positions >= top_k[:, None]
+    if bool(torch.isfinite(bound).any()):
+        kept = values.masked_fill(is_removed, float("-inf"))
+        normaliser = torch.where(top_k < logits.shape[1], torch.logsumexp(kept, dim=-1),
+                                 torch.logsumexp(logits, dim=-1))
+        probs = torch.exp(kept - normaliser[:, None])
+        is_removed |= (probs.cumsum(dim=-1) - probs) >= bound
+    smallest_kept = values.masked_fill(is_removed, float("inf")).amin(dim=-1)
+    is_exact = smallest_kept > values[:, -1]
+    removed = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, is_removed)
+    return removed, is_exact
+
+
+def _row_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, step): two splitmix64 rounds, so nearby seeds and
+    steps give unrelated streams."""
+    return _splitmix64((_splitmix64(seed & _UINT64_MASK) + step) & _UINT64_MASK) >> 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _UINT64_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _UINT64_MASK
+    return x ^ (x >> 31)

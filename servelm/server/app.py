@@ -1,0 +1,202 @@
+"""HTTP routes (OpenAI-compatible, plus SGLang/vLLM native endpoints) and the uvicorn entry point.
+
+Invariants:
+- Routes reach the engine only through the AsyncEngine interface (``app.state.serving.engine``);
+  model work runs in the engine process, so no handler blocks the event loop on it.
+- With --api-key, every route but /health and /health_generate needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import importlib
+import importlib.metadata
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from servelm.config import EngineConfig
+from servelm.server import native
+from servelm.server.chat import load_chat_template
+from servelm.server.errors import APIError, error_response, install_error_handlers
+from servelm.server.openai_serving import create_chat_completion, create_completion
+from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     GenerateRequest, TokenizeRequest)
+from servelm.server.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+
+AUTH_EXEMPT_PATHS = frozenset({"/health", "/health_generate"})
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def server_version() -> str:
+    version = getattr(importlib.import_module("servelm"), "__version__", None)
+    if version:
+        return str(version)
+    try:
+        return importlib.metadata.version("servelm")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+class ApiKeyMiddleware:
+    """Answers 401 (OpenAI error JSON) unless the Bearer token equals the configured key."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(401, "missing or incorrect API key; send 'Authorization: "
+                                      "Bearer KEY'", code="invalid_api_key")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _serving(request: Request) -> ServingContext:
+    serving = getattr(request.app.state, "serving", None)
+    if serving is None:
+        raise APIError(503, "the engine is not ready")
+    return serving
+
+
+def _flat_config(config: EngineConfig) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section in dataclasses.fields(config):
+        flat.update(dataclasses.asdict(getattr(config, section.name)))
+    if flat.get("api_key"):
+        flat["api_key"] = "***"
+    return flat
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        serving = app.state.serving
+        is_alive = serving is not None and getattr(serving.engine, "is_alive", True)
+        return Response(status_code=200 if is_alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        serving = _serving(request)
+        try:
+            is_healthy = await asyncio.wait_for(serving.engine.health_generate(),
+                                                HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, Exception):  # any failure means unhealthy
+            logger.warning("health_generate failed", exc_info=True)
+            is_healthy = False
+        if not is_healthy:
+            return error_response(503, "the engine cannot generate")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": server_version()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        serving = _serving(request)
+        return {"object": "list", "data": [{
+            "id": serving.served_model_name, "object": "model", "created": app.state.created,
+            "owned_by": "servelm", "root": serving.config.model.model, "parent": None,
+            "max_model_len": serving.context_length}]}
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict[str, Any]:
+        serving = _serving(request)
+        info = dict(serving.engine.model_info)
+        info.setdefault("model_path", serving.config.model.model)
+        info.setdefault("is_generation", True)
+        info["served_model_name"] = serving.served_model_name
+        info["tokenizer_path"] = serving.config.model.tokenizer or serving.config.model.model
+        return info
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        serving = _serving(request)
+        engine_info = await serving.engine.get_server_info()
+        return {**_flat_config(serving.config), **engine_info, "version": server_version(),
+                "served_model_name": serving.served_model_name}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(_serving(request), body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(_serving(request), body, request)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        return await native.generate(_serving(request), body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await native.tokenize(_serving(request), body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await native.detokenize(_serving(request), body))
+
+
+def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="servelm", version=server_version(), lifespan=lifespan)
+    app.state.serving = None
+    app.state.created = int(time.time())
+    install_error_handlers(app)
+    _add_routes(app)
+    if config.server.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+    return app
+
+
+def build_app(engine: Any, config: EngineConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an AsyncEngine or an object with its interface)."""
+    app = _create_app(config)
+    app.state.serving = ServingContext(engine, config)
+    return app
+
+
+def run_server(config: EngineConfig) -> None:
+    """Start the engine, serve HTTP on config.server.host:port until stopped, then shut down."""
+    import uvicorn
+
+    load_chat_template(config.server.chat_template)  # a bad --chat-template fails before loading
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from servelm.engine.async_engine import AsyncEngine
+
+        engine = await AsyncEngine.start(config)
+        try:
+            app.state.serving = ServingContext(engine, config)
+            logger.info("serving %s on http://%s:%d", config.model.name, config.server.host,
+                        config.server.port)
+            yield
+        finally:
+            serving = app.state.serving
+            app.state.serving = None
+            if serving is not None:
+                serving.close()
+            await engine.shutdown()
+
+    app = _create_app(config, lifespan)
+    uvicorn.run(app, host=config.server.host, port=config.server.port,
+                log_level=config.server.log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,97 @@
+"""Chat templates: turning OpenAI ``messages`` into the prompt text the model was trained on.
+
+Invariants:
+- The template comes from ``--chat-template`` (a file path or an inline Jinja string) when given,
+  which overrides the tokenizer's own; with neither, chat requests get a 400 that says how to fix it.
+- Rendering happens here once; the text is then tokenized without adding special tokens (the
+  template writes BOS and friends itself).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jinja2
+
+from servelm.errors import InvalidRequestError
+from servelm.server.protocol import ChatMessage
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "chat_template", "tokenize", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "add_generation_prompt", "continue_final_message",
+    "tools", "documents", "tokenizer_kwargs",
+})
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """The template text named by ``--chat-template``: a file's contents or the inline string.
+
+    Raises ValueError (a bad flag, caught at start-up) when the value is neither a readable file nor
+    something that looks like Jinja.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not an inline Jinja template")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for Jinja; content parts joined into one string (text parts only)."""
+    result: list[dict[str, Any]] = []
+    for position, message in enumerate(messages):
+        data = message.model_dump(exclude_none=True)
+        data["role"] = "system" if message.role == "developer" else message.role
+        content = message.content
+        if isinstance(content, list):
+            texts: list[str] = []
+            for part in content:
+                kind = part.get("type")
+                if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(
+                        f"messages[{position}].content: only text parts are supported, got {kind!r}",
+                        f"messages[{position}].content")
+                texts.append(part["text"])
+            data["content"] = "\n".join(texts)
+        elif content is None:
+            data["content"] = ""
+        result.append(data)
+    return result
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool,
+                template_kwargs: dict[str, Any] | None) -> str:
+    """The prompt text for ``messages``; invalid input or a failing template is a 400."""
+    if tokenizer is None:
+        raise InvalidRequestError("chat requests need a tokenizer, but the server runs with "
+                                  "--skip-tokenizer-init; send token ids to /v1/completions", "messages")
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; start the server "
+                                  "with --chat-template FILE_OR_JINJA to use chat completions",
+                                  "messages", code="chat_template_missing")
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise InvalidRequestError("continue_final_message needs the last message to be from the "
+                                  "assistant", "continue_final_message")
+    try:
+        text = tokenizer.apply_chat_template(
+            message_dicts(messages), chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **kwargs)
+    except InvalidRequestError:
+        raise
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as error:
+        raise InvalidRequestError(f"chat template failed: {error}", "messages") from None
+    if not isinstance(text, str):
+        raise InvalidRequestError("chat template did not produce text", "messages")
+    return text

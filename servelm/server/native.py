@@ -1,0 +1,212 @@
+"""SGLang's native /generate and vLLM's /tokenize and /detokenize.
+
+/generate answers ``{"text", "output_ids", "meta_info"}`` per prompt (a list for a batch or n > 1);
+streamed chunks carry the cumulative text and ids so far (SGLang's default), plus ``index`` when
+there are several outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from servelm.engine.outputs import RequestOutput, TokenLogprob
+from servelm.errors import EngineRequestError, InvalidRequestError
+from servelm.server.errors import APIError, api_error_from, error_body
+from servelm.server.openai_serving import SSE_HEADERS, render_chat_request
+from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeSamplingParams,
+                                     TokenizeRequest, check_native_supported, choice_seed,
+                                     native_to_sampling_params)
+from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
+from servelm.server.streaming import SSE_DONE, ClientDisconnected, Submission, sse, stream_outputs
+
+
+class _NativeOutput:
+    """Accumulated output of one /generate request, in SGLang's response shape."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, prompt: Prompt, request: GenerateRequest,
+                 start_s: float) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prompt = prompt
+        self.request = request
+        self.start_s = start_s
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[list[Any]] = []
+        self.output_top: list[list[list[Any]]] = []
+        self.input_logprobs: list[list[Any]] = []
+        self.input_top: list[list[list[Any]]] = []
+        self.cached_tokens = 0
+        self.finish_reason: dict[str, Any] | None = None
+
+    def _triple(self, logprob: float | None, token_id: int) -> list[Any]:
+        text = self.ctx.token_text(token_id) if self.request.return_text_in_logprobs else None
+        return [None if logprob is None else safe_logprob(logprob), token_id, text]
+
+    def _top(self, entry: TokenLogprob | None) -> list[list[Any]]:
+        if entry is None:
+            return []
+        return [self._triple(lp, tid) for tid, lp in entry.top[:self.request.top_logprobs_num]]
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.new_text
+        self.output_ids.extend(output.new_token_ids)
+        self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+        if self.request.return_logprob:
+            for token_id, entry in zip(output.new_token_ids, output.logprobs or []):
+                self.output_logprobs.append(self._triple(entry.logprob, token_id))
+                self.output_top.append(self._top(entry))
+            if output.prompt_logprobs is not None and self.request.logprob_start_len >= 0:
+                start = self.request.logprob_start_len
+                for token_id, entry in list(zip(self.prompt.token_ids, output.prompt_logprobs))[start:]:
+                    self.input_logprobs.append(self._triple(entry.logprob if entry else None, token_id))
+                    self.input_top.append(self._top(entry))
+        if output.finish_reason == "stop":
+            self.finish_reason = {"type": "stop", "matched": output.stop_reason}
+        elif output.finish_reason == "length":
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+        elif output.finish_reason is not None:
+            self.finish_reason = {"type": output.finish_reason, "message": output.error}
+
+    def body(self, index: int | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.request_id,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt.token_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": time.monotonic() - self.start_s,
+        }
+        if self.request.return_logprob:
+            meta["output_token_logprobs"] = self.output_logprobs
+            meta["input_token_logprobs"] = self.input_logprobs
+            if self.request.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = self.output_top
+                meta["input_top_logprobs"] = self.input_top
+        result: dict[str, Any] = {"text": self.text, "output_ids": list(self.output_ids),
+                                  "meta_info": meta}
+        if index is not None:
+            result["index"] = index
+        return result
+
+
+def _native_inputs(request: GenerateRequest) -> tuple[list[str | list[int]], bool]:
+    """The prompts of a /generate request and whether it was a batch."""
+    if (request.text is None) == (request.input_ids is None):
+        raise InvalidRequestError("give exactly one of text and input_ids", "text")
+    if request.text is not None:
+        if isinstance(request.text, str):
+            return [request.text], False
+        return list(request.text), True
+    ids = request.input_ids
+    assert ids is not None
+    if ids and all(isinstance(token_id, int) for token_id in ids):
+        return [list(ids)], False  # type: ignore[arg-type]
+    return [list(item) for item in ids], True  # type: ignore[union-attr]
+
+
+async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) -> Response:
+    inputs, is_batch = _native_inputs(request)
+    if not inputs:
+        raise InvalidRequestError("the batch must not be empty", "text")
+    params_list = request.sampling_params if isinstance(request.sampling_params, list) \
+        else [request.sampling_params or NativeSamplingParams()] * len(inputs)
+    if len(params_list) != len(inputs):
+        raise InvalidRequestError(f"sampling_params has {len(params_list)} entries for "
+                                  f"{len(inputs)} prompts", "sampling_params")
+    if request.return_logprob and not 0 <= request.top_logprobs_num <= 20:
+        raise InvalidRequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    rids = [request.rid] if isinstance(request.rid, str) else request.rid
+    base_id = new_id("gen")
+    start_s = time.monotonic()
+    submissions: list[Submission] = []
+    outputs: list[_NativeOutput] = []
+    for prompt_index, (item, native) in enumerate(zip(inputs, params_list)):
+        check_native_supported(native)
+        if native.stop and ctx.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", "sampling_params.stop")
+        ctx.check_token_ids(list(native.stop_token_ids or []), "sampling_params.stop_token_ids")
+        is_default = "max_new_tokens" not in native.model_fields_set
+        if isinstance(item, str):
+            prompt = await ctx.prompt_from_text(item, native.max_new_tokens, add_special_tokens=True,
+                                                param="text", is_default_max_tokens=is_default)
+        else:
+            prompt = ctx.fit_prompt(item, None, native.max_new_tokens, param="input_ids",
+                                    is_default_max_tokens=is_default)
+        seed = native.sampling_seed if native.sampling_seed is not None else native.seed
+        for sample in range(native.n):
+            params = native_to_sampling_params(
+                native, max_tokens=prompt.max_tokens, seed=choice_seed(seed, sample),
+                logprobs=request.top_logprobs_num if request.return_logprob else None,
+                prompt_logprobs=request.top_logprobs_num
+                if request.return_logprob and request.logprob_start_len >= 0 else None)
+            index = len(submissions)
+            if rids is not None and len(rids) == len(inputs) and native.n == 1:
+                request_id = rids[prompt_index]
+            else:
+                request_id = f"{base_id}-{index}"
+            submissions.append(Submission(index, request_id, prompt.token_ids, params))
+            outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
+    is_list = is_batch or len(submissions) > 1
+
+    if request.stream:
+        return StreamingResponse(_stream(ctx, submissions, outputs, raw, is_list),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
+            async for index, output in stream:
+                if output.finish_reason == "error":
+                    raise EngineRequestError(output.error or "the engine failed the request")
+                outputs[index].add(output)
+    except ClientDisconnected:
+        raise APIError(499, "client disconnected") from None
+    bodies = [output.body(None) for output in outputs]
+    return JSONResponse(bodies if is_list else bodies[0])
+
+
+async def _stream(ctx: ServingContext, submissions: list[Submission], outputs: list[_NativeOutput],
+                  raw: Request, is_list: bool):  # type: ignore[no-untyped-def]
+    try:
+        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
+            async for index, output in stream:
+                if output.finish_reason == "error":
+                    raise EngineRequestError(output.error or "the engine failed the request")
+                outputs[index].add(output)
+                yield sse(outputs[index].body(index if is_list else None))
+    except ClientDisconnected:
+        return
+    except Exception as error:
+        api_error = api_error_from(error)
+        yield sse(error_body(api_error.message, api_error.type, api_error.param, api_error.code))
+    yield SSE_DONE
+
+
+async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, Any]:
+    ctx.check_model(request.model)
+    tokenizer = ctx.require_tokenizer("/tokenize", "prompt")
+    if (request.prompt is None) == (request.messages is None):
+        raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+    if request.messages is not None:
+        text = render_chat_request(ctx, request)
+        tokens = await ctx.encode(text, add_special_tokens=bool(request.add_special_tokens),
+                                  param="messages")
+    else:
+        add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
+        tokens = await ctx.encode(request.prompt or "", add_special_tokens=add_special_tokens)
+    body: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.context_length}
+    if request.return_token_strs:
+        body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+    return body
+
+
+async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> dict[str, Any]:
+    ctx.check_model(request.model)
+    ctx.require_tokenizer("/detokenize", "tokens")
+    ctx.check_token_ids(request.tokens, "tokens")
+    return {"prompt": ctx.decode(request.tokens)}

@@ -1,0 +1,151 @@
+"""What every endpoint shares: the engine handle, the served name, tokenization and prompt checks.
+
+Invariants:
+- Every prompt handed to the engine has passed ``prepare_prompt``: non-empty, token ids inside the
+  model's vocabulary, and prompt + max_tokens within the context (or truncated from the left when
+  --allow-auto-truncate), so a bad request fails here and never reaches a batch with others.
+- Tokenizer work on long inputs runs on one worker thread (fast tokenizers are not safe to call
+  from several threads at once), so the event loop keeps serving streams meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from servelm.config import EngineConfig
+from servelm.errors import InvalidRequestError
+from servelm.server.chat import load_chat_template
+from servelm.server.errors import APIError
+
+_INLINE_TOKENIZE_CHARS = 4096
+"""Shorter texts are tokenized on the event loop: a thread hop costs more than the work."""
+
+LOGPROB_FLOOR = -9999.0
+"""JSON has no -inf; a logprob of -inf (a masked token) is reported as this."""
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt ready for the engine."""
+
+    token_ids: list[int]
+    text: str | None
+    """The prompt text when the client sent text and it was not truncated (for echo)."""
+    max_tokens: int
+    """Resolved output budget: the request's max_tokens, or what is left of the context."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def safe_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+class ServingContext:
+    """The engine plus everything derived once from the config and the model."""
+
+    def __init__(self, engine: Any, config: EngineConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        info = engine.model_info
+        self.served_model_name = config.model.name
+        self.context_length = int(info["context_length"])
+        vocab_size = info.get("vocab_size")
+        self.vocab_size = int(vocab_size) if vocab_size else None
+        self.chat_template = load_chat_template(config.server.chat_template)
+        self.accepted_model_names = {name for name in (
+            config.model.name, config.model.model, info.get("served_model_name"),
+            info.get("model_path")) if name}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenizer")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- checks -------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.accepted_model_names:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves "
+                                f"{self.served_model_name!r}", param="model", code="model_not_found")
+
+    def require_tokenizer(self, what: str, param: str) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{what} needs a tokenizer, but the server runs with "
+                                      "--skip-tokenizer-init; send token ids instead", param)
+        return self.tokenizer
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        upper = self.vocab_size
+        for token_id in token_ids:
+            if token_id < 0 or (upper is not None and token_id >= upper):
+                raise InvalidRequestError(f"{param}: token id {token_id} is outside the vocabulary "
+                                          f"[0, {upper})", param)
+
+    # -- tokenizer ----------------------------------------------------------------------------
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        tokenizer = self.require_tokenizer("a text prompt", param)
+        if len(text) < _INLINE_TOKENIZE_CHARS:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self._executor, lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(ids)
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """Readable text of one token, as shown in logprobs."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    # -- prompts ------------------------------------------------------------------------------
+    def fit_prompt(self, token_ids: list[int], text: str | None, max_tokens: int | None,
+                   param: str = "prompt", *, is_default_max_tokens: bool = False) -> Prompt:
+        """Check a tokenized prompt against the vocabulary and the context (see module invariants).
+
+        A default ``max_tokens`` (one the client did not send) is capped at what the context
+        leaves; a value the client sent is never changed.
+        """
+        if is_default_max_tokens and max_tokens is not None:
+            fitted = self.fit_prompt(token_ids, text, None, param)
+            return Prompt(fitted.token_ids, fitted.text, min(max_tokens, fitted.max_tokens))
+        if not token_ids:
+            raise InvalidRequestError("the prompt must not be empty", param)
+        self.check_token_ids(token_ids, param)
+        context = self.context_length
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        budget = context - (max_tokens if max_tokens is not None else 1)
+        if len(token_ids) > budget:
+            if max_tokens is not None and max_tokens >= context:
+                raise InvalidRequestError(
+                    f"max_tokens ({max_tokens}) must be smaller than the model's context length "
+                    f"({context})", "max_tokens", code="context_length_exceeded")
+            if not self.config.server.allow_auto_truncate:
+                asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {context} tokens; the prompt has "
+                    f"{len(token_ids)} tokens{asked}, leaving no room for output. Shorten the "
+                    "prompt or lower max_tokens.", param, code="context_length_exceeded")
+            token_ids, text = token_ids[-budget:], None
+        resolved = max_tokens if max_tokens is not None else context - len(token_ids)
+        return Prompt(token_ids=token_ids, text=text, max_tokens=resolved)
+
+    async def prompt_from_text(self, text: str, max_tokens: int | None, *, add_special_tokens: bool,
+                               param: str = "prompt", is_default_max_tokens: bool = False) -> Prompt:
+        if not text:
+            raise InvalidRequestError("the prompt must not be empty", param)
+        token_ids = await self.encode(text, add_special_tokens=add_special_tokens, param=param)
+        return self.fit_prompt(token_ids, text, max_tokens, param,
+                               is_default_max_tokens=is_default_max_tokens)

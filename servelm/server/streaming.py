@@ -1,0 +1,108 @@
+"""Running engine requests for one HTTP request: merging their outputs, SSE framing, disconnects.
+
+Invariants:
+- Each engine stream is consumed by its own task; when the HTTP request ends for any reason (done,
+  error, client gone, handler cancelled) every such task is cancelled, which per the AsyncEngine
+  contract aborts its engine request and frees its KV. Nothing waits on a client that left.
+- A client disconnect is noticed while waiting for the engine (not only when the next chunk is
+  written), for streaming and non-streaming requests alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from servelm.engine.outputs import RequestOutput
+from servelm.errors import EngineRequestError
+from servelm.sampling.params import SamplingParams
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
+
+
+@dataclass(slots=True)
+class Submission:
+    """One engine request of an HTTP request: its choice index, id, prompt and parameters."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+async def wait_disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has already been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+_DISCONNECTED = object()
+_DONE = object()
+
+
+async def stream_outputs(engine: Any, submissions: list[Submission], request: Request | None
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (choice index, output) from all submissions as they arrive, in arrival order.
+
+    Raises ClientDisconnected when ``request``'s client leaves, EngineRequestError when the engine
+    cannot serve a request. Callers must close this generator (``contextlib.aclosing``) or run it
+    to the end so the engine requests are cancelled promptly.
+    """
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(submission: Submission) -> None:
+        outputs = engine.generate(submission.request_id, submission.prompt_token_ids, submission.params)
+        try:
+            async for output in outputs:
+                queue.put_nowait((submission.index, output))
+                if output.is_finished:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the engine died or refused: report it to the consumer
+            queue.put_nowait((submission.index, error))
+        finally:
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
+        queue.put_nowait((submission.index, _DONE))
+
+    async def watch() -> None:
+        assert request is not None
+        await wait_disconnected(request)
+        queue.put_nowait((-1, _DISCONNECTED))
+
+    tasks = [asyncio.create_task(pump(submission)) for submission in submissions]
+    if request is not None:
+        tasks.append(asyncio.create_task(watch()))
+    try:
+        remaining = len(submissions)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif item is _DISCONNECTED:
+                raise ClientDisconnected()
+            elif isinstance(item, Exception):
+                raise EngineRequestError(f"engine failed: {type(item).__name__}: {item}") from item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,80 @@
+"""Greedy parity on the packaged real models: our engine vs transformers from the same GGUF.
+
+SmolLM2-135M runs in the default suite; the bigger models are marked slow (`pytest -m slow`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm.config import CacheConfig, EngineConfig, ModelConfig
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(items):",
+    "Here is a short poem about the sea:\n",
+]
+NUM_NEW_TOKENS = 32
+
+
+def packaged_path(name: str) -> Path:
+    from servelm.model.packaged import packaged_model_path
+
+    return Path(packaged_model_path(name))
+
+
+def transformers_greedy(gguf: Path, token_lists: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # plain greedy: like ignore_eos, EOS is just a token
+    outputs = []
+    with torch.no_grad():
+        for tokens in token_lists:
+            ids = torch.tensor([tokens])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=NUM_NEW_TOKENS,
+                                       pad_token_id=0)
+            outputs.append(generated[0, len(tokens):].tolist())
+    return outputs
+
+
+def check_parity(name: str) -> None:
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=name, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=4096),
+    ))
+    token_lists = [engine.tokenizer.encode(prompt) for prompt in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    for index, tokens in enumerate(token_lists):
+        assert engine.add_request(str(index), tokens, params) is None
+    ours: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            ours.setdefault(output.request_id, []).extend(output.new_token_ids)
+    reference = transformers_greedy(packaged_path(name), token_lists)
+    for index, expected in enumerate(reference):
+        assert ours[str(index)] == expected, (
+            f"{name} prompt {index}: {engine.tokenizer.decode(ours[str(index)])!r} != "
+            f"{engine.tokenizer.decode(expected)!r}")
+
+
+def test_smollm2_greedy_matches_transformers():
+    check_parity("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_qwen_coder_05b_greedy_matches_transformers():
+    check_parity("qwen2.5-coder-0.5b")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_matches_transformers():
+    check_parity("gemma3-270m")

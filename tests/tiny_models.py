@@ -1,0 +1,71 @@
+"""Tiny random-weight transformers checkpoints for tests (shared by model and engine tests).
+
+``make_tiny_model_dir(tmp_path, arch)`` writes ``config.json`` + ``model.safetensors`` (no tokenizer)
+for arch in ``TINY_ARCHS``. Weights come from transformers' own init with a fixed seed, with a
+larger std than usual so greedy outputs vary from token to token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_SLIDING_WINDOW = 8
+TINY_VOCAB_SIZE = 320
+
+
+def make_tiny_config(arch: str) -> Any:
+    """A transformers config with hidden 64, 2-4 layers, GQA (4 heads / 2 KV heads), vocab 320."""
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if arch == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling
+        return transformers.LlamaConfig(
+            **common, num_hidden_layers=2, tie_word_embeddings=True, hidden_act="silu",
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 32})
+    if arch == "qwen2":  # qkv bias, untied head
+        return transformers.Qwen2Config(**common, num_hidden_layers=2, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "qwen3":  # qk norm, explicit head_dim
+        return transformers.Qwen3Config(**common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+    if arch == "gemma3":  # sliding + global layers, window 8
+        return transformers.Gemma3TextConfig(
+            **common, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=TINY_SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+            hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
+
+
+def make_tiny_hf_model(arch: str, seed: int = 0) -> Any:
+    """The transformers model (float32, eval mode, eager attention) for ``make_tiny_config(arch)``."""
+    config = make_tiny_config(arch)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # HF inits norms at identity and biases at 0; perturb them so loading them is actually tested.
+    norm_mean = 0.0 if arch == "gemma3" else 1.0  # Gemma norms scale by (1 + w)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(norm_mean, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def make_tiny_model_dir(tmp_path: str | Path, arch: str, seed: int = 0) -> Path:
+    """Save a tiny model as ``tmp_path/tiny-<arch>/{config.json, model.safetensors}``; returns the dir."""
+    path = Path(tmp_path) / f"tiny-{arch}"
+    make_tiny_hf_model(arch, seed).save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,95 @@
+"""ModelRunner plumbing: loading from a saved dir, dummy weights, dtypes, KV pool sizing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from servelm.config import CacheConfig, EngineConfig, ModelConfig
+from servelm.model.forward_batch import BatchPlan, SequencePlan
+from servelm.model.runner import MAX_CPU_KV_TOKENS, ModelRunner, kv_pool_blocks
+from tests.tiny_models import make_tiny_config, make_tiny_hf_model, make_tiny_model_dir
+
+from .conftest import make_runner, make_source
+
+
+def dir_source(path: Path) -> SimpleNamespace:
+    def weights():  # type: ignore[no-untyped-def]
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    return SimpleNamespace(hf_config=transformers.AutoConfig.from_pretrained(path), weights=weights,
+                           tokenizer_path=None, eos_token_ids=[], context_length=512, description=str(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tiny_model_dir_round_trip(tmp_path: Path, arch: str) -> None:
+    path = make_tiny_model_dir(tmp_path, arch)
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    runner = make_runner(dir_source(path))
+    prompt = [1, 2, 3, 4, 5]
+    logits = runner.execute(BatchPlan([SequencePlan(prompt, 0, [0, 1], num_logits=5)]))
+    with torch.no_grad():
+        expected = make_tiny_hf_model(arch)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_dummy_weights_are_deterministic_and_finite() -> None:
+    source = SimpleNamespace(hf_config=make_tiny_config("qwen2"), weights=None)
+    plan = BatchPlan([SequencePlan([1, 2, 3], 0, [3], num_logits=3)])
+    first = make_runner(source).execute(plan)
+    second = make_runner(source).execute(plan)
+    assert torch.isfinite(first).all()
+    assert torch.equal(first, second)
+
+
+def test_bfloat16_runs_and_stays_close() -> None:
+    hf_model = make_tiny_hf_model("qwen3")
+    runner = make_runner(make_source(hf_model), dtype="bfloat16")
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    logits = runner.execute(BatchPlan([SequencePlan([4, 5, 6, 7], 0, [2], num_logits=1)]))
+    assert logits.dtype == torch.float32
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([[4, 5, 6, 7]])).logits[0, -1:]
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
+
+
+def test_pool_size_from_max_total_tokens_rounds_down() -> None:
+    cache = CacheConfig(page_size=16, max_total_tokens=1000)
+    assert kv_pool_blocks(cache, bytes_per_token=1024, device=torch.device("cpu")) == 62
+
+
+def test_pool_size_from_free_memory_is_capped_on_cpu() -> None:
+    cache = CacheConfig(page_size=16, mem_fraction_static=0.5)
+    assert kv_pool_blocks(cache, bytes_per_token=1, device=torch.device("cpu")) * 16 <= MAX_CPU_KV_TOKENS
+    with pytest.raises(RuntimeError, match="one KV block"):
+        kv_pool_blocks(cache, bytes_per_token=2 ** 50, device=torch.device("cpu"))
+
+
+def test_runner_reports_pool_and_vocab() -> None:
+    config = EngineConfig(model=ModelConfig(device="cpu"), cache=CacheConfig(page_size=8, max_total_tokens=256))
+    runner = ModelRunner(config, SimpleNamespace(hf_config=make_tiny_config("llama"), weights=None))
+    assert (runner.num_blocks, runner.block_size, runner.vocab_size) == (32, 8, 320)
+    assert runner.dtype == torch.float32 and runner.device == torch.device("cpu")
+    # 2 layers * K and V * 256 slots * 2 KV heads * head_dim 16 * 4 bytes
+    assert runner.kv_cache_bytes == 2 * 2 * 256 * 2 * 16 * 4
+    assert runner.execute(BatchPlan()).shape == (0, 320)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_hf_in_float32() -> None:
+    hf_model = make_tiny_hf_model("gemma3")
+    config = EngineConfig(model=ModelConfig(device="cuda", dtype="float32"),
+                          cache=CacheConfig(page_size=4, max_total_tokens=256))
+    runner = ModelRunner(config, make_source(hf_model))
+    prompt = list(range(1, 21))
+    logits = runner.execute(BatchPlan([SequencePlan(prompt, 0, list(range(5)), num_logits=20)]))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits.cpu(), expected, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,351 @@
+"""The command line: flags -> EngineConfig, aliases, --config files, errors and help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from servelm import cli, cli_flags, launch_server
+from servelm.config import EngineConfig, opt
+
+
+def fail_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("servelm: ")
+    return err
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[EngineConfig]:
+    """Replaces servelm.server.app.run_server with a recorder."""
+    calls: list[EngineConfig] = []
+    fake = types.ModuleType("servelm.server.app")
+    fake.run_server = calls.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "servelm.server.app", fake)
+    return calls
+
+
+# --- model selection ---------------------------------------------------------------------------
+
+def test_defaults_without_flags() -> None:
+    assert cli.parse_args([]) == EngineConfig()
+
+
+def test_positional_model() -> None:
+    config = cli.parse_args(["/models/qwen.gguf", "--port", "8001"])
+    assert config.model.model == "/models/qwen.gguf"
+    assert config.server.port == 8001
+
+
+def test_positional_after_flags_and_model_flag() -> None:
+    assert cli.parse_args(["--port", "8001", "smollm2-135m"]).model.model == "smollm2-135m"
+    assert cli.parse_args(["--model", "smollm2-135m"]).model.model == "smollm2-135m"
+    assert cli.parse_args(["smollm2-135m", "--model", "smollm2-135m"]).model.model == "smollm2-135m"
+
+
+def test_two_different_models_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fail_message(["a", "--model", "b"], capsys)
+    assert "MODEL 'a'" in err and "--model 'b'" in err
+    err = fail_message(["--model-path", "a", "--model_dir", "b"], capsys)
+    assert "--model-path" in err and "--model_dir" in err
+
+
+def test_same_flag_twice_last_wins() -> None:
+    assert cli.parse_args(["--port", "1", "--port", "2"]).server.port == 2
+    assert cli.parse_args(["--tp", "1", "-tp", "1"]).parallel.tensor_parallel_size == 1
+
+
+def test_sglang_launch_server(served: list[EngineConfig]) -> None:
+    launch_server.main(["--model-path", "qwen2.5-coder-0.5b", "--mem-fraction-static", "0.5",
+                        "--tp-size", "1", "--random-seed", "3", "--json-model-override-args",
+                        '{"rope_theta": 1.0}', "--disable-cuda-graph", "--disable-radix-cache"])
+    (config,) = served
+    assert config.model.model == "qwen2.5-coder-0.5b"
+    assert config.cache.mem_fraction_static == 0.5
+    assert config.model.seed == 3
+    assert config.model.hf_overrides == '{"rope_theta": 1.0}'
+
+
+def test_servelm_serve_main(served: list[EngineConfig]) -> None:
+    cli.main(["serve", "smollm2-135m", "--port", "8123", "--api-key", "k"])
+    (config,) = served
+    assert (config.model.model, config.server.port, config.server.api_key) == ("smollm2-135m", 8123, "k")
+
+
+def test_main_without_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
+
+
+def test_main_reports_errors_with_exit_2(served: list[EngineConfig],
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "m", "--enable-metrics"])
+    assert exc.value.code == 2
+    assert "servelm: --enable-metrics is not supported yet: metrics" in capsys.readouterr().err
+    assert served == []
+
+
+# --- aliases -----------------------------------------------------------------------------------
+
+def test_lightllm_aliases() -> None:
+    config = cli.parse_args([
+        "--model_dir", "/m", "--max_total_token_num", "6000", "--running_max_req_size", "8",
+        "--tp", "1", "--mem_fraction", "0.6", "--batch_max_tokens", "2048", "--host", "0.0.0.0",
+        "--port", "8000", "--data_type", "bf16", "--tokenizer_mode", "slow",
+        "--max_req_total_len", "3072", "--chunked_prefill_size", "256", "--trust_remote_code",
+        "--long_truncation_mode", "head", "--model_name", "mine", "--run_mode", "normal",
+        "--load_way", "HF", "--disable_dynamic_prompt_cache"])
+    assert config.model.model == "/m"
+    assert config.cache.max_total_tokens == 6000
+    assert config.scheduler.max_running_requests == 8
+    assert config.cache.mem_fraction_static == 0.6
+    assert config.scheduler.max_prefill_tokens == 2048
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 8000)
+    assert config.model.dtype == "bfloat16"
+    assert config.model.tokenizer_mode == "slow"
+    assert config.model.context_length == 3072
+    assert config.scheduler.chunked_prefill_size == 256
+    assert config.model.trust_remote_code
+    assert config.server.allow_auto_truncate
+    assert config.model.served_model_name == "mine"
+
+
+def test_lightllm_value_transforms() -> None:
+    assert cli.parse_args(["--tokenizer_mode", "fast"]).model.tokenizer_mode == "auto"
+    assert cli.parse_args(["--data_type", "fp32"]).model.dtype == "float32"
+    assert cli.parse_args(["--disable_chunked_prefill"]).scheduler.chunked_prefill_size == -1
+    assert not cli.parse_args(["--long_truncation_mode", "None"]).server.allow_auto_truncate
+
+
+def test_vllm_aliases() -> None:
+    config = cli.parse_args([
+        "Qwen/Qwen2.5-0.5B", "--gpu-memory-utilization", "0.4", "--block-size", "32",
+        "--max-num-seqs", "16", "--max-num-batched-tokens", "1024", "--max-model-len", "2048",
+        "-tp", "1", "-pp", "1", "--seed", "5", "--tokenizer", "/tok", "--enforce-eager",
+        "--no-enable-prefix-caching", "--served-model-name", "qwen"])
+    assert config.model.model == "Qwen/Qwen2.5-0.5B"
+    assert config.cache.mem_fraction_static == 0.4
+    assert config.cache.page_size == 32
+    assert config.scheduler.max_running_requests == 16
+    assert config.scheduler.max_prefill_tokens == 1024
+    assert config.model.context_length == 2048
+    assert config.model.seed == 5
+    assert config.model.tokenizer == "/tok"
+    assert config.model.name == "qwen"
+
+
+def test_vllm_enable_chunked_prefill(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.parse_args(["--enable-chunked-prefill"]) == EngineConfig()
+    assert cli.parse_args(["--enable-chunked-prefill", "true"]) == EngineConfig()
+    assert cli.parse_args(["--enable-chunked-prefill", "false"]).scheduler.chunked_prefill_size == -1
+    config = cli.parse_args(["--enable-chunked-prefill", "--chunked-prefill-size", "128"])
+    assert config.scheduler.chunked_prefill_size == 128
+    err = fail_message(["--enable-chunked-prefill", "--chunked-prefill-size", "-1"], capsys)
+    assert "--enable-chunked-prefill contradicts --chunked-prefill-size -1" in err
+    assert "--enable-chunked-prefill" in fail_message(["--enable-chunked-prefill", "maybe"], capsys)
+
+
+def test_prefix_caching_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.parse_args(["--no-enable-prefix-caching"]) == EngineConfig()
+    err = fail_message(["--enable-prefix-caching"], capsys)
+    assert "--enable-prefix-caching is not supported yet: prefix caching" in err
+
+
+def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.parse_args(["--schedule-policy", "fcfs", "--expert-parallel-size", "1",
+                           "--cpu-offload-gb", "0.0", "-O", "0"]) == EngineConfig()
+    err = fail_message(["--schedule-policy", "lpm"], capsys)
+    assert "--schedule-policy lpm is not supported" in err and "accepted: fcfs" in err
+    assert "-O 3 is not supported" in fail_message(["-O3"], capsys)
+
+
+def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fail_message(["m", "--enable-p2p-check"], capsys)
+    assert err.startswith("servelm: --enable-p2p-check is not supported: servelm runs the model "
+                          "in a single process")
+    assert "--quantization is not supported yet" in fail_message(["--quantization", "fp8"], capsys)
+    assert "-q is not supported yet" in fail_message(["-q", "awq"], capsys)
+
+
+def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unrecognized arguments: --no-such-flag" in fail_message(["--no-such-flag"], capsys)
+
+
+def test_no_abbreviations(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unrecognized arguments: --max-run" in fail_message(["--max-run", "4"], capsys)
+
+
+# --- bool flags ---------------------------------------------------------------------------------
+
+def test_bool_flags_take_no_value() -> None:
+    config = cli.parse_args(["--skip-tokenizer-init", "--allow-auto-truncate", "--trust-remote-code"])
+    assert config.model.skip_tokenizer_init and config.server.allow_auto_truncate
+    assert config.model.trust_remote_code
+
+
+def test_negatable_bool_field_gets_no_form() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Toy:
+        enable_thing: bool = opt(True, "A switch.", negatable=True)
+
+    parser = cli._Parser(allow_abbrev=False)
+    (field,) = dataclasses.fields(Toy)
+    cli._add_field(parser.add_argument_group("toy"), field, bool)
+    on = parser.parse_args(["--enable-thing"])
+    off = parser.parse_args(["--enable-thing", "--no-enable-thing"])
+    assert cli._settings(on)["enable_thing"].value is True
+    assert cli._settings(off)["enable_thing"].value is False  # same family: last wins
+    assert "--no-enable-thing" in parser.format_help()
+
+
+# --- bad values ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, flags", [
+    (["--port", "70000"], ["--port"]),
+    (["--port", "x"], ["--port"]),
+    (["--page-size", "0"], ["--page-size"]),
+    (["--mem_fraction", "1.5"], ["--mem-fraction-static", "--mem_fraction"]),
+    (["--gpu-memory-utilization", "0"], ["--mem-fraction-static", "--gpu-memory-utilization"]),
+    (["--max-num-seqs", "0"], ["--max-running-requests", "--max-num-seqs"]),
+    (["--chunked-prefill-size", "0"], ["--chunked-prefill-size"]),
+    (["--context-length", "-5"], ["--context-length"]),
+    (["--hf-overrides", "[1]"], ["--hf-overrides"]),
+    (["--json-model-override-args", "{bad"], ["--hf-overrides", "--json-model-override-args"]),
+    (["--tp", "2"], ["--tensor-parallel-size", "--tp"]),
+    (["--dtype", "int8"], ["--dtype"]),
+    (["--data_type", "int8"], ["--data_type"]),
+    (["--long_truncation_mode", "center"], ["--long_truncation_mode"]),
+    (["--skip-tokenizer-init", "--tokenizer-path", "t"], ["--skip-tokenizer-init"]),
+])
+def test_bad_values_name_the_flag(argv: list[str], flags: list[str]) -> None:
+    with pytest.raises(ValueError) as exc:
+        cli.build_config(argv)
+    for flag in flags:
+        assert flag in str(exc.value)
+
+
+def test_config_validation_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="--page-size"):
+        EngineConfig.from_flat({"page_size": -1})
+
+
+# --- config file ---------------------------------------------------------------------------------
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_file_with_cli_override(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+model-path: /models/a
+host: 0.0.0.0
+port: 30000
+tensor-parallel-size: 1
+max_total_token_num: 8192
+mem_fraction_static: 0.5
+--max-running-requests: 4
+allow-auto-truncate: true
+skip_tokenizer_init: false
+enable-prefix-caching: false
+disable-cuda-graph: true
+enable-metrics: false
+hf-overrides: {rope_theta: 1000.0}
+""")
+    config = cli.parse_args(["--config", path, "--port", "9000", "--max-num-seqs", "2"])
+    assert config.model.model == "/models/a"
+    assert config.server.host == "0.0.0.0"
+    assert config.server.port == 9000  # the command line wins
+    assert config.scheduler.max_running_requests == 2  # an alias on the command line wins too
+    assert config.cache.max_total_tokens == 8192
+    assert config.cache.mem_fraction_static == 0.5
+    assert config.server.allow_auto_truncate
+    assert not config.model.skip_tokenizer_init
+    assert config.model.hf_overrides == '{"rope_theta": 1000.0}'
+
+
+def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "model-path: /models/a\n")
+    assert cli.parse_args(["/models/b", "--config", path]).model.model == "/models/b"
+    assert cli.parse_args(["--config", path]).model.model == "/models/a"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("no-such-option: 1\n", "no-such-option: unknown option"),
+    ("enable-metrics: true\n", "--enable-metrics is not supported yet"),
+    ("port: abc\n", "argument --port: invalid int value"),
+    ("page-size: 0\n", "--page-size must be positive, got 0 (given as --page-size (in "),
+    ("tp: 2\n", "(given as --tp (in "),
+    ("allow-auto-truncate: 1\n", "allow-auto-truncate: takes true or false"),
+    ("port: [1, 2]\n", "port: takes one value, got a list"),
+    ("- port\n", "expected a mapping"),
+    ("port: [\n", "not valid YAML"),
+])
+def test_config_file_errors(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as exc:
+        cli.build_config(["--config", path])
+    assert expected in str(exc.value)
+
+
+def test_config_file_missing() -> None:
+    with pytest.raises(ValueError, match="--config /no/such.yaml"):
+        cli.build_config(["--config", "/no/such.yaml"])
+
+
+def test_empty_config_file(tmp_path: Path) -> None:
+    assert cli.build_config(["--config", write(tmp_path, "")]) == EngineConfig()
+
+
+# --- help ---------------------------------------------------------------------------------------
+
+def help_text(argv: list[str], capsys: pytest.CaptureFixture[str], entry: Any = cli.main) -> str:
+    with pytest.raises(SystemExit) as exc:
+        entry(argv)
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
+    out = help_text(["--help"], capsys)
+    assert "serve" in out and "usage: servelm" in out
+
+
+def test_serve_help_lists_every_field_and_alias(capsys: pytest.CaptureFixture[str]) -> None:
+    out = help_text(["serve", "--help"], capsys)
+    assert out.startswith("usage: servelm serve [MODEL]")
+    for flag in cli_flags.implemented_flags():
+        assert flag in out
+    for alias in cli_flags.ALIASES:
+        assert alias.flags[0] in out
+    assert "Tokens per KV block" in out  # help comes from the field metadata
+    assert "{auto,cpu,cuda}" in out       # choices too
+    assert "--enable-p2p-check" not in out  # rejected flags stay out of the help
+    assert "servelm.cli_flags` lists them all" in out
+
+
+def test_launch_server_help(capsys: pytest.CaptureFixture[str]) -> None:
+    out = help_text(["--help"], capsys, launch_server.main)
+    assert out.startswith("usage: python -m servelm.launch_server [MODEL]")
+    assert "--model-path" in out
+
+
+def test_catalogue_listing() -> None:
+    text = cli_flags.describe()
+    assert "--gpu-memory-utilization" in text and "--enable-p2p-check" in text
+
+
+def test_parser_is_argparse() -> None:
+    assert isinstance(cli.build_serve_parser(), argparse.ArgumentParser)
