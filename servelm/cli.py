@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=_EPILOG,
                                 allow_abbrev=False, formatter_class=_formatter)
     add_engine_arguments(serve)
+    # Listed for --help only: main() hands `bench` to servelm.bench before parsing.
+    commands.add_parser("bench", add_help=False, help="Benchmark the engine offline or a running "
+                        "server (`servelm bench --help`).")
     return parser
 
 
@@ -422,6 +425,11 @@ def serve(config: EngineConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `servelm` command."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["bench"]:
+        from servelm.bench import main as bench_main  # deferred: serve never loads the bench
+
+        bench_main(args[1:])
+        return
     parser = build_parser()
     try:
         namespace = parser.parse_args(args)

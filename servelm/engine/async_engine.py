@@ -32,6 +32,7 @@ import zmq.asyncio
 
 from servelm.config import EngineConfig
 from servelm.engine.outputs import RequestOutput
+from servelm.errors import InvalidRequestError
 from servelm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it."""
-        assert request_id not in self._queues, f"request id {request_id} already in use"
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         is_finished = False

@@ -102,6 +102,19 @@ def test_logprobs(client):
     assert all(len(item.top_logprobs) == 2 for item in content)
 
 
+def test_echo_with_prompt_logprobs(client):
+    prompt = "The quick brown fox"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                         echo=True, logprobs=1)
+    choice = response.choices[0]
+    assert choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    num_tokens = response.usage.prompt_tokens + response.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == num_tokens
+    assert logprobs.token_logprobs[0] is None  # the first prompt token has no context
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+
+
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=16, temperature=0)
     text = base.choices[0].text

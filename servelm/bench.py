@@ -1,0 +1,426 @@
+"""`servelm bench`: offline engine throughput, and a load generator for a running server.
+
+- ``servelm bench offline [MODEL] [engine flags]``: starts servelm.Engine (the same flags as
+  ``servelm serve``) and times batches of random-token prompts, greedy with ``ignore_eos``.
+- ``servelm bench serve --base-url URL``: streams /v1/completions requests at a fixed concurrency
+  and reports time to first token and inter-token latency.
+
+Invariants:
+- Prompts are random token ids from a seeded generator: the same flags give the same prompts, so
+  two runs (or two engines) see identical work.
+- Offline decode speed is derived from two runs of the same batch shape: one with max_tokens=1
+  (prefill plus one sampled token) and one with the full output length; the difference is the
+  time of the remaining ``output_len - 1`` decode steps. Each run uses fresh prompts, so a prefix
+  cache can never turn the second run's prefill into a cache hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from servelm import cli
+
+BENCH_PROG = "servelm bench"
+_FALLBACK_VOCAB_SIZE = 10000
+"""Token ids are drawn below this when the server does not report its vocabulary size."""
+
+
+# --- pure helpers --------------------------------------------------------------------------------
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num_prompts`` lists of ``input_len`` token ids in [0, vocab_size); the same arguments
+    always give the same prompts."""
+    if num_prompts < 0 or input_len <= 0 or vocab_size <= 0:
+        raise ValueError(f"need num_prompts >= 0, input_len > 0, vocab_size > 0; got "
+                         f"{num_prompts}, {input_len}, {vocab_size}")
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between ranks, as numpy's default.
+    NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def mean(values: Sequence[float]) -> float:
+    """Arithmetic mean; NaN for no values."""
+    return statistics.fmean(values) if values else math.nan
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]``; every size must be a positive integer."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: floats to 2 decimals, columns right-aligned to their widest cell."""
+    def cell(value: Any) -> str:
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+# --- results -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OfflineResult:
+    """Timings of one batch size: a prefill-only run and a full-length run of the same shape."""
+
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_s: float
+    """Wall time of the run with max_tokens=1: prefill of every prompt plus one sampled token."""
+    total_s: float
+    """Wall time of the run with max_tokens=output_len."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.batch_size * self.input_len / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time after the prefill run's; NaN when output_len is 1
+        or noise makes the full run no slower than the prefill run."""
+        decode_s = self.total_s - self.prefill_s
+        if self.output_len <= 1 or decode_s <= 0:
+            return math.nan
+        return self.batch_size * (self.output_len - 1) / decode_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.batch_size * self.output_len / self.total_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s,
+                "output_tokens_per_s": self.output_tokens_per_s}
+
+
+OFFLINE_HEADERS = ("batch", "input", "output", "prefill_s", "total_s", "prefill_tok/s",
+                   "decode_tok/s", "output_tok/s")
+
+
+def format_offline(results: Sequence[OfflineResult], startup_s: float) -> str:
+    rows = [(r.batch_size, r.input_len, r.output_len, r.prefill_s, r.total_s,
+             r.prefill_tokens_per_s, r.decode_tokens_per_s, r.output_tokens_per_s) for r in results]
+    return f"start-up time: {startup_s:.2f} s\n" + format_table(OFFLINE_HEADERS, rows)
+
+
+@dataclass
+class RequestTiming:
+    """One streamed request as the client saw it."""
+
+    latency_s: float = 0.0
+    ttft_s: float | None = None
+    """Time from sending the request to the first chunk carrying text."""
+    chunk_gaps_s: list[float] = field(default_factory=list)
+    """Time between successive text chunks (a chunk may hold several tokens)."""
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeSummary:
+    """Aggregate of a serve run; latencies in milliseconds."""
+
+    num_requests: int
+    num_errors: int
+    duration_s: float
+    request_throughput: float
+    output_tokens_per_s: float
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    """Per request: (latency - ttft) / (output tokens - 1), then aggregated."""
+
+
+def _distribution_ms(values_s: Sequence[float]) -> dict[str, float]:
+    return {"mean": 1000 * mean(values_s), "median": 1000 * percentile(values_s, 50),
+            "p99": 1000 * percentile(values_s, 99)}
+
+
+def summarize(timings: Sequence[RequestTiming], duration_s: float) -> ServeSummary:
+    ok = [t for t in timings if t.error is None]
+    ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
+    gaps = [gap for t in ok for gap in t.chunk_gaps_s]
+    tpots = [(t.latency_s - t.ttft_s) / (t.num_output_tokens - 1) for t in ok
+             if t.ttft_s is not None and t.num_output_tokens > 1]
+    return ServeSummary(
+        num_requests=len(timings), num_errors=len(timings) - len(ok), duration_s=duration_s,
+        request_throughput=len(ok) / duration_s if duration_s > 0 else math.nan,
+        output_tokens_per_s=(sum(t.num_output_tokens for t in ok) / duration_s
+                             if duration_s > 0 else math.nan),
+        ttft_ms=_distribution_ms(ttfts), itl_ms=_distribution_ms(gaps),
+        tpot_ms=_distribution_ms(tpots))
+
+
+def format_serve(summary: ServeSummary) -> str:
+    lines = [f"requests: {summary.num_requests}  errors: {summary.num_errors}  "
+             f"duration: {summary.duration_s:.2f} s",
+             f"request throughput: {summary.request_throughput:.2f} req/s",
+             f"output throughput: {summary.output_tokens_per_s:.2f} tok/s"]
+    rows = [(name, d["mean"], d["median"], d["p99"]) for name, d in
+            (("TTFT", summary.ttft_ms), ("ITL", summary.itl_ms), ("TPOT", summary.tpot_ms))]
+    return "\n".join(lines) + "\n" + format_table(("ms", "mean", "median", "p99"), rows)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    with open(path, "w") as file:
+        json.dump(payload, file, indent=2, allow_nan=True)
+        file.write("\n")
+
+
+# --- argument parsing ----------------------------------------------------------------------------
+
+class BenchError(ValueError):
+    """A bad bench command line; the message names the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BenchError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `servelm bench` parser. Offline mode leaves unknown flags to the engine parser."""
+    parser = _Parser(prog=BENCH_PROG, description="Benchmark the engine offline or a running server.",
+                     allow_abbrev=False)
+    modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True, parser_class=_Parser)
+
+    offline = modes.add_parser(
+        "offline", allow_abbrev=False, usage=f"{BENCH_PROG} offline [MODEL] [engine flags] [options]",
+        help="Time batches through servelm.Engine.",
+        description="Time batches of random prompts through servelm.Engine. Every other flag "
+        "(and MODEL) is an engine flag, as for `servelm serve`.")
+    offline.add_argument("--batch-sizes", type=parse_batch_sizes, default=[1, 8],
+                         help="Comma-separated batch sizes (default: 1,8).")
+    offline.add_argument("--num-warmup", type=int, default=1,
+                         help="Short warm-up batches before timing (default: 1).")
+
+    serve = modes.add_parser("serve", allow_abbrev=False, help="Load-test a running server.",
+                             description="Stream /v1/completions requests at a fixed concurrency.")
+    serve.add_argument("--base-url", default="http://127.0.0.1:30000",
+                       help="Server address (default: http://127.0.0.1:30000).")
+    serve.add_argument("--model", default=None, help="Model name; defaults to the server's first.")
+    serve.add_argument("--num-prompts", type=_positive_int, default=32, help="Requests (default: 32).")
+    serve.add_argument("--concurrency", type=_positive_int, default=8,
+                       help="Requests in flight at once (default: 8).")
+    serve.add_argument("--api-key", default=None, help="Bearer token, if the server needs one.")
+    serve.add_argument("--timeout-s", type=float, default=600.0,
+                       help="Per-request timeout in seconds (default: 600).")
+
+    for sub in (offline, serve):
+        sub.add_argument("--input-len", type=_positive_int, default=128,
+                         help="Prompt tokens per request (default: 128).")
+        sub.add_argument("--output-len", type=_positive_int, default=64,
+                         help="Generated tokens per request (default: 64).")
+        sub.add_argument("--prompt-seed", type=int, default=0,
+                         help="Seed of the random prompts (default: 0).")
+        sub.add_argument("--output-json", metavar="PATH", default=None,
+                         help="Also write the results as JSON.")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(bench options, engine arguments); engine arguments are only allowed in offline mode."""
+    namespace, rest = build_parser().parse_known_args(list(argv))
+    if namespace.mode == "serve" and rest:
+        raise BenchError(f"unrecognized arguments: {' '.join(rest)}")
+    if namespace.mode == "offline" and namespace.num_warmup < 0:
+        raise BenchError(f"--num-warmup must be non-negative, got {namespace.num_warmup}")
+    return namespace, rest
+
+
+def flat_engine_args(config: Any) -> dict[str, Any]:
+    """An EngineConfig as the flat keyword arguments servelm.Engine takes."""
+    return {f.name: getattr(getattr(config, section.name), f.name)
+            for section in dataclasses.fields(config)
+            for f in dataclasses.fields(getattr(config, section.name))}
+
+
+# --- offline -------------------------------------------------------------------------------------
+
+def _timed_generate(engine: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    from servelm.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start_s = time.perf_counter()
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed_s = time.perf_counter() - start_s
+    for result in results:
+        if result.error is not None:
+            raise RuntimeError(f"request failed: {result.error}")
+        if len(result.token_ids) != max_tokens:
+            raise RuntimeError(f"expected {max_tokens} tokens, got {len(result.token_ids)}")
+    return elapsed_s
+
+
+def run_offline(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, Any]:
+    from servelm.engine.offline import Engine
+
+    config = cli.build_config(engine_argv, prog=f"{BENCH_PROG} offline")
+    start_s = time.perf_counter()
+    engine = Engine(**flat_engine_args(config))
+    startup_s = time.perf_counter() - start_s
+    results: list[OfflineResult] = []
+    try:
+        vocab_size = int(engine.model_info.get("vocab_size") or _FALLBACK_VOCAB_SIZE)
+        largest = max(args.batch_sizes)
+        for index in range(args.num_warmup):
+            seed = args.prompt_seed - 1 - index  # warm-up prompts are never timed prompts
+            prompts = random_prompts(largest, args.input_len, vocab_size, seed)
+            _timed_generate(engine, prompts, min(4, args.output_len))
+        for number, batch_size in enumerate(args.batch_sizes):
+            seed = args.prompt_seed + 2 * number  # fresh prompts per run: no prefix-cache hits
+            prefill_s = _timed_generate(
+                engine, random_prompts(batch_size, args.input_len, vocab_size, seed), 1)
+            total_s = _timed_generate(
+                engine, random_prompts(batch_size, args.input_len, vocab_size, seed + 1),
+                args.output_len)
+            result = OfflineResult(batch_size, args.input_len, args.output_len, prefill_s, total_s)
+            results.append(result)
+            print(f"batch {batch_size}: prefill {prefill_s:.2f} s, total {total_s:.2f} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        engine.shutdown()
+    print(f"model: {config.model.model}")
+    print(format_offline(results, startup_s))
+    return {"mode": "offline", "model": config.model.model, "startup_s": startup_s,
+            "results": [r.to_dict() for r in results]}
+
+
+# --- serve ---------------------------------------------------------------------------------------
+
+async def _one_request(client: Any, url: str, body: dict[str, Any]) -> RequestTiming:
+    timing = RequestTiming()
+    start_s = time.perf_counter()
+    last_s = start_s
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return timing
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    timing.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(choice.get("text") for choice in chunk.get("choices") or []):
+                    continue
+                now_s = time.perf_counter()
+                if timing.ttft_s is None:
+                    timing.ttft_s = now_s - start_s
+                else:
+                    timing.chunk_gaps_s.append(now_s - last_s)
+                last_s = now_s
+    except Exception as error:  # one failed request is counted, not fatal
+        timing.error = f"{type(error).__name__}: {error}"
+    timing.latency_s = time.perf_counter() - start_s
+    return timing
+
+
+async def _server_facts(client: Any, base_url: str) -> tuple[str, int]:
+    models = (await client.get(f"{base_url}/v1/models")).json()
+    name = models["data"][0]["id"]
+    try:
+        info = (await client.get(f"{base_url}/get_model_info")).json()
+        vocab_size = int(info.get("vocab_size") or _FALLBACK_VOCAB_SIZE)
+    except Exception:  # not a servelm/SGLang server
+        vocab_size = _FALLBACK_VOCAB_SIZE
+    return name, vocab_size
+
+
+async def _run_serve(args: argparse.Namespace) -> tuple[list[RequestTiming], float, str]:
+    import httpx
+
+    base_url = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout_s, limits=limits) as client:
+        name, vocab_size = await _server_facts(client, base_url)
+        model = args.model or name
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.prompt_seed)
+        semaphore = asyncio.Semaphore(args.concurrency)
+
+        async def limited(prompt: list[int]) -> RequestTiming:
+            body = {"model": model, "prompt": prompt, "max_tokens": args.output_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with semaphore:
+                return await _one_request(client, f"{base_url}/v1/completions", body)
+
+        start_s = time.perf_counter()
+        timings = await asyncio.gather(*(limited(p) for p in prompts))
+        return list(timings), time.perf_counter() - start_s, model
+
+
+def run_serve(args: argparse.Namespace) -> dict[str, Any]:
+    timings, duration_s, model = asyncio.run(_run_serve(args))
+    summary = summarize(timings, duration_s)
+    print(f"model: {model}  concurrency: {args.concurrency}  input: {args.input_len}  "
+          f"output: {args.output_len}")
+    print(format_serve(summary))
+    errors = sorted({t.error for t in timings if t.error is not None})
+    for error in errors[:5]:
+        print(f"error: {error}", file=sys.stderr)
+    return {"mode": "serve", "model": model, "base_url": args.base_url,
+            "concurrency": args.concurrency, "input_len": args.input_len,
+            "output_len": args.output_len, **dataclasses.asdict(summary)}
+
+
+def main(argv: Sequence[str]) -> None:
+    """Entry point of `servelm bench`."""
+    try:
+        args, engine_argv = parse_args(argv)
+        payload = run_offline(args, engine_argv) if args.mode == "offline" else run_serve(args)
+    except (BenchError, cli.CliError) as error:
+        print(f"servelm: {error}\n(see `{BENCH_PROG} --help`)", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.output_json:
+        write_json(args.output_json, payload)
