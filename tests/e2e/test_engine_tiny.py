@@ -9,11 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.reference import load_reference_model, transformers_greedy
 from tests.tiny_models import make_tiny_model_dir
 
 ARCHES = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -54,28 +53,12 @@ def generate(engine: LLMEngine, token_lists: list[list[int]], max_tokens: int = 
     return [outputs[request_id] for request_id in order]
 
 
-def transformers_greedy(path: str, token_lists: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # plain greedy: like ignore_eos, EOS is just a token
-    results = []
-    with torch.no_grad():
-        for tokens in token_lists:
-            ids = torch.tensor([tokens])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS,
-                                 do_sample=False, pad_token_id=0)
-            results.append(out[0, len(tokens):].tolist())
-    return results
-
-
 def test_greedy_matches_transformers_in_a_mixed_batch(tiny_model):
     arch, path = tiny_model
     engine = make_engine(path)
     token_lists = prompts(engine.runner.vocab_size)
     ours = generate(engine, token_lists)
-    reference = transformers_greedy(str(path), token_lists)
+    reference = transformers_greedy(load_reference_model(path), token_lists, NUM_NEW_TOKENS)
     assert ours == reference, arch
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from servelm.config import CacheConfig, EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.reference import load_reference_model, transformers_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -28,24 +28,6 @@ def packaged_path(name: str) -> Path:
     return Path(packaged_model_path(name))
 
 
-def transformers_greedy(gguf: Path, token_lists: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # plain greedy: like ignore_eos, EOS is just a token
-    outputs = []
-    with torch.no_grad():
-        for tokens in token_lists:
-            ids = torch.tensor([tokens])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NUM_NEW_TOKENS,
-                                       pad_token_id=0)
-            outputs.append(generated[0, len(tokens):].tolist())
-    return outputs
-
-
 def check_parity(name: str) -> None:
     engine = LLMEngine(EngineConfig(
         model=ModelConfig(model=name, dtype="float32"),
@@ -59,7 +41,9 @@ def check_parity(name: str) -> None:
     while engine.has_unfinished():
         for output in engine.step():
             ours.setdefault(output.request_id, []).extend(output.new_token_ids)
-    reference = transformers_greedy(packaged_path(name), token_lists)
+    gguf = packaged_path(name)
+    reference = transformers_greedy(load_reference_model(gguf.parent, gguf.name), token_lists,
+                                    NUM_NEW_TOKENS)
     for index, expected in enumerate(reference):
         assert ours[str(index)] == expected, (
             f"{name} prompt {index}: {engine.tokenizer.decode(ours[str(index)])!r} != "
