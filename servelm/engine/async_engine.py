@@ -60,6 +60,10 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     parent_pid = os.getppid()
     try:
         engine = LLMEngine(config)
+    except ValueError as error:  # a configuration the user can fix: the message says how
+        logger.error("engine failed to start: %s", error)
+        outputs.send_pyobj(("failed", str(error)))
+        return
     except Exception as error:
         logger.exception("engine failed to start")
         outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
@@ -172,6 +176,20 @@ class AsyncEngine:
         engine._tasks = [asyncio.create_task(engine._route_outputs()),
                          asyncio.create_task(engine._watch_process())]
         return engine
+
+    @staticmethod
+    def check_model(config: EngineConfig) -> None:
+        """Fail fast, before any process starts, when the model cannot be found or read.
+
+        Raises ValueError with a message for the user (unknown path, hub id, bad packaged model).
+        """
+        from servelm.model.packaged import PackagedModelError
+        from servelm.model.source import resolve_model_source
+
+        try:
+            resolve_model_source(config.model)
+        except PackagedModelError as error:
+            raise ValueError(str(error)) from error
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,

@@ -178,12 +178,17 @@ def run_server(config: EngineConfig) -> None:
     """Start the engine, serve HTTP on config.server.host:port until stopped, then shut down."""
     import uvicorn
 
-    load_chat_template(config.server.chat_template)  # a bad --chat-template fails before loading
+    from servelm.engine.async_engine import AsyncEngine
+
+    # A bad --chat-template or model fails here, with one line, before any process starts.
+    load_chat_template(config.server.chat_template)
+    try:
+        AsyncEngine.check_model(config)
+    except ValueError as error:
+        raise SystemExit(f"servelm: {error}") from None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from servelm.engine.async_engine import AsyncEngine
-
         engine = await AsyncEngine.start(config)
         try:
             app.state.serving = ServingContext(engine, config)
