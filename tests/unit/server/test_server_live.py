@@ -36,6 +36,7 @@ _CHILD = textwrap.dedent("""
         return LiveFake(build_tokenizer(Path({tok_dir!r}), CHATML), )
 
     async_engine.AsyncEngine.start = classmethod(start)
+    async_engine.AsyncEngine.check_model = staticmethod(lambda config: None)  # no model on disk
     run_server(make_config(port={port}, log_level="warning"))
 """)
 
