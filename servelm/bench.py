@@ -4,6 +4,7 @@
   ``servelm serve``) and times batches of random-token prompts, greedy with ``ignore_eos``.
 - ``servelm bench serve --base-url URL``: streams /v1/completions requests at a fixed concurrency
   and reports time to first token and inter-token latency.
+- ``servelm bench serving`` and ``servelm bench one-batch``: see servelm/bench_serving.py.
 
 Invariants:
 - Prompts are random token ids from a seeded generator: the same flags give the same prompts, so
@@ -251,7 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-s", type=float, default=600.0,
                        help="Per-request timeout in seconds (default: 600).")
 
-    for sub in (offline, serve):
+    from servelm.bench_serving import add_serving_arguments
+
+    serving = modes.add_parser(
+        "serving", allow_abbrev=False, help="Online load test of any OpenAI-compatible server.",
+        description="Datasets random / generated-shared-prefix / ShareGPT, Poisson arrivals, "
+        "TTFT, TPOT, ITL and E2E latency (like sglang.bench_serving and vllm bench serve).")
+    add_serving_arguments(serving)
+    one_batch = modes.add_parser(
+        "one-batch", allow_abbrev=False, usage=f"{BENCH_PROG} one-batch [MODEL] [engine flags] [options]",
+        help="Prefill and per-step decode latency of a static batch (in-process).",
+        description="Like sglang.bench_one_batch. Every other flag is an engine flag.")
+    one_batch.add_argument("--batch-sizes", type=parse_batch_sizes, default=[1, 8])
+
+    for sub in (offline, serve, one_batch):
         sub.add_argument("--input-len", type=_positive_int, default=128,
                          help="Prompt tokens per request (default: 128).")
         sub.add_argument("--output-len", type=_positive_int, default=64,
@@ -266,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """(bench options, engine arguments); engine arguments are only allowed in offline mode."""
     namespace, rest = build_parser().parse_known_args(list(argv))
-    if namespace.mode == "serve" and rest:
+    if namespace.mode in ("serve", "serving") and rest:
         raise BenchError(f"unrecognized arguments: {' '.join(rest)}")
     if namespace.mode == "offline" and namespace.num_warmup < 0:
         raise BenchError(f"--num-warmup must be non-negative, got {namespace.num_warmup}")
@@ -418,8 +432,14 @@ def main(argv: Sequence[str]) -> None:
     """Entry point of `servelm bench`."""
     try:
         args, engine_argv = parse_args(argv)
-        payload = run_offline(args, engine_argv) if args.mode == "offline" else run_serve(args)
-    except (BenchError, cli.CliError) as error:
+        if args.mode == "offline":
+            payload = run_offline(args, engine_argv)
+        elif args.mode == "serve":
+            payload = run_serve(args)
+        else:
+            from servelm.bench_serving import run_one_batch, run_serving
+            payload = run_serving(args) if args.mode == "serving" else run_one_batch(args, engine_argv)
+    except (BenchError, cli.CliError, ValueError) as error:
         print(f"servelm: {error}\n(see `{BENCH_PROG} --help`)", file=sys.stderr)
         raise SystemExit(2) from None
     if args.output_json:

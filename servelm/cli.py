@@ -190,6 +190,11 @@ def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field[Any], an
     default = field.default if field.default is not dataclasses.MISSING else None
     if default is not None:
         help_text += f" (default: {default})"
+    if typing.get_origin(base) is list:  # one or more values: --flag 0.1 0.5 1
+        group.add_argument(flag, *extra_flags, action=_SetField, type=typing.get_args(base)[0],
+                           nargs="+", metavar=_metavar(field.name), field_name=field.name,
+                           family=family, default=argparse.SUPPRESS, help=help_text)
+        return
     group.add_argument(flag, *extra_flags, action=_SetField, type=base,
                        choices=field.metadata.get("choices"), metavar=None if
                        field.metadata.get("choices") else _metavar(field.name),

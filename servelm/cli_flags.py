@@ -100,6 +100,11 @@ def _chunked_prefill_switch(text: str) -> Any:
     return UNCHANGED if parse_bool(text) else -1
 
 
+def _prefix_caching_switch(text: str) -> Any:
+    # On by default here; "false" turns the prefix cache off (our field is its negation).
+    return UNCHANGED if parse_bool(text) else True
+
+
 def _lightllm_tokenizer_mode(text: str) -> str:
     modes = {"fast": "auto", "auto": "auto", "slow": "slow"}
     if text not in modes:
@@ -115,13 +120,47 @@ def _lightllm_data_type(text: str) -> str:
     return dtypes[text]
 
 
-def _lightllm_truncation(text: str) -> bool:
-    if text in ("None", "none"):
-        return False
-    if text == "head":
-        return True  # drop head tokens, keep the end: what --allow-auto-truncate does
-    raise ValueError(f"{text!r} is not supported: only None (reject long prompts) and head "
-                     "(keep the end, as --allow-auto-truncate) are")
+def _lightllm_truncation(text: str) -> str:
+    modes = {"None": "none", "none": "none", "head": "head", "center": "center"}
+    if text not in modes:
+        raise ValueError(f"choose from None, head, center; got {text!r}")
+    return modes[text]
+
+
+def _vllm_guided_backend(text: str) -> str:
+    names = {"auto": "xgrammar", "xgrammar": "xgrammar", "guidance": "llguidance",
+             "llguidance": "llguidance", "outlines": "outlines", "none": "none"}
+    if text not in names:
+        raise ValueError(f"{text!r} is not supported: choose xgrammar (or auto), outlines, "
+                         "guidance or none")
+    return names[text]
+
+
+_INT8WO_REFUSED = ("int8 weight-only is not supported: torch._weight_int8pack_mm measured slower than "
+                   "float32 at every Gemma 3 270M shape on this CPU; use w8a8_int8 (int8dq)")
+_INT4WO_REFUSED = "int4 weight-only is not supported yet; use w8a8_int8 (int8dq)"
+
+
+def _torchao_config(text: str) -> str:
+    if text == "int8dq":
+        return "w8a8_int8"
+    if text == "int8wo":
+        raise ValueError(_INT8WO_REFUSED)
+    if text.startswith("int4wo"):
+        raise ValueError(_INT4WO_REFUSED)
+    raise ValueError(f"only int8dq is supported (W8A8 dynamic int8); got {text!r}")
+
+
+def _lightllm_quant_type(text: str) -> str:
+    if text == "none":
+        return "none"
+    if text in ("vllm-w8a8", "ao-int8dq"):
+        return "w8a8_int8"
+    if text == "ao-int8wo":
+        raise ValueError(_INT8WO_REFUSED)
+    if text.startswith("ao-int4wo"):
+        raise ValueError(_INT4WO_REFUSED)
+    raise ValueError(f"choose from none, vllm-w8a8, ao-int8dq (W8A8 dynamic int8); got {text!r}")
 
 
 # --- aliases -----------------------------------------------------------------------------------
@@ -157,32 +196,54 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--enable-chunked-prefill",), "chunked_prefill_size", "vLLM", _chunked_prefill_switch,
           optional_value=True, const="true", conflict=-1, example=("false",),
           note="on by default; false = --chunked-prefill-size -1", metavar="BOOL"),
-    Alias(("--long_truncation_mode",), "allow_auto_truncate", "LightLLM", _lightllm_truncation,
-          example=("head",), note="head = --allow-auto-truncate; None = reject long prompts",
-          metavar="{None,head}"),
+    Alias(("--long_truncation_mode",), "long_truncation_mode", "LightLLM", _lightllm_truncation,
+          example=("center",), note="None = none (reject long prompts)",
+          metavar="{None,head,center}"),
+    Alias(("--log_stats_interval",), "log_stats_interval", "LightLLM", example=("5",)),
+    Alias(("--disable-log-stats", "--disable_log_stats"), "log_stats_interval", "vLLM, LightLLM",
+          takes_value=False, const=0.0, note="no periodic stats line"),
+    Alias(("--uvicorn-log-level",), "log_level_http", "vLLM", example=("warning",)),
+    Alias(("--no-enable-prefix-caching", "--disable_dynamic_prompt_cache"), "disable_radix_cache",
+          "vLLM, LightLLM", takes_value=False, const=True),
+    Alias(("--enable-prefix-caching",), "disable_radix_cache", "vLLM", _prefix_caching_switch,
+          optional_value=True, const="true", conflict=True, example=("false",),
+          note="on by default; false = --disable-radix-cache", metavar="BOOL"),
+    Alias(("--enable-prompt-tokens-details",), "enable_cache_report", "vLLM", takes_value=False,
+          const=True),
+    Alias(("--router_token_ratio",), "router_token_ratio", "LightLLM", example=("0.5",)),
+    Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",
           "SGLang, vLLM, LightLLM", example=("2",)),
     Alias(("-pp", "--pp-size"), "pipeline_parallel_size", "vLLM, SGLang", example=("2",)),
     Alias(("--dp-size", "--dp"), "data_parallel_size", "SGLang, LightLLM", example=("2",)),
+    Alias(("--guided-decoding-backend",), "grammar_backend", "vLLM", _vllm_guided_backend,
+          example=("none",), note="auto -> xgrammar, guidance -> llguidance"),
+    Alias(("--output_constraint_mode",), "grammar_backend", "LightLLM", example=("none",)),
+    Alias(("--tool_call_parser",), "tool_call_parser", "LightLLM", example=("qwen25",)),
+    Alias(("-q",), "quantization", "vLLM", example=("w8a8_int8",)),
+    Alias(("--torchao-config",), "quantization", "SGLang", _torchao_config, example=("int8dq",),
+          note="int8dq -> w8a8_int8; int8wo and int4wo-<group> are refused with the reason",
+          metavar="{int8dq}"),
+    Alias(("--quant_type",), "quantization", "LightLLM", _lightllm_quant_type, example=("vllm-w8a8",),
+          note="vllm-w8a8 and ao-int8dq -> w8a8_int8; ao-int8wo and ao-int4wo-<g> are refused",
+          metavar="{none,vllm-w8a8,ao-int8dq}"),
 )
 
 # --- accepted: already the behaviour of this build ---------------------------------------------
 
 _EAGER = "servelm never captures CUDA graphs: every device runs eager PyTorch"
-_NO_PREFIX_CACHE = ("this build has no prefix cache yet, so prefix caching is already off "
-                    "(becomes a real switch when the prefix cache lands)")
+_PREFIX_CACHE_ON = "the prefix cache is on by default (--disable-radix-cache turns it off)"
 _SINGLE_PROCESS = "servelm runs the whole model in one process: there is no all-reduce to tune"
 
 ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--disable-cuda-graph", "--disable_cudagraph", "--enforce-eager",
                       "--disable-cuda-graph-padding"), _EAGER),
-    AlreadyBehaviour(("--disable-radix-cache", "--no-enable-prefix-caching",
-                      "--disable_dynamic_prompt_cache"), _NO_PREFIX_CACHE),
+    AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON),
     AlreadyBehaviour(("--disable-custom-all-reduce", "--disable_custom_allreduce"), _SINGLE_PROCESS),
     AlreadyBehaviour(("--disable-overlap-schedule",),
                      "servelm's scheduler does not overlap with the forward pass"),
-    AlreadyBehaviour(("--disable-jump-forward", "--disable-outlines-disk-cache"),
-                     "servelm has no grammar-guided decoding yet, so no jump-forward and no outlines"),
+    AlreadyBehaviour(("--disable-outlines-disk-cache",),
+                     "servelm has no outlines backend; xgrammar compiles are cached in memory"),
     AlreadyBehaviour(("--disable-mla",), "servelm has no Multi-head Latent Attention kernels"),
     AlreadyBehaviour(("--enable-mixed-chunk", "--splitfuse_mode"),
                      "servelm's scheduler has no prefill/decode phases: prompt chunks and decodes "
@@ -190,11 +251,7 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--use-v2-block-manager",),
                      "servelm has a single paged block manager (vLLM documents this flag as a no-op)"),
     AlreadyBehaviour(("--disable-log-requests",),
-                     "servelm does not log request contents (there is no --log-requests yet)"),
-    AlreadyBehaviour(("--schedule-policy", "--scheduling-policy"),
-                     "requests are served first come, first served; other policies are not "
-                     "supported yet (planned with scheduling policies)", values=("fcfs",),
-                     bad_value="lpm"),
+                     "servelm logs requests only with --log-requests (off by default)"),
     AlreadyBehaviour(("--preemption-mode",),
                      "a preempted request frees its blocks and is recomputed; swapping to CPU is "
                      "not supported", values=("recompute",), bad_value="swap"),
@@ -233,38 +290,28 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      values=("0",), bad_value="8"),
     AlreadyBehaviour(("--httpserver_workers",), "servelm runs one HTTP server process",
                      values=("1",), bad_value="4"),
-    AlreadyBehaviour(("--output_constraint_mode",), "structured output is not supported yet "
-                     "(planned); only none is accepted", values=("none",), bad_value="xgrammar"),
-    AlreadyBehaviour(("--quant_type",), "weight quantization methods are not supported yet "
-                     "(planned); only none is accepted (GGUF checkpoints load by path)",
-                     values=("none",), bad_value="ao-int8wo"),
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
 
 REJECTIONS: tuple[Rejection, ...] = (
-    Rejection("not supported yet: prefix caching (radix tree) is a planned feature",
-              ("--enable-prefix-caching", "--use_dynamic_prompt_cache", "--enable-cache-report",
-               "--enable-prompt-tokens-details")),
     Rejection("not supported yet: hierarchical (host/storage) KV cache is not implemented",
               ("--hicache-storage-backend-extra-config",)),
     Rejection("not supported yet: scheduling policies and their tuning are a planned feature "
               "(requests are served first come, first served)",
-              ("--schedule-conservativeness", "--prefill-only-one-req", "--router_token_ratio",
-               "--router_max_new_token_len", "--router_max_wait_tokens",
-               "--disable_aggressive_schedule", "--enable-priority-scheduling",
-               "--max-queued-requests")),
-    Rejection("not supported yet: metrics, tracing and extra logging are a planned feature "
-              "(only --log-level exists)",
-              ("--enable-metrics", "--enable-metrics-for-all-schedulers",
+              ("--prefill-only-one-req", "--router_max_new_token_len",
+               "--disable_aggressive_schedule")),
+    Rejection("not supported yet: metrics push gateways, custom metric labels, tracing and "
+              "timing marks (--enable-metrics serves /metrics for Prometheus to scrape)",
+              ("--enable-metrics-for-all-schedulers",
                "--tokenizer-metrics-custom-labels-header",
                "--tokenizer-metrics-allowed-custom-labels", "--metric_gateway", "--job_name",
                "--grouping_key", "--push_interval", "--enable_monitor_auth", "--health_monitor",
                "--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-trace",
-               "--show-time-cost", "--decode-log-interval", "--log_stats_interval",
-               "--disable-log-stats", "--disable_log_stats", "--log-requests",
-               "--log-requests-level", "--max-log-len", "--log-level-http",
-               "--uvicorn-log-level")),
+               "--show-time-cost")),
+    Rejection("not supported: custom logit processors run client-supplied code inside the "
+              "engine process (a code execution risk), so servelm keeps them off",
+              ("--enable-custom-logit-processor",)),
     Rejection("not supported yet: LoRA adapters are a planned feature",
               ("--enable-lora", "--enable-lora-bias", "--fully-sharded-loras", "--lora-dtype",
                "--lora-extra-vocab-size", "--lora-modules", "--long-lora-scaling-factors",
@@ -285,17 +332,14 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--typical-acceptance-sampler-posterior-threshold", "--num-lookahead-slots",
                "--disable-logprobs-during-spec-decoding", "--mtp_mode", "--mtp_draft_model_dir",
                "--mtp_step")),
-    Rejection("not supported yet: weight quantization methods are a planned feature (GGUF "
-              "checkpoints load by path without a flag)",
-              ("--quantization", "-q", "--quantization-param-path", "--torchao-config",
-               "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg")),
-    Rejection("not supported yet: structured output (grammars, JSON schema) is a planned feature",
-              ("--guided-decoding-backend", "--grammar-backend",
-               "--constrained-json-whitespace-pattern", "--first_token_constraint_mode",
-               "--logits-processor-pattern")),
-    Rejection("not supported yet: tool-call and reasoning parsers are a planned feature",
-              ("--enable-auto-tool-choice", "--tool-call-parser", "--tool-parser-plugin",
-               "--tool_call_parser", "--reasoning-parser")),
+    Rejection("not supported yet: only --quantization w8a8_int8 (computed at load) is implemented; "
+              "pre-quantized checkpoints and calibration files are not (GGUF loads by path)",
+              ("--quantization-param-path", "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg")),
+    Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
+              "response_format, json_schema, regex, ebnf)",
+              ("--first_token_constraint_mode", "--logits-processor-pattern")),
+    Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
+              ("--tool-parser-plugin",)),
     Rejection("not supported: servelm runs the model in a single process on one device "
               "(no multi-GPU or multi-node serving)",
               ("--dist-init-addr", "--nccl-init-addr", "--nccl_host", "--nccl_port",
@@ -343,11 +387,9 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: KV offloading and block-count overrides (size the pool with "
               "--max-total-tokens or --mem-fraction-static)",
               ("--num-gpu-blocks-override",)),
-    Rejection("not supported yet: this HTTP server option (CORS, TLS, root path, middleware, "
-              "docs switch, file storage, warm-up) is not implemented; put a proxy in front",
-              ("--allow-credentials", "--allowed-headers", "--allowed-methods",
-               "--allowed-origins", "--ssl-ca-certs", "--ssl-cert-reqs", "--ssl-certfile",
-               "--ssl-keyfile", "--root-path", "--middleware", "--disable-fastapi-docs",
+    Rejection("not supported yet: this HTTP server option (custom middleware, docs switch, "
+              "file storage, warm-up) is not implemented",
+              ("--middleware", "--disable-fastapi-docs",
                "--file-storage-pth", "--warmups", "--skip-server-warmup")),
     Rejection("not supported: the process layout is fixed (engine core in its own process, "
               "ZMQ IPC, tokenization in the front end)",
@@ -369,9 +411,9 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--disable-sliding-window",)),
     Rejection("not supported: prompts are bounded only by the context length "
               "(--context-length / --max_req_total_len)", ("--max_req_input_len",)),
-    Rejection("not supported: debugging switch not implemented (watchdog, NaN detection, "
+    Rejection("not supported: debugging switch not implemented (NaN detection, "
               "deterministic mode)",
-              ("--watchdog-timeout", "--enable-nan-detection", "--enable-deterministic-inference")),
+              ("--enable-nan-detection", "--enable-deterministic-inference")),
     Rejection("not a server option: --shm-size is a `docker run` flag (shared memory for the "
               "container)", ("--shm-size",)),
 )

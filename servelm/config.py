@@ -58,6 +58,11 @@ class ModelConfig:
     seed: int = opt(0, "Seed for random weights (dummy) and for requests that give no seed.")
     device: str = opt("auto", "Device to run on: auto picks cuda when present, else cpu.",
                       choices=["auto", "cpu", "cuda"])
+    quantization: str = opt("none", "Weight quantization applied after loading. w8a8_int8: int8 weights "
+                            "per output channel and int8 activations quantized at run time, for every "
+                            "linear layer and the LM head (about 4x less weight traffic; about 2 percent relative "
+                            "error per layer). none: the model dtype.",
+                            choices=["none", "w8a8_int8"])
 
     def __post_init__(self) -> None:
         if self.context_length is not None and self.context_length <= 0:
@@ -88,8 +93,17 @@ class CacheConfig:
                                      "after weights given to the KV pool. 0.3 on a shared CPU host leaves "
                                      "room for activations and other processes.")
     max_total_tokens: int | None = opt(None, "KV pool size in tokens; overrides --mem-fraction-static.")
-    kv_cache_dtype: str = opt("auto", "KV cache dtype; auto uses the model dtype.",
-                              choices=["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = opt("auto", "KV cache dtype; auto uses the model dtype. fp8_e5m2 and fp8_e4m3 "
+                              "(fp8 is vLLM's name for fp8_e4m3) store one byte per element (4x the tokens of float32 in the "
+                              "same memory; "
+                              "attention computes in the model dtype).",
+                              choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e5m2", "fp8_e4m3"])
+    disable_radix_cache: bool = opt(False, "Turn the prefix cache off. On by default: requests that "
+                                    "share a prompt prefix (system prompts, chat turns, n>1) reuse its "
+                                    "KV blocks instead of recomputing them.")
+    radix_eviction_policy: str = opt("lru", "Which free cached blocks go first when the pool needs "
+                                     "room: lru (least recently used) or lfu (least often hit).",
+                                     choices=["lru", "lfu"])
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -110,6 +124,35 @@ class SchedulerConfig:
                                     "disables chunking. 512 keeps a step short on CPU so decodes stream.")
     max_prefill_tokens: int = opt(4096, "Most tokens (prefill and decode together) computed in one step.")
     stream_interval: int = opt(1, "Send streamed output every N tokens.")
+    schedule_policy: str = opt(
+        "fcfs", "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), "
+        "dfs-weight (walk the prefix tree, heaviest branch first, so requests sharing a prefix run "
+        "together) or random. fcfs by default: it never starves a request.",
+        choices=["fcfs", "lpm", "dfs-weight", "random"])
+    enable_priority_scheduling: bool = opt(
+        False, "Order the waiting queue by each request's `priority` field first (then by "
+        "--schedule-policy), and let a much more urgent request preempt a running one.")
+    scheduling_policy: str = opt(
+        "fcfs", "vLLM's switch: priority = priority scheduling with smaller `priority` values "
+        "first (ties by arrival); fcfs = arrival order.", choices=["fcfs", "priority"])
+    schedule_low_priority_values_first: bool = opt(
+        False, "With priority scheduling, smaller `priority` values run first (vLLM's convention); "
+        "by default larger values do.")
+    priority_scheduling_preemption_threshold: int = opt(
+        10, "With priority scheduling, a waiting request preempts a running one only when its "
+        "priority is better by more than this, so near-equal priorities do not thrash.")
+    schedule_conservativeness: float = opt(
+        0.0, "Fraction of the running requests' remaining max_tokens kept free in the KV pool when "
+        "admitting a new request. 0 (default) admits whenever the next chunk fits and relies on "
+        "recompute preemption; 1 admits only what can finish without preemption.")
+    router_token_ratio: float = opt(
+        0.0, "KV pool usage (0-1) above which admission turns fully conservative (as "
+        "--schedule-conservativeness 1); 0 turns the switch off.")
+    router_max_wait_tokens: int = opt(
+        0, "While requests are decoding, admit new ones only every N steps, so prompts are "
+        "batched instead of interrupting decode each step; 0 admits at every step.")
+    max_queued_requests: int | None = opt(
+        None, "Most requests waiting for admission; beyond it new requests get 503. Unset: no limit.")
 
     def __post_init__(self) -> None:
         if self.max_running_requests <= 0:
@@ -120,11 +163,31 @@ class SchedulerConfig:
             raise ValueError(f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         if self.stream_interval <= 0:
             raise ValueError(f"--stream-interval must be positive, got {self.stream_interval}")
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"--schedule-conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if not 0.0 <= self.router_token_ratio <= 1.0:
+            raise ValueError(f"--router-token-ratio must be in [0, 1], got {self.router_token_ratio}")
+        if self.router_max_wait_tokens < 0:
+            raise ValueError(f"--router-max-wait-tokens must be >= 0, got {self.router_max_wait_tokens}")
+        if self.max_queued_requests is not None and self.max_queued_requests <= 0:
+            raise ValueError(f"--max-queued-requests must be positive, got {self.max_queued_requests}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError("--priority-scheduling-preemption-threshold must be >= 0, got "
+                             f"{self.priority_scheduling_preemption_threshold}")
 
     @property
     def max_tokens_per_step(self) -> int:
         """Token budget of one engine step."""
         return self.max_prefill_tokens
+
+    @property
+    def is_priority_scheduling(self) -> bool:
+        return self.enable_priority_scheduling or self.scheduling_policy == "priority"
+
+    @property
+    def is_low_priority_value_first(self) -> bool:
+        """Smaller `priority` values are more urgent (SGLang's flag, or vLLM's convention)."""
+        return self.schedule_low_priority_values_first or self.scheduling_policy == "priority"
 
     @property
     def max_chunk_tokens(self) -> int | None:
@@ -149,6 +212,26 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Constrained decoding (JSON schema, regex, EBNF grammars)."""
+
+    grammar_backend: str = opt("xgrammar", "Grammar backend for structured output; none disables it "
+                               "(requests asking for a grammar then get a 400).",
+                               choices=["xgrammar", "none", "outlines", "llguidance"])
+    constrained_json_whitespace_pattern: str | None = opt(
+        None, "Whitespace allowed between JSON tokens. Unset: compact JSON (small models given free "
+        "whitespace can loop on it); set: any JSON whitespace is allowed.")
+    disable_jump_forward: bool = opt(False, "Sample every token under a grammar. By default, text the "
+                                     "grammar forces (JSON keys and punctuation) is appended without a "
+                                     "model step, saving steps.")
+
+    def __post_init__(self) -> None:
+        from servelm.constrained.grammar import check_backend_available
+
+        check_backend_available(self.grammar_backend)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """HTTP front end."""
 
@@ -157,11 +240,106 @@ class ServerConfig:
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every endpoint but health.")
     chat_template: str | None = opt(None, "Chat template: a Jinja file path or an inline template.")
     allow_auto_truncate: bool = opt(False, "Truncate prompts longer than the context (keep the end) instead of 400.")
+    enable_cache_report: bool = opt(False, "Report prompt tokens served from the prefix cache as "
+                                    "usage.prompt_tokens_details.cached_tokens in OpenAI responses.")
+    long_truncation_mode: str = opt(
+        "none", "What to drop from a prompt longer than the context allows: none (answer 400, "
+        "unless --allow-auto-truncate, which is head), head (the oldest tokens) or center (the "
+        "middle, keeping the start and the end).", choices=["none", "head", "center"])
     log_level: str = opt("info", "Log level for servelm.", choices=["debug", "info", "warning", "error"])
+    tool_call_parser: str | None = opt(
+        None, "How tool calls are read from the model's text (chat tools); unset: hermes, which also "
+        "takes a bare JSON object.", choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])
+    enable_auto_tool_choice: bool = opt(False, "Let the model decide to call tools (tool_choice auto "
+                                        "with tools); also on when --tool-call-parser is set.")
+    reasoning_parser: str | None = opt(None, "Split <think>...</think> into reasoning_content.",
+                                       choices=["deepseek-r1", "qwen3"])
+    allowed_origins: str | None = opt(
+        None, "CORS: origins allowed to call the API, a JSON list or comma-separated ('*' for "
+        "any). Unset: no CORS headers (browsers on other origins are refused).")
+    allowed_methods: str = opt("*", "CORS: allowed methods (JSON list or comma-separated).")
+    allowed_headers: str = opt("*", "CORS: allowed request headers (JSON list or comma-separated).")
+    allow_credentials: bool = opt(False, "CORS: allow cookies and Authorization headers cross-origin.")
+    ssl_keyfile: str | None = opt(None, "TLS private key file (PEM); with --ssl-certfile serves HTTPS.")
+    ssl_certfile: str | None = opt(None, "TLS certificate file (PEM).")
+    ssl_ca_certs: str | None = opt(None, "CA certificates file for verifying client certificates.")
+    ssl_cert_reqs: int = opt(0, "Client certificate requirement, as Python's ssl module: 0 none, "
+                             "1 optional, 2 required.")
+    root_path: str | None = opt(None, "ASGI root path when behind a path-based routing proxy "
+                                "(e.g. /llm).")
+    max_request_body_bytes: int = opt(
+        8 * 1024 * 1024, "Largest request body accepted, in bytes; larger ones get 413. 8 MiB "
+        "holds any prompt that fits a 1M-token context while bounding memory per request.")
+    shutdown_timeout_s: float = opt(
+        60.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they are "
+        "cut off; then the engine process is stopped.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"--max-request-body-bytes must be positive, got {self.max_request_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
+
+    @property
+    def truncation_mode(self) -> str | None:
+        """head or center when over-long prompts are truncated; None when they are refused."""
+        if self.long_truncation_mode != "none":
+            return self.long_truncation_mode
+        return "head" if self.allow_auto_truncate else None
+
+
+def _bucket_check(flag: str, buckets: list[float] | None) -> None:
+    if buckets is None:
+        return
+    if not buckets or any(b <= 0 for b in buckets) or sorted(set(buckets)) != list(buckets):
+        raise ValueError(f"{flag} needs positive, increasing bucket bounds in seconds, got {buckets}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Metrics, request logs, the periodic stats line and the forward-pass watchdog."""
+
+    enable_metrics: bool = opt(False, "Serve Prometheus metrics at GET /metrics.")
+    bucket_time_to_first_token: list[float] | None = opt(
+        None, "Histogram bucket bounds (seconds) for time to first token; default a 0.01-60 s ladder.")
+    bucket_inter_token_latency: list[float] | None = opt(
+        None, "Histogram bucket bounds (seconds) for the gap between output tokens.")
+    bucket_e2e_request_latency: list[float] | None = opt(
+        None, "Histogram bucket bounds (seconds) for whole-request latency.")
+    log_level_http: str | None = opt(None, "Log level of the HTTP access log; defaults to --log-level.",
+                                     choices=["debug", "info", "warning", "error", "critical"])
+    log_requests: bool = opt(False, "Log each request when it finishes (see --log-requests-level).")
+    log_requests_level: int = opt(
+        0, "What --log-requests writes: 0 id, token counts, finish reason, latency; 1 plus the "
+        "sampling parameters; 2 plus prompt and output text cut to --max-log-len; 3 all of it.")
+    max_log_len: int | None = opt(None, "Most characters (or token ids) of prompt and output per "
+                                  "request log line at level 2; unset: 2048.")
+    log_stats_interval: float = opt(10.0, "Seconds between stats lines (throughput, running/queued, "
+                                    "KV use, cache hit rate) while there is work; 0 turns them off.")
+    decode_log_interval: int = opt(0, "Also log the stats line every N engine steps; 0: by time only.")
+    watchdog_timeout: float = opt(
+        300.0, "Seconds one engine step may take; a step that hangs longer kills the engine (the "
+        "server then exits with an error) instead of hanging forever. 300 s is far above any "
+        "healthy step, even a full prefill on CPU. 0 turns the watchdog off.")
+
+    def __post_init__(self) -> None:
+        _bucket_check("--bucket-time-to-first-token", self.bucket_time_to_first_token)
+        _bucket_check("--bucket-inter-token-latency", self.bucket_inter_token_latency)
+        _bucket_check("--bucket-e2e-request-latency", self.bucket_e2e_request_latency)
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if self.log_stats_interval < 0:
+            raise ValueError(f"--log-stats-interval must be >= 0, got {self.log_stats_interval}")
+        if self.decode_log_interval < 0:
+            raise ValueError(f"--decode-log-interval must be >= 0, got {self.decode_log_interval}")
+        if self.watchdog_timeout < 0:
+            raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
 
 
 @dataclass(frozen=True)
@@ -173,6 +351,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     @staticmethod
     def sections() -> dict[str, type]:
@@ -200,4 +380,6 @@ _SECTION_TYPES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "server": ServerConfig,
+    "observability": ObservabilityConfig,
+    "structured": StructuredOutputConfig,
 }

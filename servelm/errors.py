@@ -27,4 +27,16 @@ class InvalidRequestError(ServelmError):
 
 
 class EngineRequestError(ServelmError):
-    """The engine failed a request (finish_reason "error") or could not be reached; answered 500."""
+    """The engine failed a request (finish_reason "error") or could not be reached; answered
+    ``status_code``: 500, or the engine's own status for a request it refused up front (400: it
+    can never fit the KV pool; 503: the waiting queue is full)."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+    @classmethod
+    def from_output(cls, output: object) -> EngineRequestError:
+        """From a RequestOutput that finished with an error."""
+        message = getattr(output, "error", None) or "the engine failed the request"
+        return cls(message, getattr(output, "error_status", None) or 500)

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -37,7 +38,6 @@ from servelm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_STATS_INTERVAL_S = 10.0
 _STARTUP_POLL_MS = 500
 
 
@@ -48,8 +48,12 @@ class EngineDeadError(RuntimeError):
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
     """Entry point of the engine process: load the model, then step until told to stop."""
     from servelm.engine.engine import LLMEngine
+    from servelm.engine.monitor import StatsLogger, Watchdog
     from servelm.logging_utils import configure_logging
 
+    # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.server.log_level)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -69,7 +73,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
         return
     outputs.send_pyobj(("ready", engine.model_info))
-    stats = _StatsLogger(engine)
+    stats = StatsLogger(engine, config.observability)
+    timeout_s = config.observability.watchdog_timeout
+    watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
     while True:
         timeout_ms = 0 if engine.has_unfinished() else 1000
         if inputs.poll(timeout_ms):
@@ -84,7 +90,11 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             logger.error("front end process exited; engine stopping")
             return
         if engine.has_unfinished():
+            if watchdog is not None:
+                watchdog.step_started()
             step_outputs = engine.step()
+            if watchdog is not None:
+                watchdog.step_finished()
             if step_outputs:
                 outputs.send_pyobj(("outputs", step_outputs))
         stats.maybe_log()
@@ -93,8 +103,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params)
+        _, request_id, prompt_token_ids, params, priority = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params, priority)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "abort":
@@ -103,29 +113,10 @@ def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket) -> None:
             outputs.send_pyobj(("outputs", [aborted]))
     elif kind == "info":
         outputs.send_pyobj(("info", message[1], engine.stats()))
+    elif kind == "flush_cache":  # answered like "info": a call id and a dict
+        outputs.send_pyobj(("info", message[1], engine.flush_cache()))
     else:
         raise AssertionError(f"unknown engine message {kind!r}")
-
-
-class _StatsLogger:
-    """Logs throughput and pool use every few seconds while there is work."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.last_s = time.monotonic()
-        self.last_tokens = 0
-
-    def maybe_log(self) -> None:
-        now = time.monotonic()
-        if now - self.last_s < _STATS_INTERVAL_S:
-            return
-        tokens = self.engine.num_generated_tokens
-        if tokens != self.last_tokens or self.engine.has_unfinished():
-            stats = self.engine.stats()
-            logger.info("running=%d waiting=%d kv_usage=%.1f%% gen_throughput=%.1f tok/s",
-                        stats["num_running"], stats["num_waiting"], 100 * stats["token_usage"],
-                        (tokens - self.last_tokens) / (now - self.last_s))
-        self.last_s, self.last_tokens = now, tokens
 
 
 class AsyncEngine:
@@ -146,6 +137,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
+        self._dead = asyncio.Event()
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -237,11 +229,18 @@ class AsyncEngine:
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(self._dead_reason))
+        self._dead.set()
 
     # -- public API -------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
         return self._dead_reason is None
+
+    async def wait_dead(self) -> str:
+        """Return (with the reason) once the engine process has died; pending requests have
+        already been failed by then."""
+        await self._dead.wait()
+        return self._dead_reason or "engine process exited"
 
     def _send(self, message: tuple[Any, ...]) -> None:
         if self._dead_reason is not None:
@@ -249,7 +248,7 @@ class AsyncEngine:
         self._push.send_pyobj(message)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it."""
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
@@ -257,7 +256,7 @@ class AsyncEngine:
         self._queues[request_id] = queue
         is_finished = False
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params))
+            self._send(("add", request_id, list(prompt_token_ids), params, priority))
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):
@@ -277,10 +276,17 @@ class AsyncEngine:
             self._push.send_pyobj(("abort", request_id))
 
     async def get_server_info(self) -> dict[str, Any]:
+        return await self._call("info")
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Empty the prefix cache: {"success": bool, "message": str} (refused while busy)."""
+        return await self._call("flush_cache")
+
+    async def _call(self, kind: str) -> dict[str, Any]:
         call_id = next(self._call_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(("info", call_id))
+        self._send((kind, call_id))
         try:
             return await asyncio.wait_for(future, timeout=30)
         finally:

@@ -12,7 +12,9 @@ import time
 from typing import Any
 
 from servelm.cache.block_pool import BlockPool
+from servelm.cache.radix_tree import RadixTree
 from servelm.config import EngineConfig
+from servelm.constrained.grammar import GrammarCache, GrammarError, make_backend
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
@@ -39,8 +41,15 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
         self.block_pool = BlockPool(runner.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size)
+        self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
+            self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
+        self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
+                                   self.prefix_cache, seed=config.model.seed)
         self.executor = Executor(runner)
+        self._grammars: GrammarCache | None = None
+        self.num_jump_forward_tokens = 0
+        """Output tokens appended by grammar jump-forward instead of a model step."""
+        """Compiled grammars; built on the first structured request (needs the tokenizer)."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -76,15 +85,30 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> RequestOutput | None:
-        """Queue a request. Returns a finished error output when it can never run."""
+                    params: SamplingParams, priority: int = 0) -> RequestOutput | None:
+        """Queue a request. Returns a finished error output when it can never run (or when the
+        waiting queue is full: ``error_status`` 503)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
-                          max_context_tokens=self.context_length)
+                          max_context_tokens=self.context_length, priority=priority)
+        max_queued = self.config.scheduler.max_queued_requests
+        if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
+            return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                                 error=(f"the server is busy: {max_queued} requests are already "
+                                        "waiting (--max-queued-requests); retry later"),
+                                 num_prompt_tokens=request.num_prompt_tokens, error_status=503)
         error = self._check(request)
         if error is not None:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                 error=error, num_prompt_tokens=request.num_prompt_tokens)
+                                 error=error, num_prompt_tokens=request.num_prompt_tokens,
+                                 error_status=400)
+        if params.structured is not None:
+            try:
+                request.grammar = self._grammar_cache().matcher(params.structured.kind,
+                                                                params.structured.spec)
+            except (GrammarError, ValueError) as error:
+                return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                                     error=str(error), num_prompt_tokens=request.num_prompt_tokens)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
@@ -115,6 +139,22 @@ class LLMEngine:
         if request.params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)"
         return None
+
+    def _grammar_cache(self) -> GrammarCache:
+        """The compiled-grammar cache, creating the backend on first use."""
+        if self._grammars is None:
+            structured = self.config.structured
+            if self.tokenizer is None:
+                raise GrammarError("structured output needs a tokenizer (the server runs with "
+                                   "--skip-tokenizer-init)")
+            vocab_size = getattr(self.runner, "vocab_size", None) or len(self.tokenizer)
+            backend = make_backend(structured.grammar_backend, self.tokenizer, vocab_size,
+                                   self.eos_token_ids, structured.constrained_json_whitespace_pattern)
+            if backend is None:
+                raise GrammarError("structured output is disabled (--grammar-backend none)")
+            self._grammars = GrammarCache(backend)
+            self.executor.grammar_backend = backend
+        return self._grammars
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -152,6 +192,8 @@ class LLMEngine:
         outputs = []
         interval = self.config.scheduler.stream_interval
         for request in touched:
+            if request.grammar is not None and not request.is_finished:
+                self._jump_forward(request)
             self._detokenize(request)
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
@@ -159,6 +201,30 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         self.num_generated_tokens += sum(len(r.token_ids) for r in results)
         return outputs
+
+    def _jump_forward(self, request: Request) -> None:
+        """Append the text the grammar forces next (e.g. '": ' after a key) without sampling it.
+
+        The forced text is tokenized and each token fed to the matcher; the first token it refuses
+        (a tokenization that does not line up with the grammar) ends the jump. The appended tokens
+        are ordinary output tokens: the scheduler computes their K/V next step with the same
+        catch-up arithmetic as a prompt chunk, and samples after the last one.
+        """
+        params = request.params
+        if (self.config.structured.disable_jump_forward or self.tokenizer is None
+                or params.logprobs is not None or request.grammar is None):
+            return
+        forced = request.grammar.forced_text()
+        if not forced:
+            return
+        budget = request.max_context_tokens - request.num_tokens - 1
+        if params.max_tokens is not None:
+            budget = min(budget, params.max_tokens - len(request.output_token_ids) - 1)
+        for token_id in self.tokenizer.encode(forced, add_special_tokens=False)[:max(budget, 0)]:
+            if not request.grammar.accept_token(token_id):
+                break
+            request.output_token_ids.append(token_id)
+            self.num_jump_forward_tokens += 1
 
     def _detokenize(self, request: Request) -> None:
         """Decode the request's new tokens; a matched stop string ends it with reason "stop"."""
@@ -200,19 +266,42 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=0,
+            num_cached_tokens=request.num_cached_tokens,
             error=request.error,
         )
 
+    def flush_cache(self) -> dict[str, Any]:
+        """Empty the prefix cache; refused while requests are queued or running."""
+        if not self.scheduler.flush_cache():
+            return {"success": False, "message": (
+                f"cannot flush the cache while {len(self.scheduler.running)} requests are running "
+                f"and {len(self.scheduler.waiting)} waiting; retry when the server is idle")}
+        return {"success": True, "message": "cache flushed"}
+
     def stats(self) -> dict[str, Any]:
+        """Live pool, queue and cache figures. Used blocks (and ``token_usage``) are those held by
+        requests; cached blocks nobody holds can be evicted at once, so they count as free and
+        are also reported apart (``num_cached_blocks`` counts every cached block)."""
         pool = self.block_pool
+        scheduler = self.scheduler
+        cache = self.prefix_cache
+        num_cached = cache.num_blocks if cache is not None else 0
+        num_evictable = cache.num_evictable_blocks() if cache is not None else 0
+        num_held = pool.num_used_blocks - num_evictable
         return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_used_blocks": pool.num_used_blocks,
-            "num_free_blocks": pool.num_free_blocks,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_used_blocks": num_held,
+            "num_free_blocks": pool.num_free_blocks + num_evictable,
             "kv_pool_tokens": pool.num_blocks * self.runner.block_size,
-            "token_usage": round(pool.num_used_blocks / pool.num_blocks, 4),
+            "token_usage": round(num_held / pool.num_blocks, 4),
+            "prefix_cache": cache is not None,
+            "num_cached_blocks": num_cached,
+            "num_evictable_blocks": num_evictable,
+            "num_prompt_tokens": scheduler.num_prompt_tokens,
+            "num_cached_prompt_tokens": scheduler.num_cached_prompt_tokens,
+            "cache_hit_rate": round(scheduler.num_cached_prompt_tokens
+                                    / max(1, scheduler.num_prompt_tokens), 4),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,

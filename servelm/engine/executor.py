@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from servelm.constrained.grammar import GrammarBackend
+from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -28,15 +30,19 @@ class Runner(Protocol):
 class Executor:
     """Forward pass plus sampling for one step."""
 
-    def __init__(self, runner: Runner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler | None = None,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self.grammar_backend = grammar_backend
+        """Applies structured-output bitmasks; set by the engine before the first grammar request."""
 
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
         logits = self.runner.execute(output.plan)
         results = [StepResult() for _ in output.scheduled]
         sample_rows: list[int] = []
         sample_targets: list[tuple[int, SamplingRow]] = []
+        grammar_requests: list[Request | None] = []
         row = 0
         for index, scheduled in enumerate(output.scheduled):
             request = scheduled.request
@@ -54,12 +60,33 @@ class Executor:
                     output_token_ids=request.output_token_ids,
                     eos_token_ids=request.eos_token_ids,
                 )))
+                grammar_requests.append(request if request.grammar is not None else None)
             row += scheduled.num_logits
         assert row == logits.shape[0], f"runner returned {logits.shape[0]} rows, plan needs {row}"
         if sample_rows:
-            sampled = self.sampler(logits[sample_rows], [r for _, r in sample_targets])
+            if sample_rows == list(range(row)) and not any(s.num_prompt_logprob_rows for s in output.scheduled):
+                sample_logits = logits  # every row samples (decode): skip copying [rows, vocab]
+            else:
+                sample_logits = logits[sample_rows]  # a copy: masking it leaves prompt logprobs alone
+            self._apply_grammars(sample_logits, grammar_requests)
+            sampled = self.sampler(sample_logits, [r for _, r in sample_targets])
             for position, (index, _) in enumerate(sample_targets):
                 results[index].token_ids = [sampled.token_ids[position]]
                 if sampled.logprobs is not None and sampled.logprobs[position] is not None:
                     results[index].logprobs = [sampled.logprobs[position]]
         return results
+
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None]) -> None:
+        """Mask each grammar row's disallowed tokens to -inf, with one bitmask op for the batch.
+
+        The mask goes in before the sampler, so logprobs are those of the constrained distribution;
+        it commutes with the sampler's bias, min_tokens ban and penalties (-inf stays -inf).
+        """
+        if all(request is None for request in requests):
+            return
+        assert self.grammar_backend is not None, "a grammar request needs the engine's backend"
+        bitmask = self.grammar_backend.allocate_bitmask(len(requests))  # all tokens allowed
+        for row, request in enumerate(requests):
+            if request is not None and request.grammar is not None:
+                request.grammar.fill_bitmask(bitmask, row)
+        self.grammar_backend.apply_bitmask(logits, bitmask)

@@ -42,6 +42,9 @@ class RequestOutput:
     """Prompt tokens whose KV came from the prefix cache."""
     error: str | None = None
     """Why the request failed, when finish_reason is "error"."""
+    error_status: int | None = None
+    """HTTP status for a request refused before it ran (400: can never fit, 503: queue full);
+    None for failures while running (500)."""
 
     @property
     def is_finished(self) -> bool:

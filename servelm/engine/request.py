@@ -3,7 +3,10 @@
 Invariants:
 - ``num_computed_tokens <= num_tokens``; positions below ``num_computed_tokens`` have K/V in
   ``block_ids`` (recompute preemption resets both to zero/empty).
-- A finished request holds no blocks.
+- A finished request holds no blocks (its full blocks may live on in the prefix cache, which
+  holds its own references).
+- Leading blocks reused from the prefix cache are shared and never written: the request computes
+  from ``num_computed_tokens`` on, which starts at the (block-aligned) cached length.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from servelm.constrained.grammar import GrammarMatcher
 from servelm.engine.outputs import TokenLogprob
 from servelm.sampling.params import SamplingParams
 
@@ -55,6 +59,17 @@ class Request:
     is_prompt_logprobs_sent: bool = False
     num_sent_tokens: int = 0
     """Output tokens already reported to the client."""
+    priority: int = 0
+    """Scheduling priority (used with priority scheduling; see engine/policy.py)."""
+    adapter_id: str | None = None
+    """LoRA adapter the K/V is computed with; part of the prefix-cache key."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache at first admission."""
+    num_inserted_blocks: int = 0
+    """Leading blocks of ``block_ids`` already given to the prefix cache."""
+    grammar: GrammarMatcher | None = None
+    """Structured output: the grammar state after exactly ``output_token_ids`` (fed by the
+    scheduler as tokens are appended; preemption and recompute leave it alone)."""
 
     @property
     def num_prompt_tokens(self) -> int:

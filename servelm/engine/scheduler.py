@@ -12,16 +12,25 @@ Invariants:
   results are unchanged by preemption.
 - A request finished here (stop token, length, abort, error) releases its blocks at once.
 - The scheduler never asks for more blocks than the pool has free.
+- With the prefix cache: a request admitted from the queue first takes the cached blocks of its
+  longest cached prefix (all tokens but the last, so the last always yields logits) and computes
+  from there. Every full block a request computes is inserted into the cache as soon as it is
+  computed (so n>1 siblings and later turns hit it), and a finished or preempted request's blocks
+  stay cached. When the pool is short, free cached blocks are evicted before anyone is preempted.
+- Admission order is engine/policy.py's; admission stops at the first request that does not fit.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
 from servelm.cache.block_pool import BlockPool
+from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
 from servelm.engine.outputs import TokenLogprob
+from servelm.engine.policy import cache_key, order_waiting, urgency
 from servelm.engine.request import FinishReason, Request, RequestStatus
 from servelm.model.forward_batch import BatchPlan, SequencePlan
 
@@ -74,14 +83,22 @@ def cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Owns the waiting queue, the running set and the requests' blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
+                 prefix_cache: RadixTree | None = None, seed: int = 0) -> None:
         self.config = config
         self.block_pool = block_pool
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        """Prompt tokens of admitted requests (first admission only): the hit rate's denominator."""
+        self.num_cached_prompt_tokens = 0
+        """Of those, tokens served from the prefix cache."""
+        self._rng = random.Random(seed)
+        self._num_steps_without_admission = 0
 
     # -- queue management -------------------------------------------------------------------
     @property
@@ -133,30 +150,170 @@ class Scheduler:
                 did_preempt = True
                 if not self._preempt_for(request, target_tokens, output):
                     continue  # request itself was preempted or failed; the list shifted
-                if not self._grow(request, target_tokens):
-                    continue
             self._add(output, request, num_tokens)
             budget -= num_tokens
             index += 1
 
-        while (self.waiting and budget > 0 and not did_preempt
-               and len(self.running) < self.config.max_running_requests):
-            request = self.waiting[0]
+        if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
+            self._admit(output, budget)
+        return output
+
+    def _is_admission_step(self) -> bool:
+        """LightLLM's --router_max_wait_tokens: while others decode, admit every N steps only."""
+        wait_steps = self.config.router_max_wait_tokens
+        if wait_steps == 0 or not self.running or self._num_steps_without_admission + 1 >= wait_steps:
+            self._num_steps_without_admission = 0
+            return True
+        self._num_steps_without_admission += 1
+        return False
+
+    def _admit(self, output: SchedulerOutput, budget: int) -> None:
+        """Move waiting requests to running in policy order while they fit."""
+        admitted: list[Request] = []
+        for request in order_waiting(self.waiting, self.config, self.prefix_cache, self._rng):
+            if budget <= 0:
+                break
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
                     f"{self.pool_capacity_tokens}"))
                 output.finished.append(request)
                 continue
+            if self._shares_prefix_in_flight(request, admitted):
+                continue  # compute the shared prefix once: next step it is cached
+            self._match_prefix(request)
             num_tokens = self._chunk(request, budget)
-            if not self._grow(request, request.num_computed_tokens + num_tokens):
-                break
-            self.waiting.popleft()
+            while not self._fits(request, num_tokens):
+                victim = self._priority_victim(request)
+                if victim is None:
+                    self._unmatch(request)
+                    return
+                budget += self._unschedule(output, victim)
+                self._preempt(victim)
+                num_tokens = self._chunk(request, budget)
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.num_preemptions == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_cached_prompt_tokens += request.num_cached_tokens
             self._add(output, request, num_tokens)
+            admitted.append(request)
             budget -= num_tokens
-        return output
+
+    def _fits(self, request: Request, num_tokens: int) -> bool:
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        if not self._has_headroom(request, num_tokens):
+            return False
+        return self._grow(request, request.num_computed_tokens + num_tokens)
+
+    def _has_headroom(self, request: Request, num_tokens: int) -> bool:
+        """--schedule-conservativeness: keep a share of the running requests' future blocks free."""
+        conservativeness = self.config.schedule_conservativeness
+        ratio = self.config.router_token_ratio
+        evictable = None
+        if ratio > 0:
+            evictable = self._num_evictable_blocks()
+            used = self.block_pool.num_used_blocks - evictable
+            if used / self.block_pool.num_blocks >= ratio:
+                conservativeness = max(conservativeness, 1.0)
+        if conservativeness == 0:
+            return True
+        reserve = sum(max(0, self._final_blocks(r) - len(r.block_ids)) for r in self.running)
+        reserve += max(0, self._final_blocks(request)
+                       - cdiv(request.num_computed_tokens + num_tokens, self.block_size))
+        needed = cdiv(request.num_computed_tokens + num_tokens, self.block_size) - len(request.block_ids)
+        if evictable is None:
+            evictable = self._num_evictable_blocks()
+        available = self.block_pool.num_free_blocks + evictable
+        return needed + conservativeness * reserve <= available
+
+    def _final_blocks(self, request: Request) -> int:
+        """Blocks the request holds when it reaches max_tokens (or the context)."""
+        max_tokens = request.params.max_tokens
+        final_tokens = request.max_context_tokens if max_tokens is None else min(
+            request.max_context_tokens, request.num_prompt_tokens + max_tokens)
+        return cdiv(final_tokens, self.block_size)
+
+    def _num_evictable_blocks(self) -> int:
+        return self.prefix_cache.num_evictable_blocks() if self.prefix_cache is not None else 0
+
+    def _priority_victim(self, request: Request) -> Request | None:
+        """Priority scheduling: the least urgent running request (newest among equals), when
+        ``request`` is more urgent than it by more than the threshold; else None."""
+        if not self.config.is_priority_scheduling or not self.running:
+            return None
+        low_first = self.config.is_low_priority_value_first
+        victim = max(reversed(self.running), key=lambda r: urgency(r, low_first))
+        margin = urgency(victim, low_first) - urgency(request, low_first)
+        return victim if margin > self.config.priority_scheduling_preemption_threshold else None
+
+    @staticmethod
+    def _unschedule(output: SchedulerOutput, request: Request) -> int:
+        """Take ``request`` out of this step's plan; returns the tokens it had been given."""
+        for index, scheduled in enumerate(output.scheduled):
+            if scheduled.request is request:
+                del output.scheduled[index]
+                del output.plan.sequences[index]
+                return scheduled.num_tokens
+        return 0
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def _match_prefix(self, request: Request) -> None:
+        """Start a request at its longest cached prefix, sharing those blocks."""
+        if self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs:
+            return  # prompt logprobs need every prompt position computed
+        match = self.prefix_cache.match_prefix(cache_key(request), request.adapter_id)
+        if not match.block_ids:
+            return
+        self.block_pool.retain(match.block_ids)
+        request.block_ids = list(match.block_ids)
+        request.num_inserted_blocks = len(match.block_ids)
+        request.num_computed_tokens = match.num_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = min(match.num_tokens, request.num_prompt_tokens)
+
+    def _unmatch(self, request: Request) -> None:
+        """Undo ``_match_prefix`` for a request that stays waiting (it must not pin blocks)."""
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+
+    def _shares_prefix_in_flight(self, request: Request, admitted: list[Request]) -> bool:
+        """True when a request admitted this step will compute a full block of this request's
+        uncached prefix: waiting one step turns that duplicate work into a cache hit."""
+        if self.prefix_cache is None or not admitted:
+            return False
+        key = cache_key(request)
+        size = self.block_size
+        if len(key) < size:
+            return False
+        cached = self.prefix_cache.match_length(key, request.adapter_id)
+        for other in admitted:
+            if other.adapter_id != request.adapter_id or other.num_computed_tokens > cached:
+                continue
+            limit = min(len(key), other.num_tokens - 1)
+            if limit >= cached + size and other.token_slice(cached, cached + size) == key[cached:cached + size]:
+                return True
+        return False
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Give the request's newly computed full blocks to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full > request.num_inserted_blocks:
+            self.prefix_cache.insert(request.token_slice(0, num_full * self.block_size),
+                                     request.block_ids[:num_full], request.adapter_id)
+            request.num_inserted_blocks = num_full
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is queued or running."""
+        if self.has_unfinished():
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        return True
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -172,6 +329,9 @@ class Scheduler:
         if missing <= 0:
             return True
         new_blocks = self.block_pool.allocate(missing)
+        if new_blocks is None and self.prefix_cache is not None:
+            self.prefix_cache.evict(missing - self.block_pool.num_free_blocks)
+            new_blocks = self.block_pool.allocate(missing)
         if new_blocks is None:
             return False
         request.block_ids.extend(new_blocks)
@@ -193,8 +353,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is request:
                 return False
-            needed = cdiv(target_tokens, self.block_size) - len(request.block_ids)
-            if self.block_pool.can_allocate(max(needed, 0)):
+            if self._grow(request, target_tokens):  # the victim's blocks are free or evictable
                 return True
 
     def _preempt(self, request: Request) -> None:
@@ -207,9 +366,12 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free_blocks(self, request: Request) -> None:
+        """Drop the request's blocks; its computed full blocks stay in the prefix cache."""
         if request.block_ids:
+            self.cache_computed_blocks(request)
             self.block_pool.release(request.block_ids)
             request.block_ids = []
+        request.num_inserted_blocks = 0
 
     def _add(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
@@ -239,6 +401,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_tokens
+            self.cache_computed_blocks(request)
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
             if result.prompt_logprobs:
@@ -249,10 +412,24 @@ class Scheduler:
             request.pending_logprobs.extend(result.logprobs)
             for token_id in result.token_ids:
                 request.output_token_ids.append(token_id)
+                if request.grammar is not None and self._grammar_ends(request, token_id):
+                    break
                 if self._check_stop(request, token_id):
                     break
             touched.append(request)
         return touched
+
+    def _grammar_ends(self, request: Request, token_id: int) -> bool:
+        """Feed the token to the request's grammar; True when that finished the request."""
+        assert request.grammar is not None
+        if not request.grammar.accept_token(token_id):
+            self.finish(request, FinishReason.ERROR,
+                        error=f"token {token_id} does not follow the request's grammar")
+            return True
+        if request.grammar.is_terminated():
+            self.finish(request, FinishReason.STOP)
+            return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         params = request.params

@@ -79,6 +79,8 @@ class ForwardBatch:
     attention: Any = None
     """Attention backend (servelm.model.attention) that interprets ``attn_metadata``."""
     attn_metadata: Any = None
+    rope_cache: dict[Any, Any] = field(default_factory=dict)
+    """Rotary cos/sin of this batch's positions, shared by the layers with the same rope."""
 
     @property
     def num_tokens(self) -> int:

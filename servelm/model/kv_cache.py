@@ -8,6 +8,8 @@ Layout (per layer, K and V separately)::
 Invariants:
 - Block ids come from the scheduler (servelm/cache); this module never allocates or frees blocks,
   it only stores what the attention layers write at the slots the ForwardBatch names.
+- The stored dtype may be narrower than the compute dtype (float8 with ``--kv-cache-dtype fp8_*``):
+  values are rounded on write and attention upcasts what it reads.
 - The pool is zero-initialised: attention may gather slots it then masks out, and masked values
   must be finite (0 * NaN would poison the softmax-weighted sum).
 """
@@ -47,8 +49,14 @@ class KVCache:
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
-        self.k_caches[layer_id].index_copy_(0, slots, k.to(self.dtype))
-        self.v_caches[layer_id].index_copy_(0, slots, v.to(self.dtype))
+        k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self.dtype.itemsize == 1 and self.dtype.is_floating_point:
+            # index_copy_ has no float8 kernel on CPU; the bytes are what we store
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""

@@ -19,7 +19,8 @@ from servelm.config import CacheConfig, EngineConfig
 from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.kv_cache import KVCache
-from servelm.model.loader import DTYPES, load_model, resolve_device, resolve_dtype
+from servelm.model.layers.quantization import quantize_model
+from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from servelm.model.source import ModelSource
@@ -59,6 +60,7 @@ class ModelRunner:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
         self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed)
+        quantize_model(self.model, config.model.quantization)
         self.vocab_size: int = self.model.lm_head.vocab_size
         self.block_size = config.cache.page_size
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -71,10 +73,12 @@ class ModelRunner:
                                 first.head_dim, kv_dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.nbytes
         self.attention = get_attention_backend(attention_backend)
-        logger.info("model %s on %s (%s); KV pool %d blocks x %d = %d tokens, %.1f MiB (%s)",
+        logger.info("model %s on %s, dtype %s (%s); KV pool %d blocks x %d = %d tokens, %.1f MiB "
+                    "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
+                    dtype_reason(config.model.dtype, self.device),
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                    self.kv_cache_bytes / 2 ** 20, str(kv_dtype).removeprefix("torch."))
+                    self.kv_cache_bytes / 2 ** 20, str(kv_dtype).removeprefix("torch."), bytes_per_token)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:

@@ -14,6 +14,18 @@ class SamplingParamsError(ValueError):
     """A user-supplied sampling parameter is invalid; the message names the parameter."""
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredSpec:
+    """A grammar the output must follow (servelm.constrained compiles it).
+
+    kind: "json" (JSON schema text), "json_object" (any object), "regex", "ebnf" or "choice" (a JSON
+    list of strings). Compiled grammars are cached per (kind, spec).
+    """
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request, and when to stop."""
@@ -44,6 +56,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None
+    """Constrain the output to a grammar (structured output); None: free text."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +112,12 @@ class SamplingParams:
                 raise SamplingParamsError(f"stop_token_ids must be non-negative token ids, got {token_id!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
+        if isinstance(self.structured, dict):  # {"kind": "regex", "spec": "..."} from offline callers
+            self.structured = StructuredSpec(**self.structured)
+        if self.structured is not None and self.structured.kind not in (
+                "json", "json_object", "regex", "ebnf", "choice"):
+            raise SamplingParamsError(f"structured kind must be json, json_object, regex, ebnf or "
+                                      f"choice, got {self.structured.kind!r}")
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Raise SamplingParamsError if logit_bias or stop_token_ids name a token >= vocab_size.

@@ -14,6 +14,7 @@ import hmac
 import importlib
 import importlib.metadata
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from servelm.config import EngineConfig
 from servelm.server import native
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
+from servelm.server.middleware import install_middleware
+from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      GenerateRequest, TokenizeRequest)
@@ -106,9 +109,30 @@ def _add_routes(app: FastAPI) -> None:
             return error_response(503, "the engine cannot generate")
         return Response(status_code=200)
 
+    if app.state.metrics is not None:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            serving, collectors = app.state.serving, app.state.metrics
+            if serving is not None and getattr(serving.engine, "is_alive", True):
+                try:
+                    stats = await asyncio.wait_for(serving.engine.get_server_info(), 10)
+                    collectors.set_engine_stats(stats)
+                except Exception:  # a scrape must not fail because the engine is busy or gone
+                    logger.warning("metrics: engine stats unavailable", exc_info=True)
+            body, content_type = collectors.render()
+            return Response(body, media_type=content_type)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": server_version()}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        """Empty the prefix cache; 400 while requests are running or queued (retry when idle)."""
+        result = await _serving(request).engine.flush_cache()
+        if not result.get("success"):
+            raise APIError(400, str(result.get("message", "the cache could not be flushed")))
+        return JSONResponse(result)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -160,17 +184,23 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="servelm", version=server_version(), lifespan=lifespan)
     app.state.serving = None
     app.state.created = int(time.time())
+    app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
     install_error_handlers(app)
     _add_routes(app)
     if config.server.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+    install_middleware(app, config.server)
     return app
+
+
+def _serving_context(app: FastAPI, engine: Any, config: EngineConfig) -> ServingContext:
+    return ServingContext(ObservedEngine(engine, config, app.state.metrics), config)
 
 
 def build_app(engine: Any, config: EngineConfig) -> FastAPI:
     """The FastAPI app serving ``engine`` (an AsyncEngine or an object with its interface)."""
     app = _create_app(config)
-    app.state.serving = ServingContext(engine, config)
+    app.state.serving = _serving_context(app, engine, config)
     return app
 
 
@@ -187,15 +217,30 @@ def run_server(config: EngineConfig) -> None:
     except ValueError as error:
         raise SystemExit(f"servelm: {error}") from None
 
+    server_config = config.server
+    if server_config.ssl_keyfile is not None and server_config.ssl_certfile is None:
+        raise SystemExit("servelm: --ssl-keyfile needs --ssl-certfile")
+    engine_death: list[str] = []
+
+    async def exit_when_engine_dies(engine: AsyncEngine, server: uvicorn.Server) -> None:
+        reason = await engine.wait_dead()
+        engine_death.append(reason)
+        logger.critical("%s; the HTTP server is exiting", reason)
+        server.should_exit = True
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await AsyncEngine.start(config)
+        watcher = asyncio.create_task(exit_when_engine_dies(engine, server))
         try:
-            app.state.serving = ServingContext(engine, config)
-            logger.info("serving %s on http://%s:%d", config.model.name, config.server.host,
-                        config.server.port)
+            app.state.serving = _serving_context(app, engine, config)
+            scheme = "https" if server_config.ssl_certfile else "http"
+            logger.info("serving %s on %s://%s:%d%s", config.model.name, scheme, server_config.host,
+                        server_config.port, server_config.root_path or "")
             yield
+            logger.info("HTTP server stopped; stopping the engine")
         finally:
+            watcher.cancel()
             serving = app.state.serving
             app.state.serving = None
             if serving is not None:
@@ -203,5 +248,16 @@ def run_server(config: EngineConfig) -> None:
             await engine.shutdown()
 
     app = _create_app(config, lifespan)
-    uvicorn.run(app, host=config.server.host, port=config.server.port,
-                log_level=config.server.log_level, timeout_graceful_shutdown=5)
+    http_level = config.observability.log_level_http or server_config.log_level
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, log_level=http_level,
+        timeout_graceful_shutdown=int(math.ceil(server_config.shutdown_timeout_s)),
+        root_path=server_config.root_path or "", ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile, ssl_ca_certs=server_config.ssl_ca_certs,
+        ssl_cert_reqs=server_config.ssl_cert_reqs))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        pass
+    if engine_death:
+        raise SystemExit(f"servelm: {engine_death[0]}")

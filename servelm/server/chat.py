@@ -65,7 +65,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | None,
                 add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict[str, Any] | None) -> str:
+                template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text for ``messages``; invalid input or a failing template is a 400."""
     if tokenizer is None:
         raise InvalidRequestError("chat requests need a tokenizer, but the server runs with "
@@ -87,7 +88,8 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | 
         text = tokenizer.apply_chat_template(
             message_dicts(messages), chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **kwargs)
+            continue_final_message=continue_final_message,
+            **({"tools": tools} if tools else {}), **kwargs)
     except InvalidRequestError:
         raise
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as error:

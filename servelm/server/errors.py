@@ -64,7 +64,7 @@ def api_error_from(exc: Exception) -> APIError:
         message = str(exc)
         return APIError(400, message, param=message.split(" ", 1)[0])
     if isinstance(exc, EngineRequestError):
-        return APIError(500, str(exc))
+        return APIError(exc.status_code, str(exc))
     logger.exception("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 

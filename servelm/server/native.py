@@ -19,6 +19,8 @@ from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.openai_serving import SSE_HEADERS, render_chat_request
+from servelm.server.structured import native_structured_spec
+from servelm.server.structured import validate as validate_structured
 from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeSamplingParams,
                                      TokenizeRequest, check_native_supported, choice_seed,
                                      native_to_sampling_params)
@@ -123,12 +125,15 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     if request.return_logprob and not 0 <= request.top_logprobs_num <= 20:
         raise InvalidRequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
     rids = [request.rid] if isinstance(request.rid, str) else request.rid
+    priority = ctx.request_priority(request.priority)
     base_id = new_id("gen")
     start_s = time.monotonic()
     submissions: list[Submission] = []
     outputs: list[_NativeOutput] = []
     for prompt_index, (item, native) in enumerate(zip(inputs, params_list)):
         check_native_supported(native)
+        structured, structured_param = native_structured_spec(native)
+        await validate_structured(ctx.config, structured, structured_param)
         if native.stop and ctx.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", "sampling_params.stop")
         ctx.check_token_ids(list(native.stop_token_ids or []), "sampling_params.stop_token_ids")
@@ -145,13 +150,14 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                 native, max_tokens=prompt.max_tokens, seed=choice_seed(seed, sample),
                 logprobs=request.top_logprobs_num if request.return_logprob else None,
                 prompt_logprobs=request.top_logprobs_num
-                if request.return_logprob and request.logprob_start_len >= 0 else None)
+                if request.return_logprob and request.logprob_start_len >= 0 else None,
+                structured=structured)
             index = len(submissions)
             if rids is not None and len(rids) == len(inputs) and native.n == 1:
                 request_id = rids[prompt_index]
             else:
                 request_id = f"{base_id}-{index}"
-            submissions.append(Submission(index, request_id, prompt.token_ids, params))
+            submissions.append(Submission(index, request_id, prompt.token_ids, params, priority))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
 
@@ -162,7 +168,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
             async for index, output in stream:
                 if output.finish_reason == "error":
-                    raise EngineRequestError(output.error or "the engine failed the request")
+                    raise EngineRequestError.from_output(output)
                 outputs[index].add(output)
     except ClientDisconnected:
         raise APIError(499, "client disconnected") from None
@@ -176,7 +182,7 @@ async def _stream(ctx: ServingContext, submissions: list[Submission], outputs: l
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
             async for index, output in stream:
                 if output.finish_reason == "error":
-                    raise EngineRequestError(output.error or "the engine failed the request")
+                    raise EngineRequestError.from_output(output)
                 outputs[index].add(output)
                 yield sse(outputs[index].body(index if is_list else None))
     except ClientDisconnected:

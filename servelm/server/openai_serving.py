@@ -20,13 +20,17 @@ from starlette.responses import Response
 
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
+from servelm.sampling.params import StructuredSpec
 from servelm.server.chat import render_chat
+from servelm.server.chat_outputs import ChatOutputParser
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, to_sampling_params)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
 from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, sse,
                                       stream_outputs)
+from servelm.server.structured import (check_tools, forced_tool_spec, openai_structured_spec,
+                                       validate as validate_structured)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -139,8 +143,9 @@ class ChatChoice(_Choice):
         return output.new_text, logprobs
 
 
-def _usage(choices: list[Any], prompts: list[Prompt]) -> dict[str, Any]:
-    """Prompt tokens count once per prompt (not per choice), as OpenAI does for n > 1."""
+def _usage(choices: list[Any], prompts: list[Prompt], report_cached: bool) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI does for n > 1. Cached
+    prompt tokens are reported only with --enable-cache-report (as SGLang does)."""
     prompt_tokens = sum(len(prompt.token_ids) for prompt in prompts)
     completion_tokens = sum(choice.num_output_tokens for choice in choices)
     cached: dict[int, int] = {}
@@ -149,18 +154,21 @@ def _usage(choices: list[Any], prompts: list[Prompt]) -> dict[str, Any]:
     cached_tokens = sum(cached.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens} if cached_tokens else None}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}
+            if cached_tokens and report_cached else None}
 
 
 def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt],
-                 base_id: str) -> list[Submission]:
+                 base_id: str, structured: StructuredSpec | None = None,
+                 priority: int = 0) -> list[Submission]:
     submissions = []
     for prompt_index, prompt in enumerate(prompts):
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
-                                        seed=choice_seed(request.seed, sample))
-            submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params))
+                                        seed=choice_seed(request.seed, sample), structured=structured)
+            submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
+                                          priority))
     return submissions
 
 
@@ -182,7 +190,7 @@ async def _collect(ctx: ServingContext, submissions: list[Submission], raw: Requ
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as outputs:
             async for index, output in outputs:
                 if output.finish_reason == "error":
-                    raise EngineRequestError(output.error or "the engine failed the request")
+                    raise EngineRequestError.from_output(output)
                 handle(index, output)
     except ClientDisconnected:
         raise APIError(499, "client disconnected") from None
@@ -202,7 +210,7 @@ async def sse_events(ctx: ServingContext, submissions: list[Submission], raw: Re
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as outputs:
             async for index, output in outputs:
                 if output.finish_reason == "error":
-                    raise EngineRequestError(output.error or "the engine failed the request")
+                    raise EngineRequestError.from_output(output)
                 chunk = chunk_for(index, output)
                 if chunk is not None:
                     yield sse(chunk)
@@ -246,9 +254,13 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     ctx.check_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
+    structured, structured_param = openai_structured_spec(request)
+    await validate_structured(ctx.config, structured, structured_param)
     prompts = await _completion_prompts(ctx, request)
     base_id, created = new_id("cmpl"), int(time.time())
-    submissions = _submissions(request, prompts, base_id)
+    submissions = _submissions(request, prompts, base_id, structured,
+                               ctx.request_priority(request.priority))
+    report_cached = ctx.config.server.enable_cache_report
     choices = [CompletionChoice(ctx, s.index, s.index // request.n, prompts[s.index // request.n],
                                 request.echo, request.logprobs) for s in submissions]
     header = {"id": base_id, "object": "text_completion", "created": created,
@@ -269,7 +281,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
             return chunk
 
         def final() -> dict[str, Any] | None:
-            return {**header, "choices": [], "usage": _usage(choices, prompts)} if include_usage else None
+            return {**header, "choices": [], "usage": _usage(choices, prompts, report_cached)} if include_usage else None
 
         return StreamingResponse(sse_events(ctx, submissions, raw, [], chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -279,20 +291,47 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
             "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs,
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         for c in choices],
-            "usage": _usage(choices, prompts)}
+            "usage": _usage(choices, prompts, report_cached)}
     return JSONResponse(body)
 
 
 # -- chat --------------------------------------------------------------------------------------
 
-def render_chat_request(ctx: ServingContext, request: Any) -> str:
+def render_chat_request(ctx: ServingContext, request: Any,
+                        tools: list[dict[str, Any]] | None = None) -> str:
     """The prompt text of a chat request (also used by /tokenize with messages)."""
     tokenizer = ctx.require_tokenizer("chat", "messages")
     return render_chat(tokenizer, request.messages,
                        template=request.chat_template or ctx.chat_template,
                        add_generation_prompt=request.add_generation_prompt,
                        continue_final_message=request.continue_final_message,
-                       template_kwargs=request.chat_template_kwargs)
+                       template_kwargs=request.chat_template_kwargs, tools=tools)
+
+
+async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
+                     ) -> tuple[StructuredSpec | None, list[dict[str, Any]] | None, str | None]:
+    """(grammar, tools for the template, tool-call parser) of a chat request; 400s for bad input."""
+    structured, structured_param = openai_structured_spec(request)
+    functions = check_tools(request.tools, request.tool_choice)
+    tool_choice = request.tool_choice or ("auto" if functions else "none")
+    if not functions or tool_choice == "none":
+        await validate_structured(ctx.config, structured, structured_param)
+        return structured, None, None
+    tools = [tool for tool in request.tools or []]
+    forced = forced_tool_spec(functions, tool_choice, request.parallel_tool_calls)
+    if forced is not None:
+        if structured is not None:
+            raise InvalidRequestError(f"{structured_param} cannot be combined with tool_choice "
+                                      f"{tool_choice!r}", structured_param)
+        await validate_structured(ctx.config, forced, "tools")
+        return forced, tools, "json"
+    server = ctx.config.server
+    if not (server.enable_auto_tool_choice or server.tool_call_parser):
+        raise InvalidRequestError('tool_choice "auto" needs the server started with '
+                                  "--enable-auto-tool-choice or --tool-call-parser; use "
+                                  '"required" or a named function otherwise', "tool_choice")
+    await validate_structured(ctx.config, structured, structured_param)
+    return structured, tools, server.tool_call_parser or "hermes"
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest,
@@ -300,15 +339,24 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.check_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
+    structured, tools, tool_parser = await _chat_plan(ctx, request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens
-    prompt = await ctx.prompt_from_text(render_chat_request(ctx, request), max_tokens,
+    prompt_text = render_chat_request(ctx, request, tools)
+    prompt = await ctx.prompt_from_text(prompt_text, max_tokens,
                                         add_special_tokens=request.add_special_tokens,
                                         param="messages")
     base_id, created = new_id("chatcmpl"), int(time.time())
-    submissions = _submissions(request, [prompt], base_id)
+    submissions = _submissions(request, [prompt], base_id, structured,
+                               ctx.request_priority(request.priority))
+    report_cached = ctx.config.server.enable_cache_report
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     choices = [ChatChoice(ctx, s.index, prompt, num_logprobs) for s in submissions]
+    parsers = [ChatOutputParser(ctx.config.server.reasoning_parser, tool_parser, prompt_text)
+               for _ in submissions]
+
+    def finish_reason(index: int, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and parsers[index].calls else reason
 
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -326,26 +374,42 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
         def chunk_for(index: int, output: RequestOutput) -> dict[str, Any] | None:
             text, logprobs = choices[index].delta(output)
-            if not text and not logprobs and output.finish_reason is None:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if parsers[index].is_active:
+                delta = parsers[index].feed(text)
+                if output.finish_reason is not None:
+                    for key, value in parsers[index].finish().items():
+                        delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+            if not delta and not logprobs and output.finish_reason is None:
                 return None
-            return chunk({"index": index, "delta": {"content": text} if text else {},
+            return chunk({"index": index, "delta": delta,
                           "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
-                          "finish_reason": output.finish_reason, "stop_reason": output.stop_reason})
+                          "finish_reason": finish_reason(index, output.finish_reason),
+                          "stop_reason": output.stop_reason})
 
         def final() -> dict[str, Any] | None:
-            return {**header, "choices": [], "usage": _usage(choices, [prompt])} if include_usage else None
+            return {**header, "choices": [], "usage": _usage(choices, [prompt], report_cached)} if include_usage else None
 
         return StreamingResponse(sse_events(ctx, submissions, raw, prelude, chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     await _collect(ctx, submissions, raw, lambda index, output: choices[index].delta(output))
+    messages = []
+    for choice, parser in zip(choices, parsers):
+        if parser.is_active:
+            parser.feed(choice.text)
+            parser.finish()
+            messages.append(parser.message())
+        else:
+            messages.append({"role": "assistant", "content": choice.text, "refusal": None})
     body = {"id": base_id, "object": "chat.completion", "created": created,
             "model": ctx.served_model_name,
             "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text, "refusal": None},
+                         "message": messages[c.index],
                          "logprobs": {"content": c.logprobs, "refusal": None}
                          if c.logprobs is not None else None,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                         "finish_reason": finish_reason(c.index, c.finish_reason),
+                         "stop_reason": c.stop_reason}
                         for c in choices],
-            "usage": _usage(choices, [prompt])}
+            "usage": _usage(choices, [prompt], report_cached)}
     return JSONResponse(body)

@@ -2,7 +2,7 @@
 
 Invariants:
 - Requests accept unknown extra fields (clients send vendor extensions), but a documented field we
-  do not implement (tools, response_format json, best_of > n, guided decoding, ...) is rejected
+  do not implement (best_of > n, logits processors, structural tags, ...) is rejected
   with a 400 naming it by ``check_supported``; nothing the user asked for is silently ignored.
 - Value checks live in SamplingParams.validate(); this module only maps names and types, so each
   rule is written once.
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from servelm.errors import InvalidRequestError
-from servelm.sampling.params import SamplingParams, SamplingParamsError
+from servelm.sampling.params import SamplingParams, SamplingParamsError, StructuredSpec
 
 MAX_N = 128
 """Most choices one request may ask for; each is a separate engine request."""
@@ -23,6 +23,8 @@ MAX_N = 128
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+    priority: int | None = None
+    """Scheduling priority; only with --enable-priority-scheduling / --scheduling-policy priority."""
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +90,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -159,8 +162,8 @@ class GenerateRequest(_Request):
 
 # -- unsupported-parameter checks --------------------------------------------------------------
 
-_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "logits_processors", "prompt_embeds", "lora_request")
+_GUIDED_FIELDS = ("logits_processors", "prompt_embeds", "lora_request")
+"""Structured output (response_format, guided_*, structured_outputs) is read by server/structured.py."""
 _CHAT_UNSUPPORTED = ("functions", "function_call", "audio", "prediction", "web_search_options")
 
 
@@ -173,9 +176,6 @@ def check_supported(request: _SamplingRequest) -> None:
     if request.best_of is not None and request.best_of != request.n:
         raise InvalidRequestError(f"best_of={request.best_of} (different from n={request.n}) is not "
                                   "supported", "best_of")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise InvalidRequestError(f"response_format of type {request.response_format.type!r} is not "
-                                  "supported yet (structured output)", "response_format")
     extra = _extra(request)
     for name in _GUIDED_FIELDS:
         if extra.get(name) is not None:
@@ -188,10 +188,6 @@ def check_supported(request: _SamplingRequest) -> None:
         if request.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
     if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise InvalidRequestError("tools are not supported yet", "tools")
-        if request.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice is not supported yet", "tool_choice")
         for name in _CHAT_UNSUPPORTED:
             if extra.get(name) is not None:
                 raise InvalidRequestError(f"{name} is not supported", name)
@@ -210,7 +206,7 @@ def check_supported(request: _SamplingRequest) -> None:
 
 
 def check_native_supported(params: NativeSamplingParams) -> None:
-    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+    for name in ("structural_tag",):
         if getattr(params, name) is not None:
             raise InvalidRequestError(f"sampling_params.{name} is not supported yet (structured "
                                       "output)", f"sampling_params.{name}")
@@ -254,7 +250,7 @@ def _optional(**values: Any) -> dict[str, Any]:
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                       seed: int | None) -> SamplingParams:
+                       seed: int | None, structured: StructuredSpec | None = None) -> SamplingParams:
     """The SamplingParams of one choice; ``max_tokens`` and ``seed`` are already resolved."""
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -275,6 +271,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, ma
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        structured=structured,
         **_optional(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                     min_p=request.min_p, frequency_penalty=request.frequency_penalty,
                     presence_penalty=request.presence_penalty,
@@ -284,7 +281,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, ma
 
 def native_to_sampling_params(params: NativeSamplingParams, *, max_tokens: int | None,
                               seed: int | None, logprobs: int | None,
-                              prompt_logprobs: int | None) -> SamplingParams:
+                              prompt_logprobs: int | None,
+                              structured: StructuredSpec | None = None) -> SamplingParams:
     return make_sampling_params(
         max_tokens=max_tokens,
         min_tokens=params.min_new_tokens,
@@ -305,6 +303,7 @@ def native_to_sampling_params(params: NativeSamplingParams, *, max_tokens: int |
         logit_bias=_logit_bias(params.logit_bias),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured=structured,
     )
 
 

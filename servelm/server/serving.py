@@ -2,8 +2,8 @@
 
 Invariants:
 - Every prompt handed to the engine has passed ``prepare_prompt``: non-empty, token ids inside the
-  model's vocabulary, and prompt + max_tokens within the context (or truncated from the left when
-  --allow-auto-truncate), so a bad request fails here and never reaches a batch with others.
+  model's vocabulary, and prompt + max_tokens within the context (or truncated at the head or the
+  center with --allow-auto-truncate / --long-truncation-mode), so a bad request fails here and never reaches a batch with others.
 - Tokenizer work on long inputs runs on one worker thread (fast tokenizers are not safe to call
   from several threads at once), so the event loop keeps serving streams meanwhile.
 """
@@ -60,6 +60,8 @@ class ServingContext:
         self.context_length = int(info["context_length"])
         vocab_size = info.get("vocab_size")
         self.vocab_size = int(vocab_size) if vocab_size else None
+        pool_tokens = info.get("kv_pool_tokens")
+        self.kv_pool_tokens = int(pool_tokens) if pool_tokens else None
         self.chat_template = load_chat_template(config.server.chat_template)
         self.accepted_model_names = {name for name in (
             config.model.name, config.model.model, info.get("served_model_name"),
@@ -132,15 +134,51 @@ class ServingContext:
                 raise InvalidRequestError(
                     f"max_tokens ({max_tokens}) must be smaller than the model's context length "
                     f"({context})", "max_tokens", code="context_length_exceeded")
-            if not self.config.server.allow_auto_truncate:
+            mode = self.config.server.truncation_mode
+            if mode is None:
                 asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
                 raise InvalidRequestError(
                     f"This model's maximum context length is {context} tokens; the prompt has "
                     f"{len(token_ids)} tokens{asked}, leaving no room for output. Shorten the "
                     "prompt or lower max_tokens.", param, code="context_length_exceeded")
-            token_ids, text = token_ids[-budget:], None
+            if mode == "center":  # keep the start (instructions) and the end (the question)
+                head = budget // 2
+                token_ids = token_ids[:head] + token_ids[len(token_ids) - (budget - head):]
+            else:
+                token_ids = token_ids[-budget:]
+            text = None
         resolved = max_tokens if max_tokens is not None else context - len(token_ids)
+        resolved = self._fit_pool(len(token_ids), resolved, max_tokens is not None, param)
         return Prompt(token_ids=token_ids, text=text, max_tokens=resolved)
+
+    def _fit_pool(self, num_prompt_tokens: int, max_tokens: int, is_given: bool, param: str) -> int:
+        """A request must fit the KV pool alone (prompt + max_tokens - 1 positions hold K/V):
+        one that never can is refused here with a 400. A default max_tokens is capped instead."""
+        pool = self.kv_pool_tokens
+        if pool is None:
+            return max_tokens
+        if num_prompt_tokens + 1 > pool:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens but the KV cache pool holds only {pool} "
+                "(--max-total-tokens): it can never be served", param, code="context_length_exceeded")
+        if num_prompt_tokens + max_tokens - 1 <= pool:
+            return max_tokens
+        if not is_given:
+            return pool - num_prompt_tokens + 1
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV cache "
+            f"than the pool holds ({pool} tokens, --max-total-tokens): lower max_tokens to at most "
+            f"{pool - num_prompt_tokens + 1}", "max_tokens", code="context_length_exceeded")
+
+    def request_priority(self, priority: int | None) -> int:
+        """The engine priority of a request; 400 when priority scheduling is off."""
+        if priority is None:
+            return 0
+        if not self.config.scheduler.is_priority_scheduling:
+            raise InvalidRequestError(
+                "priority is set but priority scheduling is off (start the server with "
+                "--enable-priority-scheduling or --scheduling-policy priority)", "priority")
+        return priority
 
     async def prompt_from_text(self, text: str, max_tokens: int | None, *, add_special_tokens: bool,
                                param: str = "prompt", is_default_max_tokens: bool = False) -> Prompt:

@@ -42,6 +42,8 @@ class Submission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    """Scheduling priority (only with priority scheduling; validated by ServingContext)."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -67,7 +69,10 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(submission: Submission) -> None:
-        outputs = engine.generate(submission.request_id, submission.prompt_token_ids, submission.params)
+        # priority only when set, so engine wrappers without the argument keep working
+        extra = {"priority": submission.priority} if submission.priority else {}
+        outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
+                                  submission.params, **extra)
         try:
             async for output in outputs:
                 queue.put_nowait((submission.index, output))

@@ -49,7 +49,7 @@ def generate(engine: LLMEngine, token_lists: list[list[int]], max_tokens: int = 
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
             if output.is_finished:
                 assert output.finish_reason == "length", output.error
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats()["num_used_blocks"] == 0
     return [outputs[request_id] for request_id in order]
 
 

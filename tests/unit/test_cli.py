@@ -90,9 +90,9 @@ def test_main_without_command_exits_2(capsys: pytest.CaptureFixture[str]) -> Non
 def test_main_reports_errors_with_exit_2(served: list[EngineConfig],
                                          capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "m", "--enable-metrics"])
+        cli.main(["serve", "m", "--enable-trace"])
     assert exc.value.code == 2
-    assert "servelm: --enable-metrics is not supported yet: metrics" in capsys.readouterr().err
+    assert "servelm: --enable-trace is not supported yet: metrics push" in capsys.readouterr().err
     assert served == []
 
 
@@ -117,7 +117,7 @@ def test_lightllm_aliases() -> None:
     assert config.model.context_length == 3072
     assert config.scheduler.chunked_prefill_size == 256
     assert config.model.trust_remote_code
-    assert config.server.allow_auto_truncate
+    assert config.server.truncation_mode == "head"
     assert config.model.served_model_name == "mine"
 
 
@@ -125,7 +125,9 @@ def test_lightllm_value_transforms() -> None:
     assert cli.parse_args(["--tokenizer_mode", "fast"]).model.tokenizer_mode == "auto"
     assert cli.parse_args(["--data_type", "fp32"]).model.dtype == "float32"
     assert cli.parse_args(["--disable_chunked_prefill"]).scheduler.chunked_prefill_size == -1
-    assert not cli.parse_args(["--long_truncation_mode", "None"]).server.allow_auto_truncate
+    assert cli.parse_args(["--long_truncation_mode", "None"]).server.truncation_mode is None
+    assert cli.parse_args(["--long_truncation_mode", "center"]).server.truncation_mode == "center"
+    assert cli.parse_args(["--allow-auto-truncate"]).server.truncation_mode == "head"
 
 
 def test_vllm_aliases() -> None:
@@ -157,16 +159,22 @@ def test_vllm_enable_chunked_prefill(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_prefix_caching_forms(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.parse_args(["--no-enable-prefix-caching"]) == EngineConfig()
-    err = fail_message(["--enable-prefix-caching"], capsys)
-    assert "--enable-prefix-caching is not supported yet: prefix caching" in err
+    off = EngineConfig.from_flat({"disable_radix_cache": True})
+    for argv in (["--no-enable-prefix-caching"], ["--disable-radix-cache"],
+                 ["--disable_dynamic_prompt_cache"], ["--enable-prefix-caching", "false"]):
+        assert cli.parse_args(argv) == off, argv
+    for argv in (["--enable-prefix-caching"], ["--use_dynamic_prompt_cache"], []):
+        assert cli.parse_args(argv) == EngineConfig(), argv
+    vllm = cli.parse_args(["--scheduling-policy", "priority"]).scheduler
+    assert vllm.is_priority_scheduling and vllm.is_low_priority_value_first
+    assert cli.parse_args(["--enable-prompt-tokens-details"]).server.enable_cache_report
 
 
 def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.parse_args(["--schedule-policy", "fcfs", "--expert-parallel-size", "1",
+    assert cli.parse_args(["--preemption-mode", "recompute", "--expert-parallel-size", "1",
                            "--cpu-offload-gb", "0.0", "-O", "0"]) == EngineConfig()
-    err = fail_message(["--schedule-policy", "lpm"], capsys)
-    assert "--schedule-policy lpm is not supported" in err and "accepted: fcfs" in err
+    err = fail_message(["--preemption-mode", "swap"], capsys)
+    assert "--preemption-mode swap is not supported" in err and "accepted: recompute" in err
     assert "-O 3 is not supported" in fail_message(["-O3"], capsys)
 
 
@@ -174,8 +182,11 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     err = fail_message(["m", "--enable-p2p-check"], capsys)
     assert err.startswith("servelm: --enable-p2p-check is not supported: servelm runs the model "
                           "in a single process")
-    assert "--quantization is not supported yet" in fail_message(["--quantization", "fp8"], capsys)
-    assert "-q is not supported yet" in fail_message(["-q", "awq"], capsys)
+    assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
+    assert "--quantization-param-path is not supported yet" in fail_message(
+        ["--quantization-param-path", "x.json"], capsys)
+    assert "slower than float32" in fail_message(["--torchao-config", "int8wo"], capsys)
+    assert "int4 weight-only" in fail_message(["--quant_type", "ao-int4wo-128"], capsys)
 
 
 def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,7 +236,9 @@ def test_negatable_bool_field_gets_no_form() -> None:
     (["--tp", "2"], ["--tensor-parallel-size", "--tp"]),
     (["--dtype", "int8"], ["--dtype"]),
     (["--data_type", "int8"], ["--data_type"]),
-    (["--long_truncation_mode", "center"], ["--long_truncation_mode"]),
+    (["--long_truncation_mode", "middle"], ["--long_truncation_mode"]),
+    (["--log-requests-level", "4"], ["--log-requests-level"]),
+    (["--bucket-time-to-first-token", "1", "0.5"], ["--bucket-time-to-first-token"]),
     (["--skip-tokenizer-init", "--tokenizer-path", "t"], ["--skip-tokenizer-init"]),
 ])
 def test_bad_values_name_the_flag(argv: list[str], flags: list[str]) -> None:
@@ -284,7 +297,7 @@ def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text, expected", [
     ("no-such-option: 1\n", "no-such-option: unknown option"),
-    ("enable-metrics: true\n", "--enable-metrics is not supported yet"),
+    ("enable-trace: true\n", "--enable-trace is not supported yet"),
     ("port: abc\n", "argument --port: invalid int value"),
     ("page-size: 0\n", "--page-size must be positive, got 0 (given as --page-size (in "),
     ("tp: 2\n", "(given as --tp (in "),

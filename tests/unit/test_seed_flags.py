@@ -70,6 +70,8 @@ def field_example(field_name: str) -> list[str]:
     default = field.default if field.default is not dataclasses.MISSING else None
     if base[0] is bool:
         return []
+    if typing.get_origin(base[0]) is list:
+        return ["0.1", "1"]
     if field.metadata.get("choices"):
         return [next(c for c in field.metadata["choices"] if c != default)]
     if base[0] is int:

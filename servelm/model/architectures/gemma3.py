@@ -55,7 +55,7 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self.rotary_emb(batch.positions, self.q_norm(q), self.k_norm(k))
+        q, k = self.rotary_emb(batch.positions, self.q_norm(q), self.k_norm(k), batch.rope_cache)
         return self.o_proj(self.attn(q, k, v, batch))
 
 

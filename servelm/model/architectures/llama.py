@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(batch.positions, q, k)
+        q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache)
         return self.o_proj(self.attn(q, k, v, batch))
 
 

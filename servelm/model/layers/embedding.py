@@ -6,6 +6,8 @@ The LM head may share its weight with the embedding (``tie_word_embeddings``); t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,9 +44,15 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.linear_method: Any = None
+        """Set by quantization (servelm.model.layers.quantization): computes the logits from its own
+        copy of the weight; the (tied) float weight then serves only the embedding lookup."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.linear_method is not None:
+            logits = self.linear_method.apply(self, hidden, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -81,6 +81,7 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = params["rope_type"]
         # Not a buffer: model.to(dtype) must never round it.
         self.inv_freq = compute_inv_freq(head_dim, params).to(torch.get_default_device())
+        self.cache_key = (head_dim, repr(sorted(params.items())))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` in ``dtype``."""
@@ -88,9 +89,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cache: dict[Any, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cache``: a dict that lives for one forward pass (``ForwardBatch.rope_cache``); layers with
+        the same rope parameters then compute cos/sin once per step instead of once per layer."""
+        if cache is None:
+            cos, sin = self.cos_sin(positions, q.dtype)
+        else:
+            key = (self.cache_key, q.dtype)
+            if key not in cache:
+                cache[key] = self.cos_sin(positions, q.dtype)
+            cos, sin = cache[key]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def extra_repr(self) -> str:

@@ -55,7 +55,7 @@ def test_single_request_matches_reference():
     assert tokens["a"] == runner.reference(PROMPTS[2], 12)
     assert finished["a"].finish_reason == "length"
     assert finished["a"].num_prompt_tokens == len(PROMPTS[2])
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats()["num_used_blocks"] == 0
 
 
 @pytest.mark.parametrize("chunk", [-1, 3])
@@ -66,7 +66,7 @@ def test_batch_equals_alone_with_and_without_chunked_prefill(chunk):
     for i, prompt in enumerate(PROMPTS):
         assert tokens[f"r{i}"] == runner.reference(prompt, 10 + i)
     assert runner.max_batch_tokens <= 16
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats()["num_used_blocks"] == 0
 
 
 def test_heavy_preemption_completes_every_request_exactly():
@@ -78,7 +78,7 @@ def test_heavy_preemption_completes_every_request_exactly():
         assert tokens[f"r{i}"] == runner.reference(prompt, 12), f"r{i}"
         assert finished[f"r{i}"].finish_reason == "length"
     assert engine.scheduler.num_preemptions > 0
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats()["num_used_blocks"] == 0
 
 
 def test_max_running_requests_bounds_the_batch():
@@ -164,7 +164,7 @@ def test_abort_frees_blocks():
     assert aborted.finish_reason == "abort"
     while engine.has_unfinished():
         engine.step()
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.stats()["num_used_blocks"] == 0
     assert engine.abort_request("a") is None
 
 

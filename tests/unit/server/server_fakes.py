@@ -54,6 +54,10 @@ class FakeEngine:
     num_cached_tokens: int = 0
     requests: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    priorities: list[int] = field(default_factory=list)
+    error_status: int | None = None
+    """With ``error``: the status the engine gives a request it refuses up front."""
+    flushes: int = 0
     finished: list[str] = field(default_factory=list)
     healthy: bool = True
 
@@ -78,15 +82,17 @@ class FakeEngine:
         return TokenLogprob(token_id=token_id, logprob=value, top=top[:k])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_token_ids), params))
+        self.priorities.append(priority)
         is_finished = False
         try:
             await asyncio.sleep(0)
             if self.error is not None:
                 is_finished = True
                 yield RequestOutput(request_id, [], "", finish_reason="error", error=self.error,
-                                    num_prompt_tokens=len(prompt_token_ids))
+                                    num_prompt_tokens=len(prompt_token_ids),
+                                    error_status=self.error_status)
                 return
             tokens = self._encode(self.reply(prompt_token_ids, params))
             limit = params.max_tokens if params.max_tokens is not None else 10**9
@@ -127,6 +133,12 @@ class FakeEngine:
 
     async def health_generate(self) -> bool:
         return self.healthy
+
+    async def flush_cache(self) -> dict[str, Any]:
+        self.flushes += 1
+        if self.requests and len(self.finished) + len(self.aborted) < len(self.requests):
+            return {"success": False, "message": "cannot flush the cache while requests are running"}
+        return {"success": True, "message": "cache flushed"}
 
     async def shutdown(self) -> None:
         pass

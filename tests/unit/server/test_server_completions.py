@@ -138,8 +138,12 @@ def test_completion_logprobs_without_echo(client) -> None:
 
 def test_cached_tokens_reported(engine: FakeEngine, make_client) -> None:
     engine.num_cached_tokens = 16
-    body = _complete(make_client(engine), prompt="x", max_tokens=2, n=2).json()
+    body = _complete(make_client(engine, enable_cache_report=True), prompt="x", max_tokens=2,
+                     n=2).json()
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    # Without --enable-cache-report (SGLang) / --enable-prompt-tokens-details (vLLM): not shown.
+    body = _complete(make_client(engine), prompt="x", max_tokens=2).json()
+    assert body["usage"].get("prompt_tokens_details") is None
 
 
 def test_chat_shape(client, engine: FakeEngine, tokenizer) -> None:

@@ -36,8 +36,14 @@ def _error(response: Any, status: int) -> dict[str, Any]:
     ({"prompt": [1, 100000]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"best_of": 3}, "best_of"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"suffix": "tail"}, "suffix"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
@@ -57,9 +63,12 @@ def test_missing_field_and_bad_json_are_400(client) -> None:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: no flag
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}}, "response_format.json_schema.schema"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": []}, "messages"),
@@ -116,6 +125,14 @@ def test_auto_truncate_keeps_the_end(engine: FakeEngine, make_client) -> None:
     assert response.json()["choices"][0]["text"].startswith("a" * 34 + "b" * 20)
     client.post("/v1/completions", json={"prompt": prompt, "max_tokens": None})
     assert len(engine.requests[-1][1]) == 63 and engine.requests[-1][2].max_tokens == 1
+
+
+def test_center_truncation_keeps_both_ends(engine: FakeEngine, make_client) -> None:
+    client = make_client(engine, long_truncation_mode="center")
+    prompt = "a" * 30 + "m" * 20 + "z" * 30  # 80 tokens; 54 fit with max_tokens 10
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10})
+    assert response.status_code == 200, response.text
+    assert engine.tokenizer.decode(engine.requests[-1][1]) == "a" * 27 + "z" * 27
 
 
 def test_engine_error_is_500(engine: FakeEngine, make_client) -> None:

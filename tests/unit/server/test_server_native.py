@@ -69,7 +69,7 @@ def test_generate_errors(client) -> None:
     for body, param in [({}, "text"), ({"text": "a", "input_ids": [1]}, "text"),
                         ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "max_tokens"),
                         ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
-                        ({"text": "a", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+                        ({"text": "a", "sampling_params": {"regex": "a(b"}}, "sampling_params.regex"),
                         ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
                         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
                         ({"text": ""}, "text"), ({"input_ids": []}, "text")]:

@@ -1,0 +1,107 @@
+"""Quality of the CPU quantization modes against float32: greedy agreement and perplexity.
+
+For each mode (``--quantization`` and ``--kv-cache-dtype`` pairs) the script
+- generates ``--max-tokens`` greedy tokens for each held-out prompt below and compares them with
+  float32's: the share of prompts whose output is identical, and the mean number of leading tokens
+  that agree (divergence compounds, so this is the stricter figure);
+- computes the perplexity of the text below, one forward pass over the whole text.
+
+    .venv/bin/python benchmarks/quant_quality.py [--model gemma3-270m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from servelm.config import EngineConfig  # noqa: E402
+from servelm.engine.engine import LLMEngine  # noqa: E402
+from servelm.model.forward_batch import BatchPlan, SequencePlan  # noqa: E402
+from servelm.sampling.params import SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "The main difference between a process and a thread is",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    "In 1969, the first humans to walk on the Moon were",
+    "A good way to learn a new language is to",
+    "SELECT name, COUNT(*) FROM orders",
+    "The recipe calls for two cups of flour, one egg and",
+    "Photosynthesis converts light energy into",
+    "Dear hiring manager, I am writing to apply for",
+]
+
+TEXT = (
+    "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
+    "visitors were gulls. Its keeper climbed the spiral stairs twice a day, once at dusk to light the "
+    "lamp and once at dawn to put it out, and in between he wrote letters that he rarely sent. When "
+    "the supply boat came in spring it brought flour, oil, newspapers that were already weeks old and, "
+    "sometimes, a reply. He read each one slowly, standing by the window, and then filed it in a "
+    "wooden box under the bed. Over the years the box filled up, and the letters in it told a story "
+    "of a town that changed while he did not: a bridge was built, a school was closed, a harbour was "
+    "dredged so that larger ships could dock. The keeper followed all of it from a distance, and when "
+    "the lamp was finally automated he found that he did not want to leave."
+)
+
+MODES = [("none", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
+         ("w8a8_int8", "fp8_e4m3")]
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"q{index}", prompt, params)
+    tokens: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    return [tokens[f"q{i}"] for i in range(len(prompts))]
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:
+    runner = engine.runner
+    blocks = list(range(math.ceil(len(token_ids) / runner.block_size)))
+    plan = BatchPlan([SequencePlan(token_ids, 0, blocks, num_logits=len(token_ids))])
+    logits = runner.execute(plan)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
+    return float(torch.exp(nll))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--modes", default=",".join(f"{q}:{kv}" for q, kv in MODES),
+                        help="quantization:kv-cache-dtype pairs; the first is the reference")
+    args = parser.parse_args()
+    reference: list[list[int]] | None = None
+    rows = []
+    for quantization, kv_dtype in (mode.split(":") for mode in args.modes.split(",")):
+        engine = LLMEngine(EngineConfig.from_flat({
+            "model": args.model, "quantization": quantization, "kv_cache_dtype": kv_dtype,
+            "max_total_tokens": 8192, "disable_radix_cache": True}))
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        outputs = greedy(engine, prompts, args.max_tokens)
+        text_ppl = perplexity(engine, engine.tokenizer.encode(TEXT))
+        if reference is None:
+            reference = outputs
+        identical = sum(o == r for o, r in zip(outputs, reference)) / len(outputs)
+        leading = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r))
+                   for o, r in zip(outputs, reference)]
+        rows.append((quantization, kv_dtype, identical, sum(leading) / len(leading), text_ppl))
+        print(rows[-1], file=sys.stderr, flush=True)
+        del engine
+    print(f"| quantization | kv cache | identical greedy outputs ({len(PROMPTS)} prompts x "
+          f"{args.max_tokens} tokens) | mean agreeing prefix, tokens | perplexity ({args.model}) |")
+    print("|---|---|---|---|---|")
+    for quantization, kv_dtype, identical, leading, text_ppl in rows:
+        print(f"| {quantization} | {kv_dtype} | {identical:.0%} | {leading:.1f} | {text_ppl:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Grammar backends for constrained decoding: the interface, the registry and the compile cache.
+
+A backend turns a (kind, spec) pair into a compiled grammar (once: compiled grammars are cached
+per (kind, spec)) and makes one matcher per engine request from it. A matcher is the grammar's
+state for one output: the engine feeds it every accepted token, asks it which tokens may come next
+(a packed bitmask row) and whether it has terminated.
+
+Invariants:
+- A matcher has accepted exactly the request's output tokens so far. It lives on the Request (not
+  in model/), so preemption, which recomputes K/V but never re-samples, leaves it valid, and each
+  of n samples (n engine requests) has its own.
+- Kinds: "json" (a JSON schema text), "json_object" (any JSON object; spec ignored), "regex",
+  "ebnf" (GBNF-style, ``root`` rule) and "choice" (a JSON list of strings: exactly one of them).
+- ``validate_spec`` needs no tokenizer, so the server can reject a bad spec with a 400 before the
+  request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+GRAMMAR_KINDS = ("json", "json_object", "regex", "ebnf", "choice")
+BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar is invalid or unsupported; the message names the problem."""
+
+
+class GrammarMatcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) when the grammar forbids it."""
+        ...
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (the backend's packed layout)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar has accepted its final (stop) token."""
+        ...
+
+    def forced_text(self) -> str:
+        """Text the grammar allows as the only continuation from here ('' when there is a choice)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    """Compiles specs and applies packed bitmasks to logits."""
+
+    name: str
+
+    def validate(self, kind: str, spec: str) -> None:
+        """Raise GrammarError when the spec cannot be compiled (no tokenizer needed)."""
+        ...
+
+    def compile(self, kind: str, spec: str) -> Any:
+        """An opaque compiled grammar (slow: call through GrammarCache)."""
+        ...
+
+    def make_matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor: ...
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Set disallowed tokens of each logits row to -inf, in place."""
+        ...
+
+
+def choice_to_ebnf(spec: str) -> str:
+    """A "choice" spec (JSON list of strings) as an EBNF grammar: ``root ::= "a" | "b"``."""
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"choice list is not valid JSON: {error}") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choices must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, spec), least recently used evicted past ``max_entries``."""
+
+    def __init__(self, backend: GrammarBackend, max_entries: int = 256) -> None:
+        self.backend = backend
+        self.max_entries = max_entries
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def matcher(self, kind: str, spec: str) -> GrammarMatcher:
+        """A fresh matcher for (kind, spec); raises GrammarError for a bad spec."""
+        key = (kind, spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self.num_misses += 1
+            compiled = self.backend.compile(kind, spec)
+            self._compiled[key] = compiled
+            if len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        else:
+            self.num_hits += 1
+            self._compiled.move_to_end(key)
+        return self.backend.make_matcher(compiled)
+
+
+def _unavailable(name: str) -> Callable[..., GrammarBackend]:
+    def factory(*args: Any, **kwargs: Any) -> GrammarBackend:
+        raise ValueError(f"--grammar-backend {name} is not available in this build: use xgrammar "
+                         "(the default) or none")
+    return factory
+
+
+def _xgrammar(tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+              whitespace_pattern: str | None) -> GrammarBackend:
+    from servelm.constrained.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, whitespace_pattern)
+
+
+BACKEND_FACTORIES: dict[str, Callable[..., GrammarBackend]] = {
+    "xgrammar": _xgrammar,
+    "outlines": _unavailable("outlines"),
+    "llguidance": _unavailable("llguidance"),
+}
+
+
+def check_backend_available(name: str) -> None:
+    """Raise ValueError at start-up when ``name`` cannot be used in this build."""
+    if name == "none":
+        return
+    if name not in BACKEND_FACTORIES:
+        raise ValueError(f"--grammar-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name != "xgrammar":
+        BACKEND_FACTORIES[name]()
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError as error:
+        raise ValueError(f"--grammar-backend xgrammar needs the xgrammar package: {error}") from None
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 whitespace_pattern: str | None = None) -> GrammarBackend | None:
+    """The backend called ``name`` for this tokenizer; None for "none"."""
+    if name == "none":
+        return None
+    check_backend_available(name)
+    return BACKEND_FACTORIES[name](tokenizer, vocab_size, stop_token_ids, whitespace_pattern)
+
+
+def validate_spec(backend_name: str, kind: str, spec: str,
+                  whitespace_pattern: str | None = None) -> None:
+    """Check a spec without a tokenizer (server side); raises GrammarError naming the problem."""
+    if backend_name == "none":
+        raise GrammarError("structured output is disabled on this server (--grammar-backend none)")
+    if kind not in GRAMMAR_KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}")
+    from servelm.constrained.xgrammar_backend import grammar_from_spec
+
+    grammar_from_spec(kind, spec, whitespace_pattern)

@@ -1,0 +1,204 @@
+"""Per-request observation in the server process: Prometheus metrics and request log lines.
+
+``ObservedEngine`` wraps the AsyncEngine handle that the routes use. Every engine request a route
+starts goes through its ``generate``, so latency is measured where the outputs reach the HTTP
+layer (after the ZMQ hop), which is what a client sees.
+
+Invariants:
+- A request is counted once, when its finished output arrives (or when its consumer stops early:
+  finish_reason "abort"); prompt and generation token counters grow by exactly its usage.
+- Time to first token is observed once per request that produced a token; inter-token latency once
+  per output token after the first (a delta of n tokens counts n gaps of equal length).
+- Gauges (running, waiting, KV use, prefix-cache hit rate) are read from the engine at scrape time.
+- Health probes (``health_generate``) bypass the wrapper and are never counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from servelm.config import EngineConfig
+from servelm.engine.monitor import cache_hit_rate
+from servelm.engine.outputs import RequestOutput
+from servelm.sampling.params import SamplingParams
+
+logger = logging.getLogger("servelm.requests")
+
+DEFAULT_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                          20.0, 40.0, 60.0)
+DEFAULT_ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0)
+DEFAULT_E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_DEFAULT_MAX_LOG_LEN = 2048
+
+
+class ServerMetrics:
+    """The Prometheus collectors of one server, in a private registry, labelled by model name."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        observability = config.observability
+        self.model_name = config.model.name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, labels, buckets=tuple(buckets), registry=self.registry)
+
+        self.ttft = histogram("servelm:time_to_first_token_seconds", "Time to first token.",
+                              observability.bucket_time_to_first_token or DEFAULT_TTFT_BUCKETS_S)
+        self.itl = histogram("servelm:inter_token_latency_seconds", "Time between output tokens.",
+                             observability.bucket_inter_token_latency or DEFAULT_ITL_BUCKETS_S)
+        self.e2e = histogram("servelm:e2e_request_latency_seconds", "Whole-request latency.",
+                             observability.bucket_e2e_request_latency or DEFAULT_E2E_BUCKETS_S)
+        self.prompt_tokens = Counter("servelm:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("servelm:generation_tokens", "Output tokens generated.",
+                                         labels, registry=self.registry)
+        self.requests = Counter("servelm:request_finished", "Finished requests by finish reason.",
+                                labels + ["finish_reason"], registry=self.registry)
+        self.running = Gauge("servelm:num_requests_running", "Requests in the running batch.",
+                             labels, registry=self.registry)
+        self.waiting = Gauge("servelm:num_requests_waiting", "Requests queued for admission.",
+                             labels, registry=self.registry)
+        self.kv_usage = Gauge("servelm:kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                              labels, registry=self.registry)
+        self.cache_hit_rate = Gauge("servelm:prefix_cache_hit_rate",
+                                    "Fraction of prompt tokens served from the prefix cache.",
+                                    labels, registry=self.registry)
+
+    def observe_finish(self, record: RequestRecord) -> None:
+        name = self.model_name
+        self.e2e.labels(name).observe(record.elapsed_s())
+        self.prompt_tokens.labels(name).inc(record.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(record.num_output_tokens)
+        self.requests.labels(name, record.finish_reason or "abort").inc()
+
+    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        name = self.model_name
+        self.running.labels(name).set(stats.get("num_running", 0))
+        self.waiting.labels(name).set(stats.get("num_waiting", 0))
+        self.kv_usage.labels(name).set(stats.get("token_usage", 0.0))
+        self.cache_hit_rate.labels(name).set(cache_hit_rate(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestRecord:
+    """What the server saw of one engine request, for metrics and its log line."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "params", "start_s", "last_token_s",
+                 "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "text",
+                 "token_ids")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.start_s = time.perf_counter()
+        self.last_token_s: float | None = None
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start_s
+
+
+class ObservedEngine:
+    """The AsyncEngine as the routes see it, with metrics and request logging around ``generate``.
+
+    Everything but ``generate`` is passed through to the wrapped engine.
+    """
+
+    def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics | None) -> None:
+        self._engine = engine
+        self._config = config
+        self._metrics = metrics
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, **options: Any) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, observed; ``options`` (e.g. priority) are passed on unchanged."""
+        record = RequestRecord(request_id, list(prompt_token_ids), params)
+        keep_text = self._config.observability.log_requests_level >= 2
+        outputs = self._engine.generate(request_id, prompt_token_ids, params, **options)
+        try:
+            async for output in outputs:
+                self._observe(record, output, keep_text)
+                yield output
+        except Exception as error:
+            record.finish_reason, record.error = "error", f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
+            if record.finish_reason is None:
+                record.finish_reason = "abort"  # the consumer stopped early (client left)
+            if self._metrics is not None:
+                self._metrics.observe_finish(record)
+            if self._config.observability.log_requests:
+                log_request(record, self._config)
+
+    def _observe(self, record: RequestRecord, output: RequestOutput, keep_text: bool) -> None:
+        now = time.perf_counter()
+        num_new = len(output.new_token_ids)
+        if num_new and self._metrics is not None:
+            name = self._metrics.model_name
+            if record.last_token_s is None:
+                self._metrics.ttft.labels(name).observe(now - record.start_s)
+                gaps = num_new - 1
+                gap_s = 0.0
+            else:
+                gaps = num_new
+                gap_s = (now - record.last_token_s) / num_new
+            for _ in range(gaps):
+                self._metrics.itl.labels(name).observe(gap_s)
+        if num_new:
+            record.last_token_s = now
+        record.num_output_tokens += num_new
+        if output.num_prompt_tokens:
+            record.num_prompt_tokens = output.num_prompt_tokens
+        if keep_text:
+            record.text.append(output.new_text)
+            record.token_ids.extend(output.new_token_ids)
+        if output.is_finished:
+            record.finish_reason, record.error = output.finish_reason, output.error
+
+
+def _cut(value: Any, limit: int | None) -> str:
+    text = str(value)
+    if limit is not None and len(text) > limit:
+        return f"{text[:limit]}...(+{len(text) - limit} chars)"
+    return text
+
+
+def log_request(record: RequestRecord, config: EngineConfig) -> None:
+    """One line per finished request; what it holds grows with --log-requests-level."""
+    level = config.observability.log_requests_level
+    parts = [f"request {record.request_id} finish_reason={record.finish_reason} "
+             f"prompt_tokens={record.num_prompt_tokens} output_tokens={record.num_output_tokens} "
+             f"latency={record.elapsed_s():.3f}s"]
+    if record.error:
+        parts.append(f"error={record.error!r}")
+    if level >= 1:
+        parts.append(f"params={record.params!r}")
+    if level >= 2:
+        max_log_len = config.observability.max_log_len
+        limit = None if level >= 3 else (_DEFAULT_MAX_LOG_LEN if max_log_len is None else max_log_len)
+        parts.append(f"prompt_token_ids={_cut(record.prompt_token_ids, limit)}")
+        parts.append(f"output={_cut(repr(''.join(record.text)), limit)}")
+    logger.info(" ".join(parts))

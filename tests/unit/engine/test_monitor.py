@@ -1,0 +1,68 @@
+"""The engine-process watchdog and the periodic stats line."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from servelm.config import ObservabilityConfig
+from servelm.engine.monitor import StatsLogger, Watchdog
+
+
+def test_watchdog_fires_on_a_hung_step_only() -> None:
+    fired: list[float] = []
+    done = threading.Event()
+
+    def on_timeout(elapsed_s: float, timeout_s: float) -> None:
+        fired.append(elapsed_s)
+        done.set()
+
+    watchdog = Watchdog(0.1, on_timeout)
+    try:
+        for _ in range(3):  # fast steps: nothing happens
+            watchdog.step_started()
+            time.sleep(0.01)
+            watchdog.step_finished()
+        time.sleep(0.3)  # idle between steps: nothing happens either
+        assert not fired
+        watchdog.step_started()  # this step "hangs"
+        assert done.wait(5)
+        assert len(fired) == 1 and fired[0] > 0.1
+    finally:
+        watchdog.stop()
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self.busy = True
+
+    def has_unfinished(self) -> bool:
+        return self.busy
+
+    def stats(self) -> dict:
+        return {"num_running": 2, "num_waiting": 1, "token_usage": 0.25, "prefix_cache_hit_rate": 0.5}
+
+
+def test_stats_line_by_steps_and_off(caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine()
+    logger = StatsLogger(engine, ObservabilityConfig(log_stats_interval=0, decode_log_interval=2))
+    with caplog.at_level(logging.INFO, logger="servelm.engine.monitor"):
+        for _ in range(4):
+            engine.num_steps += 1
+            engine.num_generated_tokens += 3
+            logger.maybe_log()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "running=2 queued=1 kv_usage=25.0% cache_hit_rate=50.0%" in lines[0]
+    assert "gen_throughput=" in lines[0]
+    caplog.clear()
+    silent = StatsLogger(engine, ObservabilityConfig(log_stats_interval=0))
+    with caplog.at_level(logging.INFO, logger="servelm.engine.monitor"):
+        engine.num_steps += 100
+        silent.maybe_log()
+    assert not caplog.records

@@ -1,0 +1,37 @@
+"""torch_native attention views: sliding layers read only their window, decode groups exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from servelm.model.attention import get_attention_backend
+from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
+
+
+def build(plan: BatchPlan) -> ForwardBatch:
+    return ForwardBatch.build(plan, block_size=4, device=torch.device("cpu"),
+                              attention=get_attention_backend("torch_native"))
+
+
+def test_sliding_view_reads_only_the_window() -> None:
+    blocks = list(range(10, 20))   # 40 slots, position p -> slot 40 + p
+    batch = build(BatchPlan([SequencePlan([1], 30, blocks), SequencePlan([2], 5, blocks[:2])]))
+    (decodes,) = batch.attn_metadata.groups
+    full, window = decodes.view(None), decodes.view(8)
+    assert full.num_columns == 31
+    assert window.num_columns == 8
+    slots = window.slots.view(2, 8)
+    assert slots[0].tolist() == [40 + p for p in range(23, 31)]      # positions 23..30
+    assert slots[1, :6].tolist() == [40 + p for p in range(6)]       # the whole short context
+    assert window.mask[1, 0, 0].tolist() == [True] * 6 + [False] * 2
+
+
+def test_prefill_window_starts_at_first_query_minus_window() -> None:
+    blocks = list(range(10))
+    batch = build(BatchPlan([SequencePlan([1, 2, 3], 20, blocks)]))
+    (group,) = batch.attn_metadata.groups
+    view = group.view(4)
+    assert view.num_columns == 6                                      # positions 17..22
+    positions = torch.arange(17, 23)
+    expected = torch.stack([(positions <= q) & (positions > q - 4) for q in (20, 21, 22)])
+    assert torch.equal(view.mask[0, 0], expected)
