@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.parsers.text import partial_suffix
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
@@ -21,14 +23,6 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class ReasoningParser:
@@ -68,7 +62,7 @@ class ReasoningParser:
                     out.reasoning += self.buffer[:index]
                     self.buffer, self.state = self.buffer[index + len(END):], "content_head"
                     continue
-                keep = 0 if final else _partial_suffix(self.buffer, END)
+                keep = 0 if final else partial_suffix(self.buffer, END)
                 out.reasoning += self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return out

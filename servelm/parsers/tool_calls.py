@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelm.parsers.text import partial_suffix
+
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic", "json")
 
 
@@ -81,13 +83,6 @@ def _calls_from_json(text: str) -> list[ToolCall] | None:
     if not calls or any(call is None for call in calls):
         return None
     return [call for call in calls if call is not None]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class _Format:
@@ -247,7 +242,7 @@ class ToolCallParser:
                 if index >= 0:
                     end, self.state, self.region_start = index, "region", index + len(marker)
                 else:
-                    end -= _partial_suffix(self.text, marker)
+                    end -= partial_suffix(self.text, marker)
             out.content = self.text[self.num_content_chars:end]
             self.num_content_chars = max(self.num_content_chars, end)
         if self.state == "region":
