@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,8 +358,8 @@ class EngineConfig:
     @staticmethod
     def sections() -> dict[str, type]:
         """Section name -> dataclass type, in CLI order."""
-        return {f.name: f.type if isinstance(f.type, type) else _SECTION_TYPES[f.name]
-                for f in dataclasses.fields(EngineConfig)}
+        hints = typing.get_type_hints(EngineConfig)  # resolves the postponed annotations
+        return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> EngineConfig:
@@ -372,14 +373,3 @@ class EngineConfig:
         if remaining:
             raise ValueError(f"unknown engine options: {sorted(remaining)}")
         return cls(**sections)
-
-
-_SECTION_TYPES: dict[str, type] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig,
-    "server": ServerConfig,
-    "observability": ObservabilityConfig,
-    "structured": StructuredOutputConfig,
-}
