@@ -4,16 +4,24 @@ For each mode (``--quantization`` and ``--kv-cache-dtype`` pairs) the script
 - generates ``--max-tokens`` greedy tokens for each held-out prompt below and compares them with
   float32's: the share of prompts whose output is identical, and the mean number of leading tokens
   that agree (divergence compounds, so this is the stricter figure);
-- computes the perplexity of the text below, one forward pass over the whole text.
+- computes the perplexity of the text below, one forward pass over the whole text;
+- times single-stream greedy decode (tok/s, prefill excluded) and reports the bytes of the
+  linear, head and embedding weights after quantization.
 
-    .venv/bin/python benchmarks/quant_quality.py [--model gemma3-270m]
+A quantization may carry mixed-precision overrides for the LM head and the embedding, e.g.
+``w8a8_int8+head=int8wo:auto`` or ``int4wo-128+emb=int8:auto`` (see ``quantize_model``); the model
+then loads in float32 and the script requantizes it with those overrides.
+
+    .venv/bin/python benchmarks/quant_quality.py [--model gemma3-270m] [--modes none:auto,int8wo:auto]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.forward_batch import BatchPlan, SequencePlan  # noqa: E402
+from servelm.model.layers.quantization import quantize_model  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -49,7 +58,8 @@ TEXT = (
 )
 
 MODES = [("none", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
-         ("w8a8_int8", "fp8_e4m3")]
+         ("w8a8_int8", "fp8_e4m3"), ("int8wo", "auto"), ("int4wo-128", "auto"), ("int4wo-64", "auto"),
+         ("w8a8_int8+head=int8wo", "auto"), ("w8a8_int8+emb=int8", "auto"), ("int4wo-128+head=int8wo", "auto")]
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -72,19 +82,50 @@ def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:
     return float(torch.exp(nll))
 
 
+def decode_tok_s(engine: LLMEngine, prompt: list[int], max_tokens: int = 33) -> float:
+    """Single-stream greedy decode rate, prefill excluded: ``(n - 1) / (t(n) - t(1))``."""
+    def run(tokens: int) -> float:
+        start = time.perf_counter()
+        greedy(engine, [prompt], tokens)
+        return time.perf_counter() - start
+    run(4)   # warm up
+    return (max_tokens - 1) / (run(max_tokens) - run(1))
+
+
+def build_engine(model: str, mode: str, kv_dtype: str, num_threads: int | None) -> tuple[LLMEngine, int]:
+    """An engine for ``mode`` (``method[+head=X][+emb=Y]``) and its quantized weight bytes.
+
+    The model loads in float32 and is requantized here by ``quantize_model`` -- the function the
+    runner calls for ``--quantization`` -- so that every mode reports its stored bytes.
+    """
+    method, *overrides = mode.split("+")
+    options = dict(override.split("=", 1) for override in overrides)
+    engine = LLMEngine(EngineConfig.from_flat({
+        "model": model, "quantization": "none", "kv_cache_dtype": kv_dtype,
+        "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
+    network = engine.runner.model
+    stored = quantize_model(network, method, head=options.get("head"), embedding=options.get("emb"))
+    if not stored:   # float32: count each weight once (the tied head shares the embedding's)
+        stored = sum({id(p): p.nbytes for p in network.parameters() if p.dim() == 2}.values())
+    return engine, stored
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", default=",".join(f"{q}:{kv}" for q, kv in MODES),
                         help="quantization:kv-cache-dtype pairs; the first is the reference")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads (default: the engine's); 1 avoids OpenMP stalls on a busy machine")
+    parser.add_argument("--no-speed", dest="speed", action="store_false",
+                        help="skip the decode timing (the machine is shared: compare within a run)")
     args = parser.parse_args()
     reference: list[list[int]] | None = None
     rows = []
+    print(f"load average before: {os.getloadavg()}", file=sys.stderr, flush=True)
     for quantization, kv_dtype in (mode.split(":") for mode in args.modes.split(",")):
-        engine = LLMEngine(EngineConfig.from_flat({
-            "model": args.model, "quantization": quantization, "kv_cache_dtype": kv_dtype,
-            "max_total_tokens": 8192, "disable_radix_cache": True}))
+        engine, stored = build_engine(args.model, quantization, kv_dtype, args.num_threads)
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
         outputs = greedy(engine, prompts, args.max_tokens)
         text_ppl = perplexity(engine, engine.tokenizer.encode(TEXT))
@@ -93,14 +134,19 @@ def main() -> None:
         identical = sum(o == r for o, r in zip(outputs, reference)) / len(outputs)
         leading = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r))
                    for o, r in zip(outputs, reference)]
-        rows.append((quantization, kv_dtype, identical, sum(leading) / len(leading), text_ppl))
+        speed = decode_tok_s(engine, prompts[0]) if args.speed else float("nan")
+        rows.append((quantization, kv_dtype, identical, sum(leading) / len(leading), text_ppl, speed,
+                     stored / 2 ** 20))
         print(rows[-1], file=sys.stderr, flush=True)
         del engine
+    print(f"load average after: {os.getloadavg()}", file=sys.stderr, flush=True)
     print(f"| quantization | kv cache | identical greedy outputs ({len(PROMPTS)} prompts x "
-          f"{args.max_tokens} tokens) | mean agreeing prefix, tokens | perplexity ({args.model}) |")
-    print("|---|---|---|---|---|")
-    for quantization, kv_dtype, identical, leading, text_ppl in rows:
-        print(f"| {quantization} | {kv_dtype} | {identical:.0%} | {leading:.1f} | {text_ppl:.2f} |")
+          f"{args.max_tokens} tokens) | mean agreeing prefix, tokens | perplexity ({args.model}) "
+          "| 1-stream decode tok/s | weights MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for quantization, kv_dtype, identical, leading, text_ppl, speed, mib in rows:
+        print(f"| {quantization} | {kv_dtype} | {identical:.0%} | {leading:.1f} | {text_ppl:.2f} "
+              f"| {speed:.1f} | {mib:.0f} |")
 
 
 if __name__ == "__main__":

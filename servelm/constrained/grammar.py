@@ -74,6 +74,26 @@ class GrammarBackend(Protocol):
         ...
 
 
+def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """Set to -inf, in place, every token of ``logits[r]`` whose bit is 0 in ``bitmask[r]``.
+
+    The packed layout is xgrammar's and llguidance's: bit i of int32 word j is token 32*j + i.
+    Uses xgrammar's CPU/GPU kernel when it is installed, else plain torch ops.
+    """
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        pass
+    else:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=vocab_size)
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab_size]
+    logits[:, :vocab_size].masked_fill_(allowed == 0, float("-inf"))
+
+
 def choice_to_ebnf(spec: str) -> str:
     """A "choice" spec (JSON list of strings) as an EBNF grammar: ``root ::= "a" | "b"``."""
     try:
@@ -125,11 +145,20 @@ def _xgrammar(tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
     return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, whitespace_pattern)
 
 
+def _llguidance(tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                whitespace_pattern: str | None) -> GrammarBackend:
+    from servelm.constrained.llguidance_backend import LLGuidanceBackend
+
+    return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, whitespace_pattern)
+
+
 BACKEND_FACTORIES: dict[str, Callable[..., GrammarBackend]] = {
     "xgrammar": _xgrammar,
     "outlines": _unavailable("outlines"),
-    "llguidance": _unavailable("llguidance"),
+    "llguidance": _llguidance,
 }
+_BACKEND_PACKAGES = {"xgrammar": "xgrammar", "llguidance": "llguidance"}
+"""The package each available backend imports (checked at start-up)."""
 
 
 def check_backend_available(name: str) -> None:
@@ -138,12 +167,14 @@ def check_backend_available(name: str) -> None:
         return
     if name not in BACKEND_FACTORIES:
         raise ValueError(f"--grammar-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    if name != "xgrammar":
+    if name not in _BACKEND_PACKAGES:
         BACKEND_FACTORIES[name]()
+    package = _BACKEND_PACKAGES[name]
     try:
-        import xgrammar  # noqa: F401
+        __import__(package)
     except ImportError as error:
-        raise ValueError(f"--grammar-backend xgrammar needs the xgrammar package: {error}") from None
+        raise ValueError(f"--grammar-backend {name} needs the {package} package "
+                         f"(pip install {package}): {error}") from None
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
@@ -162,6 +193,11 @@ def validate_spec(backend_name: str, kind: str, spec: str,
         raise GrammarError("structured output is disabled on this server (--grammar-backend none)")
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}")
+    if backend_name == "llguidance":
+        from servelm.constrained.llguidance_backend import grammar_from_spec as llguidance_grammar
+
+        llguidance_grammar(kind, spec, whitespace_pattern)
+        return
     from servelm.constrained.xgrammar_backend import grammar_from_spec
 
     grammar_from_spec(kind, spec, whitespace_pattern)

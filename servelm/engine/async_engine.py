@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from servelm.config import EngineConfig
+from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import InvalidRequestError
 from servelm.sampling.params import SamplingParams
@@ -100,11 +101,16 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         stats.maybe_log()
 
 
-def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket) -> None:
+def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
     kind = message[0]
     if kind == "add":
         _, request_id, prompt_token_ids, params, priority = message
         rejected = engine.add_request(request_id, prompt_token_ids, params, priority)
+        if rejected is not None:
+            outputs.send_pyobj(("outputs", [rejected]))
+    elif kind == "embed":
+        _, request_id, prompt_token_ids, priority = message
+        rejected = engine.add_embedding_request(request_id, prompt_token_ids, priority)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "abort":
@@ -123,7 +129,7 @@ class AsyncEngine:
     """Submit requests to the engine process and stream back their outputs."""
 
     def __init__(self, config: EngineConfig, process: multiprocessing.process.BaseProcess,
-                 socket_dir: str, push: zmq.Socket, pull: zmq.asyncio.Socket,
+                 socket_dir: str, push: zmq.Socket[Any], pull: zmq.asyncio.Socket,
                  model_info: dict[str, Any]) -> None:
         self.config = config
         self.model_info = model_info
@@ -138,6 +144,8 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
         self._dead = asyncio.Event()
+        folder = config.observability.crash_dump_folder
+        self._crash_recorder = CrashRecorder(folder) if folder else None
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
@@ -145,7 +153,7 @@ class AsyncEngine:
         socket_dir = tempfile.mkdtemp(prefix="servelm-")
         input_address = f"ipc://{socket_dir}/input"
         output_address = f"ipc://{socket_dir}/output"
-        sync_context = zmq.Context.instance()
+        sync_context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
         push = sync_context.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 0)
         push.bind(input_address)
@@ -224,6 +232,8 @@ class AsyncEngine:
             await asyncio.sleep(0.5)
         self._dead_reason = f"engine process exited (exit code {self._process.exitcode})"
         logger.error(self._dead_reason)
+        if self._crash_recorder is not None:
+            self._crash_recorder.dump(self._dead_reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self._dead_reason))
         for future in self._calls.values():
@@ -255,17 +265,47 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         is_finished = False
+        num_output_tokens = 0
+        finish_reason: str | None = None
         try:
             self._send(("add", request_id, list(prompt_token_ids), params, priority))
+            if self._crash_recorder is not None:
+                self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:
                 output = await queue.get()
                 if isinstance(output, Exception):
                     is_finished = True
                     raise output
                 is_finished = output.is_finished
+                num_output_tokens, finish_reason = output.num_output_tokens, output.finish_reason
                 yield output
                 if is_finished:
                     return
+        finally:
+            del self._queues[request_id]
+            if self._crash_recorder is not None and self._dead_reason is None:
+                self._crash_recorder.finish(request_id, finish_reason, num_output_tokens)
+            if not is_finished and self._dead_reason is None:
+                self._push.send_pyobj(("abort", request_id))
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     priority: int = 0) -> RequestOutput:
+        """Embed one input (task embed): its finished output, with ``embedding`` or ``error``.
+        Cancelling the call aborts the request."""
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        is_finished = False
+        try:
+            self._send(("embed", request_id, list(prompt_token_ids), priority))
+            while True:
+                output = await queue.get()
+                is_finished = isinstance(output, Exception) or output.is_finished
+                if isinstance(output, Exception):
+                    raise output
+                if output.is_finished:
+                    return output
         finally:
             del self._queues[request_id]
             if not is_finished and self._dead_reason is None:
@@ -298,6 +338,11 @@ class AsyncEngine:
             return False
         request_id = f"health-{next(self._call_ids)}-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=1, temperature=0.0)
+        if self.model_info.get("task") == "embed":  # an embedding model's one-step request
+            try:
+                return (await self.encode(request_id, [0])).finish_reason != "error"
+            except EngineDeadError:
+                return False
         try:
             async for output in self.generate(request_id, [0], params):
                 if output.is_finished:

@@ -37,11 +37,12 @@ class IncrementalDetokenizer:
         self._num_output_tokens = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(
+        text: str = self._tokenizer.decode(
             ids,
             skip_special_tokens=self._params.skip_special_tokens,
             spaces_between_special_tokens=self._params.spaces_between_special_tokens,
         )
+        return text
 
     def add_tokens(self, output_token_ids: list[int]) -> str | None:
         """Decode the output tokens not seen yet; returns the stop string matched, else None.

@@ -3,6 +3,7 @@
 ``step()`` is schedule -> execute -> update. The core never raises for a single request's
 failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
 pass ends every request in that batch with an error and the loop goes on.
+The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from servelm.sampling.params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
+_EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+"""What an embedding request's scheduling reads of SamplingParams: no output beyond its prompt."""
+
 
 class LLMEngine:
     """Scheduler + model executor + detokenizers, driven by ``step()``."""
@@ -40,6 +44,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
+        self.task: str = getattr(runner, "task", "generate")
+        """generate or embed (servelm.model.pooling.resolve_task); requests of the other are refused."""
         self.block_pool = BlockPool(runner.num_blocks)
         self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
@@ -59,7 +65,14 @@ class LLMEngine:
             "num_blocks": runner.num_blocks,
             "block_size": runner.block_size,
             "kv_pool_tokens": runner.num_blocks * runner.block_size,
+            "task": self.task,
+            "is_generation": self.task == "generate",
         })
+        pooler = getattr(runner, "pooler", None)
+        if pooler is not None:
+            self.model_info.update({"embedding_size": getattr(runner, "hidden_size", None),
+                                    "pooler": pooler.as_dict(),
+                                    "max_embedding_tokens": self.max_embedding_tokens})
 
     def _load(self, config: EngineConfig) -> tuple[Runner, Any, list[int], int]:
         from servelm.model.runner import ModelRunner
@@ -83,14 +96,28 @@ class LLMEngine:
         })
         return runner, tokenizer, list(source.eos_token_ids), source.context_length
 
+    @property
+    def max_embedding_tokens(self) -> int:
+        """Longest embedding input: it fits the context and one step (it is never chunked)."""
+        pool_tokens = self.block_pool.num_blocks * self.runner.block_size
+        return min(self.context_length, self.config.scheduler.max_tokens_per_step, pool_tokens)
+
     # -- requests ---------------------------------------------------------------------------
+    def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
+                              priority: int = 0) -> RequestOutput | None:
+        """Queue an embedding request (task embed): it finishes with ``embedding`` set."""
+        return self.add_request(request_id, prompt_token_ids, _EMBEDDING_PARAMS, priority,
+                                is_embedding=True)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> RequestOutput | None:
+                    params: SamplingParams, priority: int = 0, *,
+                    is_embedding: bool = False) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
-                          max_context_tokens=self.context_length, priority=priority)
+                          max_context_tokens=self.context_length, priority=priority,
+                          is_embedding=is_embedding)
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
@@ -109,7 +136,7 @@ class LLMEngine:
             except (GrammarError, ValueError) as error:
                 return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
                                      error=str(error), num_prompt_tokens=request.num_prompt_tokens)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not is_embedding:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
         self.scheduler.add_request(request)
@@ -118,6 +145,10 @@ class LLMEngine:
     def _check(self, request: Request) -> str | None:
         if not request.prompt_token_ids:
             return "the prompt is empty"
+        if request.is_embedding != (self.task == "embed"):
+            return ("this model serves embeddings (--task embed): it does not support generation"
+                    if self.task == "embed" else "this model does not support embeddings: start "
+                    "the server with --task embed (--is-embedding) to serve them")
         if request.request_id in self.scheduler.requests:
             return f"duplicate request id {request.request_id}"
         vocab_size = getattr(self.runner, "vocab_size", None)
@@ -128,6 +159,12 @@ class LLMEngine:
                 request.params.validate_token_ids(vocab_size)
             except SamplingParamsError as error:
                 return str(error)
+        if request.is_embedding:
+            if request.num_prompt_tokens > self.max_embedding_tokens:
+                return (f"the input has {request.num_prompt_tokens} tokens; this model embeds at "
+                        f"most {self.max_embedding_tokens} (context length, --max-prefill-tokens "
+                        "and the KV pool bound it: an input is computed in one step)")
+            return None
         if request.num_prompt_tokens >= self.context_length:
             return (f"prompt has {request.num_prompt_tokens} tokens; the context length is "
                     f"{self.context_length}")
@@ -268,6 +305,7 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            embedding=request.embedding,
         )
 
     def flush_cache(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Invariants: the logits rows returned by the runner are in plan order, ``num_logits`` per request;
 a request's leading ``num_prompt_logprob_rows`` rows score its prompt tokens and, when it is
-sampling, its last row is sampled.
+sampling, its last row is sampled. A step of embedding requests (the engine's task fixes that a
+step holds only those, or none) runs ``runner.pool`` instead: one vector per request, no sampler.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Runner(Protocol):
 
     def execute(self, plan: BatchPlan) -> torch.Tensor: ...
 
+    def pool(self, plan: BatchPlan) -> torch.Tensor: ...
+
 
 class Executor:
     """Forward pass plus sampling for one step."""
@@ -38,6 +41,8 @@ class Executor:
         """Applies structured-output bitmasks; set by the engine before the first grammar request."""
 
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
+        if output.plan.num_pooled:
+            return self._pool(output)
         logits = self.runner.execute(output.plan)
         results = [StepResult() for _ in output.scheduled]
         sample_rows: list[int] = []
@@ -72,9 +77,17 @@ class Executor:
             sampled = self.sampler(sample_logits, [r for _, r in sample_targets])
             for position, (index, _) in enumerate(sample_targets):
                 results[index].token_ids = [sampled.token_ids[position]]
-                if sampled.logprobs is not None and sampled.logprobs[position] is not None:
-                    results[index].logprobs = [sampled.logprobs[position]]
+                logprob = sampled.logprobs[position] if sampled.logprobs is not None else None
+                if logprob is not None:
+                    results[index].logprobs = [logprob]
         return results
+
+    def _pool(self, output: SchedulerOutput) -> list[StepResult]:
+        """Embeddings: every request of the step is pooled; row i is request i's vector."""
+        assert all(s.is_pooled for s in output.scheduled), "a step pools all its requests or none"
+        pooled = self.runner.pool(output.plan).cpu()
+        assert pooled.shape[0] == len(output.scheduled), "one vector per pooled request"
+        return [StepResult(embedding=row) for row in pooled.tolist()]
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None]) -> None:
         """Mask each grammar row's disallowed tokens to -inf, with one bitmask op for the batch.

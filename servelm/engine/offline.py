@@ -1,4 +1,4 @@
-"""servelm.Engine: offline batch generation through the same engine process as the server.
+"""servelm.Engine: offline generation and embeddings through the same engine process as the server.
 
 The engine's asyncio client runs on a private event loop in a background thread; the public
 methods here are synchronous and block until their requests finish.
@@ -124,6 +124,28 @@ class Engine:
                 result.stop_reason = output.stop_reason
                 result.error = output.error
         return result
+
+    def encode(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> Any:
+        """Embed each input (text or token ids) with a model served with ``task="embed"`` (or an
+        encoder under auto): one vector (list of floats) per input, in order; a single input
+        gives one vector. Raises ValueError when the engine refuses an input."""
+        token_lists, is_single = self._token_lists(prompts, input_ids)
+        vectors = self._run(self._encode_all(token_lists))
+        return vectors[0] if is_single else vectors
+
+    embed = encode
+
+    async def _encode_all(self, token_lists: list[list[int]]) -> list[list[float]]:
+        outputs = await asyncio.gather(*(self._engine.encode(f"offline-{next(self._ids)}", ids)
+                                         for ids in token_lists))
+        for output in outputs:
+            if output.embedding is None:
+                raise ValueError(output.error or "the engine returned no embedding")
+        return [list(output.embedding or []) for output in outputs]
 
     def get_server_info(self) -> dict[str, Any]:
         return self._run(self._engine.get_server_info())

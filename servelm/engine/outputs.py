@@ -45,6 +45,8 @@ class RequestOutput:
     error_status: int | None = None
     """HTTP status for a request refused before it ran (400: can never fit, 503: queue full);
     None for failures while running (500)."""
+    embedding: list[float] | None = None
+    """The pooled vector of an embedding request, on its (only) finished output."""
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,8 @@ Invariants:
   holds its own references).
 - Leading blocks reused from the prefix cache are shared and never written: the request computes
   from ``num_computed_tokens`` on, which starts at the (block-aligned) cached length.
+- An embedding request is prefill-only: it runs in exactly one step (its whole prompt) and ends
+  there, with its pooled vector and no output tokens.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class Request:
     grammar: GrammarMatcher | None = None
     """Structured output: the grammar state after exactly ``output_token_ids`` (fed by the
     scheduler as tokens are appended; preemption and recompute leave it alone)."""
+    is_embedding: bool = False
+    """An embedding request (task embed): its whole prompt is computed in one step, never chunked
+    or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
+    embedding: list[float] | None = None
+    """The pooled vector, set when the step that computed the prompt finishes the request."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,10 @@ Invariants:
   computed (so n>1 siblings and later turns hit it), and a finished or preempted request's blocks
   stay cached. When the pool is short, free cached blocks are evicted before anyone is preempted.
 - Admission order is engine/policy.py's; admission stops at the first request that does not fit.
+- An embedding request is computed whole in the step that admits it (never chunked: an encoder
+  attends both ways, and pooling needs every row at once), never matches or fills the prefix
+  cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
+  It waits while the step's remaining token budget is smaller than its prompt.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class ScheduledRequest:
     """The chunk reaches the end of the request's tokens, so its last row is sampled."""
     num_prompt_logprob_rows: int
     """Leading rows of this request's logits that give prompt-token logprobs."""
+    is_pooled: bool = False
+    """An embedding request: its whole prompt is computed and pooled; the result is a vector."""
 
 
 @dataclass
@@ -74,6 +80,8 @@ class StepResult:
     """Accepted new tokens (one when sampling; none for a non-final prefill chunk)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] | None = None
+    """The pooled vector of an embedding request."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -145,6 +153,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = self._chunk(request, budget)
+            if num_tokens == 0:  # an embedding prompt larger than what is left of the budget
+                index += 1
+                continue
             target_tokens = request.num_computed_tokens + num_tokens
             if not self._grow(request, target_tokens):
                 did_preempt = True
@@ -183,6 +194,8 @@ class Scheduler:
                 continue  # compute the shared prefix once: next step it is cached
             self._match_prefix(request)
             num_tokens = self._chunk(request, budget)
+            if num_tokens == 0:
+                return  # an embedding prompt waits for a step with room for all of it
             while not self._fits(request, num_tokens):
                 victim = self._priority_victim(request)
                 if victim is None:
@@ -262,8 +275,9 @@ class Scheduler:
     # -- prefix cache -----------------------------------------------------------------------
     def _match_prefix(self, request: Request) -> None:
         """Start a request at its longest cached prefix, sharing those blocks."""
-        if self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs:
-            return  # prompt logprobs need every prompt position computed
+        if (self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs
+                or request.is_embedding):
+            return  # prompt logprobs (and pooling) need every prompt position computed
         match = self.prefix_cache.match_prefix(cache_key(request), request.adapter_id)
         if not match.block_ids:
             return
@@ -282,7 +296,7 @@ class Scheduler:
     def _shares_prefix_in_flight(self, request: Request, admitted: list[Request]) -> bool:
         """True when a request admitted this step will compute a full block of this request's
         uncached prefix: waiting one step turns that duplicate work into a cache hit."""
-        if self.prefix_cache is None or not admitted:
+        if self.prefix_cache is None or not admitted or request.is_embedding:
             return False
         key = cache_key(request)
         size = self.block_size
@@ -298,8 +312,9 @@ class Scheduler:
         return False
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Give the request's newly computed full blocks to the prefix cache."""
-        if self.prefix_cache is None:
+        """Give the request's newly computed full blocks to the prefix cache (an encoder's K/V
+        depend on the whole prompt, so embedding requests never share theirs)."""
+        if self.prefix_cache is None or request.is_embedding:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full > request.num_inserted_blocks:
@@ -317,6 +332,8 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
+        if request.is_embedding:  # all or nothing: one forward computes the whole prompt
+            return remaining if remaining <= budget else 0
         cap = self.config.max_chunk_tokens
         return min(remaining, budget, cap) if cap is not None else min(remaining, budget)
 
@@ -375,6 +392,12 @@ class Scheduler:
 
     def _add(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
         start = request.num_computed_tokens
+        if request.is_embedding:
+            output.scheduled.append(ScheduledRequest(request, num_tokens, 0, False, 0, is_pooled=True))
+            output.plan.sequences.append(SequencePlan(
+                token_ids=request.token_slice(start, start + num_tokens), start_position=start,
+                block_ids=request.block_ids, num_logits=0, is_pooled=True))
+            return
         is_sampling = start + num_tokens == request.num_tokens
         num_prompt_rows = 0
         if request.wants_prompt_logprobs:
@@ -401,6 +424,12 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_tokens
+            if scheduled.is_pooled:
+                assert result.embedding is not None, "a pooled request gets its vector"
+                request.embedding = result.embedding
+                self.finish(request, FinishReason.STOP)
+                touched.append(request)
+                continue
             self.cache_computed_blocks(request)
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob

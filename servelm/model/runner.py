@@ -5,6 +5,10 @@ Invariants:
   grown; block ids in every plan must be below ``num_blocks`` (the scheduler allocates them).
 - ``execute`` writes the K/V of every planned token and returns logits only for the rows the plan
   asks for: ``[plan.num_logits, vocab_size]`` in plan order.
+- ``task`` is fixed at start-up (``servelm.model.pooling.resolve_task``): a generate runner only
+  executes, an embed runner only pools (``pool``: one float32 vector per sequence, every sequence
+  a whole prompt). An embed runner's pool holds at most one step of prompts (embedding requests
+  free their blocks in the step that computes them).
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import torch
 
 from servelm.config import CacheConfig, EngineConfig
 from servelm.model.attention import Attention, get_attention_backend
+from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
+from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
+from servelm.model.threads import configure_engine_threads
 
 if TYPE_CHECKING:
     from servelm.model.source import ModelSource
@@ -57,11 +64,20 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, source: ModelSource, attention_backend: str = "torch_native") -> None:
         self.config = config
+        configure_engine_threads(config.runtime.num_threads)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
+        self.task = resolve_task(config.model.task, source.hf_config)
+        self.pooler: PoolerConfig | None = None
+        """How hidden states become embeddings (task embed only)."""
+        if self.task == "embed":
+            self.pooler = resolve_pooler_config(source.model_path, source.hf_config,
+                                                config.model.override_pooler_config)
         self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed)
         quantize_model(self.model, config.model.quantization)
-        self.vocab_size: int = self.model.lm_head.vocab_size
+        lm_head = getattr(self.model, "lm_head", None)
+        self.vocab_size: int = lm_head.vocab_size if lm_head is not None else self.model.vocab_size
+        self.hidden_size: int = source.hf_config.get_text_config().hidden_size
         self.block_size = config.cache.page_size
         attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
@@ -69,6 +85,9 @@ class ModelRunner:
         bytes_per_token = KVCache.bytes_per_token(len(attention_layers), first.num_kv_heads, first.head_dim,
                                                   kv_dtype)
         self.num_blocks = kv_pool_blocks(config.cache, bytes_per_token, self.device)
+        if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
+            step_blocks = -(-config.scheduler.max_prefill_tokens // self.block_size)
+            self.num_blocks = min(self.num_blocks, step_blocks + config.scheduler.max_running_requests)
         self.kv_cache = KVCache(len(attention_layers), self.num_blocks, self.block_size, first.num_kv_heads,
                                 first.head_dim, kv_dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.nbytes
@@ -79,10 +98,25 @@ class ModelRunner:
                     dtype_reason(config.model.dtype, self.device),
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2 ** 20, str(kv_dtype).removeprefix("torch."), bytes_per_token)
+        if self.pooler is not None:
+            logger.info("task embed: %s pooling%s, %d-dim vectors", self.pooler.pooling_type,
+                        " + L2 normalize" if self.pooler.normalize else "", self.hidden_size)
+        if config.runtime.enable_torch_compile and self.task == "generate":
+            self._compile(config.runtime.torch_compile_max_bs)
+
+    def _compile(self, max_bs: int) -> None:
+        """--enable-torch-compile: compile the decode graphs now, so no request waits for them."""
+        num_layers = compile_decode_layers(self.model, max_bs)
+        seconds = warm_up(self.execute, max_bs)
+        logger.info("torch.compile: %d decoder layers compiled (inductor) for decode steps of 1..%d "
+                    "sequences in %.1f s; prefill stays eager. Note: on the 2-core CPU dev box "
+                    "float32 decode measured no faster than eager (GEMM-bound steps; "
+                    "benchmarks/RESULTS.md)", num_layers, max_bs, seconds)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
         """Run one forward pass; float32 logits ``[plan.num_logits, vocab_size]`` in plan order."""
+        assert self.task == "generate", "an embedding model has no logits"
         if not plan.sequences:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         for sequence in plan.sequences:
@@ -91,3 +125,14 @@ class ModelRunner:
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         return logits.float()
+
+    @torch.inference_mode()
+    def pool(self, plan: BatchPlan) -> torch.Tensor:
+        """Run one forward over whole prompts; float32 ``[num_sequences, hidden]`` embeddings."""
+        assert self.pooler is not None, "pool() needs --task embed"
+        assert plan.sequences and all(s.is_pooled for s in plan.sequences), "every sequence is pooled"
+        for sequence in plan.sequences:
+            assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
+        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
+        hidden = self.model(batch)
+        return pool(hidden, batch.query_lens, self.pooler)

@@ -206,10 +206,23 @@ def _hf_dir_source(config: ModelConfig, path: Path, label: str, overrides: dict[
         weights=weights,
         tokenizer_path=str(path),
         eos_token_ids=_dir_eos_ids(path, hf_config),
-        context_length=_context_length(config, hf_config, label),
+        context_length=_sentence_transformers_limit(config, path, _context_length(config, hf_config, label)),
         description=f"{label} ({weight_format}, {path})",
         model_path=str(path),
     )
+
+
+def _sentence_transformers_limit(config: ModelConfig, path: Path, context_length: int) -> int:
+    """A sentence-transformers model's ``max_seq_length`` caps the default context: it was
+    trained (and its reference truncates) at that length, below the encoder's position table."""
+    st_config = path / "sentence_bert_config.json"
+    if config.context_length is not None or not st_config.is_file():
+        return context_length
+    try:
+        max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
+    except ValueError:
+        return context_length
+    return min(context_length, int(max_seq_length)) if isinstance(max_seq_length, int) else context_length
 
 
 def _weight_files(path: Path, load_format: str) -> tuple[list[Path], str]:

@@ -11,10 +11,19 @@ Formats (``--tool-call-parser``):
 - json (internal, for tool_choice required/named): a JSON list of ``{"name", "arguments"}``,
   which constrained decoding guarantees.
 
+Streaming follows OpenAI: a call's first delta carries its index, id, type and name, and later
+deltas for that index carry ``function.arguments`` fragments as the model writes them. Arguments
+stream for every JSON format once the text reads ``{"name": "<complete>", "arguments"`` (or
+``"parameters"``) ``: {``; pythonic calls (and calls whose arguments are a JSON string) are emitted
+whole by ``finish``. The fragments are the normalised arguments text (``json.dumps`` spacing, see
+``json_prefix``), never raw model text, so they add up to the non-streamed ``arguments``.
+
 Invariant: ``feed`` emits content only when no later text can turn it into part of a call, and
-emits a call only once it is complete; ``finish`` parses the whole text and emits the rest. So the
-streamed content concatenates to the non-streamed content, and the streamed calls are the
-non-streamed calls, for any chunking.
+emits argument text only once no later text can change it; ``finish`` parses the whole text and
+emits the rest. So, for any chunking, the streamed content concatenates to the non-streamed
+content and each call's streamed name and argument fragments to the non-streamed call. (The one
+exception: text that starts a call but never becomes a parseable one, e.g. cut off by max_tokens,
+leaves a partial streamed call where the non-streamed message has none.)
 """
 
 from __future__ import annotations
@@ -44,9 +53,156 @@ class ToolCall:
 
 
 @dataclass(slots=True)
+class ToolCallDelta:
+    """One streamed piece of call ``index``: the first carries id and name, the rest ``arguments``."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(slots=True)
 class ToolDelta:
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def json_prefix(text: str, start: int) -> tuple[str, int | None]:
+    """The JSON value starting at ``text[start]``, re-serialised as ``json.dumps`` would (", " and
+    ": " separators, ``ensure_ascii=False``), as far as the text fixes it; and the index just past
+    the value once it is complete (None before).
+
+    A prefix of the value gives a prefix of ``json.dumps(json.loads(value))``: strings are encoded
+    character by character (a trailing partial escape waits), numbers and literals only once a
+    delimiter ends them. Invalid JSON stops the output where it goes wrong. (Duplicate keys would
+    break the prefix property; they are not valid for arguments anyway.)
+    """
+    out: list[str] = []
+    depth, position, length = 0, start, len(text)
+    while position < length:
+        char = text[position]
+        if char in " \t\r\n":
+            position += 1
+        elif char in "{[":
+            out.append(char)
+            depth, position = depth + 1, position + 1
+        elif char in "}]":
+            if depth == 0:
+                break
+            out.append(char)
+            depth, position = depth - 1, position + 1
+            if depth == 0:
+                return "".join(out), position
+        elif char in ",:":
+            if depth == 0:
+                break
+            out.append(char + " ")
+            position += 1
+        elif char == '"':
+            end = _string_end(text, position)
+            if end is None:
+                out.append(_partial_string(text[position + 1:]))
+                break
+            try:
+                out.append(json.dumps(json.loads(text[position:end]), ensure_ascii=False))
+            except json.JSONDecodeError:
+                break
+            position = end
+            if depth == 0:
+                return "".join(out), position
+        else:
+            end = position
+            while end < length and text[end] not in " \t\r\n,:]}":
+                end += 1
+            if end == length:
+                break  # a number or literal may go on
+            try:
+                out.append(json.dumps(json.loads(text[position:end])))
+            except json.JSONDecodeError:
+                break
+            position = end
+            if depth == 0:
+                return "".join(out), position
+    return "".join(out), None
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """Index just past the string literal opening at ``text[start]``; None if it is unterminated."""
+    position = start + 1
+    while position < len(text):
+        if text[position] == "\\":
+            position += 2
+        elif text[position] == '"':
+            return position + 1
+        else:
+            position += 1
+    return None
+
+
+def _partial_string(body: str) -> str:
+    """The opening quote and the encoded characters of an unterminated string literal's body; an
+    escape not complete yet (including the high half of a surrogate pair) waits."""
+    position = 0
+    while position < len(body):
+        if body[position] != "\\":
+            position += 1
+            continue
+        size = 2
+        if body[position + 1:position + 2] == "u":
+            size = 6
+            word = body[position + 2:position + 6]
+            if len(word) == 4 and all(c in "0123456789abcdefABCDEF" for c in word) \
+                    and 0xD800 <= int(word, 16) <= 0xDBFF:
+                size = 12  # a surrogate pair comes as two escapes
+        if position + size > len(body):
+            break
+        position += size
+    try:
+        decoded = json.loads('"' + body[:position] + '"')
+    except json.JSONDecodeError:
+        return ""
+    return json.dumps(decoded, ensure_ascii=False)[:-1]
+
+
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,'
+                        r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+@dataclass(slots=True)
+class _PartialCall:
+    name: str
+    arguments: str
+    """The normalised arguments text fixed so far."""
+    is_complete: bool
+
+
+def _scan_calls(text: str, position: int = 0) -> list[_PartialCall]:
+    """The calls of a JSON call object, list, or ``;``-separated run of objects at ``position``, as
+    far as they can stream: each ``{"name": ..., "arguments": {...}}`` in order, stopping at the
+    first that is incomplete or not in that shape."""
+    calls: list[_PartialCall] = []
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,;[":
+            position += 1
+        head = _CALL_HEAD.match(text, position)
+        if head is None:
+            return calls
+        arguments, end = json_prefix(text, head.end())
+        calls.append(_PartialCall(json.loads(head.group(1)), arguments, end is not None))
+        if end is None:
+            return calls
+        while end < len(text) and text[end] in " \t\r\n":
+            end += 1
+        if end >= len(text) or text[end] != "}":
+            return calls  # other keys after the arguments: the rest waits for finish
+        position = end + 1
 
 
 def _call_from_object(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")
@@ -96,8 +252,9 @@ class _Format:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
-    def complete_calls(self, region: str) -> list[ToolCall]:
-        """Calls already complete in the region after ``marker`` (streaming); [] if unknown."""
+    def partial_calls(self, text: str, is_region: bool) -> list[_PartialCall]:
+        """Calls to stream from the region after ``marker`` (``is_region``) or from a whole output
+        that starts with a lead; [] for formats that emit calls only at ``finish``."""
         return []
 
 
@@ -127,13 +284,26 @@ class _Hermes(_Format):
             return text, []
         return text[:start] + tail.strip(), calls
 
-    def complete_calls(self, region: str) -> list[ToolCall]:
-        return self._parse_blocks("<tool_call>" + region)
+    def partial_calls(self, text: str, is_region: bool) -> list[_PartialCall]:
+        if not is_region:
+            body = text.lstrip()
+            fence = re.match(r"```(?:json)?\s*", body)
+            return _scan_calls(body, fence.end() if fence else 0)
+        calls: list[_PartialCall] = []
+        for body in text.split("<tool_call>"):
+            block = _scan_calls(body.split("</tool_call>")[0])
+            calls.extend(block)
+            if not block or not block[-1].is_complete:
+                break
+        return calls
 
 
 class _Llama3(_Format):
     marker = "<|python_tag|>"
     leads = ("{",)
+
+    def partial_calls(self, text: str, is_region: bool) -> list[_PartialCall]:
+        return _scan_calls(text)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         start = text.find(self.marker)
@@ -159,6 +329,9 @@ class _Llama3(_Format):
 
 class _Mistral(_Format):
     marker = "[TOOL_CALLS]"
+
+    def partial_calls(self, text: str, is_region: bool) -> list[_PartialCall]:
+        return _scan_calls(text) if is_region else []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         start = text.find(self.marker)
@@ -198,6 +371,9 @@ class _Pythonic(_Format):
 class _Json(_Format):
     leads = ("[", "{")
 
+    def partial_calls(self, text: str, is_region: bool) -> list[_PartialCall]:
+        return _scan_calls(text)
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls = _calls_from_json(text)
         return ("", calls) if calls else (text, [])
@@ -207,6 +383,14 @@ _FORMATS: dict[str, type[_Format]] = {
     "hermes": _Hermes, "qwen25": _Hermes, "llama3": _Llama3, "llama3_json": _Llama3,
     "mistral": _Mistral, "pythonic": _Pythonic, "json": _Json,
 }
+
+
+@dataclass(slots=True)
+class _Streamed:
+    id: str
+    name: str
+    arguments: str
+    """Argument text sent so far."""
 
 
 class ToolCallParser:
@@ -220,8 +404,11 @@ class ToolCallParser:
         self.state = "head"  # head -> content -> region, or head -> held
         self.num_content_chars = 0
         """Characters of ``text`` emitted as content."""
-        self.num_calls = 0
         self.region_start = 0
+        self.streamed: list[_Streamed] = []
+        """Calls whose first delta went out, in index order."""
+        self.calls: list[ToolCall] = []
+        """The parsed calls of the whole text (after ``finish``), ids matching the streamed ones."""
 
     def feed(self, delta: str) -> ToolDelta:
         self.text += delta
@@ -229,11 +416,11 @@ class ToolCallParser:
         if self.state == "head":
             stripped, leads = self.text.lstrip(), self.format.leads
             if leads and any(stripped.startswith(lead) for lead in leads):
-                self.state = "held"  # the whole output may be calls: decided at finish
-                return out
-            if leads and any(lead.startswith(stripped) for lead in leads):
+                self.state = "held"  # the whole output may be calls: content decided at finish
+            elif leads and any(lead.startswith(stripped) for lead in leads):
                 return out  # undecided: only whitespace or part of a lead so far
-            self.state = "content"
+            else:
+                self.state = "content"
         if self.state == "content":
             marker = self.format.marker
             end = len(self.text)
@@ -245,17 +432,43 @@ class ToolCallParser:
                     end -= partial_suffix(self.text, marker)
             out.content = self.text[self.num_content_chars:end]
             self.num_content_chars = max(self.num_content_chars, end)
-        if self.state == "region":
-            calls = self.format.complete_calls(self.text[self.region_start:])
-            out.calls = calls[self.num_calls:]
-            self.num_calls = max(self.num_calls, len(calls))
+        if self.state in ("region", "held"):
+            partial = self.format.partial_calls(self.text[self.region_start:], self.state == "region")
+            out.calls = self._advance(partial)
         return out
+
+    def _advance(self, partial: list[_PartialCall]) -> list[ToolCallDelta]:
+        """Deltas that bring the streamed calls up to ``partial``."""
+        deltas = []
+        for index, call in enumerate(partial):
+            if index == len(self.streamed):
+                self.streamed.append(_Streamed(ToolCall(call.name, "").id, call.name, ""))
+                deltas.append(ToolCallDelta(index, call.arguments, self.streamed[index].id, call.name))
+            else:
+                sent = self.streamed[index]
+                if not call.arguments.startswith(sent.arguments) or call.name != sent.name:
+                    break  # cannot happen for valid JSON; never retract what went out
+                if len(call.arguments) > len(sent.arguments):
+                    deltas.append(ToolCallDelta(index, call.arguments[len(sent.arguments):]))
+            self.streamed[index].arguments = call.arguments
+        return deltas
 
     def finish(self) -> ToolDelta:
         content, calls = self.format.parse(self.text)
         emitted = self.text[:self.num_content_chars]
         assert content.startswith(emitted), "streamed content must be a prefix of the parsed content"
-        return ToolDelta(content=content[len(emitted):], calls=calls[self.num_calls:])
+        deltas = []
+        for index, call in enumerate(calls):
+            if index < len(self.streamed):
+                sent = self.streamed[index]
+                call.id = sent.id
+                if call.name == sent.name and call.arguments.startswith(sent.arguments):
+                    if len(call.arguments) > len(sent.arguments):
+                        deltas.append(ToolCallDelta(index, call.arguments[len(sent.arguments):]))
+            else:
+                deltas.append(ToolCallDelta(index, call.arguments, call.id, call.name))
+        self.calls = calls
+        return ToolDelta(content=content[len(emitted):], calls=deltas)
 
 
 def parse_tool_calls(name: str, text: str) -> tuple[str, list[ToolCall]]:

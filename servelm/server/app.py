@@ -26,14 +26,15 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
-from servelm.server import native
+from servelm.server import embeddings, native
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.middleware import install_middleware
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     GenerateRequest, TokenizeRequest)
+                                     EmbeddingRequest, EncodeRequest, GenerateRequest,
+                                     TokenizeRequest)
 from servelm.server.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,13 @@ def _serving(request: Request) -> ServingContext:
     serving = getattr(request.app.state, "serving", None)
     if serving is None:
         raise APIError(503, "the engine is not ready")
+    return serving
+
+
+def _generation(request: Request, api: str) -> ServingContext:
+    """The serving context of a generation route; 400 on an embedding server."""
+    serving = _serving(request)
+    serving.require_task("generate", api)
     return serving
 
 
@@ -161,15 +169,23 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(_serving(request), body, request)
+        return await create_completion(_generation(request, "Completions"), body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(_serving(request), body, request)
+        return await create_chat_completion(_generation(request, "Chat Completions"), body, request)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        return await native.generate(_serving(request), body, request)
+        return await native.generate(_generation(request, "generate"), body, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create_embedding(_serving(request), body)
+
+    @app.post("/encode")
+    async def encode(body: EncodeRequest, request: Request) -> Response:
+        return await embeddings.encode(_serving(request), body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -209,7 +225,9 @@ def run_server(config: EngineConfig) -> None:
     import uvicorn
 
     from servelm.engine.async_engine import AsyncEngine
+    from servelm.model.threads import configure_front_end_threads
 
+    configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
     # A bad --chat-template or model fails here, with one line, before any process starts.
     load_chat_template(config.server.chat_template)
     try:

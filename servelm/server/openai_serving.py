@@ -22,7 +22,7 @@ from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import StructuredSpec
 from servelm.server.chat import render_chat
-from servelm.server.chat_outputs import ChatOutputParser
+from servelm.server.chat_outputs import ChatOutputParser, merge_tool_call_entries
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, to_sampling_params)
@@ -356,7 +356,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                for _ in submissions]
 
     def finish_reason(index: int, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and parsers[index].calls else reason
+        return "tool_calls" if reason == "stop" and parsers[index].has_calls else reason
 
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -380,6 +380,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                 if output.finish_reason is not None:
                     for key, value in parsers[index].finish().items():
                         delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+                    if "tool_calls" in delta:  # one entry per call index in a chunk
+                        delta["tool_calls"] = merge_tool_call_entries(delta["tool_calls"])
             if not delta and not logprobs and output.finish_reason is None:
                 return None
             return chunk({"index": index, "delta": delta,

@@ -160,6 +160,27 @@ class GenerateRequest(_Request):
     rid: str | list[str] | None = None
 
 
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings, plus vLLM's ``truncate_prompt_tokens`` and ``add_special_tokens``."""
+
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k tokens of each input (-1: as many as the model embeds)."""
+    add_special_tokens: bool = True
+
+
+class EncodeRequest(_Request):
+    """SGLang's native /encode: ``text`` or ``input_ids``, one input or a batch (a list)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+
+
 # -- unsupported-parameter checks --------------------------------------------------------------
 
 _GUIDED_FIELDS = ("logits_processors", "prompt_embeds", "lora_request")

@@ -62,6 +62,12 @@ class ServingContext:
         self.vocab_size = int(vocab_size) if vocab_size else None
         pool_tokens = info.get("kv_pool_tokens")
         self.kv_pool_tokens = int(pool_tokens) if pool_tokens else None
+        self.task = str(info.get("task", "generate"))
+        """generate or embed: the engine serves one; routes of the other answer 400."""
+        embedding_size = info.get("embedding_size")
+        self.embedding_size = int(embedding_size) if embedding_size else None
+        self.pooler: dict[str, Any] = dict(info.get("pooler") or {})
+        self.max_embedding_tokens = int(info.get("max_embedding_tokens") or self.context_length)
         self.chat_template = load_chat_template(config.server.chat_template)
         self.accepted_model_names = {name for name in (
             config.model.name, config.model.model, info.get("served_model_name"),
@@ -76,6 +82,15 @@ class ServingContext:
         if name and name not in self.accepted_model_names:
             raise APIError(404, f"The model {name!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
+
+    def require_task(self, task: str, api: str) -> None:
+        """400 when ``api`` needs the other task than the one this server runs (as vLLM does)."""
+        if task == self.task:
+            return
+        how = ("it serves embeddings (--task embed); use /v1/embeddings" if self.task == "embed"
+               else "start the server with --task embed (--is-embedding) to serve embeddings")
+        raise InvalidRequestError(f"The model {self.served_model_name!r} does not support the {api} "
+                                  f"API: {how}", "model", code="model_not_supported")
 
     def require_tokenizer(self, what: str, param: str) -> Any:
         if self.tokenizer is None:

@@ -1,7 +1,7 @@
 """Faults on a live SmolLM2 server: the engine process dies or hangs, or the server is told to stop.
 
 - Engine killed mid-run: in-flight requests get an error promptly, /health fails, the HTTP server
-  exits with an error instead of hanging.
+  exits with an error instead of hanging, and --crash-dump-folder holds the in-flight requests.
 - --watchdog-timeout: a step slower than the timeout kills the engine loudly (same outcome).
 - SIGTERM mid-run: in-flight requests finish, the server exits 0, and no child process is left.
 """
@@ -69,8 +69,9 @@ def health_status(server: ServerProcess) -> int | None:
         return None  # the server has stopped listening
 
 
-def test_engine_killed_mid_run():
-    with ServerProcess(ARGS) as server:
+def test_engine_killed_mid_run(tmp_path):
+    dump_folder = tmp_path / "crash"
+    with ServerProcess([*ARGS, "--crash-dump-folder", str(dump_folder)]) as server:
         streams = [Stream(server, 400) for _ in range(3)]
         for stream in streams:
             stream.start()
@@ -85,6 +86,13 @@ def test_engine_killed_mid_run():
         assert health_status(server) in (503, None)
         assert server.process.wait(timeout=30) != 0  # exits, with an error status
         assert "engine process exited" in server.log()
+    # --crash-dump-folder: the three in-flight requests, with their prompts, are in the dump.
+    (dump,) = dump_folder.glob("crash_dump_*.json")
+    body = json.loads(dump.read_text())
+    assert "engine process exited" in body["reason"]
+    in_flight = [r for r in body["requests"] if r["finish_reason"] is None]
+    assert len(in_flight) == 3
+    assert all(r["prompt_token_ids"] and r["sampling_params"]["max_tokens"] == 400 for r in in_flight)
 
 
 def test_watchdog_kills_a_hung_step():

@@ -103,13 +103,18 @@ def test_streamed_tool_calls(client):
         if not chunk.choices:
             continue
         for delta in chunk.choices[0].delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-            entry["name"] += delta.function.name or ""
-            entry["arguments"] += delta.function.arguments or ""
+            if delta.index not in calls:  # OpenAI's shape: the first delta has id, type and name
+                assert delta.id and delta.type == "function" and delta.function.name
+                calls[delta.index] = {"name": delta.function.name, "arguments": "", "num_fragments": 0}
+            else:
+                assert delta.id is None and not delta.function.name
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+            calls[delta.index]["num_fragments"] += 1
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and calls
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), PARAMETERS[entry["name"]])
+        assert entry["num_fragments"] > 2  # the arguments streamed as they were generated
 
 
 @pytest.mark.slow

@@ -185,8 +185,18 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
-    assert "slower than float32" in fail_message(["--torchao-config", "int8wo"], capsys)
-    assert "int4 weight-only" in fail_message(["--quant_type", "ao-int4wo-128"], capsys)
+    assert "choose from int8dq, int8wo" in fail_message(["--torchao-config", "fp8wo"], capsys)
+    assert "got 'ao-int4wo-100'" in fail_message(["--quant_type", "ao-int4wo-100"], capsys)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--torchao-config", "int8dq"], "w8a8_int8"), (["--torchao-config", "int8wo"], "int8wo"),
+    (["--torchao-config", "int4wo-128"], "int4wo-128"), (["--quant_type", "ao-int8wo"], "int8wo"),
+    (["--quant_type", "ao-int4wo-32"], "int4wo-32"), (["--quant_type", "vllm-w8a8"], "w8a8_int8"),
+    (["--quantization", "int4wo-64"], "int4wo-64"), (["-q", "int8wo"], "int8wo"),
+])
+def test_quantization_aliases(argv: list[str], expected: str) -> None:
+    assert cli.parse_args(argv).model.quantization == expected
 
 
 def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,6 +62,8 @@ def field_example(field_name: str) -> list[str]:
     """A valid value for one of our fields that differs from its default."""
     if field_name == "hf_overrides":
         return ['{"rope_theta": 10000.0}']
+    if field_name == "override_pooler_config":
+        return ['{"pooling_type": "mean", "normalize": false}']
     field = cli_flags.config_fields()[field_name]
     hints: dict[str, typing.Any] = {}
     for section in EngineConfig.sections().values():

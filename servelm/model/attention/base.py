@@ -3,6 +3,8 @@
 A backend turns a ForwardBatch into its own metadata once per forward (``build_metadata``), then
 for every layer writes the new K/V into the paged cache and attends each sequence's new tokens to
 its whole context (causal, offset by start_position; within ``sliding_window`` when set).
+A non-causal layer (``is_causal=False``, encoders) lets every token see every token of its
+sequence; such a sequence is always computed whole in one forward (start_position 0).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Attention(nn.Module):
     """Paged attention of one layer: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, is_causal: bool = True) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.layer_id = layer_id
@@ -39,10 +41,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         """Keys at positions > query_position - sliding_window are visible; None: all."""
+        self.is_causal = is_causal
+        """False: bidirectional over the sequence (BERT); keys after the query are visible too."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return batch.attention.forward(q, k, v, self, batch)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}")
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, causal={self.is_causal}")

@@ -9,6 +9,8 @@ Every layer then gathers its K/V with one ``index_select`` over those flat slots
 
     visible(q, kv) = kv_position <= q_position  (and kv_position > q_position - window, if sliding)
 
+A non-causal layer (an encoder) gets its own view where every valid column is visible; its
+sequences start at position 0 (asserted), so the context is exactly the sequence's own tokens.
 A sliding-window view starts each sequence at ``first_query_position - window + 1``: sliding layers
 read only their window, so their cost does not grow with the context. Nothing here depends on the
 pool size. Padding query rows see column 0 only (never a fully masked row, so no NaN) and are
@@ -69,16 +71,17 @@ class _Group:
     """[b, max_query] position of each query."""
     block_size: int
     device: torch.device
-    views: dict[int | None, _KVView] = field(default_factory=dict)
-    """sliding_window -> view, built on first use."""
+    views: dict[tuple[int | None, bool], _KVView] = field(default_factory=dict)
+    """(sliding_window, is_causal) -> view, built on first use."""
 
-    def view(self, sliding_window: int | None) -> _KVView:
-        cached = self.views.get(sliding_window)
+    def view(self, sliding_window: int | None, is_causal: bool = True) -> _KVView:
+        key = (sliding_window, is_causal)
+        cached = self.views.get(key)
         if cached is None:
-            cached = self.views[sliding_window] = self._build_view(sliding_window)
+            cached = self.views[key] = self._build_view(sliding_window, is_causal)
         return cached
 
-    def _build_view(self, window: int | None) -> _KVView:
+    def _build_view(self, window: int | None, is_causal: bool = True) -> _KVView:
         if window is None:
             first = torch.zeros_like(self.starts)
         else:
@@ -92,7 +95,11 @@ class _Group:
         slots = self.table.gather(1, block_index) * self.block_size + kv_positions % self.block_size
         slots = torch.where(kv_valid, slots, torch.zeros_like(slots))
         q_positions = self.query_positions[:, :, None]                        # [b, Q, 1]
-        visible = kv_valid[:, None, :] & (kv_positions[:, None, :] <= q_positions)
+        if is_causal:
+            visible = kv_valid[:, None, :] & (kv_positions[:, None, :] <= q_positions)
+        else:
+            assert not bool(self.starts.any()), "a non-causal sequence is computed whole, from 0"
+            visible = kv_valid[:, None, :] & self.query_valid[:, :, None]
         if window is not None:
             visible &= kv_positions[:, None, :] > q_positions - window
         visible |= (~self.query_valid[:, :, None]) & (columns[:, None, :] == 0)
@@ -170,7 +177,7 @@ class TorchNativeAttention:
         out = q.new_empty(q.shape[0], num_heads, v.shape[-1])
         for group in metadata.groups:
             b, max_query = group.num_sequences, group.max_query
-            view = group.view(layer.sliding_window)
+            view = group.view(layer.sliding_window, layer.is_causal)
             columns = view.num_columns
             q_rows = q if group.is_identity else q.index_select(0, group.query_rows)
             k_context = k_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)

@@ -2,6 +2,7 @@
 
 The fake model prefers one token per step and is indifferent between the rest, so at temperature
 1.0 the grammar's mask is what keeps the output valid: any masking bug shows up as invalid text.
+The engine tests run once per installed grammar backend.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from servelm.config import EngineConfig, SchedulerConfig, StructuredOutputConfig
-from servelm.constrained.grammar import GrammarCache, GrammarError, make_backend, validate_spec
+from servelm.constrained.grammar import (BACKENDS, GrammarCache, GrammarError, check_backend_available,
+                                        make_backend, validate_spec)
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams, StructuredSpec
 from tests.unit.engine.fake_runner import FakeRunner
@@ -29,16 +31,36 @@ SCHEMA = {"type": "object", "properties": {
 REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
 
 
+def installed_backends() -> list[str]:
+    """The grammar backends whose package is installed (never "none")."""
+    installed = []
+    for name in BACKENDS:
+        try:
+            check_backend_available(name)
+        except ValueError:
+            continue
+        if name != "none":
+            installed.append(name)
+    return installed
+
+
+@pytest.fixture(params=installed_backends())
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     return build_tokenizer(Path(tmp_path_factory.mktemp("bytes_tok")), None)
 
 
-def make_engine(tokenizer, num_blocks: int = 64, jump_forward: bool = True, **scheduler: int) -> LLMEngine:
+def make_engine(tokenizer, num_blocks: int = 64, jump_forward: bool = True, backend: str = "xgrammar",
+                **scheduler: int) -> LLMEngine:
     vocab_size = len(tokenizer)
     runner = FakeRunner(num_blocks=num_blocks, block_size=4, vocab_size=vocab_size)
     config = EngineConfig(scheduler=SchedulerConfig(**scheduler),
-                          structured=StructuredOutputConfig(disable_jump_forward=not jump_forward))
+                          structured=StructuredOutputConfig(grammar_backend=backend,
+                                                            disable_jump_forward=not jump_forward))
     return LLMEngine(config, runner=runner,
                      tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id], context_length=512)
 
@@ -60,10 +82,11 @@ def sampled(seed: int, spec: StructuredSpec, max_tokens: int = 60) -> SamplingPa
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured=spec)
 
 
-def test_outputs_follow_the_grammar_under_preemption(tokenizer):
+def test_outputs_follow_the_grammar_under_preemption(tokenizer, backend):
     # 20 blocks x 4 slots for 12 requests of ~10-50 tokens: recompute preemption happens, and a
     # recomputed request must not re-feed its grammar.
-    engine = make_engine(tokenizer, num_blocks=20, chunked_prefill_size=4, max_prefill_tokens=12)
+    engine = make_engine(tokenizer, num_blocks=20, backend=backend, chunked_prefill_size=4,
+                         max_prefill_tokens=12)
     specs = {"json": StructuredSpec("json", json.dumps(SCHEMA)), "regex": StructuredSpec("regex", REGEX),
              "choice": StructuredSpec("choice", '["alpha", "beta"]')}
     requests = {f"{kind}-{seed}": ([5 + seed, 6, 7], sampled(seed, spec))
@@ -85,16 +108,16 @@ def test_outputs_follow_the_grammar_under_preemption(tokenizer):
     assert engine.stats()["num_used_blocks"] == 0
 
 
-def test_terminated_grammar_stops_even_with_ignore_eos(tokenizer):
-    engine = make_engine(tokenizer)
+def test_terminated_grammar_stops_even_with_ignore_eos(tokenizer, backend):
+    engine = make_engine(tokenizer, backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True,
                             structured=StructuredSpec("regex", "abc"))
     ((text, reason),) = run(engine, {"a": ([1, 2], params)}).values()
     assert (text, reason) == ("abc", "stop")
 
 
-def test_bad_spec_is_an_error_output_and_none_backend(tokenizer):
-    engine = make_engine(tokenizer)
+def test_bad_spec_is_an_error_output_and_none_backend(tokenizer, backend):
+    engine = make_engine(tokenizer, backend=backend)
     output = engine.add_request("bad", [1], SamplingParams(structured=StructuredSpec("json", '{"type": 5}')))
     assert output is not None and output.finish_reason == "error" and "JSON schema" in output.error
     assert make_backend("none", tokenizer, len(tokenizer), [0]) is None
@@ -103,17 +126,23 @@ def test_bad_spec_is_an_error_output_and_none_backend(tokenizer):
 @pytest.mark.parametrize("kind,spec,words", [
     ("json", "{not json", "not valid JSON"),
     ("json", '{"type": "nonsense"}', "nonsense"),
-    ("regex", "a(b", "parenthesis"),
+    ("regex", "a(b", {"xgrammar": "parenthesis", "llguidance": "unclosed group"}),
     ("ebnf", "root ::= missing", "missing"),
     ("choice", "[]", "non-empty"),
 ])
-def test_validate_names_the_problem(kind, spec, words):
+def test_validate_names_the_problem(backend, kind, spec, words):
+    words = words if isinstance(words, str) else words[backend]
     with pytest.raises(GrammarError, match=re.escape(words)):
-        validate_spec("xgrammar", kind, spec)
+        validate_spec(backend, kind, spec)
 
 
-def test_batch_bitmask_masks_only_disallowed_tokens(tokenizer):
-    backend = make_backend("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+def test_outlines_is_refused_at_start_up():
+    with pytest.raises(ValueError, match="outlines is not available"):
+        check_backend_available("outlines")
+
+
+def test_batch_bitmask_masks_only_disallowed_tokens(tokenizer, backend):
+    backend = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     cache = GrammarCache(backend)
     digits = cache.matcher("regex", "[0-9]+")
     letters = cache.matcher("regex", "[a-z]")
@@ -132,8 +161,8 @@ def test_batch_bitmask_masks_only_disallowed_tokens(tokenizer):
 
 
 @pytest.mark.parametrize("jump_forward", [True, False])
-def test_jump_forward_saves_model_steps(tokenizer, jump_forward):
-    engine = make_engine(tokenizer, jump_forward=jump_forward)
+def test_jump_forward_saves_model_steps(tokenizer, backend, jump_forward):
+    engine = make_engine(tokenizer, jump_forward=jump_forward, backend=backend)
     spec = StructuredSpec("json", json.dumps({"type": "object", "properties": {
         "first_name": {"enum": ["ann"]}, "last_name": {"enum": ["lee"]}},
         "required": ["first_name", "last_name"], "additionalProperties": False}))
@@ -142,4 +171,14 @@ def test_jump_forward_saves_model_steps(tokenizer, jump_forward):
     if jump_forward:  # everything is forced: one sampled token, then the rest jumps
         assert engine.num_jump_forward_tokens >= len(text) - 2 and engine.num_steps < 10
     else:
-        assert engine.num_jump_forward_tokens == 0 and engine.num_steps > len(text)
+        assert engine.num_jump_forward_tokens == 0 and engine.num_steps >= len(text)  # + EOS on xgrammar
+
+
+def test_listed_properties_only_unless_the_schema_allows_more(tokenizer, backend):
+    # xgrammar's strict reading on every backend: no additionalProperties word = no other keys.
+    engine = make_engine(tokenizer, backend=backend)
+    spec = StructuredSpec("json", json.dumps({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}))
+    results = run(engine, {f"r{seed}": ([7, 8], sampled(seed, spec, max_tokens=40)) for seed in range(6)})
+    for text, reason in results.values():
+        assert reason == "stop" and list(json.loads(text)) == ["a"], text

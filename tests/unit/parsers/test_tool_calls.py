@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from servelm.parsers.tool_calls import ToolCallParser, parse_tool_calls
+from servelm.parsers.tool_calls import ToolCallParser, json_prefix, parse_tool_calls
 
 CASES = [
     ("hermes", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -47,21 +47,100 @@ def test_whole_text(parser, text, content, calls):
     assert _calls(parsed_calls) == calls
 
 
+def _stream(parser: str, text: str, rng: random.Random) -> tuple[str, list[dict], ToolCallParser]:
+    """Feed ``text`` in random chunks; the content and the calls assembled OpenAI-style by index."""
+    stream = ToolCallParser(parser)
+    content, calls, position = "", {}, 0
+    deltas = []
+    while position < len(text):
+        end = position + rng.randint(1, 7)
+        deltas.append(stream.feed(text[position:end]))
+        position = end
+    deltas.append(stream.finish())
+    for delta in deltas:
+        content += delta.content
+        for piece in delta.calls:
+            entry = piece.to_openai()
+            if piece.index not in calls:  # the first delta of a call names it
+                assert entry["id"].startswith("call_") and entry["type"] == "function"
+                calls[piece.index] = {"id": entry["id"], "name": entry["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in entry and "name" not in entry["function"]
+            calls[piece.index]["arguments"] += entry["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], stream
+
+
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_any_chunking_equals_whole(parser, text, content, calls):
+    _, whole_calls = parse_tool_calls(parser, text)
     for seed in range(25):
-        rng = random.Random(seed)
-        stream = ToolCallParser(parser)
-        streamed_content, streamed_calls, position = "", [], 0
-        while position < len(text):
-            end = position + rng.randint(1, 7)
-            delta = stream.feed(text[position:end])
-            streamed_content += delta.content
-            streamed_calls += delta.calls
-            position = end
-        delta = stream.finish()
-        assert streamed_content + delta.content == content, seed
-        assert _calls(streamed_calls + delta.calls) == calls, seed
+        streamed_content, streamed_calls, stream = _stream(parser, text, random.Random(seed))
+        assert streamed_content == content, seed
+        # exact text: the argument fragments add up to the non-streamed arguments string
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == \
+            [(c.name, c.arguments) for c in whole_calls], seed
+        assert [c["id"] for c in streamed_calls] == [c.id for c in stream.calls]
+
+
+STREAMING = [  # (parser, text); each call's arguments must start streaming before the text ends
+    ("hermes", 'Hi<tool_call>\n{"name": "f", "arguments": {"city":"Paris","days" : 3,"tags":["a","b"]}}\n'
+               '</tool_call><tool_call>{"name": "g", "arguments": '
+               '{"q": "caf\\u00e9 \\"x\\" \\ud83d\\ude00 naïve"}}'
+               '</tool_call>'),
+    ("qwen25", '{"name": "add", "arguments": {"a": 1.50, "b": -2e3, "c": null, "d": {"e": [true, false]}}}'),
+    ("llama3", '<|python_tag|>{"name": "search", "parameters": {"query": "long text here"}}; '
+               '{"name": "other", "parameters": {"n": 10}}'),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"k": "value one"}}, '
+                '{"name": "g", "arguments": {"x": [1]}}]'),
+    ("json", '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]'),
+]
+
+
+@pytest.mark.parametrize("parser,text", STREAMING)
+def test_arguments_stream_as_they_are_written(parser, text):
+    _, whole_calls = parse_tool_calls(parser, text)
+    assert whole_calls
+    for seed in range(40):
+        _, streamed_calls, _ = _stream(parser, text, random.Random(seed))
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == \
+            [(c.name, c.arguments) for c in whole_calls], seed
+    # Cut inside the last call's arguments: its name and part of its arguments are already out.
+    cut = text.rindex('": ', 0, text.rindex("}") - 2) + 3
+    stream = ToolCallParser(parser)
+    pieces = stream.feed(text[:cut]).calls
+    last = len(whole_calls) - 1
+    started = [p for p in pieces if p.index == last]
+    assert started and started[0].name == whole_calls[last].name
+    sent = "".join(p.arguments for p in started)
+    assert len(sent) > 1 and whole_calls[last].arguments.startswith(sent)
+    assert len(sent) < len(whole_calls[last].arguments)
+
+
+def test_pythonic_calls_come_whole_at_the_end():
+    stream = ToolCallParser("pythonic")
+    assert not stream.feed('[get_weather(city="Paris"), ').calls
+    assert not stream.feed("now()]").calls
+    rest = stream.finish().calls
+    assert [(p.index, p.name, p.arguments) for p in rest] == [(0, "get_weather", '{"city": "Paris"}'),
+                                                               (1, "now", "{}")]
+
+
+@pytest.mark.parametrize("value", [
+    {"a": 1, "b": [True, None, 2.5, -0.0, 1e300], "c": "x\ny\u00e9\U0001F600 \"q\" \\ end"},
+    {}, [], {"k": {"z": [], "w": {}}}, "plain", 12345, [[1, [2, [3]]], {"x": "\t"}],
+])
+def test_json_prefix_of_any_cut_is_a_prefix_of_the_normalised_text(value):
+    full = json.dumps(value, ensure_ascii=False)
+    for raw in (json.dumps(value), json.dumps(value, separators=(",", ":")),
+                json.dumps(value, indent=2), json.dumps(value, ensure_ascii=False)):
+        for cut in range(len(raw) + 1):
+            prefix, end = json_prefix(raw[:cut], 0)
+            assert full.startswith(prefix), (raw[:cut], prefix)
+            if end is not None:
+                assert prefix == full and end == len(raw)
+        prefix, end = json_prefix(raw + " tail", 0)
+        assert prefix == full and end == len(raw)
 
 
 def test_hermes_streams_content_and_calls_before_the_end():
@@ -69,7 +148,7 @@ def test_hermes_streams_content_and_calls_before_the_end():
     assert stream.feed("Checking ").content == "Checking "
     assert stream.feed("now <tool_").content == "now "
     delta = stream.feed('call>{"name": "f", "arguments": {}}</tool_call>')
-    assert _calls(delta.calls) == [("f", {})]  # emitted as soon as the call closes
+    assert [(p.index, p.name, p.arguments) for p in delta.calls] == [(0, "f", "{}")]
     assert not stream.finish().calls
 
 

@@ -1,0 +1,66 @@
+"""Thread placement: how many threads the model uses, and keeping the HTTP front end light.
+
+Invariants:
+- The engine process sets torch's intra-op threads once, before the model is built, to
+  ``--num-threads`` or to the physical cores it may run on (``default_num_threads``); inter-op
+  threads are 1 (servelm runs one op at a time, so a second pool only competes for the cores).
+- The front-end process (HTTP, tokenization, detokenization of streamed text) uses one torch thread
+  and one tokenizer thread: its work is small per request, and every thread it spins up takes a
+  core away from the forward pass. The tokenizer's pool is sized by the environment variables the
+  ``tokenizers`` library reads (``RAYON_NUM_THREADS``, ``TOKENIZERS_PARALLELISM``); a value the
+  user already set is kept.
+
+Why physical cores: OpenMP parallel regions end with a barrier, so one thread that lost its core
+to another process stalls the whole op (measured on the 2-core dev box: with a busy loop on the
+other core, small ops slowed down 30-60x). Hyper-threads share one core's FMA units and add no
+GEMM throughput, so counting them only adds threads that wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def available_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity mask, e.g. under taskset or a cgroup)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_num_threads() -> int:
+    """Physical cores available to this process: affinity CPUs / hardware threads per core."""
+    logical = psutil.cpu_count(logical=True) or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    threads_per_core = max(1, logical // physical)
+    return max(1, available_cpus() // threads_per_core)
+
+
+def configure_engine_threads(num_threads: int | None) -> int:
+    """Set torch's threads for the engine process and log the choice; returns the thread count."""
+    chosen = num_threads if num_threads is not None else default_num_threads()
+    torch.set_num_threads(chosen)
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # fixed for good once the process ran inter-op work (in-process use)
+            pass
+    reason = "--num-threads" if num_threads is not None else (
+        f"physical cores available to the process ({available_cpus()} CPUs in its affinity)")
+    logger.info("torch uses %d threads (%s), %d inter-op", torch.get_num_threads(), reason,
+                torch.get_num_interop_threads())
+    return chosen
+
+
+def configure_front_end_threads() -> None:
+    """One torch thread and one tokenizer thread for the HTTP process (call before any tokenizing)."""
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)

@@ -1,0 +1,79 @@
+"""A live embedding server (all-MiniLM-L6-v2) driven by the openai client."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .server_process import ServerProcess
+
+MODEL = "all-minilm-l6-v2"
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread."]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess([MODEL, "--dtype", "float32"]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def test_strings_batch_and_meaning(server, client):
+    """Parity with transformers is test_embeddings.py's; here: shape, usage and meaning."""
+    response = client.embeddings.create(model=MODEL, input=SENTENCES + ["The stock market fell."])
+    assert response.model == MODEL and [d.index for d in response.data] == [0, 1, 2]
+    vectors = torch.tensor([item.embedding for item in response.data])
+    assert vectors.shape == (3, 384)
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(3), atol=1e-5)
+    similar = float(F.cosine_similarity(vectors[0], vectors[1], dim=0))
+    unrelated = float(F.cosine_similarity(vectors[0], vectors[2], dim=0))
+    assert similar > 0.5 > unrelated, (similar, unrelated)
+    assert response.usage.prompt_tokens == response.usage.total_tokens > 3 * 3
+    info = httpx.get(f"{server.base_url}/get_model_info").json()
+    assert info["is_generation"] is False and info["pooler"]["pooling_type"] == "mean"
+    assert httpx.get(f"{server.base_url}/health_generate").status_code == 200
+
+
+def test_token_ids_and_base64(client):
+    text = client.embeddings.create(model=MODEL, input="hello world").data[0].embedding
+    ids = [101, 7592, 2088, 102]  # [CLS] hello world [SEP]
+    by_ids = client.embeddings.create(model=MODEL, input=ids).data[0].embedding
+    assert by_ids == pytest.approx(text, abs=1e-6)
+    batch = client.embeddings.create(model=MODEL, input=[ids, ids[:2]])
+    assert batch.data[0].embedding == pytest.approx(text, abs=1e-6)
+    raw = httpx.post(f"{client.base_url}embeddings",
+                     json={"model": MODEL, "input": "hello world", "encoding_format": "base64"}).json()
+    decoded = struct.unpack("<384f", base64.b64decode(raw["data"][0]["embedding"]))
+    assert list(decoded) == pytest.approx(text, abs=1e-7)
+    # The openai client asks for base64 by default and decodes it itself: same vector.
+    assert client.embeddings.create(model=MODEL, input="hello world",
+                                    encoding_format="base64").data[0].embedding is not None
+
+
+def test_errors_in_openai_format(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model=MODEL, input="hello", dimensions=128)
+    assert "Matryoshka" in str(error.value)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input="")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model=MODEL, input="word " * 300)  # max_seq_length is 256
+    assert error.value.body["code"] == "context_length_exceeded"
+    long = client.embeddings.create(model=MODEL, input="word " * 300,
+                                    extra_body={"truncate_prompt_tokens": 256})
+    assert long.usage.prompt_tokens == 256
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert "does not support" in str(error.value)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other-model", input="hello")

@@ -1,0 +1,98 @@
+"""--enable-torch-compile (compiled decode layers) and --num-threads (engine thread placement)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from servelm.engine.engine import LLMEngine
+from servelm.model.compile import DecodeDispatch
+from servelm.model.threads import (available_cpus, configure_engine_threads, configure_front_end_threads,
+                                   default_num_threads)
+from servelm.sampling.params import SamplingParams
+from tests.tiny_models import make_tiny_model_dir
+
+
+def test_dispatch_compiles_only_small_decode_steps() -> None:
+    calls: list[str] = []
+    dispatch = DecodeDispatch(lambda h, b: calls.append("eager"), lambda h, b: calls.append("compiled"),
+                              max_bs=4)
+    for num_tokens, num_sequences in [(3, 3), (4, 4), (5, 5), (6, 3), (1, 1)]:
+        dispatch(torch.zeros(1), SimpleNamespace(num_tokens=num_tokens, num_sequences=num_sequences))
+    assert calls == ["compiled", "compiled", "eager", "eager", "compiled"]
+
+
+def test_compile_with_quantization_is_refused_at_start_up() -> None:
+    with pytest.raises(ValueError, match="--enable-torch-compile cannot be combined"):
+        EngineConfig(model=ModelConfig(quantization="w8a8_int8"),
+                     runtime=RuntimeConfig(enable_torch_compile=True))
+    with pytest.raises(ValueError, match="--torch-compile-max-bs"):
+        RuntimeConfig(torch_compile_max_bs=0)
+    with pytest.raises(ValueError, match="--num-threads"):
+        RuntimeConfig(num_threads=0)
+
+
+def test_engine_threads_follow_the_flag_or_the_physical_cores() -> None:
+    before = torch.get_num_threads()
+    try:
+        assert configure_engine_threads(1) == 1 and torch.get_num_threads() == 1
+        chosen = configure_engine_threads(None)
+        assert chosen == default_num_threads() == torch.get_num_threads()
+        assert 1 <= chosen <= available_cpus()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _greedy(path: Path, compile_decode: bool, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=2048, page_size=8),
+        scheduler=SchedulerConfig(max_prefill_tokens=2048),
+        runtime=RuntimeConfig(enable_torch_compile=compile_decode, torch_compile_max_bs=4)))
+    if compile_decode:
+        assert all(isinstance(layer.forward, DecodeDispatch)
+                   for layer in engine.runner.model.model.layers)  # type: ignore[attr-defined]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        assert engine.add_request(f"r{index}", prompt, params) is None
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return [outputs[f"r{index}"] for index in range(len(prompts))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_compiled_decode_greedy_equals_eager(tmp_path: Path, arch: str) -> None:
+    """Three prompts decode through the batch-size-dynamic graph (3 <= max-bs 4), one alone
+    through the batch-1 graph; prefill stays eager. Tokens must equal eager mode's exactly."""
+    from torch._dynamo.utils import counters
+
+    path = make_tiny_model_dir(tmp_path, arch)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+    eager = _greedy(path, False, prompts[:3]) + _greedy(path, False, prompts[3:])
+    counters.clear()
+    compiled = _greedy(path, True, prompts[:3]) + _greedy(path, True, prompts[3:])
+    assert counters["stats"]["unique_graphs"] > 0, "no graph was compiled"
+    assert compiled == eager
+
+
+def test_front_end_keeps_one_thread_and_respects_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    before = torch.get_num_threads()
+    try:
+        configure_front_end_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert os.environ["RAYON_NUM_THREADS"] == "1"
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"   # the user's choice is kept
