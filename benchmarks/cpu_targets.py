@@ -11,9 +11,9 @@ HTTP), so these are engine figures. Definitions:
 - TTFT: wall time of one 1,024-token prompt with one output token.
 
 The ratio column divides by transformers measured in the same run. The markdown table goes to
-``--output`` (default benchmarks/RESULTS.md) with the load average before and after.
+``--output`` (default benchmarks/CPU_TARGETS.md, linked from RESULTS.md) with the load average before and after.
 
-    .venv/bin/python benchmarks/cpu_targets.py [--model gemma3-270m] [--output benchmarks/RESULTS.md]
+    .venv/bin/python benchmarks/cpu_targets.py [--model gemma3-270m] [--output benchmarks/CPU_TARGETS.md]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=1024)
     parser.add_argument("--modes", default="none,w8a8_int8", help="servelm --quantization values")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "RESULTS.md"))
+    parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "CPU_TARGETS.md"))
     args = parser.parse_args()
     load_before = os.getloadavg()
     source = resolve_model_source(ModelConfig(model=args.model))
