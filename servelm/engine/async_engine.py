@@ -299,12 +299,16 @@ class AsyncEngine:
         is_finished = False
         try:
             self._send(("embed", request_id, list(prompt_token_ids), priority))
+            if self._crash_recorder is not None:
+                self._crash_recorder.record(request_id, prompt_token_ids, {"task": "embed"}, priority)
             while True:
                 output = await queue.get()
                 is_finished = isinstance(output, Exception) or output.is_finished
                 if isinstance(output, Exception):
                     raise output
                 if output.is_finished:
+                    if self._crash_recorder is not None:
+                        self._crash_recorder.finish(request_id, output.finish_reason, 0)
                     return output
         finally:
             del self._queues[request_id]

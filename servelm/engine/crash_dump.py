@@ -99,4 +99,6 @@ class CrashRecorder:
 def _as_dict(params: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(params) and not isinstance(params, type):
         return dataclasses.asdict(params)
+    if isinstance(params, dict):
+        return dict(params)
     return {"repr": repr(params)}

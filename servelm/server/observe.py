@@ -98,7 +98,8 @@ class RequestRecord:
                  "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "text",
                  "token_ids")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams | None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -116,9 +117,10 @@ class RequestRecord:
 
 
 class ObservedEngine:
-    """The AsyncEngine as the routes see it, with metrics and request logging around ``generate``.
+    """The AsyncEngine as the routes see it, with metrics and request logging around ``generate``
+    and ``encode`` (embeddings).
 
-    Everything but ``generate`` is passed through to the wrapped engine.
+    Everything else is passed through to the wrapped engine.
     """
 
     def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics | None) -> None:
@@ -146,12 +148,29 @@ class ObservedEngine:
             close = getattr(outputs, "aclose", None)
             if close is not None:
                 await close()
-            if record.finish_reason is None:
-                record.finish_reason = "abort"  # the consumer stopped early (client left)
-            if self._metrics is not None:
-                self._metrics.observe_finish(record)
-            if self._config.observability.log_requests:
-                log_request(record, self._config)
+            self._finish(record)
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     priority: int = 0) -> RequestOutput:
+        """The engine's embedding call, counted and logged like a request with no output tokens."""
+        record = RequestRecord(request_id, list(prompt_token_ids), None)
+        try:
+            output: RequestOutput = await self._engine.encode(request_id, prompt_token_ids, priority)
+            record.finish_reason, record.error = output.finish_reason, output.error
+            return output
+        except Exception as error:
+            record.finish_reason, record.error = "error", f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            self._finish(record)
+
+    def _finish(self, record: RequestRecord) -> None:
+        if record.finish_reason is None:
+            record.finish_reason = "abort"  # the consumer stopped early (client left)
+        if self._metrics is not None:
+            self._metrics.observe_finish(record)
+        if self._config.observability.log_requests:
+            log_request(record, self._config)
 
     def _observe(self, record: RequestRecord, output: RequestOutput, keep_text: bool) -> None:
         now = time.perf_counter()

@@ -19,7 +19,7 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread."]
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess([MODEL, "--dtype", "float32"]) as running:
+    with ServerProcess([MODEL, "--dtype", "float32", "--enable-metrics"]) as running:
         yield running
 
 
@@ -77,3 +77,20 @@ def test_errors_in_openai_format(client):
     assert "does not support" in str(error.value)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other-model", input="hello")
+
+
+def test_metrics_count_embedding_requests(server, client):
+    def finished_and_prompt_tokens() -> tuple[float, float]:
+        text = httpx.get(f"{server.base_url}/metrics").text
+        values = {"finished": 0.0, "prompt": 0.0}
+        for line in text.splitlines():
+            if line.startswith("servelm:request_finished_total{") and 'finish_reason="stop"' in line:
+                values["finished"] += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("servelm:prompt_tokens_total{"):
+                values["prompt"] += float(line.rsplit(" ", 1)[1])
+        return values["finished"], values["prompt"]
+
+    finished, prompt = finished_and_prompt_tokens()
+    ids = [101, 7592, 2088, 102]
+    client.embeddings.create(model=MODEL, input=[ids, ids[:3]])
+    assert finished_and_prompt_tokens() == (finished + 2, prompt + 7)
