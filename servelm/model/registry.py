@@ -21,9 +21,11 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),  # text part only
     "BertModel": ("bert", "BertModel"),
+    "MPNetModel": ("mpnet", "MPNetModel"),
+    "MPNetForMaskedLM": ("mpnet", "MPNetModel"),  # the encoder only (no MLM head)
 }
 
-ENCODER_ARCHITECTURES = frozenset({"BertModel"})
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "MPNetModel", "MPNetForMaskedLM"})
 """Bidirectional encoders: no LM head (no ``compute_logits``); they serve embeddings only."""
 
 # Configs without ``architectures`` (e.g. built from GGUF metadata) fall back to model_type.
@@ -35,6 +37,7 @@ _MODEL_TYPES: dict[str, str] = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM",
     "bert": "BertModel",
+    "mpnet": "MPNetModel",
 }
 
 

@@ -141,6 +141,8 @@ def _find_in_hub_cache(hub_id: str, revision: str | None, download_dir: str | No
 def _context_length(config: ModelConfig, hf_config: PretrainedConfig, label: str) -> int:
     text_config = hf_config.get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None)
+    if model_max is not None and getattr(text_config, "model_type", None) == "mpnet":
+        model_max -= text_config.pad_token_id + 1  # positions start after the padding id
     if config.context_length is None:
         if model_max is None:
             raise ModelSourceError(f"{label}: the model config has no max_position_embeddings; "

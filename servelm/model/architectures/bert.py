@@ -6,6 +6,8 @@ bidirectional (``is_causal=False``): every token sees every token of its own pro
 must be computed in one forward from position 0 (the scheduler never chunks or prefix-matches an
 embedding request; the attention backend asserts it). The encoder has no LM head: it only embeds.
 ``forward`` returns the last layer's hidden states; pooling happens in ``servelm.model.pooling``.
+MPNet (``mpnet.py``) reuses these layers and model, swapping the embeddings and checkpoint names
+and adding a relative position bias shared by all layers.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from servelm.model.architectures.common import load_named_weights
 from servelm.model.attention import Attention
+from servelm.model.attention.base import PositionBias
 from servelm.model.forward_batch import ForwardBatch
 from servelm.model.layers.embedding import VocabEmbedding
 from servelm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -63,9 +66,11 @@ class BertLayer(nn.Module):
                                       f"(supported: {sorted(_ACTIVATIONS)})")
         self.act = _ACTIVATIONS[activation]
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
+                position_bias: PositionBias | None = None) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D] each
-        hidden = self.attention_norm(hidden + self.attention_output(self.attn(q, k, v, batch)))
+        attended = self.attn(q, k, v, batch, position_bias)
+        hidden = self.attention_norm(hidden + self.attention_output(attended))
         return self.output_norm(hidden + self.output(self.act(self.intermediate(hidden))))
 
 
@@ -83,6 +88,12 @@ _PREFIXES = ("bert.", "model.")
 class BertModel(nn.Module):
     """``forward(batch) -> hidden [num_tokens, hidden]``, the last layer's output (no LM head)."""
 
+    # what a subclass (MPNet) changes: its embeddings and its checkpoint's names
+    embeddings_class: type[nn.Module] = BertEmbeddings
+    layer_names: dict[str, str] = _LAYER_NAMES
+    skipped_prefixes: tuple[str, ...] = _SKIPPED_PREFIXES
+    checkpoint_prefixes: tuple[str, ...] = _PREFIXES
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
@@ -90,29 +101,29 @@ class BertModel(nn.Module):
                                       f"{hf_config.position_embedding_type!r} is not supported")
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
-        self.embeddings = BertEmbeddings(hf_config)
+        self.embeddings = self.embeddings_class(hf_config)
         self.layers = nn.ModuleList(BertLayer(hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.position_bias: nn.Module | None = None  # MPNet: one relative bias for every layer
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embeddings(batch)
         for layer in self.layers:
-            hidden = layer(hidden, batch)
+            hidden = layer(hidden, batch, self.position_bias)
         return hidden
 
-    @staticmethod
-    def _rename(name: str) -> str | None:
-        for prefix in _PREFIXES:
+    def _rename(self, name: str) -> str | None:
+        for prefix in self.checkpoint_prefixes:
             name = name.removeprefix(prefix)
-        if name.startswith(_SKIPPED_PREFIXES) or name.endswith("position_ids"):
+        if name.startswith(self.skipped_prefixes) or name.endswith("position_ids"):
             return None
         name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         if not name.startswith("encoder.layer."):
             return name
         layer_id, rest = name.removeprefix("encoder.layer.").split(".", 1)
         module, param = rest.rsplit(".", 1)
-        if module not in _LAYER_NAMES:
+        if module not in self.layer_names:
             return name  # load_named_weights names the unknown tensor
-        return f"layers.{layer_id}.{_LAYER_NAMES[module]}.{param}"
+        return f"layers.{layer_id}.{self.layer_names[module]}.{param}"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(self, weights, self._rename)

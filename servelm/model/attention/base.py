@@ -5,10 +5,14 @@ for every layer writes the new K/V into the paged cache and attends each sequenc
 its whole context (causal, offset by start_position; within ``sliding_window`` when set).
 A non-causal layer (``is_causal=False``, encoders) lets every token see every token of its
 sequence; such a sequence is always computed whole in one forward (start_position 0).
+A non-causal layer may add a per-head bias to its attention scores (``position_bias``, MPNet's
+relative position bias): a function of ``key_position - query_position`` that a backend evaluates
+once per forward for all layers sharing it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -18,13 +22,18 @@ if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
 
 
+PositionBias = Callable[[torch.Tensor], torch.Tensor]
+"""relative positions (key - query) ``[b, Q, C]`` int64 -> additive score bias ``[b, H, Q, C]``.
+Must be hashable and fixed for a forward (an nn.Module): backends cache its value per forward."""
+
+
 class AttentionBackend(Protocol):
     """What an attention backend provides."""
 
     def build_metadata(self, batch: ForwardBatch) -> Any: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor: ...
+                batch: ForwardBatch, position_bias: PositionBias | None = None) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -44,8 +53,12 @@ class Attention(nn.Module):
         self.is_causal = is_causal
         """False: bidirectional over the sequence (BERT); keys after the query are visible too."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return batch.attention.forward(q, k, v, self, batch)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                position_bias: PositionBias | None = None) -> torch.Tensor:
+        if position_bias is None:
+            return batch.attention.forward(q, k, v, self, batch)
+        assert not self.is_causal and self.sliding_window is None, "position_bias: non-causal layers only"
+        return batch.attention.forward(q, k, v, self, batch, position_bias)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -11,6 +11,8 @@ Every layer then gathers its K/V with one ``index_select`` over those flat slots
 
 A non-causal layer (an encoder) gets its own view where every valid column is visible; its
 sequences start at position 0 (asserted), so the context is exactly the sequence's own tokens.
+With a ``position_bias`` (MPNet) its mask becomes a float mask: the bias of ``column - query
+position`` where visible, -inf elsewhere, built once per forward and bias module on that view.
 A sliding-window view starts each sequence at ``first_query_position - window + 1``: sliding layers
 read only their window, so their cost does not grow with the context. Nothing here depends on the
 pool size. Padding query rows see column 0 only (never a fully masked row, so no NaN) and are
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.model.attention.base import Attention
+from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import ForwardBatch
 
 
@@ -42,6 +44,17 @@ class _KVView:
     num_columns: int
     mask: torch.Tensor
     """[b, 1, max_query, columns] bool."""
+    biased: dict[PositionBias, torch.Tensor] = field(default_factory=dict)
+    """position_bias -> [b, H, max_query, columns] float mask (non-causal views only)."""
+
+    def biased_mask(self, position_bias: PositionBias, query_positions: torch.Tensor) -> torch.Tensor:
+        """The bias where the mask is True, -inf elsewhere; columns are positions (start 0)."""
+        cached = self.biased.get(position_bias)
+        if cached is None:
+            relative = torch.arange(self.num_columns)[None, None, :] - query_positions[:, :, None]
+            bias = position_bias(relative.to(self.mask.device))                # [b, H, Q, C]
+            cached = self.biased[position_bias] = bias.masked_fill(~self.mask, float("-inf"))
+        return cached
 
 
 @dataclass
@@ -168,7 +181,7 @@ class TorchNativeAttention:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                batch: ForwardBatch) -> torch.Tensor:
+                batch: ForwardBatch, position_bias: PositionBias | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (rope applied) -> [T, H * D]."""
         batch.kv_cache.write(layer.layer_id, batch.slot_mapping, k, v)
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)
@@ -179,6 +192,9 @@ class TorchNativeAttention:
             b, max_query = group.num_sequences, group.max_query
             view = group.view(layer.sliding_window, layer.is_causal)
             columns = view.num_columns
+            mask = view.mask
+            if position_bias is not None:  # non-causal, so every sequence starts at 0
+                mask = view.biased_mask(position_bias, group.query_positions)
             q_rows = q if group.is_identity else q.index_select(0, group.query_rows)
             k_context = k_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
             v_context = v_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
@@ -187,13 +203,15 @@ class TorchNativeAttention:
             if max_query == 1:
                 # [b, Hkv, H/Hkv, D]: query heads of one KV head share its keys and the mask
                 q_padded = q_rows.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+                if position_bias is not None:  # [b, H, 1, C] -> per folded query head
+                    mask = mask.view(b, num_kv_heads, num_heads // num_kv_heads, columns)
                 attended = F.scaled_dot_product_attention(q_padded, k_context, v_context,
-                                                          attn_mask=view.mask, scale=layer.scale)
+                                                          attn_mask=mask, scale=layer.scale)
                 rows = attended.reshape(b, num_heads, -1)                      # [b, H, Dv]
             else:
                 q_padded = q_rows.view(b, max_query, num_heads, head_dim).transpose(1, 2)
                 attended = F.scaled_dot_product_attention(
-                    q_padded, k_context, v_context, attn_mask=view.mask, scale=layer.scale,
+                    q_padded, k_context, v_context, attn_mask=mask, scale=layer.scale,
                     enable_gqa=num_heads != num_kv_heads)                        # [b, H, Q, Dv]
                 rows = attended.transpose(1, 2).reshape(b * max_query, num_heads, -1)
             if group.is_identity:

