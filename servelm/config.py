@@ -31,6 +31,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def parse_json_object_flag(flag: str, text: str | None) -> dict[str, Any]:
+    """A flag whose value is a JSON object (``--hf-overrides``, ``--override-pooler-config``):
+    the dict, ``{}`` when unset; ValueError naming the flag when it is not a JSON object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: weights, tokenizer, dtype and context."""
@@ -93,13 +107,7 @@ class ModelConfig:
             raise ValueError(f"--context-length must be positive, got {self.context_length}")
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ValueError("--skip-tokenizer-init and --tokenizer-path cannot be combined")
-        if self.hf_overrides is not None:
-            try:
-                overrides = json.loads(self.hf_overrides)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--hf-overrides is not valid JSON: {exc}") from None
-            if not isinstance(overrides, dict):
-                raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
+        parse_json_object_flag("--hf-overrides", self.hf_overrides)
 
     @property
     def name(self) -> str:

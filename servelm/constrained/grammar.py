@@ -94,6 +94,17 @@ def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size
     logits[:, :vocab_size].masked_fill_(allowed == 0, float("-inf"))
 
 
+def parse_json_schema(spec: str) -> dict[str, Any] | bool:
+    """A request's JSON schema text, parsed; GrammarError when it is not JSON or not a schema."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"JSON schema is not valid JSON: {error}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("a JSON schema must be an object")
+    return schema
+
+
 def choice_to_ebnf(spec: str) -> str:
     """A "choice" spec (JSON list of strings) as an EBNF grammar: ``root ::= "a" | "b"``."""
     try:

@@ -28,7 +28,8 @@ import llguidance
 import llguidance.hf
 import torch
 
-from servelm.constrained.grammar import GrammarError, apply_packed_bitmask, choice_to_ebnf
+from servelm.constrained.grammar import (GrammarError, apply_packed_bitmask, choice_to_ebnf,
+                                         parse_json_schema)
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
          "choice": "choice list"}
@@ -66,12 +67,7 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
     try:
         if kind in ("json", "json_object"):
             text = spec if kind == "json" else '{"type": "object"}'
-            try:
-                schema = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise GrammarError(f"JSON schema is not valid JSON: {error}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError("a JSON schema must be an object")
+            schema = parse_json_schema(text)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(_strict(schema)),
                 overrides=_json_options(whitespace_pattern))  # type: ignore[arg-type]

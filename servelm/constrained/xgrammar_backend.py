@@ -7,23 +7,12 @@ only them, and accepting one terminates the matcher.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from servelm.constrained.grammar import GrammarError, choice_to_ebnf
-
-
-def _schema_text(spec: str) -> str:
-    try:
-        schema = json.loads(spec)
-    except json.JSONDecodeError as error:
-        raise GrammarError(f"JSON schema is not valid JSON: {error}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError("a JSON schema must be an object")
-    return spec
+from servelm.constrained.grammar import GrammarError, choice_to_ebnf, parse_json_schema
 
 
 def _clean(error: Exception) -> str:
@@ -48,7 +37,8 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
     """Build the (tokenizer-free) grammar; raises GrammarError naming what is wrong."""
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(_schema_text(spec), **_json_options(whitespace_pattern))
+            parse_json_schema(spec)  # names a bad schema's problem; xgrammar takes the text
+            return xgr.Grammar.from_json_schema(spec, **_json_options(whitespace_pattern))
         if kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_json_options(whitespace_pattern))
         if kind == "regex":

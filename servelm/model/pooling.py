@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from servelm.config import parse_json_object_flag
+
 POOLING_TYPES = ("last", "mean", "cls")
 TASKS = ("generate", "embed")
 _UNSUPPORTED_TASKS = ("classify", "score", "reward")
@@ -107,14 +109,7 @@ def architecture_label(hf_config: Any) -> str:
 
 def parse_pooler_override(text: str | None) -> dict[str, Any]:
     """``--override-pooler-config`` JSON -> checked dict (ValueError naming the flag and key)."""
-    if not text:
-        return {}
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--override-pooler-config is not valid JSON: {error}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--override-pooler-config must be a JSON object, got {text!r}")
+    values = parse_json_object_flag("--override-pooler-config", text)
     for key, value in values.items():
         if key not in _OVERRIDE_KEYS:
             raise ValueError(f"--override-pooler-config: {key!r} is not supported (supported: "

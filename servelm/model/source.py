@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from servelm.config import ModelConfig
+from servelm.config import ModelConfig, parse_json_object_flag
 from servelm.model.gguf import GGUFFile
 from servelm.model.packaged import PACKAGED_MODELS, GENERATIVE_MODEL_NAMES, packaged_model_path
 
@@ -60,7 +60,7 @@ def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None =
     if config.trust_remote_code:
         raise ModelSourceError("--trust-remote-code is not supported: servelm runs every architecture "
                                "with its own modules and never executes code from a checkpoint")
-    overrides = _parse_overrides(config.hf_overrides)
+    overrides = parse_json_object_flag("--hf-overrides", config.hf_overrides)
     path, label = _locate(config, Path(hub_cache_dir) if hub_cache_dir else _HF_HUB_CACHE)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
@@ -75,18 +75,6 @@ def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None =
     if config.skip_tokenizer_init:
         source.tokenizer_path = None
     return source
-
-
-def _parse_overrides(text: str | None) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        overrides = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ModelSourceError(f"--hf-overrides is not valid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ModelSourceError(f"--hf-overrides must be a JSON object, got {type(overrides).__name__}")
-    return overrides
 
 
 def _locate(config: ModelConfig, hub_cache_dir: Path) -> tuple[Path, str]:
