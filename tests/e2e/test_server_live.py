@@ -177,7 +177,7 @@ def test_client_disconnect_frees_kv(server):
 
 
 def test_native_generate_and_tokenize(server):
-    generated = httpx.post(f"{server.base_url}/generate", headers=auth(), json={
+    generated = httpx.post(f"{server.base_url}/generate", headers=auth(), timeout=60, json={
         "text": "The sky is", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}).json()
     assert generated["meta_info"]["completion_tokens"] <= 5 and generated["text"]
     tokens = httpx.post(f"{server.base_url}/tokenize", headers=auth(),

@@ -113,10 +113,24 @@ def test_fp8_kv_cache_one_byte_per_element_and_close(kv_dtype: str) -> None:
     assert relative_error(actual, expected) < 0.2   # e5m2 keeps 2 mantissa bits: ~12% per element
 
 
-def test_auto_dtype_on_cpu_follows_amx_and_says_why() -> None:
-    from servelm.model.loader import cpu_flags, dtype_reason, resolve_dtype
+@pytest.mark.parametrize(("flags", "expected", "evidence"), [
+    ({"avx512f", "amx_bf16", "avx512_bf16"}, torch.bfloat16, "AMX"),
+    ({"avx512f", "avx512_vnni", "avx512_bf16"}, torch.bfloat16, "AVX512-BF16"),
+    ({"avx512f", "avx512_vnni"}, torch.float32, "neither AMX nor AVX512-BF16"),
+    (set(), torch.float32, "neither AMX nor AVX512-BF16"),
+])
+def test_auto_dtype_on_cpu_follows_its_bf16_features_and_says_why(
+        flags: set[str], expected: torch.dtype, evidence: str) -> None:
+    from servelm.model.loader import dtype_reason, resolve_dtype
     cpu = torch.device("cpu")
-    expected = torch.bfloat16 if "amx_bf16" in cpu_flags() else torch.float32
-    assert resolve_dtype("auto", None, cpu) == expected
-    assert "AMX" in dtype_reason("auto", cpu)
-    assert resolve_dtype("float32", None, cpu) == torch.float32 and dtype_reason("float32", cpu) == "--dtype float32"
+    assert resolve_dtype("auto", None, cpu, flags) == expected
+    assert evidence in dtype_reason("auto", cpu, flags)
+    assert resolve_dtype("float32", None, cpu, flags) == torch.float32
+    assert dtype_reason("float32", cpu, flags) == "--dtype float32"
+
+
+def test_auto_dtype_reads_this_cpu() -> None:
+    from servelm.model.loader import cpu_flags, resolve_dtype
+    native_bf16 = bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    expected = torch.bfloat16 if native_bf16 else torch.float32
+    assert resolve_dtype("auto", None, torch.device("cpu")) == expected
