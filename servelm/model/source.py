@@ -57,9 +57,6 @@ class ModelSource:
 
 def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None = None) -> ModelSource:
     """Resolve ``config.model`` to a ModelSource; raises ModelSourceError with what to do."""
-    if config.trust_remote_code:
-        raise ModelSourceError("--trust-remote-code is not supported: servelm runs every architecture "
-                               "with its own modules and never executes code from a checkpoint")
     overrides = parse_json_object_flag("--hf-overrides", config.hf_overrides)
     path, label = _locate(config, Path(hub_cache_dir) if hub_cache_dir else _HF_HUB_CACHE)
     if path.is_dir() and not (path / "config.json").exists():

@@ -62,8 +62,6 @@ def test_dummy_overrides_and_context(tiny_hf_dir: Path) -> None:
 
 
 def test_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelSourceError, match="not supported"):
-        resolve_model_source(ModelConfig(model="smollm2-135m", trust_remote_code=True))
     with pytest.raises(ModelSourceError, match="no such file"):
         resolve_model_source(ModelConfig(model=str(tmp_path / "missing.gguf")))
     with pytest.raises(ModelSourceError, match=r"hub id.*--revision noted.*qwen2.5-coder-0.5b"):
