@@ -35,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(config: EngineConfig) -> None:
     """Runs the server until it is stopped."""
     from servelm.logging_utils import configure_logging
+    from servelm.model.threads import configure_front_end_threads
     from servelm.server.app import run_server  # deferred: the CLI must not import the server stack
 
     configure_logging(config.server.log_level)
+    configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
     run_server(config)
 
 

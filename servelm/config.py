@@ -93,10 +93,15 @@ class ModelConfig:
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
     hf_overrides: str | None = opt(None, "JSON object merged into the model's config.json fields.")
-    served_model_name: str | None = opt(None, "Model name reported by /v1/models and accepted in requests.")
+    served_model_name: list[str] | None = opt(
+        None, "Names clients use for the model: responses carry the first, requests may give any, "
+        "and /v1/models lists them all. Unset: the --model value.")
     revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
     download_dir: str | None = opt(None, "Where hub downloads would be cached.")
-    seed: int = opt(0, "Seed for random weights (dummy) and for requests that give no seed.")
+    seed: int = opt(0, "Seed for random weights (dummy), the random schedule policy, and sampling: a "
+                    "request that gives no seed samples from a generator derived from this seed and "
+                    "its arrival order, so a server restarted with the same seed and sent the same "
+                    "requests in the same order returns the same text.")
     device: str = opt("auto", "Device to run on: auto picks cuda when present, else cpu.",
                       choices=["auto", "cpu", "cuda"])
     quantization: str = opt("none", "Weight quantization applied after loading. w8a8_int8: int8 weights "
@@ -131,11 +136,21 @@ class ModelConfig:
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ValueError("--skip-tokenizer-init and --tokenizer-path cannot be combined")
         parse_json_object_flag("--hf-overrides", self.hf_overrides)
+        if self.served_model_name is not None and (
+                isinstance(self.served_model_name, str) or not self.served_model_name
+                or not all(isinstance(n, str) and n for n in self.served_model_name)):
+            raise ValueError("--served-model-name takes one or more non-empty names, got "
+                             f"{self.served_model_name!r}")
 
     @property
     def name(self) -> str:
-        """The name clients use for this model."""
-        return self.served_model_name or self.model
+        """The name responses carry: the first --served-model-name, else --model."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name requests may give (and /v1/models lists), the response name first."""
+        return tuple(self.served_model_name) if self.served_model_name else (self.model,)
 
 
 @dataclass(frozen=True)

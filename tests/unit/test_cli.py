@@ -117,7 +117,7 @@ def test_lightllm_aliases() -> None:
     assert config.model.context_length == 3072
     assert config.scheduler.chunked_prefill_size == 256
     assert config.server.truncation_mode == "head"
-    assert config.model.served_model_name == "mine"
+    assert config.model.served_model_name == ["mine"]
 
 
 def test_lightllm_value_transforms() -> None:
@@ -476,3 +476,12 @@ def test_dry_run_refusal_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     path = write(tmp_path, "dry-run: true\n")
     code, _, err = dry_run(["serve", "--config", path, "--dry-run"], capsys)
     assert code == 2 and "dry-run: unknown option" in err
+
+
+def test_served_model_name_takes_a_list() -> None:
+    config = cli_args.parse_args(["--served-model-name", "a", "b", "--model", "smollm2-135m"])
+    assert config.model.served_model_name == ["a", "b"]
+    assert config.model.model == "smollm2-135m"  # b is not taken for the model path
+    assert (config.model.name, config.model.served_names) == ("a", ("a", "b"))
+    assert cli_args.parse_args(["m", "--served-model-name", "x"]).model.served_names == ("x",)
+    assert cli_args.parse_args(["m"]).model.served_names == ("m",)
