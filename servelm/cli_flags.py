@@ -339,7 +339,8 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "grammars produce compact JSON unless --constrained-json-whitespace-pattern "
                      "is given", contradicts=(Contradiction("constrained_json_whitespace_pattern"),)),
     AlreadyBehaviour(("--sleep-on-idle",),
-                     "an idle engine blocks on its request socket and uses no CPU"),
+                     "an idle engine waits on its request socket (waking once a second), using "
+                     "next to no CPU"),
     AlreadyBehaviour(("--skip-server-warmup",),
                      "the server sends itself no warm-up request: it is ready once the model is "
                      "loaded"),

@@ -219,3 +219,26 @@ def check_sets_field(flag: str, field_name: str, values: list[str],
     assert config is not None, err
     assert config != DEFAULT_PRINTED, f"{flag} {values} did not change the config"
     assert printed(field_name, config) != printed(field_name, DEFAULT_PRINTED)
+
+
+CONTRADICTIONS = [(entry, contradiction) for entry in cli_flags.ALREADY_BEHAVIOUR
+                  for contradiction in entry.contradicts]
+
+
+@pytest.mark.parametrize("entry, contradiction", CONTRADICTIONS,
+                         ids=[f"{e.flags[0]}-{c.field}" for e, c in CONTRADICTIONS])
+def test_already_behaviour_refused_when_contradicted(entry: cli_flags.AlreadyBehaviour,
+                                                     contradiction: cli_flags.Contradiction,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag of an "already the behaviour" entry, next to a flag undoing that behaviour, is
+    a start-up error naming both flags."""
+    other = cli_flags.flag_name(contradiction.field)
+    if isinstance(contradiction.values, cli_flags.NonDefault):
+        undo = [other, *field_example(contradiction.field)]
+    else:
+        undo = [other, str(contradiction.values[0])]
+    for flag in entry.flags:
+        asked = [flag] if entry.values is None else [flag, entry.values[0]]
+        config, err = run([*asked, *undo], capsys)
+        assert config is None, f"{asked} {undo} was accepted"
+        assert f"{flag}" in err and "contradicts" in err and other in err, err
