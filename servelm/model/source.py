@@ -223,11 +223,17 @@ def _hf_dir_config(path: Path, overrides: dict[str, Any]) -> PretrainedConfig:
 
     rope = {key: overrides[key] for key in _LEGACY_ROPE_KEYS if key in overrides}
     plain = {key: value for key, value in overrides.items() if key not in rope}
-    hf_config = AutoConfig.from_pretrained(path, **plain)
+    hf_config: PretrainedConfig = AutoConfig.from_pretrained(path, **plain)
     current = getattr(hf_config, "rope_parameters", None)
-    if not rope or not isinstance(current, dict) or "rope_parameters" in plain:
-        return hf_config if not rope else AutoConfig.from_pretrained(path, **overrides)  # transformers 4
-    return AutoConfig.from_pretrained(path, **plain, rope_parameters=merge_rope_overrides(current, rope))
+    if not rope:
+        return hf_config
+    if not isinstance(current, dict) or "rope_parameters" in plain:
+        # transformers 4 reads the legacy keys itself; an explicit rope_parameters wins (as in 5)
+        hf_config = AutoConfig.from_pretrained(path, **overrides)
+    else:
+        merged = merge_rope_overrides(current, rope)
+        hf_config = AutoConfig.from_pretrained(path, **plain, rope_parameters=merged)
+    return hf_config
 
 
 def merge_rope_overrides(rope_parameters: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
