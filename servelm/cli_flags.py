@@ -7,13 +7,20 @@ flags is in exactly one of four places:
 - ALIASES: another engine's spelling of one of our fields, possibly with a value transform;
 - ALREADY_BEHAVIOUR: accepted because what the user asks for is already what this build does
   (``--disable-cuda-graph``: servelm never captures CUDA graphs). A flag that takes a value is
-  accepted only with the listed values; any other value is rejected;
-- REJECTIONS: rejected at start-up with the reason, grouped by reason.
+  accepted only with the listed values; any other value is rejected. An entry lists the config
+  values that would undo the behaviour (``contradicts``): given together, start-up fails naming
+  both flags;
+- REJECTIONS: rejected at start-up with the reason, grouped by reason. A feature still to be
+  built (LoRA, speculative decoding, PD disaggregation, hierarchical cache, parallelism) has one
+  entry whose reason starts "not built yet".
+
+``NEEDS`` lists options that mean nothing without another one (refused alone), and
+``PARSER_OPTIONS`` the parser's own options (--config, --dry-run, --help).
 
 Invariants: no flag string appears twice across these tables or collides with a generated field
 flag (``check_catalogue`` enforces it, and the tests call it); nothing is accepted and ignored.
-To implement a feature, add its config field and delete its flags from REJECTIONS (or turn the
-REJECTIONS entry into an Alias).
+To implement a feature, add its config field and delete its REJECTIONS entry (or turn it into
+Aliases).
 
 ``python -m servelm.cli_flags`` prints the catalogue.
 """
@@ -565,9 +572,9 @@ NEEDS: tuple[tuple[str, str], ...] = (
 refused at start-up rather than ignored."""
 
 PARSER_OPTIONS: dict[str, str] = {
-    "--config": "a YAML file of options (servelm.cli_parser reads it; flags override it)",
+    "--config": "a YAML file of options (servelm.cli_args reads it; flags override it)",
     "--dry-run": "validate the command line and print the resolved config as YAML",
-    "--help": "help", "-h": "help",
+    "--help": "print the options and exit", "-h": "print the options and exit",
 }
 """Options of the parser itself rather than of a config field."""
 
@@ -676,6 +683,8 @@ def describe() -> str:
     """The whole catalogue as text, for ``python -m servelm.cli_flags``."""
     lines = ["Implemented (config fields):"]
     lines += [f"  {flag:34} {field}" for flag, field in implemented_flags().items()]
+    lines.append("\nOptions of the parser:")
+    lines += [f"  {flag:34} {what}" for flag, what in PARSER_OPTIONS.items()]
     lines.append("\nAliases (other engines' spellings):")
     for alias in ALIASES:
         target = flag_name(alias.field)
