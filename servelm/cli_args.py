@@ -52,6 +52,8 @@ class Setting:
     """The flag as typed (or MODEL for the positional), with the file name for --config values."""
     family: str
     """Flags of one family (``--x``/``--no-x``, ``-tp``/``--tp``) override each other silently."""
+    is_switch: bool = False
+    """The flag takes no value (``--disable_chunked_prefill``): messages name it alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +115,7 @@ class _SetField(argparse.Action):
             raise argparse.ArgumentError(
                 None, f"{previous.source} {previous.value!r} and {source} {value!r} both set "
                 f"{flag_name(self.field_name)}; give only one")
-        settings[self.field_name] = Setting(value, source, self.family)
+        settings[self.field_name] = Setting(value, source, self.family, is_switch=self.nargs == 0)
 
 
 def _same_value(given: str, accepted: str) -> bool:
@@ -371,7 +373,7 @@ def _given_as(settings: dict[str, Setting], field_name: str, value: Any = None) 
     """The flag that set ``field_name`` as the user typed it, with ``value`` unless a switch."""
     setting = settings.get(field_name)
     text = setting.source if setting is not None else flag_name(field_name)
-    if value is not None and not isinstance(value, bool):
+    if value is not None and not isinstance(value, bool) and not (setting and setting.is_switch):
         text += f" {value}"
     return text if setting is not None else f"{text} (the default)"
 
