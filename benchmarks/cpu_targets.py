@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_vs_transformers import servelm_run, transformers_run  # noqa: E402
 
-from servelm.bench import random_prompts  # noqa: E402
+from servelm.bench_common import random_prompts  # noqa: E402
 from servelm.config import EngineConfig, ModelConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.source import resolve_model_source  # noqa: E402

@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from servelm.bench import format_table, parse_batch_sizes, random_prompts  # noqa: E402
+from servelm.bench import parse_batch_sizes  # noqa: E402
+from servelm.bench_common import format_table, random_prompts  # noqa: E402
 from servelm.config import EngineConfig, ModelConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.source import resolve_model_source  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from servelm.bench import random_prompts  # noqa: E402
+from servelm.bench_common import random_prompts  # noqa: E402
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.forward_batch import ForwardBatch  # noqa: E402

@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from servelm.bench import (RequestTiming, _distribution_ms, _one_request, _server_facts, format_serve,
-                           format_table, random_prompts, summarize)
+from servelm.bench_common import (RequestTiming, distribution_ms, format_serve, format_table, one_request,
+                                  random_prompts, server_facts, summarize)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, st
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout_s,
                                  limits=httpx.Limits(max_connections=None)) as client:
-        name, vocab_size = await _server_facts(client, base_url)
+        name, vocab_size = await server_facts(client, base_url)
         model = args.model or name
         requests = build_dataset(args, vocab_size)
         offsets = arrival_offsets_s(len(requests), args.request_rate, args.seed)
@@ -109,7 +109,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, st
                     "temperature": 0.0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             async with limit:
-                timing = await _one_request(client, f"{base_url}/v1/completions", body)
+                timing = await one_request(client, f"{base_url}/v1/completions", body)
             done[0] += 1
             if not args.disable_tqdm:
                 bar = "#" * (30 * done[0] // len(requests))
@@ -138,7 +138,7 @@ def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
 def run_serving(args: argparse.Namespace) -> dict[str, Any]:
     timings, duration_s, model = asyncio.run(_run(args))
     summary = summarize(timings, duration_s)
-    e2e = _distribution_ms([t.latency_s for t in timings if t.error is None])
+    e2e = distribution_ms([t.latency_s for t in timings if t.error is None])
     print(f"model: {model}  dataset: {args.dataset_name}  request rate: {args.request_rate}  "
           f"max concurrency: {args.max_concurrency}")
     print(format_serve(summary))
@@ -181,11 +181,11 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_one_batch(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, Any]:
     """Prefill of a static batch, then per-step decode latency, in-process through LLMEngine."""
-    from servelm import cli
+    from servelm import cli_args
     from servelm.engine.engine import LLMEngine
     from servelm.sampling.params import SamplingParams
 
-    config = cli.build_config(engine_argv, prog="servelm bench one-batch")
+    config = cli_args.build_config(engine_argv, prog="servelm bench one-batch")
     engine = LLMEngine(config)
     vocab_size = engine.runner.vocab_size
     results = []

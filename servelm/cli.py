@@ -1,430 +1,51 @@
-"""`servelm serve`: turns flags (and a YAML --config file) into an EngineConfig, and nothing else.
+"""The `servelm` command: `servelm serve` (the server) and `servelm bench` (benchmarks).
 
-The parser is generated: one option per config field (``servelm.config``: type from the
-annotation, help and choices from the field metadata), plus the other engines' flags catalogued in
-``servelm.cli_flags`` (aliases onto our fields, flags that ask for what we already do, and flags
-rejected with a reason).
-
-Invariants:
-- A value comes from exactly one layer: the dataclass default, then the --config file, then the
-  command line; explicit command-line flags win over the file.
-- The same flag given twice: the last wins. Two different flags setting one field to different
-  values (``--model-path a --model_dir b``) is an error, never a silent choice.
-- Every error names the flag the user typed, and ends the process with exit status 2.
+Parsing lives in ``servelm.cli_args``; this module only dispatches. ``serve --dry-run`` checks the
+command line without loading a model: it prints the resolved options as YAML (a file --config
+reads back to the same configuration) and exits 0, or exits 2 with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
-import typing
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NoReturn
+from collections.abc import Sequence
 
-from servelm import cli_flags
-from servelm.cli_flags import UNCHANGED, flag_name
+from servelm import cli_args
+from servelm.cli_args import SERVE_PROG, CliError, add_engine_arguments
 from servelm.config import EngineConfig
 
-SERVE_PROG = "servelm serve"
-
-_SETTINGS = "servelm_settings"
-_REQUIREMENTS = "servelm_requirements"
-
-
-class CliError(ValueError):
-    """A bad command line or config file; the message names the flag."""
-
-
-@dataclass(frozen=True, slots=True)
-class Setting:
-    """One field value and where it came from."""
-
-    value: Any
-    source: str
-    """The flag as typed (or MODEL for the positional), with the file name for --config values."""
-    family: str
-    """Flags of one family (``--x``/``--no-x``, ``-tp``/``--tp``) override each other silently."""
-
-
-@dataclass(frozen=True, slots=True)
-class Requirement:
-    """A flag accepted because the config already does what it asks, unless the final value of
-    ``field`` is ``conflict`` (``--enable-chunked-prefill`` with ``--chunked-prefill-size -1``)."""
-
-    field: str
-    conflict: Any
-    source: str
-
-
-class _Parser(argparse.ArgumentParser):
-    """Raises CliError instead of printing usage and exiting, so errors can be reported once."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CliError(message)
-
-
-def _settings(namespace: argparse.Namespace) -> dict[str, Setting]:
-    if not hasattr(namespace, _SETTINGS):
-        setattr(namespace, _SETTINGS, {})
-    return typing.cast(dict[str, Setting], getattr(namespace, _SETTINGS))
-
-
-def _requirements(namespace: argparse.Namespace) -> list[Requirement]:
-    if not hasattr(namespace, _REQUIREMENTS):
-        setattr(namespace, _REQUIREMENTS, [])
-    return typing.cast(list[Requirement], getattr(namespace, _REQUIREMENTS))
-
-
-class _SetField(argparse.Action):
-    """Records a value for one config field (ours, an alias's, or the positional model)."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, field_name: str, family: str,
-                 convert: Callable[[Any], Any] | None = None, conflict: Any = None,
-                 **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, **kwargs)
-        self.field_name = field_name
-        self.family = family
-        self.convert = convert
-        self.conflict = conflict
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        value = self.const if self.nargs == 0 else values
-        if self.convert is not None:
-            try:
-                value = self.convert(value)
-            except ValueError as exc:
-                raise argparse.ArgumentError(self, str(exc)) from None
-        source = option_string or "MODEL"
-        if value is UNCHANGED:
-            _requirements(namespace).append(Requirement(self.field_name, self.conflict, source))
-            return
-        settings = _settings(namespace)
-        previous = settings.get(self.field_name)
-        if previous is not None and previous.family != self.family and previous.value != value:
-            raise argparse.ArgumentError(
-                None, f"{previous.source} {previous.value!r} and {source} {value!r} both set "
-                f"{flag_name(self.field_name)}; give only one")
-        settings[self.field_name] = Setting(value, source, self.family)
-
-
-def _same_value(given: str, accepted: str) -> bool:
-    if given.strip().lower() == accepted.lower():
-        return True
-    try:
-        return float(given) == float(accepted)
-    except ValueError:
-        return False
-
-
-class _AlreadyBehaviour(argparse.Action):
-    """Accepts a flag that asks for what this build already does; checks the value if any."""
-
-    def __init__(self, option_strings: list[str], dest: str, *,
-                 entry: cli_flags.AlreadyBehaviour, **kwargs: Any) -> None:
-        nargs = 0 if entry.values is None else None
-        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS, **kwargs)
-        self.entry = entry
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        accepted = self.entry.values
-        if accepted is not None and not any(_same_value(values, v) for v in accepted):
-            raise argparse.ArgumentError(
-                None, f"{option_string} {values} is not supported: {self.entry.reason} "
-                f"(accepted: {', '.join(accepted)})")
-
-
-class _Reject(argparse.Action):
-    """Rejects a catalogued flag at parse time, whatever its values, with the reason."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, reason: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="*", default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS, **kwargs)
-        self.reason = reason
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        raise argparse.ArgumentError(None, f"{option_string} is {self.reason}")
-
-
-# --- parser generation -------------------------------------------------------------------------
-
-def _field_types() -> dict[str, Any]:
-    hints: dict[str, Any] = {}
-    for section in EngineConfig.sections().values():
-        hints.update(typing.get_type_hints(section))
-    return hints
-
-
-def _base_type(annotation: Any) -> Any:
-    """int for ``int | None``; the annotation itself otherwise."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if len(args) == 1 else annotation
-
-
-def _metavar(field_name: str) -> str:
-    return field_name.upper()
-
-
-def _add_field(group: argparse._ArgumentGroup, field: dataclasses.Field[Any], annotation: Any) -> None:
-    flag = flag_name(field.name)
-    base = _base_type(annotation)
-    help_text = field.metadata.get("help", "")
-    extra_flags = list(field.metadata.get("flags", ()))
-    family = "field:" + field.name
-    if base is bool:
-        group.add_argument(flag, *extra_flags, action=_SetField, nargs=0, const=True,
-                           field_name=field.name, family=family, default=argparse.SUPPRESS,
-                           help=help_text)
-        if field.metadata.get("negatable"):
-            group.add_argument("--no-" + flag[2:], action=_SetField, nargs=0, const=False,
-                               field_name=field.name, family=family, default=argparse.SUPPRESS,
-                               help=f"Turn {flag} off.")
-        return
-    default = field.default if field.default is not dataclasses.MISSING else None
-    if default is not None:
-        help_text += f" (default: {default})"
-    if typing.get_origin(base) is list:  # one or more values: --flag 0.1 0.5 1
-        group.add_argument(flag, *extra_flags, action=_SetField, type=typing.get_args(base)[0],
-                           nargs="+", metavar=_metavar(field.name), field_name=field.name,
-                           family=family, default=argparse.SUPPRESS, help=help_text)
-        return
-    group.add_argument(flag, *extra_flags, action=_SetField, type=base,
-                       choices=field.metadata.get("choices"), metavar=None if
-                       field.metadata.get("choices") else _metavar(field.name),
-                       field_name=field.name, family=family, default=argparse.SUPPRESS,
-                       help=help_text)
-
-
-def _add_alias(group: argparse._ArgumentGroup, alias: cli_flags.Alias,
-               fields: dict[str, dataclasses.Field[Any]], types: dict[str, Any]) -> None:
-    field = fields[alias.field]
-    target = flag_name(alias.field)
-    if not alias.takes_value and alias.const is not True:
-        target += f" {alias.const}"
-    help_text = f"= {target} ({alias.origin})"
-    if alias.note:
-        help_text += f"; {alias.note}"
-    kwargs: dict[str, Any] = {"action": _SetField, "field_name": alias.field,
-                              "family": "alias:" + alias.flags[0], "default": argparse.SUPPRESS,
-                              "help": help_text, "conflict": alias.conflict}
-    if not alias.takes_value:
-        kwargs.update(nargs=0, const=alias.const)
-    else:
-        kwargs["metavar"] = alias.metavar or _metavar(alias.field)
-        if alias.optional_value:
-            kwargs.update(nargs="?", const=alias.const)
-        if alias.convert is not None:
-            kwargs["convert"] = alias.convert
-        else:
-            kwargs["type"] = _base_type(types[alias.field])
-            if field.metadata.get("choices"):
-                kwargs.update(choices=field.metadata["choices"], metavar=None)
-    group.add_argument(*alias.flags, **kwargs)
-
-
-_EPILOG = ("Flags of SGLang, vLLM and LightLLM are recognised: aliases set the options above; "
-           "flags asking for what servelm already does are accepted; the others stop start-up "
-           "with the reason. `python -m servelm.cli_flags` lists them all.")
-
-
-_USAGE = "%(prog)s [MODEL] [--config FILE] [options]"
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the positional MODEL, --config, one option per config field, and the catalogue."""
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL", action=_SetField,
-                        field_name="model", family="positional", default=argparse.SUPPRESS,
-                        help="Model to serve (same as --model).")
-    parser.add_argument("--config", dest="config_file", metavar="FILE", default=argparse.SUPPRESS,
-                        help="YAML file of options (keys are flag names, dashes or underscores); "
-                        "flags on the command line override it.")
-    types = _field_types()
-    fields = cli_flags.config_fields()
-    for section_name, section in EngineConfig.sections().items():
-        summary = (section.__doc__ or "").strip().splitlines()[0]
-        group = parser.add_argument_group(f"{section_name} options", summary)
-        for field in dataclasses.fields(section):
-            _add_field(group, field, types[field.name])
-    aliases = parser.add_argument_group("aliases", "Other engines' spellings of the options above.")
-    for alias in cli_flags.ALIASES:
-        _add_alias(aliases, alias, fields, types)
-    for entry in cli_flags.ALREADY_BEHAVIOUR:
-        parser.add_argument(*entry.flags, action=_AlreadyBehaviour, entry=entry)
-    for rejection in cli_flags.REJECTIONS:
-        parser.add_argument(*rejection.flags, action=_Reject, reason=rejection.reason)
-
-
-def _formatter(prog: str) -> argparse.HelpFormatter:
-    return argparse.HelpFormatter(prog, max_help_position=36, width=100)
-
-
-def build_serve_parser(prog: str = SERVE_PROG) -> argparse.ArgumentParser:
-    """The parser for `servelm serve` (and `python -m servelm.launch_server`)."""
-    parser = _Parser(prog=prog, usage=_USAGE, description="Start the OpenAI-compatible server.",
-                     epilog=_EPILOG, allow_abbrev=False, formatter_class=_formatter)
-    add_engine_arguments(parser)
-    return parser
+_BENCH_HELP = "Benchmark the engine offline or a running server (`servelm bench --help`)."
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level `servelm` parser with its subcommands."""
-    parser = _Parser(prog="servelm", description="servelm: an LLM inference and serving engine.",
-                     allow_abbrev=False)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    serve = commands.add_parser("serve", help="Start the OpenAI-compatible server.",
-                                usage=_USAGE, description="Start the OpenAI-compatible server.",
-                                epilog=_EPILOG,
-                                allow_abbrev=False, formatter_class=_formatter)
-    add_engine_arguments(serve)
+    parser = cli_args.Parser(prog="servelm", allow_abbrev=False,
+                             description="servelm: an LLM inference and serving engine.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=cli_args.Parser)
+    serve_parser = commands.add_parser("serve", help="Start the OpenAI-compatible server.",
+                                       **cli_args.SERVE_PARSER_OPTIONS)
+    add_engine_arguments(serve_parser)
     # Listed for --help only: main() hands `bench` to servelm.bench before parsing.
-    commands.add_parser("bench", add_help=False, help="Benchmark the engine offline or a running "
-                        "server (`servelm bench --help`).")
+    commands.add_parser("bench", add_help=False, help=_BENCH_HELP)
     return parser
-
-
-# --- config file -------------------------------------------------------------------------------
-
-def _option_for_key(parser: argparse.ArgumentParser, key: str) -> tuple[str, argparse.Action] | None:
-    options = parser._option_string_actions
-    bare = key.lstrip("-")
-    for candidate in (key, "--" + bare, "--" + bare.replace("_", "-"), "--" + bare.replace("-", "_"),
-                      "-" + bare):
-        if candidate in options:
-            return candidate, options[candidate]
-    return None
-
-
-def _tokens_for(parser: argparse.ArgumentParser, key: str, flag: str, action: argparse.Action,
-                value: Any) -> list[str]:
-    if value is None:
-        return []
-    if action.nargs == 0 or (isinstance(action, _Reject) and isinstance(value, bool)):
-        if not isinstance(value, bool):
-            raise CliError(f"{key}: takes true or false, got {value!r}")
-        if value:
-            return [flag]
-        negative = "--no-" + flag.lstrip("-")
-        # false is a switch's off state: the same as not giving it, unless a --no- form exists
-        # (so `enable-metrics: false` is accepted: metrics are off here).
-        return [negative] if negative in parser._option_string_actions else []
-    if isinstance(value, list):
-        if action.nargs not in ("*", "+"):
-            raise CliError(f"{key}: takes one value, got a list")
-        return [flag, *(str(item) for item in value)]
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, dict):
-        text = json.dumps(value)
-    else:
-        text = str(value)
-    return [f"{flag}={text}"]
-
-
-def _file_layer(path: str, prog: str) -> tuple[dict[str, Setting], list[Requirement]]:
-    import yaml  # deferred: only --config needs it
-
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise CliError(f"--config {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CliError(f"--config {path}: not valid YAML: {exc}") from None
-    if data is None:
-        return {}, []
-    if not isinstance(data, dict):
-        raise CliError(f"--config {path}: expected a mapping of option names to values")
-    parser = build_serve_parser(prog)
-    tokens: list[str] = []
-    try:
-        for key, value in data.items():
-            found = _option_for_key(parser, str(key))
-            if found is None or found[0] == "--config":
-                raise CliError(f"{key}: unknown option")
-            tokens += _tokens_for(parser, str(key), found[0], found[1], value)
-        namespace = parser.parse_args(tokens)
-    except CliError as exc:
-        raise CliError(f"in --config {path}: {exc}") from None
-    settings = {name: dataclasses.replace(s, source=f"{s.source} (in {path})")
-                for name, s in _settings(namespace).items()}
-    requirements = [dataclasses.replace(r, source=f"{r.source} (in {path})")
-                    for r in _requirements(namespace)]
-    return settings, requirements
-
-
-# --- building the config -----------------------------------------------------------------------
-
-def _field_value(config: EngineConfig, field_name: str) -> Any:
-    for section in dataclasses.fields(config):
-        values = getattr(config, section.name)
-        if hasattr(values, field_name):
-            return getattr(values, field_name)
-    raise KeyError(field_name)
-
-
-def _build(settings: dict[str, Setting], requirements: list[Requirement]) -> EngineConfig:
-    try:
-        config = EngineConfig.from_flat({name: s.value for name, s in settings.items()})
-    except ValueError as exc:
-        message = str(exc)
-        for name, setting in settings.items():
-            if flag_name(name) in message and setting.source != flag_name(name):
-                message += f" (given as {setting.source})"
-        raise CliError(message) from None
-    for requirement in requirements:
-        value = _field_value(config, requirement.field)
-        if value == requirement.conflict:
-            source = settings[requirement.field].source if requirement.field in settings else "default"
-            raise CliError(f"{requirement.source} contradicts {flag_name(requirement.field)} "
-                           f"{value} (from {source})")
-    return config
-
-
-def config_from_namespace(namespace: argparse.Namespace, prog: str = SERVE_PROG) -> EngineConfig:
-    """EngineConfig from a parsed namespace: defaults, then its --config file, then its flags."""
-    settings: dict[str, Setting] = {}
-    requirements: list[Requirement] = []
-    config_file = getattr(namespace, "config_file", None)
-    if config_file is not None:
-        settings, requirements = _file_layer(config_file, prog)
-    settings.update(_settings(namespace))
-    requirements += _requirements(namespace)
-    return _build(settings, requirements)
-
-
-def build_config(argv: Sequence[str], prog: str = SERVE_PROG) -> EngineConfig:
-    """EngineConfig from `servelm serve` arguments; raises CliError (a ValueError) naming the flag."""
-    namespace = build_serve_parser(prog).parse_args(list(argv))
-    return config_from_namespace(namespace, prog)
-
-
-def _fail(prog: str, message: str) -> NoReturn:
-    print(f"servelm: {message}\n(see `{prog} --help`)", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def parse_args(argv: Sequence[str] | None = None, prog: str = SERVE_PROG) -> EngineConfig:
-    """EngineConfig from `servelm serve` arguments; on a bad argument prints the reason to stderr
-    and exits with status 2 (``--help`` prints help and exits 0)."""
-    try:
-        return build_config(sys.argv[1:] if argv is None else argv, prog)
-    except CliError as exc:
-        _fail(prog, str(exc))
 
 
 def serve(config: EngineConfig) -> None:
     """Runs the server until it is stopped."""
     from servelm.logging_utils import configure_logging
+    from servelm.model.threads import configure_front_end_threads
     from servelm.server.app import run_server  # deferred: the CLI must not import the server stack
 
     configure_logging(config.server.log_level)
+    configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
     run_server(config)
+
+
+def dry_run(config: EngineConfig) -> None:
+    """Print the resolved configuration as a --config YAML file."""
+    sys.stdout.write(cli_args.config_to_yaml(config))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -441,10 +62,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if namespace.command is None:
             parser.print_help(sys.stderr)
             raise SystemExit(2)
-        config = config_from_namespace(namespace)
+        config = cli_args.config_from_namespace(namespace)
     except CliError as exc:
-        prog = SERVE_PROG if args[:1] == ["serve"] else "servelm"
-        _fail(prog, str(exc))
+        cli_args.fail(SERVE_PROG if args[:1] == ["serve"] else "servelm", str(exc))
+    if namespace.dry_run:
+        dry_run(config)
+        return
     serve(config)
 
 

@@ -7,13 +7,20 @@ flags is in exactly one of four places:
 - ALIASES: another engine's spelling of one of our fields, possibly with a value transform;
 - ALREADY_BEHAVIOUR: accepted because what the user asks for is already what this build does
   (``--disable-cuda-graph``: servelm never captures CUDA graphs). A flag that takes a value is
-  accepted only with the listed values; any other value is rejected;
-- REJECTIONS: rejected at start-up with the reason, grouped by reason.
+  accepted only with the listed values; any other value is rejected. An entry lists the config
+  values that would undo the behaviour (``contradicts``): given together, start-up fails naming
+  both flags;
+- REJECTIONS: rejected at start-up with the reason, grouped by reason. A feature still to be
+  built (LoRA, speculative decoding, PD disaggregation, hierarchical cache, parallelism) has one
+  entry whose reason starts "not built yet".
+
+``NEEDS`` lists options that mean nothing without another one (refused alone), and
+``PARSER_OPTIONS`` the parser's own options (--config, --dry-run, --help).
 
 Invariants: no flag string appears twice across these tables or collides with a generated field
 flag (``check_catalogue`` enforces it, and the tests call it); nothing is accepted and ignored.
-To implement a feature, add its config field and delete its flags from REJECTIONS (or turn the
-REJECTIONS entry into an Alias).
+To implement a feature, add its config field and delete its REJECTIONS entry (or turn it into
+Aliases).
 
 ``python -m servelm.cli_flags`` prints the catalogue.
 """
@@ -62,9 +69,37 @@ class Alias:
     metavar: str | None = None
 
 
+class NonDefault:
+    """Stands for "any value other than the field's default" in a Contradiction."""
+
+    def __repr__(self) -> str:
+        return "NON_DEFAULT"
+
+
+NON_DEFAULT = NonDefault()
+
+
+@dataclass(frozen=True)
+class Contradiction:
+    """A final config value that undoes what an accepted flag asks for (an error naming both)."""
+
+    field: str
+    values: tuple[Any, ...] | NonDefault = NON_DEFAULT
+    """The field values that contradict the flag; NON_DEFAULT: any value but the default."""
+
+    def is_contradicted_by(self, value: Any, default: Any) -> bool:
+        if isinstance(self.values, NonDefault):
+            return bool(value != default)
+        return value in self.values
+
+
 @dataclass(frozen=True)
 class AlreadyBehaviour:
-    """A flag asking for what servelm already does; accepted and has nothing to change."""
+    """A flag asking for what servelm already does; accepted and has nothing to change.
+
+    "Already the behaviour" holds only while other flags leave that behaviour alone:
+    ``contradicts`` lists the config values that undo it (``--disable-log-requests`` with
+    ``--log-requests``), and the command line is then refused naming both flags."""
 
     flags: tuple[str, ...]
     reason: str
@@ -73,6 +108,7 @@ class AlreadyBehaviour:
     case-insensitively, numbers by value); others are rejected with ``reason``."""
     bad_value: str | None = None
     """A value that must be rejected (used by the tests)."""
+    contradicts: tuple[Contradiction, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,7 +207,6 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--tokenizer-path",), "tokenizer", "SGLang", example=("some/tokenizer",)),
     Alias(("--tokenizer_mode",), "tokenizer_mode", "LightLLM", _lightllm_tokenizer_mode,
           example=("slow",), note="fast and auto -> auto", metavar="{slow,fast,auto}"),
-    Alias(("--trust_remote_code",), "trust_remote_code", "LightLLM", takes_value=False, const=True),
     Alias(("--data_type",), "dtype", "LightLLM", _lightllm_data_type, example=("bf16",),
           note="fp16 -> float16, bf16 -> bfloat16, fp32 -> float32", metavar="{fp16,bf16,fp32,...}"),
     Alias(("--max-model-len",), "context_length", "vLLM", example=("2048",)),
@@ -179,7 +214,8 @@ ALIASES: tuple[Alias, ...] = (
           note="prompt + output tokens of one request: our context length"),
     Alias(("--json-model-override-args",), "hf_overrides", "SGLang", example=('{"rope_theta": 10000.0}',)),
     Alias(("--random-seed",), "seed", "SGLang", example=("7",)),
-    Alias(("--model_name",), "served_model_name", "LightLLM", example=("my-model",)),
+    Alias(("--model_name",), "served_model_name", "LightLLM", lambda name: [name],
+          example=("my-model",), metavar="NAME"),
     Alias(("--block-size",), "page_size", "vLLM", example=("32",)),
     Alias(("--gpu-memory-utilization",), "mem_fraction_static", "vLLM", example=("0.5",),
           note="ours is the fraction of free memory after weights given to the KV pool"),
@@ -236,34 +272,47 @@ ALIASES: tuple[Alias, ...] = (
 _EAGER = "servelm never captures CUDA graphs: every device runs eager PyTorch"
 _PREFIX_CACHE_ON = "the prefix cache is on by default (--disable-radix-cache turns it off)"
 _SINGLE_PROCESS = "servelm runs the whole model in one process: there is no all-reduce to tune"
+_NO_COMPILE = Contradiction("enable_torch_compile")
 
 ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
-    AlreadyBehaviour(("--disable-cuda-graph", "--disable_cudagraph", "--enforce-eager",
-                      "--disable-cuda-graph-padding"), _EAGER),
-    AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON),
+    AlreadyBehaviour(("--disable-cuda-graph", "--disable_cudagraph", "--disable-cuda-graph-padding"),
+                     _EAGER),
+    AlreadyBehaviour(("--enforce-eager",), "servelm runs eager PyTorch unless "
+                     "--enable-torch-compile is given", contradicts=(_NO_COMPILE,)),
+    AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON,
+                     contradicts=(Contradiction("disable_radix_cache"),)),
     AlreadyBehaviour(("--disable-custom-all-reduce", "--disable_custom_allreduce"), _SINGLE_PROCESS),
     AlreadyBehaviour(("--disable-overlap-schedule",),
                      "servelm's scheduler does not overlap with the forward pass"),
     AlreadyBehaviour(("--disable-outlines-disk-cache",),
                      "servelm has no outlines backend; xgrammar compiles are cached in memory"),
     AlreadyBehaviour(("--disable-mla",), "servelm has no Multi-head Latent Attention kernels"),
+    AlreadyBehaviour(("--disable-shared-experts-fusion", "--disable-chunked-prefix-cache",
+                      "--flashinfer-mla-disable-ragged",
+                      "--disable-flashinfer-cutlass-moe-fp4-allgather"),
+                     "servelm has none of these DeepSeek / flashinfer MoE and MLA optimisations"),
     AlreadyBehaviour(("--enable-mixed-chunk", "--splitfuse_mode"),
                      "servelm's scheduler has no prefill/decode phases: prompt chunks and decodes "
-                     "always share a step"),
+                     "always share a step",
+                     contradicts=(Contradiction("chunked_prefill_size", (-1,)),)),
     AlreadyBehaviour(("--use-v2-block-manager",),
                      "servelm has a single paged block manager (vLLM documents this flag as a no-op)"),
     AlreadyBehaviour(("--disable-log-requests",),
-                     "servelm logs requests only with --log-requests (off by default)"),
+                     "servelm logs requests only with --log-requests (off by default)",
+                     contradicts=(Contradiction("log_requests"),)),
     AlreadyBehaviour(("--preemption-mode",),
                      "a preempted request frees its blocks and is recomputed; swapping to CPU is "
                      "not supported", values=("recompute",), bad_value="swap"),
     AlreadyBehaviour(("--scheduler-delay-factor",),
                      "servelm schedules waiting prompts without delay", values=("0",),
-                     bad_value="0.5"),
+                     bad_value="0.5", contradicts=(Contradiction("router_max_wait_tokens"),)),
     AlreadyBehaviour(("--num-scheduler-steps", "--num-continuous-decode-steps"),
                      "servelm schedules before every forward step; multi-step decoding is not "
                      "supported", values=("1",), bad_value="4"),
-    AlreadyBehaviour(("--expert-parallel-size", "--ep-size"),
+    AlreadyBehaviour(("--scheduler-recv-interval",),
+                     "the engine reads new requests between every two steps", values=("1",),
+                     bad_value="4"),
+    AlreadyBehaviour(("--expert-parallel-size", "--ep-size", "--ep"),
                      "servelm has no expert parallelism (no MoE kernels)", values=("1",),
                      bad_value="2"),
     AlreadyBehaviour(("--nnodes",), "servelm runs on one node", values=("1",), bad_value="2"),
@@ -275,9 +324,11 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--compilation-config", "-O"),
                      "servelm runs eager PyTorch by default: only level 0 (no compilation) is "
                      "accepted here; --enable-torch-compile compiles decode steps",
-                     values=("0",), bad_value="3"),
-    AlreadyBehaviour(("--attention-backend",), "servelm's only attention backend is torch_native "
-                     "(plain PyTorch)", values=("torch_native",), bad_value="flashinfer"),
+                     values=("0",), bad_value="3", contradicts=(_NO_COMPILE,)),
+    AlreadyBehaviour(("--attention-backend", "--prefill-attention-backend",
+                      "--decode-attention-backend"),
+                     "servelm's only attention backend is torch_native (plain PyTorch)",
+                     values=("torch_native",), bad_value="flashinfer"),
     AlreadyBehaviour(("--sampling-backend",), "servelm samples with plain PyTorch",
                      values=("pytorch",), bad_value="flashinfer"),
     AlreadyBehaviour(("--config-format",),
@@ -286,42 +337,50 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--load_way",), "servelm loads Hugging Face format (and GGUF); DeepSpeed "
                      "checkpoints are not supported", values=("HF",), bad_value="DS"),
     AlreadyBehaviour(("--run_mode",), "servelm runs as a single server; PD disaggregation is not "
-                     "supported", values=("normal",), bad_value="prefill"),
+                     "built yet", values=("normal",), bad_value="prefill"),
     AlreadyBehaviour(("--chunked_max_new_token",), "servelm has no chunked decoding",
                      values=("0",), bad_value="8"),
     AlreadyBehaviour(("--httpserver_workers",), "servelm runs one HTTP server process",
                      values=("1",), bad_value="4"),
+    AlreadyBehaviour(("--constrained-json-disable-any-whitespace",),
+                     "grammars produce compact JSON unless --constrained-json-whitespace-pattern "
+                     "is given", contradicts=(Contradiction("constrained_json_whitespace_pattern"),)),
+    AlreadyBehaviour(("--sleep-on-idle",),
+                     "an idle engine waits on its request socket (waking once a second), using "
+                     "next to no CPU"),
+    AlreadyBehaviour(("--skip-server-warmup",),
+                     "the server sends itself no warm-up request: it is ready once the model is "
+                     "loaded"),
+    AlreadyBehaviour(("--disable-hybrid-swa-memory",),
+                     "servelm's KV pool has no separate sliding-window region: every layer keeps "
+                     "every token"),
+    AlreadyBehaviour(("--enable-fp32-lm-head",),
+                     "logits are float32 when the model runs in float32 (dtype auto on CPU)",
+                     contradicts=(Contradiction("dtype", ("half", "float16", "bfloat16")),
+                                  Contradiction("device", ("cuda",)))),
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
+# Features planned for later (LoRA, speculative decoding, PD disaggregation, hierarchical cache,
+# tensor/pipeline/data parallelism) each have exactly one entry saying "not built yet": building
+# the feature turns that entry into config fields or aliases.
+
+NOT_BUILT_YET = "not built yet"
 
 REJECTIONS: tuple[Rejection, ...] = (
-    Rejection("not supported yet: hierarchical (host/storage) KV cache is not implemented",
-              ("--hicache-storage-backend-extra-config",)),
-    Rejection("not supported yet: scheduling policies and their tuning are a planned feature "
-              "(requests are served first come, first served)",
-              ("--prefill-only-one-req", "--router_max_new_token_len",
-               "--disable_aggressive_schedule")),
-    Rejection("not supported yet: metrics push gateways, custom metric labels, tracing and "
-              "timing marks (--enable-metrics serves /metrics for Prometheus to scrape)",
-              ("--enable-metrics-for-all-schedulers",
-               "--tokenizer-metrics-custom-labels-header",
-               "--tokenizer-metrics-allowed-custom-labels", "--metric_gateway", "--job_name",
-               "--grouping_key", "--push_interval", "--enable_monitor_auth", "--health_monitor",
-               "--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-trace",
-               "--show-time-cost")),
-    Rejection("not supported: custom logit processors run client-supplied code inside the "
-              "engine process (a code execution risk), so servelm keeps them off",
-              ("--enable-custom-logit-processor",)),
-    Rejection("not supported yet: LoRA adapters are a planned feature",
+    Rejection(f"{NOT_BUILT_YET}: hierarchical (host/storage) KV cache",
+              ("--hicache-storage-backend-extra-config", "--enable-hierarchical-cache",
+               "--hicache-ratio", "--hicache-size", "--hicache-write-policy",
+               "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
+               "--hicache-storage-prefetch-policy", "--enable-lmcache")),
+    Rejection(f"{NOT_BUILT_YET}: LoRA adapters",
               ("--enable-lora", "--enable-lora-bias", "--fully-sharded-loras", "--lora-dtype",
                "--lora-extra-vocab-size", "--lora-modules", "--long-lora-scaling-factors",
                "--max-cpu-loras", "--max-lora-rank", "--max-loras", "--lora-paths",
-               "--max-loras-per-batch", "--qlora-adapter-name-or-path")),
-    Rejection("not supported: prompt adapters (soft prompts) are not planned",
-              ("--enable-prompt-adapter", "--prompt-adapters", "--max-prompt-adapters",
-               "--max-prompt-adapter-token")),
-    Rejection("not supported yet: speculative decoding is a planned feature",
+               "--max-loras-per-batch", "--qlora-adapter-name-or-path", "--lora-target-modules",
+               "--max-loaded-loras", "--lora-eviction-policy", "--lora-backend",
+               "--max-lora-chunk-size")),
+    Rejection(f"{NOT_BUILT_YET}: speculative decoding",
               ("--speculative-algorithm", "--speculative-draft-model-path",
                "--speculative-num-steps", "--speculative-num-draft-tokens",
                "--speculative-eagle-topk", "--speculative-model", "--num-speculative-tokens",
@@ -332,11 +391,61 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--typical-acceptance-sampler-posterior-alpha",
                "--typical-acceptance-sampler-posterior-threshold", "--num-lookahead-slots",
                "--disable-logprobs-during-spec-decoding", "--mtp_mode", "--mtp_draft_model_dir",
-               "--mtp_step")),
+               "--mtp_step", "--speculative-draft-model", "--speculative-draft-model-revision",
+               "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
+               "--speculative-token-map", "--speculative-attention-mode",
+               "--speculative-moe-runner-backend", "--speculative-ngram-min-match-window-size",
+               "--speculative-ngram-max-match-window-size", "--speculative-ngram-min-bfs-breadth",
+               "--speculative-ngram-max-bfs-breadth", "--speculative-ngram-match-type",
+               "--speculative-ngram-branch-length", "--speculative-ngram-capacity")),
+    Rejection(f"{NOT_BUILT_YET}: prefill/decode disaggregation (a single server does both)",
+              ("--pd_master_ip", "--pd_master_port", "--pd_decode_rpyc_port",
+               "--config_server_host", "--config_server_port", "--pd_max_retry_count",
+               "--kv-transfer-config", "--disaggregation-ib-device", "--disaggregation-mode",
+               "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
+               "--disaggregation-decode-tp", "--disaggregation-decode-dp",
+               "--disaggregation-prefill-pp", "--disaggregation-decode-enable-offload-kvcache",
+               "--num-reserved-decode-tokens", "--disaggregation-decode-polling-interval")),
+    Rejection(f"{NOT_BUILT_YET}: data parallelism (replicas behind one server)",
+              ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
+               "--load-balance-method", "--enable-dp-attention")),
+    Rejection(f"{NOT_BUILT_YET}: pipeline parallelism", ("--pp-max-micro-batch-size",)),
+    Rejection(f"{NOT_BUILT_YET}: multi-GPU communication (tensor parallelism)",
+              ("--nccl-port", "--dist-timeout", "--gpu-id-step", "--enable-nccl-nvls",
+               "--enable-symm-mem", "--enable-mscclpp", "--enable-torch-symm-mem",
+               "--enable-flashinfer-allreduce-fusion", "--enable-two-batch-overlap",
+               "--enable-single-batch-overlap", "--tbo-token-distribution-threshold")),
+    Rejection("not supported yet: scheduling policies and their tuning are a planned feature "
+              "(requests are served first come, first served)",
+              ("--prefill-only-one-req", "--router_max_new_token_len",
+               "--disable_aggressive_schedule")),
+    Rejection("not supported yet: metrics push gateways, custom metric labels, token histograms, "
+              "tracing and timing marks (--enable-metrics serves /metrics for Prometheus to "
+              "scrape; --log-requests logs each request's latency)",
+              ("--enable-metrics-for-all-schedulers",
+               "--tokenizer-metrics-custom-labels-header",
+               "--tokenizer-metrics-allowed-custom-labels", "--metric_gateway", "--job_name",
+               "--grouping_key", "--push_interval", "--enable_monitor_auth", "--health_monitor",
+               "--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-trace",
+               "--show-time-cost", "--collect-tokens-histogram", "--prompt-tokens-buckets",
+               "--generation-tokens-buckets", "--enable-request-time-stats-logging")),
+    Rejection("not supported: KV cache event publishing for external routers (NVIDIA Dynamo)",
+              ("--kv-events-config",)),
+    Rejection("not supported: custom logit processors run client-supplied code inside the "
+              "engine process (a code execution risk), so servelm keeps them off",
+              ("--enable-custom-logit-processor",)),
+    Rejection("not supported: servelm runs every architecture with its own modules and never "
+              "executes code from a checkpoint (drop the flag)",
+              ("--trust-remote-code", "--trust_remote_code")),
+    Rejection("not supported: prompt adapters (soft prompts) are not planned",
+              ("--enable-prompt-adapter", "--prompt-adapters", "--max-prompt-adapters",
+               "--max-prompt-adapter-token")),
     Rejection("not supported yet: only quantization computed at load (--quantization w8a8_int8, int8wo, "
               "int4wo-<group>) is implemented; "
-              "pre-quantized checkpoints and calibration files are not (GGUF loads by path)",
-              ("--quantization-param-path", "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg")),
+              "pre-quantized checkpoints, ModelOpt and calibration files are not (GGUF loads by path)",
+              ("--quantization-param-path", "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg",
+               "--modelopt-quant", "--modelopt-checkpoint-restore-path",
+               "--modelopt-checkpoint-save-path")),
     Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
               "response_format, json_schema, regex, ebnf)",
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
@@ -348,7 +457,7 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--multinode_httpmanager_port", "--multinode_router_gloo_port",
                "--use_config_server_to_init_nccl", "--distributed-executor-backend",
                "--worker-use-ray", "--ray-workers-use-nsight", "--worker-cls",
-               "--load-balance-method", "--enable-dp-attention", "--enable-p2p-check",
+               "--enable-p2p-check",
                "--base-gpu-id", "--enable_tpsp_mix_mode", "--enable_custom_allgather",
                "--enable_prefill_microbatch_overlap", "--enable_decode_microbatch_overlap")),
     Rejection("not supported: servelm has no mixture-of-experts kernels or expert parallelism",
@@ -356,11 +465,15 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--enable-flashinfer-cutedsl-moe", "--enable-flashinfer-trtllm-moe",
                "--enable-flashinfer-mxfp4-moe", "--enable-triton-kernel-moe",
                "--moe-runner-backend", "--ep_redundancy_expert_config_path",
-               "--auto_update_redundancy_expert")),
-    Rejection("not supported: prefill/decode disaggregation (a single server does both)",
-              ("--pd_master_ip", "--pd_master_port", "--pd_decode_rpyc_port",
-               "--config_server_host", "--config_server_port", "--pd_max_retry_count",
-               "--kv-transfer-config", "--disaggregation-ib-device")),
+               "--auto_update_redundancy_expert", "--elastic-ep-backend", "--mooncake-ib-device",
+               "--moe-a2a-backend", "--flashinfer-mxfp4-moe-precision", "--deepep-mode",
+               "--ep-num-redundant-experts", "--ep-dispatch-algorithm", "--init-expert-location",
+               "--enable-eplb", "--eplb-algorithm", "--eplb-rebalance-num-iterations",
+               "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
+               "--expert-distribution-recorder-mode", "--expert-distribution-recorder-buffer-size",
+               "--enable-expert-distribution-metrics", "--deepep-config", "--moe-dense-tp-size")),
+    Rejection("not supported: servelm serves transformer models only (no Mamba state cache)",
+              ("--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio")),
     Rejection("not supported: servelm runs eager PyTorch (or torch.compile with "
               "--enable-torch-compile) on every device: no CUDA graphs, flashinfer, triton or "
               "other custom kernels",
@@ -371,40 +484,61 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--enable_flashinfer_decode", "--enable_fa3", "--triton-attention-reduce-in-fp32",
                "--triton-attention-num-kv-splits", "--mode", "--enable-double-sparsity",
                "--ds-channel-config-path", "--ds-heavy-channel-num", "--ds-heavy-token-num",
-               "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--enable_mps")),
+               "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--enable_mps",
+               "--nsa-prefill-backend", "--nsa-decode-backend", "--enable-profile-cuda-graph",
+               "--enable-cudagraph-gc", "--enable-piecewise-cuda-graph",
+               "--piecewise-cuda-graph-tokens", "--piecewise-cuda-graph-max-tokens",
+               "--triton-attention-split-tile-size", "--enable-pdmux", "--pdmux-config-path",
+               "--sm-group-num")),
+    Rejection("not supported: servelm's KV pool gives sliding-window layers as many tokens as "
+              "full layers (no hybrid SWA pool to size)",
+              ("--hybrid-kvcache-ratio", "--swa-full-tokens-ratio")),
     Rejection("not supported: servelm serves text-only models (no multimodal inputs)",
               ("--enable_multimodal", "--enable-multimodal", "--enable_multimodal_audio",
                "--cache_capacity", "--cache_reserved_ratio", "--visual_infer_batch_size",
                "--visual_gpu_ids", "--visual_tp", "--visual_dp", "--visual_nccl_ports",
                "--limit-mm-per-prompt", "--mm-processor-kwargs", "--mm-cache-preprocessor",
-               "--allowed-local-media-path")),
+               "--allowed-local-media-path", "--mm-attention-backend",
+               "--disable-fast-image-processor", "--keep-mm-feature-on-device")),
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
-              "models; no beam, diverse or token-healing modes; no TGI API)",
-              ("--use_reward_model", "--beam_mode",
+              "models or multi-item scoring; no beam, diverse or token-healing modes; no TGI API)",
+              ("--use_reward_model", "--beam_mode", "--multi-item-scoring-delimiter",
                "--diverse_mode", "--token_healing_mode", "--use_tgi_api")),
     Rejection("not supported: this response option is not implemented (prompt logprobs and "
-              "token ids are per-request parameters)",
+              "token ids are per-request parameters; /generate streams cumulative text)",
               ("--return_all_prompt_logprobs", "--return-token-ids",
                "--return-tokens-as-token-ids", "--max-logprobs", "--response-role",
-               "--chat-template-content-format")),
+               "--chat-template-content-format", "--stream-output",
+               "--enable-return-hidden-states", "--preferred-sampling-params")),
     Rejection("not supported: KV offloading and block-count overrides (size the pool with "
               "--max-total-tokens or --mem-fraction-static)",
               ("--num-gpu-blocks-override",)),
+    Rejection("not supported: weights stay in memory for the server's lifetime (no layer "
+              "offloading, no release and resume of weights or KV)",
+              ("--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step",
+               "--offload-mode", "--enable-memory-saver", "--enable-weights-cpu-backup")),
     Rejection("not supported yet: this HTTP server option (custom middleware, docs switch, "
-              "file storage, warm-up) is not implemented",
+              "file storage, custom warm-ups) is not implemented",
               ("--middleware", "--disable-fastapi-docs",
-               "--file-storage-pth", "--warmups", "--skip-server-warmup")),
+               "--file-storage-pth", "--warmups")),
     Rejection("not supported: the process layout is fixed (engine core in its own process, "
               "ZMQ IPC, tokenization in the front end)",
               ("--zmq_mode", "--disable-frontend-multiprocessing", "--disable-async-output-proc",
                "--multi-step-stream-outputs", "--tokenizer-pool-size", "--tokenizer-pool-type",
                "--tokenizer-pool-extra-config", "--enable-dynamic-batch-tokenizer",
-               "--tokenizer-worker-num")),
+               "--tokenizer-worker-num", "--enable-tokenizer-batch-encode",
+               "--dynamic-batch-tokenizer-batch-size", "--dynamic-batch-tokenizer-batch-timeout")),
+    Rejection("not supported: placing processes on NUMA nodes (start servelm under numactl or "
+              "taskset; --num-threads sets the engine's threads)", ("--numa-node",)),
     Rejection("not supported: servelm runs its own model code from the checkpoint's config and "
               "weights; this loading option has no equivalent",
               ("--code-revision", "--tokenizer-revision", "--ignore-patterns",
                "--max-parallel-loading-workers", "--model-loader-extra-config",
-               "--override-neuron-config", "--delete-ckpt-after-loading", "--model-impl")),
+               "--override-neuron-config", "--delete-ckpt-after-loading", "--model-impl",
+               "--custom-weight-loader", "--weight-loader-disable-mmap",
+               "--remote-instance-weight-loader-seed-instance-ip",
+               "--remote-instance-weight-loader-seed-instance-service-port",
+               "--remote-instance-weight-loader-send-weights-group-ports")),
     Rejection("not supported: change model config fields with --hf-overrides (a JSON object), "
               "e.g. --hf-overrides '{\"rope_theta\": 1000000}'",
               ("--rope-scaling", "--rope-theta")),
@@ -415,11 +549,34 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: prompts are bounded only by the context length "
               "(--context-length / --max_req_total_len)", ("--max_req_input_len",)),
     Rejection("not supported: debugging switch not implemented (NaN detection, "
-              "deterministic mode)",
-              ("--enable-nan-detection", "--enable-deterministic-inference")),
+              "deterministic mode, GC warnings, tensor dumps)",
+              ("--enable-nan-detection", "--enable-deterministic-inference", "--crash-on-nan",
+               "--gc-warning-threshold-secs", "--debug-tensor-dump-output-folder",
+               "--debug-tensor-dump-input-file", "--debug-tensor-dump-inject")),
     Rejection("not a server option: --shm-size is a `docker run` flag (shared memory for the "
               "container)", ("--shm-size",)),
 )
+
+NEEDS: tuple[tuple[str, str], ...] = (
+    ("allowed_methods", "allowed_origins"),
+    ("allowed_headers", "allowed_origins"),
+    ("allow_credentials", "allowed_origins"),
+    ("ssl_ca_certs", "ssl_certfile"),
+    ("ssl_cert_reqs", "ssl_certfile"),
+    ("torch_compile_max_bs", "enable_torch_compile"),
+    ("bucket_time_to_first_token", "enable_metrics"),
+    ("bucket_inter_token_latency", "enable_metrics"),
+    ("bucket_e2e_request_latency", "enable_metrics"),
+)
+"""(field, needed): a non-default ``field`` means nothing unless ``needed`` is set too, so it is
+refused at start-up rather than ignored."""
+
+PARSER_OPTIONS: dict[str, str] = {
+    "--config": "a YAML file of options (servelm.cli_args reads it; flags override it)",
+    "--dry-run": "validate the command line and print the resolved config as YAML",
+    "--help": "print the options and exit", "-h": "print the options and exit",
+}
+"""Options of the parser itself rather than of a config field."""
 
 
 # --- lookups -----------------------------------------------------------------------------------
@@ -436,6 +593,16 @@ def config_fields() -> dict[str, dataclasses.Field[Any]]:
         for f in dataclasses.fields(section):
             fields[f.name] = f
     return fields
+
+
+def field_defaults() -> dict[str, Any]:
+    """Field name -> default value, over every section of EngineConfig."""
+    defaults: dict[str, Any] = {}
+    for section_name, section in EngineConfig.sections().items():
+        values = getattr(EngineConfig(), section_name)
+        for f in dataclasses.fields(section):
+            defaults[f.name] = getattr(values, f.name)
+    return defaults
 
 
 def implemented_flags() -> dict[str, str]:
@@ -460,7 +627,7 @@ def rejection_reason(flag: str) -> str | None:
 
 def classify(flag: str) -> str | None:
     """'implemented', 'alias', 'already', 'rejected', or None for an unknown flag."""
-    if flag in implemented_flags():
+    if flag in implemented_flags() or flag in PARSER_OPTIONS:
         return "implemented"
     if any(flag in alias.flags for alias in ALIASES):
         return "alias"
@@ -481,12 +648,21 @@ def check_catalogue() -> None:
             raise ValueError(f"{flag} is catalogued as both {seen[flag]} and {kind}")
         seen[flag] = kind
 
+    for name, needed in NEEDS:
+        if name not in fields or needed not in fields:
+            raise ValueError(f"NEEDS names an unknown field: {name!r} or {needed!r}")
     for alias in ALIASES:
         if alias.field not in fields:
             raise ValueError(f"alias {alias.flags} names unknown field {alias.field!r}")
         for flag in alias.flags:
             claim(flag, "alias")
+    for flag in PARSER_OPTIONS:
+        claim(flag, "parser option")
     for entry in ALREADY_BEHAVIOUR:
+        for contradiction in entry.contradicts:
+            if contradiction.field not in fields:
+                raise ValueError(f"{entry.flags}: contradiction names unknown field "
+                                 f"{contradiction.field!r}")
         for flag in entry.flags:
             claim(flag, "already")
     for rejection in REJECTIONS:
@@ -507,6 +683,8 @@ def describe() -> str:
     """The whole catalogue as text, for ``python -m servelm.cli_flags``."""
     lines = ["Implemented (config fields):"]
     lines += [f"  {flag:34} {field}" for flag, field in implemented_flags().items()]
+    lines.append("\nOptions of the parser:")
+    lines += [f"  {flag:34} {what}" for flag, what in PARSER_OPTIONS.items()]
     lines.append("\nAliases (other engines' spellings):")
     for alias in ALIASES:
         target = flag_name(alias.field)

@@ -2,7 +2,7 @@
 
 Invariants:
 - Every field carries ``metadata["help"]`` (unit and why the default) and is the single source of
-  the command-line option of the same name (``servelm.cli`` generates the parser from these
+  the command-line option of the same name (``servelm.cli_args`` generates the parser from these
   fields; aliases from the seed documents map onto them there).
 - ``__post_init__`` validates and raises ValueError naming the offending flag. Nothing rewrites a
   config after construction; derived values are properties.
@@ -45,6 +45,33 @@ def parse_json_object_flag(flag: str, text: str | None) -> dict[str, Any]:
     return value
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+"""How an embedding model turns hidden states into one vector (servelm.model.pooling)."""
+_POOLER_OVERRIDE_KEYS = ("pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions")
+
+
+def parse_pooler_override(text: str | None) -> dict[str, Any]:
+    """``--override-pooler-config`` JSON -> checked dict (ValueError naming the flag and key)."""
+    values = parse_json_object_flag("--override-pooler-config", text)
+    for key, value in values.items():
+        if key not in _POOLER_OVERRIDE_KEYS:
+            raise ValueError(f"--override-pooler-config: {key!r} is not supported (supported: "
+                             f"{', '.join(_POOLER_OVERRIDE_KEYS)})")
+        if key == "pooling_type":
+            if not isinstance(value, str) or value.lower() not in POOLING_TYPES:
+                raise ValueError(f"--override-pooler-config: pooling_type {value!r} is not "
+                                 f"supported; choose from {', '.join(POOLING_TYPES)}")
+            values[key] = value.lower()
+        elif key in ("normalize", "is_matryoshka") and not isinstance(value, bool):
+            raise ValueError(f"--override-pooler-config: {key} must be true or false, got {value!r}")
+        elif key == "matryoshka_dimensions" and not (
+                isinstance(value, list) and value and all(isinstance(d, int) and d > 0 for d in value)):
+            raise ValueError("--override-pooler-config: matryoshka_dimensions must be a list of "
+                             f"positive integers, got {value!r}")
+    return values
+
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: weights, tokenizer, dtype and context."""
@@ -66,12 +93,15 @@ class ModelConfig:
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
     hf_overrides: str | None = opt(None, "JSON object merged into the model's config.json fields.")
-    served_model_name: str | None = opt(None, "Model name reported by /v1/models and accepted in requests.")
+    served_model_name: list[str] | None = opt(
+        None, "Names clients use for the model: responses carry the first, requests may give any, "
+        "and /v1/models lists them all. Unset: the --model value.")
     revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
     download_dir: str | None = opt(None, "Where hub downloads would be cached.")
-    trust_remote_code: bool = opt(False, "Allow custom model code from the checkpoint (not supported: our "
-                                  "own modules run every architecture).")
-    seed: int = opt(0, "Seed for random weights (dummy) and for requests that give no seed.")
+    seed: int = opt(0, "Seed for random weights (dummy), the random schedule policy, and sampling: a "
+                    "request that gives no seed samples from a generator derived from this seed and "
+                    "its arrival order, so a server restarted with the same seed and sent the same "
+                    "requests in the same order returns the same text.")
     device: str = opt("auto", "Device to run on: auto picks cuda when present, else cpu.",
                       choices=["auto", "cpu", "cuda"])
     quantization: str = opt("none", "Weight quantization applied after loading. w8a8_int8: int8 weights "
@@ -100,19 +130,27 @@ class ModelConfig:
             raise ValueError(f"--task {self.task} is not supported: servelm serves generate and "
                              "embed models only")
         if self.override_pooler_config is not None:
-            from servelm.model.pooling import parse_pooler_override
-
             parse_pooler_override(self.override_pooler_config)
         if self.context_length is not None and self.context_length <= 0:
             raise ValueError(f"--context-length must be positive, got {self.context_length}")
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ValueError("--skip-tokenizer-init and --tokenizer-path cannot be combined")
         parse_json_object_flag("--hf-overrides", self.hf_overrides)
+        if self.served_model_name is not None and (
+                isinstance(self.served_model_name, str) or not self.served_model_name
+                or not all(isinstance(n, str) and n for n in self.served_model_name)):
+            raise ValueError("--served-model-name takes one or more non-empty names, got "
+                             f"{self.served_model_name!r}")
 
     @property
     def name(self) -> str:
-        """The name clients use for this model."""
-        return self.served_model_name or self.model
+        """The name responses carry: the first --served-model-name, else --model."""
+        return self.served_names[0]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name requests may give (and /v1/models lists), the response name first."""
+        return tuple(self.served_model_name) if self.served_model_name else (self.model,)
 
 
 @dataclass(frozen=True)
@@ -284,11 +322,6 @@ class StructuredOutputConfig:
     disable_jump_forward: bool = opt(False, "Sample every token under a grammar. By default, text the "
                                      "grammar forces (JSON keys and punctuation) is appended without a "
                                      "model step, saving steps.")
-
-    def __post_init__(self) -> None:
-        from servelm.constrained.grammar import check_backend_available
-
-        check_backend_available(self.grammar_backend)
 
 
 @dataclass(frozen=True)

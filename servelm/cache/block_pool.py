@@ -28,9 +28,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
-
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Take ``num_blocks`` free blocks (ref count 1), or None when too few are free."""
         if num_blocks > len(self._free):

@@ -15,13 +15,14 @@ from typing import Any
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import EngineConfig
-from servelm.constrained.grammar import GrammarCache, GrammarError, make_backend
+from servelm.constrained.grammar import GrammarCache, GrammarError, check_backend_available, make_backend
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.sampling.params import SamplingParams, SamplingParamsError
+from servelm.sampling.sampler import request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class LLMEngine:
                  tokenizer: Any | None = None, eos_token_ids: list[int] | None = None,
                  context_length: int | None = None) -> None:
         self.config = config
+        check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
         self.model_info: dict[str, Any] = {}
         if runner is None:
             runner, tokenizer, eos_token_ids, context_length = self._load(config)
@@ -58,6 +60,8 @@ class LLMEngine:
         """Compiled grammars; built on the first structured request (needs the tokenizer)."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
+        self._num_arrivals = 0
+        """Requests added so far: the arrival index that seeds an unseeded request's sampling."""
         self.num_generated_tokens = 0
         self.model_info.update({
             "context_length": context_length,
@@ -117,7 +121,9 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
-                          is_embedding=is_embedding)
+                          is_embedding=is_embedding,
+                          default_seed=request_seed(self.config.model.seed, self._num_arrivals))
+        self._num_arrivals += 1
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,

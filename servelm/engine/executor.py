@@ -64,6 +64,7 @@ class Executor:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     eos_token_ids=request.eos_token_ids,
+                    default_seed=request.default_seed,
                 )))
                 grammar_requests.append(request if request.grammar is not None else None)
             row += scheduled.num_logits

@@ -8,15 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servelm.sampling.logprobs import TokenLogprob
 
-@dataclass(slots=True)
-class TokenLogprob:
-    """Log-probability of one chosen token and the most likely alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-    """(token_id, logprob) of the top-k tokens at this position, most likely first."""
+__all__ = ["RequestOutput", "TokenLogprob"]
 
 
 @dataclass(slots=True)

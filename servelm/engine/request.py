@@ -63,6 +63,8 @@ class Request:
     """Output tokens already reported to the client."""
     priority: int = 0
     """Scheduling priority (used with priority scheduling; see engine/policy.py)."""
+    default_seed: int | None = None
+    """Sampling seed when ``params.seed`` is None: derived from --seed and the arrival order."""
     adapter_id: str | None = None
     """LoRA adapter the K/V is computed with; part of the prefix-cache key."""
     num_cached_tokens: int = 0

@@ -167,10 +167,6 @@ PACKAGED_MODELS: dict[str, PackagedModel] = _registry()
 GENERATIVE_MODEL_NAMES: tuple[str, ...] = tuple(n for n, m in PACKAGED_MODELS.items() if m.is_generation)
 
 
-def is_packaged_name(name: str) -> bool:
-    return name.lower() in PACKAGED_MODELS
-
-
 def packaged_model_path(name: str, cache_dir: str | Path | None = None) -> Path:
     """The local file of a packaged model, assembling and verifying it on first use.
 

@@ -33,12 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from servelm.config import parse_json_object_flag
+from servelm.config import POOLING_TYPES, parse_pooler_override
 
-POOLING_TYPES = ("last", "mean", "cls")
 TASKS = ("generate", "embed")
 _UNSUPPORTED_TASKS = ("classify", "score", "reward")
-_OVERRIDE_KEYS = ("pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions")
 _ST_POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                      "pooling_mode_lasttoken": "last"}
 
@@ -106,27 +104,6 @@ def architecture_label(hf_config: Any) -> str:
 
 
 # -- pooler config --------------------------------------------------------------------------------
-
-def parse_pooler_override(text: str | None) -> dict[str, Any]:
-    """``--override-pooler-config`` JSON -> checked dict (ValueError naming the flag and key)."""
-    values = parse_json_object_flag("--override-pooler-config", text)
-    for key, value in values.items():
-        if key not in _OVERRIDE_KEYS:
-            raise ValueError(f"--override-pooler-config: {key!r} is not supported (supported: "
-                             f"{', '.join(_OVERRIDE_KEYS)})")
-        if key == "pooling_type":
-            if not isinstance(value, str) or value.lower() not in POOLING_TYPES:
-                raise ValueError(f"--override-pooler-config: pooling_type {value!r} is not "
-                                 f"supported; choose from {', '.join(POOLING_TYPES)}")
-            values[key] = value.lower()
-        elif key in ("normalize", "is_matryoshka") and not isinstance(value, bool):
-            raise ValueError(f"--override-pooler-config: {key} must be true or false, got {value!r}")
-        elif key == "matryoshka_dimensions" and not (
-                isinstance(value, list) and value and all(isinstance(d, int) and d > 0 for d in value)):
-            raise ValueError("--override-pooler-config: matryoshka_dimensions must be a list of "
-                             f"positive integers, got {value!r}")
-    return values
-
 
 def sentence_transformers_pooling(model_dir: Path) -> dict[str, Any]:
     """Pooling type and normalization from a sentence-transformers directory; {} when it is none."""

@@ -60,7 +60,7 @@ def kv_pool_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.devic
 
 
 class ModelRunner:
-    """Runs our model for one EngineConfig and ModelSource (see CONTRACTS.md)."""
+    """Runs our model for one EngineConfig and ModelSource."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, attention_backend: str = "torch_native") -> None:
         self.config = config
@@ -109,9 +109,7 @@ class ModelRunner:
         num_layers = compile_decode_layers(self.model, max_bs)
         seconds = warm_up(self.execute, max_bs)
         logger.info("torch.compile: %d decoder layers compiled (inductor) for decode steps of 1..%d "
-                    "sequences in %.1f s; prefill stays eager. Note: on the 2-core CPU dev box "
-                    "float32 decode measured no faster than eager (GEMM-bound steps; "
-                    "benchmarks/RESULTS.md)", num_layers, max_bs, seconds)
+                    "sequences in %.1f s; prefill stays eager", num_layers, max_bs, seconds)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:

@@ -10,7 +10,11 @@ Accepted ``--model`` values, in the order they are tried:
 Invariants:
 - Weights are yielded lazily, one tensor at a time, HF-named and in HF layout; the source holds no
   tensor itself. ``weights`` is None for ``--load-format dummy``.
-- ``hf_config`` has ``--hf-overrides`` applied; ``context_length`` is the effective limit
+- ``hf_config`` has ``--hf-overrides`` applied; the legacy rope keys (``rope_theta``,
+  ``rope_scaling``, ``rope_local_base_freq``) are merged into transformers 5's
+  ``rope_parameters`` as transformers 4 read them (theta and scaling of the global layers, the
+  local base frequency of sliding layers), since transformers 5 ignores them next to
+  ``rope_parameters``; ``context_length`` is the effective limit
   (``--context-length`` if given, else the model's ``max_position_embeddings``). Asking for more
   than the model's maximum is a ValueError: we never extend RoPE silently.
 """
@@ -57,9 +61,6 @@ class ModelSource:
 
 def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None = None) -> ModelSource:
     """Resolve ``config.model`` to a ModelSource; raises ModelSourceError with what to do."""
-    if config.trust_remote_code:
-        raise ModelSourceError("--trust-remote-code is not supported: servelm runs every architecture "
-                               "with its own modules and never executes code from a checkpoint")
     overrides = parse_json_object_flag("--hf-overrides", config.hf_overrides)
     path, label = _locate(config, Path(hub_cache_dir) if hub_cache_dir else _HF_HUB_CACHE)
     if path.is_dir() and not (path / "config.json").exists():
@@ -82,8 +83,10 @@ def _locate(config: ModelConfig, hub_cache_dir: Path) -> tuple[Path, str]:
     name = config.model
     path = Path(name).expanduser()
     if path.exists():
+        _refuse_hub_options(config, "a local path")
         return path.resolve(), str(path)
     if name.lower() in PACKAGED_MODELS:
+        _refuse_hub_options(config, "a packaged model")
         return packaged_model_path(name), name.lower()
     looks_like_path = name.startswith(("/", ".", "~")) or name.endswith(".gguf") or name.count("/") > 1
     if looks_like_path or not _HUB_ID_RE.match(name):
@@ -100,6 +103,14 @@ def _locate(config: ModelConfig, hub_cache_dir: Path) -> tuple[Path, str]:
         + (f" ({' and '.join(noted)} noted)" if noted else "")
         + f". Pass a local path (a .gguf file or a Hugging Face directory) or a packaged model: "
         f"{', '.join(GENERATIVE_MODEL_NAMES)}.")
+
+
+def _refuse_hub_options(config: ModelConfig, what: str) -> None:
+    """--revision and --download-dir only mean something for a hub id: refuse rather than ignore."""
+    for flag, value in (("--revision", config.revision), ("--download-dir", config.download_dir)):
+        if value is not None:
+            raise ModelSourceError(f"{flag} {value} has no effect: --model {config.model!r} is "
+                                   f"{what}, not a Hugging Face hub id; drop {flag}")
 
 
 def _find_in_hub_cache(hub_id: str, revision: str | None, download_dir: str | None,
@@ -177,13 +188,12 @@ def _gguf_source(config: ModelConfig, path: Path, label: str, overrides: dict[st
 # -- Hugging Face directories -------------------------------------------------------------------
 
 def _hf_dir_source(config: ModelConfig, path: Path, label: str, overrides: dict[str, Any]) -> ModelSource:
-    from transformers import AutoConfig
     if not (path / "config.json").exists():
         raise ModelSourceError(f"{path} is not a model directory: it has no config.json and no single "
                                ".gguf file")
     if config.load_format == "gguf":
         raise ModelSourceError(f"--load-format gguf, but {path} is a Hugging Face directory")
-    hf_config = AutoConfig.from_pretrained(path, **overrides)
+    hf_config = _hf_dir_config(path, overrides)
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
     weight_format = "dummy weights"
     if config.load_format != "dummy":
@@ -200,6 +210,66 @@ def _hf_dir_source(config: ModelConfig, path: Path, label: str, overrides: dict[
         description=f"{label} ({weight_format}, {path})",
         model_path=str(path),
     )
+
+
+_LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq")
+_GLOBAL_LAYERS = "full_attention"
+_SLIDING_LAYERS = "sliding_attention"
+
+
+def _hf_dir_config(path: Path, overrides: dict[str, Any]) -> PretrainedConfig:
+    """AutoConfig of ``path`` with ``overrides``; legacy rope keys land in ``rope_parameters``."""
+    from transformers import AutoConfig
+
+    rope = {key: overrides[key] for key in _LEGACY_ROPE_KEYS if key in overrides}
+    plain = {key: value for key, value in overrides.items() if key not in rope}
+    hf_config: PretrainedConfig = AutoConfig.from_pretrained(path, **plain)
+    current = getattr(hf_config, "rope_parameters", None)
+    if not rope:
+        return hf_config
+    if not isinstance(current, dict) or "rope_parameters" in plain:
+        # transformers 4 reads the legacy keys itself; an explicit rope_parameters wins (as in 5)
+        hf_config = AutoConfig.from_pretrained(path, **overrides)
+    else:
+        merged = merge_rope_overrides(current, rope)
+        hf_config = AutoConfig.from_pretrained(path, **plain, rope_parameters=merged)
+    return hf_config
+
+
+def merge_rope_overrides(rope_parameters: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (flat, or per layer type) with legacy ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq`` overrides applied; ValueError naming the key when one is malformed."""
+    scaling = rope.get("rope_scaling", ...)
+    if scaling is not ... and scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"--hf-overrides: rope_scaling must be a JSON object or null, got {scaling!r}")
+    for key in ("rope_theta", "rope_local_base_freq"):
+        value = rope.get(key)
+        if key in rope and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"--hf-overrides: {key} must be a positive number, got {value!r}")
+
+    def apply(params: dict[str, Any], theta: float | None) -> dict[str, Any]:
+        result = dict(params)
+        if scaling is not ...:  # replaces the scaling (None: back to plain rope), keeps theta
+            result = {"rope_type": "default", "rope_theta": params.get("rope_theta")}
+            if scaling:
+                result.update({k: v for k, v in scaling.items() if k != "type"})
+                result["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        if theta is not None:
+            result["rope_theta"] = float(theta)
+        return result
+
+    if _GLOBAL_LAYERS in rope_parameters or _SLIDING_LAYERS in rope_parameters:
+        merged = dict(rope_parameters)
+        if _GLOBAL_LAYERS in merged:
+            merged[_GLOBAL_LAYERS] = apply(merged[_GLOBAL_LAYERS], rope.get("rope_theta"))
+        if _SLIDING_LAYERS in merged and "rope_local_base_freq" in rope:
+            merged[_SLIDING_LAYERS] = {**merged[_SLIDING_LAYERS],
+                                       "rope_theta": float(rope["rope_local_base_freq"])}
+        return merged
+    if "rope_local_base_freq" in rope:
+        raise ValueError("--hf-overrides: rope_local_base_freq applies only to models with "
+                         "sliding-window layers (per-layer-type rope parameters)")
+    return apply(rope_parameters, rope.get("rope_theta"))
 
 
 def _sentence_transformers_limit(config: ModelConfig, path: Path, context_length: int) -> int:

@@ -7,9 +7,19 @@ list is ordered most likely first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from servelm.engine.outputs import TokenLogprob
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one chosen token and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token_id, logprob) of the top-k tokens at this position, most likely first."""
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:

@@ -1,4 +1,4 @@
-"""Logit processors that run before token selection: bias, bans, masks and repetition penalties.
+"""Logit processors that run before token selection: bias, bans and repetition penalties.
 
 Every function edits a float32 logits tensor ``[num_rows, vocab_size]`` in place, touches only the
 rows it is told about, and never turns a ``-inf`` logit back into a finite one. Token ids are
@@ -41,18 +41,6 @@ def ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> None:
         return
     device = logits.device
     logits[torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)] = float("-inf")
-
-
-def apply_allowed_masks(logits: torch.Tensor, masks: list[tuple[int, torch.Tensor]]) -> None:
-    """For each ``(row, mask)`` (bool ``[vocab_size]``), set disallowed tokens to ``-inf``."""
-    if not masks:
-        return
-    device = logits.device
-    rows = torch.tensor([row for row, _ in masks], device=device)
-    allowed = torch.stack([mask.to(device=device, dtype=torch.bool) for _, mask in masks])
-    assert allowed.shape[1] == logits.shape[1], "allowed_token_mask must have vocab_size entries"
-    assert bool(allowed.any(dim=1).all()), "allowed_token_mask allows no token"
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _pad(sequences: list[list[int]], pad_ids: list[int], device: torch.device) -> torch.Tensor:

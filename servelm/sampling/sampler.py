@@ -4,15 +4,20 @@ Order of operations per row (what vLLM/SGLang users expect):
   1. logit_bias
   2. min_tokens: eos_token_ids and stop_token_ids are banned while fewer than min_tokens tokens
      have been generated
-  3. allowed_token_mask (grammar seam): disallowed tokens get -inf
-  4. penalties: repetition (prompt + output), frequency and presence (output only)
-  5. greedy rows (temperature below _GREEDY_TEMPERATURE): argmax, ties to the lowest token id
-  6. sampled rows: temperature, top_k, top_p, min_p, then one draw
+  3. penalties: repetition (prompt + output), frequency and presence (output only)
+  4. greedy rows (temperature below _GREEDY_TEMPERATURE): argmax, ties to the lowest token id
+  5. sampled rows: temperature, top_k, top_p, min_p, then one draw
+
+Grammar masks are applied by the engine's executor before the sampler (one bitmask op per step).
 
 Invariants:
 - The caller's logits tensor is never modified; logprobs are log_softmax of it (see logprobs.py).
 - A seeded row's token depends only on (seed, its logits row, len(output_token_ids)), never on
   the other rows of the batch: its randomness comes from a generator seeded from exactly that.
+  A row's seed is its request's ``seed``, else its ``default_seed``: the engine derives one per
+  request from the server's ``--seed`` and the request's arrival order (``request_seed``), so a
+  server restarted with the same seed and sent the same requests in the same order samples the
+  same tokens, however they were batched.
 - Work is vectorised across rows and skipped when no row needs it (no clone without a processor,
   no vocab sort without top_k/top_p, no log_softmax without logprobs).
 
@@ -27,12 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.engine.outputs import TokenLogprob
-from servelm.sampling.logprobs import compute_prompt_logprobs, gather_logprobs
+from servelm.sampling.logprobs import TokenLogprob, compute_prompt_logprobs, gather_logprobs
 from servelm.sampling.params import SamplingParams
-from servelm.sampling.penalties import apply_allowed_masks, apply_logit_bias, apply_penalties, ban_tokens
+from servelm.sampling.penalties import apply_logit_bias, apply_penalties, ban_tokens
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs", "request_seed"]
 
 _GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy: dividing by them overflows float32 for no gain."""
@@ -50,8 +54,13 @@ class SamplingRow:
     """Generated so far (for penalties, min_tokens and the seeded generator's step)."""
     eos_token_ids: list[int]
     """Suppressed while len(output_token_ids) < params.min_tokens."""
-    allowed_token_mask: torch.Tensor | None = None
-    """bool [vocab_size]; False tokens are never picked. Seam for grammars."""
+    default_seed: int | None = None
+    """The generator seed when ``params.seed`` is None (see ``request_seed``); None as well: the
+    sampler's shared generator."""
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed if self.params.seed is not None else self.default_seed
 
 
 @dataclass
@@ -78,24 +87,21 @@ class Sampler:
         token_ids = self._select(processed, rows)
         return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, rows, token_ids))
 
-    # -- steps 1-4: logit processors -------------------------------------------------------------
+    # -- steps 1-3: logit processors -------------------------------------------------------------
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Bias, min_tokens bans, allowed masks and penalties; returns a copy when any applies."""
+        """Bias, min_tokens bans and penalties; returns a copy when any applies."""
         biases = [(i, token_id, bias)
                   for i, row in enumerate(rows) if row.params.logit_bias
                   for token_id, bias in row.params.logit_bias.items()]
         bans = [(i, row.eos_token_ids + row.params.stop_token_ids)
                 for i, row in enumerate(rows) if len(row.output_token_ids) < row.params.min_tokens]
-        masks = [(i, row.allowed_token_mask)
-                 for i, row in enumerate(rows) if row.allowed_token_mask is not None]
         penalized = [i for i, row in enumerate(rows) if row.params.needs_penalties]
-        if not (biases or bans or masks or penalized):
+        if not (biases or bans or penalized):
             return logits
         logits = logits.to(torch.float32, copy=True)
         apply_logit_bias(logits, biases)
         ban_tokens(logits, bans)
-        apply_allowed_masks(logits, masks)
         if penalized:
             index = torch.tensor(penalized, device=logits.device)
             selected = logits[index]
@@ -110,7 +116,7 @@ class Sampler:
             logits[index] = selected
         return logits
 
-    # -- steps 5-6: selection --------------------------------------------------------------------
+    # -- steps 4-5: selection --------------------------------------------------------------------
 
     def _select(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
@@ -156,7 +162,7 @@ class Sampler:
                            device: torch.device) -> torch.Tensor:
         """Exp(1) noise ``[len(rows), vocab_size]``; seeded rows' rows come from their own seed."""
         noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
-        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        unseeded = [j for j, row in enumerate(rows) if row.seed is None]
         shared = self._shared_generator(device)
         if len(unseeded) == len(rows):
             noise.exponential_(generator=shared)
@@ -164,9 +170,10 @@ class Sampler:
             block = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=device)
             noise[torch.tensor(unseeded, device=device)] = block.exponential_(generator=shared)
         for j, row in enumerate(rows):
-            if row.params.seed is not None:
+            seed = row.seed
+            if seed is not None:
                 generator = self._seeded_generator(device)
-                generator.manual_seed(_row_seed(row.params.seed, len(row.output_token_ids)))
+                generator.manual_seed(_row_seed(seed, len(row.output_token_ids)))
                 noise[j].exponential_(generator=generator)
         # A zero draw would make 0/0 = NaN for filtered tokens, and argmax prefers NaN.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
@@ -287,6 +294,17 @@ def _filter_candidates(logits: torch.Tensor, top_k: torch.Tensor, bound: torch.T
     is_exact = smallest_kept > values[:, -1]
     removed = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, is_removed)
     return removed, is_exact
+
+
+def request_seed(server_seed: int, arrival_index: int) -> int:
+    """The sampling seed of the ``arrival_index``-th request (from 0) to a server started with
+    ``--seed server_seed``, for requests that give no seed: unrelated streams for neighbouring
+    indices and seeds, and never equal to ``_row_seed``'s inputs by construction of the salt."""
+    salted = _splitmix64((server_seed ^ _REQUEST_SEED_SALT) & _UINT64_MASK)
+    return _splitmix64((salted + arrival_index) & _UINT64_MASK) >> 1
+
+
+_REQUEST_SEED_SALT = 0x5EED_5EED_5EED_5EED
 
 
 def _row_seed(seed: int, step: int) -> int:

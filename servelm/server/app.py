@@ -146,9 +146,9 @@ def _add_routes(app: FastAPI) -> None:
     async def models(request: Request) -> dict[str, Any]:
         serving = _serving(request)
         return {"object": "list", "data": [{
-            "id": serving.served_model_name, "object": "model", "created": app.state.created,
+            "id": name, "object": "model", "created": app.state.created,
             "owned_by": "servelm", "root": serving.config.model.model, "parent": None,
-            "max_model_len": serving.context_length}]}
+            "max_model_len": serving.context_length} for name in serving.config.model.served_names]}
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:
@@ -225,9 +225,6 @@ def run_server(config: EngineConfig) -> None:
     import uvicorn
 
     from servelm.engine.async_engine import AsyncEngine
-    from servelm.model.threads import configure_front_end_threads
-
-    configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
     # A bad --chat-template or model fails here, with one line, before any process starts.
     load_chat_template(config.server.chat_template)
     try:

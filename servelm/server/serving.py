@@ -1,7 +1,7 @@
 """What every endpoint shares: the engine handle, the served name, tokenization and prompt checks.
 
 Invariants:
-- Every prompt handed to the engine has passed ``prepare_prompt``: non-empty, token ids inside the
+- Every prompt handed to the engine has passed ``ServingContext.fit_prompt``: non-empty, token ids inside the
   model's vocabulary, and prompt + max_tokens within the context (or truncated at the head or the
   center with --allow-auto-truncate / --long-truncation-mode), so a bad request fails here and never reaches a batch with others.
 - Tokenizer work on long inputs runs on one worker thread (fast tokenizers are not safe to call
@@ -70,7 +70,7 @@ class ServingContext:
         self.max_embedding_tokens = int(info.get("max_embedding_tokens") or self.context_length)
         self.chat_template = load_chat_template(config.server.chat_template)
         self.accepted_model_names = {name for name in (
-            config.model.name, config.model.model, info.get("served_model_name"),
+            *config.model.served_names, config.model.model, info.get("served_model_name"),
             info.get("model_path")) if name}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenizer")
 

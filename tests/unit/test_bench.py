@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from servelm import bench, cli
-from servelm.bench import OfflineResult, RequestTiming
+from servelm import bench, bench_common, cli, cli_args
+from servelm.bench_common import OfflineResult, RequestTiming
 
 
 # --- argument parsing ----------------------------------------------------------------------------
@@ -23,14 +23,14 @@ def test_offline_leaves_engine_flags_in_order() -> None:
     assert (args.input_len, args.output_len, args.num_warmup, args.prompt_seed) == (32, 4, 1, 0)
     assert engine_argv == ["smollm2-135m", "--max-total-tokens", "16384",
                            "--chunked-prefill-size", "-1"]
-    config = cli.build_config(engine_argv)
+    config = cli_args.build_config(engine_argv)
     assert config.model.model == "smollm2-135m"
     assert config.cache.max_total_tokens == 16384
     assert config.scheduler.max_chunk_tokens is None
 
 
 def test_offline_engine_args_round_trip_through_engine_kwargs() -> None:
-    config = cli.build_config(["smollm2-135m", "--max-num-seqs", "3", "--dtype", "float32"])
+    config = cli_args.build_config(["smollm2-135m", "--max-num-seqs", "3", "--dtype", "float32"])
     flat = bench.flat_engine_args(config)
     assert flat["model"] == "smollm2-135m"
     assert flat["max_running_requests"] == 3
@@ -84,9 +84,9 @@ def test_top_level_help_lists_bench(capsys: pytest.CaptureFixture[str]) -> None:
 # --- prompts -------------------------------------------------------------------------------------
 
 def test_random_prompts_are_deterministic_and_in_range() -> None:
-    first = bench.random_prompts(3, 50, 100, seed=7)
-    assert first == bench.random_prompts(3, 50, 100, seed=7)
-    assert first != bench.random_prompts(3, 50, 100, seed=8)
+    first = bench_common.random_prompts(3, 50, 100, seed=7)
+    assert first == bench_common.random_prompts(3, 50, 100, seed=7)
+    assert first != bench_common.random_prompts(3, 50, 100, seed=8)
     assert [len(p) for p in first] == [50, 50, 50]
     assert all(0 <= t < 100 for p in first for t in p)
     assert len({tuple(p) for p in first}) == 3
@@ -94,23 +94,23 @@ def test_random_prompts_are_deterministic_and_in_range() -> None:
 
 def test_random_prompts_reject_bad_sizes() -> None:
     with pytest.raises(ValueError):
-        bench.random_prompts(1, 0, 100, seed=0)
+        bench_common.random_prompts(1, 0, 100, seed=0)
     with pytest.raises(ValueError):
-        bench.random_prompts(1, 4, 0, seed=0)
+        bench_common.random_prompts(1, 4, 0, seed=0)
 
 
 # --- statistics ----------------------------------------------------------------------------------
 
 def test_percentile_interpolates_like_numpy() -> None:
     values = [4.0, 1.0, 3.0, 2.0]
-    assert bench.percentile(values, 0) == 1.0
-    assert bench.percentile(values, 100) == 4.0
-    assert bench.percentile(values, 50) == 2.5
-    assert bench.percentile(values, 99) == pytest.approx(3.97)
-    assert bench.percentile([5.0], 99) == 5.0
-    assert math.isnan(bench.percentile([], 50))
+    assert bench_common.percentile(values, 0) == 1.0
+    assert bench_common.percentile(values, 100) == 4.0
+    assert bench_common.percentile(values, 50) == 2.5
+    assert bench_common.percentile(values, 99) == pytest.approx(3.97)
+    assert bench_common.percentile([5.0], 99) == 5.0
+    assert math.isnan(bench_common.percentile([], 50))
     with pytest.raises(ValueError):
-        bench.percentile(values, 101)
+        bench_common.percentile(values, 101)
 
 
 def test_offline_result_derives_rates() -> None:
@@ -129,7 +129,7 @@ def test_summarize_counts_errors_and_latencies() -> None:
         RequestTiming(latency_s=2.0, ttft_s=0.4, chunk_gaps_s=[0.2], num_output_tokens=3),
         RequestTiming(latency_s=0.1, error="HTTP 400"),
     ]
-    summary = bench.summarize(timings, duration_s=2.0)
+    summary = bench_common.summarize(timings, duration_s=2.0)
     assert (summary.num_requests, summary.num_errors) == (3, 1)
     assert summary.request_throughput == 1.0
     assert summary.output_tokens_per_s == 4.0
@@ -140,7 +140,7 @@ def test_summarize_counts_errors_and_latencies() -> None:
 
 
 def test_summarize_all_failed_gives_nan_latencies() -> None:
-    summary = bench.summarize([RequestTiming(error="boom")], duration_s=1.0)
+    summary = bench_common.summarize([RequestTiming(error="boom")], duration_s=1.0)
     assert summary.num_errors == 1 and summary.output_tokens_per_s == 0.0
     assert math.isnan(summary.ttft_ms["p99"])
 
@@ -148,7 +148,7 @@ def test_summarize_all_failed_gives_nan_latencies() -> None:
 # --- formatting ----------------------------------------------------------------------------------
 
 def test_format_table_aligns_columns() -> None:
-    text = bench.format_table(("batch", "tok/s"), [(1, 12.345), (16, 1234.5)])
+    text = bench_common.format_table(("batch", "tok/s"), [(1, 12.345), (16, 1234.5)])
     assert text.splitlines() == ["batch    tok/s",
                                  "-----  -------",
                                  "    1    12.35",
@@ -156,11 +156,11 @@ def test_format_table_aligns_columns() -> None:
 
 
 def test_format_offline_and_serve() -> None:
-    text = bench.format_offline([OfflineResult(1, 128, 64, 1.0, 4.0)], startup_s=3.25)
+    text = bench_common.format_offline([OfflineResult(1, 128, 64, 1.0, 4.0)], startup_s=3.25)
     assert text.splitlines()[0] == "start-up time: 3.25 s"
     assert "decode_tok/s" in text and "21.00" in text
-    summary = bench.summarize([RequestTiming(1.0, 0.5, [0.25], 3)], duration_s=1.0)
-    serve_text = bench.format_serve(summary)
+    summary = bench_common.summarize([RequestTiming(1.0, 0.5, [0.25], 3)], duration_s=1.0)
+    serve_text = bench_common.format_serve(summary)
     assert "request throughput: 1.00 req/s" in serve_text
     assert "output throughput: 3.00 tok/s" in serve_text
     assert "TTFT" in serve_text and "500.00" in serve_text
@@ -168,7 +168,7 @@ def test_format_offline_and_serve() -> None:
 
 def test_write_json(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
-    bench.write_json(str(path), {"results": [OfflineResult(2, 4, 1, 1.0, 1.0).to_dict()]})
+    bench_common.write_json(str(path), {"results": [OfflineResult(2, 4, 1, 1.0, 1.0).to_dict()]})
     data = json.loads(path.read_text())
     assert data["results"][0]["prefill_tokens_per_s"] == 8.0
     assert math.isnan(data["results"][0]["decode_tokens_per_s"])
@@ -214,7 +214,7 @@ def test_one_request_reads_the_stream(status: int) -> None:
     async def go() -> RequestTiming:
         async with httpx.AsyncClient(transport=_sse_transport(status)) as client:  # type: ignore[arg-type]
             body = {"model": "m", "prompt": [1, 2], "stream": True, "ignore_eos": True}
-            return await bench._one_request(client, "http://test/v1/completions", body)
+            return await bench_common.one_request(client, "http://test/v1/completions", body)
 
     timing = asyncio.run(go())
     if status == 200:

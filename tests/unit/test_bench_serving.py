@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root, for tests.tiny_models
 
-from servelm import bench, cli  # noqa: E402
+from servelm import bench, bench_common, cli, cli_args  # noqa: E402
 from servelm.bench_serving import (arrival_offsets_s, random_dataset, shared_prefix_dataset,  # noqa: E402
                                    sharegpt_dataset)
 from tests.tiny_models import make_tiny_hf_model  # noqa: E402

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from servelm import cli, cli_flags, launch_server
+from servelm import cli, cli_args, cli_flags, launch_server
 from servelm.config import EngineConfig, opt
 
 
 def fail_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as exc:
-        cli.parse_args(argv)
+        cli_args.parse_args(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("servelm: ")
@@ -37,19 +37,19 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[EngineConfig]:
 # --- model selection ---------------------------------------------------------------------------
 
 def test_defaults_without_flags() -> None:
-    assert cli.parse_args([]) == EngineConfig()
+    assert cli_args.parse_args([]) == EngineConfig()
 
 
 def test_positional_model() -> None:
-    config = cli.parse_args(["/models/qwen.gguf", "--port", "8001"])
+    config = cli_args.parse_args(["/models/qwen.gguf", "--port", "8001"])
     assert config.model.model == "/models/qwen.gguf"
     assert config.server.port == 8001
 
 
 def test_positional_after_flags_and_model_flag() -> None:
-    assert cli.parse_args(["--port", "8001", "smollm2-135m"]).model.model == "smollm2-135m"
-    assert cli.parse_args(["--model", "smollm2-135m"]).model.model == "smollm2-135m"
-    assert cli.parse_args(["smollm2-135m", "--model", "smollm2-135m"]).model.model == "smollm2-135m"
+    assert cli_args.parse_args(["--port", "8001", "smollm2-135m"]).model.model == "smollm2-135m"
+    assert cli_args.parse_args(["--model", "smollm2-135m"]).model.model == "smollm2-135m"
+    assert cli_args.parse_args(["smollm2-135m", "--model", "smollm2-135m"]).model.model == "smollm2-135m"
 
 
 def test_two_different_models_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,8 +60,8 @@ def test_two_different_models_is_an_error(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_same_flag_twice_last_wins() -> None:
-    assert cli.parse_args(["--port", "1", "--port", "2"]).server.port == 2
-    assert cli.parse_args(["--tp", "1", "-tp", "1"]).parallel.tensor_parallel_size == 1
+    assert cli_args.parse_args(["--port", "1", "--port", "2"]).server.port == 2
+    assert cli_args.parse_args(["--tp", "1", "-tp", "1"]).parallel.tensor_parallel_size == 1
 
 
 def test_sglang_launch_server(served: list[EngineConfig]) -> None:
@@ -99,11 +99,11 @@ def test_main_reports_errors_with_exit_2(served: list[EngineConfig],
 # --- aliases -----------------------------------------------------------------------------------
 
 def test_lightllm_aliases() -> None:
-    config = cli.parse_args([
+    config = cli_args.parse_args([
         "--model_dir", "/m", "--max_total_token_num", "6000", "--running_max_req_size", "8",
         "--tp", "1", "--mem_fraction", "0.6", "--batch_max_tokens", "2048", "--host", "0.0.0.0",
         "--port", "8000", "--data_type", "bf16", "--tokenizer_mode", "slow",
-        "--max_req_total_len", "3072", "--chunked_prefill_size", "256", "--trust_remote_code",
+        "--max_req_total_len", "3072", "--chunked_prefill_size", "256",
         "--long_truncation_mode", "head", "--model_name", "mine", "--run_mode", "normal",
         "--load_way", "HF", "--disable_dynamic_prompt_cache"])
     assert config.model.model == "/m"
@@ -116,22 +116,21 @@ def test_lightllm_aliases() -> None:
     assert config.model.tokenizer_mode == "slow"
     assert config.model.context_length == 3072
     assert config.scheduler.chunked_prefill_size == 256
-    assert config.model.trust_remote_code
     assert config.server.truncation_mode == "head"
-    assert config.model.served_model_name == "mine"
+    assert config.model.served_model_name == ["mine"]
 
 
 def test_lightllm_value_transforms() -> None:
-    assert cli.parse_args(["--tokenizer_mode", "fast"]).model.tokenizer_mode == "auto"
-    assert cli.parse_args(["--data_type", "fp32"]).model.dtype == "float32"
-    assert cli.parse_args(["--disable_chunked_prefill"]).scheduler.chunked_prefill_size == -1
-    assert cli.parse_args(["--long_truncation_mode", "None"]).server.truncation_mode is None
-    assert cli.parse_args(["--long_truncation_mode", "center"]).server.truncation_mode == "center"
-    assert cli.parse_args(["--allow-auto-truncate"]).server.truncation_mode == "head"
+    assert cli_args.parse_args(["--tokenizer_mode", "fast"]).model.tokenizer_mode == "auto"
+    assert cli_args.parse_args(["--data_type", "fp32"]).model.dtype == "float32"
+    assert cli_args.parse_args(["--disable_chunked_prefill"]).scheduler.chunked_prefill_size == -1
+    assert cli_args.parse_args(["--long_truncation_mode", "None"]).server.truncation_mode is None
+    assert cli_args.parse_args(["--long_truncation_mode", "center"]).server.truncation_mode == "center"
+    assert cli_args.parse_args(["--allow-auto-truncate"]).server.truncation_mode == "head"
 
 
 def test_vllm_aliases() -> None:
-    config = cli.parse_args([
+    config = cli_args.parse_args([
         "Qwen/Qwen2.5-0.5B", "--gpu-memory-utilization", "0.4", "--block-size", "32",
         "--max-num-seqs", "16", "--max-num-batched-tokens", "1024", "--max-model-len", "2048",
         "-tp", "1", "-pp", "1", "--seed", "5", "--tokenizer", "/tok", "--enforce-eager",
@@ -148,10 +147,10 @@ def test_vllm_aliases() -> None:
 
 
 def test_vllm_enable_chunked_prefill(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.parse_args(["--enable-chunked-prefill"]) == EngineConfig()
-    assert cli.parse_args(["--enable-chunked-prefill", "true"]) == EngineConfig()
-    assert cli.parse_args(["--enable-chunked-prefill", "false"]).scheduler.chunked_prefill_size == -1
-    config = cli.parse_args(["--enable-chunked-prefill", "--chunked-prefill-size", "128"])
+    assert cli_args.parse_args(["--enable-chunked-prefill"]) == EngineConfig()
+    assert cli_args.parse_args(["--enable-chunked-prefill", "true"]) == EngineConfig()
+    assert cli_args.parse_args(["--enable-chunked-prefill", "false"]).scheduler.chunked_prefill_size == -1
+    config = cli_args.parse_args(["--enable-chunked-prefill", "--chunked-prefill-size", "128"])
     assert config.scheduler.chunked_prefill_size == 128
     err = fail_message(["--enable-chunked-prefill", "--chunked-prefill-size", "-1"], capsys)
     assert "--enable-chunked-prefill contradicts --chunked-prefill-size -1" in err
@@ -162,16 +161,16 @@ def test_prefix_caching_forms(capsys: pytest.CaptureFixture[str]) -> None:
     off = EngineConfig.from_flat({"disable_radix_cache": True})
     for argv in (["--no-enable-prefix-caching"], ["--disable-radix-cache"],
                  ["--disable_dynamic_prompt_cache"], ["--enable-prefix-caching", "false"]):
-        assert cli.parse_args(argv) == off, argv
+        assert cli_args.parse_args(argv) == off, argv
     for argv in (["--enable-prefix-caching"], ["--use_dynamic_prompt_cache"], []):
-        assert cli.parse_args(argv) == EngineConfig(), argv
-    vllm = cli.parse_args(["--scheduling-policy", "priority"]).scheduler
+        assert cli_args.parse_args(argv) == EngineConfig(), argv
+    vllm = cli_args.parse_args(["--scheduling-policy", "priority"]).scheduler
     assert vllm.is_priority_scheduling and vllm.is_low_priority_value_first
-    assert cli.parse_args(["--enable-prompt-tokens-details"]).server.enable_cache_report
+    assert cli_args.parse_args(["--enable-prompt-tokens-details"]).server.enable_cache_report
 
 
 def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.parse_args(["--preemption-mode", "recompute", "--expert-parallel-size", "1",
+    assert cli_args.parse_args(["--preemption-mode", "recompute", "--expert-parallel-size", "1",
                            "--cpu-offload-gb", "0.0", "-O", "0"]) == EngineConfig()
     err = fail_message(["--preemption-mode", "swap"], capsys)
     assert "--preemption-mode swap is not supported" in err and "accepted: recompute" in err
@@ -196,7 +195,7 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     (["--quantization", "int4wo-64"], "int4wo-64"), (["-q", "int8wo"], "int8wo"),
 ])
 def test_quantization_aliases(argv: list[str], expected: str) -> None:
-    assert cli.parse_args(argv).model.quantization == expected
+    assert cli_args.parse_args(argv).model.quantization == expected
 
 
 def test_unknown_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -210,9 +209,9 @@ def test_no_abbreviations(capsys: pytest.CaptureFixture[str]) -> None:
 # --- bool flags ---------------------------------------------------------------------------------
 
 def test_bool_flags_take_no_value() -> None:
-    config = cli.parse_args(["--skip-tokenizer-init", "--allow-auto-truncate", "--trust-remote-code"])
+    config = cli_args.parse_args(["--skip-tokenizer-init", "--allow-auto-truncate", "--enable-metrics"])
     assert config.model.skip_tokenizer_init and config.server.allow_auto_truncate
-    assert config.model.trust_remote_code
+    assert config.observability.enable_metrics
 
 
 def test_negatable_bool_field_gets_no_form() -> None:
@@ -220,13 +219,13 @@ def test_negatable_bool_field_gets_no_form() -> None:
     class Toy:
         enable_thing: bool = opt(True, "A switch.", negatable=True)
 
-    parser = cli._Parser(allow_abbrev=False)
+    parser = cli_args.Parser(allow_abbrev=False)
     (field,) = dataclasses.fields(Toy)
-    cli._add_field(parser.add_argument_group("toy"), field, bool)
+    cli_args._add_field(parser.add_argument_group("toy"), field, bool)
     on = parser.parse_args(["--enable-thing"])
     off = parser.parse_args(["--enable-thing", "--no-enable-thing"])
-    assert cli._settings(on)["enable_thing"].value is True
-    assert cli._settings(off)["enable_thing"].value is False  # same family: last wins
+    assert cli_args._settings(on)["enable_thing"].value is True
+    assert cli_args._settings(off)["enable_thing"].value is False  # same family: last wins
     assert "--no-enable-thing" in parser.format_help()
 
 
@@ -253,7 +252,7 @@ def test_negatable_bool_field_gets_no_form() -> None:
 ])
 def test_bad_values_name_the_flag(argv: list[str], flags: list[str]) -> None:
     with pytest.raises(ValueError) as exc:
-        cli.build_config(argv)
+        cli_args.build_config(argv)
     for flag in flags:
         assert flag in str(exc.value)
 
@@ -287,7 +286,7 @@ disable-cuda-graph: true
 enable-metrics: false
 hf-overrides: {rope_theta: 1000.0}
 """)
-    config = cli.parse_args(["--config", path, "--port", "9000", "--max-num-seqs", "2"])
+    config = cli_args.parse_args(["--config", path, "--port", "9000", "--max-num-seqs", "2"])
     assert config.model.model == "/models/a"
     assert config.server.host == "0.0.0.0"
     assert config.server.port == 9000  # the command line wins
@@ -301,8 +300,8 @@ hf-overrides: {rope_theta: 1000.0}
 
 def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
     path = write(tmp_path, "model-path: /models/a\n")
-    assert cli.parse_args(["/models/b", "--config", path]).model.model == "/models/b"
-    assert cli.parse_args(["--config", path]).model.model == "/models/a"
+    assert cli_args.parse_args(["/models/b", "--config", path]).model.model == "/models/b"
+    assert cli_args.parse_args(["--config", path]).model.model == "/models/a"
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -319,17 +318,17 @@ def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
 def test_config_file_errors(tmp_path: Path, text: str, expected: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ValueError) as exc:
-        cli.build_config(["--config", path])
+        cli_args.build_config(["--config", path])
     assert expected in str(exc.value)
 
 
 def test_config_file_missing() -> None:
     with pytest.raises(ValueError, match="--config /no/such.yaml"):
-        cli.build_config(["--config", "/no/such.yaml"])
+        cli_args.build_config(["--config", "/no/such.yaml"])
 
 
 def test_empty_config_file(tmp_path: Path) -> None:
-    assert cli.build_config(["--config", write(tmp_path, "")]) == EngineConfig()
+    assert cli_args.build_config(["--config", write(tmp_path, "")]) == EngineConfig()
 
 
 # --- help ---------------------------------------------------------------------------------------
@@ -371,4 +370,118 @@ def test_catalogue_listing() -> None:
 
 
 def test_parser_is_argparse() -> None:
-    assert isinstance(cli.build_serve_parser(), argparse.ArgumentParser)
+    assert isinstance(cli_args.build_serve_parser(), argparse.ArgumentParser)
+
+
+# --- contradictions and flags that need another flag (issue 11) --------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["--disable-log-requests", "--log-requests"],
+    ["-O", "0", "--enable-torch-compile"],
+    ["--compilation-config", "0", "--enable-torch-compile"],
+    ["--enforce-eager", "--enable-torch-compile"],
+    ["--use_dynamic_prompt_cache", "--disable-radix-cache"],
+    ["--scheduler-delay-factor", "0", "--router_max_wait_tokens", "4"],
+    ["--splitfuse_mode", "--disable_chunked_prefill"],
+    ["--constrained-json-disable-any-whitespace", "--constrained-json-whitespace-pattern", "[ ]*"],
+    ["--enable-fp32-lm-head", "--dtype", "bfloat16"],
+])
+def test_already_behaviour_contradicted_by_another_flag(argv: list[str],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    first = argv[0]
+    second = next(a for a in argv[1:] if a.startswith("-"))
+    for order in (argv, argv[argv.index(second):] + argv[:argv.index(second)]):
+        err = fail_message(order, capsys)
+        assert "contradicts" in err and first in err and second in err, err
+
+
+def test_already_behaviour_alone_and_with_compatible_flags() -> None:
+    assert cli_args.parse_args(["--disable-log-requests", "--splitfuse_mode",
+                                "--chunked-prefill-size", "256"]).scheduler.chunked_prefill_size == 256
+    assert cli_args.parse_args(["-O", "0", "--scheduler-delay-factor", "0"]) == EngineConfig()
+
+
+@pytest.mark.parametrize("flag, value", [("--allowed-methods", "GET"), ("--allowed-headers", "X-A"),
+                                         ("--allow-credentials", None)])
+def test_cors_options_need_allowed_origins(flag: str, value: str | None,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [flag] + ([value] if value else [])
+    err = fail_message(argv, capsys)
+    assert f"{flag} has no effect without --allowed-origins" in err
+    config = cli_args.parse_args(argv + ["--allowed-origins", "*"])
+    assert config.server.allowed_origins == "*"
+
+
+def test_whitespace_pattern_xgrammar_cannot_honour(capsys: pytest.CaptureFixture[str]) -> None:
+    err = fail_message(["--constrained-json-whitespace-pattern", " ?"], capsys)
+    assert "xgrammar" in err and "llguidance" in err
+    for pattern in (r"[ \t\n]*", r"\s*", r"[ \t\n\r]*"):
+        assert cli_args.parse_args(["--constrained-json-whitespace-pattern", pattern])
+    assert cli_args.parse_args(["--constrained-json-whitespace-pattern", " ?", "--grammar-backend",
+                                "llguidance"]).structured.grammar_backend == "llguidance"
+
+
+def test_trust_remote_code_is_refused_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--trust-remote-code", "--trust_remote_code"):
+        assert cli_flags.classify(flag) == "rejected"
+        assert "never executes code from a checkpoint" in fail_message([flag], capsys)
+
+
+def test_parser_options_are_catalogued() -> None:
+    assert cli_flags.classify("--config") == "implemented"
+    assert cli_flags.classify("--dry-run") == "implemented"
+
+
+# --- --dry-run ----------------------------------------------------------------------------------
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str],
+            entry: Any = cli.main) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        entry(argv)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_dry_run_prints_yaml_that_config_reads_back(tmp_path: Path, served: list[EngineConfig],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["smollm2-135m", "--port", "8123", "--max-num-seqs", "3", "--hf-overrides",
+            '{"rope_theta": 1000.0}', "--enable-metrics", "--bucket-time-to-first-token", "0.1",
+            "1", "--disable-radix-cache", "--allowed-origins", "*", "--allow-credentials",
+            "--disable-cuda-graph", "--api-key", "k"]
+    code, out, err = dry_run(["serve", *argv, "--dry-run"], capsys)
+    assert code == 0, err
+    assert served == []  # nothing was started
+    path = tmp_path / "resolved.yaml"
+    path.write_text(out)
+    assert cli_args.build_config(["--config", str(path)]) == cli_args.build_config(argv)
+    assert "port: 8123" in out and "max-running-requests: 3" in out
+
+
+def test_dry_run_with_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "model-path: /models/a\nport: 9001\n")
+    code, out, _ = dry_run(["serve", "--config", path, "--dry-run", "--port", "9002"], capsys)
+    assert code == 0 and "model: /models/a" in out and "port: 9002" in out
+    code, out, _ = dry_run(["--config", path, "--dry-run"], capsys, launch_server.main)
+    assert code == 0 and "port: 9001" in out
+
+
+def test_dry_run_refusal_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = dry_run(["serve", "--enable-lora", "--dry-run"], capsys)
+    assert code == 2 and out == ""
+    assert "--enable-lora is not built yet: LoRA adapters" in err
+    path = write(tmp_path, "dry-run: true\n")
+    code, _, err = dry_run(["serve", "--config", path, "--dry-run"], capsys)
+    assert code == 2 and "dry-run: unknown option" in err
+
+
+def test_served_model_name_takes_a_list() -> None:
+    config = cli_args.parse_args(["--served-model-name", "a", "b", "--model", "smollm2-135m"])
+    assert config.model.served_model_name == ["a", "b"]
+    assert config.model.model == "smollm2-135m"  # b is not taken for the model path
+    assert (config.model.name, config.model.served_names) == ("a", ("a", "b"))
+    assert cli_args.parse_args(["m", "--served-model-name", "x"]).model.served_names == ("x",)
+    assert cli_args.parse_args(["m"]).model.served_names == ("m",)

@@ -1,8 +1,11 @@
 """Every flag in the seed documents (../shared/seeds) is catalogued and does what its kind says.
 
-implemented/alias: passing it with a plausible value changes the EngineConfig (parallel sizes,
-where only 1 exists, reject 2 naming the flag instead); already-the-behaviour: accepted without
-changing anything (other values rejected); rejected: exit status 2 and a message naming the flag.
+The flags come from the five seed texts (literal ``--x`` tokens) and from 001_flag_names.tsv, which
+names the flag(s) of each of seed 001's 250 rows (its text lost most flag names). Each flag goes
+through `servelm serve ... --dry-run`: implemented/alias: a plausible value changes the printed
+configuration (parallel sizes, where only 1 exists, reject 2 naming the flag instead);
+already-the-behaviour: accepted without changing anything (other values rejected); rejected: exit
+status 2 and a message naming the flag.
 """
 
 from __future__ import annotations
@@ -11,21 +14,29 @@ import dataclasses
 import re
 import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from servelm import cli, cli_flags
+from servelm import cli, cli_args, cli_flags
 from servelm.config import EngineConfig
 
-SEEDS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "seeds"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# ../shared/seeds beside the checkout (or beside a folder of worktrees holding it).
+SEEDS_DIR = next((folder / "shared" / "seeds" for folder in REPO_ROOT.parents
+                  if (folder / "shared" / "seeds").is_dir()), REPO_ROOT.parent / "shared" / "seeds")
+SEED_001_TABLE = SEEDS_DIR / "001_flag_names.tsv"
+NUM_SEED_TEXTS = 5
+NUM_SEED_001_ROWS = 250
 
 # Text-extraction artifacts in the seeds: a flag glued to the next word of prose.
 ARTIFACTS = {
     "--enable-p2p-checkto": "--enable-p2p-check",  # 001: "add--enable-p2p-checkto the server"
     "--shm-sizefor": "--shm-size",                 # 001: "See --shm-sizefor docker"
 }
-# Options of the parser itself, not of the engine.
-PARSER_OPTIONS = {"--help", "-h", "--config"}
+# Options of the parser itself, not of the engine (catalogued in cli_flags.PARSER_OPTIONS).
+PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 PARALLEL_FIELDS = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
 DEFAULT = EngineConfig()
@@ -40,11 +51,25 @@ def extract_seed_flags(text: str) -> set[str]:
     return {ARTIFACTS.get(flag, flag) for flag in long_flags | short_flags}
 
 
+def seed_001_rows() -> list[tuple[str, list[str], str]]:
+    """(section, flag names, description) for each row of seed 001's table."""
+    if not SEED_001_TABLE.is_file():
+        return []
+    lines = SEED_001_TABLE.read_text(encoding="utf-8").splitlines()
+    assert lines[0].split("\t")[:2] == ["section", "flags"], "unexpected header in the 001 table"
+    rows = []
+    for line in lines[1:]:
+        section, flags, description = line.split("\t")
+        rows.append((section, flags.split(), description))
+    return rows
+
+
 def seed_flags() -> list[str]:
     if not SEEDS_DIR.is_dir():
         return []
     text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(SEEDS_DIR.glob("*.txt")))
-    return sorted(extract_seed_flags(text) - PARSER_OPTIONS)
+    table = {flag for _, flags, _ in seed_001_rows() for flag in flags}
+    return sorted((extract_seed_flags(text) | table) - PARSER_OPTIONS)
 
 
 def catalogue_flags() -> list[str]:
@@ -62,6 +87,8 @@ def field_example(field_name: str) -> list[str]:
     """A valid value for one of our fields that differs from its default."""
     if field_name == "hf_overrides":
         return ['{"rope_theta": 10000.0}']
+    if field_name == "constrained_json_whitespace_pattern":
+        return ["[ \\t\\n]*"]
     if field_name == "override_pooler_config":
         return ['{"pooling_type": "mean", "normalize": false}']
     field = cli_flags.config_fields()[field_name]
@@ -83,24 +110,46 @@ def field_example(field_name: str) -> list[str]:
     return ["x"]
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[EngineConfig | None, str]:
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any] | None, str]:
+    """`servelm serve ARGV --dry-run`: the printed configuration (flag name -> value), or None
+    and the error after exit status 2."""
+    capsys.readouterr()
     try:
-        config = cli.parse_args(argv)
+        cli.main(["serve", *argv, "--dry-run"])
     except SystemExit as exc:
         assert exc.code == 2, argv
         return None, capsys.readouterr().err
-    return config, ""
+    return yaml.safe_load(capsys.readouterr().out), ""
+
+
+DEFAULT_PRINTED = yaml.safe_load(cli_args.config_to_yaml(DEFAULT))
+
+
+def printed(field_name: str, config: dict[str, Any]) -> Any:
+    return config.get(cli_flags.flag_name(field_name)[2:])
 
 
 @pytest.fixture(scope="module")
 def parser_options() -> set[str]:
-    return set(cli.build_serve_parser()._option_string_actions)
+    return set(cli_args.build_serve_parser()._option_string_actions)
 
 
 def test_seed_directory_present() -> None:
     if not SEEDS_DIR.is_dir():
         pytest.skip(f"seed documents not found at {SEEDS_DIR} (the ../shared checkout is absent)")
+    assert len(sorted(SEEDS_DIR.glob("*.txt"))) == NUM_SEED_TEXTS
+    assert len(seed_001_rows()) == NUM_SEED_001_ROWS
     assert len(seed_flags()) > 250
+
+
+def test_every_seed_001_row_is_catalogued() -> None:
+    """Row by row, so a row whose names are all unknown cannot hide behind the other seeds."""
+    if not SEED_001_TABLE.is_file():
+        pytest.skip(f"{SEED_001_TABLE} not found")
+    missing = [(section, flag) for section, flags, _ in seed_001_rows() for flag in flags
+               if cli_flags.classify(flag) is None]
+    assert not missing, f"seed 001 rows not catalogued: {missing}"
+    assert all(flags for _, flags, _ in seed_001_rows()), "a 001 row without a flag name"
 
 
 def test_extraction_handles_wrapped_and_en_dash_flags() -> None:
@@ -136,11 +185,11 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
         entry = next(e for e in cli_flags.ALREADY_BEHAVIOUR if flag in e.flags)
         if entry.values is None:
             config, err = run([flag], capsys)
-            assert config == DEFAULT, err
+            assert config == DEFAULT_PRINTED, err
         else:
             for value in entry.values:
                 config, err = run([flag, value], capsys)
-                assert config == DEFAULT, err
+                assert config == DEFAULT_PRINTED, err
             assert entry.bad_value is not None, f"{flag}: give a bad_value to test rejection"
             config, err = run([flag, entry.bad_value], capsys)
             assert config is None and flag in err and "not supported" in err
@@ -152,15 +201,44 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
         pytest.fail(f"{flag} is not catalogued")
 
 
+def companions(field_name: str) -> list[str]:
+    """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
+    return [arg for name, needed in cli_flags.NEEDS if name == field_name
+            for arg in (cli_flags.flag_name(needed), *field_example(needed))]
+
+
 def check_sets_field(flag: str, field_name: str, values: list[str],
                      capsys: pytest.CaptureFixture[str]) -> None:
-    config, err = run([flag, *values], capsys)
+    config, err = run([*companions(field_name), flag, *values], capsys)
     if field_name in PARALLEL_FIELDS:
         # Only 1 exists in this build: 2 is rejected naming the flag, 1 is accepted.
         assert config is None and flag in err, err
         config, err = run([flag, "1"], capsys)
-        assert config == DEFAULT, err
+        assert config == DEFAULT_PRINTED, err
         return
     assert config is not None, err
-    assert config != DEFAULT, f"{flag} {values} did not change the config"
-    assert cli._field_value(config, field_name) != cli._field_value(DEFAULT, field_name)
+    assert config != DEFAULT_PRINTED, f"{flag} {values} did not change the config"
+    assert printed(field_name, config) != printed(field_name, DEFAULT_PRINTED)
+
+
+CONTRADICTIONS = [(entry, contradiction) for entry in cli_flags.ALREADY_BEHAVIOUR
+                  for contradiction in entry.contradicts]
+
+
+@pytest.mark.parametrize("entry, contradiction", CONTRADICTIONS,
+                         ids=[f"{e.flags[0]}-{c.field}" for e, c in CONTRADICTIONS])
+def test_already_behaviour_refused_when_contradicted(entry: cli_flags.AlreadyBehaviour,
+                                                     contradiction: cli_flags.Contradiction,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag of an "already the behaviour" entry, next to a flag undoing that behaviour, is
+    a start-up error naming both flags."""
+    other = cli_flags.flag_name(contradiction.field)
+    if isinstance(contradiction.values, cli_flags.NonDefault):
+        undo = [other, *field_example(contradiction.field)]
+    else:
+        undo = [other, str(contradiction.values[0])]
+    for flag in entry.flags:
+        asked = [flag] if entry.values is None else [flag, entry.values[0]]
+        config, err = run([*asked, *undo], capsys)
+        assert config is None, f"{asked} {undo} was accepted"
+        assert f"{flag}" in err and "contradicts" in err and other in err, err

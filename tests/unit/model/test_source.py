@@ -62,8 +62,6 @@ def test_dummy_overrides_and_context(tiny_hf_dir: Path) -> None:
 
 
 def test_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelSourceError, match="not supported"):
-        resolve_model_source(ModelConfig(model="smollm2-135m", trust_remote_code=True))
     with pytest.raises(ModelSourceError, match="no such file"):
         resolve_model_source(ModelConfig(model=str(tmp_path / "missing.gguf")))
     with pytest.raises(ModelSourceError, match=r"hub id.*--revision noted.*qwen2.5-coder-0.5b"):
@@ -106,3 +104,11 @@ def test_packaged_qwen_eos_includes_endoftext() -> None:
         pytest.skip(str(e))
     assert source.eos_token_ids == [151645, 151643]  # <|im_end|>, <|endoftext|>
     assert source.context_length == 32768 and source.hf_config.tie_word_embeddings is False
+
+
+def test_hub_options_on_a_local_or_packaged_model_are_refused(tiny_hf_dir: Path) -> None:
+    for model in (str(tiny_hf_dir), "smollm2-135m"):
+        for option in ({"revision": "main"}, {"download_dir": "/tmp/hub"}):
+            flag = "--" + next(iter(option)).replace("_", "-")
+            with pytest.raises(ModelSourceError, match=f"{flag} .* has no effect"):
+                resolve_model_source(ModelConfig(model=model, load_format="dummy", **option))

@@ -14,12 +14,11 @@ RowFactory = Callable[..., SamplingRow]
 
 
 def _make_row(prompt: list[int] | None = None, output: list[int] | None = None,
-              eos: list[int] | None = None, mask: torch.Tensor | None = None,
-              **params: object) -> SamplingRow:
+              eos: list[int] | None = None, **params: object) -> SamplingRow:
     """A SamplingRow whose SamplingParams are built from the keyword arguments."""
     return SamplingRow(params=SamplingParams(**params),  # type: ignore[arg-type]
                        prompt_token_ids=list(prompt or []), output_token_ids=list(output or []),
-                       eos_token_ids=list(eos or []), allowed_token_mask=mask)
+                       eos_token_ids=list(eos or []))
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from servelm.sampling.penalties import (
-    apply_allowed_masks,
     apply_logit_bias,
     apply_penalties,
     ban_tokens,
@@ -60,17 +59,6 @@ def test_ban_tokens():
     logits = torch.zeros(2, 3)
     ban_tokens(logits, [(1, [0, 2]), (0, [])])
     assert logits.tolist() == [[0.0, 0.0, 0.0], [-math.inf, 0.0, -math.inf]]
-
-
-def test_allowed_masks():
-    logits = torch.ones(3, 3)
-    apply_allowed_masks(logits, [(2, torch.tensor([False, True, False]))])
-    assert logits.tolist() == [[1, 1, 1], [1, 1, 1], [-math.inf, 1, -math.inf]]
-
-
-def test_allowed_mask_allowing_nothing_is_a_bug():
-    with pytest.raises(AssertionError):
-        apply_allowed_masks(torch.ones(1, 3), [(0, torch.zeros(3, dtype=torch.bool))])
 
 
 def test_penalties_on_ragged_rows_including_empty():

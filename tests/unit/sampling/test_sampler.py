@@ -205,18 +205,6 @@ def test_min_tokens_suppresses_every_eos_id_when_sampling(make_row):
     assert set(Sampler(seed=0)(logits.expand(40, -1), rows).token_ids) <= {2, 3}
 
 
-def test_allowed_token_mask_respected(make_row, random_logits):
-    mask = torch.zeros(VOCAB, dtype=torch.bool)
-    mask[[4, 17, 31]] = True
-    rows = [make_row(temperature=t, mask=mask, seed=s, logit_bias={0: 100.0})
-            for t, s in [(0.0, None), (1.0, 1), (5.0, 2), (1.0, None), (0.5, 3), (2.0, 4)]]
-    for seed in range(5):
-        out = Sampler(seed=seed)(random_logits, rows)
-        assert set(out.token_ids) <= {4, 17, 31}
-    masked = random_logits[0].masked_fill(~mask, -math.inf)
-    assert out.token_ids[0] == int(masked.argmax())
-
-
 def test_penalties_change_greedy_choice(make_row):
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     sampler = Sampler(seed=0)

@@ -146,7 +146,7 @@ class FakeEngine:
 
 def make_config(**server: Any) -> EngineConfig:
     model = server.pop("model", {})
-    return EngineConfig(model=ModelConfig(model="/models/tiny", served_model_name=MODEL_NAME, **model),
+    return EngineConfig(model=ModelConfig(model="/models/tiny", served_model_name=[MODEL_NAME], **model),
                         server=ServerConfig(**server))
 
 
