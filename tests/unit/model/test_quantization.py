@@ -61,7 +61,8 @@ def test_tied_head_keeps_exact_embedding() -> None:
 
 
 def make_runner(source: object, quantization: str) -> ModelRunner:
-    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", quantization=quantization),
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32",
+                                            quantization=quantization),
                           cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS))
     return ModelRunner(config, source)  # type: ignore[arg-type]
 
@@ -96,7 +97,7 @@ def test_fp8_kv_cache_one_byte_per_element_and_close(kv_dtype: str) -> None:
     hf_model = make_tiny_hf_model("gemma3")
     source = make_source(hf_model)
     exact = make_runner(source, "none")
-    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu"),
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
                           cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS,
                                             kv_cache_dtype=kv_dtype))
     fp8 = ModelRunner(config, source)  # type: ignore[arg-type]

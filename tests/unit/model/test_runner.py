@@ -72,7 +72,8 @@ def test_pool_size_from_free_memory_is_capped_on_cpu() -> None:
 
 
 def test_runner_reports_pool_and_vocab() -> None:
-    config = EngineConfig(model=ModelConfig(device="cpu"), cache=CacheConfig(page_size=8, max_total_tokens=256))
+    config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32"),
+                          cache=CacheConfig(page_size=8, max_total_tokens=256))
     runner = ModelRunner(config, SimpleNamespace(hf_config=make_tiny_config("llama"), weights=None))
     assert (runner.num_blocks, runner.block_size, runner.vocab_size) == (32, 8, 320)
     assert runner.dtype == torch.float32 and runner.device == torch.device("cpu")
