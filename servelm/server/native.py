@@ -18,7 +18,7 @@ from starlette.responses import Response
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.server.errors import APIError, api_error_from, error_body
-from servelm.server.openai_serving import SSE_HEADERS, render_chat_request
+from servelm.server.openai_serving import SSE_HEADERS, open_stream, render_chat_request
 from servelm.server.structured import native_structured_spec
 from servelm.server.structured import validate as validate_structured
 from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeSamplingParams,
@@ -125,6 +125,8 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     if request.return_logprob and not 0 <= request.top_logprobs_num <= 20:
         raise InvalidRequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
     rids = [request.rid] if isinstance(request.rid, str) else request.rid
+    if rids is not None and len(set(rids)) != len(rids):
+        raise InvalidRequestError("rid: every request id in a batch must be different", "rid")
     priority = ctx.request_priority(request.priority)
     base_id = new_id("gen")
     start_s = time.monotonic()
@@ -162,7 +164,8 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     is_list = is_batch or len(submissions) > 1
 
     if request.stream:
-        return StreamingResponse(_stream(ctx, submissions, outputs, raw, is_list),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(_stream(opened, outputs, is_list),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
@@ -176,10 +179,10 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     return JSONResponse(bodies if is_list else bodies[0])
 
 
-async def _stream(ctx: ServingContext, submissions: list[Submission], outputs: list[_NativeOutput],
-                  raw: Request, is_list: bool):  # type: ignore[no-untyped-def]
+async def _stream(opened: Any, outputs: list[_NativeOutput],
+                  is_list: bool):  # type: ignore[no-untyped-def]
     try:
-        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
+        async with aclosing(opened) as stream:
             async for index, output in stream:
                 if output.finish_reason == "error":
                     raise EngineRequestError.from_output(output)

@@ -27,8 +27,8 @@ from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, to_sampling_params)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
-from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, sse,
-                                      stream_outputs)
+from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, open_outputs,
+                                      sse, stream_outputs)
 from servelm.server.structured import (check_tools, forced_tool_spec, openai_structured_spec,
                                        validate as validate_structured)
 
@@ -196,7 +196,17 @@ async def _collect(ctx: ServingContext, submissions: list[Submission], raw: Requ
         raise APIError(499, "client disconnected") from None
 
 
-async def sse_events(ctx: ServingContext, submissions: list[Submission], raw: Request,
+async def open_stream(ctx: ServingContext, submissions: list[Submission], raw: Request
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The engine outputs of a streamed request, once the engine has taken it (see
+    streaming.open_outputs): a refusal raises before the 200 and its headers are sent."""
+    try:
+        return await open_outputs(ctx.engine, submissions, raw)
+    except ClientDisconnected:
+        raise APIError(499, "client disconnected") from None
+
+
+async def sse_events(opened: AsyncIterator[tuple[int, RequestOutput]],
                      prelude: list[dict[str, Any]],
                      chunk_for: Callable[[int, RequestOutput], dict[str, Any] | None],
                      final: Callable[[], dict[str, Any] | None]) -> AsyncIterator[str]:
@@ -207,7 +217,7 @@ async def sse_events(ctx: ServingContext, submissions: list[Submission], raw: Re
     try:
         for chunk in prelude:
             yield sse(chunk)
-        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as outputs:
+        async with aclosing(opened) as outputs:  # type: ignore[type-var]
             async for index, output in outputs:
                 if output.finish_reason == "error":
                     raise EngineRequestError.from_output(output)
@@ -283,7 +293,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         def final() -> dict[str, Any] | None:
             return {**header, "choices": [], "usage": _usage(choices, prompts, report_cached)} if include_usage else None
 
-        return StreamingResponse(sse_events(ctx, submissions, raw, [], chunk_for, final),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(sse_events(opened, [], chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     await _collect(ctx, submissions, raw, lambda index, output: choices[index].delta(output))
@@ -392,7 +403,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         def final() -> dict[str, Any] | None:
             return {**header, "choices": [], "usage": _usage(choices, [prompt], report_cached)} if include_usage else None
 
-        return StreamingResponse(sse_events(ctx, submissions, raw, prelude, chunk_for, final),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(sse_events(opened, prelude, chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     await _collect(ctx, submissions, raw, lambda index, output: choices[index].delta(output))
