@@ -202,7 +202,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
     if request.messages is not None:
-        text = render_chat_request(ctx, request)
+        text = await render_chat_request(ctx, request)
         tokens = await ctx.encode(text, add_special_tokens=bool(request.add_special_tokens),
                                   param="messages")
     else:

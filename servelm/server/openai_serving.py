@@ -21,7 +21,7 @@ from starlette.responses import Response
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import StructuredSpec
-from servelm.server.chat import render_chat
+from servelm.server.chat import chat_job, render_job, sandbox_job
 from servelm.server.chat_outputs import ChatOutputParser, merge_tool_call_entries
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
@@ -308,15 +308,24 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
 
 # -- chat --------------------------------------------------------------------------------------
 
-def render_chat_request(ctx: ServingContext, request: Any,
-                        tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of a chat request (also used by /tokenize with messages)."""
+async def render_chat_request(ctx: ServingContext, request: Any,
+                              tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of a chat request (also used by /tokenize with messages), rendered off
+    the event loop; a request's own template only with --trust-request-chat-template."""
     tokenizer = ctx.require_tokenizer("chat", "messages")
-    return render_chat(tokenizer, request.messages,
-                       template=request.chat_template or ctx.chat_template,
-                       add_generation_prompt=request.add_generation_prompt,
-                       continue_final_message=request.continue_final_message,
-                       template_kwargs=request.chat_template_kwargs, tools=tools)
+    is_request_template = request.chat_template is not None
+    if is_request_template and not ctx.config.server.trust_request_chat_template:
+        raise InvalidRequestError("chat_template: this server does not accept chat templates in "
+                                  "requests (start it with --trust-request-chat-template)",
+                                  "chat_template")
+    job = chat_job(tokenizer, request.messages,
+                   template=request.chat_template if is_request_template else ctx.chat_template,
+                   add_generation_prompt=request.add_generation_prompt,
+                   continue_final_message=request.continue_final_message,
+                   template_kwargs=request.chat_template_kwargs, tools=tools)
+    if is_request_template:
+        return await ctx.template_sandbox().render(sandbox_job(tokenizer, job))
+    return await ctx.run_on_tokenizer_thread(lambda: render_job(tokenizer, job))
 
 
 async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
@@ -353,7 +362,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     structured, tools, tool_parser = await _chat_plan(ctx, request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens
-    prompt_text = render_chat_request(ctx, request, tools)
+    prompt_text = await render_chat_request(ctx, request, tools)
     prompt = await ctx.prompt_from_text(prompt_text, max_tokens,
                                         add_special_tokens=request.add_special_tokens,
                                         param="messages")

@@ -101,3 +101,63 @@ def test_413_closes_the_connection(engine: FakeEngine, make_client: Any) -> None
     response = client.post("/v1/completions", json={"prompt": "x" * 2000})
     assert response.status_code == 413
     assert response.headers["connection"] == "close"
+
+
+# -- request-supplied chat templates -------------------------------------------------------------
+
+NESTED_LOOP = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+               "{{ messages[0]['content'] }}")
+MEMORY_BOMB = "{{ 'x' * 4000000000 }}"
+ECHO_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}|{{ m['content'] }}|{{ eos_token }}]{% endfor %}"
+
+
+def _chat(client: Any, template: str | None, path: str = "/v1/chat/completions") -> Any:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    if template is not None:
+        body["chat_template"] = template
+    return client.post(path, json=body)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_request_chat_template_is_refused_by_default(engine: FakeEngine, client: Any, path: str) -> None:
+    response = _chat(client, ECHO_TEMPLATE, path)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
+    assert engine.requests == []
+    assert _chat(client, None, path).status_code == 200  # the server's own template still works
+
+
+def test_trusted_request_templates_render_in_a_budgeted_sandbox(engine: FakeEngine,
+                                                                make_client: Any) -> None:
+    import threading
+    import time
+
+    with make_client(engine, trust_request_chat_template=True) as client:
+        response = _chat(client, ECHO_TEMPLATE, "/tokenize")
+        assert response.status_code == 200, response.text
+        text = engine.tokenizer.decode(response.json()["tokens"])
+        assert text == "[user|hi|<|im_end|>]"  # rendered by the worker, special tokens included
+
+        results: dict[str, Any] = {}
+
+        def hostile() -> None:
+            started = time.monotonic()
+            results["hostile"] = _chat(client, NESTED_LOOP)
+            results["hostile_s"] = time.monotonic() - started
+
+        thread = threading.Thread(target=hostile)
+        thread.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        normal = _chat(client, None)  # the event loop is free while the template spins
+        normal_s = time.monotonic() - started
+        thread.join(60)
+        assert normal.status_code == 200 and normal_s < 1.5, normal_s
+        assert results["hostile"].status_code == 400
+        assert "longer than" in results["hostile"].json()["error"]["message"]
+        assert results["hostile_s"] < 10
+        bomb = _chat(client, MEMORY_BOMB)
+        assert bomb.status_code == 400 and "memory" in bomb.json()["error"]["message"], bomb.text
+        # a new worker serves the next template after the killed one
+        assert _chat(client, ECHO_TEMPLATE).status_code == 200
