@@ -118,8 +118,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params, priority = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params, priority)
+        _, request_id, prompt_token_ids, params, priority, group = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "embed":
@@ -284,8 +284,11 @@ class AsyncEngine:
         self._push.send_pyobj(message)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; stopping early (cancel, close) aborts it."""
+                       params: SamplingParams, priority: int = 0,
+                       group: str = "") -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; stopping early (cancel, close) aborts it.
+
+        ``group`` names the client request this one is part of (see Request.group)."""
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -294,7 +297,7 @@ class AsyncEngine:
         num_output_tokens = 0
         finish_reason: str | None = None
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params, priority))
+            self._send(("add", request_id, list(prompt_token_ids), params, priority, group))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:

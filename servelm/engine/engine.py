@@ -111,13 +111,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
-                    is_embedding: bool = False) -> RequestOutput | None:
+                    is_embedding: bool = False, group: str = "") -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
-                          is_embedding=is_embedding)
+                          is_embedding=is_embedding, group=group)
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,

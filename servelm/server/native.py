@@ -124,6 +124,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                                   f"{len(inputs)} prompts", "sampling_params")
     if request.return_logprob and not 0 <= request.top_logprobs_num <= 20:
         raise InvalidRequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    ctx.check_num_sequences(sum(native.n for native in params_list))
     rids = [request.rid] if isinstance(request.rid, str) else request.rid
     if rids is not None and len(set(rids)) != len(rids):
         raise InvalidRequestError("rid: every request id in a batch must be different", "rid")
@@ -159,7 +160,8 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                 request_id = rids[prompt_index]
             else:
                 request_id = f"{base_id}-{index}"
-            submissions.append(Submission(index, request_id, prompt.token_ids, params, priority))
+            submissions.append(Submission(index, request_id, prompt.token_ids, params, priority,
+                                          group=base_id))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
 

@@ -168,7 +168,7 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
                                         seed=choice_seed(request.seed, sample), structured=structured)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
-                                          priority))
+                                          priority, group=base_id))
     return submissions
 
 
@@ -247,6 +247,7 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
         items = list(raw_prompt)  # type: ignore[arg-type]
     if not items:
         raise InvalidRequestError("the prompt must not be empty", "prompt")
+    ctx.check_num_sequences(len(items) * request.n)
     is_default = "max_tokens" not in request.model_fields_set
     prompts = []
     for item in items:
@@ -359,6 +360,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.check_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
+    ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens

@@ -115,6 +115,14 @@ class ServingContext:
                                       "--skip-tokenizer-init; send token ids instead", param)
         return self.tokenizer
 
+    def check_num_sequences(self, num_sequences: int) -> None:
+        """400 when one request would create more sequences (prompts x n) than allowed."""
+        limit = self.config.server.max_sequences_per_request
+        if num_sequences > limit:
+            raise InvalidRequestError(
+                f"this request would create {num_sequences} sequences (prompts x n); the server "
+                f"allows at most {limit} per request (--max-sequences-per-request)", "n")
+
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         upper = self.vocab_size
         for token_id in token_ids:

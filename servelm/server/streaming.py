@@ -47,6 +47,8 @@ class Submission:
     params: SamplingParams
     priority: int = 0
     """Scheduling priority (only with priority scheduling; validated by ServingContext)."""
+    group: str = ""
+    """The HTTP request's id, shared by all its submissions: the engine admits groups in turn."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -73,7 +75,9 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
 
     async def pump(submission: Submission) -> None:
         # priority only when set, so engine wrappers without the argument keep working
-        extra = {"priority": submission.priority} if submission.priority else {}
+        extra: dict[str, Any] = {"priority": submission.priority} if submission.priority else {}
+        if submission.group and len(submissions) > 1:
+            extra["group"] = submission.group
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
                                   submission.params, **extra)
         try:
