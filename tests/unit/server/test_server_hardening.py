@@ -161,3 +161,23 @@ def test_trusted_request_templates_render_in_a_budgeted_sandbox(engine: FakeEngi
         assert bomb.status_code == 400 and "memory" in bomb.json()["error"]["message"], bomb.text
         # a new worker serves the next template after the killed one
         assert _chat(client, ECHO_TEMPLATE).status_code == 200
+
+
+def test_repeated_log_lines_are_rate_limited() -> None:
+    import logging
+
+    from servelm.server.http_limits import RepeatFilter
+
+    repeat = RepeatFilter(burst=3, window_s=0.2)
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, message, None, None)
+
+    kept = [repeat.filter(record("Invalid HTTP request received.")) for _ in range(1000)]
+    assert sum(kept) == 3  # a flood of one line writes three
+    assert repeat.filter(record("another line"))  # other lines are not affected
+    import time
+
+    time.sleep(0.25)
+    after = record("Invalid HTTP request received.")
+    assert repeat.filter(after) and "997 similar lines dropped" in str(after.msg)
