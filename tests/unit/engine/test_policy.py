@@ -190,3 +190,24 @@ def test_a_big_batch_does_not_starve_another_user() -> None:
     assert num_big_finished <= 8, num_big_finished  # about one round of the running slots
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_group_takes_at_most_its_share_while_others_have_work() -> None:
+    engine, _ = make_engine(num_blocks=256, block_size=4, max_running_requests=8)
+    for index in range(40):
+        assert engine.add_request(f"big-{index}", [20 + index, 11, 12], greedy(4), group="big") is None
+    engine.step()
+    assert len(engine.scheduler.running) == 8  # alone, the batch may use every slot
+    assert engine.add_request("user", [7, 8, 9], greedy(12)) is None
+    num_checked = 0
+    for _ in range(30):
+        before = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        running = engine.scheduler.running
+        is_new_big = any(r.request_id not in before and r.group == "big" for r in running)
+        if is_new_big and any(r.group == "user" for r in running):
+            assert sum(r.group == "big" for r in running) <= 2  # 8 slots x GROUP_SHARE
+            num_checked += 1
+    assert num_checked > 0  # big sequences were admitted beside the user, within the share
+    while engine.has_unfinished():
+        engine.step()
