@@ -212,7 +212,10 @@ def test_hostile_mix_beside_normal_users():
             for kind, counts in tally.statuses.items():
                 assert set(counts) <= EXPECTED.get(kind, {200}), (kind, counts)
             assert set(tally.statuses["normal"]) == {200}
-        assert p95 < 15.0, p95
+        # Fair admission bounds the wait for a first token; the tokens after it come at the pace
+        # of a batch the fan-outs fill (--max-running-requests), on a shared 2-core box.
+        assert sorted(ttft)[int(0.95 * len(ttft))] < 10.0, ttft
+        assert p95 < 20.0, p95
         assert info["num_running"] == 0 and info["num_waiting"] == 0
         assert memory[1][0] < memory[0][0] + 100 * 2**20, memory  # no growth round over round
         assert memory[0][0] < idle_rss + 600 * 2**20, (idle_rss, memory)
