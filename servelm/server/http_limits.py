@@ -11,8 +11,7 @@ Invariants:
 - At most ``--max-connections`` connections are open (and never more than the open-file limit
   allows, less a reserve for the engine's sockets and files); a connection past that is closed
   as soon as it is accepted.
-- A log line repeated more than ``burst`` times within ``window_s`` is dropped until the window
-  ends; the next one says how many were dropped.
+- uvicorn's error log gets the same repeat filter as servelm's (logging_utils.RepeatFilter).
 """
 
 from __future__ import annotations
@@ -22,6 +21,8 @@ import time
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from servelm.logging_utils import RepeatFilter
 
 logger = logging.getLogger(__name__)
 
@@ -93,43 +94,10 @@ def guarded_protocol(max_connections: int, header_timeout_s: float,
     return GuardedH11Protocol
 
 
-class RepeatFilter(logging.Filter):
-    """Drops a log line (same logger, level and format string) seen over ``burst`` times in
-    ``window_s``; the first line after the window notes how many were dropped."""
-
-    def __init__(self, burst: int = 20, window_s: float = 60.0) -> None:
-        super().__init__()
-        self.burst = burst
-        self.window_s = window_s
-        self._seen: dict[tuple[str, int, str], list[float]] = {}
-        """key -> [window start (monotonic s), lines in window, lines dropped]."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, record.levelno, str(record.msg))
-        now = time.monotonic()
-        entry = self._seen.get(key)
-        if entry is None or now - entry[0] >= self.window_s:
-            dropped = int(entry[2]) if entry is not None else 0
-            self._seen[key] = [now, 1, 0]
-            if len(self._seen) > 10_000:  # forget old keys rather than grow without bound
-                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window_s}
-            if dropped:
-                record.msg = f"{record.msg} ({dropped} similar lines dropped in the last " \
-                             f"{self.window_s:g} s)"
-            return True
-        entry[1] += 1
-        if entry[1] <= self.burst:
-            return True
-        entry[2] += 1
-        return False
-
-
 def install_repeat_filter(burst: int = 20, window_s: float = 60.0) -> None:
-    """Rate-limit repeated lines of servelm's log handlers and of uvicorn's error log."""
+    """Rate-limit repeated lines of uvicorn's error log (servelm's own handler has its filter
+    from ``configure_logging``)."""
     repeat = RepeatFilter(burst, window_s)
-    for handler in logging.getLogger("servelm").handlers:
-        if not any(isinstance(f, RepeatFilter) for f in handler.filters):
-            handler.addFilter(repeat)
     for name in ("uvicorn.error", "uvicorn"):
         target = logging.getLogger(name)
         if not any(isinstance(f, RepeatFilter) for f in target.filters):

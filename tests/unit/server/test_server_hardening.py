@@ -166,7 +166,7 @@ def test_trusted_request_templates_render_in_a_budgeted_sandbox(engine: FakeEngi
 def test_repeated_log_lines_are_rate_limited() -> None:
     import logging
 
-    from servelm.server.http_limits import RepeatFilter
+    from servelm.logging_utils import RepeatFilter
 
     repeat = RepeatFilter(burst=3, window_s=0.2)
 
