@@ -366,6 +366,22 @@ class ServerConfig:
     shutdown_timeout_s: float = opt(
         60.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they are "
         "cut off; then the engine process is stopped.")
+    trust_request_chat_template: bool = opt(
+        False, "Accept a `chat_template` sent in a request (vLLM's flag). Off by default: a "
+        "template is code; an allowed one is rendered in a sandboxed worker process with a "
+        "time and memory budget, so it cannot stall or crash the server.")
+    max_sequences_per_request: int = opt(
+        256, "Most sequences one request may create (prompts x n); more is a 400. A request's "
+        "sequences also share one fair slot in admission, so a big batch cannot starve others.")
+    max_connections: int = opt(
+        2048, "Most open HTTP connections; further ones are closed at once (bounded further by "
+        "the process's open-file limit), so idle sockets cannot exhaust file handles.")
+    http_header_timeout_s: float = opt(
+        10.0, "Seconds a connection may take to send a request's headers (from connecting, or "
+        "from the previous response); slower ones (idle or slowloris sockets) are closed.")
+    http_body_timeout_s: float = opt(
+        60.0, "Seconds a request may take to send its body once its headers arrived; then the "
+        "connection is closed. 60 s moves the largest body (--max-request-body-bytes) on a slow link.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -376,6 +392,13 @@ class ServerConfig:
             raise ValueError(f"--max-request-body-bytes must be positive, got {self.max_request_body_bytes}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout-s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_sequences_per_request <= 0:
+            raise ValueError("--max-sequences-per-request must be positive, got "
+                             f"{self.max_sequences_per_request}")
+        if self.max_connections <= 0:
+            raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
+        if self.http_header_timeout_s <= 0 or self.http_body_timeout_s <= 0:
+            raise ValueError("--http-header-timeout-s and --http-body-timeout-s must be positive")
 
     @property
     def truncation_mode(self) -> str | None:

@@ -1,8 +1,14 @@
-"""Logging set-up shared by the server and the engine process."""
+"""Logging set-up shared by the server and the engine process.
+
+Invariant: a warning or error line repeated more than ``burst`` times within ``window_s`` (same logger, level
+and format string) is dropped until the window ends, and the next one says how many were
+dropped, so a flood of bad clients cannot grow the log without bound.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 
 _FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
@@ -15,5 +21,39 @@ def configure_logging(level: str = "info") -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
         handler._servelm = True  # type: ignore[attr-defined]
+        handler.addFilter(RepeatFilter())
         logger.addHandler(handler)
         logger.propagate = False
+
+
+class RepeatFilter(logging.Filter):
+    """Drops a warning or error line (same logger, level and format string) seen over ``burst`` times in
+    ``window_s``; the first line after the window notes how many were dropped."""
+
+    def __init__(self, burst: int = 20, window_s: float = 60.0) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window_s = window_s
+        self._seen: dict[tuple[str, int, str], list[float]] = {}
+        """key -> [window start (monotonic s), lines in window, lines dropped]."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:  # floods are warnings and errors; keep info whole
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        now = time.monotonic()
+        entry = self._seen.get(key)
+        if entry is None or now - entry[0] >= self.window_s:
+            dropped = int(entry[2]) if entry is not None else 0
+            self._seen[key] = [now, 1, 0]
+            if len(self._seen) > 10_000:  # forget rather than grow without bound
+                self._seen = {key: self._seen[key]}
+            if dropped:
+                record.msg = f"{record.msg} ({dropped} similar lines dropped in the last " \
+                             f"{self.window_s:g} s)"
+            return True
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return True
+        entry[2] += 1
+        return False

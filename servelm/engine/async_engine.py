@@ -40,14 +40,28 @@ from servelm.sampling.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _STARTUP_POLL_MS = 500
+CALL_TIMEOUT_S = 30.0
+"""Longest wait for the engine to answer a call (info, flush_cache) between two steps."""
+INFO_WAIT_S = 2.0
+"""get_server_info waits this long for fresh figures, then answers with the last known ones."""
+HEALTH_RECENT_S = 5.0
+"""/health_generate: tokens generated this recently prove the engine generates; no probe runs."""
 
 
 class EngineDeadError(RuntimeError):
     """The engine process exited; no request can be served."""
 
 
-def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """Entry point of the engine process: load the model, then step until told to stop."""
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
+                       parent_pid: int | None = None) -> None:
+    """Entry point of the engine process: load the model, then step until told to stop.
+
+    ``parent_pid`` is the front end's pid, read before the spawn: this process dies with it
+    (even when the front end is SIGKILLed and runs no cleanup), so the KV pool is never orphaned.
+    """
+    from servelm.distributed.lifetime import die_with_parent
+
+    die_with_parent(parent_pid)
     from servelm.engine.engine import LLMEngine
     from servelm.engine.monitor import StatsLogger, Watchdog
     from servelm.logging_utils import configure_logging
@@ -62,7 +76,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(output_address)
-    parent_pid = os.getppid()
+    parent_pid = os.getppid()  # after die_with_parent: still the front end
     try:
         engine = LLMEngine(config)
     except ValueError as error:  # a configuration the user can fix: the message says how
@@ -104,8 +118,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params, priority = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params, priority)
+        _, request_id, prompt_token_ids, params, priority, group = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "embed":
@@ -144,6 +158,13 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
         self._dead = asyncio.Event()
+        self._info: dict[str, Any] | None = None
+        """The engine's figures as last reported, and when (monotonic s)."""
+        self._info_s = 0.0
+        self._info_call: asyncio.Future[dict[str, Any]] | None = None
+        self._last_token_s: float | None = None
+        """When the engine last sent a generated token (monotonic s)."""
+        self._health_probe: asyncio.Task[bool] | None = None
         folder = config.observability.crash_dump_folder
         self._crash_recorder = CrashRecorder(folder) if folder else None
 
@@ -160,7 +181,7 @@ class AsyncEngine:
         pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
         pull.bind(output_address)
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, input_address, output_address),
+            target=run_engine_process, args=(config, input_address, output_address, os.getpid()),
             name="servelm-engine", daemon=True)
         process.start()
         try:
@@ -175,6 +196,7 @@ class AsyncEngine:
         engine.tokenizer = await asyncio.to_thread(engine._load_tokenizer)
         engine._tasks = [asyncio.create_task(engine._route_outputs()),
                          asyncio.create_task(engine._watch_process())]
+        await engine.get_server_info()  # so a later busy engine is answered from known figures
         return engine
 
     @staticmethod
@@ -219,11 +241,15 @@ class AsyncEngine:
             message = await self._pull.recv_pyobj()
             if message[0] == "outputs":
                 for output in message[1]:
+                    if output.new_token_ids and output.finish_reason != "error":
+                        self._last_token_s = time.monotonic()
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
             elif message[0] == "info":
                 future = self._calls.pop(message[1], None)
+                if future is not None and future is self._info_call:
+                    self._info, self._info_s = dict(message[2]), time.monotonic()
                 if future is not None and not future.done():
                     future.set_result(message[2])
 
@@ -258,8 +284,11 @@ class AsyncEngine:
         self._push.send_pyobj(message)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; stopping early (cancel, close) aborts it."""
+                       params: SamplingParams, priority: int = 0,
+                       group: str = "") -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; stopping early (cancel, close) aborts it.
+
+        ``group`` names the client request this one is part of (see Request.group)."""
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -268,7 +297,7 @@ class AsyncEngine:
         num_output_tokens = 0
         finish_reason: str | None = None
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params, priority))
+            self._send(("add", request_id, list(prompt_token_ids), params, priority, group))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:
@@ -320,37 +349,74 @@ class AsyncEngine:
             self._push.send_pyobj(("abort", request_id))
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self._call("info")
+        """The engine's live figures, with ``stats_age_s`` (seconds since the engine reported them).
+
+        The engine answers between steps; while it is inside a long one, this waits at most
+        INFO_WAIT_S and then answers with the last known figures (their age says how stale).
+        Concurrent callers share one outstanding call, so a busy engine is never flooded.
+        """
+        if self._info_call is None or self._info_call.done():
+            self._info_call = self._start_call("info")
+        call = self._info_call
+        try:
+            await asyncio.wait_for(asyncio.shield(call),
+                                   INFO_WAIT_S if self._info is not None else CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            if self._info is None:
+                raise
+        assert self._info is not None
+        return {**self._info, "stats_age_s": round(time.monotonic() - self._info_s, 3)}
 
     async def flush_cache(self) -> dict[str, Any]:
         """Empty the prefix cache: {"success": bool, "message": str} (refused while busy)."""
         return await self._call("flush_cache")
 
-    async def _call(self, kind: str) -> dict[str, Any]:
+    def _start_call(self, kind: str) -> asyncio.Future[dict[str, Any]]:
+        """Send a call; its future resolves when the engine answers (between two steps)."""
         call_id = next(self._call_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         self._send((kind, call_id))
+        return future
+
+    async def _call(self, kind: str) -> dict[str, Any]:
+        future = self._start_call(kind)
         try:
-            return await asyncio.wait_for(future, timeout=30)
+            return await asyncio.wait_for(future, timeout=CALL_TIMEOUT_S)
         finally:
-            self._calls.pop(call_id, None)
+            for call_id, pending in list(self._calls.items()):
+                if pending is future:
+                    del self._calls[call_id]
 
     async def health_generate(self) -> bool:
-        """True when the engine can run a one-token generation."""
+        """True when the engine generates (SGLang's semantics, kept cheap).
+
+        Tokens sent in the last HEALTH_RECENT_S prove it without any work. Otherwise one
+        one-token probe runs, shared by every concurrent caller, so health checks take at most
+        one queue slot. A probe the engine refuses as busy (queue full, status 503) still proves
+        its loop runs: a busy server is healthy.
+        """
         if self._dead_reason is not None:
             return False
+        if self._last_token_s is not None and time.monotonic() - self._last_token_s < HEALTH_RECENT_S:
+            return True
+        if self._health_probe is None or self._health_probe.done():
+            self._health_probe = asyncio.create_task(self._probe())
+        return await asyncio.shield(self._health_probe)
+
+    async def _probe(self) -> bool:
         request_id = f"health-{next(self._call_ids)}-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=1, temperature=0.0)
         if self.model_info.get("task") == "embed":  # an embedding model's one-step request
             try:
-                return (await self.encode(request_id, [0])).finish_reason != "error"
+                output = await self.encode(request_id, [0])
+                return output.finish_reason != "error" or output.error_status == 503
             except EngineDeadError:
                 return False
         try:
             async for output in self.generate(request_id, [0], params):
                 if output.is_finished:
-                    return output.finish_reason != "error"
+                    return output.finish_reason != "error" or output.error_status == 503
         except EngineDeadError:
             return False
         return False

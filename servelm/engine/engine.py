@@ -115,13 +115,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
-                    is_embedding: bool = False) -> RequestOutput | None:
+                    is_embedding: bool = False, group: str = "") -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503)."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
-                          is_embedding=is_embedding,
+                          is_embedding=is_embedding, group=group,
                           default_seed=request_seed(self.config.model.seed, self._num_arrivals))
         self._num_arrivals += 1
         max_queued = self.config.scheduler.max_queued_requests

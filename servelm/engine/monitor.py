@@ -6,6 +6,11 @@ Invariants:
 - The watchdog is armed only while ``LLMEngine.step()`` runs. A step longer than
   ``--watchdog-timeout`` dumps every thread's stack and ends the process with exit status 70, so
   the front end sees a dead engine, fails the pending requests and exits, instead of hanging.
+- Time the whole process spent stopped (SIGSTOP, a debugger, a suspended container or machine)
+  is not step time. The watchdog thread wakes every ``poll_s``; a wake-up late by more than
+  PAUSE_THRESHOLD_S means no thread of the process ran meanwhile, so the excess is subtracted.
+  A paused engine is therefore not killed on resume; a step that hangs while the process runs
+  still trips within ``timeout + poll_s``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = 70
 """EX_SOFTWARE: the engine process ended itself because a step hung."""
+PAUSE_THRESHOLD_S = 0.5
+"""A watchdog wake-up this much later than asked means the process was stopped, not busy: a
+loaded host delays a runnable thread by milliseconds, not half a second."""
 
 
 def cache_hit_rate(stats: dict[str, Any]) -> float:
@@ -84,27 +92,37 @@ class Watchdog:
                  on_timeout: Callable[[float, float], None] = _die_loudly) -> None:
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
-        self._step_start_s: float | None = None
+        self._step_start: tuple[float, float] | None = None
+        """(monotonic start of the running step, ``_paused_s`` then), set in one assignment."""
+        self._paused_s = 0.0
+        """Total time the process was seen stopped (only the watchdog thread writes it)."""
         self._stopped = threading.Event()
         self._poll_s = max(0.005, min(1.0, timeout_s / 4))
         self._thread = threading.Thread(target=self._run, name="servelm-watchdog", daemon=True)
         self._thread.start()
 
     def step_started(self) -> None:
-        self._step_start_s = time.monotonic()
+        self._step_start = (time.monotonic(), self._paused_s)
 
     def step_finished(self) -> None:
-        self._step_start_s = None
+        self._step_start = None
 
     def stop(self) -> None:
         self._stopped.set()
 
     def _run(self) -> None:
+        last_s = time.monotonic()
         while not self._stopped.wait(self._poll_s):
-            started = self._step_start_s
-            if started is None:
+            now_s = time.monotonic()
+            late_s = now_s - last_s - self._poll_s
+            last_s = now_s
+            if late_s > PAUSE_THRESHOLD_S:
+                self._paused_s += late_s
+            step = self._step_start
+            if step is None:
                 continue
-            elapsed_s = time.monotonic() - started
+            started_s, paused_before_s = step
+            elapsed_s = now_s - started_s - (self._paused_s - paused_before_s)
             if elapsed_s > self.timeout_s:
                 self.on_timeout(elapsed_s, self.timeout_s)
-                self._step_start_s = None  # report a hang once (when on_timeout returns)
+                self._step_start = None  # report a hang once (when on_timeout returns)

@@ -13,7 +13,12 @@ first one that does not fit, so the order decides who runs first under load.
   back while that prefix is cached.
 - random: a shuffle (seeded by the scheduler, so runs are reproducible).
 
-Priority scheduling is a stable sort on top: more urgent first, the policy's order within a
+Fairness between client requests comes next: the requests of one client request (its prompts
+times n, sharing ``Request.group``) are taken in turn with other groups' (a stable sort by rank
+within the group), so a 100-prompt x n=128 batch admits one sequence per turn, like any other
+user's request, instead of all of its sequences first.
+
+Priority scheduling is a stable sort on top: more urgent first, the fair order within a
 priority. Urgent means larger ``priority`` values unless low values come first (vLLM).
 """
 
@@ -42,11 +47,27 @@ def urgency(request: Request, low_values_first: bool) -> int:
 
 def order_waiting(waiting: Sequence[Request], config: SchedulerConfig, tree: RadixTree | None,
                   rng: random.Random) -> list[Request]:
-    ordered = _order_by_policy(list(waiting), config.schedule_policy, tree, rng)
+    ordered = _take_groups_in_turn(_order_by_policy(list(waiting), config.schedule_policy, tree, rng))
     if config.is_priority_scheduling:
         low_first = config.is_low_priority_value_first
         ordered.sort(key=lambda r: urgency(r, low_first))  # stable: policy order within a priority
     return ordered
+
+
+def _take_groups_in_turn(ordered: list[Request]) -> list[Request]:
+    """Round-robin over groups: each request's rank within its group is its turn."""
+    if len(ordered) <= 1:
+        return ordered
+    first_group = ordered[0].group
+    if all(request.group == first_group for request in ordered):
+        return ordered
+    rank: dict[int, int] = {}
+    seen: dict[str, int] = {}
+    for request in ordered:
+        turn = seen.get(request.group, 0)
+        seen[request.group] = turn + 1
+        rank[id(request)] = turn
+    return sorted(ordered, key=lambda request: rank[id(request)])
 
 
 def _order_by_policy(waiting: list[Request], policy: str, tree: RadixTree | None,

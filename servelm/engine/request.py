@@ -79,6 +79,14 @@ class Request:
     or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
     embedding: list[float] | None = None
     """The pooled vector, set when the step that computed the prompt finishes the request."""
+    group: str = ""
+    """The client request this one belongs to (n > 1 and prompt lists make several); admission
+    takes groups in turn (engine/policy.py), so one big request cannot starve the others.
+    Empty: a group of its own (the request id)."""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

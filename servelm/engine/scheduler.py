@@ -18,6 +18,9 @@ Invariants:
   computed (so n>1 siblings and later turns hit it), and a finished or preempted request's blocks
   stay cached. When the pool is short, free cached blocks are evicted before anyone is preempted.
 - Admission order is engine/policy.py's; admission stops at the first request that does not fit.
+  While other groups (client requests) have work, one group holds at most GROUP_SHARE of
+  ``--max-running-requests``: its further requests are skipped, not admitted, so a big batch
+  leaves room (and a smaller, faster batch) for other users; alone it may use every slot.
 - An embedding request is computed whole in the step that admits it (never chunked: an encoder
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
@@ -82,6 +85,10 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     embedding: list[float] | None = None
     """The pooled vector of an embedding request."""
+
+
+GROUP_SHARE = 0.25
+"""Share of the running slots one group (client request) may take while other groups have work."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -181,9 +188,15 @@ class Scheduler:
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
         """Move waiting requests to running in policy order while they fit."""
         admitted: list[Request] = []
+        group_cap = self._group_cap()
+        running_per_group: dict[str, int] = {}
+        for running in self.running:
+            running_per_group[running.group] = running_per_group.get(running.group, 0) + 1
         for request in order_waiting(self.waiting, self.config, self.prefix_cache, self._rng):
             if budget <= 0:
                 break
+            if group_cap is not None and running_per_group.get(request.group, 0) >= group_cap:
+                continue  # this client request has its share; others go first
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
@@ -212,7 +225,16 @@ class Scheduler:
                 self.num_cached_prompt_tokens += request.num_cached_tokens
             self._add(output, request, num_tokens)
             admitted.append(request)
+            running_per_group[request.group] = running_per_group.get(request.group, 0) + 1
             budget -= num_tokens
+
+    def _group_cap(self) -> int | None:
+        """Most running requests per group, or None while a single group has all the work."""
+        groups = {request.group for request in self.running}
+        groups.update(request.group for request in self.waiting)
+        if len(groups) <= 1:
+            return None
+        return max(1, int(self.config.max_running_requests * GROUP_SHARE))
 
     def _fits(self, request: Request, num_tokens: int) -> bool:
         if len(self.running) >= self.config.max_running_requests:

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -40,22 +41,50 @@ cannot usefully decode more context than that at once, and zero-filling a bigger
 start-up and takes RAM from the other processes on a shared host. --max-total-tokens overrides it."""
 
 
-def kv_pool_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.device) -> int:
-    """Number of KV blocks: ``max_total_tokens`` if set, else ``mem_fraction_static`` of free memory."""
+DEFAULT_CPU_POOL_SHARE = 1 / 16
+"""With --mem-fraction-static left at its default, a CPU pool takes at most this share of total RAM
+(1.5 GiB of a 24 GiB host; SmolLM2-135M's float32 K/V: 34k tokens), so several servers, or ranks,
+fit on one host; an idle server reserved 30% of free RAM (6.7 GiB) before (issue 19)."""
+
+
+def kv_pool_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.device,
+                   demand_tokens: int | None = None,
+                   memory_bytes: tuple[int, int] | None = None) -> int:
+    """Number of KV blocks: ``max_total_tokens`` if set, else the smallest of
+    ``mem_fraction_static`` of free memory, ``demand_tokens`` (max running requests x context:
+    more can never be in use) and, on CPU with the default fraction, DEFAULT_CPU_POOL_SHARE of
+    total RAM and MAX_CPU_KV_TOKENS. ``memory_bytes`` (free, total) defaults to the device's.
+    Logs the size, what bounded it and the flags that change it."""
     if cache.max_total_tokens is not None:
         return cache.max_total_tokens // cache.page_size
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-    else:
-        free_bytes = psutil.virtual_memory().available
-    tokens = int(free_bytes * cache.mem_fraction_static) // bytes_per_token
+    if memory_bytes is None:
+        if device.type == "cuda":
+            memory_bytes = torch.cuda.mem_get_info(device)
+        else:
+            memory = psutil.virtual_memory()
+            memory_bytes = (memory.available, memory.total)
+    free_bytes, total_bytes = memory_bytes
+    bounds = {f"--mem-fraction-static {cache.mem_fraction_static:g} of free memory":
+              int(free_bytes * cache.mem_fraction_static) // bytes_per_token}
+    if demand_tokens is not None:
+        bounds["max running requests x context length"] = demand_tokens
     if device.type == "cpu":
-        tokens = min(tokens, MAX_CPU_KV_TOKENS)
+        bounds["the CPU cap"] = MAX_CPU_KV_TOKENS
+        default_fraction = next(f.default for f in dataclasses.fields(CacheConfig)
+                                if f.name == "mem_fraction_static")
+        if cache.mem_fraction_static == default_fraction:
+            bounds[f"1/{round(1 / DEFAULT_CPU_POOL_SHARE)} of total RAM"] = \
+                int(total_bytes * DEFAULT_CPU_POOL_SHARE) // bytes_per_token
+    reason, tokens = min(bounds.items(), key=lambda item: item[1])
     num_blocks = tokens // cache.page_size
     if num_blocks < 1:
         raise RuntimeError(f"not enough free memory for one KV block ({free_bytes} bytes free, "
                            f"{bytes_per_token * cache.page_size} bytes per block); lower the model "
                            "size or raise --mem-fraction-static")
+    logger.info("KV pool: %d tokens (%.1f MiB), bounded by %s; set --max-total-tokens N to choose "
+                "the size (or --mem-fraction-static F for a share of free memory)",
+                num_blocks * cache.page_size, num_blocks * cache.page_size * bytes_per_token / 2 ** 20,
+                reason)
     return num_blocks
 
 
@@ -84,7 +113,10 @@ class ModelRunner:
         first = attention_layers[0]
         bytes_per_token = KVCache.bytes_per_token(len(attention_layers), first.num_kv_heads, first.head_dim,
                                                   kv_dtype)
-        self.num_blocks = kv_pool_blocks(config.cache, bytes_per_token, self.device)
+        context_length = getattr(source, "context_length", None)
+        demand_tokens = (config.scheduler.max_running_requests * context_length
+                         if context_length else None)
+        self.num_blocks = kv_pool_blocks(config.cache, bytes_per_token, self.device, demand_tokens)
         if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
             step_blocks = -(-config.scheduler.max_prefill_tokens // self.block_size)
             self.num_blocks = min(self.num_blocks, step_blocks + config.scheduler.max_running_requests)

@@ -29,6 +29,7 @@ from servelm.config import EngineConfig
 from servelm.server import embeddings, native
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
+from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
 from servelm.server.middleware import install_middleware
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
@@ -245,6 +246,7 @@ def run_server(config: EngineConfig) -> None:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        install_repeat_filter()  # after uvicorn has configured its loggers
         engine = await AsyncEngine.start(config)
         watcher = asyncio.create_task(exit_when_engine_dies(engine, server))
         try:
@@ -264,8 +266,12 @@ def run_server(config: EngineConfig) -> None:
 
     app = _create_app(config, lifespan)
     http_level = config.observability.log_level_http or server_config.log_level
+    http_protocol = guarded_protocol(connection_limit(server_config.max_connections),
+                                     server_config.http_header_timeout_s,
+                                     server_config.http_body_timeout_s)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=http_level,
+        http=http_protocol,
         timeout_graceful_shutdown=int(math.ceil(server_config.shutdown_timeout_s)),
         root_path=server_config.root_path or "", ssl_keyfile=server_config.ssl_keyfile,
         ssl_certfile=server_config.ssl_certfile, ssl_ca_certs=server_config.ssl_ca_certs,

@@ -5,6 +5,9 @@ Invariants:
   which overrides the tokenizer's own; with neither, chat requests get a 400 that says how to fix it.
 - Rendering happens here once; the text is then tokenized without adding special tokens (the
   template writes BOS and friends itself).
+- Trusted templates (the tokenizer's, --chat-template) render off the event loop; a template sent
+  in a request is refused unless --trust-request-chat-template, and then renders in
+  ``template_sandbox`` (a worker process with a time and memory budget).
 """
 
 from __future__ import annotations
@@ -63,11 +66,14 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | None,
-                add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict[str, Any] | None,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text for ``messages``; invalid input or a failing template is a 400."""
+def chat_job(tokenizer: Any, messages: list[ChatMessage], *, template: str | None,
+             add_generation_prompt: bool, continue_final_message: bool,
+             template_kwargs: dict[str, Any] | None,
+             tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Check a chat request and return what rendering needs (plain, picklable data).
+
+    ``template`` None means the tokenizer's own. Invalid input is a 400.
+    """
     if tokenizer is None:
         raise InvalidRequestError("chat requests need a tokenizer, but the server runs with "
                                   "--skip-tokenizer-init; send token ids to /v1/completions", "messages")
@@ -84,12 +90,22 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | 
     if continue_final_message and messages[-1].role != "assistant":
         raise InvalidRequestError("continue_final_message needs the last message to be from the "
                                   "assistant", "continue_final_message")
+    return {"messages": message_dicts(messages), "template": template, "tools": tools or None,
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "continue_final_message": continue_final_message, "kwargs": kwargs}
+
+
+def render_job(tokenizer: Any, job: dict[str, Any]) -> str:
+    """Render a ``chat_job`` with a trusted template (the tokenizer's or --chat-template).
+
+    Blocking Jinja work: call it off the event loop. A failing template is a 400.
+    """
     try:
         text = tokenizer.apply_chat_template(
-            message_dicts(messages), chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            **({"tools": tools} if tools else {}), **kwargs)
+            job["messages"], chat_template=job["template"], tokenize=False,
+            add_generation_prompt=job["add_generation_prompt"],
+            continue_final_message=job["continue_final_message"],
+            **({"tools": job["tools"]} if job["tools"] else {}), **job["kwargs"])
     except InvalidRequestError:
         raise
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as error:
@@ -97,3 +113,20 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | 
     if not isinstance(text, str):
         raise InvalidRequestError("chat template did not produce text", "messages")
     return text
+
+
+def sandbox_job(tokenizer: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat_job`` for the template sandbox: the special tokens the template may use
+    (bos_token, eos_token, ...) join the template kwargs, as transformers does."""
+    kwargs = {**dict(getattr(tokenizer, "special_tokens_map", {}) or {}), **job["kwargs"]}
+    return {**job, "kwargs": kwargs}
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool,
+                template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text for ``messages`` with a trusted template; invalid input is a 400."""
+    return render_job(tokenizer, chat_job(
+        tokenizer, messages, template=template, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, template_kwargs=template_kwargs, tools=tools))

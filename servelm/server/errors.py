@@ -26,6 +26,8 @@ _TYPE_BY_STATUS = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "server_error",
 }
 
@@ -48,10 +50,19 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+RETRY_AFTER_S = 1
+"""Retry-After on 429 and 503 (busy, not broken): a second is about one engine step under load."""
+
+
 def error_response(status_code: int, message: str, *, param: str | None = None,
-                   code: str | None = None, type: str | None = None) -> JSONResponse:
+                   code: str | None = None, type: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     error_type = type or _TYPE_BY_STATUS.get(status_code, "server_error")
-    return JSONResponse(error_body(message, error_type, param, code), status_code=status_code)
+    all_headers = dict(headers or {})
+    if status_code in (429, 503):
+        all_headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status_code,
+                        headers=all_headers or None)
 
 
 def api_error_from(exc: Exception) -> APIError:

@@ -3,7 +3,8 @@
 Invariants:
 - No request body larger than ``--max-request-body-bytes`` reaches a route: a declared
   Content-Length over the limit is refused before reading, and a chunked body is read (at most
-  limit + one chunk) and refused as soon as it passes the limit. Both get 413 in OpenAI format.
+  limit + one chunk) and refused as soon as it passes the limit. Both get 413 in OpenAI format,
+  and the connection is closed after it.
 - CORS headers are sent only when ``--allowed-origins`` is set.
 """
 
@@ -20,8 +21,11 @@ from servelm.server.errors import error_response
 
 
 def _too_large(limit: int) -> Any:
+    # The unread rest of the body is still on the wire: close the connection after answering,
+    # or the HTTP server would parse it as the next request (or wait on it).
     return error_response(413, f"request body is larger than {limit} bytes (--max-request-body-bytes)",
-                          type="invalid_request_error", code="request_too_large")
+                          type="invalid_request_error", code="request_too_large",
+                          headers={"Connection": "close"})
 
 
 class BodySizeLimitMiddleware:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.server.errors import APIError, api_error_from, error_body
-from servelm.server.openai_serving import SSE_HEADERS, render_chat_request
+from servelm.server.openai_serving import SSE_HEADERS, open_stream, render_chat_request
 from servelm.server.structured import native_structured_spec
 from servelm.server.structured import validate as validate_structured
 from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeSamplingParams,
@@ -124,7 +124,10 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                                   f"{len(inputs)} prompts", "sampling_params")
     if request.return_logprob and not 0 <= request.top_logprobs_num <= 20:
         raise InvalidRequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    ctx.check_num_sequences(sum(native.n for native in params_list))
     rids = [request.rid] if isinstance(request.rid, str) else request.rid
+    if rids is not None and len(set(rids)) != len(rids):
+        raise InvalidRequestError("rid: every request id in a batch must be different", "rid")
     priority = ctx.request_priority(request.priority)
     base_id = new_id("gen")
     start_s = time.monotonic()
@@ -157,12 +160,14 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                 request_id = rids[prompt_index]
             else:
                 request_id = f"{base_id}-{index}"
-            submissions.append(Submission(index, request_id, prompt.token_ids, params, priority))
+            submissions.append(Submission(index, request_id, prompt.token_ids, params, priority,
+                                          group=base_id))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
 
     if request.stream:
-        return StreamingResponse(_stream(ctx, submissions, outputs, raw, is_list),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(_stream(opened, outputs, is_list),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
@@ -176,10 +181,10 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     return JSONResponse(bodies if is_list else bodies[0])
 
 
-async def _stream(ctx: ServingContext, submissions: list[Submission], outputs: list[_NativeOutput],
-                  raw: Request, is_list: bool):  # type: ignore[no-untyped-def]
+async def _stream(opened: Any, outputs: list[_NativeOutput],
+                  is_list: bool):  # type: ignore[no-untyped-def]
     try:
-        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
+        async with aclosing(opened) as stream:
             async for index, output in stream:
                 if output.finish_reason == "error":
                     raise EngineRequestError.from_output(output)
@@ -199,7 +204,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
     if request.messages is not None:
-        text = render_chat_request(ctx, request)
+        text = await render_chat_request(ctx, request)
         tokens = await ctx.encode(text, add_special_tokens=bool(request.add_special_tokens),
                                   param="messages")
     else:

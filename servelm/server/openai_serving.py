@@ -21,14 +21,14 @@ from starlette.responses import Response
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import StructuredSpec
-from servelm.server.chat import render_chat
+from servelm.server.chat import chat_job, render_job, sandbox_job
 from servelm.server.chat_outputs import ChatOutputParser, merge_tool_call_entries
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, to_sampling_params)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
-from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, sse,
-                                      stream_outputs)
+from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, open_outputs,
+                                      sse, stream_outputs)
 from servelm.server.structured import (check_tools, forced_tool_spec, openai_structured_spec,
                                        validate as validate_structured)
 
@@ -168,7 +168,7 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
                                         seed=choice_seed(request.seed, sample), structured=structured)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
-                                          priority))
+                                          priority, group=base_id))
     return submissions
 
 
@@ -196,7 +196,17 @@ async def _collect(ctx: ServingContext, submissions: list[Submission], raw: Requ
         raise APIError(499, "client disconnected") from None
 
 
-async def sse_events(ctx: ServingContext, submissions: list[Submission], raw: Request,
+async def open_stream(ctx: ServingContext, submissions: list[Submission], raw: Request
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The engine outputs of a streamed request, once the engine has taken it (see
+    streaming.open_outputs): a refusal raises before the 200 and its headers are sent."""
+    try:
+        return await open_outputs(ctx.engine, submissions, raw)
+    except ClientDisconnected:
+        raise APIError(499, "client disconnected") from None
+
+
+async def sse_events(opened: AsyncIterator[tuple[int, RequestOutput]],
                      prelude: list[dict[str, Any]],
                      chunk_for: Callable[[int, RequestOutput], dict[str, Any] | None],
                      final: Callable[[], dict[str, Any] | None]) -> AsyncIterator[str]:
@@ -207,7 +217,7 @@ async def sse_events(ctx: ServingContext, submissions: list[Submission], raw: Re
     try:
         for chunk in prelude:
             yield sse(chunk)
-        async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as outputs:
+        async with aclosing(opened) as outputs:  # type: ignore[type-var]
             async for index, output in outputs:
                 if output.finish_reason == "error":
                     raise EngineRequestError.from_output(output)
@@ -237,6 +247,7 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
         items = list(raw_prompt)  # type: ignore[arg-type]
     if not items:
         raise InvalidRequestError("the prompt must not be empty", "prompt")
+    ctx.check_num_sequences(len(items) * request.n)
     is_default = "max_tokens" not in request.model_fields_set
     prompts = []
     for item in items:
@@ -283,7 +294,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
         def final() -> dict[str, Any] | None:
             return {**header, "choices": [], "usage": _usage(choices, prompts, report_cached)} if include_usage else None
 
-        return StreamingResponse(sse_events(ctx, submissions, raw, [], chunk_for, final),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(sse_events(opened, [], chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     await _collect(ctx, submissions, raw, lambda index, output: choices[index].delta(output))
@@ -297,15 +309,24 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
 
 # -- chat --------------------------------------------------------------------------------------
 
-def render_chat_request(ctx: ServingContext, request: Any,
-                        tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of a chat request (also used by /tokenize with messages)."""
+async def render_chat_request(ctx: ServingContext, request: Any,
+                              tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of a chat request (also used by /tokenize with messages), rendered off
+    the event loop; a request's own template only with --trust-request-chat-template."""
     tokenizer = ctx.require_tokenizer("chat", "messages")
-    return render_chat(tokenizer, request.messages,
-                       template=request.chat_template or ctx.chat_template,
-                       add_generation_prompt=request.add_generation_prompt,
-                       continue_final_message=request.continue_final_message,
-                       template_kwargs=request.chat_template_kwargs, tools=tools)
+    is_request_template = request.chat_template is not None
+    if is_request_template and not ctx.config.server.trust_request_chat_template:
+        raise InvalidRequestError("chat_template: this server does not accept chat templates in "
+                                  "requests (start it with --trust-request-chat-template)",
+                                  "chat_template")
+    job = chat_job(tokenizer, request.messages,
+                   template=request.chat_template if is_request_template else ctx.chat_template,
+                   add_generation_prompt=request.add_generation_prompt,
+                   continue_final_message=request.continue_final_message,
+                   template_kwargs=request.chat_template_kwargs, tools=tools)
+    if is_request_template:
+        return await ctx.template_sandbox().render(sandbox_job(tokenizer, job))
+    return await ctx.run_on_tokenizer_thread(lambda: render_job(tokenizer, job))
 
 
 async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
@@ -339,10 +360,11 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.check_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
+    ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens
-    prompt_text = render_chat_request(ctx, request, tools)
+    prompt_text = await render_chat_request(ctx, request, tools)
     prompt = await ctx.prompt_from_text(prompt_text, max_tokens,
                                         add_special_tokens=request.add_special_tokens,
                                         param="messages")
@@ -392,7 +414,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         def final() -> dict[str, Any] | None:
             return {**header, "choices": [], "usage": _usage(choices, [prompt], report_cached)} if include_usage else None
 
-        return StreamingResponse(sse_events(ctx, submissions, raw, prelude, chunk_for, final),
+        opened = await open_stream(ctx, submissions, raw)
+        return StreamingResponse(sse_events(opened, prelude, chunk_for, final),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     await _collect(ctx, submissions, raw, lambda index, output: choices[index].delta(output))

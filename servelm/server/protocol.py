@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 
 from servelm.errors import InvalidRequestError
 from servelm.sampling.params import SamplingParams, SamplingParamsError, StructuredSpec
@@ -21,10 +22,49 @@ MAX_N = 128
 """Most choices one request may ask for; each is a separate engine request."""
 
 
+def _first_unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode text, or None.
+
+    JSON may carry a lone UTF-16 surrogate ("\\ud800"); Python decodes it into a str that no
+    tokenizer, template or UTF-8 writer accepts, so it is refused here, once, for every route.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode()
+            where = f"{path}.{name}" if path else name
+            found = _first_unencodable(key, where) or _first_unencodable(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _first_unencodable(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     priority: int | None = None
     """Scheduling priority; only with --enable-priority-scheduling / --scheduling-policy priority."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        where = _first_unencodable(data, "")
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "{where}: the text contains a lone UTF-16 "
+                                      "surrogate (such as \\ud800), which is not valid Unicode",
+                                      {"where": where})
+        return data
 
 
 class StreamOptions(BaseModel):

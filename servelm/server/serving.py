@@ -15,12 +15,16 @@ import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from servelm.config import EngineConfig
 from servelm.errors import InvalidRequestError
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError
+from servelm.server.template_sandbox import TemplateSandbox
+
+T = TypeVar("T")
 
 _INLINE_TOKENIZE_CHARS = 4096
 """Shorter texts are tokenized on the event loop: a thread hop costs more than the work."""
@@ -73,9 +77,22 @@ class ServingContext:
             *config.model.served_names, config.model.model, info.get("served_model_name"),
             info.get("model_path")) if name}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenizer")
+        self._template_sandbox: TemplateSandbox | None = None
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._template_sandbox is not None:
+            self._template_sandbox.close()
+
+    def template_sandbox(self) -> TemplateSandbox:
+        """The worker that renders request-supplied chat templates (started on first use)."""
+        if self._template_sandbox is None:
+            self._template_sandbox = TemplateSandbox()
+        return self._template_sandbox
+
+    async def run_on_tokenizer_thread(self, work: Callable[[], T]) -> T:
+        """Run blocking tokenizer or template work on the tokenizer thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     # -- checks -------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -97,6 +114,14 @@ class ServingContext:
             raise InvalidRequestError(f"{what} needs a tokenizer, but the server runs with "
                                       "--skip-tokenizer-init; send token ids instead", param)
         return self.tokenizer
+
+    def check_num_sequences(self, num_sequences: int) -> None:
+        """400 when one request would create more sequences (prompts x n) than allowed."""
+        limit = self.config.server.max_sequences_per_request
+        if num_sequences > limit:
+            raise InvalidRequestError(
+                f"this request would create {num_sequences} sequences (prompts x n); the server "
+                f"allows at most {limit} per request (--max-sequences-per-request)", "n")
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         upper = self.vocab_size

@@ -6,6 +6,9 @@ Invariants:
   contract aborts its engine request and frees its KV. Nothing waits on a client that left.
 - A client disconnect is noticed while waiting for the engine (not only when the next chunk is
   written), for streaming and non-streaming requests alike.
+- A streamed response starts (status 200, headers) only once the engine has taken the request:
+  ``open_outputs`` waits for the first output, so a refusal (queue full: 503 with Retry-After;
+  invalid: 400) is answered with its own status, never as an error event inside a 200 stream.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from starlette.requests import Request
 
 from servelm.engine.outputs import RequestOutput
-from servelm.errors import EngineRequestError
+from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -44,6 +47,8 @@ class Submission:
     params: SamplingParams
     priority: int = 0
     """Scheduling priority (only with priority scheduling; validated by ServingContext)."""
+    group: str = ""
+    """The HTTP request's id, shared by all its submissions: the engine admits groups in turn."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -70,7 +75,9 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
 
     async def pump(submission: Submission) -> None:
         # priority only when set, so engine wrappers without the argument keep working
-        extra = {"priority": submission.priority} if submission.priority else {}
+        extra: dict[str, Any] = {"priority": submission.priority} if submission.priority else {}
+        if submission.group and len(submissions) > 1:
+            extra["group"] = submission.group
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
                                   submission.params, **extra)
         try:
@@ -104,6 +111,8 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
                 remaining -= 1
             elif item is _DISCONNECTED:
                 raise ClientDisconnected()
+            elif isinstance(item, InvalidRequestError):
+                raise item  # e.g. a request id already in use: the client's mistake, a 400
             elif isinstance(item, Exception):
                 raise EngineRequestError(f"engine failed: {type(item).__name__}: {item}") from item
             else:
@@ -111,3 +120,38 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def open_outputs(engine: Any, submissions: list[Submission], request: Request | None
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``stream_outputs``, started: returns once the first output has arrived.
+
+    A refusal of the first output raises here (EngineRequestError with the engine's status,
+    InvalidRequestError, ClientDisconnected), before the caller has sent any response header.
+    The returned generator yields that first output, then the rest; close it like
+    ``stream_outputs``.
+    """
+    stream = stream_outputs(engine, submissions, request)
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return _chain(None, stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+    if first[1].finish_reason == "error":
+        await stream.aclose()
+        raise EngineRequestError.from_output(first[1])
+    return _chain(first, stream)
+
+
+async def _chain(first: tuple[int, RequestOutput] | None,
+                 rest: AsyncIterator[tuple[int, RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]

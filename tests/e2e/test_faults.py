@@ -4,6 +4,7 @@
   exits with an error instead of hanging, and --crash-dump-folder holds the in-flight requests.
 - --watchdog-timeout: a step slower than the timeout kills the engine loudly (same outcome).
 - SIGTERM mid-run: in-flight requests finish, the server exits 0, and no child process is left.
+- SIGKILL on the front end mid-run (no cleanup runs): the engine process dies with it.
 """
 
 from __future__ import annotations
@@ -129,3 +130,21 @@ def test_sigterm_drains_in_flight_requests():
         left = [p.pid for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, f"child processes left after SIGTERM: {left}"
         print(f"SIGTERM drain time: {drain_s:.2f} s")
+
+
+def test_sigkill_on_the_front_end_takes_the_engine_down():
+    with ServerProcess(ARGS) as server:
+        engine = engine_process(server)
+        stream = Stream(server, 400)
+        stream.start()
+        assert stream.first_chunk.wait(120)
+        server.process.kill()  # SIGKILL: no lifespan, no shutdown message, no atexit
+        server.process.wait(timeout=10)
+        killed_s = time.monotonic()
+        try:
+            engine.wait(timeout=10)
+        except psutil.TimeoutExpired:
+            engine.kill()
+            pytest.fail("the engine process outlived its SIGKILLed front end by 10 s")
+        print(f"engine gone {time.monotonic() - killed_s:.2f} s after the front end")
+        stream.join(30)

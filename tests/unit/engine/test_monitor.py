@@ -35,6 +35,49 @@ def test_watchdog_fires_on_a_hung_step_only() -> None:
         watchdog.stop()
 
 
+_STEP_CHILD = """
+import os, sys, time
+from servelm.engine.monitor import Watchdog
+watchdog = Watchdog(2.0, lambda elapsed_s, timeout_s: os._exit(70))
+watchdog.step_started()
+print("started", flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(10)
+cpu_start = time.thread_time()
+while time.thread_time() - cpu_start < float(sys.argv[1]):  # a step of this much CPU work
+    pass
+watchdog.step_finished()
+print("finished", flush=True)
+"""
+
+
+def _run_step(cpu_s: float, stop_s: float, mode: str = "work") -> int:
+    """Exit status of a child running one step of ``cpu_s`` CPU seconds under a 2 s watchdog,
+    SIGSTOPped for ``stop_s`` seconds right after the step starts (mode "hang": the step
+    sleeps 10 s first)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", _STEP_CHILD, str(cpu_s), mode],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "started"
+    if stop_s:
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(stop_s)
+        os.kill(child.pid, signal.SIGCONT)
+    return child.wait(timeout=60)
+
+
+def test_watchdog_does_not_count_time_stopped() -> None:
+    # Stopped for 4 s in a 0.3 s step: the step took 0.3 s of running time, not 4.3 s.
+    assert _run_step(0.3, 4.0) == 0
+    # A real hang (the process runs, the step does not end) still trips the watchdog.
+    assert _run_step(0.0, 0.0, "hang") == 70
+
+
 class FakeEngine:
     def __init__(self) -> None:
         self.num_generated_tokens = 0

@@ -14,7 +14,7 @@ from servelm.engine.request import Request
 from servelm.sampling.params import SamplingParams
 
 from .fake_runner import FakeRunner
-from .test_engine_core import EOS, greedy, run_all
+from .test_engine_core import EOS, greedy, make_engine, run_all
 
 BS = 2
 A = [1, 1, 2, 2, 3, 3]  # branch A: 3 blocks cached
@@ -159,3 +159,55 @@ def test_router_max_wait_tokens_batches_admissions() -> None:
     assert [r.request_id for r in engine.scheduler.waiting] == ["b"]
     engine.step()                                   # the third step admits
     assert not engine.scheduler.waiting
+
+
+def test_groups_take_turns_in_admission() -> None:
+    def member(name: str, group: str) -> Request:
+        return Request(name, [1, 2, 3], SamplingParams(max_tokens=4), [EOS], 512, group=group)
+
+    waiting = [member(f"big{i}", "big") for i in range(4)] + [member("u1", "u"), member("u2", "u"),
+                                                               member("solo", "")]
+    ordered = names(order_waiting(waiting, SchedulerConfig(), None, random.Random(0)))
+    assert ordered == ["big0", "u1", "solo", "big1", "u2", "big2", "big3"]
+
+
+def test_a_big_batch_does_not_starve_another_user() -> None:
+    """100 sequences of one client request are queued first; a later single request is admitted
+    at the next free slot, not after the whole batch (as it was with plain FCFS)."""
+    engine, _ = make_engine(num_blocks=256, block_size=4, max_running_requests=4)
+    for index in range(100):
+        prompt = [10 + index % 50, 11, 12, 13, 14]
+        assert engine.add_request(f"big-{index}", prompt, greedy(6), group="big") is None
+    for _ in range(3):
+        engine.step()
+    assert engine.add_request("user", [7, 8, 9], greedy(6)) is None
+    num_big_finished = 0
+    while True:
+        outputs = engine.step()
+        if any(o.request_id == "user" and o.is_finished for o in outputs):
+            break
+        num_big_finished += sum(o.is_finished for o in outputs if o.request_id.startswith("big"))
+    assert num_big_finished <= 8, num_big_finished  # about one round of the running slots
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_group_takes_at_most_its_share_while_others_have_work() -> None:
+    engine, _ = make_engine(num_blocks=256, block_size=4, max_running_requests=8)
+    for index in range(40):
+        assert engine.add_request(f"big-{index}", [20 + index, 11, 12], greedy(4), group="big") is None
+    engine.step()
+    assert len(engine.scheduler.running) == 8  # alone, the batch may use every slot
+    assert engine.add_request("user", [7, 8, 9], greedy(12)) is None
+    num_checked = 0
+    for _ in range(30):
+        before = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        running = engine.scheduler.running
+        is_new_big = any(r.request_id not in before and r.group == "big" for r in running)
+        if is_new_big and any(r.group == "user" for r in running):
+            assert sum(r.group == "big" for r in running) <= 2  # 8 slots x GROUP_SHARE
+            num_checked += 1
+    assert num_checked > 0  # big sequences were admitted beside the user, within the share
+    while engine.has_unfinished():
+        engine.step()

@@ -71,6 +71,24 @@ def test_pool_size_from_free_memory_is_capped_on_cpu() -> None:
         kv_pool_blocks(cache, bytes_per_token=2 ** 50, device=torch.device("cpu"))
 
 
+def test_default_cpu_pool_leaves_room_for_other_servers() -> None:
+    gib = 2 ** 30
+    smollm2_bytes = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x kv heads x head dim x float32
+    default = CacheConfig(page_size=16)
+    # The host: 24 GiB, 22 GiB free. 30% of free memory was 6.7 GiB; now 1/16 of RAM.
+    blocks = kv_pool_blocks(default, smollm2_bytes, torch.device("cpu"), demand_tokens=64 * 8192,
+                            memory_bytes=(22 * gib, 24 * gib))
+    assert blocks * 16 * smollm2_bytes <= 1.5 * gib
+    assert blocks * 16 >= 32 * 1024  # still 64 requests x 512 tokens
+    # Bounded by what can be in use: max running requests x context length.
+    assert kv_pool_blocks(default, smollm2_bytes, torch.device("cpu"), demand_tokens=4 * 512,
+                          memory_bytes=(22 * gib, 24 * gib)) == 4 * 512 // 16
+    # A fraction the user chose is honoured (up to the CPU cap), as is --max-total-tokens.
+    chosen = CacheConfig(page_size=16, mem_fraction_static=0.5)
+    assert kv_pool_blocks(chosen, 2 ** 16, torch.device("cpu"), memory_bytes=(8 * gib, 24 * gib)) \
+        == 4 * gib // 2 ** 16 // 16
+
+
 def test_runner_reports_pool_and_vocab() -> None:
     config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32"),
                           cache=CacheConfig(page_size=8, max_total_tokens=256))

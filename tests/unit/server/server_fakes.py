@@ -82,7 +82,8 @@ class FakeEngine:
         return TokenLogprob(token_id=token_id, logprob=value, top=top[:k])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0,
+                       group: str = "") -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_token_ids), params))
         self.priorities.append(priority)
         is_finished = False
