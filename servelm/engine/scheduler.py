@@ -18,6 +18,7 @@ Invariants:
   computed (so n>1 siblings and later turns hit it), and a finished or preempted request's blocks
   stay cached. When the pool is short, free cached blocks are evicted before anyone is preempted.
 - Admission order is engine/policy.py's; admission stops at the first request that does not fit.
+  A request whose grammar is still compiling is skipped, not waited for.
 - An embedding request is computed whole in the step that admits it (never chunked: an encoder
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
@@ -184,6 +185,8 @@ class Scheduler:
         for request in order_waiting(self.waiting, self.config, self.prefix_cache, self._rng):
             if budget <= 0:
                 break
+            if request.is_compiling:
+                continue  # its grammar is not ready: the requests behind it go on
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
