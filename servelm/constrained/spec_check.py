@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from servelm.constrained.grammar import GrammarError
 
@@ -190,7 +190,8 @@ class _Circuit:
         if _is_int(low) and _is_int(high) and low > high:
             return self.constant(path, False, f"has minProperties {low} > maxProperties {high}")
         node = self.gate(f"{path}/properties", is_all=True)
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties: dict[str, Any] = (schema["properties"] if isinstance(schema.get("properties"), dict)
+                                      else {})
         additional = schema.get("additionalProperties", True)
         for name in _list(schema.get("required")):
             if not isinstance(name, str):
@@ -202,9 +203,8 @@ class _Circuit:
         return node
 
     def _array(self, schema: dict[str, Any], path: str) -> int:
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
-        if not _is_int(low):
-            low = 0
+        low: int = schema["minItems"] if _is_int(schema.get("minItems")) else 0
+        high = schema.get("maxItems")
         if _is_int(high) and low > high:
             return self.constant(path, False, f"has minItems {low} > maxItems {high}")
         node = self.gate(f"{path}/items", is_all=True)
@@ -224,9 +224,9 @@ class _Circuit:
             if _is_int(low) and _is_int(high) and low > high:
                 return self.constant(path, False, f"has minLength {low} > maxLength {high}")
         if name in ("number", "integer"):
-            low, high = schema.get("minimum"), schema.get("maximum")
-            if _is_number(low) and _is_number(high) and low > high:
-                return self.constant(path, False, f"has minimum {low} > maximum {high}")
+            low_value, high_value = schema.get("minimum"), schema.get("maximum")
+            if _is_number(low_value) and _is_number(high_value) and low_value > high_value:
+                return self.constant(path, False, f"has minimum {low_value} > maximum {high_value}")
         return self.constant(path, True)
 
     def propagate(self) -> None:
@@ -312,11 +312,11 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
