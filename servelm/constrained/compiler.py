@@ -12,7 +12,9 @@ Invariants:
 - A job that runs longer than ``timeout_s`` fails (a GrammarError naming
   --grammar-compile-timeout), and so does every later request for the same spec: failures are
   cached like results. A thread cannot be stopped, so the compile itself runs on to its end in
-  the background; the spec budget keeps that to seconds.
+  the background (the spec budget keeps that to seconds); its thread is written off and a new
+  worker takes its place, so the queue behind it keeps moving. At most ``MAX_ABANDONED_WORKERS``
+  are written off at a time: past that, compiles wait for a worker.
 - Workers are daemon threads: a compile still running never holds up the engine's exit.
 """
 
@@ -31,11 +33,16 @@ from servelm.constrained.spec_check import check_spec
 
 logger = logging.getLogger(__name__)
 
+MAX_ABANDONED_WORKERS = 2
+"""Timed-out compiles left running on their own threads at once (each may hold a core until it
+ends); more timeouts than this leave the pool short until one ends."""
+
 
 class CompileJob:
     """One (kind, spec) compile, shared by every request that asks for the same spec."""
 
-    __slots__ = ("kind", "spec", "started_s", "compiled", "error", "done")
+    __slots__ = ("kind", "spec", "started_s", "compiled", "error", "done", "is_running",
+                 "is_abandoned")
 
     def __init__(self, kind: str, spec: str) -> None:
         self.kind = kind
@@ -46,6 +53,10 @@ class CompileJob:
         self.error: str | None = None
         self.done = threading.Event()
         """Set once ``compiled`` or ``error`` is final."""
+        self.is_running = False
+        """A worker is compiling it (changed under the compiler's lock once it ends)."""
+        self.is_abandoned = False
+        """Timed out while compiling and its worker replaced: that thread exits when it ends."""
 
     def fail(self, error: str) -> None:
         if not self.done.is_set():
@@ -70,9 +81,16 @@ class GrammarCompiler:
         self._backend_error: str | None = None
         self._backend_ready = threading.Event()
         self._make_backend = make_backend
+        self._lock = threading.Lock()
+        self._num_abandoned = 0
+        self._num_threads = 0
         for index in range(num_workers):
-            threading.Thread(target=self._work, name=f"grammar-compile-{index}", daemon=True,
-                             args=(index == 0,)).start()
+            self._start_worker(creates_backend=index == 0)
+
+    def _start_worker(self, creates_backend: bool = False) -> None:
+        self._num_threads += 1
+        threading.Thread(target=self._work, name=f"grammar-compile-{self._num_threads}", daemon=True,
+                         args=(creates_backend,)).start()
 
     @property
     def backend(self) -> GrammarBackend | None:
@@ -106,6 +124,11 @@ class GrammarCompiler:
                            self.timeout_s, job.kind, len(job.spec))
             job.fail(f"the grammar took longer than {self.timeout_s:g} s to compile "
                      "(--grammar-compile-timeout); simplify it or raise the limit")
+            with self._lock:
+                if job.is_running and self._num_abandoned < MAX_ABANDONED_WORKERS:
+                    self._num_abandoned += 1
+                    job.is_abandoned = True
+                    self._start_worker()
         if not job.done.is_set():
             return None
         if job.error is not None:
@@ -137,19 +160,28 @@ class GrammarCompiler:
             job = self._queue.get()
             if job.done.is_set():
                 continue
-            if self._backend_error is not None:
-                job.fail(self._backend_error)
-                continue
-            assert self._backend is not None
-            job.started_s = time.monotonic()
-            try:
-                compiled = self._backend.compile(job.kind, job.spec)
-            except GrammarError as error:
-                job.fail(str(error))
-                continue
-            except (MemoryError, RecursionError, RuntimeError, ValueError) as error:
-                job.fail(f"the grammar failed to compile: {type(error).__name__}: {error}")
-                continue
-            if not job.done.is_set():  # not already failed by the time budget
-                job.compiled = compiled
-                job.done.set()
+            job.is_running = True
+            self._compile(job)
+            with self._lock:
+                job.is_running = False
+                if job.is_abandoned:  # replaced while it compiled: leave the pool its size
+                    self._num_abandoned -= 1
+                    return
+
+    def _compile(self, job: CompileJob) -> None:
+        if self._backend_error is not None:
+            job.fail(self._backend_error)
+            return
+        assert self._backend is not None
+        job.started_s = time.monotonic()
+        try:
+            compiled = self._backend.compile(job.kind, job.spec)
+        except GrammarError as error:
+            job.fail(str(error))
+            return
+        except (MemoryError, RecursionError, RuntimeError, ValueError) as error:
+            job.fail(f"the grammar failed to compile: {type(error).__name__}: {error}")
+            return
+        if not job.done.is_set():  # not already failed by the time budget
+            job.compiled = compiled
+            job.done.set()

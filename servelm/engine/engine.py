@@ -3,8 +3,8 @@ compile on GrammarCompiler's worker threads; the step only polls them).
 
 ``step()`` is grammars -> schedule -> execute -> update. A structured request waits in the queue
 until its grammar has compiled (the scheduler skips it, the batch goes on); a grammar that fails
-or runs past --grammar-compile-timeout ends its request with a 400. The core never raises for a single request's
-failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
+or runs past --grammar-compile-timeout ends its request with a 400. The core never raises for a
+single request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
 pass ends every request in that batch with an error and the loop goes on.
 The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
 """

@@ -29,17 +29,20 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 class GatedBackend:
-    """A real backend whose compile waits until ``compile_gate`` opens."""
+    """A real backend whose compile waits until ``compile_gate`` opens (only for ``slow_spec``
+    when that is set)."""
 
     def __init__(self, inner: GrammarBackend) -> None:
         self.inner = inner
         self.name = inner.name
         self.compile_gate = threading.Event()
+        self.slow_spec: str | None = None
         self.num_compiles = 0
 
     def compile(self, kind: str, spec: str) -> Any:
         self.num_compiles += 1
-        self.compile_gate.wait()
+        if self.slow_spec is None or spec == self.slow_spec:
+            self.compile_gate.wait()
         return self.inner.compile(kind, spec)
 
     def __getattr__(self, name: str) -> Any:
@@ -168,13 +171,27 @@ def test_jump_forward_appends_a_bounded_amount_per_step(tokenizer, backend):
     request = engine.scheduler.requests["long"]
     previous = 0
     text = ""
+    growth = []
     while engine.has_unfinished():
         for output in engine.step():
             text += output.new_text
-        if request.is_finished:
-            break
-        grown = len(request.output_token_ids) - previous
-        assert grown <= MAX_JUMP_FORWARD_CHARS + 1  # one sampled token plus the capped jump
+        growth.append(len(request.output_token_ids) - previous)
         previous = len(request.output_token_ids)
+    assert max(growth) <= MAX_JUMP_FORWARD_CHARS + 1 < 450  # one sampled token plus the capped jump
     assert text == "x" * 450 + "y"
     assert engine.num_jump_forward_tokens >= 440
+
+
+def test_a_timed_out_compile_does_not_hold_up_the_next_one(tokenizer, backend):
+    # One worker, stuck on a compile nobody can stop: after the timeout it is replaced.
+    engine, gated, created = gated_engine(tokenizer, backend, timeout_s=0.2)
+    created.set()
+    gated.slow_spec = SPEC.spec
+    assert engine.add_request("slow", [5, 6], SamplingParams(max_tokens=20, structured=SPEC)) is None
+    assert step_until_finished(engine, "slow", max_steps=100_000)["output"].error_status == 400
+    fast = SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredSpec("regex", "[a-c]{3}"))
+    assert engine.add_request("fast", [5, 6], fast) is None
+    result = step_until_finished(engine, "fast", max_steps=3000)  # the slow compile still runs
+    assert result["output"].finish_reason == "stop" and len(result["text"]) == 3
+    assert not gated.compile_gate.is_set()
+    gated.compile_gate.set()
