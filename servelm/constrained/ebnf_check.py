@@ -104,6 +104,19 @@ class _Parser:
         return atom
 
 
+def check_ebnf_finite(spec: str) -> None:
+    """GrammarError when a GBNF grammar (the ``ebnf`` kind) has no finite sentence, read through
+    xgrammar's parser; a grammar xgrammar cannot parse is left to the backend (llguidance's
+    dialect differs in places)."""
+    try:
+        import xgrammar as xgr
+
+        grammar = xgr.Grammar.from_ebnf(spec)
+    except Exception:  # not installed, or not xgrammar's dialect: the backend decides
+        return
+    check_finite(str(grammar))
+
+
 def check_finite(grammar_text: str, root: str = "root") -> None:
     """GrammarError when ``root`` of the normalized grammar can never finish a sentence."""
     bodies: dict[str, list[str]] = {}

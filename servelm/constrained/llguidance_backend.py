@@ -30,6 +30,7 @@ import llguidance
 import llguidance.hf
 import torch
 
+from servelm.constrained.ebnf_check import check_ebnf_finite
 from servelm.constrained.grammar import (GrammarError, apply_packed_bitmask, choice_to_ebnf,
                                          parse_json_schema)
 
@@ -80,6 +81,8 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         elif kind in ("ebnf", "choice"):
+            if kind == "ebnf":
+                check_ebnf_finite(spec)  # llguidance would decode a no-way-out grammar to max_tokens
             grammar = llguidance.grammar_from("ebnf", spec if kind == "ebnf" else choice_to_ebnf(spec))
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}")
