@@ -6,9 +6,9 @@ do the same with a thread pool: xgrammar and llguidance release the GIL while th
 compile costs the decode loop a core, never the loop itself.
 
 Invariants:
-- Every spec passes ``check_spec`` (size budget, satisfiability) before a worker sees it, and the
-  backend is created on a worker too (2.5 s for xgrammar, up to 8 s for llguidance under load):
-  the engine thread never compiles.
+- Every spec passes ``check_spec`` (size budget, satisfiability) before the backend sees it; that
+  check, the compile and the backend's creation (2.5 s for xgrammar, up to 8 s for llguidance
+  under load) all run on a worker: the engine thread never parses or compiles a spec.
 - A job that runs longer than ``timeout_s`` fails (a GrammarError naming
   --grammar-compile-timeout), and so does every later request for the same spec: failures are
   cached like results. A thread cannot be stopped, so the compile itself runs on to its end in
@@ -98,15 +98,13 @@ class GrammarCompiler:
         return self._backend
 
     def submit(self, kind: str, spec: str) -> CompileJob:
-        """The job compiling (kind, spec): cached, in flight or new. Raises GrammarError at once
-        for a spec over budget or that can match nothing (no worker time spent)."""
+        """The job compiling (kind, spec): cached, in flight or new."""
         key = (kind, spec)
         job = self._jobs.get(key)
         if job is not None:
             self.num_hits += 1
             self._jobs.move_to_end(key)
             return job
-        check_spec(kind, spec, self.max_spec_bytes)
         self.num_misses += 1
         job = CompileJob(kind, spec)
         self._jobs[key] = job
@@ -175,6 +173,7 @@ class GrammarCompiler:
         assert self._backend is not None
         job.started_s = time.monotonic()
         try:
+            check_spec(job.kind, job.spec, self.max_spec_bytes)
             compiled = self._backend.compile(job.kind, job.spec)
         except GrammarError as error:
             job.fail(str(error))

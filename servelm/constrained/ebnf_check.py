@@ -118,7 +118,8 @@ def check_ebnf_finite(spec: str) -> None:
 
 
 def check_finite(grammar_text: str, root: str = "root") -> None:
-    """GrammarError when ``root`` of the normalized grammar can never finish a sentence."""
+    """GrammarError when ``root`` of the normalized grammar, or any of its rules, can never
+    finish a sentence."""
     bodies: dict[str, list[str]] = {}
     for line in grammar_text.splitlines():
         tokens = [t for t in _TOKEN.findall(line) if not t.isspace()]
@@ -131,7 +132,10 @@ def check_finite(grammar_text: str, root: str = "root") -> None:
     for name, tokens in bodies.items():
         gates.inputs[rules[name]].append(_Parser(gates, rules, tokens).alternatives())
     productive = gates.productive()
+    stuck = sorted(name for name, gate in rules.items() if not productive[gate])
     if not productive[rules[root]]:
-        stuck = sorted(name for name, gate in rules.items() if not productive[gate])
         raise GrammarError(f"the grammar has no finite output: rule {root} can never finish (rules "
-                        f"with no way out: {', '.join(stuck[:5])})")
+                           f"with no way out: {', '.join(stuck[:5])})")
+    if stuck:  # a branch into one of these could never end: xgrammar blows up on it all the same
+        raise GrammarError(f"the grammar has rules that can never finish: {', '.join(stuck[:5])} "
+                           "(a recursion with no way out)")

@@ -193,13 +193,16 @@ class _Circuit:
         properties: dict[str, Any] = (schema["properties"] if isinstance(schema.get("properties"), dict)
                                       else {})
         additional = schema.get("additionalProperties", True)
+        # Every property gets its gate (an optional one only for dead_loop); required ones feed this.
+        gates = {name: self.schema(sub, f"{path}/properties/{name}") for name, sub in properties.items()}
+        additional_gate = self.schema(additional, f"{path}/additionalProperties")
         for name in _list(schema.get("required")):
             if not isinstance(name, str):
                 continue
-            if name in properties:
-                self.nodes[node].inputs.append(self.schema(properties[name], f"{path}/properties/{name}"))
+            if name in gates:
+                self.nodes[node].inputs.append(gates[name])
             elif "patternProperties" not in schema:
-                self.nodes[node].inputs.append(self.schema(additional, f"{path}/additionalProperties"))
+                self.nodes[node].inputs.append(additional_gate)
         return node
 
     def _array(self, schema: dict[str, Any], path: str) -> int:
@@ -212,10 +215,11 @@ class _Circuit:
         items = schema.get("items", True)
         if isinstance(items, list):  # draft 4-7 tuple form
             prefix, items = items, schema.get("additionalItems", True)
-        for index in range(min(low, len(prefix))):
-            self.nodes[node].inputs.append(self.schema(prefix[index], f"{path}/prefixItems/{index}"))
+        prefix_gates = [self.schema(sub, f"{path}/prefixItems/{index}") for index, sub in enumerate(prefix)]
+        items_gate = self.schema(items, f"{path}/items")  # built even when optional (dead_loop)
+        self.nodes[node].inputs.extend(prefix_gates[:low])
         if low > len(prefix):
-            self.nodes[node].inputs.append(self.schema(items, f"{path}/items"))
+            self.nodes[node].inputs.append(items_gate)
         return node
 
     def _scalar(self, schema: dict[str, Any], path: str, name: str) -> int:
@@ -278,6 +282,32 @@ class _Circuit:
         return "it has no finite value"
 
 
+    def dead_loop(self) -> str | None:
+        """A cycle among unproductive gates (a recursion no value can leave), described; None
+        when there is none. Iterative three-colour DFS: linear, and no recursion limit."""
+        state = [0] * len(self.nodes)  # 0 unvisited, 1 on the DFS path, 2 done
+        for start, node in enumerate(self.nodes):
+            if node.is_productive or state[start]:
+                continue
+            stack: list[tuple[int, int]] = [(start, 0)]
+            state[start] = 1
+            while stack:
+                index, position = stack.pop()
+                blocked = [i for i in self.nodes[index].inputs if not self.nodes[i].is_productive]
+                if position == len(blocked):
+                    state[index] = 2
+                    continue
+                stack.append((index, position + 1))
+                child = blocked[position]
+                if state[child] == 1:
+                    return (f"{self.nodes[index].path} leads back to {self.nodes[child].path} "
+                            "(a value would have to contain itself: it could never end)")
+                if state[child] == 0:
+                    state[child] = 1
+                    stack.append((child, 0))
+        return None
+
+
 _UNRESOLVED = object()
 
 
@@ -321,12 +351,17 @@ def _is_number(value: Any) -> TypeGuard[int | float]:
 
 
 def check_json_schema(schema: Any) -> None:
-    """GrammarError naming the place when the schema can certainly match no finite JSON value."""
+    """GrammarError naming the place when the schema can certainly match no finite JSON value,
+    or has a recursion with no way out anywhere (an optional property that must contain itself:
+    xgrammar's compiler allocates without bound on that too)."""
     circuit = _Circuit(schema)
     root = circuit.build()
     circuit.propagate()
     if not circuit.nodes[root].is_productive:
         raise GrammarError(f"the JSON schema matches no finite JSON value: {circuit.explain(root)}")
+    loop = circuit.dead_loop()
+    if loop is not None:
+        raise GrammarError(f"the JSON schema has a recursion with no way out: {loop}")
 
 
 def check_spec(kind: str, spec: str, max_spec_bytes: int | None) -> None:

@@ -18,7 +18,8 @@ from servelm.constrained.grammar import GrammarBackend, make_backend
 from servelm.engine.engine import MAX_JUMP_FORWARD_CHARS, LLMEngine
 from servelm.engine.request import RequestStatus
 from servelm.sampling.params import SamplingParams, StructuredSpec
-from tests.unit.constrained.test_grammar import SCHEMA, installed_backends, make_engine, tokenizer  # noqa: F401
+from tests.unit.constrained.test_grammar import (SCHEMA, final_output, installed_backends,  # noqa: F401
+                                                 make_engine, tokenizer)
 
 SPEC = StructuredSpec("json", json.dumps(SCHEMA))
 
@@ -158,8 +159,8 @@ def test_hostile_schema_through_the_engine_is_a_400_not_a_crash(tokenizer, backe
     engine = make_engine(tokenizer, backend=backend)
     spec = StructuredSpec("json", json.dumps({"type": "object", "properties": {"x": {"$ref": "#"}},
                                               "required": ["x"]}))
-    output = engine.add_request("hostile", [1, 2], SamplingParams(max_tokens=50, structured=spec))
-    assert output is not None and output.error_status == 400
+    output = final_output(engine, "hostile", SamplingParams(max_tokens=50, structured=spec))
+    assert output.finish_reason == "error" and output.error_status == 400
     assert "matches no finite JSON value" in output.error
 
 
