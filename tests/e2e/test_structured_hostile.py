@@ -55,6 +55,9 @@ HOSTILE = {  # name -> (extra request fields, words the 400 must contain)
                "not: {}"),
     "empty enum": ({"guided_json": {"enum": []}}, "empty enum"),
     "min > max": ({"guided_json": {"type": "integer", "minimum": 9, "maximum": 1}}, "minimum 9 > maximum 1"),
+    "tool whose parameters contain themselves": ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"again": {"$ref": "#"}},
+                                    "required": ["again"]}}}], "tool_choice": "required"}, "no way out"),
     "EBNF with no way out": ({"guided_grammar": 'root ::= "[" root "]"'}, "no finite output"),
     "enum of 100k values": ({"guided_json": {"enum": [f"value{i}" for i in range(100_000)]}},
                             "--max-grammar-spec-bytes"),
@@ -95,7 +98,7 @@ def _stream_normal(base_url: str, arrivals: list[float], result: dict) -> None:
 
 
 def _hostile(base_url: str, fields: dict, name: str) -> tuple[str, httpx.Response]:
-    if "response_format" in fields:
+    if "response_format" in fields or "tools" in fields:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, **fields}
         return name, httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300)
     body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 20, **fields}
