@@ -25,7 +25,7 @@ import torch
 
 from servelm.config import (CacheConfig, EngineConfig, ModelConfig, RuntimeConfig,
                             StructuredOutputConfig)
-from servelm.constrained.grammar import GrammarCache
+from servelm.constrained.compiler import GrammarCompiler
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams, StructuredSpec
 
@@ -90,7 +90,9 @@ def main() -> None:
                                     runtime=RuntimeConfig(num_threads=args.num_threads),
                                     structured=StructuredOutputConfig(disable_jump_forward=True)))
     spec = StructuredSpec("json", json.dumps(schema(args.tokens)))
-    engine._grammar_cache().matcher(spec.kind, spec.spec)  # compile outside the timing
+    assert engine._grammars is not None
+    job = engine._grammars.submit(spec.kind, spec.spec)  # compile outside the timing
+    job.done.wait()
     timer = GrammarTimer(engine)
     run(engine, 1, 8, None)  # warm up
     print(f"model {args.model}, {args.tokens} tokens per request, best of {args.repeats}, "
@@ -112,7 +114,7 @@ def main() -> None:
               f"{overhead_ms:>+9.2f} ms ({(rates['free'] / rates['json'] - 1) * 100:+.1f}%) "
               f"{grammar_ms:>12.3f} ms")
     cache = engine._grammars
-    assert isinstance(cache, GrammarCache)
+    assert isinstance(cache, GrammarCompiler)
     print(f"grammar cache: {cache.num_misses} compiles, {cache.num_hits} hits; "
           f"load average now {os.getloadavg()[0]:.2f}")
 

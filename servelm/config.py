@@ -322,6 +322,20 @@ class StructuredOutputConfig:
     disable_jump_forward: bool = opt(False, "Sample every token under a grammar. By default, text the "
                                      "grammar forces (JSON keys and punctuation) is appended without a "
                                      "model step, saving steps.")
+    grammar_compile_timeout: float = opt(
+        10.0, "Seconds one grammar may take to compile (on a worker thread, off the engine step); "
+        "a request whose grammar takes longer gets a 400. 10 s is far above a realistic schema's "
+        "compile (milliseconds) and bounds what one request can cost; 0: no limit.")
+    max_grammar_spec_bytes: int = opt(
+        32768, "Largest grammar spec (JSON schema, regex, EBNF, choice list) in bytes, refused with "
+        "a 400 up front. Compile time grows superlinearly with size (xgrammar: 0.3 s for 1k "
+        "optional properties, minutes for 10k); raise it for large tool schemas.")
+
+    def __post_init__(self) -> None:
+        if self.grammar_compile_timeout < 0:
+            raise ValueError(f"--grammar-compile-timeout must be >= 0, got {self.grammar_compile_timeout}")
+        if self.max_grammar_spec_bytes < 1:
+            raise ValueError(f"--max-grammar-spec-bytes must be at least 1, got {self.max_grammar_spec_bytes}")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Grammar backends for constrained decoding: the interface, the registry and the compile cache.
 
-A backend turns a (kind, spec) pair into a compiled grammar (once: compiled grammars are cached
-per (kind, spec)) and makes one matcher per engine request from it. A matcher is the grammar's
+A backend turns a (kind, spec) pair into a compiled grammar (once, on a worker thread:
+``compiler.GrammarCompiler`` caches them per (kind, spec)) and makes one matcher per engine
+request from it. A matcher is the grammar's
 state for one output: the engine feeds it every accepted token, asks it which tokens may come next
 (a packed bitmask row) and whether it has terminated.
 
@@ -12,13 +13,13 @@ Invariants:
 - Kinds: "json" (a JSON schema text), "json_object" (any JSON object; spec ignored), "regex",
   "ebnf" (GBNF-style, ``root`` rule) and "choice" (a JSON list of strings: exactly one of them).
 - ``validate_spec`` needs no tokenizer, so the server can reject a bad spec with a 400 before the
-  request reaches the engine.
+  request reaches the engine; ``spec_check`` (size budget, satisfiability) runs there and again
+  before every compile.
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -62,7 +63,7 @@ class GrammarBackend(Protocol):
         ...
 
     def compile(self, kind: str, spec: str) -> Any:
-        """An opaque compiled grammar (slow: call through GrammarCache)."""
+        """An opaque compiled grammar (slow: runs on a GrammarCompiler worker, never the step)."""
         ...
 
     def make_matcher(self, compiled: Any) -> GrammarMatcher: ...
@@ -100,6 +101,8 @@ def parse_json_schema(spec: str) -> dict[str, Any] | bool:
         schema = json.loads(spec)
     except json.JSONDecodeError as error:
         raise GrammarError(f"JSON schema is not valid JSON: {error}") from None
+    except RecursionError:
+        raise GrammarError("JSON schema is nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object")
     return schema
@@ -114,32 +117,6 @@ def choice_to_ebnf(spec: str) -> str:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise GrammarError("choices must be a non-empty list of non-empty strings")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-class GrammarCache:
-    """Compiled grammars by (kind, spec), least recently used evicted past ``max_entries``."""
-
-    def __init__(self, backend: GrammarBackend, max_entries: int = 256) -> None:
-        self.backend = backend
-        self.max_entries = max_entries
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self.num_hits = 0
-        self.num_misses = 0
-
-    def matcher(self, kind: str, spec: str) -> GrammarMatcher:
-        """A fresh matcher for (kind, spec); raises GrammarError for a bad spec."""
-        key = (kind, spec)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self.num_misses += 1
-            compiled = self.backend.compile(kind, spec)
-            self._compiled[key] = compiled
-            if len(self._compiled) > self.max_entries:
-                self._compiled.popitem(last=False)
-        else:
-            self.num_hits += 1
-            self._compiled.move_to_end(key)
-        return self.backend.make_matcher(compiled)
 
 
 def _unavailable(name: str) -> Callable[..., GrammarBackend]:
@@ -197,13 +174,17 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: lis
     return BACKEND_FACTORIES[name](tokenizer, vocab_size, stop_token_ids, whitespace_pattern)
 
 
-def validate_spec(backend_name: str, kind: str, spec: str,
-                  whitespace_pattern: str | None = None) -> None:
-    """Check a spec without a tokenizer (server side); raises GrammarError naming the problem."""
+def validate_spec(backend_name: str, kind: str, spec: str, whitespace_pattern: str | None = None,
+                  max_spec_bytes: int | None = None) -> None:
+    """Check a spec without a tokenizer (server side): the size budget (when given), whether it
+    can match anything, then the backend's own parse; raises GrammarError naming the problem."""
+    from servelm.constrained.spec_check import check_spec
+
     if backend_name == "none":
         raise GrammarError("structured output is disabled on this server (--grammar-backend none)")
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}")
+    check_spec(kind, spec, max_spec_bytes)
     if backend_name == "llguidance":
         from servelm.constrained.llguidance_backend import grammar_from_spec as llguidance_grammar
 

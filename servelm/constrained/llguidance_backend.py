@@ -7,8 +7,10 @@ filled. Bitmasks use the same packed int32 layout as xgrammar's (bit i of word j
 32*j + i), so the executor treats both backends alike.
 
 Invariants:
-- The "compiled grammar" is llguidance's serialized grammar text, already validated against the
-  tokenizer; a matcher is built from it per request (cheap).
+- The "compiled grammar" is a fresh LLMatcher built (on a compile worker: building the lexer is
+  the slow part, 9 s for 10k properties) from llguidance's grammar text; each request's matcher
+  is a deep copy of it (cheap). Every matcher runs under ``LIMITS``, so the lexer states and
+  Earley items one grammar may build are bounded.
 - Stop tokens are the model's EOS ids. The matcher is terminated once the grammar is complete and
   can take nothing but EOS (llguidance's "stopped" state), so a request may end one step before
   the EOS token xgrammar would sample; the output text is the same. A stopped matcher (reached by
@@ -28,6 +30,7 @@ import llguidance
 import llguidance.hf
 import torch
 
+from servelm.constrained.ebnf_check import check_ebnf_finite
 from servelm.constrained.grammar import (GrammarError, apply_packed_bitmask, choice_to_ebnf,
                                          parse_json_schema)
 
@@ -41,6 +44,10 @@ def _json_options(whitespace_pattern: str | None) -> dict[str, Any]:
     return {"item_separator": ",", "key_separator": ":", "whitespace_flexible": True,
             "whitespace_pattern": whitespace_pattern}
 
+
+LIMITS = llguidance.LLParserLimits(max_lexer_states=50_000, verbose_errors=False)
+"""llguidance's defaults but at most 50k lexer states (about 100 MB; default 250k) and no
+grammar text in error messages (they reach clients)."""
 
 _LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 """Keywords whose values are JSON data, not schemas: _strict leaves them alone."""
@@ -74,6 +81,8 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         elif kind in ("ebnf", "choice"):
+            if kind == "ebnf":
+                check_ebnf_finite(spec)  # llguidance would decode a no-way-out grammar to max_tokens
             grammar = llguidance.grammar_from("ebnf", spec if kind == "ebnf" else choice_to_ebnf(spec))
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}")
@@ -81,7 +90,8 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
         raise
     except ValueError as error:
         raise GrammarError(f"invalid {_WHAT[kind]}: {error}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer,
+                                                                             limits=LIMITS)
     if is_error:
         raise GrammarError(f"invalid {_WHAT[kind]}: {messages[0] if messages else 'rejected'}")
     return grammar
@@ -137,14 +147,15 @@ class LLGuidanceBackend:
     def validate(self, kind: str, spec: str) -> None:
         grammar_from_spec(kind, spec, self.whitespace_pattern)
 
-    def compile(self, kind: str, spec: str) -> str:
-        return grammar_from_spec(kind, spec, self.whitespace_pattern, self.tokenizer)
-
-    def make_matcher(self, compiled: str) -> LLGuidanceMatcher:
-        matcher = llguidance.LLMatcher(self.tokenizer, compiled, log_level=0)
+    def compile(self, kind: str, spec: str) -> llguidance.LLMatcher:
+        grammar = grammar_from_spec(kind, spec, self.whitespace_pattern, self.tokenizer)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(f"grammar failed to compile: {matcher.get_error()}")
-        return LLGuidanceMatcher(matcher, self.stop_token_ids)
+        return matcher
+
+    def make_matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

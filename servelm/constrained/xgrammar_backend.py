@@ -12,7 +12,11 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from servelm.constrained.ebnf_check import check_finite
 from servelm.constrained.grammar import GrammarError, choice_to_ebnf, parse_json_schema
+
+COMPILER_CACHE_BYTES = 256 << 20
+"""Bound on the compiled grammars xgrammar's compiler keeps (its default is unbounded)."""
 
 
 def _clean(error: Exception) -> str:
@@ -34,7 +38,14 @@ def _json_options(whitespace_pattern: str | None) -> dict[str, Any]:
 
 
 def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = None) -> xgr.Grammar:
-    """Build the (tokenizer-free) grammar; raises GrammarError naming what is wrong."""
+    """Build the (tokenizer-free) grammar; raises GrammarError naming what is wrong, including a
+    grammar with no finite output (xgrammar's compiler would allocate without bound on it)."""
+    grammar = _build(kind, spec, whitespace_pattern)
+    check_finite(str(grammar))
+    return grammar
+
+
+def _build(kind: str, spec: str, whitespace_pattern: str | None) -> xgr.Grammar:
     try:
         if kind == "json":
             parse_json_schema(spec)  # names a bad schema's problem; xgrammar takes the text
@@ -85,12 +96,14 @@ class XGrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
-                 whitespace_pattern: str | None = None, max_threads: int = 2) -> None:
+                 whitespace_pattern: str | None = None, max_threads: int = 1) -> None:
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        # One thread per compile: compiles already run on the engine's compile workers.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
+                                            cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     def validate(self, kind: str, spec: str) -> None:
         grammar_from_spec(kind, spec, self.whitespace_pattern)

@@ -1,7 +1,10 @@
-"""The engine core: requests in, one step at a time, RequestOutputs out. Single-threaded.
+"""The engine core: requests in, one step at a time, RequestOutputs out. Single-threaded (grammars
+compile on GrammarCompiler's worker threads; the step only polls them).
 
-``step()`` is schedule -> execute -> update. The core never raises for a single request's
-failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
+``step()`` is grammars -> schedule -> execute -> update. A structured request waits in the queue
+until its grammar has compiled (the scheduler skips it, the batch goes on); a grammar that fails
+or runs past --grammar-compile-timeout ends its request with a 400. The core never raises for a
+single request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
 pass ends every request in that batch with an error and the loop goes on.
 The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
 """
@@ -15,7 +18,8 @@ from typing import Any
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import EngineConfig
-from servelm.constrained.grammar import GrammarCache, GrammarError, check_backend_available, make_backend
+from servelm.constrained.compiler import GrammarCompiler
+from servelm.constrained.grammar import GrammarBackend, GrammarError, check_backend_available, make_backend
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
@@ -25,6 +29,12 @@ from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 
 logger = logging.getLogger(__name__)
+
+MAX_JUMP_FORWARD_CHARS = 256
+"""Most forced text one step appends to a request (a grammar may force far more: a 100k-character
+const, or with llguidance a recursion with no way out): the rest comes on later steps."""
+_IDLE_COMPILE_WAIT_S = 0.01
+"""How long an engine with nothing to run but compiling grammars sleeps per step."""
 
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 """What an embedding request's scheduling reads of SamplingParams: no output beyond its prompt."""
@@ -54,10 +64,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
                                    self.prefix_cache, seed=config.model.seed)
         self.executor = Executor(runner)
-        self._grammars: GrammarCache | None = None
+        self._grammars = self._make_grammar_compiler()
+        """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
+        embedding model); the backend itself is created on a worker at start-up."""
+        self._compiling: list[Request] = []
+        """Waiting requests whose grammar job is not resolved yet, in arrival order."""
         self.num_jump_forward_tokens = 0
         """Output tokens appended by grammar jump-forward instead of a model step."""
-        """Compiled grammars; built on the first structured request (needs the tokenizer)."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self._num_arrivals = 0
@@ -137,11 +150,13 @@ class LLMEngine:
                                  error_status=400)
         if params.structured is not None:
             try:
-                request.grammar = self._grammar_cache().matcher(params.structured.kind,
-                                                                params.structured.spec)
-            except (GrammarError, ValueError) as error:
+                request.grammar_job = self._compiler().submit(params.structured.kind,
+                                                              params.structured.spec)
+            except GrammarError as error:
                 return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                     error=str(error), num_prompt_tokens=request.num_prompt_tokens)
+                                     error=str(error), num_prompt_tokens=request.num_prompt_tokens,
+                                     error_status=400)
+            self._compiling.append(request)
         if self.tokenizer is not None and not is_embedding:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
@@ -183,21 +198,54 @@ class LLMEngine:
             return "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)"
         return None
 
-    def _grammar_cache(self) -> GrammarCache:
-        """The compiled-grammar cache, creating the backend on first use."""
-        if self._grammars is None:
-            structured = self.config.structured
-            if self.tokenizer is None:
-                raise GrammarError("structured output needs a tokenizer (the server runs with "
-                                   "--skip-tokenizer-init)")
-            vocab_size = getattr(self.runner, "vocab_size", None) or len(self.tokenizer)
-            backend = make_backend(structured.grammar_backend, self.tokenizer, vocab_size,
-                                   self.eos_token_ids, structured.constrained_json_whitespace_pattern)
-            if backend is None:
-                raise GrammarError("structured output is disabled (--grammar-backend none)")
-            self._grammars = GrammarCache(backend)
-            self.executor.grammar_backend = backend
-        return self._grammars
+    def _make_grammar_compiler(self) -> GrammarCompiler | None:
+        structured = self.config.structured
+        if self.tokenizer is None or structured.grammar_backend == "none" or self.task != "generate":
+            return None
+        vocab_size = getattr(self.runner, "vocab_size", None) or len(self.tokenizer)
+
+        def create() -> GrammarBackend | None:  # on a compile worker: 2.5-8 s for a real vocab
+            return make_backend(structured.grammar_backend, self.tokenizer, vocab_size,
+                                self.eos_token_ids, structured.constrained_json_whitespace_pattern)
+
+        return GrammarCompiler(create, structured.grammar_compile_timeout,
+                               structured.max_grammar_spec_bytes)
+
+    def _compiler(self) -> GrammarCompiler:
+        if self._grammars is not None:
+            return self._grammars
+        if self.tokenizer is None:
+            raise GrammarError("structured output needs a tokenizer (the server runs with "
+                               "--skip-tokenizer-init)")
+        raise GrammarError("structured output is disabled (--grammar-backend none)")
+
+    def _resolve_grammars(self) -> list[RequestOutput]:
+        """Give each request whose grammar has compiled its matcher (the scheduler may then
+        admit it); end with a 400 those whose grammar failed or ran past its time budget."""
+        if not self._compiling:
+            return []
+        assert self._grammars is not None
+        outputs = []
+        still_compiling = []
+        for request in self._compiling:
+            if request.is_finished:  # aborted while compiling
+                continue
+            assert request.grammar_job is not None
+            try:
+                compiled = self._grammars.poll(request.grammar_job)
+                if compiled is None:
+                    still_compiling.append(request)
+                    continue
+                request.grammar = self._grammars.make_matcher(compiled)
+                self.executor.grammar_backend = self._grammars.backend
+            except GrammarError as error:
+                self.scheduler.finish(request, FinishReason.ERROR, error=str(error))
+                output = self._make_output(request)
+                output.error_status = 400
+                outputs.append(output)
+            request.grammar_job = None
+        self._compiling = still_compiling
+        return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -210,9 +258,14 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        refused = self._resolve_grammars()
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
-        return self._update(scheduled, results)
+        if scheduled.is_empty and self._compiling:  # nothing runs but compiles: do not spin
+            assert self._grammars is not None
+            self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
+                                _IDLE_COMPILE_WAIT_S)
+        return refused + self._update(scheduled, results)
 
     def _execute(self, scheduled: SchedulerOutput) -> list[StepResult]:
         if scheduled.is_empty:
@@ -260,10 +313,13 @@ class LLMEngine:
         forced = request.grammar.forced_text()
         if not forced:
             return
+        token_ids = self.tokenizer.encode(forced[:MAX_JUMP_FORWARD_CHARS], add_special_tokens=False)
+        if len(forced) > MAX_JUMP_FORWARD_CHARS:
+            token_ids = token_ids[:-1]  # the cut may split a token: its text comes next step
         budget = request.max_context_tokens - request.num_tokens - 1
         if params.max_tokens is not None:
             budget = min(budget, params.max_tokens - len(request.output_token_ids) - 1)
-        for token_id in self.tokenizer.encode(forced, add_special_tokens=False)[:max(budget, 0)]:
+        for token_id in token_ids[:max(budget, 0)]:
             if not request.grammar.accept_token(token_id):
                 break
             request.output_token_ids.append(token_id)

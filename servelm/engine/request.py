@@ -17,6 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from servelm.constrained.compiler import CompileJob
 from servelm.constrained.grammar import GrammarMatcher
 from servelm.engine.outputs import TokenLogprob
 from servelm.sampling.params import SamplingParams
@@ -74,6 +75,9 @@ class Request:
     grammar: GrammarMatcher | None = None
     """Structured output: the grammar state after exactly ``output_token_ids`` (fed by the
     scheduler as tokens are appended; preemption and recompute leave it alone)."""
+    grammar_job: CompileJob | None = None
+    """While the request's grammar compiles (off the step): the job its matcher will come from.
+    The scheduler does not admit a request until this is None."""
     is_embedding: bool = False
     """An embedding request (task embed): its whole prompt is computed in one step, never chunked
     or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
@@ -87,6 +91,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id
+
+    @property
+    def is_compiling(self) -> bool:
+        """Waiting for its grammar: not admitted yet, and holding up nobody behind it."""
+        return self.grammar_job is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,7 @@ Invariants:
   While other groups (client requests) have work, one group holds at most GROUP_SHARE of
   ``--max-running-requests``: its further requests are skipped, not admitted, so a big batch
   leaves room (and a smaller, faster batch) for other users; alone it may use every slot.
+  A request whose grammar is still compiling is skipped, not waited for.
 - An embedding request is computed whole in the step that admits it (never chunked: an encoder
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
@@ -197,6 +198,8 @@ class Scheduler:
                 break
             if group_cap is not None and running_per_group.get(request.group, 0) >= group_cap:
                 continue  # this client request has its share; others go first
+            if request.is_compiling:
+                continue  # its grammar is not ready: the requests behind it go on
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "

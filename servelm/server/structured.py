@@ -5,8 +5,10 @@ Request forms: OpenAI ``response_format`` (json_object, json_schema), vLLM ``gui
 ``structured_outputs``), SGLang ``sampling_params.json_schema / regex / ebnf``; and the JSON schema
 that forces tool calls for ``tool_choice`` "required" or a named function.
 
-Invariant: a spec that reaches the engine has been checked by ``validate`` (the tokenizer-free
-grammar build), so a bad schema or regex is a 400 naming the problem, never an engine error.
+Invariant: a spec that reaches the engine has been checked by ``validate`` (the size budget,
+satisfiability and the tokenizer-free grammar build), so a bad, oversized or empty schema or
+regex is a 400 naming the problem, never an engine error. The engine repeats the cheap checks
+(the offline API has no server) and enforces the compile-time budget, also with a 400.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ async def validate(config: Any, spec: StructuredSpec | None, param: str | None) 
     structured = config.structured
     try:
         await asyncio.to_thread(validate_spec, structured.grammar_backend, spec.kind, spec.spec,
-                                structured.constrained_json_whitespace_pattern)
+                                structured.constrained_json_whitespace_pattern,
+                                structured.max_grammar_spec_bytes)
     except GrammarError as error:
         raise InvalidRequestError(str(error), param) from None
 

@@ -165,5 +165,10 @@ def test_outputs_always_follow_the_grammar(engines, backend, case, seeds):
 
 def test_bad_spec_is_an_error_output(engines):
     engine = engines(MODEL, _backends()[0])
-    output = engine.add_request("bad", [1, 2, 3], SamplingParams(structured=StructuredSpec("regex", "a(b")))
-    assert output is not None and output.finish_reason == "error" and "regex" in output.error
+    assert engine.add_request("bad", [1, 2, 3], SamplingParams(structured=StructuredSpec("regex", "a(b"))) is None
+    while True:  # the grammar compiles off the step; its failure is the request's (400) output
+        outputs = [output for output in engine.step() if output.request_id == "bad"]
+        if outputs:
+            break
+    (output,) = outputs
+    assert output.finish_reason == "error" and "regex" in output.error and output.error_status == 400

@@ -4,7 +4,8 @@ server -> engine -> {cache, model, sampling, constrained, lora, spec} -> distrib
 errors and logging_utils as leaf modules everyone may use. Deferred imports inside functions count
 too: a deferred upward import is still an upward dependency. The front end (server/) may use the
 request-side types and validators of sampling/, constrained/ and parsers/, but never model/ or
-cache/, which live in the engine process. The entry points (cli, launch_server, bench, ...) sit on
+cache/, which live in the engine process; it may use distributed/'s process helpers
+(``die_with_parent`` for its template sandbox), the bottom layer. The entry points (cli, launch_server, bench, ...) sit on
 top and may import each other only without cycles, and nothing imports another unit's private
 (underscore) names.
 """
@@ -24,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": set(LEAF),
     **{peer: {"distributed", *LEAF} for peer in PEERS},
     "engine": {*PEERS - {"parsers"}, "distributed", *LEAF},
-    "server": {"engine", "sampling", "constrained", "parsers", *LEAF},
+    "server": {"engine", "sampling", "constrained", "parsers", "distributed", *LEAF},
 }
 ENTRY = {"__init__", "__main__", "cli", "cli_args", "cli_flags", "launch_server", "bench",
          "bench_common", "bench_serving"}

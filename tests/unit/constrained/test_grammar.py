@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from servelm.config import EngineConfig, SchedulerConfig, StructuredOutputConfig
-from servelm.constrained.grammar import (BACKENDS, GrammarCache, GrammarError, check_backend_available,
+from servelm.constrained.grammar import (BACKENDS, GrammarError, check_backend_available,
                                         make_backend, validate_spec)
 from servelm.engine.engine import LLMEngine
+from servelm.engine.outputs import RequestOutput
 from servelm.sampling.params import SamplingParams, StructuredSpec
 from tests.unit.engine.fake_runner import FakeRunner
 from tests.unit.server.server_fakes import build_tokenizer
@@ -116,10 +117,23 @@ def test_terminated_grammar_stops_even_with_ignore_eos(tokenizer, backend):
     assert (text, reason) == ("abc", "stop")
 
 
-def test_bad_spec_is_an_error_output_and_none_backend(tokenizer, backend):
+def final_output(engine: LLMEngine, request_id: str, params: SamplingParams) -> RequestOutput:
+    """The request's last output: the refusal from add_request, or its finished output."""
+    refused = engine.add_request(request_id, [1, 2], params)
+    if refused is not None:
+        return refused
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.is_finished:
+                return output
+
+
+def test_bad_spec_is_a_400_error_output_and_none_backend(tokenizer, backend):
     engine = make_engine(tokenizer, backend=backend)
-    output = engine.add_request("bad", [1], SamplingParams(structured=StructuredSpec("json", '{"type": 5}')))
-    assert output is not None and output.finish_reason == "error" and "JSON schema" in output.error
+    output = final_output(engine, "bad", SamplingParams(structured=StructuredSpec("json", '{"type": 5}')))
+    assert output.finish_reason == "error" and "JSON schema" in output.error
+    assert output.error_status == 400
+    assert engine.scheduler.requests == {} and engine.stats()["num_used_blocks"] == 0
     assert make_backend("none", tokenizer, len(tokenizer), [0]) is None
 
 
@@ -143,9 +157,8 @@ def test_outlines_is_refused_at_start_up():
 
 def test_batch_bitmask_masks_only_disallowed_tokens(tokenizer, backend):
     backend = make_backend(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    cache = GrammarCache(backend)
-    digits = cache.matcher("regex", "[0-9]+")
-    letters = cache.matcher("regex", "[a-z]")
+    digits = backend.make_matcher(backend.compile("regex", "[0-9]+"))
+    letters = backend.make_matcher(backend.compile("regex", "[a-z]"))
     bitmask = backend.allocate_bitmask(3)
     digits.fill_bitmask(bitmask, 0)
     letters.fill_bitmask(bitmask, 2)  # row 1 has no grammar: everything stays allowed
