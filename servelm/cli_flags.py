@@ -235,7 +235,8 @@ ALIASES: tuple[Alias, ...] = (
 
 _EAGER = "servelm never captures CUDA graphs: every device runs eager PyTorch"
 _PREFIX_CACHE_ON = "the prefix cache is on by default (--disable-radix-cache turns it off)"
-_SINGLE_PROCESS = "servelm runs the whole model in one process: there is no all-reduce to tune"
+_SINGLE_PROCESS = ("servelm has no custom all-reduce: tensor-parallel ranks all-reduce with "
+                   "torch.distributed (gloo on CPU, NCCL on CUDA)")
 
 ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--disable-cuda-graph", "--disable_cudagraph", "--enforce-eager",
@@ -342,11 +343,12 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection("not supported: servelm runs the model in a single process on one device "
-              "(no multi-GPU or multi-node serving)",
+    Rejection("not supported yet: servelm runs tensor parallelism on one node (--tp-size); "
+              "multi-node serving, Ray, data-parallel load balancing and these tuning options are "
+              "not implemented",
               ("--dist-init-addr", "--nccl-init-addr", "--nccl_host", "--nccl_port",
                "--multinode_httpmanager_port", "--multinode_router_gloo_port",
-               "--use_config_server_to_init_nccl", "--distributed-executor-backend",
+               "--use_config_server_to_init_nccl",
                "--worker-use-ray", "--ray-workers-use-nsight", "--worker-cls",
                "--load-balance-method", "--enable-dp-attention", "--enable-p2p-check",
                "--base-gpu-id", "--enable_tpsp_mix_mode", "--enable_custom_allgather",
