@@ -18,10 +18,12 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +126,23 @@ class ParallelContext:
         """The layout for logs and /get_server_info."""
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
                 "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+
+
+def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    """The tensor-parallel ProcessGroup over ``store``: gloo on CPU, NCCL on CUDA.
+
+    A ProcessGroup object rather than torch.distributed's default group: several engines (tests)
+    can live in one process, and nothing global is set. Blocks until every rank joined, at most
+    ``timeout_s``, which also bounds every collective on it.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def ranks_sharing_memory(world_size: int, device: torch.device) -> int:
+    """Ranks whose KV pools come out of the same memory: all ranks of a CPU node, one per GPU."""
+    return world_size if device.type == "cpu" else 1

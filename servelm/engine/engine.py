@@ -386,4 +386,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "parallel": self.model_info.get("parallel"),
         }

@@ -29,19 +29,34 @@ class Runner(Protocol):
     or ``pool`` (rank 0's logits/vectors come back) and finally ``shutdown``.
     """
 
-    num_blocks: int
-    """KV pool blocks, the same on every rank (0 before ``init_kv_cache``)."""
-    block_size: int
-    """Tokens per block (--page-size)."""
-    vocab_size: int
-    task: str
-    """generate or embed (servelm.model.pooling.resolve_task)."""
-    pooler: PoolerConfig | None
-    """How an embed model pools its hidden states (None for generate)."""
-    hidden_size: int
-    kv_cache_bytes: int
-    """KV pool bytes on rank 0."""
-    device: torch.device
+    @property
+    def num_blocks(self) -> int:
+        """KV pool blocks, the same on every rank (0 before ``init_kv_cache``)."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (--page-size)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def task(self) -> str:
+        """generate or embed (servelm.model.pooling.resolve_task)."""
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """How an embed model pools its hidden states (None for generate)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """KV pool bytes on rank 0."""
+
+    @property
+    def device(self) -> torch.device: ...
 
     def rank_kv_capacity_blocks(self) -> list[int]: ...
 
