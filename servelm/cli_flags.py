@@ -214,6 +214,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",
           "SGLang, vLLM, LightLLM", example=("2",)),
+    Alias(("--disable_custom_allreduce",), "disable_custom_all_reduce", "LightLLM", takes_value=False,
+          const=True),
     Alias(("-pp", "--pp-size"), "pipeline_parallel_size", "vLLM, SGLang", example=("2",)),
     Alias(("--dp-size", "--dp"), "data_parallel_size", "SGLang, LightLLM", example=("2",)),
     Alias(("--guided-decoding-backend",), "grammar_backend", "vLLM", _vllm_guided_backend,
@@ -235,14 +237,11 @@ ALIASES: tuple[Alias, ...] = (
 
 _EAGER = "servelm never captures CUDA graphs: every device runs eager PyTorch"
 _PREFIX_CACHE_ON = "the prefix cache is on by default (--disable-radix-cache turns it off)"
-_SINGLE_PROCESS = ("servelm has no custom all-reduce: tensor-parallel ranks all-reduce with "
-                   "torch.distributed (gloo on CPU, NCCL on CUDA)")
 
 ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--disable-cuda-graph", "--disable_cudagraph", "--enforce-eager",
                       "--disable-cuda-graph-padding"), _EAGER),
     AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON),
-    AlreadyBehaviour(("--disable-custom-all-reduce", "--disable_custom_allreduce"), _SINGLE_PROCESS),
     AlreadyBehaviour(("--disable-overlap-schedule",),
                      "servelm's scheduler does not overlap with the forward pass"),
     AlreadyBehaviour(("--disable-outlines-disk-cache",),

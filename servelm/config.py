@@ -245,6 +245,11 @@ class ParallelConfig:
         "timeout of every collective; a rank that misses it fails the server with a clear error "
         "instead of hanging. Loading a large model on a slow disk may need more.")
 
+    disable_custom_all_reduce: bool = opt(
+        False, "All-reduce through torch.distributed (gloo) only. By default, tensor-parallel ranks "
+        "on one CPU host sum tensors of up to 4 MiB through shared memory (tens of microseconds "
+        "instead of gloo's hundreds over loopback); larger ones still use gloo.")
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")

@@ -44,6 +44,8 @@ class WorkerInit:
     """torch device of this rank (cpu, or cuda:<rank>)."""
     parent_pid: int
     """The engine process; the worker dies with it."""
+    shm_path: str | None
+    """The shared-memory all-reduce segment to map (None: all-reduce on the process group)."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from servelm.distributed.errors import RankFailedError
 from servelm.distributed.messages import (
     PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Reply, Shutdown, WorkerFailed, WorkerHello,
     WorkerInit, WorkerLoaded)
+from servelm.distributed import shm_allreduce
 from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
@@ -96,6 +97,9 @@ class MultiprocExecutor:
         self._threads, self._cpus = threads, cpus
         self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
+        self._shm_path: str | None = None
+        if not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device):
+            self._shm_path = shm_allreduce.create_segment(self.world_size)
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,
                               timeout=_timedelta(self.timeout_s))
         try:
@@ -109,19 +113,25 @@ class MultiprocExecutor:
                     config=config, rank=rank, world_size=self.world_size, store_host="127.0.0.1",
                     store_port=store.port, command_address=command_address,
                     reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
-                    device=str(devices[rank]), parent_pid=os.getpid()))
+                    device=str(devices[rank]), parent_pid=os.getpid(), shm_path=self._shm_path))
             self._wait(WorkerHello, "start")
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s)
-            self.parallel = ParallelContext(tp_rank=0, tp_size=self.world_size, group=group)
+            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.world_size, self.timeout_s,
+                                              check_peers=self._raise_if_worker_dead)
+                   if self._shm_path is not None else None)
+            self.parallel = ParallelContext(tp_rank=0, tp_size=self.world_size, group=group,
+                                            shm_all_reduce=shm)
             self.runner = ModelRunner(config, source, parallel=self.parallel, device=devices[0],
                                       defer_kv_cache=True)
             self._loaded = {reply.rank: reply for reply in self._wait(WorkerLoaded, "load its shard")}
         except BaseException:
             self.shutdown()
             raise
+        finally:
+            self._unlink_segment()  # every rank has mapped it (or failed): no crash can leak it
         self._store = store
         atexit.register(self.shutdown)
         threading.Thread(target=self._watch_workers, name="tp-rank-watch", daemon=True).start()
@@ -235,7 +245,9 @@ class MultiprocExecutor:
                                         else f"cuda:{rank}"),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
-        return {**self.parallel.describe(), "executor": "mp", "nnodes": 1, "ranks": ranks}
+        all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
+        return {**self.parallel.describe(), "executor": "mp", "nnodes": 1, "all_reduce": all_reduce,
+                "ranks": ranks}
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and release the sockets; idempotent."""
@@ -258,8 +270,16 @@ class MultiprocExecutor:
             socket.close(linger=0)
         self._zmq.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._unlink_segment()
         os.sched_setaffinity(0, self._own_placement[0])
         torch.set_num_threads(self._own_placement[1])
+
+    def _unlink_segment(self) -> None:
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
 
     # -- faults -----------------------------------------------------------------------------
     def _broadcast(self, command: Any) -> None:

@@ -12,7 +12,8 @@ Invariants:
   2 ranks are 2 + 1, its 9 query heads 6 + 3); with fewer KV heads than ranks each KV head is
   replicated on ``tp_size / num_kv_heads`` ranks, which split its query group (Gemma 3 270M: one KV
   head, on every rank). A rank's query heads always attend to its own KV heads only.
-- Collectives run on ``group`` (a torch.distributed ProcessGroup object: gloo on CPU, NCCL on CUDA);
+- Collectives run on ``group`` (a torch.distributed ProcessGroup object: gloo on CPU, NCCL on CUDA),
+  except all-reduces that fit the shared-memory all-reduce of a CPU host (``shm_all_reduce``);
   every rank calls the same collectives in the same order.
 """
 
@@ -56,6 +57,8 @@ class ParallelContext:
     dp_size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
     """The tensor-parallel ProcessGroup (None when tp_size is 1)."""
+    shm_all_reduce: Any = field(default=None, compare=False, repr=False)
+    """A ShmAllReduce over the ranks of this host (None: all-reduce on ``group``)."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, f"tp rank {self.tp_rank} outside [0, {self.tp_size})"
@@ -110,6 +113,8 @@ class ParallelContext:
         """Sum ``tensor`` over the tensor-parallel ranks, in place; returns it."""
         if self.tp_size == 1:
             return tensor
+        if self.shm_all_reduce is not None and self.shm_all_reduce.fits(tensor):
+            return self.shm_all_reduce.all_reduce(tensor)
         self.group.allreduce([tensor]).wait()
         return tensor
 

@@ -64,6 +64,7 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     from servelm.distributed.messages import (
         PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Shutdown, WorkerHello, WorkerLoaded)
     from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+    from servelm.distributed.shm_allreduce import ShmAllReduce
     from servelm.logging_utils import configure_logging
     from servelm.model.runner import ModelRunner
     from servelm.model.source import resolve_model_source
@@ -80,7 +81,9 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = make_tp_group(store, init.rank, init.world_size, device, timeout_s)
-    parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group)
+    shm = (ShmAllReduce(init.shm_path, init.rank, init.world_size, timeout_s)
+           if init.shm_path is not None else None)
+    parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group, shm_all_reduce=shm)
     runner = ModelRunner(config, resolve_model_source(config.model), parallel=parallel, device=device,
                          defer_kv_cache=True)
     replies.send_pyobj(WorkerLoaded(init.rank, runner.kv_capacity_blocks(ranks_sharing_memory(init.world_size, device)),

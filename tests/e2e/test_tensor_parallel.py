@@ -138,3 +138,15 @@ def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) ->
             time.sleep(0.2)
         assert not is_running(engine_pid) and not is_running(rank_pid)
         assert "tensor-parallel rank 1" in server.log()
+
+
+def test_a_rank_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:
+    """A rank process needs seconds to import torch: with --dist-timeout 0.5 it cannot say hello
+    in time. The engine fails naming the rank and the timeout, and leaves no process behind."""
+    from servelm.distributed.errors import RankFailedError
+
+    model = str(make_tiny_model_dir(tmp_path, "llama"))
+    with pytest.raises(RankFailedError, match=r"ranks \[1\] did not start within --dist-timeout 0.5 s"):
+        run_engine(model, 2, [[1, 2]], skip_tokenizer_init=True, max_total_tokens=256, dist_timeout=0.5)
+    assert [child for child in psutil.Process().children(recursive=True)
+            if "servelm.distributed.worker" in " ".join(child.cmdline())] == []
