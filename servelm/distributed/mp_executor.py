@@ -276,10 +276,7 @@ class MultiprocExecutor:
 
     def _unlink_segment(self) -> None:
         if self._shm_path is not None:
-            try:
-                os.unlink(self._shm_path)
-            except FileNotFoundError:
-                pass
+            shm_allreduce.unlink_segment(self._shm_path, self.world_size)
 
     # -- faults -----------------------------------------------------------------------------
     def _broadcast(self, command: Any) -> None:

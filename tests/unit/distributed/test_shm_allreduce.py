@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -39,7 +38,7 @@ def test_every_rank_gets_the_sum_over_many_calls() -> None:
             for rank in range(world_size):
                 assert torch.equal(results[rank][call], expected), (rank, call)
     finally:
-        os.unlink(path)
+        shm_allreduce.unlink_segment(path, world_size)
 
 
 def test_a_missing_peer_raises_instead_of_hanging() -> None:
@@ -58,4 +57,4 @@ def test_a_missing_peer_raises_instead_of_hanging() -> None:
         alone.close()
         assert not ShmAllReduce(path, 0, 2, timeout_s=1, slot_bytes=1024).fits(torch.ones(300))
     finally:
-        os.unlink(path)
+        shm_allreduce.unlink_segment(path, 2)
