@@ -272,7 +272,8 @@ class RuntimeConfig:
     """How the engine process computes: its thread count and whether decode steps are compiled."""
 
     num_threads: int | None = opt(
-        None, "Threads torch uses in the engine process (intra-op; inter-op is 1). Unset: the "
+        None, "Threads torch uses in the engine process (intra-op; inter-op is 1), or in each rank "
+        "with --tp-size > 1 (unset: the physical cores of the rank's own slice of the CPUs). Unset: the "
         "physical cores this process may run on (its CPU affinity divided by the threads per "
         "core), because a second hyper-thread adds no GEMM throughput and an OpenMP thread "
         "waiting for a busy core stalls every op. Lower it when other work shares the machine "

@@ -94,7 +94,7 @@ class MultiprocExecutor:
         cpus = [slices[rank] if slices is not None else None for rank in range(self.world_size)]
         threads = [rank_num_threads(config.runtime.num_threads, cpus[rank], self.world_size)
                    for rank in range(self.world_size)]
-        self._threads, self._cpus = threads, cpus
+        self._threads, self._cpus, self._devices = threads, cpus, devices
         self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
         self._shm_path: str | None = None
@@ -241,8 +241,7 @@ class MultiprocExecutor:
                   "cpus": self._cpus[0]}]
         for rank, loaded in sorted(self._loaded.items()):
             ranks.append({"rank": rank, "pid": self._workers[rank].pid,
-                          "device": str(self.runner.device.type if self.runner.device.type == "cpu"
-                                        else f"cuda:{rank}"),
+                          "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
         all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
