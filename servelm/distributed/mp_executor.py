@@ -100,7 +100,7 @@ class MultiprocExecutor:
         self._shm_path: str | None = None
         if not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device):
             self._shm_path = shm_allreduce.create_segment(self.world_size)
-        store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,  # type: ignore[attr-defined]
                               timeout=_timedelta(self.timeout_s))
         try:
             for rank in range(1, self.world_size):

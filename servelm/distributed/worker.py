@@ -75,7 +75,7 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     place_rank_threads(init.rank, init.cpus, init.num_threads)
     replies.send_pyobj(WorkerHello(init.rank, os.getpid(), PROTOCOL_VERSION))
     timeout_s = config.parallel.dist_timeout
-    store = dist.TCPStore(init.store_host, init.store_port, init.world_size, False,
+    store = dist.TCPStore(init.store_host, init.store_port, init.world_size, False,  # type: ignore[attr-defined]
                           timeout=datetime.timedelta(seconds=timeout_s))
     device = torch.device(init.device)
     if device.type == "cuda":
