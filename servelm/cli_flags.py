@@ -250,6 +250,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",
           "SGLang, vLLM, LightLLM", example=("2",)),
+    Alias(("--disable_custom_allreduce",), "disable_custom_all_reduce", "LightLLM", takes_value=False,
+          const=True),
     Alias(("-pp", "--pp-size"), "pipeline_parallel_size", "vLLM, SGLang", example=("2",)),
     Alias(("--dp-size", "--dp"), "data_parallel_size", "SGLang, LightLLM", example=("2",)),
     Alias(("--guided-decoding-backend",), "grammar_backend", "vLLM", _vllm_guided_backend,
@@ -271,7 +273,6 @@ ALIASES: tuple[Alias, ...] = (
 
 _EAGER = "servelm never captures CUDA graphs: every device runs eager PyTorch"
 _PREFIX_CACHE_ON = "the prefix cache is on by default (--disable-radix-cache turns it off)"
-_SINGLE_PROCESS = "servelm runs the whole model in one process: there is no all-reduce to tune"
 _NO_COMPILE = Contradiction("enable_torch_compile")
 
 ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
@@ -281,7 +282,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "--enable-torch-compile is given", contradicts=(_NO_COMPILE,)),
     AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON,
                      contradicts=(Contradiction("disable_radix_cache"),)),
-    AlreadyBehaviour(("--disable-custom-all-reduce", "--disable_custom_allreduce"), _SINGLE_PROCESS),
     AlreadyBehaviour(("--disable-overlap-schedule",),
                      "servelm's scheduler does not overlap with the forward pass"),
     AlreadyBehaviour(("--disable-outlines-disk-cache",),
@@ -410,8 +410,9 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
                "--load-balance-method", "--enable-dp-attention")),
     Rejection(f"{NOT_BUILT_YET}: pipeline parallelism", ("--pp-max-micro-batch-size",)),
-    Rejection(f"{NOT_BUILT_YET}: multi-GPU communication (tensor parallelism)",
-              ("--nccl-port", "--dist-timeout", "--gpu-id-step", "--enable-nccl-nvls",
+    Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
+              "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
+              ("--nccl-port", "--gpu-id-step", "--enable-nccl-nvls",
                "--enable-symm-mem", "--enable-mscclpp", "--enable-torch-symm-mem",
                "--enable-flashinfer-allreduce-fusion", "--enable-two-batch-overlap",
                "--enable-single-batch-overlap", "--tbo-token-distribution-threshold")),
@@ -451,11 +452,12 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection("not supported: servelm runs the model in a single process on one device "
-              "(no multi-GPU or multi-node serving)",
+    Rejection("not supported yet: servelm runs tensor parallelism on one node (--tp-size); "
+              "multi-node serving, Ray, data-parallel load balancing and these tuning options are "
+              "not implemented",
               ("--dist-init-addr", "--nccl-init-addr", "--nccl_host", "--nccl_port",
                "--multinode_httpmanager_port", "--multinode_router_gloo_port",
-               "--use_config_server_to_init_nccl", "--distributed-executor-backend",
+               "--use_config_server_to_init_nccl",
                "--worker-use-ray", "--ray-workers-use-nsight", "--worker-cls",
                "--enable-p2p-check",
                "--base-gpu-id", "--enable_tpsp_mix_mode", "--enable_custom_allgather",

@@ -267,18 +267,42 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallelism degrees. Only 1 is supported today; layers are written column/row-parallel."""
+    """How the model is spread over processes. Tensor parallelism runs on one node today."""
 
-    tensor_parallel_size: int = opt(1, "Tensor-parallel degree (GPUs per model replica).")
-    pipeline_parallel_size: int = opt(1, "Pipeline-parallel degree.")
-    data_parallel_size: int = opt(1, "Data-parallel replicas.")
+    tensor_parallel_size: int = opt(
+        1, "Tensor-parallel degree: ranks that each hold a slice of every layer (heads, MLP columns, "
+        "vocabulary) and all-reduce after each row-parallel layer. 1 runs the model in the engine "
+        "process; N > 1 adds N - 1 rank processes on this node (rank 0 stays in the engine process).")
+    pipeline_parallel_size: int = opt(1, "Pipeline-parallel degree (only 1 in this build).")
+    data_parallel_size: int = opt(1, "Data-parallel replicas (only 1 in this build).")
+    distributed_executor_backend: str = opt(
+        "mp", "How rank processes are started: mp (local processes on this node). ray is refused "
+        "in this build (multi-node placement is not implemented yet).", choices=["mp", "ray"])
+    dist_timeout: float = opt(
+        300.0, "Seconds a rank may take to start and join (load its shard, meet the others), and the "
+        "timeout of every collective; a rank that misses it fails the server with a clear error "
+        "instead of hanging. Loading a large model on a slow disk may need more.")
+
+    disable_custom_all_reduce: bool = opt(
+        False, "All-reduce through torch.distributed (gloo) only. By default, tensor-parallel ranks "
+        "on one CPU host sum tensors of up to 4 MiB through shared memory (tens of microseconds "
+        "instead of gloo's hundreds over loopback); larger ones still use gloo.")
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value != 1:
-                raise ValueError(f"{_flag(name)}={value}: only 1 is supported in this build "
-                                 "(a single process runs the whole model)")
+                raise ValueError(f"{_flag(name)}={value}: only 1 is supported in this build (tensor "
+                                 "parallelism on one node is; pipeline and data parallelism are not "
+                                 "implemented yet)")
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend}: only "
+                             "mp (processes on this node) is supported in this build; Ray and "
+                             "multi-node placement are not implemented yet")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
 
 
 @dataclass(frozen=True)
@@ -286,7 +310,8 @@ class RuntimeConfig:
     """How the engine process computes: its thread count and whether decode steps are compiled."""
 
     num_threads: int | None = opt(
-        None, "Threads torch uses in the engine process (intra-op; inter-op is 1). Unset: the "
+        None, "Threads torch uses in the engine process (intra-op; inter-op is 1), or in each rank "
+        "with --tp-size > 1 (unset: the physical cores of the rank's own slice of the CPUs). Unset: the "
         "physical cores this process may run on (its CPU affinity divided by the threads per "
         "core), because a second hyper-thread adds no GEMM throughput and an OpenMP thread "
         "waiting for a busy core stalls every op. Lower it when other work shares the machine "

@@ -14,6 +14,10 @@ import torch
 import transformers
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_TP_ARCHS = ("llama_uneven", "gemma3_mqa")
+"""Head layouts for tensor-parallel tests: ``llama_uneven`` has 6 query / 3 KV heads (SmolLM2's
+9/3 in miniature: 2 ranks split the KV heads 2 + 1); ``gemma3_mqa`` has one KV head (Gemma 3 270M:
+the KV head is replicated on every rank)."""
 TINY_SLIDING_WINDOW = 8
 TINY_VOCAB_SIZE = 320
 
@@ -25,6 +29,14 @@ def make_tiny_config(arch: str) -> Any:
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
+    if arch == "llama_uneven":
+        return transformers.LlamaConfig(**{**common, "hidden_size": 96, "num_attention_heads": 6,
+                                           "num_key_value_heads": 3}, num_hidden_layers=2,
+                                        tie_word_embeddings=True, hidden_act="silu")
+    if arch == "gemma3_mqa":
+        config = make_tiny_config("gemma3")
+        config.num_key_value_heads = 1
+        return config
     if arch == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling
         return transformers.LlamaConfig(
             **common, num_hidden_layers=2, tie_word_embeddings=True, hidden_act="silu",
@@ -54,7 +66,7 @@ def make_tiny_hf_model(arch: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF inits norms at identity and biases at 0; perturb them so loading them is actually tested.
-    norm_mean = 0.0 if arch == "gemma3" else 1.0  # Gemma norms scale by (1 + w)
+    norm_mean = 0.0 if arch.startswith("gemma3") else 1.0  # Gemma norms scale by (1 + w)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -7,6 +7,8 @@ or runs past --grammar-compile-timeout ends its request with a 400. The core nev
 single request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
 pass ends every request in that batch with an error and the loop goes on.
 The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
+A failed rank (``RankFailedError``) is different: no later step can run. That step ends every
+request with the rank's error, and the next ``step()`` raises it, so the engine process exits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from servelm.cache.radix_tree import RadixTree
 from servelm.config import EngineConfig
 from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarBackend, GrammarError, check_backend_available, make_backend
+from servelm.distributed.errors import RankFailedError
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
@@ -56,7 +59,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_length = context_length
-        self.task: str = getattr(runner, "task", "generate")
+        self.task: str = runner.task
         """generate or embed (servelm.model.pooling.resolve_task); requests of the other are refused."""
         self.block_pool = BlockPool(runner.num_blocks)
         self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
@@ -76,6 +79,8 @@ class LLMEngine:
         self._num_arrivals = 0
         """Requests added so far: the arrival index that seeds an unseeded request's sampling."""
         self.num_generated_tokens = 0
+        self.fatal_error: RankFailedError | None = None
+        """Set when a rank failed: every request has been ended and the next step raises it."""
         self.model_info.update({
             "context_length": context_length,
             "eos_token_ids": eos_token_ids,
@@ -85,21 +90,20 @@ class LLMEngine:
             "task": self.task,
             "is_generation": self.task == "generate",
         })
-        pooler = getattr(runner, "pooler", None)
+        pooler = runner.pooler
         if pooler is not None:
-            self.model_info.update({"embedding_size": getattr(runner, "hidden_size", None),
+            self.model_info.update({"embedding_size": runner.hidden_size,
                                     "pooler": pooler.as_dict(),
                                     "max_embedding_tokens": self.max_embedding_tokens})
 
     def _load(self, config: EngineConfig) -> tuple[Runner, Any, list[int], int]:
-        from servelm.model.runner import ModelRunner
         from servelm.model.source import resolve_model_source
         from servelm.model.tokenizer import load_tokenizer
 
         start_s = time.monotonic()
         source = resolve_model_source(config.model)
         tokenizer = load_tokenizer(config.model, source)
-        runner = ModelRunner(config, source)
+        runner = self._start_runner(config, source)
         hf_config = source.hf_config
         self.model_info.update({
             "model_path": config.model.model,
@@ -110,8 +114,33 @@ class LLMEngine:
             "kv_cache_bytes": runner.kv_cache_bytes,
             "load_time_s": round(time.monotonic() - start_s, 2),
             "device": str(runner.device),
+            "parallel": runner.layout(),
         })
         return runner, tokenizer, list(source.eos_token_ids), source.context_length
+
+    @staticmethod
+    def _start_runner(config: EngineConfig, source: Any) -> Runner:
+        """The model side: in-process at tp 1 (no extra process or copy), else one worker per rank.
+        The engine sizes the KV pool: the minimum of what every rank can hold."""
+        from servelm.model.runner import ModelRunner
+
+        runner: Runner
+        if config.parallel.tensor_parallel_size == 1:
+            runner = ModelRunner(config, source, defer_kv_cache=True)
+        else:
+            from servelm.workers.multiproc import MultiprocExecutor
+
+            runner = MultiprocExecutor(config, source)
+        try:
+            capacities = runner.rank_kv_capacity_blocks()
+            if len(capacities) > 1:
+                logger.info("KV pool: %d blocks, the minimum over the ranks' capacities %s",
+                            min(capacities), capacities)
+            runner.init_kv_cache(min(capacities))
+        except BaseException:
+            runner.shutdown()
+            raise
+        return runner
 
     @property
     def max_embedding_tokens(self) -> int:
@@ -172,7 +201,7 @@ class LLMEngine:
                     "the server with --task embed (--is-embedding) to serve them")
         if request.request_id in self.scheduler.requests:
             return f"duplicate request id {request.request_id}"
-        vocab_size = getattr(self.runner, "vocab_size", None)
+        vocab_size = self.runner.vocab_size
         if vocab_size is not None:
             if not all(0 <= t < vocab_size for t in request.prompt_token_ids):
                 return f"prompt token ids must be in [0, {vocab_size})"
@@ -254,10 +283,16 @@ class LLMEngine:
         return self._make_output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.fatal_error is not None or self.scheduler.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop the rank workers (nothing to do at tp 1)."""
+        self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.fatal_error is not None:
+            raise self.fatal_error
         refused = self._resolve_grammars()
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
@@ -272,6 +307,14 @@ class LLMEngine:
             return []
         try:
             return self.executor.execute(scheduled)
+        except RankFailedError as error:  # no step can run again: end every request, then exit
+            logger.error("%s; ending all %d requests", error, len(self.scheduler.requests))
+            self.fatal_error = error
+            for request in list(self.scheduler.requests.values()):
+                self.scheduler.finish(request, FinishReason.ERROR, error=str(error))
+                scheduled.finished.append(request)
+            scheduled.scheduled = []
+            return []
         except Exception as error:  # one bad batch must not take the server down
             logger.exception("forward pass failed; ending the %d requests in the batch",
                              len(scheduled.scheduled))
@@ -405,4 +448,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "parallel": self.model_info.get("parallel"),
         }

@@ -8,7 +8,7 @@ step holds only those, or none) runs ``runner.pool`` instead: one vector per req
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -16,18 +16,59 @@ from servelm.constrained.grammar import GrammarBackend
 from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
+from servelm.model.pooling import PoolerConfig
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 
 class Runner(Protocol):
-    """What the executor needs from a model runner (servelm.model.runner.ModelRunner)."""
+    """Everything the engine uses of the model side: one in-process ``ModelRunner`` (tp 1, the
+    fast path) or a group of rank workers (``servelm.workers.multiproc.MultiprocExecutor``).
 
-    num_blocks: int
-    block_size: int
+    Start-up is a handshake: the engine reads ``rank_kv_capacity_blocks()``, decides the pool size
+    (the minimum over the ranks) and calls ``init_kv_cache`` once; then it only calls ``execute``
+    or ``pool`` (rank 0's logits/vectors come back) and finally ``shutdown``.
+    """
+
+    @property
+    def num_blocks(self) -> int:
+        """KV pool blocks, the same on every rank (0 before ``init_kv_cache``)."""
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (--page-size)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def task(self) -> str:
+        """generate or embed (servelm.model.pooling.resolve_task)."""
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """How an embed model pools its hidden states (None for generate)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """KV pool bytes on rank 0."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def rank_kv_capacity_blocks(self) -> list[int]: ...
+
+    def init_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute(self, plan: BatchPlan) -> torch.Tensor: ...
 
     def pool(self, plan: BatchPlan) -> torch.Tensor: ...
+
+    def layout(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Executor:

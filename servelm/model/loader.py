@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import STACKED_PARAMS
-from servelm.model.registry import get_model_class
+from servelm.model.registry import ENCODER_ARCHITECTURES, architecture_name, get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Our module for ``hf_config`` with uninitialised parameters on ``device`` in ``dtype``."""
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
+                parallel: ParallelContext | None = None) -> nn.Module:
+    """Our module for ``hf_config`` (this rank's shard of it) with uninitialised parameters on
+    ``device`` in ``dtype``."""
+    parallel = parallel or ParallelContext.single()
     model_class = get_model_class(hf_config)
+    is_encoder = architecture_name(hf_config) in ENCODER_ARCHITECTURES
+    if is_encoder and parallel.tp_size > 1:
+        raise ValueError(f"--tp-size {parallel.tp_size}: encoder (embedding) models run on one rank; "
+                         "use --tp-size 1")
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
+        model = model_class(hf_config) if is_encoder else model_class(hf_config, parallel)
     return model.eval()
 
 
@@ -136,9 +144,13 @@ def expected_checkpoint_tensors(model: nn.Module) -> int:
 
 
 def load_model(hf_config: Any, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None,
-               dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
-    """Build the module and load ``weights()`` into it (random weights when ``weights`` is None)."""
-    model = build_model(hf_config, dtype, device)
+               dtype: torch.dtype, device: torch.device, seed: int = 0,
+               parallel: ParallelContext | None = None) -> nn.Module:
+    """Build the module and load ``weights()`` into it (random weights when ``weights`` is None).
+
+    Each tensor-parallel rank loads its own shard from the full checkpoint. Dummy weights are drawn
+    per shard, so a dummy model at tp > 1 is not the tp 1 model (compare TP with real weights)."""
+    model = build_model(hf_config, dtype, device, parallel)
     if weights is None:
         init_dummy_weights(model, seed)
         logger.info("initialised dummy weights (seed %d)", seed)

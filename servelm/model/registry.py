@@ -1,7 +1,8 @@
 """Architecture name (``hf_config.architectures[0]``) -> our nn.Module class, imported lazily.
 
-Every class has ``__init__(hf_config)``, ``forward(batch: ForwardBatch) -> hidden [num_tokens,
-hidden]``, ``compute_logits(hidden [n, hidden]) -> [n, vocab]`` (decoders; encoders in
+Every decoder class has ``__init__(hf_config, parallel: ParallelContext | None)`` (this rank's
+shard; None: one rank), encoders ``__init__(hf_config)``; every class has
+``forward(batch: ForwardBatch) -> hidden [num_tokens, hidden]``, ``compute_logits(hidden [n, hidden]) -> [n, vocab]`` (decoders; encoders in
 ``ENCODER_ARCHITECTURES`` have none and a ``vocab_size`` attribute instead) and
 ``load_weights(Iterable[(hf_name, tensor)]) -> set[str]``.
 """

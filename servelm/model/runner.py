@@ -1,8 +1,14 @@
-"""ModelRunner: owns the model and the KV pool, and turns a BatchPlan into float32 logits.
+"""ModelRunner: one rank's worker. It owns its shard of the model and its KV pool, and turns a
+BatchPlan into float32 logits.
 
 Invariants:
 - The pool holds ``num_blocks * block_size`` token slots per layer, sized once at start-up and never
   grown; block ids in every plan must be below ``num_blocks`` (the scheduler allocates them).
+- Sizing is a handshake: ``kv_capacity_blocks()`` says what this rank could hold; the engine takes
+  the minimum over the ranks and calls ``init_kv_cache(num_blocks)`` on every rank (a runner built
+  with ``defer_kv_cache=False``, as tests do, sizes itself to its own capacity at once).
+- Under tensor parallelism every rank executes the same plans in the same order (their collectives
+  pair up) and every rank returns the full logits; the engine reads rank 0's.
 - ``execute`` writes the K/V of every planned token and returns logits only for the rows the plan
   asks for: ``[plan.num_logits, vocab_size]`` in plan order.
 - ``task`` is fixed at start-up (``servelm.model.pooling.resolve_task``): a generate runner only
@@ -15,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
 from servelm.config import CacheConfig, EngineConfig
+from servelm.distributed.parallel import ParallelContext
 from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
@@ -91,10 +99,14 @@ def kv_pool_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.devic
 class ModelRunner:
     """Runs our model for one EngineConfig and ModelSource."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource, attention_backend: str = "torch_native") -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, attention_backend: str = "torch_native", *,
+                 parallel: ParallelContext | None = None, device: torch.device | None = None,
+                 defer_kv_cache: bool = False) -> None:
         self.config = config
-        configure_engine_threads(config.runtime.num_threads)
-        self.device = resolve_device(config.model.device)
+        self.parallel = parallel or ParallelContext.single()
+        if self.parallel.tp_size == 1:  # a TP rank's threads are placed by its launcher (distributed/)
+            configure_engine_threads(config.runtime.num_threads)
+        self.device = device or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
         self.task = resolve_task(config.model.task, source.hf_config)
         self.pooler: PoolerConfig | None = None
@@ -102,34 +114,63 @@ class ModelRunner:
         if self.task == "embed":
             self.pooler = resolve_pooler_config(source.model_path, source.hf_config,
                                                 config.model.override_pooler_config)
-        self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed)
+        self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed,
+                                self.parallel)
         quantize_model(self.model, config.model.quantization)
         lm_head = getattr(self.model, "lm_head", None)
         self.vocab_size: int = lm_head.vocab_size if lm_head is not None else self.model.vocab_size
         self.hidden_size: int = source.hf_config.get_text_config().hidden_size
         self.block_size = config.cache.page_size
-        attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
-        first = attention_layers[0]
-        bytes_per_token = KVCache.bytes_per_token(len(attention_layers), first.num_kv_heads, first.head_dim,
-                                                  kv_dtype)
+        self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self._attention_layers[0]
+        self.num_kv_heads: int = first.num_kv_heads
+        """KV heads this rank holds (its shard; replicated heads count once per rank)."""
+        self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+        self.kv_bytes_per_token = KVCache.bytes_per_token(len(self._attention_layers), first.num_kv_heads,
+                                                          first.head_dim, self.kv_dtype)
         context_length = getattr(source, "context_length", None)
-        demand_tokens = (config.scheduler.max_running_requests * context_length
-                         if context_length else None)
-        self.num_blocks = kv_pool_blocks(config.cache, bytes_per_token, self.device, demand_tokens)
-        if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
-            step_blocks = -(-config.scheduler.max_prefill_tokens // self.block_size)
-            self.num_blocks = min(self.num_blocks, step_blocks + config.scheduler.max_running_requests)
-        self.kv_cache = KVCache(len(attention_layers), self.num_blocks, self.block_size, first.num_kv_heads,
-                                first.head_dim, kv_dtype, self.device)
-        self.kv_cache_bytes = self.kv_cache.nbytes
+        self._demand_tokens = (config.scheduler.max_running_requests * context_length
+                               if context_length else None)
+        """Tokens the scheduler could ever hold at once (max running requests x context): a
+        default pool needs no more."""
         self.attention = get_attention_backend(attention_backend)
-        logger.info("model %s on %s, dtype %s (%s); KV pool %d blocks x %d = %d tokens, %.1f MiB "
+        self.num_blocks = 0
+        """Blocks in the KV pool; 0 until ``init_kv_cache``."""
+        self.kv_cache: KVCache | None = None
+        self.kv_cache_bytes = 0
+        if not defer_kv_cache:
+            self.init_kv_cache(self.kv_capacity_blocks())
+
+    def kv_capacity_blocks(self, ranks_sharing_memory: int = 1) -> int:
+        """Blocks this rank's pool could hold (``--max-total-tokens``, or ``--mem-fraction-static``
+        of free memory). ``ranks_sharing_memory``: ranks that size their pools from the same memory
+        at once (the TP ranks of one CPU host), each taking its share."""
+        num_blocks = kv_pool_blocks(self.config.cache, self.kv_bytes_per_token * ranks_sharing_memory,
+                                    self.device, self._demand_tokens)
+        if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
+            scheduler = self.config.scheduler
+            step_blocks = -(-scheduler.max_prefill_tokens // self.block_size)
+            num_blocks = min(num_blocks, step_blocks + scheduler.max_running_requests)
+        return num_blocks
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV pool with the block count the engine chose (once)."""
+        assert self.kv_cache is None, "the KV pool is sized once"
+        first = self._attention_layers[0]
+        self.num_blocks = num_blocks
+        self.kv_cache = KVCache(len(self._attention_layers), num_blocks, self.block_size, first.num_kv_heads,
+                                first.head_dim, self.kv_dtype, self.device)
+        self.kv_cache_bytes = self.kv_cache.nbytes
+        config = self.config
+        logger.info("model %s on %s, dtype %s (%s)%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
                     "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                     dtype_reason(config.model.dtype, self.device),
+                    f", tp rank {self.parallel.tp_rank}/{self.parallel.tp_size}"
+                    if self.parallel.tp_size > 1 else "",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                    self.kv_cache_bytes / 2 ** 20, str(kv_dtype).removeprefix("torch."), bytes_per_token)
+                    self.kv_cache_bytes / 2 ** 20, str(self.kv_dtype).removeprefix("torch."),
+                    self.kv_bytes_per_token)
         if self.pooler is not None:
             logger.info("task embed: %s pooling%s, %d-dim vectors", self.pooler.pooling_type,
                         " + L2 normalize" if self.pooler.normalize else "", self.hidden_size)
@@ -143,10 +184,24 @@ class ModelRunner:
         logger.info("torch.compile: %d decoder layers compiled (inductor) for decode steps of 1..%d "
                     "sequences in %.1f s; prefill stays eager", num_layers, max_bs, seconds)
 
+    def rank_kv_capacity_blocks(self) -> list[int]:
+        """Per rank, the blocks its pool could hold: this one rank (the engine's Runner protocol)."""
+        return [self.kv_capacity_blocks()]
+
+    def layout(self) -> dict[str, Any]:
+        """The parallel layout, for /get_server_info."""
+        return {**self.parallel.describe(), "executor": "in-process",
+                "ranks": [{"rank": 0, "pid": os.getpid(), "num_kv_heads": self.num_kv_heads,
+                           "num_threads": torch.get_num_threads()}]}
+
+    def shutdown(self) -> None:
+        """Nothing to stop: this runner lives in the engine's process."""
+
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
         """Run one forward pass; float32 logits ``[plan.num_logits, vocab_size]`` in plan order."""
         assert self.task == "generate", "an embedding model has no logits"
+        assert self.kv_cache is not None, "init_kv_cache first"
         if not plan.sequences:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         for sequence in plan.sequences:
@@ -160,6 +215,7 @@ class ModelRunner:
     def pool(self, plan: BatchPlan) -> torch.Tensor:
         """Run one forward over whole prompts; float32 ``[num_sequences, hidden]`` embeddings."""
         assert self.pooler is not None, "pool() needs --task embed"
+        assert self.kv_cache is not None, "init_kv_cache first"
         assert plan.sequences and all(s.is_pooled for s in plan.sequences), "every sequence is pooled"
         for sequence in plan.sequences:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"

@@ -14,6 +14,11 @@ Why physical cores: OpenMP parallel regions end with a barrier, so one thread th
 to another process stalls the whole op (measured on the 2-core dev box: with a busy loop on the
 other core, small ops slowed down 30-60x). Hyper-threads share one core's FMA units and add no
 GEMM throughput, so counting them only adds threads that wait.
+
+Tensor-parallel ranks on one node never share a core: the node's CPUs are cut into one disjoint
+slice per rank (``rank_cpu_slices``), each rank pins itself to its slice and runs ``--num-threads``
+threads (per rank; default the physical cores of its slice). An all-reduce waits for the slowest
+rank, so one rank losing its core to another would stall them all.
 """
 
 from __future__ import annotations
@@ -64,3 +69,42 @@ def configure_front_end_threads() -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
+
+
+def rank_cpu_slices(num_ranks: int) -> list[list[int]] | None:
+    """This node's CPUs (this process's affinity) cut into ``num_ranks`` disjoint equal slices, in
+    order; None when there are fewer CPUs than ranks (then no rank is pinned)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: no pinning
+        return None
+    if len(cpus) < num_ranks:
+        return None
+    per_rank = len(cpus) // num_ranks
+    return [cpus[rank * per_rank:(rank + 1) * per_rank] for rank in range(num_ranks)]
+
+
+def rank_num_threads(num_threads: int | None, cpus: list[int] | None, num_ranks: int) -> int:
+    """A rank's threads: ``--num-threads`` (per rank), else the physical cores of its slice (or of
+    the node divided among its ranks when it is not pinned)."""
+    if num_threads is not None:
+        return num_threads
+    logical = psutil.cpu_count(logical=True) or 1
+    threads_per_core = max(1, logical // (psutil.cpu_count(logical=False) or logical))
+    if cpus is not None:
+        return max(1, len(cpus) // threads_per_core)
+    return max(1, default_num_threads() // num_ranks)
+
+
+def place_rank_threads(rank: int, cpus: list[int] | None, num_threads: int) -> None:
+    """Pin this process to its CPU slice and set torch's threads (a tensor-parallel rank)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(num_threads)
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # fixed for good once the process ran inter-op work (in-process use)
+            pass
+    logger.info("rank %d: torch uses %d threads, pinned to CPUs %s", rank, num_threads,
+                cpus if cpus is not None else "(not pinned: fewer CPUs than ranks)")

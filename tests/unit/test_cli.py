@@ -179,8 +179,8 @@ def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     err = fail_message(["m", "--enable-p2p-check"], capsys)
-    assert err.startswith("servelm: --enable-p2p-check is not supported: servelm runs the model "
-                          "in a single process")
+    assert err.startswith("servelm: --enable-p2p-check is not supported yet: servelm runs tensor "
+                          "parallelism on one node")
     assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
@@ -242,7 +242,9 @@ def test_negatable_bool_field_gets_no_form() -> None:
     (["--context-length", "-5"], ["--context-length"]),
     (["--hf-overrides", "[1]"], ["--hf-overrides"]),
     (["--json-model-override-args", "{bad"], ["--hf-overrides", "--json-model-override-args"]),
-    (["--tp", "2"], ["--tensor-parallel-size", "--tp"]),
+    (["--tp", "0"], ["--tensor-parallel-size", "--tp"]),
+    (["--pp-size", "2"], ["--pipeline-parallel-size", "--pp-size"]),
+    (["--distributed-executor-backend", "ray"], ["--distributed-executor-backend"]),
     (["--dtype", "int8"], ["--dtype"]),
     (["--data_type", "int8"], ["--data_type"]),
     (["--long_truncation_mode", "middle"], ["--long_truncation_mode"]),
@@ -309,7 +311,7 @@ def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
     ("enable-trace: true\n", "--enable-trace is not supported yet"),
     ("port: abc\n", "argument --port: invalid int value"),
     ("page-size: 0\n", "--page-size must be positive, got 0 (given as --page-size (in "),
-    ("tp: 2\n", "(given as --tp (in "),
+    ("tp: 0\n", "(given as --tp (in "),
     ("allow-auto-truncate: 1\n", "allow-auto-truncate: takes true or false"),
     ("port: [1, 2]\n", "port: takes one value, got a list"),
     ("- port\n", "expected a mapping"),

@@ -1,6 +1,6 @@
 """Imports point down only (ARCHITECTURE.md): an AST walk over servelm/ (issue 11).
 
-server -> engine -> {cache, model, sampling, constrained, lora, spec} -> distributed, with config,
+server -> engine -> {cache, workers -> model, sampling, constrained, lora, spec} -> distributed, with config,
 errors and logging_utils as leaf modules everyone may use. Deferred imports inside functions count
 too: a deferred upward import is still an upward dependency. The front end (server/) may use the
 request-side types and validators of sampling/, constrained/ and parsers/, but never model/ or
@@ -24,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     **{leaf: set(LEAF) for leaf in LEAF},
     "distributed": set(LEAF),
     **{peer: {"distributed", *LEAF} for peer in PEERS},
-    "engine": {*PEERS - {"parsers"}, "distributed", *LEAF},
+    "workers": {"model", "distributed", *LEAF},
+    "engine": {*PEERS - {"parsers"}, "workers", "distributed", *LEAF},
     "server": {"engine", "sampling", "constrained", "parsers", "distributed", *LEAF},
 }
 ENTRY = {"__init__", "__main__", "cli", "cli_args", "cli_flags", "launch_server", "bench",

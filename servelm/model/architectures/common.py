@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from servelm.distributed.parallel import ParallelContext
 from servelm.model.layers.activation import ActAndMul
 from servelm.model.layers.linear import LinearMethod, MergedColumnParallelLinear, RowParallelLinear
 
@@ -29,12 +30,14 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False,
-                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None, *,
+                 parallel: ParallelContext) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
-                                                       linear_method, dtype)
+                                                       linear_method, dtype, parallel=parallel)
         self.act = ActAndMul(activation)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method, dtype,
+                                           parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

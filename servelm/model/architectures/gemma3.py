@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP, head_dim_of, load_named_weights
 from servelm.model.attention import Attention
 from servelm.model.forward_batch import ForwardBatch
@@ -37,19 +38,21 @@ def gemma3_layer_types(text_config: Any) -> list[str]:
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+    def __init__(self, config: Any, layer_id: int, layer_type: str, parallel: ParallelContext) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = config.num_key_value_heads
         head_dim = head_dim_of(config)
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=bias,
+                                          parallel=parallel)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=bias,
+                                        parallel=parallel, input_shard=self.qkv_proj.q_columns)
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         is_sliding = layer_type == "sliding_attention"
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config, layer_type))
-        self.attn = Attention(layer_id, num_heads, num_kv_heads, head_dim,
+        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
                               scale=config.query_pre_attn_scalar ** -0.5,
                               sliding_window=config.sliding_window if is_sliding else None)
 
@@ -60,11 +63,11 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, layer_type: str) -> None:
+    def __init__(self, config: Any, layer_id: int, layer_type: str, parallel: ParallelContext) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_id, layer_type)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
+        self.self_attn = Gemma3Attention(config, layer_id, layer_type, parallel)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation, parallel=parallel)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -76,10 +79,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size ** 0.5)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, layer_type)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size ** 0.5,
+                                           parallel=parallel)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, layer_type, parallel)
                                     for i, layer_type in enumerate(gemma3_layer_types(config)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,18 +97,20 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """``forward(batch) -> hidden [num_tokens, hidden]``; ``compute_logits(hidden) -> [n, vocab]``."""
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelContext.single()
         config = getattr(hf_config, "text_config", None) or hf_config
         self.hf_config = config
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise NotImplementedError("Gemma attention logit softcapping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("bidirectional Gemma 3 attention is not supported")
-        self.model = Gemma3Model(config)
+        self.model = Gemma3Model(config, parallel)
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", True) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied,
-                              final_softcap=getattr(config, "final_logit_softcapping", None))
+                              final_softcap=getattr(config, "final_logit_softcapping", None),
+                              parallel=parallel)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import (
     GatedMLP, head_dim_of, layer_sliding_window, load_named_weights)
 from servelm.model.attention import Attention
@@ -24,20 +25,24 @@ from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 parallel: ParallelContext) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = head_dim_of(hf_config)
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias,
+                                          parallel=parallel)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias, parallel=parallel,
+                                        input_shard=self.qkv_proj.q_columns)
         self.has_qk_norm = has_qk_norm
         if has_qk_norm:
             self.q_norm = RMSNorm(head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(hf_config))
-        self.attn = Attention(layer_id, num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5,
+        self.attn = Attention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim,
+                              scale=head_dim ** -0.5,
                               sliding_window=layer_sliding_window(hf_config, layer_id))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -49,11 +54,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_id, qkv_bias, o_bias, has_qk_norm)
+        self.self_attn = LlamaAttention(hf_config, layer_id, qkv_bias, o_bias, has_qk_norm, parallel)
         self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
-                            bias=getattr(hf_config, "mlp_bias", False))
+                            bias=getattr(hf_config, "mlp_bias", False), parallel=parallel)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -63,11 +69,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool) -> None:
+    def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
+                 parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel=parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm)
+            LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm, parallel)
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -85,15 +92,16 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None
     has_qk_norm = False
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelContext.single()
         self.hf_config = hf_config
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, self.has_qk_norm)
+        self.model = LlamaModel(hf_config, qkv_bias, o_bias, self.has_qk_norm, parallel)
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied)
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied, parallel=parallel)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

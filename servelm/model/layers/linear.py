@@ -1,12 +1,15 @@
-"""Linear layers behind one LinearMethod seam, written column/row-parallel with tp world size 1.
+"""Linear layers behind one LinearMethod seam, column/row-parallel over a ParallelContext.
 
 Invariants:
 - Every linear layer owns its parameters through a LinearMethod: ``create_weights`` registers them
   on the layer, ``apply`` computes the output. Quantization (a method with packed weights and
   scales) and LoRA (a wrapper adding a low-rank delta) plug in here, not in the architectures.
-- Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns
-  output rows ``tp_rank * n .. (tp_rank + 1) * n``; a row-parallel layer owns input columns likewise.
-  With ``tp_size == 1`` the slices are the whole tensor, but the loaders already narrow by rank.
+- Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns a
+  contiguous range of output rows (``ParallelContext.split``); a row-parallel layer owns a range of
+  input columns, and its partial outputs are summed over the ranks (all-reduce) before its bias is
+  added once. QKV and the attention output follow the rank's ``HeadShard`` instead (whole heads,
+  KV heads replicated when there are fewer than ranks). With ``tp_size == 1`` every range is the
+  whole tensor and there is no collective: the layers run exactly as in a single process.
 - Fused layers (QKV, gate_up) load HF shards by ``shard_id`` into their row range of the fused weight.
 - Dense float32 GEMMs on CPU (these layers and the float LM head) go through ``dense_linear``
   (oneDNN); everything else through ``F.linear``.
@@ -20,9 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# One process runs the whole model today (ParallelConfig only allows 1); see servelm/distributed.
-TP_SIZE = 1
-TP_RANK = 0
+from servelm.distributed.parallel import HeadShard, ParallelContext, Shard
 
 
 def _has_onednn_linear() -> bool:
@@ -113,69 +114,103 @@ class ColumnParallelLinear(LinearBase):
     """Output dimension split across ranks; its output stays partitioned (no all-gather)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
-        assert output_size % TP_SIZE == 0
-        super().__init__(input_size, output_size // TP_SIZE, bias, linear_method, dtype)
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None, *,
+                 parallel: ParallelContext | None = None) -> None:
+        self.parallel = parallel or ParallelContext.single()
+        self.output_shard = self.parallel.split(output_size)
+        super().__init__(input_size, self.output_shard.size, bias, linear_method, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        rows = param.shape[0]
-        _copy_checked(param, loaded.narrow(0, TP_RANK * rows, rows))
+        _copy_checked(param, loaded.narrow(0, self.output_shard.start, self.output_shard.size))
 
 
 class RowParallelLinear(LinearBase):
-    """Input dimension split across ranks; partial outputs would be all-reduced (no-op at tp 1)."""
+    """Input dimension split across ranks; the partial outputs are all-reduced, then the bias added."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
-        assert input_size % TP_SIZE == 0
-        super().__init__(input_size // TP_SIZE, output_size, bias, linear_method, dtype)
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None, *,
+                 parallel: ParallelContext | None = None, input_shard: Shard | None = None) -> None:
+        self.parallel = parallel or ParallelContext.single()
+        self.input_shard = input_shard or self.parallel.split(input_size)
+        super().__init__(self.input_shard.size, output_size, bias, linear_method, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return self.linear_method.apply(self, x, self.bias)
+        partial = self.parallel.all_reduce(self.linear_method.apply(self, x, None))
+        return partial if self.bias is None else partial + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias is added once, after the reduce
             _copy_checked(param, loaded)
             return
-        cols = param.shape[1]
-        _copy_checked(param, loaded.narrow(1, TP_RANK * cols, cols))
+        _copy_checked(param, loaded.narrow(1, self.input_shard.start, self.input_shard.size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input fused into one (e.g. gate_up)."""
+    """Several column-parallel projections of the same input fused into one (e.g. gate_up).
+
+    Each projection is split across ranks on its own (``shards``: this rank's rows of each), and a
+    rank's fused weight holds its rows of every projection, in order.
+    """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None) -> None:
-        self.output_sizes = [size // TP_SIZE for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, linear_method, dtype)
+                 linear_method: LinearMethod | None = None, dtype: torch.dtype | None = None, *,
+                 parallel: ParallelContext | None = None, shards: list[Shard] | None = None) -> None:
+        self.parallel = parallel or ParallelContext.single()
+        self.shards = shards or [self.parallel.split(size) for size in output_sizes]
+        self.output_sizes = [shard.size for shard in self.shards]
+        self.output_shard = Shard(0, sum(self.output_sizes))
+        LinearBase.__init__(self, input_size, sum(self.output_sizes), bias, linear_method, dtype)
 
     def shard_range(self, shard_id: int | str) -> tuple[int, int]:
         """(row offset, rows) of one shard inside this rank's fused weight."""
         index = int(shard_id)
         return sum(self.output_sizes[:index]), self.output_sizes[index]
 
+    def _shard_index(self, shard_id: int | str) -> int:
+        return int(shard_id)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       shard_id: int | str | None = None) -> None:
         assert shard_id is not None, "fused layers load one shard at a time"
         offset, rows = self.shard_range(shard_id)
-        _copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, TP_RANK * rows, rows))
+        source = self.shards[self._shard_index(shard_id)]
+        _copy_checked(param.data.narrow(0, offset, rows), loaded.narrow(0, source.start, source.size))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections fused; HF shards ``q_proj``/``k_proj``/``v_proj`` load as "q"/"k"/"v"."""
+    """q, k and v projections fused; HF shards ``q_proj``/``k_proj``/``v_proj`` load as "q"/"k"/"v".
+
+    A rank holds the heads of its ``HeadShard``: ``num_heads`` and ``num_kv_heads`` are this rank's.
+    """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, linear_method: LinearMethod | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *, parallel: ParallelContext | None = None) -> None:
+        parallel = parallel or ParallelContext.single()
         self.head_dim = head_dim
-        self.num_heads = num_heads // TP_SIZE
-        self.num_kv_heads = max(1, num_kv_heads // TP_SIZE)
+        self.head_shard: HeadShard = parallel.head_shard(num_heads, num_kv_heads)
+        self.num_heads = self.head_shard.q.size
+        self.num_kv_heads = self.head_shard.kv.size
+        kv_rows = Shard(self.head_shard.kv.start * head_dim, self.num_kv_heads * head_dim)
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], bias, linear_method, dtype)
+                                       num_kv_heads * head_dim], bias, linear_method, dtype,
+                         parallel=parallel, shards=[self.q_columns, kv_rows, kv_rows])
+
+    @property
+    def q_columns(self) -> Shard:
+        """This rank's columns of the attention output (the input of the output projection)."""
+        return Shard(self.head_shard.q.start * self.head_dim, self.head_shard.q.size * self.head_dim)
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        return {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
 
     def shard_range(self, shard_id: int | str) -> tuple[int, int]:
-        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
-        return super().shard_range(index)
+        return super().shard_range(self._shard_index(shard_id))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[num_tokens, q+k+v] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+        """[num_tokens, q+k+v] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] (this rank's heads)."""
         q, k, v = qkv.split(self.output_sizes, dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))

@@ -13,14 +13,31 @@ from servelm.model.forward_batch import BatchPlan
 
 
 class FakeRunner:
+    task = "generate"
+    pooler = None
+
     def __init__(self, num_blocks: int = 64, block_size: int = 4, vocab_size: int = 97) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv_cache_bytes = 0
+        self.hidden_size = 0
+        self.device = torch.device("cpu")
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.num_forward_tokens = 0
         self.max_batch_tokens = 0
+
+    def rank_kv_capacity_blocks(self) -> list[int]:
+        return [self.num_blocks]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        assert num_blocks == self.num_blocks
+
+    def layout(self) -> dict[str, object]:
+        return {"tp_size": 1}
+
+    def shutdown(self) -> None:
+        pass
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size

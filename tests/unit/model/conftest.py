@@ -30,10 +30,10 @@ def make_source(hf_model: Any) -> SimpleNamespace:
                            description="tiny test model")
 
 
-def make_runner(source: Any, dtype: str = "float32") -> ModelRunner:
+def make_runner(source: Any, dtype: str = "float32", parallel: Any = None) -> ModelRunner:
     config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype=dtype),
                           cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS))
-    return ModelRunner(config, source)
+    return ModelRunner(config, source, parallel=parallel)
 
 
 class BlockAllocator:

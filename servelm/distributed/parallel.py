@@ -1,0 +1,153 @@
+"""ParallelContext: this process's place in the model's parallel layout, and its collectives.
+
+One object per rank, built once and passed down to every layer constructor (never a module
+constant). ``ParallelContext.single()`` is the one-process layout: every collective is a no-op and
+every shard is the whole tensor, so a tp=1 model runs exactly the code it ran before TP existed.
+
+Invariants:
+- ``split(size)`` partitions ``range(size)`` into ``tp_size`` contiguous ranges that differ in length
+  by at most one (the first ``size % tp_size`` ranks hold one more); rank r holds range r.
+- ``head_shard(num_heads, num_kv_heads)``: a rank holds whole GQA groups. With at least as many KV
+  heads as ranks the KV heads are split (unevenly when they do not divide: SmolLM2's 3 KV heads on
+  2 ranks are 2 + 1, its 9 query heads 6 + 3); with fewer KV heads than ranks each KV head is
+  replicated on ``tp_size / num_kv_heads`` ranks, which split its query group (Gemma 3 270M: one KV
+  head, on every rank). A rank's query heads always attend to its own KV heads only.
+- Collectives run on ``group`` (a torch.distributed ProcessGroup object: gloo on CPU, NCCL on CUDA),
+  except all-reduces that fit the shared-memory all-reduce of a CPU host (``shm_all_reduce``);
+  every rank calls the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A contiguous range ``start .. start + size`` of some dimension."""
+
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """The attention heads one rank computes."""
+
+    q: Shard
+    """Query heads (indices into the model's query heads)."""
+    kv: Shard
+    """KV heads (indices into the model's KV heads); replicated ranks share the same range."""
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Ranks, sizes and the process group of one rank (pipeline and data parallel are 1 today)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+    """The tensor-parallel ProcessGroup (None when tp_size is 1)."""
+    shm_all_reduce: Any = field(default=None, compare=False, repr=False)
+    """A ShmAllReduce over the ranks of this host (None: all-reduce on ``group``)."""
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.tp_rank < self.tp_size, f"tp rank {self.tp_rank} outside [0, {self.tp_size})"
+        assert self.tp_size == 1 or self.group is not None, "tp_size > 1 needs a process group"
+
+    @classmethod
+    def single(cls) -> ParallelContext:
+        """One process runs the whole model."""
+        return cls()
+
+    @property
+    def is_driver(self) -> bool:
+        """This rank returns the step's results to the engine (tp rank 0)."""
+        return self.tp_rank == 0
+
+    # -- partitions -------------------------------------------------------------------------
+    def split(self, size: int) -> Shard:
+        """This rank's part of ``size`` (contiguous; sizes differ by at most one across ranks)."""
+        base, extra = divmod(size, self.tp_size)
+        start = self.tp_rank * base + min(self.tp_rank, extra)
+        return Shard(start, base + (1 if self.tp_rank < extra else 0))
+
+    def padded_split(self, size: int) -> Shard:
+        """This rank's part of ``size`` rounded up to a multiple of tp_size (equal parts, so they
+        can be all-gathered); the last ranks' parts may reach past ``size`` (padding)."""
+        part = -(-size // self.tp_size)
+        return Shard(self.tp_rank * part, part)
+
+    def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's query and KV heads (see the module invariants). ValueError when the heads
+        cannot be split across ``tp_size`` ranks."""
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= self.tp_size:
+            kv = self.split(num_kv_heads)
+            return HeadShard(Shard(kv.start * group, kv.size * group), kv)
+        replicas = self.tp_size // num_kv_heads
+        if self.tp_size % num_kv_heads or group % replicas:
+            raise ValueError(
+                f"--tp-size {self.tp_size} cannot split {num_heads} query heads over {num_kv_heads} KV "
+                f"heads: with fewer KV heads than ranks, the ranks must be a multiple of the KV heads "
+                f"({num_kv_heads}) and each KV head's {group} query heads must divide among its "
+                f"{replicas} ranks")
+        kv_index = self.tp_rank // replicas
+        per_rank = group // replicas
+        q_start = kv_index * group + (self.tp_rank % replicas) * per_rank
+        return HeadShard(Shard(q_start, per_rank), Shard(kv_index, 1))
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the tensor-parallel ranks, in place; returns it."""
+        if self.tp_size == 1:
+            return tensor
+        if self.shm_all_reduce is not None and self.shm_all_reduce.fits(tensor):
+            return self.shm_all_reduce.all_reduce(tensor)
+        self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` (equal shapes) along the last dimension."""
+        if self.tp_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        self.group.allgather([parts], [tensor]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def describe(self) -> dict[str, int]:
+        """The layout for logs and /get_server_info."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
+                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+
+
+def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    """The tensor-parallel ProcessGroup over ``store``: gloo on CPU, NCCL on CUDA.
+
+    A ProcessGroup object rather than torch.distributed's default group: several engines (tests)
+    can live in one process, and nothing global is set. Blocks until every rank joined, at most
+    ``timeout_s``, which also bounds every collective on it.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def ranks_sharing_memory(world_size: int, device: torch.device) -> int:
+    """Ranks whose KV pools come out of the same memory: all ranks of a CPU node, one per GPU."""
+    return world_size if device.type == "cpu" else 1

@@ -1,0 +1,106 @@
+"""The messages between the engine (rank 0, the driver) and its rank workers: one dataclass each.
+
+Transport: the engine writes ``WorkerInit`` to a worker's stdin once; after that, commands go down a
+ZMQ PUSH socket per worker and replies come back on one shared PULL socket, each message pickled
+whole. Tensors never travel here: activations move only through torch.distributed collectives.
+
+Invariants:
+- A worker's first reply is ``WorkerHello``; the engine refuses a worker whose
+  ``protocol_version`` differs from its own (a mismatched install is a clear error, not a hang).
+- Commands are handled in order. Per step a worker receives one ``ExecuteStep`` and replies nothing
+  (rank 0's results are the step's results); a worker that fails sends ``WorkerFailed`` and exits.
+- Bump ``PROTOCOL_VERSION`` whenever a message changes shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servelm.config import EngineConfig
+from servelm.model.forward_batch import BatchPlan
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """Everything a rank process needs to start (written to its stdin)."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    """The TCPStore rank 0 serves for the torch.distributed rendezvous."""
+    command_address: str
+    """ZMQ address this worker pulls its commands from."""
+    reply_address: str
+    """ZMQ address every worker pushes its replies to."""
+    cpus: list[int] | None
+    """CPUs this rank is pinned to (None: not pinned, the node has fewer CPUs than ranks)."""
+    num_threads: int
+    """torch intra-op threads of this rank."""
+    device: str
+    """torch device of this rank (cpu, or cuda:<rank>)."""
+    parent_pid: int
+    """The engine process; the worker dies with it."""
+    shm_path: str | None
+    """The shared-memory all-reduce segment to map (None: all-reduce on the process group)."""
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """First reply: the worker started and speaks this protocol."""
+
+    rank: int
+    pid: int
+    protocol_version: int
+
+
+@dataclass(frozen=True)
+class WorkerLoaded:
+    """The worker joined the process group and loaded its shard."""
+
+    rank: int
+    kv_capacity_blocks: int
+    """Blocks this rank's KV pool could hold; the engine takes the minimum over the ranks."""
+    num_kv_heads: int
+    num_threads: int
+    cpus: list[int] | None
+
+
+@dataclass(frozen=True)
+class InitKVCache:
+    """Allocate the KV pool with the size the engine chose."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KVCacheReady:
+    rank: int
+
+
+@dataclass(frozen=True)
+class ExecuteStep:
+    """Run one forward pass over ``plan`` (``pool``: the embedding forward instead)."""
+
+    plan: BatchPlan
+    is_pool: bool = False
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Exit the command loop."""
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The worker raised; it exits after sending this."""
+
+    rank: int
+    error: str
+
+
+Command = InitKVCache | ExecuteStep | Shutdown
+Reply = WorkerHello | WorkerLoaded | KVCacheReady | WorkerFailed

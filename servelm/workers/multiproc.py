@@ -1,0 +1,329 @@
+"""MultiprocExecutor: tensor parallelism on one node, behind the engine's Runner protocol.
+
+Layout (``--distributed-executor-backend mp``): rank 0 is a ``ModelRunner`` inside the engine
+process (the driver, as vLLM's driver worker and SGLang's TP rank 0 are); ranks 1..N-1 are
+``servelm.workers.worker`` processes on this node. Rank 0 in-process saves an IPC hop and a
+copy of the logits every step (the sampler reads them where they were computed), and leaves the
+tp 1 path untouched: there the engine holds its ModelRunner with no executor at all. The engine
+process is a daemonic multiprocessing child, which multiprocessing forbids to have children, so the
+ranks are plain subprocesses of the same interpreter; each calls ``die_with_parent`` first.
+
+Each step: the plan (plain lists) is pickled once and pushed to every worker over ZMQ, then rank 0
+runs its forward; the ranks meet in the collectives (gloo on CPU, NCCL on CUDA, a ProcessGroup
+object over a TCPStore served by rank 0) and rank 0's logits are the step's result.
+
+Faults: a rank that does not join within ``--dist-timeout``, exits, or fails a collective raises
+``RankFailedError`` naming it; the engine then ends every request and exits. A rank that dies while
+the engine is idle is noticed by a watcher thread, which ends the engine process (when it is one)
+after a short grace period, so the server exits instead of waiting for the next request.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+import servelm
+from servelm.config import EngineConfig
+from servelm.distributed.errors import RankFailedError
+from servelm.workers.messages import (
+    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Reply, Shutdown, WorkerFailed, WorkerHello,
+    WorkerInit, WorkerLoaded)
+from servelm.distributed import shm_allreduce
+from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+from servelm.model.forward_batch import BatchPlan
+from servelm.model.loader import resolve_device
+from servelm.model.pooling import PoolerConfig
+from servelm.model.runner import ModelRunner
+from servelm.model.threads import place_rank_threads, rank_cpu_slices, rank_num_threads
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200
+_IDLE_DEATH_GRACE_S = 3.0
+"""After a rank dies, how long the watcher leaves the step loop to report it before ending the
+engine process itself (an idle engine has no step to notice it)."""
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class MultiprocExecutor:
+    """N tensor-parallel ranks on this node; implements servelm.engine.executor.Runner."""
+
+    def __init__(self, config: EngineConfig, source: Any) -> None:
+        if config.runtime.enable_torch_compile:
+            raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
+        self.world_size = config.parallel.tensor_parallel_size
+        self.timeout_s = config.parallel.dist_timeout
+        self._workers: dict[int, subprocess.Popen[bytes]] = {}
+        self._loaded: dict[int, WorkerLoaded] = {}
+        self._is_closing = False
+        self._socket_dir = tempfile.mkdtemp(prefix="servelm-tp-")
+        self._zmq = zmq.Context()
+        self._replies = self._zmq.socket(zmq.PULL)
+        reply_address = f"ipc://{self._socket_dir}/replies"
+        self._replies.bind(reply_address)
+        self._commands: dict[int, zmq.Socket[Any]] = {}
+        device = resolve_device(config.model.device)
+        devices = [torch.device(f"cuda:{rank}") if device.type == "cuda" else device
+                   for rank in range(self.world_size)]
+        slices = rank_cpu_slices(self.world_size) if device.type == "cpu" else None
+        cpus = [slices[rank] if slices is not None else None for rank in range(self.world_size)]
+        threads = [rank_num_threads(config.runtime.num_threads, cpus[rank], self.world_size)
+                   for rank in range(self.world_size)]
+        self._threads, self._cpus, self._devices = threads, cpus, devices
+        self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
+        """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
+        self._shm_path: str | None = None
+        if not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device):
+            self._shm_path = shm_allreduce.create_segment(self.world_size)
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,  # type: ignore[attr-defined]
+                              timeout=_timedelta(self.timeout_s))
+        try:
+            for rank in range(1, self.world_size):
+                command_address = f"ipc://{self._socket_dir}/commands-{rank}"
+                socket = self._zmq.socket(zmq.PUSH)
+                socket.setsockopt(zmq.SNDHWM, 0)
+                socket.bind(command_address)
+                self._commands[rank] = socket
+                self._start_worker(WorkerInit(
+                    config=config, rank=rank, world_size=self.world_size, store_host="127.0.0.1",
+                    store_port=store.port, command_address=command_address,
+                    reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
+                    device=str(devices[rank]), parent_pid=os.getpid(), shm_path=self._shm_path))
+            self._wait(WorkerHello, "start")
+            place_rank_threads(0, cpus[0], threads[0])
+            if devices[0].type == "cuda":
+                torch.cuda.set_device(devices[0])
+            group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s)
+            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.world_size, self.timeout_s,
+                                              check_peers=self._raise_if_worker_dead)
+                   if self._shm_path is not None else None)
+            self.parallel = ParallelContext(tp_rank=0, tp_size=self.world_size, group=group,
+                                            shm_all_reduce=shm)
+            self.runner = ModelRunner(config, source, parallel=self.parallel, device=devices[0],
+                                      defer_kv_cache=True)
+            self._loaded = {reply.rank: reply for reply in self._wait(WorkerLoaded, "load its shard")}
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            self._unlink_segment()  # every rank has mapped it (or failed): no crash can leak it
+        self._store = store
+        atexit.register(self.shutdown)
+        threading.Thread(target=self._watch_workers, name="tp-rank-watch", daemon=True).start()
+        logger.info("tensor parallel: %d ranks on this node (rank 0 in the engine process, pids %s), "
+                    "%s threads per rank", self.world_size,
+                    [os.getpid()] + [w.pid for w in self._workers.values()], threads)
+
+    # -- start-up ---------------------------------------------------------------------------
+    def _start_worker(self, init: WorkerInit) -> None:
+        package_root = str(Path(servelm.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        process = subprocess.Popen([sys.executable, "-m", "servelm.workers.worker"],
+                                   stdin=subprocess.PIPE, env=env)
+        assert process.stdin is not None
+        process.stdin.write(pickle.dumps(init))
+        process.stdin.close()
+        self._workers[init.rank] = process
+
+    def _wait(self, kind: type, action: str) -> list[Any]:
+        """One ``kind`` reply from every worker; RankFailedError when one fails, exits or is late."""
+        deadline = time.monotonic() + self.timeout_s
+        replies: dict[int, Any] = {}
+        while len(replies) < len(self._workers):
+            if self._replies.poll(_POLL_MS):
+                reply: Reply = self._replies.recv_pyobj()
+                if isinstance(reply, WorkerFailed):
+                    raise RankFailedError(f"tensor-parallel rank {reply.rank} failed to {action}: "
+                                          f"{reply.error}")
+                if isinstance(reply, WorkerHello) and reply.protocol_version != PROTOCOL_VERSION:
+                    raise RankFailedError(
+                        f"tensor-parallel rank {reply.rank} speaks worker protocol "
+                        f"{reply.protocol_version}, the engine {PROTOCOL_VERSION}: run the same "
+                        "servelm version on every rank")
+                assert isinstance(reply, kind), f"expected {kind.__name__}, got {reply!r}"
+                replies[reply.rank] = reply
+                continue
+            for rank, process in self._workers.items():
+                if process.poll() is not None and rank not in replies:
+                    raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) "
+                                          f"{describe_exit(process.returncode)} before it could {action}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._workers) - set(replies))
+                raise RankFailedError(f"tensor-parallel ranks {missing} did not {action} within "
+                                      f"--dist-timeout {self.timeout_s:g} s")
+        return [replies[rank] for rank in sorted(replies)]
+
+    # -- the Runner protocol ----------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def task(self) -> str:
+        return self.runner.task
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        return self.runner.pooler
+
+    @property
+    def hidden_size(self) -> int:
+        return self.runner.hidden_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def rank_kv_capacity_blocks(self) -> list[int]:
+        own = self.runner.kv_capacity_blocks(ranks_sharing_memory(self.world_size, self.runner.device))
+        return [own] + [self._loaded[rank].kv_capacity_blocks for rank in sorted(self._loaded)]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast(InitKVCache(num_blocks))
+        self.runner.init_kv_cache(num_blocks)
+        self._wait(KVCacheReady, "allocate its KV pool")
+
+    def execute(self, plan: BatchPlan) -> torch.Tensor:
+        self._broadcast(ExecuteStep(plan))
+        try:
+            return self.runner.execute(plan)
+        except Exception as error:
+            raise self._step_failure(error) from error
+
+    def pool(self, plan: BatchPlan) -> torch.Tensor:
+        self._broadcast(ExecuteStep(plan, is_pool=True))
+        try:
+            return self.runner.pool(plan)
+        except Exception as error:
+            raise self._step_failure(error) from error
+
+    def layout(self) -> dict[str, Any]:
+        ranks = [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),
+                  "num_kv_heads": self.runner.num_kv_heads, "num_threads": self._threads[0],
+                  "cpus": self._cpus[0]}]
+        for rank, loaded in sorted(self._loaded.items()):
+            ranks.append({"rank": rank, "pid": self._workers[rank].pid,
+                          "device": str(self._devices[rank]),
+                          "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
+                          "cpus": loaded.cpus})
+        all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
+        return {**self.parallel.describe(), "executor": "mp", "nnodes": 1, "all_reduce": all_reduce,
+                "ranks": ranks}
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then by force) and release the sockets; idempotent."""
+        if self._is_closing:
+            return
+        self._is_closing = True
+        for socket in self._commands.values():
+            try:
+                socket.send_pyobj(Shutdown(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 5
+        for process in self._workers.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for socket in [*self._commands.values(), self._replies]:
+            socket.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._unlink_segment()
+        os.sched_setaffinity(0, self._own_placement[0])
+        torch.set_num_threads(self._own_placement[1])
+
+    def _unlink_segment(self) -> None:
+        if self._shm_path is not None:
+            shm_allreduce.unlink_segment(self._shm_path, self.world_size)
+
+    # -- faults -----------------------------------------------------------------------------
+    def _broadcast(self, command: Any) -> None:
+        self._raise_if_worker_dead()
+        data = pickle.dumps(command)
+        for socket in self._commands.values():
+            socket.send(data)
+
+    def _dead_workers(self) -> list[str]:
+        return [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
+                for rank, process in self._workers.items() if process.poll() is not None]
+
+    def _raise_if_worker_dead(self) -> None:
+        dead = self._dead_workers()
+        if dead:
+            raise RankFailedError("; ".join(dead))
+
+    def _step_failure(self, error: Exception) -> RankFailedError:
+        """Why rank 0's step failed: a worker's own report, a dead worker, or rank 0 itself. Any of
+        them leaves the ranks' collectives out of step, so every one is fatal."""
+        deadline = time.monotonic() + 2  # a killed peer resets the connection before it is reaped
+        while time.monotonic() < deadline:
+            if self._replies.poll(50):
+                reply = self._replies.recv_pyobj()
+                if isinstance(reply, WorkerFailed):
+                    return RankFailedError(f"tensor-parallel rank {reply.rank} failed: {reply.error}")
+            dead = self._dead_workers()
+            if dead:
+                return RankFailedError("; ".join(dead))
+        return RankFailedError(f"tensor-parallel rank 0 failed during a step: "
+                               f"{type(error).__name__}: {error}")
+
+    def _watch_workers(self) -> None:
+        while not self._is_closing:
+            dead = self._dead_workers()
+            if dead:
+                logger.error("%s; the engine cannot run without it", "; ".join(dead))
+                if multiprocessing.parent_process() is None:
+                    return  # an in-process engine (tests): its next step raises
+                time.sleep(_IDLE_DEATH_GRACE_S)
+                if not self._is_closing:
+                    logger.error("engine process exiting: a tensor-parallel rank is gone")
+                    os._exit(1)
+                return
+            time.sleep(0.5)
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,108 @@
+"""A tensor-parallel rank process (ranks 1..N-1; rank 0 runs inside the engine process).
+
+``python -m servelm.workers.worker`` with a pickled ``WorkerInit`` on stdin. It dies with the
+engine process, pins its threads, says hello (protocol version), joins the process group, loads its
+shard of the weights (a ``ModelRunner`` over its ``ParallelContext``), reports its KV capacity,
+allocates the pool the engine chose, then executes every step the engine sends, in order, until
+``Shutdown``. It never sees a Request, only BatchPlans. Any error is reported as ``WorkerFailed``
+and ends the process: its peers' collectives then fail at once, and the engine reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import traceback
+from typing import Any
+
+from servelm.distributed.lifetime import die_with_parent
+
+logger = logging.getLogger("servelm.workers.worker")
+
+
+def main() -> None:
+    parent_pid = os.getppid()
+    die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the engine decides when its ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    init = pickle.load(sys.stdin.buffer)
+    import multiprocessing
+
+    multiprocessing.current_process().name = f"servelm-tp-rank-{init.rank}"  # the log lines' name
+
+    import zmq
+
+    from servelm.workers.messages import WorkerFailed, WorkerInit
+
+    assert isinstance(init, WorkerInit)
+    context = zmq.Context()
+    commands = context.socket(zmq.PULL)
+    commands.connect(init.command_address)
+    replies = context.socket(zmq.PUSH)
+    replies.setsockopt(zmq.SNDHWM, 0)
+    replies.connect(init.reply_address)
+    try:
+        serve(init, commands, replies)
+    except Exception:
+        error = traceback.format_exc()
+        logger.error("rank %d failed:\n%s", init.rank, error)
+        replies.send_pyobj(WorkerFailed(init.rank, error.strip().splitlines()[-1]))
+        replies.close(linger=2000)
+        sys.exit(1)
+
+
+def serve(init: Any, commands: Any, replies: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from servelm.workers.messages import (
+        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Shutdown, WorkerHello, WorkerLoaded)
+    from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+    from servelm.distributed.shm_allreduce import ShmAllReduce
+    from servelm.logging_utils import configure_logging
+    from servelm.model.runner import ModelRunner
+    from servelm.model.source import resolve_model_source
+    from servelm.model.threads import place_rank_threads
+
+    config = init.config
+    configure_logging(config.server.log_level)
+    place_rank_threads(init.rank, init.cpus, init.num_threads)
+    replies.send_pyobj(WorkerHello(init.rank, os.getpid(), PROTOCOL_VERSION))
+    timeout_s = config.parallel.dist_timeout
+    store = dist.TCPStore(init.store_host, init.store_port, init.world_size, False,  # type: ignore[attr-defined]
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    device = torch.device(init.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = make_tp_group(store, init.rank, init.world_size, device, timeout_s)
+    shm = (ShmAllReduce(init.shm_path, init.rank, init.world_size, timeout_s)
+           if init.shm_path is not None else None)
+    parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group, shm_all_reduce=shm)
+    runner = ModelRunner(config, resolve_model_source(config.model), parallel=parallel, device=device,
+                         defer_kv_cache=True)
+    replies.send_pyobj(WorkerLoaded(init.rank, runner.kv_capacity_blocks(ranks_sharing_memory(init.world_size, device)),
+                                    runner.num_kv_heads, init.num_threads, init.cpus))
+    while True:
+        command = commands.recv_pyobj()
+        if isinstance(command, ExecuteStep):
+            if command.is_pool:
+                runner.pool(command.plan)
+            else:
+                runner.execute(command.plan)
+        elif isinstance(command, InitKVCache):
+            runner.init_kv_cache(command.num_blocks)
+            replies.send_pyobj(KVCacheReady(init.rank))
+        elif isinstance(command, Shutdown):
+            return
+        else:
+            raise AssertionError(f"unknown command {type(command).__name__}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Tensor parallelism: TP=2 greedy tokens are TP=1's (float32), in the engine and through the server,
+and a rank killed mid-generation fails the request and ends the server with no orphan process.
+
+Rank 1 is a real process and the ranks meet in real gloo collectives; each rank gets one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from servelm.config import EngineConfig
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+from tests.tiny_models import make_tiny_model_dir
+
+from .server_process import ServerProcess
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
+    for index, prompt in enumerate(prompts):
+        assert engine.add_request(str(index), prompt, params) is None
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return [tokens[str(index)] for index in range(len(prompts))]
+
+
+def run_engine(model: str, tp_size: int, prompts: list[list[int]], **flags: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    config = EngineConfig.from_flat(dict(model=model, dtype="float32", device="cpu", num_threads=1,
+                                         tensor_parallel_size=tp_size, **flags))
+    engine = LLMEngine(config)
+    try:
+        return greedy(engine, prompts), engine.stats()["parallel"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_mqa"])
+def test_tp2_engine_matches_tp1_on_tiny_models(tmp_path: Path, arch: str) -> None:
+    """Tiny Llama (GQA 4/2) and a Gemma 3 with one KV head (replicated on both ranks); the long
+    prompt is chunked (--chunked-prefill-size 8) so prefill chunks and decodes share steps."""
+    model = str(make_tiny_model_dir(tmp_path, arch))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    expected, _ = run_engine(model, 1, prompts, **flags)
+    got, layout = run_engine(model, 2, prompts, **flags)
+    assert got == expected
+    assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
+    assert layout["ranks"][1]["pid"] != os.getpid()
+    assert all(r["num_kv_heads"] == 1 for r in layout["ranks"])
+
+
+def completion_tokens(server: ServerProcess, prompt: list[int], max_tokens: int) -> list[int]:
+    response = httpx.post(f"{server.base_url}/generate", json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                 "ignore_eos": True}}, timeout=120)
+    assert response.status_code == 200, response.text
+    return list(response.json()["output_ids"])
+
+
+def check_server_parity(model: str, num_new_tokens: int) -> None:
+    """The TP=2 server's greedy tokens equal the in-process TP=1 engine's."""
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=model, dtype="float32", num_threads=1,
+                                                   max_total_tokens=2048)))
+    prompts = [engine.tokenizer.encode(text) for text in
+               ("The capital of France is", "def quicksort(items):")]
+    params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
+    expected = greedy(engine, prompts, params)
+    engine.shutdown()
+    with ServerProcess([model, "--tp", "2", "--dtype", "float32", "--num-threads", "1",
+                        "--max-total-tokens", "2048"]) as server:
+        got = [completion_tokens(server, prompt, num_new_tokens) for prompt in prompts]
+        info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
+    assert got == expected
+    assert info["parallel"]["tp_size"] == 2 and len(info["parallel"]["ranks"]) == 2
+
+
+def test_tp2_server_matches_tp1_smollm2() -> None:
+    """SmolLM2-135M: 9 query heads over 3 KV heads, split 6/2 and 3/1 across the two ranks."""
+    check_server_parity("smollm2-135m", 16)
+
+
+@pytest.mark.slow
+def test_tp2_server_matches_tp1_qwen_coder_05b() -> None:
+    check_server_parity("qwen2.5-coder-0.5b", 24)
+
+
+@pytest.mark.slow
+def test_tp2_server_matches_tp1_gemma3_270m() -> None:
+    check_server_parity("gemma3-270m", 24)
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) -> None:
+    model = str(make_tiny_model_dir(tmp_path, "llama"))
+    server = ServerProcess([model, "--tp", "2", "--num-threads", "1", "--skip-tokenizer-init",
+                            "--max-total-tokens", "4096", "--dtype", "float32"])
+    with server:
+        ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
+        engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
+        assert is_running(engine_pid) and is_running(rank_pid)
+        events: list[dict[str, Any]] = []
+        with httpx.stream("POST", f"{server.base_url}/generate", timeout=60, json={
+                "input_ids": [1, 2, 3], "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as stream:
+            assert stream.status_code == 200
+            for line in stream.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line.removeprefix("data:")))
+                if len(events) == 3:
+                    os.kill(rank_pid, signal.SIGKILL)
+        assert 3 < len(events) < 400
+        assert events[-1]["error"]["message"] == f"tensor-parallel rank 1 (pid {rank_pid}) was killed by SIGKILL"
+        assert server.process is not None
+        server.process.wait(timeout=30)
+        assert server.process.returncode != 0
+        deadline = time.monotonic() + 10
+        while (is_running(engine_pid) or is_running(rank_pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not is_running(engine_pid) and not is_running(rank_pid)
+        assert "tensor-parallel rank 1" in server.log()
+
+
+def test_a_rank_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:
+    """A rank process needs seconds to import torch: with --dist-timeout 0.5 it cannot say hello
+    in time. The engine fails naming the rank and the timeout, and leaves no process behind."""
+    from servelm.distributed.errors import RankFailedError
+
+    model = str(make_tiny_model_dir(tmp_path, "llama"))
+    with pytest.raises(RankFailedError, match=r"ranks \[1\] did not start within --dist-timeout 0.5 s"):
+        run_engine(model, 2, [[1, 2]], skip_tokenizer_init=True, max_total_tokens=256, dist_timeout=0.5)
+    assert [child for child in psutil.Process().children(recursive=True)
+            if "servelm.workers.worker" in " ".join(child.cmdline())] == []
