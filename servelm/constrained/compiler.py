@@ -166,6 +166,20 @@ class GrammarCompiler:
                     self._num_abandoned -= 1
                     return
 
+    def _check_can_start(self, compiled: Any) -> None:
+        """Refuse a grammar no token of this vocabulary can start (an empty language such as
+        the regex ``[^\\x00-\\U0010FFFF]``): without this, sampling under an all-zero mask picks a
+        token the grammar then rejects, a server error in the middle of the request."""
+        assert self._backend is not None
+        probe = self._backend.make_matcher(compiled)
+        if probe.is_terminated():
+            return
+        bitmask = self._backend.allocate_bitmask(1)
+        probe.fill_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise GrammarError("the grammar matches no text: no token of this model's vocabulary "
+                               "can start it")
+
     def _compile(self, job: CompileJob) -> None:
         if self._backend_error is not None:
             job.fail(self._backend_error)
@@ -175,6 +189,7 @@ class GrammarCompiler:
         try:
             check_spec(job.kind, job.spec, self.max_spec_bytes)
             compiled = self._backend.compile(job.kind, job.spec)
+            self._check_can_start(compiled)
         except GrammarError as error:
             job.fail(str(error))
             return

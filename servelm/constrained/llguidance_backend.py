@@ -100,11 +100,14 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
 class LLGuidanceMatcher:
     """A GrammarMatcher over llguidance.LLMatcher."""
 
-    __slots__ = ("_matcher", "_stop_token_ids")
+    __slots__ = ("_matcher", "_stop_token_ids", "_non_stop_bits")
 
-    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int],
+                 non_stop_bits: torch.Tensor) -> None:
         self._matcher = matcher
         self._stop_token_ids = stop_token_ids
+        self._non_stop_bits = non_stop_bits
+        """A packed bitmask row with every token but the stop tokens set (shared, read-only)."""
 
     def accept_token(self, token_id: int) -> bool:
         if self._matcher.is_stopped():  # complete (e.g. after jump-forward): only a stop token
@@ -117,6 +120,11 @@ class LLGuidanceMatcher:
         target = bitmask[row]
         assert target.is_contiguous() and bitmask.dtype == torch.int32
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+        # llguidance allows a stop token in a dead state (no text can follow, and the grammar is
+        # not complete): clear it, so a dead state is an empty mask under both backends (the
+        # compiler refuses such a grammar up front; the scheduler ends a request that reaches one).
+        if not self._matcher.is_accepting() and not bool((target & self._non_stop_bits).any()):
+            target.zero_()
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())
@@ -138,6 +146,11 @@ class LLGuidanceBackend:
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self.stop_token_ids = frozenset(stop_token_ids)
+        self._non_stop_bits = self.allocate_bitmask(1)[0]
+        for token_id in self.stop_token_ids:
+            if token_id < vocab_size:
+                word = (~(1 << (token_id % 32))) & 0xFFFFFFFF   # as a signed int32 below
+                self._non_stop_bits[token_id // 32] &= word - (1 << 32) if word >= 1 << 31 else word
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                           eos_token=list(stop_token_ids))
@@ -155,7 +168,7 @@ class LLGuidanceBackend:
         return matcher
 
     def make_matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids)
+        return LLGuidanceMatcher(compiled.deep_copy(), self.stop_token_ids, self._non_stop_bits)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -268,10 +268,8 @@ class LLMEngine:
                 request.grammar = self._grammars.make_matcher(compiled)
                 self.executor.grammar_backend = self._grammars.backend
             except GrammarError as error:
-                self.scheduler.finish(request, FinishReason.ERROR, error=str(error))
-                output = self._make_output(request)
-                output.error_status = 400
-                outputs.append(output)
+                self.scheduler.finish(request, FinishReason.ERROR, error=str(error), error_status=400)
+                outputs.append(self._make_output(request))
             request.grammar_job = None
         self._compiling = still_compiling
         return outputs
@@ -410,6 +408,7 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            error_status=request.error_status,
             embedding=request.embedding,
         )
 

@@ -53,6 +53,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_status: int | None = None
+    """HTTP status of ``error``: None is a server error (500); 400 when the request itself
+    cannot be served (its grammar allows no further token, say)."""
     arrival_time_s: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

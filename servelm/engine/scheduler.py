@@ -130,7 +130,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None,
-               error: str | None = None) -> None:
+               error: str | None = None, error_status: int | None = None) -> None:
         """End a request and free its blocks; it leaves the queues."""
         if request.is_finished:
             return
@@ -143,6 +143,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.error = error
+        request.error_status = error_status
         del self.requests[request.request_id]
 
     def abort(self, request_id: str) -> Request | None:
@@ -477,8 +478,11 @@ class Scheduler:
         """Feed the token to the request's grammar; True when that finished the request."""
         assert request.grammar is not None
         if not request.grammar.accept_token(token_id):
-            self.finish(request, FinishReason.ERROR,
-                        error=f"token {token_id} does not follow the request's grammar")
+            # Only a grammar that reached a state no token of the vocabulary can continue lets
+            # the masked sampler pick a forbidden token: the request's grammar, not the server.
+            self.finish(request, FinishReason.ERROR, error_status=400,
+                        error=("the request's grammar allows no further token of this model's "
+                               f"vocabulary after {len(request.output_token_ids) - 1} output tokens"))
             return True
         if request.grammar.is_terminated():
             self.finish(request, FinishReason.STOP)

@@ -164,6 +164,20 @@ def test_hostile_schema_through_the_engine_is_a_400_not_a_crash(tokenizer, backe
     assert "matches no finite JSON value" in output.error
 
 
+@pytest.mark.parametrize("kind, spec", [
+    ("regex", "[^\\x00-\\U0010FFFF]"),       # an empty language: no character at all
+    ("regex", "[^\\x00-\\U0010FFFF]abc"),    # ... before a possible tail
+])
+def test_a_grammar_no_token_can_start_is_a_400(tokenizer, backend, kind, spec):
+    # Before: the masked sampler picked token 0 under an all-zero mask, the grammar rejected it
+    # and the request ended in a 500 ("token 0 does not follow the request's grammar").
+    engine = make_engine(tokenizer, backend=backend)
+    output = final_output(engine, "empty", SamplingParams(max_tokens=10,
+                                                          structured=StructuredSpec(kind, spec)))
+    assert output.finish_reason == "error" and output.error_status == 400, output
+    assert output.num_output_tokens == 0
+
+
 def test_jump_forward_appends_a_bounded_amount_per_step(tokenizer, backend):
     # A 450-character forced run: it is appended across steps, never all at once.
     engine = make_engine(tokenizer, num_blocks=128, backend=backend)
