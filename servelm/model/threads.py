@@ -40,23 +40,32 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_num_threads() -> int:
-    """Physical cores available to this process: affinity CPUs / hardware threads per core."""
+def threads_per_core() -> int:
+    """Hardware threads per physical core (2 with SMT, else 1)."""
     logical = psutil.cpu_count(logical=True) or 1
     physical = psutil.cpu_count(logical=False) or logical
-    threads_per_core = max(1, logical // physical)
-    return max(1, available_cpus() // threads_per_core)
+    return max(1, logical // physical)
 
 
-def configure_engine_threads(num_threads: int | None) -> int:
-    """Set torch's threads for the engine process and log the choice; returns the thread count."""
-    chosen = num_threads if num_threads is not None else default_num_threads()
-    torch.set_num_threads(chosen)
+def default_num_threads() -> int:
+    """Physical cores available to this process: affinity CPUs / hardware threads per core."""
+    return max(1, available_cpus() // threads_per_core())
+
+
+def set_torch_threads(num_threads: int) -> None:
+    """``num_threads`` intra-op threads and one inter-op thread for this process."""
+    torch.set_num_threads(num_threads)
     if torch.get_num_interop_threads() != 1:
         try:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # fixed for good once the process ran inter-op work (in-process use)
             pass
+
+
+def configure_engine_threads(num_threads: int | None) -> int:
+    """Set torch's threads for the engine process and log the choice; returns the thread count."""
+    chosen = num_threads if num_threads is not None else default_num_threads()
+    set_torch_threads(chosen)
     reason = "--num-threads" if num_threads is not None else (
         f"physical cores available to the process ({available_cpus()} CPUs in its affinity)")
     logger.info("torch uses %d threads (%s), %d inter-op", torch.get_num_threads(), reason,
@@ -89,10 +98,8 @@ def rank_num_threads(num_threads: int | None, cpus: list[int] | None, num_ranks:
     the node divided among its ranks when it is not pinned)."""
     if num_threads is not None:
         return num_threads
-    logical = psutil.cpu_count(logical=True) or 1
-    threads_per_core = max(1, logical // (psutil.cpu_count(logical=False) or logical))
     if cpus is not None:
-        return max(1, len(cpus) // threads_per_core)
+        return max(1, len(cpus) // threads_per_core())
     return max(1, default_num_threads() // num_ranks)
 
 
@@ -100,11 +107,6 @@ def place_rank_threads(rank: int, cpus: list[int] | None, num_threads: int) -> N
     """Pin this process to its CPU slice and set torch's threads (a tensor-parallel rank)."""
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(num_threads)
-    if torch.get_num_interop_threads() != 1:
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # fixed for good once the process ran inter-op work (in-process use)
-            pass
+    set_torch_threads(num_threads)
     logger.info("rank %d: torch uses %d threads, pinned to CPUs %s", rank, num_threads,
                 cpus if cpus is not None else "(not pinned: fewer CPUs than ranks)")
