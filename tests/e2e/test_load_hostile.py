@@ -1,6 +1,7 @@
 """Load: hostile requests beside normal users for a few minutes (issue 19's done-when).
 
-A stream of hostile clients (request chat templates with nested loops or memory bombs, 256-sequence
+A stream of hostile clients (JSON schemas that recurse with no way out or blow the size budget,
+an empty-language regex, request chat templates with nested loops or memory bombs, 256-sequence
 fan-outs and over-cap fan-outs, lone surrogates, idle and slowloris sockets, oversized bodies,
 unkeyed /health_generate and /get_server_info polling) runs beside three normal users sending
 short streamed chats and completions. The server must not crash or answer a 5xx other than 503,
@@ -34,6 +35,13 @@ NORMAL_MAX_TOKENS = 16
 NESTED_LOOP = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
                "{{ messages[0]['content'] }}")
 MEMORY_BOMB = "{{ 'x' * 4000000000 }}"
+HOSTILE_SCHEMAS = [  # each a 400 before the engine or from the compile worker (constrained/)
+    {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},
+    {"$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}},
+     "$ref": "#/$defs/a"},
+    {"type": "string", "enum": [f"value-{i}" for i in range(20000)]},
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}},
+]
 
 
 def _tree_memory(pid: int) -> tuple[int, int]:
@@ -101,9 +109,19 @@ async def hostile(client: httpx.AsyncClient, base_url: str, port: int, deadline:
     rng = random.Random(100 + worker)
     while time.monotonic() < deadline:
         kind = rng.choice(["template", "bomb", "fanout", "overcap", "surrogate", "surrogate_chat",
-                           "oversized", "health", "info", "slow_sockets", "tokenize_surrogate"])
+                           "oversized", "health", "info", "slow_sockets", "tokenize_surrogate",
+                           "schema", "empty_regex"])
         try:
-            if kind == "template":
+            if kind == "schema":
+                response = await client.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+                    "stream": rng.random() < 0.5, "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "h", "schema": rng.choice(HOSTILE_SCHEMAS)}}})
+            elif kind == "empty_regex":
+                response = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True,
+                    "guided_regex": "[^\\x00-\\U0010FFFF]"})
+            elif kind == "template":
                 response = await client.post("/v1/chat/completions", json={
                     "model": MODEL, "messages": [{"role": "user", "content": "x"}],
                     "chat_template": NESTED_LOOP, "max_tokens": 2})
@@ -152,7 +170,7 @@ async def hostile(client: httpx.AsyncClient, base_url: str, port: int, deadline:
         tally.add(kind, response.status_code)
 
 
-EXPECTED = {"template": {400}, "bomb": {400}, "fanout": {200, 503}, "overcap": {400},
+EXPECTED = {"schema": {400}, "empty_regex": {400}, "template": {400}, "bomb": {400}, "fanout": {200, 503}, "overcap": {400},
             "surrogate": {400}, "surrogate_chat": {400}, "tokenize_surrogate": {400},
             "oversized": {413}, "health": {200}, "info": {200}, "slow_sockets": {0}}
 
