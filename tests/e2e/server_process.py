@@ -49,8 +49,10 @@ class ServerProcess:
         self.__exit__(None, None, None)
         raise TimeoutError(f"server did not become healthy:\n{self.log()}")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
+    def log(self, tail_chars: int | None = 5000) -> str:
+        """The server's output: its last ``tail_chars`` characters (None: all of it)."""
+        text = self.log_path.read_text(errors="replace")
+        return text if tail_chars is None else text[-tail_chars:]
 
     def __exit__(self, *exc_info: object) -> None:
         if self.process is not None and self.process.poll() is None:
