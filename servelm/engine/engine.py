@@ -157,14 +157,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
-                    is_embedding: bool = False, group: str = "") -> RequestOutput | None:
+                    is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
+                    lora_slot: int = 0) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
-        waiting queue is full: ``error_status`` 503)."""
+        waiting queue is full: ``error_status`` 503). ``adapter_id``/``lora_slot``: the LoRA adapter
+        (installed in the runner's slot ``lora_slot``) the request runs with; None/0 for the base."""
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
                           is_embedding=is_embedding, group=group,
-                          default_seed=request_seed(self.config.model.seed, self._num_arrivals))
+                          default_seed=request_seed(self.config.model.seed, self._num_arrivals),
+                          adapter_id=adapter_id, lora_slot=lora_slot)
         self._num_arrivals += 1
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:

@@ -71,6 +71,8 @@ class Request:
     """Sampling seed when ``params.seed`` is None: derived from --seed and the arrival order."""
     adapter_id: str | None = None
     """LoRA adapter the K/V is computed with; part of the prefix-cache key."""
+    lora_slot: int = 0
+    """Runner slot holding ``adapter_id``'s weights (0: the base model); goes into the plan."""
     num_cached_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache at first admission."""
     num_inserted_blocks: int = 0

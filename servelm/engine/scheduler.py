@@ -422,7 +422,7 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_tokens, 0, False, 0, is_pooled=True))
             output.plan.sequences.append(SequencePlan(
                 token_ids=request.token_slice(start, start + num_tokens), start_position=start,
-                block_ids=request.block_ids, num_logits=0, is_pooled=True))
+                block_ids=request.block_ids, num_logits=0, is_pooled=True, lora_slot=request.lora_slot))
             return
         is_sampling = start + num_tokens == request.num_tokens
         num_prompt_rows = 0
@@ -439,6 +439,7 @@ class Scheduler:
             start_position=start,
             block_ids=request.block_ids,
             num_logits=num_logits,
+            lora_slot=request.lora_slot,
         ))
 
     # -- update -----------------------------------------------------------------------------

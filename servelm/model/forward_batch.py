@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from servelm.model.layers.linear import LoRAGroup
+
 
 @dataclass(slots=True)
 class SequencePlan:
@@ -37,6 +39,8 @@ class SequencePlan:
     """How many trailing positions of token_ids get logits."""
     is_pooled: bool = False
     """The sequence is a whole prompt whose pooled hidden state is returned (embeddings)."""
+    lora_slot: int = 0
+    """Adapter slot whose LoRA deltas apply to this sequence's rows (0: the base model)."""
 
 
 @dataclass(slots=True)
@@ -89,6 +93,8 @@ class ForwardBatch:
     attn_metadata: Any = None
     rope_cache: dict[Any, Any] = field(default_factory=dict)
     """Rotary cos/sin of this batch's positions, shared by the layers with the same rope."""
+    lora: list[LoRAGroup] = field(default_factory=list)
+    """Token rows per adapter slot (base rows in none), for the linear layers' LoRA deltas."""
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +148,9 @@ class ForwardBatch:
             kv_cache=kv_cache,
             attention=attention,
         )
+        for slot in sorted({s.lora_slot for s in sequences} - {0}):
+            rows = torch.nonzero(torch.tensor([s.lora_slot == slot for s in sequences])[seq_index]).flatten()
+            batch.lora.append(LoRAGroup(slot, rows.to(device)))
         if attention is not None:
             batch.attn_metadata = attention.build_metadata(batch)
         return batch

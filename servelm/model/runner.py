@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -33,6 +34,7 @@ from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.kv_cache import KVCache
+from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
@@ -196,6 +198,40 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop: this runner lives in the engine's process."""
+
+    def set_lora(self, slot: int, entries: Iterable[tuple[int, str, int | str | None, torch.Tensor,
+                                                          torch.Tensor, float]]) -> None:
+        """Install adapter ``slot`` (> 0): (layer index, linear attribute such as ``qkv_proj``, shard
+        id in a fused layer or None, A, B, scale) per target. Replaces what the slot held."""
+        assert slot > 0, "slot 0 is the base model"
+        if self.parallel.tp_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
+        layers = self._lora_layers()
+        self.remove_lora(slot)
+        try:
+            for layer, attr, shard_id, a, b, scale in entries:
+                target = layers.get((layer, attr))
+                if target is None:
+                    raise ValueError(f"the model has no {attr} in layer {layer} for a LoRA delta")
+                target.set_lora(slot, a.to(self.device, self.dtype), b.to(self.device, self.dtype),
+                                scale, shard_id)
+        except Exception:
+            self.remove_lora(slot)
+            raise
+
+    def remove_lora(self, slot: int) -> None:
+        for target in self._lora_layers().values():
+            target.remove_lora(slot)
+
+    def _lora_layers(self) -> dict[tuple[int, str], LinearBase]:
+        found: dict[tuple[int, str], LinearBase] = {}
+        for name, module in self.model.named_modules():
+            parts = name.split(".")
+            if isinstance(module, LinearBase) and "layers" in parts[:-1]:
+                index = parts.index("layers") + 1
+                if parts[index].isdigit():
+                    found[(int(parts[index]), parts[-1])] = module
+        return found
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:

@@ -6,7 +6,7 @@ their HF shards through ``STACKED_PARAMS``; every other tensor loads by its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.layers.activation import ActAndMul
-from servelm.model.layers.linear import LinearMethod, MergedColumnParallelLinear, RowParallelLinear
+from servelm.model.layers.linear import LinearMethod, LoRAGroup, MergedColumnParallelLinear, RowParallelLinear
 
 # (fused parameter, HF shard, shard id)
 STACKED_PARAMS: list[tuple[str, str, int | str]] = [
@@ -39,8 +39,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method, dtype,
                                            parallel=parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:

@@ -57,9 +57,9 @@ class Gemma3Attention(nn.Module):
                               sliding_window=config.sliding_window if is_sliding else None)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         q, k = self.rotary_emb(batch.positions, self.q_norm(q), self.k_norm(k), batch.rope_cache)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.o_proj(self.attn(q, k, v, batch), batch.lora)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -75,7 +75,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch))
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), batch.lora)
+        return hidden + self.post_feedforward_layernorm(mlp_out)
 
 
 class Gemma3Model(nn.Module):

@@ -46,11 +46,11 @@ class LlamaAttention(nn.Module):
                               sliding_window=layer_sliding_window(hf_config, layer_id))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.o_proj(self.attn(q, k, v, batch), batch.lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch.lora)
 
 
 class LlamaModel(nn.Module):

@@ -3,7 +3,9 @@
 Invariants:
 - Every linear layer owns its parameters through a LinearMethod: ``create_weights`` registers them
   on the layer, ``apply`` computes the output. Quantization (a method with packed weights and
-  scales) and LoRA (a wrapper adding a low-rank delta) plug in here, not in the architectures.
+  scales) plugs in here, not in the architectures. LoRA: ``set_lora`` gives a layer per-adapter-slot
+  low-rank deltas (one per shard of a fused layer); ``forward(x, lora)`` adds each ``LoRAGroup``'s
+  delta to its rows only, whatever the LinearMethod (base rows untouched). tp_size > 1 refuses LoRA.
 - Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns a
   contiguous range of output rows (``ParallelContext.split``); a row-parallel layer owns a range of
   input columns, and its partial outputs are summed over the ranks (all-reduce) before its bias is
@@ -17,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -83,6 +87,23 @@ class UnquantizedLinearMethod:
         return dense_linear(x, layer.weight, bias)
 
 
+@dataclass(frozen=True)
+class LoRAGroup:
+    """The token rows of one forward batch that use one adapter slot (base rows are in no group)."""
+
+    slot: int
+    rows: torch.Tensor  # [n] int64 row indices into the layer input
+
+
+@dataclass(frozen=True)
+class _LoRAPiece:
+    offset: int  # first output column of this layer the delta lands in (a fused layer's shard)
+    size: int
+    a: torch.Tensor  # [rank, input_size]
+    b: torch.Tensor  # [size, rank]
+    scale: float
+
+
 class LinearBase(nn.Module):
     """A linear layer of this rank's partition: ``input_size -> output_size`` (per partition)."""
 
@@ -97,9 +118,43 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.lora: dict[int, list[_LoRAPiece]] = {}
+        """Adapter slot -> low-rank deltas on this layer (several for a fused layer's shards)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
+        return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
+
+    def set_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+                 shard_id: int | str | None = None) -> None:
+        """Add adapter ``slot``'s delta ``(x @ a.T) @ b.T * scale`` (to one shard of a fused layer)."""
+        parallel = getattr(self, "parallel", None)
+        if parallel is not None and parallel.tp_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
+        offset, size = (0, self.output_size) if shard_id is None else self.shard_range(shard_id)
+        if a.shape[1] != self.input_size or b.shape[0] != size or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
+                             f"{self.input_size} -> {size} projection")
+        self.lora.setdefault(slot, []).append(_LoRAPiece(offset, size, a, b, scale))
+
+    def shard_range(self, shard_id: int | str) -> tuple[int, int]:
+        raise ValueError(f"{type(self).__name__} is not fused; it has no shard {shard_id!r}")
+
+    def remove_lora(self, slot: int) -> None:
+        self.lora.pop(slot, None)
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup] | None) -> torch.Tensor:
+        """``out`` plus each adapter group's delta on its own rows; rows in no group are untouched."""
+        if not lora or not self.lora:
+            return out
+        for group in lora:
+            pieces = self.lora.get(group.slot)
+            if not pieces:
+                continue
+            rows = x.index_select(0, group.rows)
+            for piece in pieces:
+                delta = (rows @ piece.a.T) @ piece.b.T * piece.scale
+                out[group.rows, piece.offset:piece.offset + piece.size] += delta.to(out.dtype)
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -134,9 +189,9 @@ class RowParallelLinear(LinearBase):
         self.input_shard = input_shard or self.parallel.split(input_size)
         super().__init__(self.input_shard.size, output_size, bias, linear_method, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return self.linear_method.apply(self, x, self.bias)
+            return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
         partial = self.parallel.all_reduce(self.linear_method.apply(self, x, None))
         return partial if self.bias is None else partial + self.bias
 
