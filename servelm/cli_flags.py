@@ -253,7 +253,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--disable_custom_allreduce",), "disable_custom_all_reduce", "LightLLM", takes_value=False,
           const=True),
     Alias(("-pp", "--pp-size"), "pipeline_parallel_size", "vLLM, SGLang", example=("2",)),
-    Alias(("--dp-size", "--dp"), "data_parallel_size", "SGLang, LightLLM", example=("2",)),
+    Alias(("--dp-size", "--dp", "-dp"), "data_parallel_size", "SGLang, LightLLM, vLLM",
+          example=("2",)),
     Alias(("--guided-decoding-backend",), "grammar_backend", "vLLM", _vllm_guided_backend,
           example=("none",), note="auto -> xgrammar, guidance -> llguidance"),
     Alias(("--output_constraint_mode",), "grammar_backend", "LightLLM", example=("none",)),
@@ -406,9 +407,10 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--disaggregation-decode-tp", "--disaggregation-decode-dp",
                "--disaggregation-prefill-pp", "--disaggregation-decode-enable-offload-kvcache",
                "--num-reserved-decode-tokens", "--disaggregation-decode-polling-interval")),
-    Rejection(f"{NOT_BUILT_YET}: data parallelism (replicas behind one server)",
+    Rejection("not supported: DP attention and its tuning (data parallelism here is whole engine "
+              "replicas: --dp-size with --load-balance-method)",
               ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
-               "--load-balance-method", "--enable-dp-attention")),
+               "--enable-dp-attention")),
     Rejection(f"{NOT_BUILT_YET}: pipeline parallelism", ("--pp-max-micro-batch-size",)),
     Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
               "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
@@ -453,7 +455,7 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
     Rejection("not supported yet: servelm runs tensor parallelism on one node (--tp-size); "
-              "multi-node serving, Ray, data-parallel load balancing and these tuning options are "
+              "multi-node serving, Ray and these tuning options are "
               "not implemented",
               ("--dist-init-addr", "--nccl-init-addr", "--nccl_host", "--nccl_port",
                "--multinode_httpmanager_port", "--multinode_router_gloo_port",

@@ -274,7 +274,16 @@ class ParallelConfig:
         "vocabulary) and all-reduce after each row-parallel layer. 1 runs the model in the engine "
         "process; N > 1 adds N - 1 rank processes on this node (rank 0 stays in the engine process).")
     pipeline_parallel_size: int = opt(1, "Pipeline-parallel degree (only 1 in this build).")
-    data_parallel_size: int = opt(1, "Data-parallel replicas (only 1 in this build).")
+    data_parallel_size: int = opt(
+        1, "Data-parallel replicas: N engine processes behind the one HTTP server, each with its "
+        "own copy of the model, KV pool and scheduler (each may itself be tensor-parallel). The "
+        "node's CPUs are cut into N slices, one per replica, and --num-threads defaults to a "
+        "replica's share.")
+    load_balance_method: str = opt(
+        "round_robin", "How a request's replica is chosen with --dp-size > 1: round_robin (in "
+        "turn), shortest_queue (fewest unfinished requests) or minimum_tokens (fewest unfinished "
+        "prompt + max_tokens tokens), as counted by the front end; ties go to the lowest replica.",
+        choices=["round_robin", "shortest_queue", "minimum_tokens"])
     distributed_executor_backend: str = opt(
         "mp", "How rank processes are started: mp (local processes on this node). ray is refused "
         "in this build (multi-node placement is not implemented yet).", choices=["mp", "ray"])
@@ -291,12 +300,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if value != 1:
-                raise ValueError(f"{_flag(name)}={value}: only 1 is supported in this build (tensor "
-                                 "parallelism on one node is; pipeline and data parallelism are not "
-                                 "implemented yet)")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"--pipeline-parallel-size={self.pipeline_parallel_size}: only 1 is "
+                             "supported in this build (tensor and data parallelism on one node "
+                             "are; pipeline parallelism is not implemented yet)")
         if self.distributed_executor_backend != "mp":
             raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend}: only "
                              "mp (processes on this node) is supported in this build; Ray and "

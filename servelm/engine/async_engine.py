@@ -1,6 +1,6 @@
 """The front end's handle on the engine core, which runs in its own process behind ZMQ.
 
-Processes:
+Processes (the engine side is engine_process.py):
 - the caller (HTTP server or offline Engine) owns an AsyncEngine: it sends requests down a PUSH
   socket and a background task routes the core's outputs to one asyncio.Queue per request.
 - the engine process runs ``LLMEngine.step()`` in a loop; between steps it drains its input
@@ -11,28 +11,34 @@ Invariants:
   consumer stops early, in which case the request is aborted and its KV freed.
 - If the engine process dies, every pending request fails with an error and ``is_alive`` is
   False (health checks then report 503).
-Moving the engine elsewhere (another host, several replicas) changes only this file.
+- With ``--dp-size N`` there are N engine processes (replicas, each with its own model, KV pool
+  and scheduler); the balancer (balancer.py) picks one per request, and the request's aborts
+  and outputs stay with it. Any replica dying counts as the engine dying.
+Moving the engine elsewhere (another host) changes only this file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from servelm.config import EngineConfig
+from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
+from servelm.engine.engine_process import run_engine_process
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import InvalidRequestError
 from servelm.sampling.params import SamplingParams
@@ -52,116 +58,43 @@ class EngineDeadError(RuntimeError):
     """The engine process exited; no request can be served."""
 
 
-def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
-                       parent_pid: int | None = None) -> None:
-    """Entry point of the engine process: load the model, then step until told to stop.
+@dataclass
+class _Replica:
+    """One engine process and its sockets, and the figures it last reported."""
 
-    ``parent_pid`` is the front end's pid, read before the spawn: this process dies with it
-    (even when the front end is SIGKILLed and runs no cleanup), so the KV pool is never orphaned.
-    """
-    from servelm.distributed.lifetime import die_with_parent
-
-    die_with_parent(parent_pid)
-    from servelm.engine.engine import LLMEngine
-    from servelm.engine.monitor import StatsLogger, Watchdog
-    from servelm.logging_utils import configure_logging
-
-    # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure_logging(config.server.log_level)
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(output_address)
-    parent_pid = os.getppid()  # after die_with_parent: still the front end
-    try:
-        engine = LLMEngine(config)
-    except ValueError as error:  # a configuration the user can fix: the message says how
-        logger.error("engine failed to start: %s", error)
-        outputs.send_pyobj(("failed", str(error)))
-        return
-    except Exception as error:
-        logger.exception("engine failed to start")
-        outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
-        return
-    outputs.send_pyobj(("ready", engine.model_info))
-    stats = StatsLogger(engine, config.observability)
-    timeout_s = config.observability.watchdog_timeout
-    watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
-    while True:
-        timeout_ms = 0 if engine.has_unfinished() else 1000
-        if inputs.poll(timeout_ms):
-            while True:
-                message = inputs.recv_pyobj()
-                if message[0] == "shutdown":
-                    return
-                _handle(engine, message, outputs)
-                if not inputs.poll(0):
-                    break
-        elif os.getppid() != parent_pid:
-            logger.error("front end process exited; engine stopping")
-            return
-        if engine.has_unfinished():
-            if watchdog is not None:
-                watchdog.step_started()
-            step_outputs = engine.step()
-            if watchdog is not None:
-                watchdog.step_finished()
-            if step_outputs:
-                outputs.send_pyobj(("outputs", step_outputs))
-        stats.maybe_log()
+    index: int
+    process: multiprocessing.process.BaseProcess
+    push: zmq.Socket[Any]
+    pull: zmq.asyncio.Socket
+    info: dict[str, Any] | None = None
+    info_s: float = 0.0
+    info_call: asyncio.Future[dict[str, Any]] | None = None
 
 
-def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
-    kind = message[0]
-    if kind == "add":
-        _, request_id, prompt_token_ids, params, priority, group = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group)
-        if rejected is not None:
-            outputs.send_pyobj(("outputs", [rejected]))
-    elif kind == "embed":
-        _, request_id, prompt_token_ids, priority = message
-        rejected = engine.add_embedding_request(request_id, prompt_token_ids, priority)
-        if rejected is not None:
-            outputs.send_pyobj(("outputs", [rejected]))
-    elif kind == "abort":
-        aborted = engine.abort_request(message[1])
-        if aborted is not None:
-            outputs.send_pyobj(("outputs", [aborted]))
-    elif kind == "info":
-        outputs.send_pyobj(("info", message[1], engine.stats()))
-    elif kind == "flush_cache":  # answered like "info": a call id and a dict
-        outputs.send_pyobj(("info", message[1], engine.flush_cache()))
-    else:
-        raise AssertionError(f"unknown engine message {kind!r}")
+_SUMMED_STATS = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks",
+                 "kv_pool_tokens", "num_cached_blocks", "num_evictable_blocks", "num_prompt_tokens",
+                 "num_cached_prompt_tokens", "num_preemptions", "num_steps", "num_generated_tokens")
 
 
 class AsyncEngine:
-    """Submit requests to the engine process and stream back their outputs."""
+    """Submit requests to the engine process(es) and stream back their outputs."""
 
-    def __init__(self, config: EngineConfig, process: multiprocessing.process.BaseProcess,
-                 socket_dir: str, push: zmq.Socket[Any], pull: zmq.asyncio.Socket,
+    def __init__(self, config: EngineConfig, replicas: list[_Replica], socket_dir: str,
                  model_info: dict[str, Any]) -> None:
         self.config = config
         self.model_info = model_info
         self.tokenizer: Any = None
-        self._process = process
+        self._replicas = replicas
+        self._balancer = LoadBalancer(config.parallel.load_balance_method, len(replicas))
         self._socket_dir = socket_dir
-        self._push = push
-        self._pull = pull
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._owners: dict[str, int] = {}
+        """The replica serving each unfinished request."""
         self._calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_reason: str | None = None
         self._dead = asyncio.Event()
-        self._info: dict[str, Any] | None = None
-        """The engine's figures as last reported, and when (monotonic s)."""
-        self._info_s = 0.0
-        self._info_call: asyncio.Future[dict[str, Any]] | None = None
         self._last_token_s: float | None = None
         """When the engine last sent a generated token (monotonic s)."""
         self._health_probe: asyncio.Task[bool] | None = None
@@ -170,34 +103,72 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig) -> AsyncEngine:
-        """Spawn the engine process and wait until its model is loaded."""
+        """Spawn the engine process (one per data-parallel replica) and wait until every model
+        is loaded."""
+
+        num_replicas = config.parallel.data_parallel_size
+        slices = cls._cpu_slices(num_replicas)
         socket_dir = tempfile.mkdtemp(prefix="servelm-")
-        input_address = f"ipc://{socket_dir}/input"
-        output_address = f"ipc://{socket_dir}/output"
         sync_context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
-        push = sync_context.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 0)
-        push.bind(input_address)
-        pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        pull.bind(output_address)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(config, input_address, output_address, os.getpid()),
-            name="servelm-engine", daemon=True)
-        process.start()
+        replicas: list[_Replica] = []
         try:
-            model_info = await cls._wait_ready(process, pull)
+            for index in range(num_replicas):
+                input_address = f"ipc://{socket_dir}/input{index}"
+                output_address = f"ipc://{socket_dir}/output{index}"
+                push = sync_context.socket(zmq.PUSH)
+                push.setsockopt(zmq.SNDHWM, 0)
+                push.bind(input_address)
+                pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+                pull.bind(output_address)
+                process = multiprocessing.get_context("spawn").Process(
+                    target=run_engine_process,
+                    args=(cls._replica_config(config, slices), input_address, output_address,
+                          os.getpid(), slices[index] if slices is not None else None),
+                    name=f"servelm-engine-{index}" if num_replicas > 1 else "servelm-engine",
+                    daemon=True)
+                replicas.append(_Replica(index, process, push, pull))
+                process.start()
+            infos = await asyncio.gather(*(cls._wait_ready(replica.process, replica.pull)
+                                           for replica in replicas))
         except BaseException:
-            process.kill()
-            push.close(linger=0)
-            pull.close(linger=0)
+            for replica in replicas:
+                if replica.process.is_alive():
+                    replica.process.kill()
+                replica.push.close(linger=0)
+                replica.pull.close(linger=0)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        engine = cls(config, process, socket_dir, push, pull, model_info)
+        model_info = infos[0]
+        if num_replicas > 1:
+            model_info["data_parallel_size"] = num_replicas
+        engine = cls(config, replicas, socket_dir, model_info)
         engine.tokenizer = await asyncio.to_thread(engine._load_tokenizer)
-        engine._tasks = [asyncio.create_task(engine._route_outputs()),
-                         asyncio.create_task(engine._watch_process())]
+        engine._tasks = [task for replica in replicas for task in (
+            asyncio.create_task(engine._route_outputs(replica)),
+            asyncio.create_task(engine._watch_process(replica)))]
         await engine.get_server_info()  # so a later busy engine is answered from known figures
         return engine
+
+    @staticmethod
+    def _cpu_slices(num_replicas: int) -> list[list[int]] | None:
+        """Each replica's CPUs (the TP ranks' code cuts the node the same way); None at dp 1."""
+        from servelm.model.threads import rank_cpu_slices
+
+        return rank_cpu_slices(num_replicas) if num_replicas > 1 else None
+
+    @staticmethod
+    def _replica_config(config: EngineConfig, slices: list[list[int]] | None) -> EngineConfig:
+        """A replica's config: a pinned replica's default threads follow its slice (its affinity);
+        an unpinned one (fewer CPUs than replicas) gets an equal share of the node's cores."""
+        num_replicas = config.parallel.data_parallel_size
+        if (num_replicas == 1 or slices is not None or config.runtime.num_threads is not None
+                or config.parallel.tensor_parallel_size > 1):
+            return config
+        from servelm.model.threads import rank_num_threads
+
+        threads = rank_num_threads(None, None, num_replicas)
+        return dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
+                                                                       num_threads=threads))
 
     @staticmethod
     def check_model(config: EngineConfig) -> None:
@@ -236,9 +207,9 @@ class AsyncEngine:
         return load_tokenizer(self.config.model, resolve_model_source(self.config.model))
 
     # -- background tasks -------------------------------------------------------------------
-    async def _route_outputs(self) -> None:
+    async def _route_outputs(self, replica: _Replica) -> None:
         while True:
-            message = await self._pull.recv_pyobj()
+            message = await replica.pull.recv_pyobj()
             if message[0] == "outputs":
                 for output in message[1]:
                     if output.new_token_ids and output.finish_reason != "error":
@@ -248,15 +219,23 @@ class AsyncEngine:
                         queue.put_nowait(output)
             elif message[0] == "info":
                 future = self._calls.pop(message[1], None)
-                if future is not None and future is self._info_call:
-                    self._info, self._info_s = dict(message[2]), time.monotonic()
+                if future is not None and future is replica.info_call:
+                    replica.info, replica.info_s = dict(message[2]), time.monotonic()
                 if future is not None and not future.done():
                     future.set_result(message[2])
 
-    async def _watch_process(self) -> None:
-        while self._process.is_alive():
+    async def _watch_process(self, replica: _Replica) -> None:
+        while replica.process.is_alive():
             await asyncio.sleep(0.5)
-        self._dead_reason = f"engine process exited (exit code {self._process.exitcode})"
+        if self._dead_reason is not None:  # another replica died first
+            return
+        if len(self._replicas) > 1:
+            from servelm.workers.multiproc import describe_exit
+
+            self._dead_reason = (f"data-parallel replica {replica.index} (engine process pid "
+                                 f"{replica.process.pid}) {describe_exit(replica.process.exitcode or 0)}")
+        else:
+            self._dead_reason = f"engine process exited (exit code {replica.process.exitcode})"
         logger.error(self._dead_reason)
         if self._crash_recorder is not None:
             self._crash_recorder.dump(self._dead_reason)
@@ -269,6 +248,11 @@ class AsyncEngine:
 
     # -- public API -------------------------------------------------------------------------
     @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The engine processes, one per data-parallel replica."""
+        return [replica.process for replica in self._replicas]
+
+    @property
     def is_alive(self) -> bool:
         return self._dead_reason is None
 
@@ -278,10 +262,22 @@ class AsyncEngine:
         await self._dead.wait()
         return self._dead_reason or "engine process exited"
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, replica: _Replica, message: tuple[Any, ...]) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        self._push.send_pyobj(message)
+        replica.push.send_pyobj(message)
+
+    def _dispatch(self, request_id: str, num_tokens: int) -> _Replica:
+        """The balancer's replica for a new request, remembered until ``_release``."""
+        index = self._balancer.choose(num_tokens)
+        self._owners[request_id] = index
+        return self._replicas[index]
+
+    def _release(self, request_id: str, num_tokens: int, abort: bool) -> None:
+        index = self._owners.pop(request_id)
+        self._balancer.finish(index, num_tokens)
+        if abort and self._dead_reason is None:
+            self._replicas[index].push.send_pyobj(("abort", request_id))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
@@ -296,8 +292,10 @@ class AsyncEngine:
         is_finished = False
         num_output_tokens = 0
         finish_reason: str | None = None
+        load = len(prompt_token_ids) + (params.max_tokens or 0)
+        replica = self._dispatch(request_id, load)
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params, priority, group))
+            self._send(replica, ("add", request_id, list(prompt_token_ids), params, priority, group))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:
@@ -314,8 +312,7 @@ class AsyncEngine:
             del self._queues[request_id]
             if self._crash_recorder is not None and self._dead_reason is None:
                 self._crash_recorder.finish(request_id, finish_reason, num_output_tokens)
-            if not is_finished and self._dead_reason is None:
-                self._push.send_pyobj(("abort", request_id))
+            self._release(request_id, load, abort=not is_finished)
 
     async def encode(self, request_id: str, prompt_token_ids: list[int],
                      priority: int = 0) -> RequestOutput:
@@ -326,8 +323,9 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         is_finished = False
+        replica = self._dispatch(request_id, len(prompt_token_ids))
         try:
-            self._send(("embed", request_id, list(prompt_token_ids), priority))
+            self._send(replica, ("embed", request_id, list(prompt_token_ids), priority))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, {"task": "embed"}, priority)
             while True:
@@ -341,12 +339,12 @@ class AsyncEngine:
                     return output
         finally:
             del self._queues[request_id]
-            if not is_finished and self._dead_reason is None:
-                self._push.send_pyobj(("abort", request_id))
+            self._release(request_id, len(prompt_token_ids), abort=not is_finished)
 
     async def abort(self, request_id: str) -> None:
-        if self._dead_reason is None:
-            self._push.send_pyobj(("abort", request_id))
+        index = self._owners.get(request_id)
+        if index is not None and self._dead_reason is None:
+            self._replicas[index].push.send_pyobj(("abort", request_id))
 
     async def get_server_info(self) -> dict[str, Any]:
         """The engine's live figures, with ``stats_age_s`` (seconds since the engine reported them).
@@ -354,33 +352,66 @@ class AsyncEngine:
         The engine answers between steps; while it is inside a long one, this waits at most
         INFO_WAIT_S and then answers with the last known figures (their age says how stale).
         Concurrent callers share one outstanding call, so a busy engine is never flooded.
+        With data parallelism the figures are summed over the replicas, and ``dp_replicas``
+        lists each one's running/queued requests and how many requests it was given.
         """
-        if self._info_call is None or self._info_call.done():
-            self._info_call = self._start_call("info")
-        call = self._info_call
+        infos = await asyncio.gather(*(self._replica_info(r) for r in self._replicas))
+        if len(infos) == 1:
+            return infos[0]
+        total: dict[str, Any] = {**infos[0]}
+        for key in _SUMMED_STATS:
+            if all(key in info for info in infos):
+                total[key] = sum(info[key] for info in infos)
+        used, free = total.get("num_used_blocks", 0), total.get("num_free_blocks", 0)
+        total["token_usage"] = round(used / max(1, used + free), 4)
+        total["cache_hit_rate"] = round(total.get("num_cached_prompt_tokens", 0)
+                                        / max(1, total.get("num_prompt_tokens", 0)), 4)
+        total["stats_age_s"] = max(info["stats_age_s"] for info in infos)
+        total["dp_replicas"] = [
+            {"replica": index, "pid": self._replicas[index].process.pid,
+             "num_running": info.get("num_running"), "num_waiting": info.get("num_waiting"),
+             "num_requests_dispatched": self._balancer.loads[index].served_requests,
+             "num_unfinished_requests": self._balancer.loads[index].running_requests,
+             "num_generated_tokens": info.get("num_generated_tokens"),
+             "token_usage": info.get("token_usage"), "stats_age_s": info["stats_age_s"]}
+            for index, info in enumerate(infos)]
+        return total
+
+    async def _replica_info(self, replica: _Replica) -> dict[str, Any]:
+        if replica.info_call is None or replica.info_call.done():
+            replica.info_call = self._start_call(replica, "info")
+        call = replica.info_call
         try:
             await asyncio.wait_for(asyncio.shield(call),
-                                   INFO_WAIT_S if self._info is not None else CALL_TIMEOUT_S)
+                                   INFO_WAIT_S if replica.info is not None else CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
-            if self._info is None:
+            if replica.info is None:
                 raise
-        assert self._info is not None
-        return {**self._info, "stats_age_s": round(time.monotonic() - self._info_s, 3)}
+        assert replica.info is not None
+        return {**replica.info, "stats_age_s": round(time.monotonic() - replica.info_s, 3)}
 
     async def flush_cache(self) -> dict[str, Any]:
-        """Empty the prefix cache: {"success": bool, "message": str} (refused while busy)."""
-        return await self._call("flush_cache")
+        """Empty the prefix cache of every replica: {"success": bool, "message": str} (refused
+        while busy)."""
+        results = await asyncio.gather(*(self._call(r, "flush_cache") for r in self._replicas))
+        if len(results) == 1:
+            return results[0]
+        failed = [f"replica {i}: {result.get('message')}" for i, result in enumerate(results)
+                  if not result.get("success")]
+        if failed:
+            return {"success": False, "message": "; ".join(failed)}
+        return {"success": True, "message": f"cache flushed on {len(results)} replicas"}
 
-    def _start_call(self, kind: str) -> asyncio.Future[dict[str, Any]]:
+    def _start_call(self, replica: _Replica, kind: str) -> asyncio.Future[dict[str, Any]]:
         """Send a call; its future resolves when the engine answers (between two steps)."""
         call_id = next(self._call_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send((kind, call_id))
+        self._send(replica, (kind, call_id))
         return future
 
-    async def _call(self, kind: str) -> dict[str, Any]:
-        future = self._start_call(kind)
+    async def _call(self, replica: _Replica, kind: str) -> dict[str, Any]:
+        future = self._start_call(replica, kind)
         try:
             return await asyncio.wait_for(future, timeout=CALL_TIMEOUT_S)
         finally:
@@ -424,15 +455,18 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._process.is_alive():
-            try:
-                self._push.send_pyobj(("shutdown",))
-            except zmq.ZMQError:
-                pass
-            await asyncio.to_thread(self._process.join, 10)
-            if self._process.is_alive():
-                self._process.kill()
-                await asyncio.to_thread(self._process.join, 5)
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
+        for replica in self._replicas:
+            if replica.process.is_alive():
+                try:
+                    replica.push.send_pyobj(("shutdown",))
+                except zmq.ZMQError:
+                    pass
+        for replica in self._replicas:
+            await asyncio.to_thread(replica.process.join, 10)
+            if replica.process.is_alive():
+                replica.process.kill()
+                await asyncio.to_thread(replica.process.join, 5)
+        for replica in self._replicas:
+            replica.push.close(linger=0)
+            replica.pull.close(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)

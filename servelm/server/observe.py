@@ -70,6 +70,12 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge("servelm:prefix_cache_hit_rate",
                                     "Fraction of prompt tokens served from the prefix cache.",
                                     labels, registry=self.registry)
+        self.replica_running = Gauge(
+            "servelm:dp_replica_num_requests_running", "Requests in each data-parallel replica's "
+            "running batch (--dp-size > 1).", labels + ["dp_replica"], registry=self.registry)
+        self.replica_waiting = Gauge(
+            "servelm:dp_replica_num_requests_waiting", "Requests queued in each data-parallel "
+            "replica (--dp-size > 1).", labels + ["dp_replica"], registry=self.registry)
 
     def observe_finish(self, record: RequestRecord) -> None:
         name = self.model_name
@@ -84,6 +90,10 @@ class ServerMetrics:
         self.waiting.labels(name).set(stats.get("num_waiting", 0))
         self.kv_usage.labels(name).set(stats.get("token_usage", 0.0))
         self.cache_hit_rate.labels(name).set(cache_hit_rate(stats))
+        for replica in stats.get("dp_replicas") or ():
+            index = str(replica["replica"])
+            self.replica_running.labels(name, index).set(replica.get("num_running") or 0)
+            self.replica_waiting.labels(name, index).set(replica.get("num_waiting") or 0)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -13,7 +13,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 def engine():
     with Engine(model_path="smollm2-135m", max_total_tokens=4096, chunked_prefill_size=8) as running:
         yield running
-    assert not running._engine._process.is_alive()
+    assert not any(process.is_alive() for process in running._engine.processes)
 
 
 def test_batch_equals_one_by_one(engine):

@@ -1,0 +1,105 @@
+"""The engine process's entry point: load the model, then step, draining the front end's socket
+between steps (add, embed, abort, info, flush_cache, shutdown). One per data-parallel replica;
+async_engine.py is the other end of its sockets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import zmq
+
+from servelm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
+                       parent_pid: int | None = None, cpus: list[int] | None = None) -> None:
+    """Entry point of the engine process: load the model, then step until told to stop.
+
+    ``parent_pid`` is the front end's pid, read before the spawn: this process dies with it
+    (even when the front end is SIGKILLed and runs no cleanup), so the KV pool is never orphaned.
+    """
+    from servelm.distributed.lifetime import die_with_parent
+
+    die_with_parent(parent_pid)
+    if cpus is not None:  # a data-parallel replica: its slice of the node (its TP ranks split it)
+        os.sched_setaffinity(0, cpus)
+    from servelm.engine.engine import LLMEngine
+    from servelm.engine.monitor import StatsLogger, Watchdog
+    from servelm.logging_utils import configure_logging
+
+    # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(config.server.log_level)
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
+    parent_pid = os.getppid()  # after die_with_parent: still the front end
+    try:
+        engine = LLMEngine(config)
+    except ValueError as error:  # a configuration the user can fix: the message says how
+        logger.error("engine failed to start: %s", error)
+        outputs.send_pyobj(("failed", str(error)))
+        return
+    except Exception as error:
+        logger.exception("engine failed to start")
+        outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
+        return
+    outputs.send_pyobj(("ready", engine.model_info))
+    stats = StatsLogger(engine, config.observability)
+    timeout_s = config.observability.watchdog_timeout
+    watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
+    while True:
+        timeout_ms = 0 if engine.has_unfinished() else 1000
+        if inputs.poll(timeout_ms):
+            while True:
+                message = inputs.recv_pyobj()
+                if message[0] == "shutdown":
+                    return
+                _handle(engine, message, outputs)
+                if not inputs.poll(0):
+                    break
+        elif os.getppid() != parent_pid:
+            logger.error("front end process exited; engine stopping")
+            return
+        if engine.has_unfinished():
+            if watchdog is not None:
+                watchdog.step_started()
+            step_outputs = engine.step()
+            if watchdog is not None:
+                watchdog.step_finished()
+            if step_outputs:
+                outputs.send_pyobj(("outputs", step_outputs))
+        stats.maybe_log()
+
+
+def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
+    kind = message[0]
+    if kind == "add":
+        _, request_id, prompt_token_ids, params, priority, group = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group)
+        if rejected is not None:
+            outputs.send_pyobj(("outputs", [rejected]))
+    elif kind == "embed":
+        _, request_id, prompt_token_ids, priority = message
+        rejected = engine.add_embedding_request(request_id, prompt_token_ids, priority)
+        if rejected is not None:
+            outputs.send_pyobj(("outputs", [rejected]))
+    elif kind == "abort":
+        aborted = engine.abort_request(message[1])
+        if aborted is not None:
+            outputs.send_pyobj(("outputs", [aborted]))
+    elif kind == "info":
+        outputs.send_pyobj(("info", message[1], engine.stats()))
+    elif kind == "flush_cache":  # answered like "info": a call id and a dict
+        outputs.send_pyobj(("info", message[1], engine.flush_cache()))
+    else:
+        raise AssertionError(f"unknown engine message {kind!r}")

@@ -1,0 +1,80 @@
+"""Data parallelism: two engine replicas behind one server give dp 1's greedy tokens (float32),
+both serve requests, and killing one replica mid-request fails the request and ends the server
+with no orphan process. Each replica is a real engine process with one thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import psutil
+
+from .server_process import ServerProcess
+
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time",
+           "1, 2, 3, 4,"]
+
+
+def generate(server: ServerProcess, text: str, max_tokens: int) -> list[int]:
+    response = httpx.post(f"{server.base_url}/generate", json={
+        "text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                          "ignore_eos": True}}, timeout=120)
+    assert response.status_code == 200, response.text
+    return list(response.json()["output_ids"])
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def server_args(dp: int) -> list[str]:
+    return [MODEL, "--dp-size", str(dp), "--dtype", "float32", "--num-threads", "1",
+            "--max-total-tokens", "1024", "--enable-metrics"]
+
+
+def test_dp2_matches_dp1_and_both_replicas_serve_then_a_killed_replica_ends_the_server() -> None:
+    with ServerProcess(server_args(1)) as server:
+        expected = [generate(server, text, 8) for text in PROMPTS]
+    with ServerProcess(server_args(2)) as server:
+        got = [generate(server, text, 8) for text in PROMPTS]  # round robin: 0, 1, 0, 1
+        info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
+        replicas = info["dp_replicas"]
+        assert [r["num_requests_dispatched"] for r in replicas] == [2, 2]
+        assert all(r["num_generated_tokens"] == 16 for r in replicas)
+        assert info["num_generated_tokens"] == 32
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        assert 'dp_replica="1"' in metrics
+        assert httpx.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+        pids = [r["pid"] for r in replicas]
+        assert all(is_running(pid) for pid in pids) and pids[0] != pids[1]
+        # the next request goes to replica 0 (round robin); kill it mid-generation
+        events: list[dict[str, Any]] = []
+        with httpx.stream("POST", f"{server.base_url}/generate", timeout=60, json={
+                "text": "Hello", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as stream:
+            assert stream.status_code == 200
+            for line in stream.iter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line.removeprefix("data:")))
+                if len(events) == 3:
+                    os.kill(pids[0], signal.SIGKILL)
+        assert 3 < len(events) < 400
+        assert events[-1]["error"]["message"].endswith(
+            f"data-parallel replica 0 (engine process pid {pids[0]}) was killed by SIGKILL")
+        assert server.process is not None
+        server.process.wait(timeout=30)
+        assert server.process.returncode != 0
+        deadline = time.monotonic() + 10
+        while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(is_running(pid) for pid in pids)
+    assert got == expected
