@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,3 +67,34 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stream_and_kill(base_url: str, body: dict[str, Any], pid: int, after_events: int = 3) -> list[dict[str, Any]]:
+    """Stream ``body`` from /generate and SIGKILL ``pid`` once ``after_events`` events arrived;
+    every event the stream delivered (the last one is the error the kill caused)."""
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{base_url}/generate", timeout=60, json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line.removeprefix("data:")))
+            if len(events) == after_events:
+                os.kill(pid, signal.SIGKILL)
+    return events
+
+
+def wait_until_gone(pids: list[int], timeout_s: float = 10) -> bool:
+    """Wait until none of ``pids`` runs; False if one still does after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(is_running(pid) for pid in pids)

@@ -4,16 +4,9 @@ with no orphan process. Each replica is a real engine process with one thread.""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import time
-from typing import Any
-
 import httpx
-import psutil
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
 
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time",
@@ -27,12 +20,6 @@ def generate(server: ServerProcess, text: str, max_tokens: int) -> list[int]:
     assert response.status_code == 200, response.text
     return list(response.json()["output_ids"])
 
-
-def is_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def server_args(dp: int) -> list[str]:
@@ -56,25 +43,13 @@ def test_dp2_matches_dp1_and_both_replicas_serve_then_a_killed_replica_ends_the_
         pids = [r["pid"] for r in replicas]
         assert all(is_running(pid) for pid in pids) and pids[0] != pids[1]
         # the next request goes to replica 0 (round robin); kill it mid-generation
-        events: list[dict[str, Any]] = []
-        with httpx.stream("POST", f"{server.base_url}/generate", timeout=60, json={
-                "text": "Hello", "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as stream:
-            assert stream.status_code == 200
-            for line in stream.iter_lines():
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line.removeprefix("data:")))
-                if len(events) == 3:
-                    os.kill(pids[0], signal.SIGKILL)
+        events = stream_and_kill(server.base_url, {"text": "Hello", "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, pids[0])
         assert 3 < len(events) < 400
         assert events[-1]["error"]["message"].endswith(
             f"data-parallel replica 0 (engine process pid {pids[0]}) was killed by SIGKILL")
         assert server.process is not None
         server.process.wait(timeout=30)
         assert server.process.returncode != 0
-        deadline = time.monotonic() + 10
-        while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(is_running(pid) for pid in pids)
+        assert wait_until_gone(pids)
     assert got == expected

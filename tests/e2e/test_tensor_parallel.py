@@ -6,10 +6,7 @@ Rank 1 is a real process and the ranks meet in real gloo collectives; each rank 
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,7 @@ from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
 from tests.tiny_models import make_tiny_model_dir
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -102,12 +99,6 @@ def test_tp2_server_matches_tp1_gemma3_270m() -> None:
     check_server_parity("gemma3-270m", 24)
 
 
-def is_running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
 
 def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) -> None:
     model = str(make_tiny_model_dir(tmp_path, "llama"))
@@ -117,26 +108,14 @@ def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) ->
         ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
         engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
         assert is_running(engine_pid) and is_running(rank_pid)
-        events: list[dict[str, Any]] = []
-        with httpx.stream("POST", f"{server.base_url}/generate", timeout=60, json={
-                "input_ids": [1, 2, 3], "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}) as stream:
-            assert stream.status_code == 200
-            for line in stream.iter_lines():
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                events.append(json.loads(line.removeprefix("data:")))
-                if len(events) == 3:
-                    os.kill(rank_pid, signal.SIGKILL)
+        events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
         assert 3 < len(events) < 400
         assert events[-1]["error"]["message"] == f"tensor-parallel rank 1 (pid {rank_pid}) was killed by SIGKILL"
         assert server.process is not None
         server.process.wait(timeout=30)
         assert server.process.returncode != 0
-        deadline = time.monotonic() + 10
-        while (is_running(engine_pid) or is_running(rank_pid)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not is_running(engine_pid) and not is_running(rank_pid)
+        assert wait_until_gone([engine_pid, rank_pid])
         assert "tensor-parallel rank 1" in server.log()
 
 
