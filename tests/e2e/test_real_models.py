@@ -12,6 +12,7 @@ import pytest
 from servelm.config import CacheConfig, EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.engine_drive import greedy
 from tests.reference import load_reference_model, transformers_greedy
 
 PROMPTS = [
@@ -35,18 +36,13 @@ def check_parity(name: str) -> None:
     ))
     token_lists = [engine.tokenizer.encode(prompt) for prompt in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    for index, tokens in enumerate(token_lists):
-        assert engine.add_request(str(index), tokens, params) is None
-    ours: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            ours.setdefault(output.request_id, []).extend(output.new_token_ids)
+    ours = greedy(engine, token_lists, params)
     gguf = packaged_path(name)
     reference = transformers_greedy(load_reference_model(gguf.parent, gguf.name), token_lists,
                                     NUM_NEW_TOKENS)
     for index, expected in enumerate(reference):
-        assert ours[str(index)] == expected, (
-            f"{name} prompt {index}: {engine.tokenizer.decode(ours[str(index)])!r} != "
+        assert ours[index] == expected, (
+            f"{name} prompt {index}: {engine.tokenizer.decode(ours[index])!r} != "
             f"{engine.tokenizer.decode(expected)!r}")
 
 

@@ -17,6 +17,7 @@ import pytest
 from servelm.config import EngineConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.engine_drive import greedy
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
@@ -24,22 +25,12 @@ from .server_process import ServerProcess, is_running, stream_and_kill, wait_unt
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def greedy(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[list[int]]:
-    for index, prompt in enumerate(prompts):
-        assert engine.add_request(str(index), prompt, params) is None
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-    return [tokens[str(index)] for index in range(len(prompts))]
-
-
 def run_engine(model: str, tp_size: int, prompts: list[list[int]], **flags: Any) -> tuple[list[list[int]], dict[str, Any]]:
     config = EngineConfig.from_flat(dict(model=model, dtype="float32", device="cpu", num_threads=1,
                                          tensor_parallel_size=tp_size, **flags))
     engine = LLMEngine(config)
     try:
-        return greedy(engine, prompts), engine.stats()["parallel"]
+        return greedy(engine, prompts, PARAMS), engine.stats()["parallel"]
     finally:
         engine.shutdown()
 

@@ -7,6 +7,7 @@ from servelm.config import EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
 from servelm.sampling.sampler import request_seed
+from tests.engine_drive import drain
 
 from .fake_runner import FakeRunner
 
@@ -20,19 +21,13 @@ def make_engine(seed: int) -> LLMEngine:
     return LLMEngine(config, runner=FakeRunner(), eos_token_ids=[96], context_length=512)
 
 
-def finish(engine: LLMEngine, tokens: dict[str, list[int]]) -> None:
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens[output.request_id].extend(output.new_token_ids)
-
-
 def sample_together(seed: int, params: SamplingParams = HOT) -> list[list[int]]:
     """All requests added before the first step: they share every batch."""
     engine = make_engine(seed)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     for i, prompt in enumerate(PROMPTS):
         assert engine.add_request(str(i), prompt, params) is None
-    finish(engine, tokens)
+    drain(engine, tokens)
     return [tokens[str(i)] for i in range(len(PROMPTS))]
 
 
@@ -42,7 +37,7 @@ def sample_one_by_one(seed: int) -> list[list[int]]:
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     for i, prompt in enumerate(PROMPTS):
         assert engine.add_request(str(i), prompt, HOT) is None
-        finish(engine, tokens)
+        drain(engine, tokens)
     return [tokens[str(i)] for i in range(len(PROMPTS))]
 
 

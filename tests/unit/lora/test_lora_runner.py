@@ -9,6 +9,7 @@ import torch
 
 from servelm.lora.adapter import FUSED_TARGETS, BaseShapes, load_adapter
 from servelm.model.forward_batch import BatchPlan
+from tests.engine_drive import drain
 from tests.tiny_models import make_tiny_config, make_tiny_hf_model
 from tests.unit.model.conftest import BlockAllocator, make_runner, make_source
 
@@ -97,9 +98,6 @@ def test_engine_mixed_adapters_equal_peft_and_no_cross_adapter_prefix(tmp_path: 
         for slot in (0, 1, 2):
             engine.add_request(f"{round_}-{slot}", prompt, params, adapter_id=str(slot) if slot else None,
                                lora_slot=slot)
-        outputs: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for output in engine.step():
-                outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        outputs = drain(engine)
         for slot in (0, 1, 2):
             assert outputs[f"{round_}-{slot}"] == expected[slot], (round_, slot)

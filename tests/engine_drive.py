@@ -1,0 +1,24 @@
+"""Driving an LLMEngine to the end in tests: the step loop the engine tests would each write."""
+
+from __future__ import annotations
+
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+
+
+def drain(engine: LLMEngine, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    """Step until no request is unfinished; every request's new token ids, appended to
+    ``tokens`` when given (so several calls can collect into one dict)."""
+    collected: dict[str, list[int]] = {} if tokens is None else tokens
+    while engine.has_unfinished():
+        for output in engine.step():
+            collected.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return collected
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Add ``prompts`` as requests "0".."n-1" with ``params``, drain, and return their tokens in order."""
+    for index, prompt in enumerate(prompts):
+        assert engine.add_request(str(index), prompt, params) is None
+    tokens = drain(engine)
+    return [tokens[str(index)] for index in range(len(prompts))]
