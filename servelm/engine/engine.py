@@ -234,7 +234,7 @@ class LLMEngine:
         structured = self.config.structured
         if self.tokenizer is None or structured.grammar_backend == "none" or self.task != "generate":
             return None
-        vocab_size = getattr(self.runner, "vocab_size", None) or len(self.tokenizer)
+        vocab_size = self.runner.vocab_size  # declared by the Runner protocol
 
         def create() -> GrammarBackend | None:  # on a compile worker: 2.5-8 s for a real vocab
             return make_backend(structured.grammar_backend, self.tokenizer, vocab_size,
