@@ -39,8 +39,23 @@ def serve(config: EngineConfig) -> None:
     from servelm.server.app import run_server  # deferred: the CLI must not import the server stack
 
     configure_logging(config.server.log_level)
+    if config.parallel.node_rank > 0:
+        serve_worker_node(config)
+        return
     configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
     run_server(config)
+
+
+def serve_worker_node(config: EngineConfig) -> None:
+    """Node R > 0 of a multi-node server: no HTTP, only this node's ranks (servelm.workers.node)."""
+    from servelm.workers.node import NodeError, run_node
+
+    try:
+        status = run_node(config)
+    except NodeError as error:
+        sys.stderr.write(f"servelm: {error}\n")
+        status = 1
+    raise SystemExit(status)
 
 
 def dry_run(config: EngineConfig) -> None:

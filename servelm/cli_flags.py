@@ -248,6 +248,10 @@ ALIASES: tuple[Alias, ...] = (
           const=True),
     Alias(("--router_token_ratio",), "router_token_ratio", "LightLLM", example=("0.5",)),
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
+    Alias(("--node_rank",), "node_rank", "LightLLM", example=("1",)),
+    Alias(("--nccl-init-addr",), "dist_init_addr", "SGLang", example=("127.0.0.1:5000",)),
+    Alias(("--worker-use-ray",), "distributed_executor_backend", "vLLM (deprecated)",
+          takes_value=False, const="ray"),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",
           "SGLang, vLLM, LightLLM", example=("2",)),
     Alias(("--disable_custom_allreduce",), "disable_custom_all_reduce", "LightLLM", takes_value=False,
@@ -316,9 +320,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--expert-parallel-size", "--ep-size", "--ep"),
                      "servelm has no expert parallelism (no MoE kernels)", values=("1",),
                      bad_value="2"),
-    AlreadyBehaviour(("--nnodes",), "servelm runs on one node", values=("1",), bad_value="2"),
-    AlreadyBehaviour(("--node-rank", "--node_rank"), "servelm runs on one node", values=("0",),
-                     bad_value="1"),
     AlreadyBehaviour(("--cpu-offload-gb", "--swap-space"),
                      "servelm keeps weights and KV in one memory pool: no CPU offload or swap",
                      values=("0",), bad_value="4"),
@@ -454,13 +455,15 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection("not supported yet: servelm runs tensor parallelism on one node (--tp-size); "
-              "multi-node serving, Ray and these tuning options are "
-              "not implemented",
-              ("--dist-init-addr", "--nccl-init-addr", "--nccl_host", "--nccl_port",
-               "--multinode_httpmanager_port", "--multinode_router_gloo_port",
+    Rejection("not supported: LightLLM's separate rendezvous host and port; give node 0's "
+              "address as one flag, --dist-init-addr host:port (with --nnodes and --node-rank)",
+              ("--nccl_host", "--nccl_port")),
+    Rejection("not supported yet: these multi-node and Ray tuning options are not implemented "
+              "(--nnodes, --node-rank and --dist-init-addr, or --distributed-executor-backend ray, "
+              "are)",
+              ("--multinode_httpmanager_port", "--multinode_router_gloo_port",
                "--use_config_server_to_init_nccl",
-               "--worker-use-ray", "--ray-workers-use-nsight", "--worker-cls",
+               "--ray-workers-use-nsight", "--worker-cls",
                "--enable-p2p-check",
                "--base-gpu-id", "--enable_tpsp_mix_mode", "--enable_custom_allgather",
                "--enable_prefill_microbatch_overlap", "--enable_decode_microbatch_overlap")),

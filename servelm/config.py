@@ -285,8 +285,10 @@ class ParallelConfig:
         "prompt + max_tokens tokens), as counted by the front end; ties go to the lowest replica.",
         choices=["round_robin", "shortest_queue", "minimum_tokens"])
     distributed_executor_backend: str = opt(
-        "mp", "How rank processes are started: mp (local processes on this node). ray is refused "
-        "in this build (multi-node placement is not implemented yet).", choices=["mp", "ray"])
+        "mp", "How rank processes are started: mp (processes on this node, and on other nodes "
+        "with --nnodes) or ray (Ray actors in a placement group on an existing Ray cluster: "
+        "`ray start --head` first; needs the optional `ray` package). Collectives run on "
+        "torch.distributed either way.", choices=["mp", "ray"])
     dist_timeout: float = opt(
         300.0, "Seconds a rank may take to start and join (load its shard, meet the others), and the "
         "timeout of every collective; a rank that misses it fails the server with a clear error "
@@ -296,6 +298,15 @@ class ParallelConfig:
         False, "All-reduce through torch.distributed (gloo) only. By default, tensor-parallel ranks "
         "on one CPU host sum tensors of up to 4 MiB through shared memory (tens of microseconds "
         "instead of gloo's hundreds over loopback); larger ones still use gloo.")
+    nnodes: int = opt(
+        1, "Nodes (machines) the tensor-parallel ranks span. Run the same command on every node "
+        "with its own --node-rank; node 0 serves HTTP and holds the engine, the others run only "
+        "their --tp-size / --nnodes ranks and exit when node 0 goes.")
+    node_rank: int = opt(0, "This node's index, 0 .. --nnodes - 1 (0 serves HTTP).")
+    dist_init_addr: str | None = opt(
+        None, "host:port where node 0 serves the torch.distributed rendezvous (a TCPStore); every "
+        "node must reach it, and node 0 binds its step and reply sockets on that host. Required "
+        "with --nnodes > 1. Trusted networks only: like torch.distributed, it is unauthenticated.")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -306,12 +317,48 @@ class ParallelConfig:
             raise ValueError(f"--pipeline-parallel-size={self.pipeline_parallel_size}: only 1 is "
                              "supported in this build (tensor and data parallelism on one node "
                              "are; pipeline parallelism is not implemented yet)")
-        if self.distributed_executor_backend != "mp":
-            raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend}: only "
-                             "mp (processes on this node) is supported in this build; Ray and "
-                             "multi-node placement are not implemented yet")
+        self._check_nodes()
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
+
+    def _check_nodes(self) -> None:
+        """The multi-node and executor flags (--nnodes, --node-rank, --dist-init-addr, ray)."""
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside 0 .. --nnodes - 1 ({self.nnodes - 1})")
+        if self.nnodes == 1:
+            if self.dist_init_addr is not None:
+                raise ValueError("--dist-init-addr is node 0's address for --nnodes > 1; on one "
+                                 "node the ranks meet on loopback (drop the flag)")
+            return
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("--nnodes with --distributed-executor-backend ray: Ray places the ranks "
+                             "on its cluster's nodes itself; start one server, without --nnodes")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tensor_parallel_size} is not a multiple of --nnodes "
+                             f"{self.nnodes}: every node runs the same number of ranks")
+        if self.data_parallel_size != 1:
+            raise ValueError("--dp-size with --nnodes > 1 is not supported in this build (data "
+                             "parallel replicas run on one node)")
+        if self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, the "
+                             "same on every node)")
+        split_host_port(self.dist_init_addr)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each node (all of them on one node)."""
+        return self.tensor_parallel_size // self.nnodes
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming --dist-init-addr."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr {address!r}: expected host:port, e.g. 10.0.0.1:5000")
+    return host, int(port)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The messages between the engine (rank 0, the driver) and its rank workers: one dataclass each.
 
-Transport: the engine writes ``WorkerInit`` to a worker's stdin once; after that, commands go down a
-ZMQ PUSH socket per worker and replies come back on one shared PULL socket, each message pickled
-whole. Tensors never travel here: activations move only through torch.distributed collectives.
+Transport: the engine writes ``WorkerInit`` to a worker's stdin once (on another node, that node's
+``servelm.workers.node`` does); after that, commands go down a ZMQ PUSH socket per worker and
+replies come back on one shared PULL socket (ipc on this node, TCP from other nodes), each message
+pickled whole. Tensors never travel here: activations move only through torch.distributed collectives.
 
 Invariants:
 - A worker's first reply is ``WorkerHello``; the engine refuses a worker whose
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from servelm.config import EngineConfig
 from servelm.model.forward_batch import BatchPlan
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class WorkerHello:
     rank: int
     pid: int
     protocol_version: int
+    host: str = ""
+    """The worker's host name (for the layout in /get_server_info)."""
 
 
 @dataclass(frozen=True)

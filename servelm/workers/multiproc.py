@@ -40,12 +40,13 @@ import torch.distributed as dist
 import zmq
 
 import servelm
-from servelm.config import EngineConfig
+from servelm.config import EngineConfig, split_host_port
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
     PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Reply, Shutdown, WorkerFailed, WorkerHello,
     WorkerInit, WorkerLoaded)
 from servelm.distributed import shm_allreduce
+from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
 from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
@@ -70,6 +71,19 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def spawn_worker(init: WorkerInit) -> subprocess.Popen[bytes]:
+    """Start one rank process (``servelm.workers.worker``) with ``init`` on its stdin."""
+    package_root = str(Path(servelm.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    process = subprocess.Popen([sys.executable, "-m", "servelm.workers.worker"],
+                               stdin=subprocess.PIPE, env=env)
+    assert process.stdin is not None
+    process.stdin.write(pickle.dumps(init))
+    process.stdin.close()
+    return process
+
+
 class MultiprocExecutor:
     """N tensor-parallel ranks on this node; implements servelm.engine.executor.Runner."""
 
@@ -78,8 +92,14 @@ class MultiprocExecutor:
             raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
         self.world_size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.dist_timeout
+        self.nnodes = config.parallel.nnodes
+        self.local_size = config.parallel.ranks_per_node
+        """Ranks on each node: this node runs ranks 0 .. local_size - 1, node n the next ones."""
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._loaded: dict[int, WorkerLoaded] = {}
+        self._hellos: dict[int, WorkerHello] = {}
+        self._remote: RemoteRanks | None = None
+        """The ranks on other nodes (None: all ranks are on this node)."""
         self._is_closing = False
         self._socket_dir = tempfile.mkdtemp(prefix="servelm-tp-")
         self._zmq = zmq.Context()
@@ -88,22 +108,26 @@ class MultiprocExecutor:
         self._replies.bind(reply_address)
         self._commands: dict[int, zmq.Socket[Any]] = {}
         device = resolve_device(config.model.device)
-        devices = [torch.device(f"cuda:{rank}") if device.type == "cuda" else device
+        devices = [torch.device(f"cuda:{rank % self.local_size}") if device.type == "cuda" else device
                    for rank in range(self.world_size)]
-        slices = rank_cpu_slices(self.world_size) if device.type == "cpu" else None
-        cpus = [slices[rank] if slices is not None else None for rank in range(self.world_size)]
-        threads = [rank_num_threads(config.runtime.num_threads, cpus[rank], self.world_size)
-                   for rank in range(self.world_size)]
+        slices = rank_cpu_slices(self.local_size) if device.type == "cpu" else None
+        cpus = [slices[rank] if slices is not None else None for rank in range(self.local_size)]
+        threads = [rank_num_threads(config.runtime.num_threads, cpus[rank], self.local_size)
+                   for rank in range(self.local_size)]
         self._threads, self._cpus, self._devices = threads, cpus, devices
         self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
         self._shm_path: str | None = None
-        if not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device):
+        if (not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device)
+                and self.nnodes == 1):  # across nodes every all-reduce runs on gloo
             self._shm_path = shm_allreduce.create_segment(self.world_size)
-        store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,  # type: ignore[attr-defined]
-                              timeout=_timedelta(self.timeout_s))
+        store_host, store_port = ("127.0.0.1", 0) if self.nnodes == 1 else split_host_port(
+            config.parallel.dist_init_addr or "")
+        store = _serve_store(store_host, store_port, self.world_size, self.timeout_s)
         try:
-            for rank in range(1, self.world_size):
+            if self.nnodes > 1:
+                self._publish_layout(config, store, store_host, reply_address)
+            for rank in range(1, self.local_size):
                 command_address = f"ipc://{self._socket_dir}/commands-{rank}"
                 socket = self._zmq.socket(zmq.PUSH)
                 socket.setsockopt(zmq.SNDHWM, 0)
@@ -114,7 +138,7 @@ class MultiprocExecutor:
                     store_port=store.port, command_address=command_address,
                     reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
                     device=str(devices[rank]), parent_pid=os.getpid(), shm_path=self._shm_path))
-            self._wait(WorkerHello, "start")
+            self._hellos = {reply.rank: reply for reply in self._wait(WorkerHello, "start")}
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
@@ -136,26 +160,22 @@ class MultiprocExecutor:
         atexit.register(self.shutdown)
         threading.Thread(target=self._watch_workers, name="tp-rank-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks on this node (rank 0 in the engine process, pids %s), "
-                    "%s threads per rank", self.world_size,
+                    "%s threads per rank", self.local_size,
                     [os.getpid()] + [w.pid for w in self._workers.values()], threads)
+        if self.nnodes > 1:
+            logger.info("tensor parallel over %d nodes: ranks %s joined from the other nodes",
+                        self.nnodes, {rank: f"{hello.host} pid {hello.pid}" for rank, hello in
+                                      self._hellos.items() if rank >= self.local_size})
 
     # -- start-up ---------------------------------------------------------------------------
     def _start_worker(self, init: WorkerInit) -> None:
-        package_root = str(Path(servelm.__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        process = subprocess.Popen([sys.executable, "-m", "servelm.workers.worker"],
-                                   stdin=subprocess.PIPE, env=env)
-        assert process.stdin is not None
-        process.stdin.write(pickle.dumps(init))
-        process.stdin.close()
-        self._workers[init.rank] = process
+        self._workers[init.rank] = spawn_worker(init)
 
     def _wait(self, kind: type, action: str) -> list[Any]:
         """One ``kind`` reply from every worker; RankFailedError when one fails, exits or is late."""
         deadline = time.monotonic() + self.timeout_s
         replies: dict[int, Any] = {}
-        while len(replies) < len(self._workers):
+        while len(replies) < self.world_size - 1:
             if self._replies.poll(_POLL_MS):
                 reply: Reply = self._replies.recv_pyobj()
                 if isinstance(reply, WorkerFailed):
@@ -173,11 +193,45 @@ class MultiprocExecutor:
                 if process.poll() is not None and rank not in replies:
                     raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) "
                                           f"{describe_exit(process.returncode)} before it could {action}")
+            gone = [rank for rank in self._remote.gone() if rank not in replies] if self._remote else []
+            if gone:
+                raise RankFailedError(f"{self._describe_remote(gone[0])} disconnected before it "
+                                      f"could {action}")
             if time.monotonic() > deadline:
-                missing = sorted(set(self._workers) - set(replies))
-                raise RankFailedError(f"tensor-parallel ranks {missing} did not {action} within "
-                                      f"--dist-timeout {self.timeout_s:g} s")
+                missing = sorted(set(range(1, self.world_size)) - set(replies))
+                raise RankFailedError(self._missing_ranks_message(missing, action))
         return [replies[rank] for rank in sorted(replies)]
+
+    # -- other nodes ------------------------------------------------------------------------
+    executor_name = "mp"
+
+    def _publish_layout(self, config: EngineConfig, store: Any, host: str, reply_address: str) -> None:
+        """Bind the remote ranks' command sockets and a TCP reply endpoint on ``host``, and publish
+        them in the store, where the other nodes' ``servelm.workers.node`` reads them."""
+        host_ip = bind_host(host)
+        self._replies.bind(f"tcp://{host_ip}:*")
+        self._remote = RemoteRanks(self._zmq, host_ip, list(range(self.local_size, self.world_size)))
+        self._commands.update(self._remote.sockets)
+        store.set(LAYOUT_KEY, NodeLayout(
+            protocol_version=PROTOCOL_VERSION, model=config.model.model,
+            tensor_parallel_size=self.world_size, nnodes=self.nnodes,
+            reply_address=self._replies.getsockopt_string(zmq.LAST_ENDPOINT),
+            command_addresses=self._remote.addresses()).to_json())
+
+    def _describe_remote(self, rank: int) -> str:
+        hello = self._hellos.get(rank)
+        where = f", pid {hello.pid} on {hello.host}" if hello is not None else ""
+        return f"node {rank // self.local_size} (tensor-parallel rank {rank}{where})"
+
+    def _missing_ranks_message(self, missing: list[int], action: str) -> str:
+        local = [rank for rank in missing if rank < self.local_size]
+        if local:
+            return (f"tensor-parallel ranks {local} did not {action} within --dist-timeout "
+                    f"{self.timeout_s:g} s")
+        nodes = sorted({rank // self.local_size for rank in missing})
+        return (f"node(s) {nodes} (tensor-parallel ranks {missing}) did not {action} within "
+                f"--dist-timeout {self.timeout_s:g} s: run the same command with --node-rank "
+                f"{nodes[0]} there, able to reach --dist-init-addr")
 
     # -- the Runner protocol ----------------------------------------------------------------
     @property
@@ -213,7 +267,7 @@ class MultiprocExecutor:
         return self.runner.device
 
     def rank_kv_capacity_blocks(self) -> list[int]:
-        own = self.runner.kv_capacity_blocks(ranks_sharing_memory(self.world_size, self.runner.device))
+        own = self.runner.kv_capacity_blocks(ranks_sharing_memory(self.local_size, self.runner.device))
         return [own] + [self._loaded[rank].kv_capacity_blocks for rank in sorted(self._loaded)]
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -236,17 +290,18 @@ class MultiprocExecutor:
             raise self._step_failure(error) from error
 
     def layout(self) -> dict[str, Any]:
-        ranks = [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),
-                  "num_kv_heads": self.runner.num_kv_heads, "num_threads": self._threads[0],
-                  "cpus": self._cpus[0]}]
+        ranks = [{"rank": 0, "node": 0, "host": os.uname().nodename, "pid": os.getpid(),
+                  "device": str(self.runner.device), "num_kv_heads": self.runner.num_kv_heads,
+                  "num_threads": self._threads[0], "cpus": self._cpus[0]}]
         for rank, loaded in sorted(self._loaded.items()):
-            ranks.append({"rank": rank, "pid": self._workers[rank].pid,
-                          "device": str(self._devices[rank]),
+            hello = self._hellos[rank]
+            ranks.append({"rank": rank, "node": rank // self.local_size, "host": hello.host,
+                          "pid": hello.pid, "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
         all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
-        return {**self.parallel.describe(), "executor": "mp", "nnodes": 1, "all_reduce": all_reduce,
-                "ranks": ranks}
+        return {**self.parallel.describe(), "executor": self.executor_name, "nnodes": self.nnodes,
+                "ranks_per_node": self.local_size, "all_reduce": all_reduce, "ranks": ranks}
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then by force) and release the sockets; idempotent."""
@@ -265,8 +320,10 @@ class MultiprocExecutor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for socket in [*self._commands.values(), self._replies]:
-            socket.close(linger=0)
+        if self._remote is not None:  # no process to wait for: give Shutdown a moment to leave
+            self._remote.close(linger_ms=1000)
+        for command_socket in [*self._commands.values(), self._replies]:
+            command_socket.close(linger=0)
         self._zmq.term()
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._unlink_segment()
@@ -285,8 +342,11 @@ class MultiprocExecutor:
             socket.send(data)
 
     def _dead_workers(self) -> list[str]:
-        return [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
+        dead = [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
                 for rank, process in self._workers.items() if process.poll() is not None]
+        if self._remote is not None:
+            dead += [f"{self._describe_remote(rank)} disconnected" for rank in self._remote.gone()]
+        return dead
 
     def _raise_if_worker_dead(self) -> None:
         dead = self._dead_workers()
@@ -321,6 +381,16 @@ class MultiprocExecutor:
                     os._exit(1)
                 return
             time.sleep(0.5)
+
+
+def _serve_store(host: str, port: int, world_size: int, timeout_s: float) -> Any:
+    """The rendezvous TCPStore rank 0 serves (port 0: any free port, on one node)."""
+    try:
+        return dist.TCPStore(host, port, world_size, True, wait_for_workers=False,  # type: ignore[attr-defined]
+                             timeout=_timedelta(timeout_s))
+    except RuntimeError as error:  # the port is taken, or the host is not ours
+        raise RankFailedError(f"cannot serve the rendezvous at {host}:{port} (--dist-init-addr): "
+                              f"{error}".splitlines()[0]) from error
 
 
 def _timedelta(seconds: float) -> Any:

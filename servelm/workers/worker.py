@@ -73,7 +73,7 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     config = init.config
     configure_logging(config.server.log_level)
     place_rank_threads(init.rank, init.cpus, init.num_threads)
-    replies.send_pyobj(WorkerHello(init.rank, os.getpid(), PROTOCOL_VERSION))
+    replies.send_pyobj(WorkerHello(init.rank, os.getpid(), PROTOCOL_VERSION, os.uname().nodename))
     timeout_s = config.parallel.dist_timeout
     store = dist.TCPStore(init.store_host, init.store_port, init.world_size, False,  # type: ignore[attr-defined]
                           timeout=datetime.timedelta(seconds=timeout_s))
@@ -86,8 +86,8 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group, shm_all_reduce=shm)
     runner = ModelRunner(config, resolve_model_source(config.model), parallel=parallel, device=device,
                          defer_kv_cache=True)
-    replies.send_pyobj(WorkerLoaded(init.rank, runner.kv_capacity_blocks(ranks_sharing_memory(init.world_size, device)),
-                                    runner.num_kv_heads, init.num_threads, init.cpus))
+    capacity = runner.kv_capacity_blocks(ranks_sharing_memory(config.parallel.ranks_per_node, device))
+    replies.send_pyobj(WorkerLoaded(init.rank, capacity, runner.num_kv_heads, init.num_threads, init.cpus))
     while True:
         command = commands.recv_pyobj()
         if isinstance(command, ExecuteStep):

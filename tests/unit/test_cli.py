@@ -179,8 +179,8 @@ def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     err = fail_message(["m", "--enable-p2p-check"], capsys)
-    assert err.startswith("servelm: --enable-p2p-check is not supported yet: servelm runs tensor "
-                          "parallelism on one node")
+    assert err.startswith("servelm: --enable-p2p-check is not supported yet: these multi-node "
+                          "and Ray tuning options are not implemented")
     assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
@@ -244,7 +244,10 @@ def test_negatable_bool_field_gets_no_form() -> None:
     (["--json-model-override-args", "{bad"], ["--hf-overrides", "--json-model-override-args"]),
     (["--tp", "0"], ["--tensor-parallel-size", "--tp"]),
     (["--pp-size", "2"], ["--pipeline-parallel-size", "--pp-size"]),
-    (["--distributed-executor-backend", "ray"], ["--distributed-executor-backend"]),
+    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], ["--tp-size", "--nnodes"]),
+    (["--nnodes", "2", "--node-rank", "2"], ["--node-rank"]),
+    (["--nnodes", "2", "--tp", "2"], ["--dist-init-addr"]),
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "nohost"], ["--dist-init-addr"]),
     (["--dtype", "int8"], ["--dtype"]),
     (["--data_type", "int8"], ["--data_type"]),
     (["--long_truncation_mode", "middle"], ["--long_truncation_mode"]),

@@ -39,8 +39,7 @@ ARTIFACTS = {
 PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
-REFUSED_FIELDS = {"pipeline_parallel_size": "1",
-                  "distributed_executor_backend": "mp"}
+REFUSED_FIELDS = {"pipeline_parallel_size": "1"}
 DEFAULT = EngineConfig()
 
 
@@ -91,6 +90,8 @@ def field_example(field_name: str) -> list[str]:
         return ['{"rope_theta": 10000.0}']
     if field_name == "constrained_json_whitespace_pattern":
         return ["[ \\t\\n]*"]
+    if field_name == "dist_init_addr":
+        return ["127.0.0.1:5001"]
     if field_name == "override_pooler_config":
         return ['{"pooling_type": "mean", "normalize": false}']
     field = cli_flags.config_fields()[field_name]
@@ -203,10 +204,17 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
         pytest.fail(f"{flag} is not catalogued")
 
 
+# The multi-node flags are checked together by ParallelConfig: each needs the others.
+_MULTI_NODE = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000"]
+MULTI_NODE_COMPANIONS = {"nnodes": _MULTI_NODE[2:], "node_rank": _MULTI_NODE,
+                         "dist_init_addr": _MULTI_NODE[:4]}
+
+
 def companions(field_name: str) -> list[str]:
     """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
-    return [arg for name, needed in cli_flags.NEEDS if name == field_name
-            for arg in (cli_flags.flag_name(needed), *field_example(needed))]
+    return MULTI_NODE_COMPANIONS.get(field_name, []) + [
+        arg for name, needed in cli_flags.NEEDS if name == field_name
+        for arg in (cli_flags.flag_name(needed), *field_example(needed))]
 
 
 def check_sets_field(flag: str, field_name: str, values: list[str],
