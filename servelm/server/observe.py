@@ -76,6 +76,14 @@ class ServerMetrics:
         self.replica_waiting = Gauge(
             "servelm:dp_replica_num_requests_waiting", "Requests queued in each data-parallel "
             "replica (--dp-size > 1).", labels + ["dp_replica"], registry=self.registry)
+        parallel = config.parallel
+        self.parallel_layout = Gauge(
+            "servelm:parallel_layout", "The model's parallel layout (the value is 1): tensor-parallel "
+            "ranks, the nodes they span, ranks per node, and the executor that started them.",
+            labels + ["tp_size", "nnodes", "ranks_per_node", "executor"], registry=self.registry)
+        self.parallel_layout.labels(
+            self.model_name, str(parallel.tensor_parallel_size), str(parallel.nnodes),
+            str(parallel.ranks_per_node), parallel.distributed_executor_backend).set(1)
 
     def observe_finish(self, record: RequestRecord) -> None:
         name = self.model_name

@@ -1,0 +1,179 @@
+"""Multi-node tensor parallelism (SGLang's form) with two "nodes" on loopback.
+
+Each node is a real `servelm serve ... --nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:PORT`
+launcher process with one rank and one thread: node 0 serves HTTP and holds rank 0, node 1 runs
+rank 1 only. The ranks meet in real gloo collectives over TCP and node 1 receives its steps over
+ZMQ TCP, exactly as on two machines; only the address is loopback. The parity and node-0-kill
+tests take over a minute on the 2-core box (three model loads) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from servelm.config import EngineConfig
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+from tests.engine_drive import greedy
+from tests.tiny_models import make_tiny_model_dir
+
+from .server_process import REPO, ServerProcess, free_port, is_running, stream_and_kill, wait_until_gone
+
+
+class NodeProcess:
+    """`servelm serve` with --node-rank > 0: no HTTP, only its ranks; use as a context manager."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> NodeProcess:
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "servelm", "serve", *self.args],
+                                        cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rank_pids(self) -> list[int]:
+        assert self.process is not None
+        return [child.pid for child in psutil.Process(self.process.pid).children()
+                if "servelm.workers.worker" in " ".join(child.cmdline())]
+
+    def wait(self, timeout_s: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout_s)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def node_args(model: str, node_rank: int, init_port: int, *extra: str) -> list[str]:
+    return [model, "--tp", "2", "--nnodes", "2", "--node-rank", str(node_rank), "--dist-init-addr",
+            f"127.0.0.1:{init_port}", "--num-threads", "1", "--dtype", "float32", *extra]
+
+
+def generate_tokens(server: ServerProcess, prompt: list[int], max_tokens: int) -> list[int]:
+    response = httpx.post(f"{server.base_url}/generate", json={
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                 "ignore_eos": True}}, timeout=120)
+    assert response.status_code == 200, response.text
+    return list(response.json()["output_ids"])
+
+
+@pytest.mark.slow
+def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
+    """SmolLM2-135M, TP=2 across two loopback nodes: greedy tokens equal the TP=1 engine's; the
+    layout shows both nodes; node 1 exits cleanly (0, no rank left) when node 0 stops."""
+    model, num_new_tokens = "smollm2-135m", 12
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=model, dtype="float32", num_threads=1,
+                                                   max_total_tokens=1024)))
+    prompts = [engine.tokenizer.encode(text) for text in
+               ("The capital of France is", "def quicksort(items):")]
+    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=num_new_tokens,
+                                                      ignore_eos=True))
+    engine.shutdown()
+    init_port = free_port()
+    extra = ("--max-total-tokens", "1024", "--enable-metrics")
+    with NodeProcess(node_args(model, 1, init_port, *extra), tmp_path / "node1.log") as node1:
+        with ServerProcess(node_args(model, 0, init_port, *extra)) as server:
+            got = [generate_tokens(server, prompt, num_new_tokens) for prompt in prompts]
+            layout = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]
+            metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+            rank_pids = node1.rank_pids()
+        assert got == expected
+        assert (layout["tp_size"], layout["nnodes"], layout["ranks_per_node"]) == (2, 2, 1)
+        assert layout["all_reduce"] == "gloo"  # shared memory stops at the node's edge
+        assert [(rank["rank"], rank["node"]) for rank in layout["ranks"]] == [(0, 0), (1, 1)]
+        assert [layout["ranks"][1]["pid"]] == rank_pids
+        assert ('servelm:parallel_layout{executor="mp",model_name="smollm2-135m",nnodes="2",'
+                'ranks_per_node="1",tp_size="2"} 1.0') in metrics
+        assert node1.wait(30) == 0, node1.log()
+        assert wait_until_gone(rank_pids)
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> str:
+    return str(make_tiny_model_dir(tmp_path, "llama"))
+
+
+TINY_FLAGS = ("--skip-tokenizer-init", "--max-total-tokens", "4096")
+LONG_STREAM: dict[str, Any] = {"input_ids": [1, 2, 3], "sampling_params": {
+    "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+
+
+def test_killing_node_1_fails_the_request_and_ends_node_0(tmp_path: Path, tiny_model: str) -> None:
+    init_port = free_port()
+    with NodeProcess(node_args(tiny_model, 1, init_port, *TINY_FLAGS), tmp_path / "node1.log") as node1:
+        server = ServerProcess(node_args(tiny_model, 0, init_port, *TINY_FLAGS))
+        with server:
+            ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
+            engine_pid, remote_rank_pid = ranks[0]["pid"], ranks[1]["pid"]
+            assert node1.process is not None
+            events = stream_and_kill(server.base_url, LONG_STREAM, node1.process.pid)
+            assert 3 < len(events) < 400
+            assert events[-1]["error"]["message"] == (
+                f"node 1 (tensor-parallel rank 1, pid {remote_rank_pid} on {os.uname().nodename}) "
+                "disconnected")
+            assert server.process is not None
+            assert server.process.wait(timeout=30) != 0
+            assert "node 1 (tensor-parallel rank 1" in server.log()
+        assert wait_until_gone([engine_pid, remote_rank_pid])
+
+
+@pytest.mark.slow
+def test_killing_node_0_ends_node_1(tmp_path: Path, tiny_model: str) -> None:
+    init_port = free_port()
+    with NodeProcess(node_args(tiny_model, 1, init_port, *TINY_FLAGS), tmp_path / "node1.log") as node1:
+        with ServerProcess(node_args(tiny_model, 0, init_port, *TINY_FLAGS)) as server:
+            assert generate_tokens(server, [1, 2, 3], 4)
+            rank_pids = node1.rank_pids()
+            assert server.process is not None
+            server.process.send_signal(signal.SIGKILL)  # no clean-up, no Shutdown to the ranks
+            server.process.wait()
+        start_s = time.monotonic()
+        assert node1.wait(30) == 1
+        assert time.monotonic() - start_s < 15
+        assert "node 1: node 0 (127.0.0.1:" in node1.log() and "is gone" in node1.log()
+        assert wait_until_gone(rank_pids)
+
+
+def test_a_node_that_never_joins_is_a_clear_error(tmp_path: Path, tiny_model: str) -> None:
+    """Node 1 is started with another --tp-size: it refuses node 0's layout and exits; node 0,
+    missing its rank, fails after --dist-timeout naming the node, and exits."""
+    init_port = free_port()
+    node1_args = node_args(tiny_model, 1, init_port, *TINY_FLAGS)
+    node1_args[node1_args.index("--tp") + 1] = "4"
+    with NodeProcess(node1_args, tmp_path / "node1.log") as node1:
+        with pytest.raises(RuntimeError) as failure:
+            with ServerProcess(node_args(tiny_model, 0, init_port, *TINY_FLAGS, "--dist-timeout", "5")):
+                pass
+        assert node1.wait(30) == 1
+    assert ("node(s) [1] (tensor-parallel ranks [1]) did not start within --dist-timeout 5 s"
+            in str(failure.value))
+    assert "node 0 serves (model, --tp-size, --nnodes) = " in node1.log()
+    assert "run the same command on every node" in node1.log()
+
+
+def test_node_1_without_node_0_gives_up_after_the_timeout(tmp_path: Path, tiny_model: str) -> None:
+    init_port = free_port()
+    with NodeProcess(node_args(tiny_model, 1, init_port, *TINY_FLAGS, "--dist-timeout", "2"),
+                     tmp_path / "node1.log") as node1:
+        assert node1.wait(60) == 1
+    assert (f"node 1: node 0's rendezvous at 127.0.0.1:{init_port} did not answer within "
+            "--dist-timeout 2 s") in node1.log()
