@@ -128,9 +128,9 @@ class LLMEngine:
         if config.parallel.tensor_parallel_size == 1:
             runner = ModelRunner(config, source, defer_kv_cache=True)
         else:
-            from servelm.workers.multiproc import MultiprocExecutor
+            from servelm.workers import start_executor
 
-            runner = MultiprocExecutor(config, source)
+            runner = start_executor(config, source)
         try:
             capacities = runner.rank_kv_capacity_blocks()
             if len(capacities) > 1:

@@ -93,7 +93,7 @@ class MultiprocExecutor:
         self.world_size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.dist_timeout
         self.nnodes = config.parallel.nnodes
-        self.local_size = config.parallel.ranks_per_node
+        self.local_size = self._ranks_on_this_node(config)
         """Ranks on each node: this node runs ranks 0 .. local_size - 1, node n the next ones."""
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._loaded: dict[int, WorkerLoaded] = {}
@@ -119,14 +119,14 @@ class MultiprocExecutor:
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
         self._shm_path: str | None = None
         if (not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device)
-                and self.nnodes == 1):  # across nodes every all-reduce runs on gloo
+                and self.local_size == self.world_size):  # across nodes every all-reduce is gloo's
             self._shm_path = shm_allreduce.create_segment(self.world_size)
-        store_host, store_port = ("127.0.0.1", 0) if self.nnodes == 1 else split_host_port(
-            config.parallel.dist_init_addr or "")
+        store_host, store_port = self._rendezvous_address(config)
         store = _serve_store(store_host, store_port, self.world_size, self.timeout_s)
         try:
-            if self.nnodes > 1:
+            if self.local_size < self.world_size:
                 self._publish_layout(config, store, store_host, reply_address)
+                self._start_remote_ranks(config, store_host, store.port)
             for rank in range(1, self.local_size):
                 command_address = f"ipc://{self._socket_dir}/commands-{rank}"
                 socket = self._zmq.socket(zmq.PUSH)
@@ -193,10 +193,9 @@ class MultiprocExecutor:
                 if process.poll() is not None and rank not in replies:
                     raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) "
                                           f"{describe_exit(process.returncode)} before it could {action}")
-            gone = [rank for rank in self._remote.gone() if rank not in replies] if self._remote else []
-            if gone:
-                raise RankFailedError(f"{self._describe_remote(gone[0])} disconnected before it "
-                                      f"could {action}")
+            failed = self._remote_failures(exclude=set(replies))
+            if failed:
+                raise RankFailedError(f"{failed[0]} before it could {action}")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.world_size)) - set(replies))
                 raise RankFailedError(self._missing_ranks_message(missing, action))
@@ -204,6 +203,28 @@ class MultiprocExecutor:
 
     # -- other nodes ------------------------------------------------------------------------
     executor_name = "mp"
+
+    def _ranks_on_this_node(self, config: EngineConfig) -> int:
+        return config.parallel.ranks_per_node
+
+    def _rendezvous_address(self, config: EngineConfig) -> tuple[str, int]:
+        """Where rank 0 serves the TCPStore: any loopback port on one node, else --dist-init-addr."""
+        if self.nnodes == 1:
+            return "127.0.0.1", 0
+        return split_host_port(config.parallel.dist_init_addr or "")
+
+    def _start_remote_ranks(self, config: EngineConfig, store_host: str, store_port: int) -> None:
+        """Start the ranks off this node: with mp the other nodes' own launchers do (node.py)."""
+
+    def _node_of(self, rank: int) -> int:
+        return rank // self.local_size
+
+    def _remote_failures(self, exclude: set[int] | None = None) -> list[str]:
+        """What went wrong with the ranks off this node (those in ``exclude`` aside)."""
+        if self._remote is None:
+            return []
+        return [f"{self._describe_remote(rank)} disconnected" for rank in self._remote.gone()
+                if rank not in (exclude or set())]
 
     def _publish_layout(self, config: EngineConfig, store: Any, host: str, reply_address: str) -> None:
         """Bind the remote ranks' command sockets and a TCP reply endpoint on ``host``, and publish
@@ -221,14 +242,14 @@ class MultiprocExecutor:
     def _describe_remote(self, rank: int) -> str:
         hello = self._hellos.get(rank)
         where = f", pid {hello.pid} on {hello.host}" if hello is not None else ""
-        return f"node {rank // self.local_size} (tensor-parallel rank {rank}{where})"
+        return f"node {self._node_of(rank)} (tensor-parallel rank {rank}{where})"
 
     def _missing_ranks_message(self, missing: list[int], action: str) -> str:
         local = [rank for rank in missing if rank < self.local_size]
         if local:
             return (f"tensor-parallel ranks {local} did not {action} within --dist-timeout "
                     f"{self.timeout_s:g} s")
-        nodes = sorted({rank // self.local_size for rank in missing})
+        nodes = sorted({self._node_of(rank) for rank in missing})
         return (f"node(s) {nodes} (tensor-parallel ranks {missing}) did not {action} within "
                 f"--dist-timeout {self.timeout_s:g} s: run the same command with --node-rank "
                 f"{nodes[0]} there, able to reach --dist-init-addr")
@@ -295,7 +316,7 @@ class MultiprocExecutor:
                   "num_threads": self._threads[0], "cpus": self._cpus[0]}]
         for rank, loaded in sorted(self._loaded.items()):
             hello = self._hellos[rank]
-            ranks.append({"rank": rank, "node": rank // self.local_size, "host": hello.host,
+            ranks.append({"rank": rank, "node": self._node_of(rank), "host": hello.host,
                           "pid": hello.pid, "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
@@ -344,9 +365,7 @@ class MultiprocExecutor:
     def _dead_workers(self) -> list[str]:
         dead = [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
                 for rank, process in self._workers.items() if process.poll() is not None]
-        if self._remote is not None:
-            dead += [f"{self._describe_remote(rank)} disconnected" for rank in self._remote.gone()]
-        return dead
+        return dead + self._remote_failures()
 
     def _raise_if_worker_dead(self) -> None:
         dead = self._dead_workers()

@@ -33,7 +33,12 @@ def main() -> None:
     import multiprocessing
 
     multiprocessing.current_process().name = f"servelm-tp-rank-{init.rank}"  # the log lines' name
+    sys.exit(run_rank(init))
 
+
+def run_rank(init: Any) -> int:
+    """Connect to the engine's sockets and serve until Shutdown (0) or an error (1, reported as
+    ``WorkerFailed``). A rank process runs it after its set-up; a Ray actor runs it as a method."""
     import zmq
 
     from servelm.workers.messages import WorkerFailed, WorkerInit
@@ -52,7 +57,11 @@ def main() -> None:
         logger.error("rank %d failed:\n%s", init.rank, error)
         replies.send_pyobj(WorkerFailed(init.rank, error.strip().splitlines()[-1]))
         replies.close(linger=2000)
-        sys.exit(1)
+        return 1
+    commands.close(linger=0)
+    replies.close(linger=1000)
+    context.term()
+    return 0
 
 
 def serve(init: Any, commands: Any, replies: Any) -> None:
