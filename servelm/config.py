@@ -267,7 +267,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over processes. Tensor parallelism runs on one node today."""
+    """How the model is spread over processes and nodes (tensor parallelism may span nodes)."""
 
     tensor_parallel_size: int = opt(
         1, "Tensor-parallel degree: ranks that each hold a slice of every layer (heads, MLP columns, "

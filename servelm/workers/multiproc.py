@@ -1,4 +1,4 @@
-"""MultiprocExecutor: tensor parallelism on one node, behind the engine's Runner protocol.
+"""MultiprocExecutor: tensor parallelism on one node or several, behind the engine's Runner protocol.
 
 Layout (``--distributed-executor-backend mp``): rank 0 is a ``ModelRunner`` inside the engine
 process (the driver, as vLLM's driver worker and SGLang's TP rank 0 are); ranks 1..N-1 are
@@ -11,6 +11,11 @@ ranks are plain subprocesses of the same interpreter; each calls ``die_with_pare
 Each step: the plan (plain lists) is pickled once and pushed to every worker over ZMQ, then rank 0
 runs its forward; the ranks meet in the collectives (gloo on CPU, NCCL on CUDA, a ProcessGroup
 object over a TCPStore served by rank 0) and rank 0's logits are the step's result.
+
+Several nodes (``--nnodes``): this node runs ranks 0 .. k-1 (k = tp / nnodes) as above; the other
+nodes' launchers (``workers/node.py``) start the rest, which take their steps over ZMQ TCP sockets
+published in the TCPStore at ``--dist-init-addr`` (``workers/remote.py``). Their all-reduces run on
+gloo. A remote rank whose connection drops is as dead as a local rank that exited.
 
 Faults: a rank that does not join within ``--dist-timeout``, exits, or fails a collective raises
 ``RankFailedError`` naming it; the engine then ends every request and exits. A rank that dies while

@@ -8,6 +8,7 @@ ranks meet in real gloo collectives. Slow: a Ray head takes ~10-20 s to start on
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def ray_cluster() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
