@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,19 +134,36 @@ class ParallelContext:
                 "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
 
 
-def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float,
+                  store_host: str | None = None) -> Any:
     """The tensor-parallel ProcessGroup over ``store``: gloo on CPU, NCCL on CUDA.
 
     A ProcessGroup object rather than torch.distributed's default group: several engines (tests)
     can live in one process, and nothing global is set. Blocks until every rank joined, at most
-    ``timeout_s``, which also bounds every collective on it.
+    ``timeout_s``, which also bounds every collective on it. ``store_host``: where the store is
+    served; gloo then listens on this host's address towards it (its default, the address the host
+    name resolves to, is often 127.0.0.1, which other nodes cannot reach).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if store_host is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options._timeout = timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(store_host))]
+    return dist.ProcessGroupGloo(store, rank, size, gloo_options)
+
+
+def local_address_towards(host: str) -> str:
+    """This host's IP address on the route to ``host`` (no packet is sent: a UDP connect only
+    picks the route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host) if family == socket.AF_INET else host, 9))
+        return str(probe.getsockname()[0])
 
 
 def ranks_sharing_memory(world_size: int, device: torch.device) -> int:

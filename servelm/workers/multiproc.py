@@ -147,7 +147,7 @@ class MultiprocExecutor:
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
-            group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s)
+            group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s, store_host)
             shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.world_size, self.timeout_s,
                                               check_peers=self._raise_if_worker_dead)
                    if self._shm_path is not None else None)

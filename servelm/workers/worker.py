@@ -89,7 +89,7 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     device = torch.device(init.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = make_tp_group(store, init.rank, init.world_size, device, timeout_s)
+    group = make_tp_group(store, init.rank, init.world_size, device, timeout_s, init.store_host)
     shm = (ShmAllReduce(init.shm_path, init.rank, init.world_size, timeout_s)
            if init.shm_path is not None else None)
     parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group, shm_all_reduce=shm)

@@ -3,8 +3,9 @@
 Each node is a real `servelm serve ... --nnodes 2 --node-rank R --dist-init-addr 127.0.0.1:PORT`
 launcher process with one rank and one thread: node 0 serves HTTP and holds rank 0, node 1 runs
 rank 1 only. The ranks meet in real gloo collectives over TCP and node 1 receives its steps over
-ZMQ TCP, exactly as on two machines; only the address is loopback. The parity and node-0-kill
-tests take over a minute on the 2-core box (three model loads) and are marked slow.
+ZMQ TCP, exactly as on two machines; only the address is loopback. The node-0-kill test (a fault
+already covered from the other side) is marked slow, as is the test that puts node 1 in a network
+namespace of its own, joined by a veth pair (a real second address; needs root, skipped otherwise).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -33,14 +35,16 @@ from .server_process import REPO, ServerProcess, free_port, is_running, stream_a
 class NodeProcess:
     """`servelm serve` with --node-rank > 0: no HTTP, only its ranks; use as a context manager."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, prefix: tuple[str, ...] = ()) -> None:
         self.args = args
         self.log_path = log_path
+        self.prefix = prefix
+        """Runs the command through this (``ip netns exec NAME``, which execs: same pid)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> NodeProcess:
         self._log = open(self.log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "servelm", "serve", *self.args],
+        self.process = subprocess.Popen([*self.prefix, sys.executable, "-m", "servelm", "serve", *self.args],
                                         cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
@@ -76,7 +80,6 @@ def generate_tokens(server: ServerProcess, prompt: list[int], max_tokens: int) -
     return list(response.json()["output_ids"])
 
 
-@pytest.mark.slow
 def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
     """SmolLM2-135M, TP=2 across two loopback nodes: greedy tokens equal the TP=1 engine's; the
     layout shows both nodes; node 1 exits cleanly (0, no rank left) when node 0 stops."""
@@ -177,3 +180,53 @@ def test_node_1_without_node_0_gives_up_after_the_timeout(tmp_path: Path, tiny_m
         assert node1.wait(60) == 1
     assert (f"node 1: node 0's rendezvous at 127.0.0.1:{init_port} did not answer within "
             "--dist-timeout 2 s") in node1.log()
+
+
+@pytest.fixture
+def second_address() -> Iterator[tuple[str, str, str]]:
+    """A network namespace joined to this one by a veth pair: (namespace, node 0's address here,
+    node 1's address there). Skips where network namespaces cannot be made (not root)."""
+    suffix = str(os.getpid() % 100_000)
+    namespace, here, there = f"servelm-n1-{suffix}", f"svl0-{suffix}", f"svl1-{suffix}"
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    setup = [["ip", "netns", "add", namespace],
+             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", namespace],
+             ["ip", "addr", "add", f"{subnet}.1/24", "dev", here], ["ip", "link", "set", here, "up"],
+             ["ip", "netns", "exec", namespace, "ip", "addr", "add", f"{subnet}.2/24", "dev", there],
+             ["ip", "netns", "exec", namespace, "ip", "link", "set", there, "up"],
+             ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            done = subprocess.run(command, capture_output=True)
+            if done.returncode != 0:
+                pytest.skip(f"no network namespace here: {' '.join(command)}: {done.stderr.decode().strip()}")
+        yield namespace, f"{subnet}.1", f"{subnet}.2"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_a_veth_pair_match_tp1(tmp_path: Path, tiny_model: str,
+                                           second_address: tuple[str, str, str]) -> None:
+    """Node 1 in its own network namespace reaches node 0 only through 10.x.y.1: the rendezvous,
+    the step sockets and gloo all use that address (gloo's default would be the host name's,
+    127.0.0.1 here, which node 1 cannot reach)."""
+    namespace, node0_address, _ = second_address
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=tiny_model, dtype="float32", num_threads=1,
+                                                   skip_tokenizer_init=True, max_total_tokens=1024)))
+    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.shutdown()
+    init_port = free_port()
+    args = [tiny_model, "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"{node0_address}:{init_port}",
+            "--num-threads", "1", "--dtype", "float32", *TINY_FLAGS, "--dist-timeout", "60"]
+    with NodeProcess([*args, "--node-rank", "1"], tmp_path / "node1.log",
+                     prefix=("ip", "netns", "exec", namespace)) as node1:
+        with ServerProcess([*args, "--node-rank", "0"]) as server:
+            got = [generate_tokens(server, prompt, 12) for prompt in prompts]
+            layout = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]
+        assert got == expected
+        assert [rank["node"] for rank in layout["ranks"]] == [0, 1]
+        assert node1.wait(30) == 0, node1.log()
