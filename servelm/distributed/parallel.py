@@ -151,7 +151,7 @@ def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeou
         return dist.ProcessGroupNCCL(store, rank, size, options)
     if store_host is None:
         return dist.ProcessGroupGloo(store, rank, size, timeout)
-    gloo_options = dist.ProcessGroupGloo._Options()
+    gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     gloo_options._timeout = timeout
     gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(store_host))]
     return dist.ProcessGroupGloo(store, rank, size, gloo_options)
