@@ -230,3 +230,26 @@ def test_two_nodes_on_a_veth_pair_match_tp1(tmp_path: Path, tiny_model: str,
         assert got == expected
         assert [rank["node"] for rank in layout["ranks"]] == [0, 1]
         assert node1.wait(30) == 0, node1.log()
+
+
+@pytest.mark.slow
+def test_tp4_over_two_nodes_of_two_ranks_matches_tp1(tmp_path: Path, tiny_model: str) -> None:
+    """Two ranks per node (node 0: the engine's rank 0 plus a local rank process; node 1: two rank
+    processes, LightLLM's --node_rank spelling): each node cuts its CPUs between its own ranks."""
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=tiny_model, dtype="float32", num_threads=1,
+                                                   skip_tokenizer_init=True, max_total_tokens=1024)))
+    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.shutdown()
+    init_port = free_port()
+    args = [tiny_model, "--tp", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{init_port}",
+            "--num-threads", "1", "--dtype", "float32", *TINY_FLAGS]
+    with NodeProcess([*args, "--node_rank", "1"], tmp_path / "node1.log") as node1:
+        with ServerProcess([*args, "--node-rank", "0"]) as server:
+            got = [generate_tokens(server, prompt, 12) for prompt in prompts]
+            layout = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]
+            assert len(node1.rank_pids()) == 2
+        assert got == expected
+        assert [(rank["rank"], rank["node"]) for rank in layout["ranks"]] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+        assert layout["ranks_per_node"] == 2
+        assert node1.wait(30) == 0, node1.log()
