@@ -510,6 +510,122 @@ class ObservabilityConfig:
             raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections a LoRA adapter may target (servelm.lora.adapter serves exactly these)."""
+
+
+@dataclass(frozen=True)
+class LoRASource:
+    """One adapter named on the command line: ``name=path``, a bare path (named after its
+    folder), or a JSON object (vLLM's ``{"name", "path"}``, SGLang's ``{"lora_name",
+    "lora_path"}``)."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRASource:
+        text = text.strip()
+        if text.startswith("{"):
+            values = parse_json_object_flag("--lora-paths/--lora-modules", text)
+            name = values.get("name", values.get("lora_name"))
+            path = values.get("path", values.get("lora_path"))
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise ValueError(f"--lora-paths/--lora-modules {text!r}: a JSON entry needs string "
+                                 "'name' and 'path' (vLLM) or 'lora_name' and 'lora_path' (SGLang)")
+            return cls(name, path)
+        name, sep, path = text.partition("=")
+        if not sep:
+            path = text
+            name = text.rstrip("/").rsplit("/", 1)[-1]
+        if not name or not path:
+            raise ValueError(f"--lora-paths/--lora-modules {text!r}: expected NAME=PATH or PATH")
+        return cls(name, path)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: adapters over the one base model, mixed in the same batches."""
+
+    enable_lora: bool = opt(
+        False, "Serve LoRA adapters (PEFT format) over the base model; --lora-paths/--lora-modules "
+        "turn it on too (SGLang's rule). Adapters may also be loaded at run time "
+        "(POST /load_lora_adapter, /v1/load_lora_adapter).")
+    lora_paths: list[str] | None = opt(
+        None, "Adapters loaded at start-up: NAME=PATH, PATH (named after its folder) or a JSON "
+        "object {\"name\": ..., \"path\": ...}. Requests pick one by name (OpenAI model field, "
+        "base:NAME, or lora_path on /generate).", flags=("--lora-modules",))
+    max_loras_per_batch: int = opt(
+        8, "Most distinct adapters in one step (the base model does not count): requests for a "
+        "further adapter wait until one of the running adapters has no request left. 8 as in SGLang; "
+        "each adapter in a step costs two small GEMMs per targeted layer.")
+    max_lora_rank: int = opt(
+        64, "Largest adapter rank accepted; a larger one is refused at load (400). Memory grows "
+        "with the rank of the adapters actually loaded, not with this limit.")
+    lora_target_modules: list[str] | None = opt(
+        None, "Projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, or all); an adapter targeting another is refused at load. Unset: all.")
+    max_loaded_loras: int | None = opt(
+        None, "Most adapters held in memory. Past it the least recently used adapter that no "
+        "queued or running request uses is dropped from memory and read again from disk when a "
+        "request asks for it; when every loaded adapter is in use, a request for another one is "
+        "refused with 503. Unset: no limit. At least --max-loras-per-batch.")
+    lora_eviction_policy: str = opt(
+        "lru", "Which adapter --max-loaded-loras drops first: lru (least recently used) or fifo "
+        "(loaded first).", choices=["lru", "fifo"])
+    lora_dtype: str = opt(
+        "auto", "Dtype of the adapter weights and their deltas. auto: the model's dtype.",
+        choices=["auto", "float32", "float16", "bfloat16"])
+
+    def __post_init__(self) -> None:
+        sources = self.sources  # raises on a malformed entry
+        names = [source.name for source in sources]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"--lora-paths names {', '.join(duplicates)} more than once")
+        if not self.is_enabled:
+            for name in ("max_loras_per_batch", "max_lora_rank", "lora_target_modules",
+                         "max_loaded_loras", "lora_eviction_policy", "lora_dtype"):
+                if getattr(self, name) != _default_of(LoRAConfig, name):
+                    raise ValueError(f"{_flag(name)} has no effect without --enable-lora (or "
+                                     "--lora-paths); add --enable-lora or drop it")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be at least 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras ({self.max_loaded_loras}) must be at least "
+                             f"--max-loras-per-batch ({self.max_loras_per_batch})")
+        for module in self.lora_target_modules or ():
+            if module != "all" and module not in LORA_TARGET_MODULES:
+                raise ValueError(f"--lora-target-modules {module!r} is not supported; choose from "
+                                 f"{', '.join(LORA_TARGET_MODULES)} or all")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def sources(self) -> list[LoRASource]:
+        """The start-up adapters, parsed."""
+        return [LoRASource.parse(text) for text in self.lora_paths or ()]
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        """The projections adapters may target."""
+        modules = self.lora_target_modules
+        if not modules or "all" in modules:
+            return LORA_TARGET_MODULES
+        return tuple(m for m in LORA_TARGET_MODULES if m in modules)
+
+
+def _default_of(section: type, name: str) -> Any:
+    field_ = section.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    if field_.default is not dataclasses.MISSING:
+        return field_.default
+    return field_.default_factory()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine and server need, one frozen dataclass per concern."""
@@ -522,6 +638,7 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.runtime.enable_torch_compile and self.model.quantization != "none":
@@ -530,6 +647,22 @@ class EngineConfig:
                 f"{self.model.quantization}: inductor's fused norms and activation scaling differ "
                 "from eager in the last bit, the int8 rounding of the activations turns that into "
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
+        if not self.lora.is_enabled:
+            return
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora cannot be combined with --tp-size > 1 in this build: "
+                             "the adapters' deltas are not sharded over the ranks yet; use "
+                             "--dp-size for more replicas instead")
+        if self.runtime.enable_torch_compile:
+            raise ValueError("--enable-lora cannot be combined with --enable-torch-compile: the "
+                             "compiled decode layers have no LoRA deltas")
+        if self.model.task == "embed":
+            raise ValueError("--enable-lora serves generation; it cannot be combined with "
+                             "--task embed")
 
     @staticmethod
     def sections() -> dict[str, type]:

@@ -93,6 +93,8 @@ def field_example(field_name: str) -> list[str]:
         return ["[ \\t\\n]*"]
     if field_name == "override_pooler_config":
         return ['{"pooling_type": "mean", "normalize": false}']
+    if field_name == "lora_target_modules":
+        return ["q_proj", "v_proj"]
     field = cli_flags.config_fields()[field_name]
     hints: dict[str, typing.Any] = {}
     for section in EngineConfig.sections().values():
@@ -203,8 +205,14 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
         pytest.fail(f"{flag} is not catalogued")
 
 
+LORA_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig().lora)} - {"enable_lora", "lora_paths"}
+"""LoRA options refused without --enable-lora (LoRAConfig checks it: --lora-paths enables too)."""
+
+
 def companions(field_name: str) -> list[str]:
     """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
+    if field_name in LORA_OPTIONS:
+        return ["--enable-lora"]
     return [arg for name, needed in cli_flags.NEEDS if name == field_name
             for arg in (cli_flags.flag_name(needed), *field_example(needed))]
 
