@@ -28,6 +28,8 @@ from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.lora.adapter import BaseShapes, LoRAAdapterError
+from servelm.lora.manager import AdapterBusyError, AdapterNotFoundError, LoRAManager, LoRASlots
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 
@@ -41,6 +43,14 @@ _IDLE_COMPILE_WAIT_S = 0.01
 
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 """What an embedding request's scheduling reads of SamplingParams: no output beyond its prompt."""
+
+
+class _AdapterError(Exception):
+    """A request's LoRA adapter cannot be used; ``status`` is the HTTP status it gets."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class LLMEngine:
@@ -64,8 +74,11 @@ class LLMEngine:
         self.block_pool = BlockPool(runner.num_blocks)
         self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
+        self.lora = self._make_lora_manager(runner)
+        """The adapter registry (None without --enable-lora)."""
         self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
-                                   self.prefix_cache, seed=config.model.seed)
+                                   self.prefix_cache, seed=config.model.seed,
+                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None)
         self.executor = Executor(runner)
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
@@ -90,6 +103,10 @@ class LLMEngine:
             "task": self.task,
             "is_generation": self.task == "generate",
         })
+        if self.lora is not None:
+            self.model_info["lora"] = {"max_loras_per_batch": config.lora.max_loras_per_batch,
+                                       "max_lora_rank": config.lora.max_lora_rank}
+            self.model_info["lora_adapters"] = self.lora.describe()
         pooler = runner.pooler
         if pooler is not None:
             self.model_info.update({"embedding_size": runner.hidden_size,
@@ -142,6 +159,67 @@ class LLMEngine:
             raise
         return runner
 
+    def _make_lora_manager(self, runner: Runner) -> LoRAManager | None:
+        """The adapter registry with the --lora-paths adapters loaded (a bad one fails start-up)."""
+        if not self.config.lora.is_enabled:
+            return None
+        if not isinstance(runner, LoRASlots):
+            raise ValueError("--enable-lora: this runner cannot hold LoRA adapters (--tp-size > 1)")
+        manager = LoRAManager(self.config.lora, BaseShapes.from_hf_config(runner.hf_config), runner)
+        for source in self.config.lora.sources:
+            try:
+                manager.load(source.name, source.path, set())
+            except LoRAAdapterError as error:
+                raise ValueError(f"--lora-paths: {error}") from None
+        return manager
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def _adapters_in_use(self) -> set[str]:
+        return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Register and load an adapter: {"success", "message", "status"} (400 naming the reason)."""
+        if self.lora is None:
+            return {"success": False, "status": 400,
+                    "message": "LoRA is not enabled: start the server with --enable-lora"}
+        try:
+            loaded = self.lora.load(name, path, self._adapters_in_use())
+        except LoRAAdapterError as error:
+            return {"success": False, "status": 400, "message": str(error)}
+        self.model_info["lora_adapters"] = self.lora.describe()
+        load_time = f" in {loaded.load_time_s:.3f} s" if loaded is not None else ""
+        return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} loaded{load_time}",
+                "load_time_s": loaded.load_time_s if loaded is not None else None}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unregister an adapter; requests using it run to the end first (then its weights go)."""
+        if self.lora is None:
+            return {"success": False, "status": 400,
+                    "message": "LoRA is not enabled: start the server with --enable-lora"}
+        try:
+            draining = self.lora.unload(name, self._adapters_in_use())
+        except AdapterNotFoundError as error:
+            return {"success": False, "status": 404, "message": str(error)}
+        self.model_info["lora_adapters"] = self.lora.describe()
+        note = " (its running requests finish first)" if draining else ""
+        return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} unloaded{note}"}
+
+    def _resolve_adapter(self, lora_name: str) -> tuple[str, int]:
+        """(adapter_id, slot) of a request's adapter; AdapterError (with its HTTP status) when
+        it cannot run."""
+        if self.lora is None:
+            raise _AdapterError("LoRA is not enabled: start the server with --enable-lora", 400)
+        try:
+            loaded = self.lora.acquire(lora_name, self._adapters_in_use())
+        except AdapterNotFoundError as error:
+            raise _AdapterError(str(error), 404) from None
+        except AdapterBusyError as error:
+            raise _AdapterError(str(error), 503) from None
+        except LoRAAdapterError as error:  # dropped from memory, then its files changed
+            raise _AdapterError(f"LoRA adapter {lora_name!r} could not be read again from disk: "
+                                f"{error}", 500) from None
+        return loaded.adapter_id, loaded.slot
+
     @property
     def max_embedding_tokens(self) -> int:
         """Longest embedding input: it fits the context and one step (it is never chunked)."""
@@ -158,10 +236,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
                     is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
-                    lora_slot: int = 0) -> RequestOutput | None:
+                    lora_slot: int = 0, lora_name: str | None = None) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
-        waiting queue is full: ``error_status`` 503). ``adapter_id``/``lora_slot``: the LoRA adapter
-        (installed in the runner's slot ``lora_slot``) the request runs with; None/0 for the base."""
+        waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
+        with (unknown: 404), which sets ``adapter_id``/``lora_slot`` (the prefix-cache root and the
+        runner slot; given directly only by tests driving a runner's slots); None/0: the base."""
+        if lora_name is not None:
+            try:
+                adapter_id, lora_slot = self._resolve_adapter(lora_name)
+            except _AdapterError as refusal:
+                return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                                     error=str(refusal), num_prompt_tokens=len(prompt_token_ids),
+                                     error_status=refusal.status)
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
@@ -301,7 +387,10 @@ class LLMEngine:
             assert self._grammars is not None
             self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
                                 _IDLE_COMPILE_WAIT_S)
-        return refused + self._update(scheduled, results)
+        outputs = refused + self._update(scheduled, results)
+        if self.lora is not None and self.lora.draining:
+            self.lora.release_drained(self._adapters_in_use())
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> list[StepResult]:
         if scheduled.is_empty:
@@ -451,4 +540,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
+            **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
         }

@@ -110,6 +110,7 @@ class ModelRunner:
             configure_engine_threads(config.runtime.num_threads)
         self.device = device or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
+        self.hf_config = source.hf_config
         self.task = resolve_task(config.model.task, source.hf_config)
         self.pooler: PoolerConfig | None = None
         """How hidden states become embeddings (task embed only)."""
@@ -128,6 +129,8 @@ class ModelRunner:
         self.num_kv_heads: int = first.num_kv_heads
         """KV heads this rank holds (its shard; replicated heads count once per rank)."""
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+        self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else DTYPES[config.lora.lora_dtype]
+        """Dtype of installed adapters' weights and their deltas (--lora-dtype)."""
         self.kv_bytes_per_token = KVCache.bytes_per_token(len(self._attention_layers), first.num_kv_heads,
                                                           first.head_dim, self.kv_dtype)
         context_length = getattr(source, "context_length", None)
@@ -213,7 +216,7 @@ class ModelRunner:
                 target = layers.get((layer, attr))
                 if target is None:
                     raise ValueError(f"the model has no {attr} in layer {layer} for a LoRA delta")
-                target.set_lora(slot, a.to(self.device, self.dtype), b.to(self.device, self.dtype),
+                target.set_lora(slot, a.to(self.device, self.lora_dtype), b.to(self.device, self.lora_dtype),
                                 scale, shard_id)
         except Exception:
             self.remove_lora(slot)

@@ -93,6 +93,9 @@ class LoRAGroup:
 
     slot: int
     rows: torch.Tensor  # [n] int64 row indices into the layer input
+    span: tuple[int, int] | None = None
+    """``(start, end)`` when ``rows`` is the contiguous range start..end-1 (the scheduler orders
+    a step's sequences by adapter, so usually): the delta then reads and adds to views, no copies."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.lora: dict[int, list[_LoRAPiece]] = {}
         """Adapter slot -> low-rank deltas on this layer (several for a fused layer's shards)."""
+        self.lora_fused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Adapter slot -> (``A_cat.T`` [input_size, total rank], ``B.T`` [total rank, output_size]):
+        the slot's pieces as one pair, B block-diagonal over the shards with the scales folded in,
+        so a group's delta is two GEMMs whatever the number of shards."""
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
@@ -135,25 +142,45 @@ class LinearBase(nn.Module):
             raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
                              f"{self.input_size} -> {size} projection")
         self.lora.setdefault(slot, []).append(_LoRAPiece(offset, size, a, b, scale))
+        self.lora_fused[slot] = self._fuse(self.lora[slot])
+
+    def _fuse(self, pieces: list[_LoRAPiece]) -> tuple[torch.Tensor, torch.Tensor]:
+        a_t = torch.cat([piece.a for piece in pieces]).T.contiguous()  # [input_size, total rank]
+        b_t = a_t.new_zeros(a_t.shape[1], self.output_size)  # [total rank, output_size]
+        rank_start = 0
+        for piece in pieces:
+            rank = piece.a.shape[0]
+            b_t[rank_start:rank_start + rank, piece.offset:piece.offset + piece.size] = \
+                piece.b.T * piece.scale
+            rank_start += rank
+        return a_t, b_t
 
     def shard_range(self, shard_id: int | str) -> tuple[int, int]:
         raise ValueError(f"{type(self).__name__} is not fused; it has no shard {shard_id!r}")
 
     def remove_lora(self, slot: int) -> None:
         self.lora.pop(slot, None)
+        self.lora_fused.pop(slot, None)
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup] | None) -> torch.Tensor:
         """``out`` plus each adapter group's delta on its own rows; rows in no group are untouched."""
-        if not lora or not self.lora:
+        if not lora or not self.lora_fused:
             return out
         for group in lora:
-            pieces = self.lora.get(group.slot)
-            if not pieces:
+            fused = self.lora_fused.get(group.slot)
+            if fused is None:
                 continue
-            rows = x.index_select(0, group.rows)
-            for piece in pieces:
-                delta = (rows @ piece.a.T) @ piece.b.T * piece.scale
-                out[group.rows, piece.offset:piece.offset + piece.size] += delta.to(out.dtype)
+            a_t, b_t = fused
+            if group.span is not None:  # contiguous rows: views, an in-place addmm
+                start, end = group.span
+                low_rank = x[start:end].to(a_t.dtype) @ a_t  # [n, total rank]
+                if out.dtype == b_t.dtype:
+                    out[start:end].addmm_(low_rank, b_t)
+                else:
+                    out[start:end] += (low_rank @ b_t).to(out.dtype)
+                continue
+            low_rank = x.index_select(0, group.rows).to(a_t.dtype) @ a_t
+            out.index_add_(0, group.rows, (low_rank @ b_t).to(out.dtype))
         return out
 
     def extra_repr(self) -> str:
