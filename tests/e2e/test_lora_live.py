@@ -236,3 +236,44 @@ def test_evicted_adapter_is_read_again_from_disk(lora_server: LoRAServer) -> Non
         assert lora_server.generate("attn8-copy", lora_server.prompts[1]) == lora_server.expected["attn8"][1]
     finally:
         lora_server.post("/unload_lora_adapter", {"lora_name": "attn8-copy"})
+
+
+def test_structured_output_with_an_adapter(lora_server: LoRAServer) -> None:
+    """A grammar constrains an adapter's request as it does the base model's."""
+    lora_server.ensure_loaded("mlp16")
+    body = {"model": "mlp16", "prompt": "Answer yes or no:", "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+                "required": ["answer"]}}}}
+    response = lora_server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert json.loads(response.json()["choices"][0]["text"])["answer"] in ("yes", "no")
+
+
+@pytest.mark.slow
+def test_qwen_coder_adapters_equal_transformers_peft(tmp_path: Path) -> None:
+    """The same parity on Qwen2.5-Coder-0.5B (biased QKV): two adapters of different ranks and
+    targets, one batch with the base model, through the real server."""
+    model_name = "qwen2.5-coder-0.5b"
+    specs = {"qattn": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+             "qmlp": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "down_proj"],
+                          layers_to_transform=list(range(12)))}
+    models = {name: make_adapter(model_name, tmp_path / name, seed, **spec)
+              for seed, (name, spec) in enumerate(specs.items(), start=1)}
+    args = [model_name, "--dtype", "float32", "--num-threads", "1", "--enable-lora",
+            "--lora-modules", *(f"{name}={tmp_path / name}" for name in specs),
+            "--max-lora-rank", "16", "--context-length", "256", "--max-total-tokens", "2048"]
+    with ServerProcess(args) as server:
+        prompt = httpx.post(f"{server.base_url}/tokenize", json={"prompt": TEXTS[0]},
+                            timeout=30).json()["tokens"]
+        names: list[str | None] = [None, *specs]
+        expected = {None: peft_greedy(base_model(model_name), [prompt], NUM_NEW_TOKENS)[0]}
+        for name, model in models.items():
+            expected[name] = peft_greedy(model, [prompt], NUM_NEW_TOKENS)[0]
+        body = {"input_ids": [prompt] * len(names), "lora_path": names,
+                "sampling_params": {"max_new_tokens": NUM_NEW_TOKENS, "temperature": 0,
+                                    "ignore_eos": True}}
+        response = httpx.post(f"{server.base_url}/generate", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        for name, item in zip(names, response.json()):
+            assert item["output_ids"] == expected[name], name

@@ -1,0 +1,118 @@
+"""LoRA through the engine's adapter registry with the features it must work with: chunked
+prefill and preemption (greedy tokens still equal peft's), quantized base weights (the same delta
+on top), and the contiguous-span path of the linear layers (equal to the gathered-rows path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from servelm.engine.engine import LLMEngine
+from servelm.model.layers.linear import LoRAGroup
+from servelm.model.runner import ModelRunner
+from servelm.sampling.params import SamplingParams
+from tests.engine_drive import drain
+from tests.tiny_models import make_tiny_hf_model
+from tests.unit.model.conftest import make_source
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+NUM_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str | None, list[list[int]]]]:
+    root = tmp_path_factory.mktemp("adapters")
+    expected: dict[str | None, list[list[int]]] = {}
+    for seed, (name, kwargs) in enumerate([(None, None), *ADAPTERS.items()]):
+        model = make_tiny_hf_model("llama")
+        if name is not None:
+            torch.manual_seed(seed)
+            model = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **kwargs)).eval()
+            model.save_pretrained(root / name)
+        expected[name] = []
+        for prompt in PROMPTS:
+            with torch.no_grad():
+                out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NUM_NEW,
+                                     do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            expected[name].append(out[0, len(prompt):].tolist())
+    return root, expected
+
+
+def make_engine(root: Path, max_total_tokens: int, **scheduler: object) -> LLMEngine:
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
+                          cache=CacheConfig(page_size=4, max_total_tokens=max_total_tokens),
+                          scheduler=SchedulerConfig(**scheduler),  # type: ignore[arg-type]
+                          lora=LoRAConfig(lora_paths=[f"{name}={root / name}" for name in ADAPTERS]))
+    runner = ModelRunner(config, make_source(make_tiny_hf_model("llama")))
+    return LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
+
+
+def test_chunked_prefill_and_preemption_equal_peft(
+        adapters: tuple[Path, dict[str | None, list[list[int]]]]) -> None:
+    root, expected = adapters
+    engine = make_engine(root, max_total_tokens=40, chunked_prefill_size=4)  # 10 blocks of 4
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    for name in [None, *ADAPTERS]:
+        for index, prompt in enumerate(PROMPTS):
+            assert engine.add_request(f"{name}-{index}", prompt, params, lora_name=name) is None
+    outputs = drain(engine)
+    assert engine.scheduler.num_preemptions > 0  # six requests of 5 blocks each in a 10-block pool
+    for name in [None, *ADAPTERS]:
+        for index in range(len(PROMPTS)):
+            assert outputs[f"{name}-{index}"] == expected[name][index], (name, index)
+    refused = engine.add_request("x", PROMPTS[0], params, lora_name="nope")
+    assert refused is not None and refused.error_status == 404 and "is not loaded" in str(refused.error)
+
+
+@pytest.mark.parametrize("quantization", ["int8wo", "w8a8_int8"])
+def test_quantized_base_gets_the_same_delta(
+        adapters: tuple[Path, dict[str | None, list[list[int]]]], quantization: str) -> None:
+    """On a quantized base, an adapter's rows get exactly the float delta on top of the quantized
+    output (the LinearMethod computes the base, the LoRA hook adds to it)."""
+    root, _ = adapters
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32",
+                                            quantization=quantization),
+                          cache=CacheConfig(page_size=4, max_total_tokens=256),
+                          lora=LoRAConfig(lora_paths=[f"attn={root / 'attn'}"]))
+    runner = ModelRunner(config, make_source(make_tiny_hf_model("llama")))
+    engine = LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
+    assert engine.lora is not None
+    slot = engine.lora.loaded["attn"].slot
+    layer = runner._lora_layers()[(0, "qkv_proj")]
+    x = torch.randn(5, 64)
+    group = [LoRAGroup(slot, torch.tensor([1, 3]))]
+    with torch.inference_mode():
+        base, with_lora = layer(x), layer(x.clone(), group)
+    a_t, b_t = layer.lora_fused[slot]
+    torch.testing.assert_close(with_lora[[1, 3]] - base[[1, 3]], (x[[1, 3]] @ a_t) @ b_t,
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(with_lora[[0, 2, 4]], base[[0, 2, 4]], rtol=0, atol=0)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    engine.add_request("base", PROMPTS[0], params)
+    engine.add_request("attn", PROMPTS[0], params, lora_name="attn")
+    outputs = drain(engine)
+    assert outputs["base"] != outputs["attn"]
+
+
+def test_span_path_equals_gathered_rows(adapters: tuple[Path, dict[str | None, list[list[int]]]]) -> None:
+    root, _ = adapters
+    engine = make_engine(root, max_total_tokens=256)
+    assert engine.lora is not None
+    layers = engine.runner._lora_layers()  # type: ignore[attr-defined]
+    slots = [engine.lora.loaded[name].slot for name in ADAPTERS]
+    spans = [LoRAGroup(slots[0], torch.arange(1, 3), (1, 3)), LoRAGroup(slots[1], torch.arange(3, 6), (3, 6))]
+    gathered = [LoRAGroup(group.slot, group.rows) for group in spans]
+    with torch.inference_mode():
+        for key in ((0, "qkv_proj"), (1, "gate_up_proj"), (1, "down_proj"), (0, "o_proj")):
+            layer = layers[key]
+            inputs = torch.randn(6, layer.input_size)
+            torch.testing.assert_close(layer(inputs, spans), layer(inputs, gathered), rtol=1e-6, atol=1e-6)
