@@ -87,6 +87,10 @@ class UnquantizedLinearMethod:
         return dense_linear(x, layer.weight, bias)
 
 
+_MAX_LORA_STACKS = 4
+"""Stacked-weight combinations a layer keeps (the running adapters change rarely)."""
+
+
 @dataclass(frozen=True)
 class LoRAGroup:
     """The token rows of one forward batch that use one adapter slot (base rows are in no group)."""
@@ -127,6 +131,9 @@ class LinearBase(nn.Module):
         """Adapter slot -> (``A_cat.T`` [input_size, total rank], ``B.T`` [total rank, output_size]):
         the slot's pieces as one pair, B block-diagonal over the shards with the scales folded in,
         so a group's delta is two GEMMs whatever the number of shards."""
+        self.lora_stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        """Slots of a step -> their fused pairs stacked (ranks zero-padded to the largest) for the
+        batched path; rebuilt when an adapter is set or removed."""
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
@@ -143,6 +150,7 @@ class LinearBase(nn.Module):
                              f"{self.input_size} -> {size} projection")
         self.lora.setdefault(slot, []).append(_LoRAPiece(offset, size, a, b, scale))
         self.lora_fused[slot] = self._fuse(self.lora[slot])
+        self.lora_stacks.clear()
 
     def _fuse(self, pieces: list[_LoRAPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         a_t = torch.cat([piece.a for piece in pieces]).T.contiguous()  # [input_size, total rank]
@@ -161,10 +169,13 @@ class LinearBase(nn.Module):
     def remove_lora(self, slot: int) -> None:
         self.lora.pop(slot, None)
         self.lora_fused.pop(slot, None)
+        self.lora_stacks.clear()
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup] | None) -> torch.Tensor:
         """``out`` plus each adapter group's delta on its own rows; rows in no group are untouched."""
         if not lora or not self.lora_fused:
+            return out
+        if self._add_lora_batched(x, out, lora):
             return out
         for group in lora:
             fused = self.lora_fused.get(group.slot)
@@ -182,6 +193,44 @@ class LinearBase(nn.Module):
             low_rank = x.index_select(0, group.rows).to(a_t.dtype) @ a_t
             out.index_add_(0, group.rows, (low_rank @ b_t).to(out.dtype))
         return out
+
+    def _add_lora_batched(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup]) -> bool:
+        """Several adapter groups of equal size, back to back (a decode step whose streams are
+        spread evenly over the adapters, sorted by slot): one bmm pair for all of them instead of
+        a GEMM pair per group. False (nothing done) when the groups do not have that shape."""
+        if len(lora) < 2 or lora[0].span is None:
+            return False
+        start, end = lora[0].span
+        size = end - start
+        for previous, group in zip(lora, lora[1:]):
+            if group.span is None or group.span[0] != previous.span[1] or \
+                    group.span[1] - group.span[0] != size:  # type: ignore[index]
+                return False
+        slots = tuple(group.slot for group in lora)
+        stack = self.lora_stacks.get(slots)
+        if stack is None:
+            stack = self._stack(slots)
+            if len(self.lora_stacks) >= _MAX_LORA_STACKS:
+                self.lora_stacks.clear()
+            self.lora_stacks[slots] = stack
+        a_stack, b_stack = stack  # [G, input_size, rank], [G, rank, output_size]
+        end = start + size * len(lora)
+        rows = x[start:end].reshape(len(lora), size, -1).to(a_stack.dtype)
+        delta = torch.bmm(torch.bmm(rows, a_stack), b_stack)  # [G, size, output_size]
+        out[start:end] += delta.reshape(end - start, -1).to(out.dtype)
+        return True
+
+    def _stack(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.lora_fused.get(slot) for slot in slots]
+        present = [pair for pair in pairs if pair is not None]
+        rank = max(a_t.shape[1] for a_t, _ in present)
+        a_stack = present[0][0].new_zeros(len(slots), self.input_size, rank)
+        b_stack = present[0][0].new_zeros(len(slots), rank, self.output_size)
+        for index, pair in enumerate(pairs):  # a slot without a delta here stays zero
+            if pair is not None:
+                a_stack[index, :, :pair[0].shape[1]] = pair[0]
+                b_stack[index, :pair[1].shape[0]] = pair[1]
+        return a_stack, b_stack
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -109,10 +109,14 @@ def test_span_path_equals_gathered_rows(adapters: tuple[Path, dict[str | None, l
     assert engine.lora is not None
     layers = engine.runner._lora_layers()  # type: ignore[attr-defined]
     slots = [engine.lora.loaded[name].slot for name in ADAPTERS]
-    spans = [LoRAGroup(slots[0], torch.arange(1, 3), (1, 3)), LoRAGroup(slots[1], torch.arange(3, 6), (3, 6))]
-    gathered = [LoRAGroup(group.slot, group.rows) for group in spans]
+    unequal = [LoRAGroup(slots[0], torch.arange(1, 3), (1, 3)), LoRAGroup(slots[1], torch.arange(3, 6), (3, 6))]
+    equal = [LoRAGroup(slots[1], torch.arange(0, 3), (0, 3)), LoRAGroup(slots[0], torch.arange(3, 6), (3, 6))]
     with torch.inference_mode():
-        for key in ((0, "qkv_proj"), (1, "gate_up_proj"), (1, "down_proj"), (0, "o_proj")):
-            layer = layers[key]
-            inputs = torch.randn(6, layer.input_size)
-            torch.testing.assert_close(layer(inputs, spans), layer(inputs, gathered), rtol=1e-6, atol=1e-6)
+        for spans in (unequal, equal):  # a GEMM pair per group on views; one bmm pair for all
+            gathered = [LoRAGroup(group.slot, group.rows) for group in spans]
+            for key in ((0, "qkv_proj"), (1, "gate_up_proj"), (1, "down_proj"), (0, "o_proj")):
+                layer = layers[key]
+                inputs = torch.randn(6, layer.input_size)
+                torch.testing.assert_close(layer(inputs, spans), layer(inputs, gathered),
+                                           rtol=1e-5, atol=1e-5)
+                assert not torch.equal(layer(inputs, gathered), layer(inputs))
