@@ -277,3 +277,27 @@ def test_qwen_coder_adapters_equal_transformers_peft(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         for name, item in zip(names, response.json()):
             assert item["output_ids"] == expected[name], name
+
+
+def test_offline_engine_with_two_replicas_carries_the_adapter(lora_server: LoRAServer) -> None:
+    """servelm.Engine with --dp-size 2: requests spread over both replicas keep their adapter, and
+    a run-time load reaches both (round robin sends consecutive requests to different replicas)."""
+    from servelm import Engine
+
+    root = lora_server.root
+    with Engine(MODEL, dtype="float32", num_threads=1, data_parallel_size=2, context_length=256,
+                max_total_tokens=2048, lora_paths=[f"attn8={root / 'attn8'}"]) as engine:
+        names: list[str | None] = ["attn8", None, "attn8", None]
+        prompts = [lora_server.prompts[i % 2] for i in range(len(names))]
+        params = {"temperature": 0.0, "max_tokens": NUM_NEW_TOKENS, "ignore_eos": True}
+        results = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        for i, (name, result) in enumerate(zip(names, results)):
+            assert result.token_ids == lora_server.expected[name][i % 2], (i, name)
+        assert engine.load_lora_adapter("mixed4", str(root / "mixed4"))["success"]
+        results = engine.generate(input_ids=[lora_server.prompts[0]] * 2, sampling_params=params,
+                                  lora_path="mixed4")
+        assert [r.token_ids for r in results] == [lora_server.expected["mixed4"][0]] * 2
+        assert engine.unload_lora_adapter("mixed4")["success"]
+        missing = engine.generate(input_ids=lora_server.prompts[0], sampling_params=params,
+                                  lora_path="mixed4")
+        assert missing.finish_reason == "error" and "is not loaded" in missing.error
