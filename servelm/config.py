@@ -566,10 +566,9 @@ class LoRAConfig:
         None, "Projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
         "down_proj, or all); an adapter targeting another is refused at load. Unset: all.")
     max_loaded_loras: int | None = opt(
-        None, "Most adapters held in memory. Past it the least recently used adapter that no "
-        "queued or running request uses is dropped from memory and read again from disk when a "
-        "request asks for it; when every loaded adapter is in use, a request for another one is "
-        "refused with 503. Unset: no limit. At least --max-loras-per-batch.")
+        None, "Most adapters held in memory. Past it the least recently used adapter with no "
+        "running request is dropped from memory and read again from disk when a request for it "
+        "is admitted. Unset: no limit. At least --max-loras-per-batch.")
     lora_eviction_policy: str = opt(
         "lru", "Which adapter --max-loaded-loras drops first: lru (least recently used) or fifo "
         "(loaded first).", choices=["lru", "fifo"])

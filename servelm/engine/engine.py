@@ -29,7 +29,7 @@ from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
-from servelm.lora.manager import AdapterBusyError, AdapterNotFoundError, LoRAManager, LoRASlots
+from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 
@@ -43,14 +43,6 @@ _IDLE_COMPILE_WAIT_S = 0.01
 
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 """What an embedding request's scheduling reads of SamplingParams: no output beyond its prompt."""
-
-
-class _AdapterError(Exception):
-    """A request's LoRA adapter cannot be used; ``status`` is the HTTP status it gets."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class LLMEngine:
@@ -78,7 +70,8 @@ class LLMEngine:
         """The adapter registry (None without --enable-lora)."""
         self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
                                    self.prefix_cache, seed=config.model.seed,
-                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None)
+                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
+                                   adapter_slot=self._adapter_slot if self.lora else None)
         self.executor = Executor(runner)
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
@@ -175,7 +168,19 @@ class LLMEngine:
 
     # -- LoRA adapters ----------------------------------------------------------------------
     def _adapters_in_use(self) -> set[str]:
+        """adapter_ids held by unfinished (queued or running) requests."""
         return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}
+
+    def _running_adapters(self) -> set[str]:
+        return {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
+
+    def _adapter_slot(self, request: Request) -> int | str | None:
+        """The scheduler's hook: the runner slot of a request being admitted (None: wait)."""
+        assert self.lora is not None and request.adapter_id is not None
+        try:
+            return self.lora.acquire(request.adapter_id, self._running_adapters())
+        except LoRAAdapterError as error:  # dropped from memory, then its files changed
+            return f"the LoRA adapter could not be read again from disk: {error}"
 
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Register and load an adapter: {"success", "message", "status"} (400 naming the reason)."""
@@ -183,13 +188,13 @@ class LLMEngine:
             return {"success": False, "status": 400,
                     "message": "LoRA is not enabled: start the server with --enable-lora"}
         try:
-            loaded = self.lora.load(name, path, self._adapters_in_use())
+            loaded = self.lora.load(name, path, self._running_adapters())
         except LoRAAdapterError as error:
             return {"success": False, "status": 400, "message": str(error)}
         self.model_info["lora_adapters"] = self.lora.describe()
-        load_time = f" in {loaded.load_time_s:.3f} s" if loaded is not None else ""
-        return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} loaded{load_time}",
-                "load_time_s": loaded.load_time_s if loaded is not None else None}
+        return {"success": True, "status": 200,
+                "message": f"LoRA adapter {name!r} loaded in {loaded.load_time_s:.3f} s",
+                "load_time_s": loaded.load_time_s}
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         """Unregister an adapter; requests using it run to the end first (then its weights go)."""
@@ -203,22 +208,6 @@ class LLMEngine:
         self.model_info["lora_adapters"] = self.lora.describe()
         note = " (its running requests finish first)" if draining else ""
         return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} unloaded{note}"}
-
-    def _resolve_adapter(self, lora_name: str) -> tuple[str, int]:
-        """(adapter_id, slot) of a request's adapter; AdapterError (with its HTTP status) when
-        it cannot run."""
-        if self.lora is None:
-            raise _AdapterError("LoRA is not enabled: start the server with --enable-lora", 400)
-        try:
-            loaded = self.lora.acquire(lora_name, self._adapters_in_use())
-        except AdapterNotFoundError as error:
-            raise _AdapterError(str(error), 404) from None
-        except AdapterBusyError as error:
-            raise _AdapterError(str(error), 503) from None
-        except LoRAAdapterError as error:  # dropped from memory, then its files changed
-            raise _AdapterError(f"LoRA adapter {lora_name!r} could not be read again from disk: "
-                                f"{error}", 500) from None
-        return loaded.adapter_id, loaded.slot
 
     @property
     def max_embedding_tokens(self) -> int:
@@ -239,15 +228,18 @@ class LLMEngine:
                     lora_slot: int = 0, lora_name: str | None = None) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
-        with (unknown: 404), which sets ``adapter_id``/``lora_slot`` (the prefix-cache root and the
-        runner slot; given directly only by tests driving a runner's slots); None/0: the base."""
+        with (unknown: 404), which sets ``adapter_id`` (the prefix-cache root); its runner slot
+        (``lora_slot``) comes at admission. Tests driving a runner's slots directly give
+        ``adapter_id``/``lora_slot`` instead. None/0: the base model."""
         if lora_name is not None:
             try:
-                adapter_id, lora_slot = self._resolve_adapter(lora_name)
-            except _AdapterError as refusal:
+                if self.lora is None:
+                    raise AdapterNotFoundError("LoRA is not enabled: start the server with --enable-lora")
+                adapter_id, lora_slot = self.lora.resolve(lora_name), 0  # slot: at admission
+            except AdapterNotFoundError as refusal:
                 return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
                                      error=str(refusal), num_prompt_tokens=len(prompt_token_ids),
-                                     error_status=refusal.status)
+                                     error_status=404 if self.lora is not None else 400)
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
@@ -388,8 +380,8 @@ class LLMEngine:
             self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
                                 _IDLE_COMPILE_WAIT_S)
         outputs = refused + self._update(scheduled, results)
-        if self.lora is not None and self.lora.draining:
-            self.lora.release_drained(self._adapters_in_use())
+        if self.lora is not None and self.lora.has_unloaded:
+            self.lora.release_unused(self._adapters_in_use())
         return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> list[StepResult]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.cache.block_pool import BlockPool
@@ -101,11 +102,15 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
                  prefix_cache: RadixTree | None = None, seed: int = 0,
-                 max_adapters: int | None = None) -> None:
+                 max_adapters: int | None = None,
+                 adapter_slot: Callable[[Request], int | str | None] | None = None) -> None:
         self.config = config
         self.max_adapters = max_adapters
         """--max-loras-per-batch: most distinct LoRA adapters among the running requests (so in
         any step); a waiting request for a further adapter is deferred. None: no LoRA limit."""
+        self.adapter_slot = adapter_slot
+        """Gives a LoRA request being admitted its runner slot (installing the adapter): the slot,
+        None when there is no room yet (it waits), or an error message (it ends with it)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.prefix_cache = prefix_cache
@@ -226,6 +231,8 @@ class Scheduler:
                     f"{self.pool_capacity_tokens}"))
                 output.finished.append(request)
                 continue
+            if not self._give_adapter_slot(request, output):
+                continue
             if self._shares_prefix_in_flight(request, admitted):
                 continue  # compute the shared prefix once: next step it is cached
             self._match_prefix(request)
@@ -252,6 +259,20 @@ class Scheduler:
                 adapters.add(request.adapter_id)
             running_per_group[request.group] = running_per_group.get(request.group, 0) + 1
             budget -= num_tokens
+
+    def _give_adapter_slot(self, request: Request, output: SchedulerOutput) -> bool:
+        """Whether a request may be admitted as far as its LoRA adapter goes (slot set)."""
+        if request.adapter_id is None or self.adapter_slot is None:
+            return True
+        slot = self.adapter_slot(request)
+        if isinstance(slot, str):
+            self.finish(request, FinishReason.ERROR, error=slot)
+            output.finished.append(request)
+            return False
+        if slot is None:
+            return False  # every installed adapter has running requests: wait for one to drain
+        request.lora_slot = slot
+        return True
 
     def _group_cap(self) -> int | None:
         """Most running requests per group, or None while a single group has all the work."""

@@ -1,17 +1,18 @@
-"""The engine's adapter registry: adapter name -> runner slot, loading, LRU eviction, draining.
+"""The engine's adapter registry: adapter name -> registration -> runner slot.
 
 Invariants:
-- A *registered* name may be used by requests. A registered adapter is either *loaded* (its
-  weights installed in a runner slot) or only on disk (dropped by ``--max-loaded-loras``); a
-  request for it reads it back from disk (``acquire``).
-- Slots are never reused: every load of a name gets a fresh slot and a fresh ``adapter_id``
-  (``name@slot``, the prefix-cache root), so K/V computed with an adapter's old weights is
-  never matched by requests using new weights loaded under the same name.
-- An adapter that a queued or running request uses (its adapter_id is in ``in_use``) is never
-  evicted or removed: ``unload`` unregisters the name at once (new requests get 404) and moves
-  the slot to ``draining``; ``release_drained`` removes it once its last request has ended.
-- Loaded plus draining adapters are at most ``--max-loaded-loras``; when every one is in use,
-  a request for another adapter is refused (``AdapterBusyError``, 503), never queued unbounded.
+- ``load`` validates an adapter and *registers* it: a ``Registration`` with a fresh ``adapter_id``
+  (``name@n``, the prefix-cache root of its requests), so K/V computed with an earlier adapter of
+  the same name is never matched. A request holds its registration's ``adapter_id`` from arrival.
+- A registration gets a runner *slot* (its weights installed) when one of its requests is admitted
+  (``acquire``), read from disk again if it was dropped from memory. Slots are never reused.
+- Installed adapters are at most ``--max-loaded-loras``. To make room, the first installed adapter
+  (LRU or FIFO order) that no *running* request uses is removed; its queued requests read it again
+  when admitted. When every installed adapter has running requests, ``acquire`` answers None and
+  the request waits in the queue (the scheduler tries again next step).
+- ``unload`` unregisters the name at once (new requests get 404). Requests that already hold the
+  registration, queued or running, still run with it; its slot is freed by ``release_unused``
+  once no unfinished request holds it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ class AdapterNotFoundError(LookupError):
     """No adapter of that name is loaded (HTTP 404)."""
 
 
-class AdapterBusyError(RuntimeError):
-    """Every adapter slot --max-loaded-loras allows is in use by queued or running requests (503)."""
-
-
 @runtime_checkable
 class LoRASlots(Protocol):
     """What the registry needs of the model side: install and remove an adapter's deltas."""
@@ -49,24 +46,24 @@ class LoRASlots(Protocol):
 
 
 @dataclass
-class LoadedAdapter:
-    """One load of a named adapter in one runner slot."""
+class Registration:
+    """One load of a named adapter: where its files are and the key its requests carry."""
 
     name: str
     path: str
-    slot: int
+    adapter_id: str
     rank: int
     target_modules: tuple[str, ...]
     load_time_s: float
-
-    @property
-    def adapter_id(self) -> str:
-        """The prefix-cache key of requests using this load."""
-        return f"{self.name}@{self.slot}"
+    slot: int | None = None
+    """The runner slot holding its weights; None while it is only on disk."""
+    is_registered: bool = True
+    """False once unloaded: only requests that already hold it may still use it."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "path": self.path, "rank": self.rank,
-                "target_modules": list(self.target_modules), "load_time_s": round(self.load_time_s, 4)}
+                "target_modules": list(self.target_modules), "load_time_s": round(self.load_time_s, 4),
+                "in_memory": self.slot is not None}
 
 
 class LoRAManager:
@@ -76,13 +73,17 @@ class LoRAManager:
         self.config = config
         self.base = base
         self.slots = slots
-        self.registered: dict[str, str] = {}
-        """Name -> adapter directory, for every name requests may use."""
-        self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()
-        """Installed adapters, in eviction order (lru: least recently used first; fifo: load order)."""
-        self.draining: dict[int, LoadedAdapter] = {}
-        """Slot -> an unloaded (or replaced) adapter whose requests have not all ended."""
+        self.registered: dict[str, Registration] = {}
+        """Name -> its current registration, for every name requests may use."""
+        self.known: dict[str, Registration] = {}
+        """adapter_id -> registration, for the registered ones and unloaded ones still held."""
+        self.installed: OrderedDict[str, Registration] = OrderedDict()
+        """adapter_id -> registration with a slot, in eviction order (lru: least recently used
+        first; fifo: installed first)."""
         self.num_loads = 0
+        """Registrations so far (load calls that succeeded)."""
+        self.num_installs = 0
+        """Adapters written into a runner slot so far: loads plus reads back from disk."""
         self._next_slot = 1
 
     # -- loading ----------------------------------------------------------------------------
@@ -96,98 +97,107 @@ class LoRAManager:
                                    f"--lora-target-modules ({' '.join(self.config.target_modules)})")
         return adapter, time.perf_counter() - start_s
 
-    def load(self, name: str, path: str, in_use: set[str]) -> LoadedAdapter | None:
-        """Register ``name`` (validated now) and install it when memory allows; None when it was
-        registered but left on disk because every slot is in use (a request reads it then)."""
+    def load(self, name: str, path: str, running: set[str]) -> Registration:
+        """Validate and register ``name``; install it now when memory allows (else on its first
+        admitted request). ``running``: adapter_ids of running requests (never evicted)."""
         if name in self.registered:
             raise LoRAAdapterError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
         adapter, read_s = self.read(name, path)
-        self.registered[name] = path
-        try:
-            return self._install(adapter, read_s, in_use)
-        except AdapterBusyError:
-            logger.info("LoRA adapter %r registered; not kept in memory (--max-loaded-loras %s, "
-                        "all in use): it is read again on its first request", name,
-                        self.config.max_loaded_loras)
-            return None
+        self.num_loads += 1
+        registration = Registration(name, path, f"{name}@{self.num_loads}", adapter.rank,
+                                    tuple(sorted(adapter.target_modules)), read_s)
+        self.registered[name] = self.known[registration.adapter_id] = registration
+        if self._make_room(running):
+            self._install(registration, adapter, read_s)
+        else:
+            logger.info("LoRA adapter %r registered; installed on its first request (all "
+                        "--max-loaded-loras %s are in use)", name, self.config.max_loaded_loras)
+        return registration
 
-    def _install(self, adapter: LoRAAdapter, read_s: float, in_use: set[str]) -> LoadedAdapter:
-        self._make_room(in_use)
+    def _install(self, registration: Registration, adapter: LoRAAdapter, read_s: float) -> None:
         slot = self._next_slot
         self._next_slot += 1
         start_s = time.perf_counter()
         self.slots.set_lora(slot, [(layer, *FUSED_TARGETS[module], w.a, w.b, w.scale)
                                    for (layer, module), w in adapter.weights.items()])
-        loaded = LoadedAdapter(adapter.name, adapter.path, slot, adapter.rank,
-                               tuple(sorted(adapter.target_modules)),
-                               read_s + time.perf_counter() - start_s)
-        self.loaded[adapter.name] = loaded
-        self.num_loads += 1
-        logger.info("LoRA adapter %r (rank %d, %s) in slot %d, loaded in %.3f s", adapter.name,
-                    adapter.rank, ",".join(loaded.target_modules), slot, loaded.load_time_s)
-        return loaded
+        registration.slot = slot
+        self.num_installs += 1
+        registration.load_time_s = read_s + time.perf_counter() - start_s
+        self.installed[registration.adapter_id] = registration
+        logger.info("LoRA adapter %r (rank %d, %s) in slot %d, loaded in %.3f s", registration.name,
+                    registration.rank, ",".join(registration.target_modules), slot,
+                    registration.load_time_s)
 
-    def _make_room(self, in_use: set[str]) -> None:
+    def _remove(self, registration: Registration) -> None:
+        assert registration.slot is not None
+        del self.installed[registration.adapter_id]
+        self.slots.remove_lora(registration.slot)
+        registration.slot = None
+
+    def _make_room(self, running: set[str]) -> bool:
+        """Free a slot under --max-loaded-loras if needed; False when every installed adapter
+        has running requests."""
         capacity = self.config.max_loaded_loras
         if capacity is None:
-            return
-        self.release_drained(in_use)
-        while len(self.loaded) + len(self.draining) >= capacity:
-            victim = next((a for a in self.loaded.values() if a.adapter_id not in in_use), None)
+            return True
+        while len(self.installed) >= capacity:
+            victim = next((r for r in self.installed.values() if r.adapter_id not in running), None)
             if victim is None:
-                raise AdapterBusyError(
-                    f"all {capacity} LoRA adapters held in memory (--max-loaded-loras) are in use "
-                    "by queued or running requests; retry when they finish")
-            del self.loaded[victim.name]
-            self.slots.remove_lora(victim.slot)
+                return False
+            self._remove(victim)
             logger.info("LoRA adapter %r dropped from memory (%s, --max-loaded-loras %d); it is "
                         "read from disk again when asked for", victim.name,
                         self.config.lora_eviction_policy, capacity)
+        return True
 
     # -- requests ---------------------------------------------------------------------------
-    def acquire(self, name: str, in_use: set[str]) -> LoadedAdapter:
-        """The loaded adapter a new request runs with, read back from disk if it was dropped."""
-        loaded = self.loaded.get(name)
-        if loaded is not None:
-            if self.config.lora_eviction_policy == "lru":
-                self.loaded.move_to_end(name)
-            return loaded
-        path = self.registered.get(name)
-        if path is None:
+    def resolve(self, name: str) -> str:
+        """The adapter_id a new request for ``name`` carries (AdapterNotFoundError: 404)."""
+        registration = self.registered.get(name)
+        if registration is None:
             raise AdapterNotFoundError(f"LoRA adapter {name!r} is not loaded")
-        adapter, read_s = self.read(name, path)
-        return self._install(adapter, read_s, in_use)
+        return registration.adapter_id
+
+    def acquire(self, adapter_id: str, running: set[str]) -> int | None:
+        """The slot of an admitted request's adapter, installing it (from disk) if needed; None
+        when there is no room yet (the request waits). LoRAAdapterError if its files went bad."""
+        registration = self.known[adapter_id]
+        if registration.slot is not None:
+            if self.config.lora_eviction_policy == "lru":
+                self.installed.move_to_end(adapter_id)
+            return registration.slot
+        if not self._make_room(running):
+            return None
+        adapter, read_s = self.read(registration.name, registration.path)
+        self._install(registration, adapter, read_s)
+        return registration.slot
 
     # -- unloading --------------------------------------------------------------------------
-    def unload(self, name: str, in_use: set[str]) -> bool:
-        """Unregister ``name``: new requests get 404 at once; its weights go when its last request
-        ends. Returns whether requests were still using it (it is draining)."""
-        if name not in self.registered:
+    def unload(self, name: str, held: set[str]) -> bool:
+        """Unregister ``name``: new requests get 404 at once; requests holding it (``held``: the
+        adapter_ids of unfinished requests) still run with it. Returns whether any do."""
+        registration = self.registered.pop(name, None)
+        if registration is None:
             raise AdapterNotFoundError(f"LoRA adapter {name!r} is not loaded")
-        del self.registered[name]
-        loaded = self.loaded.pop(name, None)
-        if loaded is None:
-            return False
-        self.draining[loaded.slot] = loaded
-        self.release_drained(in_use)
-        return loaded.slot in self.draining
+        registration.is_registered = False
+        self.release_unused(held)
+        return registration.adapter_id in held
 
-    def release_drained(self, in_use: set[str]) -> None:
-        """Remove the weights of unloaded adapters no request uses any more."""
-        for slot, loaded in list(self.draining.items()):
-            if loaded.adapter_id not in in_use:
-                del self.draining[slot]
-                self.slots.remove_lora(slot)
-                logger.info("LoRA adapter %r unloaded (slot %d freed)", loaded.name, slot)
+    def release_unused(self, held: set[str]) -> None:
+        """Forget unloaded registrations no unfinished request holds (and free their slots)."""
+        for adapter_id, registration in list(self.known.items()):
+            if not registration.is_registered and adapter_id not in held:
+                del self.known[adapter_id]
+                if registration.slot is not None:
+                    logger.info("LoRA adapter %r unloaded (slot %d freed)", registration.name,
+                                registration.slot)
+                    self._remove(registration)
+
+    @property
+    def has_unloaded(self) -> bool:
+        """Some unloaded adapter is still held by requests (the engine checks after each step)."""
+        return len(self.known) > len(self.registered)
 
     def describe(self) -> list[dict[str, Any]]:
         """Every registered adapter, for /v1/models and /get_server_info."""
-        result = []
-        for name, path in self.registered.items():
-            loaded = self.loaded.get(name)
-            entry: dict[str, Any] = (loaded.describe() if loaded is not None
-                                     else {"name": name, "path": path})
-            entry["in_memory"] = loaded is not None
-            result.append(entry)
-        return result
-
+        return [registration.describe() for registration in self.registered.values()]

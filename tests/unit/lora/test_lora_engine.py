@@ -23,6 +23,7 @@ peft = pytest.importorskip("peft")
 ADAPTERS = {
     "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "mlp": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "mix": dict(r=2, lora_alpha=3, target_modules=["v_proj", "up_proj"], layers_to_transform=[1]),
 }
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 NUM_NEW = 8
@@ -47,11 +48,13 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str |
     return root, expected
 
 
-def make_engine(root: Path, max_total_tokens: int, **scheduler: object) -> LLMEngine:
+def make_engine(root: Path, max_total_tokens: int, lora: dict[str, object] | None = None,
+                **scheduler: object) -> LLMEngine:
     config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
                           cache=CacheConfig(page_size=4, max_total_tokens=max_total_tokens),
                           scheduler=SchedulerConfig(**scheduler),  # type: ignore[arg-type]
-                          lora=LoRAConfig(lora_paths=[f"{name}={root / name}" for name in ADAPTERS]))
+                          lora=LoRAConfig(lora_paths=[f"{name}={root / name}" for name in ADAPTERS],
+                                          **(lora or {})))  # type: ignore[arg-type]
     runner = ModelRunner(config, make_source(make_tiny_hf_model("llama")))
     return LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
 
@@ -73,6 +76,25 @@ def test_chunked_prefill_and_preemption_equal_peft(
     assert refused is not None and refused.error_status == 404 and "is not loaded" in str(refused.error)
 
 
+def test_more_adapters_than_memory_holds_equal_peft(
+        adapters: tuple[Path, dict[str | None, list[list[int]]]]) -> None:
+    """Three adapters, two held in memory and two per batch, all requested at once: requests for
+    the third wait, adapters are dropped and read back from disk at admission, and every request
+    still gets peft's tokens."""
+    root, expected = adapters
+    engine = make_engine(root, max_total_tokens=512, lora=dict(max_loras_per_batch=2, max_loaded_loras=2))
+    assert engine.lora is not None and len(engine.lora.installed) == 2  # the third is on disk
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    names = [*ADAPTERS, None, *reversed(ADAPTERS)]
+    for index, name in enumerate(names):
+        assert engine.add_request(f"{index}", PROMPTS[index % 2], params, lora_name=name) is None
+    outputs = drain(engine)
+    for index, name in enumerate(names):
+        assert outputs[f"{index}"] == expected[name][index % 2], (index, name)
+    assert engine.lora.num_loads == 3 and len(engine.lora.installed) == 2
+    assert engine.lora.num_installs > 3  # some adapter was dropped and read back from disk
+
+
 @pytest.mark.parametrize("quantization", ["int8wo", "w8a8_int8"])
 def test_quantized_base_gets_the_same_delta(
         adapters: tuple[Path, dict[str | None, list[list[int]]]], quantization: str) -> None:
@@ -86,7 +108,7 @@ def test_quantized_base_gets_the_same_delta(
     runner = ModelRunner(config, make_source(make_tiny_hf_model("llama")))
     engine = LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
     assert engine.lora is not None
-    slot = engine.lora.loaded["attn"].slot
+    slot = engine.lora.registered["attn"].slot
     layer = runner._lora_layers()[(0, "qkv_proj")]
     x = torch.randn(5, 64)
     group = [LoRAGroup(slot, torch.tensor([1, 3]))]
@@ -108,7 +130,7 @@ def test_span_path_equals_gathered_rows(adapters: tuple[Path, dict[str | None, l
     engine = make_engine(root, max_total_tokens=256)
     assert engine.lora is not None
     layers = engine.runner._lora_layers()  # type: ignore[attr-defined]
-    slots = [engine.lora.loaded[name].slot for name in ADAPTERS]
+    slots = [engine.lora.registered[name].slot for name in ADAPTERS]
     unequal = [LoRAGroup(slots[0], torch.arange(1, 3), (1, 3)), LoRAGroup(slots[1], torch.arange(3, 6), (3, 6))]
     equal = [LoRAGroup(slots[1], torch.arange(0, 3), (0, 3)), LoRAGroup(slots[0], torch.arange(3, 6), (3, 6))]
     with torch.inference_mode():

@@ -13,7 +13,7 @@ from servelm.config import LoRAConfig, SchedulerConfig
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
-from servelm.lora.manager import AdapterBusyError, AdapterNotFoundError, LoRAManager
+from servelm.lora.manager import AdapterNotFoundError, LoRAManager
 from servelm.sampling.params import SamplingParams
 from tests.tiny_models import make_tiny_config, make_tiny_hf_model
 from tests.unit.model.conftest import make_runner, make_source
@@ -49,41 +49,41 @@ def installed_slots(registry: LoRAManager) -> set[int]:
 @pytest.mark.parametrize("policy, dropped", [("lru", "b"), ("fifo", "a")])
 def test_eviction_policy_and_reload(adapter_dirs: dict[str, Path], policy: str, dropped: str) -> None:
     registry = manager(max_loras_per_batch=2, max_loaded_loras=3, lora_eviction_policy=policy)
-    for name in "abc":
-        registry.load(name, str(adapter_dirs[name]), set())
-    registry.acquire("a", set())  # lru: a becomes the most recently used
+    ids = {name: registry.load(name, str(adapter_dirs[name]), set()).adapter_id for name in "abc"}
+    assert registry.acquire(ids["a"], set()) == 1  # lru: a becomes the most recently used
     registry.load("d", str(adapter_dirs["d"]), set())
-    assert dropped not in registry.loaded and set(registry.registered) == set("abcd")
+    assert registry.registered[dropped].slot is None and set(registry.registered) == set("abcd")
     assert len(installed_slots(registry)) == 3
-    reloaded = registry.acquire(dropped, set())  # read again from disk, into a fresh slot
-    assert reloaded.slot == 5 and dropped in registry.loaded and len(registry.loaded) == 3
+    assert registry.acquire(ids[dropped], set()) == 5  # read again from disk, into a fresh slot
+    assert len(registry.installed) == 3 and registry.resolve(dropped) == ids[dropped]
 
 
-def test_busy_adapters_are_never_evicted(adapter_dirs: dict[str, Path]) -> None:
+def test_running_adapters_are_never_evicted(adapter_dirs: dict[str, Path]) -> None:
     registry = manager(max_loras_per_batch=2, max_loaded_loras=2)
     a = registry.load("a", str(adapter_dirs["a"]), set())
     b = registry.load("b", str(adapter_dirs["b"]), set())
-    assert a is not None and b is not None
-    in_use = {a.adapter_id, b.adapter_id}
-    assert registry.load("c", str(adapter_dirs["c"]), in_use) is None  # registered, on disk only
-    with pytest.raises(AdapterBusyError, match="--max-loaded-loras"):
-        registry.acquire("c", in_use)
-    assert registry.acquire("c", {a.adapter_id}).name == "c"  # b was free: it made room
-    assert "b" not in registry.loaded and "a" in registry.loaded
+    running = {a.adapter_id, b.adapter_id}
+    c = registry.load("c", str(adapter_dirs["c"]), running)
+    assert c.slot is None  # registered (validated), installed on its first admitted request
+    assert registry.acquire(c.adapter_id, running) is None  # no room: the request waits
+    assert registry.acquire(c.adapter_id, {a.adapter_id}) == 3  # b had no running request
+    assert b.slot is None and a.slot == 1 and installed_slots(registry) == {1, 3}
 
 
-def test_unload_drains_then_frees(adapter_dirs: dict[str, Path]) -> None:
+def test_unload_lets_holders_finish(adapter_dirs: dict[str, Path]) -> None:
     registry = manager()
-    loaded = registry.load("a", str(adapter_dirs["a"]), set())
-    assert loaded is not None
-    assert registry.unload("a", {loaded.adapter_id}) is True  # a request still runs with it
+    old = registry.load("a", str(adapter_dirs["a"]), set())
+    assert registry.unload("a", {old.adapter_id}) is True  # a request still holds it
     with pytest.raises(AdapterNotFoundError):
-        registry.acquire("a", set())
-    assert installed_slots(registry) == {loaded.slot}
-    reloaded = registry.load("a", str(adapter_dirs["a"]), {loaded.adapter_id})
-    assert reloaded is not None and reloaded.adapter_id != loaded.adapter_id  # no shared prefixes
-    registry.release_drained(set())
-    assert installed_slots(registry) == {reloaded.slot}
+        registry.resolve("a")
+    assert registry.acquire(old.adapter_id, set()) == old.slot  # its holder still runs with it
+    new = registry.load("a", str(adapter_dirs["a"]), set())
+    assert new.adapter_id != old.adapter_id  # no prefix shared with the old load
+    assert registry.has_unloaded
+    registry.release_unused({old.adapter_id})
+    assert installed_slots(registry) == {old.slot, new.slot}
+    registry.release_unused(set())
+    assert installed_slots(registry) == {new.slot} and not registry.has_unloaded
     with pytest.raises(AdapterNotFoundError):
         registry.unload("zzz", set())
 
