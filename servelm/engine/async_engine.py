@@ -174,15 +174,26 @@ class AsyncEngine:
     def check_model(config: EngineConfig) -> None:
         """Fail fast, before any process starts, when the model cannot be found or read.
 
-        Raises ValueError with a message for the user (unknown path, hub id, bad packaged model).
+        Raises ValueError with a message for the user (unknown path, hub id, bad packaged model,
+        a --lora-paths adapter that cannot be served).
         """
         from servelm.model.packaged import PackagedModelError
         from servelm.model.source import resolve_model_source
 
         try:
-            resolve_model_source(config.model)
+            source = resolve_model_source(config.model)
         except PackagedModelError as error:
             raise ValueError(str(error)) from error
+        if config.lora.is_enabled:  # a bad --lora-paths adapter: one line, before any process
+            from servelm.lora.adapter import BaseShapes, LoRAAdapterError
+            from servelm.lora.manager import read_adapter
+
+            shapes = BaseShapes.from_hf_config(source.hf_config)
+            for lora_source in config.lora.sources:
+                try:
+                    read_adapter(config.lora, shapes, lora_source.name, lora_source.path)
+                except LoRAAdapterError as error:
+                    raise ValueError(f"--lora-paths: {error}") from None
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,

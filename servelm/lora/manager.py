@@ -33,6 +33,17 @@ class AdapterNotFoundError(LookupError):
     """No adapter of that name is loaded (HTTP 404)."""
 
 
+def read_adapter(config: LoRAConfig, base: BaseShapes, name: str, path: str) -> LoRAAdapter:
+    """Read and validate an adapter against the base model and the LoRA flags (rank, targets);
+    LoRAAdapterError saying why it cannot be served."""
+    adapter = load_adapter(name, path, base, config.max_lora_rank)
+    outside = sorted(adapter.target_modules - set(config.target_modules))
+    if outside:
+        raise LoRAAdapterError(f"LoRA adapter {name!r} targets {', '.join(outside)}, not among "
+                               f"--lora-target-modules ({' '.join(config.target_modules)})")
+    return adapter
+
+
 @runtime_checkable
 class LoRASlots(Protocol):
     """What the registry needs of the model side: install and remove an adapter's deltas."""
@@ -88,13 +99,9 @@ class LoRAManager:
 
     # -- loading ----------------------------------------------------------------------------
     def read(self, name: str, path: str) -> tuple[LoRAAdapter, float]:
-        """Read and validate an adapter (LoRAAdapterError saying why it cannot be served)."""
+        """Read and validate an adapter, and the seconds it took."""
         start_s = time.perf_counter()
-        adapter = load_adapter(name, path, self.base, self.config.max_lora_rank)
-        outside = sorted(adapter.target_modules - set(self.config.target_modules))
-        if outside:
-            raise LoRAAdapterError(f"LoRA adapter {name!r} targets {', '.join(outside)}, not among "
-                                   f"--lora-target-modules ({' '.join(self.config.target_modules)})")
+        adapter = read_adapter(self.config, self.base, name, path)
         return adapter, time.perf_counter() - start_s
 
     def load(self, name: str, path: str, running: set[str]) -> Registration:

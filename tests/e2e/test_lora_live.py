@@ -301,3 +301,19 @@ def test_offline_engine_with_two_replicas_carries_the_adapter(lora_server: LoRAS
         missing = engine.generate(input_ids=lora_server.prompts[0], sampling_params=params,
                                   lora_path="mixed4")
         assert missing.finish_reason == "error" and "is not loaded" in missing.error
+
+
+def test_bad_startup_adapter_stops_the_server_with_the_reason(lora_server: LoRAServer) -> None:
+    """A --lora-paths adapter that cannot be served stops `servelm serve` before any process starts,
+    with one line naming the reason."""
+    import subprocess
+    import sys
+
+    from .server_process import REPO
+
+    path, reason = lora_server.bad["rank-over"]
+    result = subprocess.run([sys.executable, "-m", "servelm", "serve", MODEL, "--lora-paths",
+                             f"big={path}", "--max-lora-rank", str(MAX_RANK), "--port", "1"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"servelm: --lora-paths: LoRA adapter 'big'" in result.stderr and reason in result.stderr

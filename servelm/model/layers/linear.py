@@ -207,6 +207,8 @@ class LinearBase(nn.Module):
                     group.span[1] - group.span[0] != size:  # type: ignore[index]
                 return False
         slots = tuple(group.slot for group in lora)
+        if not any(slot in self.lora_fused for slot in slots):
+            return True  # none of these adapters changes this layer
         stack = self.lora_stacks.get(slots)
         if stack is None:
             stack = self._stack(slots)

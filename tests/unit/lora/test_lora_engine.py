@@ -142,3 +142,7 @@ def test_span_path_equals_gathered_rows(adapters: tuple[Path, dict[str | None, l
                 torch.testing.assert_close(layer(inputs, spans), layer(inputs, gathered),
                                            rtol=1e-5, atol=1e-5)
                 assert not torch.equal(layer(inputs, gathered), layer(inputs))
+        neither = [LoRAGroup(slots[0], torch.arange(0, 3), (0, 3)), LoRAGroup(slots[2], torch.arange(3, 6), (3, 6))]
+        layer = layers[(0, "gate_up_proj")]  # attn and mix (layer 1 only) leave it alone
+        inputs = torch.randn(6, layer.input_size)
+        torch.testing.assert_close(layer(inputs, neither), layer(inputs), rtol=0, atol=0)
