@@ -114,6 +114,16 @@ def test_config_parses_both_dialects() -> None:
         LoRAConfig(enable_lora=True, max_loaded_loras=1, max_loras_per_batch=2)
     with pytest.raises(ValueError, match="lm_head"):
         LoRAConfig(enable_lora=True, lora_target_modules=["lm_head"])
+    from servelm.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
+
+    lora = LoRAConfig(enable_lora=True)
+    with pytest.raises(ValueError, match="--enable-lora cannot be combined with --tp-size > 1"):
+        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), lora=lora)
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        EngineConfig(runtime=RuntimeConfig(enable_torch_compile=True), lora=lora)
+    with pytest.raises(ValueError, match="--task embed"):
+        EngineConfig(model=ModelConfig(task="embed"), lora=lora)
+    EngineConfig(parallel=ParallelConfig(data_parallel_size=2), lora=lora)  # DP is fine
 
 
 def test_scheduler_defers_a_further_adapter() -> None:
