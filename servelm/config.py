@@ -582,6 +582,10 @@ class LoRAConfig:
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"--lora-paths names {', '.join(duplicates)} more than once")
+        for name in names:
+            if ":" in name:
+                raise ValueError(f"--lora-paths: adapter name {name!r} must not contain ':' "
+                                 "(requests pick an adapter with model: 'base:adapter')")
         if not self.is_enabled:
             for name in ("max_loras_per_batch", "max_lora_rank", "lora_target_modules",
                          "max_loaded_loras", "lora_eviction_policy", "lora_dtype"):
@@ -662,6 +666,10 @@ class EngineConfig:
         if self.model.task == "embed":
             raise ValueError("--enable-lora serves generation; it cannot be combined with "
                              "--task embed")
+        for source in self.lora.sources:
+            if source.name in (*self.model.served_names, self.model.model):
+                raise ValueError(f"--lora-paths: adapter name {source.name!r} is the base model's "
+                                 "name; give the adapter another name (NAME=PATH)")
 
     @staticmethod
     def sections() -> dict[str, type]:
