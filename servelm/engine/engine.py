@@ -232,14 +232,17 @@ class LLMEngine:
         (``lora_slot``) comes at admission. Tests driving a runner's slots directly give
         ``adapter_id``/``lora_slot`` instead. None/0: the base model."""
         if lora_name is not None:
-            try:
-                if self.lora is None:
-                    raise AdapterNotFoundError("LoRA is not enabled: start the server with --enable-lora")
-                adapter_id, lora_slot = self.lora.resolve(lora_name), 0  # slot: at admission
-            except AdapterNotFoundError as refusal:
+            refusal: tuple[str, int] | None = (
+                "LoRA is not enabled: start the server with --enable-lora", 400)
+            if self.lora is not None:
+                try:
+                    adapter_id, lora_slot, refusal = self.lora.resolve(lora_name), 0, None
+                except AdapterNotFoundError as not_found:  # the slot comes at admission
+                    refusal = (str(not_found), 404)
+            if refusal is not None:
                 return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                     error=str(refusal), num_prompt_tokens=len(prompt_token_ids),
-                                     error_status=404 if self.lora is not None else 400)
+                                     error=refusal[0], num_prompt_tokens=len(prompt_token_ids),
+                                     error_status=refusal[1])
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
@@ -359,6 +362,8 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        if self.lora is not None and self.lora.has_unloaded:
+            self.lora.release_unused(self._adapters_in_use())
         return self._make_output(request)
 
     def has_unfinished(self) -> bool:
