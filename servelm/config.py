@@ -510,8 +510,11 @@ class ObservabilityConfig:
             raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
 
 
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections a LoRA adapter may target (servelm.lora.adapter serves exactly these)."""
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "qkv_proj", "gate_up_proj")
+"""The projections a LoRA adapter may target (servelm.lora.adapter serves exactly these); the
+last two are the fused forms (Phi-3's names, and SGLang's for --lora-target-modules)."""
+_FUSED_LORA_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -564,7 +567,8 @@ class LoRAConfig:
         "with the rank of the adapters actually loaded, not with this limit.")
     lora_target_modules: list[str] | None = opt(
         None, "Projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
-        "down_proj, or all); an adapter targeting another is refused at load. Unset: all.")
+        "down_proj, the fused qkv_proj and gate_up_proj, or all); an adapter targeting another is "
+        "refused at load. Unset: all.")
     max_loaded_loras: int | None = opt(
         None, "Most adapters held in memory. Past it the least recently used adapter with no "
         "running request is dropped from memory and read again from disk when a request for it "
@@ -615,10 +619,16 @@ class LoRAConfig:
 
     @property
     def target_modules(self) -> tuple[str, ...]:
-        """The projections adapters may target."""
-        modules = self.lora_target_modules
-        if not modules or "all" in modules:
+        """The projections adapters may target: a fused name allows its parts and the parts
+        together allow the fused name."""
+        modules = set(self.lora_target_modules or ["all"])
+        if "all" in modules:
             return LORA_TARGET_MODULES
+        for fused, parts in _FUSED_LORA_TARGETS.items():
+            if fused in modules:
+                modules.update(parts)
+            elif modules.issuperset(parts):
+                modules.add(fused)
         return tuple(m for m in LORA_TARGET_MODULES if m in modules)
 
 

@@ -146,3 +146,54 @@ def test_span_path_equals_gathered_rows(adapters: tuple[Path, dict[str | None, l
         layer = layers[(0, "gate_up_proj")]  # attn and mix (layer 1 only) leave it alone
         inputs = torch.randn(6, layer.input_size)
         torch.testing.assert_close(layer(inputs, neither), layer(inputs), rtol=0, atol=0)
+
+
+def test_fused_qkv_and_gate_up_targets(adapters: tuple[Path, dict[str | None, list[list[int]]]],
+                                       tmp_path: Path) -> None:
+    """An adapter on the fused qkv_proj / gate_up_proj (Phi-3's names): the attn and mlp adapters
+    rewritten that way (A stacked, B block-diagonal, alpha scaled with the rank) give the same
+    tokens as the originals; --lora-target-modules qkv_proj allows q/k/v and the fused name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    root, expected = adapters
+    fused_names = {"attn": ("qkv_proj", "self_attn", ("q_proj", "k_proj", "v_proj")),
+                   "mlp": ("gate_up_proj", "mlp", ("gate_proj", "up_proj"))}
+    for name, (fused, block, parts) in fused_names.items():
+        config = json.loads((root / name / "adapter_config.json").read_text())
+        tensors = load_file(str(root / name / "adapter_model.safetensors"))
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in tensors.items():
+            if not any(f".{part}." in key for part in parts):
+                out[key] = tensor
+        layers = sorted({int(k.split("layers.")[1].split(".")[0]) for k in tensors})
+        for layer in layers:
+            prefix = f"base_model.model.model.layers.{layer}.{block}"
+            a = [tensors[f"{prefix}.{part}.lora_A.weight"] for part in parts]
+            b = [tensors[f"{prefix}.{part}.lora_B.weight"] for part in parts]
+            out[f"{prefix}.{fused}.lora_A.weight"] = torch.cat(a)
+            out[f"{prefix}.{fused}.lora_B.weight"] = torch.block_diag(*b)
+        growth = len(parts) if not config.get("use_rslora") else len(parts) ** 0.5  # same scale
+        config.update(target_modules=sorted({*config["target_modules"], fused} - set(parts)),
+                      rank_pattern={fused: config["r"] * len(parts)},
+                      alpha_pattern={fused: config["lora_alpha"] * growth})
+        (tmp_path / name).mkdir()
+        save_file(out, str(tmp_path / name / "adapter_model.safetensors"))
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
+                          cache=CacheConfig(page_size=4, max_total_tokens=512),
+                          lora=LoRAConfig(lora_paths=[f"{n}={tmp_path / n}" for n in fused_names],
+                                          max_lora_rank=24,
+                                          lora_target_modules=["qkv_proj", "gate_up_proj", "o_proj",
+                                                               "down_proj"]))
+    engine = LLMEngine(config, runner=ModelRunner(config, make_source(make_tiny_hf_model("llama"))),
+                       eos_token_ids=[], context_length=128)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    for name in fused_names:
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(f"{name}-{index}", prompt, params, lora_name=name)
+    outputs = drain(engine)
+    for name in fused_names:
+        for index in range(len(PROMPTS)):
+            assert outputs[f"{name}-{index}"] == expected[name][index], (name, index)

@@ -114,6 +114,10 @@ def test_config_parses_both_dialects() -> None:
         LoRAConfig(enable_lora=True, max_loaded_loras=1, max_loras_per_batch=2)
     with pytest.raises(ValueError, match="lm_head"):
         LoRAConfig(enable_lora=True, lora_target_modules=["lm_head"])
+    fused = LoRAConfig(enable_lora=True, lora_target_modules=["qkv_proj", "down_proj"]).target_modules
+    assert fused == ("q_proj", "k_proj", "v_proj", "down_proj", "qkv_proj")
+    parts = LoRAConfig(enable_lora=True, lora_target_modules=["gate_proj", "up_proj"]).target_modules
+    assert parts == ("gate_proj", "up_proj", "gate_up_proj")
     from servelm.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 
     lora = LoRAConfig(enable_lora=True)
