@@ -211,7 +211,7 @@ async def _stream(opened: Any, outputs: list[_NativeOutput],
 
 
 async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, Any]:
-    ctx.check_model(request.model)
+    ctx.resolve_model(request.model)  # an adapter shares the base tokenizer
     tokenizer = ctx.require_tokenizer("/tokenize", "prompt")
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
@@ -229,7 +229,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
 
 
 async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> dict[str, Any]:
-    ctx.check_model(request.model)
+    ctx.resolve_model(request.model)
     ctx.require_tokenizer("/detokenize", "tokens")
     ctx.check_token_ids(request.tokens, "tokens")
     return {"prompt": ctx.decode(request.tokens)}

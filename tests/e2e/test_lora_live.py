@@ -188,6 +188,10 @@ def test_unknown_adapter_is_a_404(lora_server: LoRAServer) -> None:
     assert response.status_code == 404 and "is not loaded" in response.json()["error"]["message"]
     response = lora_server.post("/generate", {"input_ids": [prompt, prompt], "lora_path": ["attn8"]})
     assert response.status_code == 400 and "lora_path has 1 entries" in response.text
+    assert lora_server.post("/tokenize", {"model": "no-such-adapter", "prompt": "x"}).status_code == 404
+    lora_server.ensure_loaded("mlp16")  # an adapter's name works for the shared tokenizer
+    tokenized = lora_server.post("/tokenize", {"model": "mlp16", "prompt": TEXTS[0]})
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == lora_server.prompts[0]
 
 
 def test_unload_lets_running_requests_finish(lora_server: LoRAServer) -> None:
