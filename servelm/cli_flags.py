@@ -386,8 +386,9 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--hicache-storage-prefetch-policy", "--enable-lmcache")),
     Rejection("not supported: LoRA adapters with biases (bias=all or lora_only adapters are "
               "refused at load; servelm serves bias-free PEFT LoRA)", ("--enable-lora-bias",)),
-    Rejection("not supported: sharding LoRA over tensor-parallel ranks (--enable-lora is refused "
-              "with --tp-size > 1 in this build; use --dp-size)", ("--fully-sharded-loras",)),
+    Rejection("not supported: vLLM's fully sharded LoRA layout (with --tp-size > 1 servelm "
+              "shards B of the column-parallel and A of the row-parallel layers, vLLM's default, "
+              "and replicates the other half)", ("--fully-sharded-loras",)),
     Rejection("not supported: long-context LoRA (adapters with their own rotary scaling)",
               ("--long-lora-scaling-factors",)),
     Rejection("not supported: QLoRA (a bitsandbytes-quantized base with its adapter); serve the "

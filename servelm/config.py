@@ -666,10 +666,6 @@ class EngineConfig:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
         if not self.lora.is_enabled:
             return
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora cannot be combined with --tp-size > 1 in this build: "
-                             "the adapters' deltas are not sharded over the ranks yet; use "
-                             "--dp-size for more replicas instead")
         if self.runtime.enable_torch_compile:
             raise ValueError("--enable-lora cannot be combined with --enable-torch-compile: the "
                              "compiled decode layers have no LoRA deltas")

@@ -157,7 +157,7 @@ class LLMEngine:
         if not self.config.lora.is_enabled:
             return None
         if not isinstance(runner, LoRASlots):
-            raise ValueError("--enable-lora: this runner cannot hold LoRA adapters (--tp-size > 1)")
+            raise ValueError("--enable-lora: this runner cannot hold LoRA adapters")
         manager = LoRAManager(self.config.lora, BaseShapes.from_hf_config(runner.hf_config), runner)
         for source in self.config.lora.sources:
             try:

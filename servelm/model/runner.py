@@ -207,8 +207,6 @@ class ModelRunner:
         """Install adapter ``slot`` (> 0): (layer index, linear attribute such as ``qkv_proj``, shard
         id in a fused layer or None, A, B, scale) per target. Replaces what the slot held."""
         assert slot > 0, "slot 0 is the base model"
-        if self.parallel.tp_size > 1:
-            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
         layers = self._lora_layers()
         self.remove_lora(slot)
         try:

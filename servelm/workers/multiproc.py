@@ -43,8 +43,8 @@ import servelm
 from servelm.config import EngineConfig
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
-    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Reply, Shutdown, WorkerFailed, WorkerHello,
-    WorkerInit, WorkerLoaded)
+    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, Reply, SetLoRA, Shutdown,
+    WorkerFailed, WorkerHello, WorkerInit, WorkerLoaded)
 from servelm.distributed import shm_allreduce
 from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
 from servelm.model.forward_batch import BatchPlan
@@ -78,6 +78,8 @@ class MultiprocExecutor:
             raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
         self.world_size = config.parallel.tensor_parallel_size
         self.timeout_s = config.parallel.dist_timeout
+        self.hf_config = source.hf_config
+        """The base model's HF config (the LoRA registry checks adapters against it)."""
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._loaded: dict[int, WorkerLoaded] = {}
         self._is_closing = False
@@ -234,6 +236,18 @@ class MultiprocExecutor:
             return self.runner.pool(plan)
         except Exception as error:
             raise self._step_failure(error) from error
+
+    def set_lora(self, slot: int, entries: Any) -> None:
+        """Install an adapter on every rank (each keeps its partition); before the next step,
+        since commands are handled in order."""
+        entries = list(entries)
+        self.runner.set_lora(slot, entries)  # rank 0 first: a bad adapter fails here, not on a worker
+        self._broadcast(SetLoRA(slot, [(layer, attr, shard, a.cpu(), b.cpu(), scale)
+                                       for layer, attr, shard, a, b, scale in entries]))
+
+    def remove_lora(self, slot: int) -> None:
+        self._broadcast(RemoveLoRA(slot))
+        self.runner.remove_lora(slot)
 
     def layout(self) -> dict[str, Any]:
         ranks = [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),

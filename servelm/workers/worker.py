@@ -62,7 +62,8 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     import torch.distributed as dist
 
     from servelm.workers.messages import (
-        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Shutdown, WorkerHello, WorkerLoaded)
+        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, SetLoRA, Shutdown,
+        WorkerHello, WorkerLoaded)
     from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
     from servelm.distributed.shm_allreduce import ShmAllReduce
     from servelm.logging_utils import configure_logging
@@ -98,6 +99,10 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
         elif isinstance(command, InitKVCache):
             runner.init_kv_cache(command.num_blocks)
             replies.send_pyobj(KVCacheReady(init.rank))
+        elif isinstance(command, SetLoRA):
+            runner.set_lora(command.slot, command.entries)
+        elif isinstance(command, RemoveLoRA):
+            runner.remove_lora(command.slot)
         elif isinstance(command, Shutdown):
             return
         else:

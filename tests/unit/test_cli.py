@@ -474,7 +474,7 @@ def test_dry_run_with_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_dry_run_refusal_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = dry_run(["serve", "--fully-sharded-loras", "--dry-run"], capsys)
     assert code == 2 and out == ""
-    assert "--fully-sharded-loras is not supported: sharding LoRA" in err
+    assert "--fully-sharded-loras is not supported: vLLM's fully sharded LoRA" in err
     path = write(tmp_path, "dry-run: true\n")
     code, _, err = dry_run(["serve", "--config", path, "--dry-run"], capsys)
     assert code == 2 and "dry-run: unknown option" in err

@@ -5,7 +5,9 @@ Invariants:
   on the layer, ``apply`` computes the output. Quantization (a method with packed weights and
   scales) plugs in here, not in the architectures. LoRA: ``set_lora`` gives a layer per-adapter-slot
   low-rank deltas (one per shard of a fused layer); ``forward(x, lora)`` adds each ``LoRAGroup``'s
-  delta to its rows only, whatever the LinearMethod (base rows untouched). tp_size > 1 refuses LoRA.
+  delta to its rows only, whatever the LinearMethod (base rows untouched). With tp_size > 1 each
+  rank keeps B's rows it outputs (column-parallel) or A's columns it takes in (row-parallel, whose
+  partial deltas the all-reduce sums with the partial outputs).
 - Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns a
   contiguous range of output rows (``ParallelContext.split``); a row-parallel layer owns a range of
   input columns, and its partial outputs are summed over the ranks (all-reduce) before its bias is
@@ -140,17 +142,27 @@ class LinearBase(nn.Module):
 
     def set_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float,
                  shard_id: int | str | None = None) -> None:
-        """Add adapter ``slot``'s delta ``(x @ a.T) @ b.T * scale`` (to one shard of a fused layer)."""
-        parallel = getattr(self, "parallel", None)
-        if parallel is not None and parallel.tp_size > 1:
-            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
-        offset, size = (0, self.output_size) if shard_id is None else self.shard_range(shard_id)
-        if a.shape[1] != self.input_size or b.shape[0] != size or a.shape[0] != b.shape[1]:
-            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
-                             f"{self.input_size} -> {size} projection")
-        self.lora.setdefault(slot, []).append(_LoRAPiece(offset, size, a, b, scale))
+        """Add adapter ``slot``'s delta ``(x @ a.T) @ b.T * scale`` (to one shard of a fused layer).
+        ``a`` and ``b`` are the whole (unpartitioned) matrices; each rank keeps its part."""
+        for a_local, b_local, offset in self.lora_partition(a, b, shard_id):
+            size = b_local.shape[0]
+            if a_local.shape[1] != self.input_size or a_local.shape[0] != b_local.shape[1]:
+                raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
+                                 f"{self.input_size} -> {size} projection")
+            self.lora.setdefault(slot, []).append(
+                _LoRAPiece(offset, size, a_local.contiguous(), b_local.contiguous(), scale))
         self.lora_fused[slot] = self._fuse(self.lora[slot])
         self.lora_stacks.clear()
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's (A, B, output offset) pieces of a whole adapter matrix pair: the rows of B
+        this rank outputs (column-parallel) or the columns of A it takes in (row-parallel)."""
+        offset, size = (0, self.output_size) if shard_id is None else self.shard_range(shard_id)
+        if b.shape[0] != size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection "
+                             f"with {size} outputs")
+        return [(a, b, offset)]
 
     def _fuse(self, pieces: list[_LoRAPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         a_t = torch.cat([piece.a for piece in pieces]).T.contiguous()  # [input_size, total rank]
@@ -251,10 +263,20 @@ class ColumnParallelLinear(LinearBase):
                  parallel: ParallelContext | None = None) -> None:
         self.parallel = parallel or ParallelContext.single()
         self.output_shard = self.parallel.split(output_size)
+        self.full_output_size = output_size
         super().__init__(input_size, self.output_shard.size, bias, linear_method, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _copy_checked(param, loaded.narrow(0, self.output_shard.start, self.output_shard.size))
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        if shard_id is not None:
+            self.shard_range(shard_id)  # raises: an unfused layer has no shards
+        if b.shape[0] != self.full_output_size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
+                             f"projection with {self.full_output_size} outputs")
+        return [(a, b.narrow(0, self.output_shard.start, self.output_shard.size), 0)]
 
 
 class RowParallelLinear(LinearBase):
@@ -270,8 +292,19 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
-        partial = self.parallel.all_reduce(self.linear_method.apply(self, x, None))
+        # Each rank adds (x_rank @ A_rank.T) @ B.T: the all-reduce sums them to the whole delta.
+        partial = self.add_lora(x, self.linear_method.apply(self, x, None), lora)
+        partial = self.parallel.all_reduce(partial)
         return partial if self.bias is None else partial + self.bias
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        if shard_id is not None:
+            self.shard_range(shard_id)  # raises: an unfused layer has no shards
+        if b.shape[0] != self.output_size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                             f"{self.output_size} outputs")
+        return [(a.narrow(1, self.input_shard.start, self.input_shard.size), b, 0)]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias is added once, after the reduce
@@ -292,6 +325,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  parallel: ParallelContext | None = None, shards: list[Shard] | None = None) -> None:
         self.parallel = parallel or ParallelContext.single()
         self.shards = shards or [self.parallel.split(size) for size in output_sizes]
+        self.full_output_sizes = list(output_sizes)
+        """Each projection's whole output size (``output_sizes`` are this rank's)."""
         self.output_sizes = [shard.size for shard in self.shards]
         self.output_shard = Shard(0, sum(self.output_sizes))
         LinearBase.__init__(self, input_size, sum(self.output_sizes), bias, linear_method, dtype)
@@ -303,6 +338,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def _shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """One piece per projection: B's rows of one shard, or of each shard for a delta on the
+        whole fused layer (B stacked over the projections' whole outputs, as the HF fused weight)."""
+        if shard_id is None:
+            if b.shape[0] != sum(self.full_output_sizes):
+                raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                                 f"{sum(self.full_output_sizes)} outputs")
+            return [piece for index, b_part in enumerate(b.split(self.full_output_sizes))
+                    for piece in self.lora_partition(a, b_part, index)]
+        index = self._shard_index(shard_id)
+        if b.shape[0] != self.full_output_sizes[index]:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                             f"{self.full_output_sizes[index]} outputs")
+        source = self.shards[index]
+        return [(a, b.narrow(0, source.start, source.size), self.shard_range(shard_id)[0])]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       shard_id: int | str | None = None) -> None:

@@ -121,8 +121,7 @@ def test_config_parses_both_dialects() -> None:
     from servelm.config import EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig
 
     lora = LoRAConfig(enable_lora=True)
-    with pytest.raises(ValueError, match="--enable-lora cannot be combined with --tp-size > 1"):
-        EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), lora=lora)
+    EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), lora=lora)  # TP is fine
     with pytest.raises(ValueError, match="--enable-torch-compile"):
         EngineConfig(runtime=RuntimeConfig(enable_torch_compile=True), lora=lora)
     with pytest.raises(ValueError, match="--task embed"):
