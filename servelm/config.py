@@ -666,9 +666,6 @@ class EngineConfig:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
         if not self.lora.is_enabled:
             return
-        if self.runtime.enable_torch_compile:
-            raise ValueError("--enable-lora cannot be combined with --enable-torch-compile: the "
-                             "compiled decode layers have no LoRA deltas")
         if self.model.task == "embed":
             raise ValueError("--enable-lora serves generation; it cannot be combined with "
                              "--task embed")

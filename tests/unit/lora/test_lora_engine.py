@@ -197,3 +197,26 @@ def test_fused_qkv_and_gate_up_targets(adapters: tuple[Path, dict[str | None, li
     for name in fused_names:
         for index in range(len(PROMPTS)):
             assert outputs[f"{name}-{index}"] == expected[name][index], (name, index)
+
+
+@pytest.mark.slow
+def test_torch_compile_with_adapters_equals_peft(
+        adapters: tuple[Path, dict[str | None, list[list[int]]]]) -> None:
+    """--enable-torch-compile: base-only decode steps run the compiled layers, steps with adapter
+    rows eager; every request still gets peft's tokens."""
+    from servelm.config import RuntimeConfig
+
+    root, expected = adapters
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
+                          cache=CacheConfig(page_size=4, max_total_tokens=512),
+                          runtime=RuntimeConfig(enable_torch_compile=True, torch_compile_max_bs=4),
+                          lora=LoRAConfig(lora_paths=[f"attn={root / 'attn'}"]))
+    runner = ModelRunner(config, make_source(make_tiny_hf_model("llama")))
+    engine = LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    for round_, name in enumerate([None, "attn"]):  # base alone (compiled), then the adapter
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(f"{round_}-{index}", prompt, params, lora_name=name)
+        outputs = drain(engine)
+        for index in range(len(PROMPTS)):
+            assert outputs[f"{round_}-{index}"] == expected[name][index], (name, index)
