@@ -177,7 +177,7 @@ class ParallelContext:
 
 
 def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
-    """The tensor-parallel ProcessGroup over ``store``: gloo on CPU, NCCL on CUDA.
+    """A ProcessGroup over ``store`` (tensor-parallel, or a pipeline's stages): gloo on CPU, NCCL on CUDA.
 
     A ProcessGroup object rather than torch.distributed's default group: several engines (tests)
     can live in one process, and nothing global is set. Blocks until every rank joined, at most
@@ -209,9 +209,10 @@ def join_groups(store: Any, rank: int, tp_size: int, pp_size: int, device: torch
     group (the same tp rank on every stage), each a ProcessGroup over its own prefix of ``store``.
     Every rank joins its tp group first, then its pipeline group, so the rendezvous cannot cross."""
     tp_rank, pp_rank = rank_layout(rank, tp_size, pp_size)
-    group = (make_tp_group(dist.PrefixStore(f"tp-stage{pp_rank}", store), tp_rank, tp_size, device,
+    prefix_store = dist.PrefixStore  # type: ignore[attr-defined]
+    group = (make_tp_group(prefix_store(f"tp-stage{pp_rank}", store), tp_rank, tp_size, device,
                            timeout_s) if tp_size > 1 else None)
-    pp_group = (make_tp_group(dist.PrefixStore(f"pp-tp{tp_rank}", store), pp_rank, pp_size, device,
+    pp_group = (make_tp_group(prefix_store(f"pp-tp{tp_rank}", store), pp_rank, pp_size, device,
                               timeout_s) if pp_size > 1 else None)
     return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                            group=group, shm_all_reduce=shm_all_reduce, pp_group=pp_group)
