@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from servelm.config import EngineConfig
+from servelm.distributed.errors import RankFailedError
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
 from tests.engine_drive import greedy
@@ -128,3 +130,14 @@ def test_killing_a_stage_fails_the_request_and_ends_the_server(tmp_path: Path) -
         assert server.process.returncode != 0
         assert wait_until_gone([engine_pid, stage_pid])
         assert "pipeline stage 0" in server.log()
+
+
+def test_more_stages_than_layers_is_a_clear_error(tmp_path: Path) -> None:
+    """The tiny Llama has 2 layers: 3 stages cannot each hold one. Start-up fails naming the flag
+    (from whichever rank builds its stage first) and leaves no rank process behind."""
+    model = str(make_tiny_model_dir(tmp_path, "llama"))
+    with pytest.raises((ValueError, RankFailedError),
+                       match="--pipeline-parallel-size 3 exceeds the model's 2 layers"):
+        run_engine(model, 1, 3)
+    assert [child for child in psutil.Process().children(recursive=True)
+            if "servelm.workers.worker" in " ".join(child.cmdline())] == []
