@@ -427,7 +427,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               "replicas: --dp-size with --load-balance-method)",
               ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
                "--enable-dp-attention")),
-    Rejection(f"{NOT_BUILT_YET}: pipeline parallelism", ("--pp-max-micro-batch-size",)),
     Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
               "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
               ("--nccl-port", "--gpu-id-step", "--enable-nccl-nvls",

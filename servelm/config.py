@@ -267,13 +267,21 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over processes. Tensor parallelism runs on one node today."""
+    """How the model is spread over processes. Tensor and pipeline parallelism run on one node today."""
 
     tensor_parallel_size: int = opt(
         1, "Tensor-parallel degree: ranks that each hold a slice of every layer (heads, MLP columns, "
         "vocabulary) and all-reduce after each row-parallel layer. 1 runs the model in the engine "
         "process; N > 1 adds N - 1 rank processes on this node (rank 0 stays in the engine process).")
-    pipeline_parallel_size: int = opt(1, "Pipeline-parallel degree (only 1 in this build).")
+    pipeline_parallel_size: int = opt(
+        1, "Pipeline-parallel degree: stages that each hold a contiguous range of the decoder layers "
+        "(the first also the embedding, the last the final norm and LM head) and its K/V; hidden "
+        "states pass stage to stage. N > 1 adds rank processes on this node (tp x pp ranks in all; "
+        "the engine process holds the last stage, which computes the logits it samples from).")
+    pp_max_micro_batch_size: int | None = opt(
+        None, "Most sequences in one pipeline micro-batch. Every step is cut into micro-batches that "
+        "flow through the stages one after another, so stage s works on one while stage s + 1 works "
+        "on the one before. Unset: the step's sequences cut into --pp-size micro-batches.")
     data_parallel_size: int = opt(
         1, "Data-parallel replicas: N engine processes behind the one HTTP server, each with its "
         "own copy of the model, KV pool and scheduler (each may itself be tensor-parallel). The "
@@ -302,10 +310,10 @@ class ParallelConfig:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"--pipeline-parallel-size={self.pipeline_parallel_size}: only 1 is "
-                             "supported in this build (tensor and data parallelism on one node "
-                             "are; pipeline parallelism is not implemented yet)")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError(f"--pp-max-micro-batch-size must be at least 1, got {self.pp_max_micro_batch_size}")
         if self.distributed_executor_backend != "mp":
             raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend}: only "
                              "mp (processes on this node) is supported in this build; Ray and "

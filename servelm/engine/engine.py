@@ -135,7 +135,7 @@ class LLMEngine:
         from servelm.model.runner import ModelRunner
 
         runner: Runner
-        if config.parallel.tensor_parallel_size == 1:
+        if config.parallel.tensor_parallel_size == 1 and config.parallel.pipeline_parallel_size == 1:
             runner = ModelRunner(config, source, defer_kv_cache=True)
         else:
             from servelm.workers.multiproc import MultiprocExecutor

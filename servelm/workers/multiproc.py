@@ -12,6 +12,12 @@ Each step: the plan (plain lists) is pickled once and pushed to every worker ove
 runs its forward; the ranks meet in the collectives (gloo on CPU, NCCL on CUDA, a ProcessGroup
 object over a TCPStore served by rank 0) and rank 0's logits are the step's result.
 
+Pipeline parallel (``--pp-size P``, with or without TP): tp x pp ranks; world rank r is
+``rank_layout(r)``, so ranks 0..tp-1 are the LAST stage and rank 0 (this process) computes the
+logits the engine samples from, with no copy back. Every rank gets every plan; the stages pass
+micro-batches' hidden states on point-to-point (servelm.model.pipeline). Each stage's TP ranks
+share their own shared-memory all-reduce segment.
+
 Faults: a rank that does not join within ``--dist-timeout``, exits, or fails a collective raises
 ``RankFailedError`` naming it; the engine then ends every request and exits. A rank that dies while
 the engine is idle is noticed by a watcher thread, which ends the engine process (when it is one)
@@ -46,7 +52,7 @@ from servelm.workers.messages import (
     PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, Reply, SetLoRA, Shutdown,
     WorkerFailed, WorkerHello, WorkerInit, WorkerLoaded)
 from servelm.distributed import shm_allreduce
-from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
@@ -71,12 +77,14 @@ def describe_exit(returncode: int) -> str:
 
 
 class MultiprocExecutor:
-    """N tensor-parallel ranks on this node; implements servelm.engine.executor.Runner."""
+    """tp x pp ranks on this node; implements servelm.engine.executor.Runner."""
 
     def __init__(self, config: EngineConfig, source: Any) -> None:
         if config.runtime.enable_torch_compile:
-            raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
-        self.world_size = config.parallel.tensor_parallel_size
+            raise ValueError("--enable-torch-compile is not supported with --tp-size or --pp-size > 1 yet")
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
         self.timeout_s = config.parallel.dist_timeout
         self.hf_config = source.hf_config
         """The base model's HF config (the LoRA registry checks adapters against it)."""
@@ -100,8 +108,14 @@ class MultiprocExecutor:
         self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
         self._shm_path: str | None = None
-        if not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device):
-            self._shm_path = shm_allreduce.create_segment(self.world_size)
+        """The shared-memory all-reduce segment of rank 0's stage (every stage has its own)."""
+        self._stage_shm_paths: dict[int, str] = {}
+        """pp rank -> that stage's segment for its tp_size ranks (none at tp 1)."""
+        if (self.tp_size > 1 and not config.parallel.disable_custom_all_reduce
+                and shm_allreduce.is_supported(device)):
+            self._stage_shm_paths = {stage: shm_allreduce.create_segment(self.tp_size)
+                                     for stage in range(self.pp_size)}
+            self._shm_path = self._stage_shm_paths[rank_layout(0, self.tp_size, self.pp_size)[1]]
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, True, wait_for_workers=False,  # type: ignore[attr-defined]
                               timeout=_timedelta(self.timeout_s))
         try:
@@ -115,17 +129,17 @@ class MultiprocExecutor:
                     config=config, rank=rank, world_size=self.world_size, store_host="127.0.0.1",
                     store_port=store.port, command_address=command_address,
                     reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
-                    device=str(devices[rank]), parent_pid=os.getpid(), shm_path=self._shm_path))
+                    device=str(devices[rank]), parent_pid=os.getpid(),
+                    shm_path=self._stage_shm_paths.get(rank_layout(rank, self.tp_size, self.pp_size)[1])))
             self._wait(WorkerHello, "start")
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
-            group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s)
-            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.world_size, self.timeout_s,
+            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.tp_size, self.timeout_s,
                                               check_peers=self._raise_if_worker_dead)
                    if self._shm_path is not None else None)
-            self.parallel = ParallelContext(tp_rank=0, tp_size=self.world_size, group=group,
-                                            shm_all_reduce=shm)
+            self.parallel: ParallelContext = join_groups(store, 0, self.tp_size, self.pp_size, devices[0],
+                                                         self.timeout_s, shm)
             self.runner = ModelRunner(config, source, parallel=self.parallel, device=devices[0],
                                       defer_kv_cache=True)
             self._loaded = {reply.rank: reply for reply in self._wait(WorkerLoaded, "load its shard")}
@@ -137,8 +151,9 @@ class MultiprocExecutor:
         self._store = store
         atexit.register(self.shutdown)
         threading.Thread(target=self._watch_workers, name="tp-rank-watch", daemon=True).start()
-        logger.info("tensor parallel: %d ranks on this node (rank 0 in the engine process, pids %s), "
-                    "%s threads per rank", self.world_size,
+        logger.info("tensor parallel %d x pipeline parallel %d: %d ranks on this node (rank 0, the "
+                    "last stage's, in the engine process, pids %s), %s threads per rank",
+                    self.tp_size, self.pp_size, self.world_size,
                     [os.getpid()] + [w.pid for w in self._workers.values()], threads)
 
     # -- start-up ---------------------------------------------------------------------------
@@ -161,11 +176,11 @@ class MultiprocExecutor:
             if self._replies.poll(_POLL_MS):
                 reply: Reply = self._replies.recv_pyobj()
                 if isinstance(reply, WorkerFailed):
-                    raise RankFailedError(f"tensor-parallel rank {reply.rank} failed to {action}: "
+                    raise RankFailedError(f"{self._rank_name(reply.rank)} failed to {action}: "
                                           f"{reply.error}")
                 if isinstance(reply, WorkerHello) and reply.protocol_version != PROTOCOL_VERSION:
                     raise RankFailedError(
-                        f"tensor-parallel rank {reply.rank} speaks worker protocol "
+                        f"{self._rank_name(reply.rank)} speaks worker protocol "
                         f"{reply.protocol_version}, the engine {PROTOCOL_VERSION}: run the same "
                         "servelm version on every rank")
                 assert isinstance(reply, kind), f"expected {kind.__name__}, got {reply!r}"
@@ -173,7 +188,7 @@ class MultiprocExecutor:
                 continue
             for rank, process in self._workers.items():
                 if process.poll() is not None and rank not in replies:
-                    raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) "
+                    raise RankFailedError(f"{self._rank_name(rank)} (pid {process.pid}) "
                                           f"{describe_exit(process.returncode)} before it could {action}")
             if time.monotonic() > deadline:
                 missing = sorted(set(self._workers) - set(replies))
@@ -250,15 +265,19 @@ class MultiprocExecutor:
         self.runner.remove_lora(slot)
 
     def layout(self) -> dict[str, Any]:
-        ranks = [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),
+        ranks = [{"rank": 0, "pid": os.getpid(), "tp_rank": self.parallel.tp_rank,
+                  "pp_rank": self.parallel.pp_rank, "device": str(self.runner.device),
                   "num_kv_heads": self.runner.num_kv_heads, "num_threads": self._threads[0],
                   "cpus": self._cpus[0]}]
         for rank, loaded in sorted(self._loaded.items()):
             ranks.append({"rank": rank, "pid": self._workers[rank].pid,
+                          "tp_rank": rank_layout(rank, self.tp_size, self.pp_size)[0],
+                          "pp_rank": rank_layout(rank, self.tp_size, self.pp_size)[1],
                           "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
-        all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
+        all_reduce = ("shared memory (up to 4 MiB), else gloo" if self._shm_path
+                      else self.parallel.group.name() if self.parallel.group is not None else "none")
         return {**self.parallel.describe(), "executor": "mp", "nnodes": 1, "all_reduce": all_reduce,
                 "ranks": ranks}
 
@@ -288,8 +307,8 @@ class MultiprocExecutor:
         torch.set_num_threads(self._own_placement[1])
 
     def _unlink_segment(self) -> None:
-        if self._shm_path is not None:
-            shm_allreduce.unlink_segment(self._shm_path, self.world_size)
+        for path in self._stage_shm_paths.values():
+            shm_allreduce.unlink_segment(path, self.tp_size)
 
     # -- faults -----------------------------------------------------------------------------
     def _broadcast(self, command: Any) -> None:
@@ -299,7 +318,7 @@ class MultiprocExecutor:
             socket.send(data)
 
     def _dead_workers(self) -> list[str]:
-        return [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
+        return [f"{self._rank_name(rank)} (pid {process.pid}) {describe_exit(process.returncode)}"
                 for rank, process in self._workers.items() if process.poll() is not None]
 
     def _raise_if_worker_dead(self) -> None:
@@ -315,12 +334,20 @@ class MultiprocExecutor:
             if self._replies.poll(50):
                 reply = self._replies.recv_pyobj()
                 if isinstance(reply, WorkerFailed):
-                    return RankFailedError(f"tensor-parallel rank {reply.rank} failed: {reply.error}")
+                    return RankFailedError(f"{self._rank_name(reply.rank)} failed: {reply.error}")
             dead = self._dead_workers()
             if dead:
                 return RankFailedError("; ".join(dead))
         return RankFailedError(f"tensor-parallel rank 0 failed during a step: "
                                f"{type(error).__name__}: {error}")
+
+    def _rank_name(self, rank: int) -> str:
+        """How errors name a rank: "tensor-parallel rank 1", or with pipeline stages
+        "pipeline stage 0 (rank 1, tp rank 0)"."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank}"
+        tp_rank, pp_rank = rank_layout(rank, self.tp_size, self.pp_size)
+        return f"pipeline stage {pp_rank} (rank {rank}, tp rank {tp_rank})"
 
     def _watch_workers(self) -> None:
         while not self._is_closing:
@@ -331,7 +358,7 @@ class MultiprocExecutor:
                     return  # an in-process engine (tests): its next step raises
                 time.sleep(_IDLE_DEATH_GRACE_S)
                 if not self._is_closing:
-                    logger.error("engine process exiting: a tensor-parallel rank is gone")
+                    logger.error("engine process exiting: a rank (%s) is gone", "; ".join(dead))
                     os._exit(1)
                 return
             time.sleep(0.5)

@@ -39,8 +39,7 @@ ARTIFACTS = {
 PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
-REFUSED_FIELDS = {"pipeline_parallel_size": "1",
-                  "distributed_executor_backend": "mp"}
+REFUSED_FIELDS = {"distributed_executor_backend": "mp"}
 DEFAULT = EngineConfig()
 
 
