@@ -677,6 +677,9 @@ class EngineConfig:
         if self.model.task == "embed":
             raise ValueError("--enable-lora serves generation; it cannot be combined with "
                              "--task embed")
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora cannot be combined with --pp-size > 1 yet: adapters are "
+                             "installed on the tensor-parallel ranks only; use --tp-size or --dp-size")
         for source in self.lora.sources:
             if source.name in (*self.model.served_names, self.model.model):
                 raise ValueError(f"--lora-paths: adapter name {source.name!r} is the base model's "

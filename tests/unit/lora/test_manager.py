@@ -126,6 +126,8 @@ def test_config_parses_both_dialects() -> None:
     with pytest.raises(ValueError, match="--task embed"):
         EngineConfig(model=ModelConfig(task="embed"), lora=lora)
     EngineConfig(parallel=ParallelConfig(data_parallel_size=2), lora=lora)  # DP is fine
+    with pytest.raises(ValueError, match="--pp-size"):
+        EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2), lora=lora)
     with pytest.raises(ValueError, match="must not contain ':'"):
         LoRAConfig(lora_paths=["a:b=/p"])
     with pytest.raises(ValueError, match="is the base model's name"):
