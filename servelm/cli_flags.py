@@ -11,7 +11,7 @@ flags is in exactly one of four places:
   values that would undo the behaviour (``contradicts``): given together, start-up fails naming
   both flags;
 - REJECTIONS: rejected at start-up with the reason, grouped by reason. A feature still to be
-  built (LoRA, speculative decoding, PD disaggregation, hierarchical cache, parallelism) has one
+  built (speculative decoding, PD disaggregation, hierarchical cache, parallelism) has one
   entry whose reason starts "not built yet".
 
 ``NEEDS`` lists options that mean nothing without another one (refused alone), and
@@ -266,6 +266,9 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--is-embedding",), "task", "SGLang", takes_value=False, const="embed",
           note="serve the model's pooled hidden states at /v1/embeddings"),
     Alias(("-q",), "quantization", "vLLM", example=("w8a8_int8",)),
+    Alias(("--max-loras",), "max_loras_per_batch", "vLLM", example=("4",)),
+    Alias(("--max-cpu-loras",), "max_loaded_loras", "vLLM", example=("16",),
+          note="adapters held in memory, least recently used dropped and reloaded from disk"),
     Alias(("--torchao-config",), "quantization", "SGLang", _torchao_config, example=("int8dq",),
           note="int8dq -> w8a8_int8; int8wo and int4wo-<group> (32/64/128/256) keep their names",
           metavar="{int8dq,int8wo,int4wo-<group>}"),
@@ -356,6 +359,13 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--disable-hybrid-swa-memory",),
                      "servelm's KV pool has no separate sliding-window region: every layer keeps "
                      "every token"),
+    AlreadyBehaviour(("--lora-backend",),
+                     "LoRA deltas run on torch_native: rows grouped by adapter, two GEMMs per "
+                     "group (SGLang's triton/csgmv kernels are CUDA-only and not built)",
+                     values=("torch_native",), bad_value="triton"),
+    AlreadyBehaviour(("--lora-extra-vocab-size",),
+                     "adapters that add tokens (embedding or LM-head LoRA) are refused at load, so "
+                     "no extra vocabulary is reserved", values=("0",), bad_value="256"),
     AlreadyBehaviour(("--enable-fp32-lm-head",),
                      "logits are float32 when the model runs in float32 (dtype auto on CPU)",
                      contradicts=(Contradiction("dtype", ("half", "float16", "bfloat16")),
@@ -363,7 +373,7 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
-# Features planned for later (LoRA, speculative decoding, PD disaggregation, hierarchical cache,
+# Features planned for later (speculative decoding, PD disaggregation, hierarchical cache,
 # tensor/pipeline/data parallelism) each have exactly one entry saying "not built yet": building
 # the feature turns that entry into config fields or aliases.
 
@@ -375,13 +385,19 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--hicache-ratio", "--hicache-size", "--hicache-write-policy",
                "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
                "--hicache-storage-prefetch-policy", "--enable-lmcache")),
-    Rejection(f"{NOT_BUILT_YET}: LoRA adapters",
-              ("--enable-lora", "--enable-lora-bias", "--fully-sharded-loras", "--lora-dtype",
-               "--lora-extra-vocab-size", "--lora-modules", "--long-lora-scaling-factors",
-               "--max-cpu-loras", "--max-lora-rank", "--max-loras", "--lora-paths",
-               "--max-loras-per-batch", "--qlora-adapter-name-or-path", "--lora-target-modules",
-               "--max-loaded-loras", "--lora-eviction-policy", "--lora-backend",
-               "--max-lora-chunk-size")),
+    Rejection("not supported: LoRA adapters with biases (bias=all or lora_only adapters are "
+              "refused at load; servelm serves bias-free PEFT LoRA)", ("--enable-lora-bias",)),
+    Rejection("not supported: vLLM's fully sharded LoRA layout (with --tp-size > 1 servelm "
+              "shards B of the column-parallel and A of the row-parallel layers, vLLM's default, "
+              "and replicates the other half)", ("--fully-sharded-loras",)),
+    Rejection("not supported: long-context LoRA (adapters with their own rotary scaling)",
+              ("--long-lora-scaling-factors",)),
+    Rejection("not supported: QLoRA (a bitsandbytes-quantized base with its adapter); serve the "
+              "adapter with --lora-paths over a float or --quantization base",
+              ("--qlora-adapter-name-or-path",)),
+    Rejection("not supported: the chunk size of SGLang's csgmv CUDA kernel (servelm's "
+              "torch_native LoRA backend runs two GEMMs per adapter group, with no chunks)",
+              ("--max-lora-chunk-size",)),
     Rejection(f"{NOT_BUILT_YET}: speculative decoding",
               ("--speculative-algorithm", "--speculative-draft-model-path",
                "--speculative-num-steps", "--speculative-num-draft-tokens",
@@ -412,7 +428,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               "replicas: --dp-size with --load-balance-method)",
               ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
                "--enable-dp-attention")),
-    Rejection(f"{NOT_BUILT_YET}: pipeline parallelism", ("--pp-max-micro-batch-size",)),
     Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
               "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
               ("--nccl-port", "--gpu-id-step", "--enable-nccl-nvls",

@@ -267,13 +267,22 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over processes and nodes (tensor parallelism may span nodes)."""
+    """How the model is spread over processes and nodes (tensor parallelism may span nodes; pipeline
+    parallelism runs on one node)."""
 
     tensor_parallel_size: int = opt(
         1, "Tensor-parallel degree: ranks that each hold a slice of every layer (heads, MLP columns, "
         "vocabulary) and all-reduce after each row-parallel layer. 1 runs the model in the engine "
         "process; N > 1 adds N - 1 rank processes on this node (rank 0 stays in the engine process).")
-    pipeline_parallel_size: int = opt(1, "Pipeline-parallel degree (only 1 in this build).")
+    pipeline_parallel_size: int = opt(
+        1, "Pipeline-parallel degree: stages that each hold a contiguous range of the decoder layers "
+        "(the first also the embedding, the last the final norm and LM head) and its K/V; hidden "
+        "states pass stage to stage. N > 1 adds rank processes on this node (tp x pp ranks in all; "
+        "the engine process holds the last stage, which computes the logits it samples from).")
+    pp_max_micro_batch_size: int | None = opt(
+        None, "Most sequences in one pipeline micro-batch. Every step is cut into micro-batches that "
+        "flow through the stages one after another, so stage s works on one while stage s + 1 works "
+        "on the one before. Unset: the step's sequences cut into --pp-size micro-batches.")
     data_parallel_size: int = opt(
         1, "Data-parallel replicas: N engine processes behind the one HTTP server, each with its "
         "own copy of the model, KV pool and scheduler (each may itself be tensor-parallel). The "
@@ -313,10 +322,10 @@ class ParallelConfig:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be at least 1, got {self.data_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"--pipeline-parallel-size={self.pipeline_parallel_size}: only 1 is "
-                             "supported in this build (tensor and data parallelism on one node "
-                             "are; pipeline parallelism is not implemented yet)")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError(f"--pp-max-micro-batch-size must be at least 1, got {self.pp_max_micro_batch_size}")
         self._check_nodes()
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
@@ -327,6 +336,10 @@ class ParallelConfig:
             raise ValueError(f"--nnodes must be at least 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0 .. --nnodes - 1 ({self.nnodes - 1})")
+        if self.pipeline_parallel_size > 1 and (
+                self.nnodes > 1 or self.distributed_executor_backend == "ray"):
+            raise ValueError("--pp-size > 1 runs on one node with the mp backend in this build "
+                             "(--nnodes and --distributed-executor-backend ray are tensor parallel only)")
         if self.nnodes == 1:
             if self.dist_init_addr is not None:
                 raise ValueError("--dist-init-addr is node 0's address for --nnodes > 1; on one "
@@ -348,8 +361,8 @@ class ParallelConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        """Tensor-parallel ranks on each node (all of them on one node)."""
-        return self.tensor_parallel_size // self.nnodes
+        """Ranks on each node (tp x pp on one node; tp / nnodes across nodes, where pp is 1)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size // self.nnodes
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -557,6 +570,135 @@ class ObservabilityConfig:
             raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                       "qkv_proj", "gate_up_proj")
+"""The projections a LoRA adapter may target (servelm.lora.adapter serves exactly these); the
+last two are the fused forms (Phi-3's names, and SGLang's for --lora-target-modules)."""
+_FUSED_LORA_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class LoRASource:
+    """One adapter named on the command line: ``name=path``, a bare path (named after its
+    folder), or a JSON object (vLLM's ``{"name", "path"}``, SGLang's ``{"lora_name",
+    "lora_path"}``)."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRASource:
+        text = text.strip()
+        if text.startswith("{"):
+            values = parse_json_object_flag("--lora-paths/--lora-modules", text)
+            name = values.get("name", values.get("lora_name"))
+            path = values.get("path", values.get("lora_path"))
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise ValueError(f"--lora-paths/--lora-modules {text!r}: a JSON entry needs string "
+                                 "'name' and 'path' (vLLM) or 'lora_name' and 'lora_path' (SGLang)")
+            return cls(name, path)
+        name, sep, path = text.partition("=")
+        if not sep:
+            path = text
+            name = text.rstrip("/").rsplit("/", 1)[-1]
+        if not name or not path:
+            raise ValueError(f"--lora-paths/--lora-modules {text!r}: expected NAME=PATH or PATH")
+        return cls(name, path)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: adapters over the one base model, mixed in the same batches."""
+
+    enable_lora: bool = opt(
+        False, "Serve LoRA adapters (PEFT format) over the base model; --lora-paths/--lora-modules "
+        "turn it on too (SGLang's rule). Adapters may also be loaded at run time "
+        "(POST /load_lora_adapter, /v1/load_lora_adapter).")
+    lora_paths: list[str] | None = opt(
+        None, "Adapters loaded at start-up: NAME=PATH, PATH (named after its folder) or a JSON "
+        "object {\"name\": ..., \"path\": ...}. Requests pick one by name (OpenAI model field, "
+        "base:NAME, or lora_path on /generate).", flags=("--lora-modules",))
+    max_loras_per_batch: int = opt(
+        8, "Most distinct adapters in one step (the base model does not count): requests for a "
+        "further adapter wait until one of the running adapters has no request left. 8 as in SGLang; "
+        "each adapter in a step costs two small GEMMs per targeted layer.")
+    max_lora_rank: int = opt(
+        64, "Largest adapter rank accepted; a larger one is refused at load (400). Memory grows "
+        "with the rank of the adapters actually loaded, not with this limit.")
+    lora_target_modules: list[str] | None = opt(
+        None, "Projections adapters may target (q_proj k_proj v_proj o_proj gate_proj up_proj "
+        "down_proj, the fused qkv_proj and gate_up_proj, or all); an adapter targeting another is "
+        "refused at load. Unset: all.")
+    max_loaded_loras: int | None = opt(
+        None, "Most adapters held in memory. Past it the least recently used adapter with no "
+        "running request is dropped from memory and read again from disk when a request for it "
+        "is admitted. Unset: no limit. At least --max-loras-per-batch.")
+    lora_eviction_policy: str = opt(
+        "lru", "Which adapter --max-loaded-loras drops first: lru (least recently used) or fifo "
+        "(loaded first).", choices=["lru", "fifo"])
+    lora_dtype: str = opt(
+        "auto", "Dtype of the adapter weights and their deltas. auto: the model's dtype.",
+        choices=["auto", "float32", "float16", "bfloat16"])
+
+    def __post_init__(self) -> None:
+        sources = self.sources  # raises on a malformed entry
+        names = [source.name for source in sources]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"--lora-paths names {', '.join(duplicates)} more than once")
+        for name in names:
+            if ":" in name:
+                raise ValueError(f"--lora-paths: adapter name {name!r} must not contain ':' "
+                                 "(requests pick an adapter with model: 'base:adapter')")
+        if not self.is_enabled:
+            for name in ("max_loras_per_batch", "max_lora_rank", "lora_target_modules",
+                         "max_loaded_loras", "lora_eviction_policy", "lora_dtype"):
+                if getattr(self, name) != _default_of(LoRAConfig, name):
+                    raise ValueError(f"{_flag(name)} has no effect without --enable-lora (or "
+                                     "--lora-paths); add --enable-lora or drop it")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be at least 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras ({self.max_loaded_loras}) must be at least "
+                             f"--max-loras-per-batch ({self.max_loras_per_batch})")
+        for module in self.lora_target_modules or ():
+            if module != "all" and module not in LORA_TARGET_MODULES:
+                raise ValueError(f"--lora-target-modules {module!r} is not supported; choose from "
+                                 f"{', '.join(LORA_TARGET_MODULES)} or all")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def sources(self) -> list[LoRASource]:
+        """The start-up adapters, parsed."""
+        return [LoRASource.parse(text) for text in self.lora_paths or ()]
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        """The projections adapters may target: a fused name allows its parts and the parts
+        together allow the fused name."""
+        modules = set(self.lora_target_modules or ["all"])
+        if "all" in modules:
+            return LORA_TARGET_MODULES
+        for fused, parts in _FUSED_LORA_TARGETS.items():
+            if fused in modules:
+                modules.update(parts)
+            elif modules.issuperset(parts):
+                modules.add(fused)
+        return tuple(m for m in LORA_TARGET_MODULES if m in modules)
+
+
+def _default_of(section: type, name: str) -> Any:
+    field_ = section.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    if field_.default is not dataclasses.MISSING:
+        return field_.default
+    return field_.default_factory()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine and server need, one frozen dataclass per concern."""
@@ -569,6 +711,7 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.runtime.enable_torch_compile and self.model.quantization != "none":
@@ -577,6 +720,22 @@ class EngineConfig:
                 f"{self.model.quantization}: inductor's fused norms and activation scaling differ "
                 "from eager in the last bit, the int8 rounding of the activations turns that into "
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
+        if not self.lora.is_enabled:
+            return
+        if self.model.task == "embed":
+            raise ValueError("--enable-lora serves generation; it cannot be combined with "
+                             "--task embed")
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora cannot be combined with --pp-size > 1 yet: adapters are "
+                             "installed on the tensor-parallel ranks only; use --tp-size or --dp-size")
+        for source in self.lora.sources:
+            if source.name in (*self.model.served_names, self.model.model):
+                raise ValueError(f"--lora-paths: adapter name {source.name!r} is the base model's "
+                                 "name; give the adapter another name (NAME=PATH)")
 
     @staticmethod
     def sections() -> dict[str, type]:

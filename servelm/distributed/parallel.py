@@ -15,6 +15,12 @@ Invariants:
 - Collectives run on ``group`` (a torch.distributed ProcessGroup object: gloo on CPU, NCCL on CUDA),
   except all-reduces that fit the shared-memory all-reduce of a CPU host (``shm_all_reduce``);
   every rank calls the same collectives in the same order.
+- Pipeline parallel: ``layer_range(num_layers)`` gives stage ``pp_rank`` a contiguous range of the
+  decoder layers (the same split rule as ``split``: the first stages hold one more). Stage 0 embeds,
+  the last stage norms and computes logits. Activations move stage s -> s + 1 between ranks of
+  the same ``tp_rank`` over ``pp_group`` (point-to-point; group rank = pp_rank). World rank
+  ``r`` is ``rank_layout(r)``: ranks ``0 .. tp-1`` are the LAST stage, so world rank 0 (the
+  engine process, which samples) holds the logits and the first stage is the furthest from it.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class HeadShard:
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Ranks, sizes and the process group of one rank (pipeline and data parallel are 1 today)."""
+    """Ranks, sizes and the process groups of one rank (data parallel replicas are whole engines)."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -60,10 +66,14 @@ class ParallelContext:
     """The tensor-parallel ProcessGroup (None when tp_size is 1)."""
     shm_all_reduce: Any = field(default=None, compare=False, repr=False)
     """A ShmAllReduce over the ranks of this host (None: all-reduce on ``group``)."""
+    pp_group: Any = field(default=None, compare=False, repr=False)
+    """The pipeline ProcessGroup of this tp rank's stages, group rank = pp_rank (None at pp 1)."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, f"tp rank {self.tp_rank} outside [0, {self.tp_size})"
+        assert 0 <= self.pp_rank < self.pp_size, f"pp rank {self.pp_rank} outside [0, {self.pp_size})"
         assert self.tp_size == 1 or self.group is not None, "tp_size > 1 needs a process group"
+        assert self.pp_size == 1 or self.pp_group is not None, "pp_size > 1 needs a process group"
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -72,8 +82,28 @@ class ParallelContext:
 
     @property
     def is_driver(self) -> bool:
-        """This rank returns the step's results to the engine (tp rank 0)."""
-        return self.tp_rank == 0
+        """This rank returns the step's results to the engine (tp rank 0 of the last stage)."""
+        return self.tp_rank == 0 and self.is_last_stage
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This stage embeds the input ids."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This stage applies the final norm and the LM head."""
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, num_layers: int) -> range:
+        """The decoder layers this pipeline stage holds (contiguous; the first stages hold one
+        more when ``pp_size`` does not divide ``num_layers``). ValueError if a stage would be empty."""
+        if num_layers < self.pp_size:
+            raise ValueError(f"--pipeline-parallel-size {self.pp_size} exceeds the model's "
+                             f"{num_layers} layers: every stage needs at least one")
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return range(start, start + base + (1 if self.pp_rank < extra else 0))
 
     # -- partitions -------------------------------------------------------------------------
     def split(self, size: int) -> Shard:
@@ -128,6 +158,19 @@ class ParallelContext:
         self.group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
 
+    def send_to_next_stage(self, tensor: torch.Tensor, tag: int) -> Any:
+        """Start sending ``tensor`` to the same tp rank of stage pp_rank + 1; returns the Work
+        (the caller keeps ``tensor`` alive until ``wait()``)."""
+        assert not self.is_last_stage, "the last stage sends nothing on"
+        return self.pp_group.send([tensor.contiguous()], self.pp_rank + 1, tag)
+
+    def recv_from_previous_stage(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+        """Fill ``tensor`` (shape and dtype known to both sides from the plan) with what stage
+        pp_rank - 1 sent under ``tag``; blocks until it arrived."""
+        assert not self.is_first_stage, "the first stage receives nothing"
+        self.pp_group.recv([tensor], self.pp_rank - 1, tag).wait()
+        return tensor
+
     def describe(self) -> dict[str, int]:
         """The layout for logs and /get_server_info."""
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
@@ -136,7 +179,7 @@ class ParallelContext:
 
 def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float,
                   store_host: str | None = None) -> Any:
-    """The tensor-parallel ProcessGroup over ``store``: gloo on CPU, NCCL on CUDA.
+    """A ProcessGroup over ``store`` (tensor-parallel, or a pipeline's stages): gloo on CPU, NCCL on CUDA.
 
     A ProcessGroup object rather than torch.distributed's default group: several engines (tests)
     can live in one process, and nothing global is set. Blocks until every rank joined, at most
@@ -164,6 +207,35 @@ def local_address_towards(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host) if family == socket.AF_INET else host, 9))
         return str(probe.getsockname()[0])
+
+
+def rank_layout(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
+    """World rank -> (tp_rank, pp_rank). Ranks 0 .. tp-1 are the last stage (world rank 0, the
+    engine process, samples from the logits it computed), ranks tp .. 2tp-1 the stage before it."""
+    assert 0 <= rank < tp_size * pp_size, f"rank {rank} outside a world of {tp_size * pp_size}"
+    return rank % tp_size, pp_size - 1 - rank // tp_size
+
+
+def world_rank(tp_rank: int, pp_rank: int, tp_size: int, pp_size: int) -> int:
+    """The inverse of ``rank_layout``."""
+    return (pp_size - 1 - pp_rank) * tp_size + tp_rank
+
+
+def join_groups(store: Any, rank: int, tp_size: int, pp_size: int, device: torch.device,
+                timeout_s: float, shm_all_reduce: Any = None,
+                store_host: str | None = None) -> ParallelContext:
+    """World rank ``rank``'s ParallelContext: its stage's tensor-parallel group and its pipeline
+    group (the same tp rank on every stage), each a ProcessGroup over its own prefix of ``store``.
+    Every rank joins its tp group first, then its pipeline group, so the rendezvous cannot cross.
+    ``store_host``: see ``make_tp_group``."""
+    tp_rank, pp_rank = rank_layout(rank, tp_size, pp_size)
+    prefix_store = dist.PrefixStore  # type: ignore[attr-defined]
+    group = (make_tp_group(prefix_store(f"tp-stage{pp_rank}", store), tp_rank, tp_size, device,
+                           timeout_s, store_host) if tp_size > 1 else None)
+    pp_group = (make_tp_group(prefix_store(f"pp-tp{tp_rank}", store), pp_rank, pp_size, device,
+                              timeout_s, store_host) if pp_size > 1 else None)
+    return ParallelContext(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                           group=group, shm_all_reduce=shm_all_reduce, pp_group=pp_group)
 
 
 def ranks_sharing_memory(world_size: int, device: torch.device) -> int:

@@ -174,15 +174,26 @@ class AsyncEngine:
     def check_model(config: EngineConfig) -> None:
         """Fail fast, before any process starts, when the model cannot be found or read.
 
-        Raises ValueError with a message for the user (unknown path, hub id, bad packaged model).
+        Raises ValueError with a message for the user (unknown path, hub id, bad packaged model,
+        a --lora-paths adapter that cannot be served).
         """
         from servelm.model.packaged import PackagedModelError
         from servelm.model.source import resolve_model_source
 
         try:
-            resolve_model_source(config.model)
+            source = resolve_model_source(config.model)
         except PackagedModelError as error:
             raise ValueError(str(error)) from error
+        if config.lora.is_enabled:  # a bad --lora-paths adapter: one line, before any process
+            from servelm.lora.adapter import BaseShapes, LoRAAdapterError
+            from servelm.lora.manager import read_adapter
+
+            shapes = BaseShapes.from_hf_config(source.hf_config)
+            for lora_source in config.lora.sources:
+                try:
+                    read_adapter(config.lora, shapes, lora_source.name, lora_source.path)
+                except LoRAAdapterError as error:
+                    raise ValueError(f"--lora-paths: {error}") from None
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,
@@ -281,10 +292,11 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       group: str = "") -> AsyncIterator[RequestOutput]:
+                       group: str = "", lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it.
 
-        ``group`` names the client request this one is part of (see Request.group)."""
+        ``group`` names the client request this one is part of (see Request.group);
+        ``lora_name`` the LoRA adapter it runs with (None: the base model)."""
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -295,7 +307,8 @@ class AsyncEngine:
         load = len(prompt_token_ids) + (params.max_tokens or 0)
         replica = self._dispatch(request_id, load)
         try:
-            self._send(replica, ("add", request_id, list(prompt_token_ids), params, priority, group))
+            self._send(replica, ("add", request_id, list(prompt_token_ids), params, priority, group,
+                                 lora_name))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:
@@ -402,16 +415,46 @@ class AsyncEngine:
             return {"success": False, "message": "; ".join(failed)}
         return {"success": True, "message": f"cache flushed on {len(results)} replicas"}
 
-    def _start_call(self, replica: _Replica, kind: str) -> asyncio.Future[dict[str, Any]]:
+    @property
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The adapters requests may name (as the engine reported them after the last change)."""
+        return list(self.model_info.get("lora_adapters", []))
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load an adapter on every replica: {"success", "status", "message", ...}. A replica that
+        refuses it (400, naming the reason) leaves it loaded on none."""
+        results = await asyncio.gather(*(self._call(r, "load_lora", name, path) for r in self._replicas))
+        failed = next((result for result in results if not result.get("success")), None)
+        if failed is not None:
+            for replica, result in zip(self._replicas, results):
+                if result.get("success"):  # keep the replicas in agreement
+                    await self._call(replica, "unload_lora", name)
+            return failed
+        self._set_adapters(name, path, results)
+        return results[0]
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unload an adapter on every replica; its running requests finish first."""
+        results = await asyncio.gather(*(self._call(r, "unload_lora", name) for r in self._replicas))
+        if any(result.get("success") for result in results):
+            self.model_info["lora_adapters"] = [a for a in self.lora_adapters if a["name"] != name]
+        return next((r for r in results if not r.get("success")), results[0])
+
+    def _set_adapters(self, name: str, path: str, results: list[dict[str, Any]]) -> None:
+        adapters = [a for a in self.lora_adapters if a["name"] != name]
+        adapters.append({"name": name, "path": path, "load_time_s": results[0].get("load_time_s")})
+        self.model_info["lora_adapters"] = adapters
+
+    def _start_call(self, replica: _Replica, kind: str, *args: Any) -> asyncio.Future[dict[str, Any]]:
         """Send a call; its future resolves when the engine answers (between two steps)."""
         call_id = next(self._call_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(replica, (kind, call_id))
+        self._send(replica, (kind, call_id, *args))
         return future
 
-    async def _call(self, replica: _Replica, kind: str) -> dict[str, Any]:
-        future = self._start_call(replica, kind)
+    async def _call(self, replica: _Replica, kind: str, *args: Any) -> dict[str, Any]:
+        future = self._start_call(replica, kind, *args)
         try:
             return await asyncio.wait_for(future, timeout=CALL_TIMEOUT_S)
         finally:

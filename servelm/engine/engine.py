@@ -28,6 +28,8 @@ from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.lora.adapter import BaseShapes, LoRAAdapterError
+from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 
@@ -64,8 +66,12 @@ class LLMEngine:
         self.block_pool = BlockPool(runner.num_blocks)
         self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
+        self.lora = self._make_lora_manager(runner)
+        """The adapter registry (None without --enable-lora)."""
         self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
-                                   self.prefix_cache, seed=config.model.seed)
+                                   self.prefix_cache, seed=config.model.seed,
+                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
+                                   adapter_slot=self._adapter_slot if self.lora else None)
         self.executor = Executor(runner)
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
@@ -90,6 +96,10 @@ class LLMEngine:
             "task": self.task,
             "is_generation": self.task == "generate",
         })
+        if self.lora is not None:
+            self.model_info["lora"] = {"max_loras_per_batch": config.lora.max_loras_per_batch,
+                                       "max_lora_rank": config.lora.max_lora_rank}
+            self.model_info["lora_adapters"] = self.lora.describe()
         pooler = runner.pooler
         if pooler is not None:
             self.model_info.update({"embedding_size": runner.hidden_size,
@@ -125,7 +135,7 @@ class LLMEngine:
         from servelm.model.runner import ModelRunner
 
         runner: Runner
-        if config.parallel.tensor_parallel_size == 1:
+        if config.parallel.tensor_parallel_size == 1 and config.parallel.pipeline_parallel_size == 1:
             runner = ModelRunner(config, source, defer_kv_cache=True)
         else:
             from servelm.workers import start_executor
@@ -141,6 +151,63 @@ class LLMEngine:
             runner.shutdown()
             raise
         return runner
+
+    def _make_lora_manager(self, runner: Runner) -> LoRAManager | None:
+        """The adapter registry with the --lora-paths adapters loaded (a bad one fails start-up)."""
+        if not self.config.lora.is_enabled:
+            return None
+        if not isinstance(runner, LoRASlots):
+            raise ValueError("--enable-lora: this runner cannot hold LoRA adapters")
+        manager = LoRAManager(self.config.lora, BaseShapes.from_hf_config(runner.hf_config), runner)
+        for source in self.config.lora.sources:
+            try:
+                manager.load(source.name, source.path, set())
+            except LoRAAdapterError as error:
+                raise ValueError(f"--lora-paths: {error}") from None
+        return manager
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def _adapters_in_use(self) -> set[str]:
+        """adapter_ids held by unfinished (queued or running) requests."""
+        return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}
+
+    def _running_adapters(self) -> set[str]:
+        return {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
+
+    def _adapter_slot(self, request: Request) -> int | str | None:
+        """The scheduler's hook: the runner slot of a request being admitted (None: wait)."""
+        assert self.lora is not None and request.adapter_id is not None
+        try:
+            return self.lora.acquire(request.adapter_id, self._running_adapters())
+        except LoRAAdapterError as error:  # dropped from memory, then its files changed
+            return f"the LoRA adapter could not be read again from disk: {error}"
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Register and load an adapter: {"success", "message", "status"} (400 naming the reason)."""
+        if self.lora is None:
+            return {"success": False, "status": 400,
+                    "message": "LoRA is not enabled: start the server with --enable-lora"}
+        try:
+            loaded = self.lora.load(name, path, self._running_adapters())
+        except LoRAAdapterError as error:
+            return {"success": False, "status": 400, "message": str(error)}
+        self.model_info["lora_adapters"] = self.lora.describe()
+        return {"success": True, "status": 200,
+                "message": f"LoRA adapter {name!r} loaded in {loaded.load_time_s:.3f} s",
+                "load_time_s": loaded.load_time_s}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unregister an adapter; requests using it run to the end first (then its weights go)."""
+        if self.lora is None:
+            return {"success": False, "status": 400,
+                    "message": "LoRA is not enabled: start the server with --enable-lora"}
+        try:
+            draining = self.lora.unload(name, self._adapters_in_use())
+        except AdapterNotFoundError as error:
+            return {"success": False, "status": 404, "message": str(error)}
+        self.model_info["lora_adapters"] = self.lora.describe()
+        note = " (its running requests finish first)" if draining else ""
+        return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} unloaded{note}"}
 
     @property
     def max_embedding_tokens(self) -> int:
@@ -158,10 +225,24 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
                     is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
-                    lora_slot: int = 0) -> RequestOutput | None:
+                    lora_slot: int = 0, lora_name: str | None = None) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
-        waiting queue is full: ``error_status`` 503). ``adapter_id``/``lora_slot``: the LoRA adapter
-        (installed in the runner's slot ``lora_slot``) the request runs with; None/0 for the base."""
+        waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
+        with (unknown: 404), which sets ``adapter_id`` (the prefix-cache root); its runner slot
+        (``lora_slot``) comes at admission. Tests driving a runner's slots directly give
+        ``adapter_id``/``lora_slot`` instead. None/0: the base model."""
+        if lora_name is not None:
+            refusal: tuple[str, int] | None = (
+                "LoRA is not enabled: start the server with --enable-lora", 400)
+            if self.lora is not None:
+                try:
+                    adapter_id, lora_slot, refusal = self.lora.resolve(lora_name), 0, None
+                except AdapterNotFoundError as not_found:  # the slot comes at admission
+                    refusal = (str(not_found), 404)
+            if refusal is not None:
+                return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                                     error=refusal[0], num_prompt_tokens=len(prompt_token_ids),
+                                     error_status=refusal[1])
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                           params=params, eos_token_ids=self.eos_token_ids,
                           max_context_tokens=self.context_length, priority=priority,
@@ -281,6 +362,8 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        if self.lora is not None and self.lora.has_unloaded:
+            self.lora.release_unused(self._adapters_in_use())
         return self._make_output(request)
 
     def has_unfinished(self) -> bool:
@@ -301,7 +384,10 @@ class LLMEngine:
             assert self._grammars is not None
             self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
                                 _IDLE_COMPILE_WAIT_S)
-        return refused + self._update(scheduled, results)
+        outputs = refused + self._update(scheduled, results)
+        if self.lora is not None and self.lora.has_unloaded:
+            self.lora.release_unused(self._adapters_in_use())
+        return outputs
 
     def _execute(self, scheduled: SchedulerOutput) -> list[StepResult]:
         if scheduled.is_empty:
@@ -451,4 +537,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
+            **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
         }

@@ -1,5 +1,5 @@
 """The engine process's entry point: load the model, then step, draining the front end's socket
-between steps (add, embed, abort, info, flush_cache, shutdown). One per data-parallel replica;
+between steps (add, embed, abort, info, flush_cache, load_lora, unload_lora, shutdown). One per data-parallel replica;
 async_engine.py is the other end of its sockets."""
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params, priority, group = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group)
+        _, request_id, prompt_token_ids, params, priority, group, lora_name = message
+        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group,
+                                      lora_name=lora_name)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "embed":
@@ -101,5 +102,9 @@ def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> 
         outputs.send_pyobj(("info", message[1], engine.stats()))
     elif kind == "flush_cache":  # answered like "info": a call id and a dict
         outputs.send_pyobj(("info", message[1], engine.flush_cache()))
+    elif kind == "load_lora":  # (kind, call id, name, path)
+        outputs.send_pyobj(("info", message[1], engine.load_lora_adapter(message[2], message[3])))
+    elif kind == "unload_lora":  # (kind, call id, name)
+        outputs.send_pyobj(("info", message[1], engine.unload_lora_adapter(message[2])))
     else:
         raise AssertionError(f"unknown engine message {kind!r}")

@@ -72,13 +72,29 @@ class Engine:
         prompts: str | Sequence[str] | None = None,
         sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        lora_path: str | Sequence[str | None] | None = None,
     ) -> Any:
         """Generate for each prompt (text or token ids). A single prompt gives one result,
-        a list gives a list in the same order."""
+        a list gives a list in the same order. ``lora_path``: the LoRA adapter (its name) for
+        every prompt, or one per prompt (None: the base model)."""
         token_lists, is_single = self._token_lists(prompts, input_ids)
         params = self._params(sampling_params, len(token_lists))
-        results = self._run(self._generate_all(token_lists, params))
+        if lora_path is None or isinstance(lora_path, str):
+            adapters: list[str | None] = [lora_path] * len(token_lists)
+        else:
+            adapters = list(lora_path)
+            if len(adapters) != len(token_lists):
+                raise ValueError(f"{len(adapters)} lora_path entries for {len(token_lists)} prompts")
+        results = self._run(self._generate_all(token_lists, params, adapters))
         return results[0] if is_single else results
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a LoRA adapter (needs enable_lora=True): {"success", "message", ...}."""
+        return self._run(self._engine.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload a LoRA adapter; requests using it finish first."""
+        return self._run(self._engine.unload_lora_adapter(lora_name))
 
     def _token_lists(self, prompts: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
         if (prompts is None) == (input_ids is None):
@@ -106,16 +122,17 @@ class Engine:
             raise ValueError(f"{len(params)} sampling params for {count} prompts")
         return params
 
-    async def _generate_all(self, token_lists: list[list[int]],
-                            params: list[SamplingParams]) -> list[GenerationResult]:
+    async def _generate_all(self, token_lists: list[list[int]], params: list[SamplingParams],
+                            adapters: list[str | None]) -> list[GenerationResult]:
         return list(await asyncio.gather(*(
-            self._generate_one(f"offline-{next(self._ids)}", ids, p)
-            for ids, p in zip(token_lists, params, strict=True))))
+            self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter)
+            for ids, p, adapter in zip(token_lists, params, adapters, strict=True))))
 
     async def _generate_one(self, request_id: str, prompt_token_ids: list[int],
-                            params: SamplingParams) -> GenerationResult:
+                            params: SamplingParams, lora_name: str | None) -> GenerationResult:
         result = GenerationResult("", [], "", prompt_token_ids)
-        async for output in self._engine.generate(request_id, prompt_token_ids, params):
+        async for output in self._engine.generate(request_id, prompt_token_ids, params,
+                                                  lora_name=lora_name):
             result.text += output.new_text
             result.token_ids.extend(output.new_token_ids)
             result.logprobs.extend(output.logprobs or [])

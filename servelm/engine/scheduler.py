@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.cache.block_pool import BlockPool
@@ -100,8 +101,16 @@ class Scheduler:
     """Owns the waiting queue, the running set and the requests' blocks."""
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
-                 prefix_cache: RadixTree | None = None, seed: int = 0) -> None:
+                 prefix_cache: RadixTree | None = None, seed: int = 0,
+                 max_adapters: int | None = None,
+                 adapter_slot: Callable[[Request], int | str | None] | None = None) -> None:
         self.config = config
+        self.max_adapters = max_adapters
+        """--max-loras-per-batch: most distinct LoRA adapters among the running requests (so in
+        any step); a waiting request for a further adapter is deferred. None: no LoRA limit."""
+        self.adapter_slot = adapter_slot
+        """Gives a LoRA request being admitted its runner slot (installing the adapter): the slot,
+        None when there is no room yet (it waits), or an error message (it ends with it)."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.prefix_cache = prefix_cache
@@ -176,7 +185,18 @@ class Scheduler:
 
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
             self._admit(output, budget)
+        self._group_by_adapter(output)
         return output
+
+    @staticmethod
+    def _group_by_adapter(output: SchedulerOutput) -> None:
+        """Order the step's sequences by LoRA slot (stable), so each adapter's rows are contiguous
+        and its deltas read views of the batch instead of gathering rows."""
+        if not any(sequence.lora_slot for sequence in output.plan.sequences):
+            return
+        order = sorted(range(len(output.scheduled)), key=lambda i: output.plan.sequences[i].lora_slot)
+        output.scheduled = [output.scheduled[i] for i in order]
+        output.plan.sequences = [output.plan.sequences[i] for i in order]
 
     def _is_admission_step(self) -> bool:
         """LightLLM's --router_max_wait_tokens: while others decode, admit every N steps only."""
@@ -194,9 +214,13 @@ class Scheduler:
         running_per_group: dict[str, int] = {}
         for running in self.running:
             running_per_group[running.group] = running_per_group.get(running.group, 0) + 1
+        adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         for request in order_waiting(self.waiting, self.config, self.prefix_cache, self._rng):
             if budget <= 0:
                 break
+            if (self.max_adapters is not None and request.adapter_id is not None
+                    and request.adapter_id not in adapters and len(adapters) >= self.max_adapters):
+                continue  # --max-loras-per-batch adapters are running: it waits for one to drain
             if group_cap is not None and running_per_group.get(request.group, 0) >= group_cap:
                 continue  # this client request has its share; others go first
             if request.is_compiling:
@@ -206,6 +230,8 @@ class Scheduler:
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
                     f"{self.pool_capacity_tokens}"))
                 output.finished.append(request)
+                continue
+            if not self._give_adapter_slot(request, output):
                 continue
             if self._shares_prefix_in_flight(request, admitted):
                 continue  # compute the shared prefix once: next step it is cached
@@ -229,8 +255,24 @@ class Scheduler:
                 self.num_cached_prompt_tokens += request.num_cached_tokens
             self._add(output, request, num_tokens)
             admitted.append(request)
+            if request.adapter_id is not None:
+                adapters.add(request.adapter_id)
             running_per_group[request.group] = running_per_group.get(request.group, 0) + 1
             budget -= num_tokens
+
+    def _give_adapter_slot(self, request: Request, output: SchedulerOutput) -> bool:
+        """Whether a request may be admitted as far as its LoRA adapter goes (slot set)."""
+        if request.adapter_id is None or self.adapter_slot is None:
+            return True
+        slot = self.adapter_slot(request)
+        if isinstance(slot, str):
+            self.finish(request, FinishReason.ERROR, error=slot)
+            output.finished.append(request)
+            return False
+        if slot is None:
+            return False  # every installed adapter has running requests: wait for one to drain
+        request.lora_slot = slot
+        return True
 
     def _group_cap(self) -> int | None:
         """Most running requests per group, or None while a single group has all the work."""

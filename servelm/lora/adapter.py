@@ -8,9 +8,11 @@ Invariants:
 - Weights keep PEFT's layout: ``A`` is ``[rank, in_features]``, ``B`` is ``[out_features, rank]``;
   the delta of a target is ``(x @ A.T) @ B.T * scale`` with ``scale = alpha / rank`` (rsLoRA:
   ``alpha / sqrt(rank)``). Per-module ``rank_pattern`` / ``alpha_pattern`` are honoured.
-- Targets are HF projection names (q/k/v/o/gate/up/down ``_proj``); ``FUSED_TARGETS`` says where
-  each lands in our layers (``qkv_proj`` shard q/k/v, ``gate_up_proj`` shard 0/1, ``o_proj``,
-  ``down_proj``). An adapter may target any subset of modules and layers.
+- Targets are HF projection names (q/k/v/o/gate/up/down ``_proj``) or the fused ``qkv_proj`` /
+  ``gate_up_proj`` (Phi-3's names, laid out [q; k; v] and [gate; up] as ours); ``FUSED_TARGETS``
+  says where each lands in our layers (``qkv_proj`` shard q/k/v or all of it, ``gate_up_proj``
+  shard 0/1 or all of it, ``o_proj``, ``down_proj``). An adapter may target any subset of modules
+  and layers.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Any
 
 import torch
 
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from servelm.config import LORA_TARGET_MODULES
+
+SUPPORTED_TARGETS = LORA_TARGET_MODULES
 FUSED_TARGETS: dict[str, tuple[str, int | str | None]] = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "o_proj": ("o_proj", None), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", None),
+    "down_proj": ("down_proj", None), "qkv_proj": ("qkv_proj", None),
+    "gate_up_proj": ("gate_up_proj", None),
 }
 """HF projection -> (our layer attribute, shard id inside it; None when the layer is not fused)."""
 
@@ -59,6 +64,7 @@ class BaseShapes:
             "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
             "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "qkv_proj": (hidden, (heads + 2 * kv_heads) * head_dim), "gate_up_proj": (hidden, 2 * inter),
         })
 
 

@@ -2,8 +2,9 @@
 
 What is compiled: the forward of every decoder layer (``model.model.layers``), with inductor, for
 steps where every sequence computes exactly one token and there are at most ``max_bs`` sequences.
-Prefill, prompt chunks, speculative verification and larger decode batches run the same layers
-eager, so a long prompt never triggers a compile and the compiled graphs stay small.
+Prefill, prompt chunks, speculative verification, larger decode batches and steps with LoRA
+adapter rows (their per-step row groups would be a graph each) run the same layers eager, so a
+long prompt never triggers a compile and the compiled graphs stay small.
 
 Inside a compiled layer, attention (KV write, context gather, SDPA) runs eager: each layer's
 ``Attention`` module is excluded from tracing, because its metadata is per-step Python state
@@ -52,7 +53,7 @@ class DecodeDispatch:
 
     def __call__(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = batch.num_tokens
-        if num_tokens == batch.num_sequences and num_tokens <= self.max_bs:
+        if num_tokens == batch.num_sequences and num_tokens <= self.max_bs and not batch.lora:
             return self.compiled(hidden, batch)
         return self.eager(hidden, batch)
 

@@ -150,7 +150,9 @@ class ForwardBatch:
         )
         for slot in sorted({s.lora_slot for s in sequences} - {0}):
             rows = torch.nonzero(torch.tensor([s.lora_slot == slot for s in sequences])[seq_index]).flatten()
-            batch.lora.append(LoRAGroup(slot, rows.to(device)))
+            first, last = int(rows[0]), int(rows[-1])
+            span = (first, last + 1) if last - first + 1 == len(rows) else None
+            batch.lora.append(LoRAGroup(slot, rows.to(device), span))
         if attention is not None:
             batch.attn_metadata = attention.build_metadata(batch)
         return batch

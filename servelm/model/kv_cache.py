@@ -10,6 +10,7 @@ Invariants:
   it only stores what the attention layers write at the slots the ForwardBatch names.
 - The stored dtype may be narrower than the compute dtype (float8 with ``--kv-cache-dtype fp8_*``):
   values are rounded on write and attention upcasts what it reads.
+- ``layer_id`` is the model's layer index; a pipeline stage's pool starts at its first layer.
 - The pool is zero-initialised: attention may gather slots it then masks out, and masked values
   must be finite (0 * NaN would poison the softmax-weighted sum).
 """
@@ -23,8 +24,11 @@ class KVCache:
     """K and V tensors of every layer, indexed by slot."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, first_layer: int = 0) -> None:
         self.num_layers = num_layers
+        self.first_layer = first_layer
+        """Model index of this pool's first layer: a pipeline stage holds K/V for its layers
+        ``first_layer .. first_layer + num_layers - 1`` only."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
@@ -49,7 +53,7 @@ class KVCache:
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
-        k_cache, v_cache = self.k_caches[layer_id], self.v_caches[layer_id]
+        k_cache, v_cache = self.layer(layer_id)
         k, v = k.to(self.dtype), v.to(self.dtype)
         if self.dtype.itemsize == 1 and self.dtype.is_floating_point:
             # index_copy_ has no float8 kernel on CPU; the bytes are what we store
@@ -60,4 +64,5 @@ class KVCache:
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""
-        return self.k_caches[layer_id], self.v_caches[layer_id]
+        index = layer_id - self.first_layer
+        return self.k_caches[index], self.v_caches[index]

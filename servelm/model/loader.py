@@ -112,6 +112,9 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     if is_encoder and parallel.tp_size > 1:
         raise ValueError(f"--tp-size {parallel.tp_size}: encoder (embedding) models run on one rank; "
                          "use --tp-size 1")
+    if is_encoder and parallel.pp_size > 1:
+        raise ValueError(f"--pipeline-parallel-size {parallel.pp_size}: encoder (embedding) models run "
+                         "on one rank; use --pipeline-parallel-size 1")
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config) if is_encoder else model_class(hf_config, parallel)
     return model.eval()
@@ -148,8 +151,9 @@ def load_model(hf_config: Any, weights: Callable[[], Iterator[tuple[str, torch.T
                parallel: ParallelContext | None = None) -> nn.Module:
     """Build the module and load ``weights()`` into it (random weights when ``weights`` is None).
 
-    Each tensor-parallel rank loads its own shard from the full checkpoint. Dummy weights are drawn
-    per shard, so a dummy model at tp > 1 is not the tp 1 model (compare TP with real weights)."""
+    Each tensor-parallel rank loads its own shard from the full checkpoint, each pipeline stage only
+    its own layers. Dummy weights are drawn per shard, so a dummy model at tp or pp > 1 is not the
+    tp 1 model (compare TP and PP with real weights)."""
     model = build_model(hf_config, dtype, device, parallel)
     if weights is None:
         init_dummy_weights(model, seed)

@@ -9,6 +9,10 @@ Invariants:
   with ``defer_kv_cache=False``, as tests do, sizes itself to its own capacity at once).
 - Under tensor parallelism every rank executes the same plans in the same order (their collectives
   pair up) and every rank returns the full logits; the engine reads rank 0's.
+- Under pipeline parallelism (servelm.model.pipeline) every stage executes every plan too, in
+  micro-batches: a stage receives each micro-batch's hidden states from the stage before, runs its
+  layers and sends them on; only the last stage returns logits (the others an empty tensor). Its
+  pool holds K/V for its own layers only, so its capacity is counted from them.
 - ``execute`` writes the K/V of every planned token and returns logits only for the rows the plan
   asks for: ``[plan.num_logits, vocab_size]`` in plan order.
 - ``task`` is fixed at start-up (``servelm.model.pooling.resolve_task``): a generate runner only
@@ -37,6 +41,7 @@ from servelm.model.kv_cache import KVCache
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
+from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
 from servelm.model.threads import configure_engine_threads
 
@@ -106,10 +111,11 @@ class ModelRunner:
                  defer_kv_cache: bool = False) -> None:
         self.config = config
         self.parallel = parallel or ParallelContext.single()
-        if self.parallel.tp_size == 1:  # a TP rank's threads are placed by its launcher (distributed/)
+        if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             configure_engine_threads(config.runtime.num_threads)
         self.device = device or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
+        self.hf_config = source.hf_config
         self.task = resolve_task(config.model.task, source.hf_config)
         self.pooler: PoolerConfig | None = None
         """How hidden states become embeddings (task embed only)."""
@@ -119,8 +125,12 @@ class ModelRunner:
         self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed,
                                 self.parallel)
         quantize_model(self.model, config.model.quantization)
+        if self.parallel.pp_size > 1 and self.task != "generate":
+            raise ValueError("--pipeline-parallel-size > 1 serves generation only (--task generate)")
         lm_head = getattr(self.model, "lm_head", None)
-        self.vocab_size: int = lm_head.vocab_size if lm_head is not None else self.model.vocab_size
+        self.vocab_size: int = (lm_head.vocab_size if lm_head is not None
+                                else source.hf_config.get_text_config().vocab_size
+                                if self.parallel.pp_size > 1 else self.model.vocab_size)
         self.hidden_size: int = source.hf_config.get_text_config().hidden_size
         self.block_size = config.cache.page_size
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -128,6 +138,8 @@ class ModelRunner:
         self.num_kv_heads: int = first.num_kv_heads
         """KV heads this rank holds (its shard; replicated heads count once per rank)."""
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+        self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else DTYPES[config.lora.lora_dtype]
+        """Dtype of installed adapters' weights and their deltas (--lora-dtype)."""
         self.kv_bytes_per_token = KVCache.bytes_per_token(len(self._attention_layers), first.num_kv_heads,
                                                           first.head_dim, self.kv_dtype)
         context_length = getattr(source, "context_length", None)
@@ -136,6 +148,10 @@ class ModelRunner:
         """Tokens the scheduler could ever hold at once (max running requests x context): a
         default pool needs no more."""
         self.attention = get_attention_backend(attention_backend)
+        self._stage = PipelineStage(self.model, self.parallel, self.block_size, self.hidden_size,
+                                    self.dtype, self.device, self.attention, self.vocab_size,
+                                    config.parallel.pp_max_micro_batch_size)
+        """This rank's part of a pipeline step (used at pp > 1 only)."""
         self.num_blocks = 0
         """Blocks in the KV pool; 0 until ``init_kv_cache``."""
         self.kv_cache: KVCache | None = None
@@ -161,15 +177,19 @@ class ModelRunner:
         first = self._attention_layers[0]
         self.num_blocks = num_blocks
         self.kv_cache = KVCache(len(self._attention_layers), num_blocks, self.block_size, first.num_kv_heads,
-                                first.head_dim, self.kv_dtype, self.device)
+                                first.head_dim, self.kv_dtype, self.device,
+                                first_layer=min(layer.layer_id for layer in self._attention_layers))
         self.kv_cache_bytes = self.kv_cache.nbytes
         config = self.config
-        logger.info("model %s on %s, dtype %s (%s)%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
+        logger.info("model %s on %s, dtype %s (%s)%s%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
                     "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                     dtype_reason(config.model.dtype, self.device),
                     f", tp rank {self.parallel.tp_rank}/{self.parallel.tp_size}"
                     if self.parallel.tp_size > 1 else "",
+                    f", pp stage {self.parallel.pp_rank}/{self.parallel.pp_size} (layers "
+                    f"{self._attention_layers[0].layer_id}..{self._attention_layers[-1].layer_id})"
+                    if self.parallel.pp_size > 1 else "",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2 ** 20, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_bytes_per_token)
@@ -204,8 +224,8 @@ class ModelRunner:
         """Install adapter ``slot`` (> 0): (layer index, linear attribute such as ``qkv_proj``, shard
         id in a fused layer or None, A, B, scale) per target. Replaces what the slot held."""
         assert slot > 0, "slot 0 is the base model"
-        if self.parallel.tp_size > 1:
-            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
+        if self.parallel.pp_size > 1:
+            raise ValueError("LoRA adapters are not supported with --pp-size > 1 yet")
         layers = self._lora_layers()
         self.remove_lora(slot)
         try:
@@ -213,7 +233,7 @@ class ModelRunner:
                 target = layers.get((layer, attr))
                 if target is None:
                     raise ValueError(f"the model has no {attr} in layer {layer} for a LoRA delta")
-                target.set_lora(slot, a.to(self.device, self.dtype), b.to(self.device, self.dtype),
+                target.set_lora(slot, a.to(self.device, self.lora_dtype), b.to(self.device, self.lora_dtype),
                                 scale, shard_id)
         except Exception:
             self.remove_lora(slot)
@@ -242,6 +262,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         for sequence in plan.sequences:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
+        if self.parallel.pp_size > 1:
+            return self._stage.execute(plan, self.kv_cache)
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

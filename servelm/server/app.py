@@ -30,6 +30,7 @@ from servelm.server import embeddings, native
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
+from servelm.server.lora import add_lora_routes
 from servelm.server.middleware import install_middleware
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
@@ -149,7 +150,11 @@ def _add_routes(app: FastAPI) -> None:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": app.state.created,
             "owned_by": "servelm", "root": serving.config.model.model, "parent": None,
-            "max_model_len": serving.context_length} for name in serving.config.model.served_names]}
+            "max_model_len": serving.context_length} for name in serving.config.model.served_names]
+            + [{"id": adapter["name"], "object": "model", "created": app.state.created,
+                "owned_by": "servelm", "root": adapter.get("path"),
+                "parent": serving.served_model_name, "max_model_len": serving.context_length}
+               for adapter in serving.lora_adapters()]}
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:
@@ -204,6 +209,7 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
     install_error_handlers(app)
     _add_routes(app)
+    add_lora_routes(app)
     if config.server.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
     install_middleware(app, config.server)

@@ -113,6 +113,17 @@ def _native_inputs(request: GenerateRequest) -> tuple[list[str | list[int]], boo
     return [list(item) for item in ids], True  # type: ignore[union-attr]
 
 
+def _lora_names(ctx: ServingContext, request: GenerateRequest, num_inputs: int) -> list[str | None]:
+    """Each prompt's LoRA adapter from ``lora_path`` (one for all, or one per prompt)."""
+    if not isinstance(request.lora_path, list):
+        return [ctx.resolve_lora_path(request.lora_path, "lora_path")] * num_inputs
+    if len(request.lora_path) != num_inputs:
+        raise InvalidRequestError(f"lora_path has {len(request.lora_path)} entries for {num_inputs} "
+                                  "prompts", "lora_path")
+    return [ctx.resolve_lora_path(value, f"lora_path[{index}]")
+            for index, value in enumerate(request.lora_path)]
+
+
 async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) -> Response:
     inputs, is_batch = _native_inputs(request)
     if not inputs:
@@ -129,6 +140,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     if rids is not None and len(set(rids)) != len(rids):
         raise InvalidRequestError("rid: every request id in a batch must be different", "rid")
     priority = ctx.request_priority(request.priority)
+    lora_names = _lora_names(ctx, request, len(inputs))
     base_id = new_id("gen")
     start_s = time.monotonic()
     submissions: list[Submission] = []
@@ -161,7 +173,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
             else:
                 request_id = f"{base_id}-{index}"
             submissions.append(Submission(index, request_id, prompt.token_ids, params, priority,
-                                          group=base_id))
+                                          group=base_id, lora_name=lora_names[prompt_index]))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
 
@@ -199,7 +211,7 @@ async def _stream(opened: Any, outputs: list[_NativeOutput],
 
 
 async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, Any]:
-    ctx.check_model(request.model)
+    ctx.resolve_model(request.model)  # an adapter shares the base tokenizer
     tokenizer = ctx.require_tokenizer("/tokenize", "prompt")
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
@@ -217,7 +229,7 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
 
 
 async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> dict[str, Any]:
-    ctx.check_model(request.model)
+    ctx.resolve_model(request.model)
     ctx.require_tokenizer("/detokenize", "tokens")
     ctx.check_token_ids(request.tokens, "tokens")
     return {"prompt": ctx.decode(request.tokens)}

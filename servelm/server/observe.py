@@ -114,7 +114,7 @@ class RequestRecord:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "start_s", "last_token_s",
                  "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "text",
-                 "token_ids")
+                 "token_ids", "lora_name")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams | None) -> None:
@@ -129,6 +129,8 @@ class RequestRecord:
         self.error: str | None = None
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.lora_name: str | None = None
+        """The LoRA adapter the request ran with (None: the base model)."""
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start_s
@@ -153,6 +155,7 @@ class ObservedEngine:
                        params: SamplingParams, **options: Any) -> AsyncIterator[RequestOutput]:
         """The engine's stream, observed; ``options`` (e.g. priority) are passed on unchanged."""
         record = RequestRecord(request_id, list(prompt_token_ids), params)
+        record.lora_name = options.get("lora_name")
         keep_text = self._config.observability.log_requests_level >= 2
         outputs = self._engine.generate(request_id, prompt_token_ids, params, **options)
         try:
@@ -229,6 +232,8 @@ def log_request(record: RequestRecord, config: EngineConfig) -> None:
     parts = [f"request {record.request_id} finish_reason={record.finish_reason} "
              f"prompt_tokens={record.num_prompt_tokens} output_tokens={record.num_output_tokens} "
              f"latency={record.elapsed_s():.3f}s"]
+    if record.lora_name is not None:
+        parts.append(f"lora={record.lora_name}")
     if record.error:
         parts.append(f"error={record.error!r}")
     if level >= 1:

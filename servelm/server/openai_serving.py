@@ -160,7 +160,7 @@ def _usage(choices: list[Any], prompts: list[Prompt], report_cached: bool) -> di
 
 def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: list[Prompt],
                  base_id: str, structured: StructuredSpec | None = None,
-                 priority: int = 0) -> list[Submission]:
+                 priority: int = 0, lora_name: str | None = None) -> list[Submission]:
     submissions = []
     for prompt_index, prompt in enumerate(prompts):
         for sample in range(request.n):
@@ -168,7 +168,7 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
                                         seed=choice_seed(request.seed, sample), structured=structured)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
-                                          priority, group=base_id))
+                                          priority, group=base_id, lora_name=lora_name))
     return submissions
 
 
@@ -262,7 +262,7 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
-    ctx.check_model(request.model)
+    lora_name = ctx.resolve_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
     structured, structured_param = openai_structured_spec(request)
@@ -270,12 +270,12 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     prompts = await _completion_prompts(ctx, request)
     base_id, created = new_id("cmpl"), int(time.time())
     submissions = _submissions(request, prompts, base_id, structured,
-                               ctx.request_priority(request.priority))
+                               ctx.request_priority(request.priority), lora_name)
     report_cached = ctx.config.server.enable_cache_report
     choices = [CompletionChoice(ctx, s.index, s.index // request.n, prompts[s.index // request.n],
                                 request.echo, request.logprobs) for s in submissions]
     header = {"id": base_id, "object": "text_completion", "created": created,
-              "model": ctx.served_model_name}
+              "model": request.model if lora_name else ctx.served_model_name}
 
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -357,7 +357,7 @@ async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest,
                                  raw: Request) -> Response:
-    ctx.check_model(request.model)
+    lora_name = ctx.resolve_model(request.model)
     check_supported(request)
     _check_stop_strings(ctx, request)
     ctx.check_num_sequences(request.n)
@@ -370,7 +370,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                                         param="messages")
     base_id, created = new_id("chatcmpl"), int(time.time())
     submissions = _submissions(request, [prompt], base_id, structured,
-                               ctx.request_priority(request.priority))
+                               ctx.request_priority(request.priority), lora_name)
     report_cached = ctx.config.server.enable_cache_report
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     choices = [ChatChoice(ctx, s.index, prompt, num_logprobs) for s in submissions]
@@ -383,7 +383,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         header = {"id": base_id, "object": "chat.completion.chunk", "created": created,
-                  "model": ctx.served_model_name}
+                  "model": request.model if lora_name else ctx.served_model_name}
 
         def chunk(choice: dict[str, Any]) -> dict[str, Any]:
             result = {**header, "choices": [choice]}
@@ -428,7 +428,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         else:
             messages.append({"role": "assistant", "content": choice.text, "refusal": None})
     body = {"id": base_id, "object": "chat.completion", "created": created,
-            "model": ctx.served_model_name,
+            "model": request.model if lora_name else ctx.served_model_name,
             "choices": [{"index": c.index,
                          "message": messages[c.index],
                          "logprobs": {"content": c.logprobs, "refusal": None}

@@ -198,6 +198,30 @@ class GenerateRequest(_Request):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
+    """The LoRA adapter (its name) to run with; a list gives one per prompt of a batch (None or
+    "" for the base model)."""
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    """SGLang: never evict it from memory (refused: --max-loaded-loras evicts only unused ones)."""
+    load_inplace: bool = False
+    """vLLM: replace an adapter of the same name (refused: unload it first)."""
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """SGLang's /unload_lora_adapter and vLLM's /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
+    """vLLM's optional numeric id; ignored only when absent (refused when given)."""
 
 
 class EmbeddingRequest(_Request):

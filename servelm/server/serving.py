@@ -100,6 +100,37 @@ class ServingContext:
             raise APIError(404, f"The model {name!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
 
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The LoRA adapters requests may name now (they change with load/unload)."""
+        return list(getattr(self.engine, "lora_adapters", None) or [])
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter an OpenAI ``model`` field asks for: None for the base model, the adapter
+        for an adapter's name (vLLM) or ``base:adapter`` (SGLang); 404 for anything else."""
+        if not name or name in self.accepted_model_names:
+            return None
+        names = {adapter["name"] for adapter in self.lora_adapters()}
+        if name in names:
+            return name
+        base, sep, adapter = name.rpartition(":")
+        if sep and base in self.accepted_model_names:
+            if adapter in names:
+                return adapter
+            raise APIError(404, f"The LoRA adapter {adapter!r} is not loaded; loaded adapters: "
+                                f"{sorted(names) or 'none'}", param="model", code="model_not_found")
+        self.check_model(name)
+        return None
+
+    def resolve_lora_path(self, value: str | None, param: str) -> str | None:
+        """SGLang's ``lora_path`` on /generate: an adapter's name (or the path it was loaded from)."""
+        if value is None or value == "":
+            return None
+        for adapter in self.lora_adapters():
+            if value in (adapter["name"], adapter.get("path")):
+                return str(adapter["name"])
+        raise APIError(404, f"The LoRA adapter {value!r} is not loaded", param=param,
+                       code="model_not_found")
+
     def require_task(self, task: str, api: str) -> None:
         """400 when ``api`` needs the other task than the one this server runs (as vLLM does)."""
         if task == self.task:

@@ -49,6 +49,8 @@ class Submission:
     """Scheduling priority (only with priority scheduling; validated by ServingContext)."""
     group: str = ""
     """The HTTP request's id, shared by all its submissions: the engine admits groups in turn."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -78,6 +80,8 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
         extra: dict[str, Any] = {"priority": submission.priority} if submission.priority else {}
         if submission.group and len(submissions) > 1:
             extra["group"] = submission.group
+        if submission.lora_name is not None:
+            extra["lora_name"] = submission.lora_name
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
                                   submission.params, **extra)
         try:

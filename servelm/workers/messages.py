@@ -3,7 +3,8 @@
 Transport: the engine writes ``WorkerInit`` to a worker's stdin once (on another node, that node's
 ``servelm.workers.node`` does); after that, commands go down a ZMQ PUSH socket per worker and
 replies come back on one shared PULL socket (ipc on this node, TCP from other nodes), each message
-pickled whole. Tensors never travel here: activations move only through torch.distributed collectives.
+pickled whole. Activations never travel here (only through torch.distributed collectives); the one
+exception is ``SetLoRA``, which carries an adapter's small A/B matrices once per load.
 
 Invariants:
 - A worker's first reply is ``WorkerHello``; the engine refuses a worker whose
@@ -16,11 +17,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from servelm.config import EngineConfig
 from servelm.model.forward_batch import BatchPlan
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,22 @@ class ExecuteStep:
 
 
 @dataclass(frozen=True)
+class SetLoRA:
+    """Install adapter ``slot``: (layer, linear attribute, shard id, A, B, scale) per target, the
+    whole matrices (each rank keeps its partition, as ``ModelRunner.set_lora`` does)."""
+
+    slot: int
+    entries: list[tuple[int, str, int | str | None, Any, Any, float]]
+
+
+@dataclass(frozen=True)
+class RemoveLoRA:
+    """Drop adapter ``slot``'s deltas."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Exit the command loop."""
 
@@ -105,5 +123,5 @@ class WorkerFailed:
     error: str
 
 
-Command = InitKVCache | ExecuteStep | Shutdown
+Command = InitKVCache | ExecuteStep | SetLoRA | RemoveLoRA | Shutdown
 Reply = WorkerHello | WorkerLoaded | KVCacheReady | WorkerFailed

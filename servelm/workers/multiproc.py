@@ -16,6 +16,11 @@ Several nodes (``--nnodes``): this node runs ranks 0 .. k-1 (k = tp / nnodes) as
 nodes' launchers (``workers/node.py``) start the rest, which take their steps over ZMQ TCP sockets
 published in the TCPStore at ``--dist-init-addr`` (``workers/remote.py``). Their all-reduces run on
 gloo. A remote rank whose connection drops is as dead as a local rank that exited.
+Pipeline parallel (``--pp-size P``, with or without TP): tp x pp ranks; world rank r is
+``rank_layout(r)``, so ranks 0..tp-1 are the LAST stage and rank 0 (this process) computes the
+logits the engine samples from, with no copy back. Every rank gets every plan; the stages pass
+micro-batches' hidden states on point-to-point (servelm.model.pipeline). Each stage's TP ranks
+share their own shared-memory all-reduce segment.
 
 Faults: a rank that does not join within ``--dist-timeout``, exits, or fails a collective raises
 ``RankFailedError`` naming it; the engine then ends every request and exits. A rank that dies while
@@ -48,11 +53,11 @@ import servelm
 from servelm.config import EngineConfig, split_host_port
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
-    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Reply, Shutdown, WorkerFailed, WorkerHello,
-    WorkerInit, WorkerLoaded)
+    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, Reply, SetLoRA, Shutdown,
+    WorkerFailed, WorkerHello, WorkerInit, WorkerLoaded)
 from servelm.distributed import shm_allreduce
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
-from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
@@ -90,16 +95,20 @@ def spawn_worker(init: WorkerInit) -> subprocess.Popen[bytes]:
 
 
 class MultiprocExecutor:
-    """N tensor-parallel ranks on this node; implements servelm.engine.executor.Runner."""
+    """tp x pp ranks on this node; implements servelm.engine.executor.Runner."""
 
     def __init__(self, config: EngineConfig, source: Any) -> None:
         if config.runtime.enable_torch_compile:
-            raise ValueError("--enable-torch-compile is not supported with --tp-size > 1 yet")
-        self.world_size = config.parallel.tensor_parallel_size
+            raise ValueError("--enable-torch-compile is not supported with --tp-size or --pp-size > 1 yet")
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.pp_size = config.parallel.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
         self.timeout_s = config.parallel.dist_timeout
         self.nnodes = config.parallel.nnodes
         self.local_size = self._ranks_on_this_node(config)
         """Ranks on each node: this node runs ranks 0 .. local_size - 1, node n the next ones."""
+        self.hf_config = source.hf_config
+        """The base model's HF config (the LoRA registry checks adapters against it)."""
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._loaded: dict[int, WorkerLoaded] = {}
         self._hellos: dict[int, WorkerHello] = {}
@@ -123,9 +132,15 @@ class MultiprocExecutor:
         self._own_placement = (os.sched_getaffinity(0), torch.get_num_threads())
         """This process's CPUs and threads before rank 0 was pinned, restored by ``shutdown``."""
         self._shm_path: str | None = None
-        if (not config.parallel.disable_custom_all_reduce and shm_allreduce.is_supported(device)
+        """The shared-memory all-reduce segment of rank 0's stage (every stage has its own)."""
+        self._stage_shm_paths: dict[int, str] = {}
+        """pp rank -> that stage's segment for its tp_size ranks (none at tp 1)."""
+        if (self.tp_size > 1 and not config.parallel.disable_custom_all_reduce
+                and shm_allreduce.is_supported(device)
                 and self.local_size == self.world_size):  # across nodes every all-reduce is gloo's
-            self._shm_path = shm_allreduce.create_segment(self.world_size)
+            self._stage_shm_paths = {stage: shm_allreduce.create_segment(self.tp_size)
+                                     for stage in range(self.pp_size)}
+            self._shm_path = self._stage_shm_paths[rank_layout(0, self.tp_size, self.pp_size)[1]]
         store_host, store_port = self._rendezvous_address(config)
         store = _serve_store(store_host, store_port, self.world_size, self.timeout_s)
         try:
@@ -142,17 +157,17 @@ class MultiprocExecutor:
                     config=config, rank=rank, world_size=self.world_size, store_host="127.0.0.1",
                     store_port=store.port, command_address=command_address,
                     reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
-                    device=str(devices[rank]), parent_pid=os.getpid(), shm_path=self._shm_path))
+                    device=str(devices[rank]), parent_pid=os.getpid(),
+                    shm_path=self._stage_shm_paths.get(rank_layout(rank, self.tp_size, self.pp_size)[1])))
             self._hellos = {reply.rank: reply for reply in self._wait(WorkerHello, "start")}
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
-            group = make_tp_group(store, 0, self.world_size, devices[0], self.timeout_s, store_host)
-            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.world_size, self.timeout_s,
+            shm = (shm_allreduce.ShmAllReduce(self._shm_path, 0, self.tp_size, self.timeout_s,
                                               check_peers=self._raise_if_worker_dead)
                    if self._shm_path is not None else None)
-            self.parallel = ParallelContext(tp_rank=0, tp_size=self.world_size, group=group,
-                                            shm_all_reduce=shm)
+            self.parallel: ParallelContext = join_groups(store, 0, self.tp_size, self.pp_size, devices[0],
+                                                         self.timeout_s, shm, store_host)
             self.runner = ModelRunner(config, source, parallel=self.parallel, device=devices[0],
                                       defer_kv_cache=True)
             self._loaded = {reply.rank: reply for reply in self._wait(WorkerLoaded, "load its shard")}
@@ -164,8 +179,9 @@ class MultiprocExecutor:
         self._store = store
         atexit.register(self.shutdown)
         threading.Thread(target=self._watch_workers, name="tp-rank-watch", daemon=True).start()
-        logger.info("tensor parallel: %d ranks on this node (rank 0 in the engine process, pids %s), "
-                    "%s threads per rank", self.local_size,
+        logger.info("tensor parallel %d x pipeline parallel %d: %d ranks on this node (rank 0, the "
+                    "last stage's, in the engine process, pids %s), %s threads per rank",
+                    self.tp_size, self.pp_size, self.local_size,
                     [os.getpid()] + [w.pid for w in self._workers.values()], threads)
         if self.nnodes > 1:
             logger.info("tensor parallel over %d nodes: ranks %s joined from the other nodes",
@@ -184,11 +200,11 @@ class MultiprocExecutor:
             if self._replies.poll(_POLL_MS):
                 reply: Reply = self._replies.recv_pyobj()
                 if isinstance(reply, WorkerFailed):
-                    raise RankFailedError(f"tensor-parallel rank {reply.rank} failed to {action}: "
+                    raise RankFailedError(f"{self._rank_name(reply.rank)} failed to {action}: "
                                           f"{reply.error}")
                 if isinstance(reply, WorkerHello) and reply.protocol_version != PROTOCOL_VERSION:
                     raise RankFailedError(
-                        f"tensor-parallel rank {reply.rank} speaks worker protocol "
+                        f"{self._rank_name(reply.rank)} speaks worker protocol "
                         f"{reply.protocol_version}, the engine {PROTOCOL_VERSION}: run the same "
                         "servelm version on every rank")
                 assert isinstance(reply, kind), f"expected {kind.__name__}, got {reply!r}"
@@ -196,7 +212,7 @@ class MultiprocExecutor:
                 continue
             for rank, process in self._workers.items():
                 if process.poll() is not None and rank not in replies:
-                    raise RankFailedError(f"tensor-parallel rank {rank} (pid {process.pid}) "
+                    raise RankFailedError(f"{self._rank_name(rank)} (pid {process.pid}) "
                                           f"{describe_exit(process.returncode)} before it could {action}")
             failed = self._remote_failures(exclude=set(replies))
             if failed:
@@ -315,17 +331,34 @@ class MultiprocExecutor:
         except Exception as error:
             raise self._step_failure(error) from error
 
+    def set_lora(self, slot: int, entries: Any) -> None:
+        """Install an adapter on every rank (each keeps its partition); before the next step,
+        since commands are handled in order."""
+        entries = list(entries)
+        self.runner.set_lora(slot, entries)  # rank 0 first: a bad adapter fails here, not on a worker
+        self._broadcast(SetLoRA(slot, [(layer, attr, shard, a.cpu(), b.cpu(), scale)
+                                       for layer, attr, shard, a, b, scale in entries]))
+
+    def remove_lora(self, slot: int) -> None:
+        self._broadcast(RemoveLoRA(slot))
+        self.runner.remove_lora(slot)
+
     def layout(self) -> dict[str, Any]:
         ranks = [{"rank": 0, "node": 0, "host": os.uname().nodename, "pid": os.getpid(),
+                  "tp_rank": self.parallel.tp_rank, "pp_rank": self.parallel.pp_rank,
                   "device": str(self.runner.device), "num_kv_heads": self.runner.num_kv_heads,
                   "num_threads": self._threads[0], "cpus": self._cpus[0]}]
         for rank, loaded in sorted(self._loaded.items()):
             hello = self._hellos[rank]
             ranks.append({"rank": rank, "node": self._node_of(rank), "host": hello.host,
-                          "pid": hello.pid, "device": str(self._devices[rank]),
+                          "pid": hello.pid,
+                          "tp_rank": rank_layout(rank, self.tp_size, self.pp_size)[0],
+                          "pp_rank": rank_layout(rank, self.tp_size, self.pp_size)[1],
+                          "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
                           "cpus": loaded.cpus})
-        all_reduce = "shared memory (up to 4 MiB), else gloo" if self._shm_path else self.parallel.group.name()
+        all_reduce = ("shared memory (up to 4 MiB), else gloo" if self._shm_path
+                      else self.parallel.group.name() if self.parallel.group is not None else "none")
         return {**self.parallel.describe(), "executor": self.executor_name, "nnodes": self.nnodes,
                 "ranks_per_node": self.local_size, "all_reduce": all_reduce, "ranks": ranks}
 
@@ -357,8 +390,8 @@ class MultiprocExecutor:
         torch.set_num_threads(self._own_placement[1])
 
     def _unlink_segment(self) -> None:
-        if self._shm_path is not None:
-            shm_allreduce.unlink_segment(self._shm_path, self.world_size)
+        for path in self._stage_shm_paths.values():
+            shm_allreduce.unlink_segment(path, self.tp_size)
 
     # -- faults -----------------------------------------------------------------------------
     def _broadcast(self, command: Any) -> None:
@@ -368,7 +401,7 @@ class MultiprocExecutor:
             socket.send(data)
 
     def _dead_workers(self) -> list[str]:
-        dead = [f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(process.returncode)}"
+        dead = [f"{self._rank_name(rank)} (pid {process.pid}) {describe_exit(process.returncode)}"
                 for rank, process in self._workers.items() if process.poll() is not None]
         return dead + self._remote_failures()
 
@@ -385,12 +418,20 @@ class MultiprocExecutor:
             if self._replies.poll(50):
                 reply = self._replies.recv_pyobj()
                 if isinstance(reply, WorkerFailed):
-                    return RankFailedError(f"tensor-parallel rank {reply.rank} failed: {reply.error}")
+                    return RankFailedError(f"{self._rank_name(reply.rank)} failed: {reply.error}")
             dead = self._dead_workers()
             if dead:
                 return RankFailedError("; ".join(dead))
         return RankFailedError(f"tensor-parallel rank 0 failed during a step: "
                                f"{type(error).__name__}: {error}")
+
+    def _rank_name(self, rank: int) -> str:
+        """How errors name a rank: "tensor-parallel rank 1", or with pipeline stages
+        "pipeline stage 0 (rank 1, tp rank 0)"."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank}"
+        tp_rank, pp_rank = rank_layout(rank, self.tp_size, self.pp_size)
+        return f"pipeline stage {pp_rank} (rank {rank}, tp rank {tp_rank})"
 
     def _watch_workers(self) -> None:
         while not self._is_closing:
@@ -401,7 +442,7 @@ class MultiprocExecutor:
                     return  # an in-process engine (tests): its next step raises
                 time.sleep(_IDLE_DEATH_GRACE_S)
                 if not self._is_closing:
-                    logger.error("engine process exiting: a tensor-parallel rank is gone")
+                    logger.error("engine process exiting: a rank (%s) is gone", "; ".join(dead))
                     os._exit(1)
                 return
             time.sleep(0.5)

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank process (ranks 1..N-1; rank 0 runs inside the engine process).
+"""A rank process (ranks 1..N-1 of tp x pp; rank 0 runs inside the engine process).
 
 ``python -m servelm.workers.worker`` with a pickled ``WorkerInit`` on stdin. It dies with the
 engine process, pins its threads, says hello (protocol version), joins the process group, loads its
@@ -71,8 +71,9 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     import torch.distributed as dist
 
     from servelm.workers.messages import (
-        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, Shutdown, WorkerHello, WorkerLoaded)
-    from servelm.distributed.parallel import ParallelContext, make_tp_group, ranks_sharing_memory
+        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, SetLoRA, Shutdown,
+        WorkerHello, WorkerLoaded)
+    from servelm.distributed.parallel import join_groups, rank_layout, ranks_sharing_memory
     from servelm.distributed.shm_allreduce import ShmAllReduce
     from servelm.logging_utils import configure_logging
     from servelm.model.runner import ModelRunner
@@ -89,10 +90,11 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     device = torch.device(init.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = make_tp_group(store, init.rank, init.world_size, device, timeout_s, init.store_host)
-    shm = (ShmAllReduce(init.shm_path, init.rank, init.world_size, timeout_s)
+    tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    tp_rank, _ = rank_layout(init.rank, tp_size, pp_size)
+    shm = (ShmAllReduce(init.shm_path, tp_rank, tp_size, timeout_s)  # this stage's TP ranks'
            if init.shm_path is not None else None)
-    parallel = ParallelContext(tp_rank=init.rank, tp_size=init.world_size, group=group, shm_all_reduce=shm)
+    parallel = join_groups(store, init.rank, tp_size, pp_size, device, timeout_s, shm, init.store_host)
     runner = ModelRunner(config, resolve_model_source(config.model), parallel=parallel, device=device,
                          defer_kv_cache=True)
     capacity = runner.kv_capacity_blocks(ranks_sharing_memory(config.parallel.ranks_per_node, device))
@@ -107,6 +109,10 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
         elif isinstance(command, InitKVCache):
             runner.init_kv_cache(command.num_blocks)
             replies.send_pyobj(KVCacheReady(init.rank))
+        elif isinstance(command, SetLoRA):
+            runner.set_lora(command.slot, command.entries)
+        elif isinstance(command, RemoveLoRA):
+            runner.remove_lora(command.slot)
         elif isinstance(command, Shutdown):
             return
         else:

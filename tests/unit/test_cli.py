@@ -243,11 +243,13 @@ def test_negatable_bool_field_gets_no_form() -> None:
     (["--hf-overrides", "[1]"], ["--hf-overrides"]),
     (["--json-model-override-args", "{bad"], ["--hf-overrides", "--json-model-override-args"]),
     (["--tp", "0"], ["--tensor-parallel-size", "--tp"]),
-    (["--pp-size", "2"], ["--pipeline-parallel-size", "--pp-size"]),
+    (["--pp-size", "0"], ["--pipeline-parallel-size", "--pp-size"]),
+    (["--pp-max-micro-batch-size", "0"], ["--pp-max-micro-batch-size"]),
     (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "h:1"], ["--tp-size", "--nnodes"]),
     (["--nnodes", "2", "--node-rank", "2"], ["--node-rank"]),
     (["--nnodes", "2", "--tp", "2"], ["--dist-init-addr"]),
     (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "nohost"], ["--dist-init-addr"]),
+    (["--nnodes", "2", "--tp", "2", "--pp-size", "2", "--dist-init-addr", "h:1"], ["--pp-size", "--nnodes"]),
     (["--dtype", "int8"], ["--dtype"]),
     (["--data_type", "int8"], ["--data_type"]),
     (["--long_truncation_mode", "middle"], ["--long_truncation_mode"]),
@@ -475,9 +477,9 @@ def test_dry_run_with_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_dry_run_refusal_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = dry_run(["serve", "--enable-lora", "--dry-run"], capsys)
+    code, out, err = dry_run(["serve", "--fully-sharded-loras", "--dry-run"], capsys)
     assert code == 2 and out == ""
-    assert "--enable-lora is not built yet: LoRA adapters" in err
+    assert "--fully-sharded-loras is not supported: vLLM's fully sharded LoRA" in err
     path = write(tmp_path, "dry-run: true\n")
     code, _, err = dry_run(["serve", "--config", path, "--dry-run"], capsys)
     assert code == 2 and "dry-run: unknown option" in err

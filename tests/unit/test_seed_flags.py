@@ -39,7 +39,7 @@ ARTIFACTS = {
 PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
-REFUSED_FIELDS = {"pipeline_parallel_size": "1"}
+REFUSED_FIELDS: dict[str, str] = {}
 DEFAULT = EngineConfig()
 
 
@@ -94,6 +94,8 @@ def field_example(field_name: str) -> list[str]:
         return ["127.0.0.1:5001"]
     if field_name == "override_pooler_config":
         return ['{"pooling_type": "mean", "normalize": false}']
+    if field_name == "lora_target_modules":
+        return ["q_proj", "v_proj"]
     field = cli_flags.config_fields()[field_name]
     hints: dict[str, typing.Any] = {}
     for section in EngineConfig.sections().values():
@@ -208,10 +210,14 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
 _MULTI_NODE = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000"]
 MULTI_NODE_COMPANIONS = {"nnodes": _MULTI_NODE[2:], "node_rank": _MULTI_NODE,
                          "dist_init_addr": _MULTI_NODE[:4]}
+LORA_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig().lora)} - {"enable_lora", "lora_paths"}
+"""LoRA options refused without --enable-lora (LoRAConfig checks it: --lora-paths enables too)."""
 
 
 def companions(field_name: str) -> list[str]:
     """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
+    if field_name in LORA_OPTIONS:
+        return ["--enable-lora"]
     return MULTI_NODE_COMPANIONS.get(field_name, []) + [
         arg for name, needed in cli_flags.NEEDS if name == field_name
         for arg in (cli_flags.flag_name(needed), *field_example(needed))]

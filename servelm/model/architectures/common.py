@@ -95,3 +95,39 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if missing:
         raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
     return loaded
+
+
+class MissingLayer(nn.Module):
+    """A decoder layer that another pipeline stage holds: no parameters, never called (it keeps the
+    layer indices, and so the checkpoint names, of the layers this stage does hold)."""
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise AssertionError("a layer of another pipeline stage was called")
+
+
+def stage_layers(num_layers: int, parallel: ParallelContext, build: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """``num_layers`` decoder layers: ``build(i)`` for this pipeline stage's, MissingLayer elsewhere."""
+    held = parallel.layer_range(num_layers)
+    return nn.ModuleList(build(i) if i in held else MissingLayer() for i in range(num_layers))
+
+
+def stage_rename(name: str | None, parallel: ParallelContext, num_layers: int,
+                 tie_word_embeddings: bool) -> str | None:
+    """A checkpoint name (already in our naming) as this pipeline stage loads it, or None for a
+    tensor another stage holds. The first stage holds the embedding, the last the final norm and
+    the LM head; a last stage without the embedding loads a tied head from ``embed_tokens``."""
+    if name is None or parallel.pp_size == 1:
+        return name
+    if name.startswith("model.layers."):
+        return name if int(name.split(".")[2]) in parallel.layer_range(num_layers) else None
+    if name.startswith("model.embed_tokens."):
+        if parallel.is_first_stage:
+            return name
+        if tie_word_embeddings and parallel.is_last_stage:
+            return "lm_head." + name.removeprefix("model.embed_tokens.")
+        return None
+    if name.startswith("model.norm."):
+        return name if parallel.is_last_stage else None
+    if name.startswith("lm_head."):
+        return name if parallel.is_last_stage and not tie_word_embeddings else None
+    return name

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.architectures.common import GatedMLP, head_dim_of, load_named_weights
+from servelm.model.architectures.common import (
+    GatedMLP, head_dim_of, load_named_weights, stage_layers, stage_rename)
 from servelm.model.attention import Attention
 from servelm.model.forward_batch import ForwardBatch
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
@@ -82,17 +83,25 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: Any, parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=config.hidden_size ** 0.5,
-                                           parallel=parallel)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, layer_type, parallel)
-                                    for i, layer_type in enumerate(gemma3_layer_types(config)))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A pipeline stage holds its own layers; the embedding and the final norm only on the first
+        # and last stage (None elsewhere).
+        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size,
+                                            scale=config.hidden_size ** 0.5, parallel=parallel)
+                             if parallel.is_first_stage else None)
+        layer_types = gemma3_layer_types(config)
+        self.held_layers = parallel.layer_range(len(layer_types))
+        self.layers = stage_layers(len(layer_types), parallel,
+                                   lambda i: Gemma3DecoderLayer(config, i, layer_types[i], parallel))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else None
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, batch)
-        return self.norm(hidden)
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """As LlamaModel.forward: ``hidden`` is the previous pipeline stage's output (None: embed)."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(batch.input_ids)
+        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+        for index in self.held_layers:
+            hidden = self.layers[index](hidden, batch)
+        return hidden if self.norm is None else self.norm(hidden)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -107,20 +116,25 @@ class Gemma3ForCausalLM(nn.Module):
             raise NotImplementedError("Gemma attention logit softcapping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("bidirectional Gemma 3 attention is not supported")
+        self.parallel = parallel
         self.model = Gemma3Model(config, parallel)
-        tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", True) else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied,
-                              final_softcap=getattr(config, "final_logit_softcapping", None),
-                              parallel=parallel)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = (LMHead(config.vocab_size, config.hidden_size, tied_to=tied,
+                               final_softcap=getattr(config, "final_logit_softcapping", None),
+                               parallel=parallel)
+                        if parallel.is_last_stage else None)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(batch, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        is_tied = self.lm_head.is_tied
+        is_tied = self.lm_head is not None and self.lm_head.is_tied
+        num_layers = len(self.model.layers)
 
         def rename(name: str) -> str | None:
             for prefix in ("model.language_model.", "language_model.model."):
@@ -131,6 +145,6 @@ class Gemma3ForCausalLM(nn.Module):
                 return None
             if is_tied and name.startswith("lm_head."):
                 return None
-            return name
+            return stage_rename(name, self.parallel, num_layers, self.tie_word_embeddings)
 
         return load_named_weights(self, weights, rename)

@@ -15,7 +15,7 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import (
-    GatedMLP, head_dim_of, layer_sliding_window, load_named_weights)
+    GatedMLP, head_dim_of, layer_sliding_window, load_named_weights, stage_layers, stage_rename)
 from servelm.model.attention import Attention
 from servelm.model.forward_batch import ForwardBatch
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
@@ -72,17 +72,25 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
                  parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel=parallel)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm, parallel)
-            for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        # A pipeline stage holds its own layers; the embedding and the final norm only on the first
+        # and last stage (None elsewhere).
+        self.embed_tokens = (VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel=parallel)
+                             if parallel.is_first_stage else None)
+        self.held_layers = parallel.layer_range(hf_config.num_hidden_layers)
+        self.layers = stage_layers(
+            hf_config.num_hidden_layers, parallel,
+            lambda i: LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm, parallel))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps) if parallel.is_last_stage else None
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, batch)
-        return self.norm(hidden)
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states; on a pipeline stage, the stage's output from the previous
+        stage's ``hidden`` (None on the first stage, which embeds ``batch.input_ids``)."""
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(batch.input_ids)
+        assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
+        for index in self.held_layers:
+            hidden = self.layers[index](hidden, batch)
+        return hidden if self.norm is None else self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,23 +104,29 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         parallel = parallel or ParallelContext.single()
         self.hf_config = hf_config
+        self.parallel = parallel
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         self.model = LlamaModel(hf_config, qkv_bias, o_bias, self.has_qk_norm, parallel)
-        tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied, parallel=parallel)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = (LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied, parallel=parallel)
+                        if parallel.is_last_stage else None)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(batch, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        is_tied = self.lm_head.is_tied
+        is_tied = self.lm_head is not None and self.lm_head.is_tied
+        num_layers, tie = self.hf_config.num_hidden_layers, self.tie_word_embeddings
         return load_named_weights(
-            self, weights, lambda name: None if is_tied and name.startswith("lm_head.") else name)
+            self, weights, lambda name: stage_rename(
+                None if is_tied and name.startswith("lm_head.") else name, self.parallel, num_layers, tie))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -5,7 +5,9 @@ Invariants:
   on the layer, ``apply`` computes the output. Quantization (a method with packed weights and
   scales) plugs in here, not in the architectures. LoRA: ``set_lora`` gives a layer per-adapter-slot
   low-rank deltas (one per shard of a fused layer); ``forward(x, lora)`` adds each ``LoRAGroup``'s
-  delta to its rows only, whatever the LinearMethod (base rows untouched). tp_size > 1 refuses LoRA.
+  delta to its rows only, whatever the LinearMethod (base rows untouched). With tp_size > 1 each
+  rank keeps B's rows it outputs (column-parallel) or A's columns it takes in (row-parallel, whose
+  partial deltas the all-reduce sums with the partial outputs).
 - Weights keep the torch/HF layout ``[output_size, input_size]``. A column-parallel layer owns a
   contiguous range of output rows (``ParallelContext.split``); a row-parallel layer owns a range of
   input columns, and its partial outputs are summed over the ranks (all-reduce) before its bias is
@@ -87,12 +89,19 @@ class UnquantizedLinearMethod:
         return dense_linear(x, layer.weight, bias)
 
 
+_MAX_LORA_STACKS = 4
+"""Stacked-weight combinations a layer keeps (the running adapters change rarely)."""
+
+
 @dataclass(frozen=True)
 class LoRAGroup:
     """The token rows of one forward batch that use one adapter slot (base rows are in no group)."""
 
     slot: int
     rows: torch.Tensor  # [n] int64 row indices into the layer input
+    span: tuple[int, int] | None = None
+    """``(start, end)`` when ``rows`` is the contiguous range start..end-1 (the scheduler orders
+    a step's sequences by adapter, so usually): the delta then reads and adds to views, no copies."""
 
 
 @dataclass(frozen=True)
@@ -120,41 +129,122 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.lora: dict[int, list[_LoRAPiece]] = {}
         """Adapter slot -> low-rank deltas on this layer (several for a fused layer's shards)."""
+        self.lora_fused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Adapter slot -> (``A_cat.T`` [input_size, total rank], ``B.T`` [total rank, output_size]):
+        the slot's pieces as one pair, B block-diagonal over the shards with the scales folded in,
+        so a group's delta is two GEMMs whatever the number of shards."""
+        self.lora_stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        """Slots of a step -> their fused pairs stacked (ranks zero-padded to the largest) for the
+        batched path; rebuilt when an adapter is set or removed."""
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
 
     def set_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float,
                  shard_id: int | str | None = None) -> None:
-        """Add adapter ``slot``'s delta ``(x @ a.T) @ b.T * scale`` (to one shard of a fused layer)."""
-        parallel = getattr(self, "parallel", None)
-        if parallel is not None and parallel.tp_size > 1:
-            raise ValueError("LoRA adapters are not supported with --tp-size > 1 yet")
+        """Add adapter ``slot``'s delta ``(x @ a.T) @ b.T * scale`` (to one shard of a fused layer).
+        ``a`` and ``b`` are the whole (unpartitioned) matrices; each rank keeps its part."""
+        for a_local, b_local, offset in self.lora_partition(a, b, shard_id):
+            size = b_local.shape[0]
+            if a_local.shape[1] != self.input_size or a_local.shape[0] != b_local.shape[1]:
+                raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
+                                 f"{self.input_size} -> {size} projection")
+            self.lora.setdefault(slot, []).append(
+                _LoRAPiece(offset, size, a_local.contiguous(), b_local.contiguous(), scale))
+        self.lora_fused[slot] = self._fuse(self.lora[slot])
+        self.lora_stacks.clear()
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """This rank's (A, B, output offset) pieces of a whole adapter matrix pair: the rows of B
+        this rank outputs (column-parallel) or the columns of A it takes in (row-parallel)."""
         offset, size = (0, self.output_size) if shard_id is None else self.shard_range(shard_id)
-        if a.shape[1] != self.input_size or b.shape[0] != size or a.shape[0] != b.shape[1]:
-            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
-                             f"{self.input_size} -> {size} projection")
-        self.lora.setdefault(slot, []).append(_LoRAPiece(offset, size, a, b, scale))
+        if b.shape[0] != size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection "
+                             f"with {size} outputs")
+        return [(a, b, offset)]
+
+    def _fuse(self, pieces: list[_LoRAPiece]) -> tuple[torch.Tensor, torch.Tensor]:
+        a_t = torch.cat([piece.a for piece in pieces]).T.contiguous()  # [input_size, total rank]
+        b_t = a_t.new_zeros(a_t.shape[1], self.output_size)  # [total rank, output_size]
+        rank_start = 0
+        for piece in pieces:
+            rank = piece.a.shape[0]
+            b_t[rank_start:rank_start + rank, piece.offset:piece.offset + piece.size] = \
+                piece.b.T * piece.scale
+            rank_start += rank
+        return a_t, b_t
 
     def shard_range(self, shard_id: int | str) -> tuple[int, int]:
         raise ValueError(f"{type(self).__name__} is not fused; it has no shard {shard_id!r}")
 
     def remove_lora(self, slot: int) -> None:
         self.lora.pop(slot, None)
+        self.lora_fused.pop(slot, None)
+        self.lora_stacks.clear()
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup] | None) -> torch.Tensor:
         """``out`` plus each adapter group's delta on its own rows; rows in no group are untouched."""
-        if not lora or not self.lora:
+        if not lora or not self.lora_fused:
+            return out
+        if self._add_lora_batched(x, out, lora):
             return out
         for group in lora:
-            pieces = self.lora.get(group.slot)
-            if not pieces:
+            fused = self.lora_fused.get(group.slot)
+            if fused is None:
                 continue
-            rows = x.index_select(0, group.rows)
-            for piece in pieces:
-                delta = (rows @ piece.a.T) @ piece.b.T * piece.scale
-                out[group.rows, piece.offset:piece.offset + piece.size] += delta.to(out.dtype)
+            a_t, b_t = fused
+            if group.span is not None:  # contiguous rows: views, an in-place addmm
+                start, end = group.span
+                low_rank = x[start:end].to(a_t.dtype) @ a_t  # [n, total rank]
+                if out.dtype == b_t.dtype:
+                    out[start:end].addmm_(low_rank, b_t)
+                else:
+                    out[start:end] += (low_rank @ b_t).to(out.dtype)
+                continue
+            low_rank = x.index_select(0, group.rows).to(a_t.dtype) @ a_t
+            out.index_add_(0, group.rows, (low_rank @ b_t).to(out.dtype))
         return out
+
+    def _add_lora_batched(self, x: torch.Tensor, out: torch.Tensor, lora: Sequence[LoRAGroup]) -> bool:
+        """Several adapter groups of equal size, back to back (a decode step whose streams are
+        spread evenly over the adapters, sorted by slot): one bmm pair for all of them instead of
+        a GEMM pair per group. False (nothing done) when the groups do not have that shape."""
+        if len(lora) < 2 or lora[0].span is None:
+            return False
+        start, end = lora[0].span
+        size = end - start
+        for previous, group in zip(lora, lora[1:]):
+            if group.span is None or group.span[0] != previous.span[1] or \
+                    group.span[1] - group.span[0] != size:  # type: ignore[index]
+                return False
+        slots = tuple(group.slot for group in lora)
+        if not any(slot in self.lora_fused for slot in slots):
+            return True  # none of these adapters changes this layer
+        stack = self.lora_stacks.get(slots)
+        if stack is None:
+            stack = self._stack(slots)
+            if len(self.lora_stacks) >= _MAX_LORA_STACKS:
+                self.lora_stacks.clear()
+            self.lora_stacks[slots] = stack
+        a_stack, b_stack = stack  # [G, input_size, rank], [G, rank, output_size]
+        end = start + size * len(lora)
+        rows = x[start:end].reshape(len(lora), size, -1).to(a_stack.dtype)
+        delta = torch.bmm(torch.bmm(rows, a_stack), b_stack)  # [G, size, output_size]
+        out[start:end] += delta.reshape(end - start, -1).to(out.dtype)
+        return True
+
+    def _stack(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.lora_fused.get(slot) for slot in slots]
+        present = [pair for pair in pairs if pair is not None]
+        rank = max(a_t.shape[1] for a_t, _ in present)
+        a_stack = present[0][0].new_zeros(len(slots), self.input_size, rank)
+        b_stack = present[0][0].new_zeros(len(slots), rank, self.output_size)
+        for index, pair in enumerate(pairs):  # a slot without a delta here stays zero
+            if pair is not None:
+                a_stack[index, :, :pair[0].shape[1]] = pair[0]
+                b_stack[index, :pair[1].shape[0]] = pair[1]
+        return a_stack, b_stack
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -173,10 +263,20 @@ class ColumnParallelLinear(LinearBase):
                  parallel: ParallelContext | None = None) -> None:
         self.parallel = parallel or ParallelContext.single()
         self.output_shard = self.parallel.split(output_size)
+        self.full_output_size = output_size
         super().__init__(input_size, self.output_shard.size, bias, linear_method, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _copy_checked(param, loaded.narrow(0, self.output_shard.start, self.output_shard.size))
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        if shard_id is not None:
+            self.shard_range(shard_id)  # raises: an unfused layer has no shards
+        if b.shape[0] != self.full_output_size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a "
+                             f"projection with {self.full_output_size} outputs")
+        return [(a, b.narrow(0, self.output_shard.start, self.output_shard.size), 0)]
 
 
 class RowParallelLinear(LinearBase):
@@ -192,8 +292,19 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
-        partial = self.parallel.all_reduce(self.linear_method.apply(self, x, None))
+        # Each rank adds (x_rank @ A_rank.T) @ B.T: the all-reduce sums them to the whole delta.
+        partial = self.add_lora(x, self.linear_method.apply(self, x, None), lora)
+        partial = self.parallel.all_reduce(partial)
         return partial if self.bias is None else partial + self.bias
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        if shard_id is not None:
+            self.shard_range(shard_id)  # raises: an unfused layer has no shards
+        if b.shape[0] != self.output_size:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                             f"{self.output_size} outputs")
+        return [(a.narrow(1, self.input_shard.start, self.input_shard.size), b, 0)]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias is added once, after the reduce
@@ -214,6 +325,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  parallel: ParallelContext | None = None, shards: list[Shard] | None = None) -> None:
         self.parallel = parallel or ParallelContext.single()
         self.shards = shards or [self.parallel.split(size) for size in output_sizes]
+        self.full_output_sizes = list(output_sizes)
+        """Each projection's whole output size (``output_sizes`` are this rank's)."""
         self.output_sizes = [shard.size for shard in self.shards]
         self.output_shard = Shard(0, sum(self.output_sizes))
         LinearBase.__init__(self, input_size, sum(self.output_sizes), bias, linear_method, dtype)
@@ -225,6 +338,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def _shard_index(self, shard_id: int | str) -> int:
         return int(shard_id)
+
+    def lora_partition(self, a: torch.Tensor, b: torch.Tensor, shard_id: int | str | None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """One piece per projection: B's rows of one shard, or of each shard for a delta on the
+        whole fused layer (B stacked over the projections' whole outputs, as the HF fused weight)."""
+        if shard_id is None:
+            if b.shape[0] != sum(self.full_output_sizes):
+                raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                                 f"{sum(self.full_output_sizes)} outputs")
+            return [piece for index, b_part in enumerate(b.split(self.full_output_sizes))
+                    for piece in self.lora_partition(a, b_part, index)]
+        index = self._shard_index(shard_id)
+        if b.shape[0] != self.full_output_sizes[index]:
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a projection with "
+                             f"{self.full_output_sizes[index]} outputs")
+        source = self.shards[index]
+        return [(a, b.narrow(0, source.start, source.size), self.shard_range(shard_id)[0])]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,  # type: ignore[override]
                       shard_id: int | str | None = None) -> None:

@@ -24,8 +24,10 @@ def test_dispatch_compiles_only_small_decode_steps() -> None:
     dispatch = DecodeDispatch(lambda h, b: calls.append("eager"), lambda h, b: calls.append("compiled"),
                               max_bs=4)
     for num_tokens, num_sequences in [(3, 3), (4, 4), (5, 5), (6, 3), (1, 1)]:
-        dispatch(torch.zeros(1), SimpleNamespace(num_tokens=num_tokens, num_sequences=num_sequences))
-    assert calls == ["compiled", "compiled", "eager", "eager", "compiled"]
+        dispatch(torch.zeros(1), SimpleNamespace(num_tokens=num_tokens, num_sequences=num_sequences,
+                                                 lora=[]))
+    dispatch(torch.zeros(1), SimpleNamespace(num_tokens=2, num_sequences=2, lora=["a group"]))
+    assert calls == ["compiled", "compiled", "eager", "eager", "compiled", "eager"]  # LoRA: eager
 
 
 def test_compile_with_quantization_is_refused_at_start_up() -> None:
