@@ -423,7 +423,8 @@ class ServerConfig:
         "sequences also share one fair slot in admission, so a big batch cannot starve others.")
     max_connections: int = opt(
         2048, "Most open HTTP connections; further ones are answered 503 (Retry-After) and closed "
-        "at once (bounded further by the process's open-file limit), so idle sockets cannot exhaust file handles.")
+        "at once (bounded further by the process's open-file limit), so idle sockets cannot "
+        "exhaust file handles.")
     http_header_timeout_s: float = opt(
         10.0, "Seconds a connection may take to send a request's headers (from connecting, or "
         "from the previous response); slower ones (idle or slowloris sockets) are closed.")
