@@ -360,6 +360,11 @@ class StructuredOutputConfig:
         10.0, "Seconds one grammar may take to compile (on a worker thread, off the engine step); "
         "a request whose grammar takes longer gets a 400. 10 s is far above a realistic schema's "
         "compile (milliseconds) and bounds what one request can cost; 0: no limit.")
+    disable_grammar_compile_process: bool = opt(
+        False, "Compile grammars on threads only. By default each compile worker first compiles a "
+        "spec in a child process it kills at --grammar-compile-timeout, so a timed-out compile "
+        "stops using a core at once; the child holds ~300 MB while grammars are compiled (it "
+        "exits after 2 idle minutes) and a new spec compiles twice (child, then engine).")
     max_grammar_spec_bytes: int = opt(
         32768, "Largest grammar spec (JSON schema, regex, EBNF, choice list) in bytes, refused with "
         "a 400 up front. Compile time grows superlinearly with size (xgrammar: 0.3 s for 1k "
