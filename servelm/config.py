@@ -420,6 +420,11 @@ class StructuredOutputConfig:
         10.0, "Seconds one grammar may take to compile (on a worker thread, off the engine step); "
         "a request whose grammar takes longer gets a 400. 10 s is far above a realistic schema's "
         "compile (milliseconds) and bounds what one request can cost; 0: no limit.")
+    disable_grammar_compile_process: bool = opt(
+        False, "Compile grammars on threads only. By default each compile worker first compiles a "
+        "spec in a child process it kills at --grammar-compile-timeout, so a timed-out compile "
+        "stops using a core at once; the child holds ~300 MB while grammars are compiled (it "
+        "exits after 2 idle minutes) and a new spec compiles twice (child, then engine).")
     max_grammar_spec_bytes: int = opt(
         32768, "Largest grammar spec (JSON schema, regex, EBNF, choice list) in bytes, refused with "
         "a 400 up front. Compile time grows superlinearly with size (xgrammar: 0.3 s for 1k "
@@ -482,8 +487,9 @@ class ServerConfig:
         256, "Most sequences one request may create (prompts x n); more is a 400. A request's "
         "sequences also share one fair slot in admission, so a big batch cannot starve others.")
     max_connections: int = opt(
-        2048, "Most open HTTP connections; further ones are closed at once (bounded further by "
-        "the process's open-file limit), so idle sockets cannot exhaust file handles.")
+        2048, "Most open HTTP connections; further ones are answered 503 (Retry-After) and closed "
+        "at once (bounded further by the process's open-file limit), so idle sockets cannot "
+        "exhaust file handles.")
     http_header_timeout_s: float = opt(
         10.0, "Seconds a connection may take to send a request's headers (from connecting, or "
         "from the previous response); slower ones (idle or slowloris sockets) are closed.")

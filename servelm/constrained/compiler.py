@@ -9,12 +9,17 @@ Invariants:
 - Every spec passes ``check_spec`` (size budget, satisfiability) before the backend sees it; that
   check, the compile and the backend's creation (2.5 s for xgrammar, up to 8 s for llguidance
   under load) all run on a worker: the engine thread never parses or compiles a spec.
-- A job that runs longer than ``timeout_s`` fails (a GrammarError naming
-  --grammar-compile-timeout), and so does every later request for the same spec: failures are
-  cached like results. A thread cannot be stopped, so the compile itself runs on to its end in
-  the background (the spec budget keeps that to seconds); its thread is written off and a new
-  worker takes its place, so the queue behind it keeps moving. At most ``MAX_ABANDONED_WORKERS``
-  are written off at a time: past that, compiles wait for a worker.
+- With a ``BackendRecipe`` (the engine's default), each worker first has the spec compiled in
+  its own child process (``compile_process``) within ``timeout_s``: past it the child is killed,
+  so a timed-out compile stops using a core and its memory at the deadline, and the job fails (a
+  GrammarError naming --grammar-compile-timeout). Only a spec the child compiled in time is
+  compiled in this process.
+- Without one (--disable-grammar-compile-process), a job that runs longer than ``timeout_s``
+  fails the same way, but a thread cannot be stopped: the compile runs on to its end in the
+  background (the spec budget keeps that to seconds); its thread is written off and a new
+  worker takes its place, so the queue behind it keeps moving. At most
+  ``MAX_ABANDONED_WORKERS`` are written off at a time: past that, compiles wait for a worker.
+- Failures are cached like results: a later request for the same spec fails at once.
 - Workers are daemon threads: a compile still running never holds up the engine's exit.
 """
 
@@ -28,8 +33,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from servelm.constrained.compile_process import (IDLE_S, BackendRecipe, CompileProcess,
+                                                 CompileTimeout, compile_checked)
 from servelm.constrained.grammar import GrammarBackend, GrammarError, GrammarMatcher
-from servelm.constrained.spec_check import check_spec
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +74,10 @@ class GrammarCompiler:
     """Compiles specs on ``num_workers`` threads and hands out matchers; see the module doc."""
 
     def __init__(self, make_backend: Callable[[], GrammarBackend | None], timeout_s: float,
-                 max_spec_bytes: int, num_workers: int = 1, max_entries: int = 256) -> None:
+                 max_spec_bytes: int, num_workers: int = 1, max_entries: int = 256,
+                 recipe: BackendRecipe | None = None) -> None:
+        self.recipe = recipe
+        """Builds the backend in each worker's compile process; None: compile on threads only."""
         self.timeout_s = timeout_s
         """0 means no limit (--grammar-compile-timeout)."""
         self.max_spec_bytes = max_spec_bytes
@@ -76,7 +85,8 @@ class GrammarCompiler:
         self.num_hits = 0
         self.num_misses = 0
         self._jobs: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
-        self._queue: queue.Queue[CompileJob] = queue.Queue()
+        self._queue: queue.Queue[CompileJob | None] = queue.Queue()
+        """Jobs for the workers; None tells one worker to stop (``close``)."""
         self._backend: GrammarBackend | None = None
         self._backend_error: str | None = None
         self._backend_ready = threading.Event()
@@ -84,13 +94,16 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._num_abandoned = 0
         self._num_threads = 0
+        self._threads: list[threading.Thread] = []
         for index in range(num_workers):
             self._start_worker(creates_backend=index == 0)
 
     def _start_worker(self, creates_backend: bool = False) -> None:
         self._num_threads += 1
-        threading.Thread(target=self._work, name=f"grammar-compile-{self._num_threads}", daemon=True,
-                         args=(creates_backend,)).start()
+        thread = threading.Thread(target=self._work, name=f"grammar-compile-{self._num_threads}",
+                                  daemon=True, args=(creates_backend,))
+        thread.start()
+        self._threads.append(thread)
 
     @property
     def backend(self) -> GrammarBackend | None:
@@ -116,12 +129,11 @@ class GrammarCompiler:
     def poll(self, job: CompileJob) -> Any | None:
         """The compiled grammar when done, None while compiling; GrammarError when the compile
         failed or ran past the budget."""
-        if not job.done.is_set() and self.timeout_s > 0 and job.started_s is not None \
-                and time.monotonic() - job.started_s > self.timeout_s:
+        if not job.done.is_set() and self.recipe is None and self.timeout_s > 0 \
+                and job.started_s is not None and time.monotonic() - job.started_s > self.timeout_s:
             logger.warning("grammar compile exceeded %.1f s (%s spec of %d bytes): refused",
                            self.timeout_s, job.kind, len(job.spec))
-            job.fail(f"the grammar took longer than {self.timeout_s:g} s to compile "
-                     "(--grammar-compile-timeout); simplify it or raise the limit")
+            job.fail(self._timeout_message())
             with self._lock:
                 if job.is_running and self._num_abandoned < MAX_ABANDONED_WORKERS:
                     self._num_abandoned += 1
@@ -132,6 +144,14 @@ class GrammarCompiler:
         if job.error is not None:
             raise GrammarError(job.error)
         return job.compiled
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the workers and their compile processes (waiting up to ``wait_s`` for a worker
+        to finish its current job)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(wait_s)
 
     def make_matcher(self, compiled: Any) -> GrammarMatcher:
         assert self._backend is not None, "a job is only done once the backend exists"
@@ -154,47 +174,73 @@ class GrammarCompiler:
                 self._backend_error = f"the grammar backend could not be created: {error}"
             self._backend_ready.set()
         self._backend_ready.wait()
+        process = CompileProcess(self.recipe, self.max_spec_bytes) if self.recipe else None
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=IDLE_S if process and process.is_running else None)
+            except queue.Empty:
+                assert process is not None
+                process.stop()  # idle: give its memory back until the next compile
+                continue
+            if job is None:
+                if process is not None:
+                    process.stop()
+                return
             if job.done.is_set():
                 continue
             job.is_running = True
-            self._compile(job)
+            if process is None:
+                self._compile(job)
+            elif self._check_in_process(job, process):
+                self._compile(job, is_checked=True)
             with self._lock:
                 job.is_running = False
                 if job.is_abandoned:  # replaced while it compiled: leave the pool its size
                     self._num_abandoned -= 1
                     return
 
-    def _check_can_start(self, compiled: Any) -> None:
-        """Refuse a grammar no token of this vocabulary can start (an empty language such as
-        the regex ``[^\\x00-\\U0010FFFF]``): without this, sampling under an all-zero mask picks a
-        token the grammar then rejects, a server error in the middle of the request."""
-        assert self._backend is not None
-        probe = self._backend.make_matcher(compiled)
-        if probe.is_terminated():
-            return
-        bitmask = self._backend.allocate_bitmask(1)
-        probe.fill_bitmask(bitmask, 0)
-        if not bool(bitmask.any()):
-            raise GrammarError("the grammar matches no text: no token of this model's vocabulary "
-                               "can start it")
+    def _timeout_message(self) -> str:
+        return (f"the grammar took longer than {self.timeout_s:g} s to compile "
+                "(--grammar-compile-timeout); simplify it or raise the limit")
 
-    def _compile(self, job: CompileJob) -> None:
+    def _check_in_process(self, job: CompileJob, process: CompileProcess) -> bool:
+        """Compile ``job`` in the worker's child within the budget; False (the job failed) when
+        it did not compile or ran out of time (the child is then killed)."""
+        if self._backend_error is not None:
+            job.fail(self._backend_error)
+            return False
+        try:
+            if not process.is_running:
+                process.start()  # not counted in the budget
+            job.started_s = time.monotonic()
+            error = process.check(job.kind, job.spec, self.timeout_s)
+        except CompileTimeout:
+            logger.warning("grammar compile exceeded %.1f s (%s spec of %d bytes): stopped",
+                           self.timeout_s, job.kind, len(job.spec))
+            job.fail(self._timeout_message())
+            return False
+        except Exception as error:  # the worker must live on: every later job would hang
+            logger.exception("grammar compile process failed")
+            job.fail(f"the grammar could not be compiled: {error}")
+            return False
+        if error is not None:
+            job.fail(error)
+            return False
+        return not job.done.is_set()
+
+    def _compile(self, job: CompileJob, is_checked: bool = False) -> None:
+        """Compile in this process (after the child proved it, when ``is_checked``: the time
+        budget was spent there, and this compile takes about as long)."""
         if self._backend_error is not None:
             job.fail(self._backend_error)
             return
         assert self._backend is not None
-        job.started_s = time.monotonic()
+        if not is_checked:
+            job.started_s = time.monotonic()
         try:
-            check_spec(job.kind, job.spec, self.max_spec_bytes)
-            compiled = self._backend.compile(job.kind, job.spec)
-            self._check_can_start(compiled)
+            compiled = compile_checked(self._backend, job.kind, job.spec, self.max_spec_bytes)
         except GrammarError as error:
             job.fail(str(error))
-            return
-        except (MemoryError, RecursionError, RuntimeError, ValueError) as error:
-            job.fail(f"the grammar failed to compile: {type(error).__name__}: {error}")
             return
         if not job.done.is_set():  # not already failed by the time budget
             job.compiled = compiled

@@ -20,8 +20,9 @@ from typing import Any
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import EngineConfig
+from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
-from servelm.constrained.grammar import GrammarBackend, GrammarError, check_backend_available, make_backend
+from servelm.constrained.grammar import GrammarError, check_backend_available
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
@@ -315,14 +316,13 @@ class LLMEngine:
         structured = self.config.structured
         if self.tokenizer is None or structured.grammar_backend == "none" or self.task != "generate":
             return None
-        vocab_size = self.runner.vocab_size  # declared by the Runner protocol
-
-        def create() -> GrammarBackend | None:  # on a compile worker: 2.5-8 s for a real vocab
-            return make_backend(structured.grammar_backend, self.tokenizer, vocab_size,
-                                self.eos_token_ids, structured.constrained_json_whitespace_pattern)
-
-        return GrammarCompiler(create, structured.grammar_compile_timeout,
-                               structured.max_grammar_spec_bytes)
+        recipe = BackendRecipe(structured.grammar_backend, self.tokenizer, self.runner.vocab_size,
+                               list(self.eos_token_ids),
+                               structured.constrained_json_whitespace_pattern)
+        # The backend is created on a compile worker (2.5-8 s for a real vocab).
+        return GrammarCompiler(recipe.create, structured.grammar_compile_timeout,
+                               structured.max_grammar_spec_bytes,
+                               recipe=None if structured.disable_grammar_compile_process else recipe)
 
     def _compiler(self) -> GrammarCompiler:
         if self._grammars is not None:
@@ -370,7 +370,9 @@ class LLMEngine:
         return self.fatal_error is not None or self.scheduler.has_unfinished()
 
     def shutdown(self) -> None:
-        """Stop the rank workers (nothing to do at tp 1)."""
+        """Stop the rank workers (nothing to do at tp 1) and the grammar compile workers."""
+        if self._grammars is not None:
+            self._grammars.close()
         self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     if cpus is not None:  # a data-parallel replica: its slice of the node (its TP ranks split it)
         os.sched_setaffinity(0, cpus)
     from servelm.engine.engine import LLMEngine
+    from servelm.engine.heap import release_free_memory
     from servelm.engine.monitor import StatsLogger, Watchdog
     from servelm.logging_utils import configure_logging
 
@@ -78,6 +79,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
                 watchdog.step_finished()
             if step_outputs:
                 outputs.send_pyobj(("outputs", step_outputs))
+            if not engine.has_unfinished():  # just went idle: give the burst's free pages back
+                release_free_memory()
         stats.maybe_log()
 
 

@@ -5,9 +5,11 @@ engine embedding request; they are submitted together, so the scheduler computes
 same forward when they fit its step.
 
 Invariants:
-- Inputs are checked here: none may be empty, token ids must be in the vocabulary, and each input
-  must fit ``max_embedding_tokens`` (the context, one step and the KV pool: an input is never
-  chunked) unless ``truncate_prompt_tokens`` asks to keep only its last k tokens (vLLM's rule).
+- Inputs are checked here: at most ``--max-sequences-per-request`` of them (each is an engine
+  request; counted before any is tokenized), none may be empty, token ids must be in the
+  vocabulary, and each input must fit ``max_embedding_tokens`` (the context, one step and the
+  KV pool: an input is never chunked) unless ``truncate_prompt_tokens`` asks to keep only its
+  last k tokens (vLLM's rule).
 - ``dimensions`` other than the model's size is served only when the pooler config says the model
   is Matryoshka-trained; the vector is then cut and renormalized (when the model normalizes).
 - ``encoding_format`` base64 is the little-endian float32 bytes of the vector, as OpenAI sends it.
@@ -32,8 +34,9 @@ from servelm.server.serving import ServingContext, new_id
 _API = "Embeddings"
 
 
-def _items(value: Any, param: str) -> list[str | list[int]]:
-    """One input or a batch -> a list of inputs (a string or a token id list each)."""
+def _items(ctx: ServingContext, value: Any, param: str) -> list[str | list[int]]:
+    """One input or a batch -> a list of inputs (a string or a token id list each), at most
+    ``--max-sequences-per-request`` of them (each becomes an engine request)."""
     if isinstance(value, str):
         items: list[str | list[int]] = [value]
     elif value and all(isinstance(item, int) for item in value):
@@ -42,6 +45,7 @@ def _items(value: Any, param: str) -> list[str | list[int]]:
         items = list(value or [])
     if not items:
         raise InvalidRequestError(f"{param} must not be empty", param)
+    ctx.check_num_sequences(len(items), param, "one per input")
     for item in items:
         if not item:
             raise InvalidRequestError(f"{param} must not contain an empty string or token list", param)
@@ -124,7 +128,7 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> JS
     priority = ctx.request_priority(request.priority)
     token_lists = [await _tokens(ctx, item, "input", add_special_tokens=request.add_special_tokens,
                                  truncate_prompt_tokens=request.truncate_prompt_tokens)
-                   for item in _items(request.input, "input")]
+                   for item in _items(ctx, request.input, "input")]
     base_id = new_id("embd")
     vectors = await _embed_all(ctx, token_lists, base_id, priority)
     data = []
@@ -146,7 +150,7 @@ async def encode(ctx: ServingContext, request: EncodeRequest) -> JSONResponse:
         raise InvalidRequestError("give exactly one of text and input_ids", "text")
     param = "text" if request.text is not None else "input_ids"
     value = request.text if request.text is not None else request.input_ids
-    items = _items(value, param)
+    items = _items(ctx, value, param)
     is_batch = not isinstance(value, str) and not (value and isinstance(value[0], int))
     token_lists = [await _tokens(ctx, item, param, add_special_tokens=True,
                                  truncate_prompt_tokens=None) for item in items]

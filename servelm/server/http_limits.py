@@ -8,14 +8,19 @@ Invariants:
   has waited ``--http-header-timeout-s``, however slowly it trickles bytes; a request whose body
   has not fully arrived ``--http-body-timeout-s`` after its headers is closed (the route sees a
   disconnect). A request being answered or streamed is never timed out here.
-- At most ``--max-connections`` connections are open (and never more than the open-file limit
-  allows, less a reserve for the engine's sockets and files); a connection past that is closed
-  as soon as it is accepted.
+- At most ``--max-connections`` connections are served (and never more than the open-file limit
+  allows, less a reserve for the engine's sockets and files). A connection past that is answered
+  at once, before its request is read, with a 503 (OpenAI error JSON, ``Retry-After``,
+  ``Connection: close``); the server then stops writing, discards what the client sends (so the
+  client reads the answer rather than a reset) and closes it when the client does or after
+  ``REFUSED_LINGER_S``. At most ``MAX_REFUSED_LINGERING`` refused connections linger at once (they
+  hold file handles too); past that a new one is closed with nothing said.
 - uvicorn's error log gets the same repeat filter as servelm's (logging_utils.RepeatFilter).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -23,11 +28,27 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from servelm.logging_utils import RepeatFilter
+from servelm.server.errors import RETRY_AFTER_S, error_body
 
 logger = logging.getLogger(__name__)
 
 FILE_RESERVE = 256
 """File handles kept back from connections: sockets to the engine, log files, the tokenizer."""
+
+REFUSED_LINGER_S = 2.0
+"""How long a connection refused with a 503 stays open for the client to read the answer."""
+
+MAX_REFUSED_LINGERING = 64
+"""Refused connections lingering at once (a quarter of FILE_RESERVE): past it, a plain close."""
+
+
+def _refusal(max_connections: int) -> bytes:
+    body = json.dumps(error_body(
+        f"The server has {max_connections} open connections, its limit (--max-connections); "
+        "retry shortly", "server_error")).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+            % (RETRY_AFTER_S, len(body))) + body
 
 
 def connection_limit(configured: int) -> int:
@@ -50,19 +71,46 @@ def guarded_protocol(max_connections: int, header_timeout_s: float,
                      body_timeout_s: float) -> type[H11Protocol]:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` enforcing the limits above."""
 
+    refusal = _refusal(max_connections)
+    num_lingering = 0
+
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._state_since_s = time.monotonic()
             self._seen_cycle: object | None = None
-            if len(self.connections) > max_connections:
-                logger.warning("connection limit reached (%d open, --max-connections); closing "
-                               "new connections", max_connections)
-                transport.close()
+            self._is_refused = len(self.connections) > max_connections
+            self._is_lingering = False
+            if self._is_refused:
+                self.connections.discard(self)  # the limit counts served connections only
+                logger.warning("connection limit reached (%d open, --max-connections); answering "
+                               "new connections 503", max_connections)
+                self._refuse()
                 return
             self._schedule_check()
 
+        def _refuse(self) -> None:
+            nonlocal num_lingering
+            if num_lingering >= MAX_REFUSED_LINGERING or not self.transport.can_write_eof():
+                self.transport.write(refusal)  # a TLS transport cannot half-close: best effort
+                self.transport.close()
+                return
+            num_lingering += 1
+            self._is_lingering = True
+            self.transport.write(refusal)
+            self.transport.write_eof()
+            self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            nonlocal num_lingering
+            if self._is_lingering:
+                num_lingering -= 1
+                self._is_lingering = False
+            super().connection_lost(exc)
+
         def data_received(self, data: bytes) -> None:
+            if self._is_refused:
+                return  # answered already; read and dropped so that closing sends no reset
             super().data_received(data)
             if self.cycle is not self._seen_cycle:  # a new request's headers are complete
                 self._seen_cycle = self.cycle

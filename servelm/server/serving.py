@@ -146,13 +146,15 @@ class ServingContext:
                                       "--skip-tokenizer-init; send token ids instead", param)
         return self.tokenizer
 
-    def check_num_sequences(self, num_sequences: int) -> None:
-        """400 when one request would create more sequences (prompts x n) than allowed."""
+    def check_num_sequences(self, num_sequences: int, param: str = "n",
+                            what: str = "prompts x n") -> None:
+        """400 when one request would create more sequences (prompts x n, or embedding inputs)
+        than allowed."""
         limit = self.config.server.max_sequences_per_request
         if num_sequences > limit:
             raise InvalidRequestError(
-                f"this request would create {num_sequences} sequences (prompts x n); the server "
-                f"allows at most {limit} per request (--max-sequences-per-request)", "n")
+                f"this request would create {num_sequences} sequences ({what}); the server "
+                f"allows at most {limit} per request (--max-sequences-per-request)", param)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         upper = self.vocab_size

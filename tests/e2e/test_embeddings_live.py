@@ -79,6 +79,21 @@ def test_errors_in_openai_format(client):
         client.embeddings.create(model="other-model", input="hello")
 
 
+def test_too_many_inputs_is_a_400(server, client):
+    """One input is one engine request: a list longer than --max-sequences-per-request (256 by
+    default) is refused before anything is tokenized, on /v1/embeddings and /encode alike."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.embeddings.create(model=MODEL, input=["a"] * 257)
+    assert error.value.body["param"] == "input"
+    assert "--max-sequences-per-request" in error.value.body["message"]
+    ids = httpx.post(f"{server.base_url}/v1/embeddings", timeout=60,
+                     json={"model": MODEL, "input": [[101, 102]] * 1000})
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "input", ids.text
+    native = httpx.post(f"{server.base_url}/encode", timeout=60, json={"text": ["a"] * 300})
+    assert native.status_code == 400 and native.json()["error"]["param"] == "text", native.text
+    assert len(client.embeddings.create(model=MODEL, input=["a"] * 4).data) == 4
+
+
 def test_metrics_count_embedding_requests(server, client):
     def finished_and_prompt_tokens() -> tuple[float, float]:
         text = httpx.get(f"{server.base_url}/metrics").text

@@ -2,7 +2,8 @@
 
 - Idle and slowloris sockets are closed after the header timeout; a body that never completes is
   closed after the body timeout; connections past --max-connections are closed at once; normal
-  requests keep working throughout.
+  requests keep working throughout. A connection past the limit is answered 503 with
+  Retry-After before it is closed.
 - A 413 closes the connection.
 - /get_server_info answers within seconds while the engine is stopped (SIGSTOP), from the last
   known figures and their age; /health_generate stays cheap and 200 while the server is busy.
@@ -91,6 +92,32 @@ def test_idle_slow_and_excess_connections_are_closed(server):
         stop.set()
         for sock in [*idle, slow, body, *excess]:
             sock.close()
+
+
+def test_a_connection_past_the_limit_gets_a_503(server):
+    """Past --max-connections a new connection is answered 503 + Retry-After (OpenAI error JSON)
+    and closed, instead of being dropped with nothing said."""
+    held = [_connect(server) for _ in range(40)]  # the limit; they close after the 2 s header timeout
+    try:
+        time.sleep(0.2)
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=10,
+                              json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.headers["connection"] == "close"
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "--max-connections" in error["message"]
+        raw = _connect(server)  # a client that sends nothing reads the same answer, then EOF
+        raw.settimeout(5)
+        head = raw.recv(4096)
+        assert head.startswith(b"HTTP/1.1 503"), head[:100]
+        assert _is_closed_by_server(raw, 5)
+        raw.close()
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.5)
+    assert _complete(server).status_code == 200
 
 
 def test_413_closes_the_connection(server):

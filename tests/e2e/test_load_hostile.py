@@ -30,7 +30,12 @@ from .server_process import ServerProcess
 MODEL = "smollm2-135m"
 ARGS = [MODEL, "--context-length", "512", "--num-threads", "1", "--trust-request-chat-template",
         "--http-header-timeout-s", "5", "--http-body-timeout-s", "5"]
-LOAD_S = float(os.environ.get("SERVELM_HOSTILE_LOAD_S", "180"))
+LOAD_S = float(os.environ.get("SERVELM_HOSTILE_LOAD_S", "200"))
+NUM_ROUNDS = 4
+ROUND_GROWTH_BYTES = 100 << 20
+"""Most RSS one of the last two rounds may add (measured: see benchmarks/RESULTS.md)."""
+TOTAL_GROWTH_BYTES = 500 << 20
+"""Most RSS the whole run may add over the idle server (measured: see benchmarks/RESULTS.md)."""
 NORMAL_MAX_TOKENS = 16
 NESTED_LOOP = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
                "{{ messages[0]['content'] }}")
@@ -198,21 +203,23 @@ def _round(server: ServerProcess, seconds: float, with_alone: bool
 
 @pytest.mark.slow
 def test_hostile_mix_beside_normal_users():
-    """Two rounds of LOAD_S / 2: memory after the second round must match the first (the first
-    round's growth is the allocators' high-water mark of a 64-sequence batch, not a leak)."""
+    """NUM_ROUNDS rounds of LOAD_S / NUM_ROUNDS after a warm-up of normal users alone: memory
+    must level off round over round and stay within a fixed bound of the warmed-up idle figure
+    (the engine trims its heap when it goes idle; what stays is the allocators' and oneDNN's
+    per-shape working set of a 64-sequence batch, see benchmarks/RESULTS.md)."""
     with ServerProcess(ARGS) as server:
         idle_rss, idle_fds = _tree_memory(server.process.pid)
         rounds = []
         memory = []
-        for index in range(2):
-            rounds.append(_round(server, LOAD_S / 2, with_alone=index == 0))
+        for index in range(NUM_ROUNDS):
+            rounds.append(_round(server, LOAD_S / NUM_ROUNDS, with_alone=index == 0))
             time.sleep(10)  # idle sockets time out, the pool drains
             memory.append(_tree_memory(server.process.pid))
         info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
         assert server.process.poll() is None, "the server exited"
         alone = rounds[0][1]
-        latencies = rounds[0][2] + rounds[1][2]
-        ttft = rounds[0][3] + rounds[1][3]
+        latencies = [value for round_ in rounds for value in round_[2]]
+        ttft = [value for round_ in rounds for value in round_[3]]
         p50, p95 = statistics.median(latencies), sorted(latencies)[int(0.95 * len(latencies))]
         print(f"\nnormal alone: {len(alone)} requests, median {statistics.median(alone):.2f} s")
         print(f"normal under attack: {len(latencies)} requests, median {p50:.2f} s, p95 {p95:.2f} s, "
@@ -221,10 +228,9 @@ def test_hostile_mix_beside_normal_users():
         for index, (tally, *_) in enumerate(rounds):
             print(f"round {index + 1} statuses:",
                   {kind: dict(counts) for kind, counts in tally.statuses.items()})
-        print(f"memory (front end + engine RSS, front-end fds): idle {idle_rss / 2**20:.0f} MiB "
-              f"{idle_fds}; after round 1 {memory[0][0] / 2**20:.0f} MiB {memory[0][1]}; after "
-              f"round 2 {memory[1][0] / 2**20:.0f} MiB {memory[1][1]}; engine running="
-              f"{info['num_running']} waiting={info['num_waiting']}")
+        print(f"memory (front end + engine RSS MiB, front-end fds): idle {idle_rss >> 20} {idle_fds}; "
+              + "; ".join(f"after round {i + 1} {rss >> 20} {fds}" for i, (rss, fds) in enumerate(memory))
+              + f"; engine running={info['num_running']} waiting={info['num_waiting']}")
         for tally, *_ in rounds:
             assert not tally.errors, tally.errors[:10]
             for kind, counts in tally.statuses.items():
@@ -235,6 +241,7 @@ def test_hostile_mix_beside_normal_users():
         assert sorted(ttft)[int(0.95 * len(ttft))] < 10.0, ttft
         assert p95 < 20.0, p95
         assert info["num_running"] == 0 and info["num_waiting"] == 0
-        assert memory[1][0] < memory[0][0] + 100 * 2**20, memory  # no growth round over round
-        assert memory[0][0] < idle_rss + 600 * 2**20, (idle_rss, memory)
-        assert memory[1][1] <= idle_fds + 20, (idle_fds, memory)
+        growth = [later[0] - earlier[0] for earlier, later in zip(memory, memory[1:])]
+        assert max(growth[-2:]) < ROUND_GROWTH_BYTES, (idle_rss, memory)  # levelling off
+        assert memory[-1][0] < idle_rss + TOTAL_GROWTH_BYTES, (idle_rss, memory)
+        assert memory[-1][1] <= idle_fds + 20, (idle_fds, memory)

@@ -8,8 +8,8 @@ and the normal stream's tokens keep coming.
 
 The server runs with the spec budget raised (--max-grammar-spec-bytes 100000) so one schema
 (thousands of optional properties: seconds of compile) passes the up-front checks and reaches
-the engine, where a short --grammar-compile-timeout refuses it while it compiles on a worker
-thread. The llguidance server (lazy masks: a faster compile) runs in the slow set.
+the engine, where a short --grammar-compile-timeout refuses it and kills the process compiling it
+(afterwards the idle engine uses no CPU: nothing compiles on). The llguidance server (lazy masks: a faster compile) runs in the slow set.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import psutil
 import pytest
 
 from .server_process import ServerProcess
@@ -131,6 +132,15 @@ def test_hostile_grammars_are_400s_while_a_normal_stream_decodes(server):
     assert during_stream, "the stream ended before the hostile requests did: nothing was measured"
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
     assert server.process is not None and server.process.poll() is None
+    # The timed-out compile was stopped, not left running on a thread: the idle engine (and its
+    # compile process, if one runs) uses next to no CPU now.
+    engine = min((c for c in psutil.Process(server.process.pid).children()
+                  if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+    tree = [engine, *engine.children(recursive=True)]
+    before = sum(sum(p.cpu_times()[:2]) for p in tree if p.is_running())
+    time.sleep(2.0)
+    after = sum(sum(p.cpu_times()[:2]) for p in tree if p.is_running())
+    assert after - before < 0.6, f"the engine used {after - before:.1f} CPU s in 2 s idle"
 
 
 def test_structured_output_still_works_after_hostile_requests(server):

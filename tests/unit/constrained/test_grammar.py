@@ -60,8 +60,9 @@ def make_engine(tokenizer, num_blocks: int = 64, jump_forward: bool = True, back
     vocab_size = len(tokenizer)
     runner = FakeRunner(num_blocks=num_blocks, block_size=4, vocab_size=vocab_size)
     config = EngineConfig(scheduler=SchedulerConfig(**scheduler),
-                          structured=StructuredOutputConfig(grammar_backend=backend,
-                                                            disable_jump_forward=not jump_forward))
+                          structured=StructuredOutputConfig(
+                              grammar_backend=backend, disable_jump_forward=not jump_forward,
+                              disable_grammar_compile_process=True))  # test_compile_process.py
     return LLMEngine(config, runner=runner,
                      tokenizer=tokenizer, eos_token_ids=[tokenizer.eos_token_id], context_length=512)
 

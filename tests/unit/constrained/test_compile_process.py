@@ -1,0 +1,85 @@
+"""A compile that runs past --grammar-compile-timeout stops at the deadline (issue 19).
+
+The compile runs in a child process the worker kills at the timeout, so the 400 comes at the
+deadline and, from then on, nothing compiles the spec: no thread or process burns CPU on it.
+Before, the compile ran on a worker thread nobody could stop: after the 400 it went on for the
+25 s (xgrammar) it needed, a core busy and its memory growing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+from servelm.constrained.compile_process import BackendRecipe
+from servelm.constrained.compiler import GrammarCompiler
+from servelm.constrained.grammar import GrammarError
+from tests.unit.constrained.test_grammar import installed_backends, tokenizer  # noqa: F401
+
+SLOW_PROPERTIES = {"xgrammar": 2000, "llguidance": 12000}
+"""Optional properties whose compile takes far longer than the 1 s budget on the byte tokenizer
+(xgrammar 25 s for 2000; llguidance 1.2 s for 2000, growing superlinearly)."""
+
+
+@pytest.fixture(params=installed_backends())
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    """CPU seconds of this process and every live child."""
+    total = sum(process.cpu_times()[:2])
+    for child in process.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _wait(compiler: GrammarCompiler, job, timeout_s: float = 300.0):  # type: ignore[no-untyped-def]
+    """Poll as the engine step does until the job is resolved."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        compiled = compiler.poll(job)
+        if compiled is not None:
+            return compiled
+        time.sleep(0.05)
+    raise AssertionError("the compile job never finished")
+
+
+def test_a_timed_out_compile_is_stopped_at_the_deadline(tokenizer, backend, request):
+    recipe = BackendRecipe(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id], None)
+    compiler = GrammarCompiler(recipe.create, 1.0, 1 << 20, recipe=recipe)
+    request.addfinalizer(compiler.close)
+    assert _wait(compiler, compiler.submit("regex", "[a-c]{3}")) is not None  # the child is up
+    [child] = [c for c in psutil.Process().children()
+               if "compile_process" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+    schema = {"type": "object",
+              "properties": {f"p{i}": {"type": "integer"} for i in range(SLOW_PROPERTIES[backend])}}
+    started = time.monotonic()
+    slow = compiler.submit("json", json.dumps(schema))
+    with pytest.raises(GrammarError, match="longer than 1 s to compile"):
+        _wait(compiler, slow)
+    assert time.monotonic() - started < 10  # the deadline, not the compile's end
+    child.wait(10)  # killed
+    me = psutil.Process()
+    before = _cpu_s(me)
+    time.sleep(2.0)
+    assert _cpu_s(me) - before < 0.5, "something still compiles the timed-out spec"
+    # The worker goes on: the next spec gets a fresh child and compiles.
+    assert _wait(compiler, compiler.submit("regex", "[d-f]{2}")) is not None
+    with pytest.raises(GrammarError):  # the failure is cached: no second compile
+        compiler.poll(compiler.submit("json", json.dumps(schema)))
+
+
+def test_a_bad_spec_is_refused_by_the_child_with_the_backends_message(tokenizer, backend, request):
+    recipe = BackendRecipe(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id], None)
+    compiler = GrammarCompiler(recipe.create, 10.0, 1 << 20, recipe=recipe)
+    request.addfinalizer(compiler.close)
+    with pytest.raises(GrammarError, match="matches no text"):
+        _wait(compiler, compiler.submit("regex", "[^\\x00-\\U0010FFFF]"))
+    assert _wait(compiler, compiler.submit("choice", json.dumps(["yes", "no"]))) is not None
