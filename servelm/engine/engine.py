@@ -28,8 +28,10 @@ from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.engine.speculation import Speculation
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
+from servelm.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  tokenizer: Any | None = None, eos_token_ids: list[int] | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, proposer: Proposer | None = None) -> None:
+        """``proposer`` replaces the one --speculative-algorithm names (tests force drafts)."""
         self.config = config
         check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
         self.model_info: dict[str, Any] = {}
@@ -67,6 +70,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
                                    self.prefix_cache, seed=config.model.seed)
         self.executor = Executor(runner)
+        self.speculation = Speculation(config.speculative, proposer)
+        """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
         embedding model); the backend itself is created on a worker at start-up."""
@@ -295,6 +300,7 @@ class LLMEngine:
         if self.fatal_error is not None:
             raise self.fatal_error
         refused = self._resolve_grammars()
+        self.speculation.propose(self.scheduler)
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
         if scheduled.is_empty and self._compiling:  # nothing runs but compiles: do not spin
@@ -328,6 +334,7 @@ class LLMEngine:
 
     def _update(self, scheduled: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         self.num_steps += 1
+        self.speculation.record(scheduled, results)
         touched = self.scheduler.update(scheduled, results)
         outputs = []
         interval = self.config.scheduler.stream_interval
@@ -338,6 +345,8 @@ class LLMEngine:
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
+            if request.is_finished:
+                self.speculation.release(request)
             outputs.append(self._make_output(request))
         self.num_generated_tokens += sum(len(r.token_ids) for r in results)
         return outputs
@@ -377,6 +386,9 @@ class LLMEngine:
         stop = detokenizer.add_tokens(request.output_token_ids)
         if stop is None:
             return
+        # With speculation several tokens arrive at once: those after the one completing the stop
+        # string were never generated as far as the client is concerned.
+        self.scheduler.truncate_output(request, detokenizer.num_output_tokens)
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:
@@ -451,4 +463,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
+            "speculative": self.speculation.stats(),
         }

@@ -47,5 +47,6 @@ class NgramProposer:
             for start in starts[::-1]:
                 if np.array_equal(tokens[start:start + n], suffix):
                     follow = start + n
-                    return tokens[follow:follow + max_tokens].tolist()
+                    draft: list[int] = tokens[follow:follow + max_tokens].tolist()
+                    return draft
         return []
