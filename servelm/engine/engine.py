@@ -463,5 +463,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
-            "speculative": self.speculation.stats(),
+            **self.speculation.stats(),
         }

@@ -12,9 +12,9 @@ Invariants:
   request's drafts are cleared, so a draft is verified in the step right after it was proposed
   or never.
 - In a step where ``--speculative-disable-by-batch-size`` or more requests run, nothing is drafted.
-- Figures count verify passes of one request with at least one draft: ``mean_accept_length`` is
-  the tokens such a pass emitted (accepted drafts + the model's own token), ``acceptance_rate``
-  the share of drafted tokens accepted.
+- Figures count verify passes of one request with at least one draft: ``spec_accept_length`` is
+  the mean of the tokens such a pass emitted (accepted drafts + the model's own token),
+  ``spec_acceptance_rate`` the share of drafted tokens accepted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from servelm.config import SpeculativeConfig
+from servelm.engine.monitor import acceptance_figures
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
@@ -89,16 +90,14 @@ class Speculation:
             self.proposer.release(request.request_id)
 
     def stats(self) -> dict[str, Any]:
-        """The acceptance figures (for /get_server_info, /metrics, the stats line and bench)."""
+        """The acceptance figures, flat so data-parallel replicas' counts sum (/get_server_info,
+        /metrics, the stats line, bench). Empty when speculation is off."""
         if self.proposer is None:
-            return {"algorithm": None}
-        return {
-            "algorithm": self.proposer.name,
-            "num_speculative_tokens": self.config.num_speculative_tokens,
-            "num_verify_passes": self.num_verify_passes,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "acceptance_rate": round(self.num_accepted_tokens / max(1, self.num_draft_tokens), 4),
-            "mean_accept_length": round((self.num_accepted_tokens + self.num_verify_passes)
-                                        / max(1, self.num_verify_passes), 4),
-        }
+            return {}
+        return {"speculative_algorithm": self.proposer.name,
+                "spec_num_verify_passes": self.num_verify_passes,
+                "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                **acceptance_figures(self.num_verify_passes, self.num_draft_tokens,
+                                     self.num_accepted_tokens)}
+

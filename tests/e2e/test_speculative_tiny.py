@@ -112,12 +112,12 @@ def test_greedy_identical_with_ngram_and_forced_drafts(tiny_model):
 
     ngram = make_engine(path, "NGRAM")
     assert generate(ngram, params, token_lists) == plain, arch
-    assert ngram.stats()["speculative"]["num_draft_tokens"] > 0
+    assert ngram.stats()["spec_num_draft_tokens"] > 0
 
     replay = make_engine(path, "NGRAM", ReplayProposer(plain, wrong_every=7))
     assert generate(replay, params, token_lists) == plain, arch
-    stats = replay.stats()["speculative"]
-    assert stats["mean_accept_length"] > 2.5 and stats["acceptance_rate"] < 1.0, stats
+    stats = replay.stats()
+    assert stats["spec_accept_length"] > 2.5 and stats["spec_acceptance_rate"] < 1.0, stats
 
 
 def test_greedy_identical_under_chunked_prefill_and_preemption(tiny_model):
@@ -158,11 +158,11 @@ def test_sampled_first_tokens_keep_the_model_distribution(llama_model, agreement
     engine = make_engine(path, "NGRAM", ReplayProposer(fixed=draft), k=3)
     speculative = generate(engine, params, token_lists)
     assert speculative == plain
-    stats = engine.stats()["speculative"]
+    stats = engine.stats()
     if agreement == "often":  # the first draft alone is kept with probability p(top)
-        assert stats["num_accepted_tokens"] > 0.7 * NUM_SEEDS * float(probs[top]), stats
+        assert stats["spec_num_accepted_tokens"] > 0.7 * NUM_SEEDS * float(probs[top]), stats
     else:  # a token outside the top 6 can never be sampled
-        assert stats["num_accepted_tokens"] == 0 and stats["num_draft_tokens"] > 0, stats
+        assert stats["spec_num_accepted_tokens"] == 0 and stats["spec_num_draft_tokens"] > 0, stats
     counts = torch.zeros_like(probs)
     for tokens in speculative.values():
         counts[tokens[0]] += 1

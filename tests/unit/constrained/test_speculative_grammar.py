@@ -83,8 +83,8 @@ def test_json_schema_outputs_equal_plain_decoding(tokenizer, backend, jump_forwa
     assert speculative == plain
     for _, text in speculative.values():
         jsonschema.validate(json.loads(text), SCHEMA)
-    stats = engine.stats()["speculative"]
-    assert stats["num_draft_tokens"] > 0
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
     if noise == 0.0:
-        assert stats["acceptance_rate"] == 1.0
+        assert stats["spec_acceptance_rate"] == 1.0
     assert engine.stats()["num_used_blocks"] == 0

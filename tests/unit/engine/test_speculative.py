@@ -81,7 +81,7 @@ def make(proposer: str | None, num_blocks: int = 64, tokenizer=None, cache: bool
 
 
 def spec_stats(engine: LLMEngine) -> dict:
-    return engine.stats()["speculative"]
+    return engine.stats()
 
 
 @pytest.mark.parametrize("proposer", ["oracle", "perfect", "random", "ngram"])
@@ -95,11 +95,11 @@ def test_greedy_tokens_equal_plain_decoding_for_any_drafts(proposer):
     assert engine.stats()["num_used_blocks"] == 0 and engine.block_pool.num_free_blocks == 64
     stats = spec_stats(engine)
     if proposer == "perfect":
-        assert stats["acceptance_rate"] == 1.0 and stats["mean_accept_length"] > 4.0
+        assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_accept_length"] > 4.0
     if proposer == "oracle":
-        assert 0.3 < stats["acceptance_rate"] < 1.0
+        assert 0.3 < stats["spec_acceptance_rate"] < 1.0
     if proposer != "ngram":
-        assert stats["num_draft_tokens"] > 0
+        assert stats["spec_num_draft_tokens"] > 0
 
 
 def test_accepted_runs_save_model_steps():
@@ -146,7 +146,7 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_and_text(stream_interval
     plain = run_all(plain_engine, requests)
     engine, _ = make("perfect", tokenizer=CharTokenizer(), stream_interval=stream_interval)
     tokens, texts, finished = run_all(engine, requests)
-    assert spec_stats(engine)["mean_accept_length"] > 2
+    assert spec_stats(engine)["spec_accept_length"] > 2
     assert tokens == plain[0]
     assert tokens["a"] == expected[:cut + len(stop)]            # not the rest of the accepted run
     assert texts["a"] == text[:cut] and texts["b"] == text[:cut + len(stop)]
@@ -200,7 +200,7 @@ def test_rejected_drafts_never_enter_the_prefix_cache():
     prompt = PROMPTS[5]
     tokens, _, _ = run_all(engine, {"a": (prompt, greedy(40))})
     stats = spec_stats(engine)
-    assert stats["num_draft_tokens"] > 100 and stats["acceptance_rate"] < 0.2
+    assert stats["spec_num_draft_tokens"] > 100 and stats["spec_acceptance_rate"] < 0.2
     path = prompt + tokens["a"]
     cache = engine.prefix_cache
     assert cache is not None
@@ -217,10 +217,10 @@ def test_disable_by_batch_size():
     requests = {str(i): (prompt, greedy(12)) for i, prompt in enumerate(PROMPTS[:4])}
     engine, _ = make("perfect", disable_by_batch_size=2)
     tokens, _, _ = run_all(engine, requests)
-    assert spec_stats(engine)["num_draft_tokens"] == 0   # 4 requests run together throughout
+    assert spec_stats(engine)["spec_num_draft_tokens"] == 0   # 4 requests run together throughout
     engine, _ = make("perfect", disable_by_batch_size=5)
     assert run_all(engine, requests)[0] == tokens
-    assert spec_stats(engine)["num_draft_tokens"] > 0
+    assert spec_stats(engine)["spec_num_draft_tokens"] > 0
 
 
 def test_rejected_drafts_blocks_are_freed_after_each_step():
