@@ -76,9 +76,10 @@ def prompts(tokenizer: Any, batch_size: int) -> list[list[int]]:
     return result
 
 
-def make_engine(model: str, algorithm: str | None, num_tokens: int, threads: int | None) -> LLMEngine:
+def make_engine(model: str, algorithm: str | None, num_tokens: int, threads: int | None,
+                dtype: str = "auto") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(model=model),
+        model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(max_total_tokens=16384, disable_radix_cache=True),
         scheduler=SchedulerConfig(max_prefill_tokens=4096, chunked_prefill_size=4096),
         runtime=RuntimeConfig(num_threads=threads),
@@ -111,11 +112,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto",
+                        help="auto is bfloat16 on CPUs with AVX512-BF16/AMX: there greedy tokens "
+                        "depend on the step's shape (as with batching); float32 makes them exact")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     load_before = os.getloadavg()[0]
-    engines = {"plain": make_engine(args.model, None, args.num_speculative_tokens, args.num_threads),
-               "ngram": make_engine(args.model, "NGRAM", args.num_speculative_tokens, args.num_threads)}
+    engines = {name: make_engine(args.model, algorithm, args.num_speculative_tokens,
+                                 args.num_threads, args.dtype)
+               for name, algorithm in (("plain", None), ("ngram", "NGRAM"))}
     tokenizer = engines["plain"].tokenizer
     warm = prompts(tokenizer, 1)
     for engine in engines.values():
@@ -144,7 +149,8 @@ def main() -> None:
         print(f"B={batch_size}: plain {plain_speed:.1f} tok/s, ngram {speed:.1f} tok/s", flush=True)
     load_after = os.getloadavg()[0]
     print(f"\n`benchmarks/spec_ngram.py --batch-sizes {args.batch_sizes} --max-tokens {args.max_tokens} "
-          f"--num-speculative-tokens {args.num_speculative_tokens}` on {args.model}, "
+          f"--num-speculative-tokens {args.num_speculative_tokens} --dtype {args.dtype}` on "
+          f"{args.model} ({engines['plain'].model_info.get('dtype', args.dtype)}), "
           f"{platform.machine()} ({_cpu_name()}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load average before {load_before:.2f}, "
           f"after {load_after:.2f}\n")

@@ -286,6 +286,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        self.speculation.release(request)
         return self._make_output(request)
 
     def has_unfinished(self) -> bool:
