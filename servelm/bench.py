@@ -178,12 +178,20 @@ def run_offline(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, A
             results.append(result)
             print(f"batch {batch_size}: prefill {prefill_s:.2f} s, total {total_s:.2f} s",
                   file=sys.stderr, flush=True)
+        info = engine.get_server_info()
     finally:
         engine.shutdown()
     print(f"model: {config.model.model}")
     print(format_offline(results, startup_s))
+    speculative = {key: value for key, value in info.items()
+                   if key == "speculative_algorithm" or key.startswith("spec_")}
+    if speculative:
+        print(f"speculative decoding ({speculative['speculative_algorithm']}): accept length "
+              f"{speculative['spec_accept_length']:.2f} tokens per verify pass, acceptance rate "
+              f"{100 * speculative['spec_acceptance_rate']:.1f}% of "
+              f"{speculative['spec_num_draft_tokens']} drafted tokens")
     return {"mode": "offline", "model": config.model.model, "startup_s": startup_s,
-            "results": [r.to_dict() for r in results]}
+            "results": [r.to_dict() for r in results], **speculative}
 
 
 # --- serve ---------------------------------------------------------------------------------------

@@ -199,6 +199,21 @@ def _lightllm_quant_type(text: str) -> str:
                      f"ao-int4wo-<group> with group {'/'.join(_INT4_GROUPS)}; got {text!r}")
 
 
+def _sglang_num_draft_tokens(text: str) -> int:
+    # SGLang counts the tokens of one verify pass, the last accepted token included: N -> k = N - 1.
+    value = int(text)
+    if value < 2:
+        raise ValueError(f"must be at least 2 (the accepted token plus one draft), got {value}")
+    return value - 1
+
+
+def _vllm_speculative_model(text: str) -> str:
+    if text.strip().lower() in ("[ngram]", "ngram"):
+        return "NGRAM"
+    raise ValueError(f"{text!r}: only [ngram] (prompt lookup) is supported; a draft model is not "
+                     "built yet")
+
+
 # --- aliases -----------------------------------------------------------------------------------
 
 ALIASES: tuple[Alias, ...] = (
@@ -275,6 +290,17 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--quant_type",), "quantization", "LightLLM", _lightllm_quant_type, example=("vllm-w8a8",),
           note="vllm-w8a8 and ao-int8dq -> w8a8_int8; ao-int8wo -> int8wo; ao-int4wo-<g> -> int4wo-<g>",
           metavar="{none,vllm-w8a8,ao-int8dq,ao-int8wo,ao-int4wo-<g>}"),
+    Alias(("--speculative-num-draft-tokens",), "num_speculative_tokens", "SGLang",
+          _sglang_num_draft_tokens, example=("3",),
+          note="tokens per verify pass including the last accepted one: N -> N - 1 drafts"),
+    Alias(("--speculative-num-steps",), "num_speculative_tokens", "SGLang", example=("3",),
+          note="draft steps of a chain proposer: one draft token each"),
+    Alias(("--speculative-model",), "speculative_algorithm", "vLLM", _vllm_speculative_model,
+          example=("[ngram]",), note="[ngram] -> NGRAM; a draft model path is not built yet"),
+    Alias(("--speculative-ngram-max-match-window-size",), "ngram_prompt_lookup_max", "SGLang",
+          example=("8",)),
+    Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
+          example=("3",)),
 )
 
 # --- accepted: already the behaviour of this build ---------------------------------------------
@@ -370,6 +396,17 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "logits are float32 when the model runs in float32 (dtype auto on CPU)",
                      contradicts=(Contradiction("dtype", ("half", "float16", "bfloat16")),
                                   Contradiction("device", ("cuda",)))),
+    AlreadyBehaviour(("--spec-decoding-acceptance-method",),
+                     "drafts are verified by exact rejection sampling (the output distribution is "
+                     "the model's); typical acceptance is not built",
+                     values=("rejection_sampler",), bad_value="typical_acceptance_sampler"),
+    AlreadyBehaviour(("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"),
+                     "verification is exact: a draft token is kept only as the model's own sample "
+                     "(a threshold below 1 would trade the model's distribution for speed)",
+                     values=("1",), bad_value="0.5"),
+    AlreadyBehaviour(("--speculative-attention-mode",),
+                     "the target verifies the drafts as one multi-token (prefill-style) step",
+                     values=("prefill",), bad_value="decode"),
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
@@ -398,24 +435,31 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: the chunk size of SGLang's csgmv CUDA kernel (servelm's "
               "torch_native LoRA backend runs two GEMMs per adapter group, with no chunks)",
               ("--max-lora-chunk-size",)),
-    Rejection(f"{NOT_BUILT_YET}: speculative decoding",
-              ("--speculative-algorithm", "--speculative-draft-model-path",
-               "--speculative-num-steps", "--speculative-num-draft-tokens",
-               "--speculative-eagle-topk", "--speculative-model", "--num-speculative-tokens",
-               "--speculative-max-model-len", "--speculative-disable-by-batch-size",
-               "--speculative-disable-mqa-scorer", "--speculative-draft-tensor-parallel-size",
-               "-spec-draft-tp", "--speculative-model-quantization", "--ngram-prompt-lookup-max",
-               "--ngram-prompt-lookup-min", "--spec-decoding-acceptance-method",
-               "--typical-acceptance-sampler-posterior-alpha",
-               "--typical-acceptance-sampler-posterior-threshold", "--num-lookahead-slots",
-               "--disable-logprobs-during-spec-decoding", "--mtp_mode", "--mtp_draft_model_dir",
-               "--mtp_step", "--speculative-draft-model", "--speculative-draft-model-revision",
-               "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
-               "--speculative-token-map", "--speculative-attention-mode",
-               "--speculative-moe-runner-backend", "--speculative-ngram-min-match-window-size",
-               "--speculative-ngram-max-match-window-size", "--speculative-ngram-min-bfs-breadth",
-               "--speculative-ngram-max-bfs-breadth", "--speculative-ngram-match-type",
-               "--speculative-ngram-branch-length", "--speculative-ngram-capacity")),
+    Rejection(f"{NOT_BUILT_YET}: draft-model, EAGLE and MTP speculative decoding (NGRAM is "
+              "built: --speculative-algorithm NGRAM)",
+              ("--speculative-draft-model-path", "--speculative-draft-model",
+               "--speculative-draft-model-revision", "--speculative-eagle-topk",
+               "--speculative-token-map", "--speculative-moe-runner-backend",
+               "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",
+               "--speculative-model-quantization", "--speculative-max-model-len",
+               "--mtp_mode", "--mtp_draft_model_dir", "--mtp_step")),
+    Rejection(f"{NOT_BUILT_YET}: typical acceptance (drafts are verified by exact rejection "
+              "sampling)",
+              ("--typical-acceptance-sampler-posterior-alpha",
+               "--typical-acceptance-sampler-posterior-threshold")),
+    Rejection("not supported: servelm's NGRAM proposer looks up each request's own prompt and "
+              "output (one chain of drafts, --ngram-prompt-lookup-min/max); SGLang's shared "
+              "n-gram cache tree, with its capacity, BFS breadth, match type and branch length, "
+              "is not built",
+              ("--speculative-ngram-min-bfs-breadth", "--speculative-ngram-max-bfs-breadth",
+               "--speculative-ngram-match-type", "--speculative-ngram-branch-length",
+               "--speculative-ngram-capacity")),
+    Rejection("not supported: the scheduler gives each step's drafts their KV slots itself "
+              "(--num-speculative-tokens), verification is one multi-token pass (no MQA or "
+              "batch-expansion scorer to choose), and logprobs of accepted tokens are those of "
+              "plain decoding at no extra cost",
+              ("--num-lookahead-slots", "--speculative-disable-mqa-scorer",
+               "--disable-logprobs-during-spec-decoding")),
     Rejection(f"{NOT_BUILT_YET}: prefill/decode disaggregation (a single server does both)",
               ("--pd_master_ip", "--pd_master_port", "--pd_decode_rpyc_port",
                "--config_server_host", "--config_server_port", "--pd_max_retry_count",
@@ -589,6 +633,10 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("bucket_time_to_first_token", "enable_metrics"),
     ("bucket_inter_token_latency", "enable_metrics"),
     ("bucket_e2e_request_latency", "enable_metrics"),
+    ("num_speculative_tokens", "speculative_algorithm"),
+    ("ngram_prompt_lookup_max", "speculative_algorithm"),
+    ("ngram_prompt_lookup_min", "speculative_algorithm"),
+    ("speculative_disable_by_batch_size", "speculative_algorithm"),
 )
 """(field, needed): a non-default ``field`` means nothing unless ``needed`` is set too, so it is
 refused at start-up rather than ignored."""

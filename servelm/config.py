@@ -705,6 +705,65 @@ def _default_of(section: type, name: str) -> Any:
     return field_.default_factory()
 
 
+SPECULATIVE_NOT_BUILT = {
+    "EAGLE": "EAGLE draft heads (their checkpoint format and the tree verification) are not built yet",
+    "EAGLE3": "EAGLE-3 draft heads (their checkpoint format and the tree verification) are not built yet",
+    "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
+             "architecture servelm loads has; it is not built yet",
+    "STANDALONE": "a separate draft model (--speculative-draft-model-path) is not built yet",
+}
+"""--speculative-algorithm values refused in this build, with the reason (NGRAM is built)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens and the model verifies them in one pass."""
+
+    speculative_algorithm: str | None = opt(
+        None, "Speculative decoding algorithm. NGRAM: prompt lookup (drafts copied from earlier "
+        "in the prompt and output; no extra model), verified exactly (greedy output is unchanged, "
+        "sampling keeps the model's distribution). Off by default: it pays when outputs repeat "
+        "their input (edits, code, extraction) and costs a little elsewhere. EAGLE, EAGLE3, NEXTN "
+        "and STANDALONE are refused in this build.",
+        choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+    num_speculative_tokens: int = opt(
+        5, "Most draft tokens verified per request per step (k; the step computes k + 1 positions "
+        "of the request). 5: on a CPU a 6-token step costs little more than a 1-token one, and "
+        "copied runs are often longer.")
+    ngram_prompt_lookup_max: int = opt(
+        4, "NGRAM: longest suffix (tokens) matched against earlier text; longer matches are tried "
+        "first. 4 disambiguates repeated code lines without missing short repeats.")
+    ngram_prompt_lookup_min: int = opt(
+        2, "NGRAM: shortest suffix (tokens) matched. 2 rather than 1: a single-token match (a "
+        "space, a bracket) rarely predicts what follows and only wastes verification work.")
+    speculative_disable_by_batch_size: int | None = opt(
+        None, "Draft nothing in a step where at least this many requests are running: large "
+        "batches already use the compute that speculation would use. None: always speculate.")
+
+    def __post_init__(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm in SPECULATIVE_NOT_BUILT:
+            raise ValueError(f"--speculative-algorithm {algorithm} is not supported: "
+                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM is")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be at least 1, got "
+                             f"{self.num_speculative_tokens}")
+        if self.ngram_prompt_lookup_min < 1:
+            raise ValueError(f"--ngram-prompt-lookup-min must be at least 1, got "
+                             f"{self.ngram_prompt_lookup_min}")
+        if self.ngram_prompt_lookup_max < self.ngram_prompt_lookup_min:
+            raise ValueError(f"--ngram-prompt-lookup-max ({self.ngram_prompt_lookup_max}) must be at "
+                             f"least --ngram-prompt-lookup-min ({self.ngram_prompt_lookup_min})")
+        if self.speculative_disable_by_batch_size is not None and \
+                self.speculative_disable_by_batch_size < 1:
+            raise ValueError(f"--speculative-disable-by-batch-size must be at least 1, got "
+                             f"{self.speculative_disable_by_batch_size}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine and server need, one frozen dataclass per concern."""
@@ -718,6 +777,7 @@ class EngineConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.runtime.enable_torch_compile and self.model.quantization != "none":

@@ -44,6 +44,10 @@ class GrammarMatcher(Protocol):
         """Write the allowed next tokens into ``bitmask[row]`` (the backend's packed layout)."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative drafts the model rejected)."""
+        ...
+
     def is_terminated(self) -> bool:
         """True once the grammar has accepted its final (stop) token."""
         ...

@@ -100,7 +100,7 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
 class LLGuidanceMatcher:
     """A GrammarMatcher over llguidance.LLMatcher."""
 
-    __slots__ = ("_matcher", "_stop_token_ids", "_non_stop_bits")
+    __slots__ = ("_matcher", "_stop_token_ids", "_non_stop_bits", "_num_unconsumed")
 
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int],
                  non_stop_bits: torch.Tensor) -> None:
@@ -108,10 +108,16 @@ class LLGuidanceMatcher:
         self._stop_token_ids = stop_token_ids
         self._non_stop_bits = non_stop_bits
         """A packed bitmask row with every token but the stop tokens set (shared, read-only)."""
+        self._num_unconsumed = 0
+        """Stop tokens accepted after the matcher stopped (llguidance does not consume them); they
+        are always the latest accepts, so a rollback undoes them first."""
 
     def accept_token(self, token_id: int) -> bool:
         if self._matcher.is_stopped():  # complete (e.g. after jump-forward): only a stop token
-            return token_id in self._stop_token_ids
+            if token_id not in self._stop_token_ids:
+                return False
+            self._num_unconsumed += 1
+            return True
         if self._matcher.validate_tokens([token_id]) != 1:
             return False  # checked first: a refused consume_token would poison the matcher
         return bool(self._matcher.consume_token(token_id))
@@ -125,6 +131,13 @@ class LLGuidanceMatcher:
         # compiler refuses such a grammar up front; the scheduler ends a request that reaches one).
         if not self._matcher.is_accepting() and not bool((target & self._non_stop_bits).any()):
             target.zero_()
+
+    def rollback(self, num_tokens: int) -> None:
+        unconsumed = min(num_tokens, self._num_unconsumed)
+        self._num_unconsumed -= unconsumed
+        if num_tokens > unconsumed:
+            self._matcher.rollback(num_tokens - unconsumed)
+            assert not self._matcher.is_error(), self._matcher.get_error()
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

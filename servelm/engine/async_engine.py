@@ -39,6 +39,7 @@ from servelm.config import EngineConfig
 from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.engine_process import run_engine_process
+from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import InvalidRequestError
 from servelm.sampling.params import SamplingParams
@@ -73,7 +74,8 @@ class _Replica:
 
 _SUMMED_STATS = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks",
                  "kv_pool_tokens", "num_cached_blocks", "num_evictable_blocks", "num_prompt_tokens",
-                 "num_cached_prompt_tokens", "num_preemptions", "num_steps", "num_generated_tokens")
+                 "num_cached_prompt_tokens", "num_preemptions", "num_steps", "num_generated_tokens",
+                 "spec_num_verify_passes", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 class AsyncEngine:
@@ -379,6 +381,10 @@ class AsyncEngine:
         total["token_usage"] = round(used / max(1, used + free), 4)
         total["cache_hit_rate"] = round(total.get("num_cached_prompt_tokens", 0)
                                         / max(1, total.get("num_prompt_tokens", 0)), 4)
+        if "spec_num_verify_passes" in total:
+            total.update(acceptance_figures(total["spec_num_verify_passes"],
+                                            total["spec_num_draft_tokens"],
+                                            total["spec_num_accepted_tokens"]))
         total["stats_age_s"] = max(info["stats_age_s"] for info in infos)
         total["dp_replicas"] = [
             {"replica": index, "pid": self._replicas[index].process.pid,

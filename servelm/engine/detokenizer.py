@@ -44,14 +44,22 @@ class IncrementalDetokenizer:
         )
         return text
 
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens decoded: after a stop-string match, those up to the one completing it."""
+        return self._num_output_tokens
+
     def add_tokens(self, output_token_ids: list[int]) -> str | None:
         """Decode the output tokens not seen yet; returns the stop string matched, else None.
 
-        After a match the text is cut there and later calls change nothing.
+        Several new tokens (speculative decoding accepts runs) are checked one at a time, so the
+        match is found at the token plain decoding would have stopped at: ``num_output_tokens``
+        then says how many tokens the output keeps. After a match the text is cut there and
+        later calls change nothing.
         """
         new_ids = output_token_ids[self._num_output_tokens:]
-        self._num_output_tokens = len(output_token_ids)
         for token_id in new_ids:
+            self._num_output_tokens += 1
             self._ids.append(token_id)
             prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
             full_text = self._decode(self._ids[self._prefix_offset:])
@@ -59,7 +67,10 @@ class IncrementalDetokenizer:
                 self.text += full_text[len(prefix_text):]
                 self._prefix_offset = self._read_offset
                 self._read_offset = len(self._ids)
-        return self._find_stop()
+                stop = self._find_stop()
+                if stop is not None:
+                    return stop
+        return None
 
     def _find_stop(self) -> str | None:
         if not self._max_stop_len:

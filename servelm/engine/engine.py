@@ -31,8 +31,10 @@ from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
 from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
+from servelm.engine.speculation import Speculation
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
+from servelm.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  tokenizer: Any | None = None, eos_token_ids: list[int] | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, proposer: Proposer | None = None) -> None:
+        """``proposer`` replaces the one --speculative-algorithm names (tests force drafts)."""
         self.config = config
         check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
         self.model_info: dict[str, Any] = {}
@@ -74,6 +77,8 @@ class LLMEngine:
                                    max_adapters=config.lora.max_loras_per_batch if self.lora else None,
                                    adapter_slot=self._adapter_slot if self.lora else None)
         self.executor = Executor(runner)
+        self.speculation = Speculation(config.speculative, proposer)
+        """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
         embedding model); the backend itself is created on a worker at start-up."""
@@ -362,6 +367,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        self.speculation.release(request)
         if self.lora is not None and self.lora.has_unloaded:
             self.lora.release_unused(self._adapters_in_use())
         return self._make_output(request)
@@ -380,6 +386,7 @@ class LLMEngine:
         if self.fatal_error is not None:
             raise self.fatal_error
         refused = self._resolve_grammars()
+        self.speculation.propose(self.scheduler)
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
         if scheduled.is_empty and self._compiling:  # nothing runs but compiles: do not spin
@@ -416,6 +423,7 @@ class LLMEngine:
 
     def _update(self, scheduled: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         self.num_steps += 1
+        self.speculation.record(scheduled, results)
         touched = self.scheduler.update(scheduled, results)
         outputs = []
         interval = self.config.scheduler.stream_interval
@@ -426,6 +434,8 @@ class LLMEngine:
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
+            if request.is_finished:
+                self.speculation.release(request)
             outputs.append(self._make_output(request))
         self.num_generated_tokens += sum(len(r.token_ids) for r in results)
         return outputs
@@ -465,6 +475,9 @@ class LLMEngine:
         stop = detokenizer.add_tokens(request.output_token_ids)
         if stop is None:
             return
+        # With speculation several tokens arrive at once: those after the one completing the stop
+        # string were never generated as far as the client is concerned.
+        self.scheduler.truncate_output(request, detokenizer.num_output_tokens)
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:
@@ -540,4 +553,5 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
             **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
+            **self.speculation.stats(),
         }

@@ -18,6 +18,7 @@ from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from servelm.spec.verify import accept_point_mass
 
 
 class Runner(Protocol):
@@ -99,14 +100,21 @@ class Executor:
                 results[index].prompt_logprobs = compute_prompt_logprobs(
                     logits[row:row + len(targets)], targets, k)
             if scheduled.is_sampling:
-                sample_rows.append(row + scheduled.num_logits - 1)
-                sample_targets.append((index, SamplingRow(
-                    params=request.params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    eos_token_ids=request.eos_token_ids,
-                    default_seed=request.default_seed,
-                )))
+                drafts = scheduled.draft_token_ids
+                first = row + scheduled.num_logits - 1 - len(drafts)
+                for position in range(len(drafts) + 1):
+                    # Row ``position`` follows the drafts before it: sample it as plain decoding
+                    # would sample that output position (penalties, min_tokens and the seeded
+                    # stream all see those drafts as output), so accepted runs are exact.
+                    sample_rows.append(first + position)
+                    sample_targets.append((index, SamplingRow(
+                        params=request.params,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=(request.output_token_ids + drafts[:position]
+                                          if position else request.output_token_ids),
+                        eos_token_ids=request.eos_token_ids,
+                        default_seed=request.default_seed,
+                    )))
                 grammar_requests.append(request if request.grammar is not None else None)
             row += scheduled.num_logits
         assert row == logits.shape[0], f"runner returned {logits.shape[0]} rows, plan needs {row}"
@@ -115,13 +123,22 @@ class Executor:
                 sample_logits = logits  # every row samples (decode): skip copying [rows, vocab]
             else:
                 sample_logits = logits[sample_rows]  # a copy: masking it leaves prompt logprobs alone
-            self._apply_grammars(sample_logits, grammar_requests)
+            sampling = [s for s in output.scheduled if s.is_sampling]
+            self._apply_grammars(sample_logits, grammar_requests, [s.draft_token_ids for s in sampling])
             sampled = self.sampler(sample_logits, [r for _, r in sample_targets])
-            for position, (index, _) in enumerate(sample_targets):
-                results[index].token_ids = [sampled.token_ids[position]]
-                logprob = sampled.logprobs[position] if sampled.logprobs is not None else None
-                if logprob is not None:
-                    results[index].logprobs = [logprob]
+            position = 0
+            for index, scheduled in enumerate(output.scheduled):
+                if not scheduled.is_sampling:
+                    continue
+                num_rows = len(scheduled.draft_token_ids) + 1
+                token_ids = sampled.token_ids[position:position + num_rows]
+                emitted = accept_point_mass(token_ids, scheduled.draft_token_ids)
+                results[index].token_ids = emitted
+                if sampled.logprobs is not None and sampled.logprobs[position] is not None:
+                    results[index].logprobs = [
+                        logprob for logprob in sampled.logprobs[position:position + len(emitted)]
+                        if logprob is not None]
+                position += num_rows
         return results
 
     def _pool(self, output: SchedulerOutput) -> list[StepResult]:
@@ -131,17 +148,35 @@ class Executor:
         assert pooled.shape[0] == len(output.scheduled), "one vector per pooled request"
         return [StepResult(embedding=row) for row in pooled.tolist()]
 
-    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None]) -> None:
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None],
+                        drafts: list[list[int]]) -> None:
         """Mask each grammar row's disallowed tokens to -inf, with one bitmask op for the batch.
 
         The mask goes in before the sampler, so logprobs are those of the constrained distribution;
         it commutes with the sampler's bias, min_tokens ban and penalties (-inf stays -inf).
+        A request with k drafts has k + 1 rows: row i gets the grammar's mask after drafts
+        1..i (the matcher is advanced over them and rolled back). At a draft the grammar forbids,
+        the rows stop: the masked row before it cannot sample that draft, so verification cuts
+        there, and the later rows (left unmasked) are never used.
         """
         if all(request is None for request in requests):
             return
         assert self.grammar_backend is not None, "a grammar request needs the engine's backend"
-        bitmask = self.grammar_backend.allocate_bitmask(len(requests))  # all tokens allowed
-        for row, request in enumerate(requests):
-            if request is not None and request.grammar is not None:
-                request.grammar.fill_bitmask(bitmask, row)
+        bitmask = self.grammar_backend.allocate_bitmask(logits.shape[0])  # all tokens allowed
+        row = 0
+        for request, draft in zip(requests, drafts, strict=True):
+            matcher = request.grammar if request is not None else None
+            if matcher is not None:
+                matcher.fill_bitmask(bitmask, row)
+                num_advanced = 0
+                for token_id in draft:
+                    if not matcher.accept_token(token_id):
+                        break
+                    num_advanced += 1
+                    if matcher.is_terminated():  # an accepted stop token ends the request
+                        break
+                    matcher.fill_bitmask(bitmask, row + num_advanced)
+                if num_advanced:
+                    matcher.rollback(num_advanced)
+            row += len(draft) + 1
         self.grammar_backend.apply_bitmask(logits, bitmask)

@@ -43,8 +43,18 @@ def cache_hit_rate(stats: dict[str, Any]) -> float:
     return 0.0
 
 
+def acceptance_figures(num_verify_passes: int, num_draft_tokens: int,
+                       num_accepted_tokens: int) -> dict[str, float]:
+    """``spec_acceptance_rate``: accepted / drafted tokens; ``spec_accept_length``: tokens emitted
+    per verify pass (accepted drafts + the model's own token), SGLang's "accept length"."""
+    return {"spec_acceptance_rate": round(num_accepted_tokens / max(1, num_draft_tokens), 4),
+            "spec_accept_length": round((num_accepted_tokens + num_verify_passes)
+                                        / max(1, num_verify_passes), 4)}
+
+
 class StatsLogger:
-    """Logs throughput, running/queued requests, KV use and cache hit rate periodically."""
+    """Logs throughput, running/queued requests, KV use, cache hit rate and (with speculative
+    decoding) the accept length and acceptance rate so far, periodically."""
 
     def __init__(self, engine: Any, config: ObservabilityConfig) -> None:
         self.engine = engine
@@ -73,7 +83,10 @@ class StatsLogger:
         return (f"running={stats['num_running']} queued={stats['num_waiting']} "
                 f"kv_usage={100 * stats['token_usage']:.1f}% "
                 f"cache_hit_rate={100 * cache_hit_rate(stats):.1f}% "
-                f"gen_throughput={num_tokens / max(elapsed_s, 1e-9):.1f} tok/s")
+                f"gen_throughput={num_tokens / max(elapsed_s, 1e-9):.1f} tok/s"
+                + (f" spec_accept_length={stats['spec_accept_length']:.2f} "
+                   f"spec_acceptance_rate={100 * stats['spec_acceptance_rate']:.1f}%"
+                   if "spec_accept_length" in stats else ""))
 
 
 def _die_loudly(elapsed_s: float, timeout_s: float) -> None:

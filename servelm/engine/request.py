@@ -88,6 +88,10 @@ class Request:
     or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
     embedding: list[float] | None = None
     """The pooled vector, set when the step that computed the prompt finishes the request."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow ``output_token_ids``, verified in the next
+    step (the proposer stage sets them before scheduling; never part of the output until the
+    model accepts them, and their K/V is rolled back when it does not)."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.

@@ -59,6 +59,9 @@ class ScheduledRequest:
     """Leading rows of this request's logits that give prompt-token logprobs."""
     is_pooled: bool = False
     """An embedding request: its whole prompt is computed and pooled; the result is a vector."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative tokens computed after the request's last token this step (their K/V is
+    written; ``update`` keeps only what the model accepted). Each adds one logits row."""
 
 
 @dataclass
@@ -82,7 +85,8 @@ class StepResult:
     """What the model produced for one scheduled request."""
 
     token_ids: list[int] = field(default_factory=list)
-    """Accepted new tokens (one when sampling; none for a non-final prefill chunk)."""
+    """Accepted new tokens (one when sampling; none for a non-final prefill chunk; with k
+    drafts, the accepted drafts plus the model's own next token: 1..k + 1)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     embedding: list[float] | None = None
@@ -174,13 +178,14 @@ class Scheduler:
             if num_tokens == 0:  # an embedding prompt larger than what is left of the budget
                 index += 1
                 continue
-            target_tokens = request.num_computed_tokens + num_tokens
+            num_drafts = self._num_drafts(request, num_tokens, budget)
+            target_tokens = request.num_computed_tokens + num_tokens + num_drafts
             if not self._grow(request, target_tokens):
                 did_preempt = True
                 if not self._preempt_for(request, target_tokens, output):
                     continue  # request itself was preempted or failed; the list shifted
             self._add(output, request, num_tokens)
-            budget -= num_tokens
+            budget -= num_tokens + num_drafts
             index += 1
 
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
@@ -197,6 +202,24 @@ class Scheduler:
         order = sorted(range(len(output.scheduled)), key=lambda i: output.plan.sequences[i].lora_slot)
         output.scheduled = [output.scheduled[i] for i in order]
         output.plan.sequences = [output.plan.sequences[i] for i in order]
+
+    def _num_drafts(self, request: Request, num_tokens: int, budget: int) -> int:
+        """Cut the request's drafts to what this step can verify: only a decode (its one
+        remaining token) carries drafts, within the token budget, and never past max_tokens or the
+        context (k accepted drafts plus the model's token are appended)."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return 0
+        limit = budget - num_tokens
+        if request.num_computed_tokens + num_tokens != request.num_tokens or num_tokens != 1:
+            limit = 0
+        limit = min(limit, request.max_context_tokens - request.num_tokens - 1)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - len(request.output_token_ids) - 1)
+        if len(drafts) > limit:
+            del drafts[max(limit, 0):]
+        return len(drafts)
 
     def _is_admission_step(self) -> bool:
         """LightLLM's --router_max_wait_tokens: while others decode, admit every N steps only."""
@@ -337,7 +360,7 @@ class Scheduler:
             if scheduled.request is request:
                 del output.scheduled[index]
                 del output.plan.sequences[index]
-                return scheduled.num_tokens
+                return scheduled.num_tokens + len(scheduled.draft_token_ids)
         return 0
 
     # -- prefix cache -----------------------------------------------------------------------
@@ -443,6 +466,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft_token_ids = []
         self._free_blocks(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -467,6 +491,7 @@ class Scheduler:
                 block_ids=request.block_ids, num_logits=0, is_pooled=True, lora_slot=request.lora_slot))
             return
         is_sampling = start + num_tokens == request.num_tokens
+        drafts = list(request.draft_token_ids) if is_sampling else []
         num_prompt_rows = 0
         if request.wants_prompt_logprobs:
             # Row i predicts position start + i + 1; prompt positions end at num_prompt_tokens - 1.
@@ -474,10 +499,11 @@ class Scheduler:
         num_logits = num_prompt_rows + (1 if is_sampling else 0)
         if num_prompt_rows and is_sampling:
             num_logits = num_tokens  # prompt rows plus the final sampling row are contiguous
+        num_logits += len(drafts)  # one row per draft: the model's token after each
         output.scheduled.append(ScheduledRequest(request, num_tokens, num_logits, is_sampling,
-                                                 num_prompt_rows))
+                                                 num_prompt_rows, draft_token_ids=drafts))
         output.plan.sequences.append(SequencePlan(
-            token_ids=request.token_slice(start, start + num_tokens),
+            token_ids=request.token_slice(start, start + num_tokens) + drafts,
             start_position=start,
             block_ids=request.block_ids,
             num_logits=num_logits,
@@ -507,15 +533,45 @@ class Scheduler:
                 request.prompt_logprobs.extend(result.prompt_logprobs)
             if not result.token_ids:
                 continue
-            request.pending_logprobs.extend(result.logprobs)
-            for token_id in result.token_ids:
+            num_accepted_drafts = len(result.token_ids) - 1 if scheduled.draft_token_ids else 0
+            for index, token_id in enumerate(result.token_ids):
                 request.output_token_ids.append(token_id)
+                if result.logprobs:
+                    request.pending_logprobs.append(result.logprobs[index])
+                if index < num_accepted_drafts:
+                    request.num_computed_tokens += 1  # an accepted draft: its K/V was computed
                 if request.grammar is not None and self._grammar_ends(request, token_id):
                     break
                 if self._check_stop(request, token_id):
                     break
+            if scheduled.draft_token_ids and not request.is_finished:
+                self._roll_back_drafts(request)
             touched.append(request)
         return touched
+
+    def _roll_back_drafts(self, request: Request) -> None:
+        """After a verify step: drop the blocks that only rejected drafts reached (their K/V is
+        garbage beyond ``num_computed_tokens``; slots in a kept block are overwritten before they
+        are read, and a block enters the prefix cache only once every slot is computed), then
+        cache the blocks the accepted drafts completed."""
+        request.draft_token_ids = []
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.block_pool.release(request.block_ids[keep:])
+            del request.block_ids[keep:]
+        self.cache_computed_blocks(request)
+
+    def truncate_output(self, request: Request, num_output_tokens: int) -> None:
+        """Drop output tokens after the first ``num_output_tokens`` (a stop string ended the
+        request inside a run of accepted drafts): what follows was never generated as far as
+        the client is concerned. The request must be finished next (its grammar is past the cut)."""
+        num_dropped = len(request.output_token_ids) - num_output_tokens
+        if num_dropped <= 0:
+            return
+        del request.output_token_ids[num_output_tokens:]
+        num_pending = num_output_tokens - request.num_sent_tokens
+        del request.pending_logprobs[max(num_pending, 0):]
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
 
     def _grammar_ends(self, request: Request, token_id: int) -> bool:
         """Feed the token to the request's grammar; True when that finished the request."""

@@ -9,7 +9,8 @@ Invariants:
   finish_reason "abort"); prompt and generation token counters grow by exactly its usage.
 - Time to first token is observed once per request that produced a token; inter-token latency once
   per output token after the first (a delta of n tokens counts n gaps of equal length).
-- Gauges (running, waiting, KV use, prefix-cache hit rate) are read from the engine at scrape time.
+- Gauges (running, waiting, KV use, prefix-cache hit rate, speculative accept length and
+  acceptance rate) are read from the engine at scrape time.
 - Health probes (``health_generate``) bypass the wrapper and are never counted.
 """
 
@@ -70,6 +71,19 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge("servelm:prefix_cache_hit_rate",
                                     "Fraction of prompt tokens served from the prefix cache.",
                                     labels, registry=self.registry)
+        self.spec_accept_length = Gauge(
+            "servelm:spec_accept_length", "Speculative decoding: mean tokens emitted per verify "
+            "pass of a request (accepted drafts + the model's own token); 0 when off.",
+            labels, registry=self.registry)
+        self.spec_acceptance_rate = Gauge(
+            "servelm:spec_acceptance_rate", "Speculative decoding: share of drafted tokens "
+            "the model accepted; 0 when off.", labels, registry=self.registry)
+        self.spec_draft_tokens = Gauge(
+            "servelm:spec_num_draft_tokens", "Speculative decoding: drafted tokens verified so far.",
+            labels, registry=self.registry)
+        self.spec_accepted_tokens = Gauge(
+            "servelm:spec_num_accepted_tokens", "Speculative decoding: drafted tokens accepted "
+            "so far.", labels, registry=self.registry)
         self.replica_running = Gauge(
             "servelm:dp_replica_num_requests_running", "Requests in each data-parallel replica's "
             "running batch (--dp-size > 1).", labels + ["dp_replica"], registry=self.registry)
@@ -98,6 +112,10 @@ class ServerMetrics:
         self.waiting.labels(name).set(stats.get("num_waiting", 0))
         self.kv_usage.labels(name).set(stats.get("token_usage", 0.0))
         self.cache_hit_rate.labels(name).set(cache_hit_rate(stats))
+        self.spec_accept_length.labels(name).set(stats.get("spec_accept_length", 0.0))
+        self.spec_acceptance_rate.labels(name).set(stats.get("spec_acceptance_rate", 0.0))
+        self.spec_draft_tokens.labels(name).set(stats.get("spec_num_draft_tokens", 0))
+        self.spec_accepted_tokens.labels(name).set(stats.get("spec_num_accepted_tokens", 0))
         for replica in stats.get("dp_replicas") or ():
             index = str(replica["replica"])
             self.replica_running.labels(name, index).set(replica.get("num_running") or 0)

@@ -1,0 +1,103 @@
+"""The speculative-decoding stage of the engine step: drafts in before scheduling, figures out
+after the update.
+
+``propose`` gives each decoding request (its one remaining token is the last one sampled) the
+proposer's drafts in ``Request.draft_token_ids``; the scheduler computes them after that token
+(k + 1 positions, k + 1 logits rows), the executor verifies them (``spec/verify.py``) and
+``Scheduler.update`` appends what was accepted and rolls the rest back. Nothing else in the step
+knows speculation exists.
+
+Invariants:
+- Drafts are set only on running requests whose next step is a decode; every other running
+  request's drafts are cleared, so a draft is verified in the step right after it was proposed
+  or never.
+- In a step where ``--speculative-disable-by-batch-size`` or more requests run, nothing is drafted.
+- Figures count verify passes of one request with at least one draft: ``spec_accept_length`` is
+  the mean of the tokens such a pass emitted (accepted drafts + the model's own token),
+  ``spec_acceptance_rate`` the share of drafted tokens accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelm.config import SpeculativeConfig
+from servelm.engine.monitor import acceptance_figures
+from servelm.engine.request import Request
+from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
+
+
+class Speculation:
+    """Proposes drafts for a step and keeps the acceptance figures."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.num_verify_passes = 0
+        """Request-steps that carried at least one draft."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        """Drafted tokens the model accepted (the model's own token after them is not counted)."""
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.proposer is not None
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Set the drafts of this step's decoding requests."""
+        if self.proposer is None:
+            return
+        disable_at = self.config.speculative_disable_by_batch_size
+        is_disabled = disable_at is not None and len(scheduler.running) >= disable_at
+        asking: list[Request] = []
+        inputs: list[DraftRequest] = []
+        for request in scheduler.running:
+            request.draft_token_ids = []
+            max_drafts = 0 if is_disabled else self._max_drafts(request)
+            if max_drafts > 0:
+                asking.append(request)
+                inputs.append(DraftRequest(request.request_id, request.prompt_token_ids,
+                                           request.output_token_ids, max_drafts))
+        if not inputs:
+            return
+        for request, draft in zip(asking, self.proposer.propose(inputs), strict=True):
+            assert draft.probs is None, "a distribution draft needs rejection_sample (issue 15)"
+            request.draft_token_ids = draft.token_ids[:self._max_drafts(request)]
+
+    def _max_drafts(self, request: Request) -> int:
+        """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
+        if request.is_embedding or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        limit = min(self.config.num_speculative_tokens,
+                    request.max_context_tokens - request.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
+        return max(limit, 0)
+
+    def record(self, scheduled: SchedulerOutput, results: list[StepResult]) -> None:
+        """Count the step's verify passes (call before ``Scheduler.update``)."""
+        if self.proposer is None:
+            return
+        for item, result in zip(scheduled.scheduled, results, strict=True):
+            if item.draft_token_ids and result.token_ids:
+                self.num_verify_passes += 1
+                self.num_draft_tokens += len(item.draft_token_ids)
+                self.num_accepted_tokens += len(result.token_ids) - 1
+
+    def release(self, request: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """The acceptance figures, flat so data-parallel replicas' counts sum (/get_server_info,
+        /metrics, the stats line, bench). Empty when speculation is off."""
+        if self.proposer is None:
+            return {}
+        return {"speculative_algorithm": self.proposer.name,
+                "spec_num_verify_passes": self.num_verify_passes,
+                "spec_num_draft_tokens": self.num_draft_tokens,
+                "spec_num_accepted_tokens": self.num_accepted_tokens,
+                **acceptance_figures(self.num_verify_passes, self.num_draft_tokens,
+                                     self.num_accepted_tokens)}
+
