@@ -246,6 +246,7 @@ ALIASES: tuple[Alias, ...] = (
           note="on by default; false = --disable-radix-cache", metavar="BOOL"),
     Alias(("--enable-prompt-tokens-details",), "enable_cache_report", "vLLM", takes_value=False,
           const=True),
+    Alias(("--no-webui",), "disable_playground", "llama.cpp", takes_value=False, const=True),
     Alias(("--router_token_ratio",), "router_token_ratio", "LightLLM", example=("0.5",)),
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",

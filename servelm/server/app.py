@@ -3,7 +3,8 @@
 Invariants:
 - Routes reach the engine only through the AsyncEngine interface (``app.state.serving.engine``);
   model work runs in the engine process, so no handler blocks the event loop on it.
-- With --api-key, every route but /health and /health_generate needs ``Authorization: Bearer KEY``.
+- With --api-key, every route but /health, /health_generate and the playground page (not the API
+  calls it makes) needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from servelm.server.http_limits import connection_limit, guarded_protocol, insta
 from servelm.server.middleware import install_middleware
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
+from servelm.server.playground import PUBLIC_PATHS, install_playground
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, EncodeRequest, GenerateRequest,
                                      TokenizeRequest)
@@ -57,12 +59,14 @@ def server_version() -> str:
 class ApiKeyMiddleware:
     """Answers 401 (OpenAI error JSON) unless the Bearer token equals the configured key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, exempt_paths: frozenset[str] = AUTH_EXEMPT_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.exempt_paths = exempt_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
+        is_exempt = scope["path"] in self.exempt_paths and scope["method"] in ("GET", "HEAD")
+        if scope["type"] != "http" or is_exempt or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -204,8 +208,12 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
     install_error_handlers(app)
     _add_routes(app)
+    exempt_paths = AUTH_EXEMPT_PATHS
+    if not config.server.disable_playground:
+        install_playground(app)
+        exempt_paths = exempt_paths | PUBLIC_PATHS
     if config.server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key, exempt_paths=exempt_paths)
     install_middleware(app, config.server)
     return app
 
