@@ -65,8 +65,8 @@ class ApiKeyMiddleware:
         self.exempt_paths = exempt_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_exempt = scope["path"] in self.exempt_paths and scope["method"] in ("GET", "HEAD")
-        if scope["type"] != "http" or is_exempt or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or (
+                scope["path"] in self.exempt_paths and scope["method"] in ("GET", "HEAD")):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
