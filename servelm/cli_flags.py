@@ -506,9 +506,9 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--allowed-local-media-path", "--mm-attention-backend",
                "--disable-fast-image-processor", "--keep-mm-feature-on-device")),
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
-              "models or multi-item scoring; no beam, diverse or token-healing modes; no TGI API)",
+              "models or multi-item scoring; no beam, diverse or token-healing modes)",
               ("--use_reward_model", "--beam_mode", "--multi-item-scoring-delimiter",
-               "--diverse_mode", "--token_healing_mode", "--use_tgi_api")),
+               "--diverse_mode", "--token_healing_mode")),
     Rejection("not supported: this response option is not implemented (prompt logprobs and "
               "token ids are per-request parameters; /generate streams cumulative text)",
               ("--return_all_prompt_logprobs", "--return-token-ids",

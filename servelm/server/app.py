@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
-from servelm.server import embeddings, native
+from servelm.server import embeddings, native, tgi
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
@@ -38,6 +38,7 @@ from servelm.server.playground import PUBLIC_PATHS, install_playground
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, EncodeRequest, GenerateRequest,
                                      TokenizeRequest)
+from servelm.server.responses import ResponsesRequest, create_response
 from servelm.server.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -180,9 +181,32 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_generation(request, "Chat Completions"), body, request)
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        return await native.generate(_generation(request, "generate"), body, request)
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_generation(request, "Responses"), body, request)
+
+    if app.state.use_tgi_api:
+        @app.post("/generate")
+        async def tgi_generate(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request, path="/generate")
+
+        @app.post("/generate_stream")
+        async def tgi_generate_stream(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request,
+                                   path="/generate_stream")
+
+        @app.post("/")
+        async def tgi_compat(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request, path="/")
+    else:
+        @app.post("/generate")
+        async def generate(body: GenerateRequest, request: Request) -> Response:
+            return await native.generate(_generation(request, "generate"), body, request)
+
+    @app.get("/info")
+    async def info(request: Request) -> dict[str, Any]:
+        """TGI's model description (the text-generation client and TGI dashboards read it)."""
+        return tgi.info(_serving(request), server_version())
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
@@ -206,6 +230,7 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     app.state.serving = None
     app.state.created = int(time.time())
     app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
+    app.state.use_tgi_api = config.server.use_tgi_api
     install_error_handlers(app)
     _add_routes(app)
     exempt_paths = AUTH_EXEMPT_PATHS
