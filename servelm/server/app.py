@@ -220,6 +220,10 @@ def _add_routes(app: FastAPI) -> None:
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await native.tokenize(_serving(request), body))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        return native.tokenizer_info(_serving(request))
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await native.detokenize(_serving(request), body))

@@ -145,3 +145,77 @@ def test_text_generation_client(server) -> None:
     streamed = "".join(item.token.text for item in
                        tgi_client.generate_stream("The capital of France is", max_new_tokens=8))
     assert streamed == response.generated_text
+
+
+# -- lm-eval: remote tokenizer and loglikelihood requests ----------------------------------------
+
+def test_tokenizer_info_matches_the_tokenizer(server) -> None:
+    from transformers import AutoTokenizer
+
+    from servelm.model.packaged import packaged_model_path
+
+    gguf = packaged_model_path(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    info = httpx.get(f"{server.base_url}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token and info["eos_token_id"] == tokenizer.eos_token_id
+    assert info["bos_token"] == tokenizer.bos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == 2048
+    # lm-eval's RemoteTokenizer: /tokenize without special tokens, /detokenize back.
+    text = "Hello world, the quick brown fox."
+    tokens = httpx.post(f"{server.base_url}/tokenize",
+                        json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert tokens == tokenizer.encode(text, add_special_tokens=False)
+    assert httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens}).json()["prompt"] == text
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """A random-weight llama in HF format (transformers loads the very same weights), served
+    without a tokenizer: lm-eval's loglikelihood requests send token ids."""
+    from tests.tiny_models import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    with ServerProcess([str(path), "--num-threads", "1", "--skip-tokenizer-init", "--dtype", "float32",
+                        "--max-total-tokens", "4096"]) as running:
+        running.model_path = path
+        yield running
+
+
+def _reference_logprobs(path, token_ids: list[int]) -> list[float]:
+    import torch
+
+    from tests.reference import load_reference_model
+
+    model = load_reference_model(path)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[position - 1, token].item() for position, token in enumerate(token_ids)][1:]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_loglikelihood_request_equals_transformers(tiny_server, max_tokens) -> None:
+    """lm-eval's loglikelihood payload (token ids, echo, logprobs 1, max_tokens 1; vLLM also
+    takes 0) scores the prompt exactly as transformers does."""
+    tokens = [5, 17, 99, 3, 42, 7, 7, 64, 12, 88, 31]
+    response = httpx.post(f"{tiny_server.base_url}/v1/completions", timeout=120, json={
+        "model": str(tiny_server.model_path), "prompt": [tokens], "temperature": 0,
+        "max_tokens": max_tokens, "logprobs": 1, "seed": 1234, "echo": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    [choice] = body["choices"]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None
+    assert len(logprobs["token_logprobs"]) == len(tokens) + max_tokens
+    assert body["usage"]["completion_tokens"] == max_tokens
+    expected = _reference_logprobs(tiny_server.model_path, tokens)
+    assert logprobs["token_logprobs"][1:len(tokens)] == pytest.approx(expected, abs=1e-4)
+    # lm-eval's is_greedy: the chosen token's logprob compared with the best of top_logprobs.
+    for value, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert max(top.values()) >= value - 1e-6
+
+
+def test_max_tokens_zero_needs_echo(server) -> None:
+    response = httpx.post(f"{server.base_url}/v1/completions",
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
