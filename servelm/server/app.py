@@ -27,7 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
-from servelm.server import embeddings, native, tgi
+from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
@@ -149,12 +149,24 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(result)
 
     @app.get("/v1/models")
+    @app.get("/models")  # Open WebUI and others call it without /v1
     async def models(request: Request) -> dict[str, Any]:
         serving = _serving(request)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": app.state.created,
             "owned_by": "servelm", "root": serving.config.model.model, "parent": None,
             "max_model_len": serving.context_length} for name in serving.config.model.served_names]}
+
+    @app.get("/props")
+    async def props(request: Request) -> dict[str, Any]:
+        """llama.cpp's /props, which its web UI reads for the model, context and template."""
+        return clients.llama_cpp_props(_serving(request))
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        return error_response(404, "servelm has no llama.cpp slots (requests are batched "
+                              "continuously); see /get_server_info for running and queued requests",
+                              code="not_found")
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:

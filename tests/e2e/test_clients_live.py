@@ -219,3 +219,38 @@ def test_max_tokens_zero_needs_echo(server) -> None:
     response = httpx.post(f"{server.base_url}/v1/completions",
                           json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+# -- Open WebUI and llama.cpp's web UI -----------------------------------------------------------
+
+def test_open_webui_calls(server, client) -> None:
+    # Its model list (with and without /v1), a streamed answer, then the title and follow-up
+    # task calls: plain non-streamed chat requests carrying Open WebUI's extra fields.
+    assert httpx.get(f"{server.base_url}/models").json() == httpx.get(f"{server.base_url}/v1/models").json()
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    history = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = client.chat.completions.create(model=MODEL, messages=history, stream=True, max_tokens=16,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    answer = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert answer and chunks[-1].usage.completion_tokens > 0
+    history.append({"role": "assistant", "content": answer})
+    for task in ("title", "follow_ups"):
+        reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "stream": False, "max_tokens": 24,
+            "messages": [{"role": "user", "content": f"Generate a {task} for this chat as JSON:\n"
+                          + json.dumps(history)}],
+            "metadata": {"task": task, "chat_id": "local"}})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+
+
+def test_llama_cpp_ui_calls(server) -> None:
+    props = httpx.get(f"{server.base_url}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 2048
+    assert props["model_alias"] == MODEL and "im_start" in props["chat_template"]
+    assert props["modalities"] == {"vision": False, "audio": False}
+    # What does not apply answers a clean JSON 404, never a crash.
+    for method, path in (("GET", "/slots"), ("POST", "/completion"), ("POST", "/apply-template")):
+        response = httpx.request(method, f"{server.base_url}{path}", json={})
+        assert response.status_code == 404 and response.json()["error"]["message"]
