@@ -254,3 +254,56 @@ def test_llama_cpp_ui_calls(server) -> None:
     for method, path in (("GET", "/slots"), ("POST", "/completion"), ("POST", "/apply-template")):
         response = httpx.request(method, f"{server.base_url}{path}", json={})
         assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+LM_EVAL_TASK = """task: servelm_tiny
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_DOCS = [
+    {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["four", "seven", "blue"], "answer": 0},
+    {"question": "The sky on a clear day is", "choices": ["green", "blue", "loud"], "answer": 1},
+]
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions(server, tmp_path, monkeypatch) -> None:
+    """lm_eval --model local-completions on a local JSON task: it finds /tokenizer_info (no
+    tokenizer download), and its loglikelihoods are the server's echo logprobs."""
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval[api]')")
+    pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api]")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
+    (tmp_path / "servelm_tiny.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"base_url={server.base_url}/v1/completions,model={MODEL},num_concurrent=1,"
+                   "max_retries=1,tokenized_requests=True",
+        tasks=["servelm_tiny"], task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True, batch_size=1)
+    assert results["results"]["servelm_tiny"]["acc,none"] == 1.0
+    tokenize = lambda text: httpx.post(f"{server.base_url}/tokenize", json={  # noqa: E731
+        "prompt": text, "add_special_tokens": False}).json()["tokens"]
+    for sample in results["samples"]["servelm_tiny"]:
+        doc = sample["doc"]
+        for choice, [(loglikelihood, _)] in zip(doc["choices"], sample["resps"]):
+            context, continuation = tokenize(doc["question"]), tokenize(" " + choice)
+            body = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": [context + continuation], "max_tokens": 0, "echo": True,
+                "logprobs": 1, "temperature": 0}).json()
+            expected = sum(body["choices"][0]["logprobs"]["token_logprobs"][len(context):])
+            assert loglikelihood == pytest.approx(expected, abs=1e-4)
