@@ -8,5 +8,5 @@ python=${PYTHON:-python3}
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned: with it present, servelm's torch>=2.5 range installs nothing more.
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" -e ".[test]"
+"${pip[@]}" -e ".[test,playground-test]"
 bash scripts/install_models.sh

@@ -261,6 +261,7 @@ ALIASES: tuple[Alias, ...] = (
           note="on by default; false = --disable-radix-cache", metavar="BOOL"),
     Alias(("--enable-prompt-tokens-details",), "enable_cache_report", "vLLM", takes_value=False,
           const=True),
+    Alias(("--no-webui",), "disable_playground", "llama.cpp", takes_value=False, const=True),
     Alias(("--router_token_ratio",), "router_token_ratio", "LightLLM", example=("0.5",)),
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--node_rank",), "node_rank", "LightLLM", example=("1",)),
@@ -567,9 +568,9 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--allowed-local-media-path", "--mm-attention-backend",
                "--disable-fast-image-processor", "--keep-mm-feature-on-device")),
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
-              "models or multi-item scoring; no beam, diverse or token-healing modes; no TGI API)",
+              "models or multi-item scoring; no beam, diverse or token-healing modes)",
               ("--use_reward_model", "--beam_mode", "--multi-item-scoring-delimiter",
-               "--diverse_mode", "--token_healing_mode", "--use_tgi_api")),
+               "--diverse_mode", "--token_healing_mode")),
     Rejection("not supported: this response option is not implemented (prompt logprobs and "
               "token ids are per-request parameters; /generate streams cumulative text)",
               ("--return_all_prompt_logprobs", "--return-token-ids",

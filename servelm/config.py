@@ -493,6 +493,12 @@ class ServerConfig:
     http_header_timeout_s: float = opt(
         10.0, "Seconds a connection may take to send a request's headers (from connecting, or "
         "from the previous response); slower ones (idle or slowloris sockets) are closed.")
+    use_tgi_api: bool = opt(
+        False, "Answer POST /generate (and /, /generate_stream) in Hugging Face TGI's request and "
+        "response shapes instead of SGLang's, as LightLLM's flag does; GET /info describes the model.",
+        flags=("--use_tgi_api",))
+    disable_playground: bool = opt(
+        False, "Do not serve the playground page at / and /playground (the API is unchanged).")
     http_body_timeout_s: float = opt(
         60.0, "Seconds a request may take to send its body once its headers arrived; then the "
         "connection is closed. 60 s moves the largest body (--max-request-body-bytes) on a slow link.")

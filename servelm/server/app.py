@@ -3,7 +3,8 @@
 Invariants:
 - Routes reach the engine only through the AsyncEngine interface (``app.state.serving.engine``);
   model work runs in the engine process, so no handler blocks the event loop on it.
-- With --api-key, every route but /health and /health_generate needs ``Authorization: Bearer KEY``.
+- With --api-key, every route but /health, /health_generate and the playground page (not the API
+  calls it makes) needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
-from servelm.server import embeddings, native
+from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
@@ -34,9 +35,11 @@ from servelm.server.lora import add_lora_routes
 from servelm.server.middleware import install_middleware
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
+from servelm.server.playground import PUBLIC_PATHS, install_playground
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, EncodeRequest, GenerateRequest,
                                      TokenizeRequest)
+from servelm.server.responses import ResponsesRequest, create_response
 from servelm.server.serving import ServingContext
 
 logger = logging.getLogger(__name__)
@@ -58,12 +61,14 @@ def server_version() -> str:
 class ApiKeyMiddleware:
     """Answers 401 (OpenAI error JSON) unless the Bearer token equals the configured key."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, exempt_paths: frozenset[str] = AUTH_EXEMPT_PATHS) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.exempt_paths = exempt_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or (
+                scope["path"] in self.exempt_paths and scope["method"] in ("GET", "HEAD")):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -145,6 +150,7 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(result)
 
     @app.get("/v1/models")
+    @app.get("/models")  # Open WebUI and others call it without /v1
     async def models(request: Request) -> dict[str, Any]:
         serving = _serving(request)
         return {"object": "list", "data": [{
@@ -155,6 +161,17 @@ def _add_routes(app: FastAPI) -> None:
                 "owned_by": "servelm", "root": adapter.get("path"),
                 "parent": serving.served_model_name, "max_model_len": serving.context_length}
                for adapter in serving.lora_adapters()]}
+
+    @app.get("/props")
+    async def props(request: Request) -> dict[str, Any]:
+        """llama.cpp's /props, which its web UI reads for the model, context and template."""
+        return clients.llama_cpp_props(_serving(request))
+
+    @app.get("/slots")
+    async def slots() -> Response:
+        return error_response(404, "servelm has no llama.cpp slots (requests are batched "
+                              "continuously); see /get_server_info for running and queued requests",
+                              code="not_found")
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:
@@ -181,9 +198,32 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_generation(request, "Chat Completions"), body, request)
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        return await native.generate(_generation(request, "generate"), body, request)
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_generation(request, "Responses"), body, request)
+
+    if app.state.use_tgi_api:
+        @app.post("/generate")
+        async def tgi_generate(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request, path="/generate")
+
+        @app.post("/generate_stream")
+        async def tgi_generate_stream(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request,
+                                   path="/generate_stream")
+
+        @app.post("/")
+        async def tgi_compat(body: tgi.TGIRequest, request: Request) -> Response:
+            return await tgi.route(_generation(request, "generate"), body, request, path="/")
+    else:
+        @app.post("/generate")
+        async def generate(body: GenerateRequest, request: Request) -> Response:
+            return await native.generate(_generation(request, "generate"), body, request)
+
+    @app.get("/info")
+    async def info(request: Request) -> dict[str, Any]:
+        """TGI's model description (the text-generation client and TGI dashboards read it)."""
+        return tgi.info(_serving(request), server_version())
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
@@ -197,6 +237,10 @@ def _add_routes(app: FastAPI) -> None:
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await native.tokenize(_serving(request), body))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        return native.tokenizer_info(_serving(request))
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
         return JSONResponse(await native.detokenize(_serving(request), body))
@@ -207,11 +251,16 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     app.state.serving = None
     app.state.created = int(time.time())
     app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
+    app.state.use_tgi_api = config.server.use_tgi_api
     install_error_handlers(app)
     _add_routes(app)
     add_lora_routes(app)
+    exempt_paths = AUTH_EXEMPT_PATHS
+    if not config.server.disable_playground:
+        install_playground(app)
+        exempt_paths = exempt_paths | PUBLIC_PATHS
     if config.server.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key, exempt_paths=exempt_paths)
     install_middleware(app, config.server)
     return app
 

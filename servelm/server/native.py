@@ -1,4 +1,4 @@
-"""SGLang's native /generate and vLLM's /tokenize and /detokenize.
+"""SGLang's native /generate and vLLM's /tokenize, /detokenize and /tokenizer_info.
 
 /generate answers ``{"text", "output_ids", "meta_info"}`` per prompt (a list for a batch or n > 1);
 streamed chunks carry the cumulative text and ids so far (SGLang's default), plus ``index`` when
@@ -233,3 +233,22 @@ async def detokenize(ctx: ServingContext, request: DetokenizeRequest) -> dict[st
     ctx.require_tokenizer("/detokenize", "tokens")
     ctx.check_token_ids(request.tokens, "tokens")
     return {"prompt": ctx.decode(request.tokens)}
+
+
+def tokenizer_info(ctx: ServingContext) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: what a client needs to tokenize like the server without
+    downloading the tokenizer (lm-eval's remote tokenizer reads the special tokens and the chat
+    template, then calls /tokenize and /detokenize)."""
+    tokenizer = ctx.require_tokenizer("/tokenizer_info", "model")
+    template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__,
+                            "model_max_length": ctx.context_length,
+                            "vocab_size": ctx.vocab_size or len(tokenizer),
+                            "chat_template": template if isinstance(template, str) else None}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        info[name] = str(value) if value is not None else None
+        token_id = getattr(tokenizer, f"{name}_id", None)
+        info[f"{name}_id"] = int(token_id) if token_id is not None else None
+    info["add_bos_token"] = bool(getattr(tokenizer, "add_bos_token", False))
+    return info

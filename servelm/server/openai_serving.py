@@ -9,6 +9,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -60,9 +61,11 @@ class CompletionChoice(_Choice):
     """Turns one choice's engine outputs into (text, logprobs) deltas in the completions shape."""
 
     def __init__(self, ctx: ServingContext, index: int, prompt_index: int, prompt: Prompt,
-                 echo: bool, num_logprobs: int | None) -> None:
+                 echo: bool, num_logprobs: int | None, is_prompt_only: bool = False) -> None:
         super().__init__(ctx, index, prompt_index, prompt)
         self.is_echo_pending = echo
+        self.is_prompt_only = is_prompt_only
+        """max_tokens 0: the one sampled token is not part of the answer."""
         self.num_logprobs = num_logprobs
         self.text_offset = 0
         self.text = ""
@@ -89,6 +92,12 @@ class CompletionChoice(_Choice):
         return offset + len(token)
 
     def delta(self, output: RequestOutput) -> tuple[str, dict[str, list[Any]] | None]:
+        if self.is_prompt_only:
+            finished = output.finish_reason not in (None, "error", "abort")
+            output = dataclasses.replace(
+                output, new_token_ids=[], new_text="", logprobs=None,
+                finish_reason="length" if finished else output.finish_reason,
+                stop_reason=None if finished else output.stop_reason)
         self.record(output)
         text = output.new_text
         logprobs = self._empty_logprobs() if self.num_logprobs is not None else None
@@ -249,16 +258,28 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
         raise InvalidRequestError("the prompt must not be empty", "prompt")
     ctx.check_num_sequences(len(items) * request.n)
     is_default = "max_tokens" not in request.model_fields_set
+    max_tokens = 1 if is_prompt_only(request) else request.max_tokens
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(await ctx.prompt_from_text(item, request.max_tokens,
+            prompts.append(await ctx.prompt_from_text(item, max_tokens,
                                                       add_special_tokens=request.add_special_tokens,
                                                       is_default_max_tokens=is_default))
         else:
-            prompts.append(ctx.fit_prompt(list(item), None, request.max_tokens,
+            prompts.append(ctx.fit_prompt(list(item), None, max_tokens,
                                           is_default_max_tokens=is_default))
     return prompts
+
+
+def is_prompt_only(request: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing (lm-eval's
+    loglikelihood requests, as vLLM allows). The engine still samples one token, which is dropped."""
+    if request.max_tokens != 0:
+        return False
+    if not request.echo:
+        raise InvalidRequestError("max_tokens 0 is only allowed with echo (to score the prompt)",
+                                  "max_tokens")
+    return True
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
@@ -273,7 +294,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
                                ctx.request_priority(request.priority), lora_name)
     report_cached = ctx.config.server.enable_cache_report
     choices = [CompletionChoice(ctx, s.index, s.index // request.n, prompts[s.index // request.n],
-                                request.echo, request.logprobs) for s in submissions]
+                                request.echo, request.logprobs, is_prompt_only(request))
+               for s in submissions]
     header = {"id": base_id, "object": "text_completion", "created": created,
               "model": request.model if lora_name else ctx.served_model_name}
 
