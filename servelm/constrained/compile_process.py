@@ -89,19 +89,8 @@ def compile_checked(backend: GrammarBackend, kind: str, spec: str, max_spec_byte
     return compiled
 
 
-def _limit_memory(extra_bytes: int) -> None:
-    try:
-        import resource
-
-        with open("/proc/self/statm") as statm:
-            current = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (current + extra_bytes, resource.RLIM_INFINITY))
-    except (ImportError, OSError, ValueError):
-        pass  # not Linux: the time budget still holds
-
-
 def _process_main(parent_pid: int, fd: int) -> None:
-    from servelm.distributed.lifetime import die_with_parent
+    from servelm.distributed.lifetime import die_with_parent, limit_address_space
 
     die_with_parent(parent_pid)
     connection = Connection(fd)
@@ -112,7 +101,7 @@ def _process_main(parent_pid: int, fd: int) -> None:
     except Exception as error:
         connection.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    _limit_memory(MEMORY_BYTES)
+    limit_address_space(MEMORY_BYTES)
     connection.send(("ready", None))
     while True:
         try:

@@ -53,3 +53,17 @@ def die_with_parent(parent_pid: int | None = None, poll_s: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Thread(target=_watch_parent, args=(expected, poll_s), name="parent-watch",
                      daemon=True).start()
+
+
+def limit_address_space(extra_bytes: int) -> None:
+    """Cap this process's address space at what it maps now plus ``extra_bytes`` (a sandboxed
+    child: a grammar or template that allocates without bound gets a MemoryError, not the
+    machine's memory). Linux only; elsewhere the caller's time budget still holds."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as statm:
+            current = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (current + extra_bytes, resource.RLIM_INFINITY))
+    except (ImportError, OSError, ValueError):
+        pass

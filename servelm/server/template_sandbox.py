@@ -34,24 +34,13 @@ WORKER_MEMORY_BYTES = 1 << 30
 _WORKER_START_S = 120.0
 
 
-def _limit_memory(extra_bytes: int) -> None:
-    try:
-        import resource
-
-        with open("/proc/self/statm") as statm:
-            current = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (current + extra_bytes, resource.RLIM_INFINITY))
-    except (ImportError, OSError, ValueError):
-        pass  # not Linux: the time budget still holds
-
-
 def _worker_main(parent_pid: int, connection: Connection) -> None:
-    from servelm.distributed.lifetime import die_with_parent
+    from servelm.distributed.lifetime import die_with_parent, limit_address_space
 
     die_with_parent(parent_pid)
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    _limit_memory(WORKER_MEMORY_BYTES)
+    limit_address_space(WORKER_MEMORY_BYTES)
     connection.send(("ready", None))
     while True:
         job = connection.recv()
