@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from servelm.config import EngineConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
 
@@ -22,3 +26,17 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) 
         assert engine.add_request(str(index), prompt, params) is None
     tokens = drain(engine)
     return [tokens[str(index)] for index in range(len(prompts))]
+
+
+def reference_greedy(prompts: Sequence[str | list[int]], max_tokens: int, **flags: Any
+                     ) -> tuple[list[list[int]], list[list[int]]]:
+    """The one-process reference a distributed run is compared with: an engine built from the flat
+    config ``flags`` encodes the text prompts with its tokenizer, generates ``max_tokens`` greedy
+    tokens per prompt (ignore_eos), and is shut down. Returns (prompt ids, output tokens)."""
+    engine = LLMEngine(EngineConfig.from_flat(flags))
+    try:
+        ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return ids, greedy(engine, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                       ignore_eos=True))
+    finally:
+        engine.shutdown()

@@ -23,10 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from servelm.config import EngineConfig
-from servelm.engine.engine import LLMEngine
-from servelm.sampling.params import SamplingParams
-from tests.engine_drive import greedy
+from tests.engine_drive import reference_greedy
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import REPO, ServerProcess, free_port, is_running, stream_and_kill, wait_until_gone
@@ -84,13 +81,9 @@ def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
     """SmolLM2-135M, TP=2 across two loopback nodes: greedy tokens equal the TP=1 engine's; the
     layout shows both nodes; node 1 exits cleanly (0, no rank left) when node 0 stops."""
     model, num_new_tokens = "smollm2-135m", 12
-    engine = LLMEngine(EngineConfig.from_flat(dict(model=model, dtype="float32", num_threads=1,
-                                                   max_total_tokens=1024)))
-    prompts = [engine.tokenizer.encode(text) for text in
-               ("The capital of France is", "def quicksort(items):")]
-    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=num_new_tokens,
-                                                      ignore_eos=True))
-    engine.shutdown()
+    prompts, expected = reference_greedy(("The capital of France is", "def quicksort(items):"),
+                                         num_new_tokens, model=model, dtype="float32",
+                                         num_threads=1, max_total_tokens=1024)
     init_port = free_port()
     extra = ("--max-total-tokens", "1024", "--enable-metrics")
     with NodeProcess(node_args(model, 1, init_port, *extra), tmp_path / "node1.log") as node1:
@@ -214,11 +207,9 @@ def test_two_nodes_on_a_veth_pair_match_tp1(tmp_path: Path, tiny_model: str,
     the step sockets and gloo all use that address (gloo's default would be the host name's,
     127.0.0.1 here, which node 1 cannot reach)."""
     namespace, node0_address, _ = second_address
-    prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
-    engine = LLMEngine(EngineConfig.from_flat(dict(model=tiny_model, dtype="float32", num_threads=1,
-                                                   skip_tokenizer_init=True, max_total_tokens=1024)))
-    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    engine.shutdown()
+    prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], 12, model=tiny_model,
+                                         dtype="float32", num_threads=1, skip_tokenizer_init=True,
+                                         max_total_tokens=1024)
     init_port = free_port()
     args = [tiny_model, "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"{node0_address}:{init_port}",
             "--num-threads", "1", "--dtype", "float32", *TINY_FLAGS, "--dist-timeout", "60"]
@@ -236,11 +227,9 @@ def test_two_nodes_on_a_veth_pair_match_tp1(tmp_path: Path, tiny_model: str,
 def test_tp4_over_two_nodes_of_two_ranks_matches_tp1(tmp_path: Path, tiny_model: str) -> None:
     """Two ranks per node (node 0: the engine's rank 0 plus a local rank process; node 1: two rank
     processes, LightLLM's --node_rank spelling): each node cuts its CPUs between its own ranks."""
-    prompts = [[1, 2, 3, 4, 5], list(range(7, 40))]
-    engine = LLMEngine(EngineConfig.from_flat(dict(model=tiny_model, dtype="float32", num_threads=1,
-                                                   skip_tokenizer_init=True, max_total_tokens=1024)))
-    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    engine.shutdown()
+    prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], 12, model=tiny_model,
+                                         dtype="float32", num_threads=1, skip_tokenizer_init=True,
+                                         max_total_tokens=1024)
     init_port = free_port()
     args = [tiny_model, "--tp", "4", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{init_port}",
             "--num-threads", "1", "--dtype", "float32", *TINY_FLAGS]

@@ -20,10 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servelm.config import EngineConfig
-from servelm.engine.engine import LLMEngine
-from servelm.sampling.params import SamplingParams
-from tests.engine_drive import greedy
+from tests.engine_drive import reference_greedy
 
 from .server_process import ServerProcess, free_port, stream_and_kill, wait_until_gone
 
@@ -71,13 +68,9 @@ def ray_cluster() -> Iterator[str]:
 def test_ray_tp2_matches_tp1_and_a_dead_actor_ends_the_server(ray_cluster: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     model, num_new_tokens = "smollm2-135m", 12
-    engine = LLMEngine(EngineConfig.from_flat(dict(model=model, dtype="float32", num_threads=1,
-                                                   max_total_tokens=1024)))
-    prompts = [engine.tokenizer.encode(text) for text in
-               ("The capital of France is", "def quicksort(items):")]
-    expected = greedy(engine, prompts, SamplingParams(temperature=0.0, max_tokens=num_new_tokens,
-                                                      ignore_eos=True))
-    engine.shutdown()
+    prompts, expected = reference_greedy(("The capital of France is", "def quicksort(items):"),
+                                         num_new_tokens, model=model, dtype="float32",
+                                         num_threads=1, max_total_tokens=1024)
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
     server = ServerProcess([model, "--tp", "2", "--distributed-executor-backend", "ray",
                             "--num-threads", "1", "--dtype", "float32", "--max-total-tokens", "1024"])
