@@ -418,11 +418,9 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
 NOT_BUILT_YET = "not built yet"
 
 REJECTIONS: tuple[Rejection, ...] = (
-    Rejection(f"{NOT_BUILT_YET}: hierarchical (host/storage) KV cache",
-              ("--hicache-storage-backend-extra-config", "--enable-hierarchical-cache",
-               "--hicache-ratio", "--hicache-size", "--hicache-write-policy",
-               "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
-               "--hicache-storage-prefetch-policy", "--enable-lmcache")),
+    Rejection("not supported: LMCache is a separate library configured through its own files "
+              "and environment; servelm's own host and disk tiers are --enable-hierarchical-cache "
+              "(with --hicache-storage-backend file)", ("--enable-lmcache",)),
     Rejection("not supported: LoRA adapters with biases (bias=all or lora_only adapters are "
               "refused at load; servelm serves bias-free PEFT LoRA)", ("--enable-lora-bias",)),
     Rejection("not supported: vLLM's fully sharded LoRA layout (with --tp-size > 1 servelm "
@@ -638,6 +636,11 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),
     ("speculative_disable_by_batch_size", "speculative_algorithm"),
+    *((name, "enable_hierarchical_cache") for name in (
+        "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend",
+        "hicache_mem_layout", "hicache_host_dtype", "hicache_storage_backend",
+        "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config")),
+    ("hicache_storage_backend_extra_config", "hicache_storage_backend"),
 )
 """(field, needed): a non-default ``field`` means nothing unless ``needed`` is set too, so it is
 refused at start-up rather than ignored."""

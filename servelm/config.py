@@ -185,6 +185,101 @@ class CacheConfig:
                              f"got {self.max_total_tokens}")
 
 
+HICACHE_EXTERNAL_BACKENDS = ("mooncake", "hf3fs", "nixl", "aibrix", "eic", "dynamic", "lmcache")
+_HICACHE_EXTRA_KEYS = ("file_path", "max_size_gb", "prefetch_timeout_s")
+HICACHE_DEFAULT_DIR = "~/.cache/servelm/hicache"
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """The hierarchical KV cache (servelm.cache.hicache): a host tier and a file storage tier
+    below the device pool, fed by evictions and pulled up by prefix matches."""
+
+    enable_hierarchical_cache: bool = opt(
+        False, "Keep blocks evicted from the KV pool in a host tier (and, with "
+        "--hicache-storage-backend file, on disk) and bring them back on a prefix match instead "
+        "of recomputing them. Off by default: it costs host memory and copies.")
+    hicache_ratio: float = opt(
+        2.0, "Host tier size as a multiple of the KV pool's blocks (SGLang's default 2: the tier "
+        "pays when it holds more than the pool).")
+    hicache_size: int = opt(
+        0, "Host tier size in GB; overrides --hicache-ratio when > 0 (0: use the ratio).")
+    hicache_write_policy: str = opt(
+        "write_through", "When blocks are copied down: write_through (as soon as they are cached: "
+        "a restart finds them on disk), write_through_selective (once matched twice) or "
+        "write_back (only when the pool evicts them). Eviction always demotes to the host tier.",
+        choices=["write_through", "write_through_selective", "write_back"])
+    hicache_io_backend: str = opt(
+        "direct", "How blocks are copied between tiers: direct (plain tensor copies; on CPU the "
+        "pool already is host memory). SGLang's kernel backend is CUDA-only and not built.")
+    hicache_mem_layout: str = opt(
+        "layer_first", "Host tier layout: layer_first (like the device pool) or page_first (one "
+        "block contiguous).", choices=["layer_first", "page_first", "page_first_direct"])
+    hicache_host_dtype: str = opt(
+        "int8", "Host tier storage: int8 (one byte per value with per-block, per-head scales: 4x "
+        "the blocks of float32 in the same memory, values off by at most half a quantization step, "
+        "so outputs may differ from recomputing) or auto (the pool's dtype: exact).",
+        choices=["int8", "auto"])
+    hicache_storage_backend: str | None = opt(
+        None, "Storage tier below the host tier: file (one file per block, kept across restarts, "
+        "validated against the model and settings that wrote it). Unset: no storage tier. "
+        "SGLang's other backends need services servelm does not ship and are refused.",
+        choices=["file", *HICACHE_EXTERNAL_BACKENDS])
+    hicache_storage_prefetch_policy: str = opt(
+        "best_effort", "When a request whose blocks are on disk is admitted: best_effort (now, "
+        "with what the background reads have brought in), wait_complete (once its reads are done; "
+        "other requests run meanwhile) or timeout (when done or after prefetch_timeout_s).",
+        choices=["best_effort", "wait_complete", "timeout"])
+    hicache_storage_backend_extra_config: str | None = opt(
+        None, "JSON object for the storage backend: file_path (directory; default "
+        f"{HICACHE_DEFAULT_DIR}, or SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR when set), max_size_gb "
+        "(disk limit, least recently used files deleted first; default 16), prefetch_timeout_s "
+        "(the timeout policy's wait; default 2).")
+
+    def __post_init__(self) -> None:
+        if not self.enable_hierarchical_cache:
+            changed = [f.name for f in dataclasses.fields(self)
+                       if f.name != "enable_hierarchical_cache"
+                       and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{_flag(changed[0])} needs --enable-hierarchical-cache")
+            return
+        if self.hicache_ratio <= 0:
+            raise ValueError(f"--hicache-ratio must be positive, got {self.hicache_ratio}")
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0 GB, got {self.hicache_size}")
+        if self.hicache_io_backend != "direct":
+            raise ValueError(f"--hicache-io-backend {self.hicache_io_backend}: only direct (plain "
+                             "tensor copies) is built; SGLang's kernel backends are CUDA kernels")
+        if self.hicache_mem_layout not in ("layer_first", "page_first"):
+            raise ValueError(f"--hicache-mem-layout {self.hicache_mem_layout}: choose layer_first "
+                             "or page_first (page_first_direct needs SGLang's direct-IO kernels)")
+        backend = self.hicache_storage_backend
+        if backend is not None and backend != "file":
+            reason = ("it needs an external service or library servelm does not ship"
+                      if backend in HICACHE_EXTERNAL_BACKENDS else "unknown backend")
+            raise ValueError(f"--hicache-storage-backend {backend}: {reason}; the built-in "
+                             "backend is file")
+        extra = self.storage_extra_config
+        if extra and backend is None:
+            raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend")
+        for key, value in extra.items():
+            if key not in _HICACHE_EXTRA_KEYS:
+                raise ValueError(f"--hicache-storage-backend-extra-config: {key!r} is not supported "
+                                 f"(supported: {', '.join(_HICACHE_EXTRA_KEYS)})")
+            if key == "file_path" and not (isinstance(value, str) and value):
+                raise ValueError("--hicache-storage-backend-extra-config: file_path must be a "
+                                 "directory path")
+            if key != "file_path" and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be a "
+                                 f"positive number, got {value!r}")
+
+    @property
+    def storage_extra_config(self) -> dict[str, Any]:
+        return parse_json_object_flag("--hicache-storage-backend-extra-config",
+                                      self.hicache_storage_backend_extra_config)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
@@ -776,6 +871,7 @@ class EngineConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -793,6 +889,22 @@ class EngineConfig:
                 "from eager in the last bit, the int8 rounding of the activations turns that into "
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
         self._check_lora()
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        """The hierarchical cache extends the radix cache of the in-process runner."""
+        if not self.hicache.enable_hierarchical_cache:
+            return
+        if self.cache.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache extends the prefix cache; it cannot be "
+                             "combined with --disable-radix-cache")
+        if self.parallel.tensor_parallel_size > 1 or self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-hierarchical-cache needs the in-process runner (--tp-size 1 "
+                             "--pp-size 1): the tiers copy blocks out of the engine process's "
+                             "KV pool, and rank workers hold theirs in other processes")
+        if self.model.task in ("embed", "embedding"):
+            raise ValueError("--enable-hierarchical-cache serves generation; embedding requests "
+                             "never use the prefix cache")
 
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""

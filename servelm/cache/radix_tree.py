@@ -12,6 +12,9 @@ Invariants:
 - Each adapter (LoRA) id has its own root, so two adapters never share K/V.
 - Eviction only removes leaves whose blocks nobody else holds, least recently used first (or
   least frequently used with ``policy="lfu"``); it may trim a leaf's trailing blocks.
+- A ``listener`` (the hierarchical cache) hears of every block inserted (after its K/V is
+  written) and every block about to be evicted (before its pool reference is dropped, so its
+  K/V is still intact): that is where blocks are copied to the tiers below the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from servelm.cache.block_pool import BlockPool
 
@@ -47,11 +51,24 @@ class PrefixMatch:
     """A multiple of the block size."""
 
 
+class CacheListener(Protocol):
+    """Hears which blocks enter and leave the tree. ``token_ids`` is the whole prefix through
+    the last of ``block_ids``, which are blocks ``first_block ..`` of that prefix."""
+
+    def inserted(self, adapter_id: str | None, token_ids: Sequence[int], first_block: int,
+                 block_ids: list[int]) -> None: ...
+
+    def evicting(self, adapter_id: str | None, token_ids: Sequence[int], first_block: int,
+                 block_ids: list[int]) -> None: ...
+
+
 class RadixTree:
     """Prefix -> KV blocks, with reference-counted sharing and LRU/LFU eviction."""
 
     def __init__(self, block_pool: BlockPool, block_size: int, eviction_policy: str = "lru") -> None:
         assert eviction_policy in EVICTION_POLICIES, eviction_policy
+        self.listener: CacheListener | None = None
+        """Set by the hierarchical cache (servelm.cache.hicache); None: evicted blocks are dropped."""
         self.block_pool = block_pool
         self.block_size = block_size
         self.eviction_policy = eviction_policy
@@ -134,6 +151,8 @@ class RadixTree:
         node.children[leaf.token_ids[:size]] = leaf
         self.block_pool.retain(new_blocks)
         self.num_blocks += len(new_blocks)
+        if self.listener is not None:
+            self.listener.inserted(adapter_id, token_ids[:num_blocks * size], matched, new_blocks)
         return len(new_blocks) * size
 
     def _split(self, node: _Node, num_blocks: int) -> _Node:
@@ -168,6 +187,10 @@ class RadixTree:
             _, _, node = heapq.heappop(heap)
             take = min(num_blocks - freed, len(node.block_ids))
             victims = node.block_ids[len(node.block_ids) - take:]
+            if self.listener is not None:
+                adapter_id, prefix = self._prefix(node)
+                self.listener.evicting(adapter_id, prefix, len(prefix) // self.block_size - take,
+                                       victims)
             self.block_pool.release(victims)
             self.num_blocks -= take
             freed += take
@@ -181,6 +204,16 @@ class RadixTree:
             if self._is_evictable(parent):
                 heapq.heappush(heap, (self._order(parent), id(parent), parent))
         return freed
+
+    def _prefix(self, node: _Node) -> tuple[str | None, tuple[int, ...]]:
+        """The adapter id and the whole token prefix through ``node``."""
+        parts: list[tuple[int, ...]] = []
+        current = node
+        while current.parent is not None:
+            parts.append(current.token_ids)
+            current = current.parent
+        adapter_id = next(a for a, root in self._roots.items() if root is current)
+        return adapter_id, tuple(token for part in reversed(parts) for token in part)
 
     def num_evictable_blocks(self) -> int:
         """Cached blocks that eviction could free now (held by no request)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
+from servelm.engine.hicache import build_hicache
 from servelm.config import EngineConfig
 from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
@@ -76,6 +77,9 @@ class LLMEngine:
                                    self.prefix_cache, seed=config.model.seed,
                                    max_adapters=config.lora.max_loras_per_batch if self.lora else None,
                                    adapter_slot=self._adapter_slot if self.lora else None)
+        self.hicache = build_hicache(config, runner, self.prefix_cache, self.block_pool)
+        """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
+        self.scheduler.hicache = self.hicache
         self.executor = Executor(runner)
         self.speculation = Speculation(config.speculative, proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
@@ -379,6 +383,8 @@ class LLMEngine:
         """Stop the rank workers (nothing to do at tp 1) and the grammar compile workers."""
         if self._grammars is not None:
             self._grammars.close()
+        if self.hicache is not None:
+            self.hicache.close()
         self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------
@@ -393,6 +399,8 @@ class LLMEngine:
             assert self._grammars is not None
             self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
                                 _IDLE_COMPILE_WAIT_S)
+        if scheduled.is_empty and self.hicache is not None and self.hicache.is_holding_requests:
+            self.hicache.wait_for_reads(_IDLE_COMPILE_WAIT_S)  # nothing runs but disk reads
         outputs = refused + self._update(scheduled, results)
         if self.lora is not None and self.lora.has_unloaded:
             self.lora.release_unused(self._adapters_in_use())
@@ -522,6 +530,8 @@ class LLMEngine:
             return {"success": False, "message": (
                 f"cannot flush the cache while {len(self.scheduler.running)} requests are running "
                 f"and {len(self.scheduler.waiting)} waiting; retry when the server is idle")}
+        if self.hicache is not None:
+            self.hicache.flush()
         return {"success": True, "message": "cache flushed"}
 
     def stats(self) -> dict[str, Any]:
@@ -554,4 +564,5 @@ class LLMEngine:
             "parallel": self.model_info.get("parallel"),
             **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
             **self.speculation.stats(),
+            **(self.hicache.stats() if self.hicache is not None else {}),
         }

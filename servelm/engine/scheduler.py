@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.cache.block_pool import BlockPool
+from servelm.cache.hicache import HiCacheController
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
 from servelm.engine.outputs import TokenLogprob
@@ -118,6 +119,9 @@ class Scheduler:
         self.block_pool = block_pool
         self.block_size = block_size
         self.prefix_cache = prefix_cache
+        self.hicache: HiCacheController | None = None
+        """The tiers below the pool (--enable-hierarchical-cache): a prefix match first pulls
+        demoted blocks back up; a request whose blocks are being read from disk may wait."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -151,6 +155,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            if self.hicache is not None:
+                self.hicache.forget(request.request_id)  # it may have been held for a prefetch
         self._free_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -258,6 +264,8 @@ class Scheduler:
                 continue
             if self._shares_prefix_in_flight(request, admitted):
                 continue  # compute the shared prefix once: next step it is cached
+            if not self._is_prefetched(request):
+                continue  # its blocks are still being read from disk (--hicache-storage-prefetch-policy)
             self._match_prefix(request)
             num_tokens = self._chunk(request, budget)
             if num_tokens == 0:
@@ -369,6 +377,8 @@ class Scheduler:
         if (self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs
                 or request.is_embedding):
             return  # prompt logprobs (and pooling) need every prompt position computed
+        if self.hicache is not None:
+            self.hicache.pull_up(cache_key(request), request.adapter_id)
         match = self.prefix_cache.match_prefix(cache_key(request), request.adapter_id)
         if not match.block_ids:
             return
@@ -378,6 +388,12 @@ class Scheduler:
         request.num_computed_tokens = match.num_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = min(match.num_tokens, request.num_prompt_tokens)
+
+    def _is_prefetched(self, request: Request) -> bool:
+        if (self.hicache is None or request.block_ids or request.wants_prompt_logprobs
+                or request.is_embedding):
+            return True
+        return self.hicache.is_ready(cache_key(request), request.adapter_id, request.request_id)
 
     def _unmatch(self, request: Request) -> None:
         """Undo ``_match_prefix`` for a request that stays waiting (it must not pin blocks)."""

@@ -39,7 +39,7 @@ ARTIFACTS = {
 PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
-REFUSED_FIELDS: dict[str, str] = {}
+REFUSED_FIELDS: dict[str, str] = {"hicache_io_backend": "direct"}
 DEFAULT = EngineConfig()
 
 
@@ -94,6 +94,8 @@ def field_example(field_name: str) -> list[str]:
         return ["127.0.0.1:5001"]
     if field_name == "override_pooler_config":
         return ['{"pooling_type": "mean", "normalize": false}']
+    if field_name == "hicache_storage_backend_extra_config":
+        return ['{"file_path": "/tmp/servelm-hicache-flag-test"}']
     if field_name == "lora_target_modules":
         return ["q_proj", "v_proj"]
     field = cli_flags.config_fields()[field_name]
