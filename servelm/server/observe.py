@@ -84,6 +84,8 @@ class ServerMetrics:
         self.spec_accepted_tokens = Gauge(
             "servelm:spec_num_accepted_tokens", "Speculative decoding: drafted tokens accepted "
             "so far.", labels, registry=self.registry)
+        self.hicache = {key: Gauge(f"servelm:{key}", help_text, labels, registry=self.registry)
+                        for key, help_text in HICACHE_GAUGES.items()}
         self.replica_running = Gauge(
             "servelm:dp_replica_num_requests_running", "Requests in each data-parallel replica's "
             "running batch (--dp-size > 1).", labels + ["dp_replica"], registry=self.registry)
@@ -116,6 +118,8 @@ class ServerMetrics:
         self.spec_acceptance_rate.labels(name).set(stats.get("spec_acceptance_rate", 0.0))
         self.spec_draft_tokens.labels(name).set(stats.get("spec_num_draft_tokens", 0))
         self.spec_accepted_tokens.labels(name).set(stats.get("spec_num_accepted_tokens", 0))
+        for key, gauge in self.hicache.items():
+            gauge.labels(name).set(stats.get(key, 0))
         for replica in stats.get("dp_replicas") or ():
             index = str(replica["replica"])
             self.replica_running.labels(name, index).set(replica.get("num_running") or 0)
@@ -125,6 +129,24 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+HICACHE_GAUGES = {
+    "hicache_host_hit_tokens": "Hierarchical cache: prompt tokens whose K/V came back from the "
+                               "host tier (0 when off).",
+    "hicache_storage_hit_tokens": "Hierarchical cache: prompt tokens whose K/V came back from "
+                                  "the storage tier (disk).",
+    "hicache_demoted_blocks": "Hierarchical cache: blocks the KV pool evicted into the host tier.",
+    "hicache_host_write_bytes": "Hierarchical cache: bytes copied into the host tier.",
+    "hicache_host_read_bytes": "Hierarchical cache: bytes copied from the host tier into the pool.",
+    "hicache_storage_write_bytes": "Hierarchical cache: block bytes written to storage files.",
+    "hicache_storage_read_bytes": "Hierarchical cache: block bytes read (prefetched) from storage.",
+    "hicache_prefetch_waits": "Hierarchical cache: requests held back until their blocks were "
+                              "read from storage (wait_complete / timeout policies).",
+    "hicache_storage_invalid_files": "Hierarchical cache: storage files skipped as truncated, "
+                                     "corrupt or written by another model.",
+}
+"""stats() key -> help: the hierarchical cache's figures, as gauges (they count since start)."""
 
 
 class RequestRecord:
