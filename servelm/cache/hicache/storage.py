@@ -63,7 +63,7 @@ class FileStorage:
     """Block key -> exact K/V bytes on disk, with background write and prefetch threads."""
 
     def __init__(self, root: Path, fingerprint: StorageFingerprint, payload_nbytes: int,
-                 max_bytes: int, max_pending_writes: int = 64, max_ready_blocks: int = 512) -> None:
+                 max_bytes: int, max_pending_bytes: int = 512 << 20, max_ready_blocks: int = 512) -> None:
         self.fingerprint = fingerprint
         self.payload_nbytes = payload_nbytes
         self.max_bytes = max_bytes
@@ -79,7 +79,9 @@ class FileStorage:
         self._reading: set[str] = set()
         self._read_done = threading.Event()
         self._max_ready_blocks = max_ready_blocks
-        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(max_pending_writes)
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(
+            max(16, max_pending_bytes // max(1, payload_nbytes)))
+        """Blocks waiting for the writer thread: at most ``max_pending_bytes`` of copies."""
         self._reads: queue.Queue[str | None] = queue.Queue()
         self.num_written_blocks = 0
         self.num_written_bytes = 0
