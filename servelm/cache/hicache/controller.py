@@ -232,6 +232,23 @@ class HiCacheController:
         self.storage.consume(key)
         self.num_storage_hit_blocks += 1
 
+    def locate(self, token_ids: Sequence[int], adapter_id: str | None = None) -> list[str]:
+        """Where each full block of ``token_ids`` lives, fastest tier first: "device", "host",
+        "disk" (a stored file; "disk" also while its prefetched copy waits) or "none". Changes
+        nothing."""
+        num_device = self.tree.match_length(token_ids, adapter_id) // self.block_size
+        places = []
+        for index, key in enumerate(block_hashes(token_ids, self.block_size, adapter_id)):
+            if index < num_device:
+                places.append("device")
+            elif key in self.host:
+                places.append("host")
+            elif self.storage is not None and self.storage.contains(key):
+                places.append("disk")
+            else:
+                places.append("none")
+        return places
+
     # -- upkeep ----------------------------------------------------------------------------
     def flush(self) -> None:
         """Drop the host tier (with /flush_cache); files on disk stay (they outlive the server)."""

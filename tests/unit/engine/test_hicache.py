@@ -83,6 +83,8 @@ def test_tiers_keep_the_hit_rate_of_a_working_set_4x_the_pool(
     assert stats["hicache_host_hit_tokens"] == 8 * 4 * BLOCK
     assert stats["cache_hit_rate"] == round(8 * 32 / (16 * 35), 4)
     assert stats["hicache_demoted_blocks"] > 0 and stats["hicache_host_read_bytes"] > 0
+    assert tiered.hicache is not None
+    assert tiered.hicache.locate(working_set()[0]) == ["host"] * 4  # evicted from the pool: demoted
     assert stats["num_used_blocks"] == 0
     tiered.shutdown()
 
@@ -127,7 +129,10 @@ def test_restart_serves_the_first_request_from_disk(model_dir: Path, tmp_path: P
     assert greedy(first, [prompt], PARAMS) == reference
     first.shutdown()  # finishes the queued writes
     again = make(model_dir, store=tmp_path)
+    assert again.hicache is not None
+    assert again.hicache.locate(prompt) == ["disk"] * 4
     assert greedy(again, [prompt], PARAMS) == reference
+    assert again.hicache.locate(prompt) == ["device"] * 4
     stats = again.stats()
     assert stats["hicache_storage_hit_tokens"] == 4 * BLOCK and stats["hicache_prefetch_waits"] == 1
     assert stats["num_cached_prompt_tokens"] == 4 * BLOCK
