@@ -114,3 +114,48 @@ def test_host_index_evicts_lru_but_never_a_pinned_key() -> None:
     assert slot_c is not None and "b" not in index and "a" in index
     index.pinned.add("c")
     assert index.assign("d") is None
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from servelm.cache.hicache import FileStorage, StorageFingerprint
+fingerprint = StorageFingerprint(model="tiny@#none", config_digest="c0ffee", kv_dtype="float32",
+                                 num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+storage = FileStorage(Path(sys.argv[1]), fingerprint, int(sys.argv[2]), 1 << 40)
+index = 0
+while True:
+    storage.put(f"k{index}", bytes([index % 256]) * int(sys.argv[2]))
+    index += 1
+    if index % 8 == 0:
+        storage.wait_idle()
+        print(index, flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_cache_that_loads(tmp_path: Path) -> None:
+    """SIGKILL a process that is writing 4 MiB blocks: whatever it left (whole files, temp files
+    cut short) opens, and every file that reads back holds exactly what was written."""
+    import signal
+    import subprocess
+    import sys
+
+    size = 4 << 20
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(size)],
+                             stdout=subprocess.PIPE, cwd=Path(__file__).resolve().parents[3])
+    try:
+        assert child.stdout is not None
+        child.stdout.readline()  # 8 blocks queued and written: more are in flight
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    storage = FileStorage(tmp_path, FINGERPRINT, size, 1 << 40)
+    try:
+        keys = [path.stem for path in storage.directory.glob("*.kv")]
+        assert len(keys) >= 8 and not list(storage.directory.glob("*.tmp"))
+        for key in keys:
+            data = read_through(storage, key)
+            assert data is None or data == bytes([int(key[1:]) % 256]) * size
+            storage.consume(key)
+    finally:
+        storage.close()
