@@ -217,3 +217,21 @@ def test_refusals_and_storage_directory(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.delenv(STORAGE_DIR_ENV)
     assert storage_directory(config(hicache_storage_backend="file")) == \
         Path("~/.cache/servelm/hicache").expanduser()
+
+
+@pytest.mark.slow
+def test_smollm2_tiers_on_and_off_give_the_same_tokens() -> None:
+    """The real SmolLM2-135M (float32) with a pool of 12 blocks and 4 system prompts of 6 blocks:
+    the exact host tier serves the second round and changes no token."""
+    def engine(tiers: bool) -> LLMEngine:
+        hicache = (HiCacheConfig(enable_hierarchical_cache=True, hicache_host_dtype="auto",
+                                 hicache_ratio=4.0) if tiers else HiCacheConfig())
+        return LLMEngine(EngineConfig(model=ModelConfig(model="smollm2-135m", dtype="float32"),
+                                      cache=CacheConfig(max_total_tokens=192), hicache=hicache))
+    rng = random.Random(3)
+    systems = [[rng.randrange(100, 40000) for _ in range(96)] for _ in range(4)]
+    prompts = [systems[i % 4] + [rng.randrange(100, 40000) for _ in range(5)] for i in range(8)]
+    plain, tiered = engine(False), engine(True)
+    assert run_one_by_one(tiered, prompts) == run_one_by_one(plain, prompts)
+    assert tiered.stats()["hicache_host_hit_tokens"] == 4 * 96
+    assert plain.stats()["cache_hit_rate"] == 0
