@@ -184,16 +184,19 @@ class HiCacheController:
     def pull_up(self, token_ids: Sequence[int], adapter_id: str | None) -> int:
         """Copy the blocks after the device match that the host tier or a finished prefetch
         holds into device blocks, and cache them in the radix tree. Returns blocks pulled up."""
-        match = self.tree.match_prefix(token_ids, adapter_id)
-        num_device = len(match.block_ids)
+        num_device = self.tree.match_length(token_ids, adapter_id) // self.block_size
         keys = block_hashes(token_ids, self.block_size, adapter_id)
-        if self.settings.write_policy == "write_through_selective":
-            self._count_matches(keys[:num_device], match.block_ids)
         run: list[str] = []
         for key in keys[num_device:]:
             if key not in self.host and (self.storage is None or self.storage.ready(key) is None):
                 break
             run.append(key)
+        selective = self.settings.write_policy == "write_through_selective"
+        if not run and not (selective and num_device):
+            return 0  # leave the tree's use counts to the scheduler's own match
+        match = self.tree.match_prefix(token_ids, adapter_id)
+        if selective:
+            self._count_matches(keys[:num_device], match.block_ids)
         if not run:
             return 0
         self.pool.retain(match.block_ids)  # pin the prefix while room is made
