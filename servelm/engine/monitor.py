@@ -86,7 +86,10 @@ class StatsLogger:
                 f"gen_throughput={num_tokens / max(elapsed_s, 1e-9):.1f} tok/s"
                 + (f" spec_accept_length={stats['spec_accept_length']:.2f} "
                    f"spec_acceptance_rate={100 * stats['spec_acceptance_rate']:.1f}%"
-                   if "spec_accept_length" in stats else ""))
+                   if "spec_accept_length" in stats else "")
+                + (f" hicache_host_hit_tokens={stats['hicache_host_hit_tokens']} "
+                   f"hicache_storage_hit_tokens={stats.get('hicache_storage_hit_tokens', 0)}"
+                   if "hicache_host_hit_tokens" in stats else ""))
 
 
 def _die_loudly(elapsed_s: float, timeout_s: float) -> None:
