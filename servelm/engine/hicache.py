@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.hicache import FileStorage, HiCacheController, HiCacheSettings, StorageFingerprint
 from servelm.cache.radix_tree import RadixTree
@@ -22,6 +24,9 @@ logger = logging.getLogger(__name__)
 STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 """SGLang's variable for the file backend's directory, read when extra-config has no file_path."""
 DEFAULT_STORAGE_GB = 16.0
+HOST_MEMORY_SHARE = 0.8
+"""Most of the available RAM the host tier may take (its pages fill as blocks are demoted, so
+an oversized tier would fail later, mid-run, instead of at start)."""
 
 
 def storage_directory(config: EngineConfig) -> Path:
@@ -68,6 +73,13 @@ def build_hicache(config: EngineConfig, runner: Any, tree: RadixTree | None,
         num_slots = int(hicache.hicache_ratio * kv.num_blocks)
     if num_slots < 1:
         raise ValueError(f"--hicache-size {hicache.hicache_size} GB holds no block of {per_block} bytes")
+    available = psutil.virtual_memory().available
+    if num_slots * per_block > HOST_MEMORY_SHARE * available:
+        raise ValueError(
+            f"the host tier would take {num_slots * per_block / 2 ** 30:.1f} GiB "
+            f"({'--hicache-size' if hicache.hicache_size > 0 else '--hicache-ratio'}), more than "
+            f"{HOST_MEMORY_SHARE:.0%} of the {available / 2 ** 30:.1f} GiB of RAM available after "
+            "the model and KV pool; lower it (or the pool: --mem-fraction-static / --max-total-tokens)")
     host = HostKVTier(kv, num_slots, hicache.hicache_host_dtype, hicache.hicache_mem_layout)
     how = ("int8 with per-block, per-head scales (dequantized on load: 1/%d of the pool's bytes "
            "per block; on a CPU build the pool already is host memory, so the host tier pays by "

@@ -235,3 +235,8 @@ def test_smollm2_tiers_on_and_off_give_the_same_tokens() -> None:
     assert run_one_by_one(tiered, prompts) == run_one_by_one(plain, prompts)
     assert tiered.stats()["hicache_host_hit_tokens"] == 4 * 96
     assert plain.stats()["cache_hit_rate"] == 0
+
+
+def test_a_host_tier_larger_than_the_ram_is_refused_at_start(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="host tier would take .*--hicache-size"):
+        make(model_dir, hicache_size=10 ** 6)
