@@ -487,6 +487,16 @@ class RuntimeConfig:
         "at start-up (tens of seconds on a small CPU). Not with --quantization (the int8 "
         "activations would round differently). On the 2-core CPU float32 decode measured no "
         "faster than eager (its steps are GEMM-bound); see benchmarks/RESULTS.md.")
+    omp_wait_policy: str = opt(
+        "passive", "How the OpenMP threads of the engine and rank processes wait when a parallel "
+        "region ends: passive (sleep at once: OMP_WAIT_POLICY=PASSIVE), active (spin), or default "
+        "(the OpenMP runtime's own: spin a while, then sleep). Spinning wins a few microseconds per "
+        "op on an idle machine, but when another process takes one of the cores every op waits for "
+        "the thread that lost its core while its partner burns the other: a 2-thread decode "
+        "measured 10x slower than passive under load (benchmarks/busy_core.py, "
+        "benchmarks/RESULTS.md). Set in the environment of the processes servelm starts; an "
+        "OMP_WAIT_POLICY the user already exported wins. An in-process LLMEngine inherits whatever "
+        "its python was started with.", choices=["passive", "active", "default"])
     torch_compile_max_bs: int = opt(
         32, "Largest decode batch (sequences) run through the compiled layers; one dynamic-shape "
         "graph covers 2..max-bs, batch 1 gets its own.")
@@ -496,6 +506,9 @@ class RuntimeConfig:
             raise ValueError(f"--num-threads must be at least 1, got {self.num_threads}")
         if self.torch_compile_max_bs < 1:
             raise ValueError(f"--torch-compile-max-bs must be at least 1, got {self.torch_compile_max_bs}")
+        if self.omp_wait_policy not in ("passive", "active", "default"):
+            raise ValueError("--omp-wait-policy must be passive, active or default, got "
+                             f"{self.omp_wait_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from servelm.engine.engine_process import run_engine_process
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import InvalidRequestError
+from servelm.model.threads import export_openmp_wait_policy
 from servelm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class AsyncEngine:
 
         num_replicas = config.parallel.data_parallel_size
         slices = cls._cpu_slices(num_replicas)
+        export_openmp_wait_policy(config.runtime.omp_wait_policy)  # read by the engine processes
         socket_dir = tempfile.mkdtemp(prefix="servelm-")
         sync_context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
         replicas: list[_Replica] = []

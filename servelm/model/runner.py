@@ -43,7 +43,7 @@ from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
 from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
-from servelm.model.threads import configure_engine_threads
+from servelm.model.threads import configure_engine_threads, log_openmp_wait_policy
 
 if TYPE_CHECKING:
     from servelm.model.source import ModelSource
@@ -113,6 +113,7 @@ class ModelRunner:
         self.parallel = parallel or ParallelContext.single()
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             configure_engine_threads(config.runtime.num_threads)
+            log_openmp_wait_policy(config.runtime.omp_wait_policy)
         self.device = device or resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
         self.hf_config = source.hf_config

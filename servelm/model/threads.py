@@ -73,6 +73,35 @@ def configure_engine_threads(num_threads: int | None) -> int:
     return chosen
 
 
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+
+
+def export_openmp_wait_policy(policy: str) -> str | None:
+    """Put ``--omp-wait-policy`` into this process's environment, so that the engine and rank
+    processes started after this call read it when their OpenMP runtime loads (it reads the
+    variable once, at load: a process that already imported torch keeps its own). A value the user
+    exported wins. Returns the value the children will see (None: the runtime's default)."""
+    if policy != "default" and OMP_WAIT_POLICY not in os.environ:
+        os.environ[OMP_WAIT_POLICY] = policy.upper()
+    return os.environ.get(OMP_WAIT_POLICY)
+
+
+def log_openmp_wait_policy(policy: str) -> None:
+    """Log the wait policy this (engine or rank) process runs with, and say so when it is not the
+    configured one (an in-process engine, or a user's OMP_WAIT_POLICY)."""
+    actual = os.environ.get(OMP_WAIT_POLICY)
+    wanted = None if policy == "default" else policy.upper()
+    if actual is not None and actual.upper() == wanted or actual is None and wanted is None:
+        logger.info("OpenMP threads wait %s (--omp-wait-policy %s)",
+                    "as the runtime decides" if actual is None else actual.lower(), policy)
+    else:
+        logger.warning("OpenMP threads wait %s, not %s as --omp-wait-policy says: %s",
+                       actual.lower() if actual else "as the runtime decides", policy,
+                       "OMP_WAIT_POLICY was exported by the user" if actual is not None else
+                       "this process loaded its OpenMP runtime before the setting was made "
+                       "(in-process engine); export OMP_WAIT_POLICY before starting python")
+
+
 def configure_front_end_threads() -> None:
     """One torch thread and one tokenizer thread for the HTTP process (call before any tokenizing)."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")

@@ -78,11 +78,12 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     from servelm.logging_utils import configure_logging
     from servelm.model.runner import ModelRunner
     from servelm.model.source import resolve_model_source
-    from servelm.model.threads import place_rank_threads
+    from servelm.model.threads import log_openmp_wait_policy, place_rank_threads
 
     config = init.config
     configure_logging(config.server.log_level)
     place_rank_threads(init.rank, init.cpus, init.num_threads)
+    log_openmp_wait_policy(config.runtime.omp_wait_policy)
     replies.send_pyobj(WorkerHello(init.rank, os.getpid(), PROTOCOL_VERSION, os.uname().nodename))
     timeout_s = config.parallel.dist_timeout
     store = dist.TCPStore(init.store_host, init.store_port, init.world_size, False,  # type: ignore[attr-defined]

@@ -91,6 +91,10 @@ def test_tp2_server_matches_tp1_gemma3_270m() -> None:
 
 
 
+def process_environment(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+
+
 def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) -> None:
     model = str(make_tiny_model_dir(tmp_path, "llama"))
     server = ServerProcess([model, "--tp", "2", "--num-threads", "1", "--skip-tokenizer-init",
@@ -99,6 +103,9 @@ def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) ->
         ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
         engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
         assert is_running(engine_pid) and is_running(rank_pid)
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # --omp-wait-policy passive
+        for pid in (engine_pid, rank_pid):
+            assert f"OMP_WAIT_POLICY={wait_policy}" in process_environment(pid)
         events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
             "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
         assert 3 < len(events) < 400

@@ -13,8 +13,9 @@ import torch
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.model.compile import DecodeDispatch
-from servelm.model.threads import (available_cpus, configure_engine_threads, configure_front_end_threads,
-                                   default_num_threads)
+from servelm.model.threads import (OMP_WAIT_POLICY, available_cpus, configure_engine_threads,
+                                   configure_front_end_threads, default_num_threads,
+                                   export_openmp_wait_policy)
 from servelm.sampling.params import SamplingParams
 from tests.tiny_models import make_tiny_model_dir
 
@@ -98,3 +99,15 @@ def test_front_end_keeps_one_thread_and_respects_user_settings(monkeypatch: pyte
         torch.set_num_threads(before)
     assert os.environ["RAYON_NUM_THREADS"] == "1"
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"   # the user's choice is kept
+
+
+def test_omp_wait_policy_is_exported_for_child_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OMP_WAIT_POLICY, raising=False)
+    assert export_openmp_wait_policy("default") is None
+    assert OMP_WAIT_POLICY not in os.environ
+    assert export_openmp_wait_policy("passive") == "PASSIVE"
+    assert os.environ[OMP_WAIT_POLICY] == "PASSIVE"
+    monkeypatch.setenv(OMP_WAIT_POLICY, "active")           # the user's export wins
+    assert export_openmp_wait_policy("passive") == "active"
+    with pytest.raises(ValueError, match="--omp-wait-policy"):
+        RuntimeConfig(omp_wait_policy="spin")
