@@ -128,6 +128,8 @@ class Scheduler:
         """Of those, tokens served from the prefix cache."""
         self._rng = random.Random(seed)
         self._num_steps_without_admission = 0
+        self.pending_block_copies: list[tuple[int, int]] = []
+        """(source, destination) K/V block copies (beam forks) the next forward makes first."""
 
     # -- queue management -------------------------------------------------------------------
     @property
@@ -138,6 +140,13 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Start a request that already holds its blocks (a forked beam): no admission."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -191,6 +200,8 @@ class Scheduler:
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
             self._admit(output, budget)
         self._group_by_adapter(output)
+        if self.pending_block_copies and output.scheduled:
+            output.plan.block_copies, self.pending_block_copies = self.pending_block_copies, []
         return output
 
     @staticmethod
@@ -531,6 +542,8 @@ class Scheduler:
             if result.prompt_logprobs:
                 assert request.prompt_logprobs is not None
                 request.prompt_logprobs.extend(result.prompt_logprobs)
+            if request.is_beam:
+                continue  # engine/beam.py reads its candidates and appends the chosen token
             if not result.token_ids:
                 continue
             num_accepted_drafts = len(result.token_ids) - 1 if scheduled.draft_token_ids else 0
