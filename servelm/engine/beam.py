@@ -113,6 +113,14 @@ class BeamSearches:
         self._by_receiver: dict[str, BeamSearch] = {}
         self._by_beam: dict[str, BeamSearch] = {}
         self.num_searches = 0
+        self.num_forks = 0
+        """Beams started from another beam's blocks (not counting each search's first beam)."""
+        self.num_block_copies = 0
+        """Partial blocks copied on write at a fork."""
+
+    def stats(self) -> dict[str, int]:
+        return {"num_beam_searches": self.num_searches, "num_running_beam_searches": len(self._searches),
+                "num_beam_forks": self.num_forks, "num_beam_block_copies": self.num_block_copies}
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._by_receiver
@@ -322,9 +330,11 @@ class BeamSearches:
             else:
                 beam.block_ids.append(copy)
                 scheduler.pending_block_copies.append((parent.block_ids[num_full], copy))
+                self.num_block_copies += 1
         beam.num_computed_tokens = computed
         beam.num_inserted_blocks = min(parent.num_inserted_blocks, num_full)
         scheduler.add_running(beam)
+        self.num_forks += 1
         return beam
 
     def _allocate_block(self) -> int | None:

@@ -573,4 +573,5 @@ class LLMEngine:
             "parallel": self.model_info.get("parallel"),
             **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
             **self.speculation.stats(),
+            **self.beams.stats(),
         }

@@ -54,15 +54,15 @@ class BeamParams:
         for name in ("width", "num_returns", "rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise SamplingParamsError(f"beam search {name} must be an integer, got {value!r}")
+                raise SamplingParamsError(f"{name} (beam search) must be an integer, got {value!r}")
         if not 1 <= self.width <= MAX_BEAM_WIDTH:
-            raise SamplingParamsError(f"the beam width (best_of, else n) must be in [1, "
-                                      f"{MAX_BEAM_WIDTH}], got {self.width}")
+            raise SamplingParamsError(f"best_of (the beam width; n when best_of is not given) must be "
+                                      f"in [1, {MAX_BEAM_WIDTH}] with beam search, got {self.width}")
         if not 1 <= self.num_returns <= self.width:
             raise SamplingParamsError(f"n ({self.num_returns}) must not exceed the beam width "
-                                      f"(best_of, {self.width})")
+                                      f"(best_of: {self.width})")
         if not 0 <= self.rank < self.num_returns:
-            raise SamplingParamsError(f"beam rank must be in [0, {self.num_returns}), got {self.rank}")
+            raise SamplingParamsError(f"rank (beam search) must be in [0, {self.num_returns}), got {self.rank}")
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
             raise SamplingParamsError(f"length_penalty must be a finite number, got {penalty!r}")

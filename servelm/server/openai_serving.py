@@ -175,7 +175,8 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
-                                        seed=choice_seed(request.seed, sample), structured=structured)
+                                        seed=choice_seed(request.seed, sample), structured=structured,
+                                        choice=sample)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
                                           priority, group=base_id, lora_name=lora_name))
     return submissions
