@@ -209,7 +209,25 @@ class BeamSearches:
             if all(beam.request_id in search.candidates for beam in search.beams):
                 if self._advance(search):
                     outputs.extend(self._answer(search))
+        for search in self._searches.values():
+            self._release_idle(search)
         return outputs
+
+    def _release_idle(self, search: BeamSearch) -> None:
+        """A beam with its candidates has nothing to compute until its siblings have theirs. When
+        a sibling is still waiting after a step (the pool, --max-running-requests or its group's
+        share kept it out), the idle beams give their blocks back instead of holding them while
+        it waits for them, and are parked (not admitted) until the search moves on: a search
+        never deadlocks on itself. Their full blocks stay in the prefix cache, so re-admission
+        recomputes little."""
+        beams = search.beams
+        if not any(beam.status is RequestStatus.WAITING for beam in beams):
+            return
+        running = [beam for beam in beams if beam.status is RequestStatus.RUNNING]
+        if running and all(beam.request_id in search.candidates for beam in running):
+            for beam in running:
+                self.scheduler.preempt(beam)
+                beam.is_parked = True
 
     def _advance(self, search: BeamSearch) -> bool:
         """One step of the search; True when it is done."""
@@ -311,6 +329,7 @@ class BeamSearches:
             sum_logprobs[beam.request_id] = candidate.sum_logprobs
         for parent, token_id in appends:
             parent.output_token_ids.append(token_id)
+            parent.is_parked = False
         search.beams = beams
         search.sum_logprobs = sum_logprobs
 

@@ -96,6 +96,9 @@ class Request:
     """One beam of a beam search (engine/beam.py): the scheduler computes it like any request,
     but its sampled row's candidates go to the search, which appends the chosen token (the
     scheduler's update appends nothing and applies no stop rule to it)."""
+    is_parked: bool = False
+    """A preempted beam that already has its candidates: not admitted again until its search
+    has picked its next token (its siblings go first)."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.

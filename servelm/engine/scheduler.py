@@ -259,6 +259,8 @@ class Scheduler:
                 continue  # this client request has its share; others go first
             if request.is_compiling:
                 continue  # its grammar is not ready: the requests behind it go on
+            if request.is_parked:
+                continue  # a beam waiting for its siblings (engine/beam.py)
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
@@ -474,6 +476,12 @@ class Scheduler:
                 return False
             if self._grow(request, target_tokens):  # the victim's blocks are free or evictable
                 return True
+
+    def preempt(self, request: Request) -> None:
+        """Give a running request's blocks back (its full blocks stay cached); it is recomputed
+        when admitted again (engine/beam.py: an idle beam whose sibling cannot be admitted)."""
+        assert request.status is RequestStatus.RUNNING
+        self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -136,10 +136,10 @@ def test_beams_do_not_depend_on_the_batch(tiny: Any) -> None:
 def test_a_small_pool_preempts_beams_and_still_matches(tiny: Any) -> None:
     """A pool too small for every beam at once: beams are preempted and recomputed."""
     path, prompt, reference_model = tiny
-    engine = make_engine(path, max_total_tokens=96)
-    ours = run_search(engine, prompt, 4, max_tokens=24)
+    engine = make_engine(path, max_total_tokens=64)
+    ours = run_search(engine, prompt, 4, max_tokens=40)
     assert engine.stats()["num_preemptions"] > 0
-    assert_same(ours, transformers_beams(reference_model, prompt, 4, 24, []))
+    assert_same(ours, transformers_beams(reference_model, prompt, 4, 40, []))
     assert_idle(engine)
 
 
