@@ -285,7 +285,7 @@ def is_prompt_only(request: CompletionRequest) -> bool:
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
     lora_name = ctx.resolve_model(request.model)
-    check_supported(request)
+    check_supported(request, ctx.config.server.beam_mode)
     _check_stop_strings(ctx, request)
     structured, structured_param = openai_structured_spec(request)
     await validate_structured(ctx.config, structured, structured_param)
@@ -381,7 +381,7 @@ async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest,
                                  raw: Request) -> Response:
     lora_name = ctx.resolve_model(request.model)
-    check_supported(request)
+    check_supported(request, ctx.config.server.beam_mode)
     _check_stop_strings(ctx, request)
     ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)

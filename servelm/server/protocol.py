@@ -260,8 +260,13 @@ def _extra(request: BaseModel) -> dict[str, Any]:
     return request.model_extra or {}
 
 
-def check_supported(request: _SamplingRequest) -> None:
-    """Raise InvalidRequestError naming the first documented-but-unimplemented parameter used."""
+def check_supported(request: _SamplingRequest, beam_mode: bool = False) -> None:
+    """Raise InvalidRequestError naming the first documented-but-unimplemented parameter used.
+
+    ``beam_mode`` (--beam-mode): a request with best_of (else n) > 1 that does not set
+    use_beam_search gets it (set here, before the checks that depend on it)."""
+    if beam_mode and "use_beam_search" not in request.model_fields_set and (request.best_of or request.n) > 1:
+        request.use_beam_search = True
     if request.best_of is not None and request.best_of != request.n and not request.use_beam_search:
         raise InvalidRequestError(f"best_of={request.best_of} (different from n={request.n}) is only "
                                   "supported with use_beam_search", "best_of")

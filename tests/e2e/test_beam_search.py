@@ -179,3 +179,37 @@ def test_options_beams_cannot_honour_are_refused(field: str, value: Any) -> None
         SamplingParams(temperature=0.0, beam=BeamParams(width=2, num_returns=3))
     with pytest.raises(SamplingParamsError, match="early_stopping"):
         SamplingParams(temperature=0.0, beam=BeamParams(width=2, early_stopping="always"))
+
+
+GEMMA_PROMPTS = ["The capital of France is", "Question: What is 2 + 2?\nAnswer:"]
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Any:
+    from servelm.model.packaged import PackagedModelError, packaged_model_path
+
+    try:
+        gguf = packaged_model_path("gemma3-270m")
+    except PackagedModelError as error:
+        pytest.skip(str(error))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="gemma3-270m", dtype="float32"),
+                                    cache=CacheConfig(max_total_tokens=4096)))
+    yield engine, load_reference_model(gguf.parent, gguf.name)
+    engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width,length_penalty,early_stopping", [(4, 1.0, False), (3, 0.6, "never")])
+def test_gemma3_270m_beams_match_transformers(gemma: Any, width: int, length_penalty: float,
+                                              early_stopping: bool | str) -> None:
+    """The real Gemma 3 270M in float32: beams, order and scores equal transformers'."""
+    engine, reference_model = gemma
+    for index, text in enumerate(GEMMA_PROMPTS):
+        prompt = engine.tokenizer.encode(text)
+        ours = run_search(engine, prompt, width, name=f"g{index}{width}", max_tokens=16,
+                          length_penalty=length_penalty, early_stopping=early_stopping)
+        assert_same(ours, transformers_beams(reference_model, prompt, width, 16, engine.eos_token_ids,
+                                             length_penalty=length_penalty,
+                                             early_stopping=early_stopping))
+        assert ours[0].new_text == engine.tokenizer.decode(ours[0].new_token_ids, skip_special_tokens=True)
+    assert_idle(engine)
