@@ -168,6 +168,21 @@ def test_fewer_returns_than_beams_and_abort(tiny: Any) -> None:
     assert_idle(engine)
 
 
+def test_offline_engine_beam_search(tiny: Any) -> None:
+    """servelm.Engine.beam_search (vLLM's LLM.beam_search): the beams through the engine process."""
+    from servelm import Engine
+
+    path, prompt, reference_model = tiny
+    with Engine(str(path), skip_tokenizer_init=True, dtype="float32", max_total_tokens=2048,
+                page_size=8, num_threads=1) as engine:
+        beams = engine.beam_search(input_ids=prompt, beam_width=3, max_tokens=MAX_TOKENS,
+                                   stop_token_ids=[63, 92], length_penalty=0.5, early_stopping=True)
+    reference = transformers_beams(reference_model, prompt, 3, MAX_TOKENS, [63, 92],
+                                   length_penalty=0.5, early_stopping=True)
+    assert [b.token_ids for b in beams] == [tokens for tokens, _ in reference]
+    assert [b.beam_score for b in beams] == pytest.approx([score for _, score in reference], abs=1e-4)
+
+
 @pytest.mark.parametrize("field,value", [("temperature", 0.7), ("top_p", 0.5), ("logprobs", 2),
                                          ("min_tokens", 2), ("repetition_penalty", 1.2)])
 def test_options_beams_cannot_honour_are_refused(field: str, value: Any) -> None:
