@@ -65,3 +65,20 @@ def test_what_beam_search_cannot_honour_is_a_400(server: Any, extra: dict[str, A
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+def test_chat_and_stop_strings_with_beams(server: Any) -> None:
+    """Chat completions take use_beam_search too; a stop string ends a beam (and is cut off)."""
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+        "n": 2, "use_beam_search": True})
+    assert chat.status_code == 200, chat.text
+    assert [c["index"] for c in chat.json()["choices"]] == [0, 1]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "n": 2, "use_beam_search": True}
+    plain = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).json()
+    best = plain["choices"][0]["text"]
+    word = best.split()[1]
+    stopped = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stop": [word]},
+                         timeout=300).json()["choices"]
+    assert all(word not in c["text"] for c in stopped)
+    assert stopped[0]["finish_reason"] == "stop" and stopped[0]["stop_reason"] == word
