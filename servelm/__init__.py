@@ -4,7 +4,7 @@ Public Python API: ``Engine`` (offline batches) and ``SamplingParams``.
 """
 
 from servelm.engine.offline import Engine, GenerationResult
-from servelm.sampling.params import SamplingParams
+from servelm.sampling.params import BeamParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "GenerationResult", "SamplingParams", "__version__"]
+__all__ = ["BeamParams", "Engine", "GenerationResult", "SamplingParams", "__version__"]

@@ -262,6 +262,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--enable-prompt-tokens-details",), "enable_cache_report", "vLLM", takes_value=False,
           const=True),
     Alias(("--no-webui",), "disable_playground", "llama.cpp", takes_value=False, const=True),
+    Alias(("--beam_mode",), "beam_mode", "LightLLM", takes_value=False, const=True),
     Alias(("--router_token_ratio",), "router_token_ratio", "LightLLM", example=("0.5",)),
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--node_rank",), "node_rank", "LightLLM", example=("1",)),
@@ -316,6 +317,11 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--enforce-eager",), "servelm runs eager PyTorch unless "
                      "--enable-torch-compile is given", contradicts=(_NO_COMPILE,)),
     AlreadyBehaviour(("--use_dynamic_prompt_cache",), _PREFIX_CACHE_ON,
+                     contradicts=(Contradiction("disable_radix_cache"),)),
+    AlreadyBehaviour(("--diverse_mode", "--diverse-mode"),
+                     "n > 1 choices already share the prompt's K/V: the prompt is computed once and "
+                     "the siblings take it from the prefix cache, then each samples on its own "
+                     "(LightLLM's diverse mode; it has no group penalty)",
                      contradicts=(Contradiction("disable_radix_cache"),)),
     AlreadyBehaviour(("--disable-overlap-schedule",),
                      "servelm's scheduler does not overlap with the forward pass"),
@@ -566,9 +572,8 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--allowed-local-media-path", "--mm-attention-backend",
                "--disable-fast-image-processor", "--keep-mm-feature-on-device")),
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
-              "models or multi-item scoring; no beam, diverse or token-healing modes)",
-              ("--use_reward_model", "--beam_mode", "--multi-item-scoring-delimiter",
-               "--diverse_mode", "--token_healing_mode")),
+              "models or multi-item scoring; no token-healing mode)",
+              ("--use_reward_model", "--multi-item-scoring-delimiter", "--token_healing_mode")),
     Rejection("not supported: this response option is not implemented (prompt logprobs and "
               "token ids are per-request parameters; /generate streams cumulative text)",
               ("--return_all_prompt_logprobs", "--return-token-ids",

@@ -556,6 +556,9 @@ class ServerConfig:
     allow_auto_truncate: bool = opt(False, "Truncate prompts longer than the context (keep the end) instead of 400.")
     enable_cache_report: bool = opt(False, "Report prompt tokens served from the prefix cache as "
                                     "usage.prompt_tokens_details.cached_tokens in OpenAI responses.")
+    beam_mode: bool = opt(False, "LightLLM's beam mode: a completion or chat request with best_of "
+                          "(else n) > 1 runs a beam search of that width unless it sets "
+                          "use_beam_search false (see README, Beam search).")
     long_truncation_mode: str = opt(
         "none", "What to drop from a prompt longer than the context allows: none (answer 400, "
         "unless --allow-auto-truncate, which is head), head (the oldest tokens) or center (the "

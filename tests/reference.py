@@ -27,3 +27,24 @@ def transformers_greedy(model, token_lists: list[list[int]], num_new_tokens: int
                                  do_sample=False, pad_token_id=0)
             results.append(out[0, len(tokens):].tolist())
     return results
+
+
+def transformers_beams(model, prompt: list[int], num_beams: int, max_new_tokens: int,  # type: ignore[no-untyped-def]
+                       eos_token_ids: list[int], length_penalty: float = 1.0,
+                       early_stopping: bool | str = False) -> list[tuple[list[int], float]]:
+    """transformers' beam search (``num_return_sequences=num_beams``): (output tokens, score) per
+    beam, best first; a beam ends after its first EOS (the padding after it is cut off)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             num_beams=num_beams, num_return_sequences=num_beams, do_sample=False,
+                             length_penalty=length_penalty, early_stopping=early_stopping,
+                             output_scores=True, return_dict_in_generate=True,
+                             eos_token_id=eos_token_ids or None,
+                             pad_token_id=eos_token_ids[0] if eos_token_ids else 0)
+    beams = []
+    for sequence, score in zip(out.sequences, out.sequences_scores):
+        tokens = sequence[len(prompt):].tolist()
+        ends = [i for i, token in enumerate(tokens) if token in eos_token_ids]
+        beams.append((tokens[:ends[0] + 1] if ends else tokens, float(score)))
+    return beams

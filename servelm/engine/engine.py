@@ -25,6 +25,7 @@ from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarError, check_backend_available
 from servelm.distributed.errors import RankFailedError
+from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
@@ -83,6 +84,8 @@ class LLMEngine:
         self.executor = Executor(runner)
         self.speculation = Speculation(config.speculative, proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
+        self.beams = BeamSearches(self.scheduler, tokenizer)
+        """Beam-search requests (params.beam): their beams run as scheduler requests."""
         self._grammars = self._make_grammar_compiler()
         """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
         embedding model); the backend itself is created on a worker at start-up."""
@@ -271,6 +274,8 @@ class LLMEngine:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
                                  error=error, num_prompt_tokens=request.num_prompt_tokens,
                                  error_status=400)
+        if params.beam is not None:
+            return self._add_beam_request(request)
         if params.structured is not None:
             try:
                 request.grammar_job = self._compiler().submit(params.structured.kind,
@@ -284,6 +289,16 @@ class LLMEngine:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
         self.scheduler.add_request(request)
+        return None
+
+    def _add_beam_request(self, request: Request) -> RequestOutput | None:
+        """Serve a beam-search request from its prompt's search (engine/beam.py)."""
+        if self.speculation.is_enabled:
+            return RequestOutput(request.request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                                 error="beam search is not supported with speculative decoding "
+                                       "(--speculative-algorithm)",
+                                 num_prompt_tokens=request.num_prompt_tokens, error_status=400)
+        self.beams.add(request)
         return None
 
     def _check(self, request: Request) -> str | None:
@@ -368,6 +383,8 @@ class LLMEngine:
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        if self.beams.owns(request_id):
+            return self.beams.abort(request_id)
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
@@ -433,9 +450,11 @@ class LLMEngine:
         self.num_steps += 1
         self.speculation.record(scheduled, results)
         touched = self.scheduler.update(scheduled, results)
-        outputs = []
+        outputs = self.beams.update(scheduled, results)
         interval = self.config.scheduler.stream_interval
         for request in touched:
+            if request.is_beam:
+                continue  # its search answers for it
             if request.grammar is not None and not request.is_finished:
                 self._jump_forward(request)
             self._detokenize(request)
@@ -565,4 +584,5 @@ class LLMEngine:
             **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
             **self.speculation.stats(),
             **(self.hicache.stats() if self.hicache is not None else {}),
+            **self.beams.stats(),
         }

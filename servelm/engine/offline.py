@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine
 from servelm.engine.outputs import TokenLogprob
-from servelm.sampling.params import SamplingParams
+from servelm.sampling.params import BeamParams, SamplingParams
 
 T = TypeVar("T")
 
@@ -32,6 +32,10 @@ class GenerationResult:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    beam_score: float | None = None
+    """Beam search: the beam's score (cumulative logprob / length ** length_penalty)."""
+    cumulative_logprob: float | None = None
+    """Beam search: the sum of the beam's token log-probabilities."""
 
 
 class Engine:
@@ -128,11 +132,34 @@ class Engine:
             self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter)
             for ids, p, adapter in zip(token_lists, params, adapters, strict=True))))
 
+    def beam_search(self, prompts: str | Sequence[str] | None = None, beam_width: int = 4,
+                    max_tokens: int = 16, *, input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                    length_penalty: float = 1.0, early_stopping: bool | str = False,
+                    **params: Any) -> Any:
+        """Beam search (vLLM's ``LLM.beam_search``): for each prompt, its ``beam_width`` best beams,
+        best first, each a GenerationResult with ``beam_score``; a single prompt gives one list.
+        ``params``: other SamplingParams fields (ignore_eos, stop, stop_token_ids, ...)."""
+        token_lists, is_single = self._token_lists(prompts, input_ids)
+        searches = [[SamplingParams(temperature=0.0, max_tokens=max_tokens, **params, beam=BeamParams(
+            width=beam_width, num_returns=beam_width, rank=rank, length_penalty=length_penalty,
+            early_stopping=early_stopping)) for rank in range(beam_width)] for _ in token_lists]
+        beams = self._run(self._beam_all(token_lists, searches))
+        return beams[0] if is_single else beams
+
+    async def _beam_all(self, token_lists: list[list[int]], searches: list[list[SamplingParams]]
+                        ) -> list[list[GenerationResult]]:
+        groups = [f"offline-{next(self._ids)}" for _ in token_lists]
+        return list(await asyncio.gather(*(
+            asyncio.gather(*(self._generate_one(f"{group}-{rank}", ids, params, None, group=group)
+                             for rank, params in enumerate(ranks)))
+            for group, ids, ranks in zip(groups, token_lists, searches, strict=True))))
+
     async def _generate_one(self, request_id: str, prompt_token_ids: list[int],
-                            params: SamplingParams, lora_name: str | None) -> GenerationResult:
+                            params: SamplingParams, lora_name: str | None,
+                            group: str = "") -> GenerationResult:
         result = GenerationResult("", [], "", prompt_token_ids)
         async for output in self._engine.generate(request_id, prompt_token_ids, params,
-                                                  lora_name=lora_name):
+                                                  group=group, lora_name=lora_name):
             result.text += output.new_text
             result.token_ids.extend(output.new_token_ids)
             result.logprobs.extend(output.logprobs or [])
@@ -140,6 +167,8 @@ class Engine:
                 result.finish_reason = output.finish_reason or ""
                 result.stop_reason = output.stop_reason
                 result.error = output.error
+                result.beam_score = output.beam_score
+                result.cumulative_logprob = output.cumulative_logprob
         return result
 
     def encode(

@@ -41,6 +41,11 @@ class RequestOutput:
     None for failures while running (500)."""
     embedding: list[float] | None = None
     """The pooled vector of an embedding request, on its (only) finished output."""
+    beam_score: float | None = None
+    """Beam search: the returned beam's score, ``cumulative_logprob / num_output_tokens **
+    length_penalty`` (transformers' ``sequences_scores``); None otherwise."""
+    cumulative_logprob: float | None = None
+    """Beam search: the sum of the returned beam's token log-probabilities."""
 
     @property
     def is_finished(self) -> bool:

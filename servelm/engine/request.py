@@ -92,6 +92,13 @@ class Request:
     """Speculative decoding: tokens proposed to follow ``output_token_ids``, verified in the next
     step (the proposer stage sets them before scheduling; never part of the output until the
     model accepts them, and their K/V is rolled back when it does not)."""
+    is_beam: bool = False
+    """One beam of a beam search (engine/beam.py): the scheduler computes it like any request,
+    but its sampled row's candidates go to the search, which appends the chosen token (the
+    scheduler's update appends nothing and applies no stop rule to it)."""
+    is_parked: bool = False
+    """A preempted beam that already has its candidates: not admitted again until its search
+    has picked its next token (its siblings go first)."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.

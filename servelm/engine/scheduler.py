@@ -132,6 +132,8 @@ class Scheduler:
         """Of those, tokens served from the prefix cache."""
         self._rng = random.Random(seed)
         self._num_steps_without_admission = 0
+        self.pending_block_copies: list[tuple[int, int]] = []
+        """(source, destination) K/V block copies (beam forks) the next forward makes first."""
 
     # -- queue management -------------------------------------------------------------------
     @property
@@ -142,6 +144,13 @@ class Scheduler:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Start a request that already holds its blocks (a forked beam): no admission."""
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -197,6 +206,8 @@ class Scheduler:
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
             self._admit(output, budget)
         self._group_by_adapter(output)
+        if self.pending_block_copies and output.scheduled:
+            output.plan.block_copies, self.pending_block_copies = self.pending_block_copies, []
         return output
 
     @staticmethod
@@ -254,6 +265,8 @@ class Scheduler:
                 continue  # this client request has its share; others go first
             if request.is_compiling:
                 continue  # its grammar is not ready: the requests behind it go on
+            if request.is_parked:
+                continue  # a beam waiting for its siblings (engine/beam.py)
             if self._cannot_ever_fit(request):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
@@ -480,6 +493,12 @@ class Scheduler:
             if self._grow(request, target_tokens):  # the victim's blocks are free or evictable
                 return True
 
+    def preempt(self, request: Request) -> None:
+        """Give a running request's blocks back (its full blocks stay cached); it is recomputed
+        when admitted again (engine/beam.py: an idle beam whose sibling cannot be admitted)."""
+        assert request.status is RequestStatus.RUNNING
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.draft_token_ids = []
@@ -547,6 +566,8 @@ class Scheduler:
             if result.prompt_logprobs:
                 assert request.prompt_logprobs is not None
                 request.prompt_logprobs.extend(result.prompt_logprobs)
+            if request.is_beam:
+                continue  # engine/beam.py reads its candidates and appends the chosen token
             if not result.token_ids:
                 continue
             num_accepted_drafts = len(result.token_ids) - 1 if scheduled.draft_token_ids else 0

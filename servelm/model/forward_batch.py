@@ -48,6 +48,9 @@ class BatchPlan:
     """Every sequence computed in one forward pass, in output order."""
 
     sequences: list[SequencePlan] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) block ids whose K/V is copied before the forward writes anything:
+    copy-on-write of a partial block shared by two beams (engine/beam.py)."""
 
     @property
     def num_tokens(self) -> int:

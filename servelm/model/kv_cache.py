@@ -62,6 +62,17 @@ class KVCache:
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy every slot of each (source, destination) block, in every layer of this pool."""
+        size = self.block_size
+        device = self.k_caches[0].device if self.k_caches else None
+        offsets = torch.arange(size, device=device)
+        sources = (torch.tensor([s for s, _ in copies], device=device)[:, None] * size + offsets).flatten()
+        destinations = (torch.tensor([d for _, d in copies], device=device)[:, None] * size + offsets).flatten()
+        for cache in (*self.k_caches, *self.v_caches):
+            view = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+            view.index_copy_(0, destinations, view.index_select(0, sources))
+
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""
         index = layer_id - self.first_layer

@@ -259,6 +259,8 @@ class ModelRunner:
         """Run one forward pass; float32 logits ``[plan.num_logits, vocab_size]`` in plan order."""
         assert self.task == "generate", "an embedding model has no logits"
         assert self.kv_cache is not None, "init_kv_cache first"
+        if plan.block_copies:  # before any write of this step (beam forks: engine/beam.py)
+            self.kv_cache.copy_blocks(plan.block_copies)
         if not plan.sequences:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         for sequence in plan.sequences:

@@ -26,6 +26,51 @@ class StructuredSpec:
     spec: str = ""
 
 
+MAX_BEAM_WIDTH = 16
+"""Widest beam search: each step reads max(2, 1 + number of EOS ids) * width candidates per beam."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeamParams:
+    """Beam search instead of sampling (vLLM's ``use_beam_search``; servelm/engine/beam.py).
+
+    ``width`` beams are kept, scored by cumulative log-probability; finished beams are ranked by
+    ``sum_logprobs / num_output_tokens ** length_penalty`` as transformers' beam search does.
+    One search serves ``num_returns`` client requests: the one with ``rank`` r gets the r-th best.
+    """
+
+    width: int
+    num_returns: int = 1
+    """How many of the best finished beams are returned (the client's n)."""
+    rank: int = 0
+    """Which of them this request returns (0: the best)."""
+    length_penalty: float = 1.0
+    """Exponent on the output length in the finished-beam score (> 0 favours longer beams)."""
+    early_stopping: bool | str = False
+    """True: stop once ``width`` beams finished; False: also stop when no running beam can beat
+    the worst finished one at its current length; "never": only when none could at max length."""
+
+    def validate(self) -> None:
+        for name in ("width", "num_returns", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SamplingParamsError(f"{name} (beam search) must be an integer, got {value!r}")
+        if not 1 <= self.width <= MAX_BEAM_WIDTH:
+            raise SamplingParamsError(f"best_of (the beam width; n when best_of is not given) must be "
+                                      f"in [1, {MAX_BEAM_WIDTH}] with beam search, got {self.width}")
+        if not 1 <= self.num_returns <= self.width:
+            raise SamplingParamsError(f"n ({self.num_returns}) must not exceed the beam width "
+                                      f"(best_of: {self.width})")
+        if not 0 <= self.rank < self.num_returns:
+            raise SamplingParamsError(f"rank (beam search) must be in [0, {self.num_returns}), got {self.rank}")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise SamplingParamsError(f"length_penalty must be a finite number, got {penalty!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise SamplingParamsError(f'early_stopping must be true, false or "never", got '
+                                      f"{self.early_stopping!r}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request, and when to stop."""
@@ -58,6 +103,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None
     """Constrain the output to a grammar (structured output); None: free text."""
+    beam: BeamParams | None = None
+    """Beam search (deterministic, scored by log-probability) instead of sampling; None: sample."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +165,29 @@ class SamplingParams:
                 "json", "json_object", "regex", "ebnf", "choice"):
             raise SamplingParamsError(f"structured kind must be json, json_object, regex, ebnf or "
                                       f"choice, got {self.structured.kind!r}")
+        if isinstance(self.beam, dict):  # {"width": 4, ...} from offline callers
+            self.beam = BeamParams(**self.beam)
+        if self.beam is not None:
+            self.beam.validate()
+            self._check_beam_compatible()
+
+    def _check_beam_compatible(self) -> None:
+        """Beam search ranks beams by the model's own log-probabilities: every option that would
+        change them (or draw at random) is refused rather than silently ignored."""
+        refused = {
+            "temperature": self.temperature != 0.0,
+            "top_p": self.top_p != 1.0, "top_k": self.top_k not in (-1, 0), "min_p": self.min_p != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias), "min_tokens": self.min_tokens != 0,
+            "logprobs": self.logprobs is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+            "response_format": self.structured is not None,
+        }
+        for name, is_set in refused.items():
+            if is_set:
+                detail = " (beams are deterministic: use temperature 0)" if name == "temperature" else ""
+                raise SamplingParamsError(f"{name} is not supported with beam search{detail}")
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Raise SamplingParamsError if logit_bias or stop_token_ids name a token >= vocab_size.

@@ -175,7 +175,8 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
         for sample in range(request.n):
             index = prompt_index * request.n + sample
             params = to_sampling_params(request, max_tokens=prompt.max_tokens,
-                                        seed=choice_seed(request.seed, sample), structured=structured)
+                                        seed=choice_seed(request.seed, sample), structured=structured,
+                                        choice=sample)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
                                           priority, group=base_id, lora_name=lora_name))
     return submissions
@@ -284,7 +285,7 @@ def is_prompt_only(request: CompletionRequest) -> bool:
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
     lora_name = ctx.resolve_model(request.model)
-    check_supported(request)
+    check_supported(request, ctx.config.server.beam_mode)
     _check_stop_strings(ctx, request)
     structured, structured_param = openai_structured_spec(request)
     await validate_structured(ctx.config, structured, structured_param)
@@ -380,7 +381,7 @@ async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest,
                                  raw: Request) -> Response:
     lora_name = ctx.resolve_model(request.model)
-    check_supported(request)
+    check_supported(request, ctx.config.server.beam_mode)
     _check_stop_strings(ctx, request)
     ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 from servelm.errors import InvalidRequestError
-from servelm.sampling.params import SamplingParams, SamplingParamsError, StructuredSpec
+from servelm.sampling.params import BeamParams, SamplingParams, SamplingParamsError, StructuredSpec
 
 MAX_N = 128
 """Most choices one request may ask for; each is a separate engine request."""
@@ -103,6 +103,10 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    use_beam_search: bool = False
+    """vLLM's beam search: best_of (else n) beams, the n best returned (engine/beam.py)."""
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(_SamplingRequest):
@@ -256,11 +260,22 @@ def _extra(request: BaseModel) -> dict[str, Any]:
     return request.model_extra or {}
 
 
-def check_supported(request: _SamplingRequest) -> None:
-    """Raise InvalidRequestError naming the first documented-but-unimplemented parameter used."""
-    if request.best_of is not None and request.best_of != request.n:
-        raise InvalidRequestError(f"best_of={request.best_of} (different from n={request.n}) is not "
-                                  "supported", "best_of")
+def check_supported(request: _SamplingRequest, beam_mode: bool = False) -> None:
+    """Raise InvalidRequestError naming the first documented-but-unimplemented parameter used.
+
+    ``beam_mode`` (--beam-mode): a request with best_of (else n) > 1 that does not set
+    use_beam_search gets it (set here, before the checks that depend on it)."""
+    if beam_mode and "use_beam_search" not in request.model_fields_set and (request.best_of or request.n) > 1:
+        request.use_beam_search = True
+    if request.best_of is not None and request.best_of != request.n and not request.use_beam_search:
+        raise InvalidRequestError(f"best_of={request.best_of} (different from n={request.n}) is only "
+                                  "supported with use_beam_search", "best_of")
+    if request.use_beam_search and request.stream:
+        raise InvalidRequestError("stream is not supported with use_beam_search: beams are re-ranked "
+                                  "until the search ends, so no token is final before then", "stream")
+    for name in ("length_penalty", "early_stopping"):
+        if name in request.model_fields_set and not request.use_beam_search:
+            raise InvalidRequestError(f"{name} only applies with use_beam_search", name)
     extra = _extra(request)
     for name in _GUIDED_FIELDS:
         if extra.get(name) is not None:
@@ -335,8 +350,16 @@ def _optional(**values: Any) -> dict[str, Any]:
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
-                       seed: int | None, structured: StructuredSpec | None = None) -> SamplingParams:
-    """The SamplingParams of one choice; ``max_tokens`` and ``seed`` are already resolved."""
+                       seed: int | None, structured: StructuredSpec | None = None,
+                       choice: int = 0) -> SamplingParams:
+    """The SamplingParams of one choice; ``max_tokens`` and ``seed`` are already resolved.
+    With use_beam_search, choice i is the i-th best beam of the prompt's search."""
+    beam = None
+    temperature = request.temperature
+    if request.use_beam_search:
+        beam = BeamParams(width=request.best_of or request.n, num_returns=request.n, rank=choice,
+                          length_penalty=request.length_penalty, early_stopping=request.early_stopping)
+        temperature = 0.0 if temperature is None else temperature
     if isinstance(request, ChatCompletionRequest):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         prompt_logprobs = None
@@ -357,7 +380,8 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest, *, ma
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         structured=structured,
-        **_optional(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+        beam=beam,
+        **_optional(temperature=temperature, top_p=request.top_p, top_k=request.top_k,
                     min_p=request.min_p, frequency_penalty=request.frequency_penalty,
                     presence_penalty=request.presence_penalty,
                     repetition_penalty=request.repetition_penalty),
