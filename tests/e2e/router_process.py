@@ -17,17 +17,18 @@ class RouterProcess:
     """A router in a subprocess, healthy (its /health answers) on entry; a context manager."""
 
     def __init__(self, args: list[str], command: tuple[str, ...] = ("router",),
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, program: list[str] | None = None) -> None:
+        """``program``: the command before ``args`` (default: this python -m servelm COMMAND)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = args
-        self.command = command
+        self.program = program or [sys.executable, "-m", "servelm", *command]
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-router-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> RouterProcess:
-        command = [sys.executable, "-m", "servelm", *self.command, *self.args,
+        command = [*self.program, *self.args,
                    "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
