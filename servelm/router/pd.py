@@ -19,6 +19,7 @@ followed by any the decode server returned, as SGLang's router merges them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from collections.abc import AsyncIterator
@@ -101,48 +102,59 @@ class PairRequest:
         self.wants_logprobs = _wants_prompt_logprobs(path, body)
 
     async def run(self) -> Response:
-        prefill_lease, decode_lease = Lease(self.prefill), Lease(self.decode)
-        leases = (prefill_lease, decode_lease)
-        results = await asyncio.gather(
-            open_response(self.client, self.prefill, "POST", self.path, self.raw, self.headers),
-            open_response(self.client, self.decode, "POST", self.path, self.raw, self.headers),
-            return_exceptions=True)
-        failure = await self._first_failure(results, leases)
+        leases = {self.prefill: Lease(self.prefill), self.decode: Lease(self.decode)}
+        tasks = {worker: asyncio.create_task(open_response(
+            self.client, worker, "POST", self.path, self.raw, self.headers)) for worker in leases}
+        failure = await self._wait_both(tasks, leases)
         if failure is not None:
-            await self._close_all(results, leases)
             return failure
-        prefill_response, decode_response = results
-        assert isinstance(prefill_response, httpx.Response)
-        assert isinstance(decode_response, httpx.Response)
-        prefill_task = asyncio.create_task(self._read_prefill(prefill_response, prefill_lease))
+        prefill_response, decode_response = tasks[self.prefill].result(), tasks[self.decode].result()
+        prefill_task = asyncio.create_task(self._read_prefill(prefill_response, leases[self.prefill]))
         if "text/event-stream" in decode_response.headers.get("content-type", ""):
-            return StreamingResponse(self._stream(prefill_task, decode_response, decode_lease),
+            return StreamingResponse(self._stream(prefill_task, decode_response, leases[self.decode]),
                                      status_code=200, headers=forwarded_headers(decode_response.headers))
-        return await self._whole(prefill_task, decode_response, decode_lease)
+        return await self._whole(prefill_task, decode_response, leases[self.decode])
 
-    async def _first_failure(self, results: list[Any], leases: tuple[Lease, Lease]) -> Response | None:
-        """The client's answer when a side failed to answer 200 (None: both did)."""
-        for worker, result, lease in zip((self.prefill, self.decode), results, leases):
-            if isinstance(result, BaseException):
-                if is_unreached(result):
-                    worker.mark_down()
-                lease.release(is_error=True)
-                status = 503 if is_unreached(result) else 502
-                return _error(status, f"{worker.role.value} server {worker.url} failed: "
-                                      f"{type(result).__name__}: {result}")
-        for worker, result, lease in zip((self.prefill, self.decode), results, leases):
-            if result.status_code != 200:
-                body = await _read_quietly(result)
-                lease.release(is_error=result.status_code >= 500)
-                return Response(body, status_code=result.status_code,
-                                headers=forwarded_headers(result.headers))
+    async def _wait_both(self, tasks: dict[Worker, asyncio.Task[httpx.Response]],
+                         leases: dict[Worker, Lease]) -> Response | None:
+        """Wait for both sides' status; the first that fails closes the other (None: both 200)."""
+        pending = set(tasks.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for worker, task in tasks.items():
+                if task not in done:
+                    continue
+                failure = await self._failure_of(worker, task, leases[worker])
+                if failure is None:
+                    continue
+                for other, other_task in tasks.items():
+                    if other is worker:
+                        continue
+                    other_task.cancel()  # an open connection closed: the server aborts the request
+                    with contextlib.suppress(BaseException):
+                        response = await other_task
+                        await response.aclose()
+                    leases[other].release()
+                return failure
         return None
 
-    async def _close_all(self, results: list[Any], leases: tuple[Lease, Lease]) -> None:
-        for result, lease in zip(results, leases):
-            lease.release()
-            if isinstance(result, httpx.Response):
-                await result.aclose()
+    async def _failure_of(self, worker: Worker, task: asyncio.Task[httpx.Response],
+                          lease: Lease) -> Response | None:
+        error = task.exception()
+        if error is not None:
+            if is_unreached(error):
+                worker.mark_down()
+            lease.release(is_error=True)
+            return _error(503 if is_unreached(error) else 502,
+                          f"{worker.role.value} server {worker.url} failed: "
+                          f"{type(error).__name__}: {error}")
+        response = task.result()
+        if response.status_code == 200:
+            return None
+        body = await _read_quietly(response)
+        lease.release(is_error=response.status_code >= 500)
+        return Response(body, status_code=response.status_code,
+                        headers=forwarded_headers(response.headers))
 
     async def _read_prefill(self, response: httpx.Response, lease: Lease) -> bytes:
         """The prefill server's whole answer; raises RouterError when it failed mid-way."""

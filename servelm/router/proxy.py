@@ -34,7 +34,7 @@ _HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", 
 
 def forwarded_headers(headers: httpx.Headers | dict[str, str] | object) -> dict[str, str]:
     """Request or response headers minus hop-by-hop ones (the body is relayed raw, uncompressed)."""
-    items = headers.items() if hasattr(headers, "items") else []  # type: ignore[union-attr]
+    items = headers.items() if hasattr(headers, "items") else []
     kept = {k: v for k, v in items if k.lower() not in _HOP_HEADERS}
     return kept
 
@@ -68,7 +68,7 @@ async def open_response(client: httpx.AsyncClient, worker: Worker, method: str, 
     return await client.send(request, stream=True)
 
 
-def is_unreached(error: Exception) -> bool:
+def is_unreached(error: BaseException) -> bool:
     """The worker never got the request: retrying it elsewhere cannot duplicate a response."""
     return isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
 
