@@ -41,7 +41,7 @@ def timed(client: httpx.Client, base_url: str, kind: str, model: str) -> float:
         assert response.status_code == 200, response.text
     else:  # ttfb of a stream
         with client.stream("POST", f"{base_url}/v1/completions", json={
-                "model": model, "prompt": "The quick brown fox", "max_tokens": 16,
+                "model": model, "prompt": "The quick brown fox", "max_tokens": 8,
                 "temperature": 0, "ignore_eos": True, "stream": True}) as response:
             chunks = response.iter_raw()
             next(chunks)
@@ -58,8 +58,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--worker-url")
     parser.add_argument("--router-url")
+    parser.add_argument("--kinds", default="models,completion-1,completion-8,stream-ttfb",
+                        help="comma-separated: models, completion-N (max_tokens N), stream-ttfb")
     args = parser.parse_args()
-    kinds = ("models", "completion-1", "completion-16", "stream-ttfb")
+    kinds = tuple(args.kinds.split(","))
     with ExitStack() as stack:
         worker_url, router_url = args.worker_url, args.router_url
         if worker_url is None:

@@ -168,12 +168,13 @@ def test_no_worker_answers_503_at_once() -> None:
 
 def test_a_killed_worker_leaves_the_rotation_and_a_started_stream_is_never_retried(workers) -> None:
     _, survivor = workers
-    fast = ["--policy", "round_robin", "--health-check-interval-s", "0.5",
-            "--health-failure-threshold", "1", "--health-success-threshold", "1"]
+    # probes once a minute: what happens below is the routing path's own doing
+    slow_probes = ["--policy", "round_robin", "--health-check-interval-s", "60"]
     short = {"model": MODEL, "prompt": "The sky is", "max_tokens": 4, "temperature": 0}
+    expected_text = post(survivor.base_url, "/v1/completions", short).json()["choices"][0]["text"]
     with ServerProcess(WORKER_ARGS) as victim:
-        with RouterProcess(["--worker", victim.base_url, survivor.base_url, *fast]) as router:
-            # round robin: the next request (a long stream) goes to the victim; kill it mid-way
+        with RouterProcess(["--worker", victim.base_url, survivor.base_url, *slow_probes]) as router:
+            # round robin: the first request (a long stream) goes to the victim; kill it mid-way
             events: list[dict] = []
             body = {**short, "max_tokens": 300, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{router.base_url}/v1/completions", json=body, timeout=120) as response:
@@ -186,10 +187,46 @@ def test_a_killed_worker_leaves_the_rotation_and_a_started_stream_is_never_retri
             assert 3 <= len(events) < 300
             assert "error" in events[-1] and victim.base_url in events[-1]["error"]["message"]
             assert router.workers()[survivor.base_url]["num_requests"] == 0  # not re-sent
-            # new requests succeed on the survivor, whether or not a probe noticed the death yet
-            for _ in range(4):
-                assert post(router.base_url, "/v1/completions", short).status_code == 200
+            # the 2nd request goes to the survivor; the 3rd to the victim, whose refused
+            # connection takes it out of rotation and sends the request (once) to the survivor
+            for _ in range(3):
+                response = post(router.base_url, "/v1/completions", short)
+                assert response.status_code == 200
+                assert [c["text"] for c in response.json()["choices"]] == [expected_text]
             view = router.workers()
             assert not view[victim.base_url]["is_healthy"]
-            assert view[survivor.base_url]["num_requests"] == 4
-            assert view[victim.base_url]["num_errors"] >= 1
+            assert view[survivor.base_url]["num_requests"] == 3
+            assert view[victim.base_url]["num_errors"] == 2 and view[victim.base_url]["num_in_flight"] == 0
+            metrics = httpx.get(f"{router.base_url}/metrics", timeout=10).text
+            assert "servelm_router_retries_total 1" in metrics
+
+
+def wait_for(predicate, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.3)
+    return False
+
+
+@pytest.mark.slow
+def test_a_worker_that_comes_back_rejoins_the_rotation(workers) -> None:
+    _, survivor = workers
+    fast_probes = ["--policy", "round_robin", "--health-check-interval-s", "0.5",
+                   "--health-failure-threshold", "2", "--health-success-threshold", "2"]
+    first_life = ServerProcess(WORKER_ARGS)
+    with first_life:
+        with RouterProcess(["--worker", first_life.base_url, survivor.base_url, *fast_probes]) as router:
+            assert router.workers()[first_life.base_url]["is_healthy"]
+            assert first_life.process is not None
+            os.kill(first_life.process.pid, signal.SIGKILL)
+            assert wait_for(lambda: not router.workers()[first_life.base_url]["is_healthy"])
+            second_life = ServerProcess(WORKER_ARGS)
+            second_life.port, second_life.base_url = first_life.port, first_life.base_url
+            with second_life:
+                assert wait_for(lambda: router.workers()[first_life.base_url]["is_healthy"])
+                for _ in range(4):
+                    assert post(router.base_url, "/v1/completions", {
+                        "model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+                assert router.workers()[first_life.base_url]["num_requests"] == 2
