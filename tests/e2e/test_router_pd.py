@@ -29,9 +29,11 @@ def start_or_skip(stack: ExitStack, args: list[str]) -> ServerProcess:
     try:
         return stack.enter_context(ServerProcess(args))
     except RuntimeError as error:
-        if "--disaggregation-mode" in str(error) or "disaggregation" in str(error).lower():
+        refusal = [line for line in str(error).splitlines()
+                   if line.startswith("servelm: --disaggregation-mode is not built yet")]
+        if refusal:  # only this refusal skips; any other failure of a PD server fails the test
             pytest.skip("this build's servers refuse --disaggregation-mode (the prefill/decode "
-                        f"roles are on the pd branch): {str(error).splitlines()[-1]}")
+                        f"roles are on the pd branch; remove this skip once merged): {refusal[0]}")
         raise
 
 
