@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from collections.abc import Sequence
@@ -183,7 +184,13 @@ def serve_run_mode(argv: Sequence[str]) -> None:
         _fail("servelm serve --run_mode config_server",
               "not built: LightLLM's config_server coordinates several pd_master processes; "
               "run one `--run_mode pd_master` (it holds the registry itself)")
-    run_router(pd_master_config(argv))
+    args = list(argv)
+    is_dry_run = "--dry-run" in args
+    config = pd_master_config([a for a in args if a != "--dry-run"])
+    if is_dry_run:  # as `serve --dry-run`: the resolved options, and nothing started
+        sys.stdout.write(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+        return
+    run_router(config)
 
 
 def _fail(prog: str, message: str) -> typing.NoReturn:

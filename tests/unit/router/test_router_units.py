@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from servelm.router.cli import config_from_args, pd_master_config, run_mode_of
@@ -118,3 +120,14 @@ def test_pd_master_flags(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             pd_master_config(bad)
         assert reason in capsys.readouterr().err
+
+
+def test_pd_master_dry_run_prints_the_options_and_starts_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from servelm.cli import main
+
+    main(["serve", "--run_mode", "pd_master", "--port", "60011", "--dry-run"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["is_pd_master"] and printed["port"] == 60011
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--run_mode", "config_server"])
+    assert exit_info.value.code == 2 and "config_server" in capsys.readouterr().err
