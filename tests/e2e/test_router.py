@@ -48,6 +48,10 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list[dict]
     return text, events
 
 
+def server_info(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
+
+
 def requests_by_worker(router: RouterProcess) -> dict[str, int]:
     return {url: w["num_requests"] for url, w in router.workers().items()}
 
@@ -88,14 +92,17 @@ def test_round_robin_spreads_evenly_and_shortest_queue_avoids_the_busy_worker(wo
             assert post(router.base_url, "/v1/completions", short).status_code == 200
         assert requests_by_worker(router) == {first.base_url: 3, second.base_url: 3}
     with RouterProcess(["--worker", first.base_url, second.base_url, "--policy", "shortest_queue"]) as router:
-        long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+        long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        started = threading.Event()
+        started, stop = threading.Event(), threading.Event()
+        generated_before = server_info(first)["num_generated_tokens"]
 
         def stream_long() -> None:
             with httpx.stream("POST", f"{router.base_url}/v1/completions", json=long, timeout=300) as response:
                 for _ in response.iter_lines():
                     started.set()
+                    if stop.is_set():
+                        return  # the client goes away mid-stream
 
         thread = threading.Thread(target=stream_long)
         thread.start()
@@ -105,7 +112,12 @@ def test_round_robin_spreads_evenly_and_shortest_queue_avoids_the_busy_worker(wo
         for _ in range(3):  # the first worker is busy: each short request goes to the second
             assert post(router.base_url, "/v1/completions", short).status_code == 200
         assert requests_by_worker(router) == {first.base_url: 1, second.base_url: 3}
-        thread.join(300)
+        stop.set()
+        thread.join(60)
+        # the client's disconnect reaches the worker through the router: the generation stops
+        assert wait_for(lambda: router.workers()[first.base_url]["num_in_flight"] == 0, 30)
+        assert wait_for(lambda: server_info(first)["num_running"] == 0, 30)
+        assert server_info(first)["num_generated_tokens"] - generated_before < 400  # cut short
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_same_worker(workers) -> None:
