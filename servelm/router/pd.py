@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from starlette.responses import Response, StreamingResponse
 
-from servelm.router.errors import RouterError, error_event
+from servelm.router.errors import RouterError, error_event, error_response
 from servelm.router.proxy import Lease, forwarded_headers, is_unreached, open_response
 from servelm.router.workers import Worker
 
@@ -145,7 +145,7 @@ class PairRequest:
             if is_unreached(error):
                 worker.mark_down()
             lease.release(is_error=True)
-            return _error(503 if is_unreached(error) else 502,
+            return error_response(503 if is_unreached(error) else 502,
                           f"{worker.role.value} server {worker.url} failed: "
                           f"{type(error).__name__}: {error}")
         response = task.result()
@@ -258,8 +258,3 @@ async def _read_quietly(response: httpx.Response) -> bytes:
         return b""
     finally:
         await response.aclose()
-
-
-def _error(status_code: int, message: str) -> Response:
-    from servelm.router.errors import error_response
-    return error_response(status_code, message)

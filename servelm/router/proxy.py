@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 from starlette.background import BackgroundTask
@@ -32,11 +32,9 @@ _HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", 
                           "content-encoding"})
 
 
-def forwarded_headers(headers: httpx.Headers | dict[str, str] | object) -> dict[str, str]:
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Request or response headers minus hop-by-hop ones (the body is relayed raw, uncompressed)."""
-    items = headers.items() if hasattr(headers, "items") else []
-    kept = {k: v for k, v in items if k.lower() not in _HOP_HEADERS}
-    return kept
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 class Lease:
