@@ -151,3 +151,23 @@ def test_sglang_router_drives_servelm_in_pd_mode(pd_servers) -> None:
                         "--decode", decode.base_url, "--policy", "round_robin"]) as router:
         wait_for_workers(router, 2)
         check_pair(router.base_url, colocated)
+
+
+def test_prefill_and_decode_servers_register_themselves_with_a_pd_master(pd_servers) -> None:
+    """LightLLM's flow: the master first, then servers started with --pd_master_ip/--pd_master_port
+    announce themselves (POST /register) and the master routes over them."""
+    colocated, _, _, _ = pd_servers
+    master_port = free_port()
+    master = RouterProcess([], command=("serve", "--run_mode", "pd_master"))
+    master.port, master.base_url = master_port, f"http://127.0.0.1:{master_port}"
+    register = ["--pd_master_ip", "127.0.0.1", "--pd_master_port", str(master_port)]
+    with master, ExitStack() as stack:
+        prefill = start_or_skip(stack, [*WORKER_ARGS, "--run_mode", "prefill", *register,
+                                        "--disaggregation-bootstrap-port", str(free_port())])
+        decode = start_or_skip(stack, [*WORKER_ARGS, "--run_mode", "decode", *register])
+        listing = httpx.get(f"{master.base_url}/list_workers", timeout=10).json()
+        assert listing["prefill"] == [prefill.base_url] and listing["decode"] == [decode.base_url]
+        deadline = time.monotonic() + 60  # a server that registered before it served /health
+        while not all(w["is_healthy"] for w in master.workers().values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        check_pair(master.base_url, colocated)
