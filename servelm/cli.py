@@ -1,4 +1,5 @@
-"""The `servelm` command: `servelm serve` (the server) and `servelm bench` (benchmarks).
+"""The `servelm` command: `servelm serve` (the server), `servelm bench` (benchmarks) and
+`servelm router` (servelm.router; also `serve --run_mode pd_master`).
 
 Parsing lives in ``servelm.cli_args``; this module only dispatches. ``serve --dry-run`` checks the
 command line without loading a model: it prints the resolved options as YAML (a file --config
@@ -15,6 +16,10 @@ from servelm import cli_args
 from servelm.cli_args import SERVE_PROG, CliError, add_engine_arguments
 from servelm.config import EngineConfig
 
+_ROUTER_HELP = ("Route requests over several servers: data-parallel workers or prefill/decode "
+                "pairs (`servelm router --help`).")
+_ROUTER_RUN_MODES = ("pd_master", "config_server")
+"""LightLLM run modes of `serve` that are the router's (servelm.router.cli), not a server's."""
 _BENCH_HELP = "Benchmark the engine offline or a running server (`servelm bench --help`)."
 
 
@@ -29,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve_parser)
     # Listed for --help only: main() hands `bench` to servelm.bench before parsing.
     commands.add_parser("bench", add_help=False, help=_BENCH_HELP)
+    commands.add_parser("router", add_help=False, help=_ROUTER_HELP)
     return parser
 
 
@@ -71,6 +77,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         bench_main(args[1:])
         return
+    if args[:1] == ["router"]:
+        from servelm.router.cli import main as router_main  # deferred, like bench
+
+        router_main(args[1:])
+        return
+    if args[:1] == ["serve"]:
+        from servelm.router.cli import run_mode_of, serve_run_mode
+
+        if run_mode_of(args[1:]) in _ROUTER_RUN_MODES:
+            serve_run_mode(args[1:])
+            return
     parser = build_parser()
     try:
         namespace = parser.parse_args(args)

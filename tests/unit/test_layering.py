@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "workers": {"model", "distributed", *LEAF},
     "engine": {*PEERS - {"parsers"}, "workers", "distributed", *LEAF},
     "server": {"engine", "sampling", "constrained", "parsers", "distributed", *LEAF},
+    "router": set(LEAF),  # talks to servers over HTTP only
 }
 ENTRY = {"__init__", "__main__", "cli", "cli_args", "cli_flags", "launch_server", "bench",
          "bench_common", "bench_serving"}
