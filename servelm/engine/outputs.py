@@ -7,6 +7,7 @@ is its full completion; exactly one output has ``finish_reason`` set, and it is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from servelm.sampling.logprobs import TokenLogprob
 
@@ -41,6 +42,9 @@ class RequestOutput:
     None for failures while running (500)."""
     embedding: list[float] | None = None
     """The pooled vector of an embedding request, on its (only) finished output."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill server's vLLM-flow request, on its finished output: what the decode call needs
+    (the front end adds the host and port)."""
 
     @property
     def is_finished(self) -> bool:
