@@ -217,12 +217,12 @@ class PrefillSide:
             parked = self.parked.pop(key)
             self.block_pool.release(parked.block_ids)
             self.stats.num_expired += 1
-            logger.warning("transfer %s: no decode server pulled its K/V within %.0f s; freed",
+            logger.warning("transfer %s: no decode server pulled its K/V within %g s; freed",
                            key, self.timeout_s)
         for key in [k for k, p in self.pulls.items() if p.deadline_s < now]:
             pull = self.pulls.pop(key)
             self._error(pull.identity, key, f"the prefill server did not finish the request within "
-                        f"{self.timeout_s:.0f} s (was it sent to this prefill server?)")
+                        f"{self.timeout_s:g} s (was it sent to this prefill server?)")
         for key in [k for k, (_, deadline) in self.failed.items() if deadline < now]:
             del self.failed[key]
         for key in [k for k, deadline in self.cancelled.items() if deadline < now]:

@@ -169,7 +169,7 @@ class Disaggregation:
                 self._start_pull(pending)
             elif now > pending.deadline_s:
                 self._fail(request_id, f"no K/V from the prefill server {pending.transfer.host}:"
-                           f"{pending.transfer.port} within {self.timeout_s:.0f} s "
+                           f"{pending.transfer.port} within {self.timeout_s:g} s "
                            "(--disaggregation-transfer-timeout)", output)
         return output, results
 
