@@ -36,6 +36,8 @@ class Arrival:
     logprob: TokenLogprob | None = None
     error: str | None = None
     num_bytes: int = 0
+    is_waiting: bool = False
+    """Only a keep-alive: the prefill server still computes the request."""
 
 
 class DecodeClient:
@@ -104,6 +106,8 @@ class DecodeClient:
             logger.warning("ignoring a malformed transfer reply")
             return None
         key = message["key"]
+        if message.get("type") == "waiting":
+            return Arrival(key, is_waiting=True) if key in self.destinations else None
         block_ids = self.destinations.pop(key, None)
         shm_path = message.get("shm_path")
         if block_ids is None:  # the request ended while its K/V travelled

@@ -9,7 +9,9 @@ Invariants:
   key until a pull takes them, a ``cancel`` arrives or --disaggregation-transfer-timeout passes;
   then they are released (their full blocks stay in the prefix cache like any finished request's).
 - A pull for a key not parked yet waits (the two servers get the request at the same time) until
-  the request finishes, fails (``error`` reply) or the timeout passes (``error`` reply).
+  the request finishes, fails (``error`` reply) or the timeout passes (``error`` reply). While the
+  key's request is queued or running here, the decode side hears ``waiting`` every third of the
+  timeout, so a long queue or a slow grammar compile is not mistaken for a dead prefill server.
 - Every pull gets exactly one reply; every parked block list is released exactly once.
 """
 
@@ -49,6 +51,8 @@ class _Pull:
     identity: bytes
     message: dict[str, Any]
     deadline_s: float
+    keepalive_s: float
+    """When the decode side next hears ``waiting`` (while the request is queued or running here)."""
 
 
 @dataclass
@@ -166,7 +170,9 @@ class PrefillSide:
             if failure is not None:
                 self._error(identity, key, f"the prefill request ended without K/V: {failure[0]}")
             else:  # not finished (or not arrived) yet: answered when it finishes, or on timeout
-                self.pulls[key] = _Pull(identity, message, time.monotonic() + self.timeout_s)
+                now = time.monotonic()
+                self.pulls[key] = _Pull(identity, message, now + self.timeout_s,
+                                        now + self.timeout_s / 3)
             return
         try:
             self._send(identity, message, parked)
@@ -219,6 +225,11 @@ class PrefillSide:
             self.stats.num_expired += 1
             logger.warning("transfer %s: no decode server pulled its K/V within %g s; freed",
                            key, self.timeout_s)
+        for key, pull in self.pulls.items():
+            if key in self.live and pull.keepalive_s < now:  # still computing: keep the decode side waiting
+                pull.deadline_s, pull.keepalive_s = now + self.timeout_s, now + self.timeout_s / 3
+                self.socket.send_multipart([pull.identity, transfer.header(
+                    {"type": "waiting", "key": key})])
         for key in [k for k, p in self.pulls.items() if p.deadline_s < now]:
             pull = self.pulls.pop(key)
             self._error(pull.identity, key, f"the prefill server did not finish the request within "

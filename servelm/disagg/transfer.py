@@ -9,6 +9,7 @@ Prefill -> decode:
 - ``kv``: key, ``first_token`` (+ ``logprob``), ``num_blocks`` and the K and V bytes as two more
   frames (zmq) or in one file under /dev/shm named by ``shm_path`` (shm backend).
 - ``error``: key, ``message``.
+- ``waiting``: key (a keep-alive: the request is still queued or running on the prefill server).
 
 Block layout: every layer's K (and V) pool viewed as bytes ``[num_blocks, bytes_per_block]``; a
 transfer of blocks b_0..b_n-1 is ``[num_layers, n, bytes_per_block]`` uint8, K then V. Bytes are

@@ -154,7 +154,9 @@ class Disaggregation:
         for arrival in self.decode.receive():
             pending = next((p for p in self._pending.values() if p.transfer.key == arrival.key
                             and p.deadline_s is not None and p.arrival is None), None)
-            if pending is not None:
+            if pending is not None and arrival.is_waiting:
+                pending.deadline_s = now + self.timeout_s
+            elif pending is not None:
                 pending.arrival = arrival
         for request_id, pending in list(self._pending.items()):
             request = pending.request
