@@ -78,6 +78,8 @@ def parse_transfers(extra: dict[str, Any], mode: str, num_choices: int) -> list[
         raise TransferRequestError("this server runs co-located (--disaggregation-mode null); "
                                    "bootstrap_* fields are for prefill and decode servers",
                                    "bootstrap_room")
+    if any(isinstance(value, list) for value in sglang.values()):
+        return _batch(sglang, mode, num_choices)
     if "bootstrap_room" not in sglang:
         raise TransferRequestError("bootstrap_room is required with bootstrap_host/bootstrap_port",
                                    "bootstrap_room")
@@ -90,6 +92,19 @@ def parse_transfers(extra: dict[str, Any], mode: str, num_choices: int) -> list[
                                    "decode server", "bootstrap_host")
     port = _port(sglang.get("bootstrap_port", 8998), "bootstrap_port")
     return [KVTransfer("decode", f"{room}/{i}", host, port) for i in range(num_choices)]
+
+
+def _batch(sglang: dict[str, Any], mode: str, num_prompts: int) -> list[KVTransfer | None]:
+    """A batch /generate: sglang-router gives one host, port and room per prompt (lists)."""
+    values = {}
+    for name in SGLANG_FIELDS:
+        value = sglang.get(name)
+        if not isinstance(value, list) or len(value) != num_prompts:
+            raise TransferRequestError(f"{name} must be a list of {num_prompts} values (one per "
+                                       "prompt, n = 1) in a batch", name)
+        values[name] = value
+    return [parse_transfers({name: values[name][i] for name in SGLANG_FIELDS}, mode, 1)[0]
+            for i in range(num_prompts)]
 
 
 def _vllm_transfer(params: Any, mode: str, num_choices: int) -> KVTransfer | None:
