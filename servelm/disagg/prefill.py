@@ -114,6 +114,10 @@ class PrefillSide:
         elif self.cancelled.pop(key, None) is not None:
             self.block_pool.release(parked.block_ids)
         else:
+            replaced = self.parked.pop(key, None)
+            if replaced is not None:  # a room used twice: the older K/V can never be pulled now
+                logger.warning("transfer %s: a newer request took its key; freeing the older K/V", key)
+                self.block_pool.release(replaced.block_ids)
             self.parked[key] = parked
         pull = self.pulls.pop(key, None)
         if pull is not None:

@@ -83,6 +83,8 @@ class Disaggregation:
                     f"{transfer.role} side")
         if self.mode == "decode" and request.params.prompt_logprobs is not None:
             return "prompt logprobs are computed by the prefill server; a decode server cannot return them"
+        if self.mode == "decode" and any(p.transfer == transfer for p in self._pending.values()):
+            return f"transfer {transfer.key} is already in progress (a bootstrap_room used twice)"
         return None
 
     def add(self, request: Request, transfer: KVTransfer) -> None:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 COMMON = ["--model", MODEL, "--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "16384"]
-TIMEOUT_S = 6
+TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="module")

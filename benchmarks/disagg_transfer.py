@@ -1,0 +1,87 @@
+"""K/V transfer cost of prefill/decode disaggregation: bytes moved per request and transfer time
+per 1k prompt tokens, for the zmq (TCP loopback) and shm backends, float32 and float8 K/V.
+
+Two real engines in this process (a prefill and a decode LLMEngine, real pyzmq sockets): the
+prefill engine computes each prompt first (its K/V parked), then the decode engine pulls, so the
+measured time is the transfer alone: from the pull sent to the K/V written into the decode pool.
+
+    python benchmarks/disagg_transfer.py --model smollm2-135m --prompt-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from servelm.config import (CacheConfig, DisaggregationConfig, EngineConfig, ModelConfig,
+                            RuntimeConfig)
+from servelm.disagg.spec import KVTransfer
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+
+
+def engine(model: str, mode: str, port: int, kv_dtype: str, backend: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=model, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=16384, kv_cache_dtype=kv_dtype, disable_radix_cache=True),
+        runtime=RuntimeConfig(num_threads=1),
+        disaggregation=DisaggregationConfig(disaggregation_mode=mode, disaggregation_bootstrap_port=port,
+                                            disaggregation_transfer_backend=backend)))
+
+
+def measure(model: str, prompt_tokens: int, kv_dtype: str, backend: str, repeats: int,
+            port: int) -> dict[str, float]:
+    prefill = engine(model, "prefill", port, kv_dtype, backend)
+    decode = engine(model, "decode", port, kv_dtype, backend)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    rng = random.Random(0)
+    times, sizes = [], []
+    try:
+        for index in range(repeats + 1):  # the first connects the sockets: not counted
+            prompt = [rng.randrange(100, 20000) for _ in range(prompt_tokens)]
+            key = f"{index}/0"
+            prefill.add_request(f"p{index}", prompt, params, kv_transfer=KVTransfer("prefill", key))
+            while prefill.has_unfinished():
+                prefill.step()
+            received = decode.stats()["disaggregation_bytes_received"]
+            decode.add_request(f"d{index}", prompt, params,
+                               kv_transfer=KVTransfer("decode", key, "127.0.0.1", port))
+            start = time.perf_counter()
+            while decode.stats()["disaggregation_bytes_received"] == received:
+                prefill.step()
+                decode.step()
+            elapsed = time.perf_counter() - start
+            while decode.has_unfinished():
+                decode.step()
+            if index:
+                times.append(elapsed)
+                sizes.append(decode.stats()["disaggregation_bytes_received"] - received)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    times.sort()
+    median_s = times[len(times) // 2]
+    return {"bytes": sizes[0], "median_ms": median_s * 1000,
+            "ms_per_1k_tokens": median_s * 1000 * 1000 / prompt_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--port", type=int, default=47911)
+    args = parser.parse_args()
+    print(f"| model | K/V dtype | backend | bytes / request | transfer ms | ms / 1k tokens |")
+    print("|---|---|---|---|---|---|")
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        for backend in ("zmq", "shm"):
+            result = measure(args.model, args.prompt_tokens, kv_dtype, backend, args.repeats, args.port)
+            print(f"| {args.model} | {'float32' if kv_dtype == 'auto' else kv_dtype} | {backend} | "
+                  f"{result['bytes'] / 2 ** 20:.1f} MiB | {result['median_ms']:.1f} | "
+                  f"{result['ms_per_1k_tokens']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
