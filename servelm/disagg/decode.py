@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from servelm.config import DisaggregationConfig
 from servelm.disagg import transfer
@@ -48,6 +49,11 @@ class DecodeClient:
         self.layout = transfer.layout(cache)
         self.context = zmq.Context()
         self.sockets: dict[tuple[str, int], zmq.Socket[Any]] = {}
+        self.monitors: dict[tuple[str, int], zmq.Socket[Any]] = {}
+        self.lost_s: dict[tuple[str, int], float] = {}
+        """Peers whose connection dropped after it was made, and when (the prefill server is
+        gone, or restarting); removed when it connects again."""
+        self.connected: set[tuple[str, int]] = set()
         self.destinations: dict[str, list[int]] = {}
         """key -> the block ids its K/V goes to (those after the decode side's cached prefix)."""
         self.num_bytes_received = 0
@@ -60,9 +66,27 @@ class DecodeClient:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # answered by the peer's I/O thread,
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)  # even during a long prefill step
+            self.monitors[(host, port)] = socket.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             socket.connect(f"tcp://{host}:{port}")
             self.sockets[(host, port)] = socket
         return socket
+
+    def peer_state(self, host: str, port: int) -> tuple[bool, float | None]:
+        """(connected now, since when the connection has been lost: None if it has not)."""
+        peer = (host, port)
+        monitor = self.monitors.get(peer)
+        while monitor is not None and monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected.add(peer)
+                self.lost_s.pop(peer, None)
+            elif event == zmq.EVENT_DISCONNECTED and peer in self.connected:
+                self.connected.discard(peer)
+                self.lost_s[peer] = time.monotonic()
+        return peer in self.connected, self.lost_s.get(peer)
 
     def pull(self, key: str, host: str, port: int, prompt_token_ids: list[int],
              prefix_tokens: int, block_ids: list[int]) -> None:
@@ -140,6 +164,8 @@ class DecodeClient:
                        num_bytes=num_bytes)
 
     def close(self) -> None:
-        for socket in self.sockets.values():
+        for peer, socket in self.sockets.items():
+            socket.disable_monitor()
+            self.monitors[peer].close(linger=0)
             socket.close(linger=0)
         self.context.term()

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.005
 """How long a decode engine with nothing to compute waits for K/V per step."""
+LOST_PEER_GRACE_S = 2.0
+"""A prefill server whose connection dropped (killed, restarting) fails its pulls after this long
+without reconnecting, instead of waiting out the whole transfer timeout."""
 
 
 @dataclass(slots=True)
@@ -46,6 +49,8 @@ class _Pending:
     transfer: KVTransfer
     deadline_s: float | None = None
     """Set when the pull is sent."""
+    pulled_s: float = 0.0
+    """When the pull was sent (monotonic)."""
     arrival: Arrival | None = None
     """The K/V arrived (written into the pool); admitted once its grammar is ready."""
 
@@ -68,6 +73,8 @@ class Disaggregation:
         """decode: request id -> its pull, until the request is admitted or ends."""
         self._num_polls = 0
         self.num_failed = 0
+        self.pull_time_s = 0.0
+        """Sum over arrived transfers of the time from the pull to the K/V written here."""
 
     def describe(self) -> dict[str, Any]:
         """What /get_server_info reports about the role (model_info)."""
@@ -160,6 +167,7 @@ class Disaggregation:
                 pending.deadline_s = now + self.timeout_s
             elif pending is not None:
                 pending.arrival = arrival
+                self.pull_time_s += time.monotonic() - pending.pulled_s
         for request_id, pending in list(self._pending.items()):
             request = pending.request
             if request.is_finished:  # aborted (client gone) or failed its grammar
@@ -171,11 +179,30 @@ class Disaggregation:
                     self._admit(request_id, pending.arrival, output, results)
             elif pending.deadline_s is None:
                 self._start_pull(pending)
-            elif now > pending.deadline_s:
-                self._fail(request_id, f"no K/V from the prefill server {pending.transfer.host}:"
-                           f"{pending.transfer.port} within {self.timeout_s:g} s "
-                           "(--disaggregation-transfer-timeout)", output)
+            else:
+                self._check_peer(request_id, pending, now, output)
         return output, results
+
+    def _check_peer(self, request_id: str, pending: _Pending, now: float,
+                    output: SchedulerOutput) -> None:
+        """Fail a pull whose prefill server is gone: its connection dropped (for longer than
+        LOST_PEER_GRACE_S), or it never answered within the timeout. While connected (zmq
+        heartbeats, answered even during a long prefill step) the request waits, kept alive by
+        the prefill server's ``waiting`` messages; the prefill server itself ends a pull it has no
+        request for after the timeout."""
+        assert self.decode is not None and pending.deadline_s is not None
+        host, port = pending.transfer.host, pending.transfer.port
+        assert host is not None and port is not None
+        is_connected, lost_s = self.decode.peer_state(host, port)
+        if lost_s is not None and lost_s >= pending.pulled_s and now - lost_s > LOST_PEER_GRACE_S:
+            self._fail(request_id, f"the prefill server {host}:{port} closed the connection "
+                       "during the transfer", output)
+        elif now > pending.deadline_s and not is_connected:
+            self._fail(request_id, f"no K/V from the prefill server {host}:{port} within "
+                       f"{self.timeout_s:g} s (--disaggregation-transfer-timeout)", output)
+        elif now > pending.deadline_s + 10 * self.timeout_s:  # connected, yet silent for far too long
+            self._fail(request_id, f"the prefill server {host}:{port} sent no K/V or keep-alive "
+                       f"for {11 * self.timeout_s:g} s", output)
 
     def _start_pull(self, pending: _Pending) -> None:
         assert self.decode is not None
@@ -187,7 +214,8 @@ class Disaggregation:
         prefix = request.num_computed_tokens
         self.decode.pull(transfer.key, transfer.host, transfer.port, request.prompt_token_ids,
                          prefix, request.block_ids[prefix // block_size:])
-        pending.deadline_s = time.monotonic() + self.timeout_s
+        pending.pulled_s = time.monotonic()
+        pending.deadline_s = pending.pulled_s + self.timeout_s
 
     def _admit(self, request_id: str, arrival: Arrival, output: SchedulerOutput,
                results: list[StepResult]) -> None:
@@ -223,6 +251,7 @@ class Disaggregation:
                 "disaggregation_num_transfers": self.decode.num_transfers,
                 "disaggregation_bytes_received": self.decode.num_bytes_received,
                 "disaggregation_receive_time_s": round(self.decode.receive_time_s, 4),
+                "disaggregation_pull_time_s": round(self.pull_time_s, 4),
                 "disaggregation_num_failed": self.num_failed}
 
     def close(self) -> None:
