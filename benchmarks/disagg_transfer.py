@@ -38,7 +38,7 @@ def measure(model: str, prompt_tokens: int, kv_dtype: str, backend: str, repeats
     decode = engine(model, "decode", port, kv_dtype, backend)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(0)
-    times, sizes = [], []
+    times, sizes, sends, writes = [], [], [], []
     lock, stop = threading.Lock(), threading.Event()
 
     def serve_pulls() -> None:
@@ -60,7 +60,7 @@ def measure(model: str, prompt_tokens: int, kv_dtype: str, backend: str, repeats
             if thread is None:
                 thread = threading.Thread(target=serve_pulls, daemon=True)
                 thread.start()
-            before = decode.stats()
+            before, sent_before = decode.stats(), prefill.stats()["disaggregation_send_time_s"]
             decode.add_request(f"d{index}", prompt, params,
                                kv_transfer=KVTransfer("decode", key, "127.0.0.1", port))
             while decode.has_unfinished():
@@ -69,6 +69,8 @@ def measure(model: str, prompt_tokens: int, kv_dtype: str, backend: str, repeats
             if index:
                 times.append(after["disaggregation_pull_time_s"] - before["disaggregation_pull_time_s"])
                 sizes.append(after["disaggregation_bytes_received"] - before["disaggregation_bytes_received"])
+                sends.append(prefill.stats()["disaggregation_send_time_s"] - sent_before)
+                writes.append(after["disaggregation_receive_time_s"] - before["disaggregation_receive_time_s"])
     finally:
         stop.set()
         if thread is not None:
@@ -78,6 +80,8 @@ def measure(model: str, prompt_tokens: int, kv_dtype: str, backend: str, repeats
     times.sort()
     median_s = times[len(times) // 2]
     return {"bytes": sizes[0], "median_ms": median_s * 1000,
+            "send_ms": sorted(sends)[len(sends) // 2] * 1000,
+            "write_ms": sorted(writes)[len(writes) // 2] * 1000,
             "ms_per_1k_tokens": median_s * 1000 * 1000 / prompt_tokens}
 
 
@@ -88,14 +92,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=47911)
     args = parser.parse_args()
-    print(f"| model | K/V dtype | backend | bytes / request | transfer ms | ms / 1k tokens |")
-    print("|---|---|---|---|---|---|")
+    print("| model | K/V dtype | backend | bytes / request | transfer ms | ms / 1k tokens | "
+          "prefill read+send ms | decode read+write ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for kv_dtype in ("auto", "fp8_e4m3"):
         for backend in ("zmq", "shm"):
             result = measure(args.model, args.prompt_tokens, kv_dtype, backend, args.repeats, args.port)
             print(f"| {args.model} | {'float32' if kv_dtype == 'auto' else kv_dtype} | {backend} | "
                   f"{result['bytes'] / 2 ** 20:.1f} MiB | {result['median_ms']:.1f} | "
-                  f"{result['ms_per_1k_tokens']:.1f} |", flush=True)
+                  f"{result['ms_per_1k_tokens']:.1f} | {result['send_ms']:.1f} | "
+                  f"{result['write_ms']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
