@@ -214,9 +214,25 @@ def _vllm_speculative_model(text: str) -> str:
                      "built yet")
 
 
+def _lightllm_run_mode(text: str) -> Any:
+    modes = {"normal": UNCHANGED, "prefill": "prefill", "decode": "decode"}
+    if text == "pd_master":
+        raise ValueError("pd_master is the router's role: run `servelm router --prefill URL "
+                         "--decode URL` (prefill and decode servers register with it via "
+                         "--pd_master_ip/--pd_master_port)")
+    if text not in modes:
+        raise ValueError(f"choose from normal, prefill, decode; got {text!r}")
+    return modes[text]
+
+
 # --- aliases -----------------------------------------------------------------------------------
 
 ALIASES: tuple[Alias, ...] = (
+    Alias(("--run_mode",), "disaggregation_mode", "LightLLM", lambda text: _lightllm_run_mode(text),
+          example=("prefill",), note="normal -> null; prefill, decode; pd_master is `servelm router`",
+          metavar="{normal,prefill,decode}"),
+    Alias(("--pd_master_ip",), "pd_master_ip", "LightLLM", example=("127.0.0.1",)),
+    Alias(("--pd_master_port",), "pd_master_port", "LightLLM", example=("1213",)),
     Alias(("--model-path",), "model", "SGLang", example=("some/model",)),
     Alias(("--model_dir",), "model", "LightLLM", example=("some/model",)),
     Alias(("--tokenizer-path",), "tokenizer", "SGLang", example=("some/tokenizer",)),
@@ -374,8 +390,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "params.json is not supported", values=("auto", "hf"), bad_value="mistral"),
     AlreadyBehaviour(("--load_way",), "servelm loads Hugging Face format (and GGUF); DeepSpeed "
                      "checkpoints are not supported", values=("HF",), bad_value="DS"),
-    AlreadyBehaviour(("--run_mode",), "servelm runs as a single server; PD disaggregation is not "
-                     "built yet", values=("normal",), bad_value="prefill"),
     AlreadyBehaviour(("--chunked_max_new_token",), "servelm has no chunked decoding",
                      values=("0",), bad_value="8"),
     AlreadyBehaviour(("--httpserver_workers",), "servelm runs one HTTP server process",
@@ -465,14 +479,19 @@ REJECTIONS: tuple[Rejection, ...] = (
               "plain decoding at no extra cost",
               ("--num-lookahead-slots", "--speculative-disable-mqa-scorer",
                "--disable-logprobs-during-spec-decoding")),
-    Rejection(f"{NOT_BUILT_YET}: prefill/decode disaggregation (a single server does both)",
-              ("--pd_master_ip", "--pd_master_port", "--pd_decode_rpyc_port",
-               "--config_server_host", "--config_server_port", "--pd_max_retry_count",
-               "--kv-transfer-config", "--disaggregation-ib-device", "--disaggregation-mode",
-               "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
-               "--disaggregation-decode-tp", "--disaggregation-decode-dp",
-               "--disaggregation-prefill-pp", "--disaggregation-decode-enable-offload-kvcache",
-               "--num-reserved-decode-tokens", "--disaggregation-decode-polling-interval")),
+    Rejection("not supported: InfiniBand/RDMA devices; servelm's K/V transfer runs over TCP "
+              "(--disaggregation-transfer-backend zmq) or shared memory on one host (shm)",
+              ("--disaggregation-ib-device",)),
+    Rejection("not supported: offloading the decode server's K/V to host storage (the "
+              "hierarchical cache is not built)", ("--disaggregation-decode-enable-offload-kvcache",)),
+    Rejection("not needed: a servelm decode server listens on no port of its own for K/V; it "
+              "connects to the prefill server's --disaggregation-bootstrap-port",
+              ("--pd_decode_rpyc_port",)),
+    Rejection("not supported: a failed K/V transfer is not retried; the request ends with an error "
+              "(a router may resend the whole request)", ("--pd_max_retry_count",)),
+    Rejection("not supported: LightLLM's config server (servelm's prefill and decode servers "
+              "register with one PD master: --pd_master_ip/--pd_master_port)",
+              ("--config_server_host", "--config_server_port")),
     Rejection("not supported: DP attention and its tuning (data parallelism here is whole engine "
               "replicas: --dp-size with --load-balance-method)",
               ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
@@ -646,6 +665,13 @@ NEEDS: tuple[tuple[str, str], ...] = (
         "hicache_mem_layout", "hicache_host_dtype", "hicache_storage_backend",
         "hicache_storage_prefetch_policy", "hicache_storage_backend_extra_config")),
     ("hicache_storage_backend_extra_config", "hicache_storage_backend"),
+    ("disaggregation_bootstrap_port", "disaggregation_mode"),
+    ("disaggregation_transfer_backend", "disaggregation_mode"),
+    ("disaggregation_transfer_timeout", "disaggregation_mode"),
+    ("num_reserved_decode_tokens", "disaggregation_mode"),
+    ("disaggregation_decode_polling_interval", "disaggregation_mode"),
+    ("pd_master_ip", "disaggregation_mode"),
+    ("pd_master_port", "disaggregation_mode"),
 )
 """(field, needed): a non-default ``field`` means nothing unless ``needed`` is set too, so it is
 refused at start-up rather than ignored."""

@@ -881,6 +881,150 @@ class SpeculativeConfig:
         return self.speculative_algorithm is not None
 
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("zmq", "shm", "nixl", "mooncake")
+_TRANSFER_PACKAGES = {"nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
+"""Transfer backends that need a package: the pip name a missing one is installed by."""
+_TRANSFER_MODULES = {"nixl": "nixl", "mooncake": "mooncake"}
+_VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+_VLLM_CONNECTORS = {"ZmqConnector": "zmq", "ShmConnector": "shm", "NixlConnector": "nixl",
+                    "MooncakeConnector": "mooncake", "MooncakeConnectorV1": "mooncake"}
+"""vLLM --kv-transfer-config kv_connector names servelm maps onto a transfer backend (ZmqConnector
+and ShmConnector are servelm's own names for its zmq and shm backends)."""
+
+
+def parse_kv_transfer_config(text: str | None) -> tuple[str, str] | None:
+    """vLLM's ``--kv-transfer-config`` JSON -> (disaggregation mode, transfer backend), or None
+    when unset. ValueError naming the flag and key for what servelm does not map."""
+    values = parse_json_object_flag("--kv-transfer-config", text)
+    if not values:
+        return None
+    role = values.get("kv_role")
+    if role == "kv_both":
+        raise ValueError("--kv-transfer-config: kv_role kv_both is not supported: servelm gives each "
+                         "server one role; use kv_producer on the prefill server and kv_consumer "
+                         "on the decode server")
+    if role not in _VLLM_ROLES:
+        raise ValueError(f"--kv-transfer-config: kv_role must be kv_producer or kv_consumer, got {role!r}")
+    connector = values.get("kv_connector", "ZmqConnector")
+    if connector not in _VLLM_CONNECTORS:
+        raise ValueError(f"--kv-transfer-config: kv_connector {connector!r} is not supported; choose "
+                         f"{', '.join(_VLLM_CONNECTORS)} (ZmqConnector: TCP with pyzmq, "
+                         "servelm's default)")
+    unknown = set(values) - {"kv_role", "kv_connector", "engine_id", "kv_rank", "kv_parallel_size",
+                             "kv_buffer_device", "kv_connector_extra_config"}
+    if unknown:
+        raise ValueError(f"--kv-transfer-config: {sorted(unknown)} not supported")
+    return _VLLM_ROLES[role], _VLLM_CONNECTORS[connector]
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation: a prefill server computes prompts and hands their K/V to a
+    decode server, which decodes (servelm/disagg/)."""
+
+    disaggregation_mode: str = opt(
+        "null", "This server's role: null (co-located: it prefills and decodes), prefill (computes a "
+        "request's prompt K/V and first token, then hands them to the decode server the request "
+        "names) or decode (receives the K/V from the prefill server the request names, then "
+        "decodes). SGLang's protocol (bootstrap_host/port/room in the request) and vLLM's "
+        "kv_transfer_params both work.", choices=list(DISAGGREGATION_MODES))
+    disaggregation_bootstrap_port: int = opt(
+        8998, "Prefill server: TCP port of its bootstrap/transfer endpoint (a pyzmq ROUTER socket); "
+        "decode servers connect to it to ask for K/V. 8998 is SGLang's default.")
+    disaggregation_transfer_backend: str = opt(
+        "zmq", "How K/V blocks move: zmq (TCP with pyzmq, across machines), shm (the bytes through "
+        "a file in /dev/shm, control over zmq: prefill and decode on one host). nixl and mooncake "
+        "need their packages and are refused in this build.", choices=list(TRANSFER_BACKENDS))
+    disaggregation_transfer_timeout: float = opt(
+        30.0, "Seconds a transfer may take: a decode server that gets no K/V in this time ends "
+        "the request with an error; a prefill server frees K/V nobody pulled in this time.")
+    disaggregation_decode_tp: int = opt(
+        1, "Prefill server: the decode servers' tensor-parallel size. Only 1: K/V moves between "
+        "single-rank engines.")
+    disaggregation_decode_dp: int = opt(
+        1, "Prefill server: the decode servers' data-parallel size. Only 1 (one engine process "
+        "per decode server).")
+    disaggregation_prefill_pp: int = opt(
+        1, "Decode server: the prefill servers' pipeline-parallel size. Only 1.")
+    num_reserved_decode_tokens: int = opt(
+        512, "Decode server: a transfer is accepted only while the pool keeps this many tokens "
+        "free per running request beyond the prompt's blocks (room to decode), as SGLang's flag "
+        "does.")
+    disaggregation_decode_polling_interval: int = opt(
+        1, "Decode server: poll the transfer sockets every N steps while requests decode (1: "
+        "every step).")
+    kv_transfer_config: str | None = opt(
+        None, "vLLM's JSON form: kv_role kv_producer (prefill) or kv_consumer (decode), kv_connector "
+        "ZmqConnector, ShmConnector, NixlConnector or MooncakeConnector. Sets the mode and backend.")
+    pd_master_ip: str | None = opt(
+        None, "LightLLM: host of the PD master (`servelm router`) a prefill or decode server "
+        "registers with at start-up (POST /register). Unset: no registration.")
+    pd_master_port: int = opt(1212, "LightLLM: port of the PD master (1212 is LightLLM's default).")
+
+    def __post_init__(self) -> None:
+        vllm = parse_kv_transfer_config(self.kv_transfer_config)
+        if vllm is not None:
+            if self.disaggregation_mode != "null" and self.disaggregation_mode != vllm[0]:
+                raise ValueError(f"--kv-transfer-config asks for {vllm[0]} but --disaggregation-mode "
+                                 f"is {self.disaggregation_mode}")
+            if self.disaggregation_transfer_backend not in ("zmq", vllm[1]):
+                raise ValueError(f"--kv-transfer-config asks for backend {vllm[1]} but "
+                                 f"--disaggregation-transfer-backend is "
+                                 f"{self.disaggregation_transfer_backend}")
+        for flag, value in (("--disaggregation-decode-tp", self.disaggregation_decode_tp),
+                            ("--disaggregation-decode-dp", self.disaggregation_decode_dp),
+                            ("--disaggregation-prefill-pp", self.disaggregation_prefill_pp)):
+            if value != 1:
+                raise ValueError(f"{flag} {value} is not supported: servelm moves K/V between "
+                                 "single-rank engines (tp, dp and pp 1 on both sides); only 1")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"--disaggregation-bootstrap-port must be a TCP port, got "
+                             f"{self.disaggregation_bootstrap_port}")
+        if not 0 < self.pd_master_port < 65536:
+            raise ValueError(f"--pd-master-port must be a TCP port, got {self.pd_master_port}")
+        if self.disaggregation_transfer_timeout <= 0:
+            raise ValueError(f"--disaggregation-transfer-timeout must be positive, got "
+                             f"{self.disaggregation_transfer_timeout}")
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError(f"--num-reserved-decode-tokens must be non-negative, got "
+                             f"{self.num_reserved_decode_tokens}")
+        if self.disaggregation_decode_polling_interval < 1:
+            raise ValueError(f"--disaggregation-decode-polling-interval must be at least 1, got "
+                             f"{self.disaggregation_decode_polling_interval}")
+        self._check_backend()
+
+    def _check_backend(self) -> None:
+        backend = self.transfer_backend
+        if backend not in _TRANSFER_PACKAGES:
+            return
+        import importlib.util
+
+        if importlib.util.find_spec(_TRANSFER_MODULES[backend]) is None:
+            raise ValueError(f"--disaggregation-transfer-backend {backend} needs its package: pip "
+                             f"install {_TRANSFER_PACKAGES[backend]} (or use zmq, the default, or "
+                             "shm on one host)")
+        raise ValueError(f"--disaggregation-transfer-backend {backend}: the package is installed but "
+                         "servelm's transfer over it is not built yet; use zmq (TCP) or shm")
+
+    @property
+    def mode(self) -> str:
+        """null, prefill or decode: --disaggregation-mode, or the role --kv-transfer-config gives."""
+        vllm = parse_kv_transfer_config(self.kv_transfer_config)
+        return vllm[0] if vllm is not None else self.disaggregation_mode
+
+    @property
+    def transfer_backend(self) -> str:
+        vllm = parse_kv_transfer_config(self.kv_transfer_config)
+        if vllm is not None and self.disaggregation_transfer_backend == "zmq":
+            return vllm[1]
+        return self.disaggregation_transfer_backend
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.mode != "null"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine and server need, one frozen dataclass per concern."""
@@ -896,6 +1040,7 @@ class EngineConfig:
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
         if self.runtime.enable_torch_compile and self.model.quantization != "none":
@@ -906,6 +1051,7 @@ class EngineConfig:
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
         self._check_lora()
         self._check_hicache()
+        self._check_disaggregation()
 
     def _check_hicache(self) -> None:
         """The hierarchical cache extends the radix cache of the in-process runner."""
@@ -921,6 +1067,23 @@ class EngineConfig:
         if self.model.task in ("embed", "embedding"):
             raise ValueError("--enable-hierarchical-cache serves generation; embedding requests "
                              "never use the prefix cache")
+
+    def _check_disaggregation(self) -> None:
+        """What a prefill or decode server cannot run with: K/V moves between single-rank engines."""
+        mode = self.disaggregation.mode
+        if mode == "null":
+            return
+        parallel = self.parallel
+        if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                parallel.data_parallel_size) != (1, 1, 1):
+            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --tp-size, "
+                             "--pp-size or --dp-size > 1 yet: K/V moves between single-rank engines")
+        if self.model.task == "embed":
+            raise ValueError(f"--disaggregation-mode {mode} serves generation; it cannot be "
+                             "combined with --task embed")
+        if self.speculative.is_enabled and mode == "prefill":
+            raise ValueError("--speculative-algorithm on a prefill server drafts nothing (it "
+                             "samples one token per request); give it to the decode server")
 
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""

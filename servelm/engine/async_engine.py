@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from servelm.config import EngineConfig
+from servelm.disagg.spec import KVTransfer
 from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.engine_process import run_engine_process
@@ -296,11 +297,13 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       group: str = "", lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                       group: str = "", lora_name: str | None = None,
+                       kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it.
 
         ``group`` names the client request this one is part of (see Request.group);
-        ``lora_name`` the LoRA adapter it runs with (None: the base model)."""
+        ``lora_name`` the LoRA adapter it runs with (None: the base model); ``kv_transfer`` its
+        part in a prefill/decode transfer (None: co-located)."""
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -312,7 +315,7 @@ class AsyncEngine:
         replica = self._dispatch(request_id, load)
         try:
             self._send(replica, ("add", request_id, list(prompt_token_ids), params, priority, group,
-                                 lora_name))
+                                 lora_name, kv_transfer))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
             while True:

@@ -26,7 +26,9 @@ from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarError, check_backend_available
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.beam import BeamSearches
+from servelm.disagg.spec import KVTransfer
 from servelm.engine.detokenizer import IncrementalDetokenizer
+from servelm.engine.disaggregation import Disaggregation
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
@@ -82,6 +84,8 @@ class LLMEngine:
         """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
         self.scheduler.hicache = self.hicache
         self.executor = Executor(runner)
+        self.disaggregation = self._make_disaggregation(runner)
+        """The prefill or decode side of K/V transfers (None: co-located, the default)."""
         self.speculation = Speculation(config.speculative, proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
         self.beams = BeamSearches(self.scheduler, tokenizer)
@@ -118,6 +122,16 @@ class LLMEngine:
             self.model_info.update({"embedding_size": runner.hidden_size,
                                     "pooler": pooler.as_dict(),
                                     "max_embedding_tokens": self.max_embedding_tokens})
+
+    def _make_disaggregation(self, runner: Runner) -> Disaggregation | None:
+        if not self.config.disaggregation.is_enabled:
+            return None
+        kv_cache = getattr(runner, "kv_cache", None)
+        if kv_cache is None:
+            raise ValueError("--disaggregation-mode needs the in-process model runner (tp, pp 1)")
+        disaggregation = Disaggregation(self.config, self.scheduler, kv_cache)
+        self.model_info.update(disaggregation.describe())
+        return disaggregation
 
     def _load(self, config: EngineConfig) -> tuple[Runner, Any, list[int], int]:
         from servelm.model.source import resolve_model_source
@@ -238,7 +252,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, *,
                     is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
-                    lora_slot: int = 0, lora_name: str | None = None) -> RequestOutput | None:
+                    lora_slot: int = 0, lora_name: str | None = None,
+                    kv_transfer: KVTransfer | None = None) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
         with (unknown: 404), which sets ``adapter_id`` (the prefix-cache root); its runner slot
@@ -270,6 +285,10 @@ class LLMEngine:
                                         "waiting (--max-queued-requests); retry later"),
                                  num_prompt_tokens=request.num_prompt_tokens, error_status=503)
         error = self._check(request)
+        if error is None and kv_transfer is not None:
+            error = ("this server runs co-located (--disaggregation-mode null): it takes no K/V "
+                     "transfers" if self.disaggregation is None
+                     else self.disaggregation.check(request, kv_transfer))
         if error is not None:
             return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
                                  error=error, num_prompt_tokens=request.num_prompt_tokens,
@@ -285,6 +304,9 @@ class LLMEngine:
                                      error=str(error), num_prompt_tokens=request.num_prompt_tokens,
                                      error_status=400)
             self._compiling.append(request)
+        if kv_transfer is not None:
+            assert self.disaggregation is not None
+            self.disaggregation.add(request, kv_transfer)
         if self.tokenizer is not None and not is_embedding:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
@@ -402,6 +424,8 @@ class LLMEngine:
             self._grammars.close()
         if self.hicache is not None:
             self.hicache.close()
+        if self.disaggregation is not None:
+            self.disaggregation.close()
         self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------
@@ -409,15 +433,15 @@ class LLMEngine:
         if self.fatal_error is not None:
             raise self.fatal_error
         refused = self._resolve_grammars()
+        if self.disaggregation is not None:  # K/V that arrived: those requests' first tokens
+            arrived = self.disaggregation.before_schedule(len(self.scheduler.running))
+            if arrived[0].scheduled or arrived[0].finished:
+                refused += self._update(*arrived)
         self.speculation.propose(self.scheduler)
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
-        if scheduled.is_empty and self._compiling:  # nothing runs but compiles: do not spin
-            assert self._grammars is not None
-            self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
-                                _IDLE_COMPILE_WAIT_S)
-        if scheduled.is_empty and self.hicache is not None and self.hicache.is_holding_requests:
-            self.hicache.wait_for_reads(_IDLE_COMPILE_WAIT_S)  # nothing runs but disk reads
+        if scheduled.is_empty:
+            self._wait_while_idle()
         outputs = refused + self._update(scheduled, results)
         if self.lora is not None and self.lora.has_unloaded:
             self.lora.release_unused(self._adapters_in_use())
@@ -446,6 +470,19 @@ class LLMEngine:
             scheduled.scheduled = []
             return []
 
+    def _wait_while_idle(self) -> None:
+        """Nothing was scheduled: block briefly on what the waiting requests wait for (grammar
+        compiles, disk reads of the hierarchical cache, K/V from a prefill server) instead of
+        spinning."""
+        if self._compiling:
+            assert self._grammars is not None
+            self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
+                                _IDLE_COMPILE_WAIT_S)
+        elif self.hicache is not None and self.hicache.is_holding_requests:
+            self.hicache.wait_for_reads(_IDLE_COMPILE_WAIT_S)
+        elif self.disaggregation is not None and self.disaggregation.is_waiting:
+            self.disaggregation.wait()
+
     def _update(self, scheduled: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         self.num_steps += 1
         self.speculation.record(scheduled, results)
@@ -461,9 +498,13 @@ class LLMEngine:
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
+            transfer_params = None
             if request.is_finished:
                 self.speculation.release(request)
+                if self.disaggregation is not None:
+                    transfer_params = self.disaggregation.on_finished(request)
             outputs.append(self._make_output(request))
+            outputs[-1].kv_transfer_params = transfer_params
         self.num_generated_tokens += sum(len(r.token_ids) for r in results)
         return outputs
 
@@ -585,4 +626,5 @@ class LLMEngine:
             **self.speculation.stats(),
             **(self.hicache.stats() if self.hicache is not None else {}),
             **self.beams.stats(),
+            **(self.disaggregation.stats() if self.disaggregation is not None else {}),
         }

@@ -58,9 +58,15 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     stats = StatsLogger(engine, config.observability)
     timeout_s = config.observability.watchdog_timeout
     watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    transfer_sockets = engine.disaggregation.sockets() if engine.disaggregation is not None else []
+    for socket in transfer_sockets:  # a decode server's pull wakes an idle prefill engine
+        poller.register(socket, zmq.POLLIN)
     while True:
         timeout_ms = 0 if engine.has_unfinished() else 1000
-        if inputs.poll(timeout_ms):
+        events = dict(poller.poll(timeout_ms))
+        if inputs in events:
             while True:
                 message = inputs.recv_pyobj()
                 if message[0] == "shutdown":
@@ -71,7 +77,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         elif os.getppid() != parent_pid:
             logger.error("front end process exited; engine stopping")
             return
-        if engine.has_unfinished():
+        is_busy = engine.has_unfinished()
+        if is_busy or engine.disaggregation is not None:  # transfers expire even when idle
             if watchdog is not None:
                 watchdog.step_started()
             step_outputs = engine.step()
@@ -79,7 +86,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
                 watchdog.step_finished()
             if step_outputs:
                 outputs.send_pyobj(("outputs", step_outputs))
-            if not engine.has_unfinished():  # just went idle: give the burst's free pages back
+            if is_busy and not engine.has_unfinished():  # just went idle: give free pages back
                 release_free_memory()
         stats.maybe_log()
 
@@ -87,9 +94,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt_token_ids, params, priority, group, lora_name = message
+        _, request_id, prompt_token_ids, params, priority, group, lora_name, kv_transfer = message
         rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group,
-                                      lora_name=lora_name)
+                                      lora_name=lora_name, kv_transfer=kv_transfer)
         if rejected is not None:
             outputs.send_pyobj(("outputs", [rejected]))
     elif kind == "embed":

@@ -7,6 +7,7 @@ is its full completion; exactly one output has ``finish_reason`` set, and it is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from servelm.sampling.logprobs import TokenLogprob
 
@@ -46,6 +47,9 @@ class RequestOutput:
     length_penalty`` (transformers' ``sequences_scores``); None otherwise."""
     cumulative_logprob: float | None = None
     """Beam search: the sum of the returned beam's token log-probabilities."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill server's vLLM-flow request, on its finished output: what the decode call needs
+    (the front end adds the host and port)."""
 
     @property
     def is_finished(self) -> bool:

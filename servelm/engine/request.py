@@ -104,6 +104,16 @@ class Request:
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.
     Empty: a group of its own (the request id)."""
 
+    transfer_key: str | None = None
+    """Prefill server (disaggregation): the key its K/V is pulled by. When it finishes normally
+    its blocks are parked (``parked_block_ids``) for the decode server instead of freed."""
+    parked_block_ids: list[int] = field(default_factory=list)
+    """Prefill server: the finished request's blocks, held for the decode server's pull (the
+    disaggregation stage releases them)."""
+    is_awaiting_kv: bool = False
+    """Decode server: its prompt K/V comes from a prefill server. It waits (never admitted by the
+    scheduler) until the K/V and first token arrive; then it runs as if it had computed them."""
+
     def __post_init__(self) -> None:
         if not self.group:
             self.group = self.request_id

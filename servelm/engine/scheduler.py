@@ -166,7 +166,13 @@ class Scheduler:
             self.waiting.remove(request)
             if self.hicache is not None:
                 self.hicache.forget(request.request_id)  # it may have been held for a prefetch
-        self._free_blocks(request)
+        if request.transfer_key is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            # a prefill server's request: its blocks wait for the decode server's pull
+            self.cache_computed_blocks(request)
+            request.parked_block_ids, request.block_ids = request.block_ids, []
+            request.num_inserted_blocks = 0
+        else:
+            self._free_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -263,8 +269,8 @@ class Scheduler:
                 continue  # --max-loras-per-batch adapters are running: it waits for one to drain
             if group_cap is not None and running_per_group.get(request.group, 0) >= group_cap:
                 continue  # this client request has its share; others go first
-            if request.is_compiling:
-                continue  # its grammar is not ready: the requests behind it go on
+            if request.is_compiling or request.is_awaiting_kv:
+                continue  # its grammar (or its K/V from a prefill server) is not ready
             if request.is_parked:
                 continue  # a beam waiting for its siblings (engine/beam.py)
             if self._cannot_ever_fit(request):
@@ -383,6 +389,34 @@ class Scheduler:
                 del output.plan.sequences[index]
                 return scheduled.num_tokens + len(scheduled.draft_token_ids)
         return 0
+
+    # -- disaggregation (decode server) ----------------------------------------------------
+    def reserve_remote(self, request: Request, reserve_tokens: int) -> bool:
+        """Give a waiting request whose prompt K/V comes from a prefill server its blocks: its
+        cached prefix (shared) plus new blocks for the rest of the prompt. Refused (False, nothing
+        held) while --max-running-requests run or the pool would keep fewer than
+        ``reserve_tokens`` free slots per running request beyond it."""
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        self._match_prefix(request)
+        needed = cdiv(request.num_prompt_tokens, self.block_size) - len(request.block_ids)
+        headroom = cdiv(reserve_tokens, self.block_size) * (len(self.running) + 1)
+        available = self.block_pool.num_free_blocks + self._num_evictable_blocks()
+        if needed + headroom > available or not self._grow(request, request.num_prompt_tokens):
+            self._unmatch(request)
+            return False
+        return True
+
+    def admit_remote(self, request: Request) -> None:
+        """The request's prompt K/V has arrived: it runs from here (``update`` appends its first
+        token and counts the prompt computed)."""
+        self.waiting.remove(request)
+        request.is_awaiting_kv = False
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if request.num_preemptions == 0:
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_cached_prompt_tokens += request.num_cached_tokens
 
     # -- prefix cache -----------------------------------------------------------------------
     def _match_prefix(self, request: Request) -> None:

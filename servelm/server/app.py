@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from servelm.config import EngineConfig
 from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
+from servelm.server.disagg import register_when_serving
 from servelm.server.errors import APIError, error_response, install_error_handlers
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
 from servelm.server.lora import add_lora_routes
@@ -304,6 +305,7 @@ def run_server(config: EngineConfig) -> None:
         install_repeat_filter()  # after uvicorn has configured its loggers
         engine = await AsyncEngine.start(config)
         watcher = asyncio.create_task(exit_when_engine_dies(engine, server))
+        registration = asyncio.create_task(register_when_serving(config, server, engine_death))
         try:
             app.state.serving = _serving_context(app, engine, config)
             scheme = "https" if server_config.ssl_certfile else "http"
@@ -313,6 +315,7 @@ def run_server(config: EngineConfig) -> None:
             logger.info("HTTP server stopped; stopping the engine")
         finally:
             watcher.cancel()
+            registration.cancel()
             serving = app.state.serving
             app.state.serving = None
             if serving is not None:

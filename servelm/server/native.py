@@ -25,6 +25,7 @@ from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeS
                                      TokenizeRequest, check_native_supported, choice_seed,
                                      native_to_sampling_params)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
+from servelm.server.disagg import attach_transfers
 from servelm.server.streaming import SSE_DONE, ClientDisconnected, Submission, sse, stream_outputs
 
 
@@ -176,6 +177,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
                                           group=base_id, lora_name=lora_names[prompt_index]))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
+    attach_transfers(ctx.config, request, submissions)
 
     if request.stream:
         opened = await open_stream(ctx, submissions, raw)

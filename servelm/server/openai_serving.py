@@ -28,6 +28,7 @@ from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, to_sampling_params)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
+from servelm.server.disagg import attach_transfers, transfer_params
 from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, open_outputs,
                                       sse, stream_outputs)
 from servelm.server.structured import (check_tools, forced_tool_spec, openai_structured_spec,
@@ -293,6 +294,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
     base_id, created = new_id("cmpl"), int(time.time())
     submissions = _submissions(request, prompts, base_id, structured,
                                ctx.request_priority(request.priority), lora_name)
+    attach_transfers(ctx.config, request, submissions)
     report_cached = ctx.config.server.enable_cache_report
     choices = [CompletionChoice(ctx, s.index, s.index // request.n, prompts[s.index // request.n],
                                 request.echo, request.logprobs, is_prompt_only(request))
@@ -327,6 +329,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         for c in choices],
             "usage": _usage(choices, prompts, report_cached)}
+    params = transfer_params(ctx.config, raw, submissions)
+    if params is not None:
+        body["kv_transfer_params"] = params
     return JSONResponse(body)
 
 
@@ -394,6 +399,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     base_id, created = new_id("chatcmpl"), int(time.time())
     submissions = _submissions(request, [prompt], base_id, structured,
                                ctx.request_priority(request.priority), lora_name)
+    attach_transfers(ctx.config, request, submissions)
     report_cached = ctx.config.server.enable_cache_report
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     choices = [ChatChoice(ctx, s.index, prompt, num_logprobs) for s in submissions]
@@ -460,4 +466,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                          "stop_reason": c.stop_reason}
                         for c in choices],
             "usage": _usage(choices, [prompt], report_cached)}
+    params = transfer_params(ctx.config, raw, submissions)
+    if params is not None:
+        body["kv_transfer_params"] = params
     return JSONResponse(body)

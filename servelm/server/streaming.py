@@ -21,6 +21,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from servelm.disagg.spec import KVTransfer
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import SamplingParams
@@ -51,6 +52,10 @@ class Submission:
     """The HTTP request's id, shared by all its submissions: the engine admits groups in turn."""
     lora_name: str | None = None
     """The LoRA adapter it runs with (None: the base model)."""
+    kv_transfer: KVTransfer | None = None
+    """Its part in a prefill/decode transfer (server/disagg.py); None: co-located."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Set from the finished output of a vLLM-flow prefill request (the decode call's params)."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -82,10 +87,14 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
             extra["group"] = submission.group
         if submission.lora_name is not None:
             extra["lora_name"] = submission.lora_name
+        if submission.kv_transfer is not None:
+            extra["kv_transfer"] = submission.kv_transfer
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
                                   submission.params, **extra)
         try:
             async for output in outputs:
+                if output.kv_transfer_params is not None:
+                    submission.kv_transfer_params = output.kv_transfer_params
                 queue.put_nowait((submission.index, output))
                 if output.is_finished:
                     break

@@ -2,8 +2,6 @@
 (SmolLM2-135M, float32, one thread each), and the same servers driven by `sglang-router`.
 
 The greedy tokens through the pair equal those of one co-located server, streaming and not.
-The prefill/decode server roles are built on another branch (issue 13): until both are merged the
-servers refuse ``--disaggregation-mode`` and these tests skip saying so; nothing else skips them.
 """
 
 from __future__ import annotations
@@ -25,16 +23,8 @@ NATIVE = {"text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 16,
 COMPLETION = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
 
 
-def start_or_skip(stack: ExitStack, args: list[str]) -> ServerProcess:
-    try:
-        return stack.enter_context(ServerProcess(args))
-    except RuntimeError as error:
-        refusal = [line for line in str(error).splitlines()
-                   if line.startswith("servelm: --disaggregation-mode is not built yet")]
-        if refusal:  # only this refusal skips; any other failure of a PD server fails the test
-            pytest.skip("this build's servers refuse --disaggregation-mode (the prefill/decode "
-                        f"roles are on the pd branch; remove this skip once merged): {refusal[0]}")
-        raise
+def start(stack: ExitStack, args: list[str]) -> ServerProcess:
+    return stack.enter_context(ServerProcess(args))
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +32,9 @@ def pd_servers():
     with ExitStack() as stack:
         colocated = stack.enter_context(ServerProcess(WORKER_ARGS))
         bootstrap_port = free_port()
-        prefill = start_or_skip(stack, [*WORKER_ARGS, "--disaggregation-mode", "prefill",
+        prefill = start(stack, [*WORKER_ARGS, "--disaggregation-mode", "prefill",
                                         "--disaggregation-bootstrap-port", str(bootstrap_port)])
-        decode = start_or_skip(stack, [*WORKER_ARGS, "--disaggregation-mode", "decode"])
+        decode = start(stack, [*WORKER_ARGS, "--disaggregation-mode", "decode"])
         yield colocated, prefill, bootstrap_port, decode
 
 
@@ -162,9 +152,9 @@ def test_prefill_and_decode_servers_register_themselves_with_a_pd_master(pd_serv
     master.port, master.base_url = master_port, f"http://127.0.0.1:{master_port}"
     register = ["--pd_master_ip", "127.0.0.1", "--pd_master_port", str(master_port)]
     with master, ExitStack() as stack:
-        prefill = start_or_skip(stack, [*WORKER_ARGS, "--run_mode", "prefill", *register,
+        prefill = start(stack, [*WORKER_ARGS, "--run_mode", "prefill", *register,
                                         "--disaggregation-bootstrap-port", str(free_port())])
-        decode = start_or_skip(stack, [*WORKER_ARGS, "--run_mode", "decode", *register])
+        decode = start(stack, [*WORKER_ARGS, "--run_mode", "decode", *register])
         listing = httpx.get(f"{master.base_url}/list_workers", timeout=10).json()
         assert listing["prefill"] == [prefill.base_url] and listing["decode"] == [decode.base_url]
         deadline = time.monotonic() + 60  # a server that registered before it served /health

@@ -5,7 +5,8 @@ errors and logging_utils as leaf modules everyone may use. Deferred imports insi
 too: a deferred upward import is still an upward dependency. The front end (server/) may use the
 request-side types and validators of sampling/, constrained/ and parsers/, but never model/ or
 cache/, which live in the engine process; it may use distributed/'s process helpers
-(``die_with_parent`` for its template sandbox), the bottom layer. The entry points (cli, launch_server, bench, ...) sit on
+(``die_with_parent`` for its template sandbox), the bottom layer, and disagg/'s request-side
+transfer spec (``disagg/spec.py``; the transfer code itself runs in the engine process). The entry points (cli, launch_server, bench, ...) sit on
 top and may import each other only without cycles, and nothing imports another unit's private
 (underscore) names.
 """
@@ -25,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": set(LEAF),
     **{peer: {"distributed", *LEAF} for peer in PEERS},
     "workers": {"model", "distributed", *LEAF},
-    "engine": {*PEERS - {"parsers"}, "workers", "distributed", *LEAF},
-    "server": {"engine", "sampling", "constrained", "parsers", "distributed", *LEAF},
+    "disagg": {"cache", "model", "sampling", "distributed", *LEAF},
+    "engine": {*PEERS - {"parsers"}, "workers", "disagg", "distributed", *LEAF},
+    "server": {"engine", "sampling", "constrained", "parsers", "disagg", "distributed", *LEAF},
     "router": set(LEAF),  # talks to servers over HTTP only
 }
 ENTRY = {"__init__", "__main__", "cli", "cli_args", "cli_flags", "launch_server", "bench",

@@ -39,7 +39,11 @@ ARTIFACTS = {
 PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
-REFUSED_FIELDS: dict[str, str] = {"hicache_io_backend": "direct"}
+REFUSED_FIELDS: dict[str, str] = {
+    "hicache_io_backend": "direct",
+    # K/V moves between single-rank engines: the other side's sizes can only be 1
+    "disaggregation_decode_tp": "1", "disaggregation_decode_dp": "1",
+    "disaggregation_prefill_pp": "1"}
 DEFAULT = EngineConfig()
 
 
@@ -96,6 +100,8 @@ def field_example(field_name: str) -> list[str]:
         return ['{"pooling_type": "mean", "normalize": false}']
     if field_name == "hicache_storage_backend_extra_config":
         return ['{"file_path": "/tmp/servelm-hicache-flag-test"}']
+    if field_name == "kv_transfer_config":
+        return ['{"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}']
     if field_name == "lora_target_modules":
         return ["q_proj", "v_proj"]
     field = cli_flags.config_fields()[field_name]
