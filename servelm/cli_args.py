@@ -89,12 +89,13 @@ class _SetField(argparse.Action):
 
     def __init__(self, option_strings: list[str], dest: str, *, field_name: str, family: str,
                  convert: Callable[[Any], Any] | None = None, conflict: Any = None,
-                 **kwargs: Any) -> None:
+                 merge: Callable[[Any, Any], Any] | None = None, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, **kwargs)
         self.field_name = field_name
         self.family = family
         self.convert = convert
         self.conflict = conflict
+        self.merge = merge
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -111,6 +112,9 @@ class _SetField(argparse.Action):
             return
         settings = _settings(namespace)
         previous = settings.get(self.field_name)
+        if self.merge is not None:  # one part of the field's value (cli_flags.Alias.merge)
+            value = self.merge(previous.value if previous is not None and previous.family == self.family
+                               else None, value)
         if previous is not None and previous.family != self.family and previous.value != value:
             raise argparse.ArgumentError(
                 None, f"{previous.source} {previous.value!r} and {source} {value!r} both set "
@@ -221,8 +225,9 @@ def _add_alias(group: argparse._ArgumentGroup, alias: cli_flags.Alias,
     if alias.note:
         help_text += f"; {alias.note}"
     kwargs: dict[str, Any] = {"action": _SetField, "field_name": alias.field,
-                              "family": "alias:" + alias.flags[0], "default": argparse.SUPPRESS,
-                              "help": help_text, "conflict": alias.conflict}
+                              "family": "alias:" + (alias.family or alias.flags[0]),
+                              "default": argparse.SUPPRESS, "help": help_text,
+                              "conflict": alias.conflict, "merge": alias.merge}
     if not alias.takes_value:
         kwargs.update(nargs=0, const=alias.const)
     else:

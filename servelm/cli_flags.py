@@ -67,6 +67,11 @@ class Alias:
     """Arguments after the flag that change the config (used by the tests and the listing)."""
     note: str = ""
     metavar: str | None = None
+    merge: Callable[[Any, Any], Any] | None = None
+    """(value set so far by a flag of the same ``family``, or None; this flag's converted value)
+    -> the field's value: flags that each give part of one field (LightLLM's host and port)."""
+    family: str | None = None
+    """Flags sharing a family complete each other's value (``merge``) instead of conflicting."""
 
 
 class NonDefault:
@@ -139,6 +144,43 @@ def _chunked_prefill_switch(text: str) -> Any:
 def _prefix_caching_switch(text: str) -> Any:
     # On by default here; "false" turns the prefix cache off (our field is its negation).
     return UNCHANGED if parse_bool(text) else True
+
+
+LIGHTLLM_NCCL_DEFAULTS = ("127.0.0.1", 28765)
+"""LightLLM's --nccl_host and --nccl_port defaults: the half a user leaves out."""
+
+
+def _nccl_port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"expected a port number (1-65535), got {text!r}")
+    return int(text)
+
+
+def _nccl_host(text: str) -> str:
+    if not text or any(c in text for c in " /"):
+        raise ValueError(f"expected a host name or address, got {text!r}")
+    return text.strip("[]")
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _split_host_port(address: str | None) -> tuple[str, int]:
+    if address is None:
+        return LIGHTLLM_NCCL_DEFAULTS
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _merge_nccl_host(previous: str | None, host: str) -> str:
+    """--nccl_host H: --dist-init-addr H:port (LightLLM's default port unless --nccl_port gave one)."""
+    return _join_host_port(host, _split_host_port(previous)[1])
+
+
+def _merge_nccl_port(previous: str | None, port: int) -> str:
+    """--nccl_port P: --dist-init-addr host:P (LightLLM's default host unless --nccl_host gave one)."""
+    return _join_host_port(_split_host_port(previous)[0], port)
 
 
 def _lightllm_tokenizer_mode(text: str) -> str:
@@ -283,6 +325,14 @@ ALIASES: tuple[Alias, ...] = (
     Alias(("--router_max_wait_tokens",), "router_max_wait_tokens", "LightLLM", example=("6",)),
     Alias(("--node_rank",), "node_rank", "LightLLM", example=("1",)),
     Alias(("--nccl-init-addr",), "dist_init_addr", "SGLang", example=("127.0.0.1:5000",)),
+    Alias(("--nccl_host",), "dist_init_addr", "LightLLM", _nccl_host, merge=_merge_nccl_host,
+          family="lightllm-nccl", example=("10.0.0.1",), metavar="HOST",
+          note="node 0's address with --nnodes > 1; with --nccl_port (default 28765) it makes "
+          "--dist-init-addr HOST:PORT"),
+    Alias(("--nccl_port",), "dist_init_addr", "LightLLM", _nccl_port, merge=_merge_nccl_port,
+          family="lightllm-nccl", example=("29000",), metavar="PORT",
+          note="the rendezvous port with --nnodes > 1; with --nccl_host (default 127.0.0.1) it "
+          "makes --dist-init-addr HOST:PORT"),
     Alias(("--worker-use-ray",), "distributed_executor_backend", "vLLM (deprecated)",
           takes_value=False, const="ray"),
     Alias(("--tp-size", "--tp", "-tp"), "tensor_parallel_size",
@@ -498,10 +548,27 @@ REJECTIONS: tuple[Rejection, ...] = (
                "--enable-dp-attention")),
     Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
               "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
-              ("--nccl-port", "--gpu-id-step", "--enable-nccl-nvls",
+              ("--gpu-id-step", "--enable-nccl-nvls",
                "--enable-symm-mem", "--enable-mscclpp", "--enable-torch-symm-mem",
                "--enable-flashinfer-allreduce-fusion", "--enable-two-batch-overlap",
-               "--enable-single-batch-overlap", "--tbo-token-distribution-threshold")),
+               "--enable-single-batch-overlap", "--tbo-token-distribution-threshold",
+               "--enable_custom_allgather", "--enable_prefill_microbatch_overlap",
+               "--enable_decode_microbatch_overlap", "--base-gpu-id", "--enable-p2p-check")),
+    Rejection("not supported: on one node the ranks meet on a free loopback port chosen at "
+              "start-up, so there is no port to pick (and no clash between servers); across "
+              "nodes give node 0's address with --dist-init-addr host:port",
+              ("--nccl-port",)),
+    Rejection("not supported: with --nnodes the other nodes learn node 0's step and reply "
+              "sockets (ports the OS picks) from the rendezvous at --dist-init-addr, the one "
+              "port to open; LightLLM's config server belongs to PD disaggregation (not built)",
+              ("--multinode_httpmanager_port", "--multinode_router_gloo_port",
+               "--use_config_server_to_init_nccl")),
+    Rejection("not supported: tensor parallelism here splits heads, MLP columns and the "
+              "vocabulary with whole activations on every rank (no sequence-parallel mixed mode)",
+              ("--enable_tpsp_mix_mode",)),
+    Rejection("not supported: rank processes run servelm's own worker (no user worker classes, "
+              "no Nsight profiling of Ray workers)",
+              ("--worker-cls", "--ray-workers-use-nsight")),
     Rejection("not supported yet: scheduling policies and their tuning are a planned feature "
               "(requests are served first come, first served)",
               ("--prefill-only-one-req", "--router_max_new_token_len",
@@ -538,18 +605,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection("not supported: LightLLM's separate rendezvous host and port; give node 0's "
-              "address as one flag, --dist-init-addr host:port (with --nnodes and --node-rank)",
-              ("--nccl_host", "--nccl_port")),
-    Rejection("not supported yet: these multi-node and Ray tuning options are not implemented "
-              "(--nnodes, --node-rank and --dist-init-addr, or --distributed-executor-backend ray, "
-              "are)",
-              ("--multinode_httpmanager_port", "--multinode_router_gloo_port",
-               "--use_config_server_to_init_nccl",
-               "--ray-workers-use-nsight", "--worker-cls",
-               "--enable-p2p-check",
-               "--base-gpu-id", "--enable_tpsp_mix_mode", "--enable_custom_allgather",
-               "--enable_prefill_microbatch_overlap", "--enable_decode_microbatch_overlap")),
     Rejection("not supported: servelm has no mixture-of-experts kernels or expert parallelism",
               ("--enable-ep-moe", "--enable-deepep-moe", "--enable-flashinfer-cutlass-moe",
                "--enable-flashinfer-cutedsl-moe", "--enable-flashinfer-trtllm-moe",

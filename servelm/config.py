@@ -469,6 +469,10 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+ONEDNN_CACHE_DEFAULT = 64
+"""--onednn-primitive-cache-capacity default (benchmarks/onednn_cache.py)."""
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """How the engine process computes: its thread count and whether decode steps are compiled."""
@@ -500,8 +504,17 @@ class RuntimeConfig:
     torch_compile_max_bs: int = opt(
         32, "Largest decode batch (sequences) run through the compiled layers; one dynamic-shape "
         "graph covers 2..max-bs, batch 1 gets its own.")
+    onednn_primitive_cache_capacity: int | None = opt(
+        ONEDNN_CACHE_DEFAULT, "Primitives oneDNN keeps cached in each model process (it builds one per "
+        "linear shape and batch size; its own default, 1024, lets a varied load grow the "
+        "engine's memory by hundreds of MB). Set before the model loads; 0 disables the cache "
+        "(slow). None in a config file: oneDNN's own setting (ONEDNN_PRIMITIVE_CACHE_CAPACITY or "
+        "1024). See benchmarks/RESULTS.md, oneDNN primitive cache.")
 
     def __post_init__(self) -> None:
+        if self.onednn_primitive_cache_capacity is not None and self.onednn_primitive_cache_capacity < 0:
+            raise ValueError("--onednn-primitive-cache-capacity must be at least 0, got "
+                             f"{self.onednn_primitive_cache_capacity}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be at least 1, got {self.num_threads}")
         if self.torch_compile_max_bs < 1:

@@ -43,6 +43,7 @@ from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
 from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
+from servelm.model.onednn import configure_onednn_cache
 from servelm.model.threads import configure_engine_threads, log_openmp_wait_policy
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class ModelRunner:
                  parallel: ParallelContext | None = None, device: torch.device | None = None,
                  defer_kv_cache: bool = False) -> None:
         self.config = config
+        configure_onednn_cache(config.runtime.onednn_primitive_cache_capacity)  # before any op
         self.parallel = parallel or ParallelContext.single()
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             configure_engine_threads(config.runtime.num_threads)

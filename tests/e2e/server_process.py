@@ -98,3 +98,30 @@ def wait_until_gone(pids: list[int], timeout_s: float = 10) -> bool:
     while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     return not any(is_running(pid) for pid in pids)
+
+
+def check_killed_rank_ends_the_server(model: str, parallel_flags: list[str], message: str,
+                                      log_words: str) -> None:
+    """The rank-kill test of every multi-process layout on one node (tensor, pipeline): a server
+    on ``model`` with ``parallel_flags`` streams from /generate while its rank 1 is SIGKILLed; the
+    stream's last event is the error ``message`` (``{pid}`` is rank 1's pid), the server exits
+    non-zero with ``log_words`` in its log, and neither the engine nor the rank is left."""
+    server = ServerProcess([model, *parallel_flags, "--num-threads", "1", "--skip-tokenizer-init",
+                            "--max-total-tokens", "4096", "--dtype", "float32"])
+    with server:
+        ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
+        engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
+        assert is_running(engine_pid) and is_running(rank_pid)
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # --omp-wait-policy passive
+        for pid in (engine_pid, rank_pid):
+            environment = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            assert f"OMP_WAIT_POLICY={wait_policy}" in environment.split("\0")
+        events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
+        assert 3 < len(events) < 400
+        assert events[-1]["error"]["message"] == message.format(pid=rank_pid)
+        assert server.process is not None
+        server.process.wait(timeout=30)
+        assert server.process.returncode != 0
+        assert wait_until_gone([engine_pid, rank_pid])
+        assert log_words in server.log()

@@ -81,6 +81,54 @@ def test_responses_refuses_what_it_does_not_do(client) -> None:
         client.responses.create(model=MODEL, input="hi", temperature=-1)
 
 
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                               "required": ["city"], "additionalProperties": False}}
+
+
+def test_responses_function_call_round_trip(client) -> None:
+    """tool_choice required (a grammar forces the call): a function_call item, streamed events
+    that add up to it, then the call and its output sent back as input items."""
+    kwargs = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [WEATHER_TOOL],
+              "tool_choice": "required", "max_output_tokens": 64, "temperature": 0}
+    response = client.responses.create(**kwargs)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(call.name == "get_weather" for call in calls), response.output
+    arguments = json.loads(calls[0].arguments)
+    assert list(arguments) == ["city"] and isinstance(arguments["city"], str)
+    assert response.tools[0].name == "get_weather" and response.tool_choice == "required"
+
+    with client.responses.stream(**kwargs) as stream:  # the client's own event accumulator
+        events = list(stream)
+        streamed = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in streamed.output if c.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
+    kinds = [event.type for event in events]
+    assert kinds.count("response.function_call_arguments.done") == len(calls)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.output_index == streamed.output.index(
+                         next(i for i in streamed.output if i.type == "function_call")))
+    assert deltas == calls[0].arguments
+
+    follow_up = client.responses.create(
+        model=MODEL, tools=[WEATHER_TOOL], max_output_tokens=24, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               *[call.model_dump(exclude_none=True) for call in calls],
+               *[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+                 for call in calls]],
+        tool_choice="none")
+    assert follow_up.status in ("completed", "incomplete") and follow_up.output_text
+
+
+def test_responses_named_function(client) -> None:
+    response = client.responses.create(
+        model=MODEL, input="Weather in Rome?", tools=[WEATHER_TOOL], max_output_tokens=64,
+        temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+
+
 # -- TGI API (--use_tgi_api) -------------------------------------------------------------------
 
 def _tgi_stream(url: str, body: dict) -> list[dict]:

@@ -23,7 +23,7 @@ from servelm.sampling.params import SamplingParams
 from tests.engine_drive import greedy
 from tests.tiny_models import make_tiny_model_dir
 
-from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
+from .server_process import ServerProcess, check_killed_rank_ends_the_server
 from .test_tensor_parallel import completion_tokens
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -113,23 +113,9 @@ def test_tp2_x_pp2_server_matches_pp1_gemma3_270m() -> None:
 def test_killing_a_stage_fails_the_request_and_ends_the_server(tmp_path: Path) -> None:
     """Rank 1 is the first stage: while the engine process (the last stage) waits for its hidden
     states, it is killed; the stream ends with an error naming it and the server exits."""
-    model = str(make_tiny_model_dir(tmp_path, "llama"))
-    server = ServerProcess([model, "--pp-size", "2", "--num-threads", "1", "--skip-tokenizer-init",
-                            "--max-total-tokens", "4096", "--dtype", "float32"])
-    with server:
-        ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
-        engine_pid, stage_pid = ranks[0]["pid"], ranks[1]["pid"]
-        assert is_running(engine_pid) and is_running(stage_pid)
-        events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
-            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, stage_pid)
-        assert 3 < len(events) < 400
-        assert events[-1]["error"]["message"] == (
-            f"pipeline stage 0 (rank 1, tp rank 0) (pid {stage_pid}) was killed by SIGKILL")
-        assert server.process is not None
-        server.process.wait(timeout=30)
-        assert server.process.returncode != 0
-        assert wait_until_gone([engine_pid, stage_pid])
-        assert "pipeline stage 0" in server.log()
+    check_killed_rank_ends_the_server(
+        str(make_tiny_model_dir(tmp_path, "llama")), ["--pp-size", "2"],
+        "pipeline stage 0 (rank 1, tp rank 0) (pid {pid}) was killed by SIGKILL", "pipeline stage 0")
 
 
 def test_more_stages_than_layers_is_a_clear_error(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from servelm.sampling.params import SamplingParams
 from tests.engine_drive import greedy
 from tests.tiny_models import make_tiny_model_dir
 
-from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
+from .server_process import ServerProcess, check_killed_rank_ends_the_server
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -91,30 +91,10 @@ def test_tp2_server_matches_tp1_gemma3_270m() -> None:
 
 
 
-def process_environment(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-
-
 def test_killing_a_rank_fails_the_request_and_ends_the_server(tmp_path: Path) -> None:
-    model = str(make_tiny_model_dir(tmp_path, "llama"))
-    server = ServerProcess([model, "--tp", "2", "--num-threads", "1", "--skip-tokenizer-init",
-                            "--max-total-tokens", "4096", "--dtype", "float32"])
-    with server:
-        ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
-        engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
-        assert is_running(engine_pid) and is_running(rank_pid)
-        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # --omp-wait-policy passive
-        for pid in (engine_pid, rank_pid):
-            assert f"OMP_WAIT_POLICY={wait_policy}" in process_environment(pid)
-        events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
-            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
-        assert 3 < len(events) < 400
-        assert events[-1]["error"]["message"] == f"tensor-parallel rank 1 (pid {rank_pid}) was killed by SIGKILL"
-        assert server.process is not None
-        server.process.wait(timeout=30)
-        assert server.process.returncode != 0
-        assert wait_until_gone([engine_pid, rank_pid])
-        assert "tensor-parallel rank 1" in server.log()
+    check_killed_rank_ends_the_server(str(make_tiny_model_dir(tmp_path, "llama")), ["--tp", "2"],
+                                      "tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL",
+                                      "tensor-parallel rank 1")
 
 
 def test_a_rank_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:

@@ -129,6 +129,31 @@ def test_lightllm_value_transforms() -> None:
     assert cli_args.parse_args(["--allow-auto-truncate"]).server.truncation_mode == "head"
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--nccl_host", "10.0.0.5"], "10.0.0.5:28765"),  # LightLLM's default port
+    (["--nccl_port", "29001"], "127.0.0.1:29001"),  # LightLLM's default host
+    (["--nccl_host", "10.0.0.5", "--nccl_port", "29001"], "10.0.0.5:29001"),
+    (["--nccl_port", "29001", "--nccl_host", "10.0.0.5"], "10.0.0.5:29001"),
+    (["--nccl_host", "fe80::1", "--nccl_port", "7"], "[fe80::1]:7"),
+])
+def test_lightllm_nccl_host_and_port_make_dist_init_addr(argv: list[str], expected: str) -> None:
+    """LightLLM's two rendezvous flags (node 0's address with --nnodes > 1) are one
+    --dist-init-addr host:port, in either order."""
+    config = cli_args.parse_args(["--nnodes", "2", "--node_rank", "1", "--tp", "2", *argv])
+    assert config.parallel.dist_init_addr == expected
+    assert config.parallel.nnodes == 2 and config.parallel.node_rank == 1
+
+
+def test_lightllm_nccl_flags_refused_where_they_mean_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    multi = ["--nnodes", "2", "--tp", "2"]
+    err = fail_message([*multi, "--nccl_port", "29001", "--dist-init-addr", "10.0.0.1:5000"], capsys)
+    assert "--nccl_port" in err and "--dist-init-addr" in err and "give only one" in err
+    err = fail_message([*multi, "--nccl_port", "70000"], capsys)
+    assert "--nccl_port" in err and "1-65535" in err
+    err = fail_message(["--tp", "2", "--nccl_port", "29001"], capsys)  # one node: loopback, any port
+    assert "--nccl_port" in err and "on one node" in err
+
+
 def test_vllm_aliases() -> None:
     config = cli_args.parse_args([
         "Qwen/Qwen2.5-0.5B", "--gpu-memory-utilization", "0.4", "--block-size", "32",
@@ -178,9 +203,9 @@ def test_already_behaviour_checks_values(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
-    err = fail_message(["m", "--enable-p2p-check"], capsys)
-    assert err.startswith("servelm: --enable-p2p-check is not supported yet: these multi-node "
-                          "and Ray tuning options are not implemented")
+    err = fail_message(["m", "--worker-cls", "x.Worker"], capsys)
+    assert err.startswith("servelm: --worker-cls is not supported: rank processes run servelm's "
+                          "own worker")
     assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import psutil
 import pytest
 
 from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
-from servelm.constrained.grammar import GrammarError
+from servelm.constrained.grammar import GrammarBackend, GrammarError
 from tests.unit.constrained.test_grammar import installed_backends, tokenizer  # noqa: F401
 
 SLOW_PROPERTIES = {"xgrammar": 2000, "llguidance": 12000}
@@ -88,3 +89,61 @@ def test_a_bad_spec_is_refused_by_the_child_with_the_backends_message(tokenizer,
     with pytest.raises(GrammarError, match="matches no text"):
         _wait(compiler, compiler.submit("regex", "[^\\x00-\\U0010FFFF]"))
     assert _wait(compiler, compiler.submit("choice", json.dumps(["yes", "no"]))) is not None
+
+
+class CountingBackend:
+    """The real backend, counting its compiles and the can-start probes (made matchers)."""
+
+    def __init__(self, inner: GrammarBackend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.num_compiles = 0
+        self.num_matchers = 0
+
+    def compile(self, kind: str, spec: str) -> Any:
+        self.num_compiles += 1
+        return self.inner.compile(kind, spec)
+
+    def make_matcher(self, compiled: Any) -> Any:
+        self.num_matchers += 1
+        return self.inner.make_matcher(compiled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_spec_compiles_once_in_the_child_and_once_in_the_engine(tokenizer, backend, request,
+                                                                   monkeypatch):
+    """Counts every compile of one spec asked for by three requests: one budget proof in the
+    child, one compile in the engine process, and in the engine none of the checks the child
+    already passed (size budget and satisfiability, the can-start probe)."""
+    import servelm.constrained.compile_process as compile_process
+
+    spec_checks: list[str] = []
+    real_check_spec = compile_process.check_spec
+    monkeypatch.setattr(compile_process, "check_spec",
+                        lambda kind, spec, limit: (spec_checks.append(spec), real_check_spec(kind, spec, limit)))
+    recipe = BackendRecipe(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id], None)
+    counting: list[CountingBackend] = []
+
+    def make() -> CountingBackend:
+        inner = recipe.create()
+        assert inner is not None
+        counting.append(CountingBackend(inner))
+        return counting[0]
+
+    compiler = GrammarCompiler(make, 30.0, 1 << 20, num_workers=2, recipe=recipe)
+    request.addfinalizer(compiler.close)
+    spec = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    jobs = [compiler.submit("json", spec) for _ in range(3)]
+    assert jobs[0] is jobs[1] is jobs[2]
+    assert _wait(compiler, jobs[0]) is not None
+    compiler.make_matcher(jobs[0].compiled)  # what a request then does: not a compile
+    [engine_backend] = counting
+    assert compiler.num_process_compiles == 1
+    assert engine_backend.num_compiles == 1
+    assert engine_backend.num_matchers == 1  # the request's own; no probe in the engine
+    assert spec_checks == []  # the child checked it
+    # A later request with the same spec: no compile anywhere.
+    assert _wait(compiler, compiler.submit("json", spec)) is not None
+    assert (compiler.num_process_compiles, engine_backend.num_compiles) == (1, 1)
