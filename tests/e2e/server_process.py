@@ -27,23 +27,27 @@ def free_port() -> int:
 class ServerProcess:
     """A servelm server in a subprocess; use as a context manager."""
 
-    def __init__(self, args: list[str], startup_timeout_s: float = 600.0) -> None:
+    kind = "server"
+
+    def __init__(self, args: list[str], startup_timeout_s: float = 600.0,
+                 program: list[str] | None = None) -> None:
+        """``program``: the command before ``args`` (default: this python's ``-m servelm serve``)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = args
+        self.program = program or [sys.executable, "-m", "servelm", "serve"]
         self.startup_timeout_s = startup_timeout_s
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-test-{self.port}.log"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"servelm-{self.kind}-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> ServerProcess:
-        command = [sys.executable, "-m", "servelm", "serve", *self.args,
-                   "--host", "127.0.0.1", "--port", str(self.port)]
+        command = [*self.program, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.kind} exited with {self.process.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return self
@@ -51,7 +55,7 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.__exit__(None, None, None)
-        raise TimeoutError(f"server did not become healthy:\n{self.log()}")
+        raise TimeoutError(f"{self.kind} did not become healthy:\n{self.log()}")
 
     def log(self, tail_chars: int | None = 5000) -> str:
         """The server's output: its last ``tail_chars`` characters (None: all of it)."""
