@@ -104,18 +104,20 @@ class ModelConfig:
                     "requests in the same order returns the same text.")
     device: str = opt("auto", "Device to run on: auto picks cuda when present, else cpu.",
                       choices=["auto", "cpu", "cuda"])
-    quantization: str = opt("auto", "Weight quantization. auto: gguf for a GGUF file (on CPU, --tp-size 1), "
-                            "else none. gguf: serve the GGUF file's own quantized blocks (Q8_0, Q4_0/1, "
+    quantization: str = opt("auto", "Weight quantization. auto: gguf for a GGUF file (on CPU, --tp-size 1, "
+                            "--dtype auto), else none. gguf: serve the GGUF file's own quantized blocks (Q8_0, Q4_0/1, "
                             "Q5_0/1, Q4_K, Q5_K, Q6_K repacked losslessly to int8 codes with per-block "
-                            "scales; int8 AVX512-VNNI kernel with activations quantized per 32 inputs "
-                            "as llama.cpp does). Requantization applied after loading: w8a8_int8: int8 weights "
+                            "scales; an AVX-512 kernel with float activations, i.e. the dequantized weights' "
+                            "results). gguf_a8: the same blocks with activations rounded to int8 per 32 "
+                            "inputs as llama.cpp does (VNNI; faster at batch 1, a little less exact). "
+                            "Requantization applied after loading: w8a8_int8: int8 weights "
                             "per output channel and int8 activations quantized at run time, for every "
                             "linear layer and the LM head (about 4x less weight traffic; about 2 percent relative "
                             "error per layer). int8wo: int8 weights per output channel, float activations, "
                             "for the linears, the LM head and the embedding. int4wo-<group>: 4-bit weights "
                             "with a scale and zero per group of inputs (8x less weight memory than float32; "
                             "smaller groups are more accurate). none: the model dtype (a GGUF file dequantized).",
-                            choices=["auto", "none", "gguf", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
+                            choices=["auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
                                      "int4wo-256"])
     task: str = opt(
         "auto", "What the model serves: generate (completions and chat) or embed (/v1/embeddings: "

@@ -36,23 +36,33 @@ from servelm.model.loader import cpu_bf16_feature
 
 logger = logging.getLogger(__name__)
 
+GGUF_MODES = {"gguf": "float", "gguf_a8": "int8"}
+"""``--quantization`` values that serve the file's blocks -> how the kernel takes activations
+(``GGUFBlockLinearMethod.activations``)."""
+
 _FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def resolve_quantization(quantization: str, gguf_path: str | None, parallel: ParallelContext,
-                         device: torch.device, compile_enabled: bool) -> tuple[str, str]:
-    """(``--quantization`` to apply, why) where ``auto`` becomes ``gguf`` or ``none``."""
-    if quantization == "gguf":
+                         device: torch.device, compile_enabled: bool, dtype: str = "auto") -> tuple[str, str]:
+    """(``--quantization`` to apply, why) where ``auto`` becomes ``gguf`` or ``none``.
+
+    ``auto`` keeps a GGUF file's blocks only with ``--dtype auto``: a named ``--dtype`` asks for the
+    model in that dtype, i.e. dequantized (the parity tests against transformers rely on it)."""
+    if quantization in GGUF_MODES:
         if gguf_path is None:
-            raise ValueError("--quantization gguf serves a GGUF file's own blocks; this model is not a GGUF file")
+            raise ValueError(f"--quantization {quantization} serves a GGUF file's own blocks; this model "
+                             "is not a GGUF file")
         if parallel.tp_size > 1:
-            raise ValueError("--quantization gguf runs at --tp-size 1 only; use --quantization none "
-                             "(dequantized weights) with tensor parallelism")
-        return "gguf", "--quantization gguf"
+            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only; use --quantization "
+                             "none (dequantized weights) with tensor parallelism")
+        return quantization, f"--quantization {quantization}"
     if quantization != "auto":
         return quantization, f"--quantization {quantization}"
     if gguf_path is None:
         return "none", "auto: not a GGUF file, weights in the model dtype"
+    if dtype != "auto":
+        return "none", f"auto: --dtype {dtype} asks for the weights in that dtype, so the GGUF is dequantized"
     if parallel.tp_size > 1:
         return "none", "auto: GGUF blocks are served at --tp-size 1 only, so the weights are dequantized"
     if device.type != "cpu":
@@ -111,12 +121,13 @@ def _check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: GGUF blocks differ from the loaded weight (max {error:g})")
 
 
-def apply_gguf_blocks(model: nn.Module, path: str | Path) -> dict[str, Any]:
+def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "float") -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
-    returns a summary (kinds per role, bytes before and after, the kernel's status)."""
+    returns a summary (kinds per role, bytes before and after, the kernel's status).
+    ``activations``: ``GGUFBlockLinearMethod.activations``."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
-    method = GGUFBlockLinearMethod(kernel, dense_dtype)
+    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations)
     blocks, others = read_block_weights(path)
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
@@ -154,12 +165,13 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path) -> dict[str, Any]:
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
-    kernel_note = (f"int8 kernel at <= {KERNEL_MAX_ROWS} rows, dequantized to "
+    kernel_note = (f"block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows, "
+                   "dequantized to "
                    f"{str(dense_dtype).removeprefix('torch.')} above" if kernel is not None
                    else f"dequantized to {str(dense_dtype).removeprefix('torch.')} per call")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "float32_bytes": float_bytes,
-               "kernel": kernel_status()}
+               "kernel": kernel_status(), "activations": activations}
     logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
                 "%.1f MiB (float32: %.1f MiB); %s (%s)%s",
                 ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",

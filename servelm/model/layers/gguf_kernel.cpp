@@ -103,6 +103,39 @@ inline void dot_rows(const int8_t* w, const float* w_scales, const int8_t* const
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+// Float activations: the weight row is dequantized in registers (code * scale, exactly the float32
+// dequantized weight) and multiplied by float x; only the summation order differs from F.linear.
+template <int ROWS>
+inline void dot_rows_float(const int8_t* w, const float* w_scales, const float* const* x, int64_t k,
+                           int64_t block, float* out) {
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const __m512 s0 = _mm512_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c]);
+    const __m512 s1 = _mm512_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c + 1]);
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * 32)))), s0);
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * 32 + 16)))), s1);
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[r] + c * 32), acc[r]);
+      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[r] + c * 32 + 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+std::vector<float> block_sums(const float* x, int64_t rows, int64_t k, int64_t block) {
+  std::vector<float> sums(rows * (k / block));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < k / block; ++b) {
+      float s = 0.f;
+      for (int64_t i = 0; i < block; ++i) s += x[r * k + b * block + i];
+      sums[r * (k / block) + b] = s;
+    }
+  return sums;
+}
+
 constexpr int kRowTile = 4;     // activation rows sharing one pass over a weight row
 constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all activation rows pass
 
@@ -163,6 +196,60 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   return out;
 }
 
+torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> offsets, int64_t block) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == k && k % 32 == 0, "K must match and be a multiple of 32");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == n
+              && scales.size(1) == k / block, "scales: float32 [N, K / block]");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets) {
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: float32 like scales");
+  }
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> sums = has_offsets ? block_sums(xp, rows, k, block) : std::vector<float>();
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+  const int64_t nb = k / block;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    const float* xr[kRowTile];
+    float dots[kRowTile];
+    for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
+      const int64_t n1 = std::min(end, n0 + kWeightTile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+        for (int t = 0; t < tile; ++t) xr[t] = xp + (r0 + t) * k;
+        for (int64_t j = n0; j < n1; ++j) {
+          const int8_t* wr = w + j * k;
+          const float* sr = s + j * nb;
+          switch (tile) {
+            case 4: dot_rows_float<4>(wr, sr, xr, k, block, dots); break;
+            case 3: dot_rows_float<3>(wr, sr, xr, k, block, dots); break;
+            case 2: dot_rows_float<2>(wr, sr, xr, k, block, dots); break;
+            default: dot_rows_float<1>(wr, sr, xr, k, block, dots); break;
+          }
+          for (int t = 0; t < tile; ++t) {
+            float value = dots[t];
+            if (o != nullptr) value += dot_f32(o + j * nb, sums.data() + (r0 + t) * nb, nb);
+            y[(r0 + t) * n + j] = value;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x [M, K] float32 @ block-quantized W [N, K] -> [M, N] float32");
+  m.def("block_linear_float", &block_linear_float,
+        "the same with float activations (weights dequantized in registers; no activation rounding)");
 }

@@ -3,11 +3,13 @@
 ``GGUFBlockLinearMethod`` holds a ``BlockWeight`` (int8 codes + a float scale, and an offset for
 some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and computes:
 
-- M <= ``KERNEL_MAX_ROWS`` rows: the AVX512-VNNI kernel (gguf_kernel.cpp), which quantizes the
-  activations to int8 per 32 inputs as llama.cpp does (so the result is llama.cpp's arithmetic:
-  the file's weights exactly, activations rounded to 8 bits per block; about 0.4% relative error
-  per layer on random data, far below the weights' own). benchmarks/gguf_kernels.py: 0.3-0.45x the
-  time of float32 at M=1 on Gemma 3 / Qwen2.5 shapes, the LM heads included.
+- M <= ``KERNEL_MAX_ROWS`` rows: the AVX-512 kernel (gguf_kernel.cpp). ``activations="float"``
+  (``--quantization gguf``, the default for GGUF files): the int8 codes are dequantized in
+  registers and multiplied by float32 activations, i.e. the float32 dequantized layer up to
+  summation order (0.5-0.9x the time of float32 at M=1, the LM heads 0.25x).
+  ``activations="int8"`` (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs
+  as llama.cpp does and VNNI integer dot products (llama.cpp's arithmetic: ~0.4% relative error
+  per layer; 0.3-0.45x float32 at M=1).
 - more rows (prefill): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
   else float32) in row chunks inside the call, then a dense GEMM: at M=1024 the dequantization is
   amortised and oneDNN's GEMM is 2-3x faster than the int8 kernel.
@@ -25,10 +27,13 @@ from torch import nn
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.linear import dense_linear
 
-KERNEL_MAX_ROWS = 32
-"""Rows up to which the int8 kernel runs; above, dequantize + dense GEMM (benchmarks/gguf_kernels.py:
-at M=32 the kernel is 0.4-0.5x float32 and level with dequantize-to-bf16, at M=1024 the bf16 GEMM
-takes 0.2-0.27x float32 and the kernel 0.5-0.66x)."""
+KERNEL_MAX_ROWS = {"float": 16, "int8": 32}
+"""Rows up to which the kernel runs, per activation mode; above, dequantize + dense GEMM
+(benchmarks/gguf_kernels.py, 1 thread: at M=8 both kernels beat dequantize-to-bf16 2-3x; at M=32
+the int8 kernel (0.4-0.5x float32) is level with it and the float one (0.6-0.8x) behind; at
+M=1024 the bf16 GEMM takes 0.2-0.27x float32)."""
+
+ACTIVATION_MODES = ("float", "int8")
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 22
 """Weights dequantized at once on the large-M path (8 MiB in bf16): the 262,144-row head is not
@@ -40,10 +45,14 @@ class GGUFBlockLinearMethod:
 
     name = "gguf"
 
-    def __init__(self, kernel: object | None, dense_dtype: torch.dtype) -> None:
+    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "float") -> None:
+        assert activations in ACTIVATION_MODES, activations
         self.kernel = kernel
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
+        self.activations = activations
+        """``float``: the kernel multiplies float activations (no rounding); ``int8``: rounds them to
+        int8 per 32 inputs first, as llama.cpp does (VNNI dot products)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        dtype: torch.dtype | None) -> None:
@@ -64,9 +73,11 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
-        if layer.gguf_uses_kernel and x2.shape[0] <= KERNEL_MAX_ROWS and x2.device.type == "cpu":
-            out = self.kernel.block_linear(x2.float().contiguous(), weight.codes, weight.scales,  # type: ignore[attr-defined]
-                                           weight.offsets, weight.block)
+        if (layer.gguf_uses_kernel and x2.shape[0] <= KERNEL_MAX_ROWS[self.activations]
+                and x2.device.type == "cpu"):
+            kernel = (self.kernel.block_linear_float if self.activations == "float"  # type: ignore[attr-defined]
+                      else self.kernel.block_linear)  # type: ignore[attr-defined]
+            out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
         else:
             out = dequantized_linear(x2, weight, self.dense_dtype)
         if bias is not None:

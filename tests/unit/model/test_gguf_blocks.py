@@ -1,9 +1,11 @@
 """GGUF weights served in their own blocks: lossless repack, the int8 kernel, a tiny model end to end.
 
-Reference arithmetic: the repack must rebuild gguf's own dequantization exactly; the kernel must
-equal llama.cpp's arithmetic (activations rounded to int8 per 32 inputs, integer block dot products,
-float scales) to float32 summation error; against the float32 dequantized weight it differs by the
-activation rounding only (bounded below at 2% relative, measured ~0.5%).
+Reference arithmetic: the repack must rebuild gguf's own dequantization exactly. The float kernel
+(``--quantization gguf``, the default) must equal F.linear on the dequantized weight to float32
+summation error (1e-5 of the largest output). The int8 kernel (``gguf_a8``) must equal llama.cpp's
+arithmetic (activations rounded to int8 per 32 inputs, integer block dot products, float scales) to
+the same error; against the dequantized weight it differs by the activation rounding only (bounded
+at 2% relative, measured ~0.5%).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def llama_cpp_reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_kernel_matches_llama_cpp_arithmetic(kind: str, rows: int) -> None:
+def test_kernels_match_their_arithmetic(kind: str, rows: int) -> None:
     kernel = load_kernel()
     if kernel is None:
         pytest.skip(f"no GGUF kernel here: {kernel_status()}")
@@ -92,8 +94,11 @@ def test_kernel_matches_llama_cpp_arithmetic(kind: str, rows: int) -> None:
     out = kernel.block_linear(x, weight.codes, weight.scales, weight.offsets, weight.block)
     reference = llama_cpp_reference(x, weight)
     assert (out.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
-    dense = F.linear(x, weight.dequantize())   # the float32 dequantized model's result
+    dense = F.linear(x.double(), weight.dequantize().double())   # the dequantized model's result
     assert (out - dense).norm() <= 0.02 * dense.norm()
+    # float activations: the dequantized layer itself, up to float32 summation order
+    exact = kernel.block_linear_float(x, weight.codes, weight.scales, weight.offsets, weight.block)
+    assert (exact.double() - dense).abs().max() <= 1e-5 * dense.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,6 +120,11 @@ def test_resolve_quantization() -> None:
     assert resolve_quantization("auto", None, single, cpu, False)[0] == "none"
     assert resolve_quantization("auto", "/m.gguf", single, cpu, True)[0] == "none"
     assert resolve_quantization("none", "/m.gguf", single, cpu, False)[0] == "none"
+    assert resolve_quantization("auto", "/m.gguf", single, cpu, False, "float32")[0] == "none"
+    assert resolve_quantization("gguf", "/m.gguf", single, cpu, False, "float32")[0] == "gguf"
+    assert resolve_quantization("gguf_a8", "/m.gguf", single, cpu, False)[0] == "gguf_a8"
+    with pytest.raises(ValueError, match="--tp-size 1 only"):
+        resolve_quantization("gguf", "/m.gguf", ParallelContext(tp_size=2, group=object()), cpu, False)
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", None, single, cpu, False)
 
