@@ -160,13 +160,13 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "fl
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                method.process(module, weight)
+                method.process(module, weight, is_head=isinstance(module, LMHead))
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
-    kernel_note = (f"block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows, "
-                   "dequantized to "
+    kernel_note = (f"block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows "
+                   "(the LM head at every M), dequantized to "
                    f"{str(dense_dtype).removeprefix('torch.')} above" if kernel is not None
                    else f"dequantized to {str(dense_dtype).removeprefix('torch.')} per call")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,

@@ -10,7 +10,7 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   ``activations="int8"`` (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs
   as llama.cpp does and VNNI integer dot products (llama.cpp's arithmetic: ~0.4% relative error
   per layer; 0.3-0.45x float32 at M=1).
-- more rows (prefill): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
+- more rows (prefill; never the LM head, see ``process``): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
   else float32) in row chunks inside the call, then a dense GEMM: at M=1024 the dequantization is
   amortised and oneDNN's GEMM is 2-3x faster than the int8 kernel.
 - no kernel (CPU without AVX512-VNNI, no compiler): every call takes the dequantized path.
@@ -58,10 +58,14 @@ class GGUFBlockLinearMethod:
                        dtype: torch.dtype | None) -> None:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
-    def process(self, layer: nn.Module, weight: BlockWeight) -> int:
-        """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
+    def process(self, layer: nn.Module, weight: BlockWeight, is_head: bool = False) -> int:
+        """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
+
+        ``is_head``: the LM head runs the kernel at every M. It sees one row per sequence, and
+        dequantizing its 100-260k rows per call costs 3x a float32 head at M=32 (the kernel 0.4x)."""
         layer.gguf_weight = weight
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
+        layer.gguf_kernel_max_rows = (1 << 62) if is_head else KERNEL_MAX_ROWS[self.activations]
         if getattr(layer, "weight", None) is not None:
             del layer.weight
             layer.register_parameter("weight", None)
@@ -73,8 +77,7 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
-        if (layer.gguf_uses_kernel and x2.shape[0] <= KERNEL_MAX_ROWS[self.activations]
-                and x2.device.type == "cpu"):
+        if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
             kernel = (self.kernel.block_linear_float if self.activations == "float"  # type: ignore[attr-defined]
                       else self.kernel.block_linear)  # type: ignore[attr-defined]
             out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
