@@ -12,6 +12,8 @@ each number of rows M it times ``x [M, K] float32 -> [M, N]`` through:
 - ``blk-off``: the same with an offset per block too (Q4_1, Q4_K, Q5_K).
 - ``blkf``: the same weights, float32 activations: codes dequantized in registers and multiplied
   in float (no activation rounding; equals the float32 dequantized layer up to summation order).
+- ``blk16``: activations rounded to 16 bits per 32 inputs as two int8 halves, two VNNI dot
+  products (``--quantization gguf``, the default).
 - ``deq-bf16``: the block weight dequantized to bf16 inside the call, then ``F.linear`` (the
   large-M path: the dequantization is paid once per call, amortised over M rows).
 - ``i4pack``: ``torch._weight_int4pack_mm_for_cpu``, group 32, bf16 activations: a lossless home
@@ -91,6 +93,7 @@ def kernels(n: int, k: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]
         out["blk-off"] = lambda x: kernel.block_linear(x, with_offsets.codes, with_offsets.scales,
                                                        with_offsets.offsets, 32)
         out["blkf"] = lambda x: kernel.block_linear_float(x, weight.codes, weight.scales, None, 32)
+        out["blk16"] = lambda x: kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
     out["deq-bf16"] = lambda x: F.linear(x.bfloat16(), weight.dequantize(dtype=torch.bfloat16)).float()
     packed, scale_zeros = wo.pack_int4(dense, 32)
     scale_zeros = scale_zeros.bfloat16()

@@ -36,7 +36,7 @@ from servelm.model.loader import cpu_bf16_feature
 
 logger = logging.getLogger(__name__)
 
-GGUF_MODES = {"gguf": "float", "gguf_a8": "int8"}
+GGUF_MODES = {"gguf": "int16", "gguf_a8": "int8"}
 """``--quantization`` values that serve the file's blocks -> how the kernel takes activations
 (``GGUFBlockLinearMethod.activations``)."""
 
@@ -121,7 +121,7 @@ def _check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: GGUF blocks differ from the loaded weight (max {error:g})")
 
 
-def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "float") -> dict[str, Any]:
+def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16") -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
     returns a summary (kinds per role, bytes before and after, the kernel's status).
     ``activations``: ``GGUFBlockLinearMethod.activations``."""
@@ -165,7 +165,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "fl
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
-    kernel_note = (f"block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows "
+    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows "
                    "(the LM head at every M), dequantized to "
                    f"{str(dense_dtype).removeprefix('torch.')} above" if kernel is not None
                    else f"dequantized to {str(dense_dtype).removeprefix('torch.')} per call")

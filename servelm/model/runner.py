@@ -194,7 +194,7 @@ class ModelRunner:
         logger.info("model %s on %s, dtype %s (%s)%s%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
                     "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
-                    "auto: the GGUF blocks run their own kernels, other ops in float32 as llama.cpp"
+                    "auto: the GGUF blocks run their own kernels, other ops in float32 as llama.cpp does"
                     if self.quantization in GGUF_MODES and config.model.dtype == "auto"
                     else dtype_reason(config.model.dtype, self.device),
                     f", tp rank {self.parallel.tp_rank}/{self.parallel.tp_size}"

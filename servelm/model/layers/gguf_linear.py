@@ -3,13 +3,14 @@
 ``GGUFBlockLinearMethod`` holds a ``BlockWeight`` (int8 codes + a float scale, and an offset for
 some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and computes:
 
-- M <= ``KERNEL_MAX_ROWS`` rows: the AVX-512 kernel (gguf_kernel.cpp). ``activations="float"``
-  (``--quantization gguf``, the default for GGUF files): the int8 codes are dequantized in
-  registers and multiplied by float32 activations, i.e. the float32 dequantized layer up to
-  summation order (0.5-0.9x the time of float32 at M=1, the LM heads 0.25x).
-  ``activations="int8"`` (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs
-  as llama.cpp does and VNNI integer dot products (llama.cpp's arithmetic: ~0.4% relative error
-  per layer; 0.3-0.45x float32 at M=1).
+- M <= ``KERNEL_MAX_ROWS`` rows: the AVX-512 kernel (gguf_kernel.cpp) with VNNI integer dot
+  products. ``activations="int16"`` (``--quantization gguf``, the default for GGUF files):
+  activations rounded to 16 bits per 32 inputs and split into two int8 halves (2e-5 relative
+  error per layer on random data: the float32 dequantized layer's results to 4-5 digits; ~1.25x
+  the time of the int8 mode, 0.3-0.6x float32 at M=1). ``activations="int8"``
+  (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs as llama.cpp does
+  (llama.cpp's arithmetic: 5e-3 relative error; 0.3-0.45x float32 at M=1). ``float`` (codes
+  converted to float in registers, unrounded activations) is kept as the exactness reference.
 - more rows (prefill; never the LM head, see ``process``): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
   else float32) in row chunks inside the call, then a dense GEMM: at M=1024 the dequantization is
   amortised and oneDNN's GEMM is 2-3x faster than the int8 kernel.
@@ -27,13 +28,14 @@ from torch import nn
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.linear import dense_linear
 
-KERNEL_MAX_ROWS = {"float": 16, "int8": 32}
+KERNEL_MAX_ROWS = {"int16": 32, "int8": 32, "float": 16}
 """Rows up to which the kernel runs, per activation mode; above, dequantize + dense GEMM
 (benchmarks/gguf_kernels.py, 1 thread: at M=8 both kernels beat dequantize-to-bf16 2-3x; at M=32
 the int8 kernel (0.4-0.5x float32) is level with it and the float one (0.6-0.8x) behind; at
 M=1024 the bf16 GEMM takes 0.2-0.27x float32)."""
 
-ACTIVATION_MODES = ("float", "int8")
+ACTIVATION_MODES = ("int16", "int8", "float")
+_KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 22
 """Weights dequantized at once on the large-M path (8 MiB in bf16): the 262,144-row head is not
@@ -45,14 +47,15 @@ class GGUFBlockLinearMethod:
 
     name = "gguf"
 
-    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "float") -> None:
+    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "int16") -> None:
         assert activations in ACTIVATION_MODES, activations
         self.kernel = kernel
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
         self.activations = activations
-        """``float``: the kernel multiplies float activations (no rounding); ``int8``: rounds them to
-        int8 per 32 inputs first, as llama.cpp does (VNNI dot products)."""
+        """How the kernel takes activations: ``int16`` rounds them to 16 bits per 32 inputs (two int8
+        halves, VNNI; 2e-5 relative error), ``int8`` to 8 bits as llama.cpp does (VNNI; 5e-3),
+        ``float`` multiplies them unrounded (codes converted in registers; slowest)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        dtype: torch.dtype | None) -> None:
@@ -78,8 +81,7 @@ class GGUFBlockLinearMethod:
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
         if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
-            kernel = (self.kernel.block_linear_float if self.activations == "float"  # type: ignore[attr-defined]
-                      else self.kernel.block_linear)  # type: ignore[attr-defined]
+            kernel = getattr(self.kernel, _KERNELS[self.activations])
             out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
         else:
             out = dequantized_linear(x2, weight, self.dense_dtype)
