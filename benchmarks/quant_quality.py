@@ -13,7 +13,7 @@ A quantization may carry mixed-precision overrides for the LM head and the embed
 then loads in float32 (``--dtype float32``: the reference is the float32 dequantized GGUF) and the
 script requantizes it with those overrides. ``gguf`` is the default for a GGUF file (its own
 blocks, servelm/model/gguf_weights.py); ``gguf+kernel_rows=N`` moves the row count up to which the
-kernel runs (default 32; above it the weight is dequantized to bf16; never for the LM head), e.g.
+kernel runs (default 16, gguf_a8 32; above it the weight is dequantized to bf16; never for the LM head), e.g.
 1000000 to put the perplexity pass and prefill through the kernel too. ``gguf_a8`` rounds the
 kernel's activations to int8 per 32 inputs as llama.cpp does.
 

@@ -28,11 +28,11 @@ from torch import nn
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.linear import dense_linear
 
-KERNEL_MAX_ROWS = {"int16": 32, "int8": 32, "float": 16}
+KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
 """Rows up to which the kernel runs, per activation mode; above, dequantize + dense GEMM
-(benchmarks/gguf_kernels.py, 1 thread: at M=8 both kernels beat dequantize-to-bf16 2-3x; at M=32
-the int8 kernel (0.4-0.5x float32) is level with it and the float one (0.6-0.8x) behind; at
-M=1024 the bf16 GEMM takes 0.2-0.27x float32)."""
+(benchmarks/gguf_kernels.py, 1 thread: at M=8 every kernel beats dequantize-to-bf16 2-3x; at M=32
+the int8 kernel (0.4-0.5x float32) is level with it and the int16 (0.6-1.1x) and float (0.65-0.9x)
+ones behind; at M=1024 the bf16 GEMM takes 0.2-0.27x float32). Not for the LM head (``process``)."""
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
