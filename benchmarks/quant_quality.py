@@ -10,7 +10,12 @@ For each mode (``--quantization`` and ``--kv-cache-dtype`` pairs) the script
 
 A quantization may carry mixed-precision overrides for the LM head and the embedding, e.g.
 ``w8a8_int8+head=int8wo:auto`` or ``int4wo-128+emb=int8:auto`` (see ``quantize_model``); the model
-then loads in float32 and the script requantizes it with those overrides.
+then loads in float32 (``--dtype float32``: the reference is the float32 dequantized GGUF) and the
+script requantizes it with those overrides. ``gguf`` is the default for a GGUF file (its own
+blocks, servelm/model/gguf_weights.py); ``gguf+kernel_rows=N`` moves the row count up to which the
+kernel runs (default 16, gguf_a8 32; above it the weight is dequantized to bf16; never for the LM head), e.g.
+1000000 to put the perplexity pass and prefill through the kernel too. ``gguf_a8`` rounds the
+kernel's activations to int8 per 32 inputs as llama.cpp does.
 
     .venv/bin/python benchmarks/quant_quality.py [--model gemma3-270m] [--modes none:auto,int8wo:auto]
 """
@@ -31,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.forward_batch import BatchPlan, SequencePlan  # noqa: E402
+from servelm.model.layers import gguf_linear  # noqa: E402
 from servelm.model.layers.quantization import quantize_model  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402
 
@@ -57,7 +63,11 @@ TEXT = (
     "the lamp was finally automated he found that he did not want to leave."
 )
 
-MODES = [("none", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
+
+KERNEL_ROWS = dict(gguf_linear.KERNEL_MAX_ROWS)
+
+MODES = [("none", "auto"), ("gguf", "auto"), ("gguf+kernel_rows=1000000", "auto"), ("gguf_a8", "auto"),
+         ("gguf_a8+kernel_rows=1000000", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
          ("w8a8_int8", "fp8_e4m3"), ("int8wo", "auto"), ("int4wo-128", "auto"), ("int4wo-64", "auto"),
          ("w8a8_int8+head=int8wo", "auto"), ("w8a8_int8+emb=int8", "auto"), ("int4wo-128+head=int8wo", "auto")]
 
@@ -100,8 +110,18 @@ def build_engine(model: str, mode: str, kv_dtype: str, num_threads: int | None) 
     """
     method, *overrides = mode.split("+")
     options = dict(override.split("=", 1) for override in overrides)
+    if method in ("gguf", "gguf_a8", "auto"):   # the GGUF's own blocks, applied by the runner itself
+        gguf_linear.KERNEL_MAX_ROWS = (dict.fromkeys(KERNEL_ROWS, int(options["kernel_rows"]))
+                                       if "kernel_rows" in options else dict(KERNEL_ROWS))
+        engine = LLMEngine(EngineConfig.from_flat({
+            "model": model, "quantization": method, "kv_cache_dtype": kv_dtype,
+            "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
+        weights = {id(w): w.nbytes for m in engine.runner.model.modules()
+                   if (w := getattr(m, "gguf_weight", None)) is not None}
+        floats = {id(p): p.nbytes for p in engine.runner.model.parameters() if p.dim() == 2}
+        return engine, sum(weights.values()) + sum(floats.values())
     engine = LLMEngine(EngineConfig.from_flat({
-        "model": model, "quantization": "none", "kv_cache_dtype": kv_dtype,
+        "model": model, "quantization": "none", "dtype": "float32", "kv_cache_dtype": kv_dtype,
         "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
     network = engine.runner.model
     stored = quantize_model(network, method, head=options.get("head"), embedding=options.get("emb"))

@@ -104,14 +104,20 @@ class ModelConfig:
                     "requests in the same order returns the same text.")
     device: str = opt("auto", "Device to run on: auto picks cuda when present, else cpu.",
                       choices=["auto", "cpu", "cuda"])
-    quantization: str = opt("none", "Weight quantization applied after loading. w8a8_int8: int8 weights "
+    quantization: str = opt("auto", "Weight quantization. auto: gguf for a GGUF file (on CPU, --tp-size 1, "
+                            "--dtype auto), else none. gguf: serve the GGUF file's own quantized blocks (Q8_0, Q4_0/1, "
+                            "Q5_0/1, Q4_K, Q5_K, Q6_K repacked losslessly to int8 codes with per-block "
+                            "scales; an AVX512-VNNI kernel with activations rounded to 16 bits per 32 inputs, "
+                            "i.e. the dequantized weights' results to 4-5 digits). gguf_a8: the same blocks with activations rounded to int8 per 32 "
+                            "inputs as llama.cpp does (VNNI; faster at batch 1, a little less exact). "
+                            "Requantization applied after loading: w8a8_int8: int8 weights "
                             "per output channel and int8 activations quantized at run time, for every "
                             "linear layer and the LM head (about 4x less weight traffic; about 2 percent relative "
                             "error per layer). int8wo: int8 weights per output channel, float activations, "
                             "for the linears, the LM head and the embedding. int4wo-<group>: 4-bit weights "
                             "with a scale and zero per group of inputs (8x less weight memory than float32; "
-                            "smaller groups are more accurate). none: the model dtype.",
-                            choices=["none", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
+                            "smaller groups are more accurate). none: the model dtype (a GGUF file dequantized).",
+                            choices=["auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
                                      "int4wo-256"])
     task: str = opt(
         "auto", "What the model serves: generate (completions and chat) or embed (/v1/embeddings: "
@@ -1056,7 +1062,7 @@ class EngineConfig:
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
     def __post_init__(self) -> None:
-        if self.runtime.enable_torch_compile and self.model.quantization != "none":
+        if self.runtime.enable_torch_compile and self.model.quantization not in ("none", "auto"):
             raise ValueError(
                 f"--enable-torch-compile cannot be combined with --quantization "
                 f"{self.model.quantization}: inductor's fused norms and activation scaling differ "

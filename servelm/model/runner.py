@@ -37,6 +37,7 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
+from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, resolve_quantization
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.quantization import quantize_model
@@ -117,7 +118,12 @@ class ModelRunner:
             configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
         self.device = device or resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device)
+        self.quantization, quantization_reason = resolve_quantization(
+            config.model.quantization, getattr(source, "gguf_path", None), self.parallel, self.device,
+            config.runtime.enable_torch_compile, config.model.dtype)
+        """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
+        self.dtype = (torch.float32 if self.quantization in GGUF_MODES and config.model.dtype == "auto"
+                      else resolve_dtype(config.model.dtype, source.hf_config, self.device))
         self.hf_config = source.hf_config
         self.task = resolve_task(config.model.task, source.hf_config)
         self.pooler: PoolerConfig | None = None
@@ -127,7 +133,11 @@ class ModelRunner:
                                                 config.model.override_pooler_config)
         self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed,
                                 self.parallel)
-        quantize_model(self.model, config.model.quantization)
+        logger.info("quantization %s (%s)", self.quantization, quantization_reason)
+        if self.quantization in GGUF_MODES:
+            apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization])
+        else:
+            quantize_model(self.model, self.quantization)
         if self.parallel.pp_size > 1 and self.task != "generate":
             raise ValueError("--pipeline-parallel-size > 1 serves generation only (--task generate)")
         lm_head = getattr(self.model, "lm_head", None)
@@ -187,7 +197,9 @@ class ModelRunner:
         logger.info("model %s on %s, dtype %s (%s)%s%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
                     "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
-                    dtype_reason(config.model.dtype, self.device),
+                    "auto: the GGUF blocks run their own kernels, other ops in float32 as llama.cpp does"
+                    if self.quantization in GGUF_MODES and config.model.dtype == "auto"
+                    else dtype_reason(config.model.dtype, self.device),
                     f", tp rank {self.parallel.tp_rank}/{self.parallel.tp_size}"
                     if self.parallel.tp_size > 1 else "",
                     f", pp stage {self.parallel.pp_rank}/{self.parallel.pp_size} (layers "

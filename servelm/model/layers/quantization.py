@@ -50,8 +50,9 @@ from servelm.model.layers.weight_only import (INT4_GROUP_SIZES, Int4Rows, Int4We
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("none", "w8a8_int8", "int8wo", *(f"int4wo-{group}" for group in INT4_GROUP_SIZES))
-"""Every ``--quantization`` value (ModelConfig's choices list the same names)."""
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", *(f"int4wo-{group}" for group in INT4_GROUP_SIZES))
+"""Every ``--quantization`` value (ModelConfig's choices list the same names). ``auto`` and ``gguf``
+are resolved before ``quantize_model`` (servelm/model/gguf_weights.py)."""
 
 EMBEDDING_MODES = ("none", "int8", *(f"int4-{group}" for group in INT4_GROUP_SIZES))
 """How ``quantize_model`` may store an embedding: float, int8 rows, or int4 rows of a group size."""

@@ -1,0 +1,180 @@
+"""Serving a GGUF file at the precision it carries (``--quantization auto``/``gguf``), as llama.cpp does.
+
+``resolve_quantization`` decides, at start-up and with a logged reason, whether a model's linear
+layers, LM head and embedding keep the file's quantized blocks (``gguf``) or are dequantized to the
+model dtype (``none``, the old path, which ``--quantization none`` forces). ``apply_gguf_blocks``
+then replaces the loaded float weights by the lossless int8-code repack of each GGUF tensor
+(servelm/model/layers/gguf_blocks.py) run by ``GGUFBlockLinearMethod`` (gguf_linear.py).
+
+Invariants:
+- The model is loaded first as usual (float weights, one tensor at a time from the file); the block
+  weights are read from the file again and each one is checked against the float weight it replaces
+  (same values to the model dtype's rounding), so a row-order mistake fails loudly at start-up.
+- A tensor whose GGUF type has no repack (Q2_K, Q3_K, IQ*, float) keeps its float weight (logged).
+- Tensor parallelism is not supported (each rank would need its slice of the blocks): ``auto``
+  dequantizes at tp > 1, ``gguf`` is refused there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.distributed.parallel import ParallelContext
+from servelm.model.gguf import GGUFFile, gguf_to_hf_name, reverse_llama_permute
+from servelm.model.layers.embedding import LMHead, VocabEmbedding
+from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
+from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
+from servelm.model.layers.gguf_linear import KERNEL_MAX_ROWS, BlockRows, GGUFBlockLinearMethod
+from servelm.model.layers.linear import LinearBase
+from servelm.model.loader import cpu_bf16_feature
+
+logger = logging.getLogger(__name__)
+
+GGUF_MODES = {"gguf": "int16", "gguf_a8": "int8"}
+"""``--quantization`` values that serve the file's blocks -> how the kernel takes activations
+(``GGUFBlockLinearMethod.activations``)."""
+
+_FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def resolve_quantization(quantization: str, gguf_path: str | None, parallel: ParallelContext,
+                         device: torch.device, compile_enabled: bool, dtype: str = "auto") -> tuple[str, str]:
+    """(``--quantization`` to apply, why) where ``auto`` becomes ``gguf`` or ``none``.
+
+    ``auto`` keeps a GGUF file's blocks only with ``--dtype auto``: a named ``--dtype`` asks for the
+    model in that dtype, i.e. dequantized (the parity tests against transformers rely on it)."""
+    if quantization in GGUF_MODES:
+        if gguf_path is None:
+            raise ValueError(f"--quantization {quantization} serves a GGUF file's own blocks; this model "
+                             "is not a GGUF file")
+        if parallel.tp_size > 1:
+            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only; use --quantization "
+                             "none (dequantized weights) with tensor parallelism")
+        return quantization, f"--quantization {quantization}"
+    if quantization != "auto":
+        return quantization, f"--quantization {quantization}"
+    if gguf_path is None:
+        return "none", "auto: not a GGUF file, weights in the model dtype"
+    if dtype != "auto":
+        return "none", f"auto: --dtype {dtype} asks for the weights in that dtype, so the GGUF is dequantized"
+    if parallel.tp_size > 1:
+        return "none", "auto: GGUF blocks are served at --tp-size 1 only, so the weights are dequantized"
+    if device.type != "cpu":
+        return "none", "auto: GGUF block kernels are CPU kernels, so the weights are dequantized on " + device.type
+    if compile_enabled:
+        return "none", "auto: --enable-torch-compile compiles dequantized weights"
+    return "gguf", "auto: a GGUF file is served in its own quantized blocks (--quantization none dequantizes)"
+
+
+def read_block_weights(path: str | Path) -> tuple[dict[str, BlockWeight], dict[str, str]]:
+    """(HF name -> BlockWeight for every repackable 2-D tensor, HF name -> GGUF type of the others)."""
+    from gguf import GGMLQuantizationType
+
+    gguf = GGUFFile.open(path)
+    config = gguf.config_dict()
+    blocks: dict[str, BlockWeight] = {}
+    others: dict[str, str] = {}
+    for info in gguf.tensor_infos:
+        name = gguf_to_hf_name(info.name, gguf.architecture)
+        if name is None or len(info.shape) != 2:
+            continue
+        kind = GGMLQuantizationType(info.ggml_type).name
+        try:
+            raw = gguf._blob[info.offset:info.offset + info.num_bytes]
+            weight = repack(raw, (info.shape[0], info.shape[1]), kind)
+        except ValueError:
+            others[name] = kind
+            continue
+        if gguf.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
+            heads = config["num_attention_heads"]
+            if ".attn_k." in info.name:
+                heads = config.get("num_key_value_heads", heads)
+            weight = weight.permute_rows(reverse_llama_permute(torch.arange(info.shape[0]), heads))
+        blocks[name] = weight
+    return blocks, others
+
+
+def _checkpoint_names(module_name: str) -> list[str]:
+    prefix, _, leaf = module_name.rpartition(".")
+    shards = _FUSED_SHARDS.get(leaf)
+    if shards is None:
+        return [f"{module_name}.weight"]
+    return [f"{prefix}.{shard}.weight" for shard in shards]
+
+
+def _check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
+    """The block weight must equal the float weight it replaces (to the model dtype's rounding)."""
+    if tuple(block.codes.shape) != tuple(weight.shape):
+        raise ValueError(f"{name}: GGUF blocks {tuple(block.codes.shape)} do not match the loaded "
+                         f"weight {tuple(weight.shape)}")
+    step = max(1, block.codes.shape[0] // 64)   # a sample of rows spread over the whole weight
+    rows = slice(0, None, step)
+    expected = block.dequantize(rows).to(weight.dtype).float()
+    if not torch.equal(expected, weight[rows].float()):
+        error = (expected - weight[rows].float()).abs().max().item()
+        raise ValueError(f"{name}: GGUF blocks differ from the loaded weight (max {error:g})")
+
+
+def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16") -> dict[str, Any]:
+    """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
+    returns a summary (kinds per role, bytes before and after, the kernel's status).
+    ``activations``: ``GGUFBlockLinearMethod.activations``."""
+    kernel = load_kernel()
+    dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
+    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations)
+    blocks, others = read_block_weights(path)
+    kinds: Counter[str] = Counter()
+    kept_float: list[str] = []
+    float_bytes = stored = 0
+    by_weight: dict[int, BlockWeight] = {}
+    head_kind = embedding_kind = "float"
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            if not isinstance(module, (LinearBase, LMHead, VocabEmbedding)) or module.weight is None:
+                continue
+            names = _checkpoint_names(module_name)
+            if isinstance(module, LMHead) and module.is_tied:
+                names = [names[0].replace("lm_head.", "model.embed_tokens.")]
+            if isinstance(module, (LMHead, VocabEmbedding)) and module.vocab_shard.size != module.vocab_size:
+                kept_float.append(f"{module_name} (padded vocabulary)")
+                continue
+            if any(name not in blocks for name in names):
+                kept_float.append(f"{module_name} ({', '.join(others.get(n, 'float') for n in names)})")
+                continue
+            weight = by_weight.get(id(module.weight))
+            if weight is None:
+                weight = concat_rows([blocks[name] for name in names]) if len(names) > 1 else blocks[names[0]]
+                _check_same(weight, module.weight, module_name)
+                by_weight[id(module.weight)] = weight
+                float_bytes += module.weight.numel() * 4
+                stored += weight.nbytes
+            if isinstance(module, VocabEmbedding):
+                module.quantized_rows = BlockRows(weight, module.weight.dtype)
+                del module.weight
+                module.register_parameter("weight", None)
+                embedding_kind = f"{weight.kind} rows"
+            else:
+                method.process(module, weight, is_head=isinstance(module, LMHead))
+                if isinstance(module, LMHead):
+                    head_kind = weight.kind
+                else:
+                    kinds[weight.kind] += 1
+    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows "
+                   "(the LM head at every M), dequantized to "
+                   f"{str(dense_dtype).removeprefix('torch.')} above" if kernel is not None
+                   else f"dequantized to {str(dense_dtype).removeprefix('torch.')} per call")
+    summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
+               "kept_float": kept_float, "bytes": stored, "float32_bytes": float_bytes,
+               "kernel": kernel_status(), "activations": activations}
+    logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
+                "%.1f MiB (float32: %.1f MiB); %s (%s)%s",
+                ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
+                head_kind, embedding_kind, stored / 2 ** 20, float_bytes / 2 ** 20, kernel_note,
+                kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "")
+    return summary

@@ -1,0 +1,148 @@
+"""GGUF quantized tensors as int8 codes with a float scale (and offset) per block: a lossless repack.
+
+Every GGUF type this module reads stores, per block of B inputs of one row, small integers and a
+scale (some also an offset), so its dequantized weight is exactly
+``codes[n, k] * scales[n, k // B] + offsets[n, k // B]`` with int8 ``codes``:
+
+    type   B   codes      scale            offset
+    Q8_0   32  -128..127  d                -
+    Q4_0   32  -8..7      d                -
+    Q5_0   32  -16..15    d                -
+    Q4_1   32  0..15      d                m
+    Q5_1   32  0..31      d                m
+    Q4_K   32  0..15      d * sc[j]        -dmin * m[j]
+    Q5_K   32  0..31      d * sc[j]        -dmin * m[j]
+    Q6_K   16  -32..31    d * sc[j]        -
+
+Scales and offsets come from the block headers (``gguf`` parses the K-quant 6-bit scales), the
+codes from the ``gguf`` package's own float32 dequantization divided by them; ``repack`` checks that
+the codes are integers and rebuild the dequantized tensor exactly (else it raises). Other types
+(Q2_K, Q3_K, IQ*, float) have no repack here: those tensors stay dequantized.
+
+Invariants: ``codes`` is int8 ``[N, K]``; ``scales`` (and ``offsets``) float32 ``[N, K // block]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# ggml type name -> (block size of the scales, block bytes, elements per block)
+REPACKABLE = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_1": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
+
+
+@dataclass
+class BlockWeight:
+    """One weight as int8 codes plus a float32 scale (and offset) per ``block`` inputs of a row."""
+
+    codes: torch.Tensor            # [N, K] int8
+    scales: torch.Tensor           # [N, K // block] float32
+    offsets: torch.Tensor | None   # [N, K // block] float32, or None (symmetric types)
+    block: int
+    kind: str                      # the GGUF type(s) it came from, e.g. "Q8_0" or "Q5_0+Q8_0"
+
+    @property
+    def nbytes(self) -> int:
+        return (self.codes.nbytes + self.scales.nbytes
+                + (self.offsets.nbytes if self.offsets is not None else 0))
+
+    def dequantize(self, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``."""
+        codes = self.codes if rows is None else self.codes[rows]
+        scales = self.scales if rows is None else self.scales[rows]
+        n, k = codes.shape
+        values = codes.view(n, k // self.block, self.block).float().mul_(scales[..., None])
+        if self.offsets is not None:
+            values.add_((self.offsets if rows is None else self.offsets[rows])[..., None])
+        return values.reshape(n, k).to(dtype)
+
+    def with_block(self, block: int) -> BlockWeight:
+        """The same weight with scales per ``block`` (only a smaller divisor of the own block)."""
+        if block == self.block:
+            return self
+        assert self.block % block == 0, (self.block, block)
+        repeat = self.block // block
+        return BlockWeight(self.codes, self.scales.repeat_interleave(repeat, dim=1),
+                           None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1),
+                           block, self.kind)
+
+    def permute_rows(self, order: torch.Tensor) -> BlockWeight:
+        return BlockWeight(self.codes[order].contiguous(), self.scales[order].contiguous(),
+                           None if self.offsets is None else self.offsets[order].contiguous(),
+                           self.block, self.kind)
+
+
+def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
+    """Stack weights over rows (a fused QKV or gate_up); scales go to the smallest block size."""
+    block = min(part.block for part in parts)
+    parts = [part.with_block(block) for part in parts]
+    has_offsets = any(part.offsets is not None for part in parts)
+    offsets = (torch.cat([part.offsets if part.offsets is not None else torch.zeros_like(part.scales)
+                          for part in parts]) if has_offsets else None)
+    kinds = "+".join(dict.fromkeys(part.kind for part in parts))
+    return BlockWeight(torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts]),
+                       offsets, block, kinds)
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
+
+
+def _headers(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-block ``(scales, offsets)`` of ``blocks`` [num_blocks, block_bytes] uint8, one value per
+    ``REPACKABLE[kind]`` inputs, in float32 exactly as gguf's dequantization computes them."""
+    from gguf.quants import Q4_K
+
+    if kind in ("Q8_0", "Q4_0", "Q5_0"):
+        return _f16(blocks[:, 0:2]), None
+    if kind in ("Q4_1", "Q5_1"):
+        return _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    if kind == "Q6_K":
+        d = _f16(blocks[:, 208:210])
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        return d * sc, None
+    raise ValueError(f"no repack for GGUF type {kind}")
+
+
+def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
+    """GGUF bytes of one ``[N, K]`` tensor of type ``kind`` -> its lossless BlockWeight.
+
+    Raises ValueError when ``kind`` has no repack or the codes would not rebuild the tensor exactly.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if kind not in REPACKABLE:
+        raise ValueError(f"no repack for GGUF type {kind}")
+    rows, cols = shape
+    ggml_type = GGMLQuantizationType[kind]
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    block = REPACKABLE[kind]
+    values = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, cols).astype(np.float32)
+    scales, offsets = _headers(kind, raw.reshape(-1, block_bytes))
+    scales = scales.reshape(rows, cols // block)
+    grouped = values.reshape(rows, cols // block, block)
+    shifted = grouped - offsets.reshape(rows, cols // block, 1) if offsets is not None else grouped
+    safe = np.where(scales == 0, 1.0, scales)[..., None]
+    codes = np.rint(shifted / safe)
+    if codes.size and (codes.min() < -128 or codes.max() > 127):
+        raise ValueError(f"{kind}: codes out of int8 range")
+    result = BlockWeight(torch.from_numpy(codes.astype(np.int8).reshape(rows, cols)),
+                         torch.from_numpy(np.ascontiguousarray(scales)),
+                         None if offsets is None else torch.from_numpy(
+                             np.ascontiguousarray(offsets.reshape(rows, cols // block))),
+                         block, kind)
+    rebuilt = result.dequantize().numpy()
+    if not np.array_equal(rebuilt, values):
+        error = float(np.abs(rebuilt - values).max())
+        scale = float(np.abs(values).max())
+        if error > 1e-6 * max(scale, 1e-30):   # float rounding of scale * code + offset only
+            raise ValueError(f"{kind}: repack does not rebuild the tensor (max error {error:g})")
+    return result

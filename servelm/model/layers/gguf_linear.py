@@ -1,0 +1,121 @@
+"""Linear layers, LM head and embedding that run GGUF weights in the blocks the file stores.
+
+``GGUFBlockLinearMethod`` holds a ``BlockWeight`` (int8 codes + a float scale, and an offset for
+some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and computes:
+
+- M <= ``KERNEL_MAX_ROWS`` rows: the AVX-512 kernel (gguf_kernel.cpp) with VNNI integer dot
+  products. ``activations="int16"`` (``--quantization gguf``, the default for GGUF files):
+  activations rounded to 16 bits per 32 inputs and split into two int8 halves (2e-5 relative
+  error per layer on random data: the float32 dequantized layer's results to 4-5 digits; ~1.25x
+  the time of the int8 mode, 0.3-0.6x float32 at M=1). ``activations="int8"``
+  (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs as llama.cpp does
+  (llama.cpp's arithmetic: 5e-3 relative error; 0.3-0.45x float32 at M=1). ``float`` (codes
+  converted to float in registers, unrounded activations) is kept as the exactness reference.
+- more rows (prefill; never the LM head, see ``process``): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
+  else float32) in row chunks inside the call, then a dense GEMM: at M=1024 the dequantization is
+  amortised and oneDNN's GEMM is 2-3x faster than the int8 kernel.
+- no kernel (CPU without AVX512-VNNI, no compiler): every call takes the dequantized path.
+
+Invariants: the layer holds no float weight after ``process``; ``apply`` returns x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.linear import dense_linear
+
+KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
+"""Rows up to which the kernel runs, per activation mode; above, dequantize + dense GEMM
+(benchmarks/gguf_kernels.py, 1 thread: at M=8 every kernel beats dequantize-to-bf16 2-3x; at M=32
+the int8 kernel (0.4-0.5x float32) is level with it and the int16 (0.6-1.1x) and float (0.65-0.9x)
+ones behind; at M=1024 the bf16 GEMM takes 0.2-0.27x float32). Not for the LM head (``process``)."""
+
+ACTIVATION_MODES = ("int16", "int8", "float")
+_KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
+
+DEQUANT_CHUNK_ELEMENTS = 1 << 22
+"""Weights dequantized at once on the large-M path (8 MiB in bf16): the 262,144-row head is not
+materialised whole."""
+
+
+class GGUFBlockLinearMethod:
+    """Computes ``x @ W.T`` from a ``BlockWeight`` (see the module docstring)."""
+
+    name = "gguf"
+
+    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "int16") -> None:
+        assert activations in ACTIVATION_MODES, activations
+        self.kernel = kernel
+        self.dense_dtype = dense_dtype
+        """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
+        self.activations = activations
+        """How the kernel takes activations: ``int16`` rounds them to 16 bits per 32 inputs (two int8
+        halves, VNNI; 2e-5 relative error), ``int8`` to 8 bits as llama.cpp does (VNNI; 5e-3),
+        ``float`` multiplies them unrounded (codes converted in registers; slowest)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       dtype: torch.dtype | None) -> None:
+        raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
+
+    def process(self, layer: nn.Module, weight: BlockWeight, is_head: bool = False) -> int:
+        """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
+
+        ``is_head``: the LM head runs the kernel at every M. It sees one row per sequence, and
+        dequantizing its 100-260k rows per call costs 3x a float32 head at M=32 (the kernel 0.4x)."""
+        layer.gguf_weight = weight
+        layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
+        layer.gguf_kernel_max_rows = (1 << 62) if is_head else KERNEL_MAX_ROWS[self.activations]
+        if getattr(layer, "weight", None) is not None:
+            del layer.weight
+            layer.register_parameter("weight", None)
+        layer.linear_method = self
+        return weight.nbytes
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        weight: BlockWeight = layer.gguf_weight
+        if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
+            kernel = getattr(self.kernel, _KERNELS[self.activations])
+            out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
+        else:
+            out = dequantized_linear(x2, weight, self.dense_dtype)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+
+
+def dequantized_linear(x: torch.Tensor, weight: BlockWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``x [M, K] @ W.T`` with W dequantized to ``dtype`` in row chunks (float32 out)."""
+    rows, cols = weight.codes.shape
+    chunk = max(1, DEQUANT_CHUNK_ELEMENTS // cols)
+    x = x.to(dtype).contiguous()
+    if chunk >= rows:
+        return dense_linear(x, weight.dequantize(dtype=dtype)).float()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        out[:, start:stop] = F.linear(x, weight.dequantize(slice(start, stop), dtype))
+    return out
+
+
+class BlockRows:
+    """Embedding lookup from a BlockWeight: dequantizes only the looked-up rows."""
+
+    def __init__(self, weight: BlockWeight, dtype: torch.dtype) -> None:
+        self.weight, self.dtype = weight, dtype
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]`` rows in the dtype of the float weight they replace."""
+        w = self.weight
+        ids = input_ids.reshape(-1)
+        codes = w.codes[ids]
+        values = codes.view(len(ids), -1, w.block).float().mul_(w.scales[ids][..., None])
+        if w.offsets is not None:
+            values.add_(w.offsets[ids][..., None])
+        return values.reshape(*input_ids.shape, -1).to(self.dtype)
