@@ -69,6 +69,8 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
         return "none", "auto: GGUF block kernels are CPU kernels, so the weights are dequantized on " + device.type
     if compile_enabled:
         return "none", "auto: --enable-torch-compile compiles dequantized weights"
+    if load_kernel() is None:  # without it every call would dequantize: slower than doing it once
+        return "none", f"auto: the GGUF block kernel is unavailable ({kernel_status()}), so the weights are dequantized"
     return "gguf", "auto: a GGUF file is served in its own quantized blocks (--quantization none dequantizes)"
 
 

@@ -117,8 +117,12 @@ def test_dequantized_path_equals_dense_linear(dtype: torch.dtype) -> None:
     torch.testing.assert_close(layer.linear_method.apply(layer, x, None), expected)
 
 
-def test_resolve_quantization() -> None:
+def test_resolve_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
     single, cpu = ParallelContext.single(), torch.device("cpu")
+    monkeypatch.setattr("servelm.model.gguf_weights.load_kernel", lambda: None)  # no kernel here
+    mode, reason = resolve_quantization("auto", "/m.gguf", single, cpu, False)
+    assert mode == "none" and "kernel is unavailable" in reason   # per-call dequantizing is slower
+    monkeypatch.setattr("servelm.model.gguf_weights.load_kernel", lambda: object())
     assert resolve_quantization("auto", "/m.gguf", single, cpu, False)[0] == "gguf"
     assert resolve_quantization("auto", None, single, cpu, False)[0] == "none"
     assert resolve_quantization("auto", "/m.gguf", single, cpu, True)[0] == "none"
