@@ -450,7 +450,7 @@ REJECTIONS: tuple[Rejection, ...] = (
               "and STANDALONE draft models are built)",
               ("--speculative-eagle-topk", "--speculative-token-map")),
     Rejection("not supported: the STANDALONE draft model is loaded like --model (a local path or "
-              "packaged name, same dtype, unquantized), runs whole on the engine's rank next to "
+              "packaged name, with the model's dtype and --quantization), runs whole on the engine's rank next to "
               "the model and drafts over the request's whole context",
               ("--speculative-draft-model-revision", "--speculative-moe-runner-backend",
                "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",

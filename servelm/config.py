@@ -712,8 +712,13 @@ def _default_of(section: type, name: str) -> Any:
 
 
 SPECULATIVE_NOT_BUILT = {
-    "EAGLE": "EAGLE draft heads (their checkpoint format and the tree verification) are not built yet",
-    "EAGLE3": "EAGLE-3 draft heads (their checkpoint format and the tree verification) are not built yet",
+    "EAGLE": "EAGLE heads are not built yet: they read the model's last hidden state of every "
+             "token, which servelm's runner does not return, and draft a tree that its one-chain "
+             "verify does not score; a small draft model of the same family (STANDALONE, "
+             "--speculative-draft-model-path) is the nearest built option",
+    "EAGLE3": "EAGLE-3 heads are not built yet: they read three of the model's hidden layers per "
+              "token (and map a reduced draft vocabulary through d2t), which servelm's runner "
+              "does not return; STANDALONE (--speculative-draft-model-path) is built",
     "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
              "architecture servelm loads has; it is not built yet",
 }

@@ -138,3 +138,23 @@ def test_draft_model_is_refused_with_tensor_parallelism(models):
         speculative=SpeculativeConfig(speculative_draft_model_path=str(models["close"])))
     with pytest.raises(ValueError, match="--tp-size"):
         LLMEngine(config)
+
+
+def test_rejected_drafts_never_enter_the_prefix_cache(models):
+    """With the far draft (most drafts rejected) and the prefix cache on, every cached block lies
+    on the request's real token path, and a later request that leaves that path reuses only the
+    real prefix and still decodes exactly."""
+    prompt = prompts(1)[0]
+    params = greedy_all({"a": prompt}, max_tokens=40)
+    engine = make_engine(models["target"], models["far"])
+    path = prompt + generate(engine, params, {"a": prompt})["a"]
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 40 and stats["spec_acceptance_rate"] < 0.5, stats
+    cache = engine.prefix_cache
+    assert cache is not None
+    assert cache.num_blocks == cache.match_length(path, None) // 8 == (len(path) - 1) // 8
+    follow = path[:30] + [(path[30] + 1) % 320] + path[31:36]
+    follow_params = greedy_all({"b": follow}, max_tokens=10)
+    plain = generate(make_engine(models["target"]), follow_params, {"b": follow})
+    assert generate(engine, follow_params, {"b": follow}) == plain
+    assert engine.stats()["spec_draft_used_blocks"] == 0
