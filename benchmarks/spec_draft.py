@@ -54,7 +54,7 @@ def make_engine(model: str, draft: str | None, num_tokens: int, threads: int | N
                 dtype: str) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=model, dtype=dtype),
-        cache=CacheConfig(max_total_tokens=8192, disable_radix_cache=True),
+        cache=CacheConfig(max_total_tokens=4096, disable_radix_cache=True),
         scheduler=SchedulerConfig(max_prefill_tokens=4096, chunked_prefill_size=4096),
         runtime=RuntimeConfig(num_threads=threads),
         speculative=SpeculativeConfig(speculative_draft_model_path=draft,
