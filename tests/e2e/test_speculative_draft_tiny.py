@@ -158,3 +158,21 @@ def test_rejected_drafts_never_enter_the_prefix_cache(models):
     plain = generate(make_engine(models["target"]), follow_params, {"b": follow})
     assert generate(engine, follow_params, {"b": follow}) == plain
     assert engine.stats()["spec_draft_used_blocks"] == 0
+
+
+def test_sampled_logprobs_are_those_of_the_emitted_tokens(models):
+    """A sampling request with logprobs under rejection sampling gets one entry per emitted token,
+    each the model's log-probability of that token (the verify rows' own distributions)."""
+    prompt = prompts(1)[0]
+    engine = make_engine(models["target"], models["close"])
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, logprobs=2, ignore_eos=True)
+    assert engine.add_request("a", prompt, params) is None
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.extend(output.new_token_ids)
+            logprobs.extend(output.logprobs or [])
+    assert len(tokens) == len(logprobs) == 20
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    assert [entry.token_id for entry in logprobs] == tokens
+    assert all(entry.logprob <= 0.0 for entry in logprobs)
