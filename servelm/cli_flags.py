@@ -250,10 +250,10 @@ def _sglang_num_draft_tokens(text: str) -> int:
 
 
 def _vllm_speculative_model(text: str) -> str:
-    if text.strip().lower() in ("[ngram]", "ngram"):
-        return "NGRAM"
-    raise ValueError(f"{text!r}: only [ngram] (prompt lookup) is supported; a draft model is not "
-                     "built yet")
+    # vLLM: a draft model path, or [ngram] for prompt lookup (SpeculativeConfig settles which).
+    if not text.strip():
+        raise ValueError("give a draft model path or [ngram]")
+    return text.strip()
 
 
 def _lightllm_run_mode(text: str) -> Any:
@@ -363,8 +363,14 @@ ALIASES: tuple[Alias, ...] = (
           note="tokens per verify pass including the last accepted one: N -> N - 1 drafts"),
     Alias(("--speculative-num-steps",), "num_speculative_tokens", "SGLang", example=("3",),
           note="draft steps of a chain proposer: one draft token each"),
-    Alias(("--speculative-model",), "speculative_algorithm", "vLLM", _vllm_speculative_model,
-          example=("[ngram]",), note="[ngram] -> NGRAM; a draft model path is not built yet"),
+    Alias(("--speculative-model",), "speculative_draft_model_path", "vLLM", _vllm_speculative_model,
+          example=("some/draft",), note="[ngram] -> NGRAM; a model path -> STANDALONE with that draft"),
+    Alias(("--speculative-draft-model",), "speculative_draft_model_path", "SGLang",
+          example=("some/draft",)),
+    Alias(("--mtp_draft_model_dir",), "speculative_draft_model_path", "LightLLM",
+          example=("some/draft",), note="a separate draft model: STANDALONE"),
+    Alias(("--mtp_step",), "num_speculative_tokens", "LightLLM", example=("2",),
+          note="draft tokens per step"),
     Alias(("--speculative-ngram-max-match-window-size",), "ngram_prompt_lookup_max", "SGLang",
           example=("8",)),
     Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
@@ -467,6 +473,10 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "logits are float32 when the model runs in float32 (dtype auto on CPU)",
                      contradicts=(Contradiction("dtype", ("half", "float16", "bfloat16")),
                                   Contradiction("device", ("cuda",)))),
+    AlreadyBehaviour(("--mtp_mode",),
+                     "no model servelm loads has multi-token-prediction layers (DeepSeek-V3 MTP), "
+                     "so only None is accepted; --mtp_draft_model_dir alone runs that model as a "
+                     "separate draft (STANDALONE)", values=("None",), bad_value="deepseekv3"),
     AlreadyBehaviour(("--spec-decoding-acceptance-method",),
                      "drafts are verified by exact rejection sampling (the output distribution is "
                      "the model's); typical acceptance is not built",
@@ -504,14 +514,15 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: the chunk size of SGLang's csgmv CUDA kernel (servelm's "
               "torch_native LoRA backend runs two GEMMs per adapter group, with no chunks)",
               ("--max-lora-chunk-size",)),
-    Rejection(f"{NOT_BUILT_YET}: draft-model, EAGLE and MTP speculative decoding (NGRAM is "
-              "built: --speculative-algorithm NGRAM)",
-              ("--speculative-draft-model-path", "--speculative-draft-model",
-               "--speculative-draft-model-revision", "--speculative-eagle-topk",
-               "--speculative-token-map", "--speculative-moe-runner-backend",
+    Rejection(f"{NOT_BUILT_YET}: EAGLE / EAGLE-3 draft heads and their tree of drafts (NGRAM "
+              "and STANDALONE draft models are built)",
+              ("--speculative-eagle-topk", "--speculative-token-map")),
+    Rejection("not supported: the STANDALONE draft model is loaded like --model (a local path or "
+              "packaged name, with the model's dtype and --quantization), runs whole on the engine's rank next to "
+              "the model and drafts over the request's whole context",
+              ("--speculative-draft-model-revision", "--speculative-moe-runner-backend",
                "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",
-               "--speculative-model-quantization", "--speculative-max-model-len",
-               "--mtp_mode", "--mtp_draft_model_dir", "--mtp_step")),
+               "--speculative-model-quantization", "--speculative-max-model-len")),
     Rejection(f"{NOT_BUILT_YET}: typical acceptance (drafts are verified by exact rejection "
               "sampling)",
               ("--typical-acceptance-sampler-posterior-alpha",

@@ -842,13 +842,21 @@ def _default_of(section: type, name: str) -> Any:
 
 
 SPECULATIVE_NOT_BUILT = {
-    "EAGLE": "EAGLE draft heads (their checkpoint format and the tree verification) are not built yet",
-    "EAGLE3": "EAGLE-3 draft heads (their checkpoint format and the tree verification) are not built yet",
+    "EAGLE": "EAGLE heads are not built yet: they read the model's last hidden state of every "
+             "token, which servelm's runner does not return, and draft a tree that its one-chain "
+             "verify does not score; a small draft model of the same family (STANDALONE, "
+             "--speculative-draft-model-path) is the nearest built option",
+    "EAGLE3": "EAGLE-3 heads are not built yet: they read three of the model's hidden layers per "
+              "token (and map a reduced draft vocabulary through d2t), which servelm's runner "
+              "does not return; STANDALONE (--speculative-draft-model-path) is built",
     "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
              "architecture servelm loads has; it is not built yet",
-    "STANDALONE": "a separate draft model (--speculative-draft-model-path) is not built yet",
 }
-"""--speculative-algorithm values refused in this build, with the reason (NGRAM is built)."""
+"""--speculative-algorithm values refused in this build, with the reason (NGRAM and STANDALONE
+are built)."""
+
+NGRAM_MODEL = "[ngram]"
+"""vLLM's --speculative-model value for prompt lookup (a path otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -859,8 +867,9 @@ class SpeculativeConfig:
         None, "Speculative decoding algorithm. NGRAM: prompt lookup (drafts copied from earlier "
         "in the prompt and output; no extra model), verified exactly (greedy output is unchanged, "
         "sampling keeps the model's distribution). Off by default: it pays when outputs repeat "
-        "their input (edits, code, extraction) and costs a little elsewhere. EAGLE, EAGLE3, NEXTN "
-        "and STANDALONE are refused in this build.",
+        "their input (edits, code, extraction) and costs a little elsewhere. STANDALONE: a smaller "
+        "model with the same tokenizer drafts (--speculative-draft-model-path; implied when only a "
+        "draft model is given). EAGLE, EAGLE3 and NEXTN are refused in this build.",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
     num_speculative_tokens: int = opt(
         5, "Most draft tokens verified per request per step (k; the step computes k + 1 positions "
@@ -872,15 +881,21 @@ class SpeculativeConfig:
     ngram_prompt_lookup_min: int = opt(
         2, "NGRAM: shortest suffix (tokens) matched. 2 rather than 1: a single-token match (a "
         "space, a bracket) rarely predicts what follows and only wastes verification work.")
+    speculative_draft_model_path: str | None = opt(
+        None, "STANDALONE: the draft model (a local checkpoint directory, .gguf or packaged name, "
+        "as --model takes) that must share the model's tokenizer; it runs in the engine process "
+        "with its own KV pool, a share of the KV budget. vLLM's --speculative-model also takes "
+        "[ngram] here (prompt lookup).")
     speculative_disable_by_batch_size: int | None = opt(
         None, "Draft nothing in a step where at least this many requests are running: large "
         "batches already use the compute that speculation would use. None: always speculate.")
 
     def __post_init__(self) -> None:
+        self._resolve_draft_model()
         algorithm = self.speculative_algorithm
         if algorithm is not None and algorithm in SPECULATIVE_NOT_BUILT:
             raise ValueError(f"--speculative-algorithm {algorithm} is not supported: "
-                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM is")
+                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM and STANDALONE are")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be at least 1, got "
                              f"{self.num_speculative_tokens}")
@@ -894,6 +909,30 @@ class SpeculativeConfig:
                 self.speculative_disable_by_batch_size < 1:
             raise ValueError(f"--speculative-disable-by-batch-size must be at least 1, got "
                              f"{self.speculative_disable_by_batch_size}")
+
+    def _resolve_draft_model(self) -> None:
+        """vLLM's --speculative-model and LightLLM's --mtp_draft_model_dir give only a model: a
+        path implies STANDALONE and [ngram] means NGRAM, settled here while the config is built
+        (so --dry-run prints the algorithm it runs)."""
+        path = self.speculative_draft_model_path
+        algorithm = self.speculative_algorithm
+        if path is None:
+            if algorithm == "STANDALONE":
+                raise ValueError("--speculative-algorithm STANDALONE needs a draft model: "
+                                 "--speculative-draft-model-path PATH")
+            return
+        if path.strip().lower() in (NGRAM_MODEL, "ngram"):
+            if algorithm not in (None, "NGRAM"):
+                raise ValueError(f"--speculative-model [ngram] contradicts --speculative-algorithm "
+                                 f"{algorithm}; give only one of them")
+            object.__setattr__(self, "speculative_algorithm", "NGRAM")
+            object.__setattr__(self, "speculative_draft_model_path", None)
+            return
+        if algorithm is None:
+            object.__setattr__(self, "speculative_algorithm", "STANDALONE")
+        elif algorithm != "STANDALONE":
+            raise ValueError(f"--speculative-draft-model-path is the STANDALONE draft model; it "
+                             f"contradicts --speculative-algorithm {algorithm}")
 
     @property
     def is_enabled(self) -> bool:

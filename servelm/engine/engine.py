@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
@@ -40,6 +40,9 @@ from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
 
+if TYPE_CHECKING:
+    from servelm.model.runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 MAX_JUMP_FORWARD_CHARS = 256
@@ -62,6 +65,8 @@ class LLMEngine:
         self.config = config
         check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
         self.model_info: dict[str, Any] = {}
+        self._draft_proposer: Proposer | None = None
+        """STANDALONE: the draft model's proposer, built by ``_load`` beside the model."""
         if runner is None:
             runner, tokenizer, eos_token_ids, context_length = self._load(config)
         assert eos_token_ids is not None and context_length is not None
@@ -86,7 +91,7 @@ class LLMEngine:
         self.executor = Executor(runner)
         self.disaggregation = self._make_disaggregation(runner)
         """The prefill or decode side of K/V transfers (None: co-located, the default)."""
-        self.speculation = Speculation(config.speculative, proposer)
+        self.speculation = Speculation(config.speculative, proposer or self._draft_proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
         self.beams = BeamSearches(self.scheduler, tokenizer)
         """Beam-search requests (params.beam): their beams run as scheduler requests."""
@@ -140,7 +145,17 @@ class LLMEngine:
         start_s = time.monotonic()
         source = resolve_model_source(config.model)
         tokenizer = load_tokenizer(config.model, source)
-        runner = self._start_runner(config, source)
+        draft = None
+        if config.speculative.speculative_algorithm == "STANDALONE":
+            from servelm.engine.draft_model import load_draft_runner
+
+            draft, draft_tokenizer = load_draft_runner(config)
+        runner = self._start_runner(config, source, draft)
+        if draft is not None:
+            from servelm.engine.draft_model import check_vocab, make_draft_proposer
+
+            check_vocab(draft, draft_tokenizer, runner.vocab_size, tokenizer)
+            self._draft_proposer = make_draft_proposer(config, draft)
         hf_config = source.hf_config
         self.model_info.update({
             "model_path": config.model.model,
@@ -156,14 +171,24 @@ class LLMEngine:
         return runner, tokenizer, list(source.eos_token_ids), source.context_length
 
     @staticmethod
-    def _start_runner(config: EngineConfig, source: Any) -> Runner:
+    def _start_runner(config: EngineConfig, source: Any, draft: ModelRunner | None = None) -> Runner:
         """The model side: in-process at tp 1 (no extra process or copy), else one worker per rank.
-        The engine sizes the KV pool: the minimum of what every rank can hold."""
+        The engine sizes the KV pool: the minimum of what every rank can hold (less a STANDALONE
+        ``draft``'s share, whose pool is sized here too: ``engine.draft_model.split_kv_blocks``)."""
         from servelm.model.runner import ModelRunner
 
         runner: Runner
         if config.parallel.tensor_parallel_size == 1 and config.parallel.pipeline_parallel_size == 1:
-            runner = ModelRunner(config, source, defer_kv_cache=True)
+            runner = model_runner = ModelRunner(config, source, defer_kv_cache=True)
+            if draft is not None:
+                from servelm.engine.draft_model import split_kv_blocks
+
+                num_blocks, draft_blocks = split_kv_blocks(
+                    config, model_runner.kv_capacity_blocks(), model_runner.kv_bytes_per_token,
+                    draft.kv_bytes_per_token)
+                draft.init_kv_cache(draft_blocks)
+                model_runner.init_kv_cache(num_blocks)
+                return model_runner
         else:
             from servelm.workers import start_executor
 

@@ -17,8 +17,9 @@ from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
+from servelm.sampling.logprobs import gather_logprobs
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from servelm.spec.verify import accept_point_mass
+from servelm.spec.verify import accept_point_mass, rejection_sample
 
 
 class Runner(Protocol):
@@ -81,6 +82,9 @@ class Executor:
         self.sampler = sampler or Sampler()
         self.grammar_backend = grammar_backend
         """Applies structured-output bitmasks; set by the engine before the first grammar request."""
+        self._generator = torch.Generator()
+        """Rejection-sampling draws of unseeded requests (seeded ones reseed per step)."""
+        self._generator.seed()
 
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
         if output.plan.num_pooled:
@@ -132,6 +136,19 @@ class Executor:
                     continue
                 num_rows = len(scheduled.draft_token_ids) + 1
                 token_ids = sampled.token_ids[position:position + num_rows]
+                draft_probs = scheduled.request.draft_probs
+                if draft_probs is not None and scheduled.draft_token_ids:
+                    rows = [r for _, r in sample_targets[position:position + num_rows]]
+                    emitted = self._rejection_sample(sample_logits[position:position + num_rows],
+                                                     rows, scheduled.draft_token_ids, draft_probs)
+                    results[index].token_ids = emitted
+                    num_top = scheduled.request.params.logprobs
+                    if num_top is not None:
+                        results[index].logprobs = gather_logprobs(
+                            sample_logits[position:position + len(emitted)], emitted,
+                            [num_top] * len(emitted))
+                    position += num_rows
+                    continue
                 emitted = accept_point_mass(token_ids, scheduled.draft_token_ids)
                 results[index].token_ids = emitted
                 if sampled.logprobs is not None and sampled.logprobs[position] is not None:
@@ -140,6 +157,23 @@ class Executor:
                         if logprob is not None]
                 position += num_rows
         return results
+
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
+                          draft_probs: torch.Tensor) -> list[int]:
+        """Verify drafts a model sampled from ``draft_probs``: rejection sampling against the
+        distributions the sampler draws each row from (processors, grammar mask and all), so
+        the emitted tokens follow the model's distribution exactly (``spec/verify.py``)."""
+        target_probs = self.sampler.probabilities(logits, rows)
+        seed = rows[0].seed
+        generator = self._generator
+        if seed is not None:  # depends only on (seed, output length), like a seeded sampler row
+            generator = torch.Generator(device=logits.device).manual_seed(
+                (seed * 0x2545F4914F6CDD1D + len(rows[0].output_token_ids)) & ((1 << 64) - 1))
+        elif logits.device.type != "cpu":
+            generator = torch.Generator(device=logits.device).manual_seed(
+                int(torch.randint(0, 2 ** 62, (1,), generator=self._generator)))
+        return rejection_sample(target_probs, draft_probs[:len(drafts)].to(logits.device), drafts,
+                                generator)
 
     def _pool(self, output: SchedulerOutput) -> list[StepResult]:
         """Embeddings: every request of the step is pooled; row i is request i's vector."""

@@ -17,10 +17,15 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from servelm.constrained.compiler import CompileJob
 from servelm.constrained.grammar import GrammarMatcher
 from servelm.engine.outputs import TokenLogprob
 from servelm.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -99,6 +104,9 @@ class Request:
     is_parked: bool = False
     """A preempted beam that already has its candidates: not admitted again until its search
     has picked its next token (its siblings go first)."""
+    draft_probs: torch.Tensor | None = None
+    """``[len(draft_token_ids), vocab]`` distributions a draft model sampled the drafts from
+    (verified by rejection sampling); None: point-mass drafts (n-gram, greedy)."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.

@@ -25,6 +25,7 @@ from servelm.config import SpeculativeConfig
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.spec.draft_model import DraftModelProposer
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
 
 
@@ -50,20 +51,30 @@ class Speculation:
             return
         disable_at = self.config.speculative_disable_by_batch_size
         is_disabled = disable_at is not None and len(scheduler.running) >= disable_at
+        for request in scheduler.waiting:
+            if request.num_preemptions:  # preempted: a draft model frees its KV too
+                self.proposer.release(request.request_id)
         asking: list[Request] = []
         inputs: list[DraftRequest] = []
         for request in scheduler.running:
             request.draft_token_ids = []
+            request.draft_probs = None
             max_drafts = 0 if is_disabled else self._max_drafts(request)
             if max_drafts > 0:
                 asking.append(request)
-                inputs.append(DraftRequest(request.request_id, request.prompt_token_ids,
-                                           request.output_token_ids, max_drafts))
+                inputs.append(DraftRequest(
+                    request.request_id, request.prompt_token_ids, request.output_token_ids,
+                    max_drafts, temperature=request.params.temperature,
+                    top_k=request.params.top_k, top_p=request.params.top_p,
+                    seed=(request.params.seed if request.params.seed is not None
+                          else request.default_seed)))
         if not inputs:
             return
         for request, draft in zip(asking, self.proposer.propose(inputs), strict=True):
-            assert draft.probs is None, "a distribution draft needs rejection_sample (issue 15)"
-            request.draft_token_ids = draft.token_ids[:self._max_drafts(request)]
+            num_drafts = min(len(draft.token_ids), self._max_drafts(request))
+            request.draft_token_ids = draft.token_ids[:num_drafts]
+            if draft.probs is not None and num_drafts:
+                request.draft_probs = draft.probs[:num_drafts]
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
@@ -99,5 +110,12 @@ class Speculation:
                 "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 **acceptance_figures(self.num_verify_passes, self.num_draft_tokens,
-                                     self.num_accepted_tokens)}
+                                     self.num_accepted_tokens),
+                **self._draft_pool_stats()}
+
+    def _draft_pool_stats(self) -> dict[str, Any]:
+        if not isinstance(self.proposer, DraftModelProposer):
+            return {}
+        return {"spec_draft_used_blocks": self.proposer.num_held_blocks,
+                "spec_draft_pool_misses": self.proposer.num_pool_misses}
 

@@ -138,7 +138,33 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Draw one token per row of ``logits`` ``[m, vocab_size]`` (all rows non-greedy)."""
-        num_rows, vocab_size = logits.shape
+        probs = self._distribution(logits, rows)
+        noise = self._exponential_noise(rows, logits.shape[1], logits.device)
+        return (probs / noise).argmax(dim=-1)
+
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, float32 ``[len(rows), vocab_size]``
+        (unnormalised after min_p: the race needs no normalising, callers that do divide by the
+        sum): logit processors, then a point mass on the argmax for a greedy row, else
+        temperature, top_k, top_p and min_p. Speculative decoding's rejection sampler compares
+        the drafts with it (``servelm.spec.verify.rejection_sample``)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
+        processed = self._process(logits, rows)
+        probs = torch.zeros(processed.shape, dtype=torch.float32, device=processed.device)
+        greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
+        if greedy:
+            index = torch.tensor(greedy, device=processed.device)
+            probs[index, processed[index].argmax(dim=-1)] = 1.0
+        sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
+        if sampled:
+            index = torch.tensor(sampled, device=processed.device)
+            distribution = self._distribution(processed[index], [rows[i] for i in sampled])
+            probs[index] = distribution / distribution.sum(dim=-1, keepdim=True)
+        return probs
+
+    def _distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top_k, top_p, softmax and min_p of non-greedy rows ``[m, vocab_size]``."""
+        vocab_size = logits.shape[1]
         device = logits.device
         params = [row.params for row in rows]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -154,9 +180,7 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
-
-        noise = self._exponential_noise(rows, vocab_size, device)
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab_size: int,
                            device: torch.device) -> torch.Tensor:

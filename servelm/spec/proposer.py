@@ -36,6 +36,14 @@ class DraftRequest:
     """Accepted output so far (the proposer must not modify either list)."""
     max_draft_tokens: int
     """Most tokens to propose (k, already cut to what max_tokens and the context leave)."""
+    temperature: float = 0.0
+    """The request's sampling temperature (a draft model samples its drafts at it; 0: greedy)."""
+    top_k: int = 0
+    """The request's top_k (0 or >= vocab: off); a draft model samples within it, as the model will."""
+    top_p: float = 1.0
+    """The request's top_p (1: off)."""
+    seed: int | None = None
+    """The request's sampling seed (its own or the server-derived one), for reproducible drafts."""
 
 
 @dataclass(slots=True)
@@ -69,5 +77,6 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
         return None
     from servelm.spec.ngram import NgramProposer
 
-    assert config.speculative_algorithm == "NGRAM", "SpeculativeConfig refuses the others"
+    assert config.speculative_algorithm == "NGRAM", \
+        "SpeculativeConfig refuses the others; the engine builds STANDALONE (it loads a model)"
     return NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
