@@ -33,7 +33,11 @@ def measure(model: str, policy: str, threads: int, input_len: int, output_len: i
     """Decode tok/s of one fresh process running ``--omp-wait-policy policy``."""
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
-    if policy != "default":
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy.startswith("spin"):                 # spinN: libgomp spins N iterations, then sleeps
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
+        policy = "default"
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy.upper()   # what servelm exports for its engine process
     code = f"""
 import json, sys
@@ -59,7 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--settings", default="default:2,passive:2,passive:1",
-                        help="comma-separated POLICY:THREADS pairs")
+                        help="comma-separated POLICY:THREADS pairs; POLICY is an --omp-wait-policy "
+                        "value or spinN (GOMP_SPINCOUNT=N with the runtime's default policy)")
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2, help="runs per setting and condition (median)")
