@@ -162,15 +162,15 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                method.process(module, weight, is_head=isinstance(module, LMHead))
+                method.process(module, weight)
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
-    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows "
-                   "(the LM head at every M), dequantized to "
-                   f"{str(dense_dtype).removeprefix('torch.')} above" if kernel is not None
-                   else f"dequantized to {str(dense_dtype).removeprefix('torch.')} per call")
+    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows, "
+                   f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')} above"
+                   if kernel is not None
+                   else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "float32_bytes": float_bytes,
                "kernel": kernel_status(), "activations": activations}

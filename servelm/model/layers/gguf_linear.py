@@ -11,12 +11,15 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   (``--quantization gguf_a8``): activations rounded to int8 per 32 inputs as llama.cpp does
   (llama.cpp's arithmetic: 5e-3 relative error; 0.3-0.45x float32 at M=1). ``float`` (codes
   converted to float in registers, unrounded activations) is kept as the exactness reference.
-- more rows (prefill; never the LM head, see ``process``): the weight dequantized to bfloat16 (where the CPU has a native bf16 GEMM,
-  else float32) in row chunks inside the call, then a dense GEMM: at M=1024 the dequantization is
-  amortised and oneDNN's GEMM is 2-3x faster than the int8 kernel.
+- more rows (batched decode, prefill): a dense GEMM on a copy of
+  the weight dequantized once at load to bfloat16 (where the CPU has a native bf16 GEMM, else
+  float32): oneDNN's GEMM is 1.6-4x faster than the kernels at M=32 and 2-3x at M=1024. The copy
+  costs memory (2 bytes per weight in bf16, on top of the ~1.1 of the blocks); dequantizing per
+  call instead cost 40% of a 32-stream server's throughput.
 - no kernel (CPU without AVX512-VNNI, no compiler): every call takes the dequantized path.
 
-Invariants: the layer holds no float weight after ``process``; ``apply`` returns x's dtype.
+Invariants: after ``process`` the layer's only float weight is that dense copy; ``apply`` returns
+x's dtype.
 """
 
 from __future__ import annotations
@@ -61,19 +64,21 @@ class GGUFBlockLinearMethod:
                        dtype: torch.dtype | None) -> None:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
-    def process(self, layer: nn.Module, weight: BlockWeight, is_head: bool = False) -> int:
-        """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
-
-        ``is_head``: the LM head runs the kernel at every M. It sees one row per sequence, and
-        dequantizing its 100-260k rows per call costs 3x a float32 head at M=32 (the kernel 0.4x)."""
+    def process(self, layer: nn.Module, weight: BlockWeight) -> int:
+        """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
         layer.gguf_weight = weight
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
-        layer.gguf_kernel_max_rows = (1 << 62) if is_head else KERNEL_MAX_ROWS[self.activations]
+        layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
+        # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
+        # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
+        # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head.
+        layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype)
         if getattr(layer, "weight", None) is not None:
             del layer.weight
             layer.register_parameter("weight", None)
         layer.linear_method = self
-        return weight.nbytes
+        dense = layer.gguf_dense
+        return weight.nbytes + (dense.numel() * dense.element_size() if dense is not None else 0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
@@ -83,6 +88,8 @@ class GGUFBlockLinearMethod:
         if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
             out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
+        elif layer.gguf_dense is not None:
+            out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense).float()
         else:
             out = dequantized_linear(x2, weight, self.dense_dtype)
         if bias is not None:
