@@ -497,13 +497,22 @@ class RuntimeConfig:
         "at start-up (tens of seconds on a small CPU). Not with --quantization (the int8 "
         "activations would round differently). On the 2-core CPU float32 decode measured no "
         "faster than eager (its steps are GEMM-bound); see benchmarks/RESULTS.md.")
+    disable_adaptive_threads: bool = opt(
+        False, "Keep the engine's torch threads fixed. By default they are lowered (from "
+        "--num-threads or the default) while other processes keep cores of the engine's CPUs busy, "
+        "and raised back when they stop: checked once a second between steps from /proc/stat, "
+        "logged on each change. An op split over a thread whose core another process holds waits "
+        "for it: beside one busy core a 2-thread decode kept a quarter of its quiet speed, 1 thread "
+        "all of it (benchmarks/busy_core.py). Tensor- and pipeline-parallel ranks are pinned to "
+        "their own cores and keep their count.")
     omp_wait_policy: str = opt(
-        "passive", "How the OpenMP threads of the engine and rank processes wait when a parallel "
+        "default", "How the OpenMP threads of the engine and rank processes wait when a parallel "
         "region ends: passive (sleep at once: OMP_WAIT_POLICY=PASSIVE), active (spin), or default "
         "(the OpenMP runtime's own: spin a while, then sleep). Spinning wins a few microseconds per "
         "op on an idle machine, but when another process takes one of the cores every op waits for "
-        "the thread that lost its core while its partner burns the other: a 2-thread decode "
-        "measured 10x slower than passive under load (benchmarks/busy_core.py, "
+        "the thread that lost its core while its partner burns the other (the engine answers "
+        "that by using fewer threads, see --disable-adaptive-threads); passive keeps a 2-thread decode going beside a busy "
+        "core but halved its quiet speed on the 2-core dev box (benchmarks/busy_core.py, "
         "benchmarks/RESULTS.md). Set in the environment of the processes servelm starts; an "
         "OMP_WAIT_POLICY the user already exported wins. An in-process LLMEngine inherits whatever "
         "its python was started with.", choices=["passive", "active", "default"])

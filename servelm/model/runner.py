@@ -45,7 +45,7 @@ from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_devic
 from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
 from servelm.model.onednn import configure_onednn_cache
-from servelm.model.threads import configure_engine_threads, log_openmp_wait_policy
+from servelm.model.threads import ThreadGovernor, configure_engine_threads, log_openmp_wait_policy
 
 if TYPE_CHECKING:
     from servelm.model.source import ModelSource
@@ -112,11 +112,15 @@ class ModelRunner:
                  parallel: ParallelContext | None = None, device: torch.device | None = None,
                  defer_kv_cache: bool = False) -> None:
         self.config = config
+        self.thread_governor: ThreadGovernor | None = None
+        """Adapts torch's thread count to other processes' load (see --disable-adaptive-threads)."""
         configure_onednn_cache(config.runtime.onednn_primitive_cache_capacity)  # before any op
         self.parallel = parallel or ParallelContext.single()
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
-            configure_engine_threads(config.runtime.num_threads)
+            threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
+            if not config.runtime.disable_adaptive_threads and threads > 1:
+                self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
         self.quantization, quantization_reason = resolve_quantization(
             config.model.quantization, getattr(source, "gguf_path", None), self.parallel, self.device,
@@ -281,6 +285,8 @@ class ModelRunner:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
         if self.parallel.pp_size > 1:
             return self._stage.execute(plan, self.kv_cache)
+        if self.thread_governor is not None:
+            self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
         hidden = self.model(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

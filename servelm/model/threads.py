@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import psutil
 import torch
 
 logger = logging.getLogger(__name__)
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def available_cpus() -> int:
@@ -71,6 +74,79 @@ def configure_engine_threads(num_threads: int | None) -> int:
     logger.info("torch uses %d threads (%s), %d inter-op", torch.get_num_threads(), reason,
                 torch.get_num_interop_threads())
     return chosen
+
+
+class ThreadGovernor:
+    """Fewer torch threads while other processes keep cores of this process's CPUs busy, and back
+    to ``max_threads`` when they stop (the default with more than one thread; off with
+    ``--disable-adaptive-threads``).
+
+    Every ``interval_s`` (between steps, so never inside an op) it reads the CPUs' busy time from
+    ``/proc/stat`` (steal included: a hypervisor taking the core is another process too) and
+    subtracts this process's own CPU time: what is left is the work of others on these CPUs, in
+    cores. Each core others keep busy (``>= 0.4`` of it: a core shared half and half with a busy
+    loop counts, the HTTP front end's small share does not) is one thread fewer, at least 1. A change needs two readings in a row that
+    agree. Why: an OpenMP op ends in a barrier, so a thread that lost its core to another process
+    stalls every op; measured on the 2-core dev box, a 2-thread decode kept 25% of its quiet speed
+    beside one busy core, while 1 thread runs at full speed there (benchmarks/busy_core.py)."""
+
+    def __init__(self, max_threads: int, interval_s: float = 1.0, busy_core_fraction: float = 0.4,
+                 cpus: list[int] | None = None) -> None:
+        self.max_threads = max_threads
+        self.current = max_threads
+        self.interval_s = interval_s
+        self.busy_core_fraction = busy_core_fraction
+        self.cpus = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
+        self.physical_cores = max(1, len(self.cpus) // threads_per_core())
+        self._process = psutil.Process()
+        self._last = self._sample()
+        self._pending: int | None = None
+        self.changes = 0
+
+    def _sample(self) -> tuple[float, float, float]:
+        """(monotonic s, busy CPU-seconds of ``cpus`` since boot, this process's CPU-seconds)."""
+        busy_ticks = 0
+        wanted = {f"cpu{index}" for index in self.cpus}
+        with open("/proc/stat") as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in wanted:
+                    # user nice system idle iowait irq softirq steal ...
+                    values = [int(value) for value in fields[1:9]]
+                    busy_ticks += sum(values) - values[3] - values[4]
+        own = self._process.cpu_times()
+        return time.monotonic(), busy_ticks / _TICKS_PER_S, own.user + own.system
+
+    def others_cores(self, previous: tuple[float, float, float], now: tuple[float, float, float]) -> float:
+        elapsed = now[0] - previous[0]
+        if elapsed <= 0:
+            return 0.0
+        return max(0.0, (now[1] - previous[1]) - (now[2] - previous[2])) / elapsed
+
+    def target(self, others: float) -> int:
+        busy_cores = int(others + (1.0 - self.busy_core_fraction))
+        return max(1, min(self.max_threads, self.physical_cores - busy_cores))
+
+    def step(self) -> int:
+        """Call between steps; returns the thread count in force."""
+        now = time.monotonic()
+        if now - self._last[0] < self.interval_s:
+            return self.current
+        sample = self._sample()
+        others = self.others_cores(self._last, sample)
+        self._last = sample
+        wanted = self.target(others)
+        if wanted == self.current:
+            self._pending = None
+        elif self._pending != wanted:
+            self._pending = wanted          # one reading: wait for a second that agrees
+        else:
+            logger.info("torch threads %d -> %d: other processes use %.1f of this process's %d "
+                        "cores (--disable-adaptive-threads keeps them fixed)", self.current, wanted, others, self.physical_cores)
+            torch.set_num_threads(wanted)
+            self.current, self._pending = wanted, None
+            self.changes += 1
+        return self.current
 
 
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"

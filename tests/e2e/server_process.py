@@ -111,12 +111,12 @@ def check_killed_rank_ends_the_server(model: str, parallel_flags: list[str], mes
     stream's last event is the error ``message`` (``{pid}`` is rank 1's pid), the server exits
     non-zero with ``log_words`` in its log, and neither the engine nor the rank is left."""
     server = ServerProcess([model, *parallel_flags, "--num-threads", "1", "--skip-tokenizer-init",
-                            "--max-total-tokens", "4096", "--dtype", "float32"])
+                            "--max-total-tokens", "4096", "--dtype", "float32", "--omp-wait-policy", "passive"])
     with server:
         ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
         engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
         assert is_running(engine_pid) and is_running(rank_pid)
-        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # --omp-wait-policy passive
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # the user's export wins
         for pid in (engine_pid, rank_pid):
             environment = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
             assert f"OMP_WAIT_POLICY={wait_policy}" in environment.split("\0")

@@ -15,7 +15,7 @@ from servelm.engine.engine import LLMEngine
 from servelm.model.compile import DecodeDispatch
 from servelm.model.threads import (OMP_WAIT_POLICY, available_cpus, configure_engine_threads,
                                    configure_front_end_threads, default_num_threads,
-                                   export_openmp_wait_policy)
+                                   ThreadGovernor, export_openmp_wait_policy)
 from servelm.sampling.params import SamplingParams
 from tests.tiny_models import make_tiny_model_dir
 
@@ -111,3 +111,48 @@ def test_omp_wait_policy_is_exported_for_child_processes(monkeypatch: pytest.Mon
     assert export_openmp_wait_policy("passive") == "active"
     with pytest.raises(ValueError, match="--omp-wait-policy"):
         RuntimeConfig(omp_wait_policy="spin")
+
+
+def test_thread_governor_targets() -> None:
+    governor = ThreadGovernor(4, cpus=[0, 1, 2, 3])
+    governor.physical_cores = 4
+    assert [governor.target(others) for others in (0.0, 0.3, 0.5, 1.2, 1.7, 3.5, 9.0)] == [4, 4, 3, 3, 2, 1, 1]
+    governor.max_threads = 2                      # never above --num-threads
+    assert governor.target(0.0) == 2
+
+
+def spin(cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or ThreadGovernor(2).physical_cores < 2,
+                    reason="needs two physical cores")
+def test_thread_governor_yields_a_core_to_a_busy_process_and_takes_it_back() -> None:
+    """A real busy loop on one of the engine's cores: the governor drops to one thread, and goes
+    back to two once the loop ends (two agreeing readings each way)."""
+    import multiprocessing
+    import time
+
+    before = torch.get_num_threads()
+    governor = ThreadGovernor(2, interval_s=0.3)
+    competitor = multiprocessing.get_context("spawn").Process(target=spin, args=(max(governor.cpus),), daemon=True)
+    competitor.start()
+    try:
+        deadline = time.monotonic() + 20
+        while governor.current == 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            governor.step()
+        assert governor.current == 1 and torch.get_num_threads() == 1
+    finally:
+        competitor.kill()
+        competitor.join()
+    try:
+        deadline = time.monotonic() + 20
+        while governor.current == 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            governor.step()
+        assert governor.current == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
