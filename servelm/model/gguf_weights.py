@@ -133,7 +133,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     blocks, others = read_block_weights(path)
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
-    float_bytes = stored = 0
+    float_bytes = stored = dense_bytes = 0
     by_weight: dict[int, BlockWeight] = {}
     head_kind = embedding_kind = "float"
     with torch.no_grad():
@@ -162,7 +162,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                method.process(module, weight)
+                dense_bytes += method.process(module, weight) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                 else:
@@ -172,11 +172,13 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                    if kernel is not None
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
-               "kept_float": kept_float, "bytes": stored, "float32_bytes": float_bytes,
+               "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
+               "float32_bytes": float_bytes,
                "kernel": kernel_status(), "activations": activations}
     logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
-                "%.1f MiB (float32: %.1f MiB); %s (%s)%s",
+                "%.1f MiB of blocks + %.1f MiB of dense copies (float32: %.1f MiB); %s (%s)%s",
                 ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
-                head_kind, embedding_kind, stored / 2 ** 20, float_bytes / 2 ** 20, kernel_note,
+                head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
+                kernel_note,
                 kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "")
     return summary
