@@ -16,7 +16,8 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   float32): oneDNN's GEMM is 1.6-4x faster than the kernels at M=32 and 2-3x at M=1024. The copy
   costs memory (2 bytes per weight in bf16, on top of the ~1.1 of the blocks); dequantizing per
   call instead cost 40% of a 32-stream server's throughput.
-- no kernel (CPU without AVX512-VNNI, no compiler): every call takes the dequantized path.
+- no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
+  ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
 Invariants: after ``process`` the layer's only float weight is that dense copy; ``apply`` returns
 x's dtype.
@@ -25,24 +26,19 @@ x's dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.linear import dense_linear
 
 KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
-"""Rows up to which the kernel runs, per activation mode; above, dequantize + dense GEMM
+"""Rows up to which the kernel runs, per activation mode; above, the dense copy's GEMM
 (benchmarks/gguf_kernels.py, 1 thread: at M=8 every kernel beats dequantize-to-bf16 2-3x; at M=32
 the int8 kernel (0.4-0.5x float32) is level with it and the int16 (0.6-1.1x) and float (0.65-0.9x)
-ones behind; at M=1024 the bf16 GEMM takes 0.2-0.27x float32). Not for the LM head (``process``)."""
+ones behind; at M=1024 the bf16 GEMM takes 0.2-0.27x float32). The LM head too."""
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
-
-DEQUANT_CHUNK_ELEMENTS = 1 << 22
-"""Weights dequantized at once on the large-M path (8 MiB in bf16): the 262,144-row head is not
-materialised whole."""
 
 
 class GGUFBlockLinearMethod:
@@ -88,27 +84,11 @@ class GGUFBlockLinearMethod:
         if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
             out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
-        elif layer.gguf_dense is not None:
-            out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense).float()
         else:
-            out = dequantized_linear(x2, weight, self.dense_dtype)
+            out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense).float()
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
-
-
-def dequantized_linear(x: torch.Tensor, weight: BlockWeight, dtype: torch.dtype) -> torch.Tensor:
-    """``x [M, K] @ W.T`` with W dequantized to ``dtype`` in row chunks (float32 out)."""
-    rows, cols = weight.codes.shape
-    chunk = max(1, DEQUANT_CHUNK_ELEMENTS // cols)
-    x = x.to(dtype).contiguous()
-    if chunk >= rows:
-        return dense_linear(x, weight.dequantize(dtype=dtype)).float()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        out[:, start:stop] = F.linear(x, weight.dequantize(slice(start, stop), dtype))
-    return out
 
 
 class BlockRows:
