@@ -152,13 +152,19 @@ class ThreadGovernor:
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 
 
+def openmp_environment(policy: str) -> dict[str, str]:
+    """The variables a process servelm starts needs for ``--omp-wait-policy``: OpenMP reads them
+    once, when torch loads. A value the user exported wins; ``default`` sets nothing."""
+    if policy == "default":
+        return {}
+    return {OMP_WAIT_POLICY: os.environ.get(OMP_WAIT_POLICY, policy.upper())}
+
+
 def export_openmp_wait_policy(policy: str) -> str | None:
-    """Put ``--omp-wait-policy`` into this process's environment, so that the engine and rank
-    processes started after this call read it when their OpenMP runtime loads (it reads the
-    variable once, at load: a process that already imported torch keeps its own). A value the user
-    exported wins. Returns the value the children will see (None: the runtime's default)."""
-    if policy != "default" and OMP_WAIT_POLICY not in os.environ:
-        os.environ[OMP_WAIT_POLICY] = policy.upper()
+    """Put ``openmp_environment(policy)`` into this process's environment, so that the engine
+    processes started after this call inherit it (a process that already imported torch keeps
+    its own). Returns the value the children will see (None: the runtime's default)."""
+    os.environ.update(openmp_environment(policy))
     return os.environ.get(OMP_WAIT_POLICY)
 
 

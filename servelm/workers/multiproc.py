@@ -62,7 +62,7 @@ from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
 from servelm.model.runner import ModelRunner
-from servelm.model.threads import OMP_WAIT_POLICY, place_rank_threads, rank_cpu_slices, rank_num_threads
+from servelm.model.threads import openmp_environment, place_rank_threads, rank_cpu_slices, rank_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,7 @@ def spawn_worker(init: WorkerInit) -> subprocess.Popen[bytes]:
     """Start one rank process (``servelm.workers.worker``) with ``init`` on its stdin."""
     package_root = str(Path(servelm.__file__).resolve().parents[1])
     env = dict(os.environ)
-    if init.config.runtime.omp_wait_policy != "default":
-        env.setdefault(OMP_WAIT_POLICY, init.config.runtime.omp_wait_policy.upper())
+    env.update(openmp_environment(init.config.runtime.omp_wait_policy))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     process = subprocess.Popen([sys.executable, "-m", "servelm.workers.worker"],
                                stdin=subprocess.PIPE, env=env)

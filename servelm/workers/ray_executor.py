@@ -27,7 +27,7 @@ import servelm
 from servelm.config import EngineConfig
 from servelm.distributed.errors import RankFailedError
 from servelm.model.loader import resolve_device
-from servelm.model.threads import OMP_WAIT_POLICY, default_num_threads
+from servelm.model.threads import default_num_threads, openmp_environment
 from servelm.workers.messages import WorkerInit
 from servelm.workers.multiproc import MultiprocExecutor
 
@@ -116,9 +116,6 @@ class RayExecutor(MultiprocExecutor):
                 f"each (a placement group) within --dist-timeout {self.timeout_s:g} s; "
                 f"its resources: {ray.available_resources()}")
         package_root = str(Path(servelm.__file__).resolve().parents[1])
-        policy = config.runtime.omp_wait_policy
-        openmp_env = {} if policy == "default" else {
-            OMP_WAIT_POLICY: os.environ.get(OMP_WAIT_POLICY, policy.upper())}
         actor_class = ray.remote(RankActor)
         addresses = self._remote.addresses()
         reply_address = self._replies.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -127,7 +124,8 @@ class RayExecutor(MultiprocExecutor):
                 num_cpus=num_threads, num_gpus=1 if is_cuda else 0,
                 name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._placement_group, placement_group_bundle_index=rank - 1),
-                runtime_env={"env_vars": {"PYTHONPATH": package_root, **openmp_env}}).remote()
+                runtime_env={"env_vars": {"PYTHONPATH": package_root,
+                                          **openmp_environment(config.runtime.omp_wait_policy)}}).remote()
             self._actors.append(actor)
             self._runs[rank] = actor.run.remote(WorkerInit(
                 config=config, rank=rank, world_size=self.world_size, store_host=store_host,
