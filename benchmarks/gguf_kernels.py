@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,34 +41,19 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from linear_kernels import SHAPES, time_ms  # noqa: E402  (the same shapes and timing loop)
 
 from servelm.model.layers import weight_only as wo  # noqa: E402
 from servelm.model.layers.gguf_blocks import BlockWeight  # noqa: E402
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel  # noqa: E402
 
-SHAPES: dict[str, list[tuple[str, int, int]]] = {
-    # name, K (in), N (out)
-    "gemma": [("qkv", 640, 1536), ("o", 1024, 640), ("gate_up", 640, 4096), ("down", 2048, 640),
-              ("head", 640, 262144)],
-    "qwen": [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896),
-             ("head", 896, 151936)],
-}
-
 
 def median_ms(fn: Callable[[], object], budget_s: float, repeats: int) -> tuple[float, float]:
-    """(median of the round medians, minimum) milliseconds."""
-    fn()
-    medians, best = [], float("inf")
-    for _ in range(repeats):
-        times: list[float] = []
-        start = time.perf_counter()
-        while len(times) < 30 and (len(times) < 3 or time.perf_counter() - start < budget_s / repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        medians.append(statistics.median(times))
-        best = min(best, *times)
-    return statistics.median(medians), best
+    """(median of the round medians, minimum) milliseconds: ``repeats`` rounds of ``time_ms``."""
+    rounds = [time_ms(fn, budget_s / repeats) for _ in range(repeats)]
+    return statistics.median(median for median, _ in rounds), min(best for _, best in rounds)
 
 
 def random_block_weight(n: int, k: int, offsets: bool) -> BlockWeight:
