@@ -107,26 +107,24 @@ def _batch(sglang: dict[str, Any], mode: str, num_prompts: int) -> list[KVTransf
             for i in range(num_prompts)]
 
 
+def _check_vllm_side(field: str, side: str, mode: str, num_choices: int) -> None:
+    """``kv_transfer_params.<field>`` asks for a ``side`` server and one choice."""
+    if mode != side:
+        raise TransferRequestError(f"{field} needs a {side} server "
+                                   f"(this one runs --disaggregation-mode {mode})", "kv_transfer_params")
+    if num_choices != 1:
+        raise TransferRequestError("kv_transfer_params works with n = 1 and one prompt",
+                                   "kv_transfer_params")
+
+
 def _vllm_transfer(params: Any, mode: str, num_choices: int) -> KVTransfer | None:
     if not isinstance(params, dict):
         raise TransferRequestError("kv_transfer_params must be an object", "kv_transfer_params")
     if params.get("do_remote_decode"):
-        if mode != "prefill":
-            raise TransferRequestError("do_remote_decode needs a prefill server "
-                                       f"(this one runs --disaggregation-mode {mode})",
-                                       "kv_transfer_params")
-        if num_choices != 1:
-            raise TransferRequestError("kv_transfer_params works with n = 1 and one prompt",
-                                       "kv_transfer_params")
+        _check_vllm_side("do_remote_decode", "prefill", mode, num_choices)
         return KVTransfer("prefill", None, is_vllm=True)
     if params.get("do_remote_prefill"):
-        if mode != "decode":
-            raise TransferRequestError("do_remote_prefill needs a decode server "
-                                       f"(this one runs --disaggregation-mode {mode})",
-                                       "kv_transfer_params")
-        if num_choices != 1:
-            raise TransferRequestError("kv_transfer_params works with n = 1 and one prompt",
-                                       "kv_transfer_params")
+        _check_vllm_side("do_remote_prefill", "decode", mode, num_choices)
         host, key = params.get("remote_host"), params.get("remote_request_id")
         if not isinstance(host, str) or not host or not isinstance(key, str) or not key:
             raise TransferRequestError("do_remote_prefill needs remote_host and remote_request_id "
