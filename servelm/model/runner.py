@@ -119,7 +119,8 @@ class ModelRunner:
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
-            if not config.runtime.disable_adaptive_threads and threads > 1:
+            if (not config.runtime.disable_adaptive_threads and threads > 1
+                    and ThreadGovernor.supported()):
                 self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
         self.quantization, quantization_reason = resolve_quantization(

@@ -33,6 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+"""Units of /proc/stat's counters (ThreadGovernor)."""
 
 
 def available_cpus() -> int:
@@ -85,10 +86,16 @@ class ThreadGovernor:
     ``/proc/stat`` (steal included: a hypervisor taking the core is another process too) and
     subtracts this process's own CPU time: what is left is the work of others on these CPUs, in
     cores. Each core others keep busy (``>= 0.4`` of it: a core shared half and half with a busy
-    loop counts, the HTTP front end's small share does not) is one thread fewer, at least 1. A change needs two readings in a row that
-    agree. Why: an OpenMP op ends in a barrier, so a thread that lost its core to another process
-    stalls every op; measured on the 2-core dev box, a 2-thread decode kept 25% of its quiet speed
-    beside one busy core, while 1 thread runs at full speed there (benchmarks/busy_core.py)."""
+    loop counts, the HTTP front end's small share does not) is one thread fewer, at least 1. A
+    change needs two readings in a row that agree. Why: an OpenMP op ends in a barrier, so a thread
+    that lost its core to another process stalls every op; measured on the 2-core dev box, a
+    2-thread decode kept 22-32% of its quiet speed beside one busy core, while 1 thread runs at
+    full speed there (benchmarks/busy_core.py). Linux only (``supported``)."""
+
+    @staticmethod
+    def supported() -> bool:
+        """Whether this OS gives the per-CPU busy times and the affinity mask it reads."""
+        return hasattr(os, "sched_getaffinity") and os.path.exists("/proc/stat")
 
     def __init__(self, max_threads: int, interval_s: float = 1.0, busy_core_fraction: float = 0.4,
                  cpus: list[int] | None = None) -> None:
@@ -101,7 +108,6 @@ class ThreadGovernor:
         self._process = psutil.Process()
         self._last = self._sample()
         self._pending: int | None = None
-        self.changes = 0
 
     def _sample(self) -> tuple[float, float, float]:
         """(monotonic s, busy CPU-seconds of ``cpus`` since boot, this process's CPU-seconds)."""
@@ -142,10 +148,10 @@ class ThreadGovernor:
             self._pending = wanted          # one reading: wait for a second that agrees
         else:
             logger.info("torch threads %d -> %d: other processes use %.1f of this process's %d "
-                        "cores (--disable-adaptive-threads keeps them fixed)", self.current, wanted, others, self.physical_cores)
+                        "cores (--disable-adaptive-threads keeps them fixed)", self.current, wanted,
+                        others, self.physical_cores)
             torch.set_num_threads(wanted)
             self.current, self._pending = wanted, None
-            self.changes += 1
         return self.current
 
 
