@@ -514,9 +514,6 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: the chunk size of SGLang's csgmv CUDA kernel (servelm's "
               "torch_native LoRA backend runs two GEMMs per adapter group, with no chunks)",
               ("--max-lora-chunk-size",)),
-    Rejection(f"{NOT_BUILT_YET}: EAGLE / EAGLE-3 draft heads and their tree of drafts (NGRAM "
-              "and STANDALONE draft models are built)",
-              ("--speculative-eagle-topk", "--speculative-token-map")),
     Rejection("not supported: the STANDALONE draft model is loaded like --model (a local path or "
               "packaged name, with the model's dtype and --quantization), runs whole on the engine's rank next to "
               "the model and drafts over the request's whole context",
@@ -726,6 +723,8 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),
     ("speculative_disable_by_batch_size", "speculative_algorithm"),
+    ("speculative_eagle_topk", "speculative_algorithm"),
+    ("speculative_token_map", "speculative_algorithm"),
     *((name, "enable_hierarchical_cache") for name in (
         "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend",
         "hicache_mem_layout", "hicache_host_dtype", "hicache_storage_backend",

@@ -32,9 +32,28 @@ def test_steps_and_ngram_spellings() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative_algorithm="STANDALONE"), "needs a draft model"),
     (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="d"), "contradicts"),
-    (dict(speculative_algorithm="EAGLE"), "hidden state"),
-    (dict(speculative_algorithm="EAGLE3"), "hidden layers"),
+    (dict(speculative_algorithm="EAGLE"), "needs its head checkpoint"),
+    (dict(speculative_algorithm="EAGLE3"), "needs its head checkpoint"),
+    (dict(speculative_algorithm="NEXTN"), "multi-token-prediction"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="h",
+          speculative_eagle_topk=4), "tree of drafts is not built"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=1), "applies to EAGLE"),
+    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="h",
+          speculative_token_map="m.pt"), "own reduced vocabulary"),
 ])
 def test_refusals(kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_eagle_spellings(algorithm: str) -> None:
+    """SGLang's: --speculative-algorithm EAGLE3 --speculative-draft-model-path HEAD, topk 1 and the
+    step count (one draft per step of the chain)."""
+    config = cli_args.parse_args([
+        "--speculative-algorithm", algorithm, "--speculative-draft-model-path", "head",
+        "--speculative-eagle-topk", "1", "--speculative-num-steps", "3"]).speculative
+    assert (config.speculative_algorithm, config.speculative_draft_model_path,
+            config.speculative_eagle_topk, config.num_speculative_tokens) == (algorithm, "head", 1, 3)
+    with pytest.raises(SystemExit):
+        cli_args.parse_args(["--speculative-eagle-topk", "1"])   # needs --speculative-algorithm
