@@ -87,6 +87,7 @@ def hand_over_features(proposer: EagleProposer, scheduled: SchedulerOutput,
     if features is None or not scheduled.scheduled:
         return
     row = 0
+    known: list[tuple[str, list[int]]] = []
     for item, result, sequence in zip(scheduled.scheduled, results, scheduled.plan.sequences,
                                       strict=True):
         num_rows = len(sequence.token_ids)
@@ -97,5 +98,8 @@ def hand_over_features(proposer: EagleProposer, scheduled: SchedulerOutput,
                 num_kept += len(result.token_ids) - 1  # the accepted drafts
             proposer.add_features(request.request_id, request.num_computed_tokens,
                                   features[row:row + num_kept])
+            known.append((request.request_id, request.prompt_token_ids + request.output_token_ids
+                          + result.token_ids))
         row += num_rows
     assert row == features.shape[0], f"{features.shape[0]} feature rows for a plan of {row} tokens"
+    proposer.absorb(known)

@@ -36,6 +36,11 @@ import torch
 from servelm.spec.draft_model import DraftBlocks, DraftSequence, _filtered_distribution
 from servelm.spec.proposer import Draft, DraftRequest
 
+ABSORB_ROWS = 256
+"""Features a request may hold before ``absorb`` writes them into the head's KV ahead of a
+propose: long prompts and requests not drafting (--speculative-disable-by-batch-size) would
+otherwise keep every token's feature (EAGLE-3: 3 x hidden floats) until their next draft."""
+
 _GREEDY_TEMPERATURE = 1e-5
 _UINT64_MASK = (1 << 64) - 1
 
@@ -98,6 +103,7 @@ class EagleProposer:
             self._generator.manual_seed(seed)
         self.num_pool_misses = 0
         """Request-steps left without drafts because the head's pool was short."""
+        self.absorb_rows = ABSORB_ROWS
 
     @property
     def num_held_blocks(self) -> int:
@@ -126,6 +132,39 @@ class EagleProposer:
             state = self._states[request_id] = _HeadState(offset=start_position)
         state.pending.append(features)
         state.num_pending += features.shape[0]
+
+    def absorb(self, requests: list[tuple[str, list[int]]]) -> None:
+        """Write the entries of requests holding more than ``absorb_rows`` features into the
+        head's KV now (one batched forward), all but the last, which the next propose reads for
+        its first draft. ``requests``: (request id, its tokens known so far)."""
+        sequences: list[DraftSequence] = []
+        features: list[torch.Tensor] = []
+        for request_id, tokens in requests:
+            state = self._states.get(request_id)
+            if state is None or state.num_pending <= self.absorb_rows:
+                continue
+            count = state.num_pending - 1
+            first = state.offset + state.num_entries
+            if len(tokens) < first + count + 1 or not self._hold_blocks(state, state.num_entries + count):
+                continue
+            pending = torch.cat(state.pending)
+            sequences.append(DraftSequence(tokens[first + 1:first + count + 1], state.num_entries,
+                                           state.block_ids))
+            features.append(pending[:count])
+            state.pending, state.num_pending = [pending[count:]], 1
+            state.num_entries += count
+        if sequences:
+            self.runner.forward(sequences, torch.cat(features), True)
+
+    def _hold_blocks(self, state: _HeadState, num_positions: int) -> bool:
+        """Grow the request's blocks to hold ``num_positions`` head entries (False: pool short)."""
+        num_needed = -(-num_positions // self.runner.block_size)
+        if len(state.block_ids) < num_needed:
+            more = self.blocks.allocate(num_needed - len(state.block_ids))
+            if more is None:
+                return False
+            state.block_ids.extend(more)
+        return True
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft([]) for _ in requests]

@@ -98,14 +98,15 @@ def test_greedy_identical_under_chunked_prefill_and_preemption(models, algorithm
 
 
 def test_copying_head_under_chunked_prefill_preemption_and_prefix_hits(models):
-    """Features arrive per chunk, a preempted request restarts its head state, and a prefix-cache
-    hit starts the head at the first computed position: outputs stay exact and drafts are still
-    accepted."""
+    """Features arrive per chunk (and are written into the head's KV ahead of a propose once more
+    than 5 wait), a preempted request restarts its head state, and a prefix-cache hit starts the
+    head at the first computed position: outputs stay exact and drafts are still accepted."""
     token_lists = {str(i): p for i, p in enumerate(prompts(8))}
     params = greedy_all(token_lists, max_tokens=30)
     plain = generate(make_engine(models["one-layer"]), params, token_lists)
     squeezed = make_engine(models["one-layer"], "EAGLE", models["copying"], max_total_tokens=160,
                            chunk=7)
+    squeezed.speculation.proposer.absorb_rows = 5   # long pending features written ahead too
     assert generate(squeezed, params, token_lists) == plain
     assert squeezed.scheduler.num_preemptions > 0
     assert squeezed.stats()["spec_acceptance_rate"] > 0.5

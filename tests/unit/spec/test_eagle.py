@@ -117,3 +117,20 @@ def test_reduced_vocabulary_maps_drafts_and_their_distribution() -> None:
     assert float(sampled.probs[:, outside].sum()) == 0.0
     assert all(int(t) in to_target.tolist() for t in sampled.token_ids)
     assert all(float(sampled.probs[i, t]) > 0 for i, t in enumerate(sampled.token_ids))
+
+
+def test_absorb_writes_long_pending_features_ahead_of_propose() -> None:
+    head, pool = ScriptedHead(), BlockPool(8)
+    proposer = EagleProposer("EAGLE", head, pool)
+    proposer.absorb_rows = 3
+    tokens = [1, 2, 3, 4, 5, 6]
+    proposer.add_features("a", 0, feature_rows(0, 3))
+    proposer.absorb([("a", tokens)])
+    assert head.calls == []                                  # 3 rows: not more than absorb_rows
+    proposer.add_features("a", 3, feature_rows(3, 2))
+    proposer.absorb([("a", tokens)])
+    # entries 0..3 (tokens 2..5, features 0..3) written; feature 4 waits for the propose
+    assert head.calls == [[([2, 3, 4, 5], 0)]] and head.features == [([0, 1, 2, 3], True)]
+    head.calls.clear()
+    [draft] = proposer.propose([request([6])])
+    assert head.calls[0] == [([6], 4)] and draft.token_ids == [7, 8, 9]
