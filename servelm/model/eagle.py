@@ -216,6 +216,8 @@ def check_head_config(path: str, algorithm: str, config: Any, target_config: Any
     """The head must be the format ``algorithm`` reads and fit the target's hidden size."""
     expected = EAGLE_ARCHITECTURES[algorithm]
     found = head_architecture(config)
+    if algorithm == "EAGLE" and found == "LlamaForCausalLM":
+        found = expected  # the EAGLE authors' EAGLE-1 heads declare the plain name; tensors decide
     if found != expected:
         other = {v: k for k, v in EAGLE_ARCHITECTURES.items()}.get(found or "")
         hint = f" (an {other} head: --speculative-algorithm {other})" if other else ""
@@ -302,7 +304,7 @@ class EagleHeadRunner:
     """The head beside a loaded target model: its weights, its KV pool and one batched forward.
 
     Built in two steps so the engine can size both pools first: ``EagleHeadRunner(path,
-    algorithm, target_config, kv_dtype)`` reads only config.json (``kv_bytes_per_token``);
+    algorithm, target_config, block_size)`` reads only config.json (``kv_bytes_per_token``);
     ``init_kv_cache`` records the pool size; ``attach(target_model, ...)`` loads the weights next
     to the target's (sharing its embedding and, for EAGLE, its LM head) and allocates the pool."""
 

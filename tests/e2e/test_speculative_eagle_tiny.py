@@ -242,3 +242,19 @@ def test_sampled_tokens_keep_the_model_distribution(models, target, head, algori
     print(f"{head}: {len(seconds)} draws, TV distance {distance:.3f}, acceptance "
           f"{stats['spec_acceptance_rate']:.2f}")
     assert distance < 0.12, (head, distance, exact)
+
+
+def test_an_eagle1_head_declaring_the_plain_llama_name_loads(models, tmp_path):
+    """The EAGLE authors' EAGLE-1 heads declare LlamaForCausalLM: accepted for EAGLE (their
+    tensors are checked), while a whole Llama model given as the head is refused by its tensors."""
+    head = tmp_path / "plain-name"
+    shutil.copytree(models["qwen2-EAGLE"], head)
+    config = json.loads((head / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (head / "config.json").write_text(json.dumps(config))
+    token_lists = {"0": prompts(1)[0]}
+    params = greedy_all(token_lists, max_tokens=8)
+    assert generate(make_engine(models["qwen2"], "EAGLE", head), params, token_lists) == \
+        generate(make_engine(models["qwen2"]), params, token_lists)
+    with pytest.raises(ValueError, match="not part of the"):
+        make_engine(models["one-layer"], "EAGLE", models["one-layer"])
