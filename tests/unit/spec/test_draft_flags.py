@@ -44,4 +44,3 @@ def test_steps_and_ngram_spellings() -> None:
 def test_refusals(kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
-
