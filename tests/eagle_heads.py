@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from servelm.model.eagle_checkpoint import head_config, save_head, write_random_head
 from tests.tiny_models import make_tiny_config, make_tiny_hf_model

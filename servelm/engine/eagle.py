@@ -18,7 +18,6 @@ Refused: the same set-ups as a draft model (tensor / pipeline parallelism, embed
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,6 @@ from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.eagle import EagleHeadRunner, HiddenCapture
 from servelm.model.runner import ModelRunner
 from servelm.spec.eagle import EagleProposer
-
-logger = logging.getLogger(__name__)
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:

@@ -43,7 +43,8 @@ from servelm.model.attention import Attention
 from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.embedding import VocabEmbedding
-from servelm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, dense_linear
+from servelm.model.layers.linear import (
+    ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, dense_linear)
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters
 

@@ -36,7 +36,8 @@ class ScriptedHead:
         logits = torch.zeros(len(sequences), width)
         row, last_rows = 0, []
         for index, sequence in enumerate(sequences):
-            assert len(sequence.block_ids) * self.block_size >= sequence.start_position + len(sequence.token_ids)
+            num_positions = sequence.start_position + len(sequence.token_ids)
+            assert len(sequence.block_ids) * self.block_size >= num_positions
             logits[index, (sequence.token_ids[-1] + 1) % width] = 5.0
             row += len(sequence.token_ids)
             last_rows.append(row - 1)
