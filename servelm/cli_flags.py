@@ -514,9 +514,6 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: the chunk size of SGLang's csgmv CUDA kernel (servelm's "
               "torch_native LoRA backend runs two GEMMs per adapter group, with no chunks)",
               ("--max-lora-chunk-size",)),
-    Rejection(f"{NOT_BUILT_YET}: EAGLE / EAGLE-3 draft heads and their tree of drafts (NGRAM "
-              "and STANDALONE draft models are built)",
-              ("--speculative-eagle-topk", "--speculative-token-map")),
     Rejection("not supported: the STANDALONE draft model is loaded like --model (a local path or "
               "packaged name, with the model's dtype and --quantization), runs whole on the engine's rank next to "
               "the model and drafts over the request's whole context",
@@ -722,6 +719,8 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("bucket_time_to_first_token", "enable_metrics"),
     ("bucket_inter_token_latency", "enable_metrics"),
     ("bucket_e2e_request_latency", "enable_metrics"),
+    ("speculative_eagle_topk", "speculative_algorithm"),
+    ("speculative_token_map", "speculative_algorithm"),
     ("num_speculative_tokens", "speculative_algorithm"),
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),

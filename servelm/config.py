@@ -851,18 +851,14 @@ def _default_of(section: type, name: str) -> Any:
 
 
 SPECULATIVE_NOT_BUILT = {
-    "EAGLE": "EAGLE heads are not built yet: they read the model's last hidden state of every "
-             "token, which servelm's runner does not return, and draft a tree that its one-chain "
-             "verify does not score; a small draft model of the same family (STANDALONE, "
-             "--speculative-draft-model-path) is the nearest built option",
-    "EAGLE3": "EAGLE-3 heads are not built yet: they read three of the model's hidden layers per "
-              "token (and map a reduced draft vocabulary through d2t), which servelm's runner "
-              "does not return; STANDALONE (--speculative-draft-model-path) is built",
     "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
              "architecture servelm loads has; it is not built yet",
 }
-"""--speculative-algorithm values refused in this build, with the reason (NGRAM and STANDALONE
-are built)."""
+"""--speculative-algorithm values refused in this build, with the reason (NGRAM, STANDALONE,
+EAGLE and EAGLE3 are built)."""
+
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+"""Algorithms whose --speculative-draft-model-path is a draft head over the model's hidden states."""
 
 NGRAM_MODEL = "[ngram]"
 """vLLM's --speculative-model value for prompt lookup (a path otherwise)."""
@@ -878,7 +874,9 @@ class SpeculativeConfig:
         "sampling keeps the model's distribution). Off by default: it pays when outputs repeat "
         "their input (edits, code, extraction) and costs a little elsewhere. STANDALONE: a smaller "
         "model with the same tokenizer drafts (--speculative-draft-model-path; implied when only a "
-        "draft model is given). EAGLE, EAGLE3 and NEXTN are refused in this build.",
+        "draft model is given). EAGLE / EAGLE3: a draft head in the EAGLE-1 / EAGLE-3 checkpoint "
+        "format (--speculative-draft-model-path) reads the model's hidden states and drafts a chain "
+        "(topk 1). NEXTN is refused in this build.",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
     num_speculative_tokens: int = opt(
         5, "Most draft tokens verified per request per step (k; the step computes k + 1 positions "
@@ -893,8 +891,17 @@ class SpeculativeConfig:
     speculative_draft_model_path: str | None = opt(
         None, "STANDALONE: the draft model (a local checkpoint directory, .gguf or packaged name, "
         "as --model takes) that must share the model's tokenizer; it runs in the engine process "
-        "with its own KV pool, a share of the KV budget. vLLM's --speculative-model also takes "
-        "[ngram] here (prompt lookup).")
+        "with its own KV pool, a share of the KV budget. EAGLE / EAGLE3: the head checkpoint "
+        "directory (config.json with architectures LlamaForCausalLMEagle / LlamaForCausalLMEagle3 "
+        "and its weights), trained for this model. vLLM's --speculative-model also takes [ngram] "
+        "here (prompt lookup).")
+    speculative_eagle_topk: int | None = opt(
+        None, "EAGLE / EAGLE3: drafts kept per head step. Only 1 is built (a chain of "
+        "--num-speculative-tokens drafts verified in one pass); a tree of drafts (> 1) is refused.")
+    speculative_token_map: str | None = opt(
+        None, "EAGLE: a reduced draft vocabulary (FR-Spec's hot tokens): a torch file (.pt) holding "
+        "a 1-D tensor of model token ids; the head scores only these through a slice of the "
+        "model's LM head, so its drafts are always among them. EAGLE-3 heads carry their own (d2t).")
     speculative_disable_by_batch_size: int | None = opt(
         None, "Draft nothing in a step where at least this many requests are running: large "
         "batches already use the compute that speculation would use. None: always speculate.")
@@ -904,7 +911,9 @@ class SpeculativeConfig:
         algorithm = self.speculative_algorithm
         if algorithm is not None and algorithm in SPECULATIVE_NOT_BUILT:
             raise ValueError(f"--speculative-algorithm {algorithm} is not supported: "
-                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM and STANDALONE are")
+                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM, STANDALONE, EAGLE and "
+                             f"EAGLE3 are")
+        self._check_eagle()
         if self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be at least 1, got "
                              f"{self.num_speculative_tokens}")
@@ -925,6 +934,11 @@ class SpeculativeConfig:
         (so --dry-run prints the algorithm it runs)."""
         path = self.speculative_draft_model_path
         algorithm = self.speculative_algorithm
+        if algorithm in EAGLE_ALGORITHMS:
+            if path is None or path.strip().lower() in (NGRAM_MODEL, "ngram"):
+                raise ValueError(f"--speculative-algorithm {algorithm} needs its head checkpoint: "
+                                 "--speculative-draft-model-path PATH")
+            return
         if path is None:
             if algorithm == "STANDALONE":
                 raise ValueError("--speculative-algorithm STANDALONE needs a draft model: "
@@ -942,6 +956,22 @@ class SpeculativeConfig:
         elif algorithm != "STANDALONE":
             raise ValueError(f"--speculative-draft-model-path is the STANDALONE draft model; it "
                              f"contradicts --speculative-algorithm {algorithm}")
+
+    def _check_eagle(self) -> None:
+        is_eagle = self.speculative_algorithm in EAGLE_ALGORITHMS
+        topk = self.speculative_eagle_topk
+        if topk is not None:
+            if not is_eagle:
+                raise ValueError(f"--speculative-eagle-topk applies to EAGLE / EAGLE3 heads, not "
+                                 f"--speculative-algorithm {self.speculative_algorithm}")
+            if topk != 1:
+                raise ValueError(f"--speculative-eagle-topk {topk}: only 1 is supported (a chain of "
+                                 "drafts); a tree of drafts is not built, since servelm verifies one "
+                                 "chain per request in a multi-token pass")
+        if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
+            raise ValueError("--speculative-token-map applies to EAGLE heads (an EAGLE-3 head carries "
+                             f"its own reduced vocabulary), not --speculative-algorithm "
+                             f"{self.speculative_algorithm}")
 
     @property
     def is_enabled(self) -> bool:

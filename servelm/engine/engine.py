@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.engine.hicache import build_hicache
-from servelm.config import EngineConfig
+from servelm.config import EAGLE_ALGORITHMS, EngineConfig
 from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarError, check_backend_available
@@ -41,6 +41,7 @@ from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
+    from servelm.model.eagle import EagleHeadRunner
     from servelm.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,23 @@ class LLMEngine:
             from servelm.engine.draft_model import load_draft_runner
 
             draft, draft_tokenizer = load_draft_runner(config)
-        runner = self._start_runner(config, source, draft)
+        eagle_head = None
+        if config.speculative.speculative_algorithm in EAGLE_ALGORITHMS:
+            from servelm.engine.eagle import prepare_eagle_head
+
+            eagle_head = prepare_eagle_head(config, source)
+        runner = self._start_runner(config, source, draft or eagle_head)
         if draft is not None:
             from servelm.engine.draft_model import check_vocab, make_draft_proposer
 
             check_vocab(draft, draft_tokenizer, runner.vocab_size, tokenizer)
             self._draft_proposer = make_draft_proposer(config, draft)
+        if eagle_head is not None:
+            from servelm.engine.eagle import attach_eagle_head
+            from servelm.model.runner import ModelRunner
+
+            assert isinstance(runner, ModelRunner), "EAGLE runs beside an in-process model (tp, pp 1)"
+            self._draft_proposer = attach_eagle_head(config, eagle_head, runner)
         hf_config = source.hf_config
         self.model_info.update({
             "model_path": config.model.model,
@@ -171,7 +183,8 @@ class LLMEngine:
         return runner, tokenizer, list(source.eos_token_ids), source.context_length
 
     @staticmethod
-    def _start_runner(config: EngineConfig, source: Any, draft: ModelRunner | None = None) -> Runner:
+    def _start_runner(config: EngineConfig, source: Any,
+                      draft: ModelRunner | EagleHeadRunner | None = None) -> Runner:
         """The model side: in-process at tp 1 (no extra process or copy), else one worker per rank.
         The engine sizes the KV pool: the minimum of what every rank can hold (less a STANDALONE
         ``draft``'s share, whose pool is sized here too: ``engine.draft_model.split_kv_blocks``)."""

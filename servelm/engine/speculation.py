@@ -26,6 +26,7 @@ from servelm.engine.monitor import acceptance_figures
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.spec.draft_model import DraftModelProposer
+from servelm.spec.eagle import EagleProposer
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
 
 
@@ -90,6 +91,10 @@ class Speculation:
         """Count the step's verify passes (call before ``Scheduler.update``)."""
         if self.proposer is None:
             return
+        if isinstance(self.proposer, EagleProposer):
+            from servelm.engine.eagle import hand_over_features
+
+            hand_over_features(self.proposer, scheduled, results)
         for item, result in zip(scheduled.scheduled, results, strict=True):
             if item.draft_token_ids and result.token_ids:
                 self.num_verify_passes += 1
@@ -114,7 +119,7 @@ class Speculation:
                 **self._draft_pool_stats()}
 
     def _draft_pool_stats(self) -> dict[str, Any]:
-        if not isinstance(self.proposer, DraftModelProposer):
+        if not isinstance(self.proposer, DraftModelProposer | EagleProposer):
             return {}
         return {"spec_draft_used_blocks": self.proposer.num_held_blocks,
                 "spec_draft_pool_misses": self.proposer.num_pool_misses}

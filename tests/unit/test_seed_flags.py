@@ -104,6 +104,8 @@ def field_example(field_name: str) -> list[str]:
         return ['{"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}']
     if field_name == "lora_target_modules":
         return ["q_proj", "v_proj"]
+    if field_name == "speculative_eagle_topk":
+        return ["1"]  # a chain: the only top-k built (a tree is refused)
     field = cli_flags.config_fields()[field_name]
     hints: dict[str, typing.Any] = {}
     for section in EngineConfig.sections().values():
@@ -218,6 +220,9 @@ def test_flag_behaves_as_catalogued(flag: str, capsys: pytest.CaptureFixture[str
 _MULTI_NODE = ["--nnodes", "2", "--tp-size", "2", "--dist-init-addr", "127.0.0.1:5000"]
 MULTI_NODE_COMPANIONS = {"nnodes": _MULTI_NODE[2:], "node_rank": _MULTI_NODE,
                          "dist_init_addr": _MULTI_NODE[:4]}
+_EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "head"]
+EAGLE_COMPANIONS = {"speculative_eagle_topk": _EAGLE, "speculative_token_map": _EAGLE}
+"""EAGLE head options: refused with any other --speculative-algorithm (SpeculativeConfig)."""
 LORA_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig().lora)} - {"enable_lora", "lora_paths"}
 """LoRA options refused without --enable-lora (LoRAConfig checks it: --lora-paths enables too)."""
 
@@ -226,6 +231,8 @@ def companions(field_name: str) -> list[str]:
     """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
     if field_name in LORA_OPTIONS:
         return ["--enable-lora"]
+    if field_name in EAGLE_COMPANIONS:
+        return EAGLE_COMPANIONS[field_name]
     return MULTI_NODE_COMPANIONS.get(field_name, []) + [
         arg for name, needed in cli_flags.NEEDS if name == field_name
         for arg in (cli_flags.flag_name(needed), *field_example(needed))]

@@ -32,8 +32,14 @@ def test_steps_and_ngram_spellings() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative_algorithm="STANDALONE"), "needs a draft model"),
     (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="d"), "contradicts"),
-    (dict(speculative_algorithm="EAGLE"), "hidden state"),
-    (dict(speculative_algorithm="EAGLE3"), "hidden layers"),
+    (dict(speculative_algorithm="EAGLE"), "needs its head checkpoint"),
+    (dict(speculative_algorithm="EAGLE3"), "needs its head checkpoint"),
+    (dict(speculative_algorithm="NEXTN"), "multi-token-prediction"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="h",
+          speculative_eagle_topk=4), "tree of drafts is not built"),
+    (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=1), "applies to EAGLE"),
+    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="h",
+          speculative_token_map="m.pt"), "own reduced vocabulary"),
 ])
 def test_refusals(kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
