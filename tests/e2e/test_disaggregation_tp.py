@@ -1,0 +1,86 @@
+"""Prefill/decode disaggregation with tensor parallelism: a prefill and a decode LLMEngine in this
+process (their ranks 1 in real worker processes, K/V over real pyzmq TCP sockets on 127.0.0.1),
+tiny random-weight models, float32, one thread per rank.
+
+Each side's pool holds its ranks' shares of the KV heads; a transfer carries every head, gathered
+from the prefill ranks and split over the decode ranks, so prefill tp 1 -> decode tp 2, 2 -> 1
+and 2 -> 2 all give the greedy tokens of one co-located single-rank engine, and both pools end
+idle. GQA with the KV heads split (llama: 2 KV heads, one per rank), split unevenly
+(llama_uneven: 3 KV heads, 2 + 1) and replicated (gemma3_mqa: one KV head on both ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servelm.config import EngineConfig
+from servelm.engine.engine import LLMEngine
+from tests.e2e.server_process import free_port
+from tests.e2e.test_disaggregation_tiny import PARAMS, assert_idle, prompts, run_pair
+from tests.engine_drive import greedy
+from tests.tiny_models import make_tiny_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+def make_engine(path: Path, tp_size: int, mode: str = "null", port: int = 8998,
+                **flags: object) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_flat(dict(
+        model=str(path), skip_tokenizer_init=True, dtype="float32", device="cpu", num_threads=1,
+        tensor_parallel_size=tp_size, max_total_tokens=2048, page_size=8, chunked_prefill_size=64,
+        max_prefill_tokens=256, disaggregation_mode=mode, disaggregation_bootstrap_port=port,
+        disaggregation_transfer_timeout=20.0, **flags)))
+
+
+@pytest.mark.parametrize("arch, prefill_tp, decode_tp", [
+    ("llama", 2, 2), ("llama", 1, 2), ("llama", 2, 1), ("llama_uneven", 2, 1),
+    ("gemma3_mqa", 1, 2)])
+def test_greedy_identical_to_single_rank_colocated(tmp_path: Path, arch: str, prefill_tp: int,
+                                                   decode_tp: int) -> None:
+    path = make_tiny_model_dir(tmp_path, arch)
+    reference = make_engine(path, 1)
+    token_lists = prompts(reference.runner.vocab_size)
+    expected = greedy(reference, token_lists, PARAMS)
+    reference.shutdown()
+    port = free_port()
+    prefill = make_engine(path, prefill_tp, "prefill", port, disaggregation_decode_tp=decode_tp)
+    try:
+        decode = make_engine(path, decode_tp, "decode")
+        try:
+            # the first alone: the decode side then holds the shared prefix, and later pulls skip it
+            outputs = run_pair(prefill, decode, [("a0", token_lists[0])], port)
+            outputs |= run_pair(prefill, decode, [(f"a{i}", t) for i, t in enumerate(token_lists) if i],
+                                port)
+            for index in range(len(token_lists)):
+                output = outputs[f"a{index}"]
+                assert output.finish_reason == "length", output.error
+                assert output.new_token_ids == expected[index], index
+            assert decode.stats()["disaggregation_bytes_received"] == \
+                prefill.stats()["disaggregation_bytes_sent"]
+            assert_idle(prefill, decode)
+        finally:
+            decode.shutdown()
+    finally:
+        prefill.shutdown()
+
+
+def test_decode_tp_other_than_expected_is_a_clear_error(tmp_path: Path) -> None:
+    """A prefill server without --disaggregation-decode-tp expects its own tp (SGLang's default):
+    a decode server of another tp gets an error naming both sizes, and both pools end idle."""
+    path = make_tiny_model_dir(tmp_path, "llama")
+    port = free_port()
+    prefill = make_engine(path, 1, "prefill", port)
+    try:
+        decode = make_engine(path, 2, "decode")
+        try:
+            outputs = run_pair(prefill, decode, [("m", [5, 6, 7, 8, 9, 10, 11, 12, 13])], port)
+            assert outputs["m"].finish_reason == "error"
+            assert "--tp-size 2" in (outputs["m"].error or "")
+            assert "--disaggregation-decode-tp" in (outputs["m"].error or "")
+            assert_idle(prefill, decode)
+        finally:
+            decode.shutdown()
+    finally:
+        prefill.shutdown()
