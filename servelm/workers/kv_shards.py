@@ -52,8 +52,8 @@ class ShardedKV:
     ``num_kv_heads`` the model's). Rank 0's pool is in this process; the others are reached by
     the executor's commands.
 
-    Invariants: ``read_blocks`` returns the bytes a tp-1 pool of the same model would hold (each
-    head taken from the first rank holding it: replicated heads are equal on every rank), so a
+    Invariants: ``read_blocks`` returns the bytes a tp-1 pool of the same model would hold (a
+    replicated head is equal on every rank holding it, so any copy will do), so a
     prefill server at tp N and a decode server at tp M exchange blocks whatever N and M are.
     """
 
