@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from servelm.config import EngineConfig
@@ -84,3 +85,36 @@ def test_decode_tp_other_than_expected_is_a_clear_error(tmp_path: Path) -> None:
             decode.shutdown()
     finally:
         prefill.shutdown()
+
+
+def test_router_over_a_tp1_prefill_and_a_tp2_decode_server_matches_one_server() -> None:
+    """Real servers (SmolLM2-135M, float32, one thread per rank; its 3 KV heads split 2 + 1 on
+    the decode server's ranks) behind `servelm router`: streaming and not, the greedy text of one
+    co-located single-rank server, and both pools idle afterwards."""
+    from .router_process import RouterProcess
+    from .server_process import ServerProcess
+    from .test_disaggregation_live import assert_idle as assert_servers_idle
+    from .test_router import MODEL, WORKER_ARGS, streamed_text
+
+    long_prompt = " ".join(f"item {i}," for i in range(60))
+    bodies = [{"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+              for prompt in ("The capital of France is", long_prompt)]
+    with ServerProcess(WORKER_ARGS) as colocated:
+        expected = [httpx.post(f"{colocated.base_url}/v1/completions", json=body, timeout=120)
+                    .json()["choices"][0]["text"] for body in bodies]
+    bootstrap_port = free_port()
+    with ServerProcess([*WORKER_ARGS, "--disaggregation-mode", "prefill", "--disaggregation-decode-tp",
+                        "2", "--disaggregation-bootstrap-port", str(bootstrap_port)]) as prefill, \
+            ServerProcess([*WORKER_ARGS, "--disaggregation-mode", "decode", "--tp-size", "2"]) as decode, \
+            RouterProcess(["--prefill", prefill.base_url, str(bootstrap_port),
+                           "--decode", decode.base_url]) as router:
+        for body, text in zip(bodies, expected, strict=True):
+            response = httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+            assert streamed_text(router.base_url, "/v1/completions", body)[0] == text
+        infos = [httpx.get(f"{s.base_url}/get_server_info", timeout=30).json() for s in (prefill, decode)]
+        assert infos[1]["parallel"]["tp_size"] == 2
+        assert [r["num_kv_heads"] for r in infos[1]["parallel"]["ranks"]] == [2, 1]
+        assert infos[1]["disaggregation_num_transfers"] == 4
+        assert_servers_idle({"prefill": prefill, "decode": decode})
