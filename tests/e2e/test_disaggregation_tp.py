@@ -6,7 +6,8 @@ Each side's pool holds its ranks' shares of the KV heads; a transfer carries eve
 from the prefill ranks and split over the decode ranks, so prefill tp 1 -> decode tp 2, 2 -> 1
 and 2 -> 2 all give the greedy tokens of one co-located single-rank engine, and both pools end
 idle. GQA with the KV heads split (llama: 2 KV heads, one per rank), split unevenly
-(llama_uneven: 3 KV heads, 2 + 1) and replicated (gemma3_mqa: one KV head on both ranks).
+(llama_uneven: 3 KV heads, 2 + 1) and replicated (gemma3_mqa: one KV head on both ranks); float8
+K/V through the shm backend.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import pytest
 from servelm.config import EngineConfig
 from servelm.engine.engine import LLMEngine
 from tests.e2e.server_process import free_port
-from tests.e2e.test_disaggregation_tiny import PARAMS, assert_idle, prompts, run_pair
+from tests.e2e.test_disaggregation_tiny import PARAMS, assert_idle, prompts, run_pair, wait_for
 from tests.engine_drive import greedy
 from tests.tiny_models import make_tiny_model_dir
 
-pytestmark = pytest.mark.slow
+SLOW = pytest.mark.slow
 
 
 def make_engine(path: Path, tp_size: int, mode: str = "null", port: int = 8998,
@@ -35,20 +36,25 @@ def make_engine(path: Path, tp_size: int, mode: str = "null", port: int = 8998,
         disaggregation_transfer_timeout=20.0, **flags)))
 
 
-@pytest.mark.parametrize("arch, prefill_tp, decode_tp", [
-    ("llama", 2, 2), ("llama", 1, 2), ("llama", 2, 1), ("llama_uneven", 2, 1),
-    ("gemma3_mqa", 1, 2)])
+@pytest.mark.parametrize("arch, prefill_tp, decode_tp, kv_dtype, backend", [
+    ("llama", 2, 2, "auto", "zmq"),  # gathers and splits: the default run's case
+    pytest.param("llama", 1, 2, "auto", "zmq", marks=SLOW),
+    pytest.param("llama", 2, 1, "auto", "zmq", marks=SLOW),
+    pytest.param("llama_uneven", 2, 1, "auto", "zmq", marks=SLOW),
+    pytest.param("gemma3_mqa", 1, 2, "auto", "zmq", marks=SLOW),
+    pytest.param("llama_uneven", 1, 2, "fp8_e4m3", "shm", marks=SLOW)])
 def test_greedy_identical_to_single_rank_colocated(tmp_path: Path, arch: str, prefill_tp: int,
-                                                   decode_tp: int) -> None:
+                                                   decode_tp: int, kv_dtype: str, backend: str) -> None:
     path = make_tiny_model_dir(tmp_path, arch)
-    reference = make_engine(path, 1)
+    flags = dict(kv_cache_dtype=kv_dtype, disaggregation_transfer_backend=backend)
+    reference = make_engine(path, 1, kv_cache_dtype=kv_dtype)
     token_lists = prompts(reference.runner.vocab_size)
     expected = greedy(reference, token_lists, PARAMS)
     reference.shutdown()
     port = free_port()
-    prefill = make_engine(path, prefill_tp, "prefill", port, disaggregation_decode_tp=decode_tp)
+    prefill = make_engine(path, prefill_tp, "prefill", port, disaggregation_decode_tp=decode_tp, **flags)
     try:
-        decode = make_engine(path, decode_tp, "decode")
+        decode = make_engine(path, decode_tp, "decode", **flags)
         try:
             # the first alone: the decode side then holds the shared prefix, and later pulls skip it
             outputs = run_pair(prefill, decode, [("a0", token_lists[0])], port)
@@ -80,6 +86,8 @@ def test_decode_tp_other_than_expected_is_a_clear_error(tmp_path: Path) -> None:
             assert outputs["m"].finish_reason == "error"
             assert "--tp-size 2" in (outputs["m"].error or "")
             assert "--disaggregation-decode-tp" in (outputs["m"].error or "")
+            # the prefill side frees its parked K/V when the decode side's cancel arrives
+            wait_for(lambda: prefill.stats()["disaggregation_num_parked_blocks"] == 0, prefill)
             assert_idle(prefill, decode)
         finally:
             decode.shutdown()
@@ -87,6 +95,7 @@ def test_decode_tp_other_than_expected_is_a_clear_error(tmp_path: Path) -> None:
         prefill.shutdown()
 
 
+@SLOW
 def test_router_over_a_tp1_prefill_and_a_tp2_decode_server_matches_one_server() -> None:
     """Real servers (SmolLM2-135M, float32, one thread per rank; its 3 KV heads split 2 + 1 on
     the decode server's ranks) behind `servelm router`: streaming and not, the greedy text of one
