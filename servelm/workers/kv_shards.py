@@ -1,7 +1,7 @@
 """A rank worker's part of a prefill/decode transfer: its share of the KV heads.
 
-A transfer carries every KV head of the model (``disagg/sharded.py`` assembles and splits them in
-the engine process); each rank's pool holds the heads of its ``HeadShard``. A worker reports
+A transfer carries every KV head of the model (``ShardedKV`` below gathers and splits them in the
+engine process); each rank's pool holds the heads of its ``HeadShard``. A worker reports
 which heads it holds, sends its share of a prefill request's blocks, and stores its share of a
 decode request's blocks, all as commands between steps (handled in order, so a write lands before
 the step that reads it).

@@ -348,10 +348,11 @@ class MultiprocExecutor:
     def transfer_pool(self) -> Any:
         """Every KV head of this server's pool, for prefill/decode disaggregation: a
         ``kv_shards.ShardedKV`` over the ranks (the transfer's view of the pool)."""
-        from servelm.workers.kv_shards import ShardedKV
+        from servelm.workers.kv_shards import ShardedKV, kv_head_range
 
         if self.pp_size > 1:
             raise ValueError("--disaggregation-mode cannot be combined with --pp-size > 1")
+        kv_head_range(self.runner)  # a model the transfer cannot split fails here, not on a worker
         self._broadcast(DescribeKVHeads())
         replies = self._wait(KVHeads, "report its KV heads")
         return ShardedKV(self, [(reply.start, reply.size) for reply in replies])
