@@ -733,6 +733,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("disaggregation_bootstrap_port", "disaggregation_mode"),
     ("disaggregation_transfer_backend", "disaggregation_mode"),
     ("disaggregation_transfer_timeout", "disaggregation_mode"),
+    ("disaggregation_decode_tp", "disaggregation_mode"),
     ("num_reserved_decode_tokens", "disaggregation_mode"),
     ("disaggregation_decode_polling_interval", "disaggregation_mode"),
     ("pd_master_ip", "disaggregation_mode"),

@@ -1036,14 +1036,17 @@ class DisaggregationConfig:
     disaggregation_transfer_timeout: float = opt(
         30.0, "Seconds a transfer may take: a decode server that gets no K/V in this time ends "
         "the request with an error; a prefill server frees K/V nobody pulled in this time.")
-    disaggregation_decode_tp: int = opt(
-        1, "Prefill server: the decode servers' tensor-parallel size. Only 1: K/V moves between "
-        "single-rank engines.")
+    disaggregation_decode_tp: int | None = opt(
+        None, "Prefill server: the decode servers' --tp-size, as in SGLang (unset: this server's "
+        "own --tp-size). A transfer carries every KV head whatever either side's tp, and each "
+        "side splits the heads over its own ranks; a pull from a decode server of another tp is "
+        "refused with an error naming both sizes.")
     disaggregation_decode_dp: int = opt(
-        1, "Prefill server: the decode servers' data-parallel size. Only 1 (one engine process "
-        "per decode server).")
+        1, "Prefill server: the decode servers' data-parallel size. Only 1: one engine process "
+        "per decode server; run several decode servers behind `servelm router` instead.")
     disaggregation_prefill_pp: int = opt(
-        1, "Decode server: the prefill servers' pipeline-parallel size. Only 1.")
+        1, "Decode server: the prefill servers' pipeline-parallel size. Only 1: a prefill server "
+        "has no --pp-size > 1.")
     num_reserved_decode_tokens: int = opt(
         512, "Decode server: a transfer is accepted only while the pool keeps this many tokens "
         "free per running request beyond the prompt's blocks (room to decode), as SGLang's flag "
@@ -1069,12 +1072,22 @@ class DisaggregationConfig:
                 raise ValueError(f"--kv-transfer-config asks for backend {vllm[1]} but "
                                  f"--disaggregation-transfer-backend is "
                                  f"{self.disaggregation_transfer_backend}")
-        for flag, value in (("--disaggregation-decode-tp", self.disaggregation_decode_tp),
-                            ("--disaggregation-decode-dp", self.disaggregation_decode_dp),
-                            ("--disaggregation-prefill-pp", self.disaggregation_prefill_pp)):
-            if value != 1:
-                raise ValueError(f"{flag} {value} is not supported: servelm moves K/V between "
-                                 "single-rank engines (tp, dp and pp 1 on both sides); only 1")
+        if self.disaggregation_decode_dp != 1:
+            raise ValueError(f"--disaggregation-decode-dp {self.disaggregation_decode_dp} is not "
+                             "supported: a decode server is one engine (--dp-size 1); data "
+                             "parallelism of PD servers is the router's (several decode servers "
+                             "behind `servelm router`); only 1")
+        if self.disaggregation_prefill_pp != 1:
+            raise ValueError(f"--disaggregation-prefill-pp {self.disaggregation_prefill_pp} is not "
+                             "supported: prefill servers run --pp-size 1; only 1")
+        if self.disaggregation_decode_tp is not None:
+            if self.disaggregation_decode_tp < 1:
+                raise ValueError(f"--disaggregation-decode-tp must be at least 1, got "
+                                 f"{self.disaggregation_decode_tp}")
+            if self.mode != "prefill":
+                raise ValueError("--disaggregation-decode-tp is a prefill server's flag (the "
+                                 "decode servers' --tp-size); give it with --disaggregation-mode "
+                                 "prefill")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(f"--disaggregation-bootstrap-port must be a TCP port, got "
                              f"{self.disaggregation_bootstrap_port}")
@@ -1166,15 +1179,23 @@ class EngineConfig:
                              "never use the prefix cache")
 
     def _check_disaggregation(self) -> None:
-        """What a prefill or decode server cannot run with: K/V moves between single-rank engines."""
+        """What a prefill or decode server cannot run with: K/V moves between tp ranks of one stage."""
         mode = self.disaggregation.mode
         if mode == "null":
             return
         parallel = self.parallel
-        if (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                parallel.data_parallel_size) != (1, 1, 1):
-            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --tp-size, "
-                             "--pp-size or --dp-size > 1 yet: K/V moves between single-rank engines")
+        if parallel.data_parallel_size > 1:
+            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --dp-size > 1: "
+                             "data parallelism of PD servers is the router's job (start several "
+                             "prefill or decode servers and list them all to `servelm router`)")
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --pp-size > 1 "
+                             "yet: a transfer reads and writes one stage's KV pool (use --tp-size)")
+        if parallel.tensor_parallel_size > 1 and (self.disaggregation.transfer_backend not in ("zmq", "shm")
+                                                  or parallel.distributed_executor_backend != "mp"):
+            raise ValueError(f"--disaggregation-mode {mode} with --tp-size > 1 moves K/V through "
+                             "the engine process: it needs --disaggregation-transfer-backend zmq "
+                             "or shm and --distributed-executor-backend mp")
         if self.model.task == "embed":
             raise ValueError(f"--disaggregation-mode {mode} serves generation; it cannot be "
                              "combined with --task embed")

@@ -95,7 +95,8 @@ class DecodeClient:
         self._socket(host, port).send_multipart([transfer.header({
             "type": "pull", "key": key, "num_prompt_tokens": len(prompt_token_ids),
             "prompt_sha256": transfer.prompt_digest(prompt_token_ids),
-            "prefix_tokens": prefix_tokens, "layout": self.layout})])
+            "prefix_tokens": prefix_tokens, "layout": self.layout,
+            "tp_size": transfer.tp_size(self.cache)})])
 
     def cancel(self, key: str, host: str, port: int) -> None:
         """The request ended here: the prefill side may free what it parked for it."""

@@ -88,6 +88,8 @@ class PrefillSide:
             raise ValueError(f"--disaggregation-bootstrap-port {config.disaggregation_bootstrap_port}: "
                              f"cannot listen ({error}); choose a free port") from None
         self.layout = transfer.layout(cache)
+        self.decode_tp = config.disaggregation_decode_tp or transfer.tp_size(cache)
+        """The --tp-size a decode server must run with (a pull says its own)."""
         self.parked: dict[str, Parked] = {}
         self.pulls: dict[str, _Pull] = {}
         """Pulls that arrived before their request finished."""
@@ -167,6 +169,12 @@ class PrefillSide:
             self._error(identity, key, f"the prefill server's KV layout {self.layout} differs from "
                         f"the decode server's {message.get('layout')} (same model, --page-size and "
                         "--kv-cache-dtype on both)")
+            return
+        decode_tp = message.get("tp_size", 1)
+        if decode_tp != self.decode_tp:
+            self._error(identity, key, f"the decode server runs --tp-size {decode_tp}, but this "
+                        f"prefill server expects {self.decode_tp} (--disaggregation-decode-tp; "
+                        "unset, the prefill server's own --tp-size)")
             return
         parked = self.parked.pop(key, None)
         if parked is None:

@@ -15,6 +15,10 @@ Block layout: every layer's K (and V) pool viewed as bytes ``[num_blocks, bytes_
 transfer of blocks b_0..b_n-1 is ``[num_layers, n, bytes_per_block]`` uint8, K then V. Bytes are
 copied as stored, so float8 K/V (``--kv-cache-dtype fp8_*``) crosses as one byte per element.
 Both sides must have the same ``layout`` (model, page size, KV dtype), checked on every pull.
+A tensor-parallel server's pool (``workers/kv_shards.ShardedKV``) reads and writes every KV head
+in this same layout, gathering its ranks' heads or splitting them over its ranks, so the layout
+does not depend on either side's --tp-size; the pull names the decode side's tp, which the
+prefill side checks against its --disaggregation-decode-tp (SGLang's meaning).
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ def layout(cache: KVCache) -> dict[str, Any]:
             "dtype": str(cache.dtype).removeprefix("torch.")}
 
 
+def tp_size(cache: KVCache) -> int:
+    """Ranks the pool is split over (a tensor-parallel server's ``ShardedKV``; 1 for a KVCache).
+    Only checked against --disaggregation-decode-tp: the wire always carries every KV head."""
+    return int(getattr(cache, "tp_size", 1))
+
+
 def bytes_per_block(cache: KVCache) -> int:
     """Bytes one block of one layer's K (or V) takes."""
     return cache.block_size * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
@@ -50,25 +60,16 @@ def prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()
 
 
-def _as_blocks(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    return tensor.view(torch.uint8).view(num_blocks, -1)
-
-
 def read_blocks(cache: KVCache, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of ``block_ids``, ``[num_layers, len(block_ids), bytes_per_block]`` uint8 each."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=cache.k_caches[0].device)
-    k = torch.stack([_as_blocks(t, cache.num_blocks).index_select(0, index) for t in cache.k_caches])
-    v = torch.stack([_as_blocks(t, cache.num_blocks).index_select(0, index) for t in cache.v_caches])
-    return k.cpu().contiguous(), v.cpu().contiguous()
+    """K and V of ``block_ids``, ``[num_layers, len(block_ids), bytes_per_block]`` uint8 each
+    (every KV head of the model: a tensor-parallel server's ``ShardedKV`` gathers its ranks')."""
+    return cache.read_blocks(block_ids)
 
 
 def write_blocks(cache: KVCache, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store ``read_blocks``' output at ``block_ids`` of this pool."""
-    device = cache.k_caches[0].device
-    index = torch.tensor(block_ids, dtype=torch.long, device=device)
-    for layer, (k_cache, v_cache) in enumerate(zip(cache.k_caches, cache.v_caches)):
-        _as_blocks(k_cache, cache.num_blocks).index_copy_(0, index, k[layer].to(device))
-        _as_blocks(v_cache, cache.num_blocks).index_copy_(0, index, v[layer].to(device))
+    """Store ``read_blocks``' output at ``block_ids`` of this pool (split over the ranks of a
+    tensor-parallel server)."""
+    cache.write_blocks(block_ids, k, v)
 
 
 def encode_logprob(entry: TokenLogprob | None) -> dict[str, Any] | None:

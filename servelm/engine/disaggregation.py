@@ -67,6 +67,7 @@ class Disaggregation:
         self.prefill = (PrefillSide(self.config, kv_cache, scheduler.block_pool, self.engine_id)
                         if self.mode == "prefill" else None)
         self.decode = DecodeClient(self.config, kv_cache) if self.mode == "decode" else None
+        self.tp_size = config.parallel.tensor_parallel_size
         self._prefill_requests: dict[str, KVTransfer] = {}
         """prefill: request id -> its transfer, while the request is queued or running."""
         self._pending: dict[str, _Pending] = {}
@@ -129,7 +130,7 @@ class Disaggregation:
         if not transfer.is_vllm or parked is None:
             return None
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": key,
-                "remote_engine_id": self.engine_id, "remote_block_ids": block_ids, "tp_size": 1}
+                "remote_engine_id": self.engine_id, "remote_block_ids": block_ids, "tp_size": self.tp_size}
 
     @property
     def is_waiting(self) -> bool:

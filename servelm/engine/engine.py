@@ -133,8 +133,11 @@ class LLMEngine:
         if not self.config.disaggregation.is_enabled:
             return None
         kv_cache = getattr(runner, "kv_cache", None)
+        if kv_cache is None and hasattr(runner, "transfer_pool"):  # tensor parallel: every rank's share
+            kv_cache = runner.transfer_pool()
         if kv_cache is None:
-            raise ValueError("--disaggregation-mode needs the in-process model runner (tp, pp 1)")
+            raise ValueError("--disaggregation-mode needs the in-process model runner or the mp "
+                             "executor (--distributed-executor-backend mp)")
         disaggregation = Disaggregation(self.config, self.scheduler, kv_cache)
         self.model_info.update(disaggregation.describe())
         return disaggregation

@@ -77,3 +77,38 @@ class KVCache:
         """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""
         index = layer_id - self.first_layer
         return self.k_caches[index], self.v_caches[index]
+
+    # -- whole blocks as bytes (prefill/decode disaggregation) ---------------------------------
+    def _as_blocks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view(torch.uint8).view(self.num_blocks, -1)
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_ids``, ``[num_layers, len(block_ids), bytes_per_block]`` uint8 each,
+        on the CPU (bytes as stored: float8 K/V stays one byte per element)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k_caches[0].device)
+        k = torch.stack([self._as_blocks(t).index_select(0, index) for t in self.k_caches])
+        v = torch.stack([self._as_blocks(t).index_select(0, index) for t in self.v_caches])
+        return k.cpu().contiguous(), v.cpu().contiguous()
+
+    def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``read_blocks``' output at ``block_ids`` of this pool."""
+        device = self.k_caches[0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
+            self._as_blocks(k_cache).index_copy_(0, index, k[layer].to(device))
+            self._as_blocks(v_cache).index_copy_(0, index, v[layer].to(device))
+
+
+def block_heads(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """``read_blocks``' ``[num_layers, num_blocks, bytes_per_block]`` viewed per KV head:
+    ``[num_layers, num_blocks, block_size, num_kv_heads, bytes_per_head]`` (a block stores its
+    slots one after another, each slot its heads one after another)."""
+    return blocks.view(blocks.shape[0], blocks.shape[1], block_size, num_kv_heads, -1)
+
+
+def select_heads(blocks: torch.Tensor, block_size: int, num_kv_heads: int, start: int,
+                 size: int) -> torch.Tensor:
+    """KV heads ``start .. start + size - 1`` of blocks holding ``num_kv_heads`` heads, in the
+    same byte layout (the pool of a rank that holds those heads)."""
+    heads = block_heads(blocks, block_size, num_kv_heads)[:, :, :, start:start + size]
+    return heads.contiguous().view(blocks.shape[0], blocks.shape[1], -1)

@@ -22,7 +22,7 @@ from typing import Any
 from servelm.config import EngineConfig
 from servelm.model.forward_batch import BatchPlan
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,50 @@ class RemoveLoRA:
 
 
 @dataclass(frozen=True)
+class DescribeKVHeads:
+    """Reply with the KV heads this rank's pool holds (``KVHeads``): for a disaggregated server,
+    whose transfers carry every KV head."""
+
+
+@dataclass(frozen=True)
+class KVHeads:
+    rank: int
+    start: int
+    """This rank's first KV head (an index into the model's KV heads)."""
+    size: int
+    """KV heads it holds (replicated heads: the same range on several ranks)."""
+
+
+@dataclass(frozen=True)
+class ReadKVBlocks:
+    """Reply with this rank's K and V of ``block_ids`` (``KVBlocksRead``), for a prefill
+    server's transfer (between steps: commands are handled in order)."""
+
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVBlocksRead:
+    rank: int
+    k: Any
+    """``[num_layers, len(block_ids), bytes_per_block]`` uint8 numpy array (this rank's heads)."""
+    v: Any
+
+
+@dataclass(frozen=True)
+class WriteKVBlocks:
+    """Store this rank's heads of transferred K/V at ``block_ids`` (a decode server; before the
+    next step, since commands are handled in order). No reply."""
+
+    block_ids: list[int]
+    num_kv_heads: int
+    """KV heads in ``k`` and ``v``: every head of the model; the rank keeps its own."""
+    k: Any
+    """``[num_layers, len(block_ids), bytes_per_block]`` uint8 numpy array, every KV head."""
+    v: Any
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Exit the command loop."""
 
@@ -123,5 +167,6 @@ class WorkerFailed:
     error: str
 
 
-Command = InitKVCache | ExecuteStep | SetLoRA | RemoveLoRA | Shutdown
-Reply = WorkerHello | WorkerLoaded | KVCacheReady | WorkerFailed
+Command = (InitKVCache | ExecuteStep | SetLoRA | RemoveLoRA | DescribeKVHeads | ReadKVBlocks
+           | WriteKVBlocks | Shutdown)
+Reply = WorkerHello | WorkerLoaded | KVCacheReady | KVHeads | KVBlocksRead | WorkerFailed

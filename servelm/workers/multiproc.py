@@ -53,8 +53,9 @@ import servelm
 from servelm.config import EngineConfig, split_host_port
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
-    PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, Reply, SetLoRA, Shutdown,
-    WorkerFailed, WorkerHello, WorkerInit, WorkerLoaded)
+    PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, InitKVCache, KVBlocksRead, KVCacheReady, KVHeads,
+    ReadKVBlocks, RemoveLoRA, Reply, SetLoRA, Shutdown, WorkerFailed, WorkerHello, WorkerInit,
+    WorkerLoaded, WriteKVBlocks)
 from servelm.distributed import shm_allreduce
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
 from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
@@ -343,6 +344,30 @@ class MultiprocExecutor:
     def remove_lora(self, slot: int) -> None:
         self._broadcast(RemoveLoRA(slot))
         self.runner.remove_lora(slot)
+
+    def transfer_pool(self) -> Any:
+        """Every KV head of this server's pool, for prefill/decode disaggregation: a
+        ``kv_shards.ShardedKV`` over the ranks (the transfer's view of the pool)."""
+        from servelm.workers.kv_shards import ShardedKV, kv_head_range
+
+        if self.pp_size > 1:
+            raise ValueError("--disaggregation-mode cannot be combined with --pp-size > 1")
+        kv_head_range(self.runner)  # a model the transfer cannot split fails here, not on a worker
+        self._broadcast(DescribeKVHeads())
+        replies = self._wait(KVHeads, "report its KV heads")
+        return ShardedKV(self, [(reply.start, reply.size) for reply in replies])
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Ranks 1..N-1's K and V of ``block_ids`` (each its own heads), rank order."""
+        self._broadcast(ReadKVBlocks(block_ids))
+        replies = self._wait(KVBlocksRead, "read K/V blocks")
+        return [(torch.from_numpy(reply.k), torch.from_numpy(reply.v)) for reply in replies]
+
+    def write_kv_blocks(self, block_ids: list[int], num_kv_heads: int, k: torch.Tensor,
+                        v: torch.Tensor) -> None:
+        """Ranks 1..N-1 store their heads of ``k`` and ``v`` (every KV head) at ``block_ids``
+        before the next step."""
+        self._broadcast(WriteKVBlocks(block_ids, num_kv_heads, k.numpy(), v.numpy()))
 
     def layout(self) -> dict[str, Any]:
         ranks = [{"rank": 0, "node": 0, "host": os.uname().nodename, "pid": os.getpid(),

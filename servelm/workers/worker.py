@@ -70,9 +70,10 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from servelm.workers import kv_shards
     from servelm.workers.messages import (
-        PROTOCOL_VERSION, ExecuteStep, InitKVCache, KVCacheReady, RemoveLoRA, SetLoRA, Shutdown,
-        WorkerHello, WorkerLoaded)
+        PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, InitKVCache, KVCacheReady, ReadKVBlocks,
+        RemoveLoRA, SetLoRA, Shutdown, WorkerHello, WorkerLoaded, WriteKVBlocks)
     from servelm.distributed.parallel import join_groups, rank_layout, ranks_sharing_memory
     from servelm.distributed.shm_allreduce import ShmAllReduce
     from servelm.logging_utils import configure_logging
@@ -114,6 +115,10 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
             runner.set_lora(command.slot, command.entries)
         elif isinstance(command, RemoveLoRA):
             runner.remove_lora(command.slot)
+        elif isinstance(command, (DescribeKVHeads, ReadKVBlocks, WriteKVBlocks)):
+            reply = kv_shards.serve_command(init.rank, runner, command)
+            if reply is not None:
+                replies.send_pyobj(reply)
         elif isinstance(command, Shutdown):
             return
         else:

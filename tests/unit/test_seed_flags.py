@@ -41,9 +41,8 @@ PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
 REFUSED_FIELDS: dict[str, str] = {
     "hicache_io_backend": "direct",
-    # K/V moves between single-rank engines: the other side's sizes can only be 1
-    "disaggregation_decode_tp": "1", "disaggregation_decode_dp": "1",
-    "disaggregation_prefill_pp": "1"}
+    # a decode server is one engine (dp: the router's), a prefill server one pipeline stage
+    "disaggregation_decode_dp": "1", "disaggregation_prefill_pp": "1"}
 DEFAULT = EngineConfig()
 
 

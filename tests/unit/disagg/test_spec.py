@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.config import DisaggregationConfig, parse_kv_transfer_config
+from servelm.config import DisaggregationConfig, EngineConfig, parse_kv_transfer_config
 from servelm.disagg.spec import KVTransfer, TransferRequestError, parse_transfers
 
 SGLANG = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 9000, "bootstrap_room": 42}
@@ -66,5 +66,25 @@ def test_transfer_backends_needing_packages_are_refused_by_name():
     for backend, package in (("nixl", "nixl"), ("mooncake", "mooncake-transfer-engine")):
         with pytest.raises(ValueError, match=f"pip install {package}|not built yet"):
             DisaggregationConfig(disaggregation_mode="prefill", disaggregation_transfer_backend=backend)
-    with pytest.raises(ValueError, match="--disaggregation-decode-tp 2"):
-        DisaggregationConfig(disaggregation_decode_tp=2)
+    with pytest.raises(ValueError, match="--disaggregation-decode-dp 2.*servelm router"):
+        DisaggregationConfig(disaggregation_decode_dp=2)
+
+
+def test_decode_tp_is_a_prefill_servers_flag():
+    assert DisaggregationConfig(disaggregation_mode="prefill", disaggregation_decode_tp=2).disaggregation_decode_tp == 2
+    with pytest.raises(ValueError, match="--disaggregation-decode-tp is a prefill server's flag"):
+        DisaggregationConfig(disaggregation_mode="decode", disaggregation_decode_tp=2)
+    with pytest.raises(ValueError, match="--disaggregation-decode-tp must be at least 1"):
+        DisaggregationConfig(disaggregation_mode="prefill", disaggregation_decode_tp=0)
+
+
+def test_pd_servers_take_tensor_parallel_but_leave_data_parallel_to_the_router():
+    config = EngineConfig.from_flat(dict(disaggregation_mode="decode", tensor_parallel_size=2))
+    assert config.parallel.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="--dp-size > 1: data parallelism of PD servers is the router's"):
+        EngineConfig.from_flat(dict(disaggregation_mode="decode", data_parallel_size=2))
+    with pytest.raises(ValueError, match="--pp-size > 1"):
+        EngineConfig.from_flat(dict(disaggregation_mode="prefill", pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
+        EngineConfig.from_flat(dict(disaggregation_mode="prefill", tensor_parallel_size=2,
+                                    distributed_executor_backend="ray"))
