@@ -63,6 +63,20 @@ def test_repack_is_lossless(kind: str) -> None:
     assert torch.equal(fused.dequantize(), torch.cat([weight.dequantize(), other.dequantize()]))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_repack_in_row_chunks_is_the_same(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repacking a few rows at a time (to bound start-up memory) gives the whole-tensor result."""
+    from servelm.model.layers import gguf_blocks
+    raw = random_raw(kind, 10, 512)
+    whole = repack(raw, (10, 512), kind)
+    monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 3)
+    chunked = repack(raw, (10, 512), kind)
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+    assert (chunked.offsets is None) == (whole.offsets is None)
+    if whole.offsets is not None:
+        assert torch.equal(chunked.offsets, whole.offsets)
+
+
 def test_repack_refuses_unsupported_types() -> None:
     with pytest.raises(ValueError, match="no repack"):
         repack(random_raw("Q8_0", 1, 256), (1, 256), "Q3_K")
