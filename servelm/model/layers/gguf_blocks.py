@@ -29,7 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# ggml type name -> (block size of the scales, block bytes, elements per block)
+REPACK_ROWS = 4096
+"""Rows repacked at a time: the float32 temporaries of a 262,144-row embedding (gguf's
+dequantization, the division, the rebuild check; ~0.6 GiB each) would otherwise all be alive at
+once, for a peak of several times the finished model at start-up."""
+
+# ggml type name -> block size of the scales
 REPACKABLE = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_1": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 
 
@@ -49,7 +54,15 @@ class BlockWeight:
                 + (self.offsets.nbytes if self.offsets is not None else 0))
 
     def dequantize(self, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``."""
+        """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``; the whole
+        weight in another dtype is built ``REPACK_ROWS`` rows at a time (no float32 copy of a
+        262k-row LM head alive at start-up)."""
+        if rows is None and dtype != torch.float32 and self.codes.shape[0] > REPACK_ROWS:
+            out = torch.empty(self.codes.shape, dtype=dtype)
+            for start in range(0, self.codes.shape[0], REPACK_ROWS):
+                part = slice(start, start + REPACK_ROWS)
+                out[part] = self.dequantize(part, dtype)
+            return out
         codes = self.codes if rows is None else self.codes[rows]
         scales = self.scales if rows is None else self.scales[rows]
         n, k = codes.shape
@@ -108,12 +121,6 @@ def _headers(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | No
         sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
         return d * sc, None
     raise ValueError(f"no repack for GGUF type {kind}")
-
-
-REPACK_ROWS = 4096
-"""Rows repacked at a time: the float32 temporaries of a 262,144-row embedding (gguf's
-dequantization, the division, the rebuild check; ~0.6 GiB each) would otherwise all be alive at
-once, for a peak of several times the finished model at start-up."""
 
 
 def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:

@@ -75,6 +75,8 @@ def test_repack_in_row_chunks_is_the_same(kind: str, monkeypatch: pytest.MonkeyP
     assert (chunked.offsets is None) == (whole.offsets is None)
     if whole.offsets is not None:
         assert torch.equal(chunked.offsets, whole.offsets)
+    # so is dequantizing to bf16 a chunk at a time (the dense copies made at load)
+    assert torch.equal(whole.dequantize(dtype=torch.bfloat16), whole.dequantize().to(torch.bfloat16))
 
 
 def test_repack_refuses_unsupported_types() -> None:
