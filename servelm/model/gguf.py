@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,15 +273,16 @@ class GGUFFile:
         config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         return config
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named float32 tensors, dequantized one at a time, in file order.
+    def tensors(self, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named float32 tensors, dequantized one at a time, in file order; the HF names in
+        ``skip`` are neither read nor dequantized (those served in their own blocks).
 
         The Q/K un-permutation uses the file's own head counts, never overridden ones.
         """
         config = self.config_dict()
         for info in self.tensor_infos:
             name = gguf_to_hf_name(info.name, self.architecture)
-            if name is None:
+            if name is None or name in skip:
                 continue
             yield name, self._undo_conversion(info.name, self.dequantize(info), config)
 

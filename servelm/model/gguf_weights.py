@@ -6,10 +6,15 @@ model dtype (``none``, the old path, which ``--quantization none`` forces). ``ap
 then replaces the loaded float weights by the lossless int8-code repack of each GGUF tensor
 (servelm/model/layers/gguf_blocks.py) run by ``GGUFBlockLinearMethod`` (gguf_linear.py).
 
+``load_gguf_model`` builds the model with uninitialised parameters, puts the blocks in place of its
+linear, head and embedding weights first and only then loads the rest (norms, biases, tensors
+without a repack) from the file: the tensors served in blocks are read once, never dequantized to a
+float32 model (whose pages, never touched, cost no memory).
+
 Invariants:
-- The model is loaded first as usual (float weights, one tensor at a time from the file); the block
-  weights are read from the file again and each one is checked against the float weight it replaces
-  (same values to the model dtype's rounding), so a row-order mistake fails loudly at start-up.
+- Each block weight is the lossless repack of its GGUF tensor: ``repack`` checks that it rebuilds
+  gguf's own dequantization of the same bytes; the row order (fused shards, llama's Q/K permutation)
+  is the float loader's, checked layer by layer against it in tests/unit/model/test_gguf_blocks.py.
 - A tensor whose GGUF type has no repack (Q2_K, Q3_K, IQ*, float) keeps its float weight (logged).
 - Tensor parallelism is not supported (each rank would need its slice of the blocks): ``auto``
   dequantizes at tp > 1, ``gguf`` is refused there.
@@ -32,7 +37,7 @@ from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers.gguf_linear import KERNEL_MAX_ROWS, BlockRows, GGUFBlockLinearMethod
 from servelm.model.layers.linear import LinearBase
-from servelm.model.loader import cpu_bf16_feature
+from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,26 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
     return "gguf", "auto: a GGUF file is served in its own quantized blocks (--quantization none dequantizes)"
 
 
+def gguf_model_dtype(dtype: str, device: torch.device,
+                     flags: set[str] | None = None) -> tuple[torch.dtype, str]:
+    """(dtype of everything but the blocks, why) under ``--quantization gguf``/``gguf_a8``.
+
+    With ``--dtype auto`` it is ``resolve_dtype``'s choice: bfloat16 where the CPU has a native bf16
+    GEMM (AMX, AVX512-BF16), so activations, norms (float32 inside), attention and the KV cache run
+    in bf16 and the dense copies above the kernel's rows take bf16 inputs with no conversion around
+    each GEMM (float32 rest: 0.90x the bf16 model's 32-stream throughput); float32 without one.
+    ``flags`` replaces the CPU's feature flags (tests force each branch with it)."""
+    chosen = resolve_dtype(dtype, None, device, flags)
+    if dtype != "auto":
+        return chosen, f"--dtype {dtype}"
+    if chosen == torch.bfloat16:
+        return chosen, (f"auto: this CPU has {cpu_bf16_feature(flags)}, so the GGUF blocks run their "
+                        "own kernels and everything else (activations, norms accumulating in float32, "
+                        "attention, KV cache) runs in bf16")
+    return chosen, ("auto: the GGUF blocks run their own kernels, everything else in float32 (this CPU "
+                    "has no native bf16 GEMM)")
+
+
 def read_block_weights(path: str | Path) -> tuple[dict[str, BlockWeight], dict[str, str]]:
     """(HF name -> BlockWeight for every repackable 2-D tensor, HF name -> GGUF type of the others)."""
     from gguf import GGMLQuantizationType
@@ -110,7 +135,7 @@ def _checkpoint_names(module_name: str) -> list[str]:
     return [f"{prefix}.{shard}.weight" for shard in shards]
 
 
-def _check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
+def check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
     """The block weight must equal the float weight it replaces (to the model dtype's rounding)."""
     if tuple(block.codes.shape) != tuple(weight.shape):
         raise ValueError(f"{name}: GGUF blocks {tuple(block.codes.shape)} do not match the loaded "
@@ -123,10 +148,24 @@ def _check_same(block: BlockWeight, weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: GGUF blocks differ from the loaded weight (max {error:g})")
 
 
-def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16") -> dict[str, Any]:
+def load_gguf_model(hf_config: Any, path: str | Path, dtype: torch.dtype, device: torch.device,
+                    activations: str = "int16", parallel: ParallelContext | None = None) -> nn.Module:
+    """The model of GGUF file ``path`` with its blocks in place (see the module docstring): built,
+    blocks applied, then only the tensors left as float weights read and dequantized."""
+    model = build_model(hf_config, dtype, device, parallel)
+    summary = apply_gguf_blocks(model, path, activations, check=False)
+    with torch.no_grad():
+        model.load_weights(GGUFFile.open(path).tensors(skip=summary["checkpoint_names"]))
+    return model
+
+
+def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
+                      check: bool = True) -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
-    returns a summary (kinds per role, bytes before and after, the kernel's status).
-    ``activations``: ``GGUFBlockLinearMethod.activations``."""
+    returns a summary (kinds per role, bytes before and after, the kernel's status, and
+    ``checkpoint_names``: the HF tensors now served in blocks). ``activations``:
+    ``GGUFBlockLinearMethod.activations``. ``check``: compare each block weight with the float
+    weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first)."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations)
@@ -135,6 +174,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     kept_float: list[str] = []
     float_bytes = stored = dense_bytes = 0
     by_weight: dict[int, BlockWeight] = {}
+    replaced: set[str] = set()
     head_kind = embedding_kind = "float"
     with torch.no_grad():
         for module_name, module in model.named_modules():
@@ -152,8 +192,10 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
             weight = by_weight.get(id(module.weight))
             if weight is None:
                 weight = concat_rows([blocks[name] for name in names]) if len(names) > 1 else blocks[names[0]]
-                _check_same(weight, module.weight, module_name)
+                if check:
+                    check_same(weight, module.weight, module_name)
                 by_weight[id(module.weight)] = weight
+                replaced.update(names)
                 float_bytes += module.weight.numel() * 4
                 stored += weight.nbytes
             if isinstance(module, VocabEmbedding):
@@ -165,6 +207,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 dense_bytes += method.process(module, weight) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
+                    module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
                 else:
                     kinds[weight.kind] += 1
     kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows, "
@@ -173,7 +216,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
-               "float32_bytes": float_bytes,
+               "float32_bytes": float_bytes, "checkpoint_names": replaced,
                "kernel": kernel_status(), "activations": activations}
     logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
                 "%.1f MiB of blocks + %.1f MiB of dense copies (float32: %.1f MiB); %s (%s)%s",

@@ -37,7 +37,8 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
-from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, resolve_quantization
+from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
+                                        resolve_quantization)
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.quantization import quantize_model
@@ -127,7 +128,7 @@ class ModelRunner:
             config.model.quantization, getattr(source, "gguf_path", None), self.parallel, self.device,
             config.runtime.enable_torch_compile, config.model.dtype)
         """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
-        self.dtype = (torch.float32 if self.quantization in GGUF_MODES and config.model.dtype == "auto"
+        self.dtype = (gguf_model_dtype(config.model.dtype, self.device)[0] if self.quantization in GGUF_MODES
                       else resolve_dtype(config.model.dtype, source.hf_config, self.device))
         self.hf_config = source.hf_config
         self.task = resolve_task(config.model.task, source.hf_config)
@@ -136,11 +137,16 @@ class ModelRunner:
         if self.task == "embed":
             self.pooler = resolve_pooler_config(source.model_path, source.hf_config,
                                                 config.model.override_pooler_config)
-        self.model = load_model(source.hf_config, source.weights, self.dtype, self.device, config.model.seed,
-                                self.parallel)
         logger.info("quantization %s (%s)", self.quantization, quantization_reason)
+        if self.quantization in GGUF_MODES and source.weights is not None:  # blocks first, then the rest
+            self.model = load_gguf_model(source.hf_config, source.gguf_path, self.dtype, self.device,
+                                         GGUF_MODES[self.quantization], self.parallel)
+        else:
+            self.model = load_model(source.hf_config, source.weights, self.dtype, self.device,
+                                    config.model.seed, self.parallel)
         if self.quantization in GGUF_MODES:
-            apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization])
+            if source.weights is None:   # --load-format dummy
+                apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization], check=False)
         else:
             quantize_model(self.model, self.quantization)
         if self.parallel.pp_size > 1 and self.task != "generate":
@@ -202,8 +208,8 @@ class ModelRunner:
         logger.info("model %s on %s, dtype %s (%s)%s%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
                     "(%s, %d bytes per token)",
                     type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
-                    "auto: the GGUF blocks run their own kernels, other ops in float32 as llama.cpp does"
-                    if self.quantization in GGUF_MODES and config.model.dtype == "auto"
+                    gguf_model_dtype(config.model.dtype, self.device)[1]
+                    if self.quantization in GGUF_MODES
                     else dtype_reason(config.model.dtype, self.device),
                     f", tp rank {self.parallel.tp_rank}/{self.parallel.tp_size}"
                     if self.parallel.tp_size > 1 else "",

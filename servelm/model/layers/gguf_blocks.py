@@ -29,7 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# ggml type name -> (block size of the scales, block bytes, elements per block)
+REPACK_ROWS = 4096
+"""Rows repacked at a time: the float32 temporaries of a 262,144-row embedding (gguf's
+dequantization, the division, the rebuild check; ~0.6 GiB each) would otherwise all be alive at
+once, for a peak of several times the finished model at start-up."""
+
+# ggml type name -> block size of the scales
 REPACKABLE = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_1": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 
 
@@ -49,7 +54,15 @@ class BlockWeight:
                 + (self.offsets.nbytes if self.offsets is not None else 0))
 
     def dequantize(self, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``."""
+        """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``; the whole
+        weight in another dtype is built ``REPACK_ROWS`` rows at a time (no float32 copy of a
+        262k-row LM head alive at start-up)."""
+        if rows is None and dtype != torch.float32 and self.codes.shape[0] > REPACK_ROWS:
+            out = torch.empty(self.codes.shape, dtype=dtype)
+            for start in range(0, self.codes.shape[0], REPACK_ROWS):
+                part = slice(start, start + REPACK_ROWS)
+                out[part] = self.dequantize(part, dtype)
+            return out
         codes = self.codes if rows is None else self.codes[rows]
         scales = self.scales if rows is None else self.scales[rows]
         n, k = codes.shape
@@ -111,22 +124,35 @@ def _headers(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | No
 
 
 def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
-    """GGUF bytes of one ``[N, K]`` tensor of type ``kind`` -> its lossless BlockWeight.
+    """GGUF bytes of one ``[N, K]`` tensor of type ``kind`` -> its lossless BlockWeight, in chunks
+    of ``REPACK_ROWS`` rows.
 
     Raises ValueError when ``kind`` has no repack or the codes would not rebuild the tensor exactly.
     """
+    if kind not in REPACKABLE:
+        raise ValueError(f"no repack for GGUF type {kind}")
+    rows, cols = shape
+    by_row = raw.reshape(rows, -1)
+    parts = [_repack_rows(by_row[start:start + REPACK_ROWS], cols, kind) for start in range(0, rows, REPACK_ROWS)]
+    if len(parts) == 1:
+        return parts[0]
+    return BlockWeight(torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts]),
+                       None if parts[0].offsets is None else torch.cat([part.offsets for part in parts]),
+                       parts[0].block, kind)
+
+
+def _repack_rows(raw: np.ndarray, cols: int, kind: str) -> BlockWeight:
+    """``repack`` of ``raw`` [rows, bytes per row]."""
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    if kind not in REPACKABLE:
-        raise ValueError(f"no repack for GGUF type {kind}")
-    rows, cols = shape
+    rows = raw.shape[0]
     ggml_type = GGMLQuantizationType[kind]
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     block = REPACKABLE[kind]
-    values = dequantize(raw.reshape(rows, -1), ggml_type).reshape(rows, cols).astype(np.float32)
-    scales, offsets = _headers(kind, raw.reshape(-1, block_bytes))
+    values = dequantize(raw, ggml_type).reshape(rows, cols).astype(np.float32)
+    scales, offsets = _headers(kind, np.ascontiguousarray(raw).reshape(-1, block_bytes))
     scales = scales.reshape(rows, cols // block)
     grouped = values.reshape(rows, cols // block, block)
     shifted = grouped - offsets.reshape(rows, cols // block, 1) if offsets is not None else grouped

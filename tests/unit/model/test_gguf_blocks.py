@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.gguf import GGUFFile, llama_permute
-from servelm.model.gguf_weights import apply_gguf_blocks, resolve_quantization
+from servelm.model.gguf_weights import apply_gguf_blocks, gguf_model_dtype, load_gguf_model, resolve_quantization
 from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
@@ -61,6 +61,22 @@ def test_repack_is_lossless(kind: str) -> None:
     other = repack(random_raw("Q6_K", 4, cols, seed=1), (4, cols), "Q6_K")
     fused = concat_rows([weight, other])
     assert torch.equal(fused.dequantize(), torch.cat([weight.dequantize(), other.dequantize()]))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
+def test_repack_in_row_chunks_is_the_same(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repacking a few rows at a time (to bound start-up memory) gives the whole-tensor result."""
+    from servelm.model.layers import gguf_blocks
+    raw = random_raw(kind, 10, 512)
+    whole = repack(raw, (10, 512), kind)
+    monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 3)
+    chunked = repack(raw, (10, 512), kind)
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+    assert (chunked.offsets is None) == (whole.offsets is None)
+    if whole.offsets is not None:
+        assert torch.equal(chunked.offsets, whole.offsets)
+    # so is dequantizing to bf16 a chunk at a time (the dense copies made at load)
+    assert torch.equal(whole.dequantize(dtype=torch.bfloat16), whole.dequantize().to(torch.bfloat16))
 
 
 def test_repack_refuses_unsupported_types() -> None:
@@ -136,6 +152,34 @@ def test_resolve_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_quantization("gguf", None, single, cpu, False)
 
 
+@pytest.mark.parametrize(("flags", "expected", "evidence"), [
+    ({"avx512f", "avx512_vnni", "avx512_bf16"}, torch.bfloat16, "AVX512-BF16"),
+    ({"avx512f", "amx_bf16", "avx512_bf16"}, torch.bfloat16, "AMX"),
+    ({"avx512f", "avx512_vnni"}, torch.float32, "no native bf16 GEMM"),
+])
+def test_gguf_model_dtype_follows_the_cpu(flags: set[str], expected: torch.dtype, evidence: str) -> None:
+    """Under gguf, everything but the blocks runs bf16 where the CPU has a native bf16 GEMM (both
+    decisions forced through the CPU flags); a named --dtype wins."""
+    cpu = torch.device("cpu")
+    dtype, reason = gguf_model_dtype("auto", cpu, flags)
+    assert dtype == expected and evidence in reason
+    assert gguf_model_dtype("float32", cpu, flags) == (torch.float32, "--dtype float32")
+    assert gguf_model_dtype("bfloat16", cpu, flags)[0] == torch.bfloat16
+
+
+def test_bf16_activations_meet_the_bf16_copy_unconverted() -> None:
+    """Above the kernel's rows a bf16 model's activations go straight into the bf16 dense copy
+    (no float32 round trip): the result is F.linear in bf16, bias added in bf16."""
+    weight = repack(random_raw("Q8_0", 48, 256), (48, 256), "Q8_0")
+    layer = torch.nn.Module()
+    GGUFBlockLinearMethod(None, torch.bfloat16).process(layer, weight)
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    out = layer.linear_method.apply(layer, x, bias)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x, weight.dequantize(dtype=torch.bfloat16)) + bias)
+
+
 # -- a tiny llama GGUF with quantized tensors, end to end --------------------------------------------
 
 _TYPES = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q5_0", "attn_output": "Q4_0",
@@ -174,26 +218,52 @@ def write_quantized_llama(path: Path) -> None:
     writer.close()
 
 
-def test_tiny_quantized_gguf_served_in_blocks(tmp_path: Path) -> None:
-    """Every linear, the tied head and the embedding take the file's blocks; each block weight was
-    checked against the dequantized float weight at load (row order, llama's Q/K permutation), and
-    the logits stay within the activation rounding of the float32 dequantized model's."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_quantized_gguf_served_in_blocks(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Every linear, the tied head and the embedding take the file's blocks, loaded without a float
+    model first; each block weight equals the float loader's weight (row order, fused shards,
+    llama's Q/K permutation), and the logits stay within the activation rounding of the float32
+    dequantized model's (bf16: the bf16 model's rounding)."""
     path = tmp_path / "tiny-q.gguf"
     write_quantized_llama(path)
     config = GGUFFile.open(path).hf_config()
     reference = load_model(config, lambda: GGUFFile.open(path).tensors(), torch.float32, torch.device("cpu"))
-    model = load_model(config, lambda: GGUFFile.open(path).tensors(), torch.float32, torch.device("cpu"))
-    summary = apply_gguf_blocks(model, path)
+    model = load_gguf_model(config, path, dtype, torch.device("cpu"))
+    layers = {name: module for name, module in model.named_modules() if hasattr(module, "gguf_weight")}
+    assert sorted(layers) == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj",
+                              "model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.qkv_proj"]
+    for name, module in layers.items():
+        weight = reference.get_submodule(name).weight
+        assert torch.equal(module.gguf_weight.dequantize(), weight), name
     # fused QKV (Q8_0 q/k + Q5_0 v), o (Q4_0), gate_up (Q5_0 + Q4_1), down (Q8_0)
-    assert summary["linears"] == {"Q8_0+Q5_0": 1, "Q4_0": 1, "Q5_0+Q4_1": 1, "Q8_0": 1}, summary
-    assert summary["head"] == "Q8_0" and summary["embedding"] == "Q8_0 rows" and not summary["kept_float"]
-    assert all(p.dim() == 1 for p in model.parameters())   # no float matrix left
+    assert {m.gguf_weight.kind for m in layers.values()} == {"Q8_0+Q5_0", "Q4_0", "Q5_0+Q4_1", "Q8_0"}
+    assert all(p.dim() == 1 and p.dtype == dtype for p in model.parameters())   # no float matrix left
+    # the norms were loaded from the file after the blocks
+    torch.testing.assert_close(model.model.norm.weight.float(), reference.model.norm.weight)
     ids = torch.tensor([3, 17, 42, 99])
     embedded = model.model.embed_tokens(ids)
-    assert torch.equal(embedded, reference.model.embed_tokens(ids))   # lookups are exact
+    assert embedded.dtype == dtype
+    assert torch.equal(embedded, reference.model.embed_tokens(ids).to(dtype))   # lookups are exact
     head = model.lm_head(embedded)
-    expected = reference.lm_head(embedded)
+    assert head.dtype == torch.float32   # logits are never rounded to bf16
+    expected = reference.lm_head(embedded.float())
     assert (head - expected).norm() <= 0.02 * expected.norm()
+    tolerance = 0.02 if dtype == torch.float32 else 0.1
+    hidden = model.model.layers[0].mlp(embedded).float()
+    expected = reference.model.layers[0].mlp(embedded.float())
+    assert (hidden - expected).norm() <= tolerance * expected.norm()
+
+
+def test_apply_after_a_float_load_checks_each_block(tmp_path: Path) -> None:
+    """apply_gguf_blocks on a loaded model compares each block weight with the weight it replaces."""
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    config = GGUFFile.open(path).hf_config()
+    model = load_model(config, lambda: GGUFFile.open(path).tensors(), torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[3, 0] += 1.0
+    with pytest.raises(ValueError, match="down_proj: GGUF blocks differ"):
+        apply_gguf_blocks(model, path)
 
 
 def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
