@@ -477,10 +477,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "no model servelm loads has multi-token-prediction layers (DeepSeek-V3 MTP), "
                      "so only None is accepted; --mtp_draft_model_dir alone runs that model as a "
                      "separate draft (STANDALONE)", values=("None",), bad_value="deepseekv3"),
-    AlreadyBehaviour(("--spec-decoding-acceptance-method",),
-                     "drafts are verified by exact rejection sampling (the output distribution is "
-                     "the model's); typical acceptance is not built",
-                     values=("rejection_sampler",), bad_value="typical_acceptance_sampler"),
     AlreadyBehaviour(("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"),
                      "verification is exact: a draft token is kept only as the model's own sample "
                      "(a threshold below 1 would trade the model's distribution for speed)",
@@ -523,10 +519,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--speculative-draft-model-revision", "--speculative-moe-runner-backend",
                "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",
                "--speculative-model-quantization", "--speculative-max-model-len")),
-    Rejection(f"{NOT_BUILT_YET}: typical acceptance (drafts are verified by exact rejection "
-              "sampling)",
-              ("--typical-acceptance-sampler-posterior-alpha",
-               "--typical-acceptance-sampler-posterior-threshold")),
     Rejection("not supported: servelm's NGRAM proposer looks up each request's own prompt and "
               "output (one chain of drafts, --ngram-prompt-lookup-min/max); SGLang's shared "
               "n-gram cache tree, with its capacity, BFS breadth, match type and branch length, "
@@ -726,6 +718,9 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),
     ("speculative_disable_by_batch_size", "speculative_algorithm"),
+    ("spec_decoding_acceptance_method", "speculative_algorithm"),
+    ("typical_acceptance_sampler_posterior_threshold", "spec_decoding_acceptance_method"),
+    ("typical_acceptance_sampler_posterior_alpha", "spec_decoding_acceptance_method"),
     *((name, "enable_hierarchical_cache") for name in (
         "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend",
         "hicache_mem_layout", "hicache_host_dtype", "hicache_storage_backend",
