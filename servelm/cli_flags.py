@@ -249,6 +249,16 @@ def _sglang_num_draft_tokens(text: str) -> int:
     return value - 1
 
 
+def _lightllm_mtp_step(text: str) -> int:
+    # LightLLM: draft tokens per step; its default 0 means no MTP, which here is leaving it out.
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1 draft token, got {value} (LightLLM's 0 means no "
+                         "speculation: leave --mtp_step out, or give --mtp_draft_model_dir with "
+                         "--mtp_step 1 or more)")
+    return value
+
+
 def _vllm_speculative_model(text: str) -> str:
     # vLLM: a draft model path, or [ngram] for prompt lookup (SpeculativeConfig settles which).
     if not text.strip():
@@ -369,8 +379,8 @@ ALIASES: tuple[Alias, ...] = (
           example=("some/draft",)),
     Alias(("--mtp_draft_model_dir",), "speculative_draft_model_path", "LightLLM",
           example=("some/draft",), note="a separate draft model: STANDALONE"),
-    Alias(("--mtp_step",), "num_speculative_tokens", "LightLLM", example=("2",),
-          note="draft tokens per step"),
+    Alias(("--mtp_step",), "num_speculative_tokens", "LightLLM", _lightllm_mtp_step, example=("2",),
+          note="draft tokens per step of the --mtp_draft_model_dir draft (STANDALONE)"),
     Alias(("--speculative-ngram-max-match-window-size",), "ngram_prompt_lookup_max", "SGLang",
           example=("8",)),
     Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
