@@ -27,7 +27,8 @@ from typing import Any, NoReturn
 
 from servelm import cli_args
 from servelm.bench_common import (FALLBACK_VOCAB_SIZE, OfflineResult, RequestTiming, format_offline,
-                                  format_serve, one_request, random_prompts, server_facts, summarize,
+                                  format_serve, format_speculative, one_request, random_prompts,
+                                  server_facts, server_info, speculative_summary, summarize,
                                   write_json)
 
 BENCH_PROG = "servelm bench"
@@ -167,6 +168,7 @@ def run_offline(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, A
             seed = args.prompt_seed - 1 - index  # warm-up prompts are never timed prompts
             prompts = random_prompts(largest, args.input_len, vocab_size, seed)
             _timed_generate(engine, prompts, min(4, args.output_len))
+        warm_info = engine.get_server_info()  # figures of the timed runs only
         for number, batch_size in enumerate(args.batch_sizes):
             seed = args.prompt_seed + 2 * number  # fresh prompts per run: no prefix-cache hits
             prefill_s = _timed_generate(
@@ -183,20 +185,17 @@ def run_offline(args: argparse.Namespace, engine_argv: list[str]) -> dict[str, A
         engine.shutdown()
     print(f"model: {config.model.model}")
     print(format_offline(results, startup_s))
-    speculative = {key: value for key, value in info.items()
-                   if key == "speculative_algorithm" or key.startswith("spec_")}
+    speculative = speculative_summary(warm_info, info)
     if speculative:
-        print(f"speculative decoding ({speculative['speculative_algorithm']}): accept length "
-              f"{speculative['spec_accept_length']:.2f} tokens per verify pass, acceptance rate "
-              f"{100 * speculative['spec_acceptance_rate']:.1f}% of "
-              f"{speculative['spec_num_draft_tokens']} drafted tokens")
+        print(format_speculative(speculative))
     return {"mode": "offline", "model": config.model.model, "startup_s": startup_s,
             "results": [r.to_dict() for r in results], **speculative}
 
 
 # --- serve ---------------------------------------------------------------------------------------
 
-async def _run_serve(args: argparse.Namespace) -> tuple[list[RequestTiming], float, str]:
+async def _run_serve(args: argparse.Namespace
+                     ) -> tuple[list[RequestTiming], float, str, dict[str, Any]]:
     import httpx
 
     base_url = args.base_url.rstrip("/")
@@ -205,6 +204,7 @@ async def _run_serve(args: argparse.Namespace) -> tuple[list[RequestTiming], flo
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout_s, limits=limits) as client:
         name, vocab_size = await server_facts(client, base_url)
         model = args.model or name
+        before = await server_info(client, base_url)
         prompts = random_prompts(args.num_prompts, args.input_len, vocab_size, args.prompt_seed)
         semaphore = asyncio.Semaphore(args.concurrency)
 
@@ -217,21 +217,25 @@ async def _run_serve(args: argparse.Namespace) -> tuple[list[RequestTiming], flo
 
         start_s = time.perf_counter()
         timings = await asyncio.gather(*(limited(p) for p in prompts))
-        return list(timings), time.perf_counter() - start_s, model
+        duration_s = time.perf_counter() - start_s
+        speculative = speculative_summary(before, await server_info(client, base_url))
+        return list(timings), duration_s, model, speculative
 
 
 def run_serve(args: argparse.Namespace) -> dict[str, Any]:
-    timings, duration_s, model = asyncio.run(_run_serve(args))
+    timings, duration_s, model, speculative = asyncio.run(_run_serve(args))
     summary = summarize(timings, duration_s)
     print(f"model: {model}  concurrency: {args.concurrency}  input: {args.input_len}  "
           f"output: {args.output_len}")
     print(format_serve(summary))
+    if speculative:
+        print(format_speculative(speculative))
     errors = sorted({t.error for t in timings if t.error is not None})
     for error in errors[:5]:
         print(f"error: {error}", file=sys.stderr)
     return {"mode": "serve", "model": model, "base_url": args.base_url,
             "concurrency": args.concurrency, "input_len": args.input_len,
-            "output_len": args.output_len, **dataclasses.asdict(summary)}
+            "output_len": args.output_len, **dataclasses.asdict(summary), **speculative}
 
 
 def main(argv: Sequence[str]) -> None:

@@ -170,6 +170,33 @@ def format_serve(summary: ServeSummary) -> str:
     return "\n".join(lines) + "\n" + format_table(("ms", "mean", "median", "p99"), rows)
 
 
+_SPEC_COUNTS = ("spec_num_verify_passes", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+"""The speculative-decoding counters /get_server_info reports (summed over replicas)."""
+
+
+def speculative_summary(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance figures of the requests between two server-info snapshots (``before``
+    None: since start), for whichever proposer runs: its name and the three counters are all
+    this reads. Empty when the server does not speculate."""
+    if not after.get("speculative_algorithm") or any(key not in after for key in _SPEC_COUNTS):
+        return {}
+    counts = {key: int(after[key]) - int((before or {}).get(key, 0)) for key in _SPEC_COUNTS}
+    from servelm.engine.monitor import acceptance_figures
+
+    return {"speculative_algorithm": after["speculative_algorithm"], **counts,
+            **acceptance_figures(*(counts[key] for key in _SPEC_COUNTS))}
+
+
+def format_speculative(summary: dict[str, Any]) -> str | None:
+    """The one-line report of ``speculative_summary`` (None when it is empty)."""
+    if not summary:
+        return None
+    return (f"speculative decoding ({summary['speculative_algorithm']}): accept length "
+            f"{summary['spec_accept_length']:.2f} tokens per verify pass, acceptance rate "
+            f"{100 * summary['spec_acceptance_rate']:.1f}% of "
+            f"{summary['spec_num_draft_tokens']} drafted tokens")
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as file:
         json.dump(payload, file, indent=2, allow_nan=True)
@@ -219,3 +246,13 @@ async def server_facts(client: Any, base_url: str) -> tuple[str, int]:
     except Exception:  # not a servelm/SGLang server
         vocab_size = FALLBACK_VOCAB_SIZE
     return name, vocab_size
+
+
+async def server_info(client: Any, base_url: str) -> dict[str, Any]:
+    """/get_server_info, or {} from a server without it (not servelm/SGLang)."""
+    try:
+        response = await client.get(f"{base_url}/get_server_info")
+        info = response.json() if response.status_code == 200 else {}
+    except Exception:  # not a servelm/SGLang server, or not JSON
+        return {}
+    return info if isinstance(info, dict) else {}

@@ -25,8 +25,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from servelm.bench_common import (RequestTiming, distribution_ms, format_serve, format_table, one_request,
-                                  random_prompts, server_facts, summarize)
+from servelm.bench_common import (RequestTiming, distribution_ms, format_serve, format_speculative,
+                                  format_table, one_request, random_prompts, server_facts, server_info,
+                                  speculative_summary, summarize)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def arrival_offsets_s(num: int, request_rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, str]:
+async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, str, dict[str, Any]]:
     import httpx
 
     base_url = args.base_url.rstrip("/")
@@ -97,6 +98,7 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, st
                                  limits=httpx.Limits(max_connections=None)) as client:
         name, vocab_size = await server_facts(client, base_url)
         model = args.model or name
+        before = await server_info(client, base_url)
         requests = build_dataset(args, vocab_size)
         offsets = arrival_offsets_s(len(requests), args.request_rate, args.seed)
         limit = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
@@ -117,9 +119,11 @@ async def _run(args: argparse.Namespace) -> tuple[list[RequestTiming], float, st
             return timing
 
         timings = await asyncio.gather(*(send(r, o) for r, o in zip(requests, offsets)))
+        duration_s = time.perf_counter() - start_s
         if not args.disable_tqdm:
             print(file=sys.stderr)
-        return list(timings), time.perf_counter() - start_s, model
+        speculative = speculative_summary(before, await server_info(client, base_url))
+        return list(timings), duration_s, model, speculative
 
 
 def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
@@ -136,18 +140,20 @@ def build_dataset(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
 
 
 def run_serving(args: argparse.Namespace) -> dict[str, Any]:
-    timings, duration_s, model = asyncio.run(_run(args))
+    timings, duration_s, model, speculative = asyncio.run(_run(args))
     summary = summarize(timings, duration_s)
     e2e = distribution_ms([t.latency_s for t in timings if t.error is None])
     print(f"model: {model}  dataset: {args.dataset_name}  request rate: {args.request_rate}  "
           f"max concurrency: {args.max_concurrency}")
     print(format_serve(summary))
     print(format_table(("ms", "mean", "median", "p99"), [("E2E", e2e["mean"], e2e["median"], e2e["p99"])]))
+    if speculative:
+        print(format_speculative(speculative))
     for error in sorted({t.error for t in timings if t.error is not None})[:5]:
         print(f"error: {error}", file=sys.stderr)
     return {"mode": "serving", "model": model, "dataset": args.dataset_name,
             "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency,
-            **asdict(summary), "e2e_latency_ms": e2e}
+            **asdict(summary), "e2e_latency_ms": e2e, **speculative}
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +195,7 @@ def run_one_batch(args: argparse.Namespace, engine_argv: list[str]) -> dict[str,
     engine = LLMEngine(config)
     vocab_size = engine.runner.vocab_size
     results = []
+    before = engine.stats()
     for number, batch_size in enumerate(args.batch_sizes):
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for warm in (True, False):
@@ -215,4 +222,7 @@ def run_one_batch(args: argparse.Namespace, engine_argv: list[str]) -> dict[str,
     print(f"model: {config.model.model}  quantization: {config.model.quantization}")
     print(format_table(("batch", "input", "output", "prefill_s", "prefill_tok/s", "decode_step_ms",
                         "decode_tok/s"), rows))
-    return {"mode": "one-batch", "model": config.model.model, "results": results}
+    speculative = speculative_summary(before, engine.stats())
+    if speculative:
+        print(format_speculative(speculative))
+    return {"mode": "one-batch", "model": config.model.model, "results": results, **speculative}

@@ -249,6 +249,16 @@ def _sglang_num_draft_tokens(text: str) -> int:
     return value - 1
 
 
+def _lightllm_mtp_step(text: str) -> int:
+    # LightLLM: draft tokens per step; its default 0 means no MTP, which here is leaving it out.
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1 draft token, got {value} (LightLLM's 0 means no "
+                         "speculation: leave --mtp_step out, or give --mtp_draft_model_dir with "
+                         "--mtp_step 1 or more)")
+    return value
+
+
 def _vllm_speculative_model(text: str) -> str:
     # vLLM: a draft model path, or [ngram] for prompt lookup (SpeculativeConfig settles which).
     if not text.strip():
@@ -369,8 +379,8 @@ ALIASES: tuple[Alias, ...] = (
           example=("some/draft",)),
     Alias(("--mtp_draft_model_dir",), "speculative_draft_model_path", "LightLLM",
           example=("some/draft",), note="a separate draft model: STANDALONE"),
-    Alias(("--mtp_step",), "num_speculative_tokens", "LightLLM", example=("2",),
-          note="draft tokens per step"),
+    Alias(("--mtp_step",), "num_speculative_tokens", "LightLLM", _lightllm_mtp_step, example=("2",),
+          note="draft tokens per step of the --mtp_draft_model_dir draft (STANDALONE)"),
     Alias(("--speculative-ngram-max-match-window-size",), "ngram_prompt_lookup_max", "SGLang",
           example=("8",)),
     Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
@@ -477,10 +487,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "no model servelm loads has multi-token-prediction layers (DeepSeek-V3 MTP), "
                      "so only None is accepted; --mtp_draft_model_dir alone runs that model as a "
                      "separate draft (STANDALONE)", values=("None",), bad_value="deepseekv3"),
-    AlreadyBehaviour(("--spec-decoding-acceptance-method",),
-                     "drafts are verified by exact rejection sampling (the output distribution is "
-                     "the model's); typical acceptance is not built",
-                     values=("rejection_sampler",), bad_value="typical_acceptance_sampler"),
     AlreadyBehaviour(("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"),
                      "verification is exact: a draft token is kept only as the model's own sample "
                      "(a threshold below 1 would trade the model's distribution for speed)",
@@ -520,10 +526,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--speculative-draft-model-revision", "--speculative-moe-runner-backend",
                "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",
                "--speculative-model-quantization", "--speculative-max-model-len")),
-    Rejection(f"{NOT_BUILT_YET}: typical acceptance (drafts are verified by exact rejection "
-              "sampling)",
-              ("--typical-acceptance-sampler-posterior-alpha",
-               "--typical-acceptance-sampler-posterior-threshold")),
     Rejection("not supported: servelm's NGRAM proposer looks up each request's own prompt and "
               "output (one chain of drafts, --ngram-prompt-lookup-min/max); SGLang's shared "
               "n-gram cache tree, with its capacity, BFS breadth, match type and branch length, "
@@ -725,6 +727,9 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),
     ("speculative_disable_by_batch_size", "speculative_algorithm"),
+    ("spec_decoding_acceptance_method", "speculative_algorithm"),
+    ("typical_acceptance_sampler_posterior_threshold", "spec_decoding_acceptance_method"),
+    ("typical_acceptance_sampler_posterior_alpha", "spec_decoding_acceptance_method"),
     *((name, "enable_hierarchical_cache") for name in (
         "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend",
         "hicache_mem_layout", "hicache_host_dtype", "hicache_storage_backend",

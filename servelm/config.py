@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -850,6 +851,13 @@ def _default_of(section: type, name: str) -> Any:
     return field_.default_factory()
 
 
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+"""--spec-decoding-acceptance-method values (vLLM's names)."""
+TYPICAL_POSTERIOR_THRESHOLD = 0.09
+"""vLLM's default epsilon of typical acceptance."""
+TYPICAL_POSTERIOR_ALPHA = 0.3
+"""vLLM's default delta of typical acceptance."""
+
 SPECULATIVE_NOT_BUILT = {
     "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
              "architecture servelm loads has; it is not built yet",
@@ -905,6 +913,23 @@ class SpeculativeConfig:
     speculative_disable_by_batch_size: int | None = opt(
         None, "Draft nothing in a step where at least this many requests are running: large "
         "batches already use the compute that speculation would use. None: always speculate.")
+    spec_decoding_acceptance_method: str = opt(
+        "rejection_sampler", "How the drafts of a sampling (temperature > 0) request are verified. "
+        "rejection_sampler: exact rejection sampling, the output follows the model's distribution. "
+        "typical_acceptance_sampler: vLLM's typical acceptance (MEDUSA): a draft token is kept when "
+        "the model gives it a probability above min(--typical-acceptance-sampler-posterior-threshold, "
+        "--typical-acceptance-sampler-posterior-alpha x exp(-entropy of the model's distribution)), "
+        "and at the first one refused the model's most likely token is emitted: longer accepted "
+        "runs, but the output no longer follows the model's distribution exactly. Greedy requests "
+        "are token for token plain decoding with either.",
+        choices=list(ACCEPTANCE_METHODS))
+    typical_acceptance_sampler_posterior_threshold: float | None = opt(
+        None, "typical_acceptance_sampler: the highest probability a draft token ever needs to be "
+        f"kept (epsilon). Unset: {TYPICAL_POSTERIOR_THRESHOLD}, vLLM's default.")
+    typical_acceptance_sampler_posterior_alpha: float | None = opt(
+        None, "typical_acceptance_sampler: the scale of the entropy-based bound, alpha x "
+        "exp(-entropy) (delta; a flat distribution lowers the bar). Unset: "
+        f"{TYPICAL_POSTERIOR_ALPHA}, vLLM's default (about the square root of the threshold).")
 
     def __post_init__(self) -> None:
         self._resolve_draft_model()
@@ -927,6 +952,7 @@ class SpeculativeConfig:
                 self.speculative_disable_by_batch_size < 1:
             raise ValueError(f"--speculative-disable-by-batch-size must be at least 1, got "
                              f"{self.speculative_disable_by_batch_size}")
+        self._check_acceptance_method()
 
     def _resolve_draft_model(self) -> None:
         """vLLM's --speculative-model and LightLLM's --mtp_draft_model_dir give only a model: a
@@ -976,6 +1002,46 @@ class SpeculativeConfig:
     @property
     def is_enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    @property
+    def is_typical_acceptance(self) -> bool:
+        return self.spec_decoding_acceptance_method == "typical_acceptance_sampler"
+
+    @property
+    def posterior_threshold(self) -> float:
+        """typical_acceptance_sampler's epsilon (the flag, or vLLM's default)."""
+        value = self.typical_acceptance_sampler_posterior_threshold
+        return TYPICAL_POSTERIOR_THRESHOLD if value is None else value
+
+    @property
+    def posterior_alpha(self) -> float:
+        """typical_acceptance_sampler's delta (the flag, or vLLM's default)."""
+        value = self.typical_acceptance_sampler_posterior_alpha
+        return TYPICAL_POSTERIOR_ALPHA if value is None else value
+
+    def _check_acceptance_method(self) -> None:
+        """Typical acceptance needs speculation, and its two knobs need typical acceptance
+        (a flag is never accepted and ignored)."""
+        method = self.spec_decoding_acceptance_method
+        if method not in ACCEPTANCE_METHODS:
+            raise ValueError(f"--spec-decoding-acceptance-method must be one of "
+                             f"{', '.join(ACCEPTANCE_METHODS)}, got {method!r}")
+        knobs = {"--typical-acceptance-sampler-posterior-threshold":
+                 self.typical_acceptance_sampler_posterior_threshold,
+                 "--typical-acceptance-sampler-posterior-alpha":
+                 self.typical_acceptance_sampler_posterior_alpha}
+        for flag, value in knobs.items():
+            if value is None:
+                continue
+            if not self.is_typical_acceptance:
+                raise ValueError(f"{flag} sets typical acceptance; it needs "
+                                 "--spec-decoding-acceptance-method typical_acceptance_sampler")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{flag} must be a positive number, got {value}")
+        if self.is_typical_acceptance and not self.is_enabled:
+            raise ValueError("--spec-decoding-acceptance-method typical_acceptance_sampler verifies "
+                             "speculative drafts; it needs --speculative-algorithm (or "
+                             "--speculative-model)")
 
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")

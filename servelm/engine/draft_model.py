@@ -131,4 +131,6 @@ def split_kv_blocks(config: EngineConfig, capacity_blocks: int, target_bytes_per
 def make_draft_proposer(config: EngineConfig, draft: ModelRunner) -> DraftModelProposer:
     """The proposer over the draft's runner and pool (sized by the engine: ``split_kv_blocks``)."""
     assert draft.num_blocks > 0, "the engine sizes the draft's pool with the model's"
-    return DraftModelProposer(DraftModelRunner(draft), BlockPool(draft.num_blocks), seed=config.model.seed)
+    return DraftModelProposer(DraftModelRunner(draft), BlockPool(draft.num_blocks), seed=config.model.seed,
+                              max_catch_up_tokens=config.scheduler.max_chunk_tokens,
+                              max_forward_tokens=config.scheduler.max_prefill_tokens)

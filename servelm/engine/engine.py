@@ -39,6 +39,7 @@ from servelm.engine.speculation import Speculation
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
+from servelm.spec.typical import make_typical_acceptance
 
 if TYPE_CHECKING:
     from servelm.model.eagle import EagleHeadRunner
@@ -94,6 +95,7 @@ class LLMEngine:
         """The prefill or decode side of K/V transfers (None: co-located, the default)."""
         self.speculation = Speculation(config.speculative, proposer or self._draft_proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
+        self.executor.typical_acceptance = make_typical_acceptance(config.speculative)
         self.beams = BeamSearches(self.scheduler, tokenizer)
         """Beam-search requests (params.beam): their beams run as scheduler requests."""
         self._grammars = self._make_grammar_compiler()

@@ -19,6 +19,7 @@ from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.logprobs import gather_logprobs
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from servelm.spec.typical import TypicalAcceptance
 from servelm.spec.verify import accept_point_mass, rejection_sample
 
 
@@ -85,6 +86,9 @@ class Executor:
         self._generator = torch.Generator()
         """Rejection-sampling draws of unseeded requests (seeded ones reseed per step)."""
         self._generator.seed()
+        self.typical_acceptance: TypicalAcceptance | None = None
+        """Set by the engine for --spec-decoding-acceptance-method typical_acceptance_sampler: a
+        sampling request's drafts are then verified by it instead of rejection sampling."""
 
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
         if output.plan.num_pooled:
@@ -137,6 +141,17 @@ class Executor:
                 num_rows = len(scheduled.draft_token_ids) + 1
                 token_ids = sampled.token_ids[position:position + num_rows]
                 draft_probs = scheduled.request.draft_probs
+                if (self.typical_acceptance is not None and scheduled.draft_token_ids
+                        and not scheduled.request.params.is_greedy):
+                    rows = [r for _, r in sample_targets[position:position + num_rows]]
+                    emitted = self.typical_acceptance.accept(
+                        self.sampler.probabilities(sample_logits[position:position + num_rows], rows),
+                        scheduled.draft_token_ids, token_ids[-1])
+                    results[index].token_ids = emitted
+                    self._gather_logprobs(results[index], scheduled.request,
+                                          sample_logits[position:position + len(emitted)], emitted)
+                    position += num_rows
+                    continue
                 if draft_probs is not None and scheduled.draft_token_ids:
                     rows = [r for _, r in sample_targets[position:position + num_rows]]
                     emitted = self._rejection_sample(sample_logits[position:position + num_rows],
@@ -157,6 +172,15 @@ class Executor:
                         if logprob is not None]
                 position += num_rows
         return results
+
+    @staticmethod
+    def _gather_logprobs(result: StepResult, request: Request, logits: torch.Tensor,
+                         emitted: list[int]) -> None:
+        """Logprobs of tokens chosen outside the sampler (rejection sampling, typical
+        acceptance): each from its own verify row."""
+        num_top = request.params.logprobs
+        if num_top is not None:
+            result.logprobs = gather_logprobs(logits, emitted, [num_top] * len(emitted))
 
     def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
                           draft_probs: torch.Tensor) -> list[int]:

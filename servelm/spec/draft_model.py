@@ -9,7 +9,9 @@ the request's tokens. A step, batched over the requests it drafts for:
    back to the pool;
 2. catch up: one forward over each request's uncached tokens (the whole prompt the first time,
    the accepted drafts' last one and the target's own token after that) gives the logits of
-   draft 1;
+   draft 1. It keeps the model's prefill budget: at most --chunked-prefill-size tokens of one
+   request and --max-prefill-tokens in all, so a long prompt's first catch-up is spread over
+   several steps, in which that request drafts nothing (it decodes normally);
 3. chain: k - 1 one-token forwards, each on the draft just chosen, give drafts 2..k.
 
 A greedy request's drafts are the draft model's argmaxes (a point mass: verification keeps the
@@ -83,9 +85,15 @@ class DraftModelProposer:
 
     name = "STANDALONE"
 
-    def __init__(self, runner: DraftRunner, blocks: DraftBlocks, seed: int | None = None) -> None:
+    def __init__(self, runner: DraftRunner, blocks: DraftBlocks, seed: int | None = None,
+                 max_catch_up_tokens: int | None = None, max_forward_tokens: int | None = None) -> None:
+        """``max_catch_up_tokens`` (--chunked-prefill-size) bounds one request's catch-up tokens
+        in a step and ``max_forward_tokens`` (--max-prefill-tokens) the catch-up forward's total,
+        the budgets the model's own steps keep; None: unbounded."""
         self.runner = runner
         self.blocks = blocks
+        self.max_catch_up_tokens = max_catch_up_tokens
+        self.max_forward_tokens = max_forward_tokens
         self._states: dict[str, _DraftState] = {}
         self._generator = torch.Generator()
         """Draws of requests without a seed (seeded requests reseed per step, see ``_draw``)."""
@@ -110,17 +118,23 @@ class DraftModelProposer:
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts = [Draft([]) for _ in requests]
-        active: list[tuple[int, DraftRequest, list[int]]] = []  # (index, request, all its tokens)
-        sequences: list[DraftSequence] = []
+        planned: list[tuple[int, DraftRequest, list[int], DraftSequence]] = []
         for index, request in enumerate(requests):
             tokens = request.prompt_token_ids + request.output_token_ids
             sequence = self._catch_up(request, tokens)
             if sequence is not None:
-                active.append((index, request, tokens))
-                sequences.append(sequence)
+                planned.append((index, request, tokens, sequence))
+        computed = [(plan, whole) for plan, whole in zip(planned, self._fit_budget(planned), strict=True)
+                    if plan[3].token_ids]
+        if not computed:
+            return drafts
+        logits = self.runner.forward_last([sequence for (_, _, _, sequence), _ in computed])
+        # A request whose catch-up was cut drafts nothing this step (it decodes normally).
+        active = [(index, request, tokens) for (index, request, tokens, _), whole in computed if whole]
         if not active:
             return drafts
-        logits = self.runner.forward_last(sequences)
+        if len(active) < len(computed):
+            logits = logits[torch.tensor([whole for _, whole in computed], dtype=torch.bool)]
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         for step in range(max(request.max_draft_tokens for _, request, _ in active)):
             if step:
@@ -146,6 +160,30 @@ class DraftModelProposer:
             if probs[row]:
                 draft.probs = torch.stack(probs[row])
         return drafts
+
+    def _fit_budget(self, planned: list[tuple[int, DraftRequest, list[int], DraftSequence]]
+                    ) -> list[bool]:
+        """Cut the catch-up sequences to the step's budget (a long prompt's first catch-up is
+        spread over steps, as the model's own prefill is chunked): shortest first, so requests
+        already drafting (one or two tokens) always fit. Returns, in ``planned`` order, whether each sequence is whole (then it drafts this
+        step); a cut one is shortened in place (possibly to nothing) and records the tokens it
+        does compute as cached."""
+        per_request = self.max_catch_up_tokens
+        left = self.max_forward_tokens
+        is_whole = [True] * len(planned)
+        for row in sorted(range(len(planned)), key=lambda r: len(planned[r][3].token_ids)):
+            _, request, tokens, sequence = planned[row]
+            allowed = len(sequence.token_ids)
+            if per_request is not None:
+                allowed = min(allowed, per_request)
+            if left is not None:
+                allowed = min(allowed, left)
+                left -= allowed
+            if allowed < len(sequence.token_ids):
+                is_whole[row] = False
+                del sequence.token_ids[allowed:]
+                self._states[request.request_id].token_ids = tokens[:sequence.start_position + allowed]
+        return is_whole
 
     def _catch_up(self, request: DraftRequest, tokens: list[int]) -> DraftSequence | None:
         """Roll the request's cached prefix back to what still holds, hold the blocks this step

@@ -222,3 +222,46 @@ def test_one_request_reads_the_stream(status: int) -> None:
         assert timing.ttft_s is not None and len(timing.chunk_gaps_s) == 1  # empty chunk skipped
     else:
         assert timing.error is not None and timing.error.startswith("HTTP 400")
+
+
+def test_server_info_snapshots_give_the_runs_speculative_figures() -> None:
+    """`bench serve`/`serving` read /get_server_info before and after their requests: the
+    figures are those of the difference (earlier traffic on the server does not count); a
+    server without the endpoint, or without speculation, gives none."""
+    import asyncio
+
+    import httpx
+
+    snapshots = iter([
+        {"speculative_algorithm": "NGRAM", "spec_num_verify_passes": 10,
+         "spec_num_draft_tokens": 40, "spec_num_accepted_tokens": 30},
+        {"speculative_algorithm": "NGRAM", "spec_num_verify_passes": 30,
+         "spec_num_draft_tokens": 100, "spec_num_accepted_tokens": 60},
+    ])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/get_server_info":
+            return httpx.Response(200, json=next(snapshots))
+        return httpx.Response(404, text="not here")
+
+    async def go() -> tuple[dict, dict]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:  # type: ignore[arg-type]
+            before = await bench_common.server_info(client, "http://test")
+            after = await bench_common.server_info(client, "http://test")
+            return before, after
+
+    before, after = asyncio.run(go())
+    summary = bench_common.speculative_summary(before, after)
+    assert summary == {"speculative_algorithm": "NGRAM", "spec_num_verify_passes": 20,
+                       "spec_num_draft_tokens": 60, "spec_num_accepted_tokens": 30,
+                       "spec_acceptance_rate": 0.5, "spec_accept_length": 2.5}
+    assert bench_common.format_speculative(summary) == (
+        "speculative decoding (NGRAM): accept length 2.50 tokens per verify pass, acceptance "
+        "rate 50.0% of 60 drafted tokens")
+
+    async def missing() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:  # type: ignore[arg-type]
+            return await bench_common.server_info(client, "http://test/elsewhere")
+
+    assert asyncio.run(missing()) == {}
+    assert bench_common.speculative_summary({}, {"num_running": 1}) == {}

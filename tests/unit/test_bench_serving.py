@@ -68,3 +68,16 @@ def test_one_batch_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     results = json.loads(out.read_text())["results"]
     assert [r["batch_size"] for r in results] == [1, 3]
     assert all(r["prefill_latency_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in results)
+
+
+def test_one_batch_reports_speculative_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = tmp_path / "tiny"
+    make_tiny_hf_model("qwen2").save_pretrained(model_dir)
+    out = tmp_path / "one.json"
+    cli.main(["bench", "one-batch", str(model_dir), "--skip-tokenizer-init", "--device", "cpu",
+              "--max-total-tokens", "512", "--batch-sizes", "2", "--input-len", "6", "--output-len", "12",
+              "--speculative-algorithm", "NGRAM", "--ngram-prompt-lookup-min", "1",
+              "--output-json", str(out)])
+    assert "speculative decoding (NGRAM): accept length" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["speculative_algorithm"] == "NGRAM" and data["spec_num_verify_passes"] > 0

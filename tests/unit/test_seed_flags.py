@@ -227,14 +227,15 @@ LORA_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig().lora)} - {"ena
 
 
 def companions(field_name: str) -> list[str]:
-    """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS), with example values."""
+    """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS, followed through the
+    flags those need), with example values."""
     if field_name in LORA_OPTIONS:
         return ["--enable-lora"]
     if field_name in EAGLE_COMPANIONS:
         return EAGLE_COMPANIONS[field_name]
     return MULTI_NODE_COMPANIONS.get(field_name, []) + [
         arg for name, needed in cli_flags.NEEDS if name == field_name
-        for arg in (cli_flags.flag_name(needed), *field_example(needed))]
+        for arg in (*companions(needed), cli_flags.flag_name(needed), *field_example(needed))]
 
 
 def check_sets_field(flag: str, field_name: str, values: list[str],

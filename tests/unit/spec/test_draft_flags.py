@@ -44,3 +44,23 @@ def test_steps_and_ngram_spellings() -> None:
 def test_refusals(kwargs: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_lightllm_mtp_flags_map_or_are_refused_naming_the_mtp_layers() -> None:
+    """--mtp_draft_model_dir is the draft model and --mtp_step its k; --mtp_mode asks for a
+    model's own MTP layers, which no architecture servelm loads has: only None is accepted."""
+    config = cli_args.parse_args(["--mtp_mode", "None", "--mtp_draft_model_dir", "d",
+                                  "--mtp_step", "2"]).speculative
+    assert (config.speculative_algorithm, config.speculative_draft_model_path,
+            config.num_speculative_tokens) == ("STANDALONE", "d", 2)
+    refusals = [
+        (["--mtp_mode", "deepseekv3", "--mtp_draft_model_dir", "d", "--mtp_step", "1"],
+         "multi-token-prediction layers"),
+        (["--mtp_draft_model_dir", "d", "--mtp_step", "0"], "LightLLM's 0 means no speculation"),
+        (["--mtp_step", "2"], "--mtp_step has no effect without --speculative-algorithm"),
+    ]
+    for argv, message in refusals:
+        with pytest.raises(cli_args.CliError, match=message):
+            cli_args.build_config(argv)
+    with pytest.raises(ValueError, match="multi-token-prediction layers"):
+        SpeculativeConfig(speculative_algorithm="NEXTN")

@@ -64,3 +64,29 @@ def test_sampling_requests_return_their_distributions() -> None:
     assert torch.allclose(draft.probs.sum(dim=-1), torch.ones(3))
     again = DraftModelProposer(CountingRunner(), BlockPool(8), seed=1).propose([request([6], temperature=1.0)])
     assert again[0].token_ids == draft.token_ids   # seeded request: the same draws
+
+
+def test_long_catch_up_is_spread_over_steps_within_the_budget() -> None:
+    """A 14-token first catch-up with --chunked-prefill-size 4 and --max-prefill-tokens 5: chunks
+    of 4, 4, 4 and 2 tokens in four steps, no draft until the last (the request decodes normally
+    meanwhile), then the usual chain. A request already drafting (one token to catch up) is
+    computed first in every step and keeps drafting."""
+    runner, pool = CountingRunner(), BlockPool(16)
+    proposer = DraftModelProposer(runner, pool, seed=0, max_catch_up_tokens=4, max_forward_tokens=5)
+    assert proposer.propose([DraftRequest("s", [9, 10], [11], 2)])[0].token_ids == [12, 13]
+    chunks, drafts = [], []
+    for step in range(4):
+        runner.calls.clear()
+        long = DraftRequest("l", list(range(1, 14)), [14], 3)
+        short = DraftRequest("s", [9, 10], [11, 12, 1 + step], 2)
+        draft_long, draft_short = proposer.propose([long, short])
+        assert draft_short.token_ids == [2 + step, 3 + step]
+        catch_up = runner.calls[0]
+        assert catch_up[1] == ([1 + step], 4)                    # the short request's token
+        assert sum(len(tokens) for tokens, _ in catch_up) <= 5
+        assert all(len(tokens) <= 4 for call in runner.calls for tokens, _ in call)
+        chunks.append(catch_up[0])
+        drafts.append(draft_long.token_ids)
+    assert chunks == [([1, 2, 3, 4], 0), ([5, 6, 7, 8], 4), ([9, 10, 11, 12], 8), ([13, 14], 12)]
+    assert drafts == [[], [], [], [15, 0, 1]]
+    assert proposer.num_held_blocks == 4 + 2   # "l": 16 positions written, blocks of 4; "s": 6
