@@ -24,6 +24,7 @@ by reading notifications while a pull is outstanding.
 from __future__ import annotations
 
 import base64
+import importlib
 import logging
 import os
 import time
@@ -48,14 +49,16 @@ NOTIFICATION_KEEP_S = 600.0
 def load_nixl() -> tuple[ModuleType, tuple[type[BaseException], ...]]:
     """NIXL's Python API and the exception classes its bindings raise. The ``nixl`` package
     picks the build for the installed CUDA; ``nixl-cu12`` alone works too."""
-    try:
-        from nixl import _api, _bindings  # type: ignore[import-not-found]
-    except ImportError:
+    for package in ("nixl", "nixl_cu12"):
         try:
-            from nixl_cu12 import _api, _bindings  # type: ignore[import-not-found]
+            _api = importlib.import_module(f"{package}._api")
+            _bindings = importlib.import_module(f"{package}._bindings")
+            break
         except ImportError:
-            raise ImportError("--disaggregation-transfer-backend nixl needs NIXL: pip install "
-                              "--no-deps nixl nixl-cu12") from None
+            continue
+    else:
+        raise ImportError("--disaggregation-transfer-backend nixl needs NIXL: pip install "
+                          "--no-deps nixl nixl-cu12")
     errors = tuple(getattr(_bindings, name) for name in dir(_bindings)
                    if name.startswith("nixl") and name.endswith("Error"))
     return _api, errors

@@ -157,8 +157,8 @@ class Disaggregation:
         if self.prefill is not None:
             self.prefill.poll()
             return output, results
-        if self.decode is None or not self._pending:
-            return output, results
+        if self.decode is None or not (self._pending or self.decode.holds):
+            return output, results  # (held blocks wait for the prefill side's final reply)
         self._num_polls += 1
         interval = self.config.disaggregation_decode_polling_interval
         if num_running and self._num_polls % interval:
