@@ -955,7 +955,7 @@ _TRANSFER_PACKAGES = {"nixl": "--no-deps nixl nixl-cu12",
 """Transfer backends that need a package: the pip arguments a missing one is installed with."""
 _TRANSFER_MODULES = {"nixl": ("nixl", "nixl_cu12"), "mooncake": ("mooncake",)}
 """The modules any of which provides the backend's library."""
-_BUILT_TRANSFER_BACKENDS = ("zmq", "shm", "nixl")
+_BUILT_TRANSFER_BACKENDS = ("zmq", "shm", "nixl", "mooncake")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 _VLLM_CONNECTORS = {"ZmqConnector": "zmq", "ShmConnector": "shm", "NixlConnector": "nixl",
                     "MooncakeConnector": "mooncake", "MooncakeConnectorV1": "mooncake"}
@@ -1006,13 +1006,15 @@ class DisaggregationConfig:
         "zmq", "How K/V blocks move: zmq (TCP with pyzmq, across machines), shm (the bytes through "
         "a file in /dev/shm: prefill and decode on one host), nixl (NVIDIA NIXL over UCX: the "
         "prefill server writes the blocks straight into the decode server's registered pool; "
-        "pip install --no-deps nixl nixl-cu12). Control messages always use the bootstrap zmq "
-        "socket; both servers must name the same backend (zmq and shm mix). mooncake is refused "
-        "in this build.", choices=list(TRANSFER_BACKENDS))
+        "pip install --no-deps nixl nixl-cu12), mooncake (Mooncake's transfer engine over TCP, "
+        "writing likewise; pip install mooncake-transfer-engine-non-cuda, apt-get install "
+        "libibverbs1). Control messages always use the bootstrap zmq socket; both servers must "
+        "name the same backend (zmq and shm mix).", choices=list(TRANSFER_BACKENDS))
     disaggregation_ib_device: str | None = opt(
-        None, "nixl: the network devices UCX may use for K/V (NIXL's ucx_devices, e.g. mlx5_0:1 "
-        "or mlx5_0:1,mlx5_1:1; unset: UCX picks, and skips InfiniBand on a host without RDMA "
-        "devices). Only with --disaggregation-transfer-backend nixl.")
+        None, "The network devices for K/V: nixl: UCX's (NIXL's ucx_devices, e.g. mlx5_0:1 or "
+        "mlx5_0:1,mlx5_1:1; unset: UCX picks, and skips InfiniBand on a host without RDMA "
+        "devices); mooncake: the transfer engine's device name (e.g. mlx5_0). Only with "
+        "--disaggregation-transfer-backend nixl or mooncake.")
     disaggregation_transfer_timeout: float = opt(
         30.0, "Seconds a transfer may take: a decode server that gets no K/V in this time ends "
         "the request with an error; a prefill server frees K/V nobody pulled in this time.")
@@ -1069,9 +1071,11 @@ class DisaggregationConfig:
         if self.disaggregation_decode_polling_interval < 1:
             raise ValueError(f"--disaggregation-decode-polling-interval must be at least 1, got "
                              f"{self.disaggregation_decode_polling_interval}")
-        if self.disaggregation_ib_device is not None and self.transfer_backend != "nixl":
-            raise ValueError("--disaggregation-ib-device chooses the nixl backend's UCX devices; "
-                             f"--disaggregation-transfer-backend {self.transfer_backend} uses none")
+        if self.disaggregation_ib_device is not None and self.transfer_backend not in ("nixl",
+                                                                                        "mooncake"):
+            raise ValueError("--disaggregation-ib-device chooses the nixl or mooncake backend's "
+                             f"devices; --disaggregation-transfer-backend {self.transfer_backend} "
+                             "uses none")
         self._check_backend()
 
     def _check_backend(self) -> None:

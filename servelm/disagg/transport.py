@@ -182,7 +182,7 @@ def make_sender(backend: str, cache: KVCache, timeout_s: float, engine_id: str,
         return NixlSender(cache, engine_id, device)
     if backend == "mooncake":
         from servelm.disagg.mooncake_transport import MooncakeSender
-        return MooncakeSender(cache)
+        return MooncakeSender(cache, device)
     return _CopySender(cache, timeout_s, use_shm=backend == "shm")
 
 
@@ -194,7 +194,7 @@ def make_receiver(backend: str, cache: KVCache, engine_id: str,
         return NixlReceiver(cache, engine_id, device)
     if backend == "mooncake":
         from servelm.disagg.mooncake_transport import MooncakeReceiver
-        return MooncakeReceiver(cache)
+        return MooncakeReceiver(cache, device)
     return _CopyReceiver(cache)
 
 

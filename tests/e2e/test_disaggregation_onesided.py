@@ -29,7 +29,7 @@ def backend_param(name: str) -> object:
     return pytest.param(name, marks=pytest.mark.skipif(missing, reason=f"{name} absent: {command}"))
 
 
-BACKENDS = [backend_param("nixl")]
+BACKENDS = [backend_param("nixl"), backend_param("mooncake")]
 
 
 @pytest.fixture(scope="module")
