@@ -134,3 +134,15 @@ def test_write_to_a_closed_decode_agent_fails_and_frees_the_prefill_blocks(model
         assert_idle(prefill)
     finally:
         prefill.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_without_prefill_server_times_out_and_lets_its_blocks_go(model_path, backend):
+    decode = make_engine(model_path, "decode", backend=backend, timeout_s=0.5)
+    try:
+        results = run_pair(None, decode, [("lost", list(range(5, 14)))], free_port())
+        assert results["lost"].finish_reason == "error" and results["lost"].error_status == 503
+        wait_for(lambda: decode.stats()["disaggregation_num_held_blocks"] == 0, decode)
+        assert_idle(decode)
+    finally:
+        decode.shutdown()
