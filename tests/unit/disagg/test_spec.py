@@ -83,3 +83,15 @@ def test_ib_device_only_with_the_nixl_backend():
         DisaggregationConfig(disaggregation_mode="decode", disaggregation_ib_device="mlx5_0:1")
     with pytest.raises(ValueError, match="--disaggregation-decode-tp 2"):
         DisaggregationConfig(disaggregation_decode_tp=2)
+
+
+def test_vllm_nixl_and_mooncake_connectors_select_their_backends():
+    import importlib.util
+
+    for connector, backend, modules in (("NixlConnector", "nixl", ("nixl", "nixl_cu12")),
+                                        ("MooncakeConnector", "mooncake", ("mooncake",))):
+        if all(importlib.util.find_spec(m) is None for m in modules):
+            continue  # refused with the pip command: the test above
+        config = DisaggregationConfig(
+            kv_transfer_config=f'{{"kv_role": "kv_producer", "kv_connector": "{connector}"}}')
+        assert (config.mode, config.transfer_backend) == ("prefill", backend)
