@@ -130,7 +130,7 @@ class DecodeClient:
              prefix_tokens: int, block_ids: list[int]) -> None:
         """Ask ``host:port`` for the key's K/V after ``prefix_tokens``; it lands in ``block_ids``."""
         self.destinations[key] = block_ids
-        fields = self.receiver.pull_fields(key, block_ids)
+        fields = self.receiver.pull_fields(key, host, block_ids)
         if self.receiver.is_one_sided:
             self.block_pool.retain(block_ids)
             now = time.monotonic()

@@ -3,8 +3,9 @@ TCP) WRITEs the K/V from the prefill pool into the decode pool, one-sided like `
 
 - Decode side (``MooncakeReceiver``): a transfer engine in peer-to-peer handshake mode (no
   metadata server) registers every layer's K and V tensor of the pool. Each pull carries its
-  session (``ip:rpc_port``: this host's address on its default route), the regions' base
-  addresses and the destination block ids.
+  session (``ip:rpc_port``: this host's address on the route toward the prefill server; the
+  engine's RPC port listens on every interface), the regions' base addresses and the
+  destination block ids.
 - Prefill side (``MooncakeSender``): its engine registers its own pool and submits one batch of
   writes (one per run of blocks consecutive on both sides, per region) on a worker thread, since
   Mooncake's batch write blocks; ``poll`` collects it and the ``kv`` reply goes out over zmq.
@@ -43,14 +44,16 @@ def _engine(device: str | None) -> tuple[Any, str]:
     return engine, f"{host}:{engine.get_rpc_port()}"
 
 
-def _local_ip() -> str:
-    """This host's address on its default route (no packet is sent); 127.0.0.1 without one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
+def _local_ip(toward: str = "10.255.255.255") -> str:
+    """This host's address on the route toward ``toward`` (the default route unless given; no
+    packet is sent); 127.0.0.1 without one."""
+    try:
+        family = socket.getaddrinfo(toward, 1, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((toward, 1))
             return str(probe.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+    except OSError:
+        return "127.0.0.1"
 
 
 def _register(engine: Any, cache: KVCache) -> None:
@@ -145,9 +148,14 @@ class MooncakeReceiver:
         self.engine, self.session = _engine(device)
         _register(self.engine, cache)
         self.addresses = [t.data_ptr() for t in pool_regions(cache)]
+        self.sessions: dict[str, str] = {}
+        """Prefill host -> this engine's session as reached from it."""
 
-    def pull_fields(self, key: str, block_ids: list[int]) -> dict[str, Any]:
-        return {"mooncake_session": self.session, "mooncake_addresses": self.addresses,
+    def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
+        session = self.sessions.get(host)
+        if session is None:
+            session = self.sessions[host] = f"{_local_ip(host)}:{self.engine.get_rpc_port()}"
+        return {"mooncake_session": session, "mooncake_addresses": self.addresses,
                 "block_ids": block_ids}
 
     def land(self, message: dict[str, Any], frames: list[bytes], block_ids: list[int]) -> bool:

@@ -224,7 +224,7 @@ class NixlReceiver:
         self.arrived: dict[str, float] = {}
         """Pull ids whose notification has come, and when."""
 
-    def pull_fields(self, key: str, block_ids: list[int]) -> dict[str, Any]:
+    def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
         return {"nixl_agent": self.agent.name, "nixl_metadata": self.metadata,
                 "nixl_addresses": self.addresses, "block_ids": block_ids,
                 "nixl_pull": uuid.uuid4().hex}

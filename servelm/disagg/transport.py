@@ -76,8 +76,9 @@ class Receiver(Protocol):
     is_one_sided: bool
     """The peer writes into this pool's memory itself (nixl, mooncake)."""
 
-    def pull_fields(self, key: str, block_ids: list[int]) -> dict[str, Any]:
-        """What the pull must tell the prefill side so it can send into ``block_ids``."""
+    def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
+        """What the pull to the prefill server at ``host`` must tell it so it can send into
+        ``block_ids``."""
         ...
 
     def land(self, message: dict[str, Any], frames: list[bytes], block_ids: list[int]) -> bool:
@@ -140,7 +141,7 @@ class _CopyReceiver:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
 
-    def pull_fields(self, key: str, block_ids: list[int]) -> dict[str, Any]:
+    def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
         return {}
 
     def land(self, message: dict[str, Any], frames: list[bytes], block_ids: list[int]) -> bool:
