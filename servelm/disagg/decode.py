@@ -8,9 +8,9 @@ Invariants: a reply is matched to its pull by key; a reply whose key nobody wait
 request ended meanwhile) is dropped and its shm file deleted, so nothing leaks. With a one-sided
 backend (nixl, mooncake: the prefill side writes into this pool) a pull's destination blocks get
 one more reference (``holds``) until its final reply (kv, error, or the ``cancelled`` answering
-a cancel), until its prefill server's connection has been lost for LOST_PEER_RELEASE_S (or was
-never made within the transfer timeout), or until 11 transfer timeouts have passed, so a late write never lands in blocks given to another
-request.
+a cancel), until its prefill server's connection has been lost for LOST_PEER_RELEASE_S (or
+was not up within the transfer timeout), or until 11 transfer timeouts have passed, so a late
+write never lands in blocks given to another request.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class DecodeClient:
                 is_connected, lost_s = self.peer_state(*hold.peer)
                 is_lost = lost_s is not None and lost_s >= hold.pulled_s \
                     and now - lost_s > LOST_PEER_RELEASE_S
-                never_reached = not is_connected and lost_s is None \
+                never_reached = not is_connected and (lost_s is None or lost_s < hold.pulled_s) \
                     and now - hold.pulled_s > self.timeout_s  # the pull never left this host
                 if is_lost or never_reached or now > hold.deadline_s:
                     holds.remove(hold)

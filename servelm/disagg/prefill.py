@@ -257,14 +257,14 @@ class PrefillSide:
         if outcome.error is not None:
             self._error(sending.identity, key, outcome.error)
         else:
-            self.socket.send_multipart([sending.identity,
-                                        transfer.header({**sending.reply, **outcome.fields}),
-                                        *outcome.frames])
-            stats = self.stats
+            stats = self.stats  # counted before the reply goes: a reader who saw it sees them
             stats.num_transfers += 1
             stats.num_bytes_sent += outcome.num_bytes
             stats.num_tokens_sent += sending.num_tokens
             stats.send_time_s += time.perf_counter() - sending.start_s
+            self.socket.send_multipart([sending.identity,
+                                        transfer.header({**sending.reply, **outcome.fields}),
+                                        *outcome.frames])
         if sending.cancelled_by is not None:
             self.socket.send_multipart([sending.cancelled_by,
                                         transfer.header({"type": "cancelled", "key": key})])
