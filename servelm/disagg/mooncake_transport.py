@@ -2,9 +2,9 @@
 TCP) WRITEs the K/V from the prefill pool into the decode pool, one-sided like ``nixl``.
 
 - Decode side (``MooncakeReceiver``): a transfer engine in peer-to-peer handshake mode (no
-  metadata server) registers every layer's K and V tensor of the pool. Each pull carries its
-  session (``ip:rpc_port``: this host's address on the route toward the prefill server; the
-  engine's RPC port listens on every interface), the regions' base addresses and the
+  metadata server) registers every layer's K and V tensor of the pool; it is named by this
+  host's address on the route toward the prefill server (one engine per such address). Each
+  pull carries that engine's session (``ip:rpc_port``), the regions' base addresses and the
   destination block ids.
 - Prefill side (``MooncakeSender``): its engine registers its own pool and submits one batch of
   writes (one per run of blocks consecutive on both sides, per region) on a worker thread, since
@@ -29,15 +29,15 @@ from servelm.model.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 
 
-def _engine(device: str | None) -> tuple[Any, str]:
-    """A started transfer engine and its session name (``ip:rpc_port``)."""
+def _engine(device: str | None, host: str) -> tuple[Any, str]:
+    """A started transfer engine named ``host`` (the address its peers reach it by) and its
+    session name (``host:rpc_port``)."""
     try:
         module = importlib.import_module("mooncake.engine")
     except ImportError as error:
         raise ImportError("--disaggregation-transfer-backend mooncake needs Mooncake's transfer "
                           "engine: pip install mooncake-transfer-engine-non-cuda (and apt-get "
                           f"install libibverbs1): {error}") from None
-    host = _local_ip()
     engine = module.TransferEngine()
     if engine.initialize(host, "P2PHANDSHAKE", "tcp", device or "") != 0:
         raise RuntimeError("Mooncake's transfer engine did not start (tcp, peer-to-peer handshake)")
@@ -79,7 +79,7 @@ class MooncakeSender:
 
     def __init__(self, cache: KVCache, device: str | None = None) -> None:
         self.cache = cache
-        self.engine, self.session = _engine(device)
+        self.engine, self.session = _engine(device, _local_ip())
         _register(self.engine, cache)
         self.regions = [t.data_ptr() for t in pool_regions(cache)]
         self.bytes_per_block = transfer.bytes_per_block(cache)
@@ -139,22 +139,35 @@ class MooncakeSender:
 
 
 class MooncakeReceiver:
-    """The decode side: a registered pool the prefill servers write into."""
+    """The decode side: a registered pool the prefill servers write into.
+
+    A Mooncake peer sends its data to the address the engine was started with, so the pool is
+    registered with one engine per local address that prefill servers are reached from (the
+    address on the route toward each; usually one)."""
 
     is_one_sided = True
 
     def __init__(self, cache: KVCache, device: str | None = None) -> None:
         self.cache = cache
-        self.engine, self.session = _engine(device)
-        _register(self.engine, cache)
+        self.device = device
         self.addresses = [t.data_ptr() for t in pool_regions(cache)]
+        self.engines: dict[str, tuple[Any, str]] = {}
+        """Local address -> its engine and session."""
         self.sessions: dict[str, str] = {}
-        """Prefill host -> this engine's session as reached from it."""
+        """Prefill host -> the session it writes to."""
+        self._session_from(_local_ip())  # fails start-up, not the first pull, without the package
+
+    def _session_from(self, local_ip: str) -> str:
+        if local_ip not in self.engines:
+            engine, session = _engine(self.device, local_ip)
+            _register(engine, self.cache)
+            self.engines[local_ip] = (engine, session)
+        return self.engines[local_ip][1]
 
     def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
         session = self.sessions.get(host)
         if session is None:
-            session = self.sessions[host] = f"{_local_ip(host)}:{self.engine.get_rpc_port()}"
+            session = self.sessions[host] = self._session_from(_local_ip(host))
         return {"mooncake_session": session, "mooncake_addresses": self.addresses,
                 "block_ids": block_ids}
 
@@ -168,4 +181,5 @@ class MooncakeReceiver:
         pass
 
     def close(self) -> None:
-        _unregister(self.engine, self.cache)
+        for engine, _ in self.engines.values():
+            _unregister(engine, self.cache)
