@@ -1,17 +1,21 @@
 """K/V transfer cost of prefill/decode disaggregation: bytes moved per request and transfer time
-per 1k prompt tokens, for the zmq (TCP loopback) and shm backends, float32 and float8 K/V.
+per 1k prompt tokens, for the zmq (TCP loopback), shm, nixl (one-sided UCX writes into the
+decode pool) and mooncake backends, float32 and float8 K/V; a backend whose package is absent
+is skipped.
 
 Two real engines in this process (a prefill and a decode LLMEngine, real pyzmq sockets; the
 prefill engine steps on its own thread, as in its own process): the prefill engine computes each
 prompt first (its K/V parked), then the decode engine pulls, so the measured time is the transfer
 alone: from the pull sent to the K/V written into the decode pool (``disaggregation_pull_time_s``).
 
-    python benchmarks/disagg_transfer.py --model smollm2-135m --prompt-tokens 1024
+    python benchmarks/disagg_transfer.py --model smollm2-135m --prompt-tokens 1024 \
+        --backends zmq,shm,nixl
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import threading
 import time
@@ -91,12 +95,17 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=47911)
+    parser.add_argument("--backends", default="zmq,shm,nixl,mooncake")
+    parser.add_argument("--kv-dtypes", default="auto,fp8_e4m3")
     args = parser.parse_args()
+    modules = {"nixl": ("nixl", "nixl_cu12"), "mooncake": ("mooncake",)}
+    backends = [b for b in args.backends.split(",") if b not in modules
+                or any(importlib.util.find_spec(m) is not None for m in modules[b])]
     print("| model | K/V dtype | backend | bytes / request | transfer ms | ms / 1k tokens | "
           "prefill read+send ms | decode read+write ms |")
     print("|---|---|---|---|---|---|---|---|")
-    for kv_dtype in ("auto", "fp8_e4m3"):
-        for backend in ("zmq", "shm"):
+    for kv_dtype in args.kv_dtypes.split(","):
+        for backend in backends:
             result = measure(args.model, args.prompt_tokens, kv_dtype, backend, args.repeats, args.port)
             print(f"| {args.model} | {'float32' if kv_dtype == 'auto' else kv_dtype} | {backend} | "
                   f"{result['bytes'] / 2 ** 20:.1f} MiB | {result['median_ms']:.1f} | "

@@ -9,4 +9,7 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned: with it present, servelm's torch>=2.5 range installs nothing more.
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[test,playground-test]"
+# Optional: the nixl and mooncake K/V transfer backends (their tests skip without them; mooncake
+# also needs Debian's libibverbs1, which .ci/run installs).
+"${pip[@]}" -e ".[nixl,mooncake]" || echo "note: nixl/mooncake not installed; their tests will be skipped"
 bash scripts/install_models.sh

@@ -539,9 +539,6 @@ REJECTIONS: tuple[Rejection, ...] = (
               "plain decoding at no extra cost",
               ("--num-lookahead-slots", "--speculative-disable-mqa-scorer",
                "--disable-logprobs-during-spec-decoding")),
-    Rejection("not supported: InfiniBand/RDMA devices; servelm's K/V transfer runs over TCP "
-              "(--disaggregation-transfer-backend zmq) or shared memory on one host (shm)",
-              ("--disaggregation-ib-device",)),
     Rejection("not supported: offloading the decode server's K/V to host storage (the "
               "hierarchical cache is not built)", ("--disaggregation-decode-enable-offload-kvcache",)),
     Rejection("not needed: a servelm decode server listens on no port of its own for K/V; it "

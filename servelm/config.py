@@ -1046,9 +1046,12 @@ class SpeculativeConfig:
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("zmq", "shm", "nixl", "mooncake")
-_TRANSFER_PACKAGES = {"nixl": "nixl", "mooncake": "mooncake-transfer-engine"}
-"""Transfer backends that need a package: the pip name a missing one is installed by."""
-_TRANSFER_MODULES = {"nixl": "nixl", "mooncake": "mooncake"}
+_TRANSFER_PACKAGES = {"nixl": "--no-deps nixl nixl-cu12",
+                      "mooncake": "mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"}
+"""Transfer backends that need a package: the pip arguments a missing one is installed with."""
+_TRANSFER_MODULES = {"nixl": ("nixl", "nixl_cu12"), "mooncake": ("mooncake",)}
+"""The modules any of which provides the backend's library."""
+_BUILT_TRANSFER_BACKENDS = ("zmq", "shm", "nixl", "mooncake")
 _VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 _VLLM_CONNECTORS = {"ZmqConnector": "zmq", "ShmConnector": "shm", "NixlConnector": "nixl",
                     "MooncakeConnector": "mooncake", "MooncakeConnectorV1": "mooncake"}
@@ -1097,8 +1100,17 @@ class DisaggregationConfig:
         "decode servers connect to it to ask for K/V. 8998 is SGLang's default.")
     disaggregation_transfer_backend: str = opt(
         "zmq", "How K/V blocks move: zmq (TCP with pyzmq, across machines), shm (the bytes through "
-        "a file in /dev/shm, control over zmq: prefill and decode on one host). nixl and mooncake "
-        "need their packages and are refused in this build.", choices=list(TRANSFER_BACKENDS))
+        "a file in /dev/shm: prefill and decode on one host), nixl (NVIDIA NIXL over UCX: the "
+        "prefill server writes the blocks straight into the decode server's registered pool; "
+        "pip install --no-deps nixl nixl-cu12), mooncake (Mooncake's transfer engine over TCP, "
+        "writing likewise; pip install mooncake-transfer-engine-non-cuda, apt-get install "
+        "libibverbs1). Control messages always use the bootstrap zmq socket; both servers must "
+        "name the same backend (zmq and shm mix).", choices=list(TRANSFER_BACKENDS))
+    disaggregation_ib_device: str | None = opt(
+        None, "The network devices for K/V: nixl: UCX's (NIXL's ucx_devices, e.g. mlx5_0:1 or "
+        "mlx5_0:1,mlx5_1:1; unset: UCX picks, and skips InfiniBand on a host without RDMA "
+        "devices); mooncake: the transfer engine's device name (e.g. mlx5_0). Only with "
+        "--disaggregation-transfer-backend nixl or mooncake.")
     disaggregation_transfer_timeout: float = opt(
         30.0, "Seconds a transfer may take: a decode server that gets no K/V in this time ends "
         "the request with an error; a prefill server frees K/V nobody pulled in this time.")
@@ -1168,6 +1180,11 @@ class DisaggregationConfig:
         if self.disaggregation_decode_polling_interval < 1:
             raise ValueError(f"--disaggregation-decode-polling-interval must be at least 1, got "
                              f"{self.disaggregation_decode_polling_interval}")
+        if self.disaggregation_ib_device is not None and self.transfer_backend not in ("nixl",
+                                                                                        "mooncake"):
+            raise ValueError("--disaggregation-ib-device chooses the nixl or mooncake backend's "
+                             f"devices; --disaggregation-transfer-backend {self.transfer_backend} "
+                             "uses none")
         self._check_backend()
 
     def _check_backend(self) -> None:
@@ -1176,10 +1193,12 @@ class DisaggregationConfig:
             return
         import importlib.util
 
-        if importlib.util.find_spec(_TRANSFER_MODULES[backend]) is None:
+        if all(importlib.util.find_spec(module) is None for module in _TRANSFER_MODULES[backend]):
             raise ValueError(f"--disaggregation-transfer-backend {backend} needs its package: pip "
                              f"install {_TRANSFER_PACKAGES[backend]} (or use zmq, the default, or "
                              "shm on one host)")
+        if backend in _BUILT_TRANSFER_BACKENDS:
+            return
         raise ValueError(f"--disaggregation-transfer-backend {backend}: the package is installed but "
                          "servelm's transfer over it is not built yet; use zmq (TCP) or shm")
 

@@ -12,13 +12,17 @@ Invariants:
   the request finishes, fails (``error`` reply) or the timeout passes (``error`` reply). While the
   key's request is queued or running here, the decode side hears ``waiting`` every third of the
   timeout, so a long queue or a slow grammar compile is not mistaken for a dead prefill server.
-- Every pull gets exactly one reply; every parked block list is released exactly once.
+- Every pull gets exactly one reply; every parked block list is released exactly once, after
+  its blocks were sent (a one-sided write in flight keeps them until it ends, ``sending``).
+- Every cancel gets a ``cancelled`` reply once no write for its key is in flight (a one-sided
+  decode side keeps the destination blocks until then).
+
+How the bytes travel is the backend's (``transport.py``); this class keeps the protocol.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +31,7 @@ import zmq
 
 from servelm.cache.block_pool import BlockPool
 from servelm.config import DisaggregationConfig
-from servelm.disagg import transfer
+from servelm.disagg import transfer, transport
 from servelm.model.kv_cache import KVCache
 from servelm.sampling.logprobs import TokenLogprob
 
@@ -55,6 +59,20 @@ class _Pull:
     """When the decode side next hears ``waiting`` (while the request is queued or running here)."""
 
 
+@dataclass(slots=True)
+class _Sending:
+    """A pull whose K/V is being written (a one-sided backend's write in flight)."""
+
+    identity: bytes
+    parked: Parked
+    reply: dict[str, Any]
+    num_tokens: int
+    start_s: float
+    deadline_s: float
+    cancelled_by: bytes | None = None
+    """The identity of a decode engine that cancelled the key meanwhile (acked at the end)."""
+
+
 @dataclass
 class PrefillStats:
     num_transfers: int = 0
@@ -76,7 +94,7 @@ class PrefillSide:
         self.block_pool = block_pool
         self.engine_id = engine_id
         self.timeout_s = config.disaggregation_transfer_timeout
-        self.use_shm = config.transfer_backend == "shm"
+        self.backend = config.transfer_backend
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -99,8 +117,15 @@ class PrefillSide:
         """Keys whose request ended without K/V (abort, error): the reason, until the deadline."""
         self.cancelled: dict[str, float] = {}
         """Keys the decode side gave up on before the request finished here."""
-        self.shm_files: list[tuple[str, float]] = []
+        self.sending: dict[str, _Sending] = {}
+        """Keys whose K/V is being written to the decode pool (their blocks still held)."""
         self.stats = PrefillStats()
+        try:
+            self.sender = transport.make_sender(self.backend, cache, self.timeout_s, engine_id,
+                                                 config.disaggregation_ib_device)
+        except BaseException:
+            self.socket.close()
+            raise
 
     # -- the engine's calls -----------------------------------------------------------------
     def start(self, key: str) -> None:
@@ -127,7 +152,8 @@ class PrefillSide:
 
     @property
     def num_parked_blocks(self) -> int:
-        return sum(len(p.block_ids) for p in self.parked.values())
+        return sum(len(p.block_ids) for p in (*self.parked.values(),
+                                               *(s.parked for s in self.sending.values())))
 
     def poll(self) -> None:
         """Answer the pulls that have arrived; expire what waited too long. Never blocks."""
@@ -142,19 +168,21 @@ class PrefillSide:
                 logger.warning("ignoring a malformed transfer message")
                 continue
             if message.get("type") == "cancel":
-                self._cancel(message["key"])
+                self._cancel(identity, message["key"])
             elif message.get("type") == "pull":
                 self._answer(identity, message)
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        for key, outcome in self.sender.poll(now):
+            self._complete(self.sending.pop(key), outcome)
+        self._expire(now)
 
     def close(self) -> None:
-        for path, _ in self.shm_files:
-            _remove(path)
+        self.sender.close()
         self.socket.close(linger=0)
         self.context.term()
 
     # -- internals --------------------------------------------------------------------------
-    def _cancel(self, key: str) -> None:
+    def _cancel(self, identity: bytes, key: str) -> None:
         parked = self.parked.pop(key, None)
         self.pulls.pop(key, None)
         self.stats.num_cancelled += 1
@@ -162,6 +190,11 @@ class PrefillSide:
             self.block_pool.release(parked.block_ids)
         elif key in self.live:
             self.cancelled[key] = time.monotonic() + self.timeout_s
+        sending = self.sending.get(key)
+        if sending is not None:  # acked when the write in flight ends
+            sending.cancelled_by = identity
+        else:
+            self.socket.send_multipart([identity, transfer.header({"type": "cancelled", "key": key})])
 
     def _answer(self, identity: bytes, message: dict[str, Any]) -> None:
         key = message["key"]
@@ -176,6 +209,12 @@ class PrefillSide:
                         f"prefill server expects {self.decode_tp} (--disaggregation-decode-tp; "
                         "unset, the prefill server's own --tp-size)")
             return
+        backend = message.get("backend", self.backend)
+        if backend != self.backend and transport.ONE_SIDED & {backend, self.backend}:
+            self._error(identity, key, f"the prefill server moves K/V with --disaggregation-"
+                        f"transfer-backend {self.backend}, the decode server with {backend}; "
+                        "give both the same")
+            return
         parked = self.parked.pop(key, None)
         if parked is None:
             failure = self.failed.pop(key, None)
@@ -186,12 +225,12 @@ class PrefillSide:
                 self.pulls[key] = _Pull(identity, message, now + self.timeout_s,
                                         now + self.timeout_s / 3)
             return
-        try:
-            self._send(identity, message, parked)
-        finally:
+        if not self._send(identity, message, parked):
             self.block_pool.release(parked.block_ids)
 
-    def _send(self, identity: bytes, message: dict[str, Any], parked: Parked) -> None:
+    def _send(self, identity: bytes, message: dict[str, Any], parked: Parked) -> bool:
+        """Reply to the pull with the parked K/V; True while the write is in flight (the blocks
+        are released when it ends)."""
         start_s = time.perf_counter()
         key = parked.key
         num_prompt = len(parked.prompt_token_ids)
@@ -199,31 +238,46 @@ class PrefillSide:
                 message.get("prompt_sha256") != transfer.prompt_digest(parked.prompt_token_ids):
             self._error(identity, key, "the decode server's prompt differs from the prefill "
                         "server's (same model, tokenizer and chat template on both)")
-            return
+            return False
         block_size = self.cache.block_size
         prefix = int(message.get("prefix_tokens", 0))
         if prefix % block_size or not 0 <= prefix < num_prompt:
             self._error(identity, key, f"bad prefix_tokens {prefix}")
-            return
+            return False
         blocks = parked.block_ids[prefix // block_size:-(-num_prompt // block_size)]
-        k, v = transfer.read_blocks(self.cache, blocks)
         reply: dict[str, Any] = {
             "type": "kv", "key": key, "first_token": parked.first_token,
             "logprob": transfer.encode_logprob(parked.logprob), "num_blocks": len(blocks),
             "bytes_per_block": transfer.bytes_per_block(self.cache), "engine_id": self.engine_id}
-        if self.use_shm:
-            path = transfer.write_shm(k, v)
-            self.shm_files.append((path, time.monotonic() + self.timeout_s))
-            reply["shm_path"] = path
-            self.socket.send_multipart([identity, transfer.header(reply)])
+        sending = _Sending(identity, parked, reply, num_prompt - prefix, start_s,
+                           time.monotonic() + self.timeout_s)
+        outcome = self.sender.start(key, message, blocks)
+        if outcome is None:
+            self.sending[key] = sending
+            return True
+        self._complete(sending, outcome, release=False)
+        return False
+
+    def _complete(self, sending: _Sending, outcome: transport.Outcome, release: bool = True) -> None:
+        """A send ended: reply (K/V or error), ack a cancel that came meanwhile, free the blocks
+        (``release``: they were held for a write in flight)."""
+        key = sending.parked.key
+        if outcome.error is not None:
+            self._error(sending.identity, key, outcome.error)
         else:
-            self.socket.send_multipart([identity, transfer.header(reply), k.numpy().tobytes(),
-                                        v.numpy().tobytes()])
-        stats = self.stats
-        stats.num_transfers += 1
-        stats.num_bytes_sent += k.numel() + v.numel()
-        stats.num_tokens_sent += num_prompt - prefix
-        stats.send_time_s += time.perf_counter() - start_s
+            stats = self.stats  # counted before the reply goes: a reader who saw it sees them
+            stats.num_transfers += 1
+            stats.num_bytes_sent += outcome.num_bytes
+            stats.num_tokens_sent += sending.num_tokens
+            stats.send_time_s += time.perf_counter() - sending.start_s
+            self.socket.send_multipart([sending.identity,
+                                        transfer.header({**sending.reply, **outcome.fields}),
+                                        *outcome.frames])
+        if sending.cancelled_by is not None:
+            self.socket.send_multipart([sending.cancelled_by,
+                                        transfer.header({"type": "cancelled", "key": key})])
+        if release:
+            self.block_pool.release(sending.parked.block_ids)
 
     def _error(self, identity: bytes, key: str, text: str) -> None:
         logger.warning("transfer %s refused: %s", key, text)
@@ -250,8 +304,12 @@ class PrefillSide:
             del self.failed[key]
         for key in [k for k, deadline in self.cancelled.items() if deadline < now]:
             del self.cancelled[key]
-        while self.shm_files and self.shm_files[0][1] < now:
-            _remove(self.shm_files.pop(0)[0])
+        for key in [k for k, s in self.sending.items() if s.deadline_s < now]:
+            if self.sender.abandon(key):
+                self._complete(self.sending.pop(key), transport.Outcome(
+                    error=f"the K/V write did not finish within {self.timeout_s:g} s"))
+            else:  # the write may still read the blocks: keep them, try again later
+                self.sending[key].deadline_s = now + self.timeout_s
 
     def describe(self) -> dict[str, Any]:
         stats = self.stats
@@ -263,11 +321,5 @@ class PrefillSide:
                 "disaggregation_tokens_sent": stats.num_tokens_sent,
                 "disaggregation_send_time_s": round(stats.send_time_s, 4),
                 "disaggregation_num_expired": stats.num_expired,
-                "disaggregation_num_cancelled": stats.num_cancelled}
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+                "disaggregation_num_cancelled": stats.num_cancelled,
+                "disaggregation_num_sending": len(self.sending)}

@@ -3,12 +3,16 @@
 Messages are multipart pyzmq messages whose first frame is a JSON header (never pickle: the
 bootstrap port faces the network). Decode -> prefill (DEALER -> ROUTER):
 - ``pull``: key, the prompt's length and sha256, ``prefix_tokens`` (what the decode side already
-  holds in its prefix cache: a multiple of the block size, never the whole prompt), ``layout``.
+  holds in its prefix cache: a multiple of the block size, never the whole prompt), ``layout``,
+  ``backend``, and what a one-sided backend needs to write (``transport.py``: destination
+  ``block_ids``, the pool's region addresses, the NIXL agent metadata or Mooncake session).
 - ``cancel``: key (the decode request ended: the prefill side frees what it parked).
 Prefill -> decode:
 - ``kv``: key, ``first_token`` (+ ``logprob``), ``num_blocks`` and the K and V bytes as two more
-  frames (zmq) or in one file under /dev/shm named by ``shm_path`` (shm backend).
+  frames (zmq), in one file under /dev/shm named by ``shm_path`` (shm backend), or already
+  written into the decode pool (nixl: with the ``nixl_pull`` id; mooncake).
 - ``error``: key, ``message``.
+- ``cancelled``: key (the answer to a cancel, once no write for the key is in flight).
 - ``waiting``: key (a keep-alive: the request is still queued or running on the prefill server).
 
 Block layout: every layer's K (and V) pool viewed as bytes ``[num_blocks, bytes_per_block]``; a

@@ -66,7 +66,8 @@ class Disaggregation:
         self.timeout_s = self.config.disaggregation_transfer_timeout
         self.prefill = (PrefillSide(self.config, kv_cache, scheduler.block_pool, self.engine_id)
                         if self.mode == "prefill" else None)
-        self.decode = DecodeClient(self.config, kv_cache) if self.mode == "decode" else None
+        self.decode = (DecodeClient(self.config, kv_cache, scheduler.block_pool, self.engine_id)
+                       if self.mode == "decode" else None)
         self.tp_size = config.parallel.tensor_parallel_size
         self._prefill_requests: dict[str, KVTransfer] = {}
         """prefill: request id -> its transfer, while the request is queued or running."""
@@ -134,12 +135,15 @@ class Disaggregation:
 
     @property
     def is_waiting(self) -> bool:
-        """A decode request waits for K/V: an otherwise idle step should wait on the sockets."""
-        return bool(self._pending)
+        """A decode request waits for K/V, or a prefill side's write is in flight: an otherwise
+        idle step should wait briefly, then step again."""
+        return bool(self._pending) or (self.prefill is not None and bool(self.prefill.sending))
 
     def wait(self) -> None:
         if self.decode is not None:
             self.decode.wait(IDLE_WAIT_S)
+        elif self.prefill is not None:
+            self.prefill.socket.poll(1)
 
     def sockets(self) -> list[Any]:
         """Sockets the engine process should wake up for (the prefill side's bootstrap endpoint)."""
@@ -154,8 +158,8 @@ class Disaggregation:
         if self.prefill is not None:
             self.prefill.poll()
             return output, results
-        if self.decode is None or not self._pending:
-            return output, results
+        if self.decode is None or not (self._pending or self.decode.holds):
+            return output, results  # (held blocks wait for the prefill side's final reply)
         self._num_polls += 1
         interval = self.config.disaggregation_decode_polling_interval
         if num_running and self._num_polls % interval:
@@ -253,6 +257,7 @@ class Disaggregation:
                 "disaggregation_bytes_received": self.decode.num_bytes_received,
                 "disaggregation_receive_time_s": round(self.decode.receive_time_s, 4),
                 "disaggregation_pull_time_s": round(self.pull_time_s, 4),
+                "disaggregation_num_held_blocks": self.decode.num_held_blocks,
                 "disaggregation_num_failed": self.num_failed}
 
     def close(self) -> None:

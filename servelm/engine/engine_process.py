@@ -64,7 +64,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     for socket in transfer_sockets:  # a decode server's pull wakes an idle prefill engine
         poller.register(socket, zmq.POLLIN)
     while True:
-        timeout_ms = 0 if engine.has_unfinished() else 1000
+        is_transferring = engine.disaggregation is not None and engine.disaggregation.is_waiting
+        timeout_ms = 0 if engine.has_unfinished() or is_transferring else 1000
         events = dict(poller.poll(timeout_ms))
         if inputs in events:
             while True:

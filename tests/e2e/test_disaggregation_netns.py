@@ -1,6 +1,7 @@
 """The transfer crosses a real interface: the prefill server runs in its own network namespace
 joined to this one by a veth pair (root only; skipped otherwise), the decode server here, and the
-decode server pulls the K/V from 10.x.y.2. Greedy tokens equal one co-located engine's."""
+decode server pulls the K/V from 10.x.y.2 (zmq), or the prefill server writes it into the decode
+pool across the veth (nixl, mooncake). Greedy tokens equal one co-located engine's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.server_process import ServerProcess, free_port
+from tests.e2e.test_disaggregation_onesided import BACKENDS
 from tests.e2e.test_multi_node import NodeProcess, second_address  # noqa: F401 (a fixture)
 from tests.engine_drive import reference_greedy
 from tests.tiny_models import make_tiny_model_dir
@@ -36,7 +38,8 @@ def wait_healthy(url: str, node: NodeProcess, timeout_s: float = 300) -> None:
     raise TimeoutError(node.log())
 
 
-def test_prefill_in_another_namespace_over_veth(tmp_path: Path, second_address):  # noqa: F811
+@pytest.mark.parametrize("backend", ["zmq", *BACKENDS])
+def test_prefill_in_another_namespace_over_veth(tmp_path: Path, second_address, backend):  # noqa: F811
     namespace, _, prefill_address = second_address
     model = str(make_tiny_model_dir(tmp_path, "llama"))
     prompts = [list(range(3, 60)), [9, 8, 7, 6, 5]]
@@ -45,10 +48,11 @@ def test_prefill_in_another_namespace_over_veth(tmp_path: Path, second_address):
     http_port, bootstrap_port = free_port(), free_port()
     prefill_args = [model, *FLAGS, "--host", "0.0.0.0", "--port", str(http_port),
                     "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                    str(bootstrap_port)]
+                    str(bootstrap_port), "--disaggregation-transfer-backend", backend]
     with NodeProcess(prefill_args, tmp_path / "prefill.log",
                      prefix=("ip", "netns", "exec", namespace)) as prefill, \
-            ServerProcess([model, *FLAGS, "--disaggregation-mode", "decode"]) as decode:
+            ServerProcess([model, *FLAGS, "--disaggregation-mode", "decode",
+                           "--disaggregation-transfer-backend", backend]) as decode:
         prefill_url = f"http://{prefill_address}:{http_port}"
         wait_healthy(prefill_url, prefill)
         for prompt, want in zip(prompts, expected):

@@ -11,6 +11,7 @@ status 2 and a message naming the flag.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -226,6 +227,10 @@ LORA_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig().lora)} - {"ena
 """LoRA options refused without --enable-lora (LoRAConfig checks it: --lora-paths enables too)."""
 
 
+NIXL_COMPANIONS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"]
+"""--disaggregation-ib-device names the nixl backend's devices: it needs that backend (installed)."""
+
+
 def companions(field_name: str) -> list[str]:
     """The flags ``field_name`` needs to mean anything (cli_flags.NEEDS, followed through the
     flags those need), with example values."""
@@ -233,6 +238,11 @@ def companions(field_name: str) -> list[str]:
         return ["--enable-lora"]
     if field_name in EAGLE_COMPANIONS:
         return EAGLE_COMPANIONS[field_name]
+    if field_name == "disaggregation_ib_device":
+        if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
+            pytest.skip("--disaggregation-ib-device needs the nixl backend: pip install --no-deps "
+                        "nixl nixl-cu12")
+        return NIXL_COMPANIONS
     return MULTI_NODE_COMPANIONS.get(field_name, []) + [
         arg for name, needed in cli_flags.NEEDS if name == field_name
         for arg in (*companions(needed), cli_flags.flag_name(needed), *field_example(needed))]

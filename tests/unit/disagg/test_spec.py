@@ -62,9 +62,17 @@ def test_kv_transfer_config_maps_roles_and_connectors():
     assert config.mode == "decode" and config.is_enabled
 
 
-def test_transfer_backends_needing_packages_are_refused_by_name():
-    for backend, package in (("nixl", "nixl"), ("mooncake", "mooncake-transfer-engine")):
-        with pytest.raises(ValueError, match=f"pip install {package}|not built yet"):
+def test_transfer_backends_needing_packages_are_refused_by_name(monkeypatch):
+    """Without its package a backend is refused at start-up with the pip command (the package
+    lookup is made to fail: the packages are installed on the machines that run the nixl tests)."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name in (
+        "nixl", "nixl_cu12", "mooncake") else real_find_spec(name, *args))
+    for backend, package in (("nixl", "--no-deps nixl nixl-cu12"),
+                             ("mooncake", "mooncake-transfer-engine-non-cuda")):
+        with pytest.raises(ValueError, match=f"pip install {package}"):
             DisaggregationConfig(disaggregation_mode="prefill", disaggregation_transfer_backend=backend)
     with pytest.raises(ValueError, match="--disaggregation-decode-dp 2.*servelm router"):
         DisaggregationConfig(disaggregation_decode_dp=2)
@@ -88,3 +96,22 @@ def test_pd_servers_take_tensor_parallel_but_leave_data_parallel_to_the_router()
     with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
         EngineConfig.from_flat(dict(disaggregation_mode="prefill", tensor_parallel_size=2,
                                     distributed_executor_backend="ray"))
+    with pytest.raises(ValueError, match="pip install --no-deps nixl nixl-cu12"):
+        DisaggregationConfig(kv_transfer_config='{"kv_role": "kv_consumer", "kv_connector": "NixlConnector"}')
+
+
+def test_ib_device_only_with_the_nixl_backend():
+    with pytest.raises(ValueError, match="--disaggregation-ib-device"):
+        DisaggregationConfig(disaggregation_mode="decode", disaggregation_ib_device="mlx5_0:1")
+
+
+def test_vllm_nixl_and_mooncake_connectors_select_their_backends():
+    import importlib.util
+
+    for connector, backend, modules in (("NixlConnector", "nixl", ("nixl", "nixl_cu12")),
+                                        ("MooncakeConnector", "mooncake", ("mooncake",))):
+        if all(importlib.util.find_spec(m) is None for m in modules):
+            continue  # refused with the pip command: the test above
+        config = DisaggregationConfig(
+            kv_transfer_config=f'{{"kv_role": "kv_producer", "kv_connector": "{connector}"}}')
+        assert (config.mode, config.transfer_backend) == ("prefill", backend)
