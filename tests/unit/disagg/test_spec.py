@@ -74,6 +74,8 @@ def test_transfer_backends_needing_packages_are_refused_by_name(monkeypatch):
                              ("mooncake", "mooncake-transfer-engine-non-cuda")):
         with pytest.raises(ValueError, match=f"pip install {package}"):
             DisaggregationConfig(disaggregation_mode="prefill", disaggregation_transfer_backend=backend)
+    with pytest.raises(ValueError, match="pip install --no-deps nixl nixl-cu12"):
+        DisaggregationConfig(kv_transfer_config='{"kv_role": "kv_consumer", "kv_connector": "NixlConnector"}')
     with pytest.raises(ValueError, match="--disaggregation-decode-dp 2.*servelm router"):
         DisaggregationConfig(disaggregation_decode_dp=2)
 
@@ -96,8 +98,6 @@ def test_pd_servers_take_tensor_parallel_but_leave_data_parallel_to_the_router()
     with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
         EngineConfig.from_flat(dict(disaggregation_mode="prefill", tensor_parallel_size=2,
                                     distributed_executor_backend="ray"))
-    with pytest.raises(ValueError, match="pip install --no-deps nixl nixl-cu12"):
-        DisaggregationConfig(kv_transfer_config='{"kv_role": "kv_consumer", "kv_connector": "NixlConnector"}')
 
 
 def test_ib_device_only_with_the_nixl_backend():
