@@ -7,6 +7,7 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
+- ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -42,6 +43,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             prefill_gemm.supports = original
+    elif change == "gelu_contiguous":
+        from servelm.model.layers import activation
+        saved = dict(activation._CONTIGUOUS_GELU)
+        activation._CONTIGUOUS_GELU.clear()
+        try:
+            yield
+        finally:
+            activation._CONTIGUOUS_GELU.update(saved)
     else:
         raise SystemExit(f"unknown change {change!r}")
 
