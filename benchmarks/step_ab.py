@@ -100,9 +100,9 @@ def main() -> None:
                     times[side].append(clock() - start)
         unit = f"s per {args.streams}-stream decode step"
     with_s, without_s = statistics.median(times["with"]), statistics.median(times["without"])
-    print(f"# {args.model}, {args.change}, {args.phase}, {args.threads} threads, {args.clock} clock, "
+    print(f"RESULT {args.model}, {args.change}, {args.phase}, {args.threads} threads, {args.clock} clock, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"without: {without_s:.4f} {unit}; with: {with_s:.4f}; speed-up {without_s / with_s:.2f}x")
+    print(f"RESULT without: {without_s:.4f} {unit}; with: {with_s:.4f}; speed-up {without_s / with_s:.2f}x")
 
 
 if __name__ == "__main__":
