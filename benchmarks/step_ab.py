@@ -8,6 +8,7 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
+- ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -43,6 +44,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             prefill_gemm.supports = original
+    elif change == "paged_decode":
+        from servelm.model.attention import paged_decode
+        supports: Any = paged_decode.supports
+        paged_decode.supports = lambda q, k_cache: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            paged_decode.supports = supports
     elif change == "gelu_contiguous":
         from servelm.model.layers import activation
         saved = dict(activation._CONTIGUOUS_GELU)

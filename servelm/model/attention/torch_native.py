@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.model.attention import prefill_gemm
+from servelm.model.attention import paged_decode, prefill_gemm
 from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import ForwardBatch
 
@@ -49,6 +49,8 @@ class _KVView:
     """position_bias -> [b, H, max_query, columns] float mask (non-causal views only)."""
     firsts: list[int] = field(default_factory=list)
     """Position of each sequence's first column."""
+    spans: torch.Tensor | None = None
+    """[b] int64 valid columns of each sequence (a decode's query sees all of them)."""
     tiles: dict[int, list[prefill_gemm.Tile]] = field(default_factory=dict)
     """query heads per KV head -> the view's prefill_gemm tiles (causal multi-token views)."""
 
@@ -126,7 +128,8 @@ class _Group:
             visible &= kv_positions[:, None, :] > q_positions - window
         visible |= (~self.query_valid[:, :, None]) & (columns[:, None, :] == 0)
         return _KVView(slots=slots.reshape(-1).to(self.device), num_columns=num_columns,
-                       mask=visible[:, None].to(self.device), firsts=first.tolist())
+                       mask=visible[:, None].to(self.device), firsts=first.tolist(),
+                       spans=spans.to(self.device))
 
     def tiles(self, view: _KVView, window: int | None, group_size: int) -> list[prefill_gemm.Tile]:
         """The view's prefill_gemm tiles (built on first use, shared by the layers)."""
@@ -153,6 +156,9 @@ class TorchNativeAttention:
     """The portable reference backend: SDPA over gathered, padded context."""
 
     name = "torch_native"
+
+    def __init__(self) -> None:
+        paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
         device = batch.input_ids.device
@@ -222,6 +228,15 @@ class TorchNativeAttention:
                                     layer.scale, out)
                 continue
             q_rows = q if group.is_identity else q.index_select(0, group.query_rows)
+            if (max_query == 1 and layer.is_causal and position_bias is None and view.spans is not None
+                    and v_cache.shape[-1] == head_dim and paged_decode.supports(q, k_cache)):
+                rows = paged_decode.attend(q_rows, k_cache, v_cache, view.slots.view(b, columns),
+                                           view.spans, layer.scale)             # [b, H, Dv]
+                if group.is_identity:
+                    out = rows
+                else:
+                    out.index_copy_(0, group.valid_rows, rows)
+                continue
             k_context = k_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
             v_context = v_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
             k_context = k_context.to(q.dtype).transpose(1, 2)                 # [b, Hkv, C, D]
