@@ -9,7 +9,8 @@ sharing its KV head, one task per (sequence, KV head) across torch's threads.
 /proc/cpuinfo, no compiler or ninja, a failed build); the backend then keeps the gather + SDPA
 path. The build is cached under ``~/.cache/servelm/kernels/<hash>`` (source, torch version,
 flags), so only the first start on a machine compiles it (about a minute on 2 cores).
-``supports`` limits it to what it computes: float32 q and pool, head_dim a multiple of 16, CPU.
+``supports`` limits it to what it computes: a float32 or bfloat16 pool (bf16 rows are widened in
+registers, arithmetic in float32; q of either dtype), head_dim a multiple of 16, CPU.
 """
 
 from __future__ import annotations
@@ -78,15 +79,19 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``attend`` computes this layer's decodes: CPU, float32 q and pool, D % 16 == 0."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """Whether ``attend`` computes this layer's decodes: CPU, float32/bf16 q and pool, D % 16 == 0."""
+    return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
             and q.shape[-1] % 16 == 0 and load_kernel() is not None)
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            spans: torch.Tensor, scale: float) -> torch.Tensor:
     """q ``[b, H, D]``; pools ``[slots, Hkv, D]``; ``slots`` ``[b, columns]`` int64 (column c of
-    sequence i), ``spans`` ``[b]`` valid columns (every one visible to the query) -> ``[b, H, D]``."""
+    sequence i), ``spans`` ``[b]`` valid columns (every one visible to the query) -> ``[b, H, D]``
+    in q's dtype."""
     module = load_kernel()
     assert module is not None
-    return module.decode_attention(q.contiguous(), k_cache, v_cache, slots, spans, scale)
+    return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale).to(q.dtype)
