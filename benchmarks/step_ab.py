@@ -74,9 +74,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
+    parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads}))
+    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
+                                                    "dtype": args.dtype}))
     vocab_size = min(50000, engine.runner.vocab_size)
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]
@@ -109,7 +111,7 @@ def main() -> None:
                     times[side].append(clock() - start)
         unit = f"s per {args.streams}-stream decode step"
     with_s, without_s = statistics.median(times["with"]), statistics.median(times["without"])
-    print(f"RESULT {args.model}, {args.change}, {args.phase}, {args.threads} threads, {args.clock} clock, "
+    print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}, {args.phase}, {args.threads} threads, {args.clock} clock, "
           f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"RESULT without: {without_s:.4f} {unit}; with: {with_s:.4f}; speed-up {without_s / with_s:.2f}x")
 
