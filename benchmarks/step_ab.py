@@ -3,7 +3,9 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 
 ``--phase prefill``: whole prompts of ``--input-len`` tokens (default chunking), one at a time.
 ``--phase decode``: ``--streams`` running requests, pure decode steps.
-``--change`` names what is switched off for the B side (benchmark-only monkeypatches):
+``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, 24 greedy tokens each, generated
+with and without the change (prefix cache off), and whether every output is identical.
+``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
@@ -68,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--change", required=True)
     parser.add_argument("--model", default="gemma3-270m")
-    parser.add_argument("--phase", choices=["prefill", "decode"], default="prefill")
+    parser.add_argument("--phase", choices=["prefill", "decode", "greedy"], default="prefill")
     parser.add_argument("--input-len", type=int, default=1019)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
@@ -78,10 +80,31 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
-                                                    "dtype": args.dtype}))
+                                                    "dtype": args.dtype,
+                                                    "disable_radix_cache": args.phase == "greedy"}))
     vocab_size = min(50000, engine.runner.vocab_size)
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]
+    if args.phase == "greedy":
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        prompts = random_prompts(args.streams, args.input_len, vocab_size, 1)
+        outputs: dict[str, list[list[int]]] = {}
+        for side in ("with", "without"):
+            with contextlib.ExitStack() as stack:
+                if side == "without":
+                    for change in args.change.split(","):
+                        stack.enter_context(without(change))
+                for index, prompt in enumerate(prompts):
+                    assert engine.add_request(f"{side}{index}", prompt, params) is None
+                tokens: dict[str, list[int]] = {}
+                while engine.has_unfinished():
+                    for output in engine.step():
+                        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                outputs[side] = [tokens[f"{side}{index}"] for index in range(len(prompts))]
+        same = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
+        print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}: {same} of {len(prompts)} "
+              f"greedy outputs ({args.input_len}-token prompts, 24 tokens, batched) identical")
+        return
     if args.phase == "prefill":
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         prompts = random_prompts(2 * args.rounds + 2, args.input_len, vocab_size, 0)
