@@ -49,6 +49,8 @@ def load_kernel() -> ModuleType | None:
         _state["module"], _state["reason"] = module, reason
         if module is None:
             logger.info("paged decode attention kernel unavailable (gather + SDPA instead): %s", reason)
+        else:
+            logger.info("paged decode attention: %s", reason)
     return _state["module"]  # type: ignore[return-value]
 
 
