@@ -142,6 +142,31 @@ def run(args: argparse.Namespace) -> tuple[Timers, float, int]:
     return timers, elapsed, args.streams * args.steps
 
 
+def run_prefill(args: argparse.Namespace) -> tuple[Timers, float, int]:
+    """``--phase prefill``: ``--steps`` prompts of ``--input-len`` tokens, one after another, each
+    with max_tokens 1 (its prefill chunks plus the first token); a timed "step" is one whole prompt."""
+    engine = LLMEngine(EngineConfig.from_flat({
+        "model": args.model, "quantization": args.quantization, "num_threads": args.threads,
+        **{key: json.loads(value) for key, value in (kv.split("=", 1) for kv in args.extra)}}))
+    timers = Timers()
+    instrument(engine, timers, op_hooks=args.op_hooks and not engine.config.runtime.enable_torch_compile)
+    vocab_size = min(50000, engine.runner.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = random_prompts(args.warmup_steps + args.steps, args.input_len, vocab_size, 0)
+    elapsed = 0.0
+    for index, prompt in enumerate(prompts):  # distinct prompts: no prefix-cache hits
+        timers.enabled = index >= args.warmup_steps
+        assert engine.add_request(f"p{index}", prompt, params) is None
+        start = CLOCK()
+        while engine.has_unfinished():
+            engine.step()
+        seconds = CLOCK() - start
+        timers.add("step", seconds)
+        timers.end_step()
+        elapsed += seconds if timers.enabled else 0.0
+    return timers, elapsed, args.steps * args.input_len
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
@@ -155,15 +180,18 @@ def main() -> None:
                         help="time layers and stages only (no per-op hooks, which cost a little "
                         "and are always off with torch.compile)")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    parser.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                        help="prefill: time whole prompts of --input-len tokens, one at a time "
+                        "(--streams is ignored; the server's default chunking)")
     parser.add_argument("--extra", nargs="*", default=[], help="more engine options as field=JSON value, e.g. enable_torch_compile=true")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     load_before = os.getloadavg()[0]
-    timers, elapsed, tokens = run(args)
+    timers, elapsed, tokens = (run_prefill if args.phase == "prefill" else run)(args)
     load_after = os.getloadavg()[0]
     step_ms = timers.median_ms("step")
-    print(f"# {args.model} {args.quantization}, {args.streams} streams, context {args.input_len}+, "
+    print(f"# {args.model} {args.quantization}, {args.phase}, {args.streams if args.phase == 'decode' else 1} streams, context {args.input_len}+, "
           f"{args.threads} threads, {args.clock} clock, load {load_before:.2f} -> {load_after:.2f}: {tokens / elapsed:.1f} "
           f"tok/s, median step {step_ms:.1f} ms")
     print("| part | median ms per step | share of step |")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from servelm.model.attention import paged_decode, prefill_gemm
 from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import ForwardBatch
 
@@ -46,6 +47,12 @@ class _KVView:
     """[b, 1, max_query, columns] bool."""
     biased: dict[PositionBias, torch.Tensor] = field(default_factory=dict)
     """position_bias -> [b, H, max_query, columns] float mask (non-causal views only)."""
+    firsts: list[int] = field(default_factory=list)
+    """Position of each sequence's first column."""
+    spans: torch.Tensor | None = None
+    """[b] int64 valid columns of each sequence (a decode's query sees all of them)."""
+    tiles: dict[int, list[prefill_gemm.Tile]] = field(default_factory=dict)
+    """query heads per KV head -> the view's prefill_gemm tiles (causal multi-token views)."""
 
     def biased_mask(self, position_bias: PositionBias, query_positions: torch.Tensor) -> torch.Tensor:
         """The bias where the mask is True, -inf elsewhere; columns are positions (start 0)."""
@@ -84,6 +91,10 @@ class _Group:
     """[b, max_query] position of each query."""
     block_size: int
     device: torch.device
+    row_starts: list[int] = field(default_factory=list)
+    """First token row of each sequence."""
+    query_lens: list[int] = field(default_factory=list)
+    """Queries of each sequence."""
     views: dict[tuple[int | None, bool], _KVView] = field(default_factory=dict)
     """(sliding_window, is_causal) -> view, built on first use."""
 
@@ -117,7 +128,17 @@ class _Group:
             visible &= kv_positions[:, None, :] > q_positions - window
         visible |= (~self.query_valid[:, :, None]) & (columns[:, None, :] == 0)
         return _KVView(slots=slots.reshape(-1).to(self.device), num_columns=num_columns,
-                       mask=visible[:, None].to(self.device))
+                       mask=visible[:, None].to(self.device), firsts=first.tolist(),
+                       spans=spans.to(self.device))
+
+    def tiles(self, view: _KVView, window: int | None, group_size: int) -> list[prefill_gemm.Tile]:
+        """The view's prefill_gemm tiles (built on first use, shared by the layers)."""
+        cached = view.tiles.get(group_size)
+        if cached is None:
+            cached = view.tiles[group_size] = prefill_gemm.build_tiles(
+                self.row_starts, self.query_lens, self.starts.tolist(), view.firsts,
+                view.num_columns, window, group_size)
+        return cached
 
     @property
     def kv_slots(self) -> torch.Tensor:
@@ -135,6 +156,9 @@ class TorchNativeAttention:
     """The portable reference backend: SDPA over gathered, padded context."""
 
     name = "torch_native"
+
+    def __init__(self) -> None:
+        paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
         device = batch.input_ids.device
@@ -178,6 +202,8 @@ class TorchNativeAttention:
             query_positions=starts[:, None] + offsets,
             block_size=batch.block_size,
             device=device,
+            row_starts=row_starts.tolist(),
+            query_lens=query_lens.tolist(),
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
@@ -195,7 +221,22 @@ class TorchNativeAttention:
             mask = view.mask
             if position_bias is not None:  # non-causal, so every sequence starts at 0
                 mask = view.biased_mask(position_bias, group.query_positions)
+            if max_query > 1 and layer.is_causal and position_bias is None and prefill_gemm.supports(q):
+                tiles = group.tiles(view, layer.sliding_window, num_heads // num_kv_heads)
+                prefill_gemm.attend(q, k_cache.index_select(0, view.slots).to(q.dtype),
+                                    v_cache.index_select(0, view.slots).to(q.dtype), tiles,
+                                    layer.scale, out)
+                continue
             q_rows = q if group.is_identity else q.index_select(0, group.query_rows)
+            if (max_query == 1 and layer.is_causal and position_bias is None and view.spans is not None
+                    and v_cache.shape[-1] == head_dim and paged_decode.supports(q, k_cache)):
+                rows = paged_decode.attend(q_rows, k_cache, v_cache, view.slots.view(b, columns),
+                                           view.spans, layer.scale)             # [b, H, Dv]
+                if group.is_identity:
+                    out = rows
+                else:
+                    out.index_copy_(0, group.valid_rows, rows)
+                continue
             k_context = k_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
             v_context = v_cache.index_select(0, view.slots).view(b, columns, num_kv_heads, -1)
             k_context = k_context.to(q.dtype).transpose(1, 2)                 # [b, Hkv, C, D]

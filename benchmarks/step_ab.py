@@ -1,0 +1,143 @@
+"""A/B of one engine change within one run: the same engine, steps timed with the change on and
+off alternately (a noisy, shared machine moves both sides alike), medians and their ratio.
+
+``--phase prefill``: whole prompts of ``--input-len`` tokens (default chunking), one at a time.
+``--phase decode``: ``--streams`` running requests, pure decode steps.
+``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, 24 greedy tokens each, generated
+with and without the change (prefix cache off), and whether every output is identical.
+``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
+
+- ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
+  servelm.model.attention.prefill_gemm.
+- ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
+- ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+
+    .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from servelm.bench_common import random_prompts  # noqa: E402
+from servelm.config import EngineConfig  # noqa: E402
+from servelm.engine.engine import LLMEngine  # noqa: E402
+from servelm.sampling.params import SamplingParams  # noqa: E402
+
+
+@contextlib.contextmanager
+def without(change: str) -> Iterator[None]:
+    """The engine as it was before ``change``."""
+    if change == "prefill_gemm":
+        from servelm.model.attention import prefill_gemm
+        original: Any = prefill_gemm.supports
+        prefill_gemm.supports = lambda q: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            prefill_gemm.supports = original
+    elif change == "paged_decode":
+        from servelm.model.attention import paged_decode
+        supports: Any = paged_decode.supports
+        paged_decode.supports = lambda q, k_cache: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            paged_decode.supports = supports
+    elif change == "gelu_contiguous":
+        from servelm.model.layers import activation
+        saved = dict(activation._CONTIGUOUS_GELU)
+        activation._CONTIGUOUS_GELU.clear()
+        try:
+            yield
+        finally:
+            activation._CONTIGUOUS_GELU.update(saved)
+    else:
+        raise SystemExit(f"unknown change {change!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--change", required=True)
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--phase", choices=["prefill", "decode", "greedy"], default="prefill")
+    parser.add_argument("--input-len", type=int, default=1019)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
+    parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
+    args = parser.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
+                                                    "dtype": args.dtype,
+                                                    "disable_radix_cache": args.phase == "greedy"}))
+    vocab_size = min(50000, engine.runner.vocab_size)
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    load_before = os.getloadavg()[0]
+    if args.phase == "greedy":
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        prompts = random_prompts(args.streams, args.input_len, vocab_size, 1)
+        outputs: dict[str, list[list[int]]] = {}
+        for side in ("with", "without"):
+            with contextlib.ExitStack() as stack:
+                if side == "without":
+                    for change in args.change.split(","):
+                        stack.enter_context(without(change))
+                for index, prompt in enumerate(prompts):
+                    assert engine.add_request(f"{side}{index}", prompt, params) is None
+                tokens: dict[str, list[int]] = {}
+                while engine.has_unfinished():
+                    for output in engine.step():
+                        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                outputs[side] = [tokens[f"{side}{index}"] for index in range(len(prompts))]
+        same = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
+        print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}: {same} of {len(prompts)} "
+              f"greedy outputs ({args.input_len}-token prompts, 24 tokens, batched) identical")
+        return
+    if args.phase == "prefill":
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        prompts = random_prompts(2 * args.rounds + 2, args.input_len, vocab_size, 0)
+        for index, prompt in enumerate(prompts):
+            side = "with" if index % 2 == 0 else "without"
+            with contextlib.nullcontext() if side == "with" else without(args.change):
+                assert engine.add_request(f"p{index}", prompt, params) is None
+                start = clock()
+                while engine.has_unfinished():
+                    engine.step()
+                if index >= 2:  # the first pair warms up
+                    times[side].append(clock() - start)
+        unit = f"s per {args.input_len}-token prompt"
+    else:
+        steps = 2 * args.rounds + 4
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        for index, prompt in enumerate(random_prompts(args.streams, args.input_len, vocab_size, 0)):
+            assert engine.add_request(f"d{index}", prompt, params) is None
+        while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+            engine.step()
+        for index in range(steps):
+            side = "with" if index % 2 == 0 else "without"
+            with contextlib.nullcontext() if side == "with" else without(args.change):
+                start = clock()
+                engine.step()
+                if index >= 4:
+                    times[side].append(clock() - start)
+        unit = f"s per {args.streams}-stream decode step"
+    with_s, without_s = statistics.median(times["with"]), statistics.median(times["without"])
+    print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}, {args.phase}, {args.threads} threads, {args.clock} clock, "
+          f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"RESULT without: {without_s:.4f} {unit}; with: {with_s:.4f}; speed-up {without_s / with_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""prefill_gemm tiles against SDPA with an explicit causal (and sliding-window) mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm.model.attention import prefill_gemm
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None,
+              scale: float) -> torch.Tensor:
+    """q [n, H, D] at positions start.., k/v [start + n, Hkv, D] from position 0."""
+    q_positions = torch.arange(start, start + q.shape[0])[:, None]
+    k_positions = torch.arange(k.shape[0])[None, :]
+    visible = k_positions <= q_positions
+    if window is not None:
+        visible &= k_positions > q_positions - window
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=visible, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_tiles_match_sdpa(monkeypatch: pytest.MonkeyPatch, window: int | None, dtype: torch.dtype) -> None:
+    monkeypatch.setattr(prefill_gemm, "TILE_QUERIES", 8)   # several tiles per sequence
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, scale = 6, 2, 16, 0.25
+    sequences = [(0, 21), (13, 9), (30, 1)]                 # (start position, queries)
+    qs, ks, vs = [], [], []
+    for start, n in sequences:
+        qs.append(torch.randn(n, num_heads, head_dim, dtype=dtype))
+        ks.append(torch.randn(start + n, num_kv_heads, head_dim, dtype=dtype))
+        vs.append(torch.randn(start + n, num_kv_heads, head_dim, dtype=dtype))
+    # the group's gathered context: each sequence's columns from its first visible position
+    firsts = [0 if window is None else max(0, start - window + 1) for start, _ in sequences]
+    columns = max(start + n - first for (start, n), first in zip(sequences, firsts))
+    k_context = torch.zeros(len(sequences) * columns, num_kv_heads, head_dim, dtype=dtype)
+    v_context = torch.zeros_like(k_context)
+    for i, ((start, n), first) in enumerate(zip(sequences, firsts)):
+        k_context[i * columns:i * columns + start + n - first] = ks[i][first:]
+        v_context[i * columns:i * columns + start + n - first] = vs[i][first:]
+    row_starts = [0, 21, 30]
+    tiles = prefill_gemm.build_tiles(row_starts, [n for _, n in sequences], [s for s, _ in sequences],
+                                     firsts, columns, window, num_heads // num_kv_heads)
+    assert len(tiles) == 3 + 2 + 1
+    q = torch.cat(qs)
+    out = torch.full((q.shape[0], num_heads, head_dim), float("nan"), dtype=dtype)
+    prefill_gemm.attend(q, k_context, v_context, tiles, scale, out)
+    expected = torch.cat([reference(qs[i], ks[i], vs[i], start, window, scale)
+                          for i, (start, _) in enumerate(sequences)])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_tiles_skip_columns_no_query_sees() -> None:
+    tiles = prefill_gemm.build_tiles([0], [512], [512], [1], 1018, 512, 4)
+    assert [(t.column_start, t.num_columns) for t in tiles] == [(0, 639), (128, 639), (256, 639), (384, 639)]   # window + 127 each
+    full = prefill_gemm.build_tiles([0], [512], [0], [0], 512, None, 4)
+    assert [t.num_columns for t in full] == [128, 256, 384, 512]
