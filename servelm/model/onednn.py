@@ -41,11 +41,11 @@ def configure_onednn_cache(capacity: int | None) -> None:
     if capacity is None:
         logger.debug("oneDNN primitive cache: %s", os.environ.get(ENV_VAR, "1024 (oneDNN default)"))
         return
-    previous = os.environ.get(ENV_VAR)
-    if previous is not None and previous != str(capacity):
-        logger.warning("%s=%s in the environment replaced by --onednn-primitive-cache-capacity %d",
-                       ENV_VAR, previous, capacity)
-    os.environ[ENV_VAR] = str(capacity)
-    os.environ[IDEEP_ENV_VAR] = str(max(1, capacity))
+    for name, value in ((ENV_VAR, capacity), (IDEEP_ENV_VAR, max(1, capacity))):
+        previous = os.environ.get(name)
+        if previous is not None and previous != str(value):
+            logger.warning("%s=%s in the environment replaced by --onednn-primitive-cache-capacity %d",
+                           name, previous, capacity)
+        os.environ[name] = str(value)
     logger.info("oneDNN primitive cache: %d primitives (--onednn-primitive-cache-capacity; "
                 "oneDNN's default is 1024)", capacity)

@@ -12,18 +12,24 @@ from pathlib import Path
 import pytest
 
 from servelm.config import EngineConfig, RuntimeConfig
-from servelm.model.onednn import ENV_VAR, configure_onednn_cache
+from servelm.model.onednn import ENV_VAR, IDEEP_ENV_VAR, configure_onednn_cache
 from tests.tiny_models import make_tiny_model_dir
 
 
 def test_the_flag_sets_the_variable_and_says_so(monkeypatch, caplog) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(IDEEP_ENV_VAR, raising=False)
     with caplog.at_level(logging.INFO, logger="servelm.model.onednn"):
         configure_onednn_cache(64)
     import os
 
-    assert os.environ[ENV_VAR] == "64"
+    assert os.environ[ENV_VAR] == os.environ[IDEEP_ENV_VAR] == "64"
     assert "oneDNN primitive cache: 64 primitives" in caplog.text
+    monkeypatch.setenv(IDEEP_ENV_VAR, "1024")
+    with caplog.at_level(logging.WARNING, logger="servelm.model.onednn"):
+        configure_onednn_cache(0)  # ideep crashes on 0: it keeps 1
+    assert (os.environ[ENV_VAR], os.environ[IDEEP_ENV_VAR]) == ("0", "1")
+    assert f"{IDEEP_ENV_VAR}=1024 in the environment replaced" in caplog.text
     monkeypatch.setenv(ENV_VAR, "1024")
     with caplog.at_level(logging.WARNING, logger="servelm.model.onednn"):
         configure_onednn_cache(8)
