@@ -523,7 +523,8 @@ class RuntimeConfig:
     onednn_primitive_cache_capacity: int | None = opt(
         ONEDNN_CACHE_DEFAULT, "Primitives oneDNN keeps cached in each model process (it builds one per "
         "linear shape and batch size; its own default, 1024, lets a varied load grow the "
-        "engine's memory by hundreds of MB). Set before the model loads; 0 disables the cache "
+        "engine's memory by hundreds of MB). torch's ideep matmul cache gets the same capacity "
+        "(at least 1). Set before the model loads; 0 disables the cache "
         "(slow). None in a config file: oneDNN's own setting (ONEDNN_PRIMITIVE_CACHE_CAPACITY or "
         "1024). See benchmarks/RESULTS.md, oneDNN primitive cache.")
 

@@ -66,8 +66,10 @@ class GrammarBackend(Protocol):
         """Raise GrammarError when the spec cannot be compiled (no tokenizer needed)."""
         ...
 
-    def compile(self, kind: str, spec: str) -> Any:
-        """An opaque compiled grammar (slow: runs on a GrammarCompiler worker, never the step)."""
+    def compile(self, kind: str, spec: str, is_checked: bool = False) -> Any:
+        """An opaque compiled grammar (slow: runs on a GrammarCompiler worker, never the step).
+        ``is_checked``: a compile process already compiled this spec with every check, so only
+        the work that builds the result runs."""
         ...
 
     def make_matcher(self, compiled: Any) -> GrammarMatcher: ...

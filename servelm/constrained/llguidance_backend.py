@@ -69,8 +69,10 @@ def _strict(schema: Any) -> Any:
 
 
 def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = None,
-                      tokenizer: Any = None) -> str:
-    """llguidance's grammar text for (kind, spec), checked; raises GrammarError naming the problem."""
+                      tokenizer: Any = None, is_checked: bool = False) -> str:
+    """llguidance's grammar text for (kind, spec), checked; raises GrammarError naming the problem.
+    ``is_checked``: a compile process already checked this spec (skips the finiteness walk and
+    the validation pass; the matcher's own build still refuses a bad grammar)."""
     try:
         if kind in ("json", "json_object"):
             text = spec if kind == "json" else '{"type": "object"}'
@@ -81,7 +83,7 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         elif kind in ("ebnf", "choice"):
-            if kind == "ebnf":
+            if kind == "ebnf" and not is_checked:
                 check_ebnf_finite(spec)  # llguidance would decode a no-way-out grammar to max_tokens
             grammar = llguidance.grammar_from("ebnf", spec if kind == "ebnf" else choice_to_ebnf(spec))
         else:
@@ -90,6 +92,8 @@ def grammar_from_spec(kind: str, spec: str, whitespace_pattern: str | None = Non
         raise
     except ValueError as error:
         raise GrammarError(f"invalid {_WHAT[kind]}: {error}") from None
+    if is_checked:
+        return grammar
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer,
                                                                              limits=LIMITS)
     if is_error:
@@ -173,8 +177,8 @@ class LLGuidanceBackend:
     def validate(self, kind: str, spec: str) -> None:
         grammar_from_spec(kind, spec, self.whitespace_pattern)
 
-    def compile(self, kind: str, spec: str) -> llguidance.LLMatcher:
-        grammar = grammar_from_spec(kind, spec, self.whitespace_pattern, self.tokenizer)
+    def compile(self, kind: str, spec: str, is_checked: bool = False) -> llguidance.LLMatcher:
+        grammar = grammar_from_spec(kind, spec, self.whitespace_pattern, self.tokenizer, is_checked)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(f"grammar failed to compile: {matcher.get_error()}")

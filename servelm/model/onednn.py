@@ -15,6 +15,12 @@ Invariants:
   weight is loaded or op is run, in every process that runs the model (engine, each rank).
 - The flag is the only writer; it is logged, and an environment value it replaces is named in a
   warning. ``None`` leaves oneDNN's own setting (the environment or 1024) alone.
+- It bounds torch's second per-shape cache as well: ideep (torch's oneDNN wrapper) keeps its own
+  LRU of matmul computations, primitive plus buffers, sized by ``LRU_CACHE_CAPACITY`` (default
+  1024, read at its first matmul). oneDNN's capacity alone left that one growing by ~1 MiB per
+  new batch size over SmolLM2's four linear shapes (the engine's RSS rose 5-10 MiB a round of
+  fresh requests without levelling off; benchmarks/RESULTS.md, issue 19). ideep crashes
+  (SIGSEGV) with a capacity of 0, so it gets at least 1.
 """
 
 from __future__ import annotations
@@ -25,17 +31,21 @@ import os
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+IDEEP_ENV_VAR = "LRU_CACHE_CAPACITY"
+"""ideep's matmul computation cache (torch's oneDNN wrapper), set with the same capacity."""
 
 
 def configure_onednn_cache(capacity: int | None) -> None:
-    """Set oneDNN's primitive cache capacity for this process (before its first primitive)."""
+    """Set oneDNN's primitive cache capacity, and ideep's computation cache to match, for this
+    process (before its first primitive)."""
     if capacity is None:
         logger.debug("oneDNN primitive cache: %s", os.environ.get(ENV_VAR, "1024 (oneDNN default)"))
         return
-    previous = os.environ.get(ENV_VAR)
-    if previous is not None and previous != str(capacity):
-        logger.warning("%s=%s in the environment replaced by --onednn-primitive-cache-capacity %d",
-                       ENV_VAR, previous, capacity)
-    os.environ[ENV_VAR] = str(capacity)
+    for name, value in ((ENV_VAR, capacity), (IDEEP_ENV_VAR, max(1, capacity))):
+        previous = os.environ.get(name)
+        if previous is not None and previous != str(value):
+            logger.warning("%s=%s in the environment replaced by --onednn-primitive-cache-capacity %d",
+                           name, previous, capacity)
+        os.environ[name] = str(value)
     logger.info("oneDNN primitive cache: %d primitives (--onednn-primitive-cache-capacity; "
                 "oneDNN's default is 1024)", capacity)

@@ -109,13 +109,16 @@ async def normal_user(client: httpx.AsyncClient, user: int, deadline: float, tal
             tally.errors.append(f"normal request lost tokens: {num_tokens}")
 
 
+HOSTILE_KINDS = ("template", "bomb", "fanout", "overcap", "surrogate", "surrogate_chat",
+                 "oversized", "health", "info", "slow_sockets", "tokenize_surrogate", "schema",
+                 "empty_regex")
+
+
 async def hostile(client: httpx.AsyncClient, base_url: str, port: int, deadline: float,
-                  tally: Tally, worker: int) -> None:
+                  tally: Tally, worker: int, kinds: tuple[str, ...] = HOSTILE_KINDS) -> None:
     rng = random.Random(100 + worker)
     while time.monotonic() < deadline:
-        kind = rng.choice(["template", "bomb", "fanout", "overcap", "surrogate", "surrogate_chat",
-                           "oversized", "health", "info", "slow_sockets", "tokenize_surrogate",
-                           "schema", "empty_regex"])
+        kind = rng.choice(kinds)
         try:
             if kind == "schema":
                 response = await client.post("/v1/chat/completions", json={

@@ -99,10 +99,12 @@ class CountingBackend:
         self.name = inner.name
         self.num_compiles = 0
         self.num_matchers = 0
+        self.num_checked_compiles = 0
 
-    def compile(self, kind: str, spec: str) -> Any:
+    def compile(self, kind: str, spec: str, is_checked: bool = False) -> Any:
         self.num_compiles += 1
-        return self.inner.compile(kind, spec)
+        self.num_checked_compiles += is_checked
+        return self.inner.compile(kind, spec, is_checked)
 
     def make_matcher(self, compiled: Any) -> Any:
         self.num_matchers += 1
@@ -123,6 +125,12 @@ def test_a_spec_compiles_once_in_the_child_and_once_in_the_engine(tokenizer, bac
     real_check_spec = compile_process.check_spec
     monkeypatch.setattr(compile_process, "check_spec",
                         lambda kind, spec, limit: (spec_checks.append(spec), real_check_spec(kind, spec, limit)))
+    finite_checks: list[str] = []  # the engine's grammar checks (the child's run in its own process)
+    if backend == "xgrammar":
+        import servelm.constrained.xgrammar_backend as xgrammar_backend
+        real_check_finite = xgrammar_backend.check_finite
+        monkeypatch.setattr(xgrammar_backend, "check_finite",
+                            lambda text: (finite_checks.append(text), real_check_finite(text)))
     recipe = BackendRecipe(backend, tokenizer, len(tokenizer), [tokenizer.eos_token_id], None)
     counting: list[CountingBackend] = []
 
@@ -141,9 +149,10 @@ def test_a_spec_compiles_once_in_the_child_and_once_in_the_engine(tokenizer, bac
     compiler.make_matcher(jobs[0].compiled)  # what a request then does: not a compile
     [engine_backend] = counting
     assert compiler.num_process_compiles == 1
-    assert engine_backend.num_compiles == 1
+    assert engine_backend.num_compiles == engine_backend.num_checked_compiles == 1
     assert engine_backend.num_matchers == 1  # the request's own; no probe in the engine
     assert spec_checks == []  # the child checked it
+    assert finite_checks == []  # and built the grammar with every check: the engine only compiles
     # A later request with the same spec: no compile anywhere.
     assert _wait(compiler, compiler.submit("json", spec)) is not None
     assert (compiler.num_process_compiles, engine_backend.num_compiles) == (1, 1)

@@ -40,11 +40,11 @@ class GatedBackend:
         self.slow_spec: str | None = None
         self.num_compiles = 0
 
-    def compile(self, kind: str, spec: str) -> Any:
+    def compile(self, kind: str, spec: str, is_checked: bool = False) -> Any:
         self.num_compiles += 1
         if self.slow_spec is None or spec == self.slow_spec:
             self.compile_gate.wait()
-        return self.inner.compile(kind, spec)
+        return self.inner.compile(kind, spec, is_checked)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
