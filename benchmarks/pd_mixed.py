@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=5.0,
                         help="chats decode this long before the first long prompt")
     parser.add_argument("--max-total-tokens", type=int, default=32768)
-    parser.add_argument("--transfer-backend", default="zmq", choices=("zmq", "shm"))
+    parser.add_argument("--transfer-backend", default="zmq", choices=("zmq", "shm", "nixl", "mooncake"))
     parser.add_argument("--fixed-threads", action="store_true",
                         help="--disable-adaptive-threads on every server (a quiet machine only: "
                         "a fixed 2-thread server beside busy cores crawls)")
