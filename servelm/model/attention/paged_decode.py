@@ -15,69 +15,27 @@ registers, arithmetic in float32; q of either dtype), head_dim a multiple of 16,
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from servelm.model.loader import cpu_flags
-
-logger = logging.getLogger(__name__)
+from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 COMPILE_FLAGS = ["-O3", "-mavx512f"]
-CACHE_DIR = Path(os.path.expanduser("~/.cache/servelm/kernels"))
 
-_state: dict[str, object] = {}
-
-
-def _build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(torch.__version__.encode())
-    digest.update(" ".join(COMPILE_FLAGS).encode())
-    return digest.hexdigest()[:16]
+KERNEL = CppKernel(SOURCE, "paged_decode", "paged decode attention kernel (AVX-512)", ("avx512f",),
+                   COMPILE_FLAGS)
 
 
 def load_kernel() -> ModuleType | None:
     """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-    if "module" not in _state:
-        module, reason = _load()
-        _state["module"], _state["reason"] = module, reason
-        if module is None:
-            logger.info("paged decode attention kernel unavailable (gather + SDPA instead): %s", reason)
-        else:
-            logger.info("paged decode attention: %s", reason)
-    return _state["module"]  # type: ignore[return-value]
+    return KERNEL.load()
 
 
 def kernel_status() -> str:
-    load_kernel()
-    return str(_state["reason"])
-
-
-def _load() -> tuple[ModuleType | None, str]:
-    if "avx512f" not in cpu_flags():
-        return None, "this CPU lacks avx512f"
-    if shutil.which(os.environ.get("CXX") or "c++") is None and shutil.which("g++") is None:
-        return None, "no C++ compiler (c++/g++) on PATH to build it"
-    from torch.utils import cpp_extension
-    if not cpp_extension.is_ninja_available():
-        return None, "ninja (needed by torch.utils.cpp_extension) is not installed"
-    build_dir = CACHE_DIR / f"paged_decode_{_build_key()}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    cached = any(build_dir.glob("*.so"))
-    try:
-        module = cpp_extension.load(name=f"servelm_paged_decode_{_build_key()}", sources=[str(SOURCE)],
-                                    extra_cflags=COMPILE_FLAGS, build_directory=str(build_dir),
-                                    verbose=False)
-    except Exception as e:  # a compiler error, a missing header: serve without the kernel
-        text = str(e).strip()
-        return None, f"building {SOURCE.name} failed: {text.splitlines()[-1] if text else repr(e)}"
-    return module, f"AVX-512 kernel {'loaded from' if cached else 'built in'} {build_dir}"
+    return KERNEL.status()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -269,8 +269,8 @@ def test_apply_after_a_float_load_checks_each_block(tmp_path: Path) -> None:
 def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AVX512-VNNI gets no kernel, with the reason (CI without a compiler likewise)."""
     from servelm.model.layers import gguf_kernel
-    monkeypatch.setattr(gguf_kernel, "cpu_flags", lambda: {"avx512f", "avx2"})
-    module, reason = gguf_kernel._load()
+    monkeypatch.setattr(gguf_kernel.KERNEL, "cpu_flags", lambda: {"avx512f", "avx2"})
+    module, reason = gguf_kernel.KERNEL.build()
     assert module is None and reason == "this CPU lacks avx512bw, avx512vl, avx512_vnni"
 
 

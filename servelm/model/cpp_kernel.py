@@ -1,0 +1,99 @@
+"""One C++ kernel source built with torch.utils.cpp_extension, at most once per process.
+
+The shared object is cached under ``~/.cache/servelm/kernels/<name>_<hash>`` (the hash covers the
+source, torch's version and the compile flags), so only the first start on a machine compiles it
+(20-60 s on 2 cores) and later starts load it in milliseconds. Building needs the CPU features the
+source is compiled for (read from /proc/cpuinfo, never assumed), a C++ compiler and ninja; when
+anything is missing or the build fails, ``load`` returns None and ``status`` says why, and the
+caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path(os.path.expanduser("~/.cache/servelm/kernels"))
+
+
+class CppKernel:
+    """``source`` compiled with ``compile_flags`` where the CPU has every one of ``required_flags``."""
+
+    def __init__(self, source: Path, name: str, description: str, required_flags: Sequence[str],
+                 compile_flags: Sequence[str], link_flags: Sequence[str] = (),
+                 cpu_flags: Callable[[], set[str]] | None = None) -> None:
+        self.source = source
+        self.name = name
+        self.description = description
+        """What the kernel is, for the log line: "GGUF block kernel"."""
+        self.required_flags = tuple(required_flags)
+        self.compile_flags = list(compile_flags)
+        self.link_flags = list(link_flags)
+        self._cpu_flags = cpu_flags
+        self._loaded = False
+        self._module: ModuleType | None = None
+        self._reason = ""
+
+    def cpu_flags(self) -> set[str]:
+        if self._cpu_flags is not None:
+            return self._cpu_flags()
+        from servelm.model.loader import cpu_flags
+        return cpu_flags()
+
+    def missing_cpu_flags(self, flags: set[str] | None = None) -> list[str]:
+        present = self.cpu_flags() if flags is None else flags
+        return [flag for flag in self.required_flags if flag not in present]
+
+    def build_key(self) -> str:
+        digest = hashlib.sha256(self.source.read_bytes())
+        digest.update(torch.__version__.encode())
+        digest.update(" ".join(self.compile_flags + self.link_flags).encode())
+        return digest.hexdigest()[:16]
+
+    def load(self) -> ModuleType | None:
+        """The compiled module, or None (the reason is ``status()``); built at most once."""
+        if not self._loaded:
+            self._module, self._reason = self.build()
+            self._loaded = True
+            if self._module is None:
+                logger.info("%s unavailable (the torch path instead): %s", self.description, self._reason)
+            else:
+                logger.info("%s: %s", self.description, self._reason)
+        return self._module
+
+    def status(self) -> str:
+        """Why the kernel is or is not available (loads it first)."""
+        self.load()
+        return self._reason
+
+    def build(self) -> tuple[ModuleType | None, str]:
+        """Compile (or load the cached build): the module and what happened, or None and why."""
+        missing = self.missing_cpu_flags()
+        if missing:
+            return None, f"this CPU lacks {', '.join(missing)}"
+        if shutil.which(os.environ.get("CXX") or "c++") is None and shutil.which("g++") is None:
+            return None, "no C++ compiler (c++/g++) on PATH to build it"
+        from torch.utils import cpp_extension
+        if not cpp_extension.is_ninja_available():
+            return None, "ninja (needed by torch.utils.cpp_extension) is not installed"
+        key = self.build_key()
+        build_dir = CACHE_DIR / f"{self.name}_{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cached = any(build_dir.glob("*.so"))
+        try:
+            module = cpp_extension.load(name=f"servelm_{self.name}_{key}", sources=[str(self.source)],
+                                        extra_cflags=self.compile_flags, extra_ldflags=self.link_flags,
+                                        build_directory=str(build_dir), verbose=False)
+        except Exception as e:  # a compiler error, a missing header: serve without the kernel
+            text = str(e).strip()
+            return None, f"building {self.source.name} failed: {text.splitlines()[-1] if text else repr(e)}"
+        return module, f"{'loaded from' if cached else 'built in'} {build_dir}"
