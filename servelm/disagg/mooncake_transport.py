@@ -8,7 +8,10 @@ TCP) WRITEs the K/V from the prefill pool into the decode pool, one-sided like `
   destination block ids.
 - Prefill side (``MooncakeSender``): its engine registers its own pool and submits one batch of
   writes (one per run of blocks consecutive on both sides, per region) on a worker thread, since
-  Mooncake's batch write blocks; ``poll`` collects it and the ``kv`` reply goes out over zmq.
+  Mooncake's batch write blocks; ``start`` waits for it up to ``DRIVE_S`` (a write still
+  running then is collected by ``poll`` in a later step), and the ``kv`` reply goes out over zmq.
+  (Left to ``poll`` alone, every write waited at least one more prefill step: seconds behind a
+  long prompt's chunk.)
   The write has returned, so the bytes are in the decode pool when the reply is sent: the decode
   side needs no further notice.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import socket
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,9 @@ from servelm.disagg.transport import Outcome, block_runs, pool_regions
 from servelm.model.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+DRIVE_S = 0.05
+"""How long ``start`` waits for a new write before leaving it to the next steps' ``poll``."""
 
 
 def _engine(device: str | None, host: str) -> tuple[Any, str]:
@@ -74,6 +80,16 @@ class _Write:
     num_bytes: int
 
 
+def _outcome(write: _Write) -> Outcome:
+    """A finished write's outcome."""
+    error = write.future.exception()
+    status = write.future.result() if error is None else None
+    if status == 0:
+        return Outcome(num_bytes=write.num_bytes)
+    return Outcome(error=f"the Mooncake write to {write.session} failed "
+                         f"({error or status}; the decode server may be gone)")
+
+
 class MooncakeSender:
     """The prefill side: batch writes into the pullers' registered pools, on one worker thread."""
 
@@ -106,22 +122,18 @@ class MooncakeSender:
                 lengths.append(count * size)
         future = self.worker.submit(self.engine.batch_transfer_sync_write, session, sources,
                                     targets, lengths)
-        self.writes[key] = _Write(future, session, sum(lengths))
+        write = _Write(future, session, sum(lengths))
+        if wait([future], timeout=DRIVE_S).done:
+            return _outcome(write)
+        self.writes[key] = write
         return None
 
     def poll(self, now: float) -> list[tuple[str, Outcome]]:
         ended = []
         for key, write in list(self.writes.items()):
-            if not write.future.done():
-                continue
-            del self.writes[key]
-            error = write.future.exception()
-            status = write.future.result() if error is None else None
-            if status == 0:
-                ended.append((key, Outcome(num_bytes=write.num_bytes)))
-            else:
-                ended.append((key, Outcome(error=f"the Mooncake write to {write.session} failed "
-                                                 f"({error or status}; the decode server may be gone)")))
+            if write.future.done():
+                del self.writes[key]
+                ended.append((key, _outcome(write)))
         return ended
 
     def abandon(self, key: str) -> bool:

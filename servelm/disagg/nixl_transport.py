@@ -17,8 +17,17 @@ libibverbs providers, whose second copy of libnl crashes the process at exit.
 ``--disaggregation-ib-device`` names the UCX devices to use (NIXL's ``ucx_devices``).
 
 Agents run without NIXL's progress thread (it spins a core even when idle; these machines have
-two): the prefill side progresses its writes by polling their state every step, the decode side
-by reading notifications while a pull is outstanding.
+two). A WRITE completes only once the decode agent has progressed too (UCX acknowledges it from
+there; on one host the bytes themselves move at once, by cross-memory attach), and the ``kv``
+reply goes out only once the prefill side has seen it complete. So:
+- the decode side reads notifications on a short timer (``POLL_INTERVAL_S``) from a thread of its
+  own while pulls are outstanding (the engine's calls to ``progress``, each step while blocks are
+  held, keep it going for ``ACTIVE_S``), also while its engine runs a forward pass; idle, the
+  thread sleeps on an event;
+- the prefill side drives a new write for up to ``DRIVE_S`` right after posting it (the decode
+  thread acknowledges it within a millisecond or two), and only a write still unfinished then
+  waits for the engine's next steps (``poll``). Before, every write waited at least one more
+  prefill step (a long prompt's chunk: seconds) and the decode side's next step.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import base64
 import importlib
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +54,13 @@ logger = logging.getLogger(__name__)
 RDMA_DEVICES_DIR = "/sys/class/infiniband"
 NOTIFICATION_KEEP_S = 600.0
 """How long a notification nobody claimed is kept (its reply may still be on its way)."""
+DRIVE_S = 0.05
+"""How long the prefill side checks a new write's state before leaving it to the next steps."""
+POLL_INTERVAL_S = 0.001
+"""How often the decode side's thread reads notifications while pulls are outstanding."""
+ACTIVE_S = 2.0
+"""The decode side's thread stops polling this long after the engine's last ``progress`` call
+(nothing is in flight any more)."""
 
 
 def load_nixl() -> tuple[ModuleType, tuple[type[BaseException], ...]]:
@@ -140,10 +157,23 @@ class NixlSender:
             self._forget(name)
             return Outcome(error=f"the NIXL write to {name} failed: {error!r}")
         write = _Write(handle, pull_id, name, num_bytes)
+        state = self._drive(write, state)
         if state == "PROC":
             self.writes[key] = write
             return None
         return self._end(write, state)
+
+    def _drive(self, write: _Write, state: str) -> str:
+        """Check the write's state until it ends or ``DRIVE_S`` passes (the decode side's
+        acknowledgement takes a millisecond or two); its last state."""
+        deadline = time.monotonic() + DRIVE_S
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S / 5)
+            try:
+                state = self.agent.check_xfer_state(write.handle)
+            except self.errors:
+                state = "ERR"
+        return state
 
     def _descriptors(self, source: list[int], destination: list[int],
                      addresses: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -223,8 +253,38 @@ class NixlReceiver:
         self.addresses = [t.data_ptr() for t in pool_regions(cache)]
         self.arrived: dict[str, float] = {}
         """Pull ids whose notification has come, and when."""
+        self.lock = threading.Lock()
+        """Held around every use of the agent and ``arrived`` (the engine's thread and the poller)."""
+        self.active_until = 0.0
+        self.wake = threading.Event()
+        self.closing = False
+        self.poller = threading.Thread(target=self._poll_loop, name="nixl-notifications",
+                                       daemon=True)
+        self.poller.start()
+
+    def _poll_loop(self) -> None:
+        """Read notifications every ``POLL_INTERVAL_S`` while pulls are outstanding, so writes
+        complete while the engine computes; sleep on ``wake`` otherwise."""
+        while not self.closing:
+            if time.monotonic() > self.active_until:
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            with self.lock:
+                if self.closing:
+                    return
+                try:
+                    self._read_notifications()
+                except self.errors as error:
+                    logger.warning("NIXL notifications not read: %r", error)
+            time.sleep(POLL_INTERVAL_S)
+
+    def _keep_polling(self) -> None:
+        self.active_until = time.monotonic() + ACTIVE_S
+        self.wake.set()
 
     def pull_fields(self, key: str, host: str, block_ids: list[int]) -> dict[str, Any]:
+        self._keep_polling()
         return {"nixl_agent": self.agent.name, "nixl_metadata": self.metadata,
                 "nixl_addresses": self.addresses, "block_ids": block_ids,
                 "nixl_pull": uuid.uuid4().hex}
@@ -241,17 +301,25 @@ class NixlReceiver:
         pull_id = message.get("nixl_pull")
         if not isinstance(pull_id, str):
             raise ValueError("the reply names no NIXL pull (is the prefill server on the nixl backend?)")
-        self._read_notifications()
-        return self.arrived.pop(pull_id, None) is not None
+        with self.lock:
+            self._read_notifications()
+            return self.arrived.pop(pull_id, None) is not None
 
     def discard(self, message: dict[str, Any]) -> None:
-        self.arrived.pop(str(message.get("nixl_pull")), None)
+        with self.lock:
+            self.arrived.pop(str(message.get("nixl_pull")), None)
 
     def progress(self) -> None:
         """Let NIXL move what is in flight (no progress thread: see the module's docstring)."""
-        self._read_notifications()
+        self._keep_polling()
+        with self.lock:
+            self._read_notifications()
 
     def close(self) -> None:
+        with self.lock:
+            self.closing = True
+        self.wake.set()
+        self.poller.join()
         _close_agent(self.agent, self.registered, self.errors)
 
 
