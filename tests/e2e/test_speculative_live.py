@@ -22,7 +22,7 @@ PROMPT = ("Copy the list exactly.\nList: alpha, beta, gamma, delta, epsilon, zet
 def spec_server():
     args = [OPS_MODEL, "--speculative-algorithm", "NGRAM", "--num-speculative-tokens", "4",
             "--enable-metrics", "--log-stats-interval", "1", "--context-length", "128",
-            "--max-total-tokens", "8192"]
+            "--max-total-tokens", "8192", "--dtype", "float32"]
     with ServerProcess(args) as running:
         yield running
 

@@ -25,7 +25,7 @@ def typical_server():
             "--typical-acceptance-sampler-posterior-threshold", "0.09",
             "--typical-acceptance-sampler-posterior-alpha", "0.3",
             "--enable-metrics", "--log-stats-interval", "1",
-            "--context-length", "128", "--max-total-tokens", "8192"]
+            "--context-length", "128", "--max-total-tokens", "8192", "--dtype", "float32"]
     with ServerProcess(args) as running:
         yield running
 
