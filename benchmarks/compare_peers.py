@@ -145,6 +145,19 @@ def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float) -> No
     raise RuntimeError(f"not ready after {timeout_s:.0f} s")
 
 
+def stop_group(process: subprocess.Popen, timeout_s: float) -> None:
+    """Stop a server started with ``start_new_session``: SIGTERM to its process group, SIGKILL
+    after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
     base_url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{peer.name.split()[0]}.log").open("w")
@@ -154,13 +167,7 @@ def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path) -> 
         wait_ready(base_url, process, peer.startup_s)
         return asyncio.run(measure(base_url, args.model, args.output_len))
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_group(process, 30)
         log.close()
 
 

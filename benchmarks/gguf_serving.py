@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_peers import wait_ready  # noqa: E402
+from compare_peers import stop_group, wait_ready  # noqa: E402
 
 RUNS = (("1 stream", 3, 1), ("32 streams", 32, 32))
 """(label, --num-prompts, --max-concurrency)"""
@@ -52,12 +51,7 @@ def serve_and_bench(args: argparse.Namespace, flags: str, log_dir: Path, index: 
                 results[label] = json.loads(out.read_text())
             return results
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            stop_group(server, 60)
 
 
 def main() -> None:
