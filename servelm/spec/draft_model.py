@@ -95,12 +95,8 @@ class DraftModelProposer:
         self.max_catch_up_tokens = max_catch_up_tokens
         self.max_forward_tokens = max_forward_tokens
         self._states: dict[str, _DraftState] = {}
-        self._generator = torch.Generator()
+        self._generator = seeded_generator(seed)
         """Draws of requests without a seed (seeded requests reseed per step, see ``_draw``)."""
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
         self.num_pool_misses = 0
         """Request-steps left without drafts because the draft pool was short."""
 
@@ -221,6 +217,17 @@ class DraftModelProposer:
                 (request.seed * 0x9E3779B97F4A7C15 + len(request.output_token_ids) * 1_000_003
                  + step) & _UINT64_MASK)
         return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A model proposer's generator for requests without a seed: ``seed`` (the server's --seed)
+    makes their drafts reproducible across runs; None seeds it from the OS."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def _filtered_distribution(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from servelm.spec.draft_model import DraftBlocks, DraftSequence, _filtered_distribution
+from servelm.spec.draft_model import DraftBlocks, DraftSequence, _filtered_distribution, seeded_generator
 from servelm.spec.proposer import Draft, DraftRequest
 
 ABSORB_ROWS = 256
@@ -96,11 +96,7 @@ class EagleProposer:
         self.feature_source = feature_source
         """The model's features of each step (None: the caller calls ``add_features`` itself)."""
         self._states: dict[str, _HeadState] = {}
-        self._generator = torch.Generator()
-        if seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(seed)
+        self._generator = seeded_generator(seed)
         self.num_pool_misses = 0
         """Request-steps left without drafts because the head's pool was short."""
         self.absorb_rows = ABSORB_ROWS
