@@ -37,7 +37,7 @@ def serve_command(rank: int, runner: Any, command: Any) -> KVHeads | KVBlocksRea
     cache = runner.kv_cache
     if isinstance(command, ReadKVBlocks):
         k, v = cache.read_blocks(command.block_ids)
-        return KVBlocksRead(rank, k.numpy(), v.numpy())
+        return KVBlocksRead(rank, k=k.numpy(), v=v.numpy())
     assert isinstance(command, WriteKVBlocks)
     start, size = kv_head_range(runner)
     k, v = (select_heads(torch.from_numpy(t), cache.block_size, command.num_kv_heads, start, size)

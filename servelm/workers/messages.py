@@ -133,25 +133,30 @@ class ReadKVBlocks:
     block_ids: list[int]
 
 
-@dataclass(frozen=True)
-class KVBlocksRead:
-    rank: int
+@dataclass(frozen=True, kw_only=True)
+class _KVBlockArrays:
+    """K and V of some blocks, each a ``[num_layers, len(block_ids), bytes_per_block]`` uint8
+    numpy array; keyword-only, so they follow each message's own fields."""
+
     k: Any
-    """``[num_layers, len(block_ids), bytes_per_block]`` uint8 numpy array (this rank's heads)."""
     v: Any
 
 
 @dataclass(frozen=True)
-class WriteKVBlocks:
+class KVBlocksRead(_KVBlockArrays):
+    """The reply to ``ReadKVBlocks``: ``k`` and ``v`` hold this rank's heads."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class WriteKVBlocks(_KVBlockArrays):
     """Store this rank's heads of transferred K/V at ``block_ids`` (a decode server; before the
-    next step, since commands are handled in order). No reply."""
+    next step, since commands are handled in order). No reply. ``k`` and ``v`` hold every KV head."""
 
     block_ids: list[int]
     num_kv_heads: int
     """KV heads in ``k`` and ``v``: every head of the model; the rank keeps its own."""
-    k: Any
-    """``[num_layers, len(block_ids), bytes_per_block]`` uint8 numpy array, every KV head."""
-    v: Any
 
 
 @dataclass(frozen=True)

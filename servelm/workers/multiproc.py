@@ -367,7 +367,7 @@ class MultiprocExecutor:
                         v: torch.Tensor) -> None:
         """Ranks 1..N-1 store their heads of ``k`` and ``v`` (every KV head) at ``block_ids``
         before the next step."""
-        self._broadcast(WriteKVBlocks(block_ids, num_kv_heads, k.numpy(), v.numpy()))
+        self._broadcast(WriteKVBlocks(block_ids, num_kv_heads, k=k.numpy(), v=v.numpy()))
 
     def layout(self) -> dict[str, Any]:
         ranks = [{"rank": 0, "node": 0, "host": os.uname().nodename, "pid": os.getpid(),
