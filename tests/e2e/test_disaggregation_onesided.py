@@ -13,9 +13,9 @@ import pytest
 
 from servelm.disagg.spec import KVTransfer
 from tests.e2e.server_process import free_port
-from tests.e2e.test_disaggregation_tiny import (PARAMS, assert_idle, make_engine, prompts,
-                                                run_pair, wait_for)
-from tests.engine_drive import greedy
+from tests.e2e.test_disaggregation_tiny import (PARAMS, assert_idle,
+                                                check_greedy_identical_and_only_missing_blocks_sent,
+                                                make_engine, run_pair, wait_for)
 from tests.tiny_models import make_tiny_model_dir
 
 INSTALL = {"nixl": ("pip install --no-deps nixl nixl-cu12", ("nixl._api", "nixl_cu12._api")),
@@ -48,31 +48,7 @@ def model_path(tmp_path_factory):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_identical_to_colocated_and_only_missing_blocks_written(model_path, backend, kv_dtype):
-    reference = make_engine(model_path, kv_dtype=kv_dtype)
-    token_lists = prompts(reference.runner.vocab_size)
-    expected = greedy(reference, token_lists, PARAMS)
-    reference.shutdown()
-    port = free_port()
-    prefill = make_engine(model_path, "prefill", port, kv_dtype, backend)
-    decode = make_engine(model_path, "decode", kv_dtype=kv_dtype, backend=backend)
-    try:
-        first = run_pair(prefill, decode, [("a0", token_lists[0])], port)
-        sent_first = prefill.stats()["disaggregation_tokens_sent"]
-        assert sent_first == len(token_lists[0])
-        rest = run_pair(prefill, decode, [(f"a{i}", t) for i, t in enumerate(token_lists) if i], port)
-        outputs = {**first, **rest}
-        for index in range(len(token_lists)):
-            assert outputs[f"a{index}"].finish_reason == "length", outputs[f"a{index}"].error
-            assert outputs[f"a{index}"].new_token_ids == expected[index]
-        sent_rest = prefill.stats()["disaggregation_tokens_sent"] - sent_first
-        shared_sent = sum(len(t) - 24 for t in token_lists[1:4])  # 3 cached blocks of 8 not resent
-        assert sent_rest == shared_sent + len(token_lists[4]) + len(token_lists[5])
-        assert decode.stats()["disaggregation_bytes_received"] == prefill.stats()["disaggregation_bytes_sent"]
-        assert_idle(prefill, decode)
-        assert decode.stats()["disaggregation_num_held_blocks"] == 0
-    finally:
-        prefill.shutdown()
-        decode.shutdown()
+    check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

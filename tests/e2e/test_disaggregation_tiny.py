@@ -93,8 +93,10 @@ def assert_idle(*engines: LLMEngine) -> None:
         assert stats.get("disaggregation_num_parked_blocks", 0) == 0, stats
 
 
-@pytest.mark.parametrize("kv_dtype, backend", [("auto", "zmq"), ("fp8_e4m3", "zmq"), ("auto", "shm")])
-def test_greedy_identical_to_colocated_and_only_missing_blocks_sent(model_path, kv_dtype, backend):
+def check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype: str, backend: str) -> None:
+    """A prefill and a decode engine over ``backend`` give the co-located engine's greedy tokens,
+    the K/V of only the blocks the decode side's prefix cache lacks cross, and both end idle (no
+    parked or held block). Shared by this file's two-sided backends and the one-sided ones."""
     reference = make_engine(model_path, kv_dtype=kv_dtype)
     token_lists = prompts(reference.runner.vocab_size)
     expected = greedy(reference, token_lists, PARAMS)
@@ -119,9 +121,15 @@ def test_greedy_identical_to_colocated_and_only_missing_blocks_sent(model_path, 
         assert sent_rest == shared_sent + len(token_lists[4]) + len(token_lists[5])
         assert decode.stats()["disaggregation_bytes_received"] == prefill.stats()["disaggregation_bytes_sent"]
         assert_idle(prefill, decode)
+        assert decode.stats()["disaggregation_num_held_blocks"] == 0
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.parametrize("kv_dtype, backend", [("auto", "zmq"), ("fp8_e4m3", "zmq"), ("auto", "shm")])
+def test_greedy_identical_to_colocated_and_only_missing_blocks_sent(model_path, kv_dtype, backend):
+    check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype, backend)
 
 
 def test_decode_times_out_without_prefill_server_and_frees_its_blocks(model_path):
