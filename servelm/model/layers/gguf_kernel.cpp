@@ -67,6 +67,59 @@ struct StepScales {
   }
 };
 
+// Quantizes x per row and kActBlock inputs: d = amax / qmax, ``store(r, b, xb, 1 / d or 0)``
+// writes the block's codes, and d fills its kActBlock / 4 lane scales (``lane_scales``: [rows, k / 4]).
+// Shared by the int8 and int16 formats (only qmax and the codes' layout differ).
+template <class Store>
+void quantize_blocks(const float* x, int64_t rows, int64_t k, float qmax, std::vector<float>& lane_scales,
+                     Store store) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < k / kActBlock; ++b) {
+        const float* xb = x + r * k + b * kActBlock;
+        float amax = 0.f;
+        for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / qmax;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        store(r, b, xb, inv);
+        float* lanes = lane_scales.data() + r * (k / 4) + b * (kActBlock / 4);
+        for (int i = 0; i < kActBlock / 4; ++i) lanes[i] = d;
+      }
+    }
+  });
+}
+
+// One 64-byte step of a weight row, as the vpdpbusd formats use it: vpdpbusd multiplies unsigned
+// by signed bytes, so they take |w| and move w's sign onto the activation (llama.cpp's trick).
+struct WeightStep {
+  __m512i codes;
+  __m512i abs_codes;
+  __mmask64 negative;   // the lanes whose code is negative
+};
+
+// The step loop of the int8 and int16 formats: for each 64-byte step c, ``int_dot(r, c, step)``
+// gives row r's 16 int32 lane sums, which are scaled by (weight scale x activation lane scale,
+// ``xs[r]``: the row's lane scales) into a float accumulator; out[r] = its sum.
+template <int ROWS, class IntDot>
+inline void vnni_step_loop(const int8_t* w, const float* w_scales, int64_t block, int64_t k,
+                           const float* const* xs, float* out, IntDot int_dot) {
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const StepScales step_scales(block);
+  const int64_t steps = k / kChunk;
+  for (int64_t c = 0; c < steps; ++c) {
+    const __m512i wv = _mm512_loadu_si512(w + c * kChunk);
+    const WeightStep step{wv, _mm512_abs_epi8(wv), _mm512_movepi8_mask(wv)};
+    const __m512 ws = step_scales.load(w_scales, c);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i d = int_dot(r, c, step);
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + c * 16));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 // Each activation format below prepares the M rows of x once per call (constructor) and computes
 // ROWS of them (from row r0) against one weight row (dot); block_linear_impl does the rest.
 // kKMultiple: the K the format's steps need.
@@ -81,20 +134,9 @@ struct Int8Activations {
   int64_t k;
 
   Int8Activations(const float* x, int64_t rows, int64_t k_) : codes(rows * k_), lane_scales(rows * (k_ / 4)), k(k_) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t b = 0; b < k / kActBlock; ++b) {
-          const float* xb = x + r * k + b * kActBlock;
-          float amax = 0.f;
-          for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-          const float d = amax / 127.f;
-          const float inv = d > 0.f ? 1.f / d : 0.f;
-          int8_t* qb = codes.data() + r * k + b * kActBlock;
-          for (int i = 0; i < kActBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-          float* lanes = lane_scales.data() + r * (k / 4) + b * (kActBlock / 4);
-          for (int i = 0; i < kActBlock / 4; ++i) lanes[i] = d;
-        }
-      }
+    quantize_blocks(x, rows, k, 127.f, lane_scales, [&](int64_t r, int64_t b, const float* xb, float inv) {
+      int8_t* qb = codes.data() + r * k + b * kActBlock;
+      for (int i = 0; i < kActBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
     });
   }
 
@@ -103,28 +145,15 @@ struct Int8Activations {
     const __m512i zero = _mm512_setzero_si512();
     const int8_t* xq[ROWS];
     const float* xs[ROWS];   // row pointers held in locals for the whole step loop
-    __m512 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
       xq[r] = codes.data() + (r0 + r) * k;
       xs[r] = lane_scales.data() + (r0 + r) * (k / 4);
-      acc[r] = _mm512_setzero_ps();
     }
-    const StepScales step_scales(block);
-    const int64_t steps = k / kChunk;
-    for (int64_t c = 0; c < steps; ++c) {
-      const __m512i wv = _mm512_loadu_si512(w + c * kChunk);
-      const __m512i w_abs = _mm512_abs_epi8(wv);
-      const __mmask64 negative = _mm512_movepi8_mask(wv);
-      const __m512 ws = step_scales.load(w_scales, c);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512i xv = _mm512_loadu_si512(xq[r] + c * kChunk);
-        const __m512i signed_x = _mm512_mask_sub_epi8(xv, negative, zero, xv);
-        const __m512i d = _mm512_dpbusd_epi32(zero, w_abs, signed_x);
-        const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + c * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    vnni_step_loop<ROWS>(w, w_scales, block, k, xs, out, [&](int r, int64_t c, const WeightStep& step) {
+      const __m512i xv = _mm512_loadu_si512(xq[r] + c * kChunk);
+      const __m512i signed_x = _mm512_mask_sub_epi8(xv, step.negative, zero, xv);
+      return _mm512_dpbusd_epi32(zero, step.abs_codes, signed_x);
+    });
   }
 };
 
@@ -141,25 +170,14 @@ struct Int16Activations {
 
   Int16Activations(const float* x, int64_t rows, int64_t k_)
       : high(rows * k_), low(rows * k_), lane_scales(rows * (k_ / 4)), k(k_) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t b = 0; b < k / kActBlock; ++b) {
-          const float* xb = x + r * k + b * kActBlock;
-          float amax = 0.f;
-          for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-          const float d = amax / 32512.f;
-          const float inv = d > 0.f ? 1.f / d : 0.f;
-          int8_t* hb = high.data() + r * k + b * kActBlock;
-          uint8_t* lb = low.data() + r * k + b * kActBlock;
-          for (int i = 0; i < kActBlock; ++i) {
-            const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-            const int hi = v >= 0 ? v / 256 : -((-v + 255) / 256);   // floor(v / 256)
-            hb[i] = static_cast<int8_t>(hi);
-            lb[i] = static_cast<uint8_t>(v - hi * 256);
-          }
-          float* lanes = lane_scales.data() + r * (k / 4) + b * (kActBlock / 4);
-          for (int i = 0; i < kActBlock / 4; ++i) lanes[i] = d;
-        }
+    quantize_blocks(x, rows, k, 32512.f, lane_scales, [&](int64_t r, int64_t b, const float* xb, float inv) {
+      int8_t* hb = high.data() + r * k + b * kActBlock;
+      uint8_t* lb = low.data() + r * k + b * kActBlock;
+      for (int i = 0; i < kActBlock; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        const int hi = v >= 0 ? v / 256 : -((-v + 255) / 256);   // floor(v / 256)
+        hb[i] = static_cast<int8_t>(hi);
+        lb[i] = static_cast<uint8_t>(v - hi * 256);
       }
     });
   }
@@ -170,30 +188,17 @@ struct Int16Activations {
     const int8_t* xh[ROWS];
     const uint8_t* xl[ROWS];
     const float* xs[ROWS];
-    __m512 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
       xh[r] = high.data() + (r0 + r) * k;
       xl[r] = low.data() + (r0 + r) * k;
       xs[r] = lane_scales.data() + (r0 + r) * (k / 4);
-      acc[r] = _mm512_setzero_ps();
     }
-    const StepScales step_scales(block);
-    const int64_t steps = k / kChunk;
-    for (int64_t c = 0; c < steps; ++c) {
-      const __m512i wv = _mm512_loadu_si512(w + c * kChunk);
-      const __m512i w_abs = _mm512_abs_epi8(wv);
-      const __mmask64 negative = _mm512_movepi8_mask(wv);
-      const __m512 ws = step_scales.load(w_scales, c);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m512i hv = _mm512_loadu_si512(xh[r] + c * kChunk);
-        const __m512i signed_h = _mm512_mask_sub_epi8(hv, negative, zero, hv);
-        const __m512i dh = _mm512_dpbusd_epi32(zero, w_abs, signed_h);
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), _mm512_loadu_si512(xl[r] + c * kChunk), wv);
-        const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + c * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+    vnni_step_loop<ROWS>(w, w_scales, block, k, xs, out, [&](int r, int64_t c, const WeightStep& step) {
+      const __m512i hv = _mm512_loadu_si512(xh[r] + c * kChunk);
+      const __m512i signed_h = _mm512_mask_sub_epi8(hv, step.negative, zero, hv);
+      const __m512i dh = _mm512_dpbusd_epi32(zero, step.abs_codes, signed_h);
+      return _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), _mm512_loadu_si512(xl[r] + c * kChunk), step.codes);
+    });
   }
 };
 
