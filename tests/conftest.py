@@ -1,0 +1,55 @@
+"""Session set-up for the whole test run: the C++ kernels are built once, in parallel, up front.
+
+Every server start loads two C++ kernels (``servelm/model/cpp_kernel.py``: the GGUF block kernel
+and the paged decode kernel), cached under ``~/.cache/servelm/kernels``. On a machine without that
+cache (CI starts with an empty HOME) the first server to start compiled both, one after the other
+(about a minute on 2 cores), while the tests waited. When a run selects end-to-end tests and a
+kernel is not cached yet, each missing kernel is built here in its own background process as the
+session starts: the two compile side by side and alongside the first tests. Whoever needs a
+kernel before its build ends (a server, an in-process engine) waits on torch.utils.cpp_extension's
+lock in the build directory and then loads the finished build, so nothing builds twice.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.paged_decode")
+_builders: list[subprocess.Popen[bytes]] = []
+
+
+def _is_built(module_name: str) -> bool:
+    """The kernel's build for this source, torch and flags is in the cache (or cannot be built
+    here: the CPU lacks its instructions, so a builder would only say so)."""
+    import importlib
+
+    from servelm.model import cpp_kernel
+
+    kernel = importlib.import_module(module_name).KERNEL
+    if kernel.missing_cpu_flags():
+        return True
+    build_dir = cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}"
+    return any(build_dir.glob("*.so"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any("/tests/e2e/" in str(item.path) for item in session.items):
+        return  # unit runs load a kernel only in the few tests about it: no build up front
+    for module_name in KERNEL_MODULES:
+        if _is_built(module_name):
+            continue
+        code = f"import {module_name} as m; m.load_kernel()"
+        # its own session: a Ctrl-C of the run must not kill a compile half-way, which would leave
+        # torch's lock in the build directory and every later load waiting on it
+        _builders.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for builder in _builders:  # long finished in a full run; a short run waits for its build
+        builder.wait()
