@@ -7,14 +7,13 @@ is transformers + peft in float32, greedy, one prompt at a time.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.reference import load_reference_model
+from tests.reference import packaged_reference_model
 
 SPECS: dict[str, dict[str, Any]] = {
     "attn8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -31,15 +30,9 @@ def packaged_gguf(name: str) -> Path:
     return Path(packaged_model_path(name))
 
 
-@functools.lru_cache(maxsize=1)
-def _loaded_base(model_name: str) -> Any:
-    gguf = packaged_gguf(model_name)
-    return load_reference_model(gguf.parent, gguf.name)
-
-
 def base_model(model_name: str) -> Any:
     """A fresh float32 copy of the transformers model (peft injects its layers in place)."""
-    return copy.deepcopy(_loaded_base(model_name))
+    return copy.deepcopy(packaged_reference_model(model_name))
 
 
 def make_adapter(model_name: str, folder: Path, seed: int, **lora_kwargs: Any) -> Any:

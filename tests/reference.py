@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -15,6 +16,30 @@ def load_reference_model(path: Path, gguf_file: str | None = None):  # type: ign
     model.eval()
     model.generation_config.eos_token_id = None  # plain greedy: like ignore_eos, EOS is just a token
     return model
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_reference_model(name: str):  # type: ignore[no-untyped-def]
+    """``load_reference_model`` of packaged model ``name``'s GGUF, loaded once per test session:
+    transformers dequantizes a GGUF in Python (seconds even for SmolLM2-135M), and the beam search,
+    LoRA and GGUF parity tests all compare with SmolLM2. Shared, so never modified: deep-copy it
+    first (``tests.lora_adapters.base_model``). Raises PackagedModelError where it is absent."""
+    from servelm.model.packaged import packaged_model_path
+
+    gguf = Path(packaged_model_path(name))
+    return load_reference_model(gguf.parent, gguf.name)
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_reference_tokenizer(name: str):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer of packaged model ``name``'s GGUF, built once per test session
+    (transformers rebuilds it from the GGUF's vocabulary: seconds). Shared: never modify it."""
+    from transformers import AutoTokenizer
+
+    from servelm.model.packaged import packaged_model_path
+
+    gguf = Path(packaged_model_path(name))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def transformers_greedy(model, token_lists: list[list[int]], num_new_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]

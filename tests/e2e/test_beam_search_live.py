@@ -6,34 +6,37 @@ what beam search cannot honour (streaming, sampling, best_of < n) is a 400 namin
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.server_process import ServerProcess
-from tests.reference import load_reference_model, transformers_beams
+from tests.e2e.conftest import OPS_MODEL
+from tests.reference import packaged_reference_model, packaged_reference_tokenizer, transformers_beams
 
-MODEL = "smollm2-135m"
+MODEL = OPS_MODEL  # beams come from the shared operations server (float32)
 PROMPT = "The best way to learn a language is"
 
 
 @pytest.fixture(scope="module")
-def server() -> Any:
-    from servelm.model.packaged import PackagedModelError, packaged_model_path
+def server(ops_server: Any) -> Any:
+    """The shared operations server: beam search needs no flag of its own, so no server of its own."""
+    return ops_server
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    """transformers' tokenizer and float32 model of the same GGUF (shared by the session's tests)."""
+    from servelm.model.packaged import PackagedModelError
 
     try:
-        gguf = Path(packaged_model_path(MODEL))
+        return packaged_reference_tokenizer(MODEL), packaged_reference_model(MODEL)
     except PackagedModelError as error:
         pytest.skip(str(error))
-    with ServerProcess([MODEL, "--num-threads", "1", "--dtype", "float32", "--max-total-tokens", "2048",
-                        "--context-length", "512"]) as running:
-        running.gguf = gguf
-        yield running
 
 
-def test_completions_with_use_beam_search_match_transformers(server: Any) -> None:
+def test_completions_with_use_beam_search_match_transformers(server: Any,
+                                                            reference: tuple[Any, Any]) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "n": 2, "best_of": 3,
             "use_beam_search": True, "length_penalty": 0.8}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
@@ -41,17 +44,14 @@ def test_completions_with_use_beam_search_match_transformers(server: Any) -> Non
     choices = sorted(response.json()["choices"], key=lambda c: c["index"])
     assert len(choices) == 2
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(server.gguf.parent), gguf_file=server.gguf.name)
-    model = load_reference_model(server.gguf.parent, server.gguf.name)
+    tokenizer, model = reference
     prompt = tokenizer.encode(PROMPT)
     eos = [model.config.eos_token_id] if isinstance(model.config.eos_token_id, int) else list(
         model.config.eos_token_id or [])
-    reference = transformers_beams(model, prompt, 3, 10, eos, length_penalty=0.8)[:2]
+    beams = transformers_beams(model, prompt, 3, 10, eos, length_penalty=0.8)[:2]
     assert [c["text"] for c in choices] == [tokenizer.decode(tokens, skip_special_tokens=True)
-                                           for tokens, _ in reference]
-    assert response.json()["usage"]["completion_tokens"] == sum(len(t) for t, _ in reference)
+                                           for tokens, _ in beams]
+    assert response.json()["usage"]["completion_tokens"] == sum(len(t) for t, _ in beams)
 
 
 @pytest.mark.parametrize("extra,field", [

@@ -200,12 +200,9 @@ def test_text_generation_client(server) -> None:
 # -- lm-eval: remote tokenizer and loglikelihood requests ----------------------------------------
 
 def test_tokenizer_info_matches_the_tokenizer(server) -> None:
-    from transformers import AutoTokenizer
+    from tests.reference import packaged_reference_tokenizer
 
-    from servelm.model.packaged import packaged_model_path
-
-    gguf = packaged_model_path(MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = packaged_reference_tokenizer(MODEL)
     info = httpx.get(f"{server.base_url}/tokenizer_info").json()
     assert info["eos_token"] == tokenizer.eos_token and info["eos_token_id"] == tokenizer.eos_token_id
     assert info["bos_token"] == tokenizer.bos_token and info["chat_template"] == tokenizer.chat_template

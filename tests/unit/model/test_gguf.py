@@ -125,10 +125,11 @@ def test_not_a_gguf(tmp_path: Path) -> None:
 
 # -- parity with transformers on the packaged real models -----------------------------------------
 
-def _reference(gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
+def _reference(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """transformers' float32 tensors and config of packaged model ``name`` (one load per session,
+    shared with the beam search and LoRA tests)."""
+    from tests.reference import packaged_reference_model
+    model = packaged_reference_model(name)
     return model.state_dict(), model.config.to_dict()
 
 
@@ -138,7 +139,7 @@ def _check_parity(name: str) -> None:
         path = packaged_model_path(name)
     except PackagedModelError as e:
         pytest.skip(str(e))
-    reference, reference_config = _reference(path)
+    reference, reference_config = _reference(name)
     gguf_file = GGUFFile.open(path)
     config = gguf_file.hf_config().to_dict()
     ignored = {"_model_name_or_path", "_name_or_path", "architectures", "dtype", "quantization_config"}
