@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import httpx
 
+from .conftest import OPS_MODEL
 from .server_process import ServerProcess, is_running, stream_and_kill, wait_until_gone
 
-MODEL = "smollm2-135m"
+MODEL = OPS_MODEL  # dp 1's tokens come from the shared operations server (float32, one engine)
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time",
            "1, 2, 3, 4,"]
 
@@ -27,9 +28,9 @@ def server_args(dp: int) -> list[str]:
             "--max-total-tokens", "1024", "--enable-metrics"]
 
 
-def test_dp2_matches_dp1_and_both_replicas_serve_then_a_killed_replica_ends_the_server() -> None:
-    with ServerProcess(server_args(1)) as server:
-        expected = [generate(server, text, 8) for text in PROMPTS]
+def test_dp2_matches_dp1_and_both_replicas_serve_then_a_killed_replica_ends_the_server(ops_server) -> None:
+    # dp 1: the shared operations server (the same model in float32; one engine in the server)
+    expected = [generate(ops_server, text, 8) for text in PROMPTS]
     with ServerProcess(server_args(2)) as server:
         got = [generate(server, text, 8) for text in PROMPTS]  # round robin: 0, 1, 0, 1
         info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
