@@ -2,8 +2,8 @@
 
 Every remaining request must complete with exactly the greedy output of a reference run, the server
 must stay healthy, and the KV pool must return to its idle level (no leaked blocks).
-Short prompts and 6-token outputs, on the default model (Qwen2.5-Coder-0.5B): about 30 s on 2 CPU
-cores.
+Short prompts and 6-token outputs, on the shared operations server (SmolLM2-135M, float32: the test
+is about the server, not the model, and needs no server of its own).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import time
 
 import httpx
 
-from servelm.config import DEFAULT_MODEL
-
-from .server_process import ServerProcess
+from .conftest import OPS_MODEL
 
 NUM_CLIENTS = 200
 DISCONNECT_FRACTION = 0.2
@@ -67,33 +65,31 @@ async def run_load(base_url: str, model: str, references: dict[str, str]) -> dic
             "elapsed_s": elapsed_s}
 
 
-def test_200_concurrent_streams_with_disconnects():
-    model = DEFAULT_MODEL
-    # float32: the batched outputs must equal the one-at-a-time references token for token, and
-    # bf16 GEMMs round differently with the batch's size (dtype auto picks bf16 on CPUs with AMX
-    # or AVX512-BF16), so greedy bf16 outputs may legitimately change under load.
-    with ServerProcess([model, "--max-total-tokens", "16384", "--context-length", "512",
-                        "--dtype", "float32"]) as server:
-        references = {}
-        for prompt in PROMPTS:  # one at a time: the reference the batched run must equal
-            response = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
-                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True})
-            references[prompt] = response.json()["choices"][0]["text"]
-        idle = httpx.get(f"{server.base_url}/get_server_info").json()["num_used_blocks"]
-        outcome = asyncio.run(run_load(server.base_url, model, references))
-        print(f"load: {outcome['completed']} completed, {outcome['left']} left mid-stream, "
-              f"{outcome['elapsed_s']:.1f} s")
-        assert outcome["left"] == NUM_CLIENTS * DISCONNECT_FRACTION
-        assert outcome["completed"] == NUM_CLIENTS - outcome["left"]
-        assert outcome["finish_reasons"] == {"length"}
-        assert not outcome["mismatches"], outcome["mismatches"][:5]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            info = httpx.get(f"{server.base_url}/get_server_info").json()
-            if info["num_running"] == info["num_waiting"] == 0 and info["num_used_blocks"] == idle:
-                break
-            time.sleep(0.2)
-        assert info["num_used_blocks"] == idle, f"KV blocks leaked: {info}"
-        assert httpx.get(f"{server.base_url}/health").status_code == 200
-        assert httpx.get(f"{server.base_url}/health_generate", timeout=60).status_code == 200
+def test_200_concurrent_streams_with_disconnects(ops_server):
+    model, server = OPS_MODEL, ops_server
+    # float32 (the operations server's dtype): the batched outputs must equal the one-at-a-time
+    # references token for token, and bf16 GEMMs round differently with the batch's size, so
+    # greedy bf16 outputs may legitimately change under load.
+    references = {}
+    for prompt in PROMPTS:  # one at a time: the reference the batched run must equal
+        response = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True})
+        references[prompt] = response.json()["choices"][0]["text"]
+    idle = httpx.get(f"{server.base_url}/get_server_info").json()["num_used_blocks"]
+    outcome = asyncio.run(run_load(server.base_url, model, references))
+    print(f"load: {outcome['completed']} completed, {outcome['left']} left mid-stream, "
+          f"{outcome['elapsed_s']:.1f} s")
+    assert outcome["left"] == NUM_CLIENTS * DISCONNECT_FRACTION
+    assert outcome["completed"] == NUM_CLIENTS - outcome["left"]
+    assert outcome["finish_reasons"] == {"length"}
+    assert not outcome["mismatches"], outcome["mismatches"][:5]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        info = httpx.get(f"{server.base_url}/get_server_info").json()
+        if info["num_running"] == info["num_waiting"] == 0 and info["num_used_blocks"] == idle:
+            break
+        time.sleep(0.2)
+    assert info["num_used_blocks"] == idle, f"KV blocks leaked: {info}"
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/health_generate", timeout=60).status_code == 200
