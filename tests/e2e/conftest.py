@@ -1,4 +1,5 @@
-"""Shared live server for the operations tests (metrics, logging, CORS, limits, bad input)."""
+"""Shared live servers: one for the operations tests (metrics, logging, CORS, limits, bad input),
+one behind an API key for the openai-client and playground tests."""
 
 from __future__ import annotations
 
@@ -19,5 +20,19 @@ def ops_server():
     args = [OPS_MODEL, "--enable-metrics", "--log-requests", "--log-requests-level", "2",
             "--max-log-len", "20", "--log-stats-interval", "1", "--allowed-origins", OPS_ORIGIN,
             "--context-length", "128", "--max-total-tokens", "8192", "--dtype", "float32"]
+    with ServerProcess(args) as running:
+        yield running
+
+
+KEYED_MODEL = "smollm2-135m"
+KEYED_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def keyed_server():
+    """SmolLM2-135M behind --api-key with a 2048-token context, in the default dtype: the openai
+    client tests (test_server_live) and the playground browser test share it."""
+    args = [KEYED_MODEL, "--api-key", KEYED_API_KEY, "--num-threads", "1", "--max-total-tokens", "8192",
+            "--context-length", "2048"]
     with ServerProcess(args) as running:
         yield running

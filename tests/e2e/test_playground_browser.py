@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .server_process import REPO, ServerProcess
-
-MODEL = "smollm2-135m"
-API_KEY = "playground-key"
+from .conftest import KEYED_API_KEY as API_KEY
+from .server_process import REPO
 SCREENSHOT = REPO / "docs" / "playground.png"
 STREAM_TIMEOUT_MS = 120_000
 
@@ -46,10 +44,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess([MODEL, "--num-threads", "1", "--api-key", API_KEY, "--context-length", "2048",
-                        "--max-total-tokens", "8192"]) as running:
-        yield running
+def server(keyed_server):
+    return keyed_server
 
 
 def _wait_idle(page) -> None:

@@ -9,17 +9,14 @@ import httpx
 import openai
 import pytest
 
+from .conftest import KEYED_API_KEY as API_KEY
+from .conftest import KEYED_MODEL as MODEL
 from .server_process import ServerProcess
-
-MODEL = "smollm2-135m"
-API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess([MODEL, "--api-key", API_KEY, "--max-total-tokens", "8192",
-                        "--context-length", "2048"]) as running:
-        yield running
+def server(keyed_server):
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +191,8 @@ GEMMA_TEMPLATE = (
 )
 
 
+@pytest.mark.slow  # two Gemma 3 starts; the default run's check of the same path: tests/unit/server/
+# test_server_completions.py (test_chat_without_template_is_400, test_chat_template_override_inline_and_file)
 def test_template_less_base_model_needs_chat_template(tmp_path):
     template = tmp_path / "gemma.jinja"
     template.write_text(GEMMA_TEMPLATE)
