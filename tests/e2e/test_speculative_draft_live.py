@@ -15,6 +15,7 @@ from .test_speculative_live import complete, stream_text
 
 # float32 on both: in bfloat16 a 5-token verify step rounds like another batch shape, and a
 # near-tie (end of text against a newline, seen here) can flip.
+# The plain side is the shared ops server, started with the same four flags.
 ARGS = [OPS_MODEL, "--dtype", "float32", "--context-length", "128", "--max-total-tokens", "8192"]
 
 
@@ -26,9 +27,9 @@ def draft_server():
 
 
 @pytest.fixture(scope="module")
-def plain_server():
-    with ServerProcess(ARGS) as running:
-        yield running
+def plain_server(ops_server):
+    """The shared operations server: ARGS plus metrics, logging and CORS, which change no token."""
+    return ops_server
 
 
 def test_outputs_equal_the_plain_server(draft_server, plain_server):
