@@ -16,6 +16,7 @@ import pytest
 
 from .conftest import KEYED_API_KEY as API_KEY
 from .server_process import REPO
+
 SCREENSHOT = REPO / "docs" / "playground.png"
 STREAM_TIMEOUT_MS = 120_000
 
