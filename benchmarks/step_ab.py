@@ -11,6 +11,8 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
+  limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -62,6 +64,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             activation._CONTIGUOUS_GELU.update(saved)
+    elif change == "gguf_rows":
+        from servelm.model.layers import gguf_linear
+        saved_rows = dict(gguf_linear.BF16_KERNEL_MAX_ROWS)
+        gguf_linear.BF16_KERNEL_MAX_ROWS.update(gguf_linear.KERNEL_MAX_ROWS)
+        try:
+            yield
+        finally:
+            gguf_linear.BF16_KERNEL_MAX_ROWS.update(saved_rows)
     else:
         raise SystemExit(f"unknown change {change!r}")
 
