@@ -11,6 +11,8 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
+  ``torch.mm`` on V as it lies (bf16 only).
 - ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
   limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
 
@@ -64,6 +66,13 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             activation._CONTIGUOUS_GELU.update(saved)
+    elif change == "prefill_v_mm":
+        from servelm.model.attention import prefill_gemm as tiles_module
+        tiles_module.BF16_MM_V = False
+        try:
+            yield
+        finally:
+            tiles_module.BF16_MM_V = True
     elif change == "gguf_rows":
         from servelm.model.layers import gguf_linear
         saved_rows = dict(gguf_linear.BF16_KERNEL_MAX_ROWS)
