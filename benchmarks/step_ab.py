@@ -3,7 +3,7 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 
 ``--phase prefill``: whole prompts of ``--input-len`` tokens (default chunking), one at a time.
 ``--phase decode``: ``--streams`` running requests, pure decode steps.
-``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, 24 greedy tokens each, generated
+``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, ``--greedy-tokens`` (24) greedy tokens each, generated
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
@@ -11,6 +11,10 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
+  ``torch.mm`` on V as it lies (bf16 only).
+- ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
+  limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -62,6 +66,21 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             activation._CONTIGUOUS_GELU.update(saved)
+    elif change == "prefill_v_mm":
+        from servelm.model.attention import prefill_gemm as tiles_module
+        tiles_module.BF16_MM_V = False
+        try:
+            yield
+        finally:
+            tiles_module.BF16_MM_V = True
+    elif change == "gguf_rows":
+        from servelm.model.layers import gguf_linear
+        saved_rows = dict(gguf_linear.BF16_KERNEL_MAX_ROWS)
+        gguf_linear.BF16_KERNEL_MAX_ROWS.update(gguf_linear.KERNEL_MAX_ROWS)
+        try:
+            yield
+        finally:
+            gguf_linear.BF16_KERNEL_MAX_ROWS.update(saved_rows)
     else:
         raise SystemExit(f"unknown change {change!r}")
 
@@ -74,6 +93,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1019)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--greedy-tokens", type=int, default=24, help="--phase greedy: tokens per prompt")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
     parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
@@ -86,7 +106,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]
     if args.phase == "greedy":
-        params = SamplingParams(temperature=0.0, max_tokens=24)
+        params = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens)
         prompts = random_prompts(args.streams, args.input_len, vocab_size, 1)
         outputs: dict[str, list[list[int]]] = {}
         for side in ("with", "without"):
@@ -103,7 +123,7 @@ def main() -> None:
                 outputs[side] = [tokens[f"{side}{index}"] for index in range(len(prompts))]
         same = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
         print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}: {same} of {len(prompts)} "
-              f"greedy outputs ({args.input_len}-token prompts, 24 tokens, batched) identical")
+              f"greedy outputs ({args.input_len}-token prompts, {args.greedy_tokens} tokens, batched) identical")
         return
     if args.phase == "prefill":
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

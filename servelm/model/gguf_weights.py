@@ -35,7 +35,7 @@ from servelm.model.gguf import GGUFFile, gguf_to_hf_name, reverse_llama_permute
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import KERNEL_MAX_ROWS, BlockRows, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, BlockRows, GGUFBlockLinearMethod
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
 
@@ -210,7 +210,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                     module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
                 else:
                     kinds[weight.kind] += 1
-    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows, "
+    bf16_rows = (f" ({BF16_KERNEL_MAX_ROWS[activations]} for a bf16 model's layers)"
+                 if dense_dtype == torch.bfloat16 else "")
+    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows{bf16_rows}, "
                    f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')} above"
                    if kernel is not None
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")

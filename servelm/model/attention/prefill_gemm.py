@@ -90,6 +90,20 @@ def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
 
 
+BF16_MM_V = True
+"""bf16: ``probs @ V`` through ``torch.mm`` on V as it lies in the context. The float32 path (and
+this one switched off) copies V transposed per tile for oneDNN's linear: the copy was 6-10% of the
+prefill attention (benchmarks/step_ab.py --change prefill_v_mm); both give the same bits in bf16."""
+
+
+def _probs_times_v(probs: torch.Tensor, v_head: torch.Tensor) -> torch.Tensor:
+    """``probs [G * n, C] @ v_head [C, Dv]``. float32 stays on oneDNN's linear (torch.mm's float32
+    GEMM is MKL's slow path on AMD, see layers/linear.py)."""
+    if BF16_MM_V and probs.dtype == torch.bfloat16:
+        return torch.mm(probs, v_head)
+    return _matmul_t(probs, v_head.t().contiguous())
+
+
 def supports(q: torch.Tensor) -> bool:
     """Whether ``attend`` serves these queries here (CPU, float32 or bfloat16)."""
     return _ONEDNN and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
@@ -113,6 +127,5 @@ def attend(q: torch.Tensor, k_context: torch.Tensor, v_context: torch.Tensor, ti
             if tile.bias is not None:
                 scores.view(group_size, n, -1).add_(tile.bias)
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            v_head_t = v_context[columns, kv_head].t().contiguous()           # [Dv, C]
-            attended = _matmul_t(probs, v_head_t)                            # [G * n, Dv]
+            attended = _probs_times_v(probs, v_context[columns, kv_head])      # [G * n, Dv]
             out[rows, heads] = attended.view(group_size, n, -1).transpose(0, 1)

@@ -39,6 +39,15 @@ KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
 the int8 kernel (0.4-0.5x float32) is level with it and the int16 (0.6-1.1x) and float (0.65-0.9x)
 ones behind; at M=1024 the bf16 GEMM takes 0.2-0.27x float32). The LM head too."""
 
+BF16_KERNEL_MAX_ROWS = {"int16": 4, "int8": 6, "float": 4}
+"""Rows up to which the kernel runs when the activations are bf16 and the dense copy is bf16 (a bf16
+model on a CPU with a native bf16 GEMM); above, the dense copy. The kernel's time grows with M
+while oneDNN's bf16 GEMM barely moves up to M=32 (benchmarks/gguf_rows.py, Gemma 3 270M's four
+decoder shapes, 1 thread, conversions included: int16 kernel / dense = 0.6 at M=2, 0.86-0.97 at 4,
+1.2 at 6, 1.4-1.6 at 8, 2.0 at 16; int8: 0.93 at 6, 1.12 at 8). A float32 model keeps
+``KERNEL_MAX_ROWS``: its rows would be rounded to bf16 on the dense copy, and its greedy tokens stay
+those of earlier releases. Layers with ``gguf_float_output`` (the LM head) keep it too."""
+
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
 
@@ -83,7 +92,11 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
-        if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
+        max_rows = layer.gguf_kernel_max_rows
+        if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
+                and not getattr(layer, "gguf_float_output", False)):
+            max_rows = BF16_KERNEL_MAX_ROWS[self.activations]
+        if layer.gguf_uses_kernel and x2.shape[0] <= max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
             out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
         else:

@@ -22,7 +22,7 @@ from servelm.model.gguf import GGUFFile, llama_permute
 from servelm.model.gguf_weights import apply_gguf_blocks, gguf_model_dtype, load_gguf_model, resolve_quantization
 from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
 from servelm.model.loader import load_model
 
 _HEADER_F16 = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
@@ -178,6 +178,33 @@ def test_bf16_activations_meet_the_bf16_copy_unconverted() -> None:
     out = layer.linear_method.apply(layer, x, bias)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x, weight.dequantize(dtype=torch.bfloat16)) + bias)
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_bf16_rows_past_the_bf16_limit_take_the_dense_copy(activations: str) -> None:
+    """A bf16 model's layer runs the kernel up to BF16_KERNEL_MAX_ROWS rows and the bf16 dense copy
+    above it; float32 rows keep KERNEL_MAX_ROWS (the kernel's result), and so does the LM head
+    (``gguf_float_output``) in bf16."""
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip(f"no GGUF kernel here: {kernel_status()}")
+    weight = repack(random_raw("Q8_0", 48, 256), (48, 256), "Q8_0")
+    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, activations)
+    layer, head = torch.nn.Module(), torch.nn.Module()
+    method.process(layer, weight)
+    method.process(head, weight)
+    head.gguf_float_output = True
+    run = getattr(kernel, "block_linear_a16" if activations == "int16" else "block_linear")
+    dense = weight.dequantize(dtype=torch.bfloat16)
+    limit = BF16_KERNEL_MAX_ROWS[activations]
+    assert limit < KERNEL_MAX_ROWS[activations]
+    for rows in (limit, limit + 1, KERNEL_MAX_ROWS[activations]):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        by_kernel = run(x.float(), weight.codes, weight.scales, None, 32)
+        expected = by_kernel.bfloat16() if rows <= limit else F.linear(x, dense)
+        assert torch.equal(layer.linear_method.apply(layer, x, None), expected)
+        assert torch.equal(head.linear_method.apply(head, x, None), by_kernel)
+        assert torch.equal(layer.linear_method.apply(layer, x.float(), None), by_kernel)
 
 
 # -- a tiny llama GGUF with quantized tensors, end to end --------------------------------------------

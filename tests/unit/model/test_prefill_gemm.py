@@ -61,3 +61,24 @@ def test_tiles_skip_columns_no_query_sees() -> None:
     assert [(t.column_start, t.num_columns) for t in tiles] == [(0, 639), (128, 639), (256, 639), (384, 639)]   # window + 127 each
     full = prefill_gemm.build_tiles([0], [512], [0], [0], 512, None, 4)
     assert [t.num_columns for t in full] == [128, 256, 384, 512]
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_bf16_probs_times_v_in_place_is_the_transposed_copy_bit_for_bit(
+        monkeypatch: pytest.MonkeyPatch, num_kv_heads: int) -> None:
+    """bf16 takes ``torch.mm`` on V as it lies in the (head-strided) context; the result must be
+    the float32-path arithmetic (a transposed copy through oneDNN's linear) to the last bit."""
+    monkeypatch.setattr(prefill_gemm, "TILE_QUERIES", 16)
+    torch.manual_seed(1)
+    num_heads, head_dim, n = 4, 64, 40
+    q = torch.randn(n, num_heads, head_dim).bfloat16()
+    k = torch.randn(n, num_kv_heads, head_dim).bfloat16()
+    v = torch.randn(n, num_kv_heads, head_dim).bfloat16()
+    tiles = prefill_gemm.build_tiles([0], [n], [0], [0], n, None, num_heads // num_kv_heads)
+    outs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(prefill_gemm, "BF16_MM_V", in_place)
+        out = torch.empty(n, num_heads, head_dim, dtype=torch.bfloat16)
+        prefill_gemm.attend(q, k, v, tiles, 0.125, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
