@@ -60,6 +60,7 @@ class Speculation:
         for request in scheduler.running:
             request.draft_token_ids = []
             request.draft_probs = None
+            request.draft_parents = None
             max_drafts = 0 if is_disabled else self._max_drafts(request)
             if max_drafts > 0:
                 asking.append(request)
@@ -76,12 +77,14 @@ class Speculation:
             request.draft_token_ids = draft.token_ids[:num_drafts]
             if draft.probs is not None and num_drafts:
                 request.draft_probs = draft.probs[:num_drafts]
+            if draft.parents is not None and num_drafts:  # a tree (breadth-first: a prefix is one)
+                request.draft_parents = draft.parents[:num_drafts]
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
         if request.is_embedding or request.num_computed_tokens != request.num_tokens - 1:
             return 0
-        limit = min(self.config.num_speculative_tokens,
+        limit = min(self.config.max_draft_tokens,
                     request.max_context_tokens - request.num_tokens - 1)
         if request.params.max_tokens is not None:
             limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)

@@ -16,6 +16,6 @@ def test_eagle_spellings(algorithm: str) -> None:
         "--speculative-algorithm", algorithm, "--speculative-draft-model-path", "head",
         "--speculative-eagle-topk", "1", "--speculative-num-steps", "3"]).speculative
     assert (config.speculative_algorithm, config.speculative_draft_model_path,
-            config.speculative_eagle_topk, config.num_speculative_tokens) == (algorithm, "head", 1, 3)
+            config.speculative_eagle_topk, config.max_draft_tokens) == (algorithm, "head", 1, 3)
     with pytest.raises(SystemExit):
         cli_args.parse_args(["--speculative-eagle-topk", "1"])   # needs --speculative-algorithm
