@@ -273,19 +273,15 @@ class EagleProposer:
         """Draft trees for ``items`` (index, request, number of tokens) from the head's logits and
         output feature after each root; the frontier steps run batched over the requests."""
         topk = self.topk
-        to_target = self.runner.draft_to_target
         num_items = len(items)
         candidates: list[list[Candidate]] = [[] for _ in items]
         entry_parents: list[list[int]] = [[] for _ in items]  # head tree entries' parents
         frontier: list[list[int]] = [[] for _ in items]      # candidate index of each frontier node
         parent_ranks: list[list[int]] = [[] for _ in items]  # its parent's rank in the frontier before
-        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [n, K]
+        values, ids = self._top_children(logits)                        # [n][K] each
         for item in range(num_items):
             for rank in range(topk):
-                token = int(ids[item, rank])
-                candidates[item].append(Candidate(
-                    token if to_target is None else int(to_target[token]), -1,
-                    float(values[item, rank]), 1))
+                candidates[item].append(Candidate(ids[item][rank], -1, values[item][rank], 1))
                 frontier[item].append(rank)
         frontier_feature = feature.repeat_interleave(topk, dim=0)        # [n * K, hidden]
         depths = [self._tree_depth(request) for _, request, _ in items]
@@ -306,7 +302,7 @@ class EagleProposer:
                     tree_parents=list(entry_parents[item]), tree_first_position=first_entry))
             rows = torch.tensor([item * topk + rank for item in growing for rank in range(topk)])
             step_logits, step_feature = self.runner.forward(sequences, frontier_feature[rows], False)
-            step_values, step_ids = torch.log_softmax(step_logits.float(), dim=-1).topk(topk, dim=-1)
+            step_values, step_ids = self._top_children(step_logits)
             next_feature = frontier_feature.clone()
             for position, item in enumerate(growing):
                 base = len(candidates[item])
@@ -315,10 +311,8 @@ class EagleProposer:
                     parent = frontier[item][rank]
                     row = position * topk + rank
                     for child in range(topk):
-                        token = int(step_ids[row, child])
-                        score = candidates[item][parent].score + float(step_values[row, child])
-                        candidates[item].append(Candidate(
-                            token if to_target is None else int(to_target[token]), parent, score, depth))
+                        score = candidates[item][parent].score + step_values[row][child]
+                        candidates[item].append(Candidate(step_ids[row][child], parent, score, depth))
                         scores.append(score)
                 best = sorted(range(len(scores)), key=lambda i: -scores[i])[:topk]
                 frontier[item] = [base + i for i in best]
@@ -329,6 +323,14 @@ class EagleProposer:
         for item, (index, request, _) in enumerate(items):
             token_ids, parents = select_tree(candidates[item], request.max_draft_tokens)
             drafts[index] = Draft(token_ids, parents=parents)
+
+    def _top_children(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Per row, the K best tokens (model ids) and their head log-probabilities."""
+        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        to_target = self.runner.draft_to_target
+        if to_target is not None:
+            ids = to_target[ids]
+        return values.tolist(), ids.tolist()
 
     def _draw(self, logits: torch.Tensor, request: DraftRequest,
               step: int) -> tuple[int, torch.Tensor | None]:
