@@ -140,7 +140,8 @@ class Scheduler:
         self.pending_block_copies: list[tuple[int, int]] = []
         """(source, destination) K/V block copies (beam forks) the next forward makes first."""
         self.pending_slot_copies: list[tuple[int, int]] = []
-        """(source, destination) K/V slot copies (a draft tree's accepted path) made likewise."""
+        """(source, destination) K/V slot copies (a draft tree's accepted path); the engine makes
+        them right after the update (``Speculation.move_accepted_paths``), else the next plan."""
 
     # -- queue management -------------------------------------------------------------------
     @property

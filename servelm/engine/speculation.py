@@ -25,6 +25,7 @@ from servelm.config import SpeculativeConfig
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.model.forward_batch import BatchPlan
 from servelm.spec.draft_model import DraftModelProposer
 from servelm.spec.eagle import EagleProposer
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
@@ -103,6 +104,14 @@ class Speculation:
                 self.num_verify_passes += 1
                 self.num_draft_tokens += len(item.draft_token_ids)
                 self.num_accepted_tokens += len(result.token_ids) - 1
+
+    def move_accepted_paths(self, scheduler: Scheduler, runner: Any) -> None:
+        """Copy the K/V of the draft trees' accepted paths next to their roots now (call after
+        ``Scheduler.update``), before anything between steps can read those blocks (eviction to
+        the host tier, a K/V transfer); without trees there is nothing to copy."""
+        if scheduler.pending_slot_copies:
+            copies, scheduler.pending_slot_copies = scheduler.pending_slot_copies, []
+            runner.execute(BatchPlan(slot_copies=copies))
 
     def release(self, request: Request) -> None:
         if self.proposer is not None:
