@@ -164,6 +164,30 @@ def test_mixed_batch_trees_chains_and_no_drafts(models):
     assert first == second == plain and len(first["4"]) == 15
 
 
+def test_typical_acceptance_walks_trees(models):
+    """--spec-decoding-acceptance-method typical_acceptance_sampler: a sampling request's tree is
+    walked with the typical rule (longer accepted runs, not the model's distribution exactly);
+    greedy requests beside it still equal plain decoding."""
+    token_lists = {str(i): p for i, p in enumerate(prompts(3))}
+    params = {"0": SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              "1": SamplingParams(temperature=0.7, seed=5, max_tokens=20, ignore_eos=True, logprobs=1),
+              "2": SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)}
+    plain = generate(make_engine(models["one-layer"]), params, token_lists)
+    config = EngineConfig(
+        model=ModelConfig(model=str(models["one-layer"]), skip_tokenizer_init=True, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=4096, page_size=8),
+        speculative=SpeculativeConfig(
+            speculative_algorithm="EAGLE", speculative_draft_model_path=str(models["copying"]),
+            num_speculative_tokens=5, speculative_eagle_topk=2, speculative_num_steps=3,
+            spec_decoding_acceptance_method="typical_acceptance_sampler"))
+    engine = LLMEngine(config)
+    trees = count_trees(engine)
+    typical = generate(engine, params, token_lists)
+    assert typical["0"] == plain["0"]
+    assert all(len(tokens) == 20 for tokens in typical.values())
+    assert sum(trees) > 10 and engine.stats()["spec_accept_length"] > 1.5
+
+
 NUM_SEEDS = 400
 TOP_K = 4
 
