@@ -118,13 +118,13 @@ class Executor:
                     # sample it as plain decoding would sample that output position (penalties,
                     # min_tokens and the seeded stream all see those drafts as output), so
                     # accepted runs are exact.
-                    before = (drafts[:position] if parents is None
-                              else path_tokens(position - 1, drafts, parents))
                     sample_rows.append(first + position)
                     sample_targets.append((index, SamplingRow(
                         params=request.params,
                         prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=(request.output_token_ids + before
+                        output_token_ids=(request.output_token_ids + (
+                            drafts[:position] if parents is None
+                            else path_tokens(position - 1, drafts, parents))
                                           if position else request.output_token_ids),
                         eos_token_ids=request.eos_token_ids,
                         default_seed=request.default_seed,

@@ -176,7 +176,8 @@ class ForwardBatch:
         block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sequences]
                                    or [[0]], dtype=torch.int64)
         slots = block_table[seq_index, positions // block_size] * block_size + positions % block_size
-        if any(s.tree is not None for s in sequences):
+        has_tree = any(s.tree is not None for s in sequences)
+        if has_tree:
             positions = _tree_positions(sequences, positions, query_start.tolist())
         logits_rows = [row for start, n, s in zip(query_start.tolist(), query_lens, sequences)
                        for row in range(start + n - s.num_logits, start + n)]
@@ -197,7 +198,7 @@ class ForwardBatch:
             first, last = int(rows[0]), int(rows[-1])
             span = (first, last + 1) if last - first + 1 == len(rows) else None
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))
-        if any(s.tree is not None for s in sequences):
+        if has_tree:
             batch.trees = [s.tree for s in sequences]
         if attention is not None:
             batch.attn_metadata = attention.build_metadata(batch)
