@@ -869,6 +869,9 @@ EAGLE and EAGLE3 are built)."""
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 """Algorithms whose --speculative-draft-model-path is a draft head over the model's hidden states."""
 
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+"""Drafts per step when neither --num-speculative-tokens nor --speculative-num-steps is given."""
+
 NGRAM_MODEL = "[ngram]"
 """vLLM's --speculative-model value for prompt lookup (a path otherwise)."""
 
@@ -887,10 +890,11 @@ class SpeculativeConfig:
         "format (--speculative-draft-model-path) reads the model's hidden states and drafts a chain "
         "(topk 1). NEXTN is refused in this build.",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
-    num_speculative_tokens: int = opt(
-        5, "Most draft tokens verified per request per step (k; the step computes k + 1 positions "
-        "of the request). 5: on a CPU a 6-token step costs little more than a 1-token one, and "
-        "copied runs are often longer.")
+    num_speculative_tokens: int | None = opt(
+        None, "Most draft tokens verified per request per step (k; the step computes k + 1 "
+        "positions of the request; an EAGLE tree's node count). Unset: --speculative-num-steps for "
+        f"a chain, steps x topk for a tree, else {DEFAULT_NUM_SPECULATIVE_TOKENS}: on a CPU a "
+        "6-token step costs little more than a 1-token one, and copied runs are often longer.")
     ngram_prompt_lookup_max: int = opt(
         4, "NGRAM: longest suffix (tokens) matched against earlier text; longer matches are tried "
         "first. 4 disambiguates repeated code lines without missing short repeats.")
@@ -905,8 +909,16 @@ class SpeculativeConfig:
         "and its weights), trained for this model. vLLM's --speculative-model also takes [ngram] "
         "here (prompt lookup).")
     speculative_eagle_topk: int | None = opt(
-        None, "EAGLE / EAGLE3: drafts kept per head step. Only 1 is built (a chain of "
-        "--num-speculative-tokens drafts verified in one pass); a tree of drafts (> 1) is refused.")
+        None, "EAGLE / EAGLE3: drafts kept per head step. 1 (or unset): a chain of drafts. K > 1: a "
+        "tree: each of --speculative-num-steps head steps expands the K best frontier nodes into "
+        "their K best children, and the --num-speculative-tokens (SGLang: --speculative-num-draft-"
+        "tokens N, i.e. N - 1) candidates of best cumulative head log-probability are verified in "
+        "one pass with a tree attention mask; the model's token at each node picks the branch.")
+    speculative_num_steps: int | None = opt(
+        None, "Draft steps (the depth of what is drafted, SGLang's --speculative-num-steps): a "
+        "chain drafts this many (at most --num-speculative-tokens when both are given), an EAGLE "
+        "tree (--speculative-eagle-topk > 1) grows this deep. Unset: --num-speculative-tokens for "
+        "a chain; required for a tree.")
     speculative_token_map: str | None = opt(
         None, "EAGLE: a reduced draft vocabulary (FR-Spec's hot tokens): a torch file (.pt) holding "
         "a 1-D tensor of model token ids; the head scores only these through a slice of the "
@@ -940,9 +952,13 @@ class SpeculativeConfig:
                              f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM, STANDALONE, EAGLE and "
                              f"EAGLE3 are")
         self._check_eagle()
-        if self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be at least 1, got "
                              f"{self.num_speculative_tokens}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"--speculative-num-steps must be at least 1, got "
+                             f"{self.speculative_num_steps}")
+        self._check_tree()
         if self.ngram_prompt_lookup_min < 1:
             raise ValueError(f"--ngram-prompt-lookup-min must be at least 1, got "
                              f"{self.ngram_prompt_lookup_min}")
@@ -991,10 +1007,8 @@ class SpeculativeConfig:
             if not is_eagle:
                 raise ValueError(f"--speculative-eagle-topk applies to EAGLE / EAGLE3 heads, not "
                                  f"--speculative-algorithm {self.speculative_algorithm}")
-            if topk != 1:
-                raise ValueError(f"--speculative-eagle-topk {topk}: only 1 is supported (a chain of "
-                                 "drafts); a tree of drafts is not built, since servelm verifies one "
-                                 "chain per request in a multi-token pass")
+            if topk < 1:
+                raise ValueError(f"--speculative-eagle-topk must be at least 1, got {topk}")
         if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
             raise ValueError("--speculative-token-map applies to EAGLE heads (an EAGLE-3 head carries "
                              f"its own reduced vocabulary), not --speculative-algorithm "
@@ -1003,6 +1017,51 @@ class SpeculativeConfig:
     @property
     def is_enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    def _check_tree(self) -> None:
+        """A tree (topk > 1) needs its depth, and cannot verify more nodes than it proposes."""
+        topk = self.speculative_eagle_topk or 1
+        if topk == 1:
+            return
+        steps = self.speculative_num_steps
+        if steps is None:
+            raise ValueError(f"--speculative-eagle-topk {topk} drafts a tree: give its depth with "
+                             "--speculative-num-steps")
+        num_candidates = topk + (steps - 1) * topk * topk
+        if self.max_draft_tokens > num_candidates:
+            raise ValueError(
+                f"--num-speculative-tokens {self.max_draft_tokens} (SGLang's "
+                f"--speculative-num-draft-tokens {self.max_draft_tokens + 1}) exceeds the "
+                f"{num_candidates} candidates a tree of --speculative-num-steps {steps} and "
+                f"--speculative-eagle-topk {topk} proposes (K + (steps - 1) K^2): give at most "
+                f"{num_candidates} (--speculative-num-draft-tokens {num_candidates + 1})")
+
+    @property
+    def is_tree(self) -> bool:
+        """EAGLE drafts trees (--speculative-eagle-topk > 1)."""
+        return (self.speculative_eagle_topk or 1) > 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Drafts verified per request per step: a tree's node count, a chain's length (cut to
+        --speculative-num-steps when given)."""
+        given, steps = self.num_speculative_tokens, self.speculative_num_steps
+        if self.is_tree:
+            assert steps is not None and self.speculative_eagle_topk is not None
+            return given if given is not None else steps * self.speculative_eagle_topk
+        if given is None:
+            return steps if steps is not None else DEFAULT_NUM_SPECULATIVE_TOKENS
+        return given if steps is None else min(given, steps)
+
+    @property
+    def max_draft_positions(self) -> int:
+        """Draft-side KV positions written past the accepted text per step (a tree's head writes
+        its frontier entries: (steps - 1) x topk)."""
+        if not self.is_tree:
+            return self.max_draft_tokens
+        assert self.speculative_num_steps is not None and self.speculative_eagle_topk is not None
+        return max(self.max_draft_tokens,
+                   (self.speculative_num_steps - 1) * self.speculative_eagle_topk)
 
     @property
     def is_typical_acceptance(self) -> bool:

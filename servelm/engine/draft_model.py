@@ -110,7 +110,7 @@ def split_kv_blocks(config: EngineConfig, capacity_blocks: int, target_bytes_per
                     draft_bytes_per_token: int) -> tuple[int, int]:
     """(model blocks, draft blocks) from the model's capacity (see the module docstring)."""
     block_size = config.cache.page_size
-    step_blocks = -(-config.speculative.num_speculative_tokens // block_size) + 1
+    step_blocks = -(-config.speculative.max_draft_positions // block_size) + 1
     headroom = min(config.scheduler.max_running_requests, capacity_blocks) * step_blocks
     target_blocks = capacity_blocks
     if config.cache.max_total_tokens is None:

@@ -11,7 +11,8 @@ forward is untouched.
 
 Each step. The model computed features for every token of the plan; ``hand_over_features`` gives a
 request's proposer state the rows of its computed tokens that stayed: a prefill chunk's tokens,
-or a verify pass's last token plus its accepted drafts (the rejected drafts' rows are dropped).
+or a verify pass's last token plus its accepted drafts (the rejected drafts' rows are dropped; a
+draft tree's accepted path is picked by its draft indices).
 
 Refused: the same set-ups as a draft model (tensor / pipeline parallelism, embedding models).
 """
@@ -73,7 +74,8 @@ def attach_eagle_head(config: EngineConfig, head: EagleHeadRunner, runner: Model
     head.attach(runner.model, runner.attention, runner.device, runner.dtype, runner.kv_dtype)
     capture = HiddenCapture(runner.model, head.layer_ids)
     return EagleProposer(head.algorithm, head, BlockPool(head.num_blocks), seed=config.model.seed,
-                         feature_source=capture)
+                         feature_source=capture, topk=config.speculative.speculative_eagle_topk or 1,
+                         num_steps=config.speculative.speculative_num_steps)
 
 
 def hand_over_features(proposer: EagleProposer, scheduled: SchedulerOutput,
@@ -93,8 +95,11 @@ def hand_over_features(proposer: EagleProposer, scheduled: SchedulerOutput,
             num_kept = item.num_tokens
             if item.draft_token_ids and result.token_ids:
                 num_kept += len(result.token_ids) - 1  # the accepted drafts
-            proposer.add_features(request.request_id, request.num_computed_tokens,
-                                  features[row:row + num_kept])
+            kept = features[row:row + num_kept]
+            if result.accepted_draft_indices:  # a tree: the rows of its accepted path
+                kept = features[[row + i for i in range(item.num_tokens)]
+                                + [row + item.num_tokens + i for i in result.accepted_draft_indices]]
+            proposer.add_features(request.request_id, request.num_computed_tokens, kept)
             known.append((request.request_id, request.prompt_token_ids + request.output_token_ids
                           + result.token_ids))
         row += num_rows

@@ -486,6 +486,7 @@ class LLMEngine:
         if scheduled.is_empty:
             self._wait_while_idle()
         outputs = refused + self._update(scheduled, results)
+        self.speculation.move_accepted_paths(self.scheduler, self.runner)
         if self.lora is not None and self.lora.has_unloaded:
             self.lora.release_unused(self._adapters_in_use())
         return outputs

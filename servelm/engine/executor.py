@@ -14,11 +14,13 @@ import torch
 
 from servelm.constrained.grammar import GrammarBackend
 from servelm.engine.request import Request
-from servelm.engine.scheduler import SchedulerOutput, StepResult
+from servelm.engine.outputs import TokenLogprob
+from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.logprobs import gather_logprobs
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from servelm.spec.tree import accept_tree, path_tokens
 from servelm.spec.typical import TypicalAcceptance
 from servelm.spec.verify import accept_point_mass, rejection_sample
 
@@ -109,16 +111,20 @@ class Executor:
                     logits[row:row + len(targets)], targets, k)
             if scheduled.is_sampling:
                 drafts = scheduled.draft_token_ids
+                parents = scheduled.draft_parents
                 first = row + scheduled.num_logits - 1 - len(drafts)
                 for position in range(len(drafts) + 1):
-                    # Row ``position`` follows the drafts before it: sample it as plain decoding
-                    # would sample that output position (penalties, min_tokens and the seeded
-                    # stream all see those drafts as output), so accepted runs are exact.
+                    # Row ``position`` follows the drafts before it (in a tree: its root path):
+                    # sample it as plain decoding would sample that output position (penalties,
+                    # min_tokens and the seeded stream all see those drafts as output), so
+                    # accepted runs are exact.
                     sample_rows.append(first + position)
                     sample_targets.append((index, SamplingRow(
                         params=request.params,
                         prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=(request.output_token_ids + drafts[:position]
+                        output_token_ids=(request.output_token_ids + (
+                            drafts[:position] if parents is None
+                            else path_tokens(position - 1, drafts, parents))
                                           if position else request.output_token_ids),
                         eos_token_ids=request.eos_token_ids,
                         default_seed=request.default_seed,
@@ -132,7 +138,8 @@ class Executor:
             else:
                 sample_logits = logits[sample_rows]  # a copy: masking it leaves prompt logprobs alone
             sampling = [s for s in output.scheduled if s.is_sampling]
-            self._apply_grammars(sample_logits, grammar_requests, [s.draft_token_ids for s in sampling])
+            self._apply_grammars(sample_logits, grammar_requests, [s.draft_token_ids for s in sampling],
+                                 [s.draft_parents for s in sampling])
             sampled = self.sampler(sample_logits, [r for _, r in sample_targets])
             position = 0
             for index, scheduled in enumerate(output.scheduled):
@@ -141,6 +148,13 @@ class Executor:
                 num_rows = len(scheduled.draft_token_ids) + 1
                 token_ids = sampled.token_ids[position:position + num_rows]
                 draft_probs = scheduled.request.draft_probs
+                if scheduled.draft_parents is not None:
+                    self._accept_tree(results[index], scheduled, token_ids, sampled.logprobs,
+                                      sample_logits[position:position + num_rows],
+                                      [r for _, r in sample_targets[position:position + num_rows]],
+                                      position)
+                    position += num_rows
+                    continue
                 if (self.typical_acceptance is not None and scheduled.draft_token_ids
                         and not scheduled.request.params.is_greedy):
                     rows = [r for _, r in sample_targets[position:position + num_rows]]
@@ -172,6 +186,28 @@ class Executor:
                         if logprob is not None]
                 position += num_rows
         return results
+
+    def _accept_tree(self, result: StepResult, scheduled: ScheduledRequest, token_ids: list[int],
+                     logprobs: list[TokenLogprob | None] | None, logits: torch.Tensor,
+                     rows: list[SamplingRow], position: int) -> None:
+        """Verify a draft tree (``spec/tree.py``): walk it with the model's own token of each row
+        (exact for greedy and sampling: the drafts are fixed point masses), or with typical
+        acceptance for a sampling request when configured."""
+        drafts, parents = scheduled.draft_token_ids, scheduled.draft_parents
+        assert parents is not None
+        if self.typical_acceptance is not None and not scheduled.request.params.is_greedy:
+            emitted, accepted = self.typical_acceptance.accept_tree(
+                self.sampler.probabilities(logits, rows), drafts, parents, token_ids)
+            result.token_ids, result.accepted_draft_indices = emitted, accepted
+            used = [0] + [node + 1 for node in accepted]
+            self._gather_logprobs(result, scheduled.request, logits[used], emitted)
+            return
+        emitted, accepted = accept_tree(token_ids, drafts, parents)
+        result.token_ids, result.accepted_draft_indices = emitted, accepted
+        if logprobs is not None and logprobs[position] is not None:
+            used = [0] + [node + 1 for node in accepted]
+            result.logprobs = [logprob for logprob in (logprobs[position + row] for row in used)
+                               if logprob is not None]
 
     @staticmethod
     def _gather_logprobs(result: StepResult, request: Request, logits: torch.Tensor,
@@ -207,7 +243,7 @@ class Executor:
         return [StepResult(embedding=row) for row in pooled.tolist()]
 
     def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None],
-                        drafts: list[list[int]]) -> None:
+                        drafts: list[list[int]], trees: list[list[int] | None] | None = None) -> None:
         """Mask each grammar row's disallowed tokens to -inf, with one bitmask op for the batch.
 
         The mask goes in before the sampler, so logprobs are those of the constrained distribution;
@@ -215,16 +251,20 @@ class Executor:
         A request with k drafts has k + 1 rows: row i gets the grammar's mask after drafts
         1..i (the matcher is advanced over them and rolled back). At a draft the grammar forbids,
         the rows stop: the masked row before it cannot sample that draft, so verification cuts
-        there, and the later rows (left unmasked) are never used.
+        there, and the later rows (left unmasked) are never used. A draft tree's row gets the mask
+        after its root path (``_fill_tree_bitmask``).
         """
         if all(request is None for request in requests):
             return
         assert self.grammar_backend is not None, "a grammar request needs the engine's backend"
         bitmask = self.grammar_backend.allocate_bitmask(logits.shape[0])  # all tokens allowed
         row = 0
-        for request, draft in zip(requests, drafts, strict=True):
+        for number, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             matcher = request.grammar if request is not None else None
-            if matcher is not None:
+            parents = trees[number] if trees is not None else None
+            if matcher is not None and parents is not None:
+                self._fill_tree_bitmask(matcher, bitmask, row, draft, parents)
+            elif matcher is not None:
                 matcher.fill_bitmask(bitmask, row)
                 num_advanced = 0
                 for token_id in draft:
@@ -238,3 +278,25 @@ class Executor:
                     matcher.rollback(num_advanced)
             row += len(draft) + 1
         self.grammar_backend.apply_bitmask(logits, bitmask)
+
+    @staticmethod
+    def _fill_tree_bitmask(matcher: Any, bitmask: Any, row: int, drafts: list[int],
+                           parents: list[int]) -> None:
+        """Row 0: the mask now; row j + 1: the mask after draft j's root path (the matcher is
+        advanced along it and rolled back). A path the grammar refuses, or one that ends the
+        request, leaves its row unmasked: its parent's masked row cannot produce it, so the walk
+        never reaches it."""
+        matcher.fill_bitmask(bitmask, row)
+        for node in range(len(drafts)):
+            path = path_tokens(node, drafts, parents)
+            num_advanced = 0
+            for token_id in path:
+                if not matcher.accept_token(token_id):
+                    break
+                num_advanced += 1
+                if matcher.is_terminated():
+                    break
+            if num_advanced == len(path) and not matcher.is_terminated():
+                matcher.fill_bitmask(bitmask, row + 1 + node)
+            if num_advanced:
+                matcher.rollback(num_advanced)

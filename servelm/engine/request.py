@@ -107,6 +107,9 @@ class Request:
     draft_probs: torch.Tensor | None = None
     """``[len(draft_token_ids), vocab]`` distributions a draft model sampled the drafts from
     (verified by rejection sampling); None: point-mass drafts (n-gram, greedy)."""
+    draft_parents: list[int] | None = None
+    """A draft tree (EAGLE topk > 1, ``spec/tree.py``): each draft's parent among the drafts (-1:
+    the last accepted token); None: the drafts are a chain."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.

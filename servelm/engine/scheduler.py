@@ -42,7 +42,8 @@ from servelm.config import SchedulerConfig
 from servelm.engine.outputs import TokenLogprob
 from servelm.engine.policy import cache_key, order_waiting, urgency
 from servelm.engine.request import FinishReason, Request, RequestStatus
-from servelm.model.forward_batch import BatchPlan, SequencePlan
+from servelm.model.forward_batch import BatchPlan, DraftTree, SequencePlan
+from servelm.spec.tree import accepted_path_copies, tree_plan_parents
 
 
 @dataclass(slots=True)
@@ -63,6 +64,8 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     """Speculative tokens computed after the request's last token this step (their K/V is
     written; ``update`` keeps only what the model accepted). Each adds one logits row."""
+    draft_parents: list[int] | None = None
+    """The drafts form a tree (``Request.draft_parents``); None: a chain."""
 
 
 @dataclass
@@ -92,6 +95,8 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     embedding: list[float] | None = None
     """The pooled vector of an embedding request."""
+    accepted_draft_indices: list[int] | None = None
+    """A draft tree's accepted path (draft indices, root first); None: a chain's leading drafts."""
 
 
 GROUP_SHARE = 0.25
@@ -134,6 +139,9 @@ class Scheduler:
         self._num_steps_without_admission = 0
         self.pending_block_copies: list[tuple[int, int]] = []
         """(source, destination) K/V block copies (beam forks) the next forward makes first."""
+        self.pending_slot_copies: list[tuple[int, int]] = []
+        """(source, destination) K/V slot copies (a draft tree's accepted path); the engine makes
+        them right after the update (``Speculation.move_accepted_paths``), else the next plan."""
 
     # -- queue management -------------------------------------------------------------------
     @property
@@ -214,6 +222,8 @@ class Scheduler:
         self._group_by_adapter(output)
         if self.pending_block_copies and output.scheduled:
             output.plan.block_copies, self.pending_block_copies = self.pending_block_copies, []
+        if self.pending_slot_copies and output.scheduled:
+            output.plan.slot_copies, self.pending_slot_copies = self.pending_slot_copies, []
         return output
 
     @staticmethod
@@ -242,6 +252,8 @@ class Scheduler:
             limit = min(limit, max_tokens - len(request.output_token_ids) - 1)
         if len(drafts) > limit:
             del drafts[max(limit, 0):]
+            if request.draft_parents is not None:  # breadth-first: a prefix is still a tree
+                del request.draft_parents[max(limit, 0):]
         return len(drafts)
 
     def _is_admission_step(self) -> bool:
@@ -536,6 +548,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.draft_token_ids = []
+        request.draft_parents = None
         self._free_blocks(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -569,8 +582,10 @@ class Scheduler:
         if num_prompt_rows and is_sampling:
             num_logits = num_tokens  # prompt rows plus the final sampling row are contiguous
         num_logits += len(drafts)  # one row per draft: the model's token after each
+        parents = list(request.draft_parents) if drafts and request.draft_parents is not None else None
         output.scheduled.append(ScheduledRequest(request, num_tokens, num_logits, is_sampling,
-                                                 num_prompt_rows, draft_token_ids=drafts))
+                                                 num_prompt_rows, draft_token_ids=drafts,
+                                                 draft_parents=parents))
         output.plan.sequences.append(SequencePlan(
             token_ids=request.token_slice(start, start + num_tokens) + drafts,
             start_position=start,
@@ -578,6 +593,8 @@ class Scheduler:
             num_logits=num_logits,
             lora_slot=request.lora_slot,
         ))
+        if parents is not None:  # verified as a tree: its root is the request's last token
+            output.plan.sequences[-1].tree = DraftTree(start + num_tokens - 1, tree_plan_parents(parents))
 
     # -- update -----------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[Request]:
@@ -605,6 +622,10 @@ class Scheduler:
             if not result.token_ids:
                 continue
             num_accepted_drafts = len(result.token_ids) - 1 if scheduled.draft_token_ids else 0
+            if result.accepted_draft_indices:  # a tree's path: move its K/V next to the root
+                self.pending_slot_copies += accepted_path_copies(
+                    request.block_ids, self.block_size, request.num_computed_tokens - 1,
+                    result.accepted_draft_indices)
             for index, token_id in enumerate(result.token_ids):
                 request.output_token_ids.append(token_id)
                 if result.logprobs:
@@ -626,6 +647,7 @@ class Scheduler:
         are read, and a block enters the prefix cache only once every slot is computed), then
         cache the blocks the accepted drafts completed."""
         request.draft_token_ids = []
+        request.draft_parents = None
         keep = cdiv(request.num_computed_tokens, self.block_size)
         if len(request.block_ids) > keep:
             self.block_pool.release(request.block_ids[keep:])

@@ -25,6 +25,7 @@ from servelm.config import SpeculativeConfig
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.model.forward_batch import BatchPlan
 from servelm.spec.draft_model import DraftModelProposer
 from servelm.spec.eagle import EagleProposer
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
@@ -60,6 +61,7 @@ class Speculation:
         for request in scheduler.running:
             request.draft_token_ids = []
             request.draft_probs = None
+            request.draft_parents = None
             max_drafts = 0 if is_disabled else self._max_drafts(request)
             if max_drafts > 0:
                 asking.append(request)
@@ -76,12 +78,14 @@ class Speculation:
             request.draft_token_ids = draft.token_ids[:num_drafts]
             if draft.probs is not None and num_drafts:
                 request.draft_probs = draft.probs[:num_drafts]
+            if draft.parents is not None and num_drafts:  # a tree (breadth-first: a prefix is one)
+                request.draft_parents = draft.parents[:num_drafts]
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
         if request.is_embedding or request.num_computed_tokens != request.num_tokens - 1:
             return 0
-        limit = min(self.config.num_speculative_tokens,
+        limit = min(self.config.max_draft_tokens,
                     request.max_context_tokens - request.num_tokens - 1)
         if request.params.max_tokens is not None:
             limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
@@ -100,6 +104,14 @@ class Speculation:
                 self.num_verify_passes += 1
                 self.num_draft_tokens += len(item.draft_token_ids)
                 self.num_accepted_tokens += len(result.token_ids) - 1
+
+    def move_accepted_paths(self, scheduler: Scheduler, runner: Any) -> None:
+        """Copy the K/V of the draft trees' accepted paths next to their roots now (call after
+        ``Scheduler.update``), before anything between steps can read those blocks (eviction to
+        the host tier, a K/V transfer); without trees there is nothing to copy."""
+        if scheduler.pending_slot_copies:
+            copies, scheduler.pending_slot_copies = scheduler.pending_slot_copies, []
+            runner.execute(BatchPlan(slot_copies=copies))
 
     def release(self, request: Request) -> None:
         if self.proposer is not None:

@@ -40,7 +40,7 @@ from torch import nn
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP, head_dim_of, load_named_weights
 from servelm.model.attention import Attention
-from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
+from servelm.model.forward_batch import BatchPlan, DraftTree, ForwardBatch, SequencePlan
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.embedding import VocabEmbedding
 from servelm.model.layers.linear import (
@@ -411,9 +411,15 @@ class EagleHeadRunner:
                 is_target_feature: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over ``sequences`` (each with ``token_ids``, ``start_position``,
         ``block_ids``; ``features``: one row per token, in order): float32 logits of each
-        sequence's last token over the draft vocabulary, and its output feature."""
+        sequence's last token over the draft vocabulary, and its output feature. A sequence with
+        ``tree_parents`` is a tree step (``spec/eagle.py``): every token gets logits, and attends
+        through the tree's mask."""
         assert self.head is not None and self.kv_cache is not None and self._target is not None
         plan = BatchPlan([SequencePlan(s.token_ids, s.start_position, s.block_ids, num_logits=1)
+                          if getattr(s, "tree_parents", None) is None else
+                          SequencePlan(s.token_ids, s.start_position, s.block_ids,
+                                       num_logits=len(s.token_ids),
+                                       tree=DraftTree(s.tree_first_position, s.tree_parents))
                           for s in sequences])
         for sequence in plan.sequences:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the head's KV pool"

@@ -13,6 +13,11 @@ Invariants of a SequencePlan:
   token, k+1 to verify k speculative tokens, len(token_ids) for prompt logprobs).
 - ``is_pooled`` (an embedding request): the whole prompt from position 0, no logits; the runner
   returns one pooled vector for it (``ModelRunner.pool``).
+- ``tree`` (speculative draft trees, ``spec/tree.py``): positions ``tree.first_position ..`` of
+  the sequence hold tree nodes rather than a chain. Their K/V still go to the linear slots (slot
+  of linear position p as above), but a node's rope position is ``first_position + depth`` and it
+  attends to positions before ``first_position`` plus its own ancestors (and itself) only.
+  Without a tree nothing here changes (``ForwardBatch.trees`` stays None).
 """
 
 from __future__ import annotations
@@ -23,6 +28,33 @@ from typing import Any
 import torch
 
 from servelm.model.layers.linear import LoRAGroup
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """Tree-shaped tail of a sequence: node j sits at linear position ``first_position + j``.
+
+    Invariant: ``parents[j] < j`` (a parent comes first), -1 for a node hanging off the context
+    (the positions before ``first_position``); so node 0 is always a root."""
+
+    first_position: int
+    parents: list[int]
+
+    def depths(self) -> list[int]:
+        depths: list[int] = []
+        for node, parent in enumerate(self.parents):
+            assert parent < node, "a tree node's parent comes before it"
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[nodes, nodes]`` bool: [i, j] when node j is node i or one of its ancestors."""
+        num_nodes = len(self.parents)
+        mask = torch.eye(num_nodes, dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                mask[node] |= mask[parent]
+        return mask
 
 
 @dataclass(slots=True)
@@ -41,6 +73,8 @@ class SequencePlan:
     """The sequence is a whole prompt whose pooled hidden state is returned (embeddings)."""
     lora_slot: int = 0
     """Adapter slot whose LoRA deltas apply to this sequence's rows (0: the base model)."""
+    tree: DraftTree | None = None
+    """Tree-shaped tail (a speculative draft tree); None: causal chain, the usual case."""
 
 
 @dataclass(slots=True)
@@ -51,6 +85,9 @@ class BatchPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) block ids whose K/V is copied before the forward writes anything:
     copy-on-write of a partial block shared by two beams (engine/beam.py)."""
+    slot_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) slots whose K/V is copied before the forward writes anything: the
+    accepted path of a verified draft tree moved to the sequence's contiguous positions."""
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +135,8 @@ class ForwardBatch:
     """Rotary cos/sin of this batch's positions, shared by the layers with the same rope."""
     lora: list[LoRAGroup] = field(default_factory=list)
     """Token rows per adapter slot (base rows in none), for the linear layers' LoRA deltas."""
+    trees: list[DraftTree | None] | None = None
+    """Per sequence, its draft tree; None when no sequence of the batch has one."""
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +176,9 @@ class ForwardBatch:
         block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sequences]
                                    or [[0]], dtype=torch.int64)
         slots = block_table[seq_index, positions // block_size] * block_size + positions % block_size
+        has_tree = any(s.tree is not None for s in sequences)
+        if has_tree:
+            positions = _tree_positions(sequences, positions, query_start.tolist())
         logits_rows = [row for start, n, s in zip(query_start.tolist(), query_lens, sequences)
                        for row in range(start + n - s.num_logits, start + n)]
         batch = cls(
@@ -156,6 +198,25 @@ class ForwardBatch:
             first, last = int(rows[0]), int(rows[-1])
             span = (first, last + 1) if last - first + 1 == len(rows) else None
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))
+        if has_tree:
+            batch.trees = [s.tree for s in sequences]
         if attention is not None:
             batch.attn_metadata = attention.build_metadata(batch)
         return batch
+
+
+def _tree_positions(sequences: list[SequencePlan], positions: torch.Tensor,
+                    row_starts: list[int]) -> torch.Tensor:
+    """Rope positions of tree rows: ``first_position + depth`` (slots stay linear)."""
+    positions = positions.clone()
+    for sequence, row_start in zip(sequences, row_starts):
+        tree = sequence.tree
+        if tree is None:
+            continue
+        end = sequence.start_position + len(sequence.token_ids)
+        assert tree.first_position + len(tree.parents) == end, "a tree runs to the sequence's end"
+        depths = torch.tensor(tree.depths(), dtype=torch.int64) + tree.first_position
+        first_row = max(tree.first_position, sequence.start_position) - sequence.start_position
+        num_rows = len(sequence.token_ids) - first_row
+        positions[row_start + first_row:row_start + first_row + num_rows] = depths[len(depths) - num_rows:]
+    return positions

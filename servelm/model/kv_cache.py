@@ -73,6 +73,16 @@ class KVCache:
             view = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
             view.index_copy_(0, destinations, view.index_select(0, sources))
 
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) slot's K/V in every layer; all sources are read before
+        any destination is written."""
+        device = self.k_caches[0].device if self.k_caches else None
+        sources = torch.tensor([s for s, _ in copies], device=device)
+        destinations = torch.tensor([d for _, d in copies], device=device)
+        for cache in (*self.k_caches, *self.v_caches):
+            view = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+            view.index_copy_(0, destinations, view.index_select(0, sources))
+
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, ``[num_slots, num_kv_heads, head_dim]`` each."""
         index = layer_id - self.first_layer

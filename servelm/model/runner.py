@@ -286,6 +286,8 @@ class ModelRunner:
         assert self.kv_cache is not None, "init_kv_cache first"
         if plan.block_copies:  # before any write of this step (beam forks: engine/beam.py)
             self.kv_cache.copy_blocks(plan.block_copies)
+        if plan.slot_copies:  # a verified draft tree's accepted path (spec/tree.py)
+            self.kv_cache.copy_slots(plan.slot_copies)
         if not plan.sequences:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         for sequence in plan.sequences:

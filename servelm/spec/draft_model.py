@@ -52,6 +52,10 @@ class DraftSequence:
     token_ids: list[int]
     start_position: int
     block_ids: list[int]
+    tree_parents: list[int] | None = None
+    """EAGLE tree steps: the parents of the tree entries from ``tree_first_position`` to this
+    sequence's end (``model.forward_batch.DraftTree``); every token then gets logits."""
+    tree_first_position: int = 0
 
 
 class DraftRunner(Protocol):

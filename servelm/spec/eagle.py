@@ -10,7 +10,12 @@ the requests it drafts for:
    whole prompt the first time, then the last token and the accepted drafts), each paired with the
    token after it; the last one, for the model's last computed position N - 2, gives draft 1;
 2. chain: k - 1 one-token head forwards, each on the draft just chosen, with the head's own output
-   feature of the entry before in place of the model's.
+   feature of the entry before in place of the model's;
+   or tree (--speculative-eagle-topk K > 1, ``spec/tree.py``): num_steps - 1 head forwards, each
+   over a request's K frontier nodes at once (a tree attention mask: a node sees the head's
+   context and its own ancestors), then the best --num-speculative-tokens candidates by
+   cumulative log-probability form the tree. Frontier entries of depth d sit at head entries
+   ``E + (d - 1) * K ..`` (E: the first entry after the catch-up), scratch like a chain's.
 
 Invariants:
 - Entry i of a request's head KV holds (token ``offset + i + 1``, model feature ``offset + i``) for
@@ -35,6 +40,7 @@ import torch
 
 from servelm.spec.draft_model import DraftBlocks, DraftSequence, _filtered_distribution, seeded_generator
 from servelm.spec.proposer import Draft, DraftRequest
+from servelm.spec.tree import Candidate, select_tree
 
 ABSORB_ROWS = 256
 """Features a request may hold before ``absorb`` writes them into the head's KV ahead of a
@@ -57,7 +63,8 @@ class EagleRunner(Protocol):
     def forward(self, sequences: list[DraftSequence], features: torch.Tensor,
                 is_target_feature: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[n, draft_vocab]`` float32 logits, ``[n, hidden]`` output feature) of each sequence's
-        last token; ``features`` has one row per token of the sequences, in order."""
+        last token (of every token of a sequence with ``tree_parents``); ``features`` has one row
+        per token of the sequences, in order."""
         ...
 
 
@@ -89,8 +96,13 @@ class EagleProposer:
     """Chains of drafts from an EAGLE head, batched over the step's requests."""
 
     def __init__(self, name: str, runner: EagleRunner, blocks: DraftBlocks,
-                 seed: int | None = None, feature_source: FeatureSource | None = None) -> None:
+                 seed: int | None = None, feature_source: FeatureSource | None = None,
+                 topk: int = 1, num_steps: int | None = None) -> None:
         self.name = name
+        self.topk = topk
+        """Children kept per head step (--speculative-eagle-topk); > 1 drafts trees."""
+        self.num_steps = num_steps
+        """Head steps (tree depth, --speculative-num-steps); None: the request's draft count."""
         self.runner = runner
         self.blocks = blocks
         self.feature_source = feature_source
@@ -182,10 +194,16 @@ class EagleProposer:
         logits, feature = self.runner.forward(sequences, torch.cat(features), True)
         probs: list[list[torch.Tensor]] = [[] for _ in active]
         rows = list(range(len(active)))  # rows of ``active`` that ``logits`` / ``feature`` hold
-        for step in range(max(request.max_draft_tokens for _, request, _ in active)):
+        tree_rows = [row for row in rows if self._is_tree(active[row][1])]
+        if tree_rows:
+            self._grow_trees([active[row] for row in tree_rows], logits[tree_rows],
+                             feature[tree_rows], drafts)
+            rows = [row for row in rows if row not in set(tree_rows)]
+            logits, feature = logits[rows], feature[rows]
+        for step in range(max((self._chain_length(active[row][1]) for row in rows), default=0)):
             if step:
                 kept = [position for position, row in enumerate(rows)
-                        if step < active[row][1].max_draft_tokens]
+                        if step < self._chain_length(active[row][1])]
                 rows = [rows[position] for position in kept]
                 chain = []
                 for row in rows:
@@ -211,7 +229,7 @@ class EagleProposer:
         state = self._states.get(request.request_id)
         if state is None or not state.num_pending or state.next_position != len(tokens) - 1:
             return None  # not a decode whose features all arrived (or the head has none yet)
-        last_entry = len(tokens) - 2 - state.offset + request.max_draft_tokens - 1
+        last_entry = len(tokens) - 2 - state.offset + self._num_scratch_entries(request)
         num_needed = -(-(last_entry + 1) // self.runner.block_size)
         if len(state.block_ids) > num_needed:
             self.blocks.release(state.block_ids[num_needed:])
@@ -224,6 +242,91 @@ class EagleProposer:
             state.block_ids.extend(more)
         first = state.offset + state.num_entries
         return DraftSequence(tokens[first + 1:], state.num_entries, state.block_ids)
+
+    def _is_tree(self, request: DraftRequest) -> bool:
+        """With topk > 1 every request drafts a tree (one node when only one draft fits: the
+        head's top token), greedy or sampling: its drafts are point masses (``spec/tree.py``)."""
+        return self.topk > 1
+
+    def _chain_length(self, request: DraftRequest) -> int:
+        """Drafts of a chain: the request's count, at most --speculative-num-steps."""
+        if self.num_steps is None:
+            return request.max_draft_tokens
+        return min(request.max_draft_tokens, self.num_steps)
+
+    def _num_scratch_entries(self, request: DraftRequest) -> int:
+        """Head entries past the catch-up that drafting writes (chain: k - 1; tree: the frontier
+        entries of depths 1 .. num_steps - 1)."""
+        if self._is_tree(request):
+            return (self._tree_depth(request) - 1) * self.topk
+        return max(self._chain_length(request) - 1, 0)
+
+    def _tree_depth(self, request: DraftRequest) -> int:
+        return min(self.num_steps or request.max_draft_tokens, request.max_draft_tokens)
+
+    def _grow_trees(self, items: list[tuple[int, DraftRequest, int]], logits: torch.Tensor,
+                    feature: torch.Tensor, drafts: list[Draft]) -> None:
+        """Draft trees for ``items`` (index, request, number of tokens) from the head's logits and
+        output feature after each root; the frontier steps run batched over the requests."""
+        topk = self.topk
+        num_items = len(items)
+        candidates: list[list[Candidate]] = [[] for _ in items]
+        entry_parents: list[list[int]] = [[] for _ in items]  # head tree entries' parents
+        frontier: list[list[int]] = [[] for _ in items]      # candidate index of each frontier node
+        parent_ranks: list[list[int]] = [[] for _ in items]  # its parent's rank in the frontier before
+        values, ids = self._top_children(logits)                        # [n][K] each
+        for item in range(num_items):
+            for rank in range(topk):
+                candidates[item].append(Candidate(ids[item][rank], -1, values[item][rank], 1))
+                frontier[item].append(rank)
+        frontier_feature = feature.repeat_interleave(topk, dim=0)        # [n * K, hidden]
+        depths = [self._tree_depth(request) for _, request, _ in items]
+        for depth in range(2, max(depths) + 1):
+            growing = [item for item in range(num_items) if depth <= depths[item]]
+            sequences = []
+            for item in growing:
+                _, request, num_tokens = items[item]
+                state = self._states[request.request_id]
+                first_entry = num_tokens - 1 - state.offset
+                # the frontier (depth - 1) goes to entries (depth - 2) * K ..; its parents' at one
+                # level before
+                entry_parents[item].extend([-1] * topk if depth == 2 else
+                                           [(depth - 3) * topk + rank for rank in parent_ranks[item]])
+                sequences.append(DraftSequence(
+                    [candidates[item][c].token_id for c in frontier[item]],
+                    first_entry + (depth - 2) * topk, self._states[request.request_id].block_ids,
+                    tree_parents=list(entry_parents[item]), tree_first_position=first_entry))
+            rows = torch.tensor([item * topk + rank for item in growing for rank in range(topk)])
+            step_logits, step_feature = self.runner.forward(sequences, frontier_feature[rows], False)
+            step_values, step_ids = self._top_children(step_logits)
+            next_feature = frontier_feature.clone()
+            for position, item in enumerate(growing):
+                base = len(candidates[item])
+                scores = []
+                for rank in range(topk):
+                    parent = frontier[item][rank]
+                    row = position * topk + rank
+                    for child in range(topk):
+                        score = candidates[item][parent].score + step_values[row][child]
+                        candidates[item].append(Candidate(step_ids[row][child], parent, score, depth))
+                        scores.append(score)
+                best = sorted(range(len(scores)), key=lambda i: -scores[i])[:topk]
+                frontier[item] = [base + i for i in best]
+                parent_ranks[item] = [i // topk for i in best]
+                next_feature[item * topk:(item + 1) * topk] = step_feature[
+                    torch.tensor([position * topk + i // topk for i in best])]
+            frontier_feature = next_feature
+        for item, (index, request, _) in enumerate(items):
+            token_ids, parents = select_tree(candidates[item], request.max_draft_tokens)
+            drafts[index] = Draft(token_ids, parents=parents)
+
+    def _top_children(self, logits: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Per row, the K best tokens (model ids) and their head log-probabilities."""
+        values, ids = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        to_target = self.runner.draft_to_target
+        if to_target is not None:
+            ids = to_target[ids]
+        return values.tolist(), ids.tolist()
 
     def _draw(self, logits: torch.Tensor, request: DraftRequest,
               step: int) -> tuple[int, torch.Tensor | None]:

@@ -54,6 +54,9 @@ class Draft:
     probs: torch.Tensor | None = None
     """``[len(token_ids), vocab]`` float32 draft distribution each token was sampled from; None
     for a deterministic proposer (a point mass on each token)."""
+    parents: list[int] | None = None
+    """A draft tree (EAGLE topk > 1, ``spec/tree.py``): the index of each token's parent among
+    ``token_ids`` (-1: the last accepted token), parents first; None: a chain."""
 
 
 class Proposer(Protocol):

@@ -71,6 +71,31 @@ class TypicalAcceptance:
         return draft_token_ids + [bonus_token_id]
 
 
+    def accept_tree(self, target_probs: torch.Tensor, draft_token_ids: list[int], parents: list[int],
+                    sampled_token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """The rule along a draft tree (``spec/tree.py``): at each node keep its first child (in
+        draft order) the rule keeps; with none kept emit the node row's argmax, at a leaf the
+        model's own sample of the leaf's row (``sampled_token_ids``, one per row). Returns
+        (emitted tokens, accepted draft indices)."""
+        from servelm.spec.tree import children
+
+        assert target_probs.shape[0] == len(draft_token_ids) + 1, "one row per node and the root"
+        probs = target_probs.float()
+        bounds = self.acceptance_bounds(probs).tolist()
+        by_parent = children(parents)
+        node, accepted = -1, []
+        while True:
+            row = node + 1
+            kids = by_parent.get(node, [])
+            if not kids:
+                return [draft_token_ids[i] for i in accepted] + [sampled_token_ids[row]], accepted
+            kept = next((c for c in kids if float(probs[row, draft_token_ids[c]]) > bounds[row]), None)
+            if kept is None:
+                return [draft_token_ids[i] for i in accepted] + [int(probs[row].argmax())], accepted
+            accepted.append(kept)
+            node = kept
+
+
 def make_typical_acceptance(config: SpeculativeConfig) -> TypicalAcceptance | None:
     """The rule --spec-decoding-acceptance-method typical_acceptance_sampler asks for (None:
     rejection sampling, the default)."""

@@ -18,6 +18,12 @@ read only their window, so their cost does not grow with the context. Nothing he
 pool size. Padding query rows see column 0 only (never a fully masked row, so no NaN) and are
 dropped on output.
 
+Draft trees (``ForwardBatch.trees``, speculative verification of a tree of drafts): a tree
+sequence always goes to the multi-token group, and its view's mask rows over the tree's columns
+are replaced by the tree's ancestor mask (a node sees the context before the tree, its ancestors
+and itself); the prefill_gemm tiles of such a sequence take their bias from that mask. Batches
+without a tree never reach this code.
+
 Decode groups fold GQA into the query dimension (``[b, Hkv, H/Hkv, D]`` against ``[b, Hkv, C, D]``):
 exact for one query per sequence, and it avoids SDPA expanding K/V per query head. Multi-token
 groups use SDPA's ``enable_gqa``. Measured on the 2-core dev box (32 x 128 context rows of
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 
 from servelm.model.attention import paged_decode, prefill_gemm
 from servelm.model.attention.base import Attention, PositionBias
-from servelm.model.forward_batch import ForwardBatch
+from servelm.model.forward_batch import DraftTree, ForwardBatch
 
 
 @dataclass
@@ -97,6 +103,8 @@ class _Group:
     """Queries of each sequence."""
     views: dict[tuple[int | None, bool], _KVView] = field(default_factory=dict)
     """(sliding_window, is_causal) -> view, built on first use."""
+    trees: list[DraftTree | None] | None = None
+    """Per sequence, its draft tree (None: no sequence of the group has one)."""
 
     def view(self, sliding_window: int | None, is_causal: bool = True) -> _KVView:
         key = (sliding_window, is_causal)
@@ -126,10 +134,40 @@ class _Group:
             visible = kv_valid[:, None, :] & self.query_valid[:, :, None]
         if window is not None:
             visible &= kv_positions[:, None, :] > q_positions - window
+        if self.trees is not None:
+            assert is_causal, "draft trees are verified by causal decoders"
+            self._apply_trees(visible, kv_positions, first, window)
         visible |= (~self.query_valid[:, :, None]) & (columns[:, None, :] == 0)
         return _KVView(slots=slots.reshape(-1).to(self.device), num_columns=num_columns,
                        mask=visible[:, None].to(self.device), firsts=first.tolist(),
                        spans=spans.to(self.device))
+
+    def _apply_trees(self, visible: torch.Tensor, kv_positions: torch.Tensor, first: torch.Tensor,
+                     window: int | None) -> None:
+        """Overwrite the tree sequences' rows of ``visible`` ``[b, Q, C]`` over their tree columns
+        with the ancestor mask (and, on sliding layers, the window in rope positions)."""
+        assert self.trees is not None
+        for index, tree in enumerate(self.trees):
+            if tree is None:
+                continue
+            start, num_queries = int(self.starts[index]), self.query_lens[index]
+            assert window is None or start == tree.first_position, \
+                "on sliding layers a tree's first query is its root"
+            num_nodes = len(tree.parents)
+            column = tree.first_position - int(first[index])
+            row = max(0, tree.first_position - start)
+            node = start + row - tree.first_position
+            num_rows = num_queries - row
+            rows = torch.zeros(num_rows, visible.shape[-1], dtype=torch.bool)
+            rows[:, :column] = True                              # the context before the tree
+            rows[:, column:column + num_nodes] = tree.ancestor_mask()[node:node + num_rows]
+            if window is not None:
+                depths = torch.tensor(tree.depths(), dtype=torch.int64) + tree.first_position
+                kv_rope = kv_positions[index].clone()
+                kv_rope[column:column + num_nodes] = depths
+                q_rope = depths[node:node + num_rows]
+                rows &= kv_rope[None, :] > q_rope[:, None] - window
+            visible[index, row:row + num_rows] = rows
 
     def tiles(self, view: _KVView, window: int | None, group_size: int) -> list[prefill_gemm.Tile]:
         """The view's prefill_gemm tiles (built on first use, shared by the layers)."""
@@ -138,7 +176,22 @@ class _Group:
             cached = view.tiles[group_size] = prefill_gemm.build_tiles(
                 self.row_starts, self.query_lens, self.starts.tolist(), view.firsts,
                 view.num_columns, window, group_size)
+            if self.trees is not None:
+                self._tree_tile_biases(view, cached)
         return cached
+
+    def _tree_tile_biases(self, view: _KVView, tiles: list[prefill_gemm.Tile]) -> None:
+        """A tree sequence's tiles take their bias from the view's mask (ancestors only)."""
+        assert self.trees is not None
+        mask = view.mask[:, 0].cpu()                                          # [b, Q, C]
+        for tile in tiles:
+            index = tile.column_start // view.num_columns
+            if self.trees[index] is None:
+                continue
+            row = tile.row_start - self.row_starts[index]
+            column = tile.column_start - index * view.num_columns
+            seen = mask[index, row:row + tile.num_queries, column:column + tile.num_columns]
+            tile.bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
 
     @property
     def kv_slots(self) -> torch.Tensor:
@@ -167,11 +220,20 @@ class TorchNativeAttention:
         for n in batch.query_lens:
             query_starts.append(total)
             total += n
-        decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        others = [i for i, n in enumerate(batch.query_lens) if n != 1]
+        trees = batch.trees
+        if trees is None:
+            decodes = [i for i, n in enumerate(batch.query_lens) if n == 1]
+            others = [i for i, n in enumerate(batch.query_lens) if n != 1]
+        else:  # a tree sequence always attends with its mask, never as a decode
+            decodes = [i for i, n in enumerate(batch.query_lens) if n == 1 and trees[i] is None]
+            others = [i for i, n in enumerate(batch.query_lens) if n != 1 or trees[i] is not None]
         table = batch.block_table.cpu()
         groups = [self._group(batch, table, members, query_starts, total, device)
                   for members in (decodes, others) if members]
+        if trees is not None:
+            for group, members in zip(groups, [m for m in (decodes, others) if m]):
+                if any(trees[i] is not None for i in members):
+                    group.trees = [trees[i] for i in members]
         return TorchNativeMetadata(groups=groups)
 
     @staticmethod
@@ -229,6 +291,7 @@ class TorchNativeAttention:
                 continue
             q_rows = q if group.is_identity else q.index_select(0, group.query_rows)
             if (max_query == 1 and layer.is_causal and position_bias is None and view.spans is not None
+                    and group.trees is None
                     and v_cache.shape[-1] == head_dim and paged_decode.supports(q, k_cache)):
                 rows = paged_decode.attend(q_rows, k_cache, v_cache, view.slots.view(b, columns),
                                            view.spans, layer.scale)             # [b, H, Dv]

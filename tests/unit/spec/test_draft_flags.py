@@ -26,7 +26,7 @@ def test_steps_and_ngram_spellings() -> None:
     assert (config.speculative_algorithm, config.speculative_draft_model_path,
             config.num_speculative_tokens) == ("NGRAM", None, 3)
     config = cli_args.parse_args(["--speculative-model", "d", "--speculative-num-steps", "2"]).speculative
-    assert config.num_speculative_tokens == 2
+    assert config.max_draft_tokens == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -36,7 +36,11 @@ def test_steps_and_ngram_spellings() -> None:
     (dict(speculative_algorithm="EAGLE3"), "needs its head checkpoint"),
     (dict(speculative_algorithm="NEXTN"), "multi-token-prediction"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="h",
-          speculative_eagle_topk=4), "tree of drafts is not built"),
+          speculative_eagle_topk=4), "give its depth with --speculative-num-steps"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="h", speculative_eagle_topk=2,
+          speculative_num_steps=2, num_speculative_tokens=7), "exceeds the 6 candidates"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="h", speculative_eagle_topk=0),
+     "at least 1"),
     (dict(speculative_algorithm="NGRAM", speculative_eagle_topk=1), "applies to EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="h",
           speculative_token_map="m.pt"), "own reduced vocabulary"),

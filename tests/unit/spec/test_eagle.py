@@ -135,3 +135,46 @@ def test_absorb_writes_long_pending_features_ahead_of_propose() -> None:
     head.calls.clear()
     [draft] = proposer.propose([request([6])])
     assert head.calls[0] == [([6], 4)] and draft.token_ids == [7, 8, 9]
+
+
+class ScriptedTreeHead(ScriptedHead):
+    """Like ScriptedHead, but logits favour t + 1 (5.0) then t + 2 (4.0), and a tree step's
+    sequence gets logits (and output features) for every token."""
+
+    def forward(self, sequences: list[DraftSequence], features: torch.Tensor,
+                is_target_feature: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        assert features.shape[0] == sum(len(s.token_ids) for s in sequences)
+        self.calls.append([(list(s.token_ids), s.start_position, s.tree_parents,
+                            s.tree_first_position) for s in sequences])  # type: ignore[arg-type]
+        self.features.append(([int(f) for f in features[:, 0]], is_target_feature))
+        rows, tokens = [], []
+        row = 0
+        for sequence in sequences:
+            assert len(sequence.block_ids) * self.block_size >= sequence.start_position + len(sequence.token_ids)
+            count = len(sequence.token_ids) if sequence.tree_parents is not None else 1
+            rows += range(row + len(sequence.token_ids) - count, row + len(sequence.token_ids))
+            tokens += sequence.token_ids[-count:]
+            row += len(sequence.token_ids)
+        logits = torch.zeros(len(rows), VOCAB)
+        for index, token in enumerate(tokens):
+            logits[index, (token + 1) % VOCAB] = 5.0
+            logits[index, (token + 2) % VOCAB] = 4.0
+        return logits, features[rows] + 100
+
+
+def test_tree_frontier_steps_entries_and_selection() -> None:
+    head, pool = ScriptedTreeHead(), BlockPool(8)
+    proposer = EagleProposer("EAGLE", head, pool, topk=2, num_steps=3)
+    proposer.add_features("a", 0, feature_rows(0, 5))
+    [draft] = proposer.propose([request([6], k=4)])
+    # catch-up (entries 0..4), then the depth-1 frontier [7, 8] at entries 5, 6 (both hang off
+    # the context), then the depth-2 frontier [7->8, 7->9] at entries 7, 8, children of entry 5
+    assert head.calls == [[([2, 3, 4, 5, 6], 0, None, 0)],
+                          [([7, 8], 5, [-1, -1], 5)],
+                          [([8, 9], 7, [-1, -1, 0, 0], 5)]]
+    assert head.features == [([0, 1, 2, 3, 4], True), ([104, 104], False), ([204, 204], False)]
+    # best 4 by cumulative log-probability, breadth-first: 7, 8 | 7->8 | 7->8->9
+    assert (draft.token_ids, draft.parents) == ([7, 8, 8, 9], [-1, -1, 0, 2])
+    assert proposer.num_held_blocks == 3           # entries 0..8
+    proposer.release("a")
+    assert pool.num_free_blocks == 8
