@@ -11,6 +11,8 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
+  the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -54,6 +56,13 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             paged_decode.supports = supports
+    elif change == "fused_ops":
+        from servelm.model.layers import fused
+        fused.set_enabled(False)
+        try:
+            yield
+        finally:
+            fused.set_enabled(True)
     elif change == "gelu_contiguous":
         from servelm.model.layers import activation
         saved = dict(activation._CONTIGUOUS_GELU)
