@@ -3,7 +3,7 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 
 ``--phase prefill``: whole prompts of ``--input-len`` tokens (default chunking), one at a time.
 ``--phase decode``: ``--streams`` running requests, pure decode steps.
-``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, 24 greedy tokens each, generated
+``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, ``--max-tokens`` greedy tokens each, generated
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
+    parser.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt (--phase greedy)")
     parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -95,7 +96,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]
     if args.phase == "greedy":
-        params = SamplingParams(temperature=0.0, max_tokens=24)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         prompts = random_prompts(args.streams, args.input_len, vocab_size, 1)
         outputs: dict[str, list[list[int]]] = {}
         for side in ("with", "without"):
@@ -112,7 +113,7 @@ def main() -> None:
                 outputs[side] = [tokens[f"{side}{index}"] for index in range(len(prompts))]
         same = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
         print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}: {same} of {len(prompts)} "
-              f"greedy outputs ({args.input_len}-token prompts, 24 tokens, batched) identical")
+              f"greedy outputs ({args.input_len}-token prompts, {args.max_tokens} tokens, batched) identical")
         return
     if args.phase == "prefill":
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

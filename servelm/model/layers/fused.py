@@ -75,10 +75,12 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether the fused ops compute on ``x`` (its rows are ``x.shape[:-1]`` flattened)."""
+def applies(x: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether the fused ops compute on ``x`` of ``rows`` token rows (default ``x.shape[:-1]``
+    flattened; RoPE passes its tokens: heads of a token are not rows of their own)."""
+    rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
     return (_enabled and x.device.type == "cpu" and x.dtype in _DTYPES
-            and x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
+            and rows <= MAX_ROWS and not torch.compiler.is_compiling()
             and load_kernel() is not None)
 
 

@@ -168,14 +168,21 @@ inline float exp_poly(float x) {
 constexpr float kGeluBeta = 0.7978845608028654f;   // sqrt(2 / pi)
 constexpr float kGeluKappa = 0.044715f;
 
-// act(g) in float32: 0 SiLU g / (1 + e^-g); 1 GELU tanh 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u));
-// 2 GELU erf.
+// tanh(u) = sign(u) (1 - 2 / (e^(2|u|) + 1)): near +-1, where GELU's 1 + tanh(u) cancels, the small
+// term is accurate to its own last bits, so the result is as close to float32 rounding as torch's.
+inline float tanh_poly(float u) {
+  const float t = 1.f - 2.f / (exp_poly(2.f * std::fabs(u)) + 1.f);
+  return std::copysign(t, u);
+}
+
+// act(g) in float32 with torch's expression order: 0 SiLU g / (1 + e^-g); 1 GELU tanh
+// (0.5 g) (1 + tanh(beta (g + kappa g^3))); 2 GELU erf.
 template <int KIND>
 inline float activate(float g) {
   if (KIND == 0) return g / (1.f + exp_poly(-g));
   if (KIND == 1) {
     const float u = kGeluBeta * (g + kGeluKappa * (g * g * g));
-    return g / (1.f + exp_poly(-2.f * u));
+    return (0.5f * g) * (1.f + tanh_poly(u));
   }
   return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
 }
@@ -230,7 +237,13 @@ inline __m512 activate16(__m512 g) {
   if (KIND == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
   const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), g3)));
-  return _mm512_div_ps(g, _mm512_add_ps(one, exp_poly16(_mm512_mul_ps(_mm512_set1_ps(-2.f), u))));
+  const __m512i sign_bit = _mm512_set1_epi32(int32_t(0x80000000u));
+  const __m512i u_bits = _mm512_castps_si512(u);
+  const __m512 abs_u = _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, u_bits));
+  const __m512 e = exp_poly16(_mm512_add_ps(abs_u, abs_u));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  const __m512 tanh_u = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(u_bits, sign_bit)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh_u));
 }
 #endif
 
