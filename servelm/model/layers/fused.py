@@ -60,9 +60,16 @@ _enabled = True
 """False: every op takes the torch path (benchmarks/step_ab.py's ``fused_ops`` change, tests)."""
 
 
+_module_loaded: ModuleType | None = None
+"""The module once ``load_kernel`` built it: ``applies`` reads it without a call per op."""
+
+
 def load_kernel() -> ModuleType | None:
-    """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-    return kernel().load()
+    """The compiled module, or None (the reason is ``kernel_status()``); built at most once. The
+    layers call it when they are built: until then ``applies`` is False."""
+    global _module_loaded
+    _module_loaded = kernel().load()
+    return _module_loaded
 
 
 def kernel_status() -> str:
@@ -78,16 +85,15 @@ def set_enabled(enabled: bool) -> None:
 def applies(x: torch.Tensor, rows: int | None = None) -> bool:
     """Whether the fused ops compute on ``x`` of ``rows`` token rows (default ``x.shape[:-1]``
     flattened; RoPE passes its tokens: heads of a token are not rows of their own)."""
+    if _module_loaded is None or not _enabled or x.dtype not in _DTYPES or x.device.type != "cpu":
+        return False
     rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    return (_enabled and x.device.type == "cpu" and x.dtype in _DTYPES
-            and rows <= MAX_ROWS and not torch.compiler.is_compiling()
-            and load_kernel() is not None)
+    return rows <= MAX_ROWS and not torch.compiler.is_compiling()
 
 
 def _module() -> ModuleType:
-    module = load_kernel()
-    assert module is not None, "applies() was not checked"
-    return module
+    assert _module_loaded is not None, "applies() was not checked"
+    return _module_loaded
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
