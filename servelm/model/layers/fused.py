@@ -101,7 +101,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
     """``norm(x)``, or ``residual + norm(x)``; ``offset``: Gemma's (1 + w) scale."""
     x2 = x.reshape(-1, x.shape[-1])
     r2 = None if residual is None else residual.reshape(-1, x.shape[-1])
-    return _module().rms_norm(x2, weight, eps, offset, r2).view(x.shape)
+    out: torch.Tensor = _module().rms_norm(x2, weight, eps, offset, r2)
+    return out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -123,5 +124,5 @@ def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` of ``[..., 2d]`` -> ``[..., d]``."""
     shape = gate_up.shape
-    out = _module().act_and_mul(gate_up.reshape(-1, shape[-1]), ACTIVATION_KINDS[activation])
+    out: torch.Tensor = _module().act_and_mul(gate_up.reshape(-1, shape[-1]), ACTIVATION_KINDS[activation])
     return out.view(*shape[:-1], shape[-1] // 2)

@@ -123,11 +123,13 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _fuses(q: torch.Tensor, k: torch.Tensor, q_norm: _HeadNorm | None, k_norm: _HeadNorm | None) -> bool:
-        norms = [norm for norm in (q_norm, k_norm) if norm is not None]
-        return (fused.applies(q, rows=q.shape[0]) and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
-                and all(norm.weight.dtype == q.dtype for norm in norms)
-                and (not norms or (len(norms) == 2 and q_norm.eps == k_norm.eps
-                                   and q_norm.is_offset == k_norm.is_offset)))
+        if not (fused.applies(q, rows=q.shape[0]) and k.dtype == q.dtype and q.stride(-1) == 1
+                and k.stride(-1) == 1):
+            return False
+        if q_norm is None or k_norm is None:   # one kernel call normalises both or neither
+            return q_norm is None and k_norm is None
+        return (q_norm.weight.dtype == q.dtype and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps
+                and q_norm.is_offset == k_norm.is_offset)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_type={self.rope_type}"
