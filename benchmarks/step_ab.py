@@ -3,16 +3,16 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 
 ``--phase prefill``: whole prompts of ``--input-len`` tokens (default chunking), one at a time.
 ``--phase decode``: ``--streams`` running requests, pure decode steps.
-``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, ``--max-tokens`` greedy tokens each, generated
+``--phase greedy``: ``--streams`` prompts of ``--input-len`` tokens, ``--greedy-tokens`` (24) greedy tokens each, generated
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
+- ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
+  the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
-- ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
-  the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -83,9 +83,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1019)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--greedy-tokens", type=int, default=24, help="--phase greedy: tokens per prompt")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
-    parser.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt (--phase greedy)")
     parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -96,7 +96,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]
     if args.phase == "greedy":
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=args.greedy_tokens)
         prompts = random_prompts(args.streams, args.input_len, vocab_size, 1)
         outputs: dict[str, list[list[int]]] = {}
         for side in ("with", "without"):
@@ -113,7 +113,7 @@ def main() -> None:
                 outputs[side] = [tokens[f"{side}{index}"] for index in range(len(prompts))]
         same = sum(a == b for a, b in zip(outputs["with"], outputs["without"]))
         print(f"RESULT {args.model} --dtype {args.dtype}, {args.change}: {same} of {len(prompts)} "
-              f"greedy outputs ({args.input_len}-token prompts, {args.max_tokens} tokens, batched) identical")
+              f"greedy outputs ({args.input_len}-token prompts, {args.greedy_tokens} tokens, batched) identical")
         return
     if args.phase == "prefill":
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
