@@ -9,6 +9,8 @@ with and without the change (prefix cache off), and whether every output is iden
 
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
   the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
+- ``gguf_bf16_io``: bf16 activations converted to float32 before the GGUF block kernel and its
+  output back to bf16 by torch ops, instead of inside the kernel.
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
@@ -28,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -63,6 +67,20 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             fused.set_enabled(True)
+    elif change == "gguf_bf16_io":
+        from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+        original_apply: Any = GGUFBlockLinearMethod.apply
+
+        def float_apply(self: Any, layer: Any, x: Any, bias: Any) -> Any:
+            if x.dtype != torch.bfloat16 or getattr(layer, "gguf_float_output", False):
+                return original_apply(self, layer, x, bias)
+            return original_apply(self, layer, x.float(), bias).to(x.dtype)
+
+        GGUFBlockLinearMethod.apply = float_apply  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
     elif change == "gelu_contiguous":
         from servelm.model.layers import activation
         saved = dict(activation._CONTIGUOUS_GELU)

@@ -85,7 +85,12 @@ class GGUFBlockLinearMethod:
         weight: BlockWeight = layer.gguf_weight
         if layer.gguf_uses_kernel and x2.shape[0] <= layer.gguf_kernel_max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
-            out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
+            # bf16 rows go in as they are and come back rounded by the kernel (no torch op around it)
+            # unless a bias (added in float32) or a float32 output (the LM head) follows
+            is_bf16 = x2.dtype == torch.bfloat16
+            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
+                         weight.offsets, weight.block,
+                         is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
         else:
             # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
