@@ -43,7 +43,13 @@ from servelm.sampling.params import SamplingParams  # noqa: E402
 
 @contextlib.contextmanager
 def without(change: str) -> Iterator[None]:
-    """The engine as it was before ``change``."""
+    """The engine as it was before ``change`` (comma-separated: before all of them)."""
+    if "," in change:
+        with contextlib.ExitStack() as stack:
+            for one in change.split(","):
+                stack.enter_context(without(one))
+            yield
+        return
     if change == "prefill_gemm":
         from servelm.model.attention import prefill_gemm
         original: Any = prefill_gemm.supports
