@@ -133,3 +133,15 @@ def test_act_and_mul(activation: str, dtype: torch.dtype, rows: int, width: int)
     rtol = 2e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
     assert actual.dtype == dtype and actual.shape == (rows, width)
+
+
+def test_without_a_built_kernel_the_layers_keep_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler or ninja: ``load_kernel`` gave None, and every layer runs its torch ops."""
+    norm = make_norm(GemmaRMSNorm, 64, torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch_path():
+        expected = norm(x, x)
+    monkeypatch.setattr(fused, "_module_loaded", None)
+    assert not fused.applies(x)
+    assert torch.equal(norm(x, x), expected)
+    assert torch.equal(ActAndMul("silu")(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
