@@ -7,6 +7,10 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
+- ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
+  the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
+- ``gguf_bf16_io``: bf16 activations converted to float32 before the GGUF block kernel and its
+  output back to bf16 by torch ops, instead of inside the kernel.
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
@@ -31,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from servelm.bench_common import random_prompts  # noqa: E402
@@ -41,7 +47,13 @@ from servelm.sampling.params import SamplingParams  # noqa: E402
 
 @contextlib.contextmanager
 def without(change: str) -> Iterator[None]:
-    """The engine as it was before ``change``."""
+    """The engine as it was before ``change`` (comma-separated: before all of them)."""
+    if "," in change:
+        with contextlib.ExitStack() as stack:
+            for one in change.split(","):
+                stack.enter_context(without(one))
+            yield
+        return
     if change == "prefill_gemm":
         from servelm.model.attention import prefill_gemm
         original: Any = prefill_gemm.supports
@@ -58,6 +70,27 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             paged_decode.supports = supports
+    elif change == "fused_ops":
+        from servelm.model.layers import fused
+        fused.set_enabled(False)
+        try:
+            yield
+        finally:
+            fused.set_enabled(True)
+    elif change == "gguf_bf16_io":
+        from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+        original_apply: Any = GGUFBlockLinearMethod.apply
+
+        def float_apply(self: Any, layer: Any, x: Any, bias: Any) -> Any:
+            if x.dtype != torch.bfloat16 or getattr(layer, "gguf_float_output", False):
+                return original_apply(self, layer, x, bias)
+            return original_apply(self, layer, x.float(), bias).to(x.dtype)
+
+        GGUFBlockLinearMethod.apply = float_apply  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
     elif change == "gelu_contiguous":
         from servelm.model.layers import activation
         saved = dict(activation._CONTIGUOUS_GELU)

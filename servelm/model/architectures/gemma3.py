@@ -59,7 +59,7 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self.rotary_emb(batch.positions, self.q_norm(q), self.k_norm(k), batch.rope_cache)
+        q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, batch), batch.lora)
 
 
@@ -75,9 +75,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch))
+        hidden = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch), hidden)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), batch.lora)
-        return hidden + self.post_feedforward_layernorm(mlp_out)
+        return self.post_feedforward_layernorm(mlp_out, hidden)
 
 
 class Gemma3Model(nn.Module):

@@ -48,8 +48,9 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache)
+            q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache)
         return self.o_proj(self.attn(q, k, v, batch), batch.lora)
 
 
@@ -64,8 +65,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), batch.lora)
+        normed, hidden = self.post_attention_layernorm.add_norm(
+            self.self_attn(self.input_layernorm(hidden), batch), hidden)
+        return hidden + self.mlp(normed, batch.lora)
 
 
 class LlamaModel(nn.Module):

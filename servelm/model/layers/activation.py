@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.model.layers import fused
+
 
 class ActAndMul(nn.Module):
     """Splits ``[..., 2 * d]`` into gate and up halves and returns ``act(gate) * up`` ``[..., d]``."""
@@ -19,6 +21,8 @@ class ActAndMul(nn.Module):
         self._fn = _ACTIVATIONS[activation]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.activation in fused.ACTIVATION_KINDS and fused.applies(gate_up) and gate_up.stride(-1) == 1:
+            return fused.act_and_mul(gate_up, self.activation)   # a few rows: one call
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation in _CONTIGUOUS_GELU:
             return _gelu_and_mul(gate, up, _CONTIGUOUS_GELU[self.activation])

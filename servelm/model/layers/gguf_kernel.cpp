@@ -240,8 +240,9 @@ struct FloatActivations {
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
 template <class Activations>
 torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                                const c10::optional<torch::Tensor>& offsets, int64_t block) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
@@ -254,9 +255,16 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
     TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
                 "offsets: float32 like scales");
   }
-  auto out = torch::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return out;
-  const float* xp = x.data_ptr<float>();
+  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
+  if (rows == 0 || n == 0) return bf16_out ? out.to(torch::kBFloat16) : out;
+  // bf16 activations widened here (exact), not by a torch op per call: a decode step makes 72 calls
+  std::vector<float> widened;
+  if (x.dtype() == torch::kBFloat16) {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    widened.resize(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) widened[i] = static_cast<float>(xb[i]);
+  }
+  const float* xp = widened.empty() ? x.data_ptr<float>() : widened.data();
   const Activations acts(xp, rows, k);
   const std::vector<float> sums = has_offsets ? block_sums(xp, rows, k, block) : std::vector<float>();
   const int8_t* w = codes.data_ptr<int8_t>();
@@ -288,30 +296,41 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
       }
     }
   });
-  return out;
+  if (!bf16_out) return out;
+  auto rounded = torch::empty({rows, n}, x.options().dtype(torch::kBFloat16));
+  c10::BFloat16* rp = rounded.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < rows * n; ++i) rp[i] = c10::BFloat16(y[i]);   // round to nearest even, as torch
+  return rounded;
 }
 
 }  // namespace
 
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           c10::optional<torch::Tensor> offsets, int64_t block) {
-  return block_linear_impl<Int8Activations>(x, codes, scales, offsets, block);
+                           c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
+  return block_linear_impl<Int8Activations>(x, codes, scales, offsets, block, bf16_out);
 }
 
 torch::Tensor block_linear_a16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                               c10::optional<torch::Tensor> offsets, int64_t block) {
-  return block_linear_impl<Int16Activations>(x, codes, scales, offsets, block);
+                               c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
+  return block_linear_impl<Int16Activations>(x, codes, scales, offsets, block, bf16_out);
 }
 
 torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                 c10::optional<torch::Tensor> offsets, int64_t block) {
-  return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block);
+                                 c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
+  return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out);
 }
+
+// Python: kernel(x, codes, scales, offsets, block, bf16_out=False); x float32 or bfloat16; the result
+// float32, or rounded to bfloat16 when bf16_out.
+#define BLOCK_LINEAR_ARGS py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
+                          py::arg("bf16_out") = false
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear_a16", &block_linear_a16,
-        "the same with activations rounded to 16 bits per 32 inputs (two int8 halves, VNNI)");
-  m.def("block_linear", &block_linear, "x [M, K] float32 @ block-quantized W [N, K] -> [M, N] float32");
+        "the same with activations rounded to 16 bits per 32 inputs (two int8 halves, VNNI)", BLOCK_LINEAR_ARGS);
+  m.def("block_linear", &block_linear, "x [M, K] float32 @ block-quantized W [N, K] -> [M, N] float32",
+        BLOCK_LINEAR_ARGS);
   m.def("block_linear_float", &block_linear_float,
-        "the same with float activations (weights dequantized in registers; no activation rounding)");
+        "the same with float activations (weights dequantized in registers; no activation rounding)",
+        BLOCK_LINEAR_ARGS);
 }

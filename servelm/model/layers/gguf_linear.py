@@ -98,7 +98,12 @@ class GGUFBlockLinearMethod:
             max_rows = BF16_KERNEL_MAX_ROWS[self.activations]
         if layer.gguf_uses_kernel and x2.shape[0] <= max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
-            out = kernel(x2.float().contiguous(), weight.codes, weight.scales, weight.offsets, weight.block)
+            # bf16 rows go in as they are and come back rounded by the kernel (no torch op around it)
+            # unless a bias (added in float32) or a float32 output (the LM head) follows
+            is_bf16 = x2.dtype == torch.bfloat16
+            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
+                         weight.offsets, weight.block,
+                         is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
         else:
             # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)

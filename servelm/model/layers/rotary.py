@@ -11,10 +11,15 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from servelm.model.layers import fused
+
+if TYPE_CHECKING:
+    from servelm.model.layers.norm import _FusableNorm as _HeadNorm
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -90,9 +95,12 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cache: dict[Any, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: dict[Any, Any] | None = None, q_norm: _HeadNorm | None = None,
+                k_norm: _HeadNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: a dict that lives for one forward pass (``ForwardBatch.rope_cache``); layers with
-        the same rope parameters then compute cos/sin once per step instead of once per layer."""
+        the same rope parameters then compute cos/sin once per step instead of once per layer.
+        ``q_norm``/``k_norm``: per-head norms applied first (Gemma 3, Qwen3). A few rows run as one
+        fused call that rotates q and k in place (they are fresh views of the QKV output)."""
         if cache is None:
             cos, sin = self.cos_sin(positions, q.dtype)
         else:
@@ -100,7 +108,28 @@ class RotaryEmbedding(nn.Module):
             if key not in cache:
                 cache[key] = self.cos_sin(positions, q.dtype)
             cos, sin = cache[key]
+        if self._fuses(q, k, q_norm, k_norm):
+            q_weight = None if q_norm is None else q_norm.weight
+            k_weight = None if k_norm is None else k_norm.weight
+            norm = q_norm or k_norm
+            fused.norm_rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1), q_weight, k_weight,
+                             norm.eps if norm is not None else 0.0, bool(norm is not None and norm.is_offset))
+            return q, k
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    @staticmethod
+    def _fuses(q: torch.Tensor, k: torch.Tensor, q_norm: _HeadNorm | None, k_norm: _HeadNorm | None) -> bool:
+        if not (fused.applies(q, rows=q.shape[0]) and k.dtype == q.dtype and q.stride(-1) == 1
+                and k.stride(-1) == 1):
+            return False
+        if q_norm is None or k_norm is None:   # one kernel call normalises both or neither
+            return q_norm is None and k_norm is None
+        return (q_norm.weight.dtype == q.dtype and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps
+                and q_norm.is_offset == k_norm.is_offset)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_type={self.rope_type}"

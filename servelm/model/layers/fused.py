@@ -1,0 +1,128 @@
+"""Fused small ops for few-row steps (fused_ops.cpp): RMSNorm with its residual add, q/k norm + RoPE,
+act(gate) * up. Built once per machine; the layers call them through ``applies`` and keep their torch
+path otherwise.
+
+Why: a single-stream decode step runs each of these ops on one row of a few hundred floats, where
+torch's per-op dispatch (3-7 ops per norm, 6 per RoPE) costs more than the arithmetic. One call per
+fused op removes most of it. Numerics follow the torch reference step by step (float32 arithmetic,
+rounded to the activation dtype where the reference rounds); the sum of squares and exp are ordered
+or approximated differently, so results equal the reference to float32 rounding (tests/unit/model/
+layers/test_fused_ops.py), not always bit for bit.
+
+Invariants:
+- ``applies`` is True only on CPU, for float32 or bfloat16 tensors of at most ``MAX_ROWS`` rows,
+  outside torch.compile tracing (a compiled layer fuses the same ops itself), with the kernel built.
+  More rows (prefill, large batches) keep torch's vectorized ops, which win there.
+- The kernel is plain C++ that needs no CPU feature (AVX-512 flags are added where /proc/cpuinfo
+  has them); ``load_kernel`` returns None without a compiler or ninja, and everything runs as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from servelm.model.cpp_kernel import CppKernel
+
+SOURCE = Path(__file__).with_name("fused_ops.cpp")
+MAX_ROWS = 32
+"""Rows up to which the fused ops run (single-stream and batched decode); above, torch's ops."""
+
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
+def _compile_flags() -> list[str]:
+    from servelm.model.loader import cpu_flags
+    flags = ["-O3", "-ffp-contract=off"]
+    if all(flag in cpu_flags() for flag in _AVX512):
+        flags += ["-m" + flag.replace("_", "") for flag in _AVX512]
+    return flags
+
+
+_kernel: CppKernel | None = None
+"""Made on first use: its flags read the CPU's (servelm.model.loader, which imports the layers)."""
+
+
+def kernel() -> CppKernel:
+    global _kernel
+    if _kernel is None:
+        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags())
+    return _kernel
+
+
+ACTIVATION_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
+"""Activation name -> the kernel's ``kind``."""
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_enabled = True
+"""False: every op takes the torch path (benchmarks/step_ab.py's ``fused_ops`` change, tests)."""
+
+
+_module_loaded: ModuleType | None = None
+"""The module once ``load_kernel`` built it: ``applies`` reads it without a call per op."""
+
+
+def load_kernel() -> ModuleType | None:
+    """The compiled module, or None (the reason is ``kernel_status()``); built at most once. The
+    layers call it when they are built: until then ``applies`` is False."""
+    global _module_loaded
+    _module_loaded = kernel().load()
+    return _module_loaded
+
+
+def kernel_status() -> str:
+    return kernel().status()
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the fused path on or off for the process (A/B benchmarks, tests of the torch path)."""
+    global _enabled
+    _enabled = enabled
+
+
+def applies(x: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether the fused ops compute on ``x`` of ``rows`` token rows (default ``x.shape[:-1]``
+    flattened; RoPE passes its tokens: heads of a token are not rows of their own)."""
+    if _module_loaded is None or not _enabled or x.dtype not in _DTYPES or x.device.type != "cpu":
+        return False
+    rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
+    return rows <= MAX_ROWS and not torch.compiler.is_compiling()
+
+
+def _module() -> ModuleType:
+    assert _module_loaded is not None, "applies() was not checked"
+    return _module_loaded
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm(x)``, or ``residual + norm(x)``; ``offset``: Gemma's (1 + w) scale."""
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = None if residual is None else residual.reshape(-1, x.shape[-1])
+    out: torch.Tensor = _module().rms_norm(x2, weight, eps, offset, r2)
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``."""
+    shape = x.shape
+    out, total = _module().add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
+                                        weight, eps, offset)
+    return out.view(shape), total.view(shape)
+
+
+def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool) -> None:
+    """q ``[T, H, D]``, k ``[T, Hkv, D]`` in place: per-head RMSNorm (where a weight is given),
+    then rotate-half RoPE with cos/sin ``[T, D]`` in q's dtype."""
+    _module().norm_rope_(q, k, cos, sin, q_weight, k_weight, eps, offset)
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``[..., 2d]`` -> ``[..., d]``."""
+    shape = gate_up.shape
+    out: torch.Tensor = _module().act_and_mul(gate_up.reshape(-1, shape[-1]), ACTIVATION_KINDS[activation])
+    return out.view(*shape[:-1], shape[-1] // 2)

@@ -1,0 +1,387 @@
+// Fused small ops of a decoder layer for few-row steps (single-stream decode): RMSNorm (Llama's w * x
+// and Gemma's (1 + w) * x) with the residual add before or after it, per-head q/k RMSNorm + RoPE in
+// place, and act(gate) * up (SiLU, GELU tanh, GELU erf). At one row these ops are a few hundred
+// floats each: torch's dispatch of the 3-7 ops each of them is made of costs more than the
+// arithmetic, so one call per fused op is what pays.
+//
+// Numerics follow the torch reference of servelm/model/layers/{norm,rotary,activation}.py step by step:
+// float32 arithmetic, rounded to the activation dtype (float32 or bfloat16, round to nearest even as
+// torch) wherever the reference rounds, no fused multiply-adds (built with -ffp-contract=off). What
+// differs is the order of the sum of squares (16 partial sums) and exp (a Cephes-style polynomial,
+// about 2 float ulps): results equal torch's to float32 rounding, and bf16 results are mostly bit-equal.
+//
+// Plain C++ that the compiler vectorizes; compiled at run time by servelm/model/layers/fused.py
+// (with AVX-512 flags where the CPU has them). Rows are split over torch's threads only when there
+// are many (a parallel region's fork and join costs more than a few rows of work).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kParallelElements = 1 << 16;   // below this many elements per call: one thread
+
+struct F32 {
+  using raw = float;
+  static inline float load(const float* p, int64_t i) { return p[i]; }
+  static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+  static inline float round(float v) { return v; }
+};
+
+// bfloat16 as raw 16-bit words: float32's top half, rounded to nearest even (NaN kept quiet), as c10.
+struct BF16 {
+  using raw = uint16_t;
+  static inline uint16_t to_bits(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return v != v ? uint16_t(0x7FC0) : uint16_t(rounded);
+  }
+  static inline float from_bits(uint16_t b) {
+    const uint32_t u = uint32_t(b) << 16;
+    float v;
+    std::memcpy(&v, &u, 4);
+    return v;
+  }
+  static inline float load(const uint16_t* p, int64_t i) { return from_bits(p[i]); }
+  static inline void store(uint16_t* p, int64_t i, float v) { p[i] = to_bits(v); }
+  static inline float round(float v) { return from_bits(to_bits(v)); }
+};
+
+// 1 / sqrt(mean(x^2) + eps) of one row, float32, 16 partial sums.
+template <class T>
+inline float inv_rms(const typename T::raw* x, int64_t k, float eps) {
+  float partial[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      const float v = T::load(x, i + j);
+      partial[j] += v * v;
+    }
+  for (; i < k; ++i) {
+    const float v = T::load(x, i);
+    partial[i % 16] += v * v;
+  }
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += partial[j];
+  return 1.f / std::sqrt(sum / float(k) + eps);
+}
+
+// One normalised row in place of out (out may be x): Gemma ((x * r) * (1 + w), rounded once) or
+// Llama (w * round(x * r), rounded), as norm.py's reference does it.
+template <class T>
+inline void norm_row(const typename T::raw* x, const typename T::raw* w, typename T::raw* out, int64_t k,
+                     float eps, bool offset) {
+  const float r = inv_rms<T>(x, k, eps);
+  if (offset) {
+    for (int64_t i = 0; i < k; ++i) T::store(out, i, (T::load(x, i) * r) * (1.f + T::load(w, i)));
+  } else {
+    for (int64_t i = 0; i < k; ++i) T::store(out, i, T::load(w, i) * T::round(T::load(x, i) * r));
+  }
+}
+
+template <class F>
+void for_rows(int64_t rows, int64_t k, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(k, 1));
+  if (rows <= grain) {
+    fn(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, fn);
+  }
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              name, ": float32 or bfloat16");
+}
+
+template <class T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
+                   bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
+  using raw = typename T::raw;
+  const int64_t rows = x.size(0), k = x.size(1);
+  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
+  raw* op = reinterpret_cast<raw*>(out.data_ptr());
+  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
+  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
+  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
+  for_rows(rows, k, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const raw* xr = xp + m * xs;
+      raw* orow = op + m * k;
+      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
+        raw* srow = sp + m * k;
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
+        norm_row<T>(srow, wp, orow, k, eps, offset);
+      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
+      } else {
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+      }
+    }
+  });
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+              weight.scalar_type() == x.scalar_type(), "weight: contiguous [K] in x's dtype");
+}
+
+template <class Fn>
+void dispatch(const torch::Tensor& x, const Fn& fn) {
+  if (x.scalar_type() == torch::kFloat32) fn(F32());
+  else fn(BF16());
+}
+
+// exp(x) for float32: Cephes' range reduction and degree-5 polynomial (about 2 ulps), branch-free so
+// that loops over it vectorize; clamped to float's finite range (exp(-88) ~ 0 is what callers need).
+inline float exp_poly(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return y * scale;
+}
+
+constexpr float kGeluBeta = 0.7978845608028654f;   // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+
+// tanh(u) = sign(u) (1 - 2 / (e^(2|u|) + 1)): near +-1, where GELU's 1 + tanh(u) cancels, the small
+// term is accurate to its own last bits, so the result is as close to float32 rounding as torch's.
+inline float tanh_poly(float u) {
+  const float t = 1.f - 2.f / (exp_poly(2.f * std::fabs(u)) + 1.f);
+  return std::copysign(t, u);
+}
+
+// act(g) in float32 with torch's expression order: 0 SiLU g / (1 + e^-g); 1 GELU tanh
+// (0.5 g) (1 + tanh(beta (g + kappa g^3))); 2 GELU erf.
+template <int KIND>
+inline float activate(float g) {
+  if (KIND == 0) return g / (1.f + exp_poly(-g));
+  if (KIND == 1) {
+    const float u = kGeluBeta * (g + kGeluKappa * (g * g * g));
+    return (0.5f * g) * (1.f + tanh_poly(u));
+  }
+  return 0.5f * g * (1.f + std::erf(g * 0.7071067811865476f));
+}
+
+#ifdef __AVX512F__
+// The same, 16 lanes at a time (the compiler does not vectorize exp_poly's loop by itself).
+inline __m512 exp_poly16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+// 16 lanes of float32 rounded to bf16 (nearest even, NaN quiet) as the top halves of 32-bit lanes.
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+}
+
+template <class T> struct Vec;
+template <> struct Vec<F32> {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static __m512 round(__m512 v) { return v; }
+};
+template <> struct Vec<BF16> {
+  static __m512 load(const uint16_t* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static void store(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+  }
+  static __m512 round(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+};
+
+template <int KIND>
+inline __m512 activate16(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if (KIND == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), g3)));
+  const __m512i sign_bit = _mm512_set1_epi32(int32_t(0x80000000u));
+  const __m512i u_bits = _mm512_castps_si512(u);
+  const __m512 abs_u = _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, u_bits));
+  const __m512 e = exp_poly16(_mm512_add_ps(abs_u, abs_u));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  const __m512 tanh_u = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(u_bits, sign_bit)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh_u));
+}
+#endif
+
+template <class T, int KIND>
+void act_and_mul_impl(const torch::Tensor& gate_up, const torch::Tensor& out) {
+  using raw = typename T::raw;
+  const int64_t rows = gate_up.size(0), d = gate_up.size(1) / 2;
+  const raw* gp = reinterpret_cast<const raw*>(gate_up.data_ptr());
+  raw* op = reinterpret_cast<raw*>(out.data_ptr());
+  const int64_t gs = gate_up.stride(0);
+  for_rows(rows, d, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const raw* g = gp + m * gs;
+      const raw* u = g + d;
+      raw* o = op + m * d;
+      // round(round(act(g)) * u), as act(gate) then the multiply in the activation dtype
+      int64_t i = 0;
+#ifdef __AVX512F__
+      if (KIND != 2) {
+        for (; i + 16 <= d; i += 16) {
+          const __m512 a = Vec<T>::round(activate16<KIND>(Vec<T>::load(g + i)));
+          Vec<T>::store(o + i, _mm512_mul_ps(a, Vec<T>::load(u + i)));
+        }
+      }
+#endif
+      for (; i < d; ++i) T::store(o, i, T::round(activate<KIND>(T::load(g, i))) * T::load(u, i));
+    }
+  });
+}
+
+// Rope (rotate-half layout) of one head row in place, after an optional RMSNorm of it:
+// out[i] = round(round(x[i] c[i]) + round(-x[i + h] s[i])), out[i + h] = round(round(x[i + h] c[i + h])
+// + round(x[i] s[i + h])), as rotary.py's q * cos + rotate_half(q) * sin.
+template <class T>
+inline void norm_rope_row(typename T::raw* x, const typename T::raw* c, const typename T::raw* s,
+                          const typename T::raw* w, float eps, bool offset, int64_t d, float* scratch) {
+  if (w != nullptr) norm_row<T>(x, w, x, d, eps, offset);
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < d; ++i) scratch[i] = T::load(x, i);
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = scratch[i], b = scratch[i + h];
+    T::store(x, i, T::round(a * T::load(c, i)) + T::round(-b * T::load(s, i)));
+    T::store(x, i + h, T::round(b * T::load(c, i + h)) + T::round(a * T::load(s, i + h)));
+  }
+}
+
+template <class T>
+void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
+               const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
+  using raw = typename T::raw;
+  const int64_t tokens = t.size(0), heads = t.size(1), d = t.size(2);
+  raw* tp = reinterpret_cast<raw*>(t.data_ptr());
+  const raw* cp = reinterpret_cast<const raw*>(cos.data_ptr());
+  const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
+  const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
+  const int64_t ts = t.stride(0), hs = t.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(d);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t head = 0; head < heads; ++head)
+        norm_rope_row<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d, scratch.data());
+  });
+}
+
+void check_heads(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
+                 const c10::optional<torch::Tensor>& weight, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) % 2 == 0, name, ": [T, H, D] with contiguous heads, even D");
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.size(0) == t.size(0) && cos.size(1) == t.size(2) && sin.sizes() == cos.sizes(),
+              "cos, sin: [T, D] with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == t.scalar_type() && sin.scalar_type() == t.scalar_type(), "cos, sin in ", name, "'s dtype");
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->dim() == 1 && weight->is_contiguous() && weight->size(0) == t.size(2) &&
+                weight->scalar_type() == t.scalar_type(), name, " norm weight: contiguous [D] in its dtype");
+  }
+}
+
+}  // namespace
+
+// RMSNorm of x [M, K] (rows contiguous, any row stride) -> new contiguous [M, K] in x's dtype;
+// with ``residual``: residual + norm(x) (the add after the norm, Gemma's post-norms).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool offset,
+                       c10::optional<torch::Tensor> residual) {
+  check_norm(x, weight);
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "residual like x");
+  }
+  auto out = torch::empty(x.sizes(), x.options());
+  const torch::Tensor* r = residual.has_value() ? &*residual : nullptr;
+  dispatch(x, [&](auto tag) { rms_norm_impl<decltype(tag)>(x, weight, out, float(eps), offset, r, nullptr); });
+  return out;
+}
+
+// (norm(x + residual), x + residual): the add before the norm (Llama's pre-norm residual stream).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
+                                        bool offset) {
+  check_norm(x, weight);
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual like x");
+  auto out = torch::empty(x.sizes(), x.options());
+  auto sum = torch::empty(x.sizes(), x.options());
+  dispatch(x, [&](auto tag) { rms_norm_impl<decltype(tag)>(x, weight, out, float(eps), offset, &residual, &sum); });
+  return {out, sum};
+}
+
+// q [T, H, D], k [T, Hkv, D] rotated in place (after a per-head RMSNorm where a weight is given).
+void norm_rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+                c10::optional<torch::Tensor> q_weight, c10::optional<torch::Tensor> k_weight, double eps,
+                bool offset) {
+  check_heads(q, cos, sin, q_weight, "q");
+  check_heads(k, cos, sin, k_weight, "k");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(2) == q.size(2), "k like q");
+  dispatch(q, [&](auto tag) {
+    rope_impl<decltype(tag)>(q, cos, sin, q_weight, float(eps), offset);
+    rope_impl<decltype(tag)>(k, cos, sin, k_weight, float(eps), offset);
+  });
+}
+
+// act(gate) * up of gate_up [M, 2d] (rows contiguous) -> new [M, d]; kind 0 SiLU, 1 GELU tanh, 2 GELU erf.
+torch::Tensor act_and_mul(torch::Tensor gate_up, int64_t kind) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: even width");
+  TORCH_CHECK(kind >= 0 && kind <= 2, "kind: 0 silu, 1 gelu tanh, 2 gelu");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    if (kind == 0) act_and_mul_impl<T, 0>(gate_up, out);
+    else if (kind == 1) act_and_mul_impl<T, 1>(gate_up, out);
+    else act_and_mul_impl<T, 2>(gate_up, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
+  m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
+  m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
+}

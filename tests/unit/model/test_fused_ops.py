@@ -1,0 +1,147 @@
+"""The fused decode ops (servelm/model/layers/fused_ops.cpp) against the layers' torch path.
+
+Tolerances: float32 results equal torch's to float32 rounding (a different summation order, exp by
+polynomial); bf16 results within one bf16 rounding step (the same roundings, taken at the same points,
+of float32 values that may differ in the last bits). RoPE alone is bit-equal (the same products).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from servelm.model.layers import fused
+from servelm.model.layers.activation import ActAndMul
+from servelm.model.layers.norm import GemmaRMSNorm, RMSNorm
+from servelm.model.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(fused.load_kernel() is None, reason=f"no fused kernel: {fused.kernel_status()}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    fused.set_enabled(False)
+    try:
+        yield
+    finally:
+        fused.set_enabled(True)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
+    else:  # one bf16 step (2^-8 relative) at most
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=1e-5)
+
+
+def make_norm(kind: type, dim: int, dtype: torch.dtype) -> torch.nn.Module:
+    norm = kind(dim, eps=1e-6).to(dtype)
+    norm.weight.data.normal_(0.0, 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("rows,dim", [(1, 640), (5, 37), (32, 896)])
+def test_norm_and_residual_adds(kind: type, dtype: torch.dtype, rows: int, dim: int) -> None:
+    torch.manual_seed(0)
+    norm = make_norm(kind, dim, dtype)
+    x = torch.randn(rows, dim, dtype=dtype) * 3
+    residual = torch.randn(rows, dim, dtype=dtype)
+    assert fused.applies(x)
+    with torch_path():
+        assert not fused.applies(x)
+        expected = norm(x), norm(x, residual), norm.add_norm(x, residual)
+    actual = norm(x), norm(x, residual), norm.add_norm(x, residual)
+    assert_close(actual[0], expected[0])
+    assert_close(actual[1], expected[1])
+    assert_close(actual[2][0], expected[2][0])
+    assert torch.equal(actual[2][1], expected[2][1])           # the sum is one rounding, as torch's
+
+
+def test_norm_reads_strided_rows_and_keeps_leading_dims() -> None:
+    torch.manual_seed(1)
+    norm = make_norm(GemmaRMSNorm, 64, torch.bfloat16)
+    wide = torch.randn(3, 200, dtype=torch.bfloat16)
+    x = wide[:, 10:74]                                          # rows 200 apart
+    with torch_path():
+        expected = norm(x)
+    assert_close(norm(x), expected)
+    heads = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    with torch_path():
+        expected = norm(heads)
+    assert_close(norm(heads), expected)
+
+
+def test_many_rows_and_other_dtypes_keep_the_torch_path() -> None:
+    assert not fused.applies(torch.zeros(fused.MAX_ROWS + 1, 8))
+    assert fused.applies(torch.zeros(fused.MAX_ROWS, 8))
+    assert not fused.applies(torch.zeros(2, 8, dtype=torch.float16))
+    norm = make_norm(RMSNorm, 16, torch.float32)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)               # weight dtype differs: torch's promotion
+    assert norm(x).dtype == torch.float32
+
+
+def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype) * 2
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_kind", [None, RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 1, 256), (3, 14, 2, 64), (7, 3, 3, 10)])
+def test_norm_rope_in_place(dtype: torch.dtype, norm_kind: type | None, tokens: int, heads: int, kv_heads: int,
+                            head_dim: int) -> None:
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    norms = (None, None) if norm_kind is None else (make_norm(norm_kind, head_dim, dtype),
+                                                     make_norm(norm_kind, head_dim, dtype))
+    positions = torch.arange(tokens) * 37 + 5
+    q, k = qkv_views(tokens, heads, kv_heads, head_dim, dtype)
+    with torch_path():
+        expected_q, expected_k = rope(positions, q, k, None, *norms)
+    actual_q, actual_k = rope(positions, q.clone(), k.clone(), None, *norms)
+    assert_close(actual_q, expected_q)
+    assert_close(actual_k, expected_k)
+    if norm_kind is None:   # rope alone: the same roundings of the same products, bit for bit
+        assert torch.equal(actual_q, expected_q) and torch.equal(actual_k, expected_k)
+    fused_q, _ = rope(positions, q, k, None, *norms)
+    assert fused_q.data_ptr() == q.data_ptr()                    # in place on the QKV output
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("rows,width", [(1, 2048), (4, 37), (32, 80)])
+def test_act_and_mul(activation: str, dtype: torch.dtype, rows: int, width: int) -> None:
+    torch.manual_seed(3)
+    act = ActAndMul(activation)
+    gate_up = torch.randn(rows, 2 * width, dtype=dtype) * 4
+    with torch_path():
+        expected = act(gate_up)
+    actual = act(gate_up)
+    # exp and tanh differ from torch's (Sleef) in the last bits of float32, which shows where
+    # 1 + tanh(u) cancels (GELU of large negative inputs, outputs ~1e-4): 2e-5 absolute there
+    atol = 2e-5 * (1 + gate_up.abs().max().item())
+    rtol = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+    assert actual.dtype == dtype and actual.shape == (rows, width)
+
+
+def test_without_a_built_kernel_the_layers_keep_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler or ninja: ``load_kernel`` gave None, and every layer runs its torch ops."""
+    norm = make_norm(GemmaRMSNorm, 64, torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch_path():
+        expected = norm(x, x)
+    monkeypatch.setattr(fused, "_module_loaded", None)
+    assert not fused.applies(x)
+    assert torch.equal(norm(x, x), expected)
+    assert torch.equal(ActAndMul("silu")(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
