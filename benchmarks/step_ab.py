@@ -11,6 +11,7 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -62,6 +63,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             activation._CONTIGUOUS_GELU.update(saved)
+    elif change == "lm_head_screen":
+        from servelm.model.layers import lm_head_screen
+        limit = lm_head_screen.MAX_SCREEN_ROWS
+        lm_head_screen.MAX_SCREEN_ROWS = 0
+        try:
+            yield
+        finally:
+            lm_head_screen.MAX_SCREEN_ROWS = limit
     else:
         raise SystemExit(f"unknown change {change!r}")
 
