@@ -7,10 +7,11 @@ inputs by lm_head_screen.cpp; the Q8_0 scales are shared) and for such rows:
 1. ``screen_logits`` reads the 5-bit copy (0.625 + 0.125 bytes per weight instead of 1 + 0.125)
    and returns per vocabulary row an approximation ``S`` and a bound factor ``D`` such that the
    logit the exact int16 kernel computes (``gguf_kernel.block_linear_a16``, the full head's
-   kernel) lies within ``S +- bound``, ``bound = (3.5 + margin) * D`` (the derivation is at the
-   top of lm_head_screen.cpp: the screen's code is within 3.5 of the exact one, and the two
-   kernels round the activations identically; ``margin`` covers float32 summation error with
-   ~100x room);
+   kernel) lies within ``S +- bound``, ``bound = (3.5 + margin) * D`` (derivation at the top of
+   lm_head_screen.cpp: the screen's code is within 3.5 of the exact one, and the two kernels
+   round the activations identically; ``margin`` covers float32 summation error 8x over). Int8
+   activations (one VNNI product instead of two) measured no faster and, with the rounding
+   difference in the bound, gave 10x the candidates;
 2. the candidates are the rows whose upper bound reaches the best lower bound: every other row's
    exact logit is strictly below some candidate's, so it can be neither the argmax nor tie it;
 3. the exact logits of the candidates come from the same kernel on the gathered rows (the kernel
@@ -49,7 +50,13 @@ CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
 ROUNDING_MARGIN = 5e-3
 """Added to CODE_ERROR for float32 rounding: both kernels sum at most ~500 * D in absolute terms
-(|c| <= 127, |8u - 124.5| <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6)."""
+(|c| <= 127, |16 u - 249| / 2 <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6):
+6e-4 * D, here 8x over."""
+WINDOW_ROWS = 64
+"""The screen watches its last this many rows: when more than MAX_FALLBACK_SHARE of them took the
+full head, it turns itself off for good (logged). A model whose hidden states have a few huge
+channels (Qwen2.5: every row) makes every bound too loose; the screen then only costs time."""
+MAX_FALLBACK_SHARE = 0.25
 MAX_CANDIDATES = 4096
 """Above this many candidates a row takes the full head: the gathered exact pass then costs a
 sizeable part of the full head (gemma3-270m: median ~60, p99 in the hundreds)."""
@@ -66,11 +73,22 @@ class ScreenStats:
     candidates: list[int] = field(default_factory=list)
     """Candidate-set size per screened row (the last 100,000)."""
 
-    def record(self, counts: list[int], fallbacks: int) -> None:
+    recent_fallbacks: list[bool] = field(default_factory=list)
+    """Whether each of the last WINDOW_ROWS rows took the full head."""
+
+    def record(self, counts: list[int], fallbacks: list[bool]) -> None:
         self.rows += len(counts)
-        self.fallbacks += fallbacks
+        self.fallbacks += sum(fallbacks)
         self.candidates.extend(counts)
         del self.candidates[:-100_000]
+        self.recent_fallbacks.extend(fallbacks)
+        del self.recent_fallbacks[:-WINDOW_ROWS]
+
+    @property
+    def is_paying(self) -> bool:
+        """False once a full window of rows took the full head too often."""
+        window = self.recent_fallbacks
+        return len(window) < WINDOW_ROWS or sum(window) <= MAX_FALLBACK_SHARE * len(window)
 
 
 class LMHeadScreen:
@@ -86,6 +104,8 @@ class LMHeadScreen:
         self.packed = screen_kernel.pack_screen(weight.codes)
         """[vocab, hidden / 64 * 40] uint8: the 5-bit codes (lm_head_screen.cpp)."""
         self.stats = ScreenStats()
+        self.is_enabled = True
+        """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
 
     @property
     def nbytes(self) -> int:
@@ -118,15 +138,22 @@ class LMHeadScreen:
         counts: list[int] = is_candidate.sum(dim=1).tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
         full_rows = [i for i in range(n) if i not in set(screened)]
-        fallbacks = 0
+        fallbacks = []
         for position, row in enumerate(screened):
-            if counts[position] > self.max_candidates or not torch.isfinite(lower[position]).item():
+            fallbacks.append(counts[position] > self.max_candidates or not torch.isfinite(lower[position]).item()
+                             or not torch.isfinite(hidden[row]).all().item())
+            if fallbacks[-1]:
                 full_rows.append(row)
-                fallbacks += 1
                 continue
             candidates = is_candidate[position].nonzero().squeeze(1)
             out[row, candidates] = self.exact(hidden[row:row + 1], candidates)[0]
         self.stats.record(counts, fallbacks)
+        if self.is_enabled and not self.stats.is_paying:
+            self.is_enabled = False
+            logger.warning("LM-head screen: off from now on: %d of the last %d greedy rows had more than %d "
+                           "candidates (the bound is too loose for this model's hidden states), so they "
+                           "paid for the screen and the full head", sum(self.stats.recent_fallbacks),
+                           len(self.stats.recent_fallbacks), self.max_candidates)
         if full_rows:
             full_rows.sort()
             index = torch.tensor(full_rows)
@@ -163,10 +190,11 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
                     "turns it off")
 
 
-MAX_SCREEN_ROWS = 4
-"""Most argmax rows in a step the screen takes (benchmarks/step_ab.py --change lm_head_screen): at
-one row it reads ~2/3 of the head's bytes; from 8 rows on the kernels are bound by arithmetic, not
-memory, and the screen (as much arithmetic per row as the exact kernel, plus the candidates) loses."""
+MAX_SCREEN_ROWS = 1
+"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py): at one row it reads
+~2/3 of the head's bytes (gemma3-270m, 1 thread: 8.2 against 9.0 ms); from 2 rows on the kernels
+are bound by arithmetic, not memory, and the screen (as much arithmetic per row as the exact
+kernel, plus the candidates) loses (2 rows: 11.4 against 10.2 ms; 8: 47 against 27)."""
 
 
 def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: torch.device,
@@ -190,7 +218,7 @@ def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden:
     argmax rows, at most MAX_SCREEN_ROWS of them, and no more logits rows than the head's kernel
     takes (above, the full head's rows would run its dense GEMM, whose logits round differently;
     split off, they must be the rows the full head gives)."""
-    if screen is None or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
+    if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
         return None
     head = model.lm_head
     if hidden.shape[0] > head.gguf_kernel_max_rows or hidden.device.type != "cpu":

@@ -21,7 +21,7 @@ from servelm.model.layers.embedding import LMHead
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
-from servelm.model.layers.lm_head_screen import KERNEL, LMHeadScreen, build_screen
+from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
 from servelm.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(load_kernel() is None or KERNEL.load() is None,
@@ -50,7 +50,7 @@ def test_bound_holds_for_random_and_adversarial_vectors() -> None:
     screen = screen_for(weight)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(24, 256, generator=generator) * torch.rand(24, 256, generator=generator).pow(4) * 50
-    # adversarial: each vector's signs follow one row's screen error (c - c'), every input at full size
+    # adversarial: each vector's signs follow one row's screen error (c - c'), every input near full size
     codes = weight.codes[:8].int()
     error = codes - (8 * (codes >> 3) + 3.5)
     adversarial = torch.sign(error) * torch.rand(8, 256, generator=generator).add(0.9)
@@ -101,6 +101,10 @@ def test_too_many_candidates_fall_back_to_the_full_head() -> None:
     logits = screen.logits(head, x, [0, 2])
     assert torch.equal(logits, head(x))
     assert screen.stats.fallbacks == 2
+    # a model whose rows keep falling back turns the screen off (after a full window of rows)
+    while screen.is_enabled:
+        screen.logits(head, x, [0, 1, 2])
+    assert screen.stats.rows >= WINDOW_ROWS
 
 
 def test_rows_that_are_not_argmax_rows_get_the_full_head() -> None:
