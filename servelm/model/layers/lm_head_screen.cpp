@@ -3,8 +3,9 @@
 //
 // A Q8_0 row is codes c (int8 in [-127, 127]) with one float scale d per 32 inputs. The screen
 // keeps s = c >> 3 (floor(c / 8), in [-16, 15]) as u = s + 16 in [0, 31]: 5 bits per weight, packed
-// per 64 inputs as 32 bytes of u >> 1 (low nibble: input j, high nibble: input j + 32) followed by
-// 8 bytes holding u & 1 as a bit mask (bit j: input j): 40 bytes per 64 inputs. The screen's code
+// per 128 inputs as 64 bytes of u >> 1 (low nibble: input j, high nibble: input j + 64; one 512-bit
+// load serves two steps) followed by 16 bytes holding u & 1 as bit masks (bit j of the first 8:
+// input j; of the next 8: input 64 + j): 80 bytes per 128 inputs. The screen's code
 // is the middle of the 8 codes that share s: c' = 8 s + 3.5, so |c - c'| <= 3.5.
 //
 // Activations are rounded exactly as the exact int16 kernel (gguf_kernel.cpp, Int16Activations)
@@ -26,20 +27,21 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kStep = 64;          // inputs per 512-bit step
-constexpr int64_t kStepBytes = 40;     // packed bytes per step: 32 nibble bytes + 8 bit-mask bytes
+constexpr int64_t kPair = 128;         // inputs per packed group (two steps)
+constexpr int64_t kPairBytes = 80;     // packed bytes per group: 64 nibble bytes + 16 bit-mask bytes
 
 // The exact kernel's int16 activation rounding (gguf_kernel.cpp Int16Activations), plus the
 // per-block sums the screen needs. rows x k.
 struct Activations {
   std::vector<int8_t> high;
   std::vector<uint8_t> low;
-  std::vector<float> lane_scales;   // dx / 2 per 4 inputs (16 lanes per step): S sums (2 c') . q
-  std::vector<int32_t> lane_offsets;  // 249 * (sum of the lane's 4 q): the -249 q of 2 c' = 16 u - 249
+  std::vector<float> lane_scales;   // 8 dx per 4 inputs (16 lanes per step): the scale of u . q
+  std::vector<float> offset_terms;  // dx_b * Q_b per block: c' = 8 u - 124.5 subtracts 124.5 of it
   std::vector<float> abs_terms;     // dx_b * A_b per block
   int64_t k;
 
   Activations(const float* x, int64_t rows, int64_t k_)
-      : high(rows * k_), low(rows * k_), lane_scales(rows * (k_ / 4)), lane_offsets(rows * (k_ / 4)),
+      : high(rows * k_), low(rows * k_), lane_scales(rows * (k_ / 4)), offset_terms(rows * (k_ / kBlock)),
         abs_terms(rows * (k_ / kBlock)), k(k_) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -50,19 +52,18 @@ struct Activations {
         const float inv = d > 0.f ? 1.f / d : 0.f;
         int8_t* hb = high.data() + r * k + b * kBlock;
         uint8_t* lb = low.data() + r * k + b * kBlock;
-        int64_t abs_sum = 0;
-        int32_t* offsets = lane_offsets.data() + r * (k / 4) + b * (kBlock / 4);
+        int64_t sum = 0, abs_sum = 0;
         for (int i = 0; i < kBlock; ++i) {
           const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
           const int hi = v >= 0 ? v / 256 : -((-v + 255) / 256);   // floor(v / 256)
           hb[i] = static_cast<int8_t>(hi);
           lb[i] = static_cast<uint8_t>(v - hi * 256);
-          if (i % 4 == 0) offsets[i / 4] = 0;
-          offsets[i / 4] += 249 * v;
+          sum += v;
           abs_sum += v >= 0 ? v : -v;
         }
         float* lanes = lane_scales.data() + r * (k / 4) + b * (kBlock / 4);
-        for (int i = 0; i < kBlock / 4; ++i) lanes[i] = 0.5f * d;
+        for (int i = 0; i < kBlock / 4; ++i) lanes[i] = 8.f * d;
+        offset_terms[r * (k / kBlock) + b] = d * static_cast<float>(sum);
         abs_terms[r * (k / kBlock) + b] = d * static_cast<float>(abs_sum);
       }
     }
@@ -81,49 +82,56 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 // ROWS activation rows against one packed weight row: out_s[r] = S, out_d[r] = D (see the top).
+// One 64-input step of ROWS activation rows against weight codes u (unsigned, [0, 31]) with block
+// scales ws: acc += 8 dx ws (u . q), q = 256 hi + lo (u unsigned against signed hi, and u < 128
+// signed against unsigned lo, as the exact kernel does with w).
+template <int ROWS>
+inline void screen_step(const __m512i u, const __m512 ws, const int8_t* const* xh, const uint8_t* const* xl,
+                        const float* const* xs, int64_t c, __m512* acc) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512i dh = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512(xh[r] + c * kStep));
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), _mm512_loadu_si512(xl[r] + c * kStep), u);
+    const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + c * 16));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
+  }
+}
+
+// ROWS activation rows against one packed weight row: out_s[r] = S, out_d[r] = D (see the top).
 template <int ROWS>
 void screen_dot(const Activations& acts, const uint8_t* w, const float* w_scales, int64_t r0,
                 float* out_s, float* out_d) {
-  const int64_t k = acts.k, nb = k / kBlock, steps = k / kStep;
+  const int64_t k = acts.k, nb = k / kBlock, pairs = k / kPair;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i one = _mm512_set1_epi8(1);
   const __m512i scale_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const int8_t* xh[ROWS];
   const uint8_t* xl[ROWS];
   const float* xs[ROWS];
-  const int32_t* xo[ROWS];
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     xh[r] = acts.high.data() + (r0 + r) * k;
     xl[r] = acts.low.data() + (r0 + r) * k;
     xs[r] = acts.lane_scales.data() + (r0 + r) * (k / 4);
-    xo[r] = acts.lane_offsets.data() + (r0 + r) * (k / 4);
     acc[r] = _mm512_setzero_ps();
   }
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t c = 0; c < steps; ++c) {
-    const uint8_t* p = w + c * kStepBytes;
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-    const __m512i half = _mm512_and_si512(both, nibble);
-    uint64_t bits;
-    std::memcpy(&bits, p + 32, 8);
-    const __m512i u = _mm512_mask_add_epi8(_mm512_add_epi8(half, half), static_cast<__mmask64>(bits),
-                                           _mm512_add_epi8(half, half), one);   // u in [0, 31]
-    const __m512 ws = _mm512_permutexvar_ps(scale_index, _mm512_castps128_ps512(_mm_maskz_loadu_ps(0x3, w_scales + c * 2)));
-    for (int r = 0; r < ROWS; ++r) {
-      // u . q with q = 256 hi + lo: u is unsigned against signed hi, and (u < 128) signed against unsigned lo
-      const __m512i dh = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512(xh[r] + c * kStep));
-      const __m512i d = _mm512_dpbusd_epi32(_mm512_slli_epi32(dh, 8), _mm512_loadu_si512(xl[r] + c * kStep), u);
-      // (2 c') . q = 16 (u . q) - 249 (sum of q), per lane: |.| < 2^27, converted to float with one rounding
-      const __m512i twice = _mm512_sub_epi32(_mm512_slli_epi32(d, 4), _mm512_loadu_si512(xo[r] + c * 16));
-      const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(xs[r] + c * 16));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(twice), scale, acc[r]);
+  for (int64_t g = 0; g < pairs; ++g) {
+    const uint8_t* p = w + g * kPairBytes;
+    const __m512i packed = _mm512_loadu_si512(p);
+    uint64_t bits[2];
+    std::memcpy(bits, p + 64, 16);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i h = _mm512_and_si512(half == 0 ? packed : _mm512_srli_epi16(packed, 4), nibble);
+      const __m512i twice = _mm512_add_epi8(h, h);
+      const __m512i u = _mm512_mask_add_epi8(twice, static_cast<__mmask64>(bits[half]), twice, one);
+      const int64_t c = 2 * g + half;
+      const __m512 ws = _mm512_permutexvar_ps(scale_index, _mm512_castps128_ps512(_mm_maskz_loadu_ps(0x3, w_scales + c * 2)));
+      screen_step<ROWS>(u, ws, xh, xl, xs, c, acc);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
     const int64_t row = r0 + r;
-    out_s[r] = _mm512_reduce_add_ps(acc[r]);
+    out_s[r] = _mm512_reduce_add_ps(acc[r]) - 124.5f * dot_f32(w_scales, acts.offset_terms.data() + row * nb, nb);
     out_d[r] = dot_f32(w_scales, acts.abs_terms.data() + row * nb, nb);
   }
 }
@@ -134,23 +142,23 @@ void screen_dot(const Activations& acts, const uint8_t* w, const float* w_scales
 torch::Tensor pack_screen(torch::Tensor codes) {
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
   const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(k % kStep == 0, "K must be a multiple of 64");
-  auto out = torch::zeros({n, k / kStep * kStepBytes}, codes.options().dtype(torch::kUInt8));
+  TORCH_CHECK(k % kPair == 0, "K must be a multiple of 128");
+  auto out = torch::zeros({n, k / kPair * kPairBytes}, codes.options().dtype(torch::kUInt8));
   const int8_t* c = codes.data_ptr<int8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      for (int64_t s = 0; s < k / kStep; ++s) {
-        const int8_t* cs = c + row * k + s * kStep;
-        uint8_t* os = o + row * (k / kStep * kStepBytes) + s * kStepBytes;
-        uint64_t bits = 0;
-        for (int j = 0; j < kStep; ++j) {
+      for (int64_t g = 0; g < k / kPair; ++g) {
+        const int8_t* cs = c + row * k + g * kPair;
+        uint8_t* os = o + row * (k / kPair * kPairBytes) + g * kPairBytes;
+        uint64_t bits[2] = {0, 0};
+        for (int j = 0; j < kPair; ++j) {
           const int u = (static_cast<int>(cs[j]) >> 3) + 16;   // arithmetic shift: floor(c / 8)
-          if (j < 32) os[j] = static_cast<uint8_t>(os[j] | ((u >> 1) & 0x0F));
-          else os[j - 32] = static_cast<uint8_t>(os[j - 32] | (((u >> 1) & 0x0F) << 4));
-          if (u & 1) bits |= (uint64_t{1} << j);
+          const int half = j / kStep, lane = j % kStep;
+          os[lane] = static_cast<uint8_t>(os[lane] | (((u >> 1) & 0x0F) << (4 * half)));
+          if (u & 1) bits[half] |= (uint64_t{1} << lane);
         }
-        std::memcpy(os + 32, &bits, 8);
+        std::memcpy(os + kStep, bits, 16);
       }
     }
   });
@@ -161,8 +169,8 @@ torch::Tensor pack_screen(torch::Tensor codes) {
 std::vector<torch::Tensor> screen_logits(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(k % kStep == 0 && packed.dtype() == torch::kUInt8 && packed.is_contiguous()
-              && packed.size(1) == k / kStep * kStepBytes, "packed: uint8 [N, K / 64 * 40]");
+  TORCH_CHECK(k % kPair == 0 && packed.dtype() == torch::kUInt8 && packed.is_contiguous()
+              && packed.size(1) == k / kPair * kPairBytes, "packed: uint8 [N, K / 128 * 80]");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == n
               && scales.size(1) == k / kBlock, "scales: float32 [N, K / 32]");
   auto s_out = torch::empty({rows, n}, x.options());
@@ -173,7 +181,7 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor x, torch::Tensor packed, 
   const float* sc = scales.data_ptr<float>();
   float* so = s_out.data_ptr<float>();
   float* dout = d_out.data_ptr<float>();
-  const int64_t row_bytes = k / kStep * kStepBytes, nb = k / kBlock;
+  const int64_t row_bytes = k / kPair * kPairBytes, nb = k / kBlock;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float s_tile[4], d_tile[4];
     for (int64_t n0 = begin; n0 < end; n0 += 32) {

@@ -1,7 +1,7 @@
 """Exact greedy LM-head screen: the argmax of a Q8_0 GGUF LM head without reading all of it.
 
 A greedy row with no logprobs and no logit processors needs only the argmax of its logits. The
-screen keeps, beside the Q8_0 head, the top 5 bits of each code (``c >> 3``, packed 40 bytes per 64
+screen keeps, beside the Q8_0 head, the top 5 bits of each code (``c >> 3``, packed 80 bytes per 128
 inputs by lm_head_screen.cpp; the Q8_0 scales are shared) and for such rows:
 
 1. ``screen_logits`` reads the 5-bit copy (0.625 + 0.125 bytes per weight instead of 1 + 0.125)
@@ -50,7 +50,7 @@ CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
 ROUNDING_MARGIN = 5e-3
 """Added to CODE_ERROR for float32 rounding: both kernels sum at most ~500 * D in absolute terms
-(|c| <= 127, |16 u - 249| / 2 <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6):
+(|c| <= 127, |8 u - 124.5| <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6):
 6e-4 * D, here 8x over."""
 WINDOW_ROWS = 64
 """The screen watches its last this many rows: when more than MAX_FALLBACK_SHARE of them took the
@@ -102,7 +102,7 @@ class LMHeadScreen:
         self.screen_kernel = screen_kernel
         self.max_candidates = max_candidates
         self.packed = screen_kernel.pack_screen(weight.codes)
-        """[vocab, hidden / 64 * 40] uint8: the 5-bit codes (lm_head_screen.cpp)."""
+        """[vocab, hidden / 128 * 80] uint8: the 5-bit codes (lm_head_screen.cpp)."""
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
@@ -179,8 +179,8 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
         return None, "off (the LM head is not Q8_0)"
     if getattr(head, "final_softcap", None) is not None:
         return None, "off (logit softcapping could tie rows the screen separates)"
-    if weight.codes.shape[1] % 64:
-        return None, "off (hidden size not a multiple of 64)"
+    if weight.codes.shape[1] % 128:
+        return None, "off (hidden size not a multiple of 128)"
     kernel, screen_kernel = load_kernel(), KERNEL.load()
     if kernel is None or screen_kernel is None:
         return None, f"off ({KERNEL.status()})"

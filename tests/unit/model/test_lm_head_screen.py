@@ -118,7 +118,7 @@ def test_rows_that_are_not_argmax_rows_get_the_full_head() -> None:
 
 
 def test_built_only_where_exact() -> None:
-    head, weight = q8_head(100, 64)
+    head, weight = q8_head(100, 128)
     model = torch.nn.Module()
     model.lm_head = head
     cpu = torch.device("cpu")
