@@ -208,7 +208,57 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor x, torch::Tensor packed, 
   return {s_out, d_out};
 }
 
+// The candidates of each row of x: the vocabulary rows whose upper bound S + e D reaches the
+// largest lower bound S - e D (e = code_error: 3.5 plus the rounding margin), ascending. Returns
+// [counts (int64 [M]), then per row its ids (int64), empty where the count exceeds max_candidates].
+std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                             double code_error, int64_t max_candidates) {
+  const std::vector<torch::Tensor> sd = screen_logits(x, packed, scales);
+  const int64_t rows = x.size(0), n = packed.size(0);
+  const float e = static_cast<float>(code_error);
+  auto counts = torch::zeros({rows}, torch::kInt64);
+  std::vector<torch::Tensor> out{counts};
+  std::vector<int32_t> ids(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = sd[0].data_ptr<float>() + r * n;
+    const float* d = sd[1].data_ptr<float>() + r * n;
+    const __m512 ev = _mm512_set1_ps(e);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+      best = _mm512_max_ps(best, _mm512_fnmadd_ps(ev, _mm512_loadu_ps(d + j), _mm512_loadu_ps(s + j)));
+    float lower = _mm512_reduce_max_ps(best);
+    for (; j < n; ++j) lower = std::max(lower, s[j] - e * d[j]);   // the same fnmadd rounding below
+    const __m512 lv = _mm512_set1_ps(lower);
+    int64_t count = 0;
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (j = 0; j + 16 <= n; j += 16) {
+      const __m512 upper = _mm512_fmadd_ps(ev, _mm512_loadu_ps(d + j), _mm512_loadu_ps(s + j));
+      const __mmask16 hit = _mm512_cmp_ps_mask(upper, lv, _CMP_GE_OQ);
+      if (hit) {
+        _mm512_mask_compressstoreu_epi32(ids.data() + count, hit, index);
+        count += __builtin_popcount(hit);
+      }
+      index = _mm512_add_epi32(index, sixteen);
+    }
+    for (; j < n; ++j)
+      if (std::fma(e, d[j], s[j]) >= lower) ids[count++] = static_cast<int32_t>(j);
+    counts[r] = count;
+    if (count > max_candidates) {
+      out.push_back(torch::empty({0}, torch::kInt64));
+    } else {
+      auto row_ids = torch::empty({count}, torch::kInt64);
+      int64_t* o = row_ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < count; ++i) o[i] = ids[i];
+      out.push_back(row_ids);
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("screen_candidates", &screen_candidates, "(counts [M], then each row's candidate ids)");
   m.def("pack_screen", &pack_screen, "Q8_0 codes [N, K] int8 -> the screen's packed 5-bit rows");
   m.def("screen_logits", &screen_logits, "(approximate logits S, bound factor D) of every row, [M, N] each");
 }

@@ -132,21 +132,21 @@ class LMHeadScreen:
         vocab = self.weight.codes.shape[0]
         screened = sorted(set(argmax_rows))
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
-        approx, bound = self.bounds(hidden[screened])
-        lower = (approx - bound).amax(dim=1, keepdim=True)
-        is_candidate = (approx + bound).ge_(lower)   # [m, vocab]
-        counts: list[int] = is_candidate.sum(dim=1).tolist()
+        x = hidden[screened].float().contiguous()
+        counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
+            x, self.packed, self.weight.scales, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
+        counts: list[int] = counts_tensor.tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
         full_rows = [i for i in range(n) if i not in set(screened)]
         fallbacks = []
         for position, row in enumerate(screened):
-            fallbacks.append(counts[position] > self.max_candidates or not torch.isfinite(lower[position]).item()
-                             or not torch.isfinite(hidden[row]).all().item())
+            candidates = row_candidates[position]
+            fallbacks.append(counts[position] > self.max_candidates or counts[position] == 0
+                             or not torch.isfinite(x[position]).all().item())
             if fallbacks[-1]:
                 full_rows.append(row)
                 continue
-            candidates = is_candidate[position].nonzero().squeeze(1)
-            out[row, candidates] = self.exact(hidden[row:row + 1], candidates)[0]
+            out[row, candidates] = self.exact(x[position:position + 1], candidates)[0]
         self.stats.record(counts, fallbacks)
         if self.is_enabled and not self.stats.is_paying:
             self.is_enabled = False

@@ -96,8 +96,8 @@ def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id() -> None:
 
 def test_too_many_candidates_fall_back_to_the_full_head() -> None:
     head, weight = q8_head(1000, 128, seed=3)
-    screen = screen_for(weight, max_candidates=1)
-    x = torch.randn(3, 128) * 0.01   # small logits: many rows within the bound
+    screen = screen_for(weight, max_candidates=0)   # every row has at least one candidate
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     logits = screen.logits(head, x, [0, 2])
     assert torch.equal(logits, head(x))
     assert screen.stats.fallbacks == 2
@@ -199,3 +199,19 @@ def test_long_greedy_outputs_are_the_same_with_and_without_the_screen(engine: LL
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     requests = [(engine.tokenizer.encode(p), params) for p in prompts]
     assert run(engine, requests, True, one_at_a_time=True) == run(engine, requests, False, one_at_a_time=True)
+
+
+def test_the_kernels_candidates_are_the_bounds_candidates() -> None:
+    head, weight = q8_head(3000, 256, seed=5)
+    screen = screen_for(weight)
+    x = torch.randn(3, 256) * 3
+    approx, bound = screen.bounds(x)
+    counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, weight.scales, 3.505, 4096)
+    for row in range(3):
+        lower = (approx[row] - bound[row]).max()
+        expected = ((approx[row] + bound[row]) >= lower).nonzero().squeeze(1)
+        # the kernel rounds S + e D once (fma) where torch rounds twice: ids at the edge may differ
+        assert abs(len(ids[row]) - len(expected)) <= 2 and int(counts[row]) == len(ids[row])
+        assert torch.equal(ids[row], ids[row].sort().values)
+        full_argmax = head(x[row:row + 1]).argmax()
+        assert full_argmax in ids[row]
