@@ -190,11 +190,11 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
                     "turns it off")
 
 
-MAX_SCREEN_ROWS = 1
-"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py): at one row it reads
-~2/3 of the head's bytes (gemma3-270m, 1 thread: 8.2 against 9.0 ms); from 2 rows on the kernels
-are bound by arithmetic, not memory, and the screen (as much arithmetic per row as the exact
-kernel, plus the candidates) loses (2 rows: 11.4 against 10.2 ms; 8: 47 against 27)."""
+MAX_SCREEN_ROWS = 2
+"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1
+thread): at one row it reads ~2/3 of the head's bytes (6.4 against 9.9 ms), at two 9.5 against
+11.0; from 4 rows on the kernels are bound by arithmetic, not memory, and the screen (as much
+arithmetic per row as the exact kernel, plus the candidates) loses (8 rows: 39 against 28 ms)."""
 
 
 def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: torch.device,
