@@ -178,8 +178,11 @@ def test_greedy_tokens_are_the_same_with_and_without_the_screen(engine: LLMEngin
     on = run(engine, requests, True, one_at_a_time=True)
     assert screen.stats.rows - before >= 3 * 15   # every decode row was screened
     assert on == run(engine, requests, False, one_at_a_time=True)
-    # batched (the body rounds a batch differently from single rows: compare batched with batched)
-    assert run(engine, requests, True) == run(engine, requests, False)
+    # two rows in a step, both screened (the body rounds a batch differently from single rows:
+    # compare batched with batched)
+    before = screen.stats.rows
+    assert run(engine, requests[:2], True) == run(engine, requests[:2], False)
+    assert screen.stats.rows - before >= 2 * 15
 
 
 def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine) -> None:
