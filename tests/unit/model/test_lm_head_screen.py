@@ -182,7 +182,7 @@ def test_greedy_tokens_are_the_same_with_and_without_the_screen(engine: LLMEngin
     # compare batched with batched)
     before = screen.stats.rows
     assert run(engine, requests[:2], True) == run(engine, requests[:2], False)
-    assert screen.stats.rows - before >= 2 * 15
+    assert screen.stats.rows - before >= 2 * 15 and screen.is_enabled
 
 
 def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine) -> None:
