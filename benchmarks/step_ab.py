@@ -19,6 +19,7 @@ with and without the change (prefix cache off), and whether every output is iden
   ``torch.mm`` on V as it lies (bf16 only).
 - ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
   limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
+- ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -114,6 +115,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             gguf_linear.BF16_KERNEL_MAX_ROWS.update(saved_rows)
+    elif change == "lm_head_screen":
+        from servelm.model.layers import lm_head_screen
+        limit = lm_head_screen.MAX_SCREEN_ROWS
+        lm_head_screen.MAX_SCREEN_ROWS = 0
+        try:
+            yield
+        finally:
+            lm_head_screen.MAX_SCREEN_ROWS = limit
     else:
         raise SystemExit(f"unknown change {change!r}")
 

@@ -506,6 +506,13 @@ class RuntimeConfig:
         "for it: beside one busy core a 2-thread decode kept a quarter of its quiet speed, 1 thread "
         "all of it (benchmarks/busy_core.py). Tensor- and pipeline-parallel ranks are pinned to "
         "their own cores and keep their count.")
+    disable_lm_head_screen: bool = opt(
+        False, "Compute every greedy token from the full LM head. By default, where the LM head is "
+        "one unsharded Q8_0 GGUF weight run by the AVX512-VNNI kernel (int16 activations), greedy "
+        "rows without logprobs or logit processors first score every vocabulary row from a 5-bit "
+        "copy of the head with a rigorous error bound, then compute exactly, with the same kernel, "
+        "only the rows that could still be the argmax: the same token, fewer bytes read per token "
+        "(servelm/model/layers/lm_head_screen.py; the copy costs 5/8 byte per weight).")
     omp_wait_policy: str = opt(
         "default", "How the OpenMP threads of the engine and rank processes wait when a parallel "
         "region ends: passive (sleep at once: OMP_WAIT_POLICY=PASSIVE), active (spin), or default "

@@ -19,7 +19,7 @@ from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput, StepResu
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.logprobs import gather_logprobs
-from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs, needs_only_argmax
 from servelm.spec.tree import accept_tree, path_tokens
 from servelm.spec.typical import TypicalAcceptance
 from servelm.spec.verify import accept_point_mass, rejection_sample
@@ -76,6 +76,21 @@ class Runner(Protocol):
     def shutdown(self) -> None: ...
 
 
+def argmax_rows(output: SchedulerOutput) -> list[int]:
+    """The plan's logits rows of which this step reads only the argmax: the sampled row of each
+    plainly greedy request (``needs_only_argmax``) without a grammar, drafts or prompt logprobs."""
+    rows: list[int] = []
+    row = 0
+    for scheduled in output.scheduled:
+        request = scheduled.request
+        if (scheduled.is_sampling and not scheduled.draft_token_ids and not scheduled.num_prompt_logprob_rows
+                and request.grammar is None and request.params.structured is None
+                and needs_only_argmax(request.params, len(request.output_token_ids))):
+            rows.append(row + scheduled.num_logits - 1)
+        row += scheduled.num_logits
+    return rows
+
+
 class Executor:
     """Forward pass plus sampling for one step."""
 
@@ -95,6 +110,7 @@ class Executor:
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
         if output.plan.num_pooled:
             return self._pool(output)
+        output.plan.argmax_rows = argmax_rows(output)
         logits = self.runner.execute(output.plan)
         results = [StepResult() for _ in output.scheduled]
         sample_rows: list[int] = []

@@ -88,6 +88,11 @@ class BatchPlan:
     slot_copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) slots whose K/V is copied before the forward writes anything: the
     accepted path of a verified draft tree moved to the sequence's contiguous positions."""
+    argmax_rows: list[int] = field(default_factory=list)
+    """Logits rows of which the caller reads only the argmax (greedy, no logprobs, no logit
+    processors, no grammar; set by the engine's executor): the runner may return such a row with
+    only the vocabulary entries that can be the argmax filled and ``-inf`` elsewhere
+    (servelm.model.layers.lm_head_screen)."""
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_mode
                                         resolve_quantization)
 from servelm.model.kv_cache import KVCache
 from servelm.model.layers.linear import LinearBase
+from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
 from servelm.model.pipeline import PipelineStage
@@ -149,6 +150,9 @@ class ModelRunner:
                 apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization], check=False)
         else:
             quantize_model(self.model, self.quantization)
+        self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
+                                           self.device, self.task)
+        """Greedy rows' exact argmax from a 5-bit copy of a Q8_0 head (None: every row the full head)."""
         if self.parallel.pp_size > 1 and self.task != "generate":
             raise ValueError("--pipeline-parallel-size > 1 serves generation only (--task generate)")
         lm_head = getattr(self.model, "lm_head", None)
@@ -298,7 +302,11 @@ class ModelRunner:
             self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
         hidden = self.model(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        rows = hidden.index_select(0, batch.logits_indices)
+        screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
+        if screened is not None:
+            return screened
+        logits = self.model.compute_logits(rows)
         return logits.float()
 
     @torch.inference_mode()

@@ -36,7 +36,7 @@ from servelm.sampling.logprobs import TokenLogprob, compute_prompt_logprobs, gat
 from servelm.sampling.params import SamplingParams
 from servelm.sampling.penalties import apply_logit_bias, apply_penalties, ban_tokens
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs", "request_seed"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs", "needs_only_argmax", "request_seed"]
 
 _GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are treated as greedy: dividing by them overflows float32 for no gain."""
@@ -70,6 +70,16 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None
     """None when no row asked; else one entry per row, None for rows that did not ask."""
+
+
+def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether this sampler picks the argmax of the raw logits row and reads nothing else of it:
+    greedy, no logprobs, no logit bias, no penalties, no min_tokens ban at this length, no beam
+    search (its beams read logprobs). The caller adds what the sampler does not see (grammars,
+    speculative drafts, prompt logprobs)."""
+    return (params.temperature < _GREEDY_TEMPERATURE and params.logprobs is None and not params.logit_bias
+            and not params.needs_penalties and num_output_tokens >= params.min_tokens
+            and params.beam is None)
 
 
 class Sampler:

@@ -1,0 +1,227 @@
+"""Exact greedy LM-head screen: the argmax of a Q8_0 GGUF LM head without reading all of it.
+
+A greedy row with no logprobs and no logit processors needs only the argmax of its logits. The
+screen keeps, beside the Q8_0 head, the top 5 bits of each code (``c >> 3``, packed 80 bytes per 128
+inputs by lm_head_screen.cpp; the Q8_0 scales are shared) and for such rows:
+
+1. ``screen_logits`` reads the 5-bit copy (0.625 + 0.125 bytes per weight instead of 1 + 0.125)
+   and returns per vocabulary row an approximation ``S`` and a bound factor ``D`` such that the
+   logit the exact int16 kernel computes (``gguf_kernel.block_linear_a16``, the full head's
+   kernel) lies within ``S +- bound``, ``bound = (3.5 + margin) * D`` (derivation at the top of
+   lm_head_screen.cpp: the screen's code is within 3.5 of the exact one, and the two kernels
+   round the activations identically; ``margin`` covers float32 summation error 8x over). Int8
+   activations (one VNNI product instead of two) measured no faster and, with the rounding
+   difference in the bound, gave 10x the candidates;
+2. the candidates are the rows whose upper bound reaches the best lower bound: every other row's
+   exact logit is strictly below some candidate's, so it can be neither the argmax nor tie it;
+3. the exact logits of the candidates come from the same kernel on the gathered rows (the kernel
+   computes each (activation row, weight row) pair on its own, in a fixed order: bit-identical to
+   the full head, which tests/unit/model/test_lm_head_screen.py checks), and the runner returns a
+   logits row holding them at their token ids and ``-inf`` elsewhere, so the sampler's
+   ``argmax`` (ties to the lowest id) picks exactly the token the full head would give.
+
+A row whose candidate set exceeds ``max_candidates`` (a bound too loose for that hidden state)
+takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, only for the plan's
+``argmax_rows``, only at tp 1 and pp 1 on an unsharded Q8_0 head without softcapping
+(``build_screen`` checks the rest); rows that are not argmax rows get the full head's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from servelm.model.cpp_kernel import CppKernel
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel
+
+logger = logging.getLogger(__name__)
+
+KERNEL = CppKernel(Path(__file__).with_name("lm_head_screen.cpp"), "lm_head_screen",
+                   "LM-head screen kernel (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS,
+                   link_flags=["-fopenmp"])
+
+CODE_ERROR = 3.5
+"""Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
+ROUNDING_MARGIN = 5e-3
+"""Added to CODE_ERROR for float32 rounding: both kernels sum at most ~500 * D in absolute terms
+(|c| <= 127, |8 u - 124.5| <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6):
+6e-4 * D, here 8x over."""
+WINDOW_ROWS = 64
+"""The screen watches its last this many rows: when more than MAX_FALLBACK_SHARE of them took the
+full head, it turns itself off for good (logged): on a model whose hidden states make the bound
+too loose, the screen would only cost time (gemma3-270m: 3 of 256 real rows over the limit,
+qwen2.5-coder-0.5b 1 of 256)."""
+MAX_FALLBACK_SHARE = 0.25
+MAX_CANDIDATES = 4096
+"""Above this many candidates a row takes the full head: the gathered exact pass then costs a
+sizeable part of the full head (gemma3-270m: median ~60, p99 in the hundreds)."""
+
+
+@dataclass
+class ScreenStats:
+    """Counts since start-up, for benchmarks and tests."""
+
+    rows: int = 0
+    """Argmax rows screened."""
+    fallbacks: int = 0
+    """Of those, rows whose candidates exceeded max_candidates (full head)."""
+    candidates: list[int] = field(default_factory=list)
+    """Candidate-set size per screened row (the last 100,000)."""
+
+    recent_fallbacks: list[bool] = field(default_factory=list)
+    """Whether each of the last WINDOW_ROWS rows took the full head."""
+
+    def record(self, counts: list[int], fallbacks: list[bool]) -> None:
+        self.rows += len(counts)
+        self.fallbacks += sum(fallbacks)
+        self.candidates.extend(counts)
+        del self.candidates[:-100_000]
+        self.recent_fallbacks.extend(fallbacks)
+        del self.recent_fallbacks[:-WINDOW_ROWS]
+
+    @property
+    def is_paying(self) -> bool:
+        """False once a full window of rows took the full head too often."""
+        window = self.recent_fallbacks
+        return len(window) < WINDOW_ROWS or sum(window) <= MAX_FALLBACK_SHARE * len(window)
+
+
+class LMHeadScreen:
+    """The 5-bit copy of one Q8_0 LM head and the exact greedy argmax through it."""
+
+    def __init__(self, weight: BlockWeight, kernel: ModuleType, screen_kernel: ModuleType,
+                 max_candidates: int = MAX_CANDIDATES) -> None:
+        assert weight.block == 32 and weight.offsets is None, "a Q8_0 head"
+        self.weight = weight
+        self.kernel = kernel
+        self.screen_kernel = screen_kernel
+        self.max_candidates = max_candidates
+        self.packed = screen_kernel.pack_screen(weight.codes)
+        """[vocab, hidden / 128 * 80] uint8: the 5-bit codes (lm_head_screen.cpp)."""
+        self.stats = ScreenStats()
+        self.is_enabled = True
+        """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden [m, K]`` -> (approximate logits, bound) ``[m, vocab]`` each: the full head's
+        logit of every row lies within approximate +- bound."""
+        approx, factor = self.screen_kernel.screen_logits(hidden.float().contiguous(), self.packed,
+                                                          self.weight.scales)
+        return approx, factor.mul_(CODE_ERROR + ROUNDING_MARGIN)
+
+    def exact(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The full head's logits ``[m, len(rows)]`` of vocabulary ``rows`` only (same kernel)."""
+        w = self.weight
+        return self.kernel.block_linear_a16(hidden.float().contiguous(), w.codes.index_select(0, rows),
+                                            w.scales.index_select(0, rows), None, w.block)
+
+    def logits(self, head: nn.Module, hidden: torch.Tensor, argmax_rows: list[int]) -> torch.Tensor:
+        """float32 logits ``[n, vocab]`` for ``hidden [n, K]``: the full head's for every row,
+        except that an ``argmax_rows`` row holds only its candidates' exact logits (``-inf``
+        elsewhere), whose argmax is the full head's argmax."""
+        n = hidden.shape[0]
+        vocab = self.weight.codes.shape[0]
+        screened = sorted(set(argmax_rows))
+        assert screened and screened[-1] < n, "argmax rows index the logits rows"
+        x = hidden[screened].float().contiguous()
+        counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
+            x, self.packed, self.weight.scales, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
+        counts: list[int] = counts_tensor.tolist()
+        out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
+        full_rows = [i for i in range(n) if i not in set(screened)]
+        fallbacks = []
+        for position, row in enumerate(screened):
+            candidates = row_candidates[position]
+            fallbacks.append(counts[position] > self.max_candidates or counts[position] == 0
+                             or not torch.isfinite(x[position]).all().item())
+            if fallbacks[-1]:
+                full_rows.append(row)
+                continue
+            out[row, candidates] = self.exact(x[position:position + 1], candidates)[0]
+        self.stats.record(counts, fallbacks)
+        if self.is_enabled and not self.stats.is_paying:
+            self.is_enabled = False
+            logger.warning("LM-head screen: off from now on: %d of the last %d greedy rows had more than %d "
+                           "candidates (the bound is too loose for this model's hidden states), so they "
+                           "paid for the screen and the full head", sum(self.stats.recent_fallbacks),
+                           len(self.stats.recent_fallbacks), self.max_candidates)
+        if full_rows:
+            full_rows.sort()
+            index = torch.tensor(full_rows)
+            out[index] = head(hidden.index_select(0, index)).float()
+        return out
+
+
+def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, tp_size: int,
+                 pp_size: int, device: torch.device) -> tuple[LMHeadScreen | None, str]:
+    """The screen for ``model``'s LM head where it is exact and pays, else None; and why."""
+    if disabled:
+        return None, "off (--disable-lm-head-screen)"
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "linear_method", None)
+    weight: BlockWeight | None = getattr(head, "gguf_weight", None)
+    if tp_size > 1 or pp_size > 1:
+        return None, "off (tensor or pipeline parallel: the head is sharded or on another stage)"
+    if device.type != "cpu" or weight is None or method is None or getattr(method, "name", "") != "gguf":
+        return None, "off (the LM head is not a GGUF block weight on CPU)"
+    if activations != "int16" or not getattr(head, "gguf_uses_kernel", False):
+        return None, "off (the head does not run the int16 VNNI kernel: --quantization gguf only)"
+    if weight.block != 32 or weight.offsets is not None or int(weight.codes.min()) < -127:
+        return None, "off (the LM head is not Q8_0)"
+    if getattr(head, "final_softcap", None) is not None:
+        return None, "off (logit softcapping could tie rows the screen separates)"
+    if weight.codes.shape[1] % 128:
+        return None, "off (hidden size not a multiple of 128)"
+    kernel, screen_kernel = load_kernel(), KERNEL.load()
+    if kernel is None or screen_kernel is None:
+        return None, f"off ({KERNEL.status()})"
+    screen = LMHeadScreen(weight, kernel, screen_kernel)
+    return screen, (f"on: greedy rows read a 5-bit copy of the Q8_0 head ({screen.nbytes / 2 ** 20:.0f} MiB) "
+                    "and compute exactly only the rows that can be the argmax; --disable-lm-head-screen "
+                    "turns it off")
+
+
+MAX_SCREEN_ROWS = 2
+"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1
+thread): at one row it reads ~2/3 of the head's bytes (6.4 against 9.9 ms), at two 9.5 against
+11.0; from 4 rows on the kernels are bound by arithmetic, not memory, and the screen (as much
+arithmetic per row as the exact kernel, plus the candidates) loses (8 rows: 39 against 28 ms)."""
+
+
+def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: torch.device,
+                 task: str) -> LMHeadScreen | None:
+    """The runner's screen (``build_screen``), with its decision logged where the head is GGUF."""
+    if task != "generate":
+        return None
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "linear_method", None)
+    screen, reason = build_screen(model, getattr(method, "activations", None), disabled=disabled,
+                                  tp_size=getattr(parallel, "tp_size", 1), pp_size=getattr(parallel, "pp_size", 1),
+                                  device=device)
+    if getattr(head, "gguf_weight", None) is not None or screen is not None:
+        logger.info("LM-head screen %s", reason)
+    return screen
+
+
+def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
+                          argmax_rows: list[int]) -> torch.Tensor | None:
+    """``screen.logits`` where the step suits it, else None (the caller runs the full head): some
+    argmax rows, at most MAX_SCREEN_ROWS of them, and no more logits rows than the head's kernel
+    takes (above, the full head's rows would run its dense GEMM, whose logits round differently;
+    split off, they must be the rows the full head gives)."""
+    if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
+        return None
+    head = model.lm_head
+    if hidden.shape[0] > head.gguf_kernel_max_rows or hidden.device.type != "cpu":
+        return None
+    return screen.logits(head, hidden, argmax_rows)
