@@ -89,7 +89,7 @@ def test_sampled_tokens_keep_the_model_distribution(models, draft):
     empirical distribution is within total-variation distance 0.1 of the model's exact top-4
     probabilities after that token (expected distance for ~300 draws over 4 tokens: about 0.04;
     keeping every draft the model could sample would shift the mass to the draft's favourite)."""
-    from tests.e2e.test_speculative_tiny import _single_plan
+    from tests.e2e.test_speculative_tiny import second_token_distance
 
     prompt = prompts(1)[0]
     token_lists = {str(i): prompt for i in range(NUM_SEEDS)}
@@ -102,15 +102,8 @@ def test_sampled_tokens_keep_the_model_distribution(models, draft):
         assert stats["spec_acceptance_rate"] > 0.6, stats
     else:
         assert stats["spec_acceptance_rate"] < 0.5, stats
-    firsts = [tokens[0] for tokens in speculative.values()]
-    first = max(set(firsts), key=firsts.count)
-    seconds = [tokens[1] for tokens in speculative.values() if tokens[0] == first]
-    logits = engine.runner.execute(_single_plan(prompt + [first], engine))[-1]
-    values, ids = logits.topk(TOP_K)
-    exact = dict(zip(ids.tolist(), torch.softmax(values, dim=-1).tolist()))
-    distance = 0.5 * sum(abs(seconds.count(t) / len(seconds) - exact.get(t, 0.0))
-                         for t in set(seconds) | set(exact))
-    print(f"{draft}: {len(seconds)} draws, TV distance {distance:.3f}, acceptance "
+    distance, exact, num_seconds = second_token_distance(engine, prompt, speculative, TOP_K)
+    print(f"{draft}: {num_seconds} draws, TV distance {distance:.3f}, acceptance "
           f"{stats['spec_acceptance_rate']:.2f}")
     assert distance < 0.1, (draft, distance, exact)
 

@@ -221,7 +221,7 @@ def test_sampled_tokens_keep_the_model_distribution(models, target, head, algori
     copying head has the model's argmax but a sharper distribution (EAGLE-1 has no final norm,
     so its logits are the model's times the hidden state's RMS): 11% of its sampled drafts are
     accepted; the random EAGLE-3 head drafts from its reduced vocabulary (none accepted)."""
-    from tests.e2e.test_speculative_tiny import _single_plan
+    from tests.e2e.test_speculative_tiny import second_token_distance
 
     prompt = prompts(1)[0]
     token_lists = {str(i): prompt for i in range(NUM_SEEDS)}
@@ -231,15 +231,8 @@ def test_sampled_tokens_keep_the_model_distribution(models, target, head, algori
     speculative = generate(engine, params, token_lists)
     stats = engine.stats()
     assert stats["spec_num_draft_tokens"] >= NUM_SEEDS
-    firsts = [tokens[0] for tokens in speculative.values()]
-    first = max(set(firsts), key=firsts.count)
-    seconds = [tokens[1] for tokens in speculative.values() if tokens[0] == first]
-    logits = engine.runner.execute(_single_plan(prompt + [first], engine))[-1]
-    values, ids = logits.topk(TOP_K)
-    exact = dict(zip(ids.tolist(), torch.softmax(values, dim=-1).tolist()))
-    distance = 0.5 * sum(abs(seconds.count(t) / len(seconds) - exact.get(t, 0.0))
-                         for t in set(seconds) | set(exact))
-    print(f"{head}: {len(seconds)} draws, TV distance {distance:.3f}, acceptance "
+    distance, exact, num_seconds = second_token_distance(engine, prompt, speculative, TOP_K)
+    print(f"{head}: {num_seconds} draws, TV distance {distance:.3f}, acceptance "
           f"{stats['spec_acceptance_rate']:.2f}")
     assert distance < 0.12, (head, distance, exact)
 

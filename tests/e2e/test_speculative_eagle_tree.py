@@ -10,7 +10,6 @@ plain decoding whatever the tree; sampling keeps the model's distribution.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from servelm.engine.engine import LLMEngine
@@ -199,7 +198,7 @@ def test_sampled_tokens_keep_the_model_distribution_with_trees(models):
     total-variation distance 0.12 of the model's exact top-4 probabilities (expected for 100-200
     draws over 4 tokens: 0.05-0.07). Stronger: a tree's rows are sampled with the seeded stream
     of their output position, so every request's tokens equal plain seeded sampling's."""
-    from tests.e2e.test_speculative_tiny import _single_plan
+    from tests.e2e.test_speculative_tiny import second_token_distance
 
     prompt = prompts(1)[0]
     token_lists = {str(i): prompt for i in range(NUM_SEEDS)}
@@ -210,15 +209,8 @@ def test_sampled_tokens_keep_the_model_distribution_with_trees(models):
     speculative = generate(engine, params, token_lists)
     stats = engine.stats()
     assert stats["spec_num_draft_tokens"] >= NUM_SEEDS
-    firsts = [tokens[0] for tokens in speculative.values()]
-    first = max(set(firsts), key=firsts.count)
-    seconds = [tokens[1] for tokens in speculative.values() if tokens[0] == first]
-    logits = engine.runner.execute(_single_plan(prompt + [first], engine))[-1]
-    values, ids = logits.topk(TOP_K)
-    exact = dict(zip(ids.tolist(), torch.softmax(values, dim=-1).tolist()))
-    distance = 0.5 * sum(abs(seconds.count(t) / len(seconds) - exact.get(t, 0.0))
-                         for t in set(seconds) | set(exact))
-    print(f"trees: {len(seconds)} draws, TV distance {distance:.3f}, acceptance "
+    distance, exact, num_seconds = second_token_distance(engine, prompt, speculative, TOP_K)
+    print(f"trees: {num_seconds} draws, TV distance {distance:.3f}, acceptance "
           f"{stats['spec_acceptance_rate']:.2f}, accept length {stats['spec_accept_length']:.2f}")
     assert distance < 0.12, (distance, exact)
     assert sum(num_trees) >= NUM_SEEDS

@@ -176,3 +176,19 @@ def _single_plan(prompt: list[int], engine: LLMEngine):
 
     num_blocks = -(-len(prompt) // engine.runner.block_size)
     return BatchPlan([SequencePlan(prompt, 0, list(range(num_blocks)), num_logits=1)])
+
+
+def second_token_distance(engine: LLMEngine, prompt: list[int], outputs: dict[str, list[int]],
+                          top_k: int) -> tuple[float, dict[int, float], int]:
+    """Total-variation distance between the second tokens sampled after the most frequent first
+    token and the target's exact top-``top_k`` distribution there; also that distribution and the
+    number of draws it compares (the sampling-exactness tests of every proposer)."""
+    firsts = [tokens[0] for tokens in outputs.values()]
+    first = max(set(firsts), key=firsts.count)
+    seconds = [tokens[1] for tokens in outputs.values() if tokens[0] == first]
+    logits = engine.runner.execute(_single_plan(prompt + [first], engine))[-1]
+    values, ids = logits.topk(top_k)
+    exact = dict(zip(ids.tolist(), torch.softmax(values, dim=-1).tolist()))
+    distance = 0.5 * sum(abs(seconds.count(t) / len(seconds) - exact.get(t, 0.0))
+                         for t in set(seconds) | set(exact))
+    return distance, exact, len(seconds)
