@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         code = f"import {module_name} as m; m.load_kernel()"
         # its own session: a Ctrl-C of the run must not kill a compile half-way, which would leave
         # torch's lock in the build directory and every later load waiting on it
-        _builders.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        builder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # reaped as soon as it ends: a finished, unreaped builder is a zombie child of the test
+        # process, and the tests that list their children (no orphan workers) trip over it
+        threading.Thread(target=builder.wait, name=f"reap {module_name}", daemon=True).start()
+        _builders.append(builder)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
