@@ -39,7 +39,8 @@ def models(tmp_path_factory):
 
 
 def make_engine(target, algorithm=None, head=None, max_total_tokens: int = 4096, chunk: int = -1,
-                k: int = 4, token_map: str | None = None, prefix_cache: bool = True) -> LLMEngine:
+                k: int = 4, token_map: str | None = None, prefix_cache: bool = True, *,
+                topk: int | None = None, steps: int | None = None) -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=str(target), skip_tokenizer_init=True, dtype="float32"),
         cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=8,
@@ -48,7 +49,8 @@ def make_engine(target, algorithm=None, head=None, max_total_tokens: int = 4096,
         speculative=SpeculativeConfig(
             speculative_algorithm=algorithm,
             speculative_draft_model_path=None if head is None else str(head),
-            num_speculative_tokens=k, speculative_token_map=token_map),
+            num_speculative_tokens=k, speculative_token_map=token_map, speculative_eagle_topk=topk,
+            speculative_num_steps=steps),
     )
     return LLMEngine(config)
 

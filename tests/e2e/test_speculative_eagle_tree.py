@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from servelm.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.e2e.test_speculative_eagle_tiny import make_engine as make_chain_engine
 from tests.e2e.test_speculative_tiny import generate, greedy_all, prompts
 from tests.eagle_heads import make_copying_head, make_one_layer_target, make_random_head
 from tests.tiny_models import make_tiny_model_dir
@@ -35,18 +36,9 @@ def models(tmp_path_factory):
 def make_engine(target, algorithm=None, head=None, topk: int | None = None, steps: int | None = None,
                 num_drafts: int = 4, max_total_tokens: int = 4096, chunk: int = -1,
                 prefix_cache: bool = True) -> LLMEngine:
-    config = EngineConfig(
-        model=ModelConfig(model=str(target), skip_tokenizer_init=True, dtype="float32"),
-        cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=8,
-                          disable_radix_cache=not prefix_cache),
-        scheduler=SchedulerConfig(chunked_prefill_size=chunk, max_prefill_tokens=2048),
-        speculative=SpeculativeConfig(
-            speculative_algorithm=algorithm,
-            speculative_draft_model_path=None if head is None else str(head),
-            num_speculative_tokens=num_drafts, speculative_eagle_topk=topk,
-            speculative_num_steps=steps),
-    )
-    return LLMEngine(config)
+    """The chain tests' engine (test_speculative_eagle_tiny) with a tree's topk and depth."""
+    return make_chain_engine(target, algorithm, head, max_total_tokens, chunk, num_drafts,
+                             prefix_cache=prefix_cache, topk=topk, steps=steps)
 
 
 def count_slot_copies(engine: LLMEngine) -> list[int]:
