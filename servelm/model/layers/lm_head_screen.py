@@ -131,14 +131,15 @@ class LMHeadScreen:
         elsewhere), whose argmax is the full head's argmax."""
         n = hidden.shape[0]
         vocab = self.weight.codes.shape[0]
-        screened = sorted(set(argmax_rows))
+        screened_set = set(argmax_rows)
+        screened = sorted(screened_set)
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
         x = hidden[screened].float().contiguous()
         counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
             x, self.packed, self.weight.scales, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
-        full_rows = [i for i in range(n) if i not in set(screened)]
+        full_rows = [i for i in range(n) if i not in screened_set]
         fallbacks = []
         for position, row in enumerate(screened):
             candidates = row_candidates[position]
