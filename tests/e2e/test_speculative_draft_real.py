@@ -10,6 +10,7 @@ import pytest
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.engine_drive import drain
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,7 @@ def run(draft: str | None) -> tuple[list[list[int]], dict]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                             add_generation_prompt=True, tokenize=True, return_dict=False)
         assert engine.add_request(str(index), ids, params[index]) is None
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    outputs = drain(engine)
     stats = engine.stats()
     engine.shutdown()
     return [outputs[str(i)] for i in range(len(PROMPTS))], stats

@@ -12,6 +12,7 @@ from servelm.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
 from servelm.model.eagle_checkpoint import main as write_head
 from servelm.sampling.params import SamplingParams
+from tests.engine_drive import drain
 
 from .test_speculative_real import PROMPTS
 
@@ -32,10 +33,7 @@ def run(head: str | None) -> tuple[list[list[int]], dict]:
                                                    add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)
         assert engine.add_request(str(index), ids, params[index]) is None
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    outputs = drain(engine)
     stats = engine.stats()
     engine.shutdown()
     return [outputs[str(i)] for i in range(3)], stats
