@@ -8,7 +8,7 @@ with and without the change (prefix cache off), and whether every output is iden
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
-  the fused calls of servelm.model.layers.fused (they only run on steps of a few rows).
+  the fused calls of servelm.model.layers.fused (decode and prefill rows alike).
 - ``gguf_bf16_io``: bf16 activations converted to float32 before the GGUF block kernel and its
   output back to bf16 by torch ops, instead of inside the kernel.
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of

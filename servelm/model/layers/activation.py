@@ -22,7 +22,7 @@ class ActAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.activation in fused.ACTIVATION_KINDS and fused.applies(gate_up) and gate_up.stride(-1) == 1:
-            return fused.act_and_mul(gate_up, self.activation)   # a few rows: one call
+            return fused.act_and_mul(gate_up, self.activation)   # one call, any number of rows
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation in _CONTIGUOUS_GELU:
             return _gelu_and_mul(gate, up, _CONTIGUOUS_GELU[self.activation])

@@ -1,18 +1,23 @@
-"""Fused small ops for few-row steps (fused_ops.cpp): RMSNorm with its residual add, q/k norm + RoPE,
-act(gate) * up. Built once per machine; the layers call them through ``applies`` and keep their torch
-path otherwise.
+"""Fused elementwise ops of a decoder layer (fused_ops.cpp): RMSNorm with its residual add, q/k norm +
+RoPE, act(gate) * up. Built once per machine; the layers call them through ``applies`` and keep their
+torch path otherwise.
 
 Why: a single-stream decode step runs each of these ops on one row of a few hundred floats, where
 torch's per-op dispatch (3-7 ops per norm, 6 per RoPE) costs more than the arithmetic. One call per
-fused op removes most of it. Numerics follow the torch reference step by step (float32 arithmetic,
+fused op removes most of it. At many rows (prefill, large batches) the same calls win by memory
+traffic: each op reads its input once and writes its output once, where torch's 3-7 ops each make a
+temporary (1,019 rows of Gemma 3 270M, bf16, one thread: norm + residual 0.48 -> 0.15 ms, GELU-tanh * up
+3.9 -> 1.7 ms, q/k norm + RoPE 2.5 -> 0.7 ms; noisy, shared machine). Numerics follow the torch reference step by step (float32 arithmetic,
 rounded to the activation dtype where the reference rounds); the sum of squares and exp are ordered
 or approximated differently, so results equal the reference to float32 rounding (tests/unit/model/
 layers/test_fused_ops.py), not always bit for bit.
 
 Invariants:
-- ``applies`` is True only on CPU, for float32 or bfloat16 tensors of at most ``MAX_ROWS`` rows,
-  outside torch.compile tracing (a compiled layer fuses the same ops itself), with the kernel built.
-  More rows (prefill, large batches) keep torch's vectorized ops, which win there.
+- ``applies`` is True only on CPU, for float32 or bfloat16 tensors of any number of rows, outside
+  torch.compile tracing (a compiled layer fuses the same ops itself), with the kernel built. Rows
+  are split over torch's threads past ``kParallelElements`` (fused_ops.cpp).
+- Prefill and decode take the same path, so a prompt's tokens are computed as a decode step would
+  compute them (same rounding points, same approximated exp).
 - The kernel is plain C++ that needs no CPU feature (AVX-512 flags are added where /proc/cpuinfo
   has them); ``load_kernel`` returns None without a compiler or ninja, and everything runs as before.
 """
@@ -27,9 +32,6 @@ import torch
 from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
-MAX_ROWS = 32
-"""Rows up to which the fused ops run (single-stream and batched decode); above, torch's ops."""
-
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
@@ -82,13 +84,11 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def applies(x: torch.Tensor, rows: int | None = None) -> bool:
-    """Whether the fused ops compute on ``x`` of ``rows`` token rows (default ``x.shape[:-1]``
-    flattened; RoPE passes its tokens: heads of a token are not rows of their own)."""
+def applies(x: torch.Tensor) -> bool:
+    """Whether the fused ops compute on ``x`` (any number of rows)."""
     if _module_loaded is None or not _enabled or x.dtype not in _DTYPES or x.device.type != "cpu":
         return False
-    rows = x.numel() // max(x.shape[-1], 1) if rows is None else rows
-    return rows <= MAX_ROWS and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling()
 
 
 def _module() -> ModuleType:

@@ -1,8 +1,9 @@
-// Fused small ops of a decoder layer for few-row steps (single-stream decode): RMSNorm (Llama's w * x
-// and Gemma's (1 + w) * x) with the residual add before or after it, per-head q/k RMSNorm + RoPE in
-// place, and act(gate) * up (SiLU, GELU tanh, GELU erf). At one row these ops are a few hundred
-// floats each: torch's dispatch of the 3-7 ops each of them is made of costs more than the
-// arithmetic, so one call per fused op is what pays.
+// Fused elementwise ops of a decoder layer, for any number of rows (decode steps and prefill chunks):
+// RMSNorm (Llama's w * x and Gemma's (1 + w) * x) with the residual add before or after it, per-head
+// q/k RMSNorm + RoPE in place, and act(gate) * up (SiLU, GELU tanh, GELU erf). At one row these ops
+// are a few hundred floats each: torch's dispatch of the 3-7 ops each of them is made of costs more
+// than the arithmetic, so one call per fused op is what pays. At a prefill chunk's rows each call
+// reads its input and writes its output once, where torch's ops each write a temporary.
 //
 // Numerics follow the torch reference of servelm/model/layers/{norm,rotary,activation}.py step by step:
 // float32 arithmetic, rounded to the activation dtype (float32 or bfloat16, round to nearest even as

@@ -6,7 +6,7 @@
 
 Both take the residual stream's add with them: ``norm(x, residual)`` is ``residual + norm(x)`` (Gemma's
 post-norms) and ``add_norm(x, residual)`` is ``(norm(x + residual), x + residual)`` (Llama's pre-norm
-stream). A few rows (decode) run as one fused call (layers/fused.py), more rows as the torch ops below.
+stream). Each runs as one fused call (layers/fused.py) where it applies, else as the torch ops below.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class RotaryEmbedding(nn.Module):
                 k_norm: _HeadNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cache``: a dict that lives for one forward pass (``ForwardBatch.rope_cache``); layers with
         the same rope parameters then compute cos/sin once per step instead of once per layer.
-        ``q_norm``/``k_norm``: per-head norms applied first (Gemma 3, Qwen3). A few rows run as one
+        ``q_norm``/``k_norm``: per-head norms applied first (Gemma 3, Qwen3). They run as one
         fused call that rotates q and k in place (they are fresh views of the QKV output)."""
         if cache is None:
             cos, sin = self.cos_sin(positions, q.dtype)
@@ -123,7 +123,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _fuses(q: torch.Tensor, k: torch.Tensor, q_norm: _HeadNorm | None, k_norm: _HeadNorm | None) -> bool:
-        if not (fused.applies(q, rows=q.shape[0]) and k.dtype == q.dtype and q.stride(-1) == 1
+        if not (fused.applies(q) and k.dtype == q.dtype and q.stride(-1) == 1
                 and k.stride(-1) == 1):
             return False
         if q_norm is None or k_norm is None:   # one kernel call normalises both or neither

@@ -1,8 +1,9 @@
-"""The fused decode ops (servelm/model/layers/fused_ops.cpp) against the layers' torch path.
+"""The fused ops (servelm/model/layers/fused_ops.cpp) against the layers' torch path.
 
 Tolerances: float32 results equal torch's to float32 rounding (a different summation order, exp by
 polynomial); bf16 results within one bf16 rounding step (the same roundings, taken at the same points,
-of float32 values that may differ in the last bits). RoPE alone is bit-equal (the same products).
+of float32 values that may differ in the last bits). RoPE alone is bit-equal (the same products). 300-row cases are split over torch's threads
+(fused_ops.cpp's ``kParallelElements``) where it has more than one.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ def torch_path() -> Iterator[None]:
         fused.set_enabled(True)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, bf16_atol: float = 1e-5) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     if expected.dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
     else:  # one bf16 step (2^-8 relative) at most
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=bf16_atol)
 
 
 def make_norm(kind: type, dim: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -48,7 +49,7 @@ def make_norm(kind: type, dim: int, dtype: torch.dtype) -> torch.nn.Module:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", [RMSNorm, GemmaRMSNorm])
-@pytest.mark.parametrize("rows,dim", [(1, 640), (5, 37), (32, 896)])
+@pytest.mark.parametrize("rows,dim", [(1, 640), (5, 37), (32, 896), (300, 640)])
 def test_norm_and_residual_adds(kind: type, dtype: torch.dtype, rows: int, dim: int) -> None:
     torch.manual_seed(0)
     norm = make_norm(kind, dim, dtype)
@@ -79,9 +80,8 @@ def test_norm_reads_strided_rows_and_keeps_leading_dims() -> None:
     assert_close(norm(heads), expected)
 
 
-def test_many_rows_and_other_dtypes_keep_the_torch_path() -> None:
-    assert not fused.applies(torch.zeros(fused.MAX_ROWS + 1, 8))
-    assert fused.applies(torch.zeros(fused.MAX_ROWS, 8))
+def test_other_dtypes_keep_the_torch_path() -> None:
+    assert fused.applies(torch.zeros(1, 8)) and fused.applies(torch.zeros(1019, 8))
     assert not fused.applies(torch.zeros(2, 8, dtype=torch.float16))
     norm = make_norm(RMSNorm, 16, torch.float32)
     x = torch.randn(2, 16, dtype=torch.bfloat16)               # weight dtype differs: torch's promotion
@@ -97,7 +97,8 @@ def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_kind", [None, RMSNorm, GemmaRMSNorm])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 1, 256), (3, 14, 2, 64), (7, 3, 3, 10)])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 1, 256), (3, 14, 2, 64), (7, 3, 3, 10),
+                                                            (300, 4, 1, 256)])
 def test_norm_rope_in_place(dtype: torch.dtype, norm_kind: type | None, tokens: int, heads: int, kv_heads: int,
                             head_dim: int) -> None:
     torch.manual_seed(2)
@@ -109,8 +110,11 @@ def test_norm_rope_in_place(dtype: torch.dtype, norm_kind: type | None, tokens: 
     with torch_path():
         expected_q, expected_k = rope(positions, q, k, None, *norms)
     actual_q, actual_k = rope(positions, q.clone(), k.clone(), None, *norms)
-    assert_close(actual_q, expected_q)
-    assert_close(actual_k, expected_k)
+    # a normed element one bf16 step off moves x c - y s by that step, which is not small against
+    # the result where the two products cancel: one step of the inputs' magnitude, absolute
+    atol = 1e-5 if norm_kind is None else 2 ** -8 * max(expected_q.abs().max().item(), expected_k.abs().max().item())
+    assert_close(actual_q, expected_q, atol)
+    assert_close(actual_k, expected_k, atol)
     if norm_kind is None:   # rope alone: the same roundings of the same products, bit for bit
         assert torch.equal(actual_q, expected_q) and torch.equal(actual_k, expected_k)
     fused_q, _ = rope(positions, q, k, None, *norms)
@@ -119,7 +123,7 @@ def test_norm_rope_in_place(dtype: torch.dtype, norm_kind: type | None, tokens: 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
-@pytest.mark.parametrize("rows,width", [(1, 2048), (4, 37), (32, 80)])
+@pytest.mark.parametrize("rows,width", [(1, 2048), (4, 37), (32, 80), (300, 2048)])
 def test_act_and_mul(activation: str, dtype: torch.dtype, rows: int, width: int) -> None:
     torch.manual_seed(3)
     act = ActAndMul(activation)
