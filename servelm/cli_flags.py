@@ -464,9 +464,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--sleep-on-idle",),
                      "an idle engine waits on its request socket (waking once a second), using "
                      "next to no CPU"),
-    AlreadyBehaviour(("--skip-server-warmup",),
-                     "the server sends itself no warm-up request: it is ready once the model is "
-                     "loaded"),
     AlreadyBehaviour(("--disable-hybrid-swa-memory",),
                      "servelm's KV pool has no separate sliding-window region: every layer keeps "
                      "every token"),

@@ -601,6 +601,10 @@ class ServerConfig:
         "unless --allow-auto-truncate, which is head), head (the oldest tokens) or center (the "
         "middle, keeping the start and the end).", choices=["none", "head", "center"])
     log_level: str = opt("info", "Log level for servelm.", choices=["debug", "info", "warning", "error"])
+    skip_server_warmup: bool = opt(
+        False, "Report ready as soon as the model is loaded, without the start-up warm-up (a "
+        "second or so: prefill chunks and decode batches run once, off the prefix cache and the "
+        "metrics, so the first user request does not pay for oneDNN primitives and cold kernels).")
     tool_call_parser: str | None = opt(
         None, "How tool calls are read from the model's text (chat tools); unset: hermes, which also "
         "takes a bare JSON object.", choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])

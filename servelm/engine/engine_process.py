@@ -31,6 +31,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     from servelm.engine.engine import LLMEngine
     from servelm.engine.heap import release_free_memory
     from servelm.engine.monitor import StatsLogger, Watchdog
+    from servelm.engine.warmup import warm_up_for_serving
     from servelm.logging_utils import configure_logging
 
     # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
@@ -46,6 +47,8 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     parent_pid = os.getppid()  # after die_with_parent: still the front end
     try:
         engine = LLMEngine(config)
+        warm_up_for_serving(engine)
+        release_free_memory()  # the warm-up's buffers: start as an idle engine would be
     except ValueError as error:  # a configuration the user can fix: the message says how
         logger.error("engine failed to start: %s", error)
         outputs.send_pyobj(("failed", str(error)))
