@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 import zmq
@@ -29,7 +30,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     if cpus is not None:  # a data-parallel replica: its slice of the node (its TP ranks split it)
         os.sched_setaffinity(0, cpus)
     from servelm.engine.engine import LLMEngine
-    from servelm.engine.heap import release_free_memory
+    from servelm.engine.heap import IdleTrim
     from servelm.engine.monitor import StatsLogger, Watchdog
     from servelm.engine.warmup import warm_up_for_serving
     from servelm.logging_utils import configure_logging
@@ -48,7 +49,6 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     try:
         engine = LLMEngine(config)
         warm_up_for_serving(engine)
-        release_free_memory()  # the warm-up's buffers: start as an idle engine would be
     except ValueError as error:  # a configuration the user can fix: the message says how
         logger.error("engine failed to start: %s", error)
         outputs.send_pyobj(("failed", str(error)))
@@ -61,6 +61,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     stats = StatsLogger(engine, config.observability)
     timeout_s = config.observability.watchdog_timeout
     watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
+    idle_trim = IdleTrim()  # freed heap pages back to the OS once idle a while after requests
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     transfer_sockets = engine.disaggregation.sockets() if engine.disaggregation is not None else []
@@ -90,8 +91,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
                 watchdog.step_finished()
             if step_outputs:
                 outputs.send_pyobj(("outputs", step_outputs))
-            if is_busy and not engine.has_unfinished():  # just went idle: give free pages back
-                release_free_memory()
+        idle_trim.update(engine.has_unfinished(), time.monotonic())
         stats.maybe_log()
 
 
