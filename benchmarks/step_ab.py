@@ -17,6 +17,8 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
 - ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
   ``torch.mm`` on V as it lies (bf16 only).
+- ``prefill_softmax``: prefill attention's tiles take float32 copy + mask + softmax + rounding as
+  torch ops instead of fused_ops.cpp's ``causal_softmax``.
 - ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
   limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
@@ -107,6 +109,13 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             tiles_module.BF16_MM_V = True
+    elif change == "prefill_softmax":
+        from servelm.model.attention import prefill_gemm as softmax_module
+        softmax_module.FUSED_SOFTMAX = False
+        try:
+            yield
+        finally:
+            softmax_module.FUSED_SOFTMAX = True
     elif change == "gguf_rows":
         from servelm.model.layers import gguf_linear
         saved_rows = dict(gguf_linear.BF16_KERNEL_MAX_ROWS)

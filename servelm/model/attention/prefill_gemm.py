@@ -12,6 +12,8 @@ are never computed. Per tile and KV head the query heads sharing that KV head ar
 
     scores = (q * scale) @ K.T   (oneDNN)   -> hidden columns -inf -> softmax -> probs @ V   (oneDNN)
 
+(the middle step one C++ call, ``fused.causal_softmax``, where the fused ops are built).
+
 Invariants:
 - Every query sees at least its own position, so no softmax row is fully masked.
 - A tile's ``[G * n, columns]`` scores stay under ``MAX_SCORE_ELEMENTS`` (tiles shrink on long
@@ -31,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from servelm.model.layers import fused
 
 TILE_QUERIES = 128
 """Most query rows per tile: smaller tiles skip more masked columns, larger ones make bigger GEMMs."""
@@ -55,6 +59,15 @@ class Tile:
     """[num_queries, num_columns] float32, -inf where a query must not see a column, else 0; None:
     every query sees every column. Added to the scores: 8x faster than ``masked_fill_`` with a
     bool mask broadcast over the heads (0.06 against 0.50 ms for [4, 128, 639], one thread)."""
+    query_position: int
+    """Position of the tile's first query."""
+    key_position: int
+    """Position of the key in the tile's first column."""
+    window: int | None
+    """The layer's sliding window (None: global)."""
+    is_positional: bool = True
+    """``bias`` is the causal (and window) mask of the positions, which ``fused.causal_softmax``
+    recomputes; False: a mask of its own (a draft tree's ancestors), added as ``bias``."""
 
 
 def build_tiles(row_starts: list[int], query_lens: list[int], starts: list[int], firsts: list[int],
@@ -79,7 +92,7 @@ def build_tiles(row_starts: list[int], query_lens: list[int], starts: list[int],
             bias = (torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
                     if bool(hidden.any()) else None)
             tiles.append(Tile(row_start + offset, n, index * group_columns + k_first - first,
-                              k_end - k_first, bias))
+                              k_end - k_first, bias, q_first, k_first, window))
     return tiles
 
 
@@ -89,6 +102,11 @@ def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return x @ weight.T
 
+
+FUSED_SOFTMAX = True
+"""The tile's float32 copy, mask, softmax and rounding back as one call (layers/fused.py's
+``causal_softmax``, 0.6x the time of the four torch ops); False: the torch ops (benchmarks/step_ab.py
+--change prefill_softmax)."""
 
 BF16_MM_V = True
 """bf16: ``probs @ V`` through ``torch.mm`` on V as it lies in the context. The float32 path (and
@@ -123,9 +141,13 @@ def attend(q: torch.Tensor, k_context: torch.Tensor, v_context: torch.Tensor, ti
             heads = slice(kv_head * group_size, (kv_head + 1) * group_size)
             q_heads = (q_tile[:, heads].transpose(0, 1) * scale).reshape(group_size * n, -1)
             k_head = k_context[columns, kv_head].contiguous()                 # [C, D]
-            scores = _matmul_t(q_heads, k_head).float()                      # [G * n, C]
-            if tile.bias is not None:
-                scores.view(group_size, n, -1).add_(tile.bias)
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            scores = _matmul_t(q_heads, k_head)                              # [G * n, C]
+            if FUSED_SOFTMAX and tile.is_positional and fused.applies(scores):
+                probs = fused.causal_softmax(scores, n, tile.query_position, tile.key_position, tile.window)
+            else:
+                scores = scores.float()
+                if tile.bias is not None:
+                    scores.view(group_size, n, -1).add_(tile.bias)
+                probs = torch.softmax(scores, dim=-1).to(q.dtype)
             attended = _probs_times_v(probs, v_context[columns, kv_head])      # [G * n, Dv]
             out[rows, heads] = attended.view(group_size, n, -1).transpose(0, 1)

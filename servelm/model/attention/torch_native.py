@@ -192,6 +192,7 @@ class _Group:
             column = tile.column_start - index * view.num_columns
             seen = mask[index, row:row + tile.num_queries, column:column + tile.num_columns]
             tile.bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+            tile.is_positional = False
 
     @property
     def kv_slots(self) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Fused elementwise ops of a decoder layer (fused_ops.cpp): RMSNorm with its residual add, q/k norm +
-RoPE, act(gate) * up. Built once per machine; the layers call them through ``applies`` and keep their
+RoPE, act(gate) * up, and the causal softmax of prefill attention's tiles. Built once per machine; the layers call them through ``applies`` and keep their
 torch path otherwise.
 
 Why: a single-stream decode step runs each of these ops on one row of a few hundred floats, where
@@ -126,3 +126,13 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     shape = gate_up.shape
     out: torch.Tensor = _module().act_and_mul(gate_up.reshape(-1, shape[-1]), ACTIVATION_KINDS[activation])
     return out.view(*shape[:-1], shape[-1] // 2)
+
+
+def causal_softmax(scores: torch.Tensor, num_queries: int, query_position: int, key_position: int,
+                   window: int | None) -> torch.Tensor:
+    """Softmax of a prefill tile's scores ``[G * n, C]`` (row r: query ``r % n`` at position
+    ``query_position + r % n``; column c: key position ``key_position + c``) over the keys each
+    query sees (causal, inside ``window`` where given), 0 elsewhere; float32 math, one rounding to
+    the scores' dtype (servelm.model.attention.prefill_gemm)."""
+    out: torch.Tensor = _module().causal_softmax(scores, num_queries, query_position, key_position, window or 0)
+    return out

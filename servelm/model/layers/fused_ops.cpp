@@ -322,6 +322,65 @@ void check_heads(const torch::Tensor& t, const torch::Tensor& cos, const torch::
   }
 }
 
+// Softmax of one tile's attention scores [G * n, C] (row r: query r % n of the tile, at position
+// q_first + r % n; column c: key position k_first + c), each row over the keys it may see (causal,
+// and inside the sliding window when window > 0), written to probs in its dtype with 0 elsewhere.
+// As prefill_gemm.py's torch path: float32 from the scores' dtype, max, exp(x - max), sum, times
+// 1 / sum, rounded once; the masked columns are the -inf bias's exact zeros.
+template <class T>
+void causal_softmax_impl(const torch::Tensor& scores, const torch::Tensor& probs, int64_t n, int64_t q_first,
+                         int64_t k_first, int64_t window) {
+  using raw = typename T::raw;
+  const int64_t rows = scores.size(0), columns = scores.size(1), ss = scores.stride(0);
+  const raw* sp = reinterpret_cast<const raw*>(scores.data_ptr());
+  raw* pp = reinterpret_cast<raw*>(probs.data_ptr());
+  for_rows(rows, columns, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(columns);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t position = q_first + r % n;
+      const int64_t hi = std::min(columns, position - k_first + 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, position - window + 1 - k_first) : 0;
+      const raw* s = sp + r * ss;
+      raw* o = pp + r * columns;
+      float top = -INFINITY;
+      int64_t c = lo;
+#ifdef __AVX512F__
+      __m512 top_lanes = _mm512_set1_ps(-INFINITY);
+      for (; c + 16 <= hi; c += 16) top_lanes = _mm512_max_ps(top_lanes, Vec<T>::load(s + c));
+      top = _mm512_reduce_max_ps(top_lanes);
+#endif
+      for (; c < hi; ++c) top = std::max(top, T::load(s, c));
+      float partial[16] = {0.f};
+      c = lo;
+#ifdef __AVX512F__
+      __m512 acc = _mm512_setzero_ps();
+      const __m512 top16 = _mm512_set1_ps(top);
+      for (; c + 16 <= hi; c += 16) {
+        const __m512 v = exp_poly16(_mm512_sub_ps(Vec<T>::load(s + c), top16));
+        _mm512_storeu_ps(e.data() + c, v);
+        acc = _mm512_add_ps(acc, v);
+      }
+      _mm512_storeu_ps(partial, acc);
+#endif
+      for (; c < hi; ++c) {
+        e[c] = exp_poly(T::load(s, c) - top);
+        partial[c % 16] += e[c];
+      }
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += partial[j];
+      const float inverse = 1.f / sum;
+      std::memset(o, 0, sizeof(raw) * lo);   // +0.0 is all zero bits in float32 and bfloat16
+      c = lo;
+#ifdef __AVX512F__
+      const __m512 inverse16 = _mm512_set1_ps(inverse);
+      for (; c + 16 <= hi; c += 16) Vec<T>::store(o + c, _mm512_mul_ps(_mm512_loadu_ps(e.data() + c), inverse16));
+#endif
+      for (; c < hi; ++c) T::store(o, c, e[c] * inverse);
+      std::memset(o + hi, 0, sizeof(raw) * (columns - hi));
+    }
+  });
+}
+
 }  // namespace
 
 // RMSNorm of x [M, K] (rows contiguous, any row stride) -> new contiguous [M, K] in x's dtype;
@@ -380,9 +439,22 @@ torch::Tensor act_and_mul(torch::Tensor gate_up, int64_t kind) {
   return out;
 }
 
+// Causal (and sliding-window, window > 0) softmax of a prefill tile's scores [G * n, C] (float32 or
+// bfloat16) -> new [G * n, C] in their dtype; see causal_softmax_impl.
+torch::Tensor causal_softmax(torch::Tensor scores, int64_t n, int64_t q_first, int64_t k_first, int64_t window) {
+  check_rows(scores, "scores");
+  TORCH_CHECK(n > 0 && scores.size(0) % n == 0, "scores: G * n rows");
+  TORCH_CHECK(q_first >= k_first && q_first + n - 1 - k_first < scores.size(1),
+              "every query's own key is a column");
+  auto probs = torch::empty(scores.sizes(), scores.options());
+  dispatch(scores, [&](auto tag) { causal_softmax_impl<decltype(tag)>(scores, probs, n, q_first, k_first, window); });
+  return probs;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
   m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
+  m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
 }

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.attention import prefill_gemm
+from servelm.model.layers import fused
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None,
@@ -23,10 +24,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, win
     return out[0].transpose(0, 1)
 
 
+@pytest.mark.parametrize("is_fused", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7, 40])
-def test_tiles_match_sdpa(monkeypatch: pytest.MonkeyPatch, window: int | None, dtype: torch.dtype) -> None:
+def test_tiles_match_sdpa(monkeypatch: pytest.MonkeyPatch, window: int | None, dtype: torch.dtype,
+                          is_fused: bool) -> None:
+    """Both softmax paths: fused_ops.cpp's causal_softmax and the torch ops with the tile's bias."""
+    if is_fused and fused.load_kernel() is None:
+        pytest.skip(f"no fused kernel: {fused.kernel_status()}")
     monkeypatch.setattr(prefill_gemm, "TILE_QUERIES", 8)   # several tiles per sequence
+    monkeypatch.setattr(prefill_gemm, "FUSED_SOFTMAX", is_fused)
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, scale = 6, 2, 16, 0.25
     sequences = [(0, 21), (13, 9), (30, 1)]                 # (start position, queries)
@@ -82,3 +89,25 @@ def test_bf16_probs_times_v_in_place_is_the_transposed_copy_bit_for_bit(
         prefill_gemm.attend(q, k, v, tiles, 0.125, out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5, 300])
+def test_fused_causal_softmax_is_the_torch_ops(dtype: torch.dtype, window: int | None) -> None:
+    """The fused call against float copy + bias + softmax + rounding on real tiles (a context
+    starting past position 0, GQA rows, columns not a multiple of 16): float32 to float32 rounding,
+    bf16 within one bf16 step, exact zeros where a query sees nothing."""
+    if fused.load_kernel() is None:
+        pytest.skip(f"no fused kernel: {fused.kernel_status()}")
+    torch.manual_seed(2)
+    group_size, start, first = 3, 37, (0 if window is None else 33)
+    for tile in prefill_gemm.build_tiles([0], [150], [start], [first], start + 150 - first, window, group_size):
+        scores = (torch.randn(group_size * tile.num_queries, tile.num_columns) * 4).to(dtype)
+        expected = scores.float()
+        if tile.bias is not None:
+            expected.view(group_size, tile.num_queries, -1).add_(tile.bias)
+        expected = torch.softmax(expected, dim=-1).to(dtype)
+        actual = fused.causal_softmax(scores, tile.num_queries, tile.query_position, tile.key_position, tile.window)
+        assert torch.equal(actual == 0, expected == 0)
+        rtol = 2e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=1e-7)
