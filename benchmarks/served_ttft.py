@@ -32,7 +32,7 @@ from servelm.bench_common import one_request  # noqa: E402
 
 
 def engine_counters(server_pid: int) -> tuple[float, int]:
-    """(CPU seconds, minor page faults) of the server's children that are not the front end."""
+    """(CPU seconds, minor page faults) of the server's children (the engine process), not the front end."""
     cpu_s, faults = 0.0, 0
     for child in psutil.Process(server_pid).children(recursive=True):
         try:
@@ -59,7 +59,7 @@ async def run(base_url: str, model: str, server_pid: int, num_prompts: int, inpu
             cpu_after, faults_after = engine_counters(server_pid)
             assert timing.ttft_s is not None, timing.error
             rows.append(timing.ttft_s)
-            print(f"prompt {index}: TTFT {timing.ttft_s * 1e3:7.1f} ms, engine+front CPU "
+            print(f"prompt {index}: TTFT {timing.ttft_s * 1e3:7.1f} ms, engine CPU "
                   f"{(cpu_after - cpu_before) * 1e3:7.1f} ms, minor faults {faults_after - faults_before}")
         later = statistics.median(rows[1:]) if len(rows) > 1 else float("nan")
         print(f"first {rows[0] * 1e3:.1f} ms, median of the rest {later * 1e3:.1f} ms, "
