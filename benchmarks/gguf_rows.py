@@ -41,14 +41,18 @@ from servelm.model.layers import gguf_rows  # noqa: E402
 from servelm.model.layers.gguf_kernel import load_kernel  # noqa: E402
 
 
-def median_ms(fn: Callable[[], object], clock: Callable[[], float], calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = clock()
+def medians_ms(fns: list[Callable[[], object]], clock: Callable[[], float], calls: int) -> list[float]:
+    """Median milliseconds of each of ``fns``, called in turn ``calls`` times (interleaved, so a
+    noisy neighbour moves all of them alike)."""
+    for fn in fns:
         fn()
-        times.append(clock() - start)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, spent in zip(fns, times):
+            start = clock()
+            fn()
+            spent.append(clock() - start)
+    return [1e3 * statistics.median(spent) for spent in times]
 
 
 def main() -> None:
@@ -83,15 +87,15 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
             xf = x.float()
-            rows = median_ms(lambda: rows_kernel.rows_linear(x, codes, scales, None, 32, not is_head), clock, calls)
-            a16 = median_ms(lambda: kernel.block_linear_a16(x, codes, scales, None, 32, not is_head), clock, calls)
-            b = median_ms((lambda: F.linear(x, dense).float()) if is_head else (lambda: F.linear(x, dense)),
-                          clock, calls)
-            cells = f" {rows:.3f} | {a16:.3f} | {b:.3f} |"
+            fns = [lambda: rows_kernel.rows_linear(x, codes, scales, None, 32, not is_head),
+                   lambda: kernel.block_linear_a16(x, codes, scales, None, 32, not is_head),
+                   (lambda: F.linear(x, dense).float()) if is_head else (lambda: F.linear(x, dense))]
             if args.extra:
-                core = median_ms(lambda: kernel.block_linear_a16(xf, codes, scales, None, 32), clock, calls)
-                a8 = median_ms(lambda: kernel.block_linear(x, codes, scales, None, 32, not is_head), clock, calls)
-                cells += f" {core:.3f} | {a8:.3f} |"
+                fns += [lambda: kernel.block_linear_a16(xf, codes, scales, None, 32),
+                        lambda: kernel.block_linear(x, codes, scales, None, 32, not is_head)]
+            measured = medians_ms(fns, clock, calls)
+            rows, a16, b = measured[:3]
+            cells = "".join(f" {value:.3f} |" for value in measured)
             if not is_head:
                 sums = totals.setdefault(m, [0.0, 0.0, 0.0])
                 sums[0] += rows

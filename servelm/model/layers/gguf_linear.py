@@ -119,8 +119,9 @@ class GGUFBlockLinearMethod:
         if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
                 and self._rows_kernel_takes(x2.shape[0], is_head)):
             # float32 out for the head (logits never rounded to bf16) or before a bias
-            out = self.rows_kernel.rows_linear(x2.contiguous(), weight.codes, weight.scales,  # type: ignore[attr-defined]
-                                               weight.offsets, weight.block, bias is None and not is_head)
+            rows_linear = self.rows_kernel.rows_linear  # type: ignore[attr-defined]
+            out = rows_linear(x2.contiguous(), weight.codes, weight.scales, weight.offsets, weight.block,
+                              bias is None and not is_head)
             if bias is not None:
                 out = out + bias
             out = out.float() if is_head else out.to(x.dtype)
