@@ -20,7 +20,8 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   for a few rows (batched decode, speculative verify, the LM head at M > 2): each weight's codes
   widened to bf16 once per call and multiplied with every row by vdpbf16ps, the scales applied in
   float32 (the weight exactly code x scale, the activations unrounded); about 1.1 bytes read per
-  weight instead of the dense copy's 2, and a cost that grows slowly up to 4-6 rows.
+  weight instead of the dense copy's 2; its cost grows slowly up to 4 rows, then linearly
+  (compute-bound: one vdpbf16ps per 32 multiply-adds as oneDNN, plus the scale FMAs).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
@@ -53,16 +54,17 @@ decoder shapes, 1 thread, conversions included: int16 kernel / dense = 0.6 at M=
 ``KERNEL_MAX_ROWS``: its rows would be rounded to bf16 on the dense copy, and its greedy tokens stay
 those of earlier releases. Layers with ``gguf_float_output`` (the LM head) keep it too."""
 
-ROWS_KERNEL_ROWS = {"layers": (2, 6), "head": (3, 16)}
+ROWS_KERNEL_ROWS = {"layers": (2, 8), "head": (3, 16)}
 """Rows (first, last) for which a bf16 model's layers and LM head (``gguf_float_output``) run the
 rows kernel (gguf_rows.cpp) when it is built; outside, the paths above. From benchmarks/gguf_rows.py
-(Gemma 3 270M's shapes, 1 thread, thread clock, noisy shared machine; benchmarks/RESULTS.md): the
-four decoder shapes together take 0.58 of the dense copy's time at M=2, 0.75 at 4, 0.84-1.05 at 6,
-1.1 at 8 (the int16 kernel: 1.07 of the rows kernel at 2, 1.4 at 6), so layers from 2 to 6 rows (M=1
-stays the int16 kernel's, 0.85 of it). The head: 0.34-0.6 of the dense copy up to 6 rows, 0.8-1.06 at
-8, and at every M 0.6-0.99 of the int16 kernel (the head's path up to 16 rows: float32 logits); it
-starts at 3 rows because greedy steps of 1 or 2 rows take the LM-head screen (lm_head_screen.py),
-whose candidate logits must be the int16 kernel's, and a screened row that falls back takes the full
+(Gemma 3 270M's shapes, 1 thread, thread clock, interleaved medians, noisy shared machine;
+benchmarks/RESULTS.md): the four decoder shapes together take 0.60 of the dense copy's time at M=2,
+0.78 at 4, 0.92 at 6, 0.88 at 8 and 1.13 at 16, so layers from 2 to 8 rows (the int16 kernel takes
+0.95 of the rows kernel's time at 2 and 1.2-1.45 from 4 to 8; M=1 stays its own: 0.9). The head: 0.31
+of the dense copy at 2 rows, 0.5 at 6, 0.71 at 8, 1.29 at 16, and 0.55-0.9 of the int16 kernel (the
+head's path up to 16 rows: float32 logits, which the dense copy cannot give) at every M up to 16;
+it starts at 3 rows because greedy steps of 1 or 2 rows take the LM-head screen (lm_head_screen.py),
+whose candidate logits are the int16 kernel's, and a screened row that falls back takes the full
 head at the same M."""
 
 ACTIVATION_MODES = ("int16", "int8", "float")

@@ -30,12 +30,8 @@
 namespace {
 
 constexpr int64_t kStep = 64;      // inputs per step: two bf16 vectors of 32
-#ifndef ROWS_TILE
-#define ROWS_TILE 4
-#define REG_ROWS 4
-#endif
-constexpr int kTileRows = ROWS_TILE;       // weight rows widened together into the per-thread buffer
-constexpr int kRegRows = REG_ROWS;        // activation rows per register tile (kTileRows x kRegRows accumulators)
+constexpr int kTileRows = 4;       // weight rows widened together into the per-thread buffer
+constexpr int kRegRows = 4;        // activation rows per register tile (kTileRows x kRegRows accumulators)
 
 // x [M, K] bf16 -> [M, K / 64, 64] in the element order of the widened weights: per step,
 // x[0:16], x[32:48] (v0's order), x[16:32], x[48:64] (v1's).
