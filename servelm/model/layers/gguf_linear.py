@@ -65,7 +65,9 @@ of the dense copy at 2 rows, 0.5 at 6, 0.71 at 8, 1.29 at 16, and 0.55-0.9 of th
 head's path up to 16 rows: float32 logits, which the dense copy cannot give) at every M up to 16;
 it starts at 3 rows because greedy steps of 1 or 2 rows take the LM-head screen (lm_head_screen.py),
 whose candidate logits are the int16 kernel's, and a screened row that falls back takes the full
-head at the same M."""
+head at the same M. (In a step of 3 or more rows of which at most 2 are screened, the screened rows'
+tokens are the int16 kernel's argmax and the rest come from this kernel: the two differ only where
+two logits are within the int16 kernel's 2e-5 relative rounding.)"""
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
