@@ -1,16 +1,21 @@
-"""Where the GGUF block kernel should hand over to the dense bf16 copy: both paths as the served
-bf16 model calls them, per decoder weight shape and number of rows M.
+"""Where each GGUF path should take the rows of a bf16 model: the block kernels and the dense bf16
+copy as the served model calls them, per weight shape (the four decoder shapes and the LM head) and
+number of rows M.
 
-- ``kernel``: ``block_linear_a16`` (``--quantization gguf``'s int16 activations) on bf16 input,
-  with the conversions the layer does around it (to float32 and contiguous, back to bf16).
-- ``kernel-core``: the kernel alone on float32 input (what the conversions cost is the gap).
-- ``kernel-a8``: ``block_linear`` (``--quantization gguf_a8``'s int8 activations), conversions included.
-- ``dense``: ``F.linear`` on bf16 input and the layer's bf16 dequantized copy (oneDNN).
+- ``rows``: ``gguf_rows.rows_linear`` (AVX512-BF16: codes widened to bf16 once per call, vdpbf16ps
+  against every row, scales in float32), bf16 in, bf16 out (float32 out for the head).
+- ``int16``: ``block_linear_a16`` (the VNNI kernel, ``--quantization gguf``'s int16 activations) on
+  bf16 input, as the layer calls it (bf16 out; float32 for the head).
+- ``dense``: ``F.linear`` on bf16 input and the layer's bf16 dequantized copy (oneDNN); the head's
+  result then widened to float32, as the layer does.
+- ``--extra`` adds ``int16-core`` (float32 input, no conversions) and ``a8`` (``block_linear``,
+  ``--quantization gguf_a8``).
 
 Medians of repeated calls; ``--clock thread`` reads this thread's CPU time (1 thread: unaffected by
 other processes on a shared machine; with 2 threads it misses the worker's time, so use wall).
 
-    .venv/bin/python benchmarks/gguf_rows.py --threads 1 --clock thread --rows 1,2,4,8,16,24,32
+    .venv/bin/python benchmarks/gguf_rows.py --threads 1 --clock thread --rows 1,2,4,6,8,16,32,64
+    .venv/bin/python benchmarks/gguf_rows.py --threads 2 --clock wall --shapes head
 """
 
 from __future__ import annotations
@@ -32,17 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_kernels import random_block_weight  # noqa: E402
 from linear_kernels import SHAPES  # noqa: E402
 
+from servelm.model.layers import gguf_rows  # noqa: E402
 from servelm.model.layers.gguf_kernel import load_kernel  # noqa: E402
 
 
-def median_ms(fn: Callable[[], object], clock: Callable[[], float], calls: int) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = clock()
+def medians_ms(fns: list[Callable[[], object]], clock: Callable[[], float], calls: int) -> list[float]:
+    """Median milliseconds of each of ``fns``, called in turn ``calls`` times (interleaved, so a
+    noisy neighbour moves all of them alike)."""
+    for fn in fns:
         fn()
-        times.append(clock() - start)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, spent in zip(fns, times):
+            start = clock()
+            fn()
+            spent.append(clock() - start)
+    return [1e3 * statistics.median(spent) for spent in times]
 
 
 def main() -> None:
@@ -50,43 +60,51 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
     parser.add_argument("--model", default="gemma")
-    parser.add_argument("--rows", default="1,2,4,8,16,24,32")
-    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down,head")
+    parser.add_argument("--rows", default="1,2,4,6,8,16,32,64")
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--extra", action="store_true", help="also the int16 kernel alone and the int8 one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    kernel = load_kernel()
-    assert kernel is not None, "no GGUF block kernel on this CPU"
+    kernel, rows_kernel = load_kernel(), gguf_rows.load_kernel()
+    assert kernel is not None and rows_kernel is not None, "no GGUF block kernels on this CPU"
     print(f"# {args.model}, {args.threads} threads, {args.clock} clock, load {os.getloadavg()[0]:.1f}")
-    print("| shape (K x N) | M | kernel ms | kernel-core ms | kernel-a8 ms | dense bf16 ms | kernel / dense |")
-    print("|---|---|---|---|---|---|---|")
+    extra = " int16-core ms | a8 ms |" if args.extra else ""
+    print(f"| shape (K x N) | M | rows ms | int16 ms | dense bf16 ms |{extra} rows / dense | rows / int16 |")
+    print("|---|---|---|---|---|" + "---|" * (4 if args.extra else 2))
     totals: dict[int, list[float]] = {}
+    wanted = args.shapes.split(",")
     for name, k, n in SHAPES[args.model]:
-        if name == "head":
-            continue   # the LM head is another engineer's (lmhead)
+        if name not in wanted:
+            continue
+        is_head = name == "head"
+        calls = max(5, args.calls // 4) if is_head else args.calls
         torch.manual_seed(0)
         weight = random_block_weight(n, k, offsets=False)
         dense = weight.dequantize(dtype=torch.bfloat16)
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, k).bfloat16()
+        codes, scales = weight.codes, weight.scales
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k).bfloat16()
             xf = x.float()
-            a = median_ms(lambda: kernel.block_linear_a16(x.float().contiguous(), weight.codes,
-                                                          weight.scales, None, 32).to(torch.bfloat16),
-                          clock, args.calls)
-            core = median_ms(lambda: kernel.block_linear_a16(xf, weight.codes, weight.scales, None, 32),
-                             clock, args.calls)
-            a8 = median_ms(lambda: kernel.block_linear(x.float().contiguous(), weight.codes,
-                                                       weight.scales, None, 32).to(torch.bfloat16),
-                           clock, args.calls)
-            b = median_ms(lambda: F.linear(x, dense), clock, args.calls)
-            sums = totals.setdefault(rows, [0.0, 0.0, 0.0])
-            sums[0] += a
-            sums[1] += b
-            sums[2] += a8
-            print(f"| {name} {k}x{n} | {rows} | {a:.3f} | {core:.3f} | {a8:.3f} | {b:.3f} | {a / b:.2f} |",
-                  flush=True)
-    for rows, (a, b, a8) in totals.items():
-        print(f"| all four | {rows} | {a:.3f} | | {a8:.3f} | {b:.3f} | {a / b:.2f} |")
+            fns = [lambda: rows_kernel.rows_linear(x, codes, scales, None, 32, not is_head),
+                   lambda: kernel.block_linear_a16(x, codes, scales, None, 32, not is_head),
+                   (lambda: F.linear(x, dense).float()) if is_head else (lambda: F.linear(x, dense))]
+            if args.extra:
+                fns += [lambda: kernel.block_linear_a16(xf, codes, scales, None, 32),
+                        lambda: kernel.block_linear(x, codes, scales, None, 32, not is_head)]
+            measured = medians_ms(fns, clock, calls)
+            rows, a16, b = measured[:3]
+            cells = "".join(f" {value:.3f} |" for value in measured)
+            if not is_head:
+                sums = totals.setdefault(m, [0.0, 0.0, 0.0])
+                sums[0] += rows
+                sums[1] += a16
+                sums[2] += b
+            print(f"| {name} {k}x{n} | {m} |{cells} {rows / b:.2f} | {rows / a16:.2f} |", flush=True)
+    for m, (rows, a16, b) in totals.items():
+        print(f"| decoder layers (sum) | {m} | {rows:.3f} | {a16:.3f} | {b:.3f} |{' | |' if args.extra else ''}"
+              f" {rows / b:.2f} | {rows / a16:.2f} |")
     print(f"# load {os.getloadavg()[0]:.1f}")
 
 

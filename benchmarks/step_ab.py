@@ -21,6 +21,8 @@ with and without the change (prefix cache off), and whether every output is iden
   torch ops instead of fused_ops.cpp's ``causal_softmax``.
 - ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
   limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
+- ``rows_kernel``: a bf16 model's GGUF layers and LM head without the AVX512-BF16 rows kernel
+  (servelm.model.layers.gguf_rows): the VNNI kernel and the dense bf16 copy at every M as before.
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
@@ -124,6 +126,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             gguf_linear.BF16_KERNEL_MAX_ROWS.update(saved_rows)
+    elif change == "rows_kernel":
+        from servelm.model.layers import gguf_linear
+        saved_ranges = dict(gguf_linear.ROWS_KERNEL_ROWS)
+        gguf_linear.ROWS_KERNEL_ROWS.update({role: (1, 0) for role in saved_ranges})   # empty ranges
+        try:
+            yield
+        finally:
+            gguf_linear.ROWS_KERNEL_ROWS.update(saved_ranges)
     elif change == "lm_head_screen":
         from servelm.model.layers import lm_head_screen
         limit = lm_head_screen.MAX_SCREEN_ROWS

@@ -35,7 +35,9 @@ from servelm.model.gguf import GGUFFile, gguf_to_hf_name, reverse_llama_permute
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, BlockRows, GGUFBlockLinearMethod
+from servelm.model.layers import gguf_rows
+from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
+                                              GGUFBlockLinearMethod)
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
 
@@ -168,7 +170,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first)."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
-    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations)
+    # the rows kernel only serves bf16 rows, so only where the model may run in bf16
+    rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
+    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel)
     blocks, others = read_block_weights(path)
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
@@ -216,6 +220,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                    f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')} above"
                    if kernel is not None
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
+    if rows_kernel is not None:
+        kernel_note += (f"; bf16 rows: the AVX512-BF16 rows kernel at {'-'.join(map(str, ROWS_KERNEL_ROWS['layers']))}"
+                        f" rows (LM head {'-'.join(map(str, ROWS_KERNEL_ROWS['head']))})")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,

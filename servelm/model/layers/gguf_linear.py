@@ -16,6 +16,12 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   float32): oneDNN's GEMM is 1.6-4x faster than the kernels at M=32 and 2-3x at M=1024. The copy
   costs memory (2 bytes per weight in bf16, on top of the ~1.1 of the blocks); dequantizing per
   call instead cost 40% of a 32-stream server's throughput.
+- a bf16 model on a CPU with AVX512-BF16, ``ROWS_KERNEL_ROWS``: the rows kernel (gguf_rows.cpp)
+  for a few rows (batched decode, speculative verify, the LM head at M > 2): each weight's codes
+  widened to bf16 once per call and multiplied with every row by vdpbf16ps, the scales applied in
+  float32 (the weight exactly code x scale, the activations unrounded); about 1.1 bytes read per
+  weight instead of the dense copy's 2; its cost grows slowly up to 4 rows, then linearly
+  (compute-bound: one vdpbf16ps per 32 multiply-adds as oneDNN, plus the scale FMAs).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
@@ -48,6 +54,21 @@ decoder shapes, 1 thread, conversions included: int16 kernel / dense = 0.6 at M=
 ``KERNEL_MAX_ROWS``: its rows would be rounded to bf16 on the dense copy, and its greedy tokens stay
 those of earlier releases. Layers with ``gguf_float_output`` (the LM head) keep it too."""
 
+ROWS_KERNEL_ROWS = {"layers": (2, 8), "head": (3, 16)}
+"""Rows (first, last) for which a bf16 model's layers and LM head (``gguf_float_output``) run the
+rows kernel (gguf_rows.cpp) when it is built; outside, the paths above. From benchmarks/gguf_rows.py
+(Gemma 3 270M's shapes, 1 thread, thread clock, interleaved medians, noisy shared machine;
+benchmarks/RESULTS.md): the four decoder shapes together take 0.60 of the dense copy's time at M=2,
+0.78 at 4, 0.92 at 6, 0.88 at 8 and 1.13 at 16, so layers from 2 to 8 rows (the int16 kernel takes
+0.95 of the rows kernel's time at 2 and 1.2-1.45 from 4 to 8; M=1 stays its own: 0.9). The head: 0.31
+of the dense copy at 2 rows, 0.5 at 6, 0.71 at 8, 1.29 at 16, and 0.55-0.9 of the int16 kernel (the
+head's path up to 16 rows: float32 logits, which the dense copy cannot give) at every M up to 16;
+it starts at 3 rows because greedy steps of 1 or 2 rows take the LM-head screen (lm_head_screen.py),
+whose candidate logits are the int16 kernel's, and a screened row that falls back takes the full
+head at the same M. (In a step of 3 or more rows of which at most 2 are screened, the screened rows'
+tokens are the int16 kernel's argmax and the rest come from this kernel: the two differ only where
+two logits are within the int16 kernel's 2e-5 relative rounding.)"""
+
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
 
@@ -57,9 +78,13 @@ class GGUFBlockLinearMethod:
 
     name = "gguf"
 
-    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "int16") -> None:
+    def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "int16",
+                 rows_kernel: object | None = None) -> None:
         assert activations in ACTIVATION_MODES, activations
         self.kernel = kernel
+        self.rows_kernel = rows_kernel
+        """The AVX512-BF16 rows kernel (gguf_rows.py's module), or None: used on bf16 rows only
+        (``ROWS_KERNEL_ROWS``)."""
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
         self.activations = activations
@@ -75,6 +100,8 @@ class GGUFBlockLinearMethod:
         """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
         layer.gguf_weight = weight
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
+        layer.gguf_uses_rows_kernel = (self.rows_kernel is not None and self.dense_dtype == torch.bfloat16
+                                       and weight.codes.shape[1] % 64 == 0)
         layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
@@ -92,6 +119,17 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
+        is_head = getattr(layer, "gguf_float_output", False)
+        if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
+                and self._rows_kernel_takes(x2.shape[0], is_head)):
+            # float32 out for the head (logits never rounded to bf16) or before a bias
+            rows_linear = self.rows_kernel.rows_linear  # type: ignore[attr-defined]
+            out = rows_linear(x2.contiguous(), weight.codes, weight.scales, weight.offsets, weight.block,
+                              bias is None and not is_head)
+            if bias is not None:
+                out = out + bias
+            out = out.float() if is_head else out.to(x.dtype)
+            return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
         if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
                 and not getattr(layer, "gguf_float_output", False)):
@@ -111,6 +149,11 @@ class GGUFBlockLinearMethod:
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def _rows_kernel_takes(rows: int, is_head: bool) -> bool:
+        first, last = ROWS_KERNEL_ROWS["head" if is_head else "layers"]
+        return first <= rows <= last
 
 
 class BlockRows:

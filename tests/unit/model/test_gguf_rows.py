@@ -1,0 +1,119 @@
+"""The AVX512-BF16 rows kernel (gguf_rows.cpp) against a float64 reference of code x scale (+ offset)
+weights, and the routing of a bf16 model's GGUF layers and LM head to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.model.layers import gguf_rows
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_kernel import load_kernel
+from servelm.model.layers.gguf_linear import ROWS_KERNEL_ROWS, GGUFBlockLinearMethod
+
+
+@pytest.fixture(scope="module")
+def rows_kernel():
+    module = gguf_rows.load_kernel()
+    if module is None:
+        pytest.skip(f"no rows kernel here: {gguf_rows.kernel_status()}")
+    return module
+
+
+def block_weight(n: int, k: int, block: int, offsets: bool, seed: int) -> BlockWeight:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // block, generator=generator) * 1e-2
+    offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
+    return BlockWeight(codes, scales, offs, block, "test")
+
+
+def reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """x @ W.T in float64 with W = code x scale (+ offset) in float64."""
+    n, k = weight.codes.shape
+    w = weight.codes.double().view(n, -1, weight.block) * weight.scales.double()[..., None]
+    if weight.offsets is not None:
+        w = w + weight.offsets.double()[..., None]
+    return x.double() @ w.reshape(n, k).T
+
+
+def relative_error(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> float:
+    """Largest |out - reference| over the largest sum of |w x| (the scale summation error lives on)."""
+    n, k = weight.codes.shape
+    w = (weight.codes.double().view(n, -1, weight.block) * weight.scales.double()[..., None]).abs()
+    if weight.offsets is not None:
+        w = w + weight.offsets.double().abs()[..., None]
+    magnitude = x.double().abs() @ w.reshape(n, k).T
+    return float(((out.double() - reference(x, weight)).abs() / magnitude.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_rows_kernel_matches_the_float64_reference_for_every_m(rows_kernel, block: int, offsets: bool) -> None:
+    weight = block_weight(37, 192, block, offsets, seed=block + offsets)   # odd N: a short last tile
+    x = torch.randn(64, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for m in range(1, 65):
+        out = rows_kernel.rows_linear(x[:m].contiguous(), weight.codes, weight.scales, weight.offsets, block)
+        assert out.dtype == torch.float32 and out.shape == (m, 37)
+        assert relative_error(out, x[:m], weight) < 1e-6, m
+        # each row is computed on its own: the same values whatever the other rows are
+        assert torch.equal(out, rows_kernel.rows_linear(x[:m].contiguous(), weight.codes, weight.scales,
+                                                        weight.offsets, block)[:m])
+        if m in (1, 5, 64):
+            assert torch.equal(out[-1:], rows_kernel.rows_linear(x[m - 1:m].contiguous(), weight.codes,
+                                                                 weight.scales, weight.offsets, block))
+
+
+def test_rows_kernel_bf16_output_is_the_float32_result_rounded(rows_kernel) -> None:
+    weight = block_weight(70, 640, 32, False, seed=5)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(2)).bfloat16()
+    full = rows_kernel.rows_linear(x, weight.codes, weight.scales, None, 32)
+    assert torch.equal(rows_kernel.rows_linear(x, weight.codes, weight.scales, None, 32, True), full.bfloat16())
+
+
+def test_rows_kernel_is_more_exact_than_the_dense_bf16_copy(rows_kernel) -> None:
+    """The dense copy rounds code x scale to bf16; the kernel keeps it exact in float32."""
+    weight = block_weight(256, 640, 32, False, seed=6)
+    x = torch.randn(8, 640, generator=torch.Generator().manual_seed(3)).bfloat16()
+    kernel_error = relative_error(rows_kernel.rows_linear(x, weight.codes, weight.scales, None, 32), x, weight)
+    dense = torch.nn.functional.linear(x.float(), weight.dequantize(dtype=torch.bfloat16).float())
+    assert kernel_error < 1e-6 < relative_error(dense, x, weight)
+
+
+def test_rows_kernel_rejects_what_it_cannot_run(rows_kernel) -> None:
+    weight = block_weight(8, 96, 32, False, seed=7)   # K = 96: not a multiple of 64
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        rows_kernel.rows_linear(torch.zeros(2, 96, dtype=torch.bfloat16), weight.codes, weight.scales, None, 32)
+    weight = block_weight(8, 128, 32, False, seed=7)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        rows_kernel.rows_linear(torch.zeros(2, 128), weight.codes, weight.scales, None, 32)
+
+
+def test_rows_kernel_needs_avx512_bf16() -> None:
+    flags = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert gguf_rows.missing_cpu_flags(flags) == ["avx512_bf16"]
+    assert gguf_rows.missing_cpu_flags(flags | {"avx512_bf16"}) == []
+
+
+def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel) -> None:
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("no VNNI kernel here")
+    weight = block_weight(48, 256, 32, True, seed=8)
+    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", rows_kernel)
+    layer, head = torch.nn.Module(), torch.nn.Module()
+    method.process(layer, weight)
+    method.process(head, weight)
+    head.gguf_float_output = True
+    for module, role in ((layer, "layers"), (head, "head")):
+        first, last = ROWS_KERNEL_ROWS[role]
+        for m in (first - 1, first, last, last + 1):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+            out = method.apply(module, x, None)
+            assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16)
+            by_rows = rows_kernel.rows_linear(x, weight.codes, weight.scales, weight.offsets, 32, role == "layers")
+            assert torch.equal(out, by_rows) == (first <= m <= last), (role, m)
+        # float32 rows (a float32 model) never take it
+        x = torch.randn(first, 256)
+        assert torch.equal(method.apply(module, x, None),
+                           kernel.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, 32))
