@@ -48,6 +48,11 @@ decoder shapes, 1 thread, conversions included: int16 kernel / dense = 0.6 at M=
 ``KERNEL_MAX_ROWS``: its rows would be rounded to bf16 on the dense copy, and its greedy tokens stay
 those of earlier releases. Layers with ``gguf_float_output`` (the LM head) keep it too."""
 
+DECODE_ROWS = 4
+"""Rows up to which every mode runs the kernel whatever the dense copy's dtype (the least of the row
+limits above): a bf16 layer without bias called with that few rows (decode) goes straight to the
+kernel with arguments prepared once (``_decode_args``), as a decode step makes 72 such calls."""
+
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
 
@@ -74,6 +79,7 @@ class GGUFBlockLinearMethod:
     def process(self, layer: nn.Module, weight: BlockWeight) -> int:
         """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
         layer.gguf_weight = weight
+        layer.gguf_decode_args = None   # built at the first call (gguf_float_output is set after this)
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
         layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
@@ -89,6 +95,13 @@ class GGUFBlockLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
+        decode = layer.__dict__.get("gguf_decode_args")
+        if decode is None:
+            decode = layer.gguf_decode_args = self._decode_args(layer)
+        if (decode and bias is None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+                and x.is_contiguous() and x.device.type == "cpu"):
+            kernel, codes, scales, offsets, block = decode
+            return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
@@ -111,6 +124,16 @@ class GGUFBlockLinearMethod:
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+
+    def _decode_args(self, layer: nn.Module) -> tuple[object, ...]:
+        """The kernel and its weight arguments for ``apply``'s decode call, or () where the layer has
+        none (no kernel, or float32 output: the LM head)."""
+        if not layer.gguf_uses_kernel or getattr(layer, "gguf_float_output", False):
+            return ()
+        weight: BlockWeight = layer.gguf_weight
+        return (getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales, weight.offsets,
+                weight.block)
 
 
 class BlockRows:
