@@ -79,8 +79,8 @@ class GGUFBlockLinearMethod:
     def process(self, layer: nn.Module, weight: BlockWeight) -> int:
         """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
         layer.gguf_weight = weight
-        layer.gguf_decode_args = None   # built at the first call (gguf_float_output is set after this)
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
+        layer.gguf_decode_args = self._decode_args(layer)
         layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
@@ -95,11 +95,10 @@ class GGUFBlockLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        decode = layer.__dict__.get("gguf_decode_args")
-        if decode is None:
-            decode = layer.gguf_decode_args = self._decode_args(layer)
+        state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
+        decode = state.get("gguf_decode_args")
         if (decode and bias is None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
-                and x.is_contiguous() and x.device.type == "cpu"):
+                and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
             kernel, codes, scales, offsets, block = decode
             return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
         shape = x.shape
@@ -127,9 +126,9 @@ class GGUFBlockLinearMethod:
 
 
     def _decode_args(self, layer: nn.Module) -> tuple[object, ...]:
-        """The kernel and its weight arguments for ``apply``'s decode call, or () where the layer has
-        none (no kernel, or float32 output: the LM head)."""
-        if not layer.gguf_uses_kernel or getattr(layer, "gguf_float_output", False):
+        """The kernel and its weight arguments for ``apply``'s decode call, or () where the layer
+        has no kernel."""
+        if not layer.gguf_uses_kernel:
             return ()
         weight: BlockWeight = layer.gguf_weight
         return (getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales, weight.offsets,
