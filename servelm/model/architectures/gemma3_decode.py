@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from servelm.model.attention import paged_decode
+from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_linear import DECODE_ROWS, GGUFBlockLinearMethod
 
@@ -114,6 +116,8 @@ class DecodePlan:
         rope_cache = batch.rope_cache
         positions = batch.positions
         attention = batch.attention
+        decodes = _paged_decodes(batch, self.layers[0])
+        num_tokens = hidden.shape[0]
         for plan in self.layers:
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(rms_norm(hidden, plan.input_norm, plan.eps, True), codes, scales, offsets, block, True)
@@ -131,7 +135,18 @@ class DecodePlan:
             cos, sin = cos_sin
             norm_rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1), plan.q_norm, plan.k_norm,
                        plan.head_eps, True)
-            attended = attention.forward(q, k, v, plan.attention, batch).contiguous()   # [T, H * D]
+            layer = plan.attention
+            view = decodes[1].view(layer.sliding_window, True) if decodes is not None else None
+            if view is not None and view.spans is not None:   # the backend's decode, without its dispatch
+                decode_attention = decodes[0]
+                k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)
+                k_cache.index_copy_(0, batch.slot_mapping, k)
+                v_cache.index_copy_(0, batch.slot_mapping, v)
+                attended = decode_attention(q.float().contiguous(), k_cache, v_cache,
+                                            view.slots.view(num_tokens, view.num_columns), view.spans,
+                                            layer.scale).to(q.dtype).reshape(num_tokens, -1)   # [T, H * D]
+            else:
+                attended = attention.forward(q, k, v, layer, batch).contiguous()   # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = rms_norm(kernel(attended, codes, scales, offsets, block, True), plan.post_attention_norm,
                               plan.eps, True, hidden)
@@ -142,3 +157,25 @@ class DecodePlan:
             down = kernel(act_and_mul(gate_up, plan.activation), codes, scales, offsets, block, True)
             hidden = rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
         return hidden
+
+
+def _paged_decodes(batch: ForwardBatch, first: _LayerPlan) -> tuple[Any, Any] | None:
+    """(the paged decode kernel, the batch's one attention group) where every row of the batch is a
+    decode that TorchNativeAttention would send to that kernel as one identity group (a bf16 pool,
+    no draft trees, causal layers): ``run`` then writes K/V and calls the kernel itself with the
+    group's own views (the same slots and spans); None where the backend must decide."""
+    metadata = batch.attn_metadata
+    if (type(batch.attention) is not TorchNativeAttention or not isinstance(metadata, TorchNativeMetadata)
+            or batch.trees is not None or len(metadata.groups) != 1 or batch.kv_cache is None
+            or batch.kv_cache.dtype != torch.bfloat16 or not first.attention.is_causal):
+        return None
+    group = metadata.groups[0]
+    if not group.is_identity or group.max_query != 1 or group.trees is not None:
+        return None
+    k_cache, v_cache = batch.kv_cache.layer(first.attention.layer_id)
+    q_like = torch.empty(0, first.head_dim, dtype=torch.bfloat16)
+    if v_cache.shape[-1] != first.head_dim or not paged_decode.supports(q_like, k_cache):
+        return None
+    module = paged_decode.load_kernel()
+    assert module is not None
+    return module.decode_attention, group
