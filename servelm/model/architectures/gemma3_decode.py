@@ -52,7 +52,7 @@ class _LayerPlan:
     post_attention_norm: torch.Tensor
     pre_feedforward_norm: torch.Tensor
     gate_up_call: tuple[Any, ...]
-    activation: str
+    activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
     down_call: tuple[Any, ...]
     post_feedforward_norm: torch.Tensor
     eps: float
@@ -88,7 +88,7 @@ def _layer_plan(layer: Gemma3DecoderLayer) -> _LayerPlan | None:
         k_norm=attn.k_norm.weight, head_eps=attn.q_norm.eps, attention=attn.attn, o_call=o_call,
         post_attention_norm=layer.post_attention_layernorm.weight,
         pre_feedforward_norm=layer.pre_feedforward_layernorm.weight, gate_up_call=gate_up_call,
-        activation=mlp.act.activation, down_call=down_call,
+        activation_kind=fused.ACTIVATION_KINDS[mlp.act.activation], down_call=down_call,
         post_feedforward_norm=layer.post_feedforward_layernorm.weight, eps=layer.input_layernorm.eps)
 
 
@@ -112,50 +112,58 @@ class DecodePlan:
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         assert self.layers is not None
-        rms_norm, norm_rope_, act_and_mul = fused.rms_norm, fused.norm_rope_, fused.act_and_mul
+        ops = fused.load_kernel()   # the fused ops' own calls: 2-D rows need none of the wrappers' reshapes
+        assert ops is not None
         rope_cache = batch.rope_cache
-        positions = batch.positions
         attention = batch.attention
         decodes = _paged_decodes(batch, self.layers[0])
         num_tokens = hidden.shape[0]
+        rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}   # rope key -> cos, sin [T, D]
+        windows: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}   # -> slots [T, C], spans
         for plan in self.layers:
             kernel, codes, scales, offsets, block = plan.qkv_call
-            qkv = kernel(rms_norm(hidden, plan.input_norm, plan.eps, True), codes, scales, offsets, block, True)
+            qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
+                         True)
             q, k, v = qkv.split(plan.split_sizes, dim=-1)
             q = q.view(-1, plan.num_heads, plan.head_dim)        # [T, H, D]
             k = k.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
             v = v.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
             rotary = plan.rotary
             key = (rotary.cache_key, q.dtype)
-            cos_sin = rope_cache.get(key) if rope_cache is not None else None
-            if cos_sin is None:
-                cos_sin = rotary.cos_sin(positions, q.dtype)
-                if rope_cache is not None:
-                    rope_cache[key] = cos_sin
-            cos, sin = cos_sin
-            norm_rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1), plan.q_norm, plan.k_norm,
-                       plan.head_eps, True)
+            rotation = rotations.get(key)
+            if rotation is None:   # as RotaryEmbedding.forward: cos/sin once per step per rope
+                cos_sin = rope_cache.get(key) if rope_cache is not None else None
+                if cos_sin is None:
+                    cos_sin = rotary.cos_sin(batch.positions, q.dtype)
+                    if rope_cache is not None:
+                        rope_cache[key] = cos_sin
+                cos, sin = cos_sin
+                rotation = rotations[key] = (cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+            ops.norm_rope_(q, k, rotation[0], rotation[1], plan.q_norm, plan.k_norm, plan.head_eps, True)
             layer = plan.attention
-            view = decodes[1].view(layer.sliding_window, True) if decodes is not None else None
-            if view is not None and view.spans is not None:   # the backend's decode, without its dispatch
-                decode_attention = decodes[0]
+            window = layer.sliding_window
+            if window not in windows:
+                view = decodes[1].view(window, True) if decodes is not None else None
+                windows[window] = (None if view is None or view.spans is None
+                                   else (view.slots.view(num_tokens, view.num_columns), view.spans))
+            paged = windows[window]
+            if paged is not None:   # the backend's decode, without its dispatch
                 k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)
                 k_cache.index_copy_(0, batch.slot_mapping, k)
                 v_cache.index_copy_(0, batch.slot_mapping, v)
-                attended = decode_attention(q.float().contiguous(), k_cache, v_cache,
-                                            view.slots.view(num_tokens, view.num_columns), view.spans,
-                                            layer.scale).to(q.dtype).reshape(num_tokens, -1)   # [T, H * D]
+                attended = decodes[0](q.float().contiguous(), k_cache, v_cache, paged[0], paged[1],
+                                      layer.scale).to(q.dtype).view(num_tokens, -1)   # [T, H * D]
             else:
                 attended = attention.forward(q, k, v, layer, batch).contiguous()   # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
-            hidden = rms_norm(kernel(attended, codes, scales, offsets, block, True), plan.post_attention_norm,
-                              plan.eps, True, hidden)
+            hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, True), plan.post_attention_norm,
+                                  plan.eps, True, hidden)
             kernel, codes, scales, offsets, block = plan.gate_up_call
-            gate_up = kernel(rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True), codes, scales, offsets,
-                             block, True)
+            gate_up = kernel(ops.rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True, None), codes, scales,
+                             offsets, block, True)
             kernel, codes, scales, offsets, block = plan.down_call
-            down = kernel(act_and_mul(gate_up, plan.activation), codes, scales, offsets, block, True)
-            hidden = rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
+            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, True)
+            hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
         return hidden
 
 
