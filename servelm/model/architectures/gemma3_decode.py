@@ -7,9 +7,11 @@ checks once per model that every layer can take the fast path (GGUF block weight
 without bias, the fused ops' kernel, one tensor-parallel rank) and holds each layer's weights and
 kernel arguments; ``run`` checks once per forward that the batch can (bf16, at most ``DECODE_ROWS``
 rows, no LoRA, the fused ops on) and then calls, per layer, the same kernels in the same order as
-Gemma3DecoderLayer.forward: the fused RMSNorms, the block kernel, q/k norm + RoPE, the attention
-backend, act * up. The results are bit-identical to the module path (the same ops on the same
-tensors); only the Python around them is gone.
+Gemma3DecoderLayer.forward: the fused RMSNorms, the block kernel, q/k norm + RoPE, attention, act *
+up. For an all-decode batch on the torch_native backend, attention is the backend's own decode
+(K/V written at the batch's slots, the paged decode kernel over the group's views, built once per
+step and window); otherwise the backend is called. The results are bit-identical to the module
+path (the same kernels on the same tensors); only the Python around them is gone.
 
 Invariant: a layer's plan reads only weights fixed at load (norm weights, BlockWeight tensors), so it
 is built once; anything decided per batch (LoRA, rows, dtype) is checked in ``run`` every forward.
@@ -93,7 +95,8 @@ def _layer_plan(layer: Gemma3DecoderLayer) -> _LayerPlan | None:
 
 
 class DecodePlan:
-    """Every held layer's ``_LayerPlan``; ``run`` is None-returning where the fast path does not apply."""
+    """Every held layer's ``_LayerPlan`` (None when one layer cannot take the flat path): ``applies``
+    says whether a forward can, ``run`` computes it."""
 
     def __init__(self, layers: list[Gemma3DecoderLayer]) -> None:
         plans = [_layer_plan(layer) for layer in layers]
