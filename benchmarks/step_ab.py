@@ -24,6 +24,10 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``rows_kernel``: a bf16 model's GGUF layers and LM head without the AVX512-BF16 rows kernel
   (servelm.model.layers.gguf_rows): the VNNI kernel and the dense bf16 copy at every M as before.
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
+- ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
+  of servelm.model.architectures.gemma3_decode.
+- ``gguf_decode_call``: a GGUF block layer's few-row bf16 calls take the general routing of
+  GGUFBlockLinearMethod.apply instead of the kernel call prepared at load.
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -142,6 +146,22 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             lm_head_screen.MAX_SCREEN_ROWS = limit
+    elif change == "gemma3_decode":
+        from servelm.model.architectures.gemma3_decode import DecodePlan
+        original_applies: Any = DecodePlan.applies
+        DecodePlan.applies = lambda self, hidden, batch: False  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            DecodePlan.applies = original_applies  # type: ignore[method-assign]
+    elif change == "gguf_decode_call":
+        from servelm.model.layers import gguf_linear as linear_module
+        decode_rows = linear_module.DECODE_ROWS
+        linear_module.DECODE_ROWS = 0
+        try:
+            yield
+        finally:
+            linear_module.DECODE_ROWS = decode_rows
     else:
         raise SystemExit(f"unknown change {change!r}")
 

@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -26,9 +27,23 @@ constexpr int kChunk = 64;      // bytes per 512-bit step
 constexpr int kRowTile = 4;     // activation rows sharing one pass over a weight row
 constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all activation rows pass
 
+constexpr int64_t kMinChunkBytes = 32768;  // the least weight bytes worth a thread of their own
+constexpr int64_t kPrefetchBytes = 16384;  // how far ahead of a weight row's step the stream is prefetched
+
+// Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call): a
+// decode step makes 72 small calls, and allocating each call's buffers on the heap was part of
+// their fixed cost. Only the calling thread writes them; the workers of its parallel_for read them.
+template <class T>
+T* scratch(int slot, int64_t count) {
+  static thread_local std::vector<T> buffers[3];
+  std::vector<T>& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
 // Float sums of x over each weight block [rows, K / B]: offsets multiply them.
-std::vector<float> block_sums(const float* x, int64_t rows, int64_t k, int64_t block) {
-  std::vector<float> sums(rows * (k / block));
+const float* block_sums(const float* x, int64_t rows, int64_t k, int64_t block) {
+  float* sums = scratch<float>(2, rows * (k / block));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < k / block; ++b) {
       float s = 0.f;
@@ -36,6 +51,24 @@ std::vector<float> block_sums(const float* x, int64_t rows, int64_t k, int64_t b
       sums[r * (k / block) + b] = s;
     }
   return sums;
+}
+
+// x [rows, k] as float32: bf16 is widened (exactly: its 16 bits are a float32's high half) into a
+// scratch buffer, float32 is used in place.
+const float* float_rows(const torch::Tensor& x, int64_t count) {
+  if (x.dtype() == torch::kFloat32) return x.data_ptr<float>();
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  float* out = scratch<float>(0, count);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + i)));
+    _mm512_storeu_si512(out + i, _mm512_slli_epi32(wide, 16));
+  }
+  for (; i < count; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(out + i, &word, sizeof(word));
+  }
+  return out;
 }
 
 inline float dot_f32(const float* a, const float* b, int64_t n) {
@@ -70,23 +103,32 @@ struct StepScales {
 // Quantizes x per row and kActBlock inputs: d = amax / qmax, ``store(r, b, xb, 1 / d or 0)``
 // writes the block's codes, and d fills its kActBlock / 4 lane scales (``lane_scales``: [rows, k / 4]).
 // Shared by the int8 and int16 formats (only qmax and the codes' layout differ).
+// A few rows (decode) are quantized by the calling thread: a parallel region costs more than they do.
 template <class Store>
-void quantize_blocks(const float* x, int64_t rows, int64_t k, float qmax, std::vector<float>& lane_scales,
-                     Store store) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+void quantize_blocks(const float* x, int64_t rows, int64_t k, float qmax, float* lane_scales, Store store) {
+  auto quantize = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < k / kActBlock; ++b) {
         const float* xb = x + r * k + b * kActBlock;
-        float amax = 0.f;
-        for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const __m512 lo = _mm512_abs_ps(_mm512_loadu_ps(xb)), hi = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
         const float d = amax / qmax;
         const float inv = d > 0.f ? 1.f / d : 0.f;
         store(r, b, xb, inv);
-        float* lanes = lane_scales.data() + r * (k / 4) + b * (kActBlock / 4);
-        for (int i = 0; i < kActBlock / 4; ++i) lanes[i] = d;
+        _mm256_storeu_ps(lane_scales + r * (k / 4) + b * (kActBlock / 4), _mm256_set1_ps(d));
       }
     }
-  });
+  };
+  if (rows <= kRowTile) {
+    quantize(0, rows);
+  } else {
+    at::parallel_for(0, rows, 1, quantize);
+  }
+}
+
+// round(x * inv) of 16 inputs, to nearest even as std::nearbyint in the default rounding mode
+inline __m512i round_scaled(const float* x, float inv) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv)));
 }
 
 // One 64-byte step of a weight row, as the vpdpbusd formats use it: vpdpbusd multiplies unsigned
@@ -108,6 +150,11 @@ inline void vnni_step_loop(const int8_t* w, const float* w_scales, int64_t block
   const StepScales step_scales(block);
   const int64_t steps = k / kChunk;
   for (int64_t c = 0; c < steps; ++c) {
+    // a step streams the weights from memory (a model's decoder weights outgrow the L3 cache): ask
+    // for them ahead of the hardware prefetcher, which restarts at every 4 KiB page
+    _mm_prefetch(reinterpret_cast<const char*>(w + c * kChunk) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w_scales + c * step_scales.per_step) + kPrefetchBytes / 8,
+                 _MM_HINT_T0);
     const __m512i wv = _mm512_loadu_si512(w + c * kChunk);
     const WeightStep step{wv, _mm512_abs_epi8(wv), _mm512_movepi8_mask(wv)};
     const __m512 ws = step_scales.load(w_scales, c);
@@ -129,15 +176,21 @@ inline void vnni_step_loop(const int8_t* w, const float* w_scales, int64_t block
 // which needs no correction term.
 struct Int8Activations {
   static constexpr int64_t kKMultiple = kChunk;
-  std::vector<int8_t> codes;
-  std::vector<float> lane_scales;
+  const int8_t* codes;
+  const float* lane_scales;
   int64_t k;
 
-  Int8Activations(const float* x, int64_t rows, int64_t k_) : codes(rows * k_), lane_scales(rows * (k_ / 4)), k(k_) {
-    quantize_blocks(x, rows, k, 127.f, lane_scales, [&](int64_t r, int64_t b, const float* xb, float inv) {
-      int8_t* qb = codes.data() + r * k + b * kActBlock;
-      for (int i = 0; i < kActBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+  Int8Activations(const float* x, int64_t rows, int64_t k_) : k(k_) {
+    int8_t* q = scratch<int8_t>(0, rows * k);
+    float* lanes = scratch<float>(1, rows * (k / 4));
+    quantize_blocks(x, rows, k, 127.f, lanes, [&](int64_t r, int64_t b, const float* xb, float inv) {
+      int8_t* qb = q + r * k + b * kActBlock;
+      for (int half = 0; half < 2; ++half)   // |q| <= 127: the truncating narrow is exact
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * half),
+                         _mm512_cvtepi32_epi8(round_scaled(xb + 16 * half, inv)));
     });
+    codes = q;
+    lane_scales = lanes;
   }
 
   template <int ROWS>
@@ -146,8 +199,8 @@ struct Int8Activations {
     const int8_t* xq[ROWS];
     const float* xs[ROWS];   // row pointers held in locals for the whole step loop
     for (int r = 0; r < ROWS; ++r) {
-      xq[r] = codes.data() + (r0 + r) * k;
-      xs[r] = lane_scales.data() + (r0 + r) * (k / 4);
+      xq[r] = codes + (r0 + r) * k;
+      xs[r] = lane_scales + (r0 + r) * (k / 4);
     }
     vnni_step_loop<ROWS>(w, w_scales, block, k, xs, out, [&](int r, int64_t c, const WeightStep& step) {
       const __m512i xv = _mm512_loadu_si512(xq[r] + c * kChunk);
@@ -163,23 +216,29 @@ struct Int8Activations {
 // int32 (4 * 127 * 128 * 256 + 4 * 255 * 128). The rounding is 2^-16 of the block's largest input.
 struct Int16Activations {
   static constexpr int64_t kKMultiple = kChunk;
-  std::vector<int8_t> high;
-  std::vector<uint8_t> low;
-  std::vector<float> lane_scales;
+  const int8_t* high;
+  const uint8_t* low;
+  const float* lane_scales;
   int64_t k;
 
-  Int16Activations(const float* x, int64_t rows, int64_t k_)
-      : high(rows * k_), low(rows * k_), lane_scales(rows * (k_ / 4)), k(k_) {
-    quantize_blocks(x, rows, k, 32512.f, lane_scales, [&](int64_t r, int64_t b, const float* xb, float inv) {
-      int8_t* hb = high.data() + r * k + b * kActBlock;
-      uint8_t* lb = low.data() + r * k + b * kActBlock;
-      for (int i = 0; i < kActBlock; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        const int hi = v >= 0 ? v / 256 : -((-v + 255) / 256);   // floor(v / 256)
-        hb[i] = static_cast<int8_t>(hi);
-        lb[i] = static_cast<uint8_t>(v - hi * 256);
+  Int16Activations(const float* x, int64_t rows, int64_t k_) : k(k_) {
+    int8_t* hi = scratch<int8_t>(0, rows * k);
+    uint8_t* lo = scratch<uint8_t>(0, rows * k);
+    float* lanes = scratch<float>(1, rows * (k / 4));
+    quantize_blocks(x, rows, k, 32512.f, lanes, [&](int64_t r, int64_t b, const float* xb, float inv) {
+      int8_t* hb = hi + r * k + b * kActBlock;
+      uint8_t* lb = lo + r * k + b * kActBlock;
+      for (int half = 0; half < 2; ++half) {
+        const __m512i v = round_scaled(xb + 16 * half, inv);
+        // hi = floor(v / 256) (the arithmetic shift), lo = v - 256 * hi = v & 255; both fit a byte
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hb + 16 * half), _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lb + 16 * half),
+                         _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(255))));
       }
     });
+    high = hi;
+    low = lo;
+    lane_scales = lanes;
   }
 
   template <int ROWS>
@@ -189,9 +248,9 @@ struct Int16Activations {
     const uint8_t* xl[ROWS];
     const float* xs[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      xh[r] = high.data() + (r0 + r) * k;
-      xl[r] = low.data() + (r0 + r) * k;
-      xs[r] = lane_scales.data() + (r0 + r) * (k / 4);
+      xh[r] = high + (r0 + r) * k;
+      xl[r] = low + (r0 + r) * k;
+      xs[r] = lane_scales + (r0 + r) * (k / 4);
     }
     vnni_step_loop<ROWS>(w, w_scales, block, k, xs, out, [&](int r, int64_t c, const WeightStep& step) {
       const __m512i hv = _mm512_loadu_si512(xh[r] + c * kChunk);
@@ -255,24 +314,23 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
     TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
                 "offsets: float32 like scales");
   }
-  auto out = torch::empty({rows, n}, x.options().dtype(torch::kFloat32));
-  if (rows == 0 || n == 0) return bf16_out ? out.to(torch::kBFloat16) : out;
+  // bf16 output is rounded by the threads as they write it (no float32 result, no serial pass over it)
+  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  if (rows == 0 || n == 0) return out;
   // bf16 activations widened here (exact), not by a torch op per call: a decode step makes 72 calls
-  std::vector<float> widened;
-  if (x.dtype() == torch::kBFloat16) {
-    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
-    widened.resize(rows * k);
-    for (int64_t i = 0; i < rows * k; ++i) widened[i] = static_cast<float>(xb[i]);
-  }
-  const float* xp = widened.empty() ? x.data_ptr<float>() : widened.data();
+  const float* xp = float_rows(x, rows * k);
   const Activations acts(xp, rows, k);
-  const std::vector<float> sums = has_offsets ? block_sums(xp, rows, k, block) : std::vector<float>();
+  const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
-  float* y = out.data_ptr<float>();
+  float* y = bf16_out ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = k / block;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  // a thread takes at least kMinChunkBytes of weights: below that the fork and join cost more than
+  // the second thread saves (Gemma's k/v-sized calls)
+  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / k);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
@@ -289,18 +347,18 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           }
           for (int t = 0; t < tile; ++t) {
             float value = dots[t];
-            if (o != nullptr) value += dot_f32(o + j * nb, sums.data() + (r0 + t) * nb, nb);
-            y[(r0 + t) * n + j] = value;
+            if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+            if (y16 != nullptr) {
+              y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
+            } else {
+              y[(r0 + t) * n + j] = value;
+            }
           }
         }
       }
     }
   });
-  if (!bf16_out) return out;
-  auto rounded = torch::empty({rows, n}, x.options().dtype(torch::kBFloat16));
-  c10::BFloat16* rp = rounded.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < rows * n; ++i) rp[i] = c10::BFloat16(y[i]);   // round to nearest even, as torch
-  return rounded;
+  return out;
 }
 
 }  // namespace

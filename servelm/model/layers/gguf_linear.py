@@ -68,6 +68,12 @@ whose candidate logits are the int16 kernel's, and a screened row that falls bac
 head at the same M. (In a step of 3 or more rows of which at most 2 are screened, the screened rows'
 tokens are the int16 kernel's argmax and the rest come from this kernel: the two differ only where
 two logits are within the int16 kernel's 2e-5 relative rounding.)"""
+DECODE_ROWS = 4
+"""Rows up to which every mode runs the kernel whatever the dense copy's dtype (the least of the row
+limits above): a bf16 layer without bias called with that few rows (decode) goes straight to the
+kernel with arguments prepared once (``_decode_args``), as a decode step makes 72 such calls. This
+path comes before ``ROWS_KERNEL_ROWS``: a bias-free bf16 decoder layer meets the rows kernel from 5
+rows on, a layer with a bias (Qwen's QKV) from 2."""
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
@@ -102,6 +108,7 @@ class GGUFBlockLinearMethod:
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
         layer.gguf_uses_rows_kernel = (self.rows_kernel is not None and self.dense_dtype == torch.bfloat16
                                        and weight.codes.shape[1] % 64 == 0)
+        layer.gguf_decode_args = self._decode_args(layer)
         layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
@@ -116,6 +123,12 @@ class GGUFBlockLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
+        state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
+        decode = state.get("gguf_decode_args")
+        if (decode and bias is None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+                and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
+            kernel, codes, scales, offsets, block = decode
+            return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
@@ -154,6 +167,16 @@ class GGUFBlockLinearMethod:
     def _rows_kernel_takes(rows: int, is_head: bool) -> bool:
         first, last = ROWS_KERNEL_ROWS["head" if is_head else "layers"]
         return first <= rows <= last
+
+
+    def _decode_args(self, layer: nn.Module) -> tuple[object, ...]:
+        """The kernel and its weight arguments for ``apply``'s decode call, or () where the layer
+        has no kernel."""
+        if not layer.gguf_uses_kernel:
+            return ()
+        weight: BlockWeight = layer.gguf_weight
+        return (getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales, weight.offsets,
+                weight.block)
 
 
 class BlockRows:

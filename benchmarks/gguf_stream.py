@@ -1,0 +1,106 @@
+"""The GGUF block kernel at M=1 as a decode step meets it: every layer's weights once, from DRAM.
+
+A microbenchmark that repeats one weight reads it from the L3 cache (32 MiB here; Gemma 3 270M's
+largest decoder weight is 2.9 MB), and so overstates what a step gets: a step streams ~106 MB of
+decoder weights and then the 100 MB LM head. This one builds ``--layers`` distinct copies of the
+model's four decoder shapes (random Q8_0-like codes, one scale per 32 inputs), calls the int16
+kernel on one bf16 row per weight in model order with bf16 output (as the served bf16 model does),
+and reports GB/s per shape and for the whole pass, next to ``torch.sum`` of a 1 GiB float tensor
+(the machine's streaming rate). ``--base SOURCE`` also builds another kernel source (e.g. the one on
+main, saved to a file) and alternates the two passes in one run (a noisy, shared machine moves both
+alike).
+
+    .venv/bin/python benchmarks/gguf_stream.py --threads 1 [--base /tmp/gguf_kernel_main.cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf_kernels import random_block_weight  # noqa: E402
+from linear_kernels import SHAPES  # noqa: E402
+
+from servelm.model.cpp_kernel import CppKernel  # noqa: E402
+from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel  # noqa: E402
+
+
+def one_pass(kernel: object, weights: list[tuple[str, object]], xs: dict[int, torch.Tensor],
+             clock: object, per_shape: dict[str, float]) -> float:
+    fn = kernel.block_linear_a16  # type: ignore[attr-defined]
+    total = 0.0
+    for name, w in weights:
+        x = xs[w.codes.shape[1]]
+        start = clock()  # type: ignore[operator]
+        fn(x, w.codes, w.scales, None, 32, True)
+        elapsed = clock() - start  # type: ignore[operator]
+        per_shape[name] = per_shape.get(name, 0.0) + elapsed
+        total += elapsed
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    parser.add_argument("--model", default="gemma")
+    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--passes", type=int, default=15)
+    parser.add_argument("--base", default=None, help="another gguf_kernel.cpp to alternate with")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    kernels = {"this": load_kernel()}
+    if args.base:
+        base = CppKernel(Path(args.base), "gguf_block_base", "base GGUF kernel", REQUIRED_FLAGS, COMPILE_FLAGS,
+                         link_flags=["-fopenmp"])
+        kernels["base"] = base.load()
+    assert all(k is not None for k in kernels.values()), "no GGUF block kernel on this CPU"
+    torch.manual_seed(0)
+    shapes = [(name, k, n) for name, k, n in SHAPES[args.model] if name != "head"]
+    weights = [(name, random_block_weight(n, k, offsets=False)) for _ in range(args.layers) for name, k, n in shapes]
+    shape_bytes = {name: args.layers * (w.codes.nbytes + w.scales.nbytes)
+                   for name, w in weights[:len(shapes)]}
+    total_bytes = sum(shape_bytes.values())
+    xs = {k: torch.randn(args.rows, k).bfloat16() for _, k, _ in shapes}
+    big = torch.ones(1 << 28)
+    sums = []
+    results: dict[str, list[float]] = {name: [] for name in kernels}
+    shapes_ms: dict[str, dict[str, float]] = {name: {} for name in kernels}
+    for name, kernel in kernels.items():
+        one_pass(kernel, weights, xs, clock, {})
+    for _ in range(args.passes):
+        start = time.perf_counter()
+        big.sum()
+        sums.append(time.perf_counter() - start)
+        for name, kernel in kernels.items():
+            results[name].append(one_pass(kernel, weights, xs, clock, shapes_ms[name]))
+    sum_gbs = big.nbytes / statistics.median(sums) / 1e9
+    print(f"# {args.model} x{args.layers} layers, M={args.rows}, {args.threads} threads, {args.clock} clock, "
+          f"load {os.getloadavg()[0]:.1f}; torch.sum of 1 GiB: {sum_gbs:.1f} GB/s (noisy, shared machine)")
+    print("| kernel | pass ms | GB/s | " + " | ".join(f"{s} ms (GB/s)" for s in shape_bytes) + " |")
+    print("|---|---|---|" + "---|" * len(shape_bytes))
+    for name, times in results.items():
+        ms = 1e3 * statistics.median(times)
+        cells = []
+        for shape, nbytes in shape_bytes.items():
+            shape_ms = 1e3 * shapes_ms[name][shape] / args.passes
+            cells.append(f"{shape_ms:.2f} ({nbytes / shape_ms / 1e6:.1f})")
+        print(f"| {name} | {ms:.2f} | {total_bytes / ms / 1e6:.1f} | " + " | ".join(cells) + " |")
+    if "base" in results:
+        ratio = statistics.median(results["this"]) / statistics.median(results["base"])
+        print(f"# this / base: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

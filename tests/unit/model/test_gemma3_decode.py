@@ -1,0 +1,73 @@
+"""Gemma 3's flat decode path (servelm.model.architectures.gemma3_decode) against its modules: a tiny
+bf16 Gemma 3 on GGUF-style block weights (Q8_0: int8 codes, a scale per 32 inputs) decodes the same
+prompts through both, and every step's logits must be bit-identical; the flat path must really run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from servelm.model.architectures.gemma3_decode import DecodePlan
+from servelm.model.forward_batch import BatchPlan
+from servelm.model.layers import fused
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
+from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.layers.linear import LinearBase
+from tests.tiny_models import make_tiny_hf_model
+from tests.unit.model.conftest import POOL_TOKENS, BLOCK_SIZE, BlockAllocator, make_runner, make_source, prompts_for
+
+pytestmark = pytest.mark.skipif(load_kernel() is None or fused.load_kernel() is None,
+                                reason=f"no GGUF block kernel or fused ops here: {kernel_status()}")
+
+STEPS = 6
+
+
+def q8_blocks(weight: torch.Tensor) -> BlockWeight:
+    """``weight`` [N, K] rounded to Q8_0's form: int8 codes and one float scale per 32 inputs."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // 32, 32)
+    scales = groups.abs().amax(-1) / 127
+    codes = torch.round(groups / scales.clamp_min(1e-12)[..., None]).clamp(-127, 127).to(torch.int8)
+    return BlockWeight(codes.view(n, k), scales.contiguous(), None, 32, "Q8_0")
+
+
+def decode_logits(hf_model: Any, rows: int) -> list[torch.Tensor]:
+    """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
+    runner = make_runner(make_source(hf_model), dtype="bfloat16")
+    method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
+    for name, module in runner.model.named_modules():
+        if isinstance(module, LinearBase) and ".layers." in name:
+            method.process(module, q8_blocks(module.weight))
+    allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
+    prompts = prompts_for("gemma3", runner.vocab_size)[:rows]
+    logits = runner.execute(BatchPlan([allocator.plan(i, p, num_logits=1) for i, p in enumerate(prompts)]))
+    steps = []
+    for _ in range(STEPS):
+        tokens = logits.argmax(-1).tolist()
+        logits = runner.execute(BatchPlan([allocator.plan(i, [t], num_logits=1) for i, t in enumerate(tokens)]))
+        steps.append(logits)
+    return steps
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_flat_decode_is_bit_identical_to_the_modules(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf_model = make_tiny_hf_model("gemma3")
+    runs = []
+    original_run = DecodePlan.run
+
+    def counted_run(self: DecodePlan, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+        runs.append(hidden.shape[0])
+        return original_run(self, hidden, batch)
+
+    monkeypatch.setattr(DecodePlan, "run", counted_run)
+    flat = decode_logits(hf_model, rows)
+    assert runs[-STEPS:] == [rows] * STEPS   # every decode step took the flat path
+    flat_runs = len(runs)
+    monkeypatch.setattr(DecodePlan, "applies", lambda self, hidden, batch: False)
+    modules = decode_logits(hf_model, rows)
+    assert len(runs) == flat_runs
+    for step, (a, b) in enumerate(zip(flat, modules)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
