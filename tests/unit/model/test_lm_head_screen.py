@@ -21,6 +21,9 @@ from servelm.model.layers.embedding import LMHead
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.engine.executor import argmax_rows
+from servelm.engine.request import Request
+from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
 from servelm.sampling.params import SamplingParams
 
@@ -135,6 +138,88 @@ def test_built_only_where_exact() -> None:
     assert ParallelContext.single().tp_size == 1
 
 
+def near_tie_rows(weight: BlockWeight, m: int, seed: int) -> torch.Tensor:
+    """``m`` activation rows of which every third is random, the others point along a vocabulary row
+    (near-ties with its neighbours) or follow the signs of one row's screen error (adversarial)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = weight.codes.shape[1]
+    dense = weight.dequantize()
+    codes = weight.codes.int()
+    rows = []
+    for i in range(m):
+        token = int(torch.randint(0, weight.codes.shape[0], (1,), generator=generator))
+        if i % 3 == 0:
+            rows.append(torch.randn(hidden, generator=generator) * 3)
+        elif i % 3 == 1:
+            rows.append(dense[token] * 40 + torch.randn(hidden, generator=generator) * 0.01)
+        else:
+            error = codes[token] - (8 * (codes[token] >> 3) + 3.5)
+            rows.append(torch.sign(error) * torch.rand(hidden, generator=generator).add(0.9))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16, 33])
+def test_many_rows_screened_at_once_give_each_rows_exact_argmax(m: int) -> None:
+    """The row-blocked kernel (register blocks of 4 rows, a vocabulary not a multiple of its tiles
+    of 16): each row's argmax is the int16 kernel's on that row, and its candidates carry that
+    kernel's logits."""
+    head, weight = q8_head(2999, 192, seed=10 + m)
+    weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
+    weight.scales[1500] = weight.scales[900]
+    screen = screen_for(weight)
+    x = near_tie_rows(weight, m, seed=m)
+    x[0] = weight.dequantize()[900] * 40
+    full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    logits = screen.logits(head, x, list(range(m)))
+    assert torch.equal(logits.argmax(-1), full.argmax(-1))
+    assert logits[0].argmax() == 900 and full[0, 1500] == full[0, 900]
+    finite = torch.isfinite(logits)
+    assert torch.equal(logits[finite], full[finite])
+    approx, bound = screen.bounds(x)
+    assert ((full - approx).abs() <= bound).all()
+
+
+def test_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads() -> None:
+    head, weight = q8_head(5003, 256, seed=6)
+    screen = screen_for(weight)
+    x = near_tie_rows(weight, 11, seed=3)
+    kernel = screen.screen_kernel
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 5003, 3.505, 4096)
+        alone = [kernel.screen_candidates(x[i:i + 1].contiguous(), screen.packed, screen.tiled_scales, 5003,
+                                          3.505, 4096) for i in range(11)]
+        torch.set_num_threads(2)
+        parallel = kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 5003, 3.505, 4096)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(11):
+        assert torch.equal(together[i + 1], alone[i][1]) and torch.equal(together[i + 1], parallel[i + 1])
+    assert torch.equal(together[0], parallel[0])
+
+
+def scheduled(request_id: str, params: SamplingParams, drafts: list[int], num_logits: int | None = None,
+              prompt_logprob_rows: int = 0) -> ScheduledRequest:
+    request = Request(request_id, [1, 2, 3], params, [0], 100, output_token_ids=[5])
+    return ScheduledRequest(request, 1 + len(drafts), num_logits or 1 + len(drafts), True, prompt_logprob_rows,
+                            draft_token_ids=drafts)
+
+
+def test_a_greedy_requests_draft_rows_are_argmax_rows() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    output = SchedulerOutput(scheduled=[
+        scheduled("a", greedy, [7, 8, 9]),                                           # rows 0-3
+        scheduled("b", SamplingParams(temperature=0.7, seed=1, max_tokens=8), [7]),  # rows 4-5
+        scheduled("c", greedy, []),                                                  # row 6
+        scheduled("d", SamplingParams(temperature=0.0, logprobs=1, max_tokens=8), [4, 4]),   # rows 7-9
+        scheduled("e", greedy, [3, 3], num_logits=5, prompt_logprob_rows=2),          # rows 10-14
+        scheduled("f", SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8), [2]),   # rows 15-16
+        scheduled("g", greedy, [1, 2]),                                              # rows 17-19
+    ])
+    assert argmax_rows(output) == [0, 1, 2, 3, 6, 17, 18, 19]
+
+
 # -- engine level, on the packaged models -------------------------------------------------------
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time, in a land far away,"]
@@ -209,7 +294,7 @@ def test_the_kernels_candidates_are_the_bounds_candidates() -> None:
     screen = screen_for(weight)
     x = torch.randn(3, 256) * 3
     approx, bound = screen.bounds(x)
-    counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, weight.scales, 3.505, 4096)
+    counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 3000, 3.505, 4096)
     for row in range(3):
         lower = (approx[row] - bound[row]).max()
         expected = ((approx[row] + bound[row]) >= lower).nonzero().squeeze(1)
