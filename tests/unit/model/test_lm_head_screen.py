@@ -280,6 +280,51 @@ def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine
     assert run(engine, requests, True) == run(engine, requests, False)
 
 
+def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
+    """The hidden states the LM head saw while decoding real prompts, screened 1 to 16 at a time:
+    each row's argmax is the head's int16 kernel's."""
+    model = engine.runner.model
+    captured: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: (captured.append(hidden.detach().clone()), compute_logits(hidden))[1]
+    try:
+        run(engine, [(engine.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+                     for p in PROMPTS], False)
+    finally:
+        model.compute_logits = compute_logits
+    hidden = torch.cat(captured).float()
+    screen = engine.runner.lm_head_screen
+    weight = screen.weight
+    with torch.inference_mode():
+        for m in (1, 5, 8, 16):
+            x = hidden[:m].contiguous()
+            full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+            assert torch.equal(screen.logits(model.lm_head, x, list(range(m))).argmax(-1), full.argmax(-1))
+
+
+def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine) -> None:
+    """N-gram drafts on greedy requests: their verify rows go through the screen and the tokens are
+    those without the screen."""
+    config = EngineConfig.from_flat({"model": engine.config.model.model, "num_threads": 1,
+                                     "disable_radix_cache": True, "speculative_algorithm": "NGRAM",
+                                     "num_speculative_tokens": 3})
+    spec = LLMEngine(config)
+    try:
+        screen = spec.runner.lm_head_screen
+        assert screen is not None
+        text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
+        before = screen.stats.rows
+        on = run(spec, requests, True)
+        # every emitted token came from a screened row (without the drafts' rows: one row a step)
+        assert screen.stats.rows - before >= 2 * 24
+        assert on == run(spec, requests, False)
+        assert spec.stats()["spec_accept_length"] > 1.0
+    finally:
+        spec.shutdown()
+
+
 @pytest.mark.slow
 def test_long_greedy_outputs_are_the_same_with_and_without_the_screen(engine: LLMEngine) -> None:
     prompts = PROMPTS + ["import numpy as np\n\nx = np.", "SELECT name, email FROM users WHERE",
