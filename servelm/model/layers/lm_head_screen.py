@@ -206,10 +206,10 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
 MAX_SCREEN_ROWS = 16
 """Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1 thread,
 thread clock, row-blocked kernel; benchmarks/RESULTS.md "The LM head's screen for many rows"): it
-reads the 5-bit copy once per call, so it takes 4.6 ms at one row against the full head's 8.9 and
-18 against 28 at eight; from ~4 rows on it is bound by arithmetic (two VNNI products per 64
-inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (54 ms) it loses to the
-dense bf16 GEMM the head runs above its kernel's 16 rows (43 ms). The head's own limit
+reads the 5-bit copy once per call, so it takes 4.9 ms at one row against the full head's 9.1 and
+16.7 against 27.6 at eight; from ~4 rows on it is bound by arithmetic (two VNNI products per 64
+inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it loses to the
+dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``gguf_kernel_max_rows``, 16 for the int16 kernel) caps the step's logits rows as well."""
 
 
