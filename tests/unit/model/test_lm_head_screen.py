@@ -11,6 +11,8 @@ logprobs) gives the same tokens and logprobs either way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
 from servelm.engine.executor import argmax_rows
 from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
 from servelm.sampling.params import SamplingParams
 
@@ -302,13 +305,18 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
             assert torch.equal(screen.logits(model.lm_head, x, list(range(m))).argmax(-1), full.argmax(-1))
 
 
-def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine) -> None:
-    """N-gram drafts on greedy requests: their verify rows go through the screen and the tokens are
-    those without the screen."""
-    config = EngineConfig.from_flat({"model": engine.config.model.model, "num_threads": 1,
-                                     "disable_radix_cache": True, "speculative_algorithm": "NGRAM",
-                                     "num_speculative_tokens": 3})
-    spec = LLMEngine(config)
+@pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("EAGLE", marks=pytest.mark.slow)])
+def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, algorithm: str,
+                                                            tmp_path: Path) -> None:
+    """N-gram chains and EAGLE trees (a head written from the model: few drafts accepted) on greedy
+    requests: their verify rows go through the screen and the tokens are those without it."""
+    flat = {"model": engine.config.model.model, "num_threads": 1, "disable_radix_cache": True,
+            "speculative_algorithm": algorithm, "num_speculative_tokens": 3}
+    if algorithm == "EAGLE":   # a tree of 7 drafts: two requests, 16 logits rows
+        write_head(["--model", engine.config.model.model, "--algorithm", "EAGLE", "--out", str(tmp_path / "head")])
+        flat.update(speculative_draft_model_path=str(tmp_path / "head"), speculative_eagle_topk=4,
+                    speculative_num_steps=3, num_speculative_tokens=7)
+    spec = LLMEngine(EngineConfig.from_flat(flat))
     try:
         screen = spec.runner.lm_head_screen
         assert screen is not None
@@ -320,7 +328,10 @@ def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine) -
         # every emitted token came from a screened row (without the drafts' rows: one row a step)
         assert screen.stats.rows - before >= 2 * 24
         assert on == run(spec, requests, False)
-        assert spec.stats()["spec_accept_length"] > 1.0
+        if algorithm == "NGRAM":
+            assert spec.stats()["spec_accept_length"] > 1.0
+        else:
+            assert spec.stats()["spec_num_draft_tokens"] > 24
     finally:
         spec.shutdown()
 
