@@ -3,7 +3,8 @@
 Generates greedy tokens for a few real prompts (the screen off), keeps the hidden states the LM head
 saw, then times on them, for M rows at once: the full head through the int16 kernel, the full
 head through the dense copy (the path above the kernel's row limit), and the screen (its bounds
-pass plus the candidates' exact logits), each the median of ``--repeats`` calls. It also reports
+pass, which selects the candidates, plus their exact logits), each the median of ``--repeats``
+calls, and the candidates pass's read bandwidth (the 5-bit copy and its scales once per call). It also reports
 the candidate-set sizes over all kept hidden states and checks that each screened argmax is the
 full head's. The thread clock with 1 thread is the default (a noisy, shared machine).
 
@@ -100,9 +101,12 @@ def main() -> None:
             dense_ms = median_ms(lambda: dense_linear(x.to(head.gguf_dense.dtype), head.gguf_dense),
                                  args.repeats, clock)
             screen_ms = median_ms(lambda: screen.logits(head, x, list(range(m))), args.repeats, clock)
-            bounds_ms = median_ms(lambda: screen.bounds(x), args.repeats, clock)
+            candidates_ms = median_ms(lambda: screen.screen_kernel.screen_candidates(
+                x, screen.packed, screen.tiled_scales, weight.codes.shape[0], 3.505, screen.max_candidates),
+                args.repeats, clock)
             print(f"RESULT M={m}: full head int16 kernel {kernel_ms:.2f} ms, dense {str(head.gguf_dense.dtype)[6:]} "
-                  f"copy {dense_ms:.2f} ms, screen {screen_ms:.2f} ms (bounds pass {bounds_ms:.2f})")
+                  f"copy {dense_ms:.2f} ms, screen {screen_ms:.2f} ms ({screen_ms / m:.2f} a row; candidates "
+                  f"pass {candidates_ms:.2f} ms, {screen.nbytes / candidates_ms / 1e6:.1f} GB/s)")
     print(f"RESULT {args.threads} threads, {args.clock} clock, load {load_before:.1f} -> {os.getloadavg()[0]:.1f} "
           "(noisy, shared machine)")
     engine.shutdown()

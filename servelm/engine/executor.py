@@ -77,16 +77,21 @@ class Runner(Protocol):
 
 
 def argmax_rows(output: SchedulerOutput) -> list[int]:
-    """The plan's logits rows of which this step reads only the argmax: the sampled row of each
-    plainly greedy request (``needs_only_argmax``) without a grammar, drafts or prompt logprobs."""
+    """The plan's logits rows of which this step reads only the argmax: the sampled rows of each
+    plainly greedy request (``needs_only_argmax``) without a grammar or prompt logprobs. A greedy
+    request's draft rows are among them: verifying drafts against a greedy target reads only each
+    row's argmax (``accept_point_mass``, ``accept_tree``, and the point mass rejection sampling
+    compares a greedy row's drafts with); ``needs_only_argmax`` holds at every later position
+    once it holds at the first (a min_tokens ban only lifts as the output grows)."""
     rows: list[int] = []
     row = 0
     for scheduled in output.scheduled:
         request = scheduled.request
-        if (scheduled.is_sampling and not scheduled.draft_token_ids and not scheduled.num_prompt_logprob_rows
+        if (scheduled.is_sampling and not scheduled.num_prompt_logprob_rows
                 and request.grammar is None and request.params.structured is None
                 and needs_only_argmax(request.params, len(request.output_token_ids))):
-            rows.append(row + scheduled.num_logits - 1)
+            end = row + scheduled.num_logits
+            rows.extend(range(end - len(scheduled.draft_token_ids) - 1, end))
         row += scheduled.num_logits
     return rows
 

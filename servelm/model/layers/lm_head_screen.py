@@ -1,19 +1,24 @@
 """Exact greedy LM-head screen: the argmax of a Q8_0 GGUF LM head without reading all of it.
 
-A greedy row with no logprobs and no logit processors needs only the argmax of its logits. The
-screen keeps, beside the Q8_0 head, the top 5 bits of each code (``c >> 3``, packed 80 bytes per 128
-inputs by lm_head_screen.cpp; the Q8_0 scales are shared) and for such rows:
+A greedy row with no logprobs and no logit processors needs only the argmax of its logits; so do
+a greedy request's speculative verify rows (engine/executor.py ``argmax_rows``). The screen keeps,
+beside the Q8_0 head, the top 5 bits of each code (``c >> 3``, packed in tiles of 16 vocabulary
+rows, 80 bytes per 8 inputs of a tile, with a tiled copy of the Q8_0 scales: lm_head_screen.cpp)
+and for such rows, all of a step's at once:
 
-1. ``screen_logits`` reads the 5-bit copy (0.625 + 0.125 bytes per weight instead of 1 + 0.125)
-   and returns per vocabulary row an approximation ``S`` and a bound factor ``D`` such that the
-   logit the exact int16 kernel computes (``gguf_kernel.block_linear_a16``, the full head's
-   kernel) lies within ``S +- bound``, ``bound = (3.5 + margin) * D`` (derivation at the top of
-   lm_head_screen.cpp: the screen's code is within 3.5 of the exact one, and the two kernels
-   round the activations identically; ``margin`` covers float32 summation error 8x over). Int8
-   activations (one VNNI product instead of two) measured no faster and, with the rounding
-   difference in the bound, gave 10x the candidates;
+1. ``screen_candidates`` reads the 5-bit copy once per call (0.625 + 0.125 bytes per weight instead
+   of 1 + 0.125), scores every unpacked weight register against all the step's rows (register
+   blocking over rows, parallel over vocabulary tiles) and gets per vocabulary row an
+   approximation ``S`` and a bound factor ``D`` such that the logit the exact int16 kernel computes
+   (``gguf_kernel.block_linear_a16``, the full head's kernel) lies within ``S +- bound``,
+   ``bound = (3.5 + margin) * D`` (derivation at the top of lm_head_screen.cpp: the screen's code
+   is within 3.5 of the exact one, and the two kernels round the activations identically;
+   ``margin`` covers float32 summation error several times over). Int8 activations (one VNNI
+   product instead of two) need the rounding difference in the bound: 10x the candidates;
 2. the candidates are the rows whose upper bound reaches the best lower bound: every other row's
-   exact logit is strictly below some candidate's, so it can be neither the argmax nor tie it;
+   exact logit is strictly below some candidate's, so it can be neither the argmax nor tie it.
+   The kernel selects them in the same pass (a running best lower bound per chunk of tiles, then
+   the final one), never storing ``S`` and ``D``;
 3. the exact logits of the candidates come from the same kernel on the gathered rows (the kernel
    computes each (activation row, weight row) pair on its own, in a fixed order: bit-identical to
    the full head, which tests/unit/model/test_lm_head_screen.py checks), and the runner returns a
@@ -103,20 +108,23 @@ class LMHeadScreen:
         self.screen_kernel = screen_kernel
         self.max_candidates = max_candidates
         self.packed = screen_kernel.pack_screen(weight.codes)
-        """[vocab, hidden / 128 * 80] uint8: the 5-bit codes (lm_head_screen.cpp)."""
+        """[ceil(vocab / 16), hidden / 8 * 80] uint8: the 5-bit codes in tiles of 16 vocabulary rows
+        (lm_head_screen.cpp)."""
+        self.tiled_scales = screen_kernel.pack_scales(weight.scales)
+        """[ceil(vocab / 16), hidden / 32, 16] float32: the Q8_0 scales in the same tiles."""
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes
+        return self.packed.nbytes + self.tiled_scales.nbytes
 
     def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [m, K]`` -> (approximate logits, bound) ``[m, vocab]`` each: the full head's
         logit of every row lies within approximate +- bound."""
         approx, factor = self.screen_kernel.screen_logits(hidden.float().contiguous(), self.packed,
-                                                          self.weight.scales)
+                                                          self.tiled_scales, self.weight.codes.shape[0])
         return approx, factor.mul_(CODE_ERROR + ROUNDING_MARGIN)
 
     def exact(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -126,9 +134,10 @@ class LMHeadScreen:
                                             w.scales.index_select(0, rows), None, w.block)
 
     def logits(self, head: nn.Module, hidden: torch.Tensor, argmax_rows: list[int]) -> torch.Tensor:
-        """float32 logits ``[n, vocab]`` for ``hidden [n, K]``: the full head's for every row,
-        except that an ``argmax_rows`` row holds only its candidates' exact logits (``-inf``
-        elsewhere), whose argmax is the full head's argmax."""
+        """float32 logits ``[n, vocab]`` for ``hidden [n, K]``. An ``argmax_rows`` row holds only its
+        candidates' exact logits (``-inf`` elsewhere), whose argmax is that of the head's int16
+        kernel on the row (a row over the candidate limit: that kernel's logits of every token);
+        the other rows get the full head's logits of those rows alone (``head`` on them)."""
         n = hidden.shape[0]
         vocab = self.weight.codes.shape[0]
         screened_set = set(argmax_rows)
@@ -136,19 +145,15 @@ class LMHeadScreen:
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
         x = hidden[screened].float().contiguous()
         counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
-            x, self.packed, self.weight.scales, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
+            x, self.packed, self.tiled_scales, vocab, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
+        finite: list[bool] = torch.isfinite(x).all(dim=1).tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
-        full_rows = [i for i in range(n) if i not in screened_set]
-        fallbacks = []
+        fallbacks = [count > self.max_candidates or count == 0 or not ok for count, ok in zip(counts, finite)]
         for position, row in enumerate(screened):
-            candidates = row_candidates[position]
-            fallbacks.append(counts[position] > self.max_candidates or counts[position] == 0
-                             or not torch.isfinite(x[position]).all().item())
-            if fallbacks[-1]:
-                full_rows.append(row)
-                continue
-            out[row, candidates] = self.exact(x[position:position + 1], candidates)[0]
+            if not fallbacks[position]:
+                candidates = row_candidates[position]
+                out[row, candidates] = self.exact(x[position:position + 1], candidates)[0]
         self.stats.record(counts, fallbacks)
         if self.is_enabled and not self.stats.is_paying:
             self.is_enabled = False
@@ -156,8 +161,14 @@ class LMHeadScreen:
                            "candidates (the bound is too loose for this model's hidden states), so they "
                            "paid for the screen and the full head", sum(self.stats.recent_fallbacks),
                            len(self.stats.recent_fallbacks), self.max_candidates)
+        fallen = [position for position, fallback in enumerate(fallbacks) if fallback]
+        if fallen:   # the head's own kernel on every token: the same argmax the screen would give
+            w = self.weight
+            index = torch.tensor(fallen)
+            out[torch.tensor(screened)[index]] = self.kernel.block_linear_a16(
+                x.index_select(0, index).contiguous(), w.codes, w.scales, None, w.block)
+        full_rows = [i for i in range(n) if i not in screened_set]
         if full_rows:
-            full_rows.sort()
             index = torch.tensor(full_rows)
             out[index] = head(hidden.index_select(0, index)).float()
         return out
@@ -181,8 +192,8 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
         return None, "off (the LM head is not Q8_0)"
     if getattr(head, "final_softcap", None) is not None:
         return None, "off (logit softcapping could tie rows the screen separates)"
-    if weight.codes.shape[1] % 128:
-        return None, "off (hidden size not a multiple of 128)"
+    if weight.codes.shape[1] % 32:
+        return None, "off (hidden size not a multiple of 32)"
     kernel, screen_kernel = load_kernel(), KERNEL.load()
     if kernel is None or screen_kernel is None:
         return None, f"off ({KERNEL.status()})"
@@ -192,11 +203,14 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
                     "turns it off")
 
 
-MAX_SCREEN_ROWS = 2
-"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1
-thread): at one row it reads ~2/3 of the head's bytes (6.4 against 9.9 ms), at two 9.5 against
-11.0; from 4 rows on the kernels are bound by arithmetic, not memory, and the screen (as much
-arithmetic per row as the exact kernel, plus the candidates) loses (8 rows: 39 against 28 ms)."""
+MAX_SCREEN_ROWS = 16
+"""Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1 thread,
+thread clock, row-blocked kernel; benchmarks/RESULTS.md "The LM head's screen for many rows"): it
+reads the 5-bit copy once per call, so it takes 4.9 ms at one row against the full head's 9.1 and
+16.7 against 27.6 at eight; from ~4 rows on it is bound by arithmetic (two VNNI products per 64
+inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it loses to the
+dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
+(``gguf_kernel_max_rows``, 16 for the int16 kernel) caps the step's logits rows as well."""
 
 
 def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: torch.device,
@@ -218,8 +232,8 @@ def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden:
                           argmax_rows: list[int]) -> torch.Tensor | None:
     """``screen.logits`` where the step suits it, else None (the caller runs the full head): some
     argmax rows, at most MAX_SCREEN_ROWS of them, and no more logits rows than the head's kernel
-    takes (above, the full head's rows would run its dense GEMM, whose logits round differently;
-    split off, they must be the rows the full head gives)."""
+    takes (above, the full head runs its dense GEMM, whose logits round differently: the screen's
+    argmax is the int16 kernel's, and the rows split off must be the rows the full head gives)."""
     if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
         return None
     head = model.lm_head

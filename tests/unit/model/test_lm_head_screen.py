@@ -11,6 +11,8 @@ logprobs) gives the same tokens and logprobs either way.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +23,10 @@ from servelm.model.layers.embedding import LMHead
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.engine.executor import argmax_rows
+from servelm.engine.request import Request
+from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
 from servelm.sampling.params import SamplingParams
 
@@ -135,6 +141,88 @@ def test_built_only_where_exact() -> None:
     assert ParallelContext.single().tp_size == 1
 
 
+def near_tie_rows(weight: BlockWeight, m: int, seed: int) -> torch.Tensor:
+    """``m`` activation rows of which every third is random, the others point along a vocabulary row
+    (near-ties with its neighbours) or follow the signs of one row's screen error (adversarial)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = weight.codes.shape[1]
+    dense = weight.dequantize()
+    codes = weight.codes.int()
+    rows = []
+    for i in range(m):
+        token = int(torch.randint(0, weight.codes.shape[0], (1,), generator=generator))
+        if i % 3 == 0:
+            rows.append(torch.randn(hidden, generator=generator) * 3)
+        elif i % 3 == 1:
+            rows.append(dense[token] * 40 + torch.randn(hidden, generator=generator) * 0.01)
+        else:
+            error = codes[token] - (8 * (codes[token] >> 3) + 3.5)
+            rows.append(torch.sign(error) * torch.rand(hidden, generator=generator).add(0.9))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16, 33])
+def test_many_rows_screened_at_once_give_each_rows_exact_argmax(m: int) -> None:
+    """The row-blocked kernel (register blocks of 4 rows, a vocabulary not a multiple of its tiles
+    of 16): each row's argmax is the int16 kernel's on that row, and its candidates carry that
+    kernel's logits."""
+    head, weight = q8_head(2999, 192, seed=10 + m)
+    weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
+    weight.scales[1500] = weight.scales[900]
+    screen = screen_for(weight)
+    x = near_tie_rows(weight, m, seed=m)
+    x[0] = weight.dequantize()[900] * 40
+    full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    logits = screen.logits(head, x, list(range(m)))
+    assert torch.equal(logits.argmax(-1), full.argmax(-1))
+    assert logits[0].argmax() == 900 and full[0, 1500] == full[0, 900]
+    finite = torch.isfinite(logits)
+    assert torch.equal(logits[finite], full[finite])
+    approx, bound = screen.bounds(x)
+    assert ((full - approx).abs() <= bound).all()
+
+
+def test_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads() -> None:
+    head, weight = q8_head(5003, 256, seed=6)
+    screen = screen_for(weight)
+    x = near_tie_rows(weight, 11, seed=3)
+    kernel = screen.screen_kernel
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 5003, 3.505, 4096)
+        alone = [kernel.screen_candidates(x[i:i + 1].contiguous(), screen.packed, screen.tiled_scales, 5003,
+                                          3.505, 4096) for i in range(11)]
+        torch.set_num_threads(2)
+        parallel = kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 5003, 3.505, 4096)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(11):
+        assert torch.equal(together[i + 1], alone[i][1]) and torch.equal(together[i + 1], parallel[i + 1])
+    assert torch.equal(together[0], parallel[0])
+
+
+def scheduled(request_id: str, params: SamplingParams, drafts: list[int], num_logits: int | None = None,
+              prompt_logprob_rows: int = 0) -> ScheduledRequest:
+    request = Request(request_id, [1, 2, 3], params, [0], 100, output_token_ids=[5])
+    return ScheduledRequest(request, 1 + len(drafts), num_logits or 1 + len(drafts), True, prompt_logprob_rows,
+                            draft_token_ids=drafts)
+
+
+def test_a_greedy_requests_draft_rows_are_argmax_rows() -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    output = SchedulerOutput(scheduled=[
+        scheduled("a", greedy, [7, 8, 9]),                                           # rows 0-3
+        scheduled("b", SamplingParams(temperature=0.7, seed=1, max_tokens=8), [7]),  # rows 4-5
+        scheduled("c", greedy, []),                                                  # row 6
+        scheduled("d", SamplingParams(temperature=0.0, logprobs=1, max_tokens=8), [4, 4]),   # rows 7-9
+        scheduled("e", greedy, [3, 3], num_logits=5, prompt_logprob_rows=2),          # rows 10-14
+        scheduled("f", SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8), [2]),   # rows 15-16
+        scheduled("g", greedy, [1, 2]),                                              # rows 17-19
+    ])
+    assert argmax_rows(output) == [0, 1, 2, 3, 6, 17, 18, 19]
+
+
 # -- engine level, on the packaged models -------------------------------------------------------
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time, in a land far away,"]
@@ -195,6 +283,59 @@ def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine
     assert run(engine, requests, True) == run(engine, requests, False)
 
 
+def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
+    """The hidden states the LM head saw while decoding real prompts, screened 1 to 16 at a time:
+    each row's argmax is the head's int16 kernel's."""
+    model = engine.runner.model
+    captured: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: (captured.append(hidden.detach().clone()), compute_logits(hidden))[1]
+    try:
+        run(engine, [(engine.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+                     for p in PROMPTS], False)
+    finally:
+        model.compute_logits = compute_logits
+    hidden = torch.cat(captured).float()
+    screen = engine.runner.lm_head_screen
+    weight = screen.weight
+    with torch.inference_mode():
+        for m in (1, 5, 8, 16):
+            x = hidden[:m].contiguous()
+            full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+            assert torch.equal(screen.logits(model.lm_head, x, list(range(m))).argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("EAGLE", marks=pytest.mark.slow)])
+def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, algorithm: str,
+                                                            tmp_path: Path) -> None:
+    """N-gram chains and EAGLE trees (a head written from the model: few drafts accepted) on greedy
+    requests: their verify rows go through the screen and the tokens are those without it."""
+    flat = {"model": engine.config.model.model, "num_threads": 1, "disable_radix_cache": True,
+            "speculative_algorithm": algorithm, "num_speculative_tokens": 3}
+    if algorithm == "EAGLE":   # a tree of 7 drafts: two requests, 16 logits rows
+        write_head(["--model", engine.config.model.model, "--algorithm", "EAGLE", "--out", str(tmp_path / "head")])
+        flat.update(speculative_draft_model_path=str(tmp_path / "head"), speculative_eagle_topk=4,
+                    speculative_num_steps=3, num_speculative_tokens=7)
+    spec = LLMEngine(EngineConfig.from_flat(flat))
+    try:
+        screen = spec.runner.lm_head_screen
+        assert screen is not None
+        text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
+        before = screen.stats.rows
+        on = run(spec, requests, True)
+        # every emitted token came from a screened row (without the drafts' rows: one row a step)
+        assert screen.stats.rows - before >= 2 * 24
+        assert on == run(spec, requests, False)
+        if algorithm == "NGRAM":
+            assert spec.stats()["spec_accept_length"] > 1.0
+        else:
+            assert spec.stats()["spec_num_draft_tokens"] > 24
+    finally:
+        spec.shutdown()
+
+
 @pytest.mark.slow
 def test_long_greedy_outputs_are_the_same_with_and_without_the_screen(engine: LLMEngine) -> None:
     prompts = PROMPTS + ["import numpy as np\n\nx = np.", "SELECT name, email FROM users WHERE",
@@ -209,7 +350,7 @@ def test_the_kernels_candidates_are_the_bounds_candidates() -> None:
     screen = screen_for(weight)
     x = torch.randn(3, 256) * 3
     approx, bound = screen.bounds(x)
-    counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, weight.scales, 3.505, 4096)
+    counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 3000, 3.505, 4096)
     for row in range(3):
         lower = (approx[row] - bound[row]).max()
         expected = ((approx[row] + bound[row]) >= lower).nonzero().squeeze(1)
