@@ -16,8 +16,10 @@
 
 namespace {
 
-// How many columns ahead the tiled kernel prefetches K and V rows (the pool's blocks are scattered).
-// Measured on the shared 2-core box with cold pools: 4 to 32 all alike, bounded by memory.
+// How many columns ahead the tiled kernel prefetches K and V rows (a sequence's blocks lie anywhere
+// in the pool). Cold pools, 32 x 133 columns of Gemma 3 270M, 1 thread: 0.28 ms per layer with it,
+// 0.47 without (the plain kernel: 0.37); 4 to 32 columns ahead measured alike. Prefetching V's first
+// rows during the softmax measured slower (0.30).
 constexpr int64_t kPrefetchColumns = 4;
 
 // 16 pool values as float32: float rows as they are, bf16 rows widened (bf16 is float32's top half).
