@@ -15,6 +15,8 @@ with and without the change (prefix cache off), and whether every output is iden
   servelm.model.attention.prefill_gemm.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``paged_decode_tiled``: the paged kernel's plain arrangement instead of its tiled one (the same
+  floats; servelm.model.attention.paged_decode.TILED).
 - ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
   ``torch.mm`` on V as it lies (bf16 only).
 - ``prefill_softmax``: prefill attention's tiles take float32 copy + mask + softmax + rounding as
@@ -79,6 +81,13 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             paged_decode.supports = supports
+    elif change == "paged_decode_tiled":
+        from servelm.model.attention import paged_decode as decode_module
+        decode_module.TILED = False
+        try:
+            yield
+        finally:
+            decode_module.TILED = True
     elif change == "fused_ops":
         from servelm.model.layers import fused
         fused.set_enabled(False)

@@ -11,6 +11,12 @@ path. The build is cached under ``~/.cache/servelm/kernels/<hash>`` (source, tor
 flags), so only the first start on a machine compiles it (about a minute on 2 cores).
 ``supports`` limits it to what it computes: a float32 or bfloat16 pool (bf16 rows are widened in
 registers, arithmetic in float32; q of either dtype), head_dim a multiple of 16, CPU.
+
+Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
+keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers and prefetches
+the next rows; the plain one (one dependent fma chain per score, the output row loaded and stored
+per column) stays as its reference: 32 streams x 133 columns of Gemma 3 270M's bf16 pool, 1 thread,
+0.59 -> 0.34 ms per layer (noisy, shared machine).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
+TILED = True
+"""Run the tiled arrangement (False: the plain one, for A/B runs and the equality test)."""
+
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            spans: torch.Tensor, scale: float) -> torch.Tensor:
@@ -54,4 +63,5 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots:
     in q's dtype."""
     module = load_kernel()
     assert module is not None
-    return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale).to(q.dtype)
+    return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale,
+                                   TILED).to(q.dtype)

@@ -110,8 +110,18 @@ class _Group:
         key = (sliding_window, is_causal)
         cached = self.views.get(key)
         if cached is None:
-            cached = self.views[key] = self._build_view(sliding_window, is_causal)
+            if sliding_window is not None and self._window_hides_nothing(sliding_window, is_causal):
+                cached = self.views[key] = self.view(None, is_causal)
+            else:
+                cached = self.views[key] = self._build_view(sliding_window, is_causal)
         return cached
+
+    def _window_hides_nothing(self, window: int, is_causal: bool) -> bool:
+        """A decode group whose every query sits at a position below ``window``: the window's view
+        (first column 0, ``kv > q - window`` always true) is the full view, so sliding layers share
+        it (Gemma 3: 15 of 18 layers slide over 512; one view built per step instead of two)."""
+        return (is_causal and self.max_query == 1 and self.trees is None
+                and int(self.context_lens.max()) <= window)
 
     def _build_view(self, window: int | None, is_causal: bool = True) -> _KVView:
         if window is None:

@@ -35,3 +35,18 @@ def test_prefill_window_starts_at_first_query_minus_window() -> None:
     positions = torch.arange(17, 23)
     expected = torch.stack([(positions <= q) & (positions > q - 4) for q in (20, 21, 22)])
     assert torch.equal(view.mask[0, 0], expected)
+
+
+def test_decode_window_longer_than_every_context_shares_the_full_view() -> None:
+    blocks = list(range(10, 20))
+    batch = build(BatchPlan([SequencePlan([1], 30, blocks), SequencePlan([2], 5, blocks[:2])]))
+    (decodes,) = batch.attn_metadata.groups
+    full = decodes.view(None)
+    assert decodes.view(31) is full                 # context 31: position 30 sees 0..30 either way
+    assert decodes.view(30) is not full             # position 30 no longer sees position 0
+    assert decodes.view(30).num_columns == 30
+    built = full.slots.clone(), full.mask.clone()
+    assert torch.equal(decodes._build_view(31).slots, built[0])
+    assert torch.equal(decodes._build_view(31).mask, built[1])
+    (prefill,) = build(BatchPlan([SequencePlan([1, 2, 3], 4, blocks)])).attn_metadata.groups
+    assert prefill.view(64) is not prefill.view(None)   # multi-token groups keep their own (tiles)

@@ -41,3 +41,25 @@ def test_supports_only_float32_multiples_of_16() -> None:
     assert not paged_decode.supports(torch.zeros(1, 2, 32), pool.to(torch.float8_e4m3fn))
     assert not paged_decode.supports(torch.zeros(1, 2, 24), torch.zeros(8, 1, 24))
     assert paged_decode.supports(torch.zeros(1, 2, 32), pool) == (paged_decode.load_kernel() is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (4, 1, 256), (14, 2, 64), (9, 3, 64), (16, 1, 32), (12, 2, 128), (7, 7, 16)])
+def test_tiled_kernel_equals_plain_bit_for_bit(num_heads: int, num_kv_heads: int, head_dim: int,
+                                               dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every head-group size (1-8 per chunk, 16 in two chunks), D not a multiple of 64, spans
+    that leave a partial tile of columns: the tiled arrangement computes the same floats."""
+    if paged_decode.load_kernel() is None:
+        pytest.skip(paged_decode.kernel_status())
+    torch.manual_seed(1)
+    b, block_size, columns = 6, 4, 23
+    k_pool = torch.randn(64 * block_size, num_kv_heads, head_dim).to(dtype)
+    v_pool = torch.randn_like(k_pool)
+    slots = torch.randperm(64 * block_size)[:b * columns].view(b, columns)
+    spans = torch.tensor([23, 1, 2, 3, 5, 22])
+    q = torch.randn(b, num_heads, head_dim)
+    tiled = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125)
+    monkeypatch.setattr(paged_decode, "TILED", False)
+    plain = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125)
+    assert torch.equal(tiled, plain)
