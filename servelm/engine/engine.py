@@ -30,6 +30,7 @@ from servelm.disagg.spec import KVTransfer
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
 from servelm.engine.executor import Executor, Runner
+from servelm.engine.heap import keep_large_buffers
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -66,6 +67,7 @@ class LLMEngine:
         """``proposer`` replaces the one --speculative-algorithm names (tests force drafts)."""
         self.config = config
         check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
+        keep_large_buffers()   # a step's big buffers (logits) reused, not mapped and faulted afresh
         self.model_info: dict[str, Any] = {}
         self._draft_proposer: Proposer | None = None
         """STANDALONE: the draft model's proposer, built by ``_load`` beside the model."""

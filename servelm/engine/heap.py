@@ -7,7 +7,8 @@ process keeps that burst's high-water mark in RSS although nothing uses it. ``ma
 walks the arenas and releases every free page. It costs milliseconds, and the next request pays
 again for every page it touches, so it runs only once the engine has been idle for
 ``IDLE_TRIM_DELAY_S`` (``IdleTrim``), never between the steps of a busy batch or between requests
-that come back to back.
+that come back to back. ``keep_large_buffers`` makes glibc keep big freed buffers for reuse
+(a step's logits) instead of unmapping them, so steps do not fault their pages in again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,35 @@ def release_free_memory() -> bool:
         if _libc is None:
             _libc = ctypes.CDLL(None)
         return bool(_libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+MMAP_THRESHOLD_BYTES = 512 << 20
+"""Allocations up to this size come from the heap, whose freed memory the next step reuses. glibc
+serves larger ones by mmap and unmaps them on free, its adaptive threshold stopping at 32 MiB, so a
+buffer the size of a 32-row step's float32 logits over a 262k vocabulary (33.5 MB) was mapped afresh
+and page-faulted in every step: ``.float()`` of those logits took 8.4 ms instead of 0.9 (Gemma 3
+270M's LM head at 32 rows, 2 threads, AMD EPYC; benchmarks/RESULTS.md)."""
+
+TRIM_THRESHOLD_BYTES = 1 << 30
+"""Free memory at the top of the heap that ``free`` keeps instead of returning it at once (set with
+the mmap threshold, which turns glibc's adaptive pair off); ``IdleTrim`` still gives it all back
+once the engine is idle."""
+
+
+def keep_large_buffers() -> bool:
+    """Let freed buffers of up to ``MMAP_THRESHOLD_BYTES`` be reused without page faults (glibc's
+    ``mallopt``; process-wide, idempotent); False where there is no glibc."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3   # malloc.h
+        return bool(_libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)) and bool(
+            _libc.mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES))
     except (OSError, AttributeError):
         return False
 
