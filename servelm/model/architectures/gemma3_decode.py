@@ -155,7 +155,7 @@ class DecodePlan:
                 k_cache.index_copy_(0, batch.slot_mapping, k)
                 v_cache.index_copy_(0, batch.slot_mapping, v)
                 attended = decodes[0](q.float().contiguous(), k_cache, v_cache, paged[0], paged[1],
-                                      layer.scale).to(q.dtype).view(num_tokens, -1)   # [T, H * D]
+                                      layer.scale, paged_decode.TILED).to(q.dtype).view(num_tokens, -1)
             else:
                 attended = attention.forward(q, k, v, layer, batch).contiguous()   # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
