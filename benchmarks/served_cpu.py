@@ -81,6 +81,19 @@ def in_process_leg(model: str, streams: int, num_threads: int | None) -> None:
           f"{steps} engine steps, engine CPU {cpu:.2f} s")
 
 
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    """``servelm serve`` of ``args.model`` on 127.0.0.1:``args.port`` (``--num-threads``, extra
+    ``--servelm-args``), its output in ``args.log``, in its own process group; (process, base URL)."""
+    threads = ["--num-threads", str(args.num_threads)] if args.num_threads is not None else []
+    with args.log.open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "servelm", "serve", args.model, "--host", "127.0.0.1",
+             "--port", str(args.port), *threads, *args.servelm_args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=Path(__file__).resolve().parents[1])
+    return server, f"http://127.0.0.1:{args.port}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3-270m")
@@ -95,14 +108,7 @@ def main() -> None:
     if args.in_process:
         in_process_leg(args.model, args.streams, args.num_threads)
         return
-    threads = ["--num-threads", str(args.num_threads)] if args.num_threads is not None else []
-    with args.log.open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "servelm", "serve", args.model, "--host", "127.0.0.1",
-             "--port", str(args.port), *threads, *args.servelm_args],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1])
-    base = f"http://127.0.0.1:{args.port}"
+    server, base = start_server(args)
     try:
         cp.wait_ready(base, server, 600)
         asyncio.run(served_leg(base, args.model, args.streams, server.pid))

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_peers as cp  # noqa: E402
+from served_cpu import start_server  # noqa: E402
 
 from servelm.bench_common import one_request  # noqa: E402
 
@@ -77,15 +77,8 @@ def main() -> None:
     parser.add_argument("--servelm-args", nargs="*", default=[], help="extra servelm flags")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}")
-    threads = ["--num-threads", str(args.num_threads)] if args.num_threads is not None else []
     start_s = time.monotonic()
-    with args.log.open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "servelm", "serve", args.model, "--host", "127.0.0.1",
-             "--port", str(args.port), *threads, *args.servelm_args],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=Path(__file__).resolve().parents[1])
-    base = f"http://127.0.0.1:{args.port}"
+    server, base = start_server(args)
     try:
         cp.wait_ready(base, server, 600)
         print(f"ready after {time.monotonic() - start_s:.1f} s")

@@ -19,16 +19,25 @@ import sys
 _libc: ctypes.CDLL | None = None
 
 
-def release_free_memory() -> bool:
-    """Return the allocator's free pages to the OS (glibc); False where there is no malloc_trim."""
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library where it is Linux's (glibc's malloc knobs), else None."""
     global _libc
     if not sys.platform.startswith("linux"):
-        return False
-    try:
-        if _libc is None:
+        return None
+    if _libc is None:
+        try:
             _libc = ctypes.CDLL(None)
-        return bool(_libc.malloc_trim(0))
-    except (OSError, AttributeError):
+        except OSError:
+            return None
+    return _libc
+
+
+def release_free_memory() -> bool:
+    """Return the allocator's free pages to the OS (glibc); False where there is no malloc_trim."""
+    libc = _glibc()
+    try:
+        return libc is not None and bool(libc.malloc_trim(0))
+    except AttributeError:
         return False
 
 
@@ -48,16 +57,12 @@ once the engine is idle."""
 def keep_large_buffers() -> bool:
     """Let freed buffers of up to ``MMAP_THRESHOLD_BYTES`` be reused without page faults (glibc's
     ``mallopt``; process-wide, idempotent); False where there is no glibc."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return False
+    libc = _glibc()
+    m_trim_threshold, m_mmap_threshold = -1, -3   # malloc.h
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None)
-        m_trim_threshold, m_mmap_threshold = -1, -3   # malloc.h
-        return bool(_libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES)) and bool(
-            _libc.mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
+        return (libc is not None and bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES))
+                and bool(libc.mallopt(m_trim_threshold, TRIM_THRESHOLD_BYTES)))
+    except AttributeError:
         return False
 
 

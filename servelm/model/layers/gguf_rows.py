@@ -21,15 +21,8 @@ KERNEL = CppKernel(SOURCE, "gguf_rows", "GGUF rows kernel (AVX512-BF16)", REQUIR
                    link_flags=["-fopenmp"])
 
 
-def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
-    return KERNEL.missing_cpu_flags(flags)
-
-
-def load_kernel() -> ModuleType | None:
-    """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-    return KERNEL.load()
-
-
-def kernel_status() -> str:
-    """Why the kernel is or is not available (after ``load_kernel``)."""
-    return KERNEL.status()
+missing_cpu_flags = KERNEL.missing_cpu_flags
+load_kernel = KERNEL.load
+"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
+kernel_status = KERNEL.status
+"""Why the kernel is or is not available (after ``load_kernel``)."""
