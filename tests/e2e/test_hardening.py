@@ -195,12 +195,19 @@ def test_busy_server_streams_503_and_stays_healthy(server):
 
 
 def test_rid_in_use_is_a_400(server):
-    stream = threading.Thread(target=lambda: httpx.post(
-        f"{server.base_url}/generate", timeout=120,
-        json={"text": "Once upon a time", "rid": "taken", "sampling_params": {
-            "max_new_tokens": 100, "ignore_eos": True}}), daemon=True)
+    first_chunk = threading.Event()
+
+    def hold_the_rid() -> None:   # streams long enough that the rid is still running when reused
+        with httpx.stream("POST", f"{server.base_url}/generate", timeout=120, json={
+                "text": "Once upon a time", "rid": "taken", "stream": True, "sampling_params": {
+                    "max_new_tokens": 480, "ignore_eos": True}}) as reply:
+            for _ in reply.iter_lines():
+                first_chunk.set()
+        first_chunk.set()
+
+    stream = threading.Thread(target=hold_the_rid, daemon=True)
     stream.start()
-    time.sleep(1.5)
+    assert first_chunk.wait(60)
     response = httpx.post(f"{server.base_url}/generate", timeout=60, json={
         "text": "Hi", "rid": "taken", "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 400, response.text
