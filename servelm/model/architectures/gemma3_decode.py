@@ -119,7 +119,7 @@ class DecodePlan:
         assert ops is not None
         rope_cache = batch.rope_cache
         attention = batch.attention
-        decodes = _paged_decodes(batch, self.layers[0])
+        group = _paged_decode_group(batch, self.layers[0])
         num_tokens = hidden.shape[0]
         rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}   # rope key -> cos, sin [T, D]
         windows: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}   # -> slots [T, C], spans
@@ -146,7 +146,7 @@ class DecodePlan:
             layer = plan.attention
             window = layer.sliding_window
             if window not in windows:
-                view = decodes[1].view(window, True) if decodes is not None else None
+                view = group.view(window, True) if group is not None else None
                 windows[window] = (None if view is None or view.spans is None
                                    else (view.slots.view(num_tokens, view.num_columns), view.spans))
             paged = windows[window]
@@ -154,8 +154,8 @@ class DecodePlan:
                 k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)
                 k_cache.index_copy_(0, batch.slot_mapping, k)
                 v_cache.index_copy_(0, batch.slot_mapping, v)
-                attended = decodes[0](q.float().contiguous(), k_cache, v_cache, paged[0], paged[1],
-                                      layer.scale, paged_decode.TILED).to(q.dtype).view(num_tokens, -1)
+                attended = paged_decode.attend(q, k_cache, v_cache, paged[0], paged[1],
+                                               layer.scale).view(num_tokens, -1)   # [T, H * D]
             else:
                 attended = attention.forward(q, k, v, layer, batch).contiguous()   # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
@@ -170,11 +170,11 @@ class DecodePlan:
         return hidden
 
 
-def _paged_decodes(batch: ForwardBatch, first: _LayerPlan) -> tuple[Any, Any] | None:
-    """(the paged decode kernel, the batch's one attention group) where every row of the batch is a
-    decode that TorchNativeAttention would send to that kernel as one identity group (a bf16 pool,
-    no draft trees, causal layers): ``run`` then writes K/V and calls the kernel itself with the
-    group's own views (the same slots and spans); None where the backend must decide."""
+def _paged_decode_group(batch: ForwardBatch, first: _LayerPlan) -> Any | None:
+    """The batch's one attention group where every row of the batch is a decode that
+    TorchNativeAttention would send to the paged decode kernel as one identity group (a bf16 pool,
+    no draft trees, causal layers): ``run`` then writes K/V and calls ``paged_decode.attend`` itself
+    with the group's own views (the same slots and spans); None where the backend must decide."""
     metadata = batch.attn_metadata
     if (type(batch.attention) is not TorchNativeAttention or not isinstance(metadata, TorchNativeMetadata)
             or batch.trees is not None or len(metadata.groups) != 1 or batch.kv_cache is None
@@ -187,6 +187,4 @@ def _paged_decodes(batch: ForwardBatch, first: _LayerPlan) -> tuple[Any, Any] | 
     q_like = torch.empty(0, first.head_dim, dtype=torch.bfloat16)
     if v_cache.shape[-1] != first.head_dim or not paged_decode.supports(q_like, k_cache):
         return None
-    module = paged_decode.load_kernel()
-    assert module is not None
-    return module.decode_attention, group
+    return group
