@@ -28,6 +28,8 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
+- ``llama_decode``: the Llama family's (Llama, Mistral, Qwen2, Qwen3) decode steps go through the layer
+  modules instead of the flat calls of servelm.model.architectures.llama_decode.
 - ``gguf_decode_call``: a GGUF block layer's few-row bf16 calls take the general routing of
   GGUFBlockLinearMethod.apply instead of the kernel call prepared at load.
 
@@ -163,6 +165,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             DecodePlan.applies = original_applies  # type: ignore[method-assign]
+    elif change == "llama_decode":
+        from servelm.model.architectures.llama_decode import LlamaDecodePlan
+        llama_applies: Any = LlamaDecodePlan.applies
+        LlamaDecodePlan.applies = lambda self, hidden, batch: False  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            LlamaDecodePlan.applies = llama_applies  # type: ignore[method-assign]
     elif change == "gguf_decode_call":
         from servelm.model.layers import gguf_linear as linear_module
         decode_rows = linear_module.DECODE_ROWS

@@ -1,6 +1,9 @@
-"""Gemma 3's flat decode path (servelm.model.architectures.gemma3_decode) against its modules: a tiny
-bf16 Gemma 3 on GGUF-style block weights (Q8_0: int8 codes, a scale per 32 inputs) decodes the same
-prompts through both, and every step's logits must be bit-identical; the flat path must really run."""
+"""The flat decode paths (servelm.model.architectures.flat_decode: gemma3_decode, llama_decode) against
+the layer modules: a tiny bf16 model of each family on GGUF-style block weights (Q8_0: int8 codes, a
+scale per 32 inputs) decodes the same prompts through both, and every step's logits must be
+bit-identical; the flat path must really run. Qwen2's QKV bias, Qwen3's q/k norms, Llama 3's rope
+scaling and a Mistral sliding window each take their own branch. The real Qwen2.5-Coder 0.5B GGUF
+(the default model) is checked the same way (slow)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
+from servelm.model.architectures.flat_decode import FlatDecodePlan
 from servelm.model.architectures.gemma3_decode import DecodePlan
+from servelm.model.architectures.llama_decode import LlamaDecodePlan
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_blocks import BlockWeight
@@ -34,7 +40,18 @@ def q8_blocks(weight: torch.Tensor) -> BlockWeight:
     return BlockWeight(codes.view(n, k), scales.contiguous(), None, 32, "Q8_0")
 
 
-def decode_logits(hf_model: Any, rows: int) -> list[torch.Tensor]:
+def tiny_mistral() -> Any:
+    """A tiny Mistral (every layer a sliding window of 8) with the tiny Llama's shapes."""
+    config = transformers.MistralConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, max_position_embeddings=512, sliding_window=8, initializer_range=0.1,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def decode_logits(hf_model: Any, arch: str, rows: int) -> list[torch.Tensor]:
     """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
     runner = make_runner(make_source(hf_model), dtype="bfloat16")
     method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
@@ -42,7 +59,9 @@ def decode_logits(hf_model: Any, rows: int) -> list[torch.Tensor]:
         if isinstance(module, LinearBase) and ".layers." in name:
             method.process(module, q8_blocks(module.weight))
     allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
-    prompts = prompts_for("gemma3", runner.vocab_size)[:rows]
+    prompts = prompts_for(arch, runner.vocab_size)[:rows]
+    if arch == "mistral":   # past the window
+        prompts = [prompt * 3 for prompt in prompts]
     logits = runner.execute(BatchPlan([allocator.plan(i, p, num_logits=1) for i, p in enumerate(prompts)]))
     steps = []
     for _ in range(STEPS):
@@ -53,21 +72,23 @@ def decode_logits(hf_model: Any, rows: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_flat_decode_is_bit_identical_to_the_modules(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    hf_model = make_tiny_hf_model("gemma3")
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3", "mistral"])
+def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
+    plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
     runs = []
-    original_run = DecodePlan.run
+    original_run = plan_class.run
 
-    def counted_run(self: DecodePlan, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+    def counted_run(self: Any, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
         runs.append(hidden.shape[0])
         return original_run(self, hidden, batch)
 
-    monkeypatch.setattr(DecodePlan, "run", counted_run)
-    flat = decode_logits(hf_model, rows)
+    monkeypatch.setattr(plan_class, "run", counted_run)
+    flat = decode_logits(hf_model, arch, rows)
     assert runs[-STEPS:] == [rows] * STEPS   # every decode step took the flat path
     flat_runs = len(runs)
-    monkeypatch.setattr(DecodePlan, "applies", lambda self, hidden, batch: False)
-    modules = decode_logits(hf_model, rows)
+    monkeypatch.setattr(FlatDecodePlan, "applies", lambda self, hidden, batch: False)
+    modules = decode_logits(hf_model, arch, rows)
     assert len(runs) == flat_runs
     for step, (a, b) in enumerate(zip(flat, modules)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"

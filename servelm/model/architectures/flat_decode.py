@@ -1,0 +1,159 @@
+"""What every flat decode path shares (gemma3_decode.py, llama_decode.py): a decode step of a few bf16
+rows through the same kernels as the layer modules, without the ~14 module calls per layer.
+
+A decode step of one row spends a few microseconds of Python per module call (nn.Module dispatch,
+attribute lookups, each op's own "does the fused path apply" checks) around a few microseconds of
+work. A family's plan (``FlatDecodePlan`` subclass) checks once per model that every layer can take
+the flat path (``kernel_call``: GGUF block weights on the block kernel, one tensor-parallel rank; the
+fused ops' kernel) and holds each layer's weights and kernel arguments; ``applies`` checks once per
+forward that the batch can (bf16, at most ``DECODE_ROWS`` rows, no LoRA, no forward hooks, the fused
+ops on); ``run`` then calls, per layer, the kernels the modules would call, in the same order, with
+a ``DecodeStep`` giving the per-step parts: cos/sin once per rope, and attention. For an all-decode
+batch on the torch_native backend, attention is the backend's own decode (K/V written at the
+batch's slots, the paged decode kernel over the group's views, built once per step and window);
+otherwise the backend is called. The results are bit-identical to the module path (the same kernels
+on the same tensors); only the Python around them is gone.
+
+Invariant: a layer's plan reads only weights fixed at load (norm weights, BlockWeight tensors), so it
+is built once; anything decided per batch (LoRA, rows, dtype) is checked in ``applies`` every forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from servelm.model.attention import paged_decode
+from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
+from servelm.model.layers import fused
+from servelm.model.layers.gguf_linear import DECODE_ROWS, GGUFBlockLinearMethod
+
+if TYPE_CHECKING:
+    from servelm.model.forward_batch import ForwardBatch
+
+KernelCall = tuple[Any, ...]
+"""A linear's prepared block-kernel call: (kernel, codes, scales, offsets, block)."""
+
+
+def kernel_call(linear: Any, allow_bias: bool = False) -> KernelCall | None:
+    """The linear's prepared kernel call (GGUFBlockLinearMethod's ``gguf_decode_args``), or None
+    where it has another path (another method, tensor parallel, a bias unless ``allow_bias``)."""
+    if not isinstance(getattr(linear, "linear_method", None), GGUFBlockLinearMethod):
+        return None
+    if linear.bias is not None and not (allow_bias and linear.bias.dtype == torch.bfloat16):
+        return None
+    parallel = getattr(linear, "parallel", None)
+    if parallel is not None and parallel.tp_size != 1:
+        return None
+    call = linear.__dict__.get("gguf_decode_args")
+    return call if call else None
+
+
+def norms_fuse(norms: Sequence[Any]) -> bool:
+    """Whether these RMSNorms all run the fused call on bf16 rows with one eps (the plan passes one)."""
+    return all(norm.weight.dtype == torch.bfloat16 and norm.eps == norms[0].eps for norm in norms)
+
+
+class DecodeStep:
+    """One forward's shared parts: the fused ops' module, cos/sin per rope, attention per window.
+
+    ``rotation`` computes cos/sin as RotaryEmbedding.forward does (once per step per rope, kept in
+    the batch's rope cache); ``attend`` writes K/V and runs the paged decode kernel where the whole
+    batch is one decode group that TorchNativeAttention would send there, else calls the backend."""
+
+    __slots__ = ("ops", "batch", "num_tokens", "group", "rotations", "windows")
+
+    def __init__(self, batch: ForwardBatch, num_tokens: int, first_attention: Any, head_dim: int) -> None:
+        ops = fused.load_kernel()   # the fused ops' own calls: 2-D rows need none of the wrappers' reshapes
+        assert ops is not None
+        self.ops: ModuleType = ops
+        self.batch = batch
+        self.num_tokens = num_tokens
+        self.group = _paged_decode_group(batch, first_attention, head_dim)
+        self.rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}   # rope key -> cos, sin [T, D]
+        self.windows: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}   # -> slots [T, C], spans
+
+    def rotation(self, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, D]`` in bf16 for ``rotary`` (a RotaryEmbedding)."""
+        key = (rotary.cache_key, torch.bfloat16)
+        rotation = self.rotations.get(key)
+        if rotation is None:
+            rope_cache = self.batch.rope_cache
+            cos_sin = rope_cache.get(key) if rope_cache is not None else None
+            if cos_sin is None:
+                cos_sin = rotary.cos_sin(self.batch.positions, torch.bfloat16)
+                if rope_cache is not None:
+                    rope_cache[key] = cos_sin
+            cos, sin = cos_sin
+            rotation = self.rotations[key] = (cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+        return rotation
+
+    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[T, H * D]``: attention of q ``[T, H, D]`` over the cache with k, v ``[T, Hkv, D]``
+        written at the batch's slots (``layer``: the Attention module)."""
+        window = layer.sliding_window
+        windows = self.windows
+        if window not in windows:
+            view = self.group.view(window, True) if self.group is not None else None
+            windows[window] = (None if view is None or view.spans is None
+                               else (view.slots.view(self.num_tokens, view.num_columns), view.spans))
+        paged = windows[window]
+        batch = self.batch
+        if paged is None:
+            return batch.attention.forward(q, k, v, layer, batch).contiguous()
+        k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        return paged_decode.attend(q, k_cache, v_cache, paged[0], paged[1], layer.scale).view(self.num_tokens, -1)
+
+
+class FlatDecodePlan:
+    """Every held layer's plan (``layer_plan``; None when one layer cannot take the flat path):
+    ``applies`` says whether a forward can, ``run`` (the family's) computes it."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        plans = [self.layer_plan(layer) for layer in layers]
+        self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
+        self._probe: nn.Module | None = layers[0].self_attn.qkv_proj if layers else None
+        """A module whose forward hooks (benchmarks/profile_decode.py's op timers) send the step
+        through the modules, so that the hooks see every op."""
+
+    def layer_plan(self, layer: Any) -> Any | None:
+        raise NotImplementedError
+
+    def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
+        probe = self._probe
+        return (self.layers is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+                and not (probe is not None and (probe._forward_hooks or probe._forward_pre_hooks))
+                and hidden.shape[0] <= DECODE_ROWS and hidden.is_contiguous() and not batch.lora
+                and fused.applies(hidden))
+
+    def step(self, hidden: torch.Tensor, batch: ForwardBatch) -> DecodeStep:
+        """The forward's ``DecodeStep`` (``applies`` checked by the caller)."""
+        assert self.layers is not None
+        first = self.layers[0]
+        return DecodeStep(batch, hidden.shape[0], first.attention, first.head_dim)
+
+
+def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int) -> Any | None:
+    """The batch's one attention group where every row of the batch is a decode that
+    TorchNativeAttention would send to the paged decode kernel as one identity group (a bf16 pool,
+    no draft trees, causal layers): ``attend`` then writes K/V and calls ``paged_decode.attend`` itself
+    with the group's own views (the same slots and spans); None where the backend must decide."""
+    metadata = batch.attn_metadata
+    if (type(batch.attention) is not TorchNativeAttention or not isinstance(metadata, TorchNativeMetadata)
+            or batch.trees is not None or len(metadata.groups) != 1 or batch.kv_cache is None
+            or batch.kv_cache.dtype != torch.bfloat16 or not attention.is_causal):
+        return None
+    group = metadata.groups[0]
+    if not group.is_identity or group.max_query != 1 or group.trees is not None:
+        return None
+    k_cache, v_cache = batch.kv_cache.layer(attention.layer_id)
+    q_like = torch.empty(0, head_dim, dtype=torch.bfloat16)
+    if v_cache.shape[-1] != head_dim or not paged_decode.supports(q_like, k_cache):
+        return None
+    return group

@@ -1,0 +1,108 @@
+"""The Llama family's decoder layers (Llama, Mistral, SmolLM2, Qwen2, Qwen3) for a decode step of a
+few bf16 rows, as flat calls instead of modules.
+
+Qwen2.5-Coder 0.5B runs 24 layers of ~12 module calls each per decode step. ``LlamaDecodePlan``
+(flat_decode.py's ``FlatDecodePlan``: the checks, the per-step rope and attention it shares with
+Gemma 3) holds each layer's weights and kernel arguments, and ``run`` calls, per layer, the same
+kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the QKV block kernel,
+RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
+down, and the residual add as torch's. A QKV bias (Qwen2) takes GGUFBlockLinearMethod.apply with
+its bias, the module path's own routing; the other projections must be bias-free. Bit-identical to
+the module path (tests/unit/model/test_llama_decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from servelm.model.architectures.flat_decode import FlatDecodePlan, KernelCall, kernel_call, norms_fuse
+from servelm.model.layers import fused
+
+if TYPE_CHECKING:
+    from servelm.model.architectures.llama import LlamaDecoderLayer
+    from servelm.model.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class _LayerPlan:
+    """One layer's weights and kernel arguments (``*_call``: flat_decode.KernelCall) in the order its
+    forward uses them."""
+
+    input_norm: torch.Tensor
+    qkv_call: KernelCall
+    qkv_biased: Any        # None, or the QKV linear with a bias: its method's apply computes it
+    split_sizes: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary: Any            # RotaryEmbedding: cos/sin from the step's rope cache
+    q_norm: torch.Tensor | None   # Qwen3's per-head norms, or None
+    k_norm: torch.Tensor | None
+    head_eps: float
+    attention: Any         # the Attention module (the backend reads its layer id, scale, window)
+    o_call: KernelCall
+    post_attention_norm: torch.Tensor
+    gate_up_call: KernelCall
+    activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
+    down_call: KernelCall
+    eps: float
+
+
+class LlamaDecodePlan(FlatDecodePlan):
+    """The Llama family's flat decode (see the module docstring)."""
+
+    def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_call = kernel_call(attn.qkv_proj, allow_bias=True)
+        calls = [kernel_call(linear) for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        head_norms = [attn.q_norm, attn.k_norm] if attn.has_qk_norm else []
+        if (qkv_call is None or any(call is None for call in calls)
+                or mlp.act.activation not in fused.ACTIVATION_KINDS
+                or not norms_fuse([layer.input_layernorm, layer.post_attention_layernorm])
+                or (head_norms and not norms_fuse(head_norms))):
+            return None
+        o_call, gate_up_call, down_call = calls
+        assert o_call is not None and gate_up_call is not None and down_call is not None
+        qkv = attn.qkv_proj
+        return _LayerPlan(
+            input_norm=layer.input_layernorm.weight, qkv_call=qkv_call,
+            qkv_biased=qkv if qkv.bias is not None else None, split_sizes=list(qkv.output_sizes),
+            num_heads=qkv.num_heads, num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, rotary=attn.rotary_emb,
+            q_norm=head_norms[0].weight if head_norms else None, k_norm=head_norms[1].weight if head_norms else None,
+            head_eps=head_norms[0].eps if head_norms else 0.0, attention=attn.attn, o_call=o_call,
+            post_attention_norm=layer.post_attention_layernorm.weight, gate_up_call=gate_up_call,
+            activation_kind=fused.ACTIVATION_KINDS[mlp.act.activation], down_call=down_call,
+            eps=layer.input_layernorm.eps)
+
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+        step = self.step(hidden, batch)
+        ops = step.ops
+        plan: _LayerPlan
+        for plan in self.layers or ():
+            normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, False, None)
+            biased = plan.qkv_biased
+            if biased is None:
+                kernel, codes, scales, offsets, block = plan.qkv_call
+                qkv = kernel(normed, codes, scales, offsets, block, True)
+            else:
+                qkv = biased.linear_method.apply(biased, normed, biased.bias)
+            q, k, v = qkv.split(plan.split_sizes, dim=-1)
+            q = q.view(-1, plan.num_heads, plan.head_dim)        # [T, H, D]
+            k = k.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
+            v = v.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
+            cos, sin = step.rotation(plan.rotary)
+            ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)
+            attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
+            kernel, codes, scales, offsets, block = plan.o_call
+            normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, True), hidden,
+                                              plan.post_attention_norm, plan.eps, False)
+            kernel, codes, scales, offsets, block = plan.gate_up_call
+            gate_up = kernel(normed, codes, scales, offsets, block, True)
+            kernel, codes, scales, offsets, block = plan.down_call
+            hidden = hidden + kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block,
+                                     True)
+        return hidden
