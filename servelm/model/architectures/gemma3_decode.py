@@ -5,7 +5,7 @@ step. ``DecodePlan`` (flat_decode.py's ``FlatDecodePlan``: the checks, the per-s
 it shares with the Llama family) holds each layer's weights and kernel arguments, and ``run`` calls,
 per layer, the same kernels in the same order as Gemma3DecoderLayer.forward: the fused (1 + w)
 RMSNorms (the post-norms with their residual add), the block kernel, q/k norm + RoPE, attention,
-act * up. Bit-identical to the module path (tests/unit/model/test_gemma3_decode.py).
+act * up. Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ Qwen2.5-Coder 0.5B runs 24 layers of ~12 module calls each per decode step. ``Ll
 Gemma 3) holds each layer's weights and kernel arguments, and ``run`` calls, per layer, the same
 kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the QKV block kernel,
 RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
-down, and the residual add as torch's. A QKV bias (Qwen2) takes GGUFBlockLinearMethod.apply with
-its bias, the module path's own routing; the other projections must be bias-free. Bit-identical to
-the module path (tests/unit/model/test_llama_decode.py).
+down, and the residual add as torch's. A QKV bias (Qwen2): one row takes the block kernel with the
+bias added in the kernel (as GGUFBlockLinearMethod.apply's decode call), more rows take apply (the
+module path's own routing: the rows kernel from 2 rows); the other projections must be bias-free.
+Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class _LayerPlan:
 
     input_norm: torch.Tensor
     qkv_call: KernelCall
-    qkv_biased: Any        # None, or the QKV linear with a bias: its method's apply computes it
+    qkv_bias: torch.Tensor | None
+    qkv_biased: Any        # None, or the QKV linear with a bias: past 1 row its method's apply computes it
     split_sizes: list[int]
     num_heads: int
     num_kv_heads: int
@@ -69,7 +71,8 @@ class LlamaDecodePlan(FlatDecodePlan):
         qkv = attn.qkv_proj
         return _LayerPlan(
             input_norm=layer.input_layernorm.weight, qkv_call=qkv_call,
-            qkv_biased=qkv if qkv.bias is not None else None, split_sizes=list(qkv.output_sizes),
+            qkv_bias=qkv.bias, qkv_biased=qkv if qkv.bias is not None else None,
+            split_sizes=list(qkv.output_sizes),
             num_heads=qkv.num_heads, num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, rotary=attn.rotary_emb,
             q_norm=head_norms[0].weight if head_norms else None, k_norm=head_norms[1].weight if head_norms else None,
             head_eps=head_norms[0].eps if head_norms else 0.0, attention=attn.attn, o_call=o_call,
@@ -85,11 +88,11 @@ class LlamaDecodePlan(FlatDecodePlan):
         for plan in self.layers or ():
             normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, False, None)
             biased = plan.qkv_biased
-            if biased is None:
+            if biased is None or step.num_tokens == 1:   # as GGUFBlockLinearMethod.apply's decode call
                 kernel, codes, scales, offsets, block = plan.qkv_call
-                qkv = kernel(normed, codes, scales, offsets, block, True)
+                qkv = kernel(normed, codes, scales, offsets, block, True, plan.qkv_bias)
             else:
-                qkv = biased.linear_method.apply(biased, normed, biased.bias)
+                qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias)
             q, k, v = qkv.split(plan.split_sizes, dim=-1)
             q = q.view(-1, plan.num_heads, plan.head_dim)        # [T, H, D]
             k = k.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]

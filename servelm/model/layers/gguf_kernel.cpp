@@ -299,7 +299,8 @@ struct FloatActivations {
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
 template <class Activations>
 torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out) {
+                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
+                                const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
@@ -314,6 +315,11 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
     TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
                 "offsets: float32 like scales");
   }
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                && bias->is_contiguous() && bias->size(0) == n, "bias: contiguous float32 or bfloat16 [N]");
+  }
   // bf16 output is rounded by the threads as they write it (no float32 result, no serial pass over it)
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
@@ -324,6 +330,9 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
+  const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
+  const c10::BFloat16* bias16 = has_bias && bias->dtype() == torch::kBFloat16 ? bias->data_ptr<c10::BFloat16>()
+                                                                               : nullptr;
   float* y = bf16_out ? nullptr : out.data_ptr<float>();
   c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = k / block;
@@ -348,6 +357,9 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           for (int t = 0; t < tile; ++t) {
             float value = dots[t];
             if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+            // the bias added in float32 before the rounding: torch's ``out + bias`` then ``.to(bf16)``
+            if (bias32 != nullptr) value += bias32[j];
+            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
             if (y16 != nullptr) {
               y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
             } else {
@@ -364,24 +376,28 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
 }  // namespace
 
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                           c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
-  return block_linear_impl<Int8Activations>(x, codes, scales, offsets, block, bf16_out);
+                           c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                           c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<Int8Activations>(x, codes, scales, offsets, block, bf16_out, bias);
 }
 
 torch::Tensor block_linear_a16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                               c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
-  return block_linear_impl<Int16Activations>(x, codes, scales, offsets, block, bf16_out);
+                               c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                               c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<Int16Activations>(x, codes, scales, offsets, block, bf16_out, bias);
 }
 
 torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                 c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out) {
-  return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out);
+                                 c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                                 c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out, bias);
 }
 
-// Python: kernel(x, codes, scales, offsets, block, bf16_out=False); x float32 or bfloat16; the result
-// float32, or rounded to bfloat16 when bf16_out.
+// Python: kernel(x, codes, scales, offsets, block, bf16_out=False, bias=None); x float32 or bfloat16; the
+// result float32, or rounded to bfloat16 when bf16_out; a bias [N] (float32 or bfloat16) is added in
+// float32 before that rounding (a biased decode layer's one call instead of three).
 #define BLOCK_LINEAR_ARGS py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
-                          py::arg("bf16_out") = false
+                          py::arg("bf16_out") = false, py::arg("bias") = py::none()
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear_a16", &block_linear_a16,

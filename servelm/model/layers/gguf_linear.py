@@ -125,10 +125,13 @@ class GGUFBlockLinearMethod:
         """x [..., K] -> [..., N] in x's dtype."""
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state.get("gguf_decode_args")
-        if (decode and bias is None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2
+                and (x.shape[0] <= DECODE_ROWS if bias is None else x.shape[0] == 1)
                 and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
             kernel, codes, scales, offsets, block = decode
-            return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
+            # rounded to bf16 by the kernel, after the bias (one row of a biased layer: the kernel the
+            # routing below gives it, with the bias added in float32 before the rounding as below)
+            return kernel(x, codes, scales, offsets, block, True, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight

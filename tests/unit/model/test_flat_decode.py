@@ -58,10 +58,14 @@ def decode_logits(hf_model: Any, arch: str, rows: int) -> list[torch.Tensor]:
     for name, module in runner.model.named_modules():
         if isinstance(module, LinearBase) and ".layers." in name:
             method.process(module, q8_blocks(module.weight))
-    allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
     prompts = prompts_for(arch, runner.vocab_size)[:rows]
     if arch == "mistral":   # past the window
         prompts = [prompt * 3 for prompt in prompts]
+    return runner_decode_logits(runner, prompts)
+
+
+def runner_decode_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
     logits = runner.execute(BatchPlan([allocator.plan(i, p, num_logits=1) for i, p in enumerate(prompts)]))
     steps = []
     for _ in range(STEPS):
@@ -76,6 +80,11 @@ def decode_logits(hf_model: Any, arch: str, rows: int) -> list[torch.Tensor]:
 def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
     plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
+    check_flat_against_modules(plan_class, rows, lambda: decode_logits(hf_model, arch, rows), monkeypatch)
+
+
+def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode()``'s step logits with the flat path (which must run every decode step) and without."""
     runs = []
     original_run = plan_class.run
 
@@ -84,11 +93,34 @@ def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, monke
         return original_run(self, hidden, batch)
 
     monkeypatch.setattr(plan_class, "run", counted_run)
-    flat = decode_logits(hf_model, arch, rows)
+    flat = decode()
     assert runs[-STEPS:] == [rows] * STEPS   # every decode step took the flat path
     flat_runs = len(runs)
-    monkeypatch.setattr(FlatDecodePlan, "applies", lambda self, hidden, batch: False)
-    modules = decode_logits(hf_model, arch, rows)
+    with monkeypatch.context() as patch:
+        patch.setattr(FlatDecodePlan, "applies", lambda self, hidden, batch: False)
+        modules = decode()
     assert len(runs) == flat_runs
     for step, (a, b) in enumerate(zip(flat, modules)):
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
+
+
+@pytest.mark.slow
+def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model as served by default (its GGUF blocks, bf16 where the CPU has AVX512-BF16):
+    1 row (the QKV bias inside the kernel) and 3 rows (the biased QKV through apply)."""
+    from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig
+    from servelm.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="qwen2.5-coder-0.5b"),
+                                    cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS),
+                                    runtime=RuntimeConfig(num_threads=1)))
+    runner: Any = engine.runner
+    model = runner.model.model
+    if (LlamaDecodePlan([model.layers[i] for i in model.held_layers]).layers is None
+            or model.norm.weight.dtype != torch.bfloat16):
+        pytest.skip("the default Qwen model is not served on GGUF block weights in bf16 here")
+    prompts = [engine.tokenizer.encode(text) for text in ("def quicksort(items):", "The capital of France is",
+                                                          "import numpy as np\n")]
+    for rows in (1, 3):
+        check_flat_against_modules(LlamaDecodePlan, rows, lambda: runner_decode_logits(runner, prompts[:rows]),
+                                   monkeypatch)

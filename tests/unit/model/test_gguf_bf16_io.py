@@ -36,6 +36,23 @@ def test_bf16_rows_in_and_out(name: str, rows: int, n: int, k: int, block: int, 
     assert torch.equal(kernel(x.float(), *args, bf16_out=True), rounded)
 
 
+@pytest.mark.parametrize("name", ["block_linear_a16", "block_linear", "block_linear_float"])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_bias_is_added_before_the_rounding(name: str, bias_dtype: torch.dtype) -> None:
+    """``bias``: the kernel's float32 result + bias, rounded once, as torch's ``(out + bias).to(bf16)``
+    (a biased decode layer's one call)."""
+    kernel = getattr(load_kernel(), name)
+    weight = random_weight(48, 128, 32, True)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    bias = torch.randn(48).to(bias_dtype)
+    args = (weight.codes, weight.scales, weight.offsets, weight.block)
+    exact = kernel(x, *args)
+    assert torch.equal(kernel(x, *args, False, bias), exact + bias)
+    assert torch.equal(kernel(x, *args, True, bias), (exact + bias).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel(x, *args, True, torch.zeros(47, dtype=bias_dtype))
+
+
 def test_linear_method_keeps_float_where_a_bias_or_the_head_follows() -> None:
     weight = random_weight(64, 128, 32, False)
     method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
