@@ -125,9 +125,8 @@ class GGUFBlockLinearMethod:
         """x [..., K] -> [..., N] in x's dtype."""
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state.get("gguf_decode_args")
-        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2
-                and (x.shape[0] <= DECODE_ROWS if bias is None else x.shape[0] == 1)
-                and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
+        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+                and (bias is None or x.shape[0] == 1) and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
             kernel, codes, scales, offsets, block = decode
             # rounded to bf16 by the kernel, after the bias (one row of a biased layer: the kernel the
             # routing below gives it, with the bias added in float32 before the rounding as below)
