@@ -104,7 +104,8 @@ class DecodeStep:
         paged = windows[window]
         batch = self.batch
         if paged is None:
-            return batch.attention.forward(q, k, v, layer, batch).contiguous()
+            attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
+            return attended.contiguous()
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -115,7 +116,7 @@ class FlatDecodePlan:
     """Every held layer's plan (``layer_plan``; None when one layer cannot take the flat path):
     ``applies`` says whether a forward can, ``run`` (the family's) computes it."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[Any]) -> None:
         plans = [self.layer_plan(layer) for layer in layers]
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
         self._probe: nn.Module | None = layers[0].self_attn.qkv_proj if layers else None

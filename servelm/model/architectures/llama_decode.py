@@ -6,7 +6,8 @@ Qwen2.5-Coder 0.5B runs 24 layers of ~12 module calls each per decode step. ``Ll
 Gemma 3) holds each layer's weights and kernel arguments, and ``run`` calls, per layer, the same
 kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the QKV block kernel,
 RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
-down, and the residual add as torch's. A QKV bias (Qwen2): one row takes the block kernel with the
+down, and the residual add, which the fused add + RMSNorm takes together with the next layer's input
+norm (it rounds the sum to bf16 before norming it, as torch's add then the norm: one call, not two). A QKV bias (Qwen2): one row takes the block kernel with the
 bias added in the kernel (as GGUFBlockLinearMethod.apply's decode call), more rows take apply (the
 module path's own routing: the rows kernel from 2 rows); the other projections must be bias-free.
 Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
@@ -51,10 +52,17 @@ class _LayerPlan:
     activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
     down_call: KernelCall
     eps: float
+    next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
+    next_eps: float = 0.0
 
 
 class LlamaDecodePlan(FlatDecodePlan):
     """The Llama family's flat decode (see the module docstring)."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
+        super().__init__(layers)
+        for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
+            plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
 
     def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -85,8 +93,9 @@ class LlamaDecodePlan(FlatDecodePlan):
         step = self.step(hidden, batch)
         ops = step.ops
         plan: _LayerPlan
-        for plan in self.layers or ():
-            normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, False, None)
+        plans = self.layers or []
+        normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
+        for plan in plans:
             biased = plan.qkv_biased
             if biased is None or step.num_tokens == 1:   # as GGUFBlockLinearMethod.apply's decode call
                 kernel, codes, scales, offsets, block = plan.qkv_call
@@ -106,6 +115,9 @@ class LlamaDecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.gate_up_call
             gate_up = kernel(normed, codes, scales, offsets, block, True)
             kernel, codes, scales, offsets, block = plan.down_call
-            hidden = hidden + kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block,
-                                     True)
+            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, True)
+            if plan.next_input_norm is None:
+                hidden = hidden + down
+            else:   # the residual add with the next layer's input norm: the sum rounded to bf16, then normed
+                normed, hidden = ops.add_rms_norm(down, hidden, plan.next_input_norm, plan.next_eps, False)
         return hidden
