@@ -10,7 +10,12 @@ and reports GB/s per shape and for the whole pass, next to ``torch.sum`` of a 1 
 main, saved to a file) and alternates the two passes in one run (a noisy, shared machine moves both
 alike).
 
+``--weights-of MODEL`` takes the packaged model's own block weights instead (its decoder layers'
+projections in model order, loaded as ``servelm serve MODEL`` loads them: each GGUF type's repack,
+offsets and 16-input blocks included) and reports GB/s per projection and type.
+
     .venv/bin/python benchmarks/gguf_stream.py --threads 1 [--base /tmp/gguf_kernel_main.cpp]
+    .venv/bin/python benchmarks/gguf_stream.py --threads 1 --clock thread --weights-of qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations
@@ -41,11 +46,27 @@ def one_pass(kernel: object, weights: list[tuple[str, object]], xs: dict[int, to
     for name, w in weights:
         x = xs[w.codes.shape[1]]
         start = clock()  # type: ignore[operator]
-        fn(x, w.codes, w.scales, None, 32, True)
+        fn(x, w.codes, w.scales, w.offsets, w.block, True)
         elapsed = clock() - start  # type: ignore[operator]
         per_shape[name] = per_shape.get(name, 0.0) + elapsed
         total += elapsed
     return total
+
+
+def model_weights(model: str) -> list[tuple[str, object]]:
+    """The packaged ``model``'s decoder projections as ``servelm serve`` loads them (GGUF blocks), in
+    model order, each named by projection and GGUF type (e.g. ``down Q6_K``)."""
+    from servelm.config import EngineConfig
+    from servelm.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_flat({"model": model, "num_threads": 1, "max_total_tokens": 1024}))
+    weights = []
+    for name, module in engine.runner.model.named_modules():
+        weight = module.__dict__.get("gguf_weight")
+        if weight is not None and ".layers." in name:
+            weights.append((f"{name.rsplit('.', 1)[-1].removesuffix('_proj')} {weight.kind}", weight))
+    assert weights, f"{model} has no GGUF block weights here"
+    return weights
 
 
 def main() -> None:
@@ -57,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--passes", type=int, default=15)
     parser.add_argument("--base", default=None, help="another gguf_kernel.cpp to alternate with")
+    parser.add_argument("--weights-of", default=None, help="a packaged model: its own decoder block weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -67,12 +89,18 @@ def main() -> None:
         kernels["base"] = base.load()
     assert all(k is not None for k in kernels.values()), "no GGUF block kernel on this CPU"
     torch.manual_seed(0)
-    shapes = [(name, k, n) for name, k, n in SHAPES[args.model] if name != "head"]
-    weights = [(name, random_block_weight(n, k, offsets=False)) for _ in range(args.layers) for name, k, n in shapes]
-    shape_bytes = {name: args.layers * (w.codes.nbytes + w.scales.nbytes)
-                   for name, w in weights[:len(shapes)]}
+    if args.weights_of:
+        weights = model_weights(args.weights_of)
+        args.model = args.weights_of
+    else:
+        shapes = [(name, k, n) for name, k, n in SHAPES[args.model] if name != "head"]
+        weights = [(name, random_block_weight(n, k, offsets=False))
+                   for _ in range(args.layers) for name, k, n in shapes]
+    shape_bytes: dict[str, int] = {}
+    for name, w in weights:
+        shape_bytes[name] = shape_bytes.get(name, 0) + w.nbytes
     total_bytes = sum(shape_bytes.values())
-    xs = {k: torch.randn(args.rows, k).bfloat16() for _, k, _ in shapes}
+    xs = {w.codes.shape[1]: torch.randn(args.rows, w.codes.shape[1]).bfloat16() for _, w in weights}
     big = torch.ones(1 << 28)
     sums = []
     results: dict[str, list[float]] = {name: [] for name in kernels}
@@ -86,7 +114,7 @@ def main() -> None:
         for name, kernel in kernels.items():
             results[name].append(one_pass(kernel, weights, xs, clock, shapes_ms[name]))
     sum_gbs = big.nbytes / statistics.median(sums) / 1e9
-    print(f"# {args.model} x{args.layers} layers, M={args.rows}, {args.threads} threads, {args.clock} clock, "
+    print(f"# {args.model}: {len(weights)} weights, M={args.rows}, {args.threads} threads, {args.clock} clock, "
           f"load {os.getloadavg()[0]:.1f}; torch.sum of 1 GiB: {sum_gbs:.1f} GB/s (noisy, shared machine)")
     print("| kernel | pass ms | GB/s | " + " | ".join(f"{s} ms (GB/s)" for s in shape_bytes) + " |")
     print("|---|---|---|" + "---|" * len(shape_bytes))
