@@ -105,3 +105,39 @@ def test_query_stride_of_a_fused_projection() -> None:
                              None, 0.125, out)
     reference = _reference(q, k_cache[5:5 + n], v_cache[5:5 + n], 0, None, 0.125)
     assert (out.float() - reference).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_backend_group_with_a_decode_a_cached_prefix_and_a_fresh_prompt(
+        monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """torch_native over a bf16 pool: the multi-token group (a chunk continuing a cached prefix, a
+    fresh prompt) goes through the kernel, the decode beside it keeps its own path, and the result
+    equals the GEMM path's (prefill_gemm over gathered K/V) to bf16 rounding."""
+    from servelm.model.attention import Attention, get_attention_backend
+    from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
+    from servelm.model.kv_cache import KVCache
+
+    torch.manual_seed(5)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 64
+    cache = KVCache(1, 40, block_size, num_kv_heads, head_dim, torch.bfloat16, torch.device("cpu"))
+    cache.k_caches[0].normal_()
+    cache.v_caches[0].normal_()                      # the cached prefixes' K/V (and unused slots)
+    plan = BatchPlan([SequencePlan([1], 9, list(range(30, 33))),                 # a decode at position 9
+                      SequencePlan(list(range(19)), 13, list(range(8))),         # 19 tokens after 13 cached
+                      SequencePlan(list(range(23)), 0, list(range(10, 16)))])    # a fresh 23-token prompt
+    batch = ForwardBatch.build(plan, block_size=block_size, device=torch.device("cpu"), kv_cache=cache,
+                               attention=get_attention_backend("torch_native"))
+    layer = Attention(0, num_heads, num_kv_heads, head_dim, head_dim ** -0.5, sliding_window=window)
+    num_tokens = 1 + 19 + 23
+    q = torch.randn(num_tokens, num_heads, head_dim).bfloat16()
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).bfloat16()
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).bfloat16()
+    calls = []
+    original = prefill_attention.attend
+    monkeypatch.setattr(prefill_attention, "attend", lambda *a: calls.append(1) or original(*a))
+    ours = layer(q, k, v, batch)
+    monkeypatch.setattr(prefill_attention, "ENABLED", False)
+    expected = layer(q, k, v, batch)
+    assert calls == [1]
+    torch.testing.assert_close(ours.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(ours[0], expected[0])          # the decode row: the same path both times
