@@ -321,6 +321,44 @@ inline void norm_rope_row(typename T::raw* x, const typename T::raw* c, const ty
   }
 }
 
+#ifdef __AVX512F__
+// norm_rope_row, 16 lanes at a time, for D a multiple of 32: the same floats (lane j of the sum of
+// squares is partial[j], summed in the same order; every product and rounding as the scalar code),
+// without the scratch copy (each chunk reads x[i..] and x[i + h..] before it writes them).
+template <class T>
+inline void norm_rope_row16(typename T::raw* x, const typename T::raw* c, const typename T::raw* s,
+                            const typename T::raw* w, float eps, bool offset, int64_t d) {
+  if (w != nullptr) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = Vec<T>::load(x + i);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    alignas(64) float partial[16];
+    _mm512_store_ps(partial, acc);
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) sum += partial[j];
+    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(d) + eps));
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 v = Vec<T>::load(x + i), wv = Vec<T>::load(w + i);
+      Vec<T>::store(x + i, offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
+                                  : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r))));
+    }
+  }
+  const int64_t h = d / 2;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < h; i += 16) {
+    const __m512 a = Vec<T>::load(x + i), b = Vec<T>::load(x + i + h);
+    const __m512 minus_b = _mm512_xor_ps(b, sign);
+    Vec<T>::store(x + i, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(c + i))),
+                                       Vec<T>::round(_mm512_mul_ps(minus_b, Vec<T>::load(s + i)))));
+    Vec<T>::store(x + i + h, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(b, Vec<T>::load(c + i + h))),
+                                           Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(s + i + h)))));
+  }
+}
+#endif
+
 template <class T>
 void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
                const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
@@ -334,8 +372,15 @@ void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Te
   for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(d);
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t head = 0; head < heads; ++head)
+      for (int64_t head = 0; head < heads; ++head) {
+#ifdef __AVX512F__
+        if (d % 32 == 0) {
+          norm_rope_row16<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d);
+          continue;
+        }
+#endif
         norm_rope_row<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d, scratch.data());
+      }
   });
 }
 
