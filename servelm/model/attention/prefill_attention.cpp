@@ -320,16 +320,24 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // V of every (sequence, KV head) packed once, shared by that pair's tasks
-  // (zero pairs after each region: a task's last step reads up to kKeys columns past the view's end)
-  const int64_t pairs = (columns + 1) / 2 + kKeys / 2;
-  std::vector<uint32_t> packed(size_t(b * num_kv_heads * pairs * sh.dv));
+  // V of every (sequence, KV head) packed once, shared by that pair's tasks; each region holds its
+  // sequence's own columns plus kKeys zero columns (a task's last step reads up to kKeys past its end)
+  std::vector<int64_t> offsets(b + 1, 0);
+  for (int64_t i = 0; i < b; ++i) {
+    const Sequence& seq = sequences[i];
+    const int64_t pairs = (seq.start + seq.num_queries - seq.first + 1) / 2 + kKeys / 2;
+    offsets[i + 1] = offsets[i] + num_kv_heads * pairs * sh.dv;
+  }
+  std::vector<uint32_t> packed(static_cast<size_t>(offsets[b]));
   const std::vector<uint16_t> zeros(sh.dv, 0);
+  auto region = [&](int64_t i, int64_t kv_head) {
+    return packed.data() + offsets[i] + kv_head * (offsets[i + 1] - offsets[i]) / num_kv_heads;
+  };
   at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Sequence& seq = sequences[i / num_kv_heads];
       pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, sh, vp, zeros.data(),
-                  packed.data() + i * pairs * sh.dv);
+                  region(i / num_kv_heads, i % num_kv_heads));
     }
   });
   std::atomic<int64_t> next{0};
@@ -338,8 +346,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch(sh);
     for (int64_t i = next++; i < num_tasks; i = next++)
-      run_task(tasks[i], sequences[tasks[i].sequence], sh, qp, kp,
-               packed.data() + (tasks[i].sequence * num_kv_heads + tasks[i].kv_head) * pairs * sh.dv, op, scratch);
+      run_task(tasks[i], sequences[tasks[i].sequence], sh, qp, kp, region(tasks[i].sequence, tasks[i].kv_head),
+               op, scratch);
   });
 }
 

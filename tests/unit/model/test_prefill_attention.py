@@ -13,8 +13,13 @@ import torch.nn.functional as F
 
 from servelm.model.attention import prefill_attention
 
-pytestmark = pytest.mark.skipif(prefill_attention.load_kernel() is None,
-                                reason=f"prefill attention kernel: {prefill_attention.kernel_status()}")
+pytestmark = pytest.mark.skipif(bool(prefill_attention.KERNEL.missing_cpu_flags()),
+                                reason="this CPU lacks AVX512-BF16: the GEMM path serves prefill")
+
+
+def test_the_kernel_builds_where_the_cpu_has_avx512_bf16() -> None:
+    """A build failure must fail here, not skip the tests below."""
+    assert prefill_attention.load_kernel() is not None, prefill_attention.kernel_status()
 
 BLOCK = 16
 
