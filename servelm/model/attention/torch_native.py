@@ -225,6 +225,7 @@ class TorchNativeAttention:
 
     def __init__(self) -> None:
         paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
+        prefill_attention.load_kernel()   # likewise (None where the CPU lacks AVX512-BF16)
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
         device = batch.input_ids.device
