@@ -13,6 +13,8 @@ with and without the change (prefix cache off), and whether every output is iden
   output back to bf16 by torch ops, instead of inside the kernel.
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
+- ``prefill_attention``: multi-token bf16 attention through prefill_gemm's oneDNN tiles (over gathered
+  K/V) instead of the AVX512-BF16 kernel of servelm.model.attention.prefill_attention.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
 - ``paged_decode_tiled``: the paged kernel's plain arrangement instead of its tiled one (the same
@@ -75,6 +77,13 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             prefill_gemm.supports = original
+    elif change == "prefill_attention":
+        from servelm.model.attention import prefill_attention
+        prefill_attention.ENABLED = False
+        try:
+            yield
+        finally:
+            prefill_attention.ENABLED = True
     elif change == "paged_decode":
         from servelm.model.attention import paged_decode
         supports: Any = paged_decode.supports

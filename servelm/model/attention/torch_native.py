@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.model.attention import paged_decode, prefill_gemm
+from servelm.model.attention import paged_decode, prefill_attention, prefill_gemm
 from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import DraftTree, ForwardBatch
 
@@ -59,6 +59,8 @@ class _KVView:
     """[b] int64 valid columns of each sequence (a decode's query sees all of them)."""
     tiles: dict[int, list[prefill_gemm.Tile]] = field(default_factory=dict)
     """query heads per KV head -> the view's prefill_gemm tiles (causal multi-token views)."""
+    sequences: torch.Tensor | None = None
+    """[b, 4] the prefill_attention kernel's rows for this view (built on first use)."""
 
     def biased_mask(self, position_bias: PositionBias, query_positions: torch.Tensor) -> torch.Tensor:
         """The bias where the mask is True, -inf elsewhere; columns are positions (start 0)."""
@@ -223,6 +225,7 @@ class TorchNativeAttention:
 
     def __init__(self) -> None:
         paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
+        prefill_attention.load_kernel()   # likewise (None where the CPU lacks AVX512-BF16)
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
         device = batch.input_ids.device
@@ -294,6 +297,14 @@ class TorchNativeAttention:
             mask = view.mask
             if position_bias is not None:  # non-causal, so every sequence starts at 0
                 mask = view.biased_mask(position_bias, group.query_positions)
+            if (max_query > 1 and layer.is_causal and position_bias is None and group.trees is None
+                    and prefill_attention.supports(q, k_cache, v_cache)):
+                if view.sequences is None:
+                    view.sequences = prefill_attention.plan(group.row_starts, group.query_lens,
+                                                            group.starts.tolist(), view.firsts)
+                prefill_attention.attend(q, k_cache, v_cache, view.slots.view(b, columns), view.sequences,
+                                         layer.sliding_window, layer.scale, out)
+                continue
             if max_query > 1 and layer.is_causal and position_bias is None and prefill_gemm.supports(q):
                 tiles = group.tiles(view, layer.sliding_window, num_heads // num_kv_heads)
                 prefill_gemm.attend(q, k_cache.index_select(0, view.slots).to(q.dtype),

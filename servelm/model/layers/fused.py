@@ -40,6 +40,8 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-ffp-contract=off"]
     if all(flag in cpu_flags() for flag in _AVX512):
         flags += ["-m" + flag.replace("_", "") for flag in _AVX512]
+        if "avx512_bf16" in cpu_flags() and "fma" in cpu_flags():
+            flags += ["-mavx512bf16", "-mfma"]   # one-instruction bf16 rounding; GELU-tanh's FMA path
     return flags
 
 
