@@ -8,7 +8,9 @@ Processes (the engine side is engine_process.py):
 
 Invariants:
 - Every request given to ``generate`` ends with exactly one finished RequestOutput, or the
-  consumer stops early, in which case the request is aborted and its KV freed.
+  consumer stops early, in which case the request is aborted and its KV freed. Outputs that
+  queued up while the consumer was busy are yielded as one (``merge_outputs``): a slow client
+  costs one chunk per wake-up, not one per engine step.
 - If the engine process dies, every pending request fails with an error and ``is_alive`` is
   False (health checks then report 503).
 - With ``--dp-size N`` there are N engine processes (replicas, each with its own model, KV pool
@@ -41,7 +43,7 @@ from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.engine_process import run_engine_process
 from servelm.engine.monitor import acceptance_figures
-from servelm.engine.outputs import RequestOutput
+from servelm.engine.outputs import RequestOutput, merge_outputs
 from servelm.errors import InvalidRequestError
 from servelm.model.threads import export_openmp_wait_policy
 from servelm.sampling.params import SamplingParams
@@ -318,11 +320,19 @@ class AsyncEngine:
                                  lora_name, kv_transfer))
             if self._crash_recorder is not None:
                 self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
+            held: RequestOutput | Exception | None = None
             while True:
-                output = await queue.get()
+                output = held if held is not None else await queue.get()
+                held = None
                 if isinstance(output, Exception):
                     is_finished = True
                     raise output
+                while not output.is_finished and not queue.empty():  # the consumer fell behind
+                    later = queue.get_nowait()
+                    if isinstance(later, Exception):
+                        held = later
+                        break
+                    output = merge_outputs(output, later)
                 is_finished = output.is_finished
                 num_output_tokens, finish_reason = output.num_output_tokens, output.finish_reason
                 yield output

@@ -54,3 +54,34 @@ class RequestOutput:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta for two consecutive outputs of a request (``earlier`` not finished): tokens, text and
+    logprobs joined, the rest as ``later`` says (its totals are the newer). The front end merges the
+    outputs that queued up while its consumer was behind, so a slow client gets one chunk per
+    wake-up instead of one per step (vLLM's output collector does the same); the concatenation
+    invariant above is unchanged."""
+    assert earlier.request_id == later.request_id and not earlier.is_finished
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = [*(earlier.logprobs or []), *(later.logprobs or [])]
+    return RequestOutput(
+        request_id=later.request_id,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        new_text=earlier.new_text + later.new_text,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        logprobs=logprobs,
+        prompt_logprobs=earlier.prompt_logprobs if earlier.prompt_logprobs is not None
+        else later.prompt_logprobs,
+        num_prompt_tokens=later.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens,
+        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
+        error=later.error,
+        error_status=later.error_status,
+        embedding=later.embedding,
+        beam_score=later.beam_score,
+        cumulative_logprob=later.cumulative_logprob,
+        kv_transfer_params=later.kv_transfer_params,
+    )

@@ -19,6 +19,8 @@ Invariants:
   written blocks, and the warm-up never inserts into it).
 - It runs once, in the engine process, before the "ready" message; an embedding model (pooling
   task) skips it.
+- The LM-head screen forgets the warm-up's rows (``LMHeadScreen.forget_rows``): they would turn it
+  off for good, and the server would run the full head where an in-process engine screens.
 """
 
 from __future__ import annotations
@@ -79,7 +81,16 @@ def warm_up(engine: LLMEngine) -> float | None:
             batch_size = min(2 * batch_size, largest) if batch_size < largest else largest + 1
     finally:
         engine.block_pool.release(block_ids)
+        _forget_screened_rows(runner)
     return time.monotonic() - start_s
+
+
+def _forget_screened_rows(runner: object) -> None:
+    """The LM-head screen (model/layers/lm_head_screen.py) turns itself off for good when too many
+    of its last rows took the full head; the warm-up's rows (garbage K/V) would count as such."""
+    screen = getattr(runner, "lm_head_screen", None)
+    if screen is not None:
+        screen.forget_rows()
 
 
 def warm_up_for_serving(engine: LLMEngine) -> None:

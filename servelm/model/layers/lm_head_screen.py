@@ -120,6 +120,15 @@ class LMHeadScreen:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.tiled_scales.nbytes
 
+    def forget_rows(self) -> None:
+        """Start the statistics afresh, with the screen on. For the start-up warm-up (engine/warmup.py):
+        its rows are hidden states of garbage K/V (gemma3-270m: 32 of 32 over the candidate limit,
+        ~21k candidates each), half a window of fallbacks that turned the screen off for the server's
+        life after a few real rows (issue 16: the served engine ran the full head, the in-process one
+        the screen)."""
+        self.stats = ScreenStats()
+        self.is_enabled = True
+
     def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [m, K]`` -> (approximate logits, bound) ``[m, vocab]`` each: the full head's
         logit of every row lies within approximate +- bound."""

@@ -359,3 +359,17 @@ def test_the_kernels_candidates_are_the_bounds_candidates() -> None:
         assert torch.equal(ids[row], ids[row].sort().values)
         full_argmax = head(x[row:row + 1]).argmax()
         assert full_argmax in ids[row]
+
+
+def test_the_start_up_warm_up_leaves_the_screen_on(engine: LLMEngine) -> None:
+    """The warm-up's rows are hidden states of garbage K/V, nearly all over the candidate limit: it
+    forgets them, so real requests are screened (issue 16: they turned the screen off in every server
+    after a few real rows, and the served engine ran the full head)."""
+    from servelm.engine.warmup import warm_up
+
+    screen = engine.runner.lm_head_screen
+    assert warm_up(engine) is not None
+    assert screen.stats.rows == 0 and screen.is_enabled
+    params = SamplingParams(temperature=0.0, max_tokens=WINDOW_ROWS + 8, ignore_eos=True)
+    run(engine, [(engine.tokenizer.encode(PROMPTS[0]), params)], True)
+    assert screen.stats.rows >= WINDOW_ROWS + 7 and screen.is_enabled
