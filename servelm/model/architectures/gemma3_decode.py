@@ -5,7 +5,7 @@ is a few microseconds of Python (nn.Module dispatch, attribute lookups, each op'
 fused path apply" checks) around a few microseconds of work: ~3 ms of a 12 ms step. ``DecodePlan``
 checks once per model that every layer can take the fast path (GGUF block weights on the VNNI kernel
 without bias, the fused ops' kernel, one tensor-parallel rank) and holds each layer's weights and
-kernel arguments; ``run`` checks once per forward that the batch can (bf16, at most ``DECODE_ROWS``
+kernel arguments; ``run`` checks once per forward that the batch can (bf16, at most ``max_rows``
 rows, no LoRA, the fused ops on) and then calls, per layer, the same kernels in the same order as
 Gemma3DecoderLayer.forward: the fused RMSNorms, the block kernel, q/k norm + RoPE, attention, act *
 up. For an all-decode batch on the torch_native backend, attention is the backend's own decode
@@ -27,7 +27,7 @@ import torch
 from servelm.model.attention import paged_decode
 from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
-from servelm.model.layers.gguf_linear import DECODE_ROWS, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, decode_rows
 
 if TYPE_CHECKING:
     from servelm.model.architectures.gemma3 import Gemma3DecoderLayer
@@ -106,10 +106,17 @@ class DecodePlan:
         """A module whose forward hooks (benchmarks/profile_decode.py's op timers) send the step
         through the modules, so that the hooks see every op."""
 
+    def max_rows(self) -> int:
+        """Most rows every layer's prepared calls take (``decode_rows``: 4 for the VNNI kernel, up to
+        48 for the rows kernel's GEMM)."""
+        assert self.layers is not None
+        plan = self.layers[0]
+        return min(decode_rows(call) for call in (plan.qkv_call, plan.o_call, plan.gate_up_call, plan.down_call))
+
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         return (self.layers is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
                 and not (self._probe is not None and (self._probe._forward_hooks or self._probe._forward_pre_hooks))
-                and hidden.shape[0] <= DECODE_ROWS and hidden.is_contiguous() and not batch.lora
+                and hidden.shape[0] <= self.max_rows() and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
