@@ -16,16 +16,17 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   float32): oneDNN's GEMM is 1.6-4x faster than the kernels at M=32 and 2-3x at M=1024. The copy
   costs memory (2 bytes per weight in bf16, on top of the ~1.1 of the blocks); dequantizing per
   call instead cost 40% of a 32-stream server's throughput.
-- a bf16 model on a CPU with AVX512-BF16, ``ROWS_KERNEL_ROWS``: the rows kernel (gguf_rows.cpp)
-  for a few rows (batched decode, speculative verify, the LM head at M > 2): each weight's codes
-  widened to bf16 once per call and multiplied with every row by vdpbf16ps, the scales applied in
-  float32 (the weight exactly code x scale, the activations unrounded); about 1.1 bytes read per
-  weight instead of the dense copy's 2; its cost grows slowly up to 4 rows, then linearly
-  (compute-bound: one vdpbf16ps per 32 multiply-adds as oneDNN, plus the scale FMAs).
+- a bf16 model on a CPU with AVX512-BF16, ``ROWS_KERNEL_ROWS``: the rows kernel's GEMM
+  (gguf_rows.cpp ``rows_gemm``) for layers at 1-48 rows and the LM head at every M, on a copy of
+  the codes packed at load in VNNI order (1 byte per weight): vdpbf16ps on 8 rows x 32 outputs of
+  accumulators, the scales applied in float32 once per block (the weight exactly code x scale, the
+  activations unrounded); 0.33-0.85 of the dense copy's time up to 48 rows. The head keeps no dense
+  copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
-Invariants: after ``process`` the layer's only float weight is that dense copy; ``apply`` returns
+Invariants: after ``process`` the layer's only float weight is that dense copy (none on a head
+routed to the GEMM at every M); ``apply`` returns
 x's dtype, except on a layer marked ``gguf_float_output`` (the LM head): float32, so the kernel's
 logits are not rounded to a bf16 model's dtype (rounded, they tie and flip greedy choices: 62%
 instead of 88% identical outputs on Qwen2.5-Coder 0.5B).

@@ -1,9 +1,12 @@
-"""Builds and loads the AVX512-BF16 block kernel for a few to a few dozen rows (gguf_rows.cpp).
+"""Builds and loads the AVX512-BF16 block kernels for a bf16 model's rows (gguf_rows.cpp).
 
-``load_kernel()`` returns the compiled module (``rows_linear(x_bf16, codes, scales, offsets, block,
-bf16_out)``), or None with a reason (``kernel_status()``) when this CPU lacks AVX512-BF16 (read from
-/proc/cpuinfo, never assumed), there is no compiler, or the build fails: callers then keep
-today's paths (the VNNI kernel, the dense bf16 copy). Cached like every ``CppKernel``.
+``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
+CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
+fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
+``CppKernel``. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
+GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
+width in vectors of 16 outputs), and ``rows_linear(x_bf16, codes, scales, offsets, block,
+bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 """
 
 from __future__ import annotations
