@@ -2,6 +2,9 @@
 copy as the served model calls them, per weight shape (the four decoder shapes and the LM head) and
 number of rows M.
 
+- ``gemm``: ``gguf_rows.rows_gemm`` on the copy ``gguf_rows.pack`` makes at load (int8 codes in
+  VNNI order; the micro-kernel of 8 rows x 32 outputs, scales per block in float32), as the layer
+  calls it: bf16 in, bf16 out (float32 out for the head).
 - ``rows``: ``gguf_rows.rows_linear`` (AVX512-BF16: codes widened to bf16 once per call, vdpbf16ps
   against every row, scales in float32), bf16 in, bf16 out (float32 out for the head).
 - ``int16``: ``block_linear_a16`` (the VNNI kernel, ``--quantization gguf``'s int16 activations) on
@@ -14,7 +17,7 @@ number of rows M.
 Medians of repeated calls; ``--clock thread`` reads this thread's CPU time (1 thread: unaffected by
 other processes on a shared machine; with 2 threads it misses the worker's time, so use wall).
 
-    .venv/bin/python benchmarks/gguf_rows.py --threads 1 --clock thread --rows 1,2,4,6,8,16,32,64
+    .venv/bin/python benchmarks/gguf_rows.py --threads 1 --clock thread --rows 1,2,3,4,5,6,8,12,16,24,31,32,64
     .venv/bin/python benchmarks/gguf_rows.py --threads 2 --clock wall --shapes head
 """
 
@@ -71,8 +74,9 @@ def main() -> None:
     assert kernel is not None and rows_kernel is not None, "no GGUF block kernels on this CPU"
     print(f"# {args.model}, {args.threads} threads, {args.clock} clock, load {os.getloadavg()[0]:.1f}")
     extra = " int16-core ms | a8 ms |" if args.extra else ""
-    print(f"| shape (K x N) | M | rows ms | int16 ms | dense bf16 ms |{extra} rows / dense | rows / int16 |")
-    print("|---|---|---|---|---|" + "---|" * (4 if args.extra else 2))
+    print(f"| shape (K x N) | M | gemm ms | rows ms | int16 ms | dense bf16 ms |{extra} gemm / dense | gemm / int16 "
+          "| gemm / rows |")
+    print("|---|---|---|---|---|---|" + "---|" * (5 if args.extra else 3))
     totals: dict[int, list[float]] = {}
     wanted = args.shapes.split(",")
     for name, k, n in SHAPES[args.model]:
@@ -84,27 +88,29 @@ def main() -> None:
         weight = random_block_weight(n, k, offsets=False)
         dense = weight.dequantize(dtype=torch.bfloat16)
         codes, scales = weight.codes, weight.scales
+        packed_codes, packed_scales, _ = gguf_rows.pack(codes, scales, None, rows_kernel.GEMM_COLS)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
             xf = x.float()
-            fns = [lambda: rows_kernel.rows_linear(x, codes, scales, None, 32, not is_head),
+            fns = [lambda: rows_kernel.rows_gemm(x, packed_codes, packed_scales, None, 32, not is_head, n),
+                   lambda: rows_kernel.rows_linear(x, codes, scales, None, 32, not is_head),
                    lambda: kernel.block_linear_a16(x, codes, scales, None, 32, not is_head),
                    (lambda: F.linear(x, dense).float()) if is_head else (lambda: F.linear(x, dense))]
             if args.extra:
                 fns += [lambda: kernel.block_linear_a16(xf, codes, scales, None, 32),
                         lambda: kernel.block_linear(x, codes, scales, None, 32, not is_head)]
             measured = medians_ms(fns, clock, calls)
-            rows, a16, b = measured[:3]
+            gemm, rows, a16, b = measured[:4]
             cells = "".join(f" {value:.3f} |" for value in measured)
             if not is_head:
-                sums = totals.setdefault(m, [0.0, 0.0, 0.0])
-                sums[0] += rows
-                sums[1] += a16
-                sums[2] += b
-            print(f"| {name} {k}x{n} | {m} |{cells} {rows / b:.2f} | {rows / a16:.2f} |", flush=True)
-    for m, (rows, a16, b) in totals.items():
-        print(f"| decoder layers (sum) | {m} | {rows:.3f} | {a16:.3f} | {b:.3f} |{' | |' if args.extra else ''}"
-              f" {rows / b:.2f} | {rows / a16:.2f} |")
+                sums = totals.setdefault(m, [0.0, 0.0, 0.0, 0.0])
+                for index, value in enumerate((gemm, rows, a16, b)):
+                    sums[index] += value
+            print(f"| {name} {k}x{n} | {m} |{cells} {gemm / b:.2f} | {gemm / a16:.2f} | {gemm / rows:.2f} |",
+                  flush=True)
+    for m, (gemm, rows, a16, b) in totals.items():
+        print(f"| decoder layers (sum) | {m} | {gemm:.3f} | {rows:.3f} | {a16:.3f} | {b:.3f} |"
+              f"{' | |' if args.extra else ''} {gemm / b:.2f} | {gemm / a16:.2f} | {gemm / rows:.2f} |")
     print(f"# load {os.getloadavg()[0]:.1f}")
 
 

@@ -27,6 +27,11 @@ with and without the change (prefix cache off), and whether every output is iden
   limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
 - ``rows_kernel``: a bf16 model's GGUF layers and LM head without the AVX512-BF16 rows kernel
   (servelm.model.layers.gguf_rows): the VNNI kernel and the dense bf16 copy at every M as before.
+- ``rows_gemm``: a bf16 model's GGUF layers and LM head routed as before the rows kernel's GEMM
+  (gguf_rows.rows_gemm): the VNNI kernel's decode call up to 4 rows, ``rows_linear`` for layers at 2-8
+  rows and the head at 3-16, the VNNI kernel up to 4 (head 16) rows, the dense bf16 copy above (made
+  for the head while the B side runs), and Gemma 3's flat decode path off above 4 rows (exact at 5 rows
+  and more; at 1-4 the flat path still calls the GEMM).
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
@@ -158,6 +163,9 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             gguf_linear.ROWS_KERNEL_ROWS.update(saved_ranges)
+    elif change == "rows_gemm":
+        with _before_rows_gemm():
+            yield
     elif change == "lm_head_screen":
         from servelm.model.layers import lm_head_screen
         limit = lm_head_screen.MAX_SCREEN_ROWS
@@ -192,6 +200,52 @@ def without(change: str) -> Iterator[None]:
             linear_module.DECODE_ROWS = decode_rows
     else:
         raise SystemExit(f"unknown change {change!r}")
+
+
+_DENSE_HEADS: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _before_rows_gemm() -> Iterator[None]:
+    """GGUFBlockLinearMethod.apply as it routed a bf16 model's rows before rows_gemm (``--change
+    rows_gemm``); the head's dense bf16 copy, which it no longer keeps, made once and kept here."""
+    from servelm.model.architectures.gemma3_decode import DecodePlan
+    from servelm.model.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFBlockLinearMethod
+    from servelm.model.layers.linear import dense_linear
+    original_apply: Any = GGUFBlockLinearMethod.apply
+    original_max_rows: Any = DecodePlan.max_rows
+
+    def old_apply(self: Any, layer: Any, x: Any, bias: Any) -> Any:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or layer.__dict__.get("gguf_packed") is None:
+            return original_apply(self, layer, x, bias)
+        weight = layer.gguf_weight
+        is_head = getattr(layer, "gguf_float_output", False)
+        m = x.shape[0]
+        kernel = self.kernel.block_linear_a16
+        x = x.contiguous()
+        if not is_head and bias is None and m <= 4:
+            return kernel(x, weight.codes, weight.scales, weight.offsets, weight.block, True)
+        first, last = (3, 16) if is_head else (2, 8)
+        if first <= m <= last:
+            out = self.rows_kernel.rows_linear(x, weight.codes, weight.scales, weight.offsets, weight.block)
+        elif m <= (KERNEL_MAX_ROWS["int16"] if is_head else 4):
+            out = kernel(x, weight.codes, weight.scales, weight.offsets, weight.block, False)
+        else:
+            dense = layer.gguf_dense
+            if dense is None:
+                dense = _DENSE_HEADS.setdefault(id(layer), weight.dequantize(dtype=torch.bfloat16))
+            out = dense_linear(x, dense)
+        if bias is not None:
+            out = out + bias
+        return out.float() if is_head else out.to(torch.bfloat16)
+
+    GGUFBlockLinearMethod.apply = old_apply  # type: ignore[method-assign]
+    DecodePlan.max_rows = lambda self: 4  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
+        DecodePlan.max_rows = original_max_rows  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -208,7 +208,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                dense_bytes += method.process(module, weight) - weight.nbytes
+                dense_bytes += method.process(module, weight, float_output=isinstance(module, LMHead)) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                     module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
@@ -221,14 +221,16 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                    if kernel is not None
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
     if rows_kernel is not None:
-        kernel_note += (f"; bf16 rows: the AVX512-BF16 rows kernel at {'-'.join(map(str, ROWS_KERNEL_ROWS['layers']))}"
-                        f" rows (LM head {'-'.join(map(str, ROWS_KERNEL_ROWS['head']))})")
+        spans = {role: f"{first}-{last}" if last is not None else f">= {first}"
+                 for role, (first, last) in ROWS_KERNEL_ROWS.items()}
+        kernel_note += (f"; bf16 rows: the AVX512-BF16 rows kernel's GEMM at {spans['layers']} rows (LM head "
+                        f"{spans['head']}, without a dense copy)")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,
                "kernel": kernel_status(), "activations": activations}
     logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
-                "%.1f MiB of blocks + %.1f MiB of dense copies (float32: %.1f MiB); %s (%s)%s",
+                "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); %s (%s)%s",
                 ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
                 head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
                 kernel_note,

@@ -6,7 +6,7 @@ attribute lookups, each op's own "does the fused path apply" checks) around a fe
 work. A family's plan (``FlatDecodePlan`` subclass) checks once per model that every layer can take
 the flat path (``kernel_call``: GGUF block weights on the block kernel, one tensor-parallel rank; the
 fused ops' kernel) and holds each layer's weights and kernel arguments; ``applies`` checks once per
-forward that the batch can (bf16, at most ``DECODE_ROWS`` rows, no LoRA, no forward hooks, the fused
+forward that the batch can (bf16, at most ``max_rows`` rows, no LoRA, no forward hooks, the fused
 ops on); ``run`` then calls, per layer, the kernels the modules would call, in the same order, with
 a ``DecodeStep`` giving the per-step parts: cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
@@ -30,7 +30,7 @@ from torch import nn
 from servelm.model.attention import paged_decode
 from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
-from servelm.model.layers.gguf_linear import DECODE_ROWS, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, decode_rows
 
 if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
@@ -126,11 +126,18 @@ class FlatDecodePlan:
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
 
+    def max_rows(self) -> int:
+        """Most rows every layer's prepared calls take (``decode_rows``: ``DECODE_ROWS`` for the VNNI
+        kernel, up to ``ROWS_KERNEL_ROWS["layers"]`` for the rows kernel's GEMM)."""
+        assert self.layers is not None
+        plan = self.layers[0]
+        return min(decode_rows(call) for call in (plan.qkv_call, plan.o_call, plan.gate_up_call, plan.down_call))
+
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         probe = self._probe
         return (self.layers is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
                 and not (probe is not None and (probe._forward_hooks or probe._forward_pre_hooks))
-                and hidden.shape[0] <= DECODE_ROWS and hidden.is_contiguous() and not batch.lora
+                and hidden.shape[0] <= self.max_rows() and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))
 
     def step(self, hidden: torch.Tensor, batch: ForwardBatch) -> DecodeStep:

@@ -22,6 +22,7 @@ import torch
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan, KernelCall, kernel_call, norms_fuse
 from servelm.model.layers import fused
+from servelm.model.layers.gguf_linear import decode_takes_bias
 
 if TYPE_CHECKING:
     from servelm.model.architectures.llama import LlamaDecoderLayer
@@ -37,6 +38,7 @@ class _LayerPlan:
     qkv_call: KernelCall
     qkv_bias: torch.Tensor | None
     qkv_biased: Any        # None, or the QKV linear with a bias: past 1 row its method's apply computes it
+    qkv_call_takes_bias: bool   # the VNNI kernel adds a bias at one row; the rows kernel's GEMM does not
     split_sizes: list[int]
     num_heads: int
     num_kv_heads: int
@@ -80,6 +82,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         return _LayerPlan(
             input_norm=layer.input_layernorm.weight, qkv_call=qkv_call,
             qkv_bias=qkv.bias, qkv_biased=qkv if qkv.bias is not None else None,
+            qkv_call_takes_bias=decode_takes_bias(qkv_call),
             split_sizes=list(qkv.output_sizes),
             num_heads=qkv.num_heads, num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, rotary=attn.rotary_emb,
             q_norm=head_norms[0].weight if head_norms else None, k_norm=head_norms[1].weight if head_norms else None,
@@ -97,7 +100,10 @@ class LlamaDecodePlan(FlatDecodePlan):
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
         for plan in plans:
             biased = plan.qkv_biased
-            if biased is None or step.num_tokens == 1:   # as GGUFBlockLinearMethod.apply's decode call
+            if biased is None:
+                kernel, codes, scales, offsets, block = plan.qkv_call
+                qkv = kernel(normed, codes, scales, offsets, block, True)
+            elif step.num_tokens == 1 and plan.qkv_call_takes_bias:   # as GGUFBlockLinearMethod.apply's decode call
                 kernel, codes, scales, offsets, block = plan.qkv_call
                 qkv = kernel(normed, codes, scales, offsets, block, True, plan.qkv_bias)
             else:

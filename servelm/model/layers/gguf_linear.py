@@ -16,16 +16,17 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   float32): oneDNN's GEMM is 1.6-4x faster than the kernels at M=32 and 2-3x at M=1024. The copy
   costs memory (2 bytes per weight in bf16, on top of the ~1.1 of the blocks); dequantizing per
   call instead cost 40% of a 32-stream server's throughput.
-- a bf16 model on a CPU with AVX512-BF16, ``ROWS_KERNEL_ROWS``: the rows kernel (gguf_rows.cpp)
-  for a few rows (batched decode, speculative verify, the LM head at M > 2): each weight's codes
-  widened to bf16 once per call and multiplied with every row by vdpbf16ps, the scales applied in
-  float32 (the weight exactly code x scale, the activations unrounded); about 1.1 bytes read per
-  weight instead of the dense copy's 2; its cost grows slowly up to 4 rows, then linearly
-  (compute-bound: one vdpbf16ps per 32 multiply-adds as oneDNN, plus the scale FMAs).
+- a bf16 model on a CPU with AVX512-BF16, ``ROWS_KERNEL_ROWS``: the rows kernel's GEMM
+  (gguf_rows.cpp ``rows_gemm``) for layers at 1-48 rows and the LM head at every M, on a copy of
+  the codes packed at load in VNNI order (1 byte per weight): vdpbf16ps on 8 rows x 32 outputs of
+  accumulators, the scales applied in float32 once per block (the weight exactly code x scale, the
+  activations unrounded); 0.33-0.85 of the dense copy's time up to 48 rows. The head keeps no dense
+  copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
-Invariants: after ``process`` the layer's only float weight is that dense copy; ``apply`` returns
+Invariants: after ``process`` the layer's only float weight is that dense copy (none on a head
+routed to the GEMM at every M); ``apply`` returns
 x's dtype, except on a layer marked ``gguf_float_output`` (the LM head): float32, so the kernel's
 logits are not rounded to a bf16 model's dtype (rounded, they tie and flip greedy choices: 62%
 instead of 88% identical outputs on Qwen2.5-Coder 0.5B).
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_rows import pack
 from servelm.model.layers.linear import dense_linear
 
 KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
@@ -54,26 +56,39 @@ decoder shapes, 1 thread, conversions included: int16 kernel / dense = 0.6 at M=
 ``KERNEL_MAX_ROWS``: its rows would be rounded to bf16 on the dense copy, and its greedy tokens stay
 those of earlier releases. Layers with ``gguf_float_output`` (the LM head) keep it too."""
 
-ROWS_KERNEL_ROWS = {"layers": (2, 8), "head": (3, 16)}
-"""Rows (first, last) for which a bf16 model's layers and LM head (``gguf_float_output``) run the
-rows kernel (gguf_rows.cpp) when it is built; outside, the paths above. From benchmarks/gguf_rows.py
-(Gemma 3 270M's shapes, 1 thread, thread clock, interleaved medians, noisy shared machine;
-benchmarks/RESULTS.md): the four decoder shapes together take 0.60 of the dense copy's time at M=2,
-0.78 at 4, 0.92 at 6, 0.88 at 8 and 1.13 at 16, so layers from 2 to 8 rows (the int16 kernel takes
-0.95 of the rows kernel's time at 2 and 1.2-1.45 from 4 to 8; M=1 stays its own: 0.9). The head: 0.31
-of the dense copy at 2 rows, 0.5 at 6, 0.71 at 8, 1.29 at 16, and 0.55-0.9 of the int16 kernel (the
-head's path up to 16 rows: float32 logits, which the dense copy cannot give) at every M up to 16;
-it starts at 3 rows because greedy steps of 1 or 2 rows take the LM-head screen (lm_head_screen.py),
-whose candidate logits are the int16 kernel's, and a screened row that falls back takes the full
-head at the same M. (In a step of 3 or more rows of which at most 2 are screened, the screened rows'
-tokens are the int16 kernel's argmax and the rest come from this kernel: the two differ only where
-two logits are within the int16 kernel's 2e-5 relative rounding.)"""
+ROWS_KERNEL_ROWS: dict[str, tuple[int, int | None]] = {"layers": (1, 48), "head": (1, None)}
+"""Rows (first, last; None: no limit) for which a bf16 model's layers and LM head
+(``gguf_float_output``) run the rows kernel's GEMM (``rows_gemm`` of gguf_rows.cpp, on the copy
+packed at load) when it is built; outside, the paths above. From benchmarks/gguf_rows.py (Gemma 3
+270M's shapes, 1 thread, thread clock, interleaved medians, noisy shared machine; benchmarks/RESULTS.md
+"A GEMM micro-kernel for 1-48 rows"): the four decoder shapes together take 0.72 of the int16 VNNI
+kernel's time at M=1, 0.44 at 4 and 0.31-0.36 from 5 rows on; against the dense bf16 copy (oneDNN)
+0.33 at M=1, 0.52 at 8, 0.69 at 16, 0.84 at 32, 0.85 at 48, 0.96 at 64 and 1.06 at 128, so layers up to
+48 rows (prefill chunks above take oneDNN). The head: 0.8 of the int16 kernel at M=1, 0.3-0.45 from
+6 rows; 0.24 of the dense copy at M=1, 0.44 at 16, 0.73 at 32, 0.78 at 64 and 0.86 at 128: every row
+count, so the head keeps no dense copy (``process``). A layer's prepared decode call is this GEMM
+too (``decode_rows``), so Gemma 3's flat decode path (gemma3_decode.py) takes up to 48 rows."""
 DECODE_ROWS = 4
-"""Rows up to which every mode runs the kernel whatever the dense copy's dtype (the least of the row
-limits above): a bf16 layer without bias called with that few rows (decode) goes straight to the
-kernel with arguments prepared once (``_decode_args``), as a decode step makes 72 such calls. This
-path comes before ``ROWS_KERNEL_ROWS``: a bias-free bf16 decoder layer meets the rows kernel from 5
-rows on, a layer with a bias (Qwen's QKV) from 2."""
+"""Rows up to which a layer whose prepared decode call (``_decode_args``) is the VNNI kernel (a bf16
+model without the rows kernel) takes that call: the least of the row limits above. A bf16 layer
+without bias called with that few rows (decode) goes straight to the kernel with arguments prepared
+once, as a decode step makes 72 such calls. Where the rows kernel is built the call is its GEMM, up to
+``ROWS_KERNEL_ROWS["layers"]``'s last row (``decode_rows``)."""
+
+
+def decode_rows(call: tuple[object, ...]) -> int:
+    """Most rows a layer's prepared decode call (``gguf_decode_args``) takes: the rows kernel's GEMM
+    as many as ``ROWS_KERNEL_ROWS["layers"]`` gives it, the VNNI kernel ``DECODE_ROWS``."""
+    if getattr(call[0], "__name__", "") == "rows_gemm":
+        return ROWS_KERNEL_ROWS["layers"][1] or 0
+    return DECODE_ROWS
+
+
+def decode_takes_bias(call: tuple[object, ...]) -> bool:
+    """Whether a layer's prepared decode call takes a bias as its last argument (the VNNI kernel
+    does, for one row; the rows kernel's GEMM does not: a biased layer goes through ``apply``)."""
+    return getattr(call[0], "__name__", "") != "rows_gemm"
+
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
@@ -102,34 +117,48 @@ class GGUFBlockLinearMethod:
                        dtype: torch.dtype | None) -> None:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
-    def process(self, layer: nn.Module, weight: BlockWeight) -> int:
-        """Give ``layer`` its block weight in place of the float one; returns the bytes stored."""
+    def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False) -> int:
+        """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
+        ``float_output``: the LM head (float32 logits, ``gguf_float_output``)."""
         layer.gguf_weight = weight
+        if float_output:
+            layer.gguf_float_output = True
         layer.gguf_uses_kernel = self.kernel is not None and weight.codes.shape[1] % 64 == 0
         layer.gguf_uses_rows_kernel = (self.rows_kernel is not None and self.dense_dtype == torch.bfloat16
                                        and weight.codes.shape[1] % 64 == 0)
-        layer.gguf_decode_args = self._decode_args(layer)
         layer.gguf_kernel_max_rows = KERNEL_MAX_ROWS[self.activations]
+        # the rows kernel's GEMM reads the codes packed in its own order (1 byte per weight)
+        layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
+                                  self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
+                             if layer.gguf_uses_rows_kernel else None)
+        layer.gguf_decode_args = self._decode_args(layer)
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
-        # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head.
-        layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype)
+        # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head. A head whose every row count
+        # from ROWS_KERNEL_ROWS's first on takes the rows kernel (below it, the VNNI kernel) keeps none.
+        first, last = ROWS_KERNEL_ROWS["head"]
+        needs_dense = not (float_output and layer.gguf_uses_rows_kernel and last is None
+                           and layer.gguf_uses_kernel and first <= layer.gguf_kernel_max_rows + 1)
+        layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if needs_dense else None
         if getattr(layer, "weight", None) is not None:
             del layer.weight
             layer.register_parameter("weight", None)
         layer.linear_method = self
-        dense = layer.gguf_dense
-        return weight.nbytes + (dense.numel() * dense.element_size() if dense is not None else 0)
+        stored = [layer.gguf_dense] + list(layer.gguf_packed or ())
+        return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state.get("gguf_decode_args")
-        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
-                and (bias is None or x.shape[0] == 1) and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
+        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= decode_rows(decode)
+                and (bias is None or x.shape[0] == 1 and decode_takes_bias(decode))
+                and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
             kernel, codes, scales, offsets, block = decode
-            # rounded to bf16 by the kernel, after the bias (one row of a biased layer: the kernel the
-            # routing below gives it, with the bias added in float32 before the rounding as below)
+            if bias is None:
+                return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
+            # one row of a biased layer on the VNNI kernel: the bias added in float32 before the bf16
+            # rounding, as the routing below does it
             return kernel(x, codes, scales, offsets, block, True, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -138,9 +167,10 @@ class GGUFBlockLinearMethod:
         if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
                 and self._rows_kernel_takes(x2.shape[0], is_head)):
             # float32 out for the head (logits never rounded to bf16) or before a bias
-            rows_linear = self.rows_kernel.rows_linear  # type: ignore[attr-defined]
-            out = rows_linear(x2.contiguous(), weight.codes, weight.scales, weight.offsets, weight.block,
-                              bias is None and not is_head)
+            codes, scales, offsets = layer.gguf_packed
+            out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+                x2.contiguous(), codes, scales, offsets, weight.block, bias is None and not is_head,
+                weight.codes.shape[0])
             if bias is not None:
                 out = out + bias
             out = out.float() if is_head else out.to(x.dtype)
@@ -157,6 +187,13 @@ class GGUFBlockLinearMethod:
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
                          weight.offsets, weight.block,
                          is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
+        elif layer.gguf_dense is None:
+            # a head without a dense copy (process): rows the routing above did not take (float32
+            # ones) go through the rows kernel as bf16, as the dense bf16 copy would take them
+            codes, scales, offsets = layer.gguf_packed
+            out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+                x2.to(torch.bfloat16).contiguous(), codes, scales, offsets, weight.block, False,
+                weight.codes.shape[0])
         else:
             # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
@@ -168,15 +205,20 @@ class GGUFBlockLinearMethod:
     @staticmethod
     def _rows_kernel_takes(rows: int, is_head: bool) -> bool:
         first, last = ROWS_KERNEL_ROWS["head" if is_head else "layers"]
-        return first <= rows <= last
+        return first <= rows and (last is None or rows <= last)
 
 
     def _decode_args(self, layer: nn.Module) -> tuple[object, ...]:
         """The kernel and its weight arguments for ``apply``'s decode call, or () where the layer
         has no kernel."""
+        weight: BlockWeight = layer.gguf_weight
+        rows_gemm = getattr(self.rows_kernel, "rows_gemm", None)
+        if layer.gguf_packed is not None and rows_gemm is not None and weight.codes.shape[0] == (
+                layer.gguf_packed[0].shape[0] * layer.gguf_packed[0].shape[2] * 16):   # no padded outputs
+            codes, scales, offsets = layer.gguf_packed
+            return (rows_gemm, codes, scales, offsets, weight.block)
         if not layer.gguf_uses_kernel:
             return ()
-        weight: BlockWeight = layer.gguf_weight
         return (getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales, weight.offsets,
                 weight.block)
 

@@ -213,10 +213,194 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// rows_gemm: the same product as a GEMM micro-kernel, on a copy of the codes packed at load in
+// VNNI order (``pack`` below, made by gguf_rows.py from the BlockWeight):
+//   codes  [T, K / 2, C, 16, 2]  (T tiles of C x 16 outputs, N rounded up to whole tiles with zero
+//          codes): per tile and input pair p, C vectors of 16 outputs' pairs, 32 bytes each (int8)
+//          or 64 (bf16), so that the whole copy is read as one sequential stream
+//   scales [T, K / B, C, 16] float32 (offsets alike)
+// Lanes are outputs: vdpbf16ps(t, w, x) adds w[n, 2p] x[2p] + w[n, 2p + 1] x[2p + 1] to lane n, with
+// the activation pair broadcast from memory (no permutation of x, no horizontal sums). An
+// accumulator block of R rows x C vectors of 16 outputs sums one GGUF block's B / 2 pairs into
+// temporaries, which one FMA per block scales into the float32 result: the weight is exactly
+// code x scale, as in rows_linear. int8 codes are widened to bf16 in registers right before use
+// (exact: |code| <= 128), so the copy reads 1 byte per weight; bf16 codes are loaded as they are.
+// Each row's arithmetic is the same whatever R: a row's result does not depend on the other rows.
+namespace {
+
+template <bool kBf16Codes>
+inline __m512bh load_pair_vector(const void* codes, int64_t index) {
+  if constexpr (kBf16Codes) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(static_cast<const char*>(codes) + index * 64));
+  } else {
+    const int8_t* p = static_cast<const int8_t*>(codes) + index * 32;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+inline __m512bh broadcast_pair(const uint16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+}
+
+struct GemmArgs {
+  const uint16_t* x;      // [M, K] bf16
+  const void* codes;      // packed, see above
+  const float* scales;    // packed
+  const float* offsets;   // packed or nullptr
+  const float* sums;      // [M, K / B] block sums of x (with offsets)
+  int64_t k, n, block;
+  float* yf;              // [M, N] float32 out, or
+  uint16_t* yb;           // bf16 out
+  bool stream;            // float32 out written with non-temporal stores (64-byte aligned rows)
+};
+
+constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams are prefetched
+
+// Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
+template <int R, int C, bool kBf16Codes, bool kOffsets>
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+  const int64_t pairs = a.k / 2, nb = a.k / a.block, per_block = a.block / 2;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* x = a.x + r0 * a.k;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 t[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
+    for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
+      __m512bh w[C];
+      for (int c = 0; c < C; ++c) {
+        const int64_t index = (tile * pairs + p) * C + c;
+        _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * (kBf16Codes ? 64 : 32),
+                     _MM_HINT_T0);
+        w[c] = load_pair_vector<kBf16Codes>(a.codes, index);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xr = broadcast_pair(x + r * a.k + 2 * p);
+        for (int c = 0; c < C; ++c) t[r][c] = _mm512_dpbf16_ps(t[r][c], w[c], xr);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 s = _mm512_loadu_ps(a.scales + ((tile * nb + b) * C + c) * 16);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(t[r][c], s, acc[r][c]);
+      if constexpr (kOffsets) {
+        const __m512 o = _mm512_loadu_ps(a.offsets + ((tile * nb + b) * C + c) * 16);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (tile * C + c) * 16;
+    if (n0 >= a.n) break;
+    const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * a.n + n0;
+      if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
+      else if (a.yf != nullptr) _mm512_mask_storeu_ps(a.yf + at, mask, acc[r][c]);
+      else _mm256_mask_storeu_epi16(a.yb + at, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][c])));
+    }
+  }
+}
+
+constexpr int64_t kStreamBytes = 4 << 20;   // float32 results at least this large: non-temporal stores
+constexpr int kGemmCols = 2;     // 16-output vectors per accumulator block (tiles of 32 outputs)
+// Codes every row group passes over before the next group takes them (from L2): each row's results
+// are then written in runs of a panel's width, not of one tile's
+constexpr int64_t kPanelBytes = 320 << 10;
+constexpr int kGemmRows = 8;     // most rows per accumulator block: 16 temporaries + 16 sums
+
+template <int C, bool kBf16Codes, bool kOffsets, int R = kGemmRows>
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+  if (rows == R || R == 1) {
+    micro_tile<R, C, kBf16Codes, kOffsets>(a, r0, tile);
+  } else if constexpr (R > 1) {
+    dispatch_rows<C, kBf16Codes, kOffsets, R - 1>(rows, a, r0, tile);
+  }
+}
+
+template <bool kBf16Codes, bool kOffsets>
+void run_gemm(const GemmArgs& a, int64_t rows) {
+  // rows in groups of at most kGemmRows, as even as possible (9 rows: 5 + 4, not 8 + 1)
+  const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
+  const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols);
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k * 16 * kGemmCols * (kBf16Codes ? 2 : 1)));
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t first = begin; first < end; first += panel)
+      for (int64_t g = 0, r0 = 0; g < groups; ++g) {
+        const int64_t size = (rows - r0) / (groups - g);
+        for (int64_t tile = first; tile < std::min(end, first + panel); ++tile)
+          dispatch_rows<kGemmCols, kBf16Codes, kOffsets>(static_cast<int>(size), a, r0, tile);
+        r0 += size;
+      }
+    if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
+  });
+}
+
+}  // namespace
+
+// Python: rows_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1): x [M, K] bfloat16; codes,
+// scales, offsets packed as above (``pack``); n outputs (-1: every packed one, padding included; the
+// argument order of rows_linear, so that either is a layer's prepared decode call). Returns [M, n]
+// float32 (bfloat16 when bf16_out).
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [M, K]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
+  if (n < 0) n = codes.dim() == 5 ? codes.size(0) * kGemmCols * 16 : 0;
+  const bool bf16_codes = codes.dtype() == torch::kBFloat16;
+  TORCH_CHECK((bf16_codes || codes.dtype() == torch::kInt8) && codes.is_contiguous() && codes.dim() == 5
+              && codes.size(1) == k / 2 && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2
+              && codes.size(0) * kGemmCols * 16 >= n,
+              "codes: packed int8 or bfloat16 [tiles, K / 2, ", kGemmCols, ", 16, 2]");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
+              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kGemmCols, ", 16]");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets) {
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: float32 like scales");
+  }
+  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  if (rows == 0 || n == 0) return out;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const std::vector<float> sums = has_offsets ? block_sums(xp, rows, k, block) : std::vector<float>();
+  GemmArgs a{xp, codes.data_ptr(), scales.data_ptr<float>(), has_offsets ? offsets->data_ptr<float>() : nullptr,
+             sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
+             bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false};
+  // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches: written
+  // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
+  a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
+             && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
+  if (bf16_codes) {
+    if (has_offsets) run_gemm<true, true>(a, rows);
+    else run_gemm<true, false>(a, rows);
+  } else {
+    if (has_offsets) run_gemm<false, true>(a, rows);
+    else run_gemm<false, false>(a, rows);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear,
         "x [M, K] bfloat16 @ block-quantized W [N, K] -> [M, N] float32 (bfloat16 when bf16_out): "
         "weights widened to bf16 once per call, vdpbf16ps against every row, scales in float32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false);
+  m.def("rows_gemm", &rows_gemm,
+        "x [M, K] bfloat16 @ block-quantized W packed in VNNI order -> [M, n] float32 (bfloat16 when "
+        "bf16_out): an accumulator block of rows x 32 outputs, scales per block in float32",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
+        py::arg("bf16_out") = false, py::arg("n") = -1);
+  m.attr("GEMM_COLS") = kGemmCols;
 }

@@ -1,15 +1,20 @@
-"""Builds and loads the AVX512-BF16 block kernel for a few to a few dozen rows (gguf_rows.cpp).
+"""Builds and loads the AVX512-BF16 block kernels for a bf16 model's rows (gguf_rows.cpp).
 
-``load_kernel()`` returns the compiled module (``rows_linear(x_bf16, codes, scales, offsets, block,
-bf16_out)``), or None with a reason (``kernel_status()``) when this CPU lacks AVX512-BF16 (read from
-/proc/cpuinfo, never assumed), there is no compiler, or the build fails: callers then keep
-today's paths (the VNNI kernel, the dense bf16 copy). Cached like every ``CppKernel``.
+``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
+CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
+fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
+``CppKernel``. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
+GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
+width in vectors of 16 outputs), and ``rows_linear(x_bf16, codes, scales, offsets, block,
+bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from servelm.model.cpp_kernel import CppKernel
 
@@ -26,3 +31,27 @@ load_kernel = KERNEL.load
 """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
 kernel_status = KERNEL.status
 """Why the kernel is or is not available (after ``load_kernel``)."""
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int = 2,
+         bf16_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A BlockWeight's codes [N, K] and scales/offsets [N, K / B] in ``rows_gemm``'s order: tiles of
+    ``cols`` x 16 outputs (the kernel's ``GEMM_COLS``), N padded with zero codes and scales to whole
+    tiles; codes [tiles, K / 2, cols, 16, 2] (int8, or bf16 when ``bf16_codes``: exact, as |code| <=
+    128), scales and offsets [tiles, K / B, cols, 16]."""
+    n, k = codes.shape
+    width = 16 * cols
+    tiles = -(-n // width)
+    pad = tiles * width - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        if offsets is not None:
+            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
+    packed = codes.view(tiles, cols, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
+    packed = packed.to(torch.bfloat16) if bf16_codes else packed
+
+    def blocks(values: torch.Tensor) -> torch.Tensor:
+        return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
+
+    return packed.contiguous(), blocks(scales), None if offsets is None else blocks(offsets)

@@ -221,6 +221,13 @@ inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``gguf_kernel_max_rows``, 16 for the int16 kernel) caps the step's logits rows as well."""
 
+MAX_SCREEN_ROWS_GEMM = 4
+"""The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a
+CPU with AVX512-BF16; ``gguf_packed``), never above ``MAX_SCREEN_ROWS``. Same benchmark (noisy,
+shared machine; benchmarks/RESULTS.md "A GEMM micro-kernel for 1-48 rows"): the screen takes 4.9 ms
+at one row, 5.0 at two, 6.1 at four and 13.3 at eight; the GEMM head 7.0-7.9 ms from one to eight
+rows (bound by reading its 1-byte codes) and 14.6 at sixteen, against the screen's 28.3."""
+
 
 def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: torch.device,
                  task: str) -> LMHeadScreen | None:
@@ -246,6 +253,8 @@ def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden:
     if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
         return None
     head = model.lm_head
+    if head.__dict__.get("gguf_packed") is not None and len(argmax_rows) > MAX_SCREEN_ROWS_GEMM:
+        return None
     if hidden.shape[0] > head.gguf_kernel_max_rows or hidden.device.type != "cpu":
         return None
     return screen.logits(head, hidden, argmax_rows)

@@ -9,7 +9,7 @@ import torch
 from servelm.model.layers import gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
-from servelm.model.layers.gguf_linear import DECODE_ROWS, ROWS_KERNEL_ROWS, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import DECODE_ROWS, ROWS_KERNEL_ROWS, GGUFBlockLinearMethod, decode_rows
 
 
 @pytest.fixture(scope="module")
@@ -95,30 +95,88 @@ def test_rows_kernel_needs_avx512_bf16() -> None:
     assert gguf_rows.missing_cpu_flags(flags | {"avx512_bf16"}) == []
 
 
+def packed(weight: BlockWeight, rows_kernel, bf16_codes: bool = False):
+    return gguf_rows.pack(weight.codes, weight.scales, weight.offsets, rows_kernel.GEMM_COLS, bf16_codes)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("bf16_codes", [False, True])
+def test_rows_gemm_matches_the_float64_reference_for_every_m(rows_kernel, block: int, offsets: bool,
+                                                            bf16_codes: bool) -> None:
+    weight = block_weight(37, 192, block, offsets, seed=block + offsets)   # N = 37: a padded last tile
+    codes, scales, offs = packed(weight, rows_kernel, bf16_codes)
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for m in range(1, 71):
+        out = rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 37)
+        assert out.dtype == torch.float32 and out.shape == (m, 37)
+        assert relative_error(out, x[:m], weight) < 1e-6, m
+        # each row is computed on its own, whatever group of rows it falls in
+        assert torch.equal(out[-1:], rows_kernel.rows_gemm(x[m - 1:m].contiguous(), codes, scales, offs, block,
+                                                           False, 37)), m
+        assert torch.equal(rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, True, 37),
+                           out.bfloat16()), m
+
+
+def test_rows_gemm_streams_large_results_and_takes_every_packed_output(rows_kernel) -> None:
+    """A result of >= 4 MiB is written with non-temporal stores: the same values."""
+    weight = block_weight(33_000, 64, 32, False, seed=9)
+    codes, scales, _ = packed(weight, rows_kernel)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = rows_kernel.rows_gemm(x, codes, scales, None, 32, False, 33_000)
+    assert relative_error(out, x, weight) < 1e-6
+    assert torch.equal(out[:3], rows_kernel.rows_gemm(x[:3].contiguous(), codes, scales, None, 32, False, 33_000))
+    # n = -1: every packed output, the padding's zeros included
+    whole = rows_kernel.rows_gemm(x[:2].contiguous(), codes, scales, None, 32)
+    assert whole.shape == (2, codes.shape[0] * rows_kernel.GEMM_COLS * 16)
+    assert torch.equal(whole[:, :33_000], out[:2]) and not whole[:, 33_000:].any()
+
+
 def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel) -> None:
     kernel = load_kernel()
     if kernel is None:
         pytest.skip("no VNNI kernel here")
-    weight = block_weight(48, 256, 32, True, seed=8)
+    weight = block_weight(64, 256, 32, True, seed=8)
     method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", rows_kernel)
     layer, head = torch.nn.Module(), torch.nn.Module()
     method.process(layer, weight)
-    method.process(head, weight)
-    head.gguf_float_output = True
+    method.process(head, weight, float_output=True)
+    assert head.gguf_float_output and head.gguf_dense is None and layer.gguf_dense is not None
+    codes, scales, offsets = layer.gguf_packed
     for module, role in ((layer, "layers"), (head, "head")):
         first, last = ROWS_KERNEL_ROWS[role]
-        for m in (first - 1, first, last, last + 1):
+        for m in (first - 1, first, 5, 33, last, (last or 64) + 1):
+            if m is None or m < 1:
+                continue
             x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
             out = method.apply(module, x, None)
             assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16)
-            by_rows = rows_kernel.rows_linear(x, weight.codes, weight.scales, weight.offsets, 32, role == "layers")
-            # a bias-free bf16 decoder layer at <= DECODE_ROWS rows takes the prepared decode call first
-            decode_call = role == "layers" and m <= DECODE_ROWS
-            assert torch.equal(out, by_rows) == (first <= m <= last and not decode_call), (role, m)
-            if decode_call:
-                assert torch.equal(out, kernel.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, 32,
-                                                                True))
+            by_gemm = rows_kernel.rows_gemm(x, codes, scales, offsets, 32, role == "layers", 64)
+            takes = first <= m and (last is None or m <= last)
+            assert torch.equal(out, by_gemm) == takes, (role, m)
         # float32 rows (a float32 model) never take it
         x = torch.randn(first, 256)
         assert torch.equal(method.apply(module, x, None),
                            kernel.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, 32))
+    # a layer's prepared decode call is the GEMM, up to the layers' last row
+    assert layer.gguf_decode_args[0] is rows_kernel.rows_gemm
+    assert decode_rows(layer.gguf_decode_args) == ROWS_KERNEL_ROWS["layers"][1]
+    # a bias goes on top of the GEMM's float32 result
+    bias = torch.randn(64).bfloat16()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(method.apply(layer, x, bias),
+                       (rows_kernel.rows_gemm(x, codes, scales, offsets, 32, False, 64) + bias).bfloat16())
+
+
+def test_without_the_rows_kernel_the_decode_call_is_the_vnni_kernel() -> None:
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("no VNNI kernel here")
+    weight = block_weight(48, 256, 32, False, seed=10)
+    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", None)
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    assert layer.gguf_packed is None and decode_rows(layer.gguf_decode_args) == DECODE_ROWS
+    x = torch.randn(DECODE_ROWS, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert torch.equal(method.apply(layer, x, None),
+                       kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32, True))

@@ -27,6 +27,7 @@ from servelm.engine.executor import argmax_rows
 from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
+from servelm.model.layers import lm_head_screen
 from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
 from servelm.sampling.params import SamplingParams
 
@@ -307,9 +308,12 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("EAGLE", marks=pytest.mark.slow)])
 def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, algorithm: str,
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """N-gram chains and EAGLE trees (a head written from the model: few drafts accepted) on greedy
-    requests: their verify rows go through the screen and the tokens are those without it."""
+    requests: their verify rows go through the screen and the tokens are those without it. (A head
+    on the rows kernel's GEMM takes the screen up to MAX_SCREEN_ROWS_GEMM rows only, fewer than a
+    verify step's: raised here to the screen's own limit.)"""
+    monkeypatch.setattr(lm_head_screen, "MAX_SCREEN_ROWS_GEMM", lm_head_screen.MAX_SCREEN_ROWS)
     flat = {"model": engine.config.model.model, "num_threads": 1, "disable_radix_cache": True,
             "speculative_algorithm": algorithm, "num_speculative_tokens": 3}
     if algorithm == "EAGLE":   # a tree of 7 drafts: two requests, 16 logits rows
