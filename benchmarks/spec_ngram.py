@@ -64,13 +64,20 @@ RENAMES = [("count", "quantity"), ("items", "stock"), ("name", "label"), ("avail
            ("handle", "stream"), ("total", "size"), ("path", "filename"), ("add", "put")]
 
 
-def prompts(tokenizer: Any, batch_size: int) -> list[list[int]]:
+PROMPTS = {
+    "refactor": "Refactor: `{old}` must be called `{new}`. Show the full refactored code.",
+    "copy": "Rename `{old}` to `{new}` everywhere in this file. Reply with the whole new file.",
+}
+"""``--prompt``: refactor (the model writes a sentence, the renamed file and often code of its own:
+~60% of the output copied) or copy (the 0.5B model returns the file unchanged: a pure copy)."""
+
+
+def prompts(tokenizer: Any, batch_size: int, prompt: str = "refactor") -> list[list[int]]:
     result = []
     for index in range(batch_size):
         old, new = RENAMES[index % len(RENAMES)]
         messages = [{"role": "user", "content": (
-            f"Refactor: `{old}` must be called `{new}`. Show the full refactored code."
-            f"\n\n```python\n{SOURCE}```")}]
+            PROMPTS[prompt].format(old=old, new=new) + f"\n\n```python\n{SOURCE}```")}]
         result.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                     tokenize=True, return_dict=False))
     return result
@@ -112,6 +119,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--prompt", choices=sorted(PROMPTS), default="refactor")
     parser.add_argument("--dtype", default="auto",
                         help="auto is bfloat16 on CPUs with AVX512-BF16/AMX: there greedy tokens "
                         "depend on the step's shape (as with batching); float32 makes them exact")
@@ -127,7 +135,7 @@ def main() -> None:
         run(engine, warm, 8)
     rows = []
     for batch_size in batch_sizes:
-        token_lists = prompts(tokenizer, batch_size)
+        token_lists = prompts(tokenizer, batch_size, args.prompt)
         results: dict[str, Any] = {}
         for name, engine in engines.items():
             before = engine.stats()
@@ -148,7 +156,8 @@ def main() -> None:
                      outputs == plain_outputs, renamed))
         print(f"B={batch_size}: plain {plain_speed:.1f} tok/s, ngram {speed:.1f} tok/s", flush=True)
     load_after = os.getloadavg()[0]
-    print(f"\n`benchmarks/spec_ngram.py --batch-sizes {args.batch_sizes} --max-tokens {args.max_tokens} "
+    print(f"\n`benchmarks/spec_ngram.py --prompt {args.prompt} --batch-sizes {args.batch_sizes} "
+          f"--max-tokens {args.max_tokens} "
           f"--num-speculative-tokens {args.num_speculative_tokens} --dtype {args.dtype}` on "
           f"{args.model} ({engines['plain'].model_info.get('dtype', args.dtype)}), "
           f"{platform.machine()} ({_cpu_name()}), torch {torch.__version__}, "
