@@ -226,6 +226,5 @@ def test_greedy_identical_with_adaptive_and_fixed_ngram_lengths(tiny_model, leng
     drafted = [n for n in proposer.lengths if n]
     assert drafted and engine.stats()["spec_num_accepted_tokens"] > 0
     if length == "adaptive":
-        print(proposer.lengths)
         assert proposer.num_observed > 0 and len(set(drafted)) >= 3 and max(drafted) > 8, proposer.lengths
         assert not proposer._streams   # every finished request released its state
