@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spec_ngram import _cpu_name, run  # noqa: E402
+from spec_ngram import CLOCKS, _cpu_name, run  # noqa: E402
 
 from servelm.config import (CacheConfig, EngineConfig, ModelConfig, RuntimeConfig,  # noqa: E402
                             SchedulerConfig, SpeculativeConfig)
@@ -73,6 +73,8 @@ def main() -> None:
                         help="comma-separated k values, each its own engine")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="thread: the engine thread's CPU time (use with --num-threads 1)")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.num_speculative_tokens.split(",")]
@@ -97,7 +99,7 @@ def main() -> None:
         for name, engine, engine_proposer in runs:
             engine.speculation.proposer = engine_proposer
             before = engine.stats()
-            elapsed_s, outputs = run(engine, token_lists, args.max_tokens)
+            elapsed_s, outputs = run(engine, token_lists, args.max_tokens, CLOCKS[args.clock])
             after = engine.stats()
             num_tokens = sum(len(o) for o in outputs)
             speed = num_tokens / elapsed_s

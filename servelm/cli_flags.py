@@ -719,6 +719,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("num_speculative_tokens", "speculative_algorithm"),
     ("ngram_prompt_lookup_max", "speculative_algorithm"),
     ("ngram_prompt_lookup_min", "speculative_algorithm"),
+    ("ngram_draft_length", "speculative_algorithm"),
     ("speculative_disable_by_batch_size", "speculative_algorithm"),
     ("spec_decoding_acceptance_method", "speculative_algorithm"),
     ("typical_acceptance_sampler_posterior_threshold", "spec_decoding_acceptance_method"),

@@ -882,6 +882,10 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 """Drafts per step when neither --num-speculative-tokens nor --speculative-num-steps is given."""
+NGRAM_ADAPTIVE_MAX_DRAFT_TOKENS = 24
+"""Most drafts of the adaptive n-gram proposer when --num-speculative-tokens is not given: on a
+copied run a 25-row verify step costs ~5x a 1-row step on a CPU (benchmarks/RESULTS.md), so long
+accepted drafts pay, and the proposer only drafts that long where the text matched that long."""
 
 NGRAM_MODEL = "[ngram]"
 """vLLM's --speculative-model value for prompt lookup (a path otherwise)."""
@@ -907,11 +911,22 @@ class SpeculativeConfig:
         f"a chain, steps x topk for a tree, else {DEFAULT_NUM_SPECULATIVE_TOKENS}: on a CPU a "
         "6-token step costs little more than a 1-token one, and copied runs are often longer.")
     ngram_prompt_lookup_max: int = opt(
-        4, "NGRAM: longest suffix (tokens) matched against earlier text; longer matches are tried "
-        "first. 4 disambiguates repeated code lines without missing short repeats.")
+        16, "NGRAM: longest suffix (tokens) matched against earlier text; the earlier place with "
+        "the longest match is drafted from. 16 tells apart repeated code lines by the lines "
+        "before them (4 drafted from the wrong copy of a repeated line: a third fewer tokens per "
+        "step on a copied file, benchmarks/RESULTS.md).")
     ngram_prompt_lookup_min: int = opt(
         2, "NGRAM: shortest suffix (tokens) matched. 2 rather than 1: a single-token match (a "
         "space, a bracket) rarely predicts what follows and only wastes verification work.")
+    ngram_draft_length: str = opt(
+        "adaptive", "NGRAM: how many tokens a request drafts per step. adaptive: at most as many "
+        "as its text has matched the earlier place (a long match in a copied file, a short one by "
+        "chance in prose) and as its recent drafts earned (the cap doubles after a draft accepted "
+        "whole and halves after one cut short), up to --num-speculative-tokens (unset: "
+        f"{NGRAM_ADAPTIVE_MAX_DRAFT_TOKENS}): a verify step costs the model a row per draft, so "
+        "weak matches decode plainly and copied runs draft long. fixed: always "
+        f"--num-speculative-tokens (unset: {DEFAULT_NUM_SPECULATIVE_TOKENS}) tokens after the "
+        "match, as vLLM's prompt lookup.", choices=["adaptive", "fixed"])
     speculative_draft_model_path: str | None = opt(
         None, "STANDALONE: the draft model (a local checkpoint directory, .gguf or packaged name, "
         "as --model takes) that must share the model's tokenizer; it runs in the engine process "
@@ -976,6 +991,9 @@ class SpeculativeConfig:
         if self.ngram_prompt_lookup_max < self.ngram_prompt_lookup_min:
             raise ValueError(f"--ngram-prompt-lookup-max ({self.ngram_prompt_lookup_max}) must be at "
                              f"least --ngram-prompt-lookup-min ({self.ngram_prompt_lookup_min})")
+        if self.ngram_draft_length not in ("adaptive", "fixed"):
+            raise ValueError(f"--ngram-draft-length must be adaptive or fixed, got "
+                             f"{self.ngram_draft_length!r}")
         if self.speculative_disable_by_batch_size is not None and \
                 self.speculative_disable_by_batch_size < 1:
             raise ValueError(f"--speculative-disable-by-batch-size must be at least 1, got "
@@ -1060,6 +1078,9 @@ class SpeculativeConfig:
         if self.is_tree:
             assert steps is not None and self.speculative_eagle_topk is not None
             return given if given is not None else steps * self.speculative_eagle_topk
+        if given is None and steps is None and self.speculative_algorithm == "NGRAM" \
+                and self.ngram_draft_length == "adaptive":
+            return NGRAM_ADAPTIVE_MAX_DRAFT_TOKENS
         if given is None:
             return steps if steps is not None else DEFAULT_NUM_SPECULATIVE_TOKENS
         return given if steps is None else min(given, steps)

@@ -82,4 +82,5 @@ def make_proposer(config: SpeculativeConfig) -> Proposer | None:
 
     assert config.speculative_algorithm == "NGRAM", \
         "SpeculativeConfig refuses the others; the engine builds STANDALONE (it loads a model)"
-    return NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+    return NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max,
+                         config.ngram_draft_length)

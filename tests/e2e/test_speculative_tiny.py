@@ -17,6 +17,7 @@ import torch
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from servelm.spec.ngram import NgramProposer
 from servelm.spec.proposer import Draft, DraftRequest
 from tests.tiny_models import make_tiny_model_dir
 
@@ -192,3 +193,38 @@ def second_token_distance(engine: LLMEngine, prompt: list[int], outputs: dict[st
     distance = 0.5 * sum(abs(seconds.count(t) / len(seconds) - exact.get(t, 0.0))
                          for t in set(seconds) | set(exact))
     return distance, exact, len(seconds)
+
+
+class RecordingNgram(NgramProposer):
+    """The n-gram proposer, keeping the length of every draft it proposes."""
+
+    def __init__(self, length: str) -> None:
+        super().__init__(1, 16, length)
+        self.lengths: list[int] = []
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = super().propose(requests)
+        self.lengths.extend(len(d.token_ids) for d in drafts)
+        return drafts
+
+
+@pytest.mark.parametrize("length", ["adaptive", "fixed"])
+def test_greedy_identical_with_adaptive_and_fixed_ngram_lengths(tiny_model, length):
+    """Both draft-length policies give plain decoding's tokens. Each prompt is followed by its own
+    plain output and then itself again, so the model's answer partly copies earlier text: the
+    adaptive drafts take several lengths (short after cuts and on weak matches, long on copied
+    runs) up to the 16 allowed."""
+    arch, path = tiny_model
+    first = {str(i): p for i, p in enumerate(prompts())}
+    answers = generate(make_engine(path), greedy_all(first, max_tokens=40), first)
+    token_lists = {r: first[r] + answers[r] + first[r] for r in first}
+    params = greedy_all(token_lists, max_tokens=60)
+    plain = generate(make_engine(path), params, token_lists)
+    proposer = RecordingNgram(length)
+    engine = make_engine(path, "NGRAM", proposer, k=16)
+    assert generate(engine, params, token_lists) == plain, (arch, length)
+    drafted = [n for n in proposer.lengths if n]
+    assert drafted and engine.stats()["spec_num_accepted_tokens"] > 0
+    if length == "adaptive":
+        assert proposer.num_observed > 0 and len(set(drafted)) >= 3 and max(drafted) > 8, proposer.lengths
+        assert not proposer._streams   # every finished request released its state

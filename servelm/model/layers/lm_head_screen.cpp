@@ -40,7 +40,18 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;          // vocabulary rows per tile (one 32-bit lane each)
 constexpr int64_t kGroup = 8;          // inputs per packed group
 constexpr int64_t kGroupBytes = 80;    // 64 nibble bytes + two 8-byte bit masks
-constexpr int kMaxRows = 4;            // activation rows per register block (more spill)
+constexpr int kMaxRows = 8;            // activation rows per register block (a pass over a tile's
+                                       // weights; more rows per pass spill)
+
+// Rows in the register block starting at r0 when ``rows`` are split into as few blocks as
+// possible, of sizes that differ by at most one: each block re-reads and re-unpacks the tile's
+// weights, which costs about as much as 4 rows' products (9 rows as 5 + 4, not 8 + 1).
+inline int block_rows(int64_t rows, int64_t r0) {
+  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t base = rows / blocks, extra = rows % blocks;   // the first `extra` blocks take one more
+  const int64_t index = r0 <= extra * (base + 1) ? r0 / (base + 1) : extra + (r0 - extra * (base + 1)) / base;
+  return static_cast<int>(index < extra ? base + 1 : base);
+}
 
 // The exact kernel's int16 activation rounding (gguf_kernel.cpp Int16Activations), split into two
 // signed bytes, plus the per-block terms the screen needs. rows x k.
@@ -144,7 +155,8 @@ void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int
 }
 
 using TileFn = void (*)(const Activations&, const uint8_t*, const float*, int64_t, __m512*, __m512*);
-constexpr TileFn kTileFns[kMaxRows] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>};
+constexpr TileFn kTileFns[kMaxRows] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
+                                        screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -168,8 +180,8 @@ void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const f
       const int64_t j0 = t * kTile;
       const __mmask16 valid = n - j0 >= kTile ? static_cast<__mmask16>(0xFFFF)
                                               : static_cast<__mmask16>((1u << (n - j0)) - 1);
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int block = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
+        block = block_rows(rows, r0);
         kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
         for (int r = 0; r < block; ++r) {
           _mm512_mask_storeu_ps(so + (r0 + r) * n + j0, valid, s[r]);
@@ -282,8 +294,8 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
                                               : static_cast<__mmask16>((1u << (n - j0)) - 1);
       const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)),
                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int block = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
+        block = block_rows(rows, r0);
         kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
         for (int i = 0; i < block; ++i) {
           const int64_t r = r0 + i;
