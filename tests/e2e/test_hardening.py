@@ -27,7 +27,7 @@ import pytest
 from .server_process import ServerProcess
 
 MODEL = "smollm2-135m"
-ARGS = [MODEL, "--context-length", "512", "--max-total-tokens", "8192", "--num-threads", "1",
+ARGS = [MODEL, "--context-length", "2048", "--max-total-tokens", "8192", "--num-threads", "1",
         "--http-header-timeout-s", "2", "--http-body-timeout-s", "2", "--max-connections", "40",
         "--max-running-requests", "2", "--max-queued-requests", "2",
         "--max-sequences-per-request", "8"]
@@ -172,13 +172,15 @@ class _Stream(threading.Thread):
 
 
 def test_busy_server_streams_503_and_stays_healthy(server):
-    # 2 running + 2 queued fill the server (--max-running-requests 2 --max-queued-requests 2).
-    streams = [_Stream(server, 200) for _ in range(4)]
+    # 2 running + 2 queued fill the server (--max-running-requests 2 --max-queued-requests 2). The
+    # streams are long (a fast CPU decodes 200 tokens of this model in about a second, and then
+    # the server is no longer full when the probe comes).
+    streams = [_Stream(server, 1000) for _ in range(4)]
     for stream in streams:
         stream.start()
-        time.sleep(0.3)
+        time.sleep(0.1)
     assert all(stream.started.wait(60) for stream in streams[:2])
-    time.sleep(1.0)
+    time.sleep(0.5)
     with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True}) as response:
         response.read()
@@ -200,7 +202,7 @@ def test_rid_in_use_is_a_400(server):
     def hold_the_rid() -> None:   # streams long enough that the rid is still running when reused
         with httpx.stream("POST", f"{server.base_url}/generate", timeout=120, json={
                 "text": "Once upon a time", "rid": "taken", "stream": True, "sampling_params": {
-                    "max_new_tokens": 480, "ignore_eos": True}}) as reply:
+                    "max_new_tokens": 1000, "ignore_eos": True}}) as reply:
             for _ in reply.iter_lines():
                 first_chunk.set()
         first_chunk.set()

@@ -49,6 +49,16 @@ std::vector<__m512bh> permute_rows(const uint16_t* x, int64_t rows, int64_t k) {
 }
 
 // Float sums of x over each weight block [rows, K / B]: offsets multiply them.
+// Whether a GGUF weight has per-block offsets (Q4_K/Q5_K mins); checks they are laid out like its scales.
+bool checked_offsets(const c10::optional<torch::Tensor>& offsets, const torch::Tensor& scales) {
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets) {
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: float32 like scales");
+  }
+  return has_offsets;
+}
+
 std::vector<float> block_sums(const uint16_t* x, int64_t rows, int64_t k, int64_t block) {
   std::vector<float> sums(rows * (k / block));
   for (int64_t r = 0; r < rows; ++r)
@@ -161,11 +171,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   TORCH_CHECK(codes.size(1) == k && k % kStep == 0, "K must match and be a multiple of ", kStep);
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2
               && scales.size(0) == n && scales.size(1) == k / block, "scales: float32 [N, K / block]");
-  const bool has_offsets = offsets.has_value() && offsets->defined();
-  if (has_offsets) {
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: float32 like scales");
-  }
+  const bool has_offsets = checked_offsets(offsets, scales);
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -365,11 +371,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
               && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
               && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kGemmCols, ", 16]");
-  const bool has_offsets = offsets.has_value() && offsets->defined();
-  if (has_offsets) {
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: float32 like scales");
-  }
+  const bool has_offsets = checked_offsets(offsets, scales);
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
