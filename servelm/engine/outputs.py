@@ -6,7 +6,7 @@ is its full completion; exactly one output has ``finish_reason`` set, and it is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from servelm.sampling.logprobs import TokenLogprob
@@ -66,22 +66,8 @@ def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput
     logprobs = None
     if earlier.logprobs is not None or later.logprobs is not None:
         logprobs = [*(earlier.logprobs or []), *(later.logprobs or [])]
-    return RequestOutput(
-        request_id=later.request_id,
-        new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        new_text=earlier.new_text + later.new_text,
-        finish_reason=later.finish_reason,
-        stop_reason=later.stop_reason,
+    return replace(
+        later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text,
         logprobs=logprobs,
-        prompt_logprobs=earlier.prompt_logprobs if earlier.prompt_logprobs is not None
-        else later.prompt_logprobs,
-        num_prompt_tokens=later.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens,
-        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens),
-        error=later.error,
-        error_status=later.error_status,
-        embedding=later.embedding,
-        beam_score=later.beam_score,
-        cumulative_logprob=later.cumulative_logprob,
-        kv_transfer_params=later.kv_transfer_params,
-    )
+        prompt_logprobs=earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs,
+        num_cached_tokens=max(earlier.num_cached_tokens, later.num_cached_tokens))

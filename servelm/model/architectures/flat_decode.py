@@ -21,6 +21,7 @@ is built once; anything decided per batch (LoRA, rows, dtype) is checked in ``ap
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,36 @@ if TYPE_CHECKING:
 
 KernelCall = tuple[Any, ...]
 """A linear's prepared block-kernel call: (kernel, codes, scales, offsets, block)."""
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """What every family's layer plan holds: weights and kernel arguments (``*_call``: KernelCall)
+    that its ``run`` uses in the order of the layer's forward; a family adds its own norms."""
+
+    input_norm: torch.Tensor
+    qkv_call: KernelCall
+    split_sizes: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary: Any            # RotaryEmbedding: cos/sin from the step's rope cache
+    q_norm: torch.Tensor | None   # per-head q/k norms (Gemma 3, Qwen3), or None
+    k_norm: torch.Tensor | None
+    head_eps: float
+    attention: Any         # the Attention module (the backend reads its layer id, scale, window)
+    o_call: KernelCall
+    post_attention_norm: torch.Tensor
+    gate_up_call: KernelCall
+    activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
+    down_call: KernelCall
+    eps: float
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k and v ``[T, Hkv, D]``: views of the QKV projection's output."""
+        q, k, v = qkv.split_with_sizes(self.split_sizes, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 def kernel_call(linear: Any, allow_bias: bool = False) -> KernelCall | None:
@@ -126,6 +157,10 @@ class FlatDecodePlan:
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
 
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+        raise NotImplementedError
+
     def max_rows(self) -> int:
         """Most rows every layer's prepared calls take (``decode_rows``: ``DECODE_ROWS`` for the VNNI
         kernel, up to ``ROWS_KERNEL_ROWS["layers"]`` for the rows kernel's GEMM)."""
@@ -145,6 +180,21 @@ class FlatDecodePlan:
         assert self.layers is not None
         first = self.layers[0]
         return DecodeStep(batch, hidden.shape[0], first.attention, first.head_dim)
+
+
+def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor,
+               batch: ForwardBatch) -> torch.Tensor:
+    """``model``'s held layers (``model.layers[i]`` for ``model.held_layers``) over ``hidden``: through
+    its flat plan (a ``plan_type``, built at the first forward, when the GGUF block weights are in
+    place) where the plan applies, else module by module."""
+    plan: FlatDecodePlan | None = model.__dict__.get("decode_plan")
+    if plan is None:
+        plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])
+    if plan.applies(hidden, batch):   # a few bf16 rows on block weights: the same kernels, less Python
+        return plan.run(hidden, batch)
+    for index in model.held_layers:
+        hidden = model.layers[index](hidden, batch)
+    return hidden
 
 
 def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int) -> Any | None:

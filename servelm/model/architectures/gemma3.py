@@ -21,6 +21,7 @@ from torch import nn
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import (
     GatedMLP, head_dim_of, load_named_weights, stage_layers, stage_rename)
+from servelm.model.architectures.flat_decode import run_layers
 from servelm.model.architectures.gemma3_decode import DecodePlan
 from servelm.model.attention import Attention
 from servelm.model.forward_batch import ForwardBatch
@@ -100,14 +101,7 @@ class Gemma3Model(nn.Module):
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
-        plan = self.__dict__.get("decode_plan")
-        if plan is None:   # built at the first forward: the GGUF block weights are in place by then
-            plan = self.decode_plan = DecodePlan([self.layers[index] for index in self.held_layers])
-        if plan.applies(hidden, batch):   # a few bf16 rows on block weights: the same kernels, less Python
-            hidden = plan.run(hidden, batch)
-        else:
-            for index in self.held_layers:
-                hidden = self.layers[index](hidden, batch)
+        hidden = run_layers(self, DecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)
 
 

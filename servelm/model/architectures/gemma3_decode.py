@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, KernelCall, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, kernel_call, norms_fuse
 from servelm.model.layers import fused
 
 if TYPE_CHECKING:
@@ -24,29 +24,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class _LayerPlan:
-    """One layer's weights and kernel arguments (``*_call``: flat_decode.KernelCall) in the order its
-    forward uses them."""
+class _LayerPlan(LayerPlan):
+    """A Gemma 3 layer's plan: the shared fields and the feed-forward's pre- and post-norms."""
 
-    input_norm: torch.Tensor
-    qkv_call: KernelCall
-    split_sizes: list[int]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary: Any          # RotaryEmbedding: cos/sin from the step's rope cache
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    head_eps: float
-    attention: Any       # the Attention module (the backend reads its layer id, scale, window)
-    o_call: KernelCall
-    post_attention_norm: torch.Tensor
     pre_feedforward_norm: torch.Tensor
-    gate_up_call: KernelCall
-    activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
-    down_call: KernelCall
     post_feedforward_norm: torch.Tensor
-    eps: float
 
 
 class DecodePlan(FlatDecodePlan):
@@ -81,10 +63,7 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
                          True)
-            q, k, v = qkv.split(plan.split_sizes, dim=-1)
-            q = q.view(-1, plan.num_heads, plan.head_dim)        # [T, H, D]
-            k = k.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
-            v = v.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
+            q, k, v = plan.heads(qkv)
             cos, sin = step.rotation(plan.rotary)
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, True)
             attended = step.attend(plan.attention, q, k, v)       # [T, H * D]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, KernelCall, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, kernel_call, norms_fuse
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_linear import decode_takes_bias
 
@@ -30,30 +30,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class _LayerPlan:
-    """One layer's weights and kernel arguments (``*_call``: flat_decode.KernelCall) in the order its
-    forward uses them."""
+class _LayerPlan(LayerPlan):
+    """A Llama-family layer's plan: the shared fields, the QKV bias, and the next layer's input norm
+    (the residual add goes with it)."""
 
-    input_norm: torch.Tensor
-    qkv_call: KernelCall
     qkv_bias: torch.Tensor | None
     qkv_biased: Any        # None, or the QKV linear with a bias: past 1 row its method's apply computes it
     qkv_call_takes_bias: bool   # the VNNI kernel adds a bias at one row; the rows kernel's GEMM does not
-    split_sizes: list[int]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary: Any            # RotaryEmbedding: cos/sin from the step's rope cache
-    q_norm: torch.Tensor | None   # Qwen3's per-head norms, or None
-    k_norm: torch.Tensor | None
-    head_eps: float
-    attention: Any         # the Attention module (the backend reads its layer id, scale, window)
-    o_call: KernelCall
-    post_attention_norm: torch.Tensor
-    gate_up_call: KernelCall
-    activation_kind: int   # fused.ACTIVATION_KINDS[the activation]
-    down_call: KernelCall
-    eps: float
     next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
     next_eps: float = 0.0
 
@@ -108,10 +91,7 @@ class LlamaDecodePlan(FlatDecodePlan):
                 qkv = kernel(normed, codes, scales, offsets, block, True, plan.qkv_bias)
             else:
                 qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias)
-            q, k, v = qkv.split(plan.split_sizes, dim=-1)
-            q = q.view(-1, plan.num_heads, plan.head_dim)        # [T, H, D]
-            k = k.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
-            v = v.view(-1, plan.num_kv_heads, plan.head_dim)     # [T, Hkv, D]
+            q, k, v = plan.heads(qkv)
             cos, sin = step.rotation(plan.rotary)
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)
             attended = step.attend(plan.attention, q, k, v)       # [T, H * D]

@@ -76,18 +76,22 @@ once, as a decode step makes 72 such calls. Where the rows kernel is built the c
 ``ROWS_KERNEL_ROWS["layers"]``'s last row (``decode_rows``)."""
 
 
+def _is_rows_gemm(call: tuple[object, ...]) -> bool:
+    """Whether a layer's prepared decode call (``_decode_args``) is the rows kernel's GEMM (else the
+    VNNI kernel)."""
+    return getattr(call[0], "__name__", "") == "rows_gemm"
+
+
 def decode_rows(call: tuple[object, ...]) -> int:
     """Most rows a layer's prepared decode call (``gguf_decode_args``) takes: the rows kernel's GEMM
     as many as ``ROWS_KERNEL_ROWS["layers"]`` gives it, the VNNI kernel ``DECODE_ROWS``."""
-    if getattr(call[0], "__name__", "") == "rows_gemm":
-        return ROWS_KERNEL_ROWS["layers"][1] or 0
-    return DECODE_ROWS
+    return (ROWS_KERNEL_ROWS["layers"][1] or 0) if _is_rows_gemm(call) else DECODE_ROWS
 
 
 def decode_takes_bias(call: tuple[object, ...]) -> bool:
     """Whether a layer's prepared decode call takes a bias as its last argument (the VNNI kernel
     does, for one row; the rows kernel's GEMM does not: a biased layer goes through ``apply``)."""
-    return getattr(call[0], "__name__", "") != "rows_gemm"
+    return not _is_rows_gemm(call)
 
 
 ACTIVATION_MODES = ("int16", "int8", "float")
