@@ -1,11 +1,16 @@
 """One C++ kernel source built with torch.utils.cpp_extension, at most once per process.
 
 The shared object is cached under ``~/.cache/servelm/kernels/<name>_<hash>`` (the hash covers the
-source, torch's version and the compile flags), so only the first start on a machine compiles it
+source, the shared headers, torch's version and the compile flags), so only the first start on a machine compiles it
 (20-60 s on 2 cores) and later starts load it in milliseconds. Building needs the CPU features the
 source is compiled for (read from /proc/cpuinfo, never assumed), a C++ compiler and ninja; when
 anything is missing or the build fails, ``load`` returns None and ``status`` says why, and the
 caller keeps its torch path.
+
+Helpers several kernels use live in headers under ``servelm/model/include`` (``INCLUDE_DIR``): every
+kernel is compiled with that directory on its include path, and every header there is part of every
+kernel's build key, so editing a header rebuilds the kernels (ninja alone would not notice: the build
+directory is named by the key).
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_DIR = Path(os.path.expanduser("~/.cache/servelm/kernels"))
+INCLUDE_DIR = Path(__file__).with_name("include")
+"""Headers shared by the kernels (``#include "servelm_simd.h"``)."""
+
+
+def shared_headers() -> list[Path]:
+    """The shared headers, in a fixed order (each is hashed into every kernel's build key)."""
+    return sorted(INCLUDE_DIR.glob("*.h"))
 
 
 class CppKernel:
@@ -55,6 +67,9 @@ class CppKernel:
 
     def build_key(self) -> str:
         digest = hashlib.sha256(self.source.read_bytes())
+        for header in shared_headers():
+            digest.update(header.name.encode())
+            digest.update(header.read_bytes())
         digest.update(torch.__version__.encode())
         digest.update(" ".join(self.compile_flags + self.link_flags).encode())
         return digest.hexdigest()[:16]
@@ -91,7 +106,8 @@ class CppKernel:
         cached = any(build_dir.glob("*.so"))
         try:
             module = cpp_extension.load(name=f"servelm_{self.name}_{key}", sources=[str(self.source)],
-                                        extra_cflags=self.compile_flags, extra_ldflags=self.link_flags,
+                                        extra_cflags=self.compile_flags,
+                                        extra_include_paths=[str(INCLUDE_DIR)], extra_ldflags=self.link_flags,
                                         build_directory=str(build_dir), verbose=False)
         except Exception as e:  # a compiler error, a missing header: serve without the kernel
             text = str(e).strip()

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "servelm_simd.h"
+
 namespace {
 
 constexpr int kActBlock = 32;   // activation quantization block
@@ -69,17 +71,6 @@ const float* float_rows(const torch::Tensor& x, int64_t count) {
     std::memcpy(out + i, &word, sizeof(word));
   }
   return out;
-}
-
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 // The 16 float32 weight scales of one 64-byte step, one per int32 lane: lane j covers inputs
@@ -356,7 +347,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           }
           for (int t = 0; t < tile; ++t) {
             float value = dots[t];
-            if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+            if (o != nullptr) value += servelm_simd::dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
             // the bias added in float32 before the rounding: torch's ``out + bias`` then ``.to(bf16)``
             if (bias32 != nullptr) value += bias32[j];
             if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
