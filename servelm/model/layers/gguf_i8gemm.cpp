@@ -32,6 +32,7 @@ constexpr int kCols = 2;                  // 16-output vectors per tile
 constexpr int64_t kTile = 16 * kCols;     // outputs per tile
 constexpr int kRows = 4;   // most rows per accumulator block: 8 int32 + 8 float32 registers (6 spilled: 1.3x slower)
 constexpr int64_t kPanelBytes = 256 << 10;   // activation codes of one row panel, kept in L2 while tiles pass
+constexpr int64_t kChunkBytes = 320 << 10;   // weight codes every row group of a panel passes before the next
 constexpr int64_t kStreamBytes = 4 << 20;    // float32 results at least this large: non-temporal stores
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the tile's code stream to prefetch
 
@@ -186,21 +187,26 @@ void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
   }
 }
 
-// Threads split the tiles; each walks its tiles once per panel of rows (a panel's activation codes
-// stay in L2 while its tiles pass, and each tile's codes stay in L1 while the panel's row groups
-// pass), the rows of a panel in groups of at most kRows, as even as possible (9 rows: 5 + 4).
+// Threads split the tiles. Each takes its tiles once per panel of rows (the panel's activation codes
+// stay in L2 while the tiles pass), in chunks of kChunkBytes of codes that every row group of the
+// panel passes over before the next chunk (from L2): each row's results are then written in runs of
+// a chunk's width, not of one tile's (32 rows of LM-head logits lie 1 MiB apart: tile-wide runs fall
+// into the same L1 sets and keep the write-combining buffers half full). The rows of a panel go in
+// groups of at most kRows, as even as possible (9 rows: 3 + 3 + 3).
 template <int B, bool kOffsets>
 void run_gemm(const GemmArgs& a, int64_t rows) {
   const int64_t tiles = (a.n + kTile - 1) / kTile;
   const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = 0; p0 < rows; p0 += panel) {
       const int64_t size = std::min(panel, rows - p0);
       const int64_t groups = (size + kRows - 1) / kRows;
-      for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t first = begin; first < end; first += chunk)
         for (int64_t g = 0, r0 = p0; g < groups; ++g) {
           const int64_t group = (p0 + size - r0) / (groups - g);
-          dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
+          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
+            dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
           r0 += group;
         }
     }

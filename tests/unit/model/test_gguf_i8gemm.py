@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.model.layers import gguf_i8gemm
+from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
+from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, GGUFBlockLinearMethod
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +122,41 @@ def test_bad_arguments_are_refused(kernel) -> None:
         kernel.i8_gemm(torch.randn(2, 64), codes, scales, None, 32, False, 32)
     with pytest.raises(RuntimeError, match="at most"):
         kernel.i8_gemm(torch.randn(2, 128), codes, scales, None, 32, False, 33)
+
+
+def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
+    """Routing (gguf_linear.py): bf16 rows from I8_GEMM_FIRST_ROWS on, float32 rows above the VNNI
+    kernel's limit; no dense copy of a layer is kept; fewer rows keep their kernels."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    weight = block_weight(70, 256, 32, True, seed=8)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer, head = torch.nn.Module(), torch.nn.Module()
+    method.process(layer, weight)
+    method.process(head, weight, float_output=True)
+    assert layer.gguf_dense is None and head.gguf_dense is None
+    codes, scales, offsets = layer.gguf_i8
+    for module, role in ((layer, "layers"), (head, "head")):
+        first = I8_GEMM_FIRST_ROWS[role]
+        for m in (1, first - 1, first, first + 37):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+            out = method.apply(module, x, None)
+            assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16) and out.shape == (m, 70)
+            by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, role == "layers", 70)
+            assert torch.equal(out, by_i8) == (m >= first), (role, m)
+    # float32 rows: the VNNI kernel up to its limit, the int8 GEMM above (no dense copy to take them)
+    limit = layer.gguf_kernel_max_rows
+    x = torch.randn(limit + 1, 256)
+    assert torch.equal(method.apply(layer, x, None), kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
+    assert torch.equal(method.apply(layer, x[:limit], None),
+                       vnni.block_linear_a16(x[:limit], weight.codes, weight.scales, weight.offsets, 32))
+    # a bias goes on top of the float32 result, then the bf16 rounding
+    bias = torch.randn(70).bfloat16()
+    x = torch.randn(60, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(method.apply(layer, x, bias),
+                       (kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70) + bias).bfloat16())
+    # the exact mode never rounds activations to int8
+    exact = GGUFBlockLinearMethod(vnni, torch.bfloat16, "float", rows_kernel, kernel)
+    exact.process(layer, weight)
+    assert layer.gguf_i8 is None and layer.gguf_dense is not None
