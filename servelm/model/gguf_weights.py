@@ -172,7 +172,8 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
     rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
-    i8_kernel = gguf_i8gemm.load_kernel() if activations != "float" else None
+    # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
+    i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     blocks, others = read_block_weights(path)
     kinds: Counter[str] = Counter()
