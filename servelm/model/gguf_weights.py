@@ -36,8 +36,9 @@ from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers import gguf_i8gemm, gguf_rows
-from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROWS, KERNEL_MAX_ROWS,
-                                              ROWS_KERNEL_ROWS, BlockRows, GGUFBlockLinearMethod)
+from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED,
+                                              KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
+                                              GGUFBlockLinearMethod)
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
 
@@ -210,7 +211,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                dense_bytes += method.process(module, weight, float_output=isinstance(module, LMHead)) - weight.nbytes
+                dense_bytes += method.process(
+                    module, weight, float_output=isinstance(module, LMHead),
+                    int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                     module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
@@ -230,7 +233,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     if i8_kernel is not None:
         kernel_note += (f"; the int8 GEMM (AVX512-VNNI, activations rounded to int8 per block) from "
                         f"{I8_GEMM_FIRST_ROWS['layers']} rows (LM head from {I8_GEMM_FIRST_ROWS['head']}), "
-                        "without a dense copy of the layers")
+                        f"without a dense copy of the layers but {'/'.join(I8_GEMM_SKIPPED)}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,

@@ -22,11 +22,17 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   accumulators, the scales applied in float32 once per block (the weight exactly code x scale, the
   activations unrounded); 0.33-0.85 of the dense copy's time up to 48 rows. The head keeps no dense
   copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
+- the int8 GEMM (gguf_i8gemm.cpp, AVX512-VNNI; ``I8_GEMM_FIRST_ROWS``): activations rounded to int8
+  per block as llama.cpp does and ``vpdpbusd`` on a copy of the codes packed at load (1 byte per
+  weight), for a layer's rows from 49 on (prefill chunks), the LM head's from 16, and float32 rows
+  above the VNNI kernel's limit: 0.57 of the rows kernel's time and 0.65 of the dense bf16 copy's at
+  512 rows. Where it is built the layers keep no dense copy (every row count has a kernel). Not with
+  ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
 Invariants: after ``process`` the layer's only float weight is that dense copy (none on a head
-routed to the GEMM at every M); ``apply`` returns
+routed to the GEMM at every M, none where the int8 GEMM is built); ``apply`` returns
 x's dtype, except on a layer marked ``gguf_float_output`` (the LM head): float32, so the kernel's
 logits are not rounded to a bf16 model's dtype (rounded, they tie and flip greedy choices: 62%
 instead of 88% identical outputs on Qwen2.5-Coder 0.5B).
@@ -79,6 +85,12 @@ rows_gemm from 16 rows, 1.0-1.07 below. It also beats rows_gemm on the layers at
 but int8 activations in every decode step keep only 50-62% of the greedy outputs identical to
 float32 (``--quantization gguf_a8``, RESULTS.md), under issue 16's 75%: decode keeps the rows kernel,
 prefill (chunks above 48 rows: the rows kernel's last row + 1) rounds its activations to int8."""
+I8_GEMM_SKIPPED = ("qkv_proj", "k_proj", "v_proj")
+"""Layers (by their module name's last part) that never take the int8 GEMM: the projections whose
+results the KV cache keeps. Their prefill rows, rounded to int8, reach every later token's
+attention; off the int8 GEMM (their dense bf16 copy in prefill) Gemma 3 keeps 88% of
+benchmarks/quant_quality.py's greedy outputs identical to float32 instead of 75% (Qwen2.5-Coder
+0.5B: see RESULTS.md), for ~0.9 ms of 1 thread per 512-row chunk and layer."""
 DECODE_ROWS = 4
 """Rows up to which a layer whose prepared decode call (``_decode_args``) is the VNNI kernel (a bf16
 model without the rows kernel) takes that call: the least of the row limits above. A bf16 layer
@@ -135,9 +147,11 @@ class GGUFBlockLinearMethod:
                        dtype: torch.dtype | None) -> None:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
-    def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False) -> int:
+    def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False,
+                int8_rows: bool = True) -> int:
         """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
-        ``float_output``: the LM head (float32 logits, ``gguf_float_output``)."""
+        ``float_output``: the LM head (float32 logits, ``gguf_float_output``). ``int8_rows``: whether
+        the layer may take the int8 GEMM (``I8_GEMM_SKIPPED``)."""
         layer.gguf_weight = weight
         if float_output:
             layer.gguf_float_output = True
@@ -151,8 +165,8 @@ class GGUFBlockLinearMethod:
                              if layer.gguf_uses_rows_kernel else None)
         layer.gguf_decode_args = self._decode_args(layer)
         # the int8 GEMM reads its own copy (codes + 128, 1 byte per weight, scales tiled)
-        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if self.i8_kernel is not None and weight.block in (16, 32)
-                         else None)
+        layer.gguf_i8 = (gguf_i8gemm.pack(weight)
+                         if int8_rows and self.i8_kernel is not None and weight.block in (16, 32) else None)
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
         # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head. A head whose every row count

@@ -10,7 +10,7 @@ import torch
 from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
-from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED, GGUFBlockLinearMethod
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,19 @@ def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
     exact = GGUFBlockLinearMethod(vnni, torch.bfloat16, "float", rows_kernel, kernel)
     exact.process(layer, weight)
     assert layer.gguf_i8 is None and layer.gguf_dense is not None
+
+
+def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
+    """``int8_rows=False`` (gguf_weights passes it for ``I8_GEMM_SKIPPED``): no int8 copy, the dense
+    copy for the rows the rows kernel does not take."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    assert "qkv_proj" in I8_GEMM_SKIPPED
+    weight = block_weight(70, 256, 32, False, seed=9)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, weight, int8_rows=False)
+    assert layer.gguf_i8 is None and layer.gguf_dense is not None
+    x = torch.randn(I8_GEMM_FIRST_ROWS["layers"], 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(method.apply(layer, x, None), torch.nn.functional.linear(x, layer.gguf_dense))
