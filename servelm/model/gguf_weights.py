@@ -233,7 +233,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     if i8_kernel is not None:
         kernel_note += (f"; the int8 GEMM (AVX512-VNNI, activations rounded to int8 per block) from "
                         f"{I8_GEMM_FIRST_ROWS['layers']} rows (LM head from {I8_GEMM_FIRST_ROWS['head']}), "
-                        f"without a dense copy of the layers but {'/'.join(I8_GEMM_SKIPPED)}")
+                        f"never {'/'.join(I8_GEMM_SKIPPED)}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,

@@ -24,10 +24,10 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
 - the int8 GEMM (gguf_i8gemm.cpp, AVX512-VNNI; ``I8_GEMM_FIRST_ROWS``): activations rounded to int8
   per block as llama.cpp does and ``vpdpbusd`` on a copy of the codes packed at load (1 byte per
-  weight), for a layer's rows from 49 on (prefill chunks), the LM head's from 16, and float32 rows
-  above the VNNI kernel's limit: 0.57 of the rows kernel's time and 0.65 of the dense bf16 copy's at
-  512 rows. Where it is built the layers keep no dense copy (every row count has a kernel). Not with
-  ``float`` activations (the exact mode).
+  weight), for a layer's rows from 49 on (prefill chunks) and the LM head's from 16: 0.57 of the
+  rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
+  rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``).
+  Not with ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
@@ -134,8 +134,9 @@ class GGUFBlockLinearMethod:
         """The AVX512-BF16 rows kernel (gguf_rows.py's module), or None: used on bf16 rows only
         (``ROWS_KERNEL_ROWS``)."""
         self.i8_kernel = i8_kernel if activations != "float" else None
-        """The int8 GEMM (gguf_i8gemm.py's module), or None: rows from ``I8_GEMM_FIRST_ROWS`` on, and
-        float32 rows above the VNNI kernel's limit. Not with ``float`` activations (the exact mode)."""
+        """The int8 GEMM (gguf_i8gemm.py's module), or None: rows from ``I8_GEMM_FIRST_ROWS`` on (and
+        rows no other kernel takes where no dense copy is kept). Not with ``float`` activations (the
+        exact mode)."""
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
         self.activations = activations
@@ -174,8 +175,10 @@ class GGUFBlockLinearMethod:
         first, last = ROWS_KERNEL_ROWS["head"]
         needs_dense = not (float_output and layer.gguf_uses_rows_kernel and last is None
                            and layer.gguf_uses_kernel and first <= layer.gguf_kernel_max_rows + 1)
-        # with the int8 GEMM every row count the other kernels leave goes to it (``apply``)
-        needs_dense = needs_dense and layer.gguf_i8 is None
+        # A bf16 model's layer with the rows kernel (1-48 rows) and the int8 GEMM (49 on) needs no
+        # dense copy. A float32 model keeps it for its 17-48 rows (batched decode: unrounded
+        # activations, as the bf16 model's rows kernel; ``I8_GEMM_FIRST_ROWS``).
+        needs_dense = needs_dense and not (layer.gguf_i8 is not None and layer.gguf_uses_rows_kernel)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if needs_dense else None
         if getattr(layer, "weight", None) is not None:
             del layer.weight
@@ -227,8 +230,9 @@ class GGUFBlockLinearMethod:
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
                          weight.offsets, weight.block,
                          is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
-        elif i8 is not None:
-            # float32 rows above the VNNI kernel's limit (a float32 model): no dense copy is kept
+        elif i8 is not None and layer.gguf_dense is None:
+            # rows no other kernel takes on a layer without a dense copy (float32 rows of a bf16
+            # model above the VNNI kernel's limit)
             return self._i8_gemm(layer, x2, bias, is_head, shape)
         elif layer.gguf_dense is None:
             # a head without a dense copy (process): rows the routing above did not take (float32

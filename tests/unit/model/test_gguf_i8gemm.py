@@ -11,6 +11,7 @@ from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
 from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED, GGUFBlockLinearMethod
+from servelm.model.layers.linear import dense_linear
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,8 @@ def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
             assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16) and out.shape == (m, 70)
             by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, role == "layers", 70)
             assert torch.equal(out, by_i8) == (m >= first), (role, m)
-    # float32 rows: the VNNI kernel up to its limit, the int8 GEMM above (no dense copy to take them)
+    # float32 rows of a bf16 model: the VNNI kernel up to its limit, the int8 GEMM above (no dense
+    # copy to take them)
     limit = layer.gguf_kernel_max_rows
     x = torch.randn(limit + 1, 256)
     assert torch.equal(method.apply(layer, x, None), kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
@@ -156,6 +158,17 @@ def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
     x = torch.randn(60, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert torch.equal(method.apply(layer, x, bias),
                        (kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70) + bias).bfloat16())
+    # a float32 model (no rows kernel, a float32 dense copy) keeps its dense copy below the first row
+    float_model = GGUFBlockLinearMethod(vnni, torch.float32, "int16", None, kernel)
+    float_layer = torch.nn.Module()
+    float_model.process(float_layer, weight)
+    assert float_layer.gguf_dense is not None and float_layer.gguf_dense.dtype == torch.float32
+    first = I8_GEMM_FIRST_ROWS["layers"]
+    x = torch.randn(first, 256)
+    assert torch.equal(float_model.apply(float_layer, x, None),
+                       kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
+    assert torch.equal(float_model.apply(float_layer, x[:-1], None),
+                       dense_linear(x[:-1], float_layer.gguf_dense))
     # the exact mode never rounds activations to int8
     exact = GGUFBlockLinearMethod(vnni, torch.bfloat16, "float", rows_kernel, kernel)
     exact.process(layer, weight)
@@ -175,4 +188,4 @@ def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
     method.process(layer, weight, int8_rows=False)
     assert layer.gguf_i8 is None and layer.gguf_dense is not None
     x = torch.randn(I8_GEMM_FIRST_ROWS["layers"], 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-    assert torch.equal(method.apply(layer, x, None), torch.nn.functional.linear(x, layer.gguf_dense))
+    assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
