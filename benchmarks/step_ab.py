@@ -32,6 +32,9 @@ with and without the change (prefix cache off), and whether every output is iden
   rows and the head at 3-16, the VNNI kernel up to 4 (head 16) rows, the dense bf16 copy above (made
   for the head while the B side runs), and Gemma 3's flat decode path off above 4 rows (exact at 5 rows
   and more; at 1-4 the flat path still calls the GEMM).
+- ``i8_gemm``: GGUF layers and LM head without the int8 GEMM (servelm.model.layers.gguf_i8gemm): the
+  dense bf16 copy (made once for the B side) above the rows kernel's 48 rows, the head's rows kernel at
+  every M.
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
@@ -166,6 +169,9 @@ def without(change: str) -> Iterator[None]:
     elif change == "rows_gemm":
         with _before_rows_gemm():
             yield
+    elif change == "i8_gemm":
+        with _without_i8_gemm():
+            yield
     elif change == "lm_head_screen":
         from servelm.model.layers import lm_head_screen
         limit = lm_head_screen.MAX_SCREEN_ROWS
@@ -203,6 +209,38 @@ def without(change: str) -> Iterator[None]:
 
 
 _DENSE_HEADS: dict[int, Any] = {}
+_DENSE_LAYERS: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _without_i8_gemm() -> Iterator[None]:
+    """GGUFBlockLinearMethod.apply without the int8 GEMM (``--change i8_gemm``): each call sees its
+    layer without the int8 copy and with the dense bf16 copy it no longer keeps (made once, kept
+    here; the head keeps none and takes the rows kernel at every M, as before)."""
+    from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+    original_apply: Any = GGUFBlockLinearMethod.apply
+
+    def apply_without(self: Any, layer: Any, x: Any, bias: Any) -> Any:
+        state = layer.__dict__
+        i8 = state.get("gguf_i8")
+        if i8 is None:
+            return original_apply(self, layer, x, bias)
+        is_head = state.get("gguf_float_output", False)
+        state["gguf_i8"] = None
+        if not is_head:
+            state["gguf_dense"] = _DENSE_LAYERS.setdefault(
+                id(layer), layer.gguf_weight.dequantize(dtype=self.dense_dtype))
+        try:
+            return original_apply(self, layer, x, bias)
+        finally:
+            state["gguf_i8"] = i8
+            state["gguf_dense"] = None
+
+    GGUFBlockLinearMethod.apply = apply_without  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -35,8 +35,9 @@ from servelm.model.gguf import GGUFFile, gguf_to_hf_name, reverse_llama_permute
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers import gguf_rows
-from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
+from servelm.model.layers import gguf_i8gemm, gguf_rows
+from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED,
+                                              KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
                                               GGUFBlockLinearMethod)
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
@@ -172,7 +173,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
     rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
-    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel)
+    # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
+    i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
+    method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     blocks, others = read_block_weights(path)
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
@@ -208,7 +211,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                 module.register_parameter("weight", None)
                 embedding_kind = f"{weight.kind} rows"
             else:
-                dense_bytes += method.process(module, weight, float_output=isinstance(module, LMHead)) - weight.nbytes
+                dense_bytes += method.process(
+                    module, weight, float_output=isinstance(module, LMHead),
+                    int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                     module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
@@ -225,6 +230,10 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                  for role, (first, last) in ROWS_KERNEL_ROWS.items()}
         kernel_note += (f"; bf16 rows: the AVX512-BF16 rows kernel's GEMM at {spans['layers']} rows (LM head "
                         f"{spans['head']}, without a dense copy)")
+    if i8_kernel is not None:
+        kernel_note += (f"; the int8 GEMM (AVX512-VNNI, activations rounded to int8 per block) from "
+                        f"{I8_GEMM_FIRST_ROWS['layers']} rows (LM head from {I8_GEMM_FIRST_ROWS['head']}), "
+                        f"never {'/'.join(I8_GEMM_SKIPPED)}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,

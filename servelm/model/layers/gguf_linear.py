@@ -22,11 +22,17 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   accumulators, the scales applied in float32 once per block (the weight exactly code x scale, the
   activations unrounded); 0.33-0.85 of the dense copy's time up to 48 rows. The head keeps no dense
   copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
+- the int8 GEMM (gguf_i8gemm.cpp, AVX512-VNNI; ``I8_GEMM_FIRST_ROWS``): activations rounded to int8
+  per block as llama.cpp does and ``vpdpbusd`` on a copy of the codes packed at load (1 byte per
+  weight), for a layer's rows from 49 on (prefill chunks) and the LM head's from 16: 0.57 of the
+  rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
+  rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``).
+  Not with ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
 
 Invariants: after ``process`` the layer's only float weight is that dense copy (none on a head
-routed to the GEMM at every M); ``apply`` returns
+routed to the GEMM at every M, none where the int8 GEMM is built); ``apply`` returns
 x's dtype, except on a layer marked ``gguf_float_output`` (the LM head): float32, so the kernel's
 logits are not rounded to a bf16 model's dtype (rounded, they tie and flip greedy choices: 62%
 instead of 88% identical outputs on Qwen2.5-Coder 0.5B).
@@ -37,6 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from servelm.model.layers import gguf_i8gemm
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_rows import pack
 from servelm.model.layers.linear import dense_linear
@@ -68,6 +75,22 @@ kernel's time at M=1, 0.44 at 4 and 0.31-0.36 from 5 rows on; against the dense 
 6 rows; 0.24 of the dense copy at M=1, 0.44 at 16, 0.73 at 32, 0.78 at 64 and 0.86 at 128: every row
 count, so the head keeps no dense copy (``process``). A layer's prepared decode call is this GEMM
 too (``decode_rows``), so Gemma 3's flat decode path (gemma3_decode.py) takes up to 48 rows."""
+I8_GEMM_FIRST_ROWS = {"layers": 49, "head": 16}
+"""Rows from which the layers and the LM head run the int8 x int8 GEMM (gguf_i8gemm.cpp, activations
+rounded to int8 per block: llama.cpp's arithmetic) where it is built; float32 rows the VNNI kernel
+does not take as well. From benchmarks/gguf_rows.py (Gemma 3 270M's shapes, 1 thread, thread clock,
+noisy shared machine; benchmarks/RESULTS.md "An int8 GEMM for prefill"): the four decoder shapes take
+0.57 of rows_gemm's time at 512 rows and 0.65 of the dense bf16 copy (oneDNN); the head 0.8 of
+rows_gemm from 16 rows, 1.0-1.07 below. It also beats rows_gemm on the layers at 1-48 rows (0.6-0.8),
+but int8 activations in every decode step keep only 50-62% of the greedy outputs identical to
+float32 (``--quantization gguf_a8``, RESULTS.md), under issue 16's 75%: decode keeps the rows kernel,
+prefill (chunks above 48 rows: the rows kernel's last row + 1) rounds its activations to int8."""
+I8_GEMM_SKIPPED = ("qkv_proj", "k_proj", "v_proj")
+"""Layers (by their module name's last part) that never take the int8 GEMM: the projections whose
+results the KV cache keeps. Their prefill rows, rounded to int8, reach every later token's
+attention; off the int8 GEMM (their dense bf16 copy in prefill) Gemma 3 keeps 88% of
+benchmarks/quant_quality.py's greedy outputs identical to float32 instead of 75% (Qwen2.5-Coder
+0.5B: see RESULTS.md), for ~0.9 ms of 1 thread per 512-row chunk and layer."""
 DECODE_ROWS = 4
 """Rows up to which a layer whose prepared decode call (``_decode_args``) is the VNNI kernel (a bf16
 model without the rows kernel) takes that call: the least of the row limits above. A bf16 layer
@@ -104,12 +127,16 @@ class GGUFBlockLinearMethod:
     name = "gguf"
 
     def __init__(self, kernel: object | None, dense_dtype: torch.dtype, activations: str = "int16",
-                 rows_kernel: object | None = None) -> None:
+                 rows_kernel: object | None = None, i8_kernel: object | None = None) -> None:
         assert activations in ACTIVATION_MODES, activations
         self.kernel = kernel
         self.rows_kernel = rows_kernel
         """The AVX512-BF16 rows kernel (gguf_rows.py's module), or None: used on bf16 rows only
         (``ROWS_KERNEL_ROWS``)."""
+        self.i8_kernel = i8_kernel if activations != "float" else None
+        """The int8 GEMM (gguf_i8gemm.py's module), or None: rows from ``I8_GEMM_FIRST_ROWS`` on (and
+        rows no other kernel takes where no dense copy is kept). Not with ``float`` activations (the
+        exact mode)."""
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
         self.activations = activations
@@ -121,9 +148,11 @@ class GGUFBlockLinearMethod:
                        dtype: torch.dtype | None) -> None:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
-    def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False) -> int:
+    def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False,
+                int8_rows: bool = True) -> int:
         """Give ``layer`` its block weight in place of the float one; returns the bytes stored.
-        ``float_output``: the LM head (float32 logits, ``gguf_float_output``)."""
+        ``float_output``: the LM head (float32 logits, ``gguf_float_output``). ``int8_rows``: whether
+        the layer may take the int8 GEMM (``I8_GEMM_SKIPPED``)."""
         layer.gguf_weight = weight
         if float_output:
             layer.gguf_float_output = True
@@ -136,6 +165,9 @@ class GGUFBlockLinearMethod:
                                   self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
                              if layer.gguf_uses_rows_kernel else None)
         layer.gguf_decode_args = self._decode_args(layer)
+        # the int8 GEMM reads its own copy (codes + 128, 1 byte per weight, scales tiled)
+        layer.gguf_i8 = (gguf_i8gemm.pack(weight)
+                         if int8_rows and self.i8_kernel is not None and weight.block in (16, 32) else None)
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
         # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head. A head whose every row count
@@ -143,12 +175,16 @@ class GGUFBlockLinearMethod:
         first, last = ROWS_KERNEL_ROWS["head"]
         needs_dense = not (float_output and layer.gguf_uses_rows_kernel and last is None
                            and layer.gguf_uses_kernel and first <= layer.gguf_kernel_max_rows + 1)
+        # A bf16 model's layer with the rows kernel (1-48 rows) and the int8 GEMM (49 on) needs no
+        # dense copy. A float32 model keeps it for its 17-48 rows (batched decode: unrounded
+        # activations, as the bf16 model's rows kernel; ``I8_GEMM_FIRST_ROWS``).
+        needs_dense = needs_dense and not (layer.gguf_i8 is not None and layer.gguf_uses_rows_kernel)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if needs_dense else None
         if getattr(layer, "weight", None) is not None:
             del layer.weight
             layer.register_parameter("weight", None)
         layer.linear_method = self
-        stored = [layer.gguf_dense] + list(layer.gguf_packed or ())
+        stored = [layer.gguf_dense] + list(layer.gguf_packed or ()) + list(layer.gguf_i8 or ())
         return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -168,6 +204,9 @@ class GGUFBlockLinearMethod:
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
         is_head = getattr(layer, "gguf_float_output", False)
+        i8 = state.get("gguf_i8")
+        if i8 is not None and x2.shape[0] >= I8_GEMM_FIRST_ROWS["head" if is_head else "layers"]:
+            return self._i8_gemm(layer, x2, bias, is_head, shape)
         if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
                 and self._rows_kernel_takes(x2.shape[0], is_head)):
             # float32 out for the head (logits never rounded to bf16) or before a bias
@@ -191,6 +230,10 @@ class GGUFBlockLinearMethod:
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
                          weight.offsets, weight.block,
                          is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
+        elif i8 is not None and layer.gguf_dense is None:
+            # rows no other kernel takes on a layer without a dense copy (float32 rows of a bf16
+            # model above the VNNI kernel's limit)
+            return self._i8_gemm(layer, x2, bias, is_head, shape)
         elif layer.gguf_dense is None:
             # a head without a dense copy (process): rows the routing above did not take (float32
             # ones) go through the rows kernel as bf16, as the dense bf16 copy would take them
@@ -204,6 +247,21 @@ class GGUFBlockLinearMethod:
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _i8_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, is_head: bool,
+                 shape: torch.Size) -> torch.Tensor:
+        """``apply`` on the int8 GEMM: bf16 out for bf16 rows (rounded by the kernel) unless a bias
+        (added in float32) or the head's float32 logits follow."""
+        codes, scales, offsets = layer.gguf_i8
+        weight: BlockWeight = layer.gguf_weight
+        is_bf16 = x2.dtype == torch.bfloat16
+        out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
+            x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets, weight.block,
+            is_bf16 and bias is None and not is_head, weight.codes.shape[0])
+        if bias is not None:
+            out = out + bias
+        out = out.float() if is_head else out.to(x2.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod

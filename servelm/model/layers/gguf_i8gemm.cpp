@@ -1,0 +1,299 @@
+// int8 x int8 GEMM on GGUF block codes (AVX512-VNNI): y[M, N] = x[M, K] @ W.T with
+//   W[n, k] = codes[n, k] * scales[n, k / B] (+ offsets[n, k / B]),   B = 16 or 32, |codes| <= 128,
+// and x rounded per row and block of B inputs to int8 as llama.cpp's Q8_0 does:
+//   d = absmax / 127, q = round(x / d) (nearest even), x ~ q * d.
+// Per block the integer dot sum_k q[m, k] codes[n, k] is exact in int32; the result is
+//   y[m, n] = sum_b float(dot_b) * (scales[n, b] * d[m, b])  (+ offsets[n, b] * d[m, b] * sum_k q[m, k]).
+//
+// vpdpbusd multiplies unsigned by signed bytes. The weights are the unsigned side, stored at load as
+// u = code + 128 (``pack`` in gguf_i8gemm.py): sum u q = dot + 128 sum q, so a block's int32
+// accumulators start at -128 sum q (one value per activation row and block, made when x is
+// quantized) and end at the exact dot. Packed copy, per tile of 32 outputs (kCols vectors of 16):
+//   codes  [T, K / 4, kCols, 16, 4] uint8: per tile and 4 inputs, kCols vectors of 16 outputs' 4 bytes
+//          (one sequential stream per tile); N padded to whole tiles with zero codes (u = 128)
+//   scales [T, K / B, kCols, 16] float32 (offsets alike; zero for padded outputs)
+// Lanes are outputs: the activation's 4 bytes are broadcast, so there is no horizontal sum.
+// An accumulator block holds up to kRows rows x 32 outputs: int32 block sums plus float32 results.
+// Each row's arithmetic does not depend on the other rows or the row count.
+//
+// Compiled at run time by servelm/model/layers/gguf_i8gemm.py with -mavx512{f,bw,vl,vnni} only (no
+// AVX512-BF16: it runs on Intel CPUs without it); the Python side checks those CPU flags first.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kCols = 2;                  // 16-output vectors per tile
+constexpr int64_t kTile = 16 * kCols;     // outputs per tile
+constexpr int kRows = 4;   // most rows per accumulator block: 8 int32 + 8 float32 registers (6 spilled: 1.3x slower)
+constexpr int64_t kPanelBytes = 256 << 10;   // activation codes of one row panel, kept in L2 while tiles pass
+constexpr int64_t kChunkBytes = 320 << 10;   // weight codes every row group of a panel passes before the next
+constexpr int64_t kStreamBytes = 4 << 20;    // float32 results at least this large: non-temporal stores
+constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the tile's code stream to prefetch
+
+// Activation rows rounded to int8 per block (see the top of the file).
+struct Quantized {
+  std::vector<int8_t> codes;      // [M, K]
+  std::vector<float> scales;      // [M, K / B]: d
+  std::vector<int32_t> starts;    // [M, K / B]: -128 * sum q, the accumulators' start
+  std::vector<float> sums;        // [M, K / B]: d * sum q (weights with offsets only)
+};
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {   // bf16 -> float32, exact
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <class T>
+Quantized quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, bool with_sums) {
+  const int64_t nb = k / block;
+  Quantized q{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb),
+              std::vector<float>(with_sums ? rows * nb : 0)};
+  const int vectors = static_cast<int>(block / 16);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const T* xb = x + r * k + b * block;
+        __m512 v[2];
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < vectors; ++i) {
+          v[i] = load16(xb + 16 * i);
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        }
+        const float d = _mm512_reduce_max_ps(amax) / 127.f;
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < vectors; ++i) {
+          __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));   // nearest even
+          c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + r * k + b * block + 16 * i),
+                           _mm512_cvtepi32_epi8(c));
+          sum = _mm512_add_epi32(sum, c);
+        }
+        const int32_t s = _mm512_reduce_add_epi32(sum);
+        q.scales[r * nb + b] = d;
+        q.starts[r * nb + b] = -128 * s;
+        if (with_sums) q.sums[r * nb + b] = d * static_cast<float>(s);
+      }
+  });
+  return q;
+}
+
+struct GemmArgs {
+  const Quantized* x;
+  const uint8_t* codes;    // packed, see above
+  const float* scales;     // packed
+  const float* offsets;    // packed or nullptr
+  int64_t k, n, nb;
+  float* yf;               // [M, ldy] float32 out, or
+  uint16_t* yb;            // bf16 out
+  int64_t ldy;             // the output's row stride
+  bool stream;             // float32 out written with non-temporal stores (64-byte aligned rows)
+};
+
+// float32 -> bf16 rounded to nearest even, as torch (NaN stays a NaN), without AVX512-BF16
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``.
+template <int R, int B, bool kOffsets>
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+  constexpr int kSteps = B / 4;   // vpdpbusd per block and vector
+  const int64_t nb = a.nb, k = a.k;
+  const uint8_t* w = a.codes + tile * k * kTile;
+  const float* ws = a.scales + tile * nb * kTile;
+  const float* wo = kOffsets ? a.offsets + tile * nb * kTile : nullptr;
+  const int8_t* xq = a.x->codes.data() + r0 * k;
+  const float* xs = a.x->scales.data() + r0 * nb;
+  const int32_t* xstart = a.x->starts.data() + r0 * nb;
+  const float* xsum = kOffsets ? a.x->sums.data() + r0 * nb : nullptr;
+  __m512 acc[R][kCols];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i t[R][kCols];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(xstart[r * nb + b]);
+      for (int c = 0; c < kCols; ++c) t[r][c] = start;
+    }
+    const uint8_t* wb = w + b * B * kTile;
+    for (int s = 0; s < kSteps; ++s) {
+      __m512i wv[kCols];
+      for (int c = 0; c < kCols; ++c) {
+        const uint8_t* p = wb + (s * kCols + c) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        wv[c] = _mm512_loadu_si512(p);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = broadcast4(xq + r * k + b * B + 4 * s);
+        for (int c = 0; c < kCols; ++c) t[r][c] = _mm512_dpbusd_epi32(t[r][c], wv[c], xv);
+      }
+    }
+    __m512 sv[kCols], ov[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      sv[c] = _mm512_loadu_ps(ws + (b * kCols + c) * 16);
+      if constexpr (kOffsets) ov[c] = _mm512_loadu_ps(wo + (b * kCols + c) * 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 d = _mm512_set1_ps(xs[r * nb + b]);
+      for (int c = 0; c < kCols; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[r][c]), _mm512_mul_ps(sv[c], d), acc[r][c]);
+        if constexpr (kOffsets) acc[r][c] = _mm512_fmadd_ps(ov[c], _mm512_set1_ps(xsum[r * nb + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t n0 = tile * kTile + c * 16;
+    if (n0 >= a.n) break;
+    const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * a.ldy + n0;
+      if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
+      else if (a.yf != nullptr) _mm512_mask_storeu_ps(a.yf + at, mask, acc[r][c]);
+      else _mm256_mask_storeu_epi16(a.yb + at, mask, to_bf16(acc[r][c]));
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+template <int B, bool kOffsets, int R = kRows>
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+  if (rows == R || R == 1) {
+    micro_tile<R, B, kOffsets>(a, r0, tile);
+  } else if constexpr (R > 1) {
+    dispatch_rows<B, kOffsets, R - 1>(rows, a, r0, tile);
+  }
+}
+
+// Threads split the tiles. Each takes its tiles once per panel of rows (the panel's activation codes
+// stay in L2 while the tiles pass), in chunks of kChunkBytes of codes that every row group of the
+// panel passes over before the next chunk (from L2): each row's results are then written in runs of
+// a chunk's width, not of one tile's (32 rows of LM-head logits lie 1 MiB apart: tile-wide runs fall
+// into the same L1 sets and keep the write-combining buffers half full). The rows of a panel go in
+// groups of at most kRows, as even as possible (9 rows: 3 + 3 + 3).
+template <int B, bool kOffsets>
+void run_gemm(const GemmArgs& a, int64_t rows) {
+  const int64_t tiles = (a.n + kTile - 1) / kTile;
+  const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+      const int64_t size = std::min(panel, rows - p0);
+      const int64_t groups = (size + kRows - 1) / kRows;
+      for (int64_t first = begin; first < end; first += chunk)
+        for (int64_t g = 0, r0 = p0; g < groups; ++g) {
+          const int64_t group = (p0 + size - r0) / (groups - g);
+          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
+            dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
+          r0 += group;
+        }
+    }
+    if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
+  });
+}
+
+}  // namespace
+
+// Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None): x [M, K] bfloat16
+// or float32; codes, scales, offsets packed as above; n outputs (-1: every packed one). Returns
+// [M, n] float32 (bfloat16 when bf16_out), written into ``out`` when given (contiguous rows of that
+// dtype, [M, >= n]; e.g. a reused logits buffer).
+torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                      int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out) {
+  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous bfloat16 or float32 [M, K]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
+  TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
+              && codes.size(2) == kCols && codes.size(3) == 16 && codes.size(4) == 4,
+              "codes: packed uint8 [tiles, K / 4, ", kCols, ", 16, 4]");
+  if (n < 0) n = codes.size(0) * kTile;
+  TORCH_CHECK(n <= codes.size(0) * kTile, "n: at most the packed outputs");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              && scales.size(0) == codes.size(0) && scales.size(1) == nb && scales.size(2) == kCols
+              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kCols, ", 16]");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets)
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: packed float32 like scales");
+  const auto out_dtype = bf16_out ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {
+    y = *out;
+    TORCH_CHECK(y.dtype() == out_dtype && y.dim() == 2 && y.size(0) == rows && y.size(1) >= n && y.stride(1) == 1
+                && y.stride(0) >= n, "out: [M, >= n] rows of the output dtype");
+  } else {
+    y = torch::empty({rows, n}, x.options().dtype(out_dtype));
+  }
+  if (rows == 0 || n == 0) return y;
+  const Quantized q = x.dtype() == torch::kFloat32
+      ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets)
+      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, has_offsets);
+  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+             has_offsets ? offsets->data_ptr<float>() : nullptr, k, n, nb,
+             bf16_out ? nullptr : y.data_ptr<float>(),
+             bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, y.stride(0), false};
+  // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches
+  a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0 && a.ldy % 16 == 0
+             && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
+  if (block == 32) {
+    if (has_offsets) run_gemm<32, true>(a, rows);
+    else run_gemm<32, false>(a, rows);
+  } else {
+    if (has_offsets) run_gemm<16, true>(a, rows);
+    else run_gemm<16, false>(a, rows);
+  }
+  return y;
+}
+
+// Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
+// rounding i8_gemm applies, for tests and references.
+std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
+  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous bfloat16 or float32 [M, K]");
+  TORCH_CHECK((block == 16 || block == 32) && x.size(1) % block == 0, "block 16 or 32 dividing K");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const Quantized q = x.dtype() == torch::kFloat32
+      ? quantize_rows(x.data_ptr<float>(), rows, k, block, false)
+      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, false);
+  auto codes = torch::empty({rows, k}, torch::kInt8);
+  auto scales = torch::empty({rows, k / block}, torch::kFloat32);
+  std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
+  std::memcpy(scales.data_ptr<float>(), q.scales.data(), q.scales.size() * sizeof(float));
+  return {codes, scales};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("i8_gemm", &i8_gemm,
+        "x [M, K] (bfloat16 or float32, rounded to int8 per block) @ block-quantized W packed for vpdpbusd "
+        "-> [M, n] float32 (bfloat16 when bf16_out), into out when given",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none());
+  m.def("quantize", &quantize, "x [M, K] -> (int8 codes [M, K], float32 scales [M, K / block])",
+        py::arg("x"), py::arg("block"));
+  m.attr("GEMM_COLS") = kCols;
+  m.attr("GEMM_ROWS") = kRows;
+}

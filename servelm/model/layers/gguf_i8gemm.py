@@ -1,0 +1,84 @@
+"""Builds and loads the int8 x int8 GEMM on GGUF block codes (gguf_i8gemm.cpp, AVX512-VNNI).
+
+``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
+CPU lacks AVX512 F/BW/VL + VNNI (read from /proc/cpuinfo, never assumed; AVX512-BF16 is not
+needed), there is no compiler, or the build fails: callers then keep their other paths. The module
+has ``i8_gemm(x, codes, scales, offsets, block, bf16_out, n, out)`` on the copy ``pack`` makes at
+load (``GEMM_COLS`` vectors of 16 outputs per tile) and ``quantize(x, block)``, the activation
+rounding it applies (int8 per block of the weight's scales, absmax / 127, nearest even).
+
+``reference`` is the same arithmetic in torch (tests and benchmarks): the integer dots are exact,
+the float sums agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from servelm.model.cpp_kernel import CppKernel
+from servelm.model.layers.gguf_blocks import BlockWeight
+
+SOURCE = Path(__file__).with_name("gguf_i8gemm.cpp")
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"]
+
+KERNEL = CppKernel(SOURCE, "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS,
+                   link_flags=["-fopenmp"])
+
+missing_cpu_flags = KERNEL.missing_cpu_flags
+load_kernel = KERNEL.load
+"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
+kernel_status = KERNEL.status
+"""Why the kernel is or is not available (after ``load_kernel``)."""
+
+GEMM_COLS = 2
+"""16-output vectors per tile (the kernel's ``kCols``): tiles of 32 outputs."""
+
+
+def pack(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A BlockWeight in ``i8_gemm``'s order: codes + 128 as uint8 [tiles, K / 4, GEMM_COLS, 16, 4]
+    (N padded with zero codes to whole tiles of 32 outputs), scales and offsets [tiles, K / B,
+    GEMM_COLS, 16] (zero for padded outputs). 1 byte per weight + 4 per block: the size of the
+    BlockWeight itself."""
+    codes, scales, offsets = weight.codes, weight.scales, weight.offsets
+    n, k = codes.shape
+    width = 16 * GEMM_COLS
+    tiles = -(-n // width)
+    pad = tiles * width - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        if offsets is not None:
+            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
+    unsigned = codes.view(torch.uint8).bitwise_xor(0x80)   # code + 128, as a byte
+    packed = unsigned.view(tiles, GEMM_COLS, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+
+    def blocks(values: torch.Tensor) -> torch.Tensor:
+        return values.view(tiles, GEMM_COLS, 16, -1).permute(0, 3, 1, 2).contiguous()
+
+    return packed, blocks(scales), None if offsets is None else blocks(offsets)
+
+
+def quantize_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> int8 codes [M, K] and float32 scales [M, K / block], as the kernel rounds."""
+    m, k = x.shape
+    xb = x.float().view(m, k // block, block)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return q.to(torch.int8).view(m, k), d
+
+
+def reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """``i8_gemm``'s arithmetic in torch, float32 [M, N]: exact int64 block dots, then float32."""
+    m, k = x.shape
+    n, block = weight.codes.shape[0], weight.block
+    q, d = quantize_reference(x, block)
+    dots = torch.einsum("mbi,nbi->mnb", q.long().view(m, -1, block), weight.codes.long().view(n, -1, block))
+    out = (dots.float() * (weight.scales[None] * d[:, None])).sum(-1)
+    if weight.offsets is not None:
+        sums = d * q.view(m, -1, block).long().sum(-1).float()
+        out = out + (weight.offsets[None] * sums[:, None]).sum(-1)
+    return out

@@ -1,0 +1,191 @@
+"""The int8 x int8 GEMM on GGUF codes (gguf_i8gemm.cpp) against the same quantized arithmetic in torch
+(``gguf_i8gemm.reference``): the activation rounding bit for bit, the integer block dots exactly, the
+float32 results to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelm.model.layers import gguf_i8gemm, gguf_rows
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
+from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED, GGUFBlockLinearMethod
+from servelm.model.layers.linear import dense_linear
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = gguf_i8gemm.load_kernel()
+    if module is None:
+        pytest.skip(f"no int8 GEMM here: {gguf_i8gemm.kernel_status()}")
+    return module
+
+
+def block_weight(n: int, k: int, block: int, offsets: bool, seed: int) -> BlockWeight:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // block, generator=generator) * 1e-2
+    offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
+    return BlockWeight(codes, scales, offs, block, "test")
+
+
+def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> None:
+    """Float32 rounding of the sums over blocks only: 1e-5 of the largest |result|."""
+    expected = gguf_i8gemm.reference(x, weight)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_rounding_is_the_reference_bit_for_bit(kernel, dtype: torch.dtype) -> None:
+    x = (torch.randn(37, 320, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    x[3, :32] = 0   # an all-zero block: scale 0, codes 0
+    for block in (16, 32):
+        codes, scales = kernel.quantize(x, block)
+        expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, block)
+        assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+        assert int(codes.abs().max()) == 127
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_integer_dots_are_exact(kernel, block: int) -> None:
+    """Activations already int8 with a 127 in every block (scale 1) and unit weight scales: every
+    product and sum is an integer below 2**24, so float32 holds the exact int64 result."""
+    generator = torch.Generator().manual_seed(block)
+    n, k = 45, 256
+    weight = BlockWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
+                         torch.ones(n, k // block), None, block, "test")
+    x = torch.randint(-127, 128, (23, k), generator=generator).float()
+    x.view(23, -1, block)[..., 0] = 127
+    codes, scales, offsets = gguf_i8gemm.pack(weight)
+    out = kernel.i8_gemm(x, codes, scales, offsets, block, False, n)
+    assert torch.equal(out.double(), (x.double() @ weight.codes.double().T))
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_every_row_count_matches_the_reference(kernel, block: int, offsets: bool) -> None:
+    weight = block_weight(75, 192, block, offsets, seed=block + offsets)   # 75 outputs: a short last tile
+    codes, scales, offs = gguf_i8gemm.pack(weight)
+    x = torch.randn(40, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
+    full = kernel.i8_gemm(x, codes, scales, offs, block, False, 75)
+    for m in range(1, 41):
+        out = kernel.i8_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 75)
+        assert out.dtype == torch.float32 and out.shape == (m, 75)
+        assert_matches(out, x[:m], weight)
+        # a row's result does not depend on the other rows
+        assert torch.equal(out, full[:m])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_row_counts_and_threads(kernel, threads: int) -> None:
+    """Row panels (K = 2048: a panel of 128 rows) and the tiles split over threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weight = block_weight(200, 2048, 32, False, seed=3)
+        codes, scales, _ = gguf_i8gemm.pack(weight)
+        for m in (129, 600):
+            x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).bfloat16()
+            out = kernel.i8_gemm(x, codes, scales, None, 32, False, 200)
+            assert_matches(out, x, weight)
+            assert torch.equal(out[-7:], kernel.i8_gemm(x[-7:].contiguous(), codes, scales, None, 32, False, 200))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_output_is_the_float32_result_rounded(kernel) -> None:
+    weight = block_weight(70, 640, 32, False, seed=5)
+    codes, scales, _ = gguf_i8gemm.pack(weight)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(2)).bfloat16()
+    full = kernel.i8_gemm(x, codes, scales, None, 32, False, 70)
+    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70), full.bfloat16())
+
+
+def test_writes_into_a_given_output(kernel) -> None:
+    """A reused buffer (wider rows than n: a padded logits buffer) is written in place."""
+    weight = block_weight(64, 128, 32, False, seed=6)
+    codes, scales, _ = gguf_i8gemm.pack(weight)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    buffer = torch.full((5, 80), -1.0)
+    out = kernel.i8_gemm(x, codes, scales, None, 32, False, 64, buffer[:, :64])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:, :64], kernel.i8_gemm(x, codes, scales, None, 32, False, 64))
+    assert bool((buffer[:, 64:] == -1).all())
+    with pytest.raises(RuntimeError, match="out"):
+        kernel.i8_gemm(x, codes, scales, None, 32, False, 64, torch.empty(4, 64))
+
+
+def test_bad_arguments_are_refused(kernel) -> None:
+    weight = block_weight(32, 128, 32, False, seed=7)
+    codes, scales, _ = gguf_i8gemm.pack(weight)
+    with pytest.raises(RuntimeError, match="packed uint8"):
+        kernel.i8_gemm(torch.randn(2, 64), codes, scales, None, 32, False, 32)
+    with pytest.raises(RuntimeError, match="at most"):
+        kernel.i8_gemm(torch.randn(2, 128), codes, scales, None, 32, False, 33)
+
+
+def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
+    """Routing (gguf_linear.py): bf16 rows from I8_GEMM_FIRST_ROWS on, float32 rows above the VNNI
+    kernel's limit; no dense copy of a layer is kept; fewer rows keep their kernels."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    weight = block_weight(70, 256, 32, True, seed=8)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer, head = torch.nn.Module(), torch.nn.Module()
+    method.process(layer, weight)
+    method.process(head, weight, float_output=True)
+    assert layer.gguf_dense is None and head.gguf_dense is None
+    codes, scales, offsets = layer.gguf_i8
+    for module, role in ((layer, "layers"), (head, "head")):
+        first = I8_GEMM_FIRST_ROWS[role]
+        for m in (1, first - 1, first, first + 37):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+            out = method.apply(module, x, None)
+            assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16) and out.shape == (m, 70)
+            by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, role == "layers", 70)
+            assert torch.equal(out, by_i8) == (m >= first), (role, m)
+    # float32 rows of a bf16 model: the VNNI kernel up to its limit, the int8 GEMM above (no dense
+    # copy to take them)
+    limit = layer.gguf_kernel_max_rows
+    x = torch.randn(limit + 1, 256)
+    assert torch.equal(method.apply(layer, x, None), kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
+    assert torch.equal(method.apply(layer, x[:limit], None),
+                       vnni.block_linear_a16(x[:limit], weight.codes, weight.scales, weight.offsets, 32))
+    # a bias goes on top of the float32 result, then the bf16 rounding
+    bias = torch.randn(70).bfloat16()
+    x = torch.randn(60, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(method.apply(layer, x, bias),
+                       (kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70) + bias).bfloat16())
+    # a float32 model (no rows kernel, a float32 dense copy) keeps its dense copy below the first row
+    float_model = GGUFBlockLinearMethod(vnni, torch.float32, "int16", None, kernel)
+    float_layer = torch.nn.Module()
+    float_model.process(float_layer, weight)
+    assert float_layer.gguf_dense is not None and float_layer.gguf_dense.dtype == torch.float32
+    first = I8_GEMM_FIRST_ROWS["layers"]
+    x = torch.randn(first, 256)
+    assert torch.equal(float_model.apply(float_layer, x, None),
+                       kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
+    assert torch.equal(float_model.apply(float_layer, x[:-1], None),
+                       dense_linear(x[:-1], float_layer.gguf_dense))
+    # the exact mode never rounds activations to int8
+    exact = GGUFBlockLinearMethod(vnni, torch.bfloat16, "float", rows_kernel, kernel)
+    exact.process(layer, weight)
+    assert layer.gguf_i8 is None and layer.gguf_dense is not None
+
+
+def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
+    """``int8_rows=False`` (gguf_weights passes it for ``I8_GEMM_SKIPPED``): no int8 copy, the dense
+    copy for the rows the rows kernel does not take."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    assert "qkv_proj" in I8_GEMM_SKIPPED
+    weight = block_weight(70, 256, 32, False, seed=9)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, weight, int8_rows=False)
+    assert layer.gguf_i8 is None and layer.gguf_dense is not None
+    x = torch.randn(I8_GEMM_FIRST_ROWS["layers"], 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
