@@ -98,9 +98,11 @@ def serve(argv: list[str]) -> None:
     send = async_engine.AsyncEngine._send
 
     def traced_send(self: Any, replica: Any, message: tuple[Any, ...]) -> None:
-        if message[0] == "add":
-            _record(kind="front_add", at_s=time.perf_counter(), request_id=message[1])
+        start_s = time.perf_counter()
         send(self, replica, message)
+        if message[0] == "add":
+            _record(kind="front_add", at_s=start_s, send_ms=(time.perf_counter() - start_s) * 1e3,
+                    request_id=message[1])
 
     async_engine.AsyncEngine._send = traced_send  # type: ignore[method-assign]
     async_engine.run_engine_process = traced_engine_process  # type: ignore[assignment]
@@ -121,7 +123,7 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 async def leg(base: str, model: str, streams: int, input_len: int, output_len: int,
-              server_pid: int, trace: Path) -> None:
+              server_pid: int, trace: Path, profile: Path | None = None) -> None:
     import httpx
     import psutil
 
@@ -143,12 +145,21 @@ async def leg(base: str, model: str, streams: int, input_len: int, output_len: i
             return await one_request(client, f"{base}/v1/completions", body(prompt))
 
         prompts = cp._prompts(streams, input_len, 3 if input_len == cp.STREAM_PROMPT_TOKENS else 2)
+        spy = None
+        if profile is not None:   # py-spy of the front end over the leg (folded stacks)
+            spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(server_pid),
+                                    "-o", str(profile), "--format", "raw", "-r", "500", "--nonblocking"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            await asyncio.sleep(1.0)
         before, threads_before = process_cpu_s(server_pid), thread_cpu_s(server_pid)
         client_s, start_s = time.process_time(), time.perf_counter()
         timings = await asyncio.gather(*(timed(p) for p in prompts))
         wall_s = time.perf_counter() - start_s
         client_s = time.process_time() - client_s
         after, threads_after = process_cpu_s(server_pid), thread_cpu_s(server_pid)
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(30)
     report(trace, start_s, wall_s, sent, timings, output_len, streams)
     print(f"client CPU {client_s:.2f} s (this process: httpx + SSE parsing, shared with the server's cores)")
     names = {p.pid: p.name() for p in [psutil.Process(server_pid), *psutil.Process(server_pid).children(True)]}
@@ -222,7 +233,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18557)
     parser.add_argument("--trace", type=Path, default=Path("/tmp/served_timeline.jsonl"))
     parser.add_argument("--log", type=Path, default=Path("/tmp/served_timeline.log"))
-    parser.add_argument("--servelm-args", nargs="*", default=[], help="extra servelm flags")
+    parser.add_argument("--profile-front-end", type=Path, help="py-spy the front end into this file (raw)")
+    parser.add_argument("--servelm-args", default="", help="extra servelm flags, one string")
     args = parser.parse_args()
     import compare_peers as cp
     print(f"load average {os.getloadavg()[0]:.1f} (noisy, shared machine)")
@@ -230,13 +242,14 @@ def main() -> None:
     with args.log.open("w") as log:
         server = subprocess.Popen(
             [sys.executable, __file__, "--serve", args.model, "--host", "127.0.0.1", "--port", str(args.port),
-             "--num-threads", str(args.num_threads), *args.servelm_args],
+             "--num-threads", str(args.num_threads), *args.servelm_args.split()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, TRACE_ENV: str(args.trace)}, cwd=Path(__file__).resolve().parents[1])
     base = f"http://127.0.0.1:{args.port}"
     try:
         cp.wait_ready(base, server, 600)
-        asyncio.run(leg(base, args.model, args.streams, args.input_len, args.output_len, server.pid, args.trace))
+        asyncio.run(leg(base, args.model, args.streams, args.input_len, args.output_len, server.pid, args.trace,
+                        args.profile_front_end))
     finally:
         cp.stop_group(server, 30)
 
