@@ -9,7 +9,7 @@ hooks (the front end's sends, the engine process's steps and messages) that appe
 shared by the processes of one machine). One server at a time; it is stopped at the end.
 
     .venv/bin/python benchmarks/served_timeline.py --num-threads 2 --streams 32
-    .venv/bin/python benchmarks/served_timeline.py --num-threads 2 --streams 1 --input-len 1019 --output-len 1
+    .venv/bin/python benchmarks/served_timeline.py --num-threads 2 --lone 10 --input-len 1019
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+PROFILE_ENV = "SERVED_TIMELINE_CPROFILE"
+"""When set: cProfile the front end into this file (``--cprofile-front-end``)."""
 TRACE_ENV = "SERVED_TIMELINE_TRACE"
 """The trace file the hooks append to (set by this script for the server it starts only)."""
 
@@ -106,7 +108,19 @@ def serve(argv: list[str]) -> None:
 
     async_engine.AsyncEngine._send = traced_send  # type: ignore[method-assign]
     async_engine.run_engine_process = traced_engine_process  # type: ignore[assignment]
-    main(["serve", *argv])
+    profile = os.environ.get(PROFILE_ENV)
+    if not profile:
+        main(["serve", *argv])
+        return
+    import cProfile   # the front end's CPU by function (deterministic, unlike sampling at 2 ms steps)
+    import signal
+    profiler = cProfile.Profile()
+    # uvicorn re-raises the SIGTERM it handled once it has shut down: exit through ``finally``
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        profiler.runcall(main, ["serve", *argv])
+    finally:
+        profiler.dump_stats(profile)
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -172,6 +186,43 @@ async def leg(base: str, model: str, streams: int, input_len: int, output_len: i
             print(f"    {name}: {delta:.2f} s")
 
 
+async def lone_requests(base: str, model: str, count: int, input_len: int, trace: Path) -> None:
+    """``count`` lone requests one after another (``input_len`` prompt tokens, 1 output token), each a
+    new prompt: where a request's TTFT goes between the client, the front end and the engine."""
+    import httpx
+
+    import compare_peers as cp
+    from servelm.bench_common import one_request
+
+    body = lambda prompt: {"model": model, "prompt": prompt, "max_tokens": 1,  # noqa: E731
+                           "temperature": 0.0, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_request(client, f"{base}/v1/completions", body(cp._prompts(1, 16, 9)[0]))
+        await asyncio.sleep(0.3)
+        trace.write_text("")
+        sent, ttfts = [], []
+        for prompt in cp._prompts(count, input_len, 5):
+            sent.append(time.perf_counter())
+            timing = await one_request(client, f"{base}/v1/completions", body(prompt))
+            assert timing.error is None, timing.error
+            ttfts.append(timing.ttft_s or timing.latency_s)   # a token with no text yet: its final chunk
+            await asyncio.sleep(0.05)
+    events = [json.loads(line) for line in trace.read_text().splitlines() if line]
+    front = [e for e in events if e["kind"] == "front_add"]
+    engine = [e["at_s"] for e in events if e["kind"] == "engine_add"]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert len(front) == len(engine) == len(steps) == count, (len(front), len(engine), len(steps))
+    median = lambda values: statistics.median(values) * 1e3  # noqa: E731
+    print(f"{count} lone requests of {input_len} prompt tokens, 1 output token; medians in ms:")
+    print(f"  client send -> front end sends the add   {median([f['at_s'] - s for f, s in zip(front, sent)]):7.2f}")
+    print(f"  front end send -> engine receives        {median([e - f['at_s'] for f, e in zip(front, engine)]):7.2f}")
+    print(f"  engine receives -> step starts            {median([s['start_s'] - e for e, s in zip(engine, steps)]):7.2f}")
+    print(f"  the step (prefill + first token)          {median([s['end_s'] - s['start_s'] for s in steps]):7.2f}")
+    print(f"  step ends -> client has the first token   "
+          f"{median([s0 + t - s['end_s'] for s0, t, s in zip(sent, ttfts, steps)]):7.2f}")
+    print(f"  TTFT                                      {median(ttfts):7.2f}")
+
+
 def report(trace: Path, start_s: float, wall_s: float, sent: list[float], timings: list[Any],
            output_len: int, streams: int) -> None:
     events = [json.loads(line) for line in trace.read_text().splitlines() if line]
@@ -233,6 +284,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18557)
     parser.add_argument("--trace", type=Path, default=Path("/tmp/served_timeline.jsonl"))
     parser.add_argument("--log", type=Path, default=Path("/tmp/served_timeline.log"))
+    parser.add_argument("--lone", type=int, default=0,
+                        help="instead of the N-stream leg: this many lone requests (--input-len, 1 token) in a row")
+    parser.add_argument("--cprofile-front-end", type=Path, help="cProfile the whole front end into this file")
     parser.add_argument("--profile-front-end", type=Path, help="py-spy the front end into this file (raw)")
     parser.add_argument("--servelm-args", default="", help="extra servelm flags, one string")
     args = parser.parse_args()
@@ -244,10 +298,14 @@ def main() -> None:
             [sys.executable, __file__, "--serve", args.model, "--host", "127.0.0.1", "--port", str(args.port),
              "--num-threads", str(args.num_threads), *args.servelm_args.split()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, TRACE_ENV: str(args.trace)}, cwd=Path(__file__).resolve().parents[1])
+            env={**os.environ, TRACE_ENV: str(args.trace),
+                 **({PROFILE_ENV: str(args.cprofile_front_end)} if args.cprofile_front_end else {})}, cwd=Path(__file__).resolve().parents[1])
     base = f"http://127.0.0.1:{args.port}"
     try:
         cp.wait_ready(base, server, 600)
+        if args.lone:
+            asyncio.run(lone_requests(base, args.model, args.lone, args.input_len, args.trace))
+            return
         asyncio.run(leg(base, args.model, args.streams, args.input_len, args.output_len, server.pid, args.trace,
                         args.profile_front_end))
     finally:
