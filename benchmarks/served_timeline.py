@@ -211,15 +211,22 @@ async def lone_requests(base: str, model: str, count: int, input_len: int, trace
     front = [e for e in events if e["kind"] == "front_add"]
     engine = [e["at_s"] for e in events if e["kind"] == "engine_add"]
     steps = [e for e in events if e["kind"] == "step"]
-    assert len(front) == len(engine) == len(steps) == count, (len(front), len(engine), len(steps))
+    assert len(front) == len(engine) == count, (len(front), len(engine))
+    # a request's steps: from the first after its add to the one before the next add (a prompt longer
+    # than --chunked-prefill-size takes several)
+    bounds = [*engine[1:], float("inf")]
+    spans = []
+    for added, until in zip(engine, bounds):
+        own = [step for step in steps if added <= step["start_s"] < until]
+        spans.append((own[0]["start_s"], own[-1]["end_s"], len(own)))
     median = lambda values: statistics.median(values) * 1e3  # noqa: E731
     print(f"{count} lone requests of {input_len} prompt tokens, 1 output token; medians in ms:")
     print(f"  client send -> front end sends the add   {median([f['at_s'] - s for f, s in zip(front, sent)]):7.2f}")
     print(f"  front end send -> engine receives        {median([e - f['at_s'] for f, e in zip(front, engine)]):7.2f}")
-    print(f"  engine receives -> step starts            {median([s['start_s'] - e for e, s in zip(engine, steps)]):7.2f}")
-    print(f"  the step (prefill + first token)          {median([s['end_s'] - s['start_s'] for s in steps]):7.2f}")
-    print(f"  step ends -> client has the first token   "
-          f"{median([s0 + t - s['end_s'] for s0, t, s in zip(sent, ttfts, steps)]):7.2f}")
+    print(f"  engine receives -> first step starts      {median([span[0] - e for e, span in zip(engine, spans)]):7.2f}")
+    print(f"  the steps ({spans[0][2]}: prefill + first token)     {median([end - start for start, end, _ in spans]):7.2f}")
+    print(f"  last step ends -> client has the token    "
+          f"{median([s0 + t - span[1] for s0, t, span in zip(sent, ttfts, spans)]):7.2f}")
     print(f"  TTFT                                      {median(ttfts):7.2f}")
 
 

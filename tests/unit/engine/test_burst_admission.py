@@ -1,4 +1,4 @@
-"""How a burst of requests and a lone request are admitted (the shape of compare_peers' 32-stream
+"""How a burst of requests and a lone request are admitted and chunked (the shape of compare_peers' 32-stream
 leg, benchmarks/served_timeline.py): the defaults (--chunked-prefill-size 512, --max-prefill-tokens
 4096) take a burst of 32 x 128-token prompts in one prefill step, a lone request is computed in the
 first step after it arrives, and a request that arrives while others decode joins the next step.
@@ -84,3 +84,81 @@ def test_an_arrival_during_decode_joins_the_next_step() -> None:
     outputs = engine.step()
     assert steps[2] == [1] * 4 + [PROMPT_TOKENS]     # decodes and the late prompt, same step
     assert "late" in {output.request_id for output in outputs}
+
+
+def make_chunking_engine(**scheduler: int) -> tuple[LLMEngine, list[list[int]]]:
+    runner = FakeRunner(num_blocks=400, block_size=16)
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner,
+                       eos_token_ids=[96], context_length=4096)
+    steps: list[list[int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        output = schedule()
+        steps.append([scheduled.num_tokens for scheduled in output.scheduled])
+        return output
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return engine, steps
+
+
+def long_prompt(length: int, seed: int = 0) -> list[int]:
+    return [(seed * 13 + position * 7) % 90 + 1 for position in range(length)]
+
+
+def drain(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+def test_a_lone_long_prompt_is_one_step_under_the_default_chunk_size() -> None:
+    engine, steps = make_chunking_engine()
+    assert engine.add_request("alone", long_prompt(1019), params(2)) is None
+    tokens = drain(engine)
+    assert steps == [[1019], [1]]                    # not 512 + 507: nothing else waits on it
+    reference, _ = make_chunking_engine(chunked_prefill_size=-1)
+    assert reference.add_request("alone", long_prompt(1019), params(2)) is None
+    assert drain(reference) == tokens
+
+
+def test_the_step_budget_still_bounds_a_lone_prompt() -> None:
+    engine, steps = make_chunking_engine(max_prefill_tokens=700)
+    assert engine.add_request("alone", long_prompt(1019), params(1)) is None
+    drain(engine)
+    assert steps == [[700], [319]]
+
+
+def test_a_long_prompt_beside_a_decode_is_chunked() -> None:
+    engine, steps = make_chunking_engine()
+    assert engine.add_request("first", long_prompt(16), params(8)) is None
+    engine.step()
+    assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None
+    drain(engine)
+    assert steps[1] == [1, 512]                      # the decode keeps streaming beside it
+    assert steps[2] == [1, 507]
+
+
+def test_two_long_prompts_queued_together_are_chunked() -> None:
+    engine, steps = make_chunking_engine()
+    assert engine.add_request("a", long_prompt(1019), params(1)) is None
+    assert engine.add_request("b", long_prompt(1019, 1), params(1)) is None
+    engine.step()
+    assert steps[0] == [512, 512]
+
+
+def test_a_chosen_chunk_size_applies_to_a_lone_prompt() -> None:
+    engine, steps = make_chunking_engine(chunked_prefill_size=256)
+    assert engine.add_request("alone", long_prompt(600), params(1)) is None
+    drain(engine)
+    assert steps == [[256], [256], [88]]
+
+
+def test_prompt_logprobs_keep_the_default_chunk() -> None:
+    engine, steps = make_chunking_engine()
+    logprob_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    assert engine.add_request("alone", long_prompt(1019), logprob_params) is None
+    drain(engine)
+    assert steps == [[512], [507]]
