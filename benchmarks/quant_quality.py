@@ -138,6 +138,9 @@ def main() -> None:
                         help="quantization:kv-cache-dtype pairs; the first is the reference")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: the engine's); 1 avoids OpenMP stalls on a busy machine")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="run each prompt this many times in one batch (4: 32 decode rows, where the "
+                             "kernels' routing differs from 8 rows); every copy is compared")
     parser.add_argument("--no-speed", dest="speed", action="store_false",
                         help="skip the decode timing (the machine is shared: compare within a run)")
     args = parser.parse_args()
@@ -146,7 +149,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}", file=sys.stderr, flush=True)
     for quantization, kv_dtype in (mode.split(":") for mode in args.modes.split(",")):
         engine, stored = build_engine(args.model, quantization, kv_dtype, args.num_threads)
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS] * args.copies
         outputs = greedy(engine, prompts, args.max_tokens)
         text_ppl = perplexity(engine, engine.tokenizer.encode(TEXT))
         if reference is None:
@@ -160,7 +163,7 @@ def main() -> None:
         print(rows[-1], file=sys.stderr, flush=True)
         del engine
     print(f"load average after: {os.getloadavg()}", file=sys.stderr, flush=True)
-    print(f"| quantization | kv cache | identical greedy outputs ({len(PROMPTS)} prompts x "
+    print(f"| quantization | kv cache | identical greedy outputs ({len(PROMPTS)} prompts x {args.copies} x "
           f"{args.max_tokens} tokens) | mean agreeing prefix, tokens | perplexity ({args.model}) "
           "| 1-stream decode tok/s | weights MiB |")
     print("|---|---|---|---|---|---|---|")

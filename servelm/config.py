@@ -287,13 +287,19 @@ class HiCacheConfig:
                                       self.hicache_storage_backend_extra_config)
 
 
+_DEFAULT_CHUNKED_PREFILL_SIZE = 512
+"""--chunked-prefill-size's default (SchedulerConfig.is_lone_prompt_chunked)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
 
     max_running_requests: int = opt(64, "Most requests decoding at once; bounds batch size and latency.")
-    chunked_prefill_size: int = opt(512, "Most prompt tokens of one request computed in one step; -1 "
-                                    "disables chunking. 512 keeps a step short on CPU so decodes stream.")
+    chunked_prefill_size: int = opt(
+        _DEFAULT_CHUNKED_PREFILL_SIZE, "Most prompt tokens of one request computed in one step; -1 "
+        "disables chunking. 512 keeps a step short on CPU so decodes stream; the default 512 is not "
+        "applied to a request alone in the engine (no decode waits on it), any other size always is.")
     max_prefill_tokens: int = opt(4096, "Most tokens (prefill and decode together) computed in one step.")
     stream_interval: int = opt(1, "Send streamed output every N tokens.")
     schedule_policy: str = opt(
@@ -365,6 +371,14 @@ class SchedulerConfig:
     def max_chunk_tokens(self) -> int | None:
         """Most prompt tokens of one request in one step, or None when chunking is off."""
         return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+    @property
+    def is_lone_prompt_chunked(self) -> bool:
+        """Whether a request alone in the engine has its prompt cut at ``max_chunk_tokens`` too.
+        The default chunk exists so decodes keep streaming beside a long prompt; alone, nothing
+        waits on its step, so the default is not applied there (one 1,019-token step instead of two:
+        ~4% less prefill CPU, benchmarks/RESULTS.md). Any other size is applied always."""
+        return self.chunked_prefill_size != _DEFAULT_CHUNKED_PREFILL_SIZE
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ Invariants:
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
   It waits while the step's remaining token budget is smaller than its prompt.
+- The default --chunked-prefill-size caps a prompt's chunk only when another request is queued or
+  running; a lone request's prompt takes up to the step budget at once (``_is_alone``). A size set
+  to anything else caps every chunk.
 """
 
 from __future__ import annotations
@@ -501,7 +504,18 @@ class Scheduler:
         if request.is_embedding:  # all or nothing: one forward computes the whole prompt
             return remaining if remaining <= budget else 0
         cap = self.config.max_chunk_tokens
-        return min(remaining, budget, cap) if cap is not None else min(remaining, budget)
+        if cap is None or self._is_alone(request):
+            return min(remaining, budget)
+        return min(remaining, budget, cap)
+
+    def _is_alone(self, request: Request) -> bool:
+        """The only request with work, under the default chunk size: no decode's inter-token
+        latency and no other prompt's first token waits on its step, so its prompt is not cut at
+        --chunked-prefill-size (the step budget, --max-prefill-tokens, still bounds it). One step
+        instead of several saves a pass over the weights and a chunk's attention over paged K/V.
+        Prompt logprobs keep the cap: their logits rows grow with the chunk."""
+        return (not self.config.is_lone_prompt_chunked and len(self.running) + len(self.waiting) == 1
+                and not request.wants_prompt_logprobs)
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         return cdiv(request.num_tokens + 1, self.block_size) > self.block_pool.num_blocks
