@@ -37,7 +37,9 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 def _compile_flags() -> list[str]:
     from servelm.model.loader import cpu_flags
-    flags = ["-O3", "-ffp-contract=off"]
+    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's header; without the flag it runs the
+    # whole range on the calling thread (every row block of a prefill on one core)
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
     if all(flag in cpu_flags() for flag in _AVX512):
         flags += ["-m" + flag.replace("_", "") for flag in _AVX512]
         if "avx512_bf16" in cpu_flags() and "fma" in cpu_flags():
@@ -52,7 +54,8 @@ _kernel: CppKernel | None = None
 def kernel() -> CppKernel:
     global _kernel
     if _kernel is None:
-        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags())
+        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags(),
+                            link_flags=["-fopenmp"])
     return _kernel
 
 
