@@ -103,37 +103,6 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": float32 or bfloat16");
 }
 
-template <class T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
-                   bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
-  using raw = typename T::raw;
-  const int64_t rows = x.size(0), k = x.size(1);
-  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
-  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
-  raw* op = reinterpret_cast<raw*>(out.data_ptr());
-  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
-  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
-  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
-  for_rows(rows, k, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const raw* xr = xp + m * xs;
-      raw* orow = op + m * k;
-      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
-        raw* srow = sp + m * k;
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
-        norm_row<T>(srow, wp, orow, k, eps, offset);
-      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
-        norm_row<T>(xr, wp, orow, k, eps, offset);
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
-      } else {
-        norm_row<T>(xr, wp, orow, k, eps, offset);
-      }
-    }
-  });
-}
-
 void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
@@ -358,6 +327,112 @@ inline void norm_rope_row16(typename T::raw* x, const typename T::raw* c, const 
   }
 }
 #endif
+
+#ifdef __AVX512F__
+// Rows of rms_norm_impl, 16 lanes at a time, for K a multiple of 16: the same floats as the scalar
+// path (lane j of a row's sum of squares is partial[j], summed in the same order; each product and
+// rounding as norm_row), in two passes over a row instead of up to four (sum, norm, residual add).
+// The sums of R rows run interleaved: one row's 16-lane sum is a chain of dependent adds (K / 16 of
+// them), R rows keep R chains in flight, so the first pass is throughput-bound, not latency-bound.
+// pre != nullptr: a row is round(x + pre), written to sum_out first (Llama's pre-add);
+// post != nullptr: out = round(post + round(norm(x))) (Gemma's post-add). Row m of each is at m * its stride.
+template <class T>
+struct NormRows {
+  using raw = typename T::raw;
+  const raw *x, *pre, *post, *w;
+  raw *sum_out, *out;
+  int64_t xs, rs, k;
+  float eps;
+  bool offset;
+
+  template <int R>
+  void run(int64_t m) const {
+    __m512 acc[R];
+    const raw* rows[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+    if (pre != nullptr) {
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < R; ++j) {
+          const __m512 v = Vec<T>::round(_mm512_add_ps(Vec<T>::load(x + (m + j) * xs + i),
+                                                       Vec<T>::load(pre + (m + j) * rs + i)));
+          Vec<T>::store(sum_out + (m + j) * k + i, v);
+          acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+        }
+      for (int j = 0; j < R; ++j) rows[j] = sum_out + (m + j) * k;
+    } else {
+      for (int j = 0; j < R; ++j) rows[j] = x + (m + j) * xs;
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < R; ++j) {
+          const __m512 v = Vec<T>::load(rows[j] + i);
+          acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+        }
+    }
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int j = 0; j < R; ++j) {
+      alignas(64) float partial[16];
+      _mm512_store_ps(partial, acc[j]);
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += partial[l];
+      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(k) + eps));
+      const raw* xr = rows[j];
+      const raw* pr = post != nullptr ? post + (m + j) * rs : nullptr;
+      raw* o = out + (m + j) * k;
+      for (int64_t i = 0; i < k; i += 16) {
+        const __m512 v = Vec<T>::load(xr + i), wv = Vec<T>::load(w + i);
+        __m512 y = offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
+                          : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r)));
+        if (pr != nullptr) y = _mm512_add_ps(Vec<T>::load(pr + i), Vec<T>::round(y));
+        Vec<T>::store(o + i, y);
+      }
+    }
+  }
+
+  void rows_range(int64_t begin, int64_t end) const {
+    int64_t m = begin;
+    for (; m + 4 <= end; m += 4) run<4>(m);
+    for (; m < end; ++m) run<1>(m);
+  }
+};
+#endif
+
+template <class T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
+                   bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
+  using raw = typename T::raw;
+  const int64_t rows = x.size(0), k = x.size(1);
+  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
+  raw* op = reinterpret_cast<raw*>(out.data_ptr());
+  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
+  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
+  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
+#ifdef __AVX512F__
+  if (k % 16 == 0) {
+    const NormRows<T> norm{xp, sp != nullptr ? rp : nullptr, sp != nullptr ? nullptr : rp, wp, sp, op, xs, rs, k,
+                           eps, offset};
+    for_rows(rows, k, [&](int64_t begin, int64_t end) { norm.rows_range(begin, end); });
+    return;
+  }
+#endif
+  for_rows(rows, k, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const raw* xr = xp + m * xs;
+      raw* orow = op + m * k;
+      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
+        raw* srow = sp + m * k;
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
+        norm_row<T>(srow, wp, orow, k, eps, offset);
+      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
+      } else {
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+      }
+    }
+  });
+}
 
 template <class T>
 void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
