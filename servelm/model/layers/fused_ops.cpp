@@ -291,41 +291,70 @@ inline void norm_rope_row(typename T::raw* x, const typename T::raw* c, const ty
 }
 
 #ifdef __AVX512F__
-// norm_rope_row, 16 lanes at a time, for D a multiple of 32: the same floats (lane j of the sum of
-// squares is partial[j], summed in the same order; every product and rounding as the scalar code),
-// without the scratch copy (each chunk reads x[i..] and x[i + h..] before it writes them).
+// norm_rope_row over every head of one token, 16 lanes at a time, for D a multiple of 32: the same
+// floats (lane j of a head's sum of squares is partial[j], summed in the same order; every product and
+// rounding as the scalar code, the normalised value rounded to T before the rotation as the scalar
+// code's store and reload), in two passes over a head instead of three: the heads' sums of squares
+// (4 heads' dependent-add chains interleaved), then norm + rotate + store. cos, sin and the norm weight
+// (as 1 + w for Gemma's offset, else w) come as float32 rows, converted once per token, not per head.
 template <class T>
-inline void norm_rope_row16(typename T::raw* x, const typename T::raw* c, const typename T::raw* s,
-                            const typename T::raw* w, float eps, bool offset, int64_t d) {
-  if (w != nullptr) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = Vec<T>::load(x + i);
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-    }
-    alignas(64) float partial[16];
-    _mm512_store_ps(partial, acc);
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) sum += partial[j];
-    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(d) + eps));
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = Vec<T>::load(x + i), wv = Vec<T>::load(w + i);
-      Vec<T>::store(x + i, offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
-                                  : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r))));
+struct NormRopeToken {
+  using raw = typename T::raw;
+  int64_t heads, hs, d;
+  const float* w;   // nullptr: no norm
+  float eps;
+  bool offset;
+
+  template <int R>
+  void inv_rms(raw* x, float* r) const {
+    __m512 acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16)
+      for (int j = 0; j < R; ++j) {
+        const __m512 v = Vec<T>::load(x + j * hs + i);
+        acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+      }
+    for (int j = 0; j < R; ++j) {
+      alignas(64) float partial[16];
+      _mm512_store_ps(partial, acc[j]);
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += partial[l];
+      r[j] = 1.f / std::sqrt(sum / float(d) + eps);
     }
   }
-  const int64_t h = d / 2;
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t i = 0; i < h; i += 16) {
-    const __m512 a = Vec<T>::load(x + i), b = Vec<T>::load(x + i + h);
-    const __m512 minus_b = _mm512_xor_ps(b, sign);
-    Vec<T>::store(x + i, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(c + i))),
-                                       Vec<T>::round(_mm512_mul_ps(minus_b, Vec<T>::load(s + i)))));
-    Vec<T>::store(x + i + h, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(b, Vec<T>::load(c + i + h))),
-                                           Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(s + i + h)))));
+
+  inline __m512 norm(__m512 v, __m512 r, const float* wi) const {
+    const __m512 wv = _mm512_loadu_ps(wi);
+    return Vec<T>::round(offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), wv)
+                                : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r))));
   }
-}
+
+  void run(raw* x, const float* c, const float* s, float* r) const {
+    if (w != nullptr) {
+      int64_t head = 0;
+      for (; head + 4 <= heads; head += 4) inv_rms<4>(x + head * hs, r + head);
+      for (; head < heads; ++head) inv_rms<1>(x + head * hs, r + head);
+    }
+    const int64_t h = d / 2;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t head = 0; head < heads; ++head) {
+      raw* xh = x + head * hs;
+      const __m512 rv = _mm512_set1_ps(w != nullptr ? r[head] : 1.f);
+      for (int64_t i = 0; i < h; i += 16) {
+        __m512 a = Vec<T>::load(xh + i), b = Vec<T>::load(xh + i + h);
+        if (w != nullptr) {
+          a = norm(a, rv, w + i);
+          b = norm(b, rv, w + i + h);
+        }
+        const __m512 minus_b = _mm512_xor_ps(b, sign);
+        Vec<T>::store(xh + i, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(a, _mm512_loadu_ps(c + i))),
+                                            Vec<T>::round(_mm512_mul_ps(minus_b, _mm512_loadu_ps(s + i)))));
+        Vec<T>::store(xh + i + h, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(b, _mm512_loadu_ps(c + i + h))),
+                                                Vec<T>::round(_mm512_mul_ps(a, _mm512_loadu_ps(s + i + h)))));
+      }
+    }
+  }
+};
 #endif
 
 #ifdef __AVX512F__
@@ -444,16 +473,28 @@ void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Te
   const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
   const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
   const int64_t ts = t.stride(0), hs = t.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+#ifdef __AVX512F__
+  if (d % 32 == 0) {
+    std::vector<float> weight_f(wp != nullptr ? d : 0);   // 1 + w (Gemma) or w, as the scalar code computes it
+    for (int64_t i = 0; i < int64_t(weight_f.size()); ++i) weight_f[i] = offset ? 1.f + T::load(wp, i) : T::load(wp, i);
+    const NormRopeToken<T> token{heads, hs, d, wp != nullptr ? weight_f.data() : nullptr, eps, offset};
+    for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
+      std::vector<float> angles(2 * d), inv_rms(heads);   // this token's cos, sin as float32
+      for (int64_t m = begin; m < end; ++m) {
+        for (int64_t i = 0; i < d; ++i) {
+          angles[i] = T::load(cp + m * cs, i);
+          angles[d + i] = T::load(sp + m * ss, i);
+        }
+        token.run(tp + m * ts, angles.data(), angles.data() + d, inv_rms.data());
+      }
+    });
+    return;
+  }
+#endif
   for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(d);
     for (int64_t m = begin; m < end; ++m)
       for (int64_t head = 0; head < heads; ++head) {
-#ifdef __AVX512F__
-        if (d % 32 == 0) {
-          norm_rope_row16<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d);
-          continue;
-        }
-#endif
         norm_rope_row<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d, scratch.data());
       }
   });
