@@ -642,7 +642,18 @@ torch::Tensor causal_softmax(torch::Tensor scores, int64_t n, int64_t q_first, i
   return probs;
 }
 
+// How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
+// number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
+int64_t parallel_threads(int64_t n) {
+  std::vector<char> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t count = 0;
+  for (char s : seen) count += s;
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads that ran a chunk of at::parallel_for over n items");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
