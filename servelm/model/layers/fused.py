@@ -15,7 +15,8 @@ layers/test_fused_ops.py), not always bit for bit.
 Invariants:
 - ``applies`` is True only on CPU, for float32 or bfloat16 tensors of any number of rows, outside
   torch.compile tracing (a compiled layer fuses the same ops itself), with the kernel built. Rows
-  are split over torch's threads past ``kParallelElements`` (fused_ops.cpp).
+  are split over torch's threads past ``kParallelElements`` (fused_ops.cpp; the module is built with
+  -fopenmp, without which ATen's parallel_for runs every chunk on the calling thread).
 - Prefill and decode take the same path, so a prompt's tokens are computed as a decode step would
   compute them (same rounding points, same approximated exp).
 - The kernel is plain C++ that needs no CPU feature (AVX-512 flags are added where /proc/cpuinfo
