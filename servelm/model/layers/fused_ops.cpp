@@ -103,37 +103,6 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, ": float32 or bfloat16");
 }
 
-template <class T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
-                   bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
-  using raw = typename T::raw;
-  const int64_t rows = x.size(0), k = x.size(1);
-  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
-  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
-  raw* op = reinterpret_cast<raw*>(out.data_ptr());
-  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
-  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
-  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
-  for_rows(rows, k, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const raw* xr = xp + m * xs;
-      raw* orow = op + m * k;
-      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
-        raw* srow = sp + m * k;
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
-        norm_row<T>(srow, wp, orow, k, eps, offset);
-      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
-        norm_row<T>(xr, wp, orow, k, eps, offset);
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
-      } else {
-        norm_row<T>(xr, wp, orow, k, eps, offset);
-      }
-    }
-  });
-}
-
 void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
@@ -322,42 +291,177 @@ inline void norm_rope_row(typename T::raw* x, const typename T::raw* c, const ty
 }
 
 #ifdef __AVX512F__
-// norm_rope_row, 16 lanes at a time, for D a multiple of 32: the same floats (lane j of the sum of
-// squares is partial[j], summed in the same order; every product and rounding as the scalar code),
-// without the scratch copy (each chunk reads x[i..] and x[i + h..] before it writes them).
+// norm_rope_row over every head of one token, 16 lanes at a time, for D a multiple of 32: the same
+// floats (lane j of a head's sum of squares is partial[j], summed in the same order; every product and
+// rounding as the scalar code, the normalised value rounded to T before the rotation as the scalar
+// code's store and reload), in two passes over a head instead of three: the heads' sums of squares
+// (4 heads' dependent-add chains interleaved), then norm + rotate + store. cos, sin and the norm weight
+// (as 1 + w for Gemma's offset, else w) come as float32 rows, converted once per token, not per head.
 template <class T>
-inline void norm_rope_row16(typename T::raw* x, const typename T::raw* c, const typename T::raw* s,
-                            const typename T::raw* w, float eps, bool offset, int64_t d) {
-  if (w != nullptr) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = Vec<T>::load(x + i);
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-    }
-    alignas(64) float partial[16];
-    _mm512_store_ps(partial, acc);
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) sum += partial[j];
-    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(d) + eps));
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 v = Vec<T>::load(x + i), wv = Vec<T>::load(w + i);
-      Vec<T>::store(x + i, offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
-                                  : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r))));
+struct NormRopeToken {
+  using raw = typename T::raw;
+  int64_t heads, hs, d;
+  const float* w;   // nullptr: no norm
+  float eps;
+  bool offset;
+
+  template <int R>
+  void inv_rms(raw* x, float* r) const {
+    __m512 acc[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16)
+      for (int j = 0; j < R; ++j) {
+        const __m512 v = Vec<T>::load(x + j * hs + i);
+        acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+      }
+    for (int j = 0; j < R; ++j) {
+      alignas(64) float partial[16];
+      _mm512_store_ps(partial, acc[j]);
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += partial[l];
+      r[j] = 1.f / std::sqrt(sum / float(d) + eps);
     }
   }
-  const int64_t h = d / 2;
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t i = 0; i < h; i += 16) {
-    const __m512 a = Vec<T>::load(x + i), b = Vec<T>::load(x + i + h);
-    const __m512 minus_b = _mm512_xor_ps(b, sign);
-    Vec<T>::store(x + i, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(c + i))),
-                                       Vec<T>::round(_mm512_mul_ps(minus_b, Vec<T>::load(s + i)))));
-    Vec<T>::store(x + i + h, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(b, Vec<T>::load(c + i + h))),
-                                           Vec<T>::round(_mm512_mul_ps(a, Vec<T>::load(s + i + h)))));
+
+  inline __m512 norm(__m512 v, __m512 r, const float* wi) const {
+    const __m512 wv = _mm512_loadu_ps(wi);
+    return Vec<T>::round(offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), wv)
+                                : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r))));
   }
-}
+
+  void run(raw* x, const float* c, const float* s, float* r) const {
+    if (w != nullptr) {
+      int64_t head = 0;
+      for (; head + 4 <= heads; head += 4) inv_rms<4>(x + head * hs, r + head);
+      for (; head < heads; ++head) inv_rms<1>(x + head * hs, r + head);
+    }
+    const int64_t h = d / 2;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t head = 0; head < heads; ++head) {
+      raw* xh = x + head * hs;
+      const __m512 rv = _mm512_set1_ps(w != nullptr ? r[head] : 1.f);
+      for (int64_t i = 0; i < h; i += 16) {
+        __m512 a = Vec<T>::load(xh + i), b = Vec<T>::load(xh + i + h);
+        if (w != nullptr) {
+          a = norm(a, rv, w + i);
+          b = norm(b, rv, w + i + h);
+        }
+        const __m512 minus_b = _mm512_xor_ps(b, sign);
+        Vec<T>::store(xh + i, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(a, _mm512_loadu_ps(c + i))),
+                                            Vec<T>::round(_mm512_mul_ps(minus_b, _mm512_loadu_ps(s + i)))));
+        Vec<T>::store(xh + i + h, _mm512_add_ps(Vec<T>::round(_mm512_mul_ps(b, _mm512_loadu_ps(c + i + h))),
+                                                Vec<T>::round(_mm512_mul_ps(a, _mm512_loadu_ps(s + i + h)))));
+      }
+    }
+  }
+};
 #endif
+
+#ifdef __AVX512F__
+// Rows of rms_norm_impl, 16 lanes at a time, for K a multiple of 16: the same floats as the scalar
+// path (lane j of a row's sum of squares is partial[j], summed in the same order; each product and
+// rounding as norm_row), in two passes over a row instead of up to four (sum, norm, residual add).
+// The sums of R rows run interleaved: one row's 16-lane sum is a chain of dependent adds (K / 16 of
+// them), R rows keep R chains in flight, so the first pass is throughput-bound, not latency-bound.
+// pre != nullptr: a row is round(x + pre), written to sum_out first (Llama's pre-add);
+// post != nullptr: out = round(post + round(norm(x))) (Gemma's post-add). Row m of each is at m * its stride.
+template <class T>
+struct NormRows {
+  using raw = typename T::raw;
+  const raw *x, *pre, *post, *w;
+  raw *sum_out, *out;
+  int64_t xs, rs, k;
+  float eps;
+  bool offset;
+
+  template <int R>
+  void run(int64_t m) const {
+    __m512 acc[R];
+    const raw* rows[R];
+    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
+    if (pre != nullptr) {
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < R; ++j) {
+          const __m512 v = Vec<T>::round(_mm512_add_ps(Vec<T>::load(x + (m + j) * xs + i),
+                                                       Vec<T>::load(pre + (m + j) * rs + i)));
+          Vec<T>::store(sum_out + (m + j) * k + i, v);
+          acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+        }
+      for (int j = 0; j < R; ++j) rows[j] = sum_out + (m + j) * k;
+    } else {
+      for (int j = 0; j < R; ++j) rows[j] = x + (m + j) * xs;
+      for (int64_t i = 0; i < k; i += 16)
+        for (int j = 0; j < R; ++j) {
+          const __m512 v = Vec<T>::load(rows[j] + i);
+          acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
+        }
+    }
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int j = 0; j < R; ++j) {
+      alignas(64) float partial[16];
+      _mm512_store_ps(partial, acc[j]);
+      float sum = 0.f;
+      for (int l = 0; l < 16; ++l) sum += partial[l];
+      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(k) + eps));
+      const raw* xr = rows[j];
+      const raw* pr = post != nullptr ? post + (m + j) * rs : nullptr;
+      raw* o = out + (m + j) * k;
+      for (int64_t i = 0; i < k; i += 16) {
+        const __m512 v = Vec<T>::load(xr + i), wv = Vec<T>::load(w + i);
+        __m512 y = offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
+                          : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r)));
+        if (pr != nullptr) y = _mm512_add_ps(Vec<T>::load(pr + i), Vec<T>::round(y));
+        Vec<T>::store(o + i, y);
+      }
+    }
+  }
+
+  void rows_range(int64_t begin, int64_t end) const {
+    int64_t m = begin;
+    for (; m + 4 <= end; m += 4) run<4>(m);
+    for (; m < end; ++m) run<1>(m);
+  }
+};
+#endif
+
+template <class T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
+                   bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
+  using raw = typename T::raw;
+  const int64_t rows = x.size(0), k = x.size(1);
+  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
+  raw* op = reinterpret_cast<raw*>(out.data_ptr());
+  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
+  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
+  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
+#ifdef __AVX512F__
+  if (k % 16 == 0) {
+    const NormRows<T> norm{xp, sp != nullptr ? rp : nullptr, sp != nullptr ? nullptr : rp, wp, sp, op, xs, rs, k,
+                           eps, offset};
+    for_rows(rows, k, [&](int64_t begin, int64_t end) { norm.rows_range(begin, end); });
+    return;
+  }
+#endif
+  for_rows(rows, k, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const raw* xr = xp + m * xs;
+      raw* orow = op + m * k;
+      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
+        raw* srow = sp + m * k;
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
+        norm_row<T>(srow, wp, orow, k, eps, offset);
+      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+        const raw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
+      } else {
+        norm_row<T>(xr, wp, orow, k, eps, offset);
+      }
+    }
+  });
+}
 
 template <class T>
 void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -369,16 +473,28 @@ void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Te
   const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
   const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
   const int64_t ts = t.stride(0), hs = t.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+#ifdef __AVX512F__
+  if (d % 32 == 0) {
+    std::vector<float> weight_f(wp != nullptr ? d : 0);   // 1 + w (Gemma) or w, as the scalar code computes it
+    for (int64_t i = 0; i < int64_t(weight_f.size()); ++i) weight_f[i] = offset ? 1.f + T::load(wp, i) : T::load(wp, i);
+    const NormRopeToken<T> token{heads, hs, d, wp != nullptr ? weight_f.data() : nullptr, eps, offset};
+    for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
+      std::vector<float> angles(2 * d), inv_rms(heads);   // this token's cos, sin as float32
+      for (int64_t m = begin; m < end; ++m) {
+        for (int64_t i = 0; i < d; ++i) {
+          angles[i] = T::load(cp + m * cs, i);
+          angles[d + i] = T::load(sp + m * ss, i);
+        }
+        token.run(tp + m * ts, angles.data(), angles.data() + d, inv_rms.data());
+      }
+    });
+    return;
+  }
+#endif
   for_rows(tokens, heads * d, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(d);
     for (int64_t m = begin; m < end; ++m)
       for (int64_t head = 0; head < heads; ++head) {
-#ifdef __AVX512F__
-        if (d % 32 == 0) {
-          norm_rope_row16<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d);
-          continue;
-        }
-#endif
         norm_rope_row<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d, scratch.data());
       }
   });
@@ -526,7 +642,18 @@ torch::Tensor causal_softmax(torch::Tensor scores, int64_t n, int64_t q_first, i
   return probs;
 }
 
+// How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
+// number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
+int64_t parallel_threads(int64_t n) {
+  std::vector<char> seen(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t count = 0;
+  for (char s : seen) count += s;
+  return count;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads that ran a chunk of at::parallel_for over n items");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");

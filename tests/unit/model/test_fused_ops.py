@@ -139,6 +139,17 @@ def test_act_and_mul(activation: str, dtype: torch.dtype, rows: int, width: int)
     assert actual.dtype == dtype and actual.shape == (rows, width)
 
 
+def test_rows_split_over_torchs_threads() -> None:
+    """The module is built with OpenMP: without it ATen's parallel_for runs every chunk on the calling
+    thread, and a 2-thread prefill ran these ops on one core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert fused._module().parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_without_a_built_kernel_the_layers_keep_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """No compiler or ninja: ``load_kernel`` gave None, and every layer runs its torch ops."""
     norm = make_norm(GemmaRMSNorm, 64, torch.bfloat16)
