@@ -11,6 +11,11 @@ Helpers several kernels use live in headers under ``servelm/model/include`` (``I
 kernel is compiled with that directory on its include path, and every header there is part of every
 kernel's build key, so editing a header rebuilds the kernels (ninja alone would not notice: the build
 directory is named by the key).
+
+Every kernel is compiled and linked with ``-fopenmp`` where torch's parallel backend is OpenMP:
+``at::parallel_for`` is a header template whose ``#pragma omp parallel`` is compiled into the kernel's
+own module, and without the flag the pragma is dropped and every "parallel" loop runs on the calling
+thread alone (the prefill attention, paged decode and fused-ops kernels did until session 10).
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ INCLUDE_DIR = Path(__file__).with_name("include")
 """Headers shared by the kernels (``#include "servelm_simd.h"``)."""
 
 
+def openmp_flags() -> list[str]:
+    """``["-fopenmp"]`` where ATen parallelises with OpenMP (torch's Linux CPU builds), else []."""
+    return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+
+
 def shared_headers() -> list[Path]:
     """The shared headers, in a fixed order (each is hashed into every kernel's build key)."""
     return sorted(INCLUDE_DIR.glob("*.h"))
@@ -48,8 +58,9 @@ class CppKernel:
         self.description = description
         """What the kernel is, for the log line: "GGUF block kernel"."""
         self.required_flags = tuple(required_flags)
-        self.compile_flags = list(compile_flags)
-        self.link_flags = list(link_flags)
+        openmp = openmp_flags()
+        self.compile_flags = list(compile_flags) + [f for f in openmp if f not in compile_flags]
+        self.link_flags = list(link_flags) + [f for f in openmp if f not in link_flags]
         self._cpu_flags = cpu_flags
         self._loaded = False
         self._module: ModuleType | None = None

@@ -30,3 +30,14 @@ def test_shared_header_edit_changes_every_build_key(tmp_path: Path, monkeypatch:
 def test_packaged_kernels_see_the_shared_header() -> None:
     assert (cpp_kernel.INCLUDE_DIR / "servelm_simd.h").is_file()
     assert cpp_kernel.INCLUDE_DIR / "servelm_simd.h" in cpp_kernel.shared_headers()
+
+
+def test_kernels_split_parallel_for_over_threads() -> None:
+    """A kernel built without -fopenmp runs at::parallel_for on the calling thread alone."""
+    import torch
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch's parallel backend is not OpenMP")
+    kernel = CppKernel(Path("unused.cpp"), "k", "test kernel", (), ["-O3"], link_flags=[])
+    assert "-fopenmp" in kernel.compile_flags and "-fopenmp" in kernel.link_flags
+    again = CppKernel(Path("unused.cpp"), "k", "test kernel", (), ["-O3", "-fopenmp"], link_flags=["-fopenmp"])
+    assert again.compile_flags.count("-fopenmp") == 1 and again.link_flags.count("-fopenmp") == 1
