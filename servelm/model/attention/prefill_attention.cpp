@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -39,8 +40,13 @@
 
 namespace {
 
-constexpr int64_t kQueries = 32;   // queries per task (times G query heads: the tile's rows)
+// Queries per task (times G query heads: the tile's rows, a multiple of 32 for score_block): 16 where G
+// is even (twice the tasks of 32, so 2 threads split a 512-token chunk of one KV head into 32 tasks and the
+// triangle and window edges waste half as much), 32 where G is odd.
+constexpr int64_t kQueriesEvenGroup = 16;
+constexpr int64_t kQueriesOddGroup = 32;
 constexpr int64_t kKeys = 32;      // key columns per step of a task
+constexpr int64_t kPackPairs = 64; // V column pairs packed per parallel work item
 
 // 2^t, float32: t = n + f (n nearest integer, |f| <= 1/2), 2^f by its degree-6 Taylor polynomial
 // (relative error about 1e-7), scaled by 2^n with scalef (underflows to exactly 0). t = -inf gives NaN:
@@ -88,7 +94,7 @@ struct Task {
 };
 
 struct Shape {
-  int64_t num_heads, group, d, dv, rows;
+  int64_t num_heads, group, d, dv, queries, rows;   // rows = group * queries
   int64_t q_token, q_head, k_slot, k_head, v_slot, v_head, o_token, o_head;   // strides (elements)
   int64_t window;   // 0: none
   float scale;
@@ -127,15 +133,16 @@ inline void score_block(const uint32_t* qp, int64_t rows, int64_t d2, const uint
   }
 }
 
-// O[r..r+4][v..v+64] = alpha[r] * O[r][v..] + sum over the step's column pairs of Pp[pair][r] . Vp[pair][v..].
+// O[r..r+4][v..v+64] = alpha[r] * O[r][v..] + sum over column pairs [pair_begin, pair_end) of the step of
+// Pp[pair][r] . Vp[pair][v..] (the caller leaves out pairs these 4 rows do not see: their P is exactly 0).
 inline void value_block(const uint32_t* pp, const uint32_t* vp, int64_t rows, int64_t dv, const float* alpha,
-                        float* o) {
+                        int64_t pair_begin, int64_t pair_end, float* o) {
   __m512 acc[4][4];
   for (int i = 0; i < 4; ++i) {
     const __m512 a = _mm512_set1_ps(alpha[i]);
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dv + 16 * j), a);
   }
-  for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     __m512bh b[4];
     for (int j = 0; j < 4; ++j) b[j] = as_bh(_mm512_loadu_si512(vp + pair * dv + 16 * j));
     for (int i = 0; i < 4; ++i) {
@@ -147,11 +154,11 @@ inline void value_block(const uint32_t* pp, const uint32_t* vp, int64_t rows, in
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + i * dv + 16 * j, acc[i][j]);
 }
 
-// V of one (sequence, KV head) as bf16 pairs of columns: vp[pair][dv] = (V[2 pair][dv], V[2 pair + 1][dv]),
+// Pairs [pair_begin, pair_end) of V of one (sequence, KV head) as bf16 pairs of columns: vp[pair][dv] = (V[2 pair][dv], V[2 pair + 1][dv]),
 // zeros past the view's last column.
-void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, const Shape& sh, const uint16_t* v,
-                 const uint16_t* zeros, uint32_t* vp) {
-  for (int64_t pair = 0; pair < (num_columns + 1) / 2; ++pair) {
+void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, int64_t pair_begin, int64_t pair_end,
+                 const Shape& sh, const uint16_t* v, const uint16_t* zeros, uint32_t* vp) {
+  for (int64_t pair = pair_begin; pair < std::min(pair_end, (num_columns + 1) / 2); ++pair) {
     const int64_t c = 2 * pair;
     const uint16_t* a = v + seq.slots[c] * sh.v_slot + kv_head * sh.v_head;
     const uint16_t* b = c + 1 < num_columns ? v + seq.slots[c + 1] * sh.v_slot + kv_head * sh.v_head : zeros;
@@ -166,7 +173,7 @@ void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, cons
 // One task; vp: its (sequence, KV head)'s packed V (pack_values).
 void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint16_t* q, const uint16_t* k,
               const uint32_t* vp, uint16_t* out, Scratch& w) {
-  const int64_t rows = sh.rows, d2 = sh.d / 2, dv = sh.dv, group = sh.group;
+  const int64_t rows = sh.rows, d2 = sh.d / 2, dv = sh.dv, group = sh.group, kQueries = sh.queries;
   const int64_t nq = std::min(kQueries, seq.num_queries - task.query);
   const int64_t q_low = seq.start + task.query, q_high = q_low + nq - 1;   // positions
   // pack the tile's queries, 16 rows per gather (padding rows repeat the last query: same mask, never
@@ -195,10 +202,14 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint
       const uint16_t* row = c < valid ? k + seq.slots[c0 + c] * sh.k_slot + task.kv_head * sh.k_head : w.zeros.data();
       w.k_rows[c] = reinterpret_cast<const uint32_t*>(row);
     }
-    for (int64_t r = 0; r < rows; r += 32)
-      for (int64_t c = 0; c < kKeys; c += 8)
-        score_block(w.qp.data() + r, rows, d2, w.k_rows.data() + c, w.s.data() + c * rows + r);
     const int64_t k_first = seq.first + c0;   // position of the step's column 0
+    // a block of 8 columns is computed only where some query of the tile sees one of them (the rest of an
+    // edge step is masked below, whatever its scores hold); a 32-row score block holds every query of the tile
+    const int64_t last_seen = std::min(valid - 1, q_high - k_first);
+    const int64_t first_seen = sh.window == 0 ? 0 : std::max<int64_t>(0, q_low - sh.window + 1 - k_first);
+    for (int64_t c = first_seen & ~int64_t(7); c <= last_seen; c += 8)
+      for (int64_t r = 0; r < rows; r += 32)
+        score_block(w.qp.data() + r, rows, d2, w.k_rows.data() + c, w.s.data() + c * rows + r);
     const bool whole = valid == kKeys && k_first + kKeys - 1 <= q_low &&
                        (sh.window == 0 || k_first > q_high - sh.window);
     for (int64_t r = 0; r < rows; r += 16) {
@@ -246,9 +257,16 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint
       _mm512_storeu_ps(w.l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + r), a, sum));
     }
     const uint32_t* v_step = vp + (c0 / 2) * dv;
-    for (int64_t r = 0; r < rows; r += 4)
+    for (int64_t r = 0; r < rows; r += 4) {
+      // rows r..r+3 are queries t..t+3 of one head: the pairs holding a column one of them sees
+      const int64_t t = r % kQueries;
+      const int64_t hi = std::min(valid - 1, q_low + std::min(t + 3, nq - 1) - k_first);
+      const int64_t lo = sh.window == 0 ? 0 : std::max<int64_t>(0, q_low + std::min(t, nq - 1) - sh.window + 1 - k_first);
+      const int64_t pair_begin = lo / 2, pair_end = hi < lo ? pair_begin : hi / 2 + 1;
       for (int64_t j = 0; j < dv; j += 64)
-        value_block(w.pp.data() + r, v_step + j, rows, dv, w.alpha.data() + r, w.o.data() + r * dv + j);
+        value_block(w.pp.data() + r, v_step + j, rows, dv, w.alpha.data() + r, pair_begin, pair_end,
+                    w.o.data() + r * dv + j);
+    }
   }
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t head = task.kv_head * group + hh;
@@ -289,7 +307,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && q.stride(0) * q.size(0) < (int64_t(1) << 31),
               "q's strides even, its rows within 2^31 elements (32-bit gathers of bf16 pairs)");
   TORCH_CHECK(out.size(1) == sh.num_heads && out.size(2) == sh.dv && out.size(0) == q.size(0), "out [T, H, Dv]");
-  sh.rows = sh.group * kQueries;
+  sh.queries = sh.group % 2 == 0 ? kQueriesEvenGroup : kQueriesOddGroup;
+  sh.rows = sh.group * sh.queries;
   sh.q_token = q.stride(0); sh.q_head = q.stride(1);
   sh.k_slot = k_cache.stride(0); sh.k_head = k_cache.stride(1);
   sh.v_slot = v_cache.stride(0); sh.v_head = v_cache.stride(1);
@@ -305,8 +324,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     seq = {pl[4 * i], pl[4 * i + 1], pl[4 * i + 2], pl[4 * i + 3], slots.data_ptr<int64_t>() + i * columns};
     TORCH_CHECK(seq.row_start >= 0 && seq.num_queries >= 0 && seq.row_start + seq.num_queries <= q.size(0) &&
                 seq.start >= seq.first && seq.start + seq.num_queries - seq.first <= columns, "plan row ", i, " out of range");
-    for (int64_t query = 0; query < seq.num_queries; query += kQueries) {
-      const int64_t nq = std::min(kQueries, seq.num_queries - query);
+    for (int64_t query = 0; query < seq.num_queries; query += sh.queries) {
+      const int64_t nq = std::min(sh.queries, seq.num_queries - query);
       const int64_t low = seq.start + query, high = low + nq - 1;
       const int64_t begin = window > 0 ? std::max(seq.first, low - window + 1) : seq.first;
       for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({i, h, query, begin - seq.first, high + 1 - seq.first});
@@ -333,11 +352,19 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   auto region = [&](int64_t i, int64_t kv_head) {
     return packed.data() + offsets[i] + kv_head * (offsets[i + 1] - offsets[i]) / num_kv_heads;
   };
-  at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  // work items of kPackPairs pairs, so both threads pack (one KV head: one region)
+  std::vector<std::array<int64_t, 3>> packs;   // (sequence * num_kv_heads + kv head, first pair, end pair)
+  for (int64_t i = 0; i < b * num_kv_heads; ++i) {
+    const Sequence& seq = sequences[i / num_kv_heads];
+    const int64_t pairs = (seq.start + seq.num_queries - seq.first + 1) / 2;
+    for (int64_t pair = 0; pair < pairs; pair += kPackPairs) packs.push_back({i, pair, pair + kPackPairs});
+  }
+  at::parallel_for(0, int64_t(packs.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t i = packs[p][0];
       const Sequence& seq = sequences[i / num_kv_heads];
-      pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, sh, vp, zeros.data(),
-                  region(i / num_kv_heads, i % num_kv_heads));
+      pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, packs[p][1], packs[p][2], sh, vp,
+                  zeros.data(), region(i / num_kv_heads, i % num_kv_heads));
     }
   });
   std::atomic<int64_t> next{0};
