@@ -45,7 +45,7 @@ namespace {
 // triangle and window edges waste half as much), 32 where G is odd.
 constexpr int64_t kQueriesEvenGroup = 16;
 constexpr int64_t kQueriesOddGroup = 32;
-constexpr int64_t kKeys = 32;      // key columns per step of a task
+constexpr int64_t kKeys = 64;      // key columns per step of a task (64: half the O reloads of 32, ~5% faster)
 constexpr int64_t kPackPairs = 64; // V column pairs packed per parallel work item
 
 // 2^t, float32: t = n + f (n nearest integer, |f| <= 1/2), 2^f by its degree-6 Taylor polynomial
