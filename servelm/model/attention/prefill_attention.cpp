@@ -365,18 +365,22 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     const int64_t pairs = (seq.start + seq.num_queries - seq.first + 1) / 2;
     for (int64_t pair = 0; pair < pairs; pair += kPackPairs) packs.push_back({i, pair, pair + kPackPairs});
   }
-  at::parallel_for(0, int64_t(packs.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // One parallel region: each thread takes pack items, then waits (spinning) until every item is packed
+  // and takes tasks, both from shared counters. A thread that another process keeps off its core joins
+  // late and finds less left; only the region's closing barrier waits for it (a second region, for the
+  // packing alone, would wait for it twice).
+  std::atomic<int64_t> next_pack{0}, packed_items{0}, next{0};
+  const int64_t num_packs = int64_t(packs.size()), num_tasks = int64_t(tasks.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t p = next_pack++; p < num_packs; p = next_pack++) {
       const int64_t i = packs[p][0];
       const Sequence& seq = sequences[i / num_kv_heads];
       pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, packs[p][1], packs[p][2], sh, vp,
                   zeros.data(), region(i / num_kv_heads, i % num_kv_heads));
+      packed_items.fetch_add(1, std::memory_order_release);
     }
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = int64_t(tasks.size());
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    while (packed_items.load(std::memory_order_acquire) < num_packs) _mm_pause();
     Scratch scratch(sh);
     for (int64_t i = next++; i < num_tasks; i = next++)
       run_task(tasks[i], sequences[tasks[i].sequence], sh, qp, kp, region(tasks[i].sequence, tasks[i].kv_head),
