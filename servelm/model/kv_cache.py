@@ -59,6 +59,11 @@ class KVCache:
             # index_copy_ has no float8 kernel on CPU; the bytes are what we store
             k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
             k, v = k.view(torch.uint8), v.view(torch.uint8)
+        elif self.dtype.itemsize == 2 and _pairs_as_words(k) and _pairs_as_words(v):
+            # bf16/fp16 rows copied as int32 words: CPU index_copy_ moves 2x the bytes per element
+            # (0.021 against 0.046 ms for 512 rows of Gemma 3's 256-dim head, one thread)
+            k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
+            k, v = k.view(torch.int32), v.view(torch.int32)
         k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
 
@@ -107,6 +112,12 @@ class KVCache:
         for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
             self._as_blocks(k_cache).index_copy_(0, index, k[layer].to(device))
             self._as_blocks(v_cache).index_copy_(0, index, v[layer].to(device))
+
+
+def _pairs_as_words(x: torch.Tensor) -> bool:
+    """Whether 2-byte ``x`` can be viewed as int32 words (even last dim of stride 1, even strides)."""
+    return (x.shape[-1] % 2 == 0 and x.stride(-1) == 1
+            and all(stride % 2 == 0 for stride in x.stride()[:-1]) and x.storage_offset() % 2 == 0)
 
 
 def block_heads(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:

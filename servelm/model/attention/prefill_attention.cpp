@@ -3,11 +3,15 @@
 //   out[t, h] = softmax(scale * q[t, h] . K[c]) over the columns c that query t sees, weighted sum of V[c]
 // (causal: key position <= query position; sliding: and key position > query position - window).
 //
-// Work: one task per (sequence, KV head, tile of kQueries queries). The tile's rows are the G query
-// heads sharing that KV head times its queries (row r = head * kQueries + query), so every K and V row
-// read serves all G heads (GQA without expanding K/V). A task walks its key columns kKeys at a time,
-// only those some query of the tile sees (the causal upper triangle and, on sliding layers, everything
-// left of the window are never touched); only tiles cut by the mask's edge compute a mask.
+// Work: one task per (sequence, KV head, tile of Q queries: 16 where the group G is even, 32 where odd).
+// The tile's rows are the G query heads sharing that KV head times its queries (row r = head * Q + query),
+// so every K and V row read serves all G heads (GQA without expanding K/V). A task walks its key columns
+// kKeys at a time, only those some query of the tile sees (the causal upper triangle and, on sliding
+// layers, everything left of the window are never touched); only steps cut by the mask's edge compute a
+// mask. Inside such an edge step, score blocks of 8 columns that no query of the tile sees and value pairs
+// that no query of a 4-row block sees are skipped (their probabilities are exactly 0). Tasks are taken
+// longest first from a shared counter by torch's OpenMP threads (the module is built with -fopenmp: the
+// omp pragma of at::parallel_for is compiled here); a 512-token chunk of Gemma 3 (1 KV head) is 32 tasks.
 //
 // Layout: the tile's queries are packed once per task as bf16 pairs Qp[D/2][rows] (uint32: dims 2i,
 // 2i+1 of one row; 16 rows per gather); a score block is 8 key columns x 32 rows in lanes: per pair of
@@ -17,8 +21,10 @@
 // Pp[kKeys/2][rows]. V is packed once per (sequence, KV head) as pairs of columns Vp[pair][Dv]; the
 // output O[rows][Dv] float32 accumulates 4 rows x 64 dims per block (Vp loaded, Pp broadcast),
 // rescaled by exp(old max - new max) per key step.
-// Measured (Gemma 3 270M shapes, 1 thread): 400-450 GFLOPS of the ~545 that vdpbf16ps reaches in a
-// bare score loop; 32 or 64 keys and 16, 32 or 64 queries per task measured alike.
+// Measured (Gemma 3 270M shapes, 1 thread, noisy shared machine): 400-450 GFLOPS of the ~545 that vdpbf16ps
+// reaches in a bare score loop (benchmarks/prefill_attention.py); scores run at ~90% of that, P.V at ~80%
+// (its 16 output accumulators are reloaded per key step: 64 keys per step measured ~5% faster than 32),
+// softmax and packing ~6-9% of the time. A cheaper exp (integer exponent, degree 5) measured no faster.
 //
 // Numerics: q.k in float32 from bf16 products (exact) summed in dpbf16's order; softmax in float32 with exp
 // as 2^x (degree-6 polynomial and scalef, about 1e-7 relative); probabilities rounded to bf16 before P.V (as the GEMM path rounds
@@ -31,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -39,8 +46,13 @@
 
 namespace {
 
-constexpr int64_t kQueries = 32;   // queries per task (times G query heads: the tile's rows)
-constexpr int64_t kKeys = 32;      // key columns per step of a task
+// Queries per task (times G query heads: the tile's rows, a multiple of 32 for score_block): 16 where G
+// is even (twice the tasks of 32, so 2 threads split a 512-token chunk of one KV head into 32 tasks and the
+// triangle and window edges waste half as much), 32 where G is odd.
+constexpr int64_t kQueriesEvenGroup = 16;
+constexpr int64_t kQueriesOddGroup = 32;
+constexpr int64_t kKeys = 64;      // key columns per step of a task (64: half the O reloads of 32, ~5% faster)
+constexpr int64_t kPackPairs = 64; // V column pairs packed per parallel work item
 
 // 2^t, float32: t = n + f (n nearest integer, |f| <= 1/2), 2^f by its degree-6 Taylor polynomial
 // (relative error about 1e-7), scaled by 2^n with scalef (underflows to exactly 0). t = -inf gives NaN:
@@ -88,7 +100,7 @@ struct Task {
 };
 
 struct Shape {
-  int64_t num_heads, group, d, dv, rows;
+  int64_t num_heads, group, d, dv, queries, rows;   // rows = group * queries
   int64_t q_token, q_head, k_slot, k_head, v_slot, v_head, o_token, o_head;   // strides (elements)
   int64_t window;   // 0: none
   float scale;
@@ -127,15 +139,16 @@ inline void score_block(const uint32_t* qp, int64_t rows, int64_t d2, const uint
   }
 }
 
-// O[r..r+4][v..v+64] = alpha[r] * O[r][v..] + sum over the step's column pairs of Pp[pair][r] . Vp[pair][v..].
+// O[r..r+4][v..v+64] = alpha[r] * O[r][v..] + sum over column pairs [pair_begin, pair_end) of the step of
+// Pp[pair][r] . Vp[pair][v..] (the caller leaves out pairs these 4 rows do not see: their P is exactly 0).
 inline void value_block(const uint32_t* pp, const uint32_t* vp, int64_t rows, int64_t dv, const float* alpha,
-                        float* o) {
+                        int64_t pair_begin, int64_t pair_end, float* o) {
   __m512 acc[4][4];
   for (int i = 0; i < 4; ++i) {
     const __m512 a = _mm512_set1_ps(alpha[i]);
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o + i * dv + 16 * j), a);
   }
-  for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     __m512bh b[4];
     for (int j = 0; j < 4; ++j) b[j] = as_bh(_mm512_loadu_si512(vp + pair * dv + 16 * j));
     for (int i = 0; i < 4; ++i) {
@@ -147,11 +160,11 @@ inline void value_block(const uint32_t* pp, const uint32_t* vp, int64_t rows, in
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + i * dv + 16 * j, acc[i][j]);
 }
 
-// V of one (sequence, KV head) as bf16 pairs of columns: vp[pair][dv] = (V[2 pair][dv], V[2 pair + 1][dv]),
+// Pairs [pair_begin, pair_end) of V of one (sequence, KV head) as bf16 pairs of columns: vp[pair][dv] = (V[2 pair][dv], V[2 pair + 1][dv]),
 // zeros past the view's last column.
-void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, const Shape& sh, const uint16_t* v,
-                 const uint16_t* zeros, uint32_t* vp) {
-  for (int64_t pair = 0; pair < (num_columns + 1) / 2; ++pair) {
+void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, int64_t pair_begin, int64_t pair_end,
+                 const Shape& sh, const uint16_t* v, const uint16_t* zeros, uint32_t* vp) {
+  for (int64_t pair = pair_begin; pair < std::min(pair_end, (num_columns + 1) / 2); ++pair) {
     const int64_t c = 2 * pair;
     const uint16_t* a = v + seq.slots[c] * sh.v_slot + kv_head * sh.v_head;
     const uint16_t* b = c + 1 < num_columns ? v + seq.slots[c + 1] * sh.v_slot + kv_head * sh.v_head : zeros;
@@ -166,7 +179,7 @@ void pack_values(const Sequence& seq, int64_t kv_head, int64_t num_columns, cons
 // One task; vp: its (sequence, KV head)'s packed V (pack_values).
 void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint16_t* q, const uint16_t* k,
               const uint32_t* vp, uint16_t* out, Scratch& w) {
-  const int64_t rows = sh.rows, d2 = sh.d / 2, dv = sh.dv, group = sh.group;
+  const int64_t rows = sh.rows, d2 = sh.d / 2, dv = sh.dv, group = sh.group, kQueries = sh.queries;
   const int64_t nq = std::min(kQueries, seq.num_queries - task.query);
   const int64_t q_low = seq.start + task.query, q_high = q_low + nq - 1;   // positions
   // pack the tile's queries, 16 rows per gather (padding rows repeat the last query: same mask, never
@@ -195,10 +208,14 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint
       const uint16_t* row = c < valid ? k + seq.slots[c0 + c] * sh.k_slot + task.kv_head * sh.k_head : w.zeros.data();
       w.k_rows[c] = reinterpret_cast<const uint32_t*>(row);
     }
-    for (int64_t r = 0; r < rows; r += 32)
-      for (int64_t c = 0; c < kKeys; c += 8)
-        score_block(w.qp.data() + r, rows, d2, w.k_rows.data() + c, w.s.data() + c * rows + r);
     const int64_t k_first = seq.first + c0;   // position of the step's column 0
+    // a block of 8 columns is computed only where some query of the tile sees one of them (the rest of an
+    // edge step is masked below, whatever its scores hold); a 32-row score block holds every query of the tile
+    const int64_t last_seen = std::min(valid - 1, q_high - k_first);
+    const int64_t first_seen = sh.window == 0 ? 0 : std::max<int64_t>(0, q_low - sh.window + 1 - k_first);
+    for (int64_t c = first_seen & ~int64_t(7); c <= last_seen; c += 8)
+      for (int64_t r = 0; r < rows; r += 32)
+        score_block(w.qp.data() + r, rows, d2, w.k_rows.data() + c, w.s.data() + c * rows + r);
     const bool whole = valid == kKeys && k_first + kKeys - 1 <= q_low &&
                        (sh.window == 0 || k_first > q_high - sh.window);
     for (int64_t r = 0; r < rows; r += 16) {
@@ -246,9 +263,16 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const uint
       _mm512_storeu_ps(w.l.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + r), a, sum));
     }
     const uint32_t* v_step = vp + (c0 / 2) * dv;
-    for (int64_t r = 0; r < rows; r += 4)
+    for (int64_t r = 0; r < rows; r += 4) {
+      // rows r..r+3 are queries t..t+3 of one head: the pairs holding a column one of them sees
+      const int64_t t = r % kQueries;
+      const int64_t hi = std::min(valid - 1, q_low + std::min(t + 3, nq - 1) - k_first);
+      const int64_t lo = sh.window == 0 ? 0 : std::max<int64_t>(0, q_low + std::min(t, nq - 1) - sh.window + 1 - k_first);
+      const int64_t pair_begin = lo / 2, pair_end = hi < lo ? pair_begin : hi / 2 + 1;
       for (int64_t j = 0; j < dv; j += 64)
-        value_block(w.pp.data() + r, v_step + j, rows, dv, w.alpha.data() + r, w.o.data() + r * dv + j);
+        value_block(w.pp.data() + r, v_step + j, rows, dv, w.alpha.data() + r, pair_begin, pair_end,
+                    w.o.data() + r * dv + j);
+    }
   }
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t head = task.kv_head * group + hh;
@@ -289,7 +313,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && q.stride(0) * q.size(0) < (int64_t(1) << 31),
               "q's strides even, its rows within 2^31 elements (32-bit gathers of bf16 pairs)");
   TORCH_CHECK(out.size(1) == sh.num_heads && out.size(2) == sh.dv && out.size(0) == q.size(0), "out [T, H, Dv]");
-  sh.rows = sh.group * kQueries;
+  sh.queries = sh.group % 2 == 0 ? kQueriesEvenGroup : kQueriesOddGroup;
+  sh.rows = sh.group * sh.queries;
   sh.q_token = q.stride(0); sh.q_head = q.stride(1);
   sh.k_slot = k_cache.stride(0); sh.k_head = k_cache.stride(1);
   sh.v_slot = v_cache.stride(0); sh.v_head = v_cache.stride(1);
@@ -305,8 +330,8 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     seq = {pl[4 * i], pl[4 * i + 1], pl[4 * i + 2], pl[4 * i + 3], slots.data_ptr<int64_t>() + i * columns};
     TORCH_CHECK(seq.row_start >= 0 && seq.num_queries >= 0 && seq.row_start + seq.num_queries <= q.size(0) &&
                 seq.start >= seq.first && seq.start + seq.num_queries - seq.first <= columns, "plan row ", i, " out of range");
-    for (int64_t query = 0; query < seq.num_queries; query += kQueries) {
-      const int64_t nq = std::min(kQueries, seq.num_queries - query);
+    for (int64_t query = 0; query < seq.num_queries; query += sh.queries) {
+      const int64_t nq = std::min(sh.queries, seq.num_queries - query);
       const int64_t low = seq.start + query, high = low + nq - 1;
       const int64_t begin = window > 0 ? std::max(seq.first, low - window + 1) : seq.first;
       for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({i, h, query, begin - seq.first, high + 1 - seq.first});
@@ -333,17 +358,29 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   auto region = [&](int64_t i, int64_t kv_head) {
     return packed.data() + offsets[i] + kv_head * (offsets[i + 1] - offsets[i]) / num_kv_heads;
   };
-  at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Sequence& seq = sequences[i / num_kv_heads];
-      pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, sh, vp, zeros.data(),
-                  region(i / num_kv_heads, i % num_kv_heads));
-    }
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = int64_t(tasks.size());
+  // work items of kPackPairs pairs, so both threads pack (one KV head: one region)
+  std::vector<std::array<int64_t, 3>> packs;   // (sequence * num_kv_heads + kv head, first pair, end pair)
+  for (int64_t i = 0; i < b * num_kv_heads; ++i) {
+    const Sequence& seq = sequences[i / num_kv_heads];
+    const int64_t pairs = (seq.start + seq.num_queries - seq.first + 1) / 2;
+    for (int64_t pair = 0; pair < pairs; pair += kPackPairs) packs.push_back({i, pair, pair + kPackPairs});
+  }
+  // One parallel region: each thread takes pack items, then waits (spinning) until every item is packed
+  // and takes tasks, both from shared counters. A thread that another process keeps off its core joins
+  // late and finds less left; only the region's closing barrier waits for it (a second region, for the
+  // packing alone, would wait for it twice).
+  std::atomic<int64_t> next_pack{0}, packed_items{0}, next{0};
+  const int64_t num_packs = int64_t(packs.size()), num_tasks = int64_t(tasks.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t p = next_pack++; p < num_packs; p = next_pack++) {
+      const int64_t i = packs[p][0];
+      const Sequence& seq = sequences[i / num_kv_heads];
+      pack_values(seq, i % num_kv_heads, seq.start + seq.num_queries - seq.first, packs[p][1], packs[p][2], sh, vp,
+                  zeros.data(), region(i / num_kv_heads, i % num_kv_heads));
+      packed_items.fetch_add(1, std::memory_order_release);
+    }
+    while (packed_items.load(std::memory_order_acquire) < num_packs) _mm_pause();
     Scratch scratch(sh);
     for (int64_t i = next++; i < num_tasks; i = next++)
       run_task(tasks[i], sequences[tasks[i].sequence], sh, qp, kp, region(tasks[i].sequence, tasks[i].kv_head),

@@ -6,7 +6,8 @@ per layer), then per tile and KV head makes a scaled copy of the queries, a cont
 float32 scores ``[G * n, columns]`` in memory, a softmax pass and a second GEMM: 71 ms of a 347 ms
 1,019-token prefill of Gemma 3 270M (2 threads). The kernel reads K and V rows from the pool by slot,
 keeps a tile's scores in a few KB, and skips every key tile no query of the tile sees (causal, and
-left of a sliding window).
+left of a sliding window), and inside edge tiles the 8-column score blocks and value pairs nobody sees.
+Its tasks split over torch's threads (OpenMP; see ``COMPILE_FLAGS``).
 
 ``supports`` limits it to what it computes: CPU, bf16 queries and pools, head_dim a multiple
 of 16 and V's of 64, the kernel built (``kernel_status()`` says why not: no avx512_bf16 in /proc/cpuinfo, no
@@ -25,10 +26,12 @@ import torch
 from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+"""``-fopenmp``: ``at::parallel_for`` is a header template; where the module is compiled without
+``_OPENMP`` it calls its body once on the calling thread (the kernel ran on 1 thread of 2 before)."""
 
 KERNEL = CppKernel(SOURCE, "prefill_attention", "prefill attention kernel (AVX512-BF16)",
-                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), COMPILE_FLAGS)
+                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), COMPILE_FLAGS, link_flags=["-fopenmp"])
 
 ENABLED = True
 """False: multi-token groups take the GEMM path (benchmarks/step_ab.py --change prefill_attention, tests)."""

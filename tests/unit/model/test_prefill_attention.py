@@ -96,6 +96,17 @@ def test_gemma3_shape_second_chunk() -> None:
     _case([(512, 507)], num_heads=4, num_kv_heads=1, head_dim=256, window=512, seed=1)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, window", [
+    (4, 1, 512), (4, 1, 37), (7, 1, 50), (4, 2, 19), (8, 2, 3), (4, 1, 1), (6, 3, None)])
+def test_windowed_chunks_with_gqa(num_heads: int, num_kv_heads: int, window: int | None) -> None:
+    """Chunks continuing a prefix (the server's chunked prefill) beside fresh prompts, under windows
+    narrower than a tile, a key step and a score block of 8 columns (the kernel skips the key blocks and
+    value pairs no query of a tile or 4-row block sees, and cuts tiles of 16 queries for even groups,
+    32 for odd ones), with tails shorter than a tile."""
+    _case([(512, 300), (0, 45), (96, 77), (13, 1), (200, 16)], num_heads=num_heads,
+          num_kv_heads=num_kv_heads, head_dim=128, window=window, seed=num_heads + (window or 0))
+
+
 def test_query_stride_of_a_fused_projection() -> None:
     """q as a view of a wider QKV row (the layer's split), not contiguous over tokens."""
     generator = torch.Generator().manual_seed(3)
