@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from servelm.model.huge_pages import advise_huge_pages
+
 
 class KVCache:
     """K and V tensors of every layer, indexed by slot."""
@@ -35,8 +37,8 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_caches = [_zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
+        self.v_caches = [_zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -122,3 +124,12 @@ def select_heads(blocks: torch.Tensor, block_size: int, num_kv_heads: int, start
     same byte layout (the pool of a rank that holds those heads)."""
     heads = block_heads(blocks, block_size, num_kv_heads)[:, :, :, start:start + size]
     return heads.contiguous().view(blocks.shape[0], blocks.shape[1], -1)
+
+
+def _zeroed_pool(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed layer pool, on transparent huge pages where the OS gives them (huge_pages.py: the
+    decode reads its rows block by block from anywhere in it): advised before the zeroing's
+    first touch."""
+    pool = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(pool)
+    return pool.zero_()
