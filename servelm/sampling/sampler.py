@@ -165,7 +165,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
         if greedy:
             index = torch.tensor(greedy, device=processed.device)
-            probs[index, processed[index].argmax(dim=-1)] = 1.0
+            probs[index, first_argmax(processed[index])] = 1.0
         sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
         if sampled:
             index = torch.tensor(sampled, device=processed.device)
