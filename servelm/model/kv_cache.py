@@ -37,8 +37,9 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k_caches = [_zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
-        self.v_caches = [_zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
+        pools = _zeroed_pools(2 * num_layers, shape, dtype, device)
+        self.k_caches = pools[:num_layers]
+        self.v_caches = pools[num_layers:]
 
     @property
     def num_slots(self) -> int:
@@ -126,10 +127,13 @@ def select_heads(blocks: torch.Tensor, block_size: int, num_kv_heads: int, start
     return heads.contiguous().view(blocks.shape[0], blocks.shape[1], -1)
 
 
-def _zeroed_pool(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed layer pool, on transparent huge pages where the OS gives them (huge_pages.py: the
-    decode reads its rows block by block from anywhere in it): advised before the zeroing's
-    first touch."""
-    pool = torch.empty(shape, dtype=dtype, device=device)
-    advise_huge_pages(pool)
-    return pool.zero_()
+def _zeroed_pools(count: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor]:
+    """``count`` zeroed layer pools, views of one allocation on transparent huge pages where the OS
+    gives them (huge_pages.py: a decode reads its rows block by block from anywhere in a pool).
+    One allocation, not one per pool: glibc serves it by a fresh mapping (above its mmap
+    threshold, engine/heap.py), whose pages the advice reaches before the zeroing first touches
+    them; a per-layer pool came from heap memory that earlier frees had already faulted in."""
+    pools = torch.empty((count, *shape), dtype=dtype, device=device)
+    advise_huge_pages(pools)
+    return list(pools.zero_().unbind(0))
