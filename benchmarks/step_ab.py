@@ -40,6 +40,8 @@ with and without the change (prefix cache off), and whether every output is iden
   of servelm.model.architectures.gemma3_decode.
 - ``llama_decode``: the Llama family's (Llama, Mistral, Qwen2, Qwen3) decode steps go through the layer
   modules instead of the flat calls of servelm.model.architectures.llama_decode.
+- ``first_argmax``: greedy rows take ``torch.argmax`` instead of servelm.sampling.argmax's chunked
+  pass (the same token ids).
 - ``gguf_decode_call``: a GGUF block layer's few-row bf16 calls take the general routing of
   GGUFBlockLinearMethod.apply instead of the kernel call prepared at load.
 
@@ -188,6 +190,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             DecodePlan.applies = original_applies  # type: ignore[method-assign]
+    elif change == "first_argmax":
+        from servelm.sampling import sampler as sampler_module
+        fast: Any = sampler_module.first_argmax
+        sampler_module.first_argmax = lambda logits: logits.argmax(dim=-1)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            sampler_module.first_argmax = fast
     elif change == "llama_decode":
         from servelm.model.architectures.llama_decode import LlamaDecodePlan
         llama_applies: Any = LlamaDecodePlan.applies

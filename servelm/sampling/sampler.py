@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from servelm.sampling.argmax import first_argmax
 from servelm.sampling.logprobs import TokenLogprob, compute_prompt_logprobs, gather_logprobs
 from servelm.sampling.params import SamplingParams
 from servelm.sampling.penalties import apply_logit_bias, apply_penalties, ban_tokens
@@ -131,15 +132,15 @@ class Sampler:
     def _select(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
         if len(greedy) == len(rows):
-            # torch.argmax returns the first maximal index: ties go to the lowest token id.
-            token_ids: list[int] = logits.argmax(dim=-1).tolist()
+            # The first maximal index, as torch.argmax: ties go to the lowest token id.
+            token_ids: list[int] = first_argmax(logits).tolist()
             return token_ids
         sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
         device = logits.device
         chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
         if greedy:
             greedy_index = torch.tensor(greedy, device=device)
-            chosen[greedy_index] = logits[greedy_index].argmax(dim=-1)
+            chosen[greedy_index] = first_argmax(logits[greedy_index])
         sampled_index = torch.tensor(sampled, device=device)
         sampled_logits = logits if len(sampled) == len(rows) else logits[sampled_index]
         chosen[sampled_index] = self._sample(sampled_logits, [rows[i] for i in sampled])
@@ -164,7 +165,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
         if greedy:
             index = torch.tensor(greedy, device=processed.device)
-            probs[index, processed[index].argmax(dim=-1)] = 1.0
+            probs[index, first_argmax(processed[index])] = 1.0
         sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
         if sampled:
             index = torch.tensor(sampled, device=processed.device)

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -17,16 +18,60 @@
 namespace {
 
 // How many columns ahead the tiled kernel prefetches K and V rows (a sequence's blocks lie anywhere
-// in the pool). Cold pools, 32 x 133 columns of Gemma 3 270M, 1 thread: 0.28 ms per layer with it,
-// 0.47 without (the plain kernel: 0.37); 4 to 32 columns ahead measured alike. Prefetching V's first
-// rows during the softmax measured slower (0.30).
-constexpr int64_t kPrefetchColumns = 4;
+// in the pool). 32 streams x 64-264 columns of Gemma 3 270M, 18 layers' pools (cold, as in a step:
+// the GEMMs between two layers' attention evict the KV), 1 thread: 8.6 ms at 4 columns, 6.6-7.3 at
+// 16, 7.4 at 32 (noisy, shared machine); prefetching V rows into L2 during the scores: 8.4.
+constexpr int64_t kPrefetchColumns = 16;
+
+// A task's fixed work (softmax setup, the output's stores) in columns, for the thread split.
+constexpr int64_t kTaskColumns = 8;
 
 // 16 pool values as float32: float rows as they are, bf16 rows widened (bf16 is float32's top half).
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const uint16_t* x) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// exp of 16 lanes (x <= 0 here: scores minus their maximum), Cephes' expf polynomial: x = n ln2 + r,
+// |r| <= ln2 / 2, e^r to ~1 ulp, times 2^n by scalef. std::exp per score (scalar, a call each) was a
+// quarter of the kernel's time at 32 streams x 164 columns; both arrangements use this one.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));   // below: 0 after scalef, as expf gives
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0..n) <- exp(s - max s), 16 lanes at a time (the tail masked); returns 1 / their sum.
+inline float softmax_row(float* s, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - c)) - 1u);
+  vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, tail, s + c));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  __m512 sum = _mm512_setzero_ps();
+  for (c = 0; c + 16 <= n; c += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
+    _mm512_storeu_ps(s + c, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (c < n) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + c), m));
+    _mm512_mask_storeu_ps(s + c, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
 template <typename T>
@@ -61,14 +106,7 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int
         const T* k_row = kp + (row_slots[c] * num_kv_heads + h) * d;
         for (int64_t g = 0; g < group; ++g) scores[g * n + c] = dot(q0 + g * d, k_row, d) * fscale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < n; ++c) m = s[c] > m ? s[c] : m;
-        float sum = 0.0f;
-        for (int64_t c = 0; c < n; ++c) { s[c] = std::exp(s[c] - m); sum += s[c]; }
-        inv_sum[g] = 1.0f / sum;
-      }
+      for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_row(scores.data() + g * n, n);
       float* o0 = op + (i * num_heads + h * group) * d;
       for (int64_t c = 0; c < n; ++c) {
         const T* v_row = vp + (row_slots[c] * num_kv_heads + h) * d;
@@ -156,14 +194,7 @@ void attend_heads(const float* q0, const T* kp, const T* vp, const int64_t* row_
   int64_t c = 0;
   for (; c + TC <= n; c += TC) scores_tile<T, G, TC>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
   for (; c < n; ++c) scores_tile<T, G, 1>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
-  for (int g = 0; g < G; ++g) {  // softmax exactly as run() computes it
-    float* s = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
-    inv_sum[g] = 1.0f / sum;
-  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores + g * n, n);   // as run() computes it
   constexpr int W = G <= 6 ? 4 : 2;
   int64_t j = 0;
   for (; j + 16 * W <= d; j += 16 * W) values_piece<T, G, W>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0);
@@ -196,10 +227,25 @@ void run_tiled(const float* qp, const T* kp, const T* vp, const int64_t* sp, con
                float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                int64_t columns, float fscale) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Contiguous runs of tasks of equal cost (columns plus a fixed share for the per-task work), one
+  // per thread: parallel_for's equal task counts left one thread with the longer contexts.
+  const int64_t num_tasks = b * num_kv_heads;
+  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> bounds(num_parts + 1, num_tasks);
+  bounds[0] = 0;
+  if (num_parts > 1) {
+    int64_t total = 0;
+    for (int64_t task = 0; task < num_tasks; ++task) total += np[task / num_kv_heads] + kTaskColumns;
+    int64_t done = 0, part = 1;
+    for (int64_t task = 0; task < num_tasks && part < num_parts; ++task) {
+      done += np[task / num_kv_heads] + kTaskColumns;
+      while (part < num_parts && done * num_parts >= total * part) bounds[part++] = task + 1;
+    }
+  }
+  at::parallel_for(0, num_parts, 1, [&](int64_t first_part, int64_t end_part) {
     std::vector<float> scores;
     float inv_sum[8];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = bounds[first_part]; task < bounds[end_part]; ++task) {
       const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t n = np[i];
       if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);

@@ -1,0 +1,45 @@
+"""The KV pool on transparent huge pages: zeroed as before, and mapped with 2-MiB pages where the
+kernel offers them (checked in /proc/self/smaps, not assumed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm.model.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+from servelm.model.kv_cache import KVCache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address`` (bytes)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists()
+                    or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_pool_is_zeroed_on_huge_pages() -> None:
+    cache = KVCache(num_layers=2, num_blocks=1024, block_size=16, num_kv_heads=1, head_dim=256,
+                    dtype=torch.bfloat16, device=torch.device("cpu"))
+    for pool in (*cache.k_caches, *cache.v_caches):
+        assert not pool.any()
+        assert _huge_bytes_at(pool.data_ptr() + pool.nbytes // 2) >= HUGE_PAGE_BYTES
+
+
+def test_small_or_foreign_tensors_are_left_alone() -> None:
+    assert not advise_huge_pages(torch.zeros(1000))
+    fp8 = KVCache(num_layers=1, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float8_e4m3fn, device=torch.device("cpu"))
+    assert not fp8.k_caches[0].view(torch.uint8).any()
