@@ -44,7 +44,11 @@
 #include <limits>
 #include <vector>
 
+#include "servelm_simd.h"
+
 namespace {
+
+using servelm_simd::exp2_16;
 
 // Queries per task (times G query heads: the tile's rows, a multiple of 32 for score_block): 16 where G
 // is even (twice the tasks of 32, so 2 threads split a 512-token chunk of one KV head into 32 tasks and the
@@ -53,22 +57,6 @@ constexpr int64_t kQueriesEvenGroup = 16;
 constexpr int64_t kQueriesOddGroup = 32;
 constexpr int64_t kKeys = 64;      // key columns per step of a task (64: half the O reloads of 32, ~5% faster)
 constexpr int64_t kPackPairs = 64; // V column pairs packed per parallel work item
-
-// 2^t, float32: t = n + f (n nearest integer, |f| <= 1/2), 2^f by its degree-6 Taylor polynomial
-// (relative error about 1e-7), scaled by 2^n with scalef (underflows to exactly 0). t = -inf gives NaN:
-// callers zero the masked lanes themselves.
-inline __m512 exp2_16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 

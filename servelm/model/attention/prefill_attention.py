@@ -26,12 +26,10 @@ import torch
 from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-"""``-fopenmp``: ``at::parallel_for`` is a header template; where the module is compiled without
-``_OPENMP`` it calls its body once on the calling thread (the kernel ran on 1 thread of 2 before)."""
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
 
 KERNEL = CppKernel(SOURCE, "prefill_attention", "prefill attention kernel (AVX512-BF16)",
-                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), COMPILE_FLAGS, link_flags=["-fopenmp"])
+                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), COMPILE_FLAGS)
 
 ENABLED = True
 """False: multi-token groups take the GEMM path (benchmarks/step_ab.py --change prefill_attention, tests)."""

@@ -15,8 +15,8 @@ layers/test_fused_ops.py), not always bit for bit.
 Invariants:
 - ``applies`` is True only on CPU, for float32 or bfloat16 tensors of any number of rows, outside
   torch.compile tracing (a compiled layer fuses the same ops itself), with the kernel built. Rows
-  are split over torch's threads past ``kParallelElements`` (fused_ops.cpp; the module is built with
-  -fopenmp, without which ATen's parallel_for runs every chunk on the calling thread).
+  are split over torch's threads past ``kParallelElements`` (fused_ops.cpp; CppKernel builds every
+  kernel with -fopenmp, without which ATen's parallel_for runs every chunk on the calling thread).
 - Prefill and decode take the same path, so a prompt's tokens are computed as a decode step would
   compute them (same rounding points, same approximated exp).
 - The kernel is plain C++ that needs no CPU feature (AVX-512 flags are added where /proc/cpuinfo
@@ -38,9 +38,7 @@ _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 def _compile_flags() -> list[str]:
     from servelm.model.loader import cpu_flags
-    # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's header; without the flag it runs the
-    # whole range on the calling thread (every row block of a prefill on one core)
-    flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
+    flags = ["-O3", "-ffp-contract=off"]
     if all(flag in cpu_flags() for flag in _AVX512):
         flags += ["-m" + flag.replace("_", "") for flag in _AVX512]
         if "avx512_bf16" in cpu_flags() and "fma" in cpu_flags():
@@ -55,8 +53,7 @@ _kernel: CppKernel | None = None
 def kernel() -> CppKernel:
     global _kernel
     if _kernel is None:
-        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags(),
-                            link_flags=["-fopenmp"])
+        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags())
     return _kernel
 
 

@@ -19,6 +19,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "servelm_simd.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -225,16 +226,7 @@ inline __m512 activate16(__m512 g) {
   // polynomial of 2^f and scalef; 2 / (e + 1) by rcp14 and one Newton step instead of a division:
   // 2x the throughput of exp_poly16 + vdivps (0.72 -> 0.37 ns per element, one thread).
   const __m512 x = _mm512_min_ps(_mm512_mul_ps(abs_u, _mm512_set1_ps(2.f * 1.44269504088896341f)), _mm512_set1_ps(64.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, one);
-  const __m512 den = _mm512_add_ps(_mm512_scalef_ps(p, n), one);
+  const __m512 den = _mm512_add_ps(servelm_simd::exp2_16(x), one);
   __m512 inv = _mm512_rcp14_ps(den);
   inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
   const __m512 t = _mm512_fnmadd_ps(_mm512_set1_ps(2.f), inv, one);

@@ -22,10 +22,9 @@ from servelm.model.layers.gguf_blocks import BlockWeight
 
 SOURCE = Path(__file__).with_name("gguf_i8gemm.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
-KERNEL = CppKernel(SOURCE, "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS,
-                   link_flags=["-fopenmp"])
+KERNEL = CppKernel(SOURCE, "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS)
 
 missing_cpu_flags = KERNEL.missing_cpu_flags
 load_kernel = KERNEL.load

@@ -17,10 +17,10 @@ from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("gguf_kernel.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 KERNEL = CppKernel(SOURCE, "gguf_block", "GGUF block kernel (AVX512-VNNI)", REQUIRED_FLAGS,
-                   COMPILE_FLAGS, link_flags=["-fopenmp"])
+                   COMPILE_FLAGS)
 
 
 def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:

@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "servelm_simd.h"
+
 namespace {
 
 constexpr int64_t kStep = 64;      // inputs per step: two bf16 vectors of 32
@@ -146,17 +148,6 @@ void tile_dispatch(int rows, const __m512bh* const* wrows, const float* const* s
   }
 }
 
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 }  // namespace
 
 // Python: rows_linear(x, codes, scales, offsets, block, bf16_out=False): x [M, K] bfloat16, codes int8
@@ -208,7 +199,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         for (int i = 0; i < valid; ++i)
           for (int r = 0; r < tile; ++r) {
             float value = dots[i][r];
-            if (o != nullptr) value += dot_f32(o + (n0 + i) * nb, sums.data() + (r0 + r) * nb, nb);
+            if (o != nullptr) value += servelm_simd::dot_f32(o + (n0 + i) * nb, sums.data() + (r0 + r) * nb, nb);
             const int64_t at = (r0 + r) * n + n0 + i;
             if (yf != nullptr) yf[at] = value;
             else yb[at] = at::BFloat16(value);   // round to nearest even, as torch

@@ -20,10 +20,9 @@ from servelm.model.cpp_kernel import CppKernel
 
 SOURCE = Path(__file__).with_name("gguf_rows.cpp")
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
-KERNEL = CppKernel(SOURCE, "gguf_rows", "GGUF rows kernel (AVX512-BF16)", REQUIRED_FLAGS, COMPILE_FLAGS,
-                   link_flags=["-fopenmp"])
+KERNEL = CppKernel(SOURCE, "gguf_rows", "GGUF rows kernel (AVX512-BF16)", REQUIRED_FLAGS, COMPILE_FLAGS)
 
 
 missing_cpu_flags = KERNEL.missing_cpu_flags

@@ -48,8 +48,7 @@ from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load
 logger = logging.getLogger(__name__)
 
 KERNEL = CppKernel(Path(__file__).with_name("lm_head_screen.cpp"), "lm_head_screen",
-                   "LM-head screen kernel (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS,
-                   link_flags=["-fopenmp"])
+                   "LM-head screen kernel (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS)
 
 CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
