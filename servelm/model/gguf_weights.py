@@ -36,7 +36,7 @@ from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers import gguf_i8gemm, gguf_rows
-from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED,
+from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED,
                                               KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
                                               GGUFBlockLinearMethod)
 from servelm.model.layers.linear import LinearBase
@@ -232,7 +232,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                         f"{spans['head']}, without a dense copy)")
     if i8_kernel is not None:
         kernel_note += (f"; the int8 GEMM (AVX512-VNNI, activations rounded to int8 per block) from "
-                        f"{I8_GEMM_FIRST_ROWS['layers']} rows (LM head from {I8_GEMM_FIRST_ROWS['head']}), "
+                        f"{I8_GEMM_FIRST_ROW} prompt rows (never decode rows or the LM head), "
                         f"never {'/'.join(I8_GEMM_SKIPPED)}")
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,

@@ -40,6 +40,7 @@ from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         resolve_quantization)
 from servelm.model.kv_cache import KVCache
+from servelm.model.layers.gguf_linear import prompt_rows
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
@@ -301,7 +302,11 @@ class ModelRunner:
         if self.thread_governor is not None:
             self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
-        hidden = self.model(batch)
+        # a sequence whose every row gets logits is generating (decode, verify, prompt logprobs): its
+        # rows keep unrounded activations; prompt rows may take the int8 GEMM (gguf_linear.py)
+        with prompt_rows([len(s.token_ids) for s in plan.sequences],
+                         [len(s.token_ids) <= s.num_logits for s in plan.sequences]):
+            hidden = self.model(batch)
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:

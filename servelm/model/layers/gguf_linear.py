@@ -22,10 +22,10 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   accumulators, the scales applied in float32 once per block (the weight exactly code x scale, the
   activations unrounded); 0.33-0.85 of the dense copy's time up to 48 rows. The head keeps no dense
   copy then, and a layer's prepared decode call is this GEMM (``decode_rows``).
-- the int8 GEMM (gguf_i8gemm.cpp, AVX512-VNNI; ``I8_GEMM_FIRST_ROWS``): activations rounded to int8
+- the int8 GEMM (gguf_i8gemm.cpp, AVX512-VNNI; ``I8_GEMM_FIRST_ROW``): activations rounded to int8
   per block as llama.cpp does and ``vpdpbusd`` on a copy of the codes packed at load (1 byte per
-  weight), for a layer's rows from 49 on (prefill chunks) and the LM head's from 16: 0.57 of the
-  rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
+  weight), for a layer's prompt rows from 49 on (prefill chunks; decode, verify and the LM head keep
+  the rows kernel at any batch size: ``prompt_rows``): 0.57 of the rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
   rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``).
   Not with ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
@@ -39,6 +39,9 @@ instead of 88% identical outputs on Qwen2.5-Coder 0.5B).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -75,16 +78,17 @@ kernel's time at M=1, 0.44 at 4 and 0.31-0.36 from 5 rows on; against the dense 
 6 rows; 0.24 of the dense copy at M=1, 0.44 at 16, 0.73 at 32, 0.78 at 64 and 0.86 at 128: every row
 count, so the head keeps no dense copy (``process``). A layer's prepared decode call is this GEMM
 too (``decode_rows``), so Gemma 3's flat decode path (gemma3_decode.py) takes up to 48 rows."""
-I8_GEMM_FIRST_ROWS = {"layers": 49, "head": 16}
-"""Rows from which the layers and the LM head run the int8 x int8 GEMM (gguf_i8gemm.cpp, activations
+I8_GEMM_FIRST_ROW = 49
+"""Rows from which a layer's prompt rows run the int8 x int8 GEMM (gguf_i8gemm.cpp, activations
 rounded to int8 per block: llama.cpp's arithmetic) where it is built; float32 rows the VNNI kernel
 does not take as well. From benchmarks/gguf_rows.py (Gemma 3 270M's shapes, 1 thread, thread clock,
 noisy shared machine; benchmarks/RESULTS.md "An int8 GEMM for prefill"): the four decoder shapes take
-0.57 of rows_gemm's time at 512 rows and 0.65 of the dense bf16 copy (oneDNN); the head 0.8 of
-rows_gemm from 16 rows, 1.0-1.07 below. It also beats rows_gemm on the layers at 1-48 rows (0.6-0.8),
-but int8 activations in every decode step keep only 50-62% of the greedy outputs identical to
-float32 (``--quantization gguf_a8``, RESULTS.md), under issue 16's 75%: decode keeps the rows kernel,
-prefill (chunks above 48 rows: the rows kernel's last row + 1) rounds its activations to int8."""
+0.57 of rows_gemm's time at 512 rows and 0.65 of the dense bf16 copy (oneDNN). It also beats rows_gemm
+at 1-48 rows (0.6-0.8) and on the LM head (0.8 from 16 rows), but int8 activations on generation rows
+cost quality: on every decode row 50-62% of the greedy outputs stay identical to float32
+(``--quantization gguf_a8``, RESULTS.md), on the head's rows alone 75% at 32 streams against 88%, both
+at or under issue 16's 75%. So decode, verify and the head keep the rows kernel at every batch size
+(``prompt_rows``), and only prompt rows (prefill chunks above 48 rows) round to int8."""
 I8_GEMM_SKIPPED = ("qkv_proj", "k_proj", "v_proj")
 """Layers (by their module name's last part) that never take the int8 GEMM: the projections whose
 results the KV cache keeps. Their prefill rows, rounded to int8, reach every later token's
@@ -117,6 +121,46 @@ def decode_takes_bias(call: tuple[object, ...]) -> bool:
     return not _is_rows_gemm(call)
 
 
+class _RowScope:
+    """Which rows of the running forward pass may take the int8 GEMM (``prompt_rows``)."""
+
+    generation_only = False
+    """Every row is a generation row: none takes the int8 GEMM."""
+    generation_rows: torch.Tensor | None = None
+    """The generation rows' indices when the pass mixes them with prompt rows, else None."""
+
+
+_SCOPE = _RowScope()
+
+
+@contextmanager
+def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]:
+    """While a forward pass runs: only its prompt rows may take the int8 GEMM.
+
+    ``row_counts[i]`` rows of the pass belong to sequence i, a generation sequence where
+    ``generation[i]`` (a decode step, a speculative verify, prompt logprobs: rows whose own logits are
+    read). Generation rows keep unrounded bf16 activations at every batch size (the rows kernel), so
+    that a stream's tokens do not depend on how many others share its step: with int8 activations on
+    every decode row Gemma 3 keeps 62% of quant_quality's outputs identical at 64 streams, 88% without.
+    Outside this scope (a layer called directly) the row count alone decides."""
+    previous = (_SCOPE.generation_only, _SCOPE.generation_rows)
+    if all(generation):
+        _SCOPE.generation_only, _SCOPE.generation_rows = True, None
+    elif any(generation):
+        starts = [0]
+        for count in row_counts[:-1]:
+            starts.append(starts[-1] + count)
+        index = [row for start, count, is_generation in zip(starts, row_counts, generation) if is_generation
+                 for row in range(start, start + count)]
+        _SCOPE.generation_only, _SCOPE.generation_rows = False, torch.tensor(index, dtype=torch.long)
+    else:
+        _SCOPE.generation_only, _SCOPE.generation_rows = False, None
+    try:
+        yield
+    finally:
+        _SCOPE.generation_only, _SCOPE.generation_rows = previous
+
+
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
 
@@ -134,7 +178,7 @@ class GGUFBlockLinearMethod:
         """The AVX512-BF16 rows kernel (gguf_rows.py's module), or None: used on bf16 rows only
         (``ROWS_KERNEL_ROWS``)."""
         self.i8_kernel = i8_kernel if activations != "float" else None
-        """The int8 GEMM (gguf_i8gemm.py's module), or None: rows from ``I8_GEMM_FIRST_ROWS`` on (and
+        """The int8 GEMM (gguf_i8gemm.py's module), or None: prompt rows from ``I8_GEMM_FIRST_ROW`` on (and
         rows no other kernel takes where no dense copy is kept). Not with ``float`` activations (the
         exact mode)."""
         self.dense_dtype = dense_dtype
@@ -166,8 +210,9 @@ class GGUFBlockLinearMethod:
                              if layer.gguf_uses_rows_kernel else None)
         layer.gguf_decode_args = self._decode_args(layer)
         # the int8 GEMM reads its own copy (codes + 128, 1 byte per weight, scales tiled)
-        layer.gguf_i8 = (gguf_i8gemm.pack(weight)
-                         if int8_rows and self.i8_kernel is not None and weight.block in (16, 32) else None)
+        # (never the LM head: its rows are generation rows, ``I8_GEMM_FIRST_ROW``)
+        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if int8_rows and not float_output and self.i8_kernel is not None
+                         and weight.block in (16, 32) else None)
         # Batched decode and prefill rows run a dense GEMM on a copy dequantized once: dequantizing
         # per call cost 40% of a 32-stream server's throughput (benchmarks/RESULTS.md), and at
         # M=32 the kernel takes 1.7x a bf16 GEMM even on the LM head. A head whose every row count
@@ -177,7 +222,7 @@ class GGUFBlockLinearMethod:
                            and layer.gguf_uses_kernel and first <= layer.gguf_kernel_max_rows + 1)
         # A bf16 model's layer with the rows kernel (1-48 rows) and the int8 GEMM (49 on) needs no
         # dense copy. A float32 model keeps it for its 17-48 rows (batched decode: unrounded
-        # activations, as the bf16 model's rows kernel; ``I8_GEMM_FIRST_ROWS``).
+        # activations, as the bf16 model's rows kernel; ``I8_GEMM_FIRST_ROW``).
         needs_dense = needs_dense and not (layer.gguf_i8 is not None and layer.gguf_uses_rows_kernel)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if needs_dense else None
         if getattr(layer, "weight", None) is not None:
@@ -205,18 +250,19 @@ class GGUFBlockLinearMethod:
         weight: BlockWeight = layer.gguf_weight
         is_head = getattr(layer, "gguf_float_output", False)
         i8 = state.get("gguf_i8")
-        if i8 is not None and x2.shape[0] >= I8_GEMM_FIRST_ROWS["head" if is_head else "layers"]:
-            return self._i8_gemm(layer, x2, bias, is_head, shape)
+        int8_allowed = i8 is not None and not _SCOPE.generation_only
+        if int8_allowed and x2.shape[0] >= I8_GEMM_FIRST_ROW:
+            out = self._i8_gemm(layer, x2, bias, is_head)
+            generation = _SCOPE.generation_rows
+            if generation is not None and layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16:
+                # a mixed pass: its decode/verify rows as a pass of their own would compute them
+                out.index_copy_(0, generation, self._rows_gemm(layer, x2.index_select(0, generation), bias, is_head))
+            return out.reshape(*shape[:-1], out.shape[-1])
         if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
-                and self._rows_kernel_takes(x2.shape[0], is_head)):
-            # float32 out for the head (logits never rounded to bf16) or before a bias
-            codes, scales, offsets = layer.gguf_packed
-            out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
-                x2.contiguous(), codes, scales, offsets, weight.block, bias is None and not is_head,
-                weight.codes.shape[0])
-            if bias is not None:
-                out = out + bias
-            out = out.float() if is_head else out.to(x.dtype)
+                and (self._rows_kernel_takes(x2.shape[0], is_head) or (i8 is not None and layer.gguf_dense is None))):
+            # generation rows above the rows kernel's routing on a layer whose only other copy is
+            # the int8 one take the rows kernel too (it computes any row count)
+            out = self._rows_gemm(layer, x2, bias, is_head)
             return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
         if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
@@ -233,7 +279,8 @@ class GGUFBlockLinearMethod:
         elif i8 is not None and layer.gguf_dense is None:
             # rows no other kernel takes on a layer without a dense copy (float32 rows of a bf16
             # model above the VNNI kernel's limit)
-            return self._i8_gemm(layer, x2, bias, is_head, shape)
+            out = self._i8_gemm(layer, x2, bias, is_head)
+            return out.reshape(*shape[:-1], out.shape[-1])
         elif layer.gguf_dense is None:
             # a head without a dense copy (process): rows the routing above did not take (float32
             # ones) go through the rows kernel as bf16, as the dense bf16 copy would take them
@@ -249,10 +296,22 @@ class GGUFBlockLinearMethod:
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
-    def _i8_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, is_head: bool,
-                 shape: torch.Size) -> torch.Tensor:
-        """``apply`` on the int8 GEMM: bf16 out for bf16 rows (rounded by the kernel) unless a bias
-        (added in float32) or the head's float32 logits follow."""
+    def _rows_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
+                   is_head: bool) -> torch.Tensor:
+        """``apply`` on the rows kernel for bf16 rows [M, K]: float32 out for the head (logits never
+        rounded to bf16) or before a bias, else bf16 rounded by the kernel."""
+        codes, scales, offsets = layer.gguf_packed
+        out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+            x2.contiguous(), codes, scales, offsets, layer.gguf_weight.block, bias is None and not is_head,
+            layer.gguf_weight.codes.shape[0])
+        if bias is not None:
+            out = out + bias
+        return out.float() if is_head else out.to(x2.dtype)
+
+    def _i8_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
+                 is_head: bool) -> torch.Tensor:
+        """``apply`` on the int8 GEMM for rows [M, K]: bf16 out for bf16 rows (rounded by the kernel)
+        unless a bias (added in float32) or the head's float32 logits follow."""
         codes, scales, offsets = layer.gguf_i8
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
@@ -261,8 +320,7 @@ class GGUFBlockLinearMethod:
             is_bf16 and bias is None and not is_head, weight.codes.shape[0])
         if bias is not None:
             out = out + bias
-        out = out.float() if is_head else out.to(x2.dtype)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out.float() if is_head else out.to(x2.dtype)
 
     @staticmethod
     def _rows_kernel_takes(rows: int, is_head: bool) -> bool:

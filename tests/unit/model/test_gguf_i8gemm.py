@@ -10,7 +10,7 @@ import torch
 from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
-from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROWS, I8_GEMM_SKIPPED, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, GGUFBlockLinearMethod, prompt_rows
 from servelm.model.layers.linear import dense_linear
 
 
@@ -125,9 +125,10 @@ def test_bad_arguments_are_refused(kernel) -> None:
         kernel.i8_gemm(torch.randn(2, 128), codes, scales, None, 32, False, 33)
 
 
-def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
-    """Routing (gguf_linear.py): bf16 rows from I8_GEMM_FIRST_ROWS on, float32 rows above the VNNI
-    kernel's limit; no dense copy of a layer is kept; fewer rows keep their kernels."""
+def test_layers_take_the_int8_gemm_from_its_first_row_and_the_head_never(kernel) -> None:
+    """Routing (gguf_linear.py): a layer's bf16 rows from I8_GEMM_FIRST_ROW on, float32 rows above the
+    VNNI kernel's limit; the head never (its rows are generation rows); no dense copy of a layer is
+    kept; fewer rows keep their kernels."""
     vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
     if vnni is None or rows_kernel is None:
         pytest.skip("no VNNI or rows kernel here")
@@ -136,16 +137,17 @@ def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
     layer, head = torch.nn.Module(), torch.nn.Module()
     method.process(layer, weight)
     method.process(head, weight, float_output=True)
-    assert layer.gguf_dense is None and head.gguf_dense is None
+    assert layer.gguf_dense is None and head.gguf_dense is None and head.gguf_i8 is None
     codes, scales, offsets = layer.gguf_i8
-    for module, role in ((layer, "layers"), (head, "head")):
-        first = I8_GEMM_FIRST_ROWS[role]
-        for m in (1, first - 1, first, first + 37):
-            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
-            out = method.apply(module, x, None)
-            assert out.dtype == (torch.float32 if role == "head" else torch.bfloat16) and out.shape == (m, 70)
-            by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, role == "layers", 70)
-            assert torch.equal(out, by_i8) == (m >= first), (role, m)
+    first = I8_GEMM_FIRST_ROW
+    for m in (1, first - 1, first, first + 37):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        out = method.apply(layer, x, None)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, 70)
+        assert torch.equal(out, kernel.i8_gemm(x, codes, scales, offsets, 32, True, 70)) == (m >= first), m
+        logits = method.apply(head, x, None)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, rows_kernel.rows_gemm(x, *head.gguf_packed, 32, False, 70)), m
     # float32 rows of a bf16 model: the VNNI kernel up to its limit, the int8 GEMM above (no dense
     # copy to take them)
     limit = layer.gguf_kernel_max_rows
@@ -163,7 +165,7 @@ def test_layers_and_head_take_the_int8_gemm_from_its_first_row(kernel) -> None:
     float_layer = torch.nn.Module()
     float_model.process(float_layer, weight)
     assert float_layer.gguf_dense is not None and float_layer.gguf_dense.dtype == torch.float32
-    first = I8_GEMM_FIRST_ROWS["layers"]
+    first = I8_GEMM_FIRST_ROW
     x = torch.randn(first, 256)
     assert torch.equal(float_model.apply(float_layer, x, None),
                        kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
@@ -187,5 +189,39 @@ def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
     layer = torch.nn.Module()
     method.process(layer, weight, int8_rows=False)
     assert layer.gguf_i8 is None and layer.gguf_dense is not None
-    x = torch.randn(I8_GEMM_FIRST_ROWS["layers"], 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(I8_GEMM_FIRST_ROW, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
+
+
+def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
+    """``prompt_rows``: in a pass of decode/verify rows only, every row count takes the rows kernel;
+    in a mixed pass the prompt rows take the int8 GEMM and the generation rows come out as they would
+    in a pass of their own."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    weight = block_weight(70, 256, 32, False, seed=10)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    codes, scales, offsets = layer.gguf_i8
+    x = torch.randn(90, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
+
+    def by_rows(rows: torch.Tensor) -> torch.Tensor:
+        return rows_kernel.rows_gemm(rows.contiguous(), *layer.gguf_packed, 32, True, 70)
+
+    with prompt_rows([1] * 90, [True] * 90):   # 90 decode streams
+        assert torch.equal(method.apply(layer, x, None), by_rows(x))
+    # 2 decode rows, a 60-token prompt chunk, a 5-row verify, a 23-token prompt chunk
+    counts, generation = [1, 1, 60, 5, 23], [True, True, False, True, False]
+    with prompt_rows(counts, generation):
+        out = method.apply(layer, x, None)
+    by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, True, 70)
+    gen_rows = list(range(0, 2)) + list(range(62, 67))
+    prompt = [r for r in range(90) if r not in gen_rows]
+    assert torch.equal(out[gen_rows], by_rows(x[gen_rows]))
+    assert torch.equal(out[prompt], by_i8[prompt])
+    assert not torch.equal(out[gen_rows], by_i8[gen_rows])   # the fix-up did something
+    with prompt_rows([90], [False]):   # one prompt: every row on the int8 GEMM
+        assert torch.equal(method.apply(layer, x, None), by_i8)
+    assert torch.equal(method.apply(layer, x, None), by_i8)   # outside any pass: the row count decides
