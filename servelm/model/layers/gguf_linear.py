@@ -40,6 +40,7 @@ instead of 88% identical outputs on Qwen2.5-Coder 0.5B).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -121,8 +122,9 @@ def decode_takes_bias(call: tuple[object, ...]) -> bool:
     return not _is_rows_gemm(call)
 
 
-class _RowScope:
-    """Which rows of the running forward pass may take the int8 GEMM (``prompt_rows``)."""
+class _RowScope(threading.local):
+    """Which rows of the forward pass running on this thread may take the int8 GEMM (``prompt_rows``);
+    per thread, as two engines in one process (tests, a draft model) may run passes side by side."""
 
     generation_only = False
     """Every row is a generation row: none takes the int8 GEMM."""
