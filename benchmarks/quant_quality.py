@@ -51,6 +51,48 @@ PROMPTS = [
     "Dear hiring manager, I am writing to apply for",
 ]
 
+MORE_PROMPTS = [
+    "The three states of matter that most people learn about in school are",
+    "import numpy as np\n\ndef normalize(v):\n",
+    "The capital of Australia is not Sydney but",
+    "To change a flat tyre, first loosen the",
+    "#include <stdio.h>\n\nint main(void) {\n",
+    "The French Revolution began in the year",
+    "A binary search tree is a data structure in which",
+    "My favourite season is autumn because",
+    "The water cycle describes how water moves between",
+    "git commit -m \"",
+    "In economics, inflation means that",
+    "Once upon a time, in a village at the edge of a forest,",
+    "The speed of light in a vacuum is about",
+    "for (let i = 0; i < items.length; i++) {\n",
+    "The most important rule of kitchen safety is",
+    "Mount Everest is located on the border between",
+    "A healthy breakfast usually includes",
+    "class Stack:\n    def __init__(self):\n",
+    "The human heart has four chambers:",
+    "When the meeting ended, everyone agreed that",
+    "The chemical symbol for gold is",
+    "To install the package, run",
+    "Shakespeare wrote many plays, including",
+    "The difference between weather and climate is",
+]
+"""Held out as well: ``--more-prompts`` adds them to PROMPTS (32 prompts, a finer gate than 8)."""
+
+TOPICS = ("volcanoes", "the printing press", "honey bees", "compound interest", "the Roman Empire", "jazz",
+          "sourdough bread", "black holes", "the immune system", "chess openings", "glaciers", "electric cars",
+          "origami", "the Silk Road", "coral reefs", "public libraries", "the Internet", "wolves", "tea",
+          "solar panels", "the Olympic Games", "earthquakes", "penguins", "the violin", "democracy",
+          "recycling", "the Moon landing", "rainforests", "bicycles", "vaccines", "the Great Wall of China",
+          "owls", "coffee", "the stock market", "submarines", "tornadoes", "the piano", "mushrooms",
+          "the Renaissance", "lighthouses", "kangaroos", "video games", "the Nile", "bridges", "comets",
+          "knitting", "the human brain", "deserts", "trains", "the alphabet", "octopuses", "marathons",
+          "the telescope", "whales", "chocolate", "castles", "the weather", "robots", "gardening", "maps",
+          "photography", "the ocean tides", "ants", "paper money")
+TOPIC_PROMPTS = [f"Here is a short paragraph about {topic}:" for topic in TOPICS]
+"""``--more-prompts 96``: 64 more held-out prompts of one shape, for a gate whose share moves ~1% per
+flipped output (a greedy output flips on near-ties, so 8 or 32 prompts measure mostly luck)."""
+
 TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
     "visitors were gulls. Its keeper climbed the spiral stairs twice a day, once at dusk to light the "
@@ -138,18 +180,23 @@ def main() -> None:
                         help="quantization:kv-cache-dtype pairs; the first is the reference")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: the engine's); 1 avoids OpenMP stalls on a busy machine")
+    parser.add_argument("--more-prompts", type=int, nargs="?", const=32, default=8, choices=(8, 32, 96),
+                        dest="prompt_count",
+                        help="32 or 96 held-out prompts instead of 8 (each output flip moves the share 3%% or "
+                             "1%%, not 12.5%%)")
     parser.add_argument("--copies", type=int, default=1,
                         help="run each prompt this many times in one batch (4: 32 decode rows, where the "
                              "kernels' routing differs from 8 rows); every copy is compared")
     parser.add_argument("--no-speed", dest="speed", action="store_false",
                         help="skip the decode timing (the machine is shared: compare within a run)")
     args = parser.parse_args()
+    prompt_texts = (PROMPTS + MORE_PROMPTS + TOPIC_PROMPTS)[:args.prompt_count]
     reference: list[list[int]] | None = None
     rows = []
     print(f"load average before: {os.getloadavg()}", file=sys.stderr, flush=True)
     for quantization, kv_dtype in (mode.split(":") for mode in args.modes.split(",")):
         engine, stored = build_engine(args.model, quantization, kv_dtype, args.num_threads)
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS] * args.copies
+        prompts = [engine.tokenizer.encode(p) for p in prompt_texts] * args.copies
         outputs = greedy(engine, prompts, args.max_tokens)
         text_ppl = perplexity(engine, engine.tokenizer.encode(TEXT))
         if reference is None:
@@ -163,7 +210,7 @@ def main() -> None:
         print(rows[-1], file=sys.stderr, flush=True)
         del engine
     print(f"load average after: {os.getloadavg()}", file=sys.stderr, flush=True)
-    print(f"| quantization | kv cache | identical greedy outputs ({len(PROMPTS)} prompts x {args.copies} x "
+    print(f"| quantization | kv cache | identical greedy outputs ({len(prompt_texts)} prompts x {args.copies} x "
           f"{args.max_tokens} tokens) | mean agreeing prefix, tokens | perplexity ({args.model}) "
           "| 1-stream decode tok/s | weights MiB |")
     print("|---|---|---|---|---|---|---|")
