@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import transformers
 
+from servelm.model.layers.gguf_blocks import BlockWeight
+
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 TINY_TP_ARCHS = ("llama_uneven", "gemma3_mqa")
 """Head layouts for tensor-parallel tests: ``llama_uneven`` has 6 query / 3 KV heads (SmolLM2's
@@ -81,3 +83,13 @@ def make_tiny_model_dir(tmp_path: str | Path, arch: str, seed: int = 0) -> Path:
     path = Path(tmp_path) / f"tiny-{arch}"
     make_tiny_hf_model(arch, seed).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def random_block_weight(n: int, k: int, block: int, offsets: bool, seed: int) -> BlockWeight:
+    """A GGUF-style block weight [n, k] of random int8 codes, a scale per ``block`` inputs and, with
+    ``offsets``, an offset per block (the kernels' tests: gguf_rows, gguf_i8gemm)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // block, generator=generator) * 1e-2
+    offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
+    return BlockWeight(codes, scales, offs, block, "test")

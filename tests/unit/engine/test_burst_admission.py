@@ -17,11 +17,13 @@ from .fake_runner import FakeRunner
 PROMPT_TOKENS = 128
 
 
-def make_engine() -> tuple[LLMEngine, list[list[int]]]:
-    """An engine on the default scheduler config, recording each step's (request, tokens) rows."""
-    runner = FakeRunner(num_blocks=1200, block_size=16)
-    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig()), runner=runner, eos_token_ids=[96],
-                       context_length=1024)
+def make_engine(num_blocks: int = 1200, context_length: int = 1024,
+                **scheduler: int) -> tuple[LLMEngine, list[list[int]]]:
+    """An engine on the default scheduler config (or ``scheduler``'s fields), recording each step's
+    (request, tokens) rows."""
+    runner = FakeRunner(num_blocks=num_blocks, block_size=16)
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner, eos_token_ids=[96],
+                       context_length=context_length)
     steps: list[list[int]] = []
     schedule = engine.scheduler.schedule
 
@@ -87,19 +89,7 @@ def test_an_arrival_during_decode_joins_the_next_step() -> None:
 
 
 def make_chunking_engine(**scheduler: int) -> tuple[LLMEngine, list[list[int]]]:
-    runner = FakeRunner(num_blocks=400, block_size=16)
-    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner,
-                       eos_token_ids=[96], context_length=4096)
-    steps: list[list[int]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule() -> SchedulerOutput:
-        output = schedule()
-        steps.append([scheduled.num_tokens for scheduled in output.scheduled])
-        return output
-
-    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
-    return engine, steps
+    return make_engine(num_blocks=400, context_length=4096, **scheduler)
 
 
 def long_prompt(length: int, seed: int = 0) -> list[int]:

@@ -12,6 +12,7 @@ from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
 from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, GGUFBlockLinearMethod, prompt_rows
 from servelm.model.layers.linear import dense_linear
+from tests.tiny_models import random_block_weight as block_weight
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +21,6 @@ def kernel():
     if module is None:
         pytest.skip(f"no int8 GEMM here: {gguf_i8gemm.kernel_status()}")
     return module
-
-
-def block_weight(n: int, k: int, block: int, offsets: bool, seed: int) -> BlockWeight:
-    generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
-    scales = torch.rand(n, k // block, generator=generator) * 1e-2
-    offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
-    return BlockWeight(codes, scales, offs, block, "test")
 
 
 def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> None:

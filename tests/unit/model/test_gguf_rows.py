@@ -10,6 +10,7 @@ from servelm.model.layers import gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
 from servelm.model.layers.gguf_linear import DECODE_ROWS, ROWS_KERNEL_ROWS, GGUFBlockLinearMethod, decode_rows
+from tests.tiny_models import random_block_weight as block_weight
 
 
 @pytest.fixture(scope="module")
@@ -18,14 +19,6 @@ def rows_kernel():
     if module is None:
         pytest.skip(f"no rows kernel here: {gguf_rows.kernel_status()}")
     return module
-
-
-def block_weight(n: int, k: int, block: int, offsets: bool, seed: int) -> BlockWeight:
-    generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
-    scales = torch.rand(n, k // block, generator=generator) * 1e-2
-    offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
-    return BlockWeight(codes, scales, offs, block, "test")
 
 
 def reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
