@@ -15,7 +15,8 @@ script requantizes it with those overrides. ``gguf`` is the default for a GGUF f
 blocks, servelm/model/gguf_weights.py); ``gguf+kernel_rows=N`` moves the row count up to which the
 kernel runs (default 16, gguf_a8 32; above it the weight is dequantized to bf16; never for the LM head), e.g.
 1000000 to put the perplexity pass and prefill through the kernel too. ``gguf_a8`` rounds the
-kernel's activations to int8 per 32 inputs as llama.cpp does.
+kernel's activations to int8 per 32 inputs as llama.cpp does. ``+residual=model`` keeps a bf16 model's
+residual stream in bf16 (``--residual-dtype model``; default auto: float32 on CPU), e.g. ``auto+residual=model``.
 
     .venv/bin/python benchmarks/quant_quality.py [--model gemma3-270m] [--modes none:auto,int8wo:auto]
 """
@@ -92,6 +93,11 @@ TOPICS = ("volcanoes", "the printing press", "honey bees", "compound interest", 
 TOPIC_PROMPTS = [f"Here is a short paragraph about {topic}:" for topic in TOPICS]
 """``--more-prompts 96``: 64 more held-out prompts of one shape, for a gate whose share moves ~1% per
 flipped output (a greedy output flips on near-ties, so 8 or 32 prompts measure mostly luck)."""
+TEMPLATE_PROMPTS = [template.format(topic) for template in (
+    "Q: What is special about {}?\nA:", "The most surprising fact about {} is that",
+    "Write two sentences for children about {}.\n") for topic in TOPICS]
+"""``--more-prompts 288``: the topics in three more shapes. At 96 prompts the share's standard error is
+still ~4 points (a 78% share: sqrt(0.78 * 0.22 / 96)); at 288 it is ~2.4."""
 
 TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, and for most of the year the only "
@@ -157,7 +163,7 @@ def build_engine(model: str, mode: str, kv_dtype: str, num_threads: int | None) 
                                        if "kernel_rows" in options else dict(KERNEL_ROWS))
         engine = LLMEngine(EngineConfig.from_flat({
             "model": model, "quantization": method, "kv_cache_dtype": kv_dtype,
-            "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
+            "residual_dtype": options.get("residual", "auto"), "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
         weights = {id(w): w.nbytes for m in engine.runner.model.modules()
                    if (w := getattr(m, "gguf_weight", None)) is not None}
         floats = {id(p): p.nbytes for p in engine.runner.model.parameters() if p.dim() == 2}
@@ -180,17 +186,17 @@ def main() -> None:
                         help="quantization:kv-cache-dtype pairs; the first is the reference")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads (default: the engine's); 1 avoids OpenMP stalls on a busy machine")
-    parser.add_argument("--more-prompts", type=int, nargs="?", const=32, default=8, choices=(8, 32, 96),
+    parser.add_argument("--more-prompts", type=int, nargs="?", const=32, default=8, choices=(8, 32, 96, 288),
                         dest="prompt_count",
-                        help="32 or 96 held-out prompts instead of 8 (each output flip moves the share 3%% or "
-                             "1%%, not 12.5%%)")
+                        help="32, 96 or 288 held-out prompts instead of 8 (each output flip moves the share "
+                             "3%%, 1%% or 0.35%%, not 12.5%%)")
     parser.add_argument("--copies", type=int, default=1,
                         help="run each prompt this many times in one batch (4: 32 decode rows, where the "
                              "kernels' routing differs from 8 rows); every copy is compared")
     parser.add_argument("--no-speed", dest="speed", action="store_false",
                         help="skip the decode timing (the machine is shared: compare within a run)")
     args = parser.parse_args()
-    prompt_texts = (PROMPTS + MORE_PROMPTS + TOPIC_PROMPTS)[:args.prompt_count]
+    prompt_texts = (PROMPTS + MORE_PROMPTS + TOPIC_PROMPTS + TEMPLATE_PROMPTS)[:args.prompt_count]
     reference: list[list[int]] | None = None
     rows = []
     print(f"load average before: {os.getloadavg()}", file=sys.stderr, flush=True)

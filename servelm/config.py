@@ -92,6 +92,14 @@ class ModelConfig:
     dtype: str = opt("auto", "Weight and activation dtype. auto: float32 on CPU (fast, exact), the "
                      "checkpoint's dtype on CUDA.",
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    residual_dtype: str = opt(
+        "auto", "Dtype of a decoder's residual stream (the hidden state carried from layer to layer) when "
+        "--dtype is bfloat16 or float16. float32: each layer's update is added to a float32 sum instead of "
+        "being rounded to 16 bits (llama.cpp keeps float32 activations too); matmul inputs and the KV cache "
+        "stay in --dtype. model: --dtype, as Hugging Face runs the model. auto: float32 on CPU (Gemma 3 "
+        "270M's greedy outputs identical to the float32 model's: 72 -> 78 percent of 96 prompts, at no "
+        "measurable cost; benchmarks/RESULTS.md), --dtype on CUDA.",
+        choices=["auto", "float32", "model"])
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
     hf_overrides: str | None = opt(None, "JSON object merged into the model's config.json fields.")
     served_model_name: list[str] | None = opt(

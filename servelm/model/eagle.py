@@ -102,7 +102,9 @@ class HiddenCapture:
         if self.layer_ids is None:
             self._states = output
         else:
-            self._states = torch.cat([self._parts[i] for i in self.layer_ids], dim=-1)
+            # layer outputs are residual-stream states (float32 with --residual-dtype float32); the
+            # head's fc takes the model dtype, which the body's normed output carries
+            self._states = torch.cat([self._parts[i] for i in self.layer_ids], dim=-1).to(output.dtype)
             self._parts.clear()
 
     def take(self) -> torch.Tensor | None:

@@ -92,6 +92,18 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device,
     return configured if isinstance(configured, torch.dtype) else torch.bfloat16
 
 
+def resolve_residual_dtype(name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """``--residual-dtype``: the residual stream's dtype for a model running in ``dtype``, and why."""
+    if dtype == torch.float32 or name == "model":
+        return dtype, "the model dtype" if name != "float32" else "--residual-dtype float32 (the model dtype)"
+    if name == "float32":
+        return torch.float32, "--residual-dtype float32"
+    if device.type == "cpu":
+        return torch.float32, ("auto on CPU: a float32 sum of each layer's update keeps what a 16-bit sum "
+                               "rounds away (--residual-dtype model: the model dtype)")
+    return dtype, "auto off CPU: the model dtype"
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()

@@ -10,7 +10,7 @@ concatenated; the others return an empty tensor.
 
 Invariants:
 - Shapes need no message of their own: both ends know each micro-batch's token count from the plan,
-  and the hidden size and dtype from the model.
+  and the hidden size and dtype from the model (its residual stream's dtype, ``--residual-dtype``).
 - Sends and receives pair up by tag: a per-rank counter that every rank advances by one per
   micro-batch, in the same order on every rank (all ranks execute the same plans).
 - A micro-batch's sequences are disjoint from the other micro-batches' (different requests), so

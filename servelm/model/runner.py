@@ -34,6 +34,7 @@ import torch
 
 from servelm.config import CacheConfig, EngineConfig
 from servelm.distributed.parallel import ParallelContext
+from servelm.model.architectures.common import set_residual_dtype
 from servelm.model.attention import Attention, get_attention_backend
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
@@ -44,7 +45,8 @@ from servelm.model.layers.gguf_linear import prompt_rows
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
-from servelm.model.loader import DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype
+from servelm.model.loader import (
+    DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype, resolve_residual_dtype)
 from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
 from servelm.model.onednn import configure_onednn_cache
@@ -151,6 +153,18 @@ class ModelRunner:
                 apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization], check=False)
         else:
             quantize_model(self.model, self.quantization)
+        self.residual_dtype, residual_reason = resolve_residual_dtype(config.model.residual_dtype, self.dtype,
+                                                                      self.device)
+        """The decoder's residual stream dtype (``--residual-dtype``; the model dtype where it has none)."""
+        if self.residual_dtype != self.dtype:
+            if not set_residual_dtype(self.model, self.residual_dtype):
+                if config.model.residual_dtype == "float32":
+                    raise ValueError(f"--residual-dtype float32: {type(self.model).__name__} has no decoder "
+                                     "residual stream to keep in float32")
+                self.residual_dtype = self.dtype
+            else:
+                logger.info("residual stream %s (%s)", str(self.residual_dtype).removeprefix("torch."),
+                            residual_reason)
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
                                            self.device, self.task)
         """Greedy rows' exact argmax from a 5-bit copy of a Q8_0 head (None: every row the full head)."""
@@ -178,7 +192,7 @@ class ModelRunner:
         default pool needs no more."""
         self.attention = get_attention_backend(attention_backend)
         self._stage = PipelineStage(self.model, self.parallel, self.block_size, self.hidden_size,
-                                    self.dtype, self.device, self.attention, self.vocab_size,
+                                    self.residual_dtype, self.device, self.attention, self.vocab_size,
                                     config.parallel.pp_max_micro_batch_size)
         """This rank's part of a pipeline step (used at pp > 1 only)."""
         self.num_blocks = 0

@@ -131,3 +131,12 @@ def stage_rename(name: str | None, parallel: ParallelContext, num_layers: int,
     if name.startswith("lm_head."):
         return name if parallel.is_last_stage and not tie_word_embeddings else None
     return name
+
+
+def set_residual_dtype(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Give every decoder body of ``model`` (a module with a ``residual_dtype`` class attribute:
+    LlamaModel, Gemma3Model) its residual stream's dtype; False where there is none (encoders)."""
+    bodies = [module for module in model.modules() if hasattr(type(module), "residual_dtype")]
+    for body in bodies:
+        body.residual_dtype = dtype
+    return bool(bodies)

@@ -36,6 +36,10 @@ from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, decode_rows
 if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
 
+_RESIDUAL_DTYPES = (torch.bfloat16, torch.float32)
+"""The residual stream's dtypes a plan runs on (``--residual-dtype``): its norms take either in and give
+bf16 out (their weights' dtype), the post-norm adds keep the stream's dtype."""
+
 KernelCall = tuple[Any, ...]
 """A linear's prepared block-kernel call: (kernel, codes, scales, offsets, block)."""
 
@@ -170,7 +174,7 @@ class FlatDecodePlan:
 
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         probe = self._probe
-        return (self.layers is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+        return (self.layers is not None and hidden.dtype in _RESIDUAL_DTYPES and hidden.dim() == 2
                 and not (probe is not None and (probe._forward_hooks or probe._forward_pre_hooks))
                 and hidden.shape[0] <= self.max_rows() and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))

@@ -83,6 +83,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
+    residual_dtype: torch.dtype | None = None
+    """As LlamaModel's: the residual stream's dtype (None: the embedding's)."""
+
     def __init__(self, config: Any, parallel: ParallelContext) -> None:
         super().__init__()
         # A pipeline stage holds its own layers; the embedding and the final norm only on the first
@@ -100,6 +103,8 @@ class Gemma3Model(nn.Module):
         """As LlamaModel.forward: ``hidden`` is the previous pipeline stage's output (None: embed)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
+            if self.residual_dtype is not None:
+                hidden = hidden.to(self.residual_dtype)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, DecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)

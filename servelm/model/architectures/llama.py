@@ -73,6 +73,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    residual_dtype: torch.dtype | None = None
+    """The residual stream's dtype (``--residual-dtype``; None: the embedding's). The norms take it
+    in and give their weight's dtype out; the final norm's output is in the model dtype."""
+
     def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
                  parallel: ParallelContext) -> None:
         super().__init__()
@@ -91,6 +95,8 @@ class LlamaModel(nn.Module):
         stage's ``hidden`` (None on the first stage, which embeds ``batch.input_ids``)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
+            if self.residual_dtype is not None:
+                hidden = hidden.to(self.residual_dtype)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, LlamaDecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)

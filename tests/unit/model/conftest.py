@@ -30,8 +30,9 @@ def make_source(hf_model: Any) -> SimpleNamespace:
                            description="tiny test model")
 
 
-def make_runner(source: Any, dtype: str = "float32", parallel: Any = None) -> ModelRunner:
-    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype=dtype),
+def make_runner(source: Any, dtype: str = "float32", parallel: Any = None,
+                residual_dtype: str = "auto") -> ModelRunner:
+    config = EngineConfig(model=ModelConfig(model="tiny", device="cpu", dtype=dtype, residual_dtype=residual_dtype),
                           cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS))
     return ModelRunner(config, source, parallel=parallel)
 

@@ -51,9 +51,9 @@ def tiny_mistral() -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def decode_logits(hf_model: Any, arch: str, rows: int) -> list[torch.Tensor]:
+def decode_logits(hf_model: Any, arch: str, rows: int, residual_dtype: str = "auto") -> list[torch.Tensor]:
     """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
-    runner = make_runner(make_source(hf_model), dtype="bfloat16")
+    runner = make_runner(make_source(hf_model), dtype="bfloat16", residual_dtype=residual_dtype)
     method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
     for name, module in runner.model.named_modules():
         if isinstance(module, LinearBase) and ".layers." in name:
@@ -75,12 +75,21 @@ def runner_decode_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Te
     return steps
 
 
+@pytest.mark.parametrize("residual_dtype", ["float32", "model"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3", "mistral"])
-def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, residual_dtype: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the residual stream in float32 (the CPU default) and in bf16 (``--residual-dtype model``)."""
     hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
     plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
-    check_flat_against_modules(plan_class, rows, lambda: decode_logits(hf_model, arch, rows), monkeypatch)
+    hidden_dtypes = []
+    original_run = plan_class.run
+    monkeypatch.setattr(plan_class, "run", lambda self, hidden, batch: (
+        hidden_dtypes.append(hidden.dtype), original_run(self, hidden, batch))[1])
+    check_flat_against_modules(plan_class, rows, lambda: decode_logits(hf_model, arch, rows, residual_dtype),
+                               monkeypatch)
+    assert set(hidden_dtypes) == {torch.float32 if residual_dtype == "float32" else torch.bfloat16}
 
 
 def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
