@@ -51,7 +51,9 @@ class _FusableNorm(nn.Module):
         """``(norm(x + residual), x + residual)``, the sum in the residual's dtype."""
         if fused.norm_applies(x, self.weight, residual):
             return fused.add_rms_norm(x, residual, self.weight, self.eps, self.is_offset)
-        total = (x + residual).to(residual.dtype)   # float32 where either is: one rounding
+        total = x + residual   # float32 where either is: one rounding to the residual's dtype
+        if total.dtype != residual.dtype:
+            total = total.to(residual.dtype)
         return self._norm(total, self.weight.dtype), total
 
     def _norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
