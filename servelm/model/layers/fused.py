@@ -10,7 +10,7 @@ temporary (1,019 rows of Gemma 3 270M, bf16, one thread: norm + residual 0.48 ->
 3.9 -> 1.7 ms, q/k norm + RoPE 2.5 -> 0.7 ms; noisy, shared machine). Numerics follow the torch reference step by step (float32 arithmetic,
 rounded to the activation dtype where the reference rounds); the sum of squares and exp are ordered
 or approximated differently, so results equal the reference to float32 rounding (tests/unit/model/
-layers/test_fused_ops.py), not always bit for bit.
+test_fused_ops.py, test_norm_dtypes.py), not always bit for bit.
 
 Mixed dtypes (a float32 residual stream in a bf16 model): the norms take x, the residual and the
 weight each in float32 or bfloat16, with norm.py's semantics: ``norm(x)`` comes out in the weight's
