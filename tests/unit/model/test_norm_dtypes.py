@@ -76,15 +76,23 @@ def old_formulas(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return norm(x), residual + norm(x), (norm(total), total)
 
 
+def within(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Elementwise |actual - expected| <= atol + rtol |expected| in float32 (torch.isclose's rule;
+    this form is ~10x faster on CPU, and the test compares 192 cases)."""
+    a, e = actual.float(), expected.float()
+    return (a - e).abs() <= atol + rtol * e.abs()
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rounds_bf16: bool, scale: float) -> None:
     """``rounds_bf16``: some value on the way was rounded to bf16; ``scale``: the norm's magnitude."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    close = within(actual, expected, 2e-6, 2e-6)
     if not rounds_bf16:
-        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
+        assert close.all(), f"{(~close).sum().item()} of {close.numel()} elements off by more than float32 rounding"
         return
-    torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=2 ** -8 * scale)
-    off = ~torch.isclose(actual.float(), expected.float(), rtol=2e-6, atol=2e-6)
-    assert off.float().mean().item() <= 0.01, f"{off.sum().item()} of {off.numel()} elements off"
+    one_step = within(actual, expected, 8e-3, 2 ** -8 * scale)
+    assert one_step.all(), f"{(~one_step).sum().item()} of {one_step.numel()} elements off by more than a bf16 step"
+    assert (~close).float().mean().item() <= 0.01, f"{(~close).sum().item()} of {close.numel()} elements off"
 
 
 def results(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor
