@@ -10,7 +10,12 @@ temporary (1,019 rows of Gemma 3 270M, bf16, one thread: norm + residual 0.48 ->
 3.9 -> 1.7 ms, q/k norm + RoPE 2.5 -> 0.7 ms; noisy, shared machine). Numerics follow the torch reference step by step (float32 arithmetic,
 rounded to the activation dtype where the reference rounds); the sum of squares and exp are ordered
 or approximated differently, so results equal the reference to float32 rounding (tests/unit/model/
-layers/test_fused_ops.py), not always bit for bit.
+test_fused_ops.py, test_norm_dtypes.py), not always bit for bit.
+
+Mixed dtypes (a float32 residual stream in a bf16 model): the norms take x, the residual and the
+weight each in float32 or bfloat16, with norm.py's semantics: ``norm(x)`` comes out in the weight's
+dtype, ``residual + norm(x)`` and the pre-add's ``x + residual`` in the residual's (each sum computed
+in float32 and rounded once to it). Every other op takes one dtype.
 
 Invariants:
 - ``applies`` is True only on CPU, for float32 or bfloat16 tensors of any number of rows, outside
@@ -99,9 +104,17 @@ def _module() -> ModuleType:
     return _module_loaded
 
 
+def norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``rms_norm``/``add_rms_norm`` compute on ``x`` with this weight and residual (each
+    float32 or bfloat16, in any mix)."""
+    return (weight.dtype in _DTYPES and (residual is None or residual.dtype in _DTYPES)
+            and applies(x))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``norm(x)``, or ``residual + norm(x)``; ``offset``: Gemma's (1 + w) scale."""
+    """``norm(x)`` in the weight's dtype, or ``residual + norm(x)`` in the residual's dtype (the norm
+    rounded to it first); ``offset``: Gemma's (1 + w) scale."""
     x2 = x.reshape(-1, x.shape[-1])
     r2 = None if residual is None else residual.reshape(-1, x.shape[-1])
     out: torch.Tensor = _module().rms_norm(x2, weight, eps, offset, r2)
@@ -110,7 +123,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual), x + residual)``."""
+    """``(norm(x + residual), x + residual)``: the sum in the residual's dtype, the norm in the weight's."""
     shape = x.shape
     out, total = _module().add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
                                         weight, eps, offset)

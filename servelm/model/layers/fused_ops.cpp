@@ -10,6 +10,8 @@
 // torch) wherever the reference rounds, no fused multiply-adds (built with -ffp-contract=off). What
 // differs is the order of the sum of squares (16 partial sums) and exp (a Cephes-style polynomial,
 // about 2 float ulps): results equal torch's to float32 rounding, and bf16 results are mostly bit-equal.
+// The norms take x, the residual and the weight each in float32 or bfloat16 (a float32 residual stream
+// beside bf16 activations and weights); every other op takes one dtype.
 //
 // Plain C++ that the compiler vectorizes; compiled at run time by servelm/model/layers/fused.py
 // (with AVX-512 flags where the CPU has them). Rows are split over torch's threads only when there
@@ -23,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -75,16 +78,17 @@ inline float inv_rms(const typename T::raw* x, int64_t k, float eps) {
   return 1.f / std::sqrt(sum / float(k) + eps);
 }
 
-// One normalised row in place of out (out may be x): Gemma ((x * r) * (1 + w), rounded once) or
-// Llama (w * round(x * r), rounded), as norm.py's reference does it.
-template <class T>
-inline void norm_row(const typename T::raw* x, const typename T::raw* w, typename T::raw* out, int64_t k,
+// One normalised row of x (type N) into out (type O; out may be x where N is O), weight of type W:
+// Gemma ((x * r) * (1 + w), rounded once to O) or Llama (w * round_N(x * r), rounded to O), as
+// norm.py's reference does it.
+template <class N, class W, class O>
+inline void norm_row(const typename N::raw* x, const typename W::raw* w, typename O::raw* out, int64_t k,
                      float eps, bool offset) {
-  const float r = inv_rms<T>(x, k, eps);
+  const float r = inv_rms<N>(x, k, eps);
   if (offset) {
-    for (int64_t i = 0; i < k; ++i) T::store(out, i, (T::load(x, i) * r) * (1.f + T::load(w, i)));
+    for (int64_t i = 0; i < k; ++i) O::store(out, i, (N::load(x, i) * r) * (1.f + W::load(w, i)));
   } else {
-    for (int64_t i = 0; i < k; ++i) T::store(out, i, T::load(w, i) * T::round(T::load(x, i) * r));
+    for (int64_t i = 0; i < k; ++i) O::store(out, i, W::load(w, i) * N::round(N::load(x, i) * r));
   }
 }
 
@@ -107,7 +111,13 @@ void check_rows(const torch::Tensor& x, const char* name) {
 void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-              weight.scalar_type() == x.scalar_type(), "weight: contiguous [K] in x's dtype");
+              (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+              "weight: contiguous [K], float32 or bfloat16");
+}
+
+void check_residual(const torch::Tensor& residual, const torch::Tensor& x) {
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual: x's shape");
 }
 
 template <class Fn>
@@ -272,7 +282,7 @@ void act_and_mul_impl(const torch::Tensor& gate_up, const torch::Tensor& out) {
 template <class T>
 inline void norm_rope_row(typename T::raw* x, const typename T::raw* c, const typename T::raw* s,
                           const typename T::raw* w, float eps, bool offset, int64_t d, float* scratch) {
-  if (w != nullptr) norm_row<T>(x, w, x, d, eps, offset);
+  if (w != nullptr) norm_row<T, T, T>(x, w, x, d, eps, offset);
   const int64_t h = d / 2;
   for (int64_t i = 0; i < d; ++i) scratch[i] = T::load(x, i);
   for (int64_t i = 0; i < h; ++i) {
@@ -349,61 +359,81 @@ struct NormRopeToken {
 };
 #endif
 
+// Where rms_norm_impl's residual goes: none (norm(x)), after the norm (Gemma's post-norms:
+// residual + norm(x)) or before it (Llama's pre-norm stream: norm(x + residual), x + residual).
+enum class Add { kNone, kPost, kPre };
+
+// The output's type: the residual's after a post-add, else the weight's.
+template <Add ADD, class R, class W>
+using NormOut = std::conditional_t<ADD == Add::kPost, R, W>;
+
 #ifdef __AVX512F__
 // Rows of rms_norm_impl, 16 lanes at a time, for K a multiple of 16: the same floats as the scalar
 // path (lane j of a row's sum of squares is partial[j], summed in the same order; each product and
 // rounding as norm_row), in two passes over a row instead of up to four (sum, norm, residual add).
-// The sums of R rows run interleaved: one row's 16-lane sum is a chain of dependent adds (K / 16 of
-// them), R rows keep R chains in flight, so the first pass is throughput-bound, not latency-bound.
-// pre != nullptr: a row is round(x + pre), written to sum_out first (Llama's pre-add);
-// post != nullptr: out = round(post + round(norm(x))) (Gemma's post-add). Row m of each is at m * its stride.
-template <class T>
+// The sums of ROWS rows run interleaved: one row's 16-lane sum is a chain of dependent adds (K / 16 of
+// them), ROWS rows keep ROWS chains in flight, so the first pass is throughput-bound, not latency-bound.
+// X, R, W: the types of x, the residual and the weight (each float32 or bfloat16); O = NormOut.
+// kPre: a row is round_R(x + residual), written to sum_out first, then normalised (Llama's pre-add);
+// kPost: out = round_R(residual + round_R(norm(x))) (Gemma's post-add). Row m of x and the residual
+// is at m * its stride, of sum_out and out at m * k.
+template <Add ADD, class X, class R, class W>
 struct NormRows {
-  using raw = typename T::raw;
-  const raw *x, *pre, *post, *w;
-  raw *sum_out, *out;
+  using O = NormOut<ADD, R, W>;
+  const typename X::raw* x;
+  const typename R::raw* residual;
+  const typename W::raw* w;
+  typename R::raw* sum_out;
+  typename O::raw* out;
   int64_t xs, rs, k;
   float eps;
   bool offset;
 
-  template <int R>
+  template <int ROWS>
   void run(int64_t m) const {
-    __m512 acc[R];
-    const raw* rows[R];
-    for (int j = 0; j < R; ++j) acc[j] = _mm512_setzero_ps();
-    if (pre != nullptr) {
+    __m512 acc[ROWS];
+    for (int j = 0; j < ROWS; ++j) acc[j] = _mm512_setzero_ps();
+    if constexpr (ADD == Add::kPre) {
+      const typename R::raw* rows[ROWS];
       for (int64_t i = 0; i < k; i += 16)
-        for (int j = 0; j < R; ++j) {
-          const __m512 v = Vec<T>::round(_mm512_add_ps(Vec<T>::load(x + (m + j) * xs + i),
-                                                       Vec<T>::load(pre + (m + j) * rs + i)));
-          Vec<T>::store(sum_out + (m + j) * k + i, v);
+        for (int j = 0; j < ROWS; ++j) {
+          const __m512 v = Vec<R>::round(_mm512_add_ps(Vec<X>::load(x + (m + j) * xs + i),
+                                                       Vec<R>::load(residual + (m + j) * rs + i)));
+          Vec<R>::store(sum_out + (m + j) * k + i, v);
           acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
         }
-      for (int j = 0; j < R; ++j) rows[j] = sum_out + (m + j) * k;
+      for (int j = 0; j < ROWS; ++j) rows[j] = sum_out + (m + j) * k;
+      normalise<R, ROWS>(rows, acc, m);
     } else {
-      for (int j = 0; j < R; ++j) rows[j] = x + (m + j) * xs;
+      const typename X::raw* rows[ROWS];
+      for (int j = 0; j < ROWS; ++j) rows[j] = x + (m + j) * xs;
       for (int64_t i = 0; i < k; i += 16)
-        for (int j = 0; j < R; ++j) {
-          const __m512 v = Vec<T>::load(rows[j] + i);
+        for (int j = 0; j < ROWS; ++j) {
+          const __m512 v = Vec<X>::load(rows[j] + i);
           acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(v, v));
         }
+      normalise<X, ROWS>(rows, acc, m);
     }
+  }
+
+  // The second pass: rows of type N (x, or the pre-add's sums) normalised with their sums of squares.
+  template <class N, int ROWS>
+  void normalise(const typename N::raw* const* rows, const __m512* acc, int64_t m) const {
     const __m512 one = _mm512_set1_ps(1.f);
-    for (int j = 0; j < R; ++j) {
+    for (int j = 0; j < ROWS; ++j) {
       alignas(64) float partial[16];
       _mm512_store_ps(partial, acc[j]);
       float sum = 0.f;
       for (int l = 0; l < 16; ++l) sum += partial[l];
       const __m512 r = _mm512_set1_ps(1.f / std::sqrt(sum / float(k) + eps));
-      const raw* xr = rows[j];
-      const raw* pr = post != nullptr ? post + (m + j) * rs : nullptr;
-      raw* o = out + (m + j) * k;
+      const typename N::raw* xr = rows[j];
+      typename O::raw* o = out + (m + j) * k;
       for (int64_t i = 0; i < k; i += 16) {
-        const __m512 v = Vec<T>::load(xr + i), wv = Vec<T>::load(w + i);
+        const __m512 v = Vec<N>::load(xr + i), wv = Vec<W>::load(w + i);
         __m512 y = offset ? _mm512_mul_ps(_mm512_mul_ps(v, r), _mm512_add_ps(one, wv))
-                          : _mm512_mul_ps(wv, Vec<T>::round(_mm512_mul_ps(v, r)));
-        if (pr != nullptr) y = _mm512_add_ps(Vec<T>::load(pr + i), Vec<T>::round(y));
-        Vec<T>::store(o + i, y);
+                          : _mm512_mul_ps(wv, Vec<N>::round(_mm512_mul_ps(v, r)));
+        if constexpr (ADD == Add::kPost) y = _mm512_add_ps(Vec<R>::load(residual + (m + j) * rs + i), Vec<O>::round(y));
+        Vec<O>::store(o + i, y);
       }
     }
   }
@@ -416,42 +446,65 @@ struct NormRows {
 };
 #endif
 
-template <class T>
+// norm(x) into out, with the residual add ADD (sum: the pre-add's x + residual). X, R, W: the types
+// of x, residual and weight (R unused without a residual); out is NormOut's type.
+template <Add ADD, class X, class R, class W>
 void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
                    bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
-  using raw = typename T::raw;
+  using O = NormOut<ADD, R, W>;
+  using xraw = typename X::raw;
+  using rraw = typename R::raw;
+  using oraw = typename O::raw;
   const int64_t rows = x.size(0), k = x.size(1);
-  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
-  const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
-  raw* op = reinterpret_cast<raw*>(out.data_ptr());
-  const raw* rp = residual != nullptr ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
-  raw* sp = sum != nullptr ? reinterpret_cast<raw*>(sum->data_ptr()) : nullptr;
+  const xraw* xp = reinterpret_cast<const xraw*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const typename W::raw*>(weight.data_ptr());
+  oraw* op = reinterpret_cast<oraw*>(out.data_ptr());
+  const rraw* rp = residual != nullptr ? reinterpret_cast<const rraw*>(residual->data_ptr()) : nullptr;
+  rraw* sp = sum != nullptr ? reinterpret_cast<rraw*>(sum->data_ptr()) : nullptr;
   const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0;
 #ifdef __AVX512F__
   if (k % 16 == 0) {
-    const NormRows<T> norm{xp, sp != nullptr ? rp : nullptr, sp != nullptr ? nullptr : rp, wp, sp, op, xs, rs, k,
-                           eps, offset};
+    const NormRows<ADD, X, R, W> norm{xp, rp, wp, sp, op, xs, rs, k, eps, offset};
     for_rows(rows, k, [&](int64_t begin, int64_t end) { norm.rows_range(begin, end); });
     return;
   }
 #endif
   for_rows(rows, k, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const raw* xr = xp + m * xs;
-      raw* orow = op + m * k;
-      if (sp != nullptr) {          // pre-add (Llama): sum = round(x + residual), out = norm(sum)
-        raw* srow = sp + m * k;
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(srow, i, T::load(xr, i) + T::load(rr, i));
-        norm_row<T>(srow, wp, orow, k, eps, offset);
-      } else if (rp != nullptr) {   // post-add (Gemma): out = round(residual + round(norm(x)))
-        norm_row<T>(xr, wp, orow, k, eps, offset);
-        const raw* rr = rp + m * rs;
-        for (int64_t i = 0; i < k; ++i) T::store(orow, i, T::load(rr, i) + T::load(orow, i));
+      const xraw* xr = xp + m * xs;
+      oraw* orow = op + m * k;
+      if constexpr (ADD == Add::kPre) {   // sum = round_R(x + residual), out = norm(sum)
+        rraw* srow = sp + m * k;
+        const rraw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) R::store(srow, i, X::load(xr, i) + R::load(rr, i));
+        norm_row<R, W, O>(srow, wp, orow, k, eps, offset);
+      } else if constexpr (ADD == Add::kPost) {   // out = round_R(residual + round_R(norm(x)))
+        norm_row<X, W, O>(xr, wp, orow, k, eps, offset);
+        const rraw* rr = rp + m * rs;
+        for (int64_t i = 0; i < k; ++i) O::store(orow, i, R::load(rr, i) + O::load(orow, i));
       } else {
-        norm_row<T>(xr, wp, orow, k, eps, offset);
+        norm_row<X, W, O>(xr, wp, orow, k, eps, offset);
       }
     }
+  });
+}
+
+// rms_norm_impl for the tensors' types (every mix of float32 and bfloat16 is instantiated).
+template <Add ADD>
+void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& out, float eps,
+                       bool offset, const torch::Tensor* residual, torch::Tensor* sum) {
+  dispatch(x, [&](auto xt) {
+    dispatch(weight, [&](auto wt) {
+      using X = decltype(xt);
+      using W = decltype(wt);
+      if constexpr (ADD == Add::kNone) {
+        rms_norm_impl<ADD, X, X, W>(x, weight, out, eps, offset, nullptr, nullptr);
+      } else {
+        dispatch(*residual, [&](auto rt) {
+          rms_norm_impl<ADD, X, decltype(rt), W>(x, weight, out, eps, offset, residual, sum);
+        });
+      }
+    });
   });
 }
 
@@ -566,30 +619,29 @@ void causal_softmax_impl(const torch::Tensor& scores, const torch::Tensor& probs
 
 }  // namespace
 
-// RMSNorm of x [M, K] (rows contiguous, any row stride) -> new contiguous [M, K] in x's dtype;
-// with ``residual``: residual + norm(x) (the add after the norm, Gemma's post-norms).
+// RMSNorm of x [M, K] (rows contiguous, any row stride) -> new contiguous [M, K] in the weight's dtype;
+// with ``residual``: residual + norm(x) in the residual's dtype (the add after the norm, Gemma's
+// post-norms; the norm rounded to that dtype first). x, residual and weight: float32 or bfloat16, any mix.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool offset,
                        c10::optional<torch::Tensor> residual) {
   check_norm(x, weight);
-  if (residual.has_value()) {
-    check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(), "residual like x");
-  }
-  auto out = torch::empty(x.sizes(), x.options());
-  const torch::Tensor* r = residual.has_value() ? &*residual : nullptr;
-  dispatch(x, [&](auto tag) { rms_norm_impl<decltype(tag)>(x, weight, out, float(eps), offset, r, nullptr); });
+  if (residual.has_value()) check_residual(*residual, x);
+  auto out = torch::empty(x.sizes(), x.options().dtype(residual.has_value() ? residual->scalar_type()
+                                                                            : weight.scalar_type()));
+  if (residual.has_value()) rms_norm_dispatch<Add::kPost>(x, weight, out, float(eps), offset, &*residual, nullptr);
+  else rms_norm_dispatch<Add::kNone>(x, weight, out, float(eps), offset, nullptr, nullptr);
   return out;
 }
 
-// (norm(x + residual), x + residual): the add before the norm (Llama's pre-norm residual stream).
+// (norm(x + residual), x + residual): the add before the norm (Llama's pre-norm residual stream); the
+// sum in the residual's dtype, the norm in the weight's.
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
                                         bool offset) {
   check_norm(x, weight);
-  check_rows(residual, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual like x");
-  auto out = torch::empty(x.sizes(), x.options());
-  auto sum = torch::empty(x.sizes(), x.options());
-  dispatch(x, [&](auto tag) { rms_norm_impl<decltype(tag)>(x, weight, out, float(eps), offset, &residual, &sum); });
+  check_residual(residual, x);
+  auto out = torch::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  auto sum = torch::empty(x.sizes(), x.options().dtype(residual.scalar_type()));
+  rms_norm_dispatch<Add::kPre>(x, weight, out, float(eps), offset, &residual, &sum);
   return {out, sum};
 }
 

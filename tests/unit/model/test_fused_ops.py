@@ -84,8 +84,9 @@ def test_other_dtypes_keep_the_torch_path() -> None:
     assert fused.applies(torch.zeros(1, 8)) and fused.applies(torch.zeros(1019, 8))
     assert not fused.applies(torch.zeros(2, 8, dtype=torch.float16))
     norm = make_norm(RMSNorm, 16, torch.float32)
-    x = torch.randn(2, 16, dtype=torch.bfloat16)               # weight dtype differs: torch's promotion
-    assert norm(x).dtype == torch.float32
+    x = torch.randn(2, 16, dtype=torch.bfloat16)               # mixed float32 / bf16 fuses (test_norm_dtypes.py)
+    assert fused.norm_applies(x, norm.weight) and not fused.norm_applies(x, norm.weight.half())
+    assert norm(x).dtype == torch.float32                      # the weight's dtype
 
 
 def qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
