@@ -13,24 +13,14 @@ the float sums agree to float32 rounding.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.layers.gguf_blocks import BlockWeight
 
-SOURCE = Path(__file__).with_name("gguf_i8gemm.cpp")
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-
-KERNEL = CppKernel(SOURCE, "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS)
-
-missing_cpu_flags = KERNEL.missing_cpu_flags
-load_kernel = KERNEL.load
-"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-kernel_status = KERNEL.status
-"""Why the kernel is or is not available (after ``load_kernel``)."""
+KERNEL = CppKernel.beside(__file__, "gguf_i8gemm.cpp", "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)",
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 GEMM_COLS = 2
 """16-output vectors per tile (the kernel's ``kCols``): tiles of 32 outputs."""

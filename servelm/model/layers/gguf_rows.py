@@ -3,7 +3,7 @@
 ``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
 CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
 fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
-``CppKernel``. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
+``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
 GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
 width in vectors of 16 outputs), and ``rows_linear(x_bf16, codes, scales, offsets, block,
 bf16_out)``, the earlier kernel on the BlockWeight's own codes.
@@ -11,25 +11,13 @@ bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
 
-SOURCE = Path(__file__).with_name("gguf_rows.cpp")
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-
-KERNEL = CppKernel(SOURCE, "gguf_rows", "GGUF rows kernel (AVX512-BF16)", REQUIRED_FLAGS, COMPILE_FLAGS)
-
-
-missing_cpu_flags = KERNEL.missing_cpu_flags
-load_kernel = KERNEL.load
-"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-kernel_status = KERNEL.status
-"""Why the kernel is or is not available (after ``load_kernel``)."""
+KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int = 2,
