@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
+from servelm.model.layers.gguf_blocks import tile_outputs
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
@@ -25,20 +26,6 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     """A BlockWeight's codes [N, K] and scales/offsets [N, K / B] in ``rows_gemm``'s order: tiles of
     ``cols`` x 16 outputs (the kernel's ``GEMM_COLS``), N padded with zero codes and scales to whole
     tiles; codes [tiles, K / 2, cols, 16, 2] (int8, or bf16 when ``bf16_codes``: exact, as |code| <=
-    128), scales and offsets [tiles, K / B, cols, 16]."""
-    n, k = codes.shape
-    width = 16 * cols
-    tiles = -(-n // width)
-    pad = tiles * width - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        if offsets is not None:
-            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
-    packed = codes.view(tiles, cols, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
-    packed = packed.to(torch.bfloat16) if bf16_codes else packed
-
-    def blocks(values: torch.Tensor) -> torch.Tensor:
-        return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
-
-    return packed.contiguous(), blocks(scales), None if offsets is None else blocks(offsets)
+    128), scales and offsets [tiles, K / B, cols, 16] (``tile_outputs``)."""
+    packed, tiled_scales, tiled_offsets = tile_outputs(codes, scales, offsets, cols, group=2)
+    return packed.to(torch.bfloat16) if bf16_codes else packed, tiled_scales, tiled_offsets
