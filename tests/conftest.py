@@ -35,8 +35,7 @@ def _is_built(module_name: str) -> bool:
     from servelm.model import cpp_kernel
 
     module = importlib.import_module(module_name)
-    # a module whose kernel's flags read the CPU at first use makes it in kernel()
-    kernel = module.KERNEL if hasattr(module, "KERNEL") else module.kernel()
+    kernel = module.KERNEL
     if kernel.missing_cpu_flags():
         return True
     build_dir = cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}"

@@ -16,6 +16,13 @@ Every kernel is compiled and linked with ``-fopenmp`` where torch's parallel bac
 ``at::parallel_for`` is a header template whose ``#pragma omp parallel`` is compiled into the kernel's
 own module, and without the flag the pragma is dropped and every "parallel" loop runs on the calling
 thread alone (the prefill attention, paged decode and fused-ops kernels did until session 10).
+
+A kernel module states only what is its own: ``KERNEL = CppKernel.beside(__file__, "x.cpp", name,
+description, required_flags, extra_flags)`` and ``load_kernel, kernel_status, missing_cpu_flags =
+KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags``. Flags that depend on the CPU (a kernel that
+runs everywhere but uses AVX-512 where it is) are a function of the CPU's flags, read at the first
+build key or build, never at import (the CPU's flags come from servelm.model.loader, which imports
+the layers).
 """
 
 from __future__ import annotations
@@ -42,29 +49,60 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
 
 
+def with_openmp(flags: Sequence[str]) -> list[str]:
+    """``flags`` and then OpenMP's (``openmp_flags``) where ``flags`` lacks them."""
+    return list(flags) + [flag for flag in openmp_flags() if flag not in flags]
+
+
+def isa_flags(cpu_flags: Sequence[str]) -> list[str]:
+    """The compiler flags that enable the instructions of /proc/cpuinfo's flags: avx512_vnni -> -mavx512vnni."""
+    return ["-m" + flag.replace("_", "") for flag in cpu_flags]
+
+
 def shared_headers() -> list[Path]:
     """The shared headers, in a fixed order (each is hashed into every kernel's build key)."""
     return sorted(INCLUDE_DIR.glob("*.h"))
 
 
 class CppKernel:
-    """``source`` compiled with ``compile_flags`` where the CPU has every one of ``required_flags``."""
+    """``source`` compiled with ``compile_flags`` where the CPU has every one of ``required_flags``.
+
+    ``compile_flags`` is a list, or a function of the CPU's flags (called once, at first use);
+    OpenMP's flags are added to it (and to ``link_flags``) where torch parallelises with OpenMP.
+    """
 
     def __init__(self, source: Path, name: str, description: str, required_flags: Sequence[str],
-                 compile_flags: Sequence[str], link_flags: Sequence[str] = (),
-                 cpu_flags: Callable[[], set[str]] | None = None) -> None:
+                 compile_flags: Sequence[str] | Callable[[set[str]], Sequence[str]],
+                 link_flags: Sequence[str] = (), cpu_flags: Callable[[], set[str]] | None = None) -> None:
         self.source = source
         self.name = name
+        """Names the build directory (``<name>_<build key>``) and the loaded module."""
         self.description = description
         """What the kernel is, for the log line: "GGUF block kernel"."""
         self.required_flags = tuple(required_flags)
-        openmp = openmp_flags()
-        self.compile_flags = list(compile_flags) + [f for f in openmp if f not in compile_flags]
-        self.link_flags = list(link_flags) + [f for f in openmp if f not in link_flags]
+        self._compile_flags = compile_flags
+        self._resolved_compile_flags: list[str] | None = None
+        self.link_flags = with_openmp(link_flags)
         self._cpu_flags = cpu_flags
         self._loaded = False
         self._module: ModuleType | None = None
         self._reason = ""
+
+    @classmethod
+    def beside(cls, module_file: str, source_name: str, name: str, description: str,
+               required_flags: Sequence[str] = (), extra_flags: Sequence[str] = ()) -> CppKernel:
+        """The kernel in ``source_name`` next to ``module_file`` (its Python module's ``__file__``),
+        compiled -O3 with the instructions of ``required_flags`` (``isa_flags``), then ``extra_flags``."""
+        return cls(Path(module_file).with_name(source_name), name, description, required_flags,
+                   ["-O3", *isa_flags(required_flags), *extra_flags])
+
+    @property
+    def compile_flags(self) -> list[str]:
+        """The compiler's flags, OpenMP's included (a function of the CPU's flags is called here, once)."""
+        if self._resolved_compile_flags is None:
+            flags = self._compile_flags
+            self._resolved_compile_flags = with_openmp(flags(self.cpu_flags()) if callable(flags) else flags)
+        return self._resolved_compile_flags
 
     def cpu_flags(self) -> set[str]:
         if self._cpu_flags is not None:
@@ -73,6 +111,7 @@ class CppKernel:
         return cpu_flags()
 
     def missing_cpu_flags(self, flags: set[str] | None = None) -> list[str]:
+        """The required flags this CPU (or ``flags``) lacks, in their order; [] where it has them all."""
         present = self.cpu_flags() if flags is None else flags
         return [flag for flag in self.required_flags if flag not in present]
 

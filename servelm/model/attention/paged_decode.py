@@ -7,8 +7,8 @@ sharing its KV head, one task per (sequence, KV head) across torch's threads.
 
 ``load_kernel()`` returns the compiled module or None (``kernel_status()`` says why: no AVX-512F in
 /proc/cpuinfo, no compiler or ninja, a failed build); the backend then keeps the gather + SDPA
-path. The build is cached under ``~/.cache/servelm/kernels/<hash>`` (source, torch version,
-flags), so only the first start on a machine compiles it (about a minute on 2 cores).
+path. The build is cached like every ``CppKernel``'s, so only the first start on a machine compiles
+it (about a minute on 2 cores).
 ``supports`` limits it to what it computes: a float32 or bfloat16 pool (bf16 rows are widened in
 registers, arithmetic in float32; q of either dtype), head_dim a multiple of 16, CPU.
 
@@ -21,27 +21,13 @@ per column) stays as its reference: 32 streams x 133 columns of Gemma 3 270M's b
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
-COMPILE_FLAGS = ["-O3", "-mavx512f"]
-
-KERNEL = CppKernel(SOURCE, "paged_decode", "paged decode attention kernel (AVX-512)", ("avx512f",),
-                   COMPILE_FLAGS)
-
-
-def load_kernel() -> ModuleType | None:
-    """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-    return KERNEL.load()
-
-
-def kernel_status() -> str:
-    return KERNEL.status()
+KERNEL = CppKernel.beside(__file__, "paged_decode.cpp", "paged_decode", "paged decode attention kernel (AVX-512)",
+                          ("avx512f",))
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ float32 scores ``[G * n, columns]`` in memory, a softmax pass and a second GEMM:
 1,019-token prefill of Gemma 3 270M (2 threads). The kernel reads K and V rows from the pool by slot,
 keeps a tile's scores in a few KB, and skips every key tile no query of the tile sees (causal, and
 left of a sliding window), and inside edge tiles the 8-column score blocks and value pairs nobody sees.
-Its tasks split over torch's threads (OpenMP; see ``COMPILE_FLAGS``).
+Its tasks split over torch's threads (OpenMP: ``CppKernel`` builds with it).
 
 ``supports`` limits it to what it computes: CPU, bf16 queries and pools, head_dim a multiple
 of 16 and V's of 64, the kernel built (``kernel_status()`` says why not: no avx512_bf16 in /proc/cpuinfo, no
@@ -18,30 +18,17 @@ hit) is the same call: the view's columns start at the context's first position,
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
 
-SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
-
-KERNEL = CppKernel(SOURCE, "prefill_attention", "prefill attention kernel (AVX512-BF16)",
-                   ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), COMPILE_FLAGS)
+KERNEL = CppKernel.beside(__file__, "prefill_attention.cpp", "prefill_attention",
+                          "prefill attention kernel (AVX512-BF16)", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                          ["-mavx512dq", "-mfma"])
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 ENABLED = True
 """False: multi-token groups take the GEMM path (benchmarks/step_ab.py --change prefill_attention, tests)."""
-
-
-def load_kernel() -> ModuleType | None:
-    """The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-    return KERNEL.load()
-
-
-def kernel_status() -> str:
-    return KERNEL.status()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -35,31 +35,22 @@ from types import ModuleType
 
 import torch
 
-from servelm.model.cpp_kernel import CppKernel
+from servelm.model.cpp_kernel import CppKernel, isa_flags
 
-SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
-def _compile_flags() -> list[str]:
-    from servelm.model.loader import cpu_flags
+def _compile_flags(cpu: set[str]) -> list[str]:
     flags = ["-O3", "-ffp-contract=off"]
-    if all(flag in cpu_flags() for flag in _AVX512):
-        flags += ["-m" + flag.replace("_", "") for flag in _AVX512]
-        if "avx512_bf16" in cpu_flags() and "fma" in cpu_flags():
+    if all(flag in cpu for flag in _AVX512):
+        flags += isa_flags(_AVX512)
+        if "avx512_bf16" in cpu and "fma" in cpu:
             flags += ["-mavx512bf16", "-mfma"]   # one-instruction bf16 rounding; GELU-tanh's FMA path
     return flags
 
 
-_kernel: CppKernel | None = None
-"""Made on first use: its flags read the CPU's (servelm.model.loader, which imports the layers)."""
-
-
-def kernel() -> CppKernel:
-    global _kernel
-    if _kernel is None:
-        _kernel = CppKernel(SOURCE, "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)", (), _compile_flags())
-    return _kernel
+KERNEL = CppKernel(Path(__file__).with_name("fused_ops.cpp"), "fused_ops", "fused decode ops (RMSNorm, RoPE, act * up)",
+                   (), _compile_flags)
 
 
 ACTIVATION_KINDS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
@@ -78,12 +69,12 @@ def load_kernel() -> ModuleType | None:
     """The compiled module, or None (the reason is ``kernel_status()``); built at most once. The
     layers call it when they are built: until then ``applies`` is False."""
     global _module_loaded
-    _module_loaded = kernel().load()
+    _module_loaded = KERNEL.load()
     return _module_loaded
 
 
 def kernel_status() -> str:
-    return kernel().status()
+    return KERNEL.status()
 
 
 def set_enabled(enabled: bool) -> None:

@@ -87,6 +87,29 @@ class BlockWeight:
                            self.block, self.kind)
 
 
+def tile_outputs(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes [N, K] and scales/offsets [N, K / B] in the GEMM kernels' tile order (gguf_rows.pack,
+    gguf_i8gemm.pack): tiles of ``cols`` x 16 outputs, N padded with zero codes, scales and offsets to
+    whole tiles; codes [tiles, K / group, cols, 16, group] (``group`` consecutive inputs of an output
+    together), scales and offsets [tiles, K / B, cols, 16]; all contiguous."""
+    n, k = codes.shape
+    width = 16 * cols
+    tiles = -(-n // width)
+    pad = tiles * width - n
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        if offsets is not None:
+            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
+    packed = codes.view(tiles, cols, 16, k // group, group).permute(0, 3, 1, 2, 4).contiguous()
+
+    def blocks(values: torch.Tensor) -> torch.Tensor:
+        return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
+
+    return packed, blocks(scales), None if offsets is None else blocks(offsets)
+
+
 def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     """Stack weights over rows (a fused QKV or gate_up); scales go to the smallest block size."""
     block = min(part.block for part in parts)

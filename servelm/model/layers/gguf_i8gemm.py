@@ -13,24 +13,14 @@ the float sums agree to float32 rounding.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_blocks import BlockWeight, tile_outputs
 
-SOURCE = Path(__file__).with_name("gguf_i8gemm.cpp")
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-
-KERNEL = CppKernel(SOURCE, "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS)
-
-missing_cpu_flags = KERNEL.missing_cpu_flags
-load_kernel = KERNEL.load
-"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-kernel_status = KERNEL.status
-"""Why the kernel is or is not available (after ``load_kernel``)."""
+KERNEL = CppKernel.beside(__file__, "gguf_i8gemm.cpp", "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)",
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 GEMM_COLS = 2
 """16-output vectors per tile (the kernel's ``kCols``): tiles of 32 outputs."""
@@ -40,24 +30,9 @@ def pack(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     """A BlockWeight in ``i8_gemm``'s order: codes + 128 as uint8 [tiles, K / 4, GEMM_COLS, 16, 4]
     (N padded with zero codes to whole tiles of 32 outputs), scales and offsets [tiles, K / B,
     GEMM_COLS, 16] (zero for padded outputs). 1 byte per weight + 4 per block: the size of the
-    BlockWeight itself."""
-    codes, scales, offsets = weight.codes, weight.scales, weight.offsets
-    n, k = codes.shape
-    width = 16 * GEMM_COLS
-    tiles = -(-n // width)
-    pad = tiles * width - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        if offsets is not None:
-            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
-    unsigned = codes.view(torch.uint8).bitwise_xor(0x80)   # code + 128, as a byte
-    packed = unsigned.view(tiles, GEMM_COLS, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
-
-    def blocks(values: torch.Tensor) -> torch.Tensor:
-        return values.view(tiles, GEMM_COLS, 16, -1).permute(0, 3, 1, 2).contiguous()
-
-    return packed, blocks(scales), None if offsets is None else blocks(offsets)
+    BlockWeight itself (``tile_outputs``)."""
+    codes, scales, offsets = tile_outputs(weight.codes, weight.scales, weight.offsets, GEMM_COLS, group=4)
+    return codes.view(torch.uint8).bitwise_xor(0x80), scales, offsets   # code + 128, as a byte
 
 
 def quantize_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

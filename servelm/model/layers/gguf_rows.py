@@ -3,7 +3,7 @@
 ``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
 CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
 fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
-``CppKernel``. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
+``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
 GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
 width in vectors of 16 outputs), and ``rows_linear(x_bf16, codes, scales, offsets, block,
 bf16_out)``, the earlier kernel on the BlockWeight's own codes.
@@ -11,25 +11,14 @@ bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
+from servelm.model.layers.gguf_blocks import tile_outputs
 
-SOURCE = Path(__file__).with_name("gguf_rows.cpp")
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-
-KERNEL = CppKernel(SOURCE, "gguf_rows", "GGUF rows kernel (AVX512-BF16)", REQUIRED_FLAGS, COMPILE_FLAGS)
-
-
-missing_cpu_flags = KERNEL.missing_cpu_flags
-load_kernel = KERNEL.load
-"""The compiled module, or None (the reason is ``kernel_status()``); built at most once."""
-kernel_status = KERNEL.status
-"""Why the kernel is or is not available (after ``load_kernel``)."""
+KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int = 2,
@@ -37,20 +26,6 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     """A BlockWeight's codes [N, K] and scales/offsets [N, K / B] in ``rows_gemm``'s order: tiles of
     ``cols`` x 16 outputs (the kernel's ``GEMM_COLS``), N padded with zero codes and scales to whole
     tiles; codes [tiles, K / 2, cols, 16, 2] (int8, or bf16 when ``bf16_codes``: exact, as |code| <=
-    128), scales and offsets [tiles, K / B, cols, 16]."""
-    n, k = codes.shape
-    width = 16 * cols
-    tiles = -(-n // width)
-    pad = tiles * width - n
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        if offsets is not None:
-            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
-    packed = codes.view(tiles, cols, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
-    packed = packed.to(torch.bfloat16) if bf16_codes else packed
-
-    def blocks(values: torch.Tensor) -> torch.Tensor:
-        return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
-
-    return packed.contiguous(), blocks(scales), None if offsets is None else blocks(offsets)
+    128), scales and offsets [tiles, K / B, cols, 16] (``tile_outputs``)."""
+    packed, tiled_scales, tiled_offsets = tile_outputs(codes, scales, offsets, cols, group=2)
+    return packed.to(torch.bfloat16) if bf16_codes else packed, tiled_scales, tiled_offsets

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -43,12 +42,12 @@ from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel
+from servelm.model.layers.gguf_kernel import REQUIRED_FLAGS, load_kernel
 
 logger = logging.getLogger(__name__)
 
-KERNEL = CppKernel(Path(__file__).with_name("lm_head_screen.cpp"), "lm_head_screen",
-                   "LM-head screen kernel (AVX512-VNNI)", REQUIRED_FLAGS, COMPILE_FLAGS)
+KERNEL = CppKernel.beside(__file__, "lm_head_screen.cpp", "lm_head_screen", "LM-head screen kernel (AVX512-VNNI)",
+                          REQUIRED_FLAGS)
 
 CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""

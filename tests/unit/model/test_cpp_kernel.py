@@ -41,3 +41,34 @@ def test_kernels_split_parallel_for_over_threads() -> None:
     assert "-fopenmp" in kernel.compile_flags and "-fopenmp" in kernel.link_flags
     again = CppKernel(Path("unused.cpp"), "k", "test kernel", (), ["-O3", "-fopenmp"], link_flags=["-fopenmp"])
     assert again.compile_flags.count("-fopenmp") == 1 and again.link_flags.count("-fopenmp") == 1
+
+
+def test_a_kernel_beside_its_module_compiles_for_its_required_flags() -> None:
+    kernel = CppKernel.beside("/pkg/layers/x.py", "x.cpp", "x", "test kernel", ("avx512f", "avx512_vnni"),
+                              ["-mfma"])
+    assert kernel.source == Path("/pkg/layers/x.cpp")
+    flags = [flag for flag in kernel.compile_flags if flag != "-fopenmp"]
+    assert flags == ["-O3", "-mavx512f", "-mavx512vnni", "-mfma"]
+    assert kernel.missing_cpu_flags({"avx512f"}) == ["avx512_vnni"]
+
+
+def test_cpu_dependent_flags_are_read_at_first_use_not_at_construction() -> None:
+    calls: list[set[str]] = []
+
+    def flags(cpu: set[str]) -> list[str]:
+        calls.append(cpu)
+        return ["-O3", "-mavx512f"] if "avx512f" in cpu else ["-O3"]
+
+    kernel = CppKernel(Path("unused.cpp"), "k", "test kernel", (), flags, cpu_flags=lambda: {"avx512f"})
+    assert calls == []
+    assert kernel.compile_flags[:2] == ["-O3", "-mavx512f"] and kernel.compile_flags is kernel.compile_flags
+    assert calls == [{"avx512f"}]
+
+
+def test_without_a_compiler_load_is_none_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callers' torch paths take over: load() is None, status() says why, and nothing is built."""
+    monkeypatch.setattr(cpp_kernel.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp_kernel, "CACHE_DIR", tmp_path)
+    kernel = CppKernel.beside(__file__, "missing.cpp", "k", "test kernel")
+    assert kernel.load() is None and kernel.status() == "no C++ compiler (c++/g++) on PATH to build it"
+    assert not any(tmp_path.iterdir())
