@@ -28,8 +28,11 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   the rows kernel at any batch size: ``prompt_rows``): 0.57 of the rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
   rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``);
   a float32 model's rows above the VNNI kernel's limit then take the rows kernel as bf16 (its prompt
-  rows from 49 on the int8 GEMM). In a mixed pass the generation rows are computed again as a pass of
-  only them would compute them (their count decides), for bf16 and float32 rows alike.
+  rows from 49 on the int8 GEMM). In a mixed pass whose row count takes a path fewer rows would not
+  (the int8 GEMM, a dense copy, a float32 model's rows kernel) the generation rows are computed again
+  as a pass of only them computes them (their count decides), for bf16 and float32 rows alike: a
+  stream's results do not depend on the prompt chunk sharing its step (~1-3% of a mixed pass's GEMM
+  time, the KV projections' generation rows computed twice).
   Not with ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
@@ -133,6 +136,8 @@ class _RowScope(threading.local):
     """Every row is a generation row: none takes the int8 GEMM."""
     generation_rows: torch.Tensor | None = None
     """The generation rows' indices when the pass mixes them with prompt rows, else None."""
+    num_rows = 0
+    """Rows of that mixed pass: a call with as many computes its every row (not the LM head's)."""
 
 
 _SCOPE = _RowScope()
@@ -147,8 +152,10 @@ def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]
     read). Generation rows keep unrounded bf16 activations at every batch size (the rows kernel), so
     that a stream's tokens do not depend on how many others share its step: with int8 activations on
     every decode row Gemma 3 keeps 62% of quant_quality's outputs identical at 64 streams, 88% without.
-    Outside this scope (a layer called directly) the row count alone decides."""
-    previous = (_SCOPE.generation_only, _SCOPE.generation_rows)
+    In a mixed pass they come out as a pass of only them computes them (``apply``). Outside this
+    scope (a layer called directly) the row count alone decides."""
+    previous = (_SCOPE.generation_only, _SCOPE.generation_rows, _SCOPE.num_rows)
+    _SCOPE.num_rows = sum(row_counts)
     if all(generation):
         _SCOPE.generation_only, _SCOPE.generation_rows = True, None
     elif any(generation):
@@ -163,7 +170,14 @@ def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]
     try:
         yield
     finally:
-        _SCOPE.generation_only, _SCOPE.generation_rows = previous
+        _SCOPE.generation_only, _SCOPE.generation_rows, _SCOPE.num_rows = previous
+
+
+def _mixed_generation_rows(num_rows: int, is_head: bool) -> torch.Tensor | None:
+    """The generation rows' indices where a call computes every row of a mixed pass, else None (the
+    LM head's rows are the pass's logit rows, not its rows)."""
+    generation = _SCOPE.generation_rows
+    return generation if generation is not None and not is_head and num_rows == _SCOPE.num_rows else None
 
 
 ACTIVATION_MODES = ("int16", "int8", "float")
@@ -259,7 +273,7 @@ class GGUFBlockLinearMethod:
         int8_allowed = i8 is not None and not _SCOPE.generation_only
         if int8_allowed and x2.shape[0] >= I8_GEMM_FIRST_ROW:
             out = self._i8_gemm(layer, x2, bias, is_head)
-            generation = _SCOPE.generation_rows
+            generation = _mixed_generation_rows(x2.shape[0], is_head)
             if generation is not None:
                 # a mixed pass: its decode/verify rows as a pass of only those rows computes them
                 out.index_copy_(0, generation, self._generation_pass(layer, x2.index_select(0, generation), bias))
@@ -271,6 +285,7 @@ class GGUFBlockLinearMethod:
             out = self._rows_gemm(layer, x2, bias, is_head)
             return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
+        by_count = True   # whether fewer rows could take another kernel (the dense copy's paths)
         if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
                 and not getattr(layer, "gguf_float_output", False)):
             max_rows = BF16_KERNEL_MAX_ROWS[self.activations]
@@ -282,6 +297,7 @@ class GGUFBlockLinearMethod:
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
                          weight.offsets, weight.block,
                          is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
+            by_count = False   # fewer rows take it too
         elif layer.gguf_dense is None:
             # a head or a layer without a dense copy (process): rows the routing above did not take
             # (float32 rows above the VNNI kernel's limit: a float32 model's batched decode, its prompt
@@ -297,6 +313,11 @@ class GGUFBlockLinearMethod:
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
+        generation = _mixed_generation_rows(x2.shape[0], is_head) if by_count else None
+        if generation is not None:
+            # a mixed pass above the VNNI kernel's or the rows kernel's rows (a KV projection's dense
+            # copy, a float32 model's rows): its decode/verify rows as a pass of only them computes them
+            out.index_copy_(0, generation, self._generation_pass(layer, x2.index_select(0, generation), bias))
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _generation_pass(self, layer: nn.Module, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

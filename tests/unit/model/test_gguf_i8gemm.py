@@ -228,40 +228,47 @@ def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
 
 @pytest.mark.parametrize("model", ["bf16", "float32", "float32 dense"])
 @pytest.mark.parametrize("num_generation", [3, 20])
-@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("num_prompt", [60, 30])
+@pytest.mark.parametrize("projection", ["o_proj", "qkv_proj"])
 def test_a_mixed_pass_computes_its_generation_rows_as_a_pass_of_their_own(kernel, model: str, num_generation: int,
-                                                                        has_bias: bool) -> None:
-    """A 60-row prompt chunk among decode/verify rows: the prompt rows take the int8 GEMM, the
-    generation rows come out bit for bit as a pass of only them gives (their count decides the
-    routing): a bf16 model's rows kernel, a float32 model's VNNI kernel (3 rows) and, above its limit
-    (20 rows), the path such a pass takes. ``float32``: as apply_gguf_blocks builds a float32 model on a
-    CPU with AVX512-BF16 (a bf16 dense dtype, the rows kernel, no dense copy); ``float32 dense``: on
-    one without (no rows kernel, a float32 dense copy)."""
+                                                                        num_prompt: int, projection: str) -> None:
+    """A prompt chunk among decode/verify rows: its rows take what the pass's row count routes them to
+    (from I8_GEMM_FIRST_ROW on the int8 GEMM where the layer has it), and the generation rows come out bit for
+    bit as a pass of only them gives (their count decides the routing): a bf16 model's rows kernel, a
+    float32 model's VNNI kernel (3 rows) and, above its limit (20 rows), the path such a pass takes;
+    the same on a KV projection (``I8_GEMM_SKIPPED``: the dense copy above the kernels' rows) and in a
+    pass under I8_GEMM_FIRST_ROW. ``float32``: as apply_gguf_blocks builds a float32 model on a CPU
+    with AVX512-BF16 (a bf16 dense dtype, the rows kernel, no dense copy but on KV projections);
+    ``float32 dense``: on one without (no rows kernel, a float32 dense copy)."""
     vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
     if vnni is None or rows_kernel is None:
         pytest.skip("no VNNI or rows kernel here")
-    weight = block_weight(70, 256, 32, True, seed=12)
+    weight = block_weight(96, 256, 32, True, seed=12)
     method = (GGUFBlockLinearMethod(vnni, torch.float32, "int16", None, kernel) if model == "float32 dense"
               else GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel))
     dtype = torch.bfloat16 if model == "bf16" else torch.float32
     layer = torch.nn.Module()
-    method.process(layer, weight)
-    assert (layer.gguf_dense is not None) == (model == "float32 dense")
-    bias = torch.randn(70, generator=torch.Generator().manual_seed(5)).to(dtype) if has_bias else None
-    x = torch.randn(60 + num_generation, 256, generator=torch.Generator().manual_seed(num_generation)).to(dtype)
-    # decode rows, a 60-token prompt chunk, then one more decode row
-    counts = [1] * (num_generation - 1) + [60, 1]
+    method.process(layer, weight, int8_rows=projection not in I8_GEMM_SKIPPED)
+    has_i8 = projection not in I8_GEMM_SKIPPED
+    assert (layer.gguf_dense is not None) == (model == "float32 dense" or not has_i8)
+    x = torch.randn(num_prompt + num_generation, 256,
+                    generator=torch.Generator().manual_seed(num_generation)).to(dtype)
+    # decode rows, a prompt chunk, then one more decode row
+    counts = [1] * (num_generation - 1) + [num_prompt, 1]
     generation = [True] * (num_generation - 1) + [False, True]
-    generation_rows = list(range(num_generation - 1)) + [num_generation - 1 + 60]
-    prompt = list(range(num_generation - 1, num_generation - 1 + 60))
-    with prompt_rows(counts, generation):
-        out = method.apply(layer, x, bias)
-    with prompt_rows([1] * num_generation, [True] * num_generation):
-        own = method.apply(layer, x[generation_rows], bias)
-    assert out.dtype == own.dtype == dtype
-    assert torch.equal(out[generation_rows], own)
-    by_i8 = kernel.i8_gemm(x, *layer.gguf_i8, 32, False, 70)
-    if bias is not None:
-        by_i8 = by_i8 + bias
-    assert torch.equal(out[prompt], by_i8.to(dtype)[prompt])
-    assert not torch.equal(out[generation_rows], by_i8.to(dtype)[generation_rows])
+    generation_rows = list(range(num_generation - 1)) + [num_generation - 1 + num_prompt]
+    prompt = list(range(num_generation - 1, num_generation - 1 + num_prompt))
+    for bias in (None, torch.randn(96, generator=torch.Generator().manual_seed(5)).to(dtype)):
+        with prompt_rows(counts, generation):
+            out = method.apply(layer, x, bias)
+        with prompt_rows([1] * num_generation, [True] * num_generation):
+            own = method.apply(layer, x[generation_rows], bias)
+        by_count = method.apply(layer, x, bias)   # outside a pass: the row count alone decides
+        assert out.dtype == own.dtype == dtype
+        assert torch.equal(out[generation_rows], own)
+        assert torch.equal(out[prompt], by_count[prompt])
+        if has_i8 and num_prompt >= I8_GEMM_FIRST_ROW:
+            by_i8 = kernel.i8_gemm(x, *layer.gguf_i8, 32, False, 96)
+            by_i8 = (by_i8 if bias is None else by_i8 + bias).to(dtype)
+            assert torch.equal(out[prompt], by_i8[prompt])
+            assert not torch.equal(out[generation_rows], by_i8[generation_rows])
