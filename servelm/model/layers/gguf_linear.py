@@ -137,7 +137,8 @@ class _RowScope(threading.local):
     generation_rows: torch.Tensor | None = None
     """The generation rows' indices when the pass mixes them with prompt rows, else None."""
     num_rows = 0
-    """Rows of that mixed pass: a call with as many computes its every row (not the LM head's)."""
+    """Rows of that mixed pass: a call with as many computes its every row (the LM head's scope counts
+    the pass's logit rows: model/runner.py)."""
 
 
 _SCOPE = _RowScope()
@@ -173,11 +174,11 @@ def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]
         _SCOPE.generation_only, _SCOPE.generation_rows, _SCOPE.num_rows = previous
 
 
-def _mixed_generation_rows(num_rows: int, is_head: bool) -> torch.Tensor | None:
-    """The generation rows' indices where a call computes every row of a mixed pass, else None (the
-    LM head's rows are the pass's logit rows, not its rows)."""
+def _mixed_generation_rows(num_rows: int) -> torch.Tensor | None:
+    """The generation rows' indices where a call computes every row of a mixed pass (the LM head's
+    scope counts the logit rows), else None."""
     generation = _SCOPE.generation_rows
-    return generation if generation is not None and not is_head and num_rows == _SCOPE.num_rows else None
+    return generation if generation is not None and num_rows == _SCOPE.num_rows else None
 
 
 ACTIVATION_MODES = ("int16", "int8", "float")
@@ -273,7 +274,7 @@ class GGUFBlockLinearMethod:
         int8_allowed = i8 is not None and not _SCOPE.generation_only
         if int8_allowed and x2.shape[0] >= I8_GEMM_FIRST_ROW:
             out = self._i8_gemm(layer, x2, bias, is_head)
-            generation = _mixed_generation_rows(x2.shape[0], is_head)
+            generation = _mixed_generation_rows(x2.shape[0])
             if generation is not None:
                 # a mixed pass: its decode/verify rows as a pass of only those rows computes them
                 out.index_copy_(0, generation, self._generation_pass(layer, x2.index_select(0, generation), bias))
@@ -313,7 +314,7 @@ class GGUFBlockLinearMethod:
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
-        generation = _mixed_generation_rows(x2.shape[0], is_head) if by_count else None
+        generation = _mixed_generation_rows(x2.shape[0]) if by_count else None
         if generation is not None:
             # a mixed pass above the VNNI kernel's or the rows kernel's rows (a KV projection's dense
             # copy, a float32 model's rows): its decode/verify rows as a pass of only them computes them

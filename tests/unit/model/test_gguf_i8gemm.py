@@ -272,3 +272,29 @@ def test_a_mixed_pass_computes_its_generation_rows_as_a_pass_of_their_own(kernel
             by_i8 = (by_i8 if bias is None else by_i8 + bias).to(dtype)
             assert torch.equal(out[prompt], by_i8[prompt])
             assert not torch.equal(out[generation_rows], by_i8[generation_rows])
+
+
+@pytest.mark.parametrize("model", ["bf16", "float32"])
+def test_the_heads_generation_rows_are_a_pass_of_their_own(model: str) -> None:
+    """The LM head's scope (the runner's: a pass's logit rows): 16 decode rows beside a prompt's last
+    row are 17 rows, above the VNNI kernel's limit, where a float32 model's head takes the rows kernel
+    as bf16; its decode rows still get the VNNI kernel's logits, as 16 decode rows alone do."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, gguf_i8gemm.load_kernel())
+    head = torch.nn.Module()
+    method.process(head, block_weight(96, 256, 32, False, seed=13), float_output=True)
+    limit = head.gguf_kernel_max_rows
+    dtype = torch.bfloat16 if model == "bf16" else torch.float32
+    x = torch.randn(limit + 1, 256, generator=torch.Generator().manual_seed(14)).to(dtype)
+    counts = [1] * (limit + 1)   # a decode row each, but the prompt's last row in the middle
+    generation = [row != limit // 2 for row in range(limit + 1)]
+    decode_rows = [row for row in range(limit + 1) if row != limit // 2]
+    with prompt_rows(counts, generation):
+        logits = method.apply(head, x, None)
+    with prompt_rows([1] * limit, [True] * limit):
+        alone = method.apply(head, x[decode_rows], None)
+    assert logits.dtype == alone.dtype == torch.float32
+    assert torch.equal(logits[decode_rows], alone)
+    assert torch.equal(logits[limit // 2], method.apply(head, x, None)[limit // 2])   # the prompt's row by count
