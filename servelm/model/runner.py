@@ -318,14 +318,15 @@ class ModelRunner:
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
         # a sequence whose every row gets logits is generating (decode, verify, prompt logprobs): its
         # rows keep unrounded activations; prompt rows may take the int8 GEMM (gguf_linear.py)
-        with prompt_rows([len(s.token_ids) for s in plan.sequences],
-                         [len(s.token_ids) <= s.num_logits for s in plan.sequences]):
+        generation = [len(s.token_ids) <= s.num_logits for s in plan.sequences]
+        with prompt_rows([len(s.token_ids) for s in plan.sequences], generation):
             hidden = self.model(batch)
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:
             return screened
-        logits = self.model.compute_logits(rows)
+        with prompt_rows([s.num_logits for s in plan.sequences], generation):   # the head's rows
+            logits = self.model.compute_logits(rows)
         return logits.float()
 
     @torch.inference_mode()

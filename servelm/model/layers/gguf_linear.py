@@ -26,7 +26,13 @@ some types, per 16 or 32 inputs; the lossless repack of gguf_blocks.py) and comp
   per block as llama.cpp does and ``vpdpbusd`` on a copy of the codes packed at load (1 byte per
   weight), for a layer's prompt rows from 49 on (prefill chunks; decode, verify and the LM head keep
   the rows kernel at any batch size: ``prompt_rows``): 0.57 of the rows kernel's time and 0.65 of the dense bf16 copy's at 512 rows. Where the rows kernel takes 1-48
-  rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``).
+  rows the layers then keep no dense copy, but for the KV-cached projections (``I8_GEMM_SKIPPED``);
+  a float32 model's rows above the VNNI kernel's limit then take the rows kernel as bf16 (its prompt
+  rows from 49 on the int8 GEMM). In a mixed pass whose row count takes a path fewer rows would not
+  (the int8 GEMM, a dense copy, a float32 model's rows kernel) the generation rows are computed again
+  as a pass of only them computes them (their count decides), for bf16 and float32 rows alike: a
+  stream's results do not depend on the prompt chunk sharing its step (~1-3% of a mixed pass's GEMM
+  time, the KV projections' generation rows computed twice).
   Not with ``float`` activations (the exact mode).
 - no kernel (CPU without AVX512-VNNI, no compiler; only with an explicit ``--quantization gguf``,
   ``auto`` then dequantizes the file instead): every call takes the dense copy.
@@ -81,9 +87,9 @@ count, so the head keeps no dense copy (``process``). A layer's prepared decode 
 too (``decode_rows``), so Gemma 3's flat decode path (gemma3_decode.py) takes up to 48 rows."""
 I8_GEMM_FIRST_ROW = 49
 """Rows from which a layer's prompt rows run the int8 x int8 GEMM (gguf_i8gemm.cpp, activations
-rounded to int8 per block: llama.cpp's arithmetic) where it is built; float32 rows the VNNI kernel
-does not take as well. From benchmarks/gguf_rows.py (Gemma 3 270M's shapes, 1 thread, thread clock,
-noisy shared machine; benchmarks/RESULTS.md "An int8 GEMM for prefill"): the four decoder shapes take
+rounded to int8 per block: llama.cpp's arithmetic) where it is built, bf16 and float32 rows alike.
+From benchmarks/gguf_rows.py (Gemma 3 270M's shapes, 1 thread, thread clock, noisy shared machine;
+benchmarks/RESULTS.md "An int8 GEMM for prefill"): the four decoder shapes take
 0.57 of rows_gemm's time at 512 rows and 0.65 of the dense bf16 copy (oneDNN). It also beats rows_gemm
 at 1-48 rows (0.6-0.8) and on the LM head (0.8 from 16 rows), but int8 activations on generation rows
 cost quality: on every decode row 50-62% of the greedy outputs stay identical to float32
@@ -130,6 +136,9 @@ class _RowScope(threading.local):
     """Every row is a generation row: none takes the int8 GEMM."""
     generation_rows: torch.Tensor | None = None
     """The generation rows' indices when the pass mixes them with prompt rows, else None."""
+    num_rows = 0
+    """Rows of that mixed pass: a call with as many computes its every row (the LM head's scope counts
+    the pass's logit rows: model/runner.py)."""
 
 
 _SCOPE = _RowScope()
@@ -144,8 +153,10 @@ def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]
     read). Generation rows keep unrounded bf16 activations at every batch size (the rows kernel), so
     that a stream's tokens do not depend on how many others share its step: with int8 activations on
     every decode row Gemma 3 keeps 62% of quant_quality's outputs identical at 64 streams, 88% without.
-    Outside this scope (a layer called directly) the row count alone decides."""
-    previous = (_SCOPE.generation_only, _SCOPE.generation_rows)
+    In a mixed pass they come out as a pass of only them computes them (``apply``). Outside this
+    scope (a layer called directly) the row count alone decides."""
+    previous = (_SCOPE.generation_only, _SCOPE.generation_rows, _SCOPE.num_rows)
+    _SCOPE.num_rows = sum(row_counts)
     if all(generation):
         _SCOPE.generation_only, _SCOPE.generation_rows = True, None
     elif any(generation):
@@ -160,7 +171,14 @@ def prompt_rows(row_counts: list[int], generation: list[bool]) -> Iterator[None]
     try:
         yield
     finally:
-        _SCOPE.generation_only, _SCOPE.generation_rows = previous
+        _SCOPE.generation_only, _SCOPE.generation_rows, _SCOPE.num_rows = previous
+
+
+def _mixed_generation_rows(num_rows: int) -> torch.Tensor | None:
+    """The generation rows' indices where a call computes every row of a mixed pass (the LM head's
+    scope counts the logit rows), else None."""
+    generation = _SCOPE.generation_rows
+    return generation if generation is not None and num_rows == _SCOPE.num_rows else None
 
 
 ACTIVATION_MODES = ("int16", "int8", "float")
@@ -180,9 +198,8 @@ class GGUFBlockLinearMethod:
         """The AVX512-BF16 rows kernel (gguf_rows.py's module), or None: used on bf16 rows only
         (``ROWS_KERNEL_ROWS``)."""
         self.i8_kernel = i8_kernel if activations != "float" else None
-        """The int8 GEMM (gguf_i8gemm.py's module), or None: prompt rows from ``I8_GEMM_FIRST_ROW`` on (and
-        rows no other kernel takes where no dense copy is kept). Not with ``float`` activations (the
-        exact mode)."""
+        """The int8 GEMM (gguf_i8gemm.py's module), or None: prompt rows from ``I8_GEMM_FIRST_ROW`` on, never
+        generation rows. Not with ``float`` activations (the exact mode)."""
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized weight on the large-M path (bf16 with a native bf16 GEMM)."""
         self.activations = activations
@@ -222,9 +239,11 @@ class GGUFBlockLinearMethod:
         first, last = ROWS_KERNEL_ROWS["head"]
         needs_dense = not (float_output and layer.gguf_uses_rows_kernel and last is None
                            and layer.gguf_uses_kernel and first <= layer.gguf_kernel_max_rows + 1)
-        # A bf16 model's layer with the rows kernel (1-48 rows) and the int8 GEMM (49 on) needs no
-        # dense copy. A float32 model keeps it for its 17-48 rows (batched decode: unrounded
-        # activations, as the bf16 model's rows kernel; ``I8_GEMM_FIRST_ROW``).
+        # A layer with the rows kernel (bf16 rows at any count but prompt rows from 49 on, which take
+        # the int8 GEMM) needs no dense copy: a float32 model's rows above the VNNI kernel's limit
+        # that are not such prompt rows go through the rows kernel as bf16 (apply), as a bf16 dense
+        # copy would take them. Without the rows kernel (a CPU without AVX512-BF16: a float32 dense
+        # copy) the copy stays for those rows, unrounded.
         needs_dense = needs_dense and not (layer.gguf_i8 is not None and layer.gguf_uses_rows_kernel)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if needs_dense else None
         if getattr(layer, "weight", None) is not None:
@@ -255,10 +274,10 @@ class GGUFBlockLinearMethod:
         int8_allowed = i8 is not None and not _SCOPE.generation_only
         if int8_allowed and x2.shape[0] >= I8_GEMM_FIRST_ROW:
             out = self._i8_gemm(layer, x2, bias, is_head)
-            generation = _SCOPE.generation_rows
-            if generation is not None and layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16:
-                # a mixed pass: its decode/verify rows as a pass of their own would compute them
-                out.index_copy_(0, generation, self._rows_gemm(layer, x2.index_select(0, generation), bias, is_head))
+            generation = _mixed_generation_rows(x2.shape[0])
+            if generation is not None:
+                # a mixed pass: its decode/verify rows as a pass of only those rows computes them
+                out.index_copy_(0, generation, self._generation_pass(layer, x2.index_select(0, generation), bias))
             return out.reshape(*shape[:-1], out.shape[-1])
         if (layer.gguf_uses_rows_kernel and x2.dtype == torch.bfloat16 and x2.device.type == "cpu"
                 and (self._rows_kernel_takes(x2.shape[0], is_head) or (i8 is not None and layer.gguf_dense is None))):
@@ -267,6 +286,7 @@ class GGUFBlockLinearMethod:
             out = self._rows_gemm(layer, x2, bias, is_head)
             return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
+        by_count = True   # whether fewer rows could take another kernel (the dense copy's paths)
         if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
                 and not getattr(layer, "gguf_float_output", False)):
             max_rows = BF16_KERNEL_MAX_ROWS[self.activations]
@@ -278,14 +298,12 @@ class GGUFBlockLinearMethod:
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
                          weight.offsets, weight.block,
                          is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
-        elif i8 is not None and layer.gguf_dense is None:
-            # rows no other kernel takes on a layer without a dense copy (float32 rows of a bf16
-            # model above the VNNI kernel's limit)
-            out = self._i8_gemm(layer, x2, bias, is_head)
-            return out.reshape(*shape[:-1], out.shape[-1])
+            by_count = False   # fewer rows take it too
         elif layer.gguf_dense is None:
-            # a head without a dense copy (process): rows the routing above did not take (float32
-            # ones) go through the rows kernel as bf16, as the dense bf16 copy would take them
+            # a head or a layer without a dense copy (process): rows the routing above did not take
+            # (float32 rows above the VNNI kernel's limit: a float32 model's batched decode, its prompt
+            # chunks under I8_GEMM_FIRST_ROW) go through the rows kernel as bf16, as the dense bf16
+            # copy would take them; never the int8 GEMM, as a bf16 model's generation rows
             codes, scales, offsets = layer.gguf_packed
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), codes, scales, offsets, weight.block, False,
@@ -296,7 +314,24 @@ class GGUFBlockLinearMethod:
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
         out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
+        generation = _mixed_generation_rows(x2.shape[0]) if by_count else None
+        if generation is not None:
+            # a mixed pass above the VNNI kernel's or the rows kernel's rows (a KV projection's dense
+            # copy, a float32 model's rows): its decode/verify rows as a pass of only them computes them
+            out.index_copy_(0, generation, self._generation_pass(layer, x2.index_select(0, generation), bias))
         return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _generation_pass(self, layer: nn.Module, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``apply`` on a mixed pass's generation rows [G, K] routed as a pass of only those rows routes
+        them (G decides: a bf16 model's rows kernel; a float32 model's VNNI kernel up to its limit, above
+        it the dense copy or, without one, the rows kernel), so that a stream's results do not depend on
+        the prompt rows that share its pass."""
+        previous = (_SCOPE.generation_only, _SCOPE.generation_rows)
+        _SCOPE.generation_only, _SCOPE.generation_rows = True, None
+        try:
+            return self.apply(layer, rows, bias)
+        finally:
+            _SCOPE.generation_only, _SCOPE.generation_rows = previous
 
     def _rows_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
                    is_head: bool) -> torch.Tensor:

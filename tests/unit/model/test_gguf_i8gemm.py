@@ -119,8 +119,7 @@ def test_bad_arguments_are_refused(kernel) -> None:
 
 
 def test_layers_take_the_int8_gemm_from_its_first_row_and_the_head_never(kernel) -> None:
-    """Routing (gguf_linear.py): a layer's bf16 rows from I8_GEMM_FIRST_ROW on, float32 rows above the
-    VNNI kernel's limit; the head never (its rows are generation rows); no dense copy of a layer is
+    """Routing (gguf_linear.py): a layer's rows from I8_GEMM_FIRST_ROW on; the head never (its rows are generation rows); no dense copy of a layer is
     kept; fewer rows keep their kernels."""
     vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
     if vnni is None or rows_kernel is None:
@@ -141,11 +140,14 @@ def test_layers_take_the_int8_gemm_from_its_first_row_and_the_head_never(kernel)
         logits = method.apply(head, x, None)
         assert logits.dtype == torch.float32
         assert torch.equal(logits, rows_kernel.rows_gemm(x, *head.gguf_packed, 32, False, 70)), m
-    # float32 rows of a bf16 model: the VNNI kernel up to its limit, the int8 GEMM above (no dense
-    # copy to take them)
+    # float32 rows (a float32 model, built so on this CPU): the VNNI kernel up to its limit, the rows
+    # kernel on them rounded to bf16 above (no dense copy to take them), the int8 GEMM from the first row
     limit = layer.gguf_kernel_max_rows
-    x = torch.randn(limit + 1, 256)
+    x = torch.randn(first, 256)
     assert torch.equal(method.apply(layer, x, None), kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
+    for m in (limit + 1, first - 1):
+        assert torch.equal(method.apply(layer, x[:m], None),
+                           rows_kernel.rows_gemm(x[:m].bfloat16(), *layer.gguf_packed, 32, False, 70)), m
     assert torch.equal(method.apply(layer, x[:limit], None),
                        vnni.block_linear_a16(x[:limit], weight.codes, weight.scales, weight.offsets, 32))
     # a bias goes on top of the float32 result, then the bf16 rounding
@@ -205,6 +207,10 @@ def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
 
     with prompt_rows([1] * 90, [True] * 90):   # 90 decode streams
         assert torch.equal(method.apply(layer, x, None), by_rows(x))
+        # a float32 model's (its layers have no dense copy on this CPU): the rows kernel, rounded to bf16
+        for m in (20, 90):
+            assert torch.equal(method.apply(layer, x[:m].float(), None),
+                               rows_kernel.rows_gemm(x[:m].contiguous(), *layer.gguf_packed, 32, False, 70)), m
     # 2 decode rows, a 60-token prompt chunk, a 5-row verify, a 23-token prompt chunk
     counts, generation = [1, 1, 60, 5, 23], [True, True, False, True, False]
     with prompt_rows(counts, generation):
@@ -218,3 +224,77 @@ def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
     with prompt_rows([90], [False]):   # one prompt: every row on the int8 GEMM
         assert torch.equal(method.apply(layer, x, None), by_i8)
     assert torch.equal(method.apply(layer, x, None), by_i8)   # outside any pass: the row count decides
+
+
+@pytest.mark.parametrize("model", ["bf16", "float32", "float32 dense"])
+@pytest.mark.parametrize("num_generation", [3, 20])
+@pytest.mark.parametrize("num_prompt", [60, 30])
+@pytest.mark.parametrize("projection", ["o_proj", "qkv_proj"])
+def test_a_mixed_pass_computes_its_generation_rows_as_a_pass_of_their_own(kernel, model: str, num_generation: int,
+                                                                        num_prompt: int, projection: str) -> None:
+    """A prompt chunk among decode/verify rows: its rows take what the pass's row count routes them to
+    (from I8_GEMM_FIRST_ROW on the int8 GEMM where the layer has it), and the generation rows come out bit for
+    bit as a pass of only them gives (their count decides the routing): a bf16 model's rows kernel, a
+    float32 model's VNNI kernel (3 rows) and, above its limit (20 rows), the path such a pass takes;
+    the same on a KV projection (``I8_GEMM_SKIPPED``: the dense copy above the kernels' rows) and in a
+    pass under I8_GEMM_FIRST_ROW. ``float32``: as apply_gguf_blocks builds a float32 model on a CPU
+    with AVX512-BF16 (a bf16 dense dtype, the rows kernel, no dense copy but on KV projections);
+    ``float32 dense``: on one without (no rows kernel, a float32 dense copy)."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    weight = block_weight(96, 256, 32, True, seed=12)
+    method = (GGUFBlockLinearMethod(vnni, torch.float32, "int16", None, kernel) if model == "float32 dense"
+              else GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel))
+    dtype = torch.bfloat16 if model == "bf16" else torch.float32
+    layer = torch.nn.Module()
+    method.process(layer, weight, int8_rows=projection not in I8_GEMM_SKIPPED)
+    has_i8 = projection not in I8_GEMM_SKIPPED
+    assert (layer.gguf_dense is not None) == (model == "float32 dense" or not has_i8)
+    x = torch.randn(num_prompt + num_generation, 256,
+                    generator=torch.Generator().manual_seed(num_generation)).to(dtype)
+    # decode rows, a prompt chunk, then one more decode row
+    counts = [1] * (num_generation - 1) + [num_prompt, 1]
+    generation = [True] * (num_generation - 1) + [False, True]
+    generation_rows = list(range(num_generation - 1)) + [num_generation - 1 + num_prompt]
+    prompt = list(range(num_generation - 1, num_generation - 1 + num_prompt))
+    for bias in (None, torch.randn(96, generator=torch.Generator().manual_seed(5)).to(dtype)):
+        with prompt_rows(counts, generation):
+            out = method.apply(layer, x, bias)
+        with prompt_rows([1] * num_generation, [True] * num_generation):
+            own = method.apply(layer, x[generation_rows], bias)
+        by_count = method.apply(layer, x, bias)   # outside a pass: the row count alone decides
+        assert out.dtype == own.dtype == dtype
+        assert torch.equal(out[generation_rows], own)
+        assert torch.equal(out[prompt], by_count[prompt])
+        if has_i8 and num_prompt >= I8_GEMM_FIRST_ROW:
+            by_i8 = kernel.i8_gemm(x, *layer.gguf_i8, 32, False, 96)
+            by_i8 = (by_i8 if bias is None else by_i8 + bias).to(dtype)
+            assert torch.equal(out[prompt], by_i8[prompt])
+            assert not torch.equal(out[generation_rows], by_i8[generation_rows])
+
+
+@pytest.mark.parametrize("model", ["bf16", "float32"])
+def test_the_heads_generation_rows_are_a_pass_of_their_own(model: str) -> None:
+    """The LM head's scope (the runner's: a pass's logit rows): 16 decode rows beside a prompt's last
+    row are 17 rows, above the VNNI kernel's limit, where a float32 model's head takes the rows kernel
+    as bf16; its decode rows still get the VNNI kernel's logits, as 16 decode rows alone do."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, gguf_i8gemm.load_kernel())
+    head = torch.nn.Module()
+    method.process(head, block_weight(96, 256, 32, False, seed=13), float_output=True)
+    limit = head.gguf_kernel_max_rows
+    dtype = torch.bfloat16 if model == "bf16" else torch.float32
+    x = torch.randn(limit + 1, 256, generator=torch.Generator().manual_seed(14)).to(dtype)
+    counts = [1] * (limit + 1)   # a decode row each, but the prompt's last row in the middle
+    generation = [row != limit // 2 for row in range(limit + 1)]
+    decode_rows = [row for row in range(limit + 1) if row != limit // 2]
+    with prompt_rows(counts, generation):
+        logits = method.apply(head, x, None)
+    with prompt_rows([1] * limit, [True] * limit):
+        alone = method.apply(head, x[decode_rows], None)
+    assert logits.dtype == alone.dtype == torch.float32
+    assert torch.equal(logits[decode_rows], alone)
+    assert torch.equal(logits[limit // 2], method.apply(head, x, None)[limit // 2])   # the prompt's row by count
