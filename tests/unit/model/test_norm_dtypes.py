@@ -10,9 +10,7 @@ float32 rounding (a normalised value within float32 rounding of a bf16 tie round
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 
 from servelm.model.layers import fused
 from servelm.model.layers.norm import GemmaRMSNorm, RMSNorm
+from tests.unit.model.test_fused_ops import torch_path
 
 pytestmark = pytest.mark.skipif(fused.load_kernel() is None, reason=f"no fused kernel: {fused.kernel_status()}")
 
@@ -27,15 +26,6 @@ F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_MIXES = list(itertools.product([F32, BF16], repeat=3))
 """(x, residual, weight) dtypes."""
 EPS = 1e-6
-
-
-@contextlib.contextmanager
-def torch_path() -> Iterator[None]:
-    fused.set_enabled(False)
-    try:
-        yield
-    finally:
-        fused.set_enabled(True)
 
 
 def make_norm(kind: type, dim: int, dtype: torch.dtype) -> torch.nn.Module:
