@@ -135,8 +135,16 @@ def stage_rename(name: str | None, parallel: ParallelContext, num_layers: int,
 
 def set_residual_dtype(model: nn.Module, dtype: torch.dtype) -> bool:
     """Give every decoder body of ``model`` (a module with a ``residual_dtype`` class attribute:
-    LlamaModel, Gemma3Model) its residual stream's dtype; False where there is none (encoders)."""
+    LlamaModel, Gemma3Model) its residual stream's dtype; False where there is none (encoders).
+    With a float32 stream the projections whose outputs join it (each layer's o_proj and down_proj)
+    get ``float_residual_output``: a linear method that accumulates in float32 (GGUF blocks) then
+    returns their outputs unrounded."""
     bodies = [module for module in model.modules() if hasattr(type(module), "residual_dtype")]
     for body in bodies:
         body.residual_dtype = dtype
+        for layer in body.layers:
+            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            for linear in (getattr(attention, "o_proj", None), getattr(mlp, "down_proj", None)):
+                if linear is not None:
+                    linear.float_residual_output = dtype == torch.float32
     return bool(bodies)

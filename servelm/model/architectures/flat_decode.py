@@ -154,6 +154,9 @@ class FlatDecodePlan:
     def __init__(self, layers: Sequence[Any]) -> None:
         plans = [self.layer_plan(layer) for layer in layers]
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
+        self.round_updates = not (layers and getattr(layers[0].self_attn.o_proj, "float_residual_output", False))
+        """Whether the o and down projections round their outputs to bf16 (False: they join a float32
+        residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on the module path)."""
         self._probe: nn.Module | None = layers[0].self_attn.qkv_proj if layers else None
         """A module whose forward hooks (benchmarks/profile_decode.py's op timers) send the step
         through the modules, so that the hooks see every op."""

@@ -58,6 +58,7 @@ class DecodePlan(FlatDecodePlan):
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         step = self.step(hidden, batch)
         ops = step.ops
+        round_updates = self.round_updates
         plan: _LayerPlan
         for plan in self.layers or ():
             kernel, codes, scales, offsets, block = plan.qkv_call
@@ -68,12 +69,12 @@ class DecodePlan(FlatDecodePlan):
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, True)
             attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
-            hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, True), plan.post_attention_norm,
+            hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)
             kernel, codes, scales, offsets, block = plan.gate_up_call
             gate_up = kernel(ops.rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True, None), codes, scales,
                              offsets, block, True)
             kernel, codes, scales, offsets, block = plan.down_call
-            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, True)
+            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
         return hidden

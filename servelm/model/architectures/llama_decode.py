@@ -78,6 +78,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         step = self.step(hidden, batch)
         ops = step.ops
+        round_updates = self.round_updates
         plan: _LayerPlan
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
@@ -96,12 +97,12 @@ class LlamaDecodePlan(FlatDecodePlan):
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)
             attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
-            normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, True), hidden,
+            normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
             kernel, codes, scales, offsets, block = plan.gate_up_call
             gate_up = kernel(normed, codes, scales, offsets, block, True)
             kernel, codes, scales, offsets, block = plan.down_call
-            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, True)
+            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             if plan.next_input_norm is None:
                 hidden = hidden + down
             else:   # the residual add with the next layer's input norm: the sum rounded to bf16, then normed

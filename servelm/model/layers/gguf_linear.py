@@ -254,26 +254,29 @@ class GGUFBlockLinearMethod:
         return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype."""
+        """x [..., K] -> [..., N] in x's dtype; in float32, unrounded, for the LM head and a layer whose
+        output joins a float32 residual stream (``float_residual_output``)."""
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state.get("gguf_decode_args")
+        unrounded = state.get("float_residual_output", False)
         if (decode and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= decode_rows(decode)
                 and (bias is None or x.shape[0] == 1 and decode_takes_bias(decode))
                 and x.is_contiguous() and x.device.type == "cpu" and not state.get("gguf_float_output", False)):
             kernel, codes, scales, offsets, block = decode
-            if bias is None:
-                return kernel(x, codes, scales, offsets, block, True)   # rounded to bf16 by the kernel
+            if bias is None:   # rounded to bf16 by the kernel, or float32
+                return kernel(x, codes, scales, offsets, block, not unrounded)
             # one row of a biased layer on the VNNI kernel: the bias added in float32 before the bf16
             # rounding, as the routing below does it
-            return kernel(x, codes, scales, offsets, block, True, bias)
+            return kernel(x, codes, scales, offsets, block, not unrounded, bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         weight: BlockWeight = layer.gguf_weight
         is_head = getattr(layer, "gguf_float_output", False)
+        float_out = is_head or unrounded
         i8 = state.get("gguf_i8")
         int8_allowed = i8 is not None and not _SCOPE.generation_only
         if int8_allowed and x2.shape[0] >= I8_GEMM_FIRST_ROW:
-            out = self._i8_gemm(layer, x2, bias, is_head)
+            out = self._i8_gemm(layer, x2, bias, float_out)
             generation = _mixed_generation_rows(x2.shape[0])
             if generation is not None:
                 # a mixed pass: its decode/verify rows as a pass of only those rows computes them
@@ -283,7 +286,7 @@ class GGUFBlockLinearMethod:
                 and (self._rows_kernel_takes(x2.shape[0], is_head) or (i8 is not None and layer.gguf_dense is None))):
             # generation rows above the rows kernel's routing on a layer whose only other copy is
             # the int8 one take the rows kernel too (it computes any row count)
-            out = self._rows_gemm(layer, x2, bias, is_head)
+            out = self._rows_gemm(layer, x2, bias, float_out)
             return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
         by_count = True   # whether fewer rows could take another kernel (the dense copy's paths)
@@ -296,8 +299,7 @@ class GGUFBlockLinearMethod:
             # unless a bias (added in float32) or a float32 output (the LM head) follows
             is_bf16 = x2.dtype == torch.bfloat16
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
-                         weight.offsets, weight.block,
-                         is_bf16 and bias is None and not getattr(layer, "gguf_float_output", False))
+                         weight.offsets, weight.block, is_bf16 and bias is None and not float_out)
             by_count = False   # fewer rows take it too
         elif layer.gguf_dense is None:
             # a head or a layer without a dense copy (process): rows the routing above did not take
@@ -313,7 +315,7 @@ class GGUFBlockLinearMethod:
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
-        out = out.float() if getattr(layer, "gguf_float_output", False) else out.to(x.dtype)
+        out = out.float() if float_out else out.to(x.dtype)
         generation = _mixed_generation_rows(x2.shape[0]) if by_count else None
         if generation is not None:
             # a mixed pass above the VNNI kernel's or the rows kernel's rows (a KV projection's dense
@@ -334,30 +336,30 @@ class GGUFBlockLinearMethod:
             _SCOPE.generation_only, _SCOPE.generation_rows = previous
 
     def _rows_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
-                   is_head: bool) -> torch.Tensor:
-        """``apply`` on the rows kernel for bf16 rows [M, K]: float32 out for the head (logits never
-        rounded to bf16) or before a bias, else bf16 rounded by the kernel."""
+                   float_out: bool) -> torch.Tensor:
+        """``apply`` on the rows kernel for bf16 rows [M, K]: float32 out where ``float_out`` (the head's
+        logits, a float32 residual stream's update) or before a bias, else bf16 rounded by the kernel."""
         codes, scales, offsets = layer.gguf_packed
         out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
-            x2.contiguous(), codes, scales, offsets, layer.gguf_weight.block, bias is None and not is_head,
+            x2.contiguous(), codes, scales, offsets, layer.gguf_weight.block, bias is None and not float_out,
             layer.gguf_weight.codes.shape[0])
         if bias is not None:
             out = out + bias
-        return out.float() if is_head else out.to(x2.dtype)
+        return out.float() if float_out else out.to(x2.dtype)
 
     def _i8_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
-                 is_head: bool) -> torch.Tensor:
+                 float_out: bool) -> torch.Tensor:
         """``apply`` on the int8 GEMM for rows [M, K]: bf16 out for bf16 rows (rounded by the kernel)
-        unless a bias (added in float32) or the head's float32 logits follow."""
+        unless a bias (added in float32) or ``float_out`` (as ``_rows_gemm``)."""
         codes, scales, offsets = layer.gguf_i8
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
         out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
             x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets, weight.block,
-            is_bf16 and bias is None and not is_head, weight.codes.shape[0])
+            is_bf16 and bias is None and not float_out, weight.codes.shape[0])
         if bias is not None:
             out = out + bias
-        return out.float() if is_head else out.to(x2.dtype)
+        return out.float() if float_out else out.to(x2.dtype)
 
     @staticmethod
     def _rows_kernel_takes(rows: int, is_head: bool) -> bool:

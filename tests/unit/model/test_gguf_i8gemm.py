@@ -298,3 +298,47 @@ def test_the_heads_generation_rows_are_a_pass_of_their_own(model: str) -> None:
     assert logits.dtype == alone.dtype == torch.float32
     assert torch.equal(logits[decode_rows], alone)
     assert torch.equal(logits[limit // 2], method.apply(head, x, None)[limit // 2])   # the prompt's row by count
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_float_residual_output_is_the_unrounded_result(kernel, with_bias: bool) -> None:
+    """``float_residual_output`` (a bf16 model's o/down projections beside a float32 residual stream):
+    every path returns its float32 result unrounded -- the decode call and the rows kernel for
+    generation rows, the int8 GEMM for prompt rows, a mixed pass's fix-up -- which rounds to exactly
+    what the layer gives without the flag."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    weight = block_weight(96, 256, 32, True, seed=21)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    x = torch.randn(63, 256, generator=torch.Generator().manual_seed(22)).bfloat16()
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(23)).bfloat16() if with_bias else None
+
+    def exact(rows: torch.Tensor, int8: bool) -> torch.Tensor:
+        out = (kernel.i8_gemm(rows.contiguous(), *layer.gguf_i8, 32, False, 96) if int8
+               else rows_kernel.rows_gemm(rows.contiguous(), *layer.gguf_packed, 32, False, 96))
+        return out if bias is None else out + bias
+
+    def both(rows: torch.Tensor, counts: list[int], generation: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for flag in (True, False):
+            layer.float_residual_output = flag
+            with prompt_rows(counts, generation):
+                outs.append(method.apply(layer, rows, bias))
+        return outs[0], outs[1]
+
+    for m in (1, 3, 20):   # decode passes (1 row with a bias: the VNNI decode call adds it)
+        unrounded, rounded = both(x[:m], [1] * m, [True] * m)
+        assert unrounded.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+        assert torch.equal(unrounded.bfloat16(), rounded), m
+        if bias is None or m > 1:
+            assert torch.equal(unrounded, exact(x[:m], int8=False)), m
+    unrounded, rounded = both(x[:60], [60], [False])   # a prompt chunk: the int8 GEMM
+    assert torch.equal(unrounded, exact(x[:60], int8=True)) and torch.equal(unrounded.bfloat16(), rounded)
+    unrounded, rounded = both(x, [1, 1, 60, 1], [True, True, False, True])   # mixed: the fix-up in float32
+    generation_rows = [0, 1, 62]
+    assert torch.equal(unrounded[generation_rows], exact(x[generation_rows], int8=False))
+    assert torch.equal(unrounded[2:62], exact(x[2:62], int8=True))
+    assert torch.equal(unrounded.bfloat16(), rounded)
