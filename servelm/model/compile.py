@@ -16,10 +16,20 @@ batch 1 gets its own (torch specialises sizes 0 and 1). ``warm_up`` compiles bot
 dummy one-token sequences in block 0 (they write finite values into slots no request owns yet,
 and every slot is written before a request reads it), so no request pays the compile time.
 
+Numerics (``INDUCTOR_OPTIONS``): inductor by default computes a fused chain of bf16 ops in float32 and
+rounds once at the end, where eager rounds every op's output to bf16; and it folds a residual add
+into the GEMM before it (``h + x @ W.T`` becomes one addmm, adding before rounding). Either makes a
+compiled bf16 model round differently from the eager one. ``emulate_precision_casts`` keeps every
+rounding eager makes, and ``pattern_matcher=False`` turns off the pass that folds the add (no inductor
+option disables that one pattern alone). What still differs: the float32 sum of squares of an RMSNorm
+is summed in another order than the eager fused kernel's (layers/fused.py), which moves a
+normalised value across a bf16 rounding boundary in a few rows per thousand.
+
 Invariants:
-- Greedy outputs equal eager mode's for float32 models (tests/unit/model/test_compile.py);
-  quantized models are refused in ``EngineConfig`` (inductor's last-bit differences flip the
-  int8 rounding of the activations, so greedy tokens change).
+- Greedy outputs equal eager mode's for float32 models, and logits are bit-identical to eager's for
+  the tiny bf16 models (tests/unit/model/test_compile.py); quantized models are refused in
+  ``EngineConfig`` (inductor's last-bit differences flip the int8 rounding of the activations, so
+  greedy tokens change).
 - The wrapped layers keep their parameters: eager and compiled paths share every weight.
 """
 
@@ -41,6 +51,11 @@ _DYNAMO_CACHE_SIZE = 64
 """Graphs dynamo may keep per code object. All layers share one forward code object, and the
 variants (sliding/global layer, first layer to fill the rope cache, batch 1 / batch >= 2) add up to
 about 8, dynamo's default limit; past it dynamo silently falls back to eager."""
+
+INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True, "pattern_matcher": False}
+"""Inductor config for our graphs only (``torch.compile(options=...)``, not process-wide): round in
+bf16 where eager rounds (see the module docstring). Measured on Qwen2.5-Coder-0.5B bf16 decode: no
+change in step time (noisy, shared machine; benchmarks/RESULTS.md)."""
 
 
 class DecodeDispatch:
@@ -71,7 +86,7 @@ def compile_decode_layers(model: nn.Module, max_bs: int) -> int:
             module.forward = torch.compiler.disable(module.forward)  # type: ignore[method-assign]
     for layer in layers:
         eager = layer.forward
-        compiled = torch.compile(eager, dynamic=True, fullgraph=False)
+        compiled = torch.compile(eager, dynamic=True, fullgraph=False, options=INDUCTOR_OPTIONS)
         layer.forward = DecodeDispatch(eager, compiled, max_bs)
     return len(layers)
 

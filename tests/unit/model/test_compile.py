@@ -12,7 +12,11 @@ import torch
 
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
-from servelm.model.compile import DecodeDispatch
+from servelm.distributed.parallel import ParallelContext
+from servelm.model.architectures.common import GatedMLP
+from servelm.model.compile import INDUCTOR_OPTIONS, DecodeDispatch
+from servelm.model.forward_batch import BatchPlan, SequencePlan
+from servelm.model.layers.norm import RMSNorm
 from servelm.model.threads import (OMP_WAIT_POLICY, available_cpus, configure_engine_threads,
                                    configure_front_end_threads, default_num_threads,
                                    ThreadGovernor, export_openmp_wait_policy)
@@ -86,6 +90,68 @@ def test_compiled_decode_greedy_equals_eager(tmp_path: Path, arch: str) -> None:
     compiled = _greedy(path, True, prompts[:3]) + _greedy(path, True, prompts[3:])
     assert counters["stats"]["unique_graphs"] > 0, "no graph was compiled"
     assert compiled == eager
+
+
+def test_compiled_bf16_norm_and_mlp_round_where_eager_rounds() -> None:
+    """The second half of a Llama layer in bf16: ``add_norm``, the gated MLP and the residual add.
+    Inductor's defaults fuse the norm's bf16 roundings away and fold the residual add into the
+    down projection's GEMM (about a quarter of the outputs one bf16 step off); INDUCTOR_OPTIONS
+    must give eager's bits."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6, dtype=torch.bfloat16)
+    mlp = GatedMLP(64, 128, "silu", dtype=torch.bfloat16, parallel=ParallelContext.single())
+    with torch.no_grad():
+        for param in [norm.weight, *mlp.parameters()]:
+            param.normal_(1.0 if param is norm.weight else 0.0, 0.2)
+
+    def second_half(attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        normed, total = norm.add_norm(attn_out, residual)
+        return total + mlp(normed)
+
+    attn_out, residual = (torch.randn(3, 64) * 4).bfloat16(), (torch.randn(3, 64) * 4).bfloat16()
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(second_half, dynamic=True, options=INDUCTOR_OPTIONS)(attn_out, residual)
+        assert torch.equal(compiled, second_half(attn_out, residual))
+
+
+def test_compiled_bf16_decode_logits_equal_eager(tmp_path: Path) -> None:
+    """A tiny bf16 Llama, teacher-forced over 16 decode steps of 3 sequences (the dynamic-batch
+    graph) and of 1 (the batch-1 graph): every compiled step's logits equal eager's bit for bit."""
+    path = make_tiny_model_dir(tmp_path, "llama")
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16"),
+        cache=CacheConfig(max_total_tokens=2048, page_size=8),
+        runtime=RuntimeConfig(enable_torch_compile=True, torch_compile_max_bs=4, num_threads=1)))
+    runner = engine.runner
+    dispatches = [layer.forward for layer in runner.model.model.layers]  # type: ignore[attr-defined]
+    assert all(isinstance(dispatch, DecodeDispatch) for dispatch in dispatches)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    first_block = [1]  # block 0 holds warm_up's dummy tokens
+
+    @torch.inference_mode()
+    def decode(batch: list[list[int]], max_bs: int, forced: list[list[int]] | None) -> tuple[
+            list[list[int]], list[torch.Tensor]]:
+        for dispatch in dispatches:
+            dispatch.max_bs = max_bs   # 0: every step eager
+        blocks = [list(range(first_block[0] + 5 * i, first_block[0] + 5 * i + 5)) for i in range(len(batch))]
+        first_block[0] += 5 * len(batch)
+        logits = runner.execute(BatchPlan([SequencePlan(p, 0, b) for p, b in zip(batch, blocks)]))
+        tokens, steps = [[int(row.argmax())] for row in logits], [logits]
+        for step in range(16):
+            fed = [(forced or tokens)[i][step] for i in range(len(batch))]
+            logits = runner.execute(BatchPlan([SequencePlan([token], len(p) + step, b)
+                                               for token, p, b in zip(fed, batch, blocks)]))
+            steps.append(logits)
+            for row, out in zip(logits, tokens):
+                out.append(int(row.argmax()))
+        return tokens, steps
+
+    for batch in (prompts, prompts[:1]):
+        eager_tokens, eager_logits = decode(batch, 0, None)
+        _, compiled_logits = decode(batch, 4, eager_tokens)
+        assert all(torch.equal(c, e) for c, e in zip(compiled_logits, eager_logits))
 
 
 def test_front_end_keeps_one_thread_and_respects_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
