@@ -185,3 +185,35 @@ def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.Monkey
     for rows in (1, 3):
         check_flat_against_modules(LlamaDecodePlan, rows, lambda: runner_decode_logits(runner, prompts[:rows]),
                                    monkeypatch)
+
+
+@pytest.mark.slow
+def test_qwen_coder_gguf_serves_eagle3(tmp_path: Any) -> None:
+    """The default model as served by default (GGUF blocks in bf16 where the CPU has AVX512-BF16) with a
+    random-weight EAGLE-3 head: every forward hands the head its features (the flat path skipped the
+    capture's layer hooks: the first forward failed)."""
+    from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpeculativeConfig
+    from servelm.engine.engine import LLMEngine
+    from servelm.model.eagle_checkpoint import main as write_head
+    from servelm.sampling.params import SamplingParams
+
+    write_head(["--model", "qwen2.5-coder-0.5b", "--algorithm", "EAGLE3", "--out", str(tmp_path / "head")])
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="qwen2.5-coder-0.5b"),
+                                    cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS),
+                                    runtime=RuntimeConfig(num_threads=1),
+                                    speculative=SpeculativeConfig(speculative_algorithm="EAGLE3",
+                                                                  speculative_draft_model_path=str(tmp_path / "head"),
+                                                                  num_speculative_tokens=3)))
+    runner: Any = engine.runner
+    model = runner.model.model
+    if (LlamaDecodePlan([model.layers[i] for i in model.held_layers]).layers is None
+            or model.norm.weight.dtype != torch.bfloat16):
+        pytest.skip("the default Qwen model is not served on GGUF block weights in bf16 here")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert engine.add_request("0", engine.tokenizer.encode("def quicksort(items):"), params) is None
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.error is None, output.error
+            tokens.extend(output.new_token_ids)
+    assert len(tokens) == 12 and engine.stats()["spec_num_draft_tokens"] > 0
