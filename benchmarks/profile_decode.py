@@ -69,8 +69,9 @@ class Timers:
 
 
 def instrument(engine: LLMEngine, timers: Timers, op_hooks: bool = True) -> None:
-    """Wrap the engine's stages and hook the model's modules (ops only when ``op_hooks``: a hook
-    inside a compiled layer would split its graph)."""
+    """Wrap the engine's stages and hook the model's modules (layers and ops only when ``op_hooks``:
+    a hook inside a compiled layer would split its graph, and one on a layer or op sends a step of a
+    few bf16 rows on GGUF blocks through the layer modules instead of the flat decode path)."""
     runner: Any = engine.runner
     model = runner.model
     starts: dict[int, float] = {}
@@ -88,7 +89,7 @@ def instrument(engine: LLMEngine, timers: Timers, op_hooks: bool = True) -> None
         if leaf in OP_KINDS and (op_hooks or leaf in ("embed_tokens", "lm_head")):
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post_for("op:" + OP_KINDS[leaf]))
-        if leaf.isdigit() and name.endswith(f"layers.{leaf}"):
+        if op_hooks and leaf.isdigit() and name.endswith(f"layers.{leaf}"):
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post_for(f"layer:{int(leaf):02d}"))
 
@@ -177,8 +178,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-op-hooks", dest="op_hooks", action="store_false",
-                        help="time layers and stages only (no per-op hooks, which cost a little "
-                        "and are always off with torch.compile)")
+                        help="time stages only (no per-layer or per-op hooks, which cost a little, "
+                        "are always off with torch.compile and keep steps off the flat decode path)")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     parser.add_argument("--phase", choices=["decode", "prefill"], default="decode",
                         help="prefill: time whole prompts of --input-len tokens, one at a time "

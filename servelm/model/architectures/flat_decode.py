@@ -6,7 +6,7 @@ attribute lookups, each op's own "does the fused path apply" checks) around a fe
 work. A family's plan (``FlatDecodePlan`` subclass) checks once per model that every layer can take
 the flat path (``kernel_call``: GGUF block weights on the block kernel, one tensor-parallel rank; the
 fused ops' kernel) and holds each layer's weights and kernel arguments; ``applies`` checks once per
-forward that the batch can (bf16, at most ``max_rows`` rows, no LoRA, no forward hooks, the fused
+forward that the batch can (bf16, at most ``max_rows`` rows, no LoRA, no forward hooks on a layer, the fused
 ops on); ``run`` then calls, per layer, the kernels the modules would call, in the same order, with
 a ``DecodeStep`` giving the per-step parts: cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
@@ -157,9 +157,12 @@ class FlatDecodePlan:
         self.round_updates = not (layers and getattr(layers[0].self_attn.o_proj, "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: they join a float32
         residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on the module path)."""
-        self._probe: nn.Module | None = layers[0].self_attn.qkv_proj if layers else None
-        """A module whose forward hooks (benchmarks/profile_decode.py's op timers) send the step
-        through the modules, so that the hooks see every op."""
+        probe: list[nn.Module] = [layers[0].self_attn.qkv_proj] if layers else []
+        self._hooks: list[dict[int, Any]] = [hooks for module in (*layers, *probe)
+                                             for hooks in (module._forward_pre_hooks, module._forward_hooks)]
+        """The hook dicts (filled in place by ``register_forward_*hook``) of every layer module and of one
+        probe op: a hook on a layer (``HiddenCapture``: EAGLE-3 reads the layers' inputs) or on the probe
+        (benchmarks/profile_decode.py's op timers) sends the step through the modules, which call it."""
 
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
@@ -176,9 +179,8 @@ class FlatDecodePlan:
         return min(decode_rows(call) for call in (plan.qkv_call, plan.o_call, plan.gate_up_call, plan.down_call))
 
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
-        probe = self._probe
         return (self.layers is not None and hidden.dtype in _RESIDUAL_DTYPES and hidden.dim() == 2
-                and not (probe is not None and (probe._forward_hooks or probe._forward_pre_hooks))
+                and not any(self._hooks)
                 and hidden.shape[0] <= self.max_rows() and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))
 

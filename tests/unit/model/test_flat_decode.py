@@ -3,7 +3,8 @@ the layer modules: a tiny bf16 model of each family on GGUF-style block weights 
 scale per 32 inputs) decodes the same prompts through both, and every step's logits must be
 bit-identical; the flat path must really run. Qwen2's QKV bias, Qwen3's q/k norms, Llama 3's rope
 scaling and a Mistral sliding window each take their own branch. The real Qwen2.5-Coder 0.5B GGUF
-(the default model) is checked the same way (slow)."""
+(the default model) is checked the same way (slow). EAGLE heads' feature capture (``HiddenCapture``'s
+hooks) sees the same features on a step the flat path would take as through the modules."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import transformers
 from servelm.model.architectures.flat_decode import FlatDecodePlan
 from servelm.model.architectures.gemma3_decode import DecodePlan
 from servelm.model.architectures.llama_decode import LlamaDecodePlan
+from servelm.model.eagle import HiddenCapture, eagle3_layer_ids
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_blocks import BlockWeight
@@ -51,13 +53,19 @@ def tiny_mistral() -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def decode_logits(hf_model: Any, arch: str, rows: int, residual_dtype: str = "auto") -> list[torch.Tensor]:
-    """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
+def block_runner(hf_model: Any, residual_dtype: str = "auto") -> Any:
+    """A bf16 runner over ``hf_model`` with its layers' linears on Q8_0-style block weights."""
     runner = make_runner(make_source(hf_model), dtype="bfloat16", residual_dtype=residual_dtype)
     method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
     for name, module in runner.model.named_modules():
         if isinstance(module, LinearBase) and ".layers." in name:
             method.process(module, q8_blocks(module.weight))
+    return runner
+
+
+def decode_logits(hf_model: Any, arch: str, rows: int, residual_dtype: str = "auto") -> list[torch.Tensor]:
+    """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
+    runner = block_runner(hf_model, residual_dtype)
     prompts = prompts_for(arch, runner.vocab_size)[:rows]
     if arch == "mistral":   # past the window
         prompts = [prompt * 3 for prompt in prompts]
@@ -113,6 +121,59 @@ def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeyp
         assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_eagle_capture_sees_the_flat_steps(arch: str, algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The features an EAGLE head receives (``HiddenCapture.take()`` after each forward: prefill, decode
+    steps of 3 rows, a verify-like pass of 3 tokens) equal the module path's, bit for bit. EAGLE reads the
+    body's output (its forward hook runs around the flat layers: the flat path still runs); EAGLE-3 reads
+    layer inputs through hooks on the layer modules, which the flat path does not call: it must step aside
+    while they are installed (and take every step again once they are removed)."""
+    hf_model = make_tiny_hf_model(arch)
+    plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
+    runs: list[int] = []
+    original_run = plan_class.run
+
+    def counted_run(self: Any, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+        runs.append(hidden.shape[0])
+        return original_run(self, hidden, batch)
+
+    monkeypatch.setattr(plan_class, "run", counted_run)
+
+    def features() -> tuple[list[torch.Tensor], list[int]]:
+        runner = block_runner(hf_model)
+        num_layers = hf_model.config.num_hidden_layers
+        capture = HiddenCapture(runner.model, eagle3_layer_ids(num_layers) if algorithm == "EAGLE3" else None)
+        allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
+        prompts = prompts_for(arch, runner.vocab_size)
+        logits = runner.execute(BatchPlan([allocator.plan(i, p, num_logits=1) for i, p in enumerate(prompts)]))
+        taken = [capture.take()]
+        runs.clear()
+        for _ in range(STEPS):
+            tokens = logits.argmax(-1).tolist()
+            logits = runner.execute(BatchPlan([allocator.plan(i, [t], num_logits=1) for i, t in enumerate(tokens)]))
+            taken.append(capture.take())
+        runner.execute(BatchPlan([allocator.plan(0, [5, 17, 3], num_logits=3)]))   # a verify's k + 1 tokens
+        taken.append(capture.take())
+        flat_runs = list(runs)
+        capture.remove()   # hooks gone: plain decode takes the flat path again
+        runs.clear()
+        runner.execute(BatchPlan([allocator.plan(0, [7], num_logits=1)]))
+        assert capture.take() is None
+        assert all(t is not None and t.shape == (t.shape[0], capture.width) for t in taken)
+        return [t for t in taken if t is not None], flat_runs + runs
+
+    flat, flat_runs = features()
+    assert flat_runs == ([3] * STEPS + [3] if algorithm == "EAGLE" else []) + [1]
+    with monkeypatch.context() as patch:
+        patch.setattr(FlatDecodePlan, "applies", lambda self, hidden, batch: False)
+        modules, module_runs = features()
+    assert module_runs == []
+    assert [t.shape[0] for t in flat] == [sum(len(p) for p in prompts_for(arch, 320))] + [3] * (STEPS + 1)
+    for step, (a, b) in enumerate(zip(flat, modules)):
+        assert torch.equal(a, b), f"forward {step}: max difference {(a - b).abs().max()}"
+
+
 @pytest.mark.slow
 def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model as served by default (its GGUF blocks, bf16 where the CPU has AVX512-BF16):
@@ -133,3 +194,35 @@ def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.Monkey
     for rows in (1, 3):
         check_flat_against_modules(LlamaDecodePlan, rows, lambda: runner_decode_logits(runner, prompts[:rows]),
                                    monkeypatch)
+
+
+@pytest.mark.slow
+def test_qwen_coder_gguf_serves_eagle3(tmp_path: Any) -> None:
+    """The default model as served by default (GGUF blocks in bf16 where the CPU has AVX512-BF16) with a
+    random-weight EAGLE-3 head: every forward hands the head its features (the flat path skipped the
+    capture's layer hooks: the first forward failed)."""
+    from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpeculativeConfig
+    from servelm.engine.engine import LLMEngine
+    from servelm.model.eagle_checkpoint import main as write_head
+    from servelm.sampling.params import SamplingParams
+
+    write_head(["--model", "qwen2.5-coder-0.5b", "--algorithm", "EAGLE3", "--out", str(tmp_path / "head")])
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="qwen2.5-coder-0.5b"),
+                                    cache=CacheConfig(page_size=BLOCK_SIZE, max_total_tokens=POOL_TOKENS),
+                                    runtime=RuntimeConfig(num_threads=1),
+                                    speculative=SpeculativeConfig(speculative_algorithm="EAGLE3",
+                                                                  speculative_draft_model_path=str(tmp_path / "head"),
+                                                                  num_speculative_tokens=3)))
+    runner: Any = engine.runner
+    model = runner.model.model
+    if (LlamaDecodePlan([model.layers[i] for i in model.held_layers]).layers is None
+            or model.norm.weight.dtype != torch.bfloat16):
+        pytest.skip("the default Qwen model is not served on GGUF block weights in bf16 here")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert engine.add_request("0", engine.tokenizer.encode("def quicksort(items):"), params) is None
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.error is None, output.error
+            tokens.extend(output.new_token_ids)
+    assert len(tokens) == 12 and engine.stats()["spec_num_draft_tokens"] > 0
