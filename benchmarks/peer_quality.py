@@ -105,6 +105,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=18432)
     parser.add_argument("--hf-dir", help="the model as a Hugging Face directory, for vLLM "
                                          "(default /work/peers/hf-MODEL)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also servelm's default in-process (quant_quality's mode auto): one prompt at a "
+                             "time, as the servers get them, and all at once, as quant_quality runs them")
     parser.add_argument("--servelm-args", default="", help="extra servelm flags (default: none)")
     parser.add_argument("--log-dir", default="/tmp/peer_quality",
                         help="server logs and each server's token ids (JSON)")
@@ -124,10 +127,21 @@ def main() -> None:
     reference = quant_quality.greedy(engine, prompts, args.max_tokens)
     del engine
     saved = {"prompts": prompts, "float32": reference}
+    rows = []
+    if args.in_process:   # batches above 16 rows take the dense bf16 copy, fewer the GGUF kernel
+        engine, _ = quant_quality.build_engine(args.model, "auto", "auto", args.threads)
+        for name, outputs in (
+                ("servelm default in-process, one prompt at a time",
+                 [quant_quality.greedy(engine, [prompt], args.max_tokens)[0] for prompt in prompts]),
+                ("servelm default in-process, all prompts at once (quant_quality)",
+                 quant_quality.greedy(engine, prompts, args.max_tokens))):
+            saved[name] = outputs
+            rows.append((name, *agreement(outputs, reference)))
+            print(f"  {rows[-1]}", flush=True)
+        del engine
     peers, skipped = compare_peers.find_peers(args, gguf, args.port)
     for message in skipped:
         print(f"skipped {message}", flush=True)
-    rows = []
     for peer in peers:
         print(f"running {peer.name} ...", flush=True)
         try:
