@@ -97,7 +97,7 @@ class ModelConfig:
         "--dtype is bfloat16 or float16. float32: each layer's update is added to a float32 sum instead of "
         "being rounded to 16 bits (llama.cpp keeps float32 activations too); matmul inputs and the KV cache "
         "stay in --dtype. model: --dtype, as Hugging Face runs the model. auto: float32 on CPU (Gemma 3 "
-        "270M's greedy outputs identical to the float32 model's: 72 -> 78 percent of 96 prompts, at no "
+        "270M's greedy outputs identical to the float32 model's: 72 -> 81 percent of 96 prompts, at no "
         "measurable cost; benchmarks/RESULTS.md), --dtype on CUDA.",
         choices=["auto", "float32", "model"])
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
