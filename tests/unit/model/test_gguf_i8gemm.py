@@ -4,6 +4,8 @@ float32 results to rounding."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -188,17 +190,23 @@ def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
     assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
 
 
+def bf16_block_layer(kernel, weight: BlockWeight) -> tuple[GGUFBlockLinearMethod, torch.nn.Module, Any]:
+    """A bf16 model's layer on ``weight`` with every kernel (VNNI, rows, int8), and the rows kernel's
+    module; skips where the VNNI or the rows kernel is missing."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    return method, layer, rows_kernel
+
+
 def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
     """``prompt_rows``: in a pass of decode/verify rows only, every row count takes the rows kernel;
     in a mixed pass the prompt rows take the int8 GEMM and the generation rows come out as they would
     in a pass of their own."""
-    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
-    if vnni is None or rows_kernel is None:
-        pytest.skip("no VNNI or rows kernel here")
-    weight = block_weight(70, 256, 32, False, seed=10)
-    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
-    layer = torch.nn.Module()
-    method.process(layer, weight)
+    method, layer, rows_kernel = bf16_block_layer(kernel, block_weight(70, 256, 32, False, seed=10))
     codes, scales, offsets = layer.gguf_i8
     x = torch.randn(90, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
 
@@ -306,13 +314,7 @@ def test_a_float_residual_output_is_the_unrounded_result(kernel, with_bias: bool
     every path returns its float32 result unrounded -- the decode call and the rows kernel for
     generation rows, the int8 GEMM for prompt rows, a mixed pass's fix-up -- which rounds to exactly
     what the layer gives without the flag."""
-    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
-    if vnni is None or rows_kernel is None:
-        pytest.skip("no VNNI or rows kernel here")
-    weight = block_weight(96, 256, 32, True, seed=21)
-    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
-    layer = torch.nn.Module()
-    method.process(layer, weight)
+    method, layer, rows_kernel = bf16_block_layer(kernel, block_weight(96, 256, 32, True, seed=21))
     x = torch.randn(63, 256, generator=torch.Generator().manual_seed(22)).bfloat16()
     bias = torch.randn(96, generator=torch.Generator().manual_seed(23)).bfloat16() if with_bias else None
 
