@@ -96,8 +96,8 @@ def gguf_model_dtype(dtype: str, device: torch.device,
         return chosen, f"--dtype {dtype}"
     if chosen == torch.bfloat16:
         return chosen, (f"auto: this CPU has {cpu_bf16_feature(flags)}, so the GGUF blocks run their "
-                        "own kernels and everything else (activations, norms accumulating in float32, "
-                        "attention, KV cache) runs in bf16")
+                        "own kernels and everything else (matmul inputs, attention, KV cache) runs in bf16 but the "
+                        "residual stream (--residual-dtype)")
     return chosen, ("auto: the GGUF blocks run their own kernels, everything else in float32 (this CPU "
                     "has no native bf16 GEMM)")
 
