@@ -193,9 +193,12 @@ class FlatDecodePlan:
 
 def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
-    """``model``'s held layers (``model.layers[i]`` for ``model.held_layers``) over ``hidden``: through
+    """``model``'s held layers (``model.layers[i]`` for ``model.held_layers``) over ``hidden`` in its
+    residual stream's dtype (``model.residual_dtype``, ``--residual-dtype``; None: as it comes): through
     its flat plan (a ``plan_type``, built at the first forward, when the GGUF block weights are in
     place) where the plan applies, else module by module."""
+    if model.residual_dtype is not None:   # the embedding's rows join the stream (a later stage's are in it)
+        hidden = hidden.to(model.residual_dtype)
     plan: FlatDecodePlan | None = model.__dict__.get("decode_plan")
     if plan is None:
         plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])

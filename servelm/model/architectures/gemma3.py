@@ -103,8 +103,6 @@ class Gemma3Model(nn.Module):
         """As LlamaModel.forward: ``hidden`` is the previous pipeline stage's output (None: embed)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
-            if self.residual_dtype is not None:
-                hidden = hidden.to(self.residual_dtype)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, DecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)

@@ -95,8 +95,6 @@ class LlamaModel(nn.Module):
         stage's ``hidden`` (None on the first stage, which embeds ``batch.input_ids``)."""
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(batch.input_ids)
-            if self.residual_dtype is not None:
-                hidden = hidden.to(self.residual_dtype)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, LlamaDecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)

@@ -290,8 +290,7 @@ class GGUFBlockLinearMethod:
             return out.reshape(*shape[:-1], out.shape[-1])
         max_rows = layer.gguf_kernel_max_rows
         by_count = True   # whether fewer rows could take another kernel (the dense copy's paths)
-        if (x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16
-                and not getattr(layer, "gguf_float_output", False)):
+        if x2.dtype == torch.bfloat16 and self.dense_dtype == torch.bfloat16 and not is_head:
             max_rows = BF16_KERNEL_MAX_ROWS[self.activations]
         if layer.gguf_uses_kernel and x2.shape[0] <= max_rows and x2.device.type == "cpu":
             kernel = getattr(self.kernel, _KERNELS[self.activations])
@@ -328,12 +327,8 @@ class GGUFBlockLinearMethod:
         them (G decides: a bf16 model's rows kernel; a float32 model's VNNI kernel up to its limit, above
         it the dense copy or, without one, the rows kernel), so that a stream's results do not depend on
         the prompt rows that share its pass."""
-        previous = (_SCOPE.generation_only, _SCOPE.generation_rows)
-        _SCOPE.generation_only, _SCOPE.generation_rows = True, None
-        try:
+        with prompt_rows([rows.shape[0]], [True]):
             return self.apply(layer, rows, bias)
-        finally:
-            _SCOPE.generation_only, _SCOPE.generation_rows = previous
 
     def _rows_gemm(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
                    float_out: bool) -> torch.Tensor:
