@@ -231,10 +231,12 @@ class HiCacheConfig:
         "layer_first", "Host tier layout: layer_first (like the device pool) or page_first (one "
         "block contiguous).", choices=["layer_first", "page_first", "page_first_direct"])
     hicache_host_dtype: str = opt(
-        "int8", "Host tier storage: int8 (one byte per value with per-block, per-head scales: 4x "
-        "the blocks of float32 in the same memory, values off by at most half a quantization step, "
-        "so outputs may differ from recomputing) or auto (the pool's dtype: exact).",
-        choices=["int8", "auto"])
+        "auto", "Host tier storage: auto (the pool's own dtype: exact, so outputs equal the ones "
+        "recomputing gives; the default because a cache should not change answers) or int8 (one "
+        "byte per value with per-block, per-head scales: 4x the blocks of float32 in the same "
+        "memory, values off by at most half a quantization step, so greedy outputs may differ "
+        "after a host-tier hit; see benchmarks/RESULTS.md).",
+        choices=["auto", "int8"])
     hicache_storage_backend: str | None = opt(
         None, "Storage tier below the host tier: file (one file per block, kept across restarts, "
         "validated against the model and settings that wrote it). Unset: no storage tier. "
