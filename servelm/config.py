@@ -630,10 +630,14 @@ class ServerConfig:
         "second or so: prefill chunks and decode batches run once, off the prefix cache and the "
         "metrics, so the first user request does not pay for oneDNN primitives and cold kernels).")
     tool_call_parser: str | None = opt(
-        None, "How tool calls are read from the model's text (chat tools); unset: hermes, which also "
-        "takes a bare JSON object.", choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])
-    enable_auto_tool_choice: bool = opt(False, "Let the model decide to call tools (tool_choice auto "
-                                        "with tools); also on when --tool-call-parser is set.")
+        None, "How tool calls are read from the model's text (tool_choice auto). Unset: the format "
+        "the chat template shows when it declares tools (logged at start-up), else hermes with "
+        "--enable-auto-tool-choice (it also takes a bare JSON object).",
+        choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])
+    enable_auto_tool_choice: bool = opt(
+        False, "Let the model decide to call tools (tool_choice auto with tools) even when its chat "
+        "template declares no tool format servelm recognises (already on for templates that do, "
+        "and when --tool-call-parser is set).")
     reasoning_parser: str | None = opt(None, "Split <think>...</think> into reasoning_content.",
                                        choices=["deepseek-r1", "qwen3"])
     allowed_origins: str | None = opt(
