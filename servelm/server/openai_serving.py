@@ -376,10 +376,10 @@ async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
         return forced, tools, "json"
     parser = ctx.tool_parser.parser
     if parser is None:
-        raise InvalidRequestError(f'tool_choice "auto" needs a tool-call parser and {ctx.tool_parser.reason}: '
-                                  "start the server with --tool-call-parser (or "
-                                  '--enable-auto-tool-choice), or use "required" or a named function',
-                                  "tool_choice")
+        raise InvalidRequestError(
+            f'tool_choice "auto" needs a tool-call parser and {ctx.tool_parser.reason}: start the '
+            'server with --tool-call-parser (or --enable-auto-tool-choice), or use "required" or a '
+            "named function", "tool_choice")
     await validate_structured(ctx.config, structured, structured_param)
     return structured, tools, parser
 
