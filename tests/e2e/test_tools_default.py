@@ -18,7 +18,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.mark.slow
 def test_default_server_answers_tools_with_no_flags() -> None:
-    with ServerProcess([]) as server:  # no model, no tool flags: the defaults
+    with ServerProcess([], startup_timeout_s=1200) as server:  # no model, no tool flags: the defaults
         assert "tool_choice auto parsed as hermes (the chat template declares tools" in server.log(None)
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
