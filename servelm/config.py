@@ -231,10 +231,12 @@ class HiCacheConfig:
         "layer_first", "Host tier layout: layer_first (like the device pool) or page_first (one "
         "block contiguous).", choices=["layer_first", "page_first", "page_first_direct"])
     hicache_host_dtype: str = opt(
-        "int8", "Host tier storage: int8 (one byte per value with per-block, per-head scales: 4x "
-        "the blocks of float32 in the same memory, values off by at most half a quantization step, "
-        "so outputs may differ from recomputing) or auto (the pool's dtype: exact).",
-        choices=["int8", "auto"])
+        "auto", "Host tier storage: auto (the pool's own dtype: exact, so outputs equal the ones "
+        "recomputing gives; the default because a cache should not change answers) or int8 (one "
+        "byte per value with per-block, per-head scales: 4x the blocks of float32 in the same "
+        "memory, values off by at most half a quantization step, so greedy outputs may differ "
+        "after a host-tier hit; see benchmarks/RESULTS.md).",
+        choices=["auto", "int8"])
     hicache_storage_backend: str | None = opt(
         None, "Storage tier below the host tier: file (one file per block, kept across restarts, "
         "validated against the model and settings that wrote it). Unset: no storage tier. "
@@ -628,10 +630,14 @@ class ServerConfig:
         "second or so: prefill chunks and decode batches run once, off the prefix cache and the "
         "metrics, so the first user request does not pay for oneDNN primitives and cold kernels).")
     tool_call_parser: str | None = opt(
-        None, "How tool calls are read from the model's text (chat tools); unset: hermes, which also "
-        "takes a bare JSON object.", choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])
-    enable_auto_tool_choice: bool = opt(False, "Let the model decide to call tools (tool_choice auto "
-                                        "with tools); also on when --tool-call-parser is set.")
+        None, "How tool calls are read from the model's text (tool_choice auto). Unset: the format "
+        "the chat template shows when it declares tools (logged at start-up), else hermes with "
+        "--enable-auto-tool-choice (it also takes a bare JSON object).",
+        choices=["hermes", "qwen25", "llama3", "llama3_json", "mistral", "pythonic"])
+    enable_auto_tool_choice: bool = opt(
+        False, "Let the model decide to call tools (tool_choice auto with tools) even when its chat "
+        "template declares no tool format servelm recognises (already on for templates that do, "
+        "and when --tool-call-parser is set).")
     reasoning_parser: str | None = opt(None, "Split <think>...</think> into reasoning_content.",
                                        choices=["deepseek-r1", "qwen3"])
     allowed_origins: str | None = opt(

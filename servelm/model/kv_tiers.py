@@ -7,9 +7,10 @@ Host layout, one block = every layer's K and V for ``block_size`` tokens::
     layer_first: data[layer, k|v, slot, token, head, dim]   (a layer is contiguous, as on device)
 
 Invariants:
-- ``host_dtype="int8"`` stores int8 with one float32 scale per (block, layer, k|v, head): the
+- ``host_dtype="auto"`` (the default) stores the pool's own dtype: a block comes back bit for bit.
+  ``"int8"`` (asked for) stores int8 with one float32 scale per (block, layer, k|v, head): the
   absolute maximum over the block's tokens and head_dim maps to 127, so a value is off by at most
-  half a step (scale / 2) after ``from_host``. "auto" stores the pool's own dtype: exact.
+  half a step (scale / 2) after ``from_host``.
   A pool that already stores one byte per value (fp8 KV) is kept as is.
 - ``read_exact``/``write_exact`` move the pool's bytes unchanged (the storage payload).
 - Only plain tensor copies (``--hicache-io-backend direct``): on CPU the pool is host memory.
@@ -21,14 +22,14 @@ import torch
 
 from servelm.model.kv_cache import KVCache
 
-HOST_DTYPES = ("int8", "auto")
+HOST_DTYPES = ("auto", "int8")
 MEM_LAYOUTS = ("layer_first", "page_first")
 
 
 class HostKVTier:
     """A host buffer of ``num_slots`` blocks beside ``kv`` (implements hicache's BlockMover)."""
 
-    def __init__(self, kv: KVCache, num_slots: int, host_dtype: str = "int8",
+    def __init__(self, kv: KVCache, num_slots: int, host_dtype: str = "auto",
                  layout: str = "layer_first") -> None:
         assert host_dtype in HOST_DTYPES and layout in MEM_LAYOUTS
         self.kv = kv

@@ -374,13 +374,14 @@ async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
                                       f"{tool_choice!r}", structured_param)
         await validate_structured(ctx.config, forced, "tools")
         return forced, tools, "json"
-    server = ctx.config.server
-    if not (server.enable_auto_tool_choice or server.tool_call_parser):
-        raise InvalidRequestError('tool_choice "auto" needs the server started with '
-                                  "--enable-auto-tool-choice or --tool-call-parser; use "
-                                  '"required" or a named function otherwise', "tool_choice")
+    parser = ctx.tool_parser.parser
+    if parser is None:
+        raise InvalidRequestError(
+            f'tool_choice "auto" needs a tool-call parser and {ctx.tool_parser.reason}: start the '
+            'server with --tool-call-parser (or --enable-auto-tool-choice), or use "required" or a '
+            "named function", "tool_choice")
     await validate_structured(ctx.config, structured, structured_param)
-    return structured, tools, server.tool_call_parser or "hermes"
+    return structured, tools, parser
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest,

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +21,13 @@ from typing import Any, TypeVar
 
 from servelm.config import EngineConfig
 from servelm.errors import InvalidRequestError
+from servelm.parsers.tool_templates import ToolParserChoice, choose_tool_parser
 from servelm.server.chat import load_chat_template
 from servelm.server.errors import APIError
 from servelm.server.template_sandbox import TemplateSandbox
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 _INLINE_TOKENIZE_CHARS = 4096
 """Shorter texts are tokenized on the event loop: a thread hop costs more than the work."""
@@ -73,6 +76,16 @@ class ServingContext:
         self.pooler: dict[str, Any] = dict(info.get("pooler") or {})
         self.max_embedding_tokens = int(info.get("max_embedding_tokens") or self.context_length)
         self.chat_template = load_chat_template(config.server.chat_template)
+        self.tool_parser: ToolParserChoice = choose_tool_parser(
+            self.chat_template or getattr(self.tokenizer, "chat_template", None),
+            config.server.tool_call_parser, config.server.enable_auto_tool_choice)
+        """The parser behind tool_choice "auto" (None: refused), chosen once (parsers/tool_templates)."""
+        if self.tool_parser.parser is not None:
+            logger.info("tool calls: tool_choice auto parsed as %s (%s)", self.tool_parser.parser,
+                        self.tool_parser.reason)
+        else:
+            logger.info("tool calls: tool_choice auto refused (%s); --tool-call-parser sets a parser",
+                        self.tool_parser.reason)
         self.accepted_model_names = {name for name in (
             *config.model.served_names, config.model.model, info.get("served_model_name"),
             info.get("model_path")) if name}

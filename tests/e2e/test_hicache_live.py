@@ -20,7 +20,7 @@ SYSTEM = ("You are a careful assistant for a small bakery. " * 12
 def server_args(store: Path, *extra: str) -> list[str]:
     return ["--model", "smollm2-135m", "--dtype", "float32", "--num-threads", "1",
             "--max-total-tokens", "1024", "--enable-metrics",
-            "--enable-hierarchical-cache", "--hicache-host-dtype", "auto",
+            "--enable-hierarchical-cache",
             "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", json.dumps({"file_path": str(store)}),
             "--hicache-storage-prefetch-policy", "wait_complete", *extra]

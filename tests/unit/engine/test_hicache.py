@@ -1,6 +1,7 @@
 """The hierarchical cache in the engine, on a tiny random-weight model (float32): exact greedy
-outputs with the tiers on and off, a working set 4x the pool keeping its hit rate, restart reuse
-from disk, corrupt files skipped, another model's files never read, the int8 host tier's error."""
+outputs with the tiers on and off (bit-identical logprobs with the default host tier), a working
+set 4x the pool keeping its hit rate, restart reuse from disk, corrupt files skipped, another
+model's files never read, the int8 host tier's error (only when asked for)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.config import CacheConfig, EngineConfig, HiCacheConfig, ModelConfig
+from servelm.config import CacheConfig, EngineConfig, HiCacheConfig, ModelConfig, RuntimeConfig
 from servelm.engine.engine import LLMEngine
 from servelm.model.kv_cache import KVCache
 from servelm.model.kv_tiers import HostKVTier
@@ -33,8 +34,7 @@ def make(model: Path, pool_tokens: int = POOL_TOKENS, store: Path | None = None,
          **hicache: object) -> LLMEngine:
     tiers = HiCacheConfig()
     if hicache or store is not None:
-        options: dict[str, object] = {"enable_hierarchical_cache": True, "hicache_host_dtype": "auto",
-                                      **hicache}
+        options: dict[str, object] = {"enable_hierarchical_cache": True, **hicache}
         if store is not None:
             options.update(hicache_storage_backend="file",
                            hicache_storage_backend_extra_config=json.dumps({"file_path": str(store)}),
@@ -42,7 +42,8 @@ def make(model: Path, pool_tokens: int = POOL_TOKENS, store: Path | None = None,
                                "hicache_storage_prefetch_policy", "wait_complete"))
         tiers = HiCacheConfig(**options)  # type: ignore[arg-type]
     config = EngineConfig(model=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
-                          cache=CacheConfig(max_total_tokens=pool_tokens, page_size=BLOCK), hicache=tiers)
+                          cache=CacheConfig(max_total_tokens=pool_tokens, page_size=BLOCK), hicache=tiers,
+                          runtime=RuntimeConfig(num_threads=1))  # fixed threads: bit-exact logprobs
     return LLMEngine(config)
 
 
@@ -87,6 +88,41 @@ def test_tiers_keep_the_hit_rate_of_a_working_set_4x_the_pool(
     assert tiered.hicache.locate(working_set()[0]) == ["host"] * 4  # evicted from the pool: demoted
     assert stats["num_used_blocks"] == 0
     tiered.shutdown()
+
+
+def run_with_logprobs(engine: LLMEngine, prompts: list[list[int]]
+                      ) -> list[list[tuple[int, float, list[tuple[int, float]]]]]:
+    """Each prompt alone, greedy with 5 top logprobs: (token, logprob, top) per output token."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    results = []
+    for index, prompt in enumerate(prompts):
+        assert engine.add_request(str(index), prompt, params) is None
+        rows: list[tuple[int, float, list[tuple[int, float]]]] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                assert output.logprobs is not None and len(output.logprobs) == len(output.new_token_ids)
+                rows.extend((entry.token_id, entry.logprob, entry.top) for entry in output.logprobs)
+        results.append(rows)
+    return results
+
+
+def test_default_host_tier_is_lossless(model_dir: Path) -> None:
+    """--enable-hierarchical-cache alone (no --hicache-host-dtype): the second round comes back
+    from the host tier and every token and logprob equals a pool that never evicted (bit for bit:
+    the default stores the pool's own dtype; the int8 tier's rounding moves the logprobs)."""
+    assert HiCacheConfig().hicache_host_dtype == "auto"
+    prompts = working_set()
+    reference = run_with_logprobs(make(model_dir, pool_tokens=4096), prompts)
+    tiered = make(model_dir, hicache_ratio=8.0)
+    assert run_with_logprobs(tiered, prompts) == reference
+    assert tiered.stats()["hicache_host_hit_tokens"] == 8 * 4 * BLOCK
+    tiered.shutdown()
+    lossy = make(model_dir, hicache_ratio=8.0, hicache_host_dtype="int8")
+    tokens = run_with_logprobs(lossy, prompts)
+    assert lossy.stats()["hicache_host_hit_tokens"] == 8 * 4 * BLOCK
+    assert tokens[:8] == reference[:8]  # the first round never reads the host tier
+    assert tokens[8:] != reference[8:]  # what the default avoids (the tokens may still agree)
+    lossy.shutdown()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -222,10 +258,10 @@ def test_refusals_and_storage_directory(monkeypatch: pytest.MonkeyPatch, tmp_pat
 @pytest.mark.slow
 def test_smollm2_tiers_on_and_off_give_the_same_tokens() -> None:
     """The real SmolLM2-135M (float32) with a pool of 12 blocks and 4 system prompts of 6 blocks:
-    the exact host tier serves the second round and changes no token."""
+    the default (exact) host tier serves the second round and changes no token."""
     def engine(tiers: bool) -> LLMEngine:
-        hicache = (HiCacheConfig(enable_hierarchical_cache=True, hicache_host_dtype="auto",
-                                 hicache_ratio=4.0) if tiers else HiCacheConfig())
+        hicache = (HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
+                   if tiers else HiCacheConfig())
         return LLMEngine(EngineConfig(model=ModelConfig(model="smollm2-135m", dtype="float32"),
                                       cache=CacheConfig(max_total_tokens=192), hicache=hicache))
     rng = random.Random(3)

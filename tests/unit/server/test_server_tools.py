@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from server_fakes import MODEL_NAME, FakeEngine, sse_events
+from server_fakes import MODEL_NAME, FakeEngine, build_tokenizer, sse_events
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -64,10 +64,37 @@ def test_auto_tool_choice_needs_a_parser_flag(tokenizer, make_client):
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert "the chat template does not declare tool support" in response.json()["error"]["message"]
     client = make_client(_engine(tokenizer, "plain answer"), enable_auto_tool_choice=True)
     message = client.post("/v1/chat/completions", json={**body, "max_tokens": 50}).json()
     assert message["choices"][0]["message"]["content"] == "plain answer"
     assert message["choices"][0]["finish_reason"] != "tool_calls"
+
+
+QWEN_LIKE = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}"
+             "\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+             "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_auto_tool_choice_from_the_template_with_no_flags(tmp_path, caplog, make_client):
+    """A template that declares tools in the hermes format: tools with the default tool_choice
+    (auto) are parsed with no flag, the tools reach the prompt, and the choice is logged."""
+    tokenizer = build_tokenizer(tmp_path, QWEN_LIKE)
+    prompts: list[str] = []
+    engine = FakeEngine(tokenizer, context_length=1024,
+                        reply=lambda prompt, params: prompts.append(tokenizer.decode(prompt)) or HERMES)
+    with caplog.at_level("INFO", logger="servelm.server.serving"):
+        client = make_client(engine)
+    assert "tool_choice auto parsed as hermes (the chat template declares tools" in caplog.text
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+            "max_tokens": 400}
+    message, chunks = _both(client, body)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in message["choices"][0]["message"]["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert _merge(chunks)[1] == "tool_calls"
+    assert '"name": "get_weather"' in prompts[0] and "<tool_call>" in prompts[0]
 
 
 def test_required_tool_choice_sends_a_grammar(tokenizer, make_client):
