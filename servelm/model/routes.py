@@ -197,7 +197,7 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     if measured:
         table.save(cache_dir)
     seconds = time.perf_counter() - started
-    if not table.cells:
+    if not table.cells and complete_table:
         return table, "nothing to measure (one route per shape on this machine)"
     source = (f"{cached} cells from {table.path(cache_dir)}, {measured} measured in {seconds:.1f} s"
               if cached else f"{measured} cells measured in {seconds:.1f} s, saved to {table.path(cache_dir)}")
