@@ -42,7 +42,7 @@ from servelm.model.layers.gguf_linear import BlockRows, GGUFBlockLinearMethod
 from servelm.model.layers.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
-from servelm.model.routes import STARTUP_BUDGET_S, ShapeSpec, build_table, route_summary, summary_rows
+from servelm.model.routes import STARTUP_BUDGET_S, ShapeSpec, build_table, format_report, route_summary
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterato
 
 
 def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[str, BlockWeight],
-                 budget_s: float | None) -> tuple[str, torch.dtype]:
+                 budget_s: float | None, fresh: bool = False) -> tuple[str, torch.dtype]:
     """Measure (or read from the cache) the routes of the model's distinct GGUF linears and hand the
     ranking to ``method``; returns where the table came from and the rows' (model) dtype."""
     specs: dict[LinearShape, ShapeSpec] = {}
@@ -192,19 +192,21 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
                             and not isinstance(module, LMHead) and method.activations != "float")
         specs.setdefault(shape, ShapeSpec(shape, first.block, first.offsets is not None))
         model_dtype = module.weight.dtype
-    table, source = build_table(method, list(specs.values()), model_dtype, budget_s)
+    table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh)
     method.ranking = table.ranking(method.default_ranking)
     return source, model_dtype
 
 
 def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
-                      check: bool = True, route_budget_s: float | None = STARTUP_BUDGET_S) -> dict[str, Any]:
+                      check: bool = True, route_budget_s: float | None = STARTUP_BUDGET_S,
+                      fresh_routes: bool = False) -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
     returns a summary (kinds per role, bytes before and after, the kernel's status, and
     ``checkpoint_names``: the HF tensors now served in blocks). ``activations``:
     ``GGUFBlockLinearMethod.activations``. ``check``: compare each block weight with the float
     weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first).
-    ``route_budget_s``: seconds the route table's missing cells may take (model/routes.py; None: no limit)."""
+    ``route_budget_s``: seconds the route table's missing cells may take (model/routes.py; None: no limit);
+    ``fresh_routes``: measure every cell again (``servelm tune``)."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
@@ -214,7 +216,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     blocks, others = read_block_weights(path)
     started = time.perf_counter()
-    route_source, model_dtype = _route_table(method, model, blocks, route_budget_s)
+    route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
     route_seconds = time.perf_counter() - started
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
@@ -258,7 +260,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     x_bf16 = model_dtype == torch.bfloat16
     method.route_report = route_summary(routes_by_shape, x_bf16, route_source)
     kernel_note = (f"routes ({route_source}; {route_seconds:.2f} s):\n  "
-                   + "\n  ".join(summary_rows(routes_by_shape, x_bf16)))
+                   + "\n  ".join(format_report(method.route_report)))
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,

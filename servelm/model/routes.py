@@ -181,11 +181,12 @@ class ShapeSpec:
 
 
 def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, budget_s: float | None,
-                cache_dir: Path | None = None) -> tuple[RouteTable, str]:
-    """The model's table (cached cells reused, missing ones measured within ``budget_s``; None: no
-    limit) and a sentence on where it came from, for the log."""
+                cache_dir: Path | None = None, fresh: bool = False) -> tuple[RouteTable, str]:
+    """The model's table (cached cells reused unless ``fresh``, missing ones measured within
+    ``budget_s``; None: no limit) and a sentence on where it came from, for the log."""
     started = time.perf_counter()
-    table = RouteTable.load(table_key(method, (spec.shape for spec in specs), model_dtype), cache_dir)
+    key = table_key(method, (spec.shape for spec in specs), model_dtype)
+    table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
     cached = len(table.cells)
     deadline = float("inf") if budget_s is None else started + budget_s
     complete_table = True
@@ -207,15 +208,19 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     return table, source
 
 
-def summary_rows(routes_by_shape: dict[LinearShape, Any], x_bf16: bool) -> list[str]:
-    """One short line per shape: its route at each row class (``gen/prompt`` where they differ)."""
-    lines = ["rows: " + " ".join(f"{rows:>5}" for rows in ROW_CLASSES)]
-    for shape, routes in sorted(routes_by_shape.items(), key=lambda item: item[0].name):
+def format_report(report: dict[str, Any]) -> list[str]:
+    """``route_summary``'s table as short lines: one per shape, its route at each row class
+    (``generation/prompt`` initials where the two differ)."""
+    routes: dict[str, dict[str, dict[str, str]]] = report["routes"]
+    width = max((len(name) for name in routes), default=4)
+    lines = [f"{'rows':<{width}} " + " ".join(f"{rows:>5}" for rows in report["row_classes"])]
+    for name in sorted(routes):
         cells = []
-        for rows in ROW_CLASSES:
-            generation, prompt = routes.pick(rows, x_bf16, False), routes.pick(rows, x_bf16, True)
-            cells.append(f"{generation.value if generation is prompt else generation.value[0] + '/' + prompt.value:>5}")
-        lines.append(f"{shape.name}: " + " ".join(cells))
+        for rows in report["row_classes"]:
+            cell = routes[name][str(rows)]
+            generation, prompt = cell["generation"], cell["prompt"]
+            cells.append(f"{generation if generation == prompt else generation[0] + '/' + prompt[0]:>5}")
+        lines.append(f"{name:<{width}} " + " ".join(cells))
     return lines
 
 
@@ -227,3 +232,29 @@ def route_summary(routes_by_shape: dict[LinearShape, Any], x_bf16: bool, source:
                                     for rows in ROW_CLASSES}
                        for shape, routes in routes_by_shape.items()}}
 
+
+
+def tune(config: Any) -> dict[str, Any] | None:
+    """``servelm tune MODEL``: measure every cell of the model's route table again, with no budget,
+    on the threads, dtype and quantization ``servelm serve`` would use with the same flags (the key
+    must match serving's); saves it and returns the chosen routes (None: no GGUF blocks to route)."""
+    from servelm.distributed.parallel import ParallelContext
+    from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
+    from servelm.model.loader import build_model, resolve_device
+    from servelm.model.source import resolve_model_source
+    from servelm.model.threads import configure_engine_threads
+
+    configure_engine_threads(config.runtime.num_threads)
+    source = resolve_model_source(config.model)
+    device = resolve_device(config.model.device)
+    gguf_path = getattr(source, "gguf_path", None)
+    quantization, reason = resolve_quantization(config.model.quantization, gguf_path, ParallelContext.single(),
+                                                device, False, config.model.dtype)
+    if quantization not in GGUF_MODES:
+        logger.info("nothing to tune: quantization %s (%s) runs no GGUF block routes", quantization, reason)
+        return None
+    dtype = gguf_model_dtype(config.model.dtype, device)[0]
+    model = build_model(source.hf_config, dtype, device, ParallelContext.single())
+    summary = apply_gguf_blocks(model, gguf_path, GGUF_MODES[quantization], check=False, route_budget_s=None,
+                                fresh_routes=True)
+    return summary["routes"]
