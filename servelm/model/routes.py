@@ -46,6 +46,10 @@ goes on)."""
 MEASURE_MAX_OUTPUTS = 8192
 """Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
 every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
+COPY_MARGIN = {Route.BLOCK: 0.0, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.06}
+"""How much faster a route must be to rank above one that needs a smaller copy of the weight (the
+block kernel reads the blocks themselves; the packed copies cost ~1 byte per weight, the dense one
+2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
 HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
 """The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
 
@@ -166,7 +170,7 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
         times = time_candidates({route.value: (lambda route=route: run(route, layer, x, None, shape.is_head))
                                  for route in available})
         name = table.cell_name(shape, x_bf16, rows)
-        table.cells[name] = sorted(times, key=times.__getitem__)
+        table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
         table.times_us[name] = {route: round(us, 1) for route, us in times.items()}
     return True
 
