@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from servelm.model.layers import gguf_i8gemm, gguf_kernel, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
 from servelm.model.timing import time_candidates
@@ -116,15 +115,12 @@ def cpu_model_name() -> str:
 
 
 def kernel_build_keys(method: Any) -> dict[str, str]:
-    """The build keys (cpp_kernel ``build_key``) of the kernels ``method`` holds."""
-    keys = {}
-    for name, module, kernel in (("block", method.kernel, gguf_kernel.KERNEL),
-                                 ("rows", method.rows_kernel, gguf_rows.KERNEL),
-                                 ("int8", method.i8_kernel, gguf_i8gemm.KERNEL)):
-        if module is not None:
-            build_key = getattr(kernel, "build_key", None)
-            keys[name] = build_key() if build_key is not None else getattr(module, "__name__", "?")
-    return keys
+    """The kernels ``method`` holds, by the loaded module's name: a CppKernel's module is named
+    ``servelm_<name>_<build key>`` (cpp_kernel.py), so a rebuild for another source, flags or
+    instruction set (an AVX2 build of the block kernel) is another key."""
+    return {name: getattr(module, "__name__", type(module).__name__)
+            for name, module in (("block", method.kernel), ("rows", method.rows_kernel), ("int8", method.i8_kernel))
+            if module is not None}
 
 
 def table_key(method: Any, shapes: Iterable[LinearShape], model_dtype: torch.dtype,

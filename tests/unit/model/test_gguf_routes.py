@@ -54,8 +54,9 @@ class TorchBlockKernel:
 class TorchRowsKernel:
     GEMM_COLS = 2
 
-    def rows_gemm(self, x, codes, scales, offsets, block, bf16_out, n):
+    def rows_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1):
         assert x.dtype == torch.bfloat16
+        n = n if n >= 0 else codes.shape[0] * codes.shape[2] * codes.shape[3]
         return _finish(x.float() @ _unpack(codes, scales, offsets, n).dequantize().T, bf16_out)
 
 
@@ -225,3 +226,24 @@ def test_a_route_needing_a_bigger_copy_must_win_by_its_margin(tmp_path, monkeypa
                             lambda candidates, **_: {name: (dense_us if name == "dense" else 1.0) for name in candidates})
         table, _ = route_table.build_table(method, specs, torch.float32, None, tmp_path, fresh=True)
         assert table.cells[table.cell_name(shape, False, 8)][0] == first
+
+
+@pytest.mark.parametrize("first", [Route.BLOCK, Route.ROWS])
+def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
+    """A layer's prepared decode call (``gguf_decode_args``, the flat decode paths' call) reaches as
+    far as its 1-row route does, and gives what routing the same rows gives."""
+    method = torch_method(lambda shape, x_bf16, rows: complete([first] if rows <= 8 else [Route.DENSE]))
+    layer = nn.Module()
+    weight = block_weight(64, 128, True)
+    method.process(layer, weight)
+    call = layer.gguf_decode_args
+    assert call.generation_rows == call.prompt_rows == 8 and call.takes_bias == (first is Route.BLOCK)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for rows in (1, 8):
+        routed = method.run_route(first, layer, x[:rows], None, False)
+        assert torch.equal(method.apply(layer, x[:rows], None, GENERATION_ONLY), routed)
+        assert torch.equal(call[0](x[:rows], *call[1:], True), routed)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(method.apply(layer, x[:1], bias), method.run_route(first, layer, x[:1], bias, False))
+    nine = torch.randn(9, 128).bfloat16()
+    assert torch.equal(method.apply(layer, nine, None), method.run_route(Route.DENSE, layer, nine, None, False))
