@@ -1,4 +1,5 @@
 """The `servelm` command: `servelm serve` (the server), `servelm bench` (benchmarks),
+`servelm tune` (measure a model's GGUF routes on this machine: servelm.model.routes),
 `servelm router` (servelm.router; also `serve --run_mode pd_master`) and `servelm build-kernels`
 (compile the C++ kernels for this CPU before serving: servelm.model.kernel_build).
 
@@ -23,6 +24,8 @@ _ROUTER_RUN_MODES = ("pd_master", "config_server")
 """LightLLM run modes of `serve` that are the router's (servelm.router.cli), not a server's."""
 _BENCH_HELP = "Benchmark the engine offline or a running server (`servelm bench --help`)."
 _BUILD_KERNELS_HELP = "Compile the C++ kernels for this CPU, in parallel (scripts/setup.sh runs it)."
+_TUNE_HELP = ("Measure which kernel each GGUF linear of MODEL runs at each batch size on this machine and "
+              "cache it (serve measures what is missing within a few seconds at start-up); takes serve's flags.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser("serve", help="Start the OpenAI-compatible server.",
                                        **cli_args.SERVE_PARSER_OPTIONS)
     add_engine_arguments(serve_parser)
+    tune_parser = commands.add_parser("tune", help=_TUNE_HELP, **cli_args.SERVE_PARSER_OPTIONS)
+    add_engine_arguments(tune_parser)
     # Listed for --help only: main() hands `bench` to servelm.bench before parsing.
     commands.add_parser("bench", add_help=False, help=_BENCH_HELP)
     commands.add_parser("router", add_help=False, help=_ROUTER_HELP)
@@ -65,6 +70,17 @@ def serve_worker_node(config: EngineConfig) -> None:
         sys.stderr.write(f"servelm: {error}\n")
         status = 1
     raise SystemExit(status)
+
+
+def tune(config: EngineConfig) -> None:
+    """Measures the model's route table again and prints it."""
+    from servelm.logging_utils import configure_logging
+    from servelm.model.routes import format_report, tune as tune_routes  # deferred: parsing loads no model
+
+    configure_logging(config.server.log_level)
+    report = tune_routes(config)
+    if report is not None:
+        sys.stdout.write(f"{report['source']}\n" + "\n".join(format_report(report)) + "\n")
 
 
 def dry_run(config: EngineConfig) -> None:
@@ -107,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         cli_args.fail(SERVE_PROG if args[:1] == ["serve"] else "servelm", str(exc))
     if namespace.dry_run:
         dry_run(config)
+        return
+    if namespace.command == "tune":
+        tune(config)
         return
     serve(config)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from servelm.model.layers.gguf_routes import PassRows
 from servelm.model.layers.linear import LoRAGroup
 
 
@@ -142,6 +143,12 @@ class ForwardBatch:
     """Token rows per adapter slot (base rows in none), for the linear layers' LoRA deltas."""
     trees: list[DraftTree | None] | None = None
     """Per sequence, its draft tree; None when no sequence of the batch has one."""
+    rows: PassRows | None = None
+    """Which token rows are generation rows (a sequence whose every row gets logits: decode, verify,
+    prompt logprobs): they keep unrounded activations at every batch size and come out as a pass of
+    only them computes them (GGUF routes, layers/gguf_routes.py). None: every row a prompt row."""
+    head_rows: PassRows | None = None
+    """The same for the LM head's call on the ``logits_indices`` rows."""
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +212,9 @@ class ForwardBatch:
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))
         if has_tree:
             batch.trees = [s.tree for s in sequences]
+        generation = [n <= s.num_logits for s, n in zip(sequences, query_lens)]
+        batch.rows = PassRows.of(query_lens, generation)
+        batch.head_rows = PassRows.of([s.num_logits for s in sequences], generation)
         if attention is not None:
             batch.attn_metadata = attention.build_metadata(batch)
         return batch

@@ -23,7 +23,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +38,11 @@ from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers import gguf_i8gemm, gguf_rows
-from servelm.model.layers.gguf_linear import (BF16_KERNEL_MAX_ROWS, I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED,
-                                              KERNEL_MAX_ROWS, ROWS_KERNEL_ROWS, BlockRows,
-                                              GGUFBlockLinearMethod)
+from servelm.model.layers.gguf_linear import BlockRows, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
 from servelm.model.layers.linear import LinearBase
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
+from servelm.model.routes import STARTUP_BUDGET_S, ShapeSpec, build_table, format_report, route_summary
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +164,49 @@ def load_gguf_model(hf_config: Any, path: str | Path, dtype: torch.dtype, device
     return model
 
 
+def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """(name, module, checkpoint names) of every linear, head and embedding with a float weight."""
+    for module_name, module in model.named_modules():
+        if not isinstance(module, (LinearBase, LMHead, VocabEmbedding)) or module.weight is None:
+            continue
+        names = _checkpoint_names(module_name)
+        if isinstance(module, LMHead) and module.is_tied:
+            names = [names[0].replace("lm_head.", "model.embed_tokens.")]
+        yield module_name, module, names
+
+
+def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[str, BlockWeight],
+                 budget_s: float | None, fresh: bool = False) -> tuple[str, torch.dtype]:
+    """Measure (or read from the cache) the routes of the model's distinct GGUF linears and hand the
+    ranking to ``method``; returns where the table came from and the rows' (model) dtype."""
+    specs: dict[LinearShape, ShapeSpec] = {}
+    model_dtype = torch.float32
+    for module_name, module, names in _served_modules(model, blocks):
+        if isinstance(module, VocabEmbedding) or any(name not in blocks for name in names):
+            continue
+        first = blocks[names[0]]
+        kind = "+".join(dict.fromkeys(blocks[name].kind for name in names))
+        n = sum(blocks[name].codes.shape[0] for name in names)
+        shape = LinearShape(first.codes.shape[1], n, kind, isinstance(module, LMHead),
+                            module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED
+                            and not isinstance(module, LMHead) and method.activations != "float")
+        specs.setdefault(shape, ShapeSpec(shape, first.block, first.offsets is not None))
+        model_dtype = module.weight.dtype
+    table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh)
+    method.ranking = table.ranking(method.default_ranking)
+    return source, model_dtype
+
+
 def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
-                      check: bool = True) -> dict[str, Any]:
+                      check: bool = True, route_budget_s: float | None = STARTUP_BUDGET_S,
+                      fresh_routes: bool = False) -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
     returns a summary (kinds per role, bytes before and after, the kernel's status, and
     ``checkpoint_names``: the HF tensors now served in blocks). ``activations``:
     ``GGUFBlockLinearMethod.activations``. ``check``: compare each block weight with the float
-    weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first)."""
+    weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first).
+    ``route_budget_s``: seconds the route table's missing cells may take (model/routes.py; None: no limit);
+    ``fresh_routes``: measure every cell again (``servelm tune``)."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
@@ -177,6 +215,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     blocks, others = read_block_weights(path)
+    started = time.perf_counter()
+    route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
+    route_seconds = time.perf_counter() - started
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
     float_bytes = stored = dense_bytes = 0
@@ -184,12 +225,7 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     replaced: set[str] = set()
     head_kind = embedding_kind = "float"
     with torch.no_grad():
-        for module_name, module in model.named_modules():
-            if not isinstance(module, (LinearBase, LMHead, VocabEmbedding)) or module.weight is None:
-                continue
-            names = _checkpoint_names(module_name)
-            if isinstance(module, LMHead) and module.is_tied:
-                names = [names[0].replace("lm_head.", "model.embed_tokens.")]
+        for module_name, module, names in list(_served_modules(model, blocks)):
             if isinstance(module, (LMHead, VocabEmbedding)) and module.vocab_shard.size != module.vocab_size:
                 kept_float.append(f"{module_name} (padded vocabulary)")
                 continue
@@ -216,32 +252,23 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                     int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
-                    module.gguf_float_output = True   # float32 logits from the kernel, as the runner returns
                 else:
                     kinds[weight.kind] += 1
-    bf16_rows = (f" ({BF16_KERNEL_MAX_ROWS[activations]} for a bf16 model's layers)"
-                 if dense_dtype == torch.bfloat16 else "")
-    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows{bf16_rows}, "
-                   f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')} above"
-                   if kernel is not None
-                   else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")
-    if rows_kernel is not None:
-        spans = {role: f"{first}-{last}" if last is not None else f">= {first}"
-                 for role, (first, last) in ROWS_KERNEL_ROWS.items()}
-        kernel_note += (f"; bf16 rows: the AVX512-BF16 rows kernel's GEMM at {spans['layers']} rows (LM head "
-                        f"{spans['head']}, without a dense copy)")
-    if i8_kernel is not None:
-        kernel_note += (f"; the int8 GEMM (AVX512-VNNI, activations rounded to int8 per block) from "
-                        f"{I8_GEMM_FIRST_ROW} prompt rows (never decode rows or the LM head), "
-                        f"never {'/'.join(I8_GEMM_SKIPPED)}")
+    routes_by_shape: dict[LinearShape, LayerRoutes] = {
+        routes.shape: routes for module in model.modules()
+        if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}
+    x_bf16 = model_dtype == torch.bfloat16
+    method.route_report = route_summary(routes_by_shape, x_bf16, route_source)
+    kernel_note = (f"routes ({route_source}; {route_seconds:.2f} s):\n  "
+                   + "\n  ".join(format_report(method.route_report)))
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,
-               "kernel": kernel_status(), "activations": activations}
+               "kernel": kernel_status(), "activations": activations,
+               "routes": method.route_report}
     logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
-                "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); %s (%s)%s",
+                "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); block kernel: %s%s; %s",
                 ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
                 head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
-                kernel_note,
-                kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "")
+                kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "", kernel_note)
     return summary

@@ -41,7 +41,6 @@ from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         resolve_quantization)
 from servelm.model.kv_cache import KVCache
-from servelm.model.layers.gguf_linear import prompt_rows
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
@@ -261,6 +260,15 @@ class ModelRunner:
                 "ranks": [{"rank": 0, "pid": os.getpid(), "num_kv_heads": self.num_kv_heads,
                            "num_threads": torch.get_num_threads()}]}
 
+    def routes_summary(self) -> dict[str, Any] | None:
+        """The GGUF linears' chosen routes per row class and where they came from (model/routes.py),
+        for the start-up log and /get_server_info; None where no layer runs GGUF blocks."""
+        for module in self.model.modules():
+            report = getattr(getattr(module, "linear_method", None), "route_report", None)
+            if report is not None:
+                return report
+        return None
+
     def shutdown(self) -> None:
         """Nothing to stop: this runner lives in the engine's process."""
 
@@ -316,17 +324,14 @@ class ModelRunner:
         if self.thread_governor is not None:
             self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
-        # a sequence whose every row gets logits is generating (decode, verify, prompt logprobs): its
-        # rows keep unrounded activations; prompt rows may take the int8 GEMM (gguf_linear.py)
-        generation = [len(s.token_ids) <= s.num_logits for s in plan.sequences]
-        with prompt_rows([len(s.token_ids) for s in plan.sequences], generation):
-            hidden = self.model(batch)
+        # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
+        # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
+        hidden = self.model(batch)
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:
             return screened
-        with prompt_rows([s.num_logits for s in plan.sequences], generation):   # the head's rows
-            logits = self.model.compute_logits(rows)
+        logits = self.model.compute_logits(rows, batch.head_rows)
         return logits.float()
 
     @torch.inference_mode()

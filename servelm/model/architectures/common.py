@@ -39,8 +39,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method, dtype,
                                            parallel=parallel)
 
-    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora, rows)), lora, rows)
 
 
 def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:

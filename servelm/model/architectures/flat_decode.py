@@ -154,6 +154,13 @@ class FlatDecodePlan:
     def __init__(self, layers: Sequence[Any]) -> None:
         plans = [self.layer_plan(layer) for layer in layers]
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
+        calls = [call for plan in self.layers or () for call in (plan.qkv_call, plan.o_call, plan.gate_up_call,
+                                                                   plan.down_call)]
+        self.generation_rows = min((decode_rows(call, True) for call in calls), default=0)
+        """Most rows of a generation-only pass every layer's prepared calls take (``decode_rows``: how far
+        each layer's 1-row route reaches in its route table)."""
+        self.prompt_rows = min((decode_rows(call, False) for call in calls), default=0)
+        """The same for a pass with prompt rows (which may take the int8 GEMM sooner)."""
         self.round_updates = not (layers and getattr(layers[0].self_attn.o_proj, "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: they join a float32
         residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on the module path)."""
@@ -171,17 +178,16 @@ class FlatDecodePlan:
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         raise NotImplementedError
 
-    def max_rows(self) -> int:
-        """Most rows every layer's prepared calls take (``decode_rows``: ``DECODE_ROWS`` for the VNNI
-        kernel, up to ``ROWS_KERNEL_ROWS["layers"]`` for the rows kernel's GEMM)."""
-        assert self.layers is not None
-        plan = self.layers[0]
-        return min(decode_rows(call) for call in (plan.qkv_call, plan.o_call, plan.gate_up_call, plan.down_call))
+    def max_rows(self, batch: ForwardBatch | None = None) -> int:
+        """Most rows of ``batch`` every layer's prepared calls take (``generation_rows`` where every
+        row of it is a generation row, else ``prompt_rows``)."""
+        rows = batch.rows if batch is not None else None
+        return self.generation_rows if rows is not None and rows.generation_only else self.prompt_rows
 
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
         return (self.layers is not None and hidden.dtype in _RESIDUAL_DTYPES and hidden.dim() == 2
                 and not any(self._hooks)
-                and hidden.shape[0] <= self.max_rows() and hidden.is_contiguous() and not batch.lora
+                and hidden.shape[0] <= self.max_rows(batch) and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))
 
     def step(self, hidden: torch.Tensor, batch: ForwardBatch) -> DecodeStep:

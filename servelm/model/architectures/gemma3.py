@@ -60,9 +60,9 @@ class Gemma3Attention(nn.Module):
                               sliding_window=config.sliding_window if is_sliding else None)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora, batch.rows))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, batch), batch.lora)
+        return self.o_proj(self.attn(q, k, v, batch), batch.lora, batch.rows)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -78,7 +78,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch), hidden)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), batch.lora)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), batch.lora, batch.rows)
         return self.post_feedforward_layernorm(mlp_out, hidden)
 
 
@@ -132,9 +132,10 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(batch, hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, rows: Any = None) -> torch.Tensor:
+        """``rows``: the forward batch's ``head_rows`` (which logit rows are generation rows), or None."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         is_tied = self.lm_head is not None and self.lm_head.is_tied

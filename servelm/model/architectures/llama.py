@@ -48,12 +48,12 @@ class LlamaAttention(nn.Module):
                               sliding_window=layer_sliding_window(hf_config, layer_id))
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden, batch.lora, batch.rows))  # [T, H, D], [T, Hkv, D], [T, Hkv, D]
         if self.has_qk_norm:
             q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary_emb(batch.positions, q, k, batch.rope_cache)
-        return self.o_proj(self.attn(q, k, v, batch), batch.lora)
+        return self.o_proj(self.attn(q, k, v, batch), batch.lora, batch.rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         normed, hidden = self.post_attention_layernorm.add_norm(
             self.self_attn(self.input_layernorm(hidden), batch), hidden)
-        return hidden + self.mlp(normed, batch.lora)
+        return hidden + self.mlp(normed, batch.lora, batch.rows)
 
 
 class LlamaModel(nn.Module):
@@ -124,9 +124,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(batch, hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, rows: Any = None) -> torch.Tensor:
+        """``rows``: the forward batch's ``head_rows`` (which logit rows are generation rows), or None."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         is_tied = self.lm_head is not None and self.lm_head.is_tied

@@ -91,7 +91,7 @@ class LlamaDecodePlan(FlatDecodePlan):
                 kernel, codes, scales, offsets, block = plan.qkv_call
                 qkv = kernel(normed, codes, scales, offsets, block, True, plan.qkv_bias)
             else:
-                qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias)
+                qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias, step.batch.rows)
             q, k, v = plan.heads(qkv)
             cos, sin = step.rotation(plan.rotary)
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)

@@ -85,9 +85,11 @@ class LMHead(nn.Module):
         """Set by quantization (servelm.model.layers.quantization): computes the logits from its own
         copy of the weight; the (tied) float weight then serves only the embedding lookup."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rows: Any = None) -> torch.Tensor:
+        """``rows``: which logit rows are generation rows (the forward batch's ``head_rows``), for
+        the method's routes."""
         if self.linear_method is not None:
-            logits = self.linear_method.apply(self, hidden, None)
+            logits = self.linear_method.apply(self, hidden, None, rows)
         else:
             logits = dense_linear(hidden, self.weight)
         if self.final_softcap is not None:

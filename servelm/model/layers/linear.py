@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +74,11 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        dtype: torch.dtype | None) -> None: ...
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              rows: Any = None) -> torch.Tensor:
+        """``rows``: the pass's row facts (a ``gguf_routes.PassRows`` from the forward batch, or None);
+        only methods with per-pass routes read it."""
+        ...
 
 
 class UnquantizedLinearMethod:
@@ -85,7 +89,8 @@ class UnquantizedLinearMethod:
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         layer.register_parameter("weight", weight)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              rows: Any = None) -> torch.Tensor:
         return dense_linear(x, layer.weight, bias)
 
 
@@ -137,8 +142,9 @@ class LinearBase(nn.Module):
         """Slots of a step -> their fused pairs stacked (ranks zero-padded to the largest) for the
         batched path; rebuilt when an adapter is set or removed."""
 
-    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
-        return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
+        """``rows``: the forward batch's ``rows`` (which rows are generation rows), for the method's routes."""
+        return self.add_lora(x, self.linear_method.apply(self, x, self.bias, rows), lora)
 
     def set_lora(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float,
                  shard_id: int | str | None = None) -> None:
@@ -289,11 +295,11 @@ class RowParallelLinear(LinearBase):
         self.input_shard = input_shard or self.parallel.split(input_size)
         super().__init__(self.input_shard.size, output_size, bias, linear_method, dtype)
 
-    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return self.add_lora(x, self.linear_method.apply(self, x, self.bias), lora)
+            return self.add_lora(x, self.linear_method.apply(self, x, self.bias, rows), lora)
         # Each rank adds (x_rank @ A_rank.T) @ B.T: the all-reduce sums them to the whole delta.
-        partial = self.add_lora(x, self.linear_method.apply(self, x, None), lora)
+        partial = self.add_lora(x, self.linear_method.apply(self, x, None, rows), lora)
         partial = self.parallel.all_reduce(partial)
         return partial if self.bias is None else partial + self.bias
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel
+from servelm.model.layers.gguf_routes import Route
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import REQUIRED_FLAGS, load_kernel
 
@@ -193,7 +194,8 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
         return None, "off (tensor or pipeline parallel: the head is sharded or on another stage)"
     if device.type != "cpu" or weight is None or method is None or getattr(method, "name", "") != "gguf":
         return None, "off (the LM head is not a GGUF block weight on CPU)"
-    if activations != "int16" or not getattr(head, "gguf_uses_kernel", False):
+    routes = getattr(head, "gguf_routes", None)
+    if activations != "int16" or routes is None or Route.BLOCK not in routes.held:
         return None, "off (the head does not run the int16 VNNI kernel: --quantization gguf only)"
     if weight.block != 32 or weight.offsets is not None or int(weight.codes.min()) < -127:
         return None, "off (the LM head is not Q8_0)"
@@ -217,11 +219,11 @@ reads the 5-bit copy once per call, so it takes 4.9 ms at one row against the fu
 16.7 against 27.6 at eight; from ~4 rows on it is bound by arithmetic (two VNNI products per 64
 inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it loses to the
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
-(``gguf_kernel_max_rows``, 16 for the int16 kernel) caps the step's logits rows as well."""
+(``MAX_SCREEN_ROWS``) caps the step's logits rows as well, and the head's route for them must be a row-by-row kernel."""
 
 MAX_SCREEN_ROWS_GEMM = 4
 """The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a
-CPU with AVX512-BF16; ``gguf_packed``), never above ``MAX_SCREEN_ROWS``. Same benchmark (noisy,
+CPU with AVX512-BF16; its ``rows`` route), never above ``MAX_SCREEN_ROWS``. Same benchmark (noisy,
 shared machine; benchmarks/RESULTS.md "A GEMM micro-kernel for 1-48 rows"): the screen takes 4.9 ms
 at one row, 5.0 at two, 6.1 at four and 13.3 at eight; the GEMM head 7.0-7.9 ms from one to eight
 rows (bound by reading its 1-byte codes) and 14.6 at sixteen, against the screen's 28.3."""
@@ -251,8 +253,10 @@ def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden:
     if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
         return None
     head = model.lm_head
-    if head.__dict__.get("gguf_packed") is not None and len(argmax_rows) > MAX_SCREEN_ROWS_GEMM:
+    # the full head's route for these rows (its logits rows are generation rows): a row-by-row kernel
+    route = head.gguf_routes.pick(hidden.shape[0], hidden.dtype == torch.bfloat16, False)
+    if route is Route.ROWS and len(argmax_rows) > MAX_SCREEN_ROWS_GEMM:
         return None
-    if hidden.shape[0] > head.gguf_kernel_max_rows or hidden.device.type != "cpu":
+    if route not in (Route.BLOCK, Route.ROWS) or hidden.shape[0] > MAX_SCREEN_ROWS or hidden.device.type != "cpu":
         return None
     return screen.logits(head, hidden, argmax_rows)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -117,7 +118,8 @@ class Int8DynamicLinearMethod:
         layer.linear_method = self
         return quantized.nbytes + scale.nbytes
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              rows: Any = None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float()

@@ -31,6 +31,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -153,7 +155,8 @@ class Int8WeightOnlyLinearMethod:
         layer.linear_method = self
         return quantized.nbytes + scale.nbytes + layer.int8_scale_bf16.nbytes
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              rows: Any = None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
         if x.device.type == "cpu":
@@ -203,7 +206,8 @@ class Int4WeightOnlyLinearMethod:
         layer.linear_method = self
         return stored
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              rows: Any = None) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         shape = x.shape
         if layer.int4_packed is not None:

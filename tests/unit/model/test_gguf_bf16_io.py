@@ -63,5 +63,6 @@ def test_linear_method_keeps_float_where_a_bias_or_the_head_follows() -> None:
     assert torch.equal(method.apply(layer, x, None), exact.to(torch.bfloat16))
     bias = torch.randn(64).to(torch.bfloat16)
     assert torch.equal(method.apply(layer, x, bias), (exact + bias).to(torch.bfloat16))  # one rounding
-    layer.gguf_float_output = True
-    assert torch.equal(method.apply(layer, x, None), exact)
+    head = nn.Module()
+    method.process(head, weight, float_output=True)
+    assert torch.equal(method.apply(head, x, None), exact)

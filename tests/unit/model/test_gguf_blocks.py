@@ -184,7 +184,7 @@ def test_bf16_activations_meet_the_bf16_copy_unconverted() -> None:
 def test_bf16_rows_past_the_bf16_limit_take_the_dense_copy(activations: str) -> None:
     """A bf16 model's layer runs the kernel up to BF16_KERNEL_MAX_ROWS rows and the bf16 dense copy
     above it; float32 rows keep KERNEL_MAX_ROWS (the kernel's result), and so does the LM head
-    (``gguf_float_output``) in bf16."""
+    (``float_output``) in bf16."""
     kernel = load_kernel()
     if kernel is None:
         pytest.skip(f"no GGUF kernel here: {kernel_status()}")
@@ -192,8 +192,7 @@ def test_bf16_rows_past_the_bf16_limit_take_the_dense_copy(activations: str) -> 
     method = GGUFBlockLinearMethod(kernel, torch.bfloat16, activations)
     layer, head = torch.nn.Module(), torch.nn.Module()
     method.process(layer, weight)
-    method.process(head, weight)
-    head.gguf_float_output = True
+    method.process(head, weight, float_output=True)
     run = getattr(kernel, "block_linear_a16" if activations == "int16" else "block_linear")
     dense = weight.dequantize(dtype=torch.bfloat16)
     limit = BF16_KERNEL_MAX_ROWS[activations]

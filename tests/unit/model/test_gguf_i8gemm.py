@@ -12,7 +12,8 @@ import torch
 from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
-from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, GGUFBlockLinearMethod, prompt_rows
+from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
+from servelm.model.layers.gguf_routes import PassRows
 from servelm.model.layers.linear import dense_linear
 from tests.tiny_models import random_block_weight as block_weight
 
@@ -144,7 +145,7 @@ def test_layers_take_the_int8_gemm_from_its_first_row_and_the_head_never(kernel)
         assert torch.equal(logits, rows_kernel.rows_gemm(x, *head.gguf_packed, 32, False, 70)), m
     # float32 rows (a float32 model, built so on this CPU): the VNNI kernel up to its limit, the rows
     # kernel on them rounded to bf16 above (no dense copy to take them), the int8 GEMM from the first row
-    limit = layer.gguf_kernel_max_rows
+    limit = KERNEL_MAX_ROWS["int16"]
     x = torch.randn(first, 256)
     assert torch.equal(method.apply(layer, x, None), kernel.i8_gemm(x, codes, scales, offsets, 32, False, 70))
     for m in (limit + 1, first - 1):
@@ -203,7 +204,7 @@ def bf16_block_layer(kernel, weight: BlockWeight) -> tuple[GGUFBlockLinearMethod
 
 
 def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
-    """``prompt_rows``: in a pass of decode/verify rows only, every row count takes the rows kernel;
+    """``PassRows``: in a pass of decode/verify rows only, every row count takes the rows kernel;
     in a mixed pass the prompt rows take the int8 GEMM and the generation rows come out as they would
     in a pass of their own."""
     method, layer, rows_kernel = bf16_block_layer(kernel, block_weight(70, 256, 32, False, seed=10))
@@ -213,24 +214,23 @@ def test_generation_rows_never_take_the_int8_gemm(kernel) -> None:
     def by_rows(rows: torch.Tensor) -> torch.Tensor:
         return rows_kernel.rows_gemm(rows.contiguous(), *layer.gguf_packed, 32, True, 70)
 
-    with prompt_rows([1] * 90, [True] * 90):   # 90 decode streams
-        assert torch.equal(method.apply(layer, x, None), by_rows(x))
-        # a float32 model's (its layers have no dense copy on this CPU): the rows kernel, rounded to bf16
-        for m in (20, 90):
-            assert torch.equal(method.apply(layer, x[:m].float(), None),
-                               rows_kernel.rows_gemm(x[:m].contiguous(), *layer.gguf_packed, 32, False, 70)), m
+    decode = PassRows.of([1] * 90, [True] * 90)   # 90 decode streams
+    assert torch.equal(method.apply(layer, x, None, decode), by_rows(x))
+    # a float32 model's (its layers have no dense copy on this CPU): the rows kernel, rounded to bf16
+    for m in (20, 90):
+        assert torch.equal(method.apply(layer, x[:m].float(), None, PassRows.of([1] * m, [True] * m)),
+                           rows_kernel.rows_gemm(x[:m].contiguous(), *layer.gguf_packed, 32, False, 70)), m
     # 2 decode rows, a 60-token prompt chunk, a 5-row verify, a 23-token prompt chunk
     counts, generation = [1, 1, 60, 5, 23], [True, True, False, True, False]
-    with prompt_rows(counts, generation):
-        out = method.apply(layer, x, None)
+    out = method.apply(layer, x, None, PassRows.of(counts, generation))
     by_i8 = kernel.i8_gemm(x, codes, scales, offsets, 32, True, 70)
     gen_rows = list(range(0, 2)) + list(range(62, 67))
     prompt = [r for r in range(90) if r not in gen_rows]
     assert torch.equal(out[gen_rows], by_rows(x[gen_rows]))
     assert torch.equal(out[prompt], by_i8[prompt])
     assert not torch.equal(out[gen_rows], by_i8[gen_rows])   # the fix-up did something
-    with prompt_rows([90], [False]):   # one prompt: every row on the int8 GEMM
-        assert torch.equal(method.apply(layer, x, None), by_i8)
+    # one prompt: every row on the int8 GEMM
+    assert torch.equal(method.apply(layer, x, None, PassRows.of([90], [False])), by_i8)
     assert torch.equal(method.apply(layer, x, None), by_i8)   # outside any pass: the row count decides
 
 
@@ -267,10 +267,8 @@ def test_a_mixed_pass_computes_its_generation_rows_as_a_pass_of_their_own(kernel
     generation_rows = list(range(num_generation - 1)) + [num_generation - 1 + num_prompt]
     prompt = list(range(num_generation - 1, num_generation - 1 + num_prompt))
     for bias in (None, torch.randn(96, generator=torch.Generator().manual_seed(5)).to(dtype)):
-        with prompt_rows(counts, generation):
-            out = method.apply(layer, x, bias)
-        with prompt_rows([1] * num_generation, [True] * num_generation):
-            own = method.apply(layer, x[generation_rows], bias)
+        out = method.apply(layer, x, bias, PassRows.of(counts, generation))
+        own = method.apply(layer, x[generation_rows], bias, PassRows.of([1] * num_generation, [True] * num_generation))
         by_count = method.apply(layer, x, bias)   # outside a pass: the row count alone decides
         assert out.dtype == own.dtype == dtype
         assert torch.equal(out[generation_rows], own)
@@ -293,16 +291,14 @@ def test_the_heads_generation_rows_are_a_pass_of_their_own(model: str) -> None:
     method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, gguf_i8gemm.load_kernel())
     head = torch.nn.Module()
     method.process(head, block_weight(96, 256, 32, False, seed=13), float_output=True)
-    limit = head.gguf_kernel_max_rows
+    limit = KERNEL_MAX_ROWS["int16"]
     dtype = torch.bfloat16 if model == "bf16" else torch.float32
     x = torch.randn(limit + 1, 256, generator=torch.Generator().manual_seed(14)).to(dtype)
     counts = [1] * (limit + 1)   # a decode row each, but the prompt's last row in the middle
     generation = [row != limit // 2 for row in range(limit + 1)]
     decode_rows = [row for row in range(limit + 1) if row != limit // 2]
-    with prompt_rows(counts, generation):
-        logits = method.apply(head, x, None)
-    with prompt_rows([1] * limit, [True] * limit):
-        alone = method.apply(head, x[decode_rows], None)
+    logits = method.apply(head, x, None, PassRows.of(counts, generation))
+    alone = method.apply(head, x[decode_rows], None, PassRows.of([1] * limit, [True] * limit))
     assert logits.dtype == alone.dtype == torch.float32
     assert torch.equal(logits[decode_rows], alone)
     assert torch.equal(logits[limit // 2], method.apply(head, x, None)[limit // 2])   # the prompt's row by count
@@ -327,8 +323,7 @@ def test_a_float_residual_output_is_the_unrounded_result(kernel, with_bias: bool
         outs = []
         for flag in (True, False):
             layer.float_residual_output = flag
-            with prompt_rows(counts, generation):
-                outs.append(method.apply(layer, rows, bias))
+            outs.append(method.apply(layer, rows, bias, PassRows.of(counts, generation)))
         return outs[0], outs[1]
 
     for m in (1, 3, 20):   # decode passes (1 row with a bias: the VNNI decode call adds it)

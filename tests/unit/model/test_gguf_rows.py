@@ -9,7 +9,13 @@ import torch
 from servelm.model.layers import gguf_rows
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_kernel import load_kernel
-from servelm.model.layers.gguf_linear import DECODE_ROWS, ROWS_KERNEL_ROWS, GGUFBlockLinearMethod, decode_rows
+from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, decode_rows
+from servelm.model.layers.gguf_routes import ROWS_KERNEL_LAST_ROW
+
+ROWS_KERNEL_ROWS = {"layers": (1, ROWS_KERNEL_LAST_ROW), "head": (1, None)}
+"""The default routes' rows kernel spans (gguf_routes.default_ranking)."""
+DECODE_ROWS = BF16_KERNEL_MAX_ROWS["int16"]
+"""A bf16 layer's block kernel reach under the default routes (no rows kernel)."""
 from tests.tiny_models import random_block_weight as block_weight
 
 
@@ -134,7 +140,7 @@ def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel)
     layer, head = torch.nn.Module(), torch.nn.Module()
     method.process(layer, weight)
     method.process(head, weight, float_output=True)
-    assert head.gguf_float_output and head.gguf_dense is None and layer.gguf_dense is not None
+    assert head.gguf_routes.shape.is_head and head.gguf_dense is None and layer.gguf_dense is not None
     codes, scales, offsets = layer.gguf_packed
     for module, role in ((layer, "layers"), (head, "head")):
         first, last = ROWS_KERNEL_ROWS[role]

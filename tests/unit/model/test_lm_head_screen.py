@@ -41,8 +41,7 @@ def q8_head(vocab: int, hidden: int, seed: int = 0) -> tuple[LMHead, BlockWeight
     scales = torch.rand(vocab, hidden // 32, generator=generator) * 0.02 + 1e-4
     weight = BlockWeight(codes, scales, None, 32, "Q8_0")
     head = LMHead(vocab, hidden)
-    GGUFBlockLinearMethod(load_kernel(), torch.float32).process(head, weight)
-    head.gguf_float_output = True
+    GGUFBlockLinearMethod(load_kernel(), torch.float32).process(head, weight, float_output=True)
     return head, weight
 
 

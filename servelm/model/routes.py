@@ -1,0 +1,260 @@
+"""The GGUF route table: which route each linear shape takes at each row class, measured here.
+
+For every distinct GGUF linear of the loaded model (``LinearShape``: K, N, GGUF type, role) with two
+or more routes whose kernels are built (gguf_linear.py ``GGUFBlockLinearMethod.available``), and
+each row class of ``ROW_CLASSES``, the routes are timed on a synthetic weight of that shape
+(servelm/model/timing.py) and ranked fastest first. The quality rules are not measured: the layers
+apply them to the ranking (layers/gguf_routes.py ``allowed``), so a fast int8 route still never
+takes generation rows.
+
+The table is keyed by what decides it (``table_key``: CPU model and flags, threads, the kernels'
+build keys, torch's version, the model's shapes and dtypes) and kept as JSON under
+``~/.cache/servelm/routes/``. At start-up the missing cells are measured within
+``STARTUP_BUDGET_S``; cells left over take the defaults (earlier sessions' constants,
+``gguf_routes.default_ranking``), the log says so, and the next start (or ``servelm tune MODEL``,
+which has no budget) measures the rest. A shape with a single route is never timed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
+from servelm.model.timing import time_candidates
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR = Path(os.path.expanduser("~/.cache/servelm/routes"))
+STARTUP_BUDGET_S = 5.0
+"""Seconds of start-up the measurement may add (2 cores: the 4-5 decoder shapes of a 0.5B model at
+every row class and the head's up to 128 rows fit; over it the defaults serve and the next start
+goes on)."""
+MEASURE_MAX_OUTPUTS = 8192
+"""Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
+every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
+COPY_MARGIN = {Route.BLOCK: 0.0, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.06}
+"""How much faster a route must be to rank above one that needs a smaller copy of the weight (the
+block kernel reads the blocks themselves; the packed copies cost ~1 byte per weight, the dense one
+2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
+HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
+"""The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
+
+
+@dataclass
+class RouteTable:
+    """Ranked routes per (shape, rows' dtype, row class), keyed by what decides them."""
+
+    key: dict[str, Any]
+    cells: dict[str, list[str]] = field(default_factory=dict)
+    """``cell_name(...)`` -> route names fastest first (only the routes built here)."""
+    times_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The same cells -> each route's median microseconds per call (on ``MEASURE_MAX_OUTPUTS`` outputs)."""
+
+    @staticmethod
+    def cell_name(shape: LinearShape, x_bf16: bool, rows: int) -> str:
+        return f"{shape.name} {'bf16' if x_bf16 else 'f32'} {rows}"
+
+    def ranking(self, fallback: Ranking) -> Ranking:
+        """The table as a ``Ranking`` (a call of m rows takes the smallest measured class >= m;
+        ``fallback`` where the cell was not measured)."""
+        def rank(shape: LinearShape, x_bf16: bool, rows: int) -> tuple[Route, ...]:
+            classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
+            row_class = next((c for c in classes if c >= rows), classes[-1])
+            cell = self.cells.get(self.cell_name(shape, x_bf16, row_class))
+            return complete([Route(name) for name in cell]) if cell else fallback(shape, x_bf16, rows)
+        return rank
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+
+    def path(self, cache_dir: Path | None = None) -> Path:
+        return (cache_dir or CACHE_DIR) / f"routes_{self.digest()}.json"
+
+    def save(self, cache_dir: Path | None = None) -> None:
+        path = self.path(cache_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": self.key, "cells": self.cells, "times_us": self.times_us}, indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, key: dict[str, Any], cache_dir: Path | None = None) -> RouteTable:
+        """The cached table for ``key`` (its file is named by the key's hash), or an empty one."""
+        table = cls(key)
+        try:
+            data = json.loads(table.path(cache_dir).read_text())
+        except (OSError, ValueError):
+            return table
+        if data.get("key") != key:   # a hash collision or a hand-edited file: measure again
+            return table
+        table.cells, table.times_us = data.get("cells", {}), data.get("times_us", {})
+        return table
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernel_build_keys(method: Any) -> dict[str, str]:
+    """The kernels ``method`` holds, by the loaded module's name: a CppKernel's module is named
+    ``servelm_<name>_<build key>`` (cpp_kernel.py), so a rebuild for another source, flags or
+    instruction set (an AVX2 build of the block kernel) is another key."""
+    return {name: getattr(module, "__name__", type(module).__name__)
+            for name, module in (("block", method.kernel), ("rows", method.rows_kernel), ("int8", method.i8_kernel))
+            if module is not None}
+
+
+def table_key(method: Any, shapes: Iterable[LinearShape], model_dtype: torch.dtype,
+              cpu_flags: set[str] | None = None) -> dict[str, Any]:
+    """What decides the table: a different value re-measures, the same reuses."""
+    if cpu_flags is None:
+        from servelm.model.loader import cpu_flags as read_flags
+        cpu_flags = read_flags()
+    return {"cpu": cpu_model_name(), "cpu_flags": sorted(cpu_flags), "threads": torch.get_num_threads(),
+            "kernels": kernel_build_keys(method), "torch": torch.__version__,
+            "model_dtype": str(model_dtype).removeprefix("torch."),
+            "dense_dtype": str(method.dense_dtype).removeprefix("torch."), "activations": method.activations,
+            "shapes": sorted(shape.name for shape in set(shapes))}
+
+
+def synthetic_weight(shape: LinearShape, block: int, has_offsets: bool) -> BlockWeight:
+    """A random BlockWeight of ``shape`` (outputs cut to ``MEASURE_MAX_OUTPUTS``)."""
+    generator = torch.Generator().manual_seed(0)
+    n, k = min(shape.out_features, MEASURE_MAX_OUTPUTS), shape.in_features
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // block, generator=generator) * 1e-2
+    offsets = torch.rand(n, k // block, generator=generator) * -1e-2 if has_offsets else None
+    return BlockWeight(codes, scales, offsets, block, shape.kind)
+
+
+def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,
+                  table: RouteTable, deadline: float) -> bool:
+    """Time the routes built for ``shape`` at each row class not yet in ``table``; False where the
+    deadline came first (the cells measured so far are kept)."""
+    available = sorted(method.available(shape, block), key=lambda route: route.value)
+    x_bf16 = model_dtype == torch.bfloat16
+    classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
+    todo = [rows for rows in classes if table.cell_name(shape, x_bf16, rows) not in table.cells]
+    if len(available) < 2 or not todo:
+        return True
+    layer = nn.Module()
+    method.prepare_all(layer, synthetic_weight(shape, block, has_offsets), shape)
+    run = method.run_route
+    for rows in todo:
+        if time.perf_counter() > deadline:
+            return False
+        x = torch.randn(rows, shape.in_features, generator=torch.Generator().manual_seed(rows)).to(model_dtype)
+        times = time_candidates({route.value: (lambda route=route: run(route, layer, x, None, shape.is_head))
+                                 for route in available})
+        name = table.cell_name(shape, x_bf16, rows)
+        table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
+        table.times_us[name] = {route: round(us, 1) for route, us in times.items()}
+    return True
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """A distinct GGUF linear of the model, as the table needs it."""
+
+    shape: LinearShape
+    block: int
+    has_offsets: bool
+
+
+def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, budget_s: float | None,
+                cache_dir: Path | None = None, fresh: bool = False) -> tuple[RouteTable, str]:
+    """The model's table (cached cells reused unless ``fresh``, missing ones measured within
+    ``budget_s``; None: no limit) and a sentence on where it came from, for the log."""
+    started = time.perf_counter()
+    key = table_key(method, (spec.shape for spec in specs), model_dtype)
+    table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
+    cached = len(table.cells)
+    deadline = float("inf") if budget_s is None else started + budget_s
+    complete_table = True
+    for spec in specs:
+        if not measure_shape(method, spec.shape, spec.block, spec.has_offsets, model_dtype, table, deadline):
+            complete_table = False
+            break
+    measured = len(table.cells) - cached
+    if measured:
+        table.save(cache_dir)
+    seconds = time.perf_counter() - started
+    if not table.cells and complete_table:
+        return table, "nothing to measure (one route per shape on this machine)"
+    source = (f"{cached} cells from {table.path(cache_dir)}, {measured} measured in {seconds:.1f} s"
+              if cached else f"{measured} cells measured in {seconds:.1f} s, saved to {table.path(cache_dir)}")
+    if not complete_table:
+        source += (f"; over the {budget_s:.0f} s start-up budget: the cells left take the defaults (earlier "
+                   "sessions' constants) until the next start or `servelm tune MODEL` measures them")
+    return table, source
+
+
+def format_report(report: dict[str, Any]) -> list[str]:
+    """``route_summary``'s table as short lines: one per shape, its route at each row class
+    (``generation/prompt`` initials where the two differ)."""
+    routes: dict[str, dict[str, dict[str, str]]] = report["routes"]
+    width = max((len(name) for name in routes), default=4)
+    lines = [f"{'rows':<{width}} " + " ".join(f"{rows:>5}" for rows in report["row_classes"])]
+    for name in sorted(routes):
+        cells = []
+        for rows in report["row_classes"]:
+            cell = routes[name][str(rows)]
+            generation, prompt = cell["generation"], cell["prompt"]
+            cells.append(f"{generation if generation == prompt else generation[0] + '/' + prompt[0]:>5}")
+        lines.append(f"{name:<{width}} " + " ".join(cells))
+    return lines
+
+
+def route_summary(routes_by_shape: dict[LinearShape, Any], x_bf16: bool, source: str) -> dict[str, Any]:
+    """The chosen routes as plain data (``ModelRunner.routes_summary``, /get_server_info)."""
+    return {"source": source, "row_classes": list(ROW_CLASSES),
+            "routes": {shape.name: {str(rows): {"generation": routes.pick(rows, x_bf16, False).value,
+                                                "prompt": routes.pick(rows, x_bf16, True).value}
+                                    for rows in ROW_CLASSES}
+                       for shape, routes in routes_by_shape.items()}}
+
+
+
+def tune(config: Any) -> dict[str, Any] | None:
+    """``servelm tune MODEL``: measure every cell of the model's route table again, with no budget,
+    on the threads, dtype and quantization ``servelm serve`` would use with the same flags (the key
+    must match serving's); saves it and returns the chosen routes (None: no GGUF blocks to route)."""
+    from servelm.distributed.parallel import ParallelContext
+    from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
+    from servelm.model.loader import build_model, resolve_device
+    from servelm.model.source import resolve_model_source
+    from servelm.model.threads import configure_engine_threads
+
+    configure_engine_threads(config.runtime.num_threads)
+    source = resolve_model_source(config.model)
+    device = resolve_device(config.model.device)
+    gguf_path = getattr(source, "gguf_path", None)
+    quantization, reason = resolve_quantization(config.model.quantization, gguf_path, ParallelContext.single(),
+                                                device, False, config.model.dtype)
+    if quantization not in GGUF_MODES:
+        logger.info("nothing to tune: quantization %s (%s) runs no GGUF block routes", quantization, reason)
+        return None
+    dtype = gguf_model_dtype(config.model.dtype, device)[0]
+    model = build_model(source.hf_config, dtype, device, ParallelContext.single())
+    summary = apply_gguf_blocks(model, gguf_path, GGUF_MODES[quantization], check=False, route_budget_s=None,
+                                fresh_routes=True)
+    return summary["routes"]

@@ -1,0 +1,249 @@
+"""GGUF routes as data (layers/gguf_routes.py, model/routes.py): every candidate route agrees with the
+others, the quality rules hold whatever the ranking, the route table is measured once per key.
+
+This CPU may have none of the C++ kernels, so the kernels here are torch implementations with the
+compiled modules' Python API (``block_linear_a16``, ``rows_gemm``, ``i8_gemm``): the routing code takes
+them exactly as it takes a build of gguf_kernel.cpp for any instruction set.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+from servelm.model import routes as route_table
+from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
+from servelm.model.layers import gguf_i8gemm
+from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.layers.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LinearShape, PassRows, Route,
+                                              complete)
+
+
+def _unpack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+            n: int) -> BlockWeight:
+    """A tiled copy (gguf_blocks.tile_outputs) back to a BlockWeight of its first ``n`` outputs."""
+    tiles, groups, cols, lanes, group = codes.shape
+    flat = codes.permute(0, 2, 3, 1, 4).reshape(tiles * cols * lanes, groups * group)[:n]
+
+    def rows(values: torch.Tensor) -> torch.Tensor:
+        return values.permute(0, 2, 3, 1).reshape(tiles * cols * lanes, -1)[:n]
+
+    block = flat.shape[1] // scales.shape[1]
+    return BlockWeight(flat, rows(scales), None if offsets is None else rows(offsets), block, "Q")
+
+
+def _finish(out: torch.Tensor, bf16_out: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if bias is not None:
+        out = out + bias
+    return out.bfloat16() if bf16_out else out
+
+
+class TorchBlockKernel:
+    """gguf_kernel.cpp's API in torch (unrounded activations: the ``float`` mode's arithmetic)."""
+
+    def block_linear_a16(self, x, codes, scales, offsets, block, bf16_out=False, bias=None):
+        weight = BlockWeight(codes, scales, offsets, block, "Q").dequantize()
+        return _finish(x.float() @ weight.T, bf16_out, bias)
+
+    block_linear = block_linear_float = block_linear_a16
+
+
+class TorchRowsKernel:
+    GEMM_COLS = 2
+
+    def rows_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1):
+        assert x.dtype == torch.bfloat16
+        n = n if n >= 0 else codes.shape[0] * codes.shape[2] * codes.shape[3]
+        return _finish(x.float() @ _unpack(codes, scales, offsets, n).dequantize().T, bf16_out)
+
+
+class TorchI8Kernel:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def i8_gemm(self, x, codes, scales, offsets, block, bf16_out, n):
+        self.calls += 1
+        weight = _unpack(codes.bitwise_xor(0x80).view(torch.int8), scales, offsets, n)
+        return _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out)
+
+
+def block_weight(n: int, k: int, offsets: bool, seed: int = 0) -> BlockWeight:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3
+    return BlockWeight(codes, scales, -scales * 3 if offsets else None, 32, "Q4_1" if offsets else "Q8_0")
+
+
+def torch_method(ranking=None, dense_dtype=torch.bfloat16, i8=None) -> GGUFBlockLinearMethod:
+    return GGUFBlockLinearMethod(TorchBlockKernel(), dense_dtype, "int16", TorchRowsKernel(),
+                                 i8 or TorchI8Kernel(), ranking)
+
+
+TOLERANCE = {Route.BLOCK: 1e-5, Route.ROWS: 1e-2, Route.DENSE: 1e-2, Route.INT8: 3e-2}
+"""Relative error of each route against float32 on bf16-representable rows: the bf16 dense copy and
+the bf16 output round, the int8 route rounds activations to int8 per block."""
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_every_route_forced_agrees_with_the_float_result(offsets: bool, rows: int) -> None:
+    weight = block_weight(80, 128, offsets)   # 80 outputs: a padded tile for the packed copies
+    method = torch_method()
+    shape = method.shape(weight)
+    assert method.available(shape, weight.block) == set(Route)
+    layer = nn.Module()
+    method.prepare_all(layer, weight, shape)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    reference = x.float() @ weight.dequantize().T
+    for route in Route:
+        out = method.run_route(route, layer, x, None, True)
+        assert out.dtype == torch.float32 and out.shape == (rows, 80)
+        error = ((out - reference).norm() / reference.norm()).item()
+        assert error < TOLERANCE[route], (route, error)
+
+
+def ranking_of(*order: Route):
+    return lambda shape, x_bf16, rows: complete(list(order))
+
+
+def test_generation_rows_never_take_int8_even_when_it_is_fastest() -> None:
+    i8 = TorchI8Kernel()
+    method = torch_method(ranking_of(Route.INT8, Route.DENSE), i8=i8)
+    layer, kv, head = nn.Module(), nn.Module(), nn.Module()
+    weight = block_weight(64, 128, False)
+    method.process(layer, weight)
+    method.process(kv, weight, int8_rows=False)
+    method.process(head, weight, float_output=True)
+    for rows in (1, 4, 64, 600):
+        assert layer.gguf_routes.pick(rows, True, True) is Route.INT8
+        for is_prompt in (False, True):
+            assert kv.gguf_routes.pick(rows, True, is_prompt) is Route.DENSE
+            assert head.gguf_routes.pick(rows, True, is_prompt) is Route.DENSE
+        assert layer.gguf_routes.pick(rows, True, False) is Route.DENSE
+    assert head.gguf_i8 is None and kv.gguf_i8 is None and layer.gguf_i8 is not None
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    dense = method.run_route(Route.DENSE, layer, x, None, False)
+    assert torch.equal(method.apply(layer, x, None, PassRows.of([1] * 40, [True] * 40)), dense)
+    assert i8.calls == 0
+    # a mixed pass: prompt rows on int8, the generation rows as a pass of only them gives them
+    counts, generation = [1, 30, 1, 8], [True, False, True, False]
+    out = method.apply(layer, x, None, PassRows.of(counts, generation))
+    assert i8.calls == 1
+    gen_rows = [0, 31]
+    alone = method.apply(layer, x[gen_rows], None, GENERATION_ONLY)
+    assert torch.equal(out[gen_rows], alone)
+    by_i8 = method.run_route(Route.INT8, layer, x, None, False)
+    prompt = [row for row in range(40) if row not in gen_rows]
+    assert torch.equal(out[prompt], by_i8[prompt]) and not torch.equal(out[gen_rows], by_i8[gen_rows])
+
+
+def test_float32_rows_keep_an_exact_route_where_the_block_kernel_is_held() -> None:
+    method = torch_method(ranking_of(Route.ROWS, Route.DENSE))
+    layer = nn.Module()
+    method.process(layer, block_weight(64, 128, False), model_dtype=torch.float32)
+    assert layer.gguf_routes.pick(1, False, False) is Route.BLOCK
+    assert layer.gguf_routes.pick(16, False, False) is Route.BLOCK
+    assert layer.gguf_routes.pick(17, False, False) is Route.ROWS   # above it, bf16 rounding as before
+
+
+def test_the_copies_kept_are_those_the_routes_use() -> None:
+    method = torch_method(ranking_of(Route.ROWS))
+    layer = nn.Module()
+    method.process(layer, block_weight(64, 128, False))
+    assert layer.gguf_dense is None and layer.gguf_i8 is None and layer.gguf_packed is not None
+    # the prepared decode call reaches as far as its route does
+    call = layer.gguf_decode_args
+    assert call[0] == method.rows_kernel.rows_gemm and call.generation_rows == call.prompt_rows == 512
+
+
+def test_the_forward_batch_carries_the_generation_rows() -> None:
+    plan = BatchPlan([SequencePlan([1], 5, [0], 1), SequencePlan([2, 3, 4], 0, [1], 1),
+                      SequencePlan([5, 6], 3, [2], 2)])
+    batch = ForwardBatch.build(plan, 16, torch.device("cpu"))
+    assert batch.rows is not None and batch.head_rows is not None
+    assert not batch.rows.generation_only and batch.rows.num_rows == 6
+    assert batch.rows.generation_rows.tolist() == [0, 4, 5]
+    assert batch.head_rows.num_rows == 4 and batch.head_rows.generation_rows.tolist() == [0, 2, 3]
+    decode = ForwardBatch.build(BatchPlan([SequencePlan([1], 5, [0], 1)] * 3), 16, torch.device("cpu"))
+    assert decode.rows.generation_only and decode.rows.generation_rows is None
+
+
+def test_the_route_table_is_measured_once_per_key(tmp_path, monkeypatch) -> None:
+    method = torch_method(dense_dtype=torch.float32)   # block and dense (no rows kernel beside float32)
+    shape = LinearShape(128, 64, "Q8_0", False, True)
+    specs = [route_table.ShapeSpec(shape, 32, False)]
+    monkeypatch.setattr(route_table, "time_candidates",
+                        lambda candidates, **_: {name: (1.0 if name == "block" else 2.0) for name in candidates})
+    table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+    assert len(table.cells) == len(ROW_CLASSES) and "measured" in source and table.path(tmp_path).exists()
+    assert table.cells[table.cell_name(shape, False, 64)][0] == "block"
+    ranking = table.ranking(method.default_ranking)
+    assert ranking(shape, False, 40)[0] is Route.BLOCK   # 40 rows: the 48-row class
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a cached key was measured again")
+
+    monkeypatch.setattr(route_table, "time_candidates", fail)
+    again, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+    assert again.cells == table.cells and "0 measured" in source
+    monkeypatch.setattr(route_table, "time_candidates",
+                        lambda candidates, **_: {name: (1.0 if name == "dense" else 2.0) for name in candidates})
+    monkeypatch.setattr(route_table, "cpu_model_name", lambda: "another CPU")
+    other, _ = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+    assert other.path(tmp_path) != table.path(tmp_path)
+    assert other.cells[other.cell_name(shape, False, 64)][0] == "dense"
+
+
+def test_over_the_budget_the_defaults_serve(tmp_path) -> None:
+    method = torch_method(dense_dtype=torch.float32)
+    shape = LinearShape(128, 64, "Q8_0", False, True)
+    table, source = route_table.build_table(method, [route_table.ShapeSpec(shape, 32, False)], torch.float32,
+                                            0.0, tmp_path)
+    assert "over the" in source and len(table.cells) < len(ROW_CLASSES)
+    ranking = table.ranking(method.default_ranking)
+    assert ranking(shape, False, 600) == method.default_ranking(shape, False, 600)
+
+
+def test_a_shape_with_one_route_is_never_timed(tmp_path) -> None:
+    method = GGUFBlockLinearMethod(None, torch.float32)   # no kernel at all: the dense copy only
+    shape = LinearShape(128, 64, "Q8_0", False, True)
+    table, source = route_table.build_table(method, [route_table.ShapeSpec(shape, 32, False)], torch.float32,
+                                            None, tmp_path)
+    assert not table.cells and "nothing to measure" in source
+
+
+def test_a_route_needing_a_bigger_copy_must_win_by_its_margin(tmp_path, monkeypatch) -> None:
+    """``COPY_MARGIN``: the dense copy 3% faster than the block kernel does not rank first (the layer
+    would keep 2-4 bytes per weight for it); 20% faster does."""
+    method = torch_method(dense_dtype=torch.float32)
+    shape = LinearShape(128, 64, "Q8_0", False, False)
+    specs = [route_table.ShapeSpec(shape, 32, False)]
+    for dense_us, first in ((0.97, "block"), (0.8, "dense")):
+        monkeypatch.setattr(route_table, "time_candidates",
+                            lambda candidates, **_: {name: (dense_us if name == "dense" else 1.0) for name in candidates})
+        table, _ = route_table.build_table(method, specs, torch.float32, None, tmp_path, fresh=True)
+        assert table.cells[table.cell_name(shape, False, 8)][0] == first
+
+
+@pytest.mark.parametrize("first", [Route.BLOCK, Route.ROWS])
+def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
+    """A layer's prepared decode call (``gguf_decode_args``, the flat decode paths' call) reaches as
+    far as its 1-row route does, and gives what routing the same rows gives."""
+    method = torch_method(lambda shape, x_bf16, rows: complete([first] if rows <= 8 else [Route.DENSE]))
+    layer = nn.Module()
+    weight = block_weight(64, 128, True)
+    method.process(layer, weight)
+    call = layer.gguf_decode_args
+    assert call.generation_rows == call.prompt_rows == 8 and call.takes_bias == (first is Route.BLOCK)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for rows in (1, 8):
+        routed = method.run_route(first, layer, x[:rows], None, False)
+        assert torch.equal(method.apply(layer, x[:rows], None, GENERATION_ONLY), routed)
+        assert torch.equal(call[0](x[:rows], *call[1:], True), routed)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(method.apply(layer, x[:1], bias), method.run_route(first, layer, x[:1], bias, False))
+    nine = torch.randn(9, 128).bfloat16()
+    assert torch.equal(method.apply(layer, nine, None), method.run_route(Route.DENSE, layer, nine, None, False))
