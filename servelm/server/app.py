@@ -282,16 +282,15 @@ def run_server(config: EngineConfig) -> None:
     import uvicorn
 
     from servelm.engine.async_engine import AsyncEngine
-    # A bad --chat-template or model fails here, with one line, before any process starts.
-    load_chat_template(config.server.chat_template)
+    # A model that cannot be read fails here, with one line, before any process starts (a bad
+    # --chat-template was refused when the config was built, --ssl-keyfile alone when it was parsed).
     try:
+        load_chat_template(config.server.chat_template)
         AsyncEngine.check_model(config)
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         raise SystemExit(f"servelm: {error}") from None
 
     server_config = config.server
-    if server_config.ssl_keyfile is not None and server_config.ssl_certfile is None:
-        raise SystemExit("servelm: --ssl-keyfile needs --ssl-certfile")
     engine_death: list[str] = []
 
     async def exit_when_engine_dies(engine: AsyncEngine, server: uvicorn.Server) -> None:
