@@ -10,9 +10,8 @@ flags is in exactly one of four places:
   accepted only with the listed values; any other value is rejected. An entry lists the config
   values that would undo the behaviour (``contradicts``): given together, start-up fails naming
   both flags;
-- REJECTIONS: rejected at start-up with the reason, grouped by reason. A feature still to be
-  built (speculative decoding, PD disaggregation, hierarchical cache, parallelism) has one
-  entry whose reason starts "not built yet".
+- REJECTIONS: rejected at start-up with the reason, grouped by reason. Building a refused
+  feature turns its entry into config fields or aliases.
 
 ``NEEDS`` lists options that mean nothing without another one (refused alone), and
 ``PARSER_OPTIONS`` the parser's own options (--config, --dry-run, --help).
@@ -474,10 +473,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--lora-extra-vocab-size",),
                      "adapters that add tokens (embedding or LM-head LoRA) are refused at load, so "
                      "no extra vocabulary is reserved", values=("0",), bad_value="256"),
-    AlreadyBehaviour(("--enable-fp32-lm-head",),
-                     "logits are float32 when the model runs in float32 (dtype auto on CPU)",
-                     contradicts=(Contradiction("dtype", ("half", "float16", "bfloat16")),
-                                  Contradiction("device", ("cuda",)))),
     AlreadyBehaviour(("--mtp_mode",),
                      "no model servelm loads has multi-token-prediction layers (DeepSeek-V3 MTP), "
                      "so only None is accepted; --mtp_draft_model_dir alone runs that model as a "
@@ -492,9 +487,7 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
-# Features planned for later (speculative decoding, PD disaggregation, hierarchical cache,
-# tensor/pipeline/data parallelism) each have exactly one entry saying "not built yet": building
-# the feature turns that entry into config fields or aliases.
+# A reason says why: a CUDA-only mechanism, a design choice, or a feature not supported yet.
 
 NOT_BUILT_YET = "not built yet"
 
@@ -534,8 +527,10 @@ REJECTIONS: tuple[Rejection, ...] = (
               "plain decoding at no extra cost",
               ("--num-lookahead-slots", "--speculative-disable-mqa-scorer",
                "--disable-logprobs-during-spec-decoding")),
-    Rejection("not supported: offloading the decode server's K/V to host storage (the "
-              "hierarchical cache is not built)", ("--disaggregation-decode-enable-offload-kvcache",)),
+    Rejection("not supported: SGLang's asynchronous offload of a decode server's K/V to "
+              "storage (servelm's hierarchical cache, --enable-hierarchical-cache, tiers the prefix "
+              "cache's blocks; it has no decode-side offload path)",
+              ("--disaggregation-decode-enable-offload-kvcache",)),
     Rejection("not needed: a servelm decode server listens on no port of its own for K/V; it "
               "connects to the prefill server's --disaggregation-bootstrap-port",
               ("--pd_decode_rpyc_port",)),
@@ -562,7 +557,8 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--nccl-port",)),
     Rejection("not supported: with --nnodes the other nodes learn node 0's step and reply "
               "sockets (ports the OS picks) from the rendezvous at --dist-init-addr, the one "
-              "port to open; LightLLM's config server belongs to PD disaggregation (not built)",
+              "port to open (LightLLM's config server is not used: PD servers register with "
+              "--pd_master_ip/--pd_master_port)",
               ("--multinode_httpmanager_port", "--multinode_router_gloo_port",
                "--use_config_server_to_init_nccl")),
     Rejection("not supported: tensor parallelism here splits heads, MLP columns and the "
@@ -571,8 +567,9 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: rank processes run servelm's own worker (no user worker classes, "
               "no Nsight profiling of Ray workers)",
               ("--worker-cls", "--ray-workers-use-nsight")),
-    Rejection("not supported yet: scheduling policies and their tuning are a planned feature "
-              "(requests are served first come, first served)",
+    Rejection("not supported yet: these scheduling extras (servelm's waiting queue is ordered by "
+              "--schedule-policy fcfs, lpm, dfs-weight or random, or by priority, and chunked "
+              "prefill mixes prompts with decodes in every step)",
               ("--prefill-only-one-req", "--router_max_new_token_len",
                "--disable_aggressive_schedule")),
     Rejection("not supported yet: metrics push gateways, custom metric labels, token histograms, "
@@ -708,6 +705,7 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("allowed_headers", "allowed_origins"),
     ("allow_credentials", "allowed_origins"),
     ("ssl_ca_certs", "ssl_certfile"),
+    ("ssl_keyfile", "ssl_certfile"),
     ("ssl_cert_reqs", "ssl_certfile"),
     ("torch_compile_max_bs", "enable_torch_compile"),
     ("bucket_time_to_first_token", "enable_metrics"),

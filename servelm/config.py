@@ -51,6 +51,13 @@ POOLING_TYPES = ("last", "mean", "cls")
 _POOLER_OVERRIDE_KEYS = ("pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions")
 
 
+def is_chat_template_value(value: str) -> bool:
+    """--chat-template names a template file, or is the template text itself (it has Jinja tags)."""
+    import os
+
+    return os.path.isfile(value) or "{{" in value or "{%" in value
+
+
 def parse_pooler_override(text: str | None) -> dict[str, Any]:
     """``--override-pooler-config`` JSON -> checked dict (ValueError naming the flag and key)."""
     values = parse_json_object_flag("--override-pooler-config", text)
@@ -100,6 +107,11 @@ class ModelConfig:
         "270M's greedy outputs identical to the float32 model's: 72 -> 81 percent of 96 prompts, at no "
         "measurable cost; benchmarks/RESULTS.md), --dtype on CUDA.",
         choices=["auto", "float32", "model"])
+    enable_fp32_lm_head: bool = opt(
+        False, "Compute the LM head (hidden state x vocabulary) in float32 when the model runs in "
+        "bfloat16 or float16 (--dtype, or auto on a CPU with a native bf16 GEMM): a float32 copy of "
+        "the head's weight is kept beside the model's (4 bytes per vocabulary row entry). A float32 "
+        "model's head is float32 already. Not with a quantized head (--quantization).")
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
     hf_overrides: str | None = opt(None, "JSON object merged into the model's config.json fields.")
     served_model_name: list[str] | None = opt(
@@ -166,6 +178,12 @@ class ModelConfig:
     def served_names(self) -> tuple[str, ...]:
         """Every name requests may give (and /v1/models lists), the response name first."""
         return tuple(self.served_model_name) if self.served_model_name else (self.model,)
+
+    @property
+    def is_embed_task(self) -> bool:
+        """--task names embeddings (embed, or vLLM's older spelling embedding). auto is decided
+        per model at load (servelm.model.pooling.resolve_task), so it is not one here."""
+        return self.task in ("embed", "embedding")
 
 
 @dataclass(frozen=True)
@@ -686,6 +704,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.chat_template is not None and not is_chat_template_value(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r}: no such file, and not an inline "
+                             "Jinja template (give a template file's path, or the template text itself)")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if self.max_request_body_bytes <= 0:
@@ -1364,6 +1385,7 @@ class EngineConfig:
                 f"{self.model.quantization}: inductor's fused norms and activation scaling differ "
                 "from eager in the last bit, the int8 rounding of the activations turns that into "
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
+        self._check_torch_compile()
         self._check_lora()
         self._check_hicache()
         self._check_disaggregation()
@@ -1379,7 +1401,7 @@ class EngineConfig:
             raise ValueError("--enable-hierarchical-cache needs the in-process runner (--tp-size 1 "
                              "--pp-size 1): the tiers copy blocks out of the engine process's "
                              "KV pool, and rank workers hold theirs in other processes")
-        if self.model.task in ("embed", "embedding"):
+        if self.model.is_embed_task:
             raise ValueError("--enable-hierarchical-cache serves generation; embedding requests "
                              "never use the prefix cache")
 
@@ -1401,18 +1423,31 @@ class EngineConfig:
             raise ValueError(f"--disaggregation-mode {mode} with --tp-size > 1 moves K/V through "
                              "the engine process: it needs --disaggregation-transfer-backend zmq "
                              "or shm and --distributed-executor-backend mp")
-        if self.model.task == "embed":
+        if self.model.is_embed_task:
             raise ValueError(f"--disaggregation-mode {mode} serves generation; it cannot be "
                              "combined with --task embed")
         if self.speculative.is_enabled and mode == "prefill":
             raise ValueError("--speculative-algorithm on a prefill server drafts nothing (it "
                              "samples one token per request); give it to the decode server")
 
+    def _check_torch_compile(self) -> None:
+        """What --enable-torch-compile cannot do: it compiles the in-process runner's decode steps."""
+        if not self.runtime.enable_torch_compile:
+            return
+        if self.model.is_embed_task:
+            raise ValueError("--enable-torch-compile compiles decode steps; an embedding model "
+                             "(--task embed) has none, so nothing would be compiled")
+        parallel = self.parallel
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-torch-compile cannot be combined with --tp-size or --pp-size > 1: "
+                             "the compiled decode graphs are built by the in-process runner only, and "
+                             "the rank workers run their layers eagerly")
+
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
         if not self.lora.is_enabled:
             return
-        if self.model.task == "embed":
+        if self.model.is_embed_task:
             raise ValueError("--enable-lora serves generation; it cannot be combined with "
                              "--task embed")
         if self.parallel.pipeline_parallel_size > 1:

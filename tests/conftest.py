@@ -1,11 +1,11 @@
 """Session set-up for the whole test run: the C++ kernels are built once, in parallel, up front.
 
-Every server start loads two C++ kernels (``servelm/model/cpp_kernel.py``: the GGUF block kernel
-and the paged decode kernel), cached under ``~/.cache/servelm/kernels``. On a machine without that
-cache (CI starts with an empty HOME) the first server to start compiled both, one after the other
-(about a minute on 2 cores), while the tests waited. When a run selects end-to-end tests and a
+A server start loads the C++ kernels its CPU can run (``servelm/model/cpp_kernel.py``; seven,
+``KERNEL_MODULES``), cached under ``~/.cache/servelm/kernels``. On a machine without that cache (CI
+starts with an empty HOME) the first server to start compiled them one after the other while the
+tests waited. When a run selects end-to-end tests and a
 kernel is not cached yet, each missing kernel is built here in its own background process as the
-session starts: the two compile side by side and alongside the first tests. Whoever needs a
+session starts: they compile side by side and alongside the first tests. Whoever needs a
 kernel before its build ends (a server, an in-process engine) waits on torch.utils.cpp_extension's
 lock in the build directory and then loads the finished build, so nothing builds twice.
 """

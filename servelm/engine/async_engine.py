@@ -16,6 +16,8 @@ Invariants:
 - With ``--dp-size N`` there are N engine processes (replicas, each with its own model, KV pool
   and scheduler); the balancer (balancer.py) picks one per request, and the request's aborts
   and outputs stay with it. Any replica dying counts as the engine dying.
+- Every message on the sockets is one of frontdoor.py's dataclasses; generation and embedding
+  share one submission path (``_submit``).
 Moving the engine elsewhere (another host) changes only this file.
 """
 
@@ -30,7 +32,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,10 @@ from servelm.disagg.spec import KVTransfer
 from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.engine_process import run_engine_process
+from servelm.engine.frontdoor import (PROTOCOL_VERSION, AbortRequest, CallResult, EngineCall,
+                                      EngineFailed, EngineReady, FlushCacheCall, FrontMessage,
+                                      LoadLoRACall, ModelInfo, Shutdown, StatsCall, StepOutputs,
+                                      SubmitRequest, UnloadLoRACall)
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput, merge_outputs
 from servelm.errors import InvalidRequestError
@@ -86,9 +93,11 @@ class AsyncEngine:
     """Submit requests to the engine process(es) and stream back their outputs."""
 
     def __init__(self, config: EngineConfig, replicas: list[_Replica], socket_dir: str,
-                 model_info: dict[str, Any]) -> None:
+                 model_info: ModelInfo, lora_adapters: list[dict[str, Any]] | None = None) -> None:
         self.config = config
         self.model_info = model_info
+        self._lora_adapters = list(lora_adapters or [])
+        """The adapters requests may name (as the engines reported them after the last change)."""
         self.tokenizer: Any = None
         self._replicas = replicas
         self._balancer = LoadBalancer(config.parallel.load_balance_method, len(replicas))
@@ -135,8 +144,8 @@ class AsyncEngine:
                     daemon=True)
                 replicas.append(_Replica(index, process, push, pull))
                 process.start()
-            infos = await asyncio.gather(*(cls._wait_ready(replica.process, replica.pull)
-                                           for replica in replicas))
+            readies = await asyncio.gather(*(cls._wait_ready(replica.process, replica.pull)
+                                             for replica in replicas))
         except BaseException:
             for replica in replicas:
                 if replica.process.is_alive():
@@ -145,10 +154,10 @@ class AsyncEngine:
                 replica.pull.close(linger=0)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        model_info = infos[0]
+        model_info = readies[0].model_info
         if num_replicas > 1:
-            model_info["data_parallel_size"] = num_replicas
-        engine = cls(config, replicas, socket_dir, model_info)
+            model_info = dataclasses.replace(model_info, data_parallel_size=num_replicas)
+        engine = cls(config, replicas, socket_dir, model_info, list(readies[0].lora_adapters))
         engine.tokenizer = await asyncio.to_thread(engine._load_tokenizer)
         engine._tasks = [task for replica in replicas for task in (
             asyncio.create_task(engine._route_outputs(replica)),
@@ -204,14 +213,18 @@ class AsyncEngine:
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,
-                          pull: zmq.asyncio.Socket) -> dict[str, Any]:
+                          pull: zmq.asyncio.Socket) -> EngineReady:
         while True:
             if await pull.poll(_STARTUP_POLL_MS):
                 message = await pull.recv_pyobj()
-                if message[0] == "ready":
-                    return dict(message[1])
-                if message[0] == "failed":
-                    raise RuntimeError(f"engine failed to start: {message[1]}")
+                if isinstance(message, EngineReady):
+                    if message.protocol_version != PROTOCOL_VERSION:
+                        raise RuntimeError(
+                            f"engine process speaks front-door protocol {message.protocol_version}, "
+                            f"this front end {PROTOCOL_VERSION}: a mismatched servelm install")
+                    return message
+                if isinstance(message, EngineFailed):
+                    raise RuntimeError(f"engine failed to start: {message.reason}")
             elif not process.is_alive():
                 raise RuntimeError(f"engine process exited during start-up (exit code {process.exitcode})")
 
@@ -228,19 +241,19 @@ class AsyncEngine:
     async def _route_outputs(self, replica: _Replica) -> None:
         while True:
             message = await replica.pull.recv_pyobj()
-            if message[0] == "outputs":
-                for output in message[1]:
+            if isinstance(message, StepOutputs):
+                for output in message.outputs:
                     if output.new_token_ids and output.finish_reason != "error":
                         self._last_token_s = time.monotonic()
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
                         queue.put_nowait(output)
-            elif message[0] == "info":
-                future = self._calls.pop(message[1], None)
+            elif isinstance(message, CallResult):
+                future = self._calls.pop(message.call_id, None)
                 if future is not None and future is replica.info_call:
-                    replica.info, replica.info_s = dict(message[2]), time.monotonic()
+                    replica.info, replica.info_s = dict(message.result), time.monotonic()
                 if future is not None and not future.done():
-                    future.set_result(message[2])
+                    future.set_result(message.result)
 
     async def _watch_process(self, replica: _Replica) -> None:
         while replica.process.is_alive():
@@ -280,7 +293,7 @@ class AsyncEngine:
         await self._dead.wait()
         return self._dead_reason or "engine process exited"
 
-    def _send(self, replica: _Replica, message: tuple[Any, ...]) -> None:
+    def _send(self, replica: _Replica, message: FrontMessage) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         replica.push.send_pyobj(message)
@@ -295,17 +308,35 @@ class AsyncEngine:
         index = self._owners.pop(request_id)
         self._balancer.finish(index, num_tokens)
         if abort and self._dead_reason is None:
-            self._replicas[index].push.send_pyobj(("abort", request_id))
+            self._replicas[index].push.send_pyobj(AbortRequest(request_id))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0,
-                       group: str = "", lora_name: str | None = None,
-                       kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int = 0,
+                 group: str = "", lora_name: str | None = None,
+                 kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it.
 
         ``group`` names the client request this one is part of (see Request.group);
         ``lora_name`` the LoRA adapter it runs with (None: the base model); ``kv_transfer`` its
         part in a prefill/decode transfer (None: co-located)."""
+        return self._submit(SubmitRequest(request_id, list(prompt_token_ids), params, priority,
+                                          group, lora_name, kv_transfer))
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     priority: int = 0) -> RequestOutput:
+        """Embed one input (task embed): its finished output, with ``embedding`` or ``error``.
+        Cancelling the call aborts the request."""
+        request = SubmitRequest(request_id, list(prompt_token_ids), None, priority)
+        async with aclosing(self._submit(request)) as outputs:  # type: ignore[type-var]
+            async for output in outputs:
+                if output.is_finished:
+                    return output
+        raise AssertionError(f"request {request_id} ended without a finished output")
+
+    async def _submit(self, request: SubmitRequest) -> AsyncIterator[RequestOutput]:
+        """The one submission path (generation and embedding): dispatch to a replica, send, and
+        yield the request's outputs until the finished one; stopping early aborts it."""
+        request_id = request.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
@@ -313,13 +344,14 @@ class AsyncEngine:
         is_finished = False
         num_output_tokens = 0
         finish_reason: str | None = None
-        load = len(prompt_token_ids) + (params.max_tokens or 0)
+        load = request.load_tokens
         replica = self._dispatch(request_id, load)
         try:
-            self._send(replica, ("add", request_id, list(prompt_token_ids), params, priority, group,
-                                 lora_name, kv_transfer))
+            self._send(replica, request)
             if self._crash_recorder is not None:
-                self._crash_recorder.record(request_id, prompt_token_ids, params, priority)
+                self._crash_recorder.record(request_id, request.prompt_token_ids,
+                                            request.params if request.params is not None
+                                            else {"task": "embed"}, request.priority)
             held: RequestOutput | Exception | None = None
             while True:
                 output = held if held is not None else await queue.get()
@@ -344,37 +376,10 @@ class AsyncEngine:
                 self._crash_recorder.finish(request_id, finish_reason, num_output_tokens)
             self._release(request_id, load, abort=not is_finished)
 
-    async def encode(self, request_id: str, prompt_token_ids: list[int],
-                     priority: int = 0) -> RequestOutput:
-        """Embed one input (task embed): its finished output, with ``embedding`` or ``error``.
-        Cancelling the call aborts the request."""
-        if request_id in self._queues:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="rid")
-        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue
-        is_finished = False
-        replica = self._dispatch(request_id, len(prompt_token_ids))
-        try:
-            self._send(replica, ("embed", request_id, list(prompt_token_ids), priority))
-            if self._crash_recorder is not None:
-                self._crash_recorder.record(request_id, prompt_token_ids, {"task": "embed"}, priority)
-            while True:
-                output = await queue.get()
-                is_finished = isinstance(output, Exception) or output.is_finished
-                if isinstance(output, Exception):
-                    raise output
-                if output.is_finished:
-                    if self._crash_recorder is not None:
-                        self._crash_recorder.finish(request_id, output.finish_reason, 0)
-                    return output
-        finally:
-            del self._queues[request_id]
-            self._release(request_id, len(prompt_token_ids), abort=not is_finished)
-
     async def abort(self, request_id: str) -> None:
         index = self._owners.get(request_id)
         if index is not None and self._dead_reason is None:
-            self._replicas[index].push.send_pyobj(("abort", request_id))
+            self._replicas[index].push.send_pyobj(AbortRequest(request_id))
 
     async def get_server_info(self) -> dict[str, Any]:
         """The engine's live figures, with ``stats_age_s`` (seconds since the engine reported them).
@@ -413,7 +418,7 @@ class AsyncEngine:
 
     async def _replica_info(self, replica: _Replica) -> dict[str, Any]:
         if replica.info_call is None or replica.info_call.done():
-            replica.info_call = self._start_call(replica, "info")
+            replica.info_call = self._start_call(replica, StatsCall)
         call = replica.info_call
         try:
             await asyncio.wait_for(asyncio.shield(call),
@@ -427,7 +432,7 @@ class AsyncEngine:
     async def flush_cache(self) -> dict[str, Any]:
         """Empty the prefix cache of every replica: {"success": bool, "message": str} (refused
         while busy)."""
-        results = await asyncio.gather(*(self._call(r, "flush_cache") for r in self._replicas))
+        results = await asyncio.gather(*(self._call(r, FlushCacheCall) for r in self._replicas))
         if len(results) == 1:
             return results[0]
         failed = [f"replica {i}: {result.get('message')}" for i, result in enumerate(results)
@@ -439,43 +444,45 @@ class AsyncEngine:
     @property
     def lora_adapters(self) -> list[dict[str, Any]]:
         """The adapters requests may name (as the engine reported them after the last change)."""
-        return list(self.model_info.get("lora_adapters", []))
+        return list(self._lora_adapters)
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Load an adapter on every replica: {"success", "status", "message", ...}. A replica that
         refuses it (400, naming the reason) leaves it loaded on none."""
-        results = await asyncio.gather(*(self._call(r, "load_lora", name, path) for r in self._replicas))
+        results = await asyncio.gather(*(self._call(r, lambda call_id: LoadLoRACall(call_id, name, path)) for r in self._replicas))
         failed = next((result for result in results if not result.get("success")), None)
         if failed is not None:
             for replica, result in zip(self._replicas, results):
                 if result.get("success"):  # keep the replicas in agreement
-                    await self._call(replica, "unload_lora", name)
+                    await self._call(replica, lambda call_id: UnloadLoRACall(call_id, name))
             return failed
         self._set_adapters(name, path, results)
         return results[0]
 
     async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         """Unload an adapter on every replica; its running requests finish first."""
-        results = await asyncio.gather(*(self._call(r, "unload_lora", name) for r in self._replicas))
+        results = await asyncio.gather(*(self._call(r, lambda call_id: UnloadLoRACall(call_id, name)) for r in self._replicas))
         if any(result.get("success") for result in results):
-            self.model_info["lora_adapters"] = [a for a in self.lora_adapters if a["name"] != name]
+            self._lora_adapters = [a for a in self._lora_adapters if a["name"] != name]
         return next((r for r in results if not r.get("success")), results[0])
 
     def _set_adapters(self, name: str, path: str, results: list[dict[str, Any]]) -> None:
-        adapters = [a for a in self.lora_adapters if a["name"] != name]
+        adapters = [a for a in self._lora_adapters if a["name"] != name]
         adapters.append({"name": name, "path": path, "load_time_s": results[0].get("load_time_s")})
-        self.model_info["lora_adapters"] = adapters
+        self._lora_adapters = adapters
 
-    def _start_call(self, replica: _Replica, kind: str, *args: Any) -> asyncio.Future[dict[str, Any]]:
-        """Send a call; its future resolves when the engine answers (between two steps)."""
+    def _start_call(self, replica: _Replica, make: Callable[[int], EngineCall]
+                    ) -> asyncio.Future[dict[str, Any]]:
+        """Send the call ``make(call_id)``; its future resolves when the engine answers (between
+        two steps)."""
         call_id = next(self._call_ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(replica, (kind, call_id, *args))
+        self._send(replica, make(call_id))
         return future
 
-    async def _call(self, replica: _Replica, kind: str, *args: Any) -> dict[str, Any]:
-        future = self._start_call(replica, kind, *args)
+    async def _call(self, replica: _Replica, make: Callable[[int], EngineCall]) -> dict[str, Any]:
+        future = self._start_call(replica, make)
         try:
             return await asyncio.wait_for(future, timeout=CALL_TIMEOUT_S)
         finally:
@@ -502,7 +509,7 @@ class AsyncEngine:
     async def _probe(self) -> bool:
         request_id = f"health-{next(self._call_ids)}-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        if self.model_info.get("task") == "embed":  # an embedding model's one-step request
+        if self.model_info.task == "embed":  # an embedding model's one-step request
             try:
                 output = await self.encode(request_id, [0])
                 return output.finish_reason != "error" or output.error_status == 503
@@ -522,7 +529,7 @@ class AsyncEngine:
         for replica in self._replicas:
             if replica.process.is_alive():
                 try:
-                    replica.push.send_pyobj(("shutdown",))
+                    replica.push.send_pyobj(Shutdown())
                 except zmq.ZMQError:
                     pass
         for replica in self._replicas:

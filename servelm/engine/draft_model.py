@@ -55,7 +55,7 @@ def check_draft_supported(config: EngineConfig) -> None:
                          "--pp-size > 1: the draft would run on one rank beside the sharded model "
                          "and every rank would wait for its k forwards each step; use NGRAM, or "
                          "--dp-size for more throughput")
-    if config.model.task == "embed":
+    if config.model.is_embed_task:
         raise ValueError("--speculative-draft-model-path serves generation; it cannot be combined "
                          "with --task embed")
 

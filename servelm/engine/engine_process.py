@@ -1,6 +1,6 @@
 """The engine process's entry point: load the model, then step, draining the front end's socket
-between steps (add, embed, abort, info, flush_cache, load_lora, unload_lora, shutdown). One per data-parallel replica;
-async_engine.py is the other end of its sockets."""
+between steps (frontdoor.py's messages: submit, abort, the calls, shutdown). One per data-parallel
+replica; async_engine.py is the other end of its sockets."""
 
 from __future__ import annotations
 
@@ -8,11 +8,18 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from servelm.config import EngineConfig
+from servelm.engine.frontdoor import (AbortRequest, CallResult, EngineFailed, EngineReady,
+                                      FlushCacheCall, FrontMessage, LoadLoRACall, ModelInfo,
+                                      Shutdown, StatsCall, StepOutputs, SubmitRequest,
+                                      UnloadLoRACall)
+
+if TYPE_CHECKING:
+    from servelm.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +58,14 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         warm_up_for_serving(engine)
     except ValueError as error:  # a configuration the user can fix: the message says how
         logger.error("engine failed to start: %s", error)
-        outputs.send_pyobj(("failed", str(error)))
+        outputs.send_pyobj(EngineFailed(str(error)))
         return
     except Exception as error:
         logger.exception("engine failed to start")
-        outputs.send_pyobj(("failed", f"{type(error).__name__}: {error}"))
+        outputs.send_pyobj(EngineFailed(f"{type(error).__name__}: {error}"))
         return
-    outputs.send_pyobj(("ready", engine.model_info))
+    outputs.send_pyobj(EngineReady(ModelInfo.from_engine(engine.model_info),
+                                   tuple(engine.model_info.get("lora_adapters", ()))))
     stats = StatsLogger(engine, config.observability)
     timeout_s = config.observability.watchdog_timeout
     watchdog = Watchdog(timeout_s) if timeout_s > 0 else None
@@ -74,7 +82,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         if inputs in events:
             while True:
                 message = inputs.recv_pyobj()
-                if message[0] == "shutdown":
+                if isinstance(message, Shutdown):
                     return
                 _handle(engine, message, outputs)
                 if not inputs.poll(0):
@@ -90,35 +98,35 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
             if watchdog is not None:
                 watchdog.step_finished()
             if step_outputs:
-                outputs.send_pyobj(("outputs", step_outputs))
+                outputs.send_pyobj(StepOutputs(step_outputs))
         idle_trim.update(engine.has_unfinished(), time.monotonic())
         stats.maybe_log()
 
 
-def _handle(engine: Any, message: tuple[Any, ...], outputs: zmq.Socket[Any]) -> None:
-    kind = message[0]
-    if kind == "add":
-        _, request_id, prompt_token_ids, params, priority, group, lora_name, kv_transfer = message
-        rejected = engine.add_request(request_id, prompt_token_ids, params, priority, group=group,
-                                      lora_name=lora_name, kv_transfer=kv_transfer)
+def _handle(engine: LLMEngine, message: FrontMessage, outputs: zmq.Socket[Any]) -> None:
+    """Apply one front-end message between two steps."""
+    if isinstance(message, SubmitRequest):
+        if message.params is None:
+            rejected = engine.add_embedding_request(message.request_id, message.prompt_token_ids,
+                                                    message.priority)
+        else:
+            rejected = engine.add_request(message.request_id, message.prompt_token_ids,
+                                          message.params, message.priority, group=message.group,
+                                          lora_name=message.lora_name,
+                                          kv_transfer=message.kv_transfer)
         if rejected is not None:
-            outputs.send_pyobj(("outputs", [rejected]))
-    elif kind == "embed":
-        _, request_id, prompt_token_ids, priority = message
-        rejected = engine.add_embedding_request(request_id, prompt_token_ids, priority)
-        if rejected is not None:
-            outputs.send_pyobj(("outputs", [rejected]))
-    elif kind == "abort":
-        aborted = engine.abort_request(message[1])
+            outputs.send_pyobj(StepOutputs([rejected]))
+    elif isinstance(message, AbortRequest):
+        aborted = engine.abort_request(message.request_id)
         if aborted is not None:
-            outputs.send_pyobj(("outputs", [aborted]))
-    elif kind == "info":
-        outputs.send_pyobj(("info", message[1], engine.stats()))
-    elif kind == "flush_cache":  # answered like "info": a call id and a dict
-        outputs.send_pyobj(("info", message[1], engine.flush_cache()))
-    elif kind == "load_lora":  # (kind, call id, name, path)
-        outputs.send_pyobj(("info", message[1], engine.load_lora_adapter(message[2], message[3])))
-    elif kind == "unload_lora":  # (kind, call id, name)
-        outputs.send_pyobj(("info", message[1], engine.unload_lora_adapter(message[2])))
+            outputs.send_pyobj(StepOutputs([aborted]))
+    elif isinstance(message, StatsCall):
+        outputs.send_pyobj(CallResult(message.call_id, engine.stats()))
+    elif isinstance(message, FlushCacheCall):
+        outputs.send_pyobj(CallResult(message.call_id, engine.flush_cache()))
+    elif isinstance(message, LoadLoRACall):
+        outputs.send_pyobj(CallResult(message.call_id, engine.load_lora_adapter(message.name, message.path)))
+    elif isinstance(message, UnloadLoRACall):
+        outputs.send_pyobj(CallResult(message.call_id, engine.unload_lora_adapter(message.name)))
     else:
-        raise AssertionError(f"unknown engine message {kind!r}")
+        raise AssertionError(f"unknown front-end message {message!r}")

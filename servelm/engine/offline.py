@@ -66,7 +66,11 @@ class Engine:
 
     @property
     def model_info(self) -> dict[str, Any]:
-        return self._engine.model_info
+        """The model's description, as /get_model_info answers it (a plain dict)."""
+        info = self._engine.model_info.as_dict()
+        if self._engine.model_info.lora is not None:
+            info["lora_adapters"] = self._engine.lora_adapters
+        return info
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()

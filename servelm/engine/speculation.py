@@ -67,7 +67,8 @@ class Speculation:
                 asking.append(request)
                 inputs.append(DraftRequest(
                     request.request_id, request.prompt_token_ids, request.output_token_ids,
-                    max_drafts, temperature=request.params.temperature,
+                    max_drafts,
+                    temperature=0.0 if request.params.is_greedy else request.params.temperature,
                     top_k=request.params.top_k, top_p=request.params.top_p,
                     seed=(request.params.seed if request.params.seed is not None
                           else request.default_seed)))
@@ -87,8 +88,9 @@ class Speculation:
             return 0
         limit = min(self.config.max_draft_tokens,
                     request.max_context_tokens - request.num_tokens - 1)
-        if request.params.max_tokens is not None:
-            limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
+        appendable = request.params.num_appendable_tokens(len(request.output_token_ids))
+        if appendable is not None:
+            limit = min(limit, appendable)
         return max(limit, 0)
 
     def record(self, scheduled: SchedulerOutput, results: list[StepResult]) -> None:

@@ -47,7 +47,8 @@ from servelm.model.layers.quantization import quantize_model
 from servelm.model.loader import (
     DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype, resolve_residual_dtype)
 from servelm.model.pipeline import PipelineStage
-from servelm.model.pooling import PoolerConfig, pool, resolve_pooler_config, resolve_task
+from servelm.model.pooling import (PoolerConfig, architecture_label, pool, resolve_pooler_config,
+                                    resolve_task)
 from servelm.model.onednn import configure_onednn_cache
 from servelm.model.threads import ThreadGovernor, configure_engine_threads, log_openmp_wait_policy
 
@@ -138,6 +139,10 @@ class ModelRunner:
         self.pooler: PoolerConfig | None = None
         """How hidden states become embeddings (task embed only)."""
         if self.task == "embed":
+            if config.runtime.enable_torch_compile:  # --task auto chose embed (EngineConfig refuses embed)
+                raise ValueError(f"--enable-torch-compile compiles decode steps; "
+                                 f"{architecture_label(source.hf_config)} serves embeddings (task embed), "
+                                 "which have none, so nothing would be compiled")
             self.pooler = resolve_pooler_config(source.model_path, source.hf_config,
                                                 config.model.override_pooler_config)
         logger.info("quantization %s (%s)", self.quantization, quantization_reason)
@@ -164,6 +169,8 @@ class ModelRunner:
             else:
                 logger.info("residual stream %s (%s)", str(self.residual_dtype).removeprefix("torch."),
                             residual_reason)
+        if config.model.enable_fp32_lm_head and self.dtype != torch.float32:
+            self._set_fp32_lm_head()
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
                                            self.device, self.task)
         """Greedy rows' exact argmax from a 5-bit copy of a Q8_0 head (None: every row the full head)."""
@@ -240,8 +247,21 @@ class ModelRunner:
         if self.pooler is not None:
             logger.info("task embed: %s pooling%s, %d-dim vectors", self.pooler.pooling_type,
                         " + L2 normalize" if self.pooler.normalize else "", self.hidden_size)
-        if config.runtime.enable_torch_compile and self.task == "generate":
+        if config.runtime.enable_torch_compile:
             self._compile(config.runtime.torch_compile_max_bs)
+
+    def _set_fp32_lm_head(self) -> None:
+        """--enable-fp32-lm-head on a 16-bit model: the head computes from a float32 copy of its
+        weight, with float32 hidden states."""
+        lm_head = getattr(self.model, "lm_head", None)
+        if lm_head is None:  # an embedding model or an earlier pipeline stage: no head here
+            return
+        if lm_head.linear_method is not None:
+            raise ValueError(f"--enable-fp32-lm-head cannot be combined with --quantization {self.quantization}: "
+                             "the LM head's weight is quantized, so there is no float weight to compute from")
+        lm_head.fp32_weight = lm_head.weight.detach().float()
+        logger.info("LM head computes in float32 (--enable-fp32-lm-head): %.1f MiB float32 copy of its weight",
+                    lm_head.fp32_weight.nbytes / 2 ** 20)
 
     def _compile(self, max_bs: int) -> None:
         """--enable-torch-compile: compile the decode graphs now, so no request waits for them."""

@@ -1,13 +1,19 @@
 """Per-request sampling parameters, validated once at the edge.
 
 Invariants: a constructed SamplingParams is valid (``validate()`` raised otherwise); it is never
-mutated by the engine. ``temperature == 0`` means greedy.
+mutated by the engine. A temperature below ``GREEDY_TEMPERATURE`` (0 included) means greedy:
+``SamplingParams.is_greedy`` is the one definition the sampler, the verifiers and the engine's
+draft requests read.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy: dividing logits by them overflows float32 for no gain."""
 
 
 class SamplingParamsError(ValueError):
@@ -211,9 +217,15 @@ class SamplingParams:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SamplingParamsError(f"{name} must be an integer, got {value!r}")
 
+    def num_appendable_tokens(self, num_output_tokens: int) -> int | None:
+        """The output budget: tokens a request with ``num_output_tokens`` outputs may still append
+        beside the one its next step samples (drafts, jump-forward text); None without max_tokens."""
+        return None if self.max_tokens is None else self.max_tokens - num_output_tokens - 1
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The one definition of greedy: the sampler takes the argmax (ties to the lowest id)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

@@ -5,7 +5,7 @@ Order of operations per row (what vLLM/SGLang users expect):
   2. min_tokens: eos_token_ids and stop_token_ids are banned while fewer than min_tokens tokens
      have been generated
   3. penalties: repetition (prompt + output), frequency and presence (output only)
-  4. greedy rows (temperature below _GREEDY_TEMPERATURE): argmax, ties to the lowest token id
+  4. greedy rows (``SamplingParams.is_greedy``): argmax, ties to the lowest token id
   5. sampled rows: temperature, top_k, top_p, min_p, then one draw
 
 Grammar masks are applied by the engine's executor before the sampler (one bitmask op per step).
@@ -38,9 +38,6 @@ from servelm.sampling.params import SamplingParams
 from servelm.sampling.penalties import apply_logit_bias, apply_penalties, ban_tokens
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs", "needs_only_argmax", "request_seed"]
-
-_GREEDY_TEMPERATURE = 1e-5
-"""Temperatures below this are treated as greedy: dividing by them overflows float32 for no gain."""
 
 _UINT64_MASK = (1 << 64) - 1
 
@@ -78,7 +75,7 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     greedy, no logprobs, no logit bias, no penalties, no min_tokens ban at this length, no beam
     search (its beams read logprobs). The caller adds what the sampler does not see (grammars,
     speculative drafts, prompt logprobs)."""
-    return (params.temperature < _GREEDY_TEMPERATURE and params.logprobs is None and not params.logit_bias
+    return (params.is_greedy and params.logprobs is None and not params.logit_bias
             and not params.needs_penalties and num_output_tokens >= params.min_tokens
             and params.beam is None)
 
@@ -130,12 +127,12 @@ class Sampler:
     # -- steps 4-5: selection --------------------------------------------------------------------
 
     def _select(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == len(rows):
             # The first maximal index, as torch.argmax: ties go to the lowest token id.
             token_ids: list[int] = first_argmax(logits).tolist()
             return token_ids
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         device = logits.device
         chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
         if greedy:
@@ -162,11 +159,11 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         processed = self._process(logits, rows)
         probs = torch.zeros(processed.shape, dtype=torch.float32, device=processed.device)
-        greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if greedy:
             index = torch.tensor(greedy, device=processed.device)
             probs[index, first_argmax(processed[index])] = 1.0
-        sampled = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             index = torch.tensor(sampled, device=processed.device)
             distribution = self._distribution(processed[index], [rows[i] for i in sampled])

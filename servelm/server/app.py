@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
+from servelm.engine.frontdoor import EngineClient
 from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
 from servelm.server.disagg import register_when_serving
@@ -109,7 +110,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health() -> Response:
         serving = app.state.serving
-        is_alive = serving is not None and getattr(serving.engine, "is_alive", True)
+        is_alive = serving is not None and serving.engine.is_alive
         return Response(status_code=200 if is_alive else 503)
 
     @app.get("/health_generate")
@@ -129,7 +130,7 @@ def _add_routes(app: FastAPI) -> None:
         @app.get("/metrics")
         async def metrics() -> Response:
             serving, collectors = app.state.serving, app.state.metrics
-            if serving is not None and getattr(serving.engine, "is_alive", True):
+            if serving is not None and serving.engine.is_alive:
                 try:
                     stats = await asyncio.wait_for(serving.engine.get_server_info(), 10)
                     collectors.set_engine_stats(stats)
@@ -177,9 +178,10 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:
         serving = _serving(request)
-        info = dict(serving.engine.model_info)
+        info = serving.engine.model_info.as_dict()
         info.setdefault("model_path", serving.config.model.model)
-        info.setdefault("is_generation", True)
+        if serving.engine.model_info.lora is not None:
+            info["lora_adapters"] = serving.engine.lora_adapters
         info["served_model_name"] = serving.served_model_name
         info["tokenizer_path"] = serving.config.model.tokenizer or serving.config.model.model
         return info
@@ -266,12 +268,12 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     return app
 
 
-def _serving_context(app: FastAPI, engine: Any, config: EngineConfig) -> ServingContext:
+def _serving_context(app: FastAPI, engine: EngineClient, config: EngineConfig) -> ServingContext:
     return ServingContext(ObservedEngine(engine, config, app.state.metrics), config)
 
 
-def build_app(engine: Any, config: EngineConfig) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an AsyncEngine or an object with its interface)."""
+def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an AsyncEngine, or a test's fake of the protocol)."""
     app = _create_app(config)
     app.state.serving = _serving_context(app, engine, config)
     return app
@@ -282,16 +284,15 @@ def run_server(config: EngineConfig) -> None:
     import uvicorn
 
     from servelm.engine.async_engine import AsyncEngine
-    # A bad --chat-template or model fails here, with one line, before any process starts.
-    load_chat_template(config.server.chat_template)
+    # A model that cannot be read fails here, with one line, before any process starts (a bad
+    # --chat-template was refused when the config was built, --ssl-keyfile alone when it was parsed).
     try:
+        load_chat_template(config.server.chat_template)
         AsyncEngine.check_model(config)
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         raise SystemExit(f"servelm: {error}") from None
 
     server_config = config.server
-    if server_config.ssl_keyfile is not None and server_config.ssl_certfile is None:
-        raise SystemExit("servelm: --ssl-keyfile needs --ssl-certfile")
     engine_death: list[str] = []
 
     async def exit_when_engine_dies(engine: AsyncEngine, server: uvicorn.Server) -> None:

@@ -23,7 +23,7 @@ from servelm.server.structured import native_structured_spec
 from servelm.server.structured import validate as validate_structured
 from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeSamplingParams,
                                      TokenizeRequest, check_native_supported, choice_seed,
-                                     native_to_sampling_params)
+                                     native_to_sampling_params, requested_max_tokens)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
 from servelm.server.disagg import attach_transfers
 from servelm.server.streaming import SSE_DONE, ClientDisconnected, Submission, sse, stream_outputs
@@ -150,15 +150,14 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
         check_native_supported(native)
         structured, structured_param = native_structured_spec(native)
         await validate_structured(ctx.config, structured, structured_param)
-        if native.stop and ctx.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer", "sampling_params.stop")
-        ctx.check_token_ids(list(native.stop_token_ids or []), "sampling_params.stop_token_ids")
-        is_default = "max_new_tokens" not in native.model_fields_set
+        ctx.check_stop(native.stop, native.stop_token_ids, "sampling_params.stop",
+                       "sampling_params.stop_token_ids")
+        max_tokens, is_default = requested_max_tokens(native)
         if isinstance(item, str):
-            prompt = await ctx.prompt_from_text(item, native.max_new_tokens, add_special_tokens=True,
+            prompt = await ctx.prompt_from_text(item, max_tokens, add_special_tokens=True,
                                                 param="text", is_default_max_tokens=is_default)
         else:
-            prompt = ctx.fit_prompt(item, None, native.max_new_tokens, param="input_ids",
+            prompt = ctx.fit_prompt(item, None, max_tokens, param="input_ids",
                                     is_default_max_tokens=is_default)
         seed = native.sampling_seed if native.sampling_seed is not None else native.seed
         for sample in range(native.n):

@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from servelm.config import EngineConfig
+from servelm.disagg.spec import KVTransfer
+from servelm.engine.frontdoor import EngineClient, ModelInfo
 from servelm.engine.monitor import cache_hit_rate
 from servelm.engine.outputs import RequestOutput
 from servelm.sampling.params import SamplingParams
@@ -177,27 +179,64 @@ class RequestRecord:
 
 
 class ObservedEngine:
-    """The AsyncEngine as the routes see it, with metrics and request logging around ``generate``
-    and ``encode`` (embeddings).
+    """The engine as the routes see it (an EngineClient around an EngineClient), with metrics and
+    request logging around ``generate`` and ``encode`` (embeddings).
 
     Everything else is passed through to the wrapped engine.
     """
 
-    def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics | None) -> None:
+    def __init__(self, engine: EngineClient, config: EngineConfig, metrics: ServerMetrics | None) -> None:
         self._engine = engine
         self._config = config
         self._metrics = metrics
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._engine.model_info
+
+    @property
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        return self._engine.lora_adapters
+
+    @property
+    def is_alive(self) -> bool:
+        return self._engine.is_alive
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._engine.get_server_info()
+
+    async def flush_cache(self) -> dict[str, Any]:
+        return await self._engine.flush_cache()
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return await self._engine.load_lora_adapter(name, path)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return await self._engine.unload_lora_adapter(name)
+
+    async def health_generate(self) -> bool:
+        return await self._engine.health_generate()
+
+    async def shutdown(self) -> None:
+        await self._engine.shutdown()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, **options: Any) -> AsyncIterator[RequestOutput]:
-        """The engine's stream, observed; ``options`` (e.g. priority) are passed on unchanged."""
+                       params: SamplingParams, priority: int = 0, group: str = "",
+                       lora_name: str | None = None,
+                       kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, observed."""
         record = RequestRecord(request_id, list(prompt_token_ids), params)
-        record.lora_name = options.get("lora_name")
+        record.lora_name = lora_name
         keep_text = self._config.observability.log_requests_level >= 2
-        outputs = self._engine.generate(request_id, prompt_token_ids, params, **options)
+        outputs = self._engine.generate(request_id, prompt_token_ids, params, priority, group,
+                                        lora_name, kv_transfer)
         try:
             async for output in outputs:
                 self._observe(record, output, keep_text)

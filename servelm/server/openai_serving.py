@@ -26,8 +26,9 @@ from servelm.server.chat import chat_job, render_job, sandbox_job
 from servelm.server.chat_outputs import ChatOutputParser, merge_tool_call_entries
 from servelm.server.errors import APIError, api_error_from, error_body
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
-                                     choice_seed, to_sampling_params)
-from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
+                                     choice_seed, is_prompt_only, requested_max_tokens,
+                                     to_sampling_params)
+from servelm.server.serving import Prompt, ServingContext, new_id, require_prompt, safe_logprob
 from servelm.server.disagg import attach_transfers, transfer_params
 from servelm.server.streaming import (SSE_DONE, ClientDisconnected, Submission, open_outputs,
                                       sse, stream_outputs)
@@ -184,10 +185,7 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
 
 
 def _check_stop_strings(ctx: ServingContext, request: CompletionRequest | ChatCompletionRequest) -> None:
-    if request.stop and ctx.tokenizer is None:
-        raise InvalidRequestError("stop strings need a tokenizer (the server runs with "
-                                  "--skip-tokenizer-init); use stop_token_ids", "stop")
-    ctx.check_token_ids(list(request.stop_token_ids or []), "stop_token_ids")
+    ctx.check_stop(request.stop, request.stop_token_ids)
     if request.logit_bias:
         for key in request.logit_bias:
             if key.lstrip("-").isdigit():
@@ -256,11 +254,9 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
         items = [list(raw_prompt)]  # type: ignore[arg-type]
     else:
         items = list(raw_prompt)  # type: ignore[arg-type]
-    if not items:
-        raise InvalidRequestError("the prompt must not be empty", "prompt")
+    require_prompt(items, "prompt")
     ctx.check_num_sequences(len(items) * request.n)
-    is_default = "max_tokens" not in request.model_fields_set
-    max_tokens = 1 if is_prompt_only(request) else request.max_tokens
+    max_tokens, is_default = requested_max_tokens(request)
     prompts = []
     for item in items:
         if isinstance(item, str):
@@ -271,17 +267,6 @@ async def _completion_prompts(ctx: ServingContext, request: CompletionRequest) -
             prompts.append(ctx.fit_prompt(list(item), None, max_tokens,
                                           is_default_max_tokens=is_default))
     return prompts
-
-
-def is_prompt_only(request: CompletionRequest) -> bool:
-    """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing (lm-eval's
-    loglikelihood requests, as vLLM allows). The engine still samples one token, which is dropped."""
-    if request.max_tokens != 0:
-        return False
-    if not request.echo:
-        raise InvalidRequestError("max_tokens 0 is only allowed with echo (to score the prompt)",
-                                  "max_tokens")
-    return True
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest, raw: Request) -> Response:
@@ -296,8 +281,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
                                ctx.request_priority(request.priority), lora_name)
     attach_transfers(ctx.config, request, submissions)
     report_cached = ctx.config.server.enable_cache_report
+    prompt_only = is_prompt_only(request)
     choices = [CompletionChoice(ctx, s.index, s.index // request.n, prompts[s.index // request.n],
-                                request.echo, request.logprobs, is_prompt_only(request))
+                                request.echo, request.logprobs, prompt_only)
                for s in submissions]
     header = {"id": base_id, "object": "text_completion", "created": created,
               "model": request.model if lora_name else ctx.served_model_name}
@@ -391,12 +377,11 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     _check_stop_strings(ctx, request)
     ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
-        else request.max_tokens
+    max_tokens, is_default = requested_max_tokens(request)
     prompt_text = await render_chat_request(ctx, request, tools)
     prompt = await ctx.prompt_from_text(prompt_text, max_tokens,
                                         add_special_tokens=request.add_special_tokens,
-                                        param="messages")
+                                        param="messages", is_default_max_tokens=is_default)
     base_id, created = new_id("chatcmpl"), int(time.time())
     submissions = _submissions(request, [prompt], base_id, structured,
                                ctx.request_priority(request.priority), lora_name)

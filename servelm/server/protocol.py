@@ -416,6 +416,36 @@ def native_to_sampling_params(params: NativeSamplingParams, *, max_tokens: int |
     )
 
 
+def requested_max_tokens(request: CompletionRequest | ChatCompletionRequest | NativeSamplingParams
+                         ) -> tuple[int | None, bool]:
+    """The output budget a request asks for, and whether it is the API's default rather than a
+    value the client sent (a default is capped at what the context leaves; a sent value is not).
+
+    Completions: ``max_tokens`` (0 with echo scores the prompt: one token is sampled and dropped,
+    ``is_prompt_only``); chat: ``max_completion_tokens``, else ``max_tokens``; SGLang's native
+    ``sampling_params``: ``max_new_tokens``. None: up to the context limit."""
+    if isinstance(request, NativeSamplingParams):
+        return request.max_new_tokens, "max_new_tokens" not in request.model_fields_set
+    if isinstance(request, ChatCompletionRequest):
+        if request.max_completion_tokens is not None:
+            return request.max_completion_tokens, False
+        return request.max_tokens, "max_tokens" not in request.model_fields_set
+    if is_prompt_only(request):
+        return 1, False
+    return request.max_tokens, "max_tokens" not in request.model_fields_set
+
+
+def is_prompt_only(request: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: score the prompt, generate nothing (lm-eval's
+    loglikelihood requests, as vLLM allows). The engine still samples one token, which is dropped."""
+    if request.max_tokens != 0:
+        return False
+    if not request.echo:
+        raise InvalidRequestError("max_tokens 0 is only allowed with echo (to score the prompt)",
+                                  "max_tokens")
+    return True
+
+
 def choice_seed(seed: int | None, choice: int) -> int | None:
     """Seed of the ``choice``-th of n samples: distinct yet reproducible (s, s+1, ...)."""
     return None if seed is None else seed + choice

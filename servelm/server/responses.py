@@ -41,7 +41,8 @@ from servelm.server.chat_outputs import ChatOutputParser
 from servelm.server.errors import api_error_from
 from servelm.server.openai_serving import (SSE_HEADERS, ChatChoice, _chat_plan, _check_stop_strings,
                                            _collect, _submissions, open_stream, render_chat_request)
-from servelm.server.protocol import ChatCompletionRequest, _Request, check_supported
+from servelm.server.protocol import (ChatCompletionRequest, _Request, check_supported,
+                                     requested_max_tokens)
 from servelm.server.serving import ServingContext, new_id
 from servelm.server.streaming import ClientDisconnected, sse
 
@@ -285,8 +286,9 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw: R
     _check_stop_strings(ctx, chat)
     structured, tools, tool_parser = await _chat_plan(ctx, chat)
     prompt_text = await render_chat_request(ctx, chat, tools)
-    prompt = await ctx.prompt_from_text(prompt_text, chat.max_tokens, add_special_tokens=False,
-                                        param="input")
+    max_tokens, is_default = requested_max_tokens(chat)
+    prompt = await ctx.prompt_from_text(prompt_text, max_tokens, add_special_tokens=False,
+                                        param="input", is_default_max_tokens=is_default)
     builder = _ResponseBuilder(ctx, request, plan.text_format, len(prompt.token_ids))
     submissions = _submissions(chat, [prompt], builder.id, structured,
                                ctx.request_priority(chat.priority))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from servelm.config import EngineConfig
+from servelm.engine.frontdoor import EngineClient
 from servelm.errors import InvalidRequestError
 from servelm.parsers.tool_templates import ToolParserChoice, choose_tool_parser
 from servelm.server.chat import load_chat_template
@@ -47,6 +48,12 @@ class Prompt:
     """Resolved output budget: the request's max_tokens, or what is left of the context."""
 
 
+def require_prompt(prompt: str | list[Any], param: str) -> None:
+    """The one empty-prompt rule: a prompt (text, token ids, or a list of prompts) has something in it."""
+    if not prompt:
+        raise InvalidRequestError("the prompt must not be empty", param)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -58,23 +65,20 @@ def safe_logprob(value: float) -> float:
 class ServingContext:
     """The engine plus everything derived once from the config and the model."""
 
-    def __init__(self, engine: Any, config: EngineConfig) -> None:
+    def __init__(self, engine: EngineClient, config: EngineConfig) -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
         info = engine.model_info
         self.served_model_name = config.model.name
-        self.context_length = int(info["context_length"])
-        vocab_size = info.get("vocab_size")
-        self.vocab_size = int(vocab_size) if vocab_size else None
-        pool_tokens = info.get("kv_pool_tokens")
-        self.kv_pool_tokens = int(pool_tokens) if pool_tokens else None
-        self.task = str(info.get("task", "generate"))
+        self.context_length = info.context_length
+        self.vocab_size = info.vocab_size or None
+        self.kv_pool_tokens = info.kv_pool_tokens or None
+        self.task = info.task
         """generate or embed: the engine serves one; routes of the other answer 400."""
-        embedding_size = info.get("embedding_size")
-        self.embedding_size = int(embedding_size) if embedding_size else None
-        self.pooler: dict[str, Any] = dict(info.get("pooler") or {})
-        self.max_embedding_tokens = int(info.get("max_embedding_tokens") or self.context_length)
+        self.embedding_size = info.embedding_size or None
+        self.pooler: dict[str, Any] = dict(info.pooler or {})
+        self.max_embedding_tokens = info.max_embedding_tokens or self.context_length
         self.chat_template = load_chat_template(config.server.chat_template)
         self.tool_parser: ToolParserChoice = choose_tool_parser(
             self.chat_template or getattr(self.tokenizer, "chat_template", None),
@@ -87,8 +91,8 @@ class ServingContext:
             logger.info("tool calls: tool_choice auto refused (%s); --tool-call-parser sets a parser",
                         self.tool_parser.reason)
         self.accepted_model_names = {name for name in (
-            *config.model.served_names, config.model.model, info.get("served_model_name"),
-            info.get("model_path")) if name}
+            *config.model.served_names, config.model.model, info.served_model_name,
+            info.model_path) if name}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenizer")
         self._template_sandbox: TemplateSandbox | None = None
 
@@ -115,7 +119,7 @@ class ServingContext:
 
     def lora_adapters(self) -> list[dict[str, Any]]:
         """The LoRA adapters requests may name now (they change with load/unload)."""
-        return list(getattr(self.engine, "lora_adapters", None) or [])
+        return list(self.engine.lora_adapters)
 
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter an OpenAI ``model`` field asks for: None for the base model, the adapter
@@ -169,6 +173,18 @@ class ServingContext:
                 f"this request would create {num_sequences} sequences ({what}); the server "
                 f"allows at most {limit} per request (--max-sequences-per-request)", param)
 
+    def check_stop(self, stop: str | list[str] | None, stop_token_ids: list[int] | None,
+                   param: str = "stop", token_ids_param: str | None = "stop_token_ids") -> None:
+        """Stop strings are matched in decoded text, so they need a tokenizer; stop token ids must
+        be in the vocabulary. The one place for both rules: every route calls this
+        (``token_ids_param`` None: the API has no stop token ids)."""
+        if stop and self.tokenizer is None:
+            hint = f"; use {token_ids_param}" if token_ids_param is not None else ""
+            raise InvalidRequestError("stop strings need a tokenizer (the server runs with "
+                                      f"--skip-tokenizer-init){hint}", param)
+        if token_ids_param is not None:
+            self.check_token_ids(list(stop_token_ids or []), token_ids_param)
+
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         upper = self.vocab_size
         for token_id in token_ids:
@@ -208,8 +224,7 @@ class ServingContext:
         if is_default_max_tokens and max_tokens is not None:
             fitted = self.fit_prompt(token_ids, text, None, param)
             return Prompt(fitted.token_ids, fitted.text, min(max_tokens, fitted.max_tokens))
-        if not token_ids:
-            raise InvalidRequestError("the prompt must not be empty", param)
+        require_prompt(token_ids, param)
         self.check_token_ids(token_ids, param)
         context = self.context_length
         if max_tokens is not None and max_tokens < 1:
@@ -268,8 +283,7 @@ class ServingContext:
 
     async def prompt_from_text(self, text: str, max_tokens: int | None, *, add_special_tokens: bool,
                                param: str = "prompt", is_default_max_tokens: bool = False) -> Prompt:
-        if not text:
-            raise InvalidRequestError("the prompt must not be empty", param)
+        require_prompt(text, param)
         token_ids = await self.encode(text, add_special_tokens=add_special_tokens, param=param)
         return self.fit_prompt(token_ids, text, max_tokens, param,
                                is_default_max_tokens=is_default_max_tokens)

@@ -22,6 +22,7 @@ from typing import Any
 from starlette.requests import Request
 
 from servelm.disagg.spec import KVTransfer
+from servelm.engine.frontdoor import EngineClient
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import SamplingParams
@@ -70,7 +71,7 @@ _DISCONNECTED = object()
 _DONE = object()
 
 
-async def stream_outputs(engine: Any, submissions: list[Submission], request: Request | None
+async def stream_outputs(engine: EngineClient, submissions: list[Submission], request: Request | None
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) from all submissions as they arrive, in arrival order.
 
@@ -81,16 +82,11 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(submission: Submission) -> None:
-        # priority only when set, so engine wrappers without the argument keep working
-        extra: dict[str, Any] = {"priority": submission.priority} if submission.priority else {}
-        if submission.group and len(submissions) > 1:
-            extra["group"] = submission.group
-        if submission.lora_name is not None:
-            extra["lora_name"] = submission.lora_name
-        if submission.kv_transfer is not None:
-            extra["kv_transfer"] = submission.kv_transfer
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
-                                  submission.params, **extra)
+                                  submission.params, priority=submission.priority,
+                                  group=submission.group if len(submissions) > 1 else "",
+                                  lora_name=submission.lora_name,
+                                  kv_transfer=submission.kv_transfer)
         try:
             async for output in outputs:
                 if output.kv_transfer_params is not None:
@@ -135,7 +131,7 @@ async def stream_outputs(engine: Any, submissions: list[Submission], request: Re
             task.cancel()
 
 
-async def open_outputs(engine: Any, submissions: list[Submission], request: Request | None
+async def open_outputs(engine: EngineClient, submissions: list[Submission], request: Request | None
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``stream_outputs``, started: returns once the first output has arrived.
 

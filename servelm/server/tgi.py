@@ -32,7 +32,7 @@ from servelm.sampling.params import StructuredSpec
 from servelm.server.errors import APIError, api_error_from
 from servelm.server.openai_serving import SSE_HEADERS, open_stream
 from servelm.server.protocol import _Request, make_sampling_params
-from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
+from servelm.server.serving import Prompt, ServingContext, new_id, require_prompt, safe_logprob
 from servelm.server.streaming import ClientDisconnected, Submission, sse, stream_outputs
 from servelm.server.structured import validate as validate_structured
 
@@ -177,10 +177,8 @@ async def _prepare(ctx: ServingContext, request: TGIRequest) -> tuple[Submission
     _check(parameters)
     structured = _structured(parameters.grammar)
     await validate_structured(ctx.config, structured, "parameters.grammar" if structured else None)
-    if parameters.stop and ctx.tokenizer is None:
-        raise InvalidRequestError("stop sequences need a tokenizer", "parameters.stop")
-    if not request.inputs:
-        raise InvalidRequestError("inputs must not be empty", "inputs")
+    ctx.check_stop(parameters.stop, None, "parameters.stop", token_ids_param=None)
+    require_prompt(request.inputs, "inputs")
     token_ids = await ctx.encode(request.inputs, add_special_tokens=True, param="inputs")
     text: str | None = request.inputs
     if parameters.truncate is not None and len(token_ids) > parameters.truncate:
@@ -265,8 +263,8 @@ async def route(ctx: ServingContext, request: TGIRequest, raw: Request, *, path:
 def info(ctx: ServingContext, version: str) -> dict[str, Any]:
     model = ctx.config.model
     return {"model_id": ctx.served_model_name, "model_sha": None,
-            "model_dtype": str(ctx.engine.model_info.get("dtype", model.dtype)),
-            "model_device_type": str(ctx.engine.model_info.get("device", "cpu")),
+            "model_dtype": str(ctx.engine.model_info.dtype or model.dtype),
+            "model_device_type": str(ctx.engine.model_info.device or "cpu"),
             "model_pipeline_tag": "text-generation" if ctx.task == "generate" else "feature-extraction",
             "max_concurrent_requests": ctx.config.scheduler.max_running_requests,
             "max_best_of": 1, "max_stop_sequences": MAX_STOP_SEQUENCES,

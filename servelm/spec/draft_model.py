@@ -39,9 +39,6 @@ import torch
 
 from servelm.spec.proposer import Draft, DraftRequest
 
-_GREEDY_TEMPERATURE = 1e-5
-"""Below this a request is greedy (the sampler's threshold): the draft is the argmax."""
-
 _UINT64_MASK = (1 << 64) - 1
 
 
@@ -211,7 +208,7 @@ class DraftModelProposer:
               step: int) -> tuple[int, torch.Tensor | None]:
         """Draft ``step`` of ``request``: the argmax (greedy), or a draw from
         softmax(logits / temperature), returned with that distribution."""
-        if request.temperature < _GREEDY_TEMPERATURE:
+        if request.temperature == 0.0:  # greedy (DraftRequest.temperature)
             return int(logits.argmax()), None
         q = _filtered_distribution(logits.float() / request.temperature, request.top_k, request.top_p)
         generator = self._generator

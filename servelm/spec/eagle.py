@@ -47,7 +47,6 @@ ABSORB_ROWS = 256
 propose: long prompts and requests not drafting (--speculative-disable-by-batch-size) would
 otherwise keep every token's feature (EAGLE-3: 3 x hidden floats) until their next draft."""
 
-_GREEDY_TEMPERATURE = 1e-5
 _UINT64_MASK = (1 << 64) - 1
 
 
@@ -333,7 +332,7 @@ class EagleProposer:
         """Draft ``step``: the argmax (greedy) or a draw from the head's distribution, as a model
         token id with that distribution over the model's vocabulary."""
         to_target = self.runner.draft_to_target
-        if request.temperature < _GREEDY_TEMPERATURE:
+        if request.temperature == 0.0:  # greedy (DraftRequest.temperature)
             draft = int(logits.argmax())
             return (draft if to_target is None else int(to_target[draft])), None
         q = _filtered_distribution(logits.float() / request.temperature, request.top_k, request.top_p)

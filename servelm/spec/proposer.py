@@ -37,7 +37,8 @@ class DraftRequest:
     max_draft_tokens: int
     """Most tokens to propose (k, already cut to what max_tokens and the context leave)."""
     temperature: float = 0.0
-    """The request's sampling temperature (a draft model samples its drafts at it; 0: greedy)."""
+    """The request's sampling temperature (a draft model samples its drafts at it); 0: greedy (the
+    engine sends 0 for every request SamplingParams.is_greedy calls greedy)."""
     top_k: int = 0
     """The request's top_k (0 or >= vocab: off); a draft model samples within it, as the model will."""
     top_p: float = 1.0

@@ -100,8 +100,7 @@ class MultiprocExecutor:
     """tp x pp ranks on this node; implements servelm.engine.executor.Runner."""
 
     def __init__(self, config: EngineConfig, source: Any) -> None:
-        if config.runtime.enable_torch_compile:
-            raise ValueError("--enable-torch-compile is not supported with --tp-size or --pp-size > 1 yet")
+        assert not config.runtime.enable_torch_compile, "EngineConfig refuses torch.compile at tp/pp > 1"
         self.tp_size = config.parallel.tensor_parallel_size
         self.pp_size = config.parallel.pipeline_parallel_size
         self.world_size = self.tp_size * self.pp_size

@@ -416,7 +416,6 @@ def test_parser_is_argparse() -> None:
     ["--scheduler-delay-factor", "0", "--router_max_wait_tokens", "4"],
     ["--splitfuse_mode", "--disable_chunked_prefill"],
     ["--constrained-json-disable-any-whitespace", "--constrained-json-whitespace-pattern", "[ ]*"],
-    ["--enable-fp32-lm-head", "--dtype", "bfloat16"],
 ])
 def test_already_behaviour_contradicted_by_another_flag(argv: list[str],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -517,3 +516,35 @@ def test_served_model_name_takes_a_list() -> None:
     assert (config.model.name, config.model.served_names) == ("a", ("a", "b"))
     assert cli_args.parse_args(["m", "--served-model-name", "x"]).model.served_names == ("x",)
     assert cli_args.parse_args(["m"]).model.served_names == ("m",)
+
+
+# --- --dry-run refuses what start-up refuses (issue 31, part 6) ----------------------------------
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--enable-torch-compile", "--tp-size", "2"], "--enable-torch-compile cannot be combined with --tp-size"),
+    (["--enable-torch-compile", "--task", "embedding"], "an embedding model (--task embed) has none"),
+    (["--enable-torch-compile", "--task", "embed"], "an embedding model (--task embed) has none"),
+    (["--ssl-keyfile", "key.pem"], "--ssl-keyfile has no effect without --ssl-certfile"),
+    (["--chat-template", "chatml"], "--chat-template 'chatml': no such file"),
+    (["--task", "embedding", "--enable-lora"], "--enable-lora serves generation"),
+    (["--task", "embedding", "--disaggregation-mode", "prefill"], "serves generation"),
+    (["--task", "embedding", "--enable-hierarchical-cache"], "--enable-hierarchical-cache serves generation"),
+])
+def test_dry_run_refuses_what_start_up_refuses(argv: list[str], reason: str, served: list[EngineConfig],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = dry_run(["serve", "smollm2-135m", *argv, "--dry-run"], capsys)
+    assert code == 2 and out == "" and reason in err, (code, err)
+    assert served == []
+
+
+def test_fp32_lm_head_is_a_config_field_with_a_16_bit_dtype() -> None:
+    config = cli_args.parse_args(["--enable-fp32-lm-head", "--dtype", "bfloat16"])
+    assert config.model.enable_fp32_lm_head and config.model.dtype == "bfloat16"
+    assert cli_flags.classify("--enable-fp32-lm-head") == "implemented"
+
+
+def test_chat_template_file_or_inline_text_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert cli_args.parse_args(["--chat-template", str(path)]).server.chat_template == str(path)
+    assert cli_args.parse_args(["--chat-template", "{{ messages }}"]).server.chat_template == "{{ messages }}"

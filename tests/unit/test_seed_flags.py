@@ -90,6 +90,8 @@ def catalogue_flags() -> list[str]:
 
 def field_example(field_name: str) -> list[str]:
     """A valid value for one of our fields that differs from its default."""
+    if field_name == "chat_template":
+        return ["{{ messages }}"]  # a name such as chatml is refused: neither a file nor a template
     if field_name == "hf_overrides":
         return ['{"rope_theta": 10000.0}']
     if field_name == "constrained_json_whitespace_pattern":

@@ -84,12 +84,17 @@ class LMHead(nn.Module):
         self.linear_method: Any = None
         """Set by quantization (servelm.model.layers.quantization): computes the logits from its own
         copy of the weight; the (tied) float weight then serves only the embedding lookup."""
+        self.fp32_weight: torch.Tensor | None = None
+        """Set by --enable-fp32-lm-head on a 16-bit model: a float32 copy of ``weight``; the logits
+        are then computed in float32 from float32 hidden states."""
 
     def forward(self, hidden: torch.Tensor, rows: Any = None) -> torch.Tensor:
         """``rows``: which logit rows are generation rows (the forward batch's ``head_rows``), for
         the method's routes."""
         if self.linear_method is not None:
             logits = self.linear_method.apply(self, hidden, None, rows)
+        elif self.fp32_weight is not None:
+            logits = F.linear(hidden.float(), self.fp32_weight)
         else:
             logits = dense_linear(hidden, self.weight)
         if self.final_softcap is not None:

@@ -12,6 +12,7 @@ import zmq
 
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine, EngineDeadError, _Replica
+from servelm.engine.frontdoor import ModelInfo
 from servelm.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from servelm.sampling.params import SamplingParams
 
@@ -36,7 +37,7 @@ def engine_without_process() -> AsyncEngine:
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(f"ipc:///tmp/servelm-test-merge-{os.getpid()}")
     replica = _Replica(0, process=None, push=push, pull=None)  # type: ignore[arg-type]
-    return AsyncEngine(EngineConfig(), [replica], socket_dir="", model_info={})
+    return AsyncEngine(EngineConfig(), [replica], socket_dir="", model_info=ModelInfo(context_length=64))
 
 
 async def consume(engine: AsyncEngine, queued: list[RequestOutput | Exception]) -> list[RequestOutput]:

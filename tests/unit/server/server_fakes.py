@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from servelm.config import EngineConfig, ModelConfig, ServerConfig
+from servelm.disagg.spec import KVTransfer
+from servelm.engine.frontdoor import ModelInfo
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.sampling.params import SamplingParams
 
@@ -60,13 +62,14 @@ class FakeEngine:
     flushes: int = 0
     finished: list[str] = field(default_factory=list)
     healthy: bool = True
+    is_alive: bool = True
+    lora_adapters: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def model_info(self) -> dict[str, Any]:
-        return {"model_path": "/models/tiny", "served_model_name": MODEL_NAME,
-                "context_length": self.context_length, "vocab_size": 300, "eos_token_ids": [EOS_ID],
-                "architecture": "FakeForCausalLM", "num_blocks": 8, "block_size": 16,
-                "is_generation": True}
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_path="/models/tiny", served_model_name=MODEL_NAME,
+                         context_length=self.context_length, vocab_size=300, eos_token_ids=(EOS_ID,),
+                         architecture="FakeForCausalLM", num_blocks=8, block_size=16)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -82,8 +85,9 @@ class FakeEngine:
         return TokenLogprob(token_id=token_id, logprob=value, top=top[:k])
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0,
-                       group: str = "") -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, priority: int = 0, group: str = "",
+                       lora_name: str | None = None,
+                       kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_token_ids), params))
         self.priorities.append(priority)
         is_finished = False
@@ -125,8 +129,18 @@ class FakeEngine:
     def hang_after_for(self, prompt_token_ids: list[int]) -> int | None:
         return self.hang_after
 
+    async def encode(self, request_id: str, prompt_token_ids: list[int],
+                     priority: int = 0) -> RequestOutput:
+        raise AssertionError("a generation engine is never asked for an embedding")
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        return {"success": False, "status": 400, "message": "LoRA is not enabled"}
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        return {"success": False, "status": 400, "message": "LoRA is not enabled"}
 
     async def get_server_info(self) -> dict[str, Any]:
         return {"num_running": 0, "num_waiting": 0, "num_used_blocks": 0, "num_free_blocks": 8,

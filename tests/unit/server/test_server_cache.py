@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from server_fakes import MODEL_NAME, FakeEngine, make_config
 
 from servelm.config import SchedulerConfig
+from servelm.engine.frontdoor import ModelInfo
 from servelm.server.app import build_app
 
 
@@ -17,8 +18,8 @@ class PoolEngine(FakeEngine):
     """A fake engine whose KV pool holds 40 tokens."""
 
     @property
-    def model_info(self) -> dict[str, Any]:
-        return {**super().model_info, "kv_pool_tokens": 40}
+    def model_info(self) -> ModelInfo:
+        return dataclasses.replace(super().model_info, kv_pool_tokens=40)
 
 
 def client_for(engine: FakeEngine, **scheduler: Any) -> TestClient:

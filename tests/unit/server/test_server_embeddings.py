@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import struct
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from server_fakes import MODEL_NAME, FakeEngine
 
+from servelm.engine.frontdoor import ModelInfo
 from servelm.engine.outputs import RequestOutput
 
 SIZE = 4
@@ -34,9 +36,9 @@ class FakeEmbeddingEngine(FakeEngine):
     encoded: list[list[int]] = field(default_factory=list)
 
     @property
-    def model_info(self) -> dict[str, Any]:
-        return {**super().model_info, "task": "embed", "is_generation": False,
-                "embedding_size": SIZE, "pooler": self.pooler, "max_embedding_tokens": 32}
+    def model_info(self) -> ModelInfo:
+        return dataclasses.replace(super().model_info, task="embed", embedding_size=SIZE,
+                                   pooler=self.pooler, max_embedding_tokens=32)
 
     async def encode(self, request_id: str, prompt_token_ids: list[int],
                      priority: int = 0) -> RequestOutput:
