@@ -27,11 +27,13 @@ the layers).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -153,13 +155,47 @@ class CppKernel:
         key = self.build_key()
         build_dir = CACHE_DIR / f"{self.name}_{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        cached = any(build_dir.glob("*.so"))
+        with _build_lock(build_dir):
+            source, include_dir = _stage_sources(build_dir, self.source)
+            before = {path: path.stat().st_mtime_ns for path in build_dir.glob("*.so")}
+            try:
+                module = cpp_extension.load(name=f"servelm_{self.name}_{key}", sources=[str(source)],
+                                            extra_cflags=self.compile_flags,
+                                            extra_include_paths=[str(include_dir)], extra_ldflags=self.link_flags,
+                                            build_directory=str(build_dir), verbose=False)
+            except Exception as e:  # a compiler error, a missing header: serve without the kernel
+                text = str(e).strip()
+                return None, f"building {self.source.name} failed: {text.splitlines()[-1] if text else repr(e)}"
+            after = {path: path.stat().st_mtime_ns for path in build_dir.glob("*.so")}
+        return module, f"{'loaded from' if after == before else 'built in'} {build_dir}"
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s build lock: an ``flock``, which the kernel releases when its holder dies.
+
+    torch's own lock (a ``lock`` file that ``cpp_extension.load`` creates and removes) outlives a
+    process killed mid-build, and every later start then waits on it forever. Every servelm build
+    takes this lock first, so while it is held no other servelm process is building here and a
+    ``lock`` file left in the directory is such a leftover: it is removed."""
+    with open(build_dir / "servelm.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            module = cpp_extension.load(name=f"servelm_{self.name}_{key}", sources=[str(self.source)],
-                                        extra_cflags=self.compile_flags,
-                                        extra_include_paths=[str(INCLUDE_DIR)], extra_ldflags=self.link_flags,
-                                        build_directory=str(build_dir), verbose=False)
-        except Exception as e:  # a compiler error, a missing header: serve without the kernel
-            text = str(e).strip()
-            return None, f"building {self.source.name} failed: {text.splitlines()[-1] if text else repr(e)}"
-        return module, f"{'loaded from' if cached else 'built in'} {build_dir}"
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _stage_sources(build_dir: Path, source: Path) -> tuple[Path, Path]:
+    """Copy ``source`` and the shared headers into ``build_dir`` (only where they differ) and return the
+    copies' paths: ninja's build file then names the same paths from every checkout of servelm (two
+    clones or worktrees with the same build key share one build instead of rebuilding it in turn)."""
+    include_dir = build_dir / "include"
+    include_dir.mkdir(exist_ok=True)
+    staged = build_dir / source.name
+    for original, copy in [(source, staged)] + [(header, include_dir / header.name) for header in shared_headers()]:
+        data = original.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return staged, include_dir

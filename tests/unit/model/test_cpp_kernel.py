@@ -72,3 +72,27 @@ def test_without_a_compiler_load_is_none_with_the_reason(tmp_path: Path, monkeyp
     kernel = CppKernel.beside(__file__, "missing.cpp", "k", "test kernel")
     assert kernel.load() is None and kernel.status() == "no C++ compiler (c++/g++) on PATH to build it"
     assert not any(tmp_path.iterdir())
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path) -> None:
+    """torch's ``lock`` file outlives a build killed midway; under servelm's flock it is a leftover."""
+    (tmp_path / "lock").write_text("")
+    with cpp_kernel._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_sources_are_staged_in_the_build_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every checkout compiles the same paths, so two clones with one build key share one build."""
+    include = tmp_path / "include_src"
+    include.mkdir()
+    (include / "a.h").write_text("#pragma once\n")
+    monkeypatch.setattr(cpp_kernel, "INCLUDE_DIR", include)
+    source = tmp_path / "k.cpp"
+    source.write_text('#include "a.h"\n')
+    build = tmp_path / "build"
+    build.mkdir()
+    staged, staged_include = cpp_kernel._stage_sources(build, source)
+    assert staged.read_text() == source.read_text() and (staged_include / "a.h").is_file()
+    stamp = staged.stat().st_mtime_ns
+    assert cpp_kernel._stage_sources(build, source) == (staged, staged_include)
+    assert staged.stat().st_mtime_ns == stamp   # unchanged sources are not rewritten (ninja sees no edit)
