@@ -336,32 +336,12 @@ class BeamSearches:
     def _fork(self, search: BeamSearch, parent: Request, token_id: int) -> Request:
         """A new beam: the parent's tokens plus ``token_id``, sharing the parent's K/V."""
         beam = self._new_beam(search, parent.output_token_ids + [token_id])
-        scheduler = self.scheduler
-        block_size = scheduler.block_size
         computed = parent.num_computed_tokens if parent.status is RequestStatus.RUNNING else 0
-        num_full = computed // block_size
-        beam.block_ids = list(parent.block_ids[:num_full])
-        scheduler.block_pool.retain(beam.block_ids)
-        if computed > num_full * block_size:  # copy-on-write of the partial last block
-            copy = self._allocate_block()
-            if copy is None:
-                computed = num_full * block_size  # no block free: recompute the tail instead
-            else:
-                beam.block_ids.append(copy)
-                scheduler.pending_block_copies.append((parent.block_ids[num_full], copy))
-                self.num_block_copies += 1
-        beam.num_computed_tokens = computed
-        beam.num_inserted_blocks = min(parent.num_inserted_blocks, num_full)
-        scheduler.add_running(beam)
+        if self.scheduler.kv.fork(parent, beam, computed):
+            self.num_block_copies += 1
+        self.scheduler.add_running(beam)
         self.num_forks += 1
         return beam
-
-    def _allocate_block(self) -> int | None:
-        pool = self.scheduler.block_pool
-        if pool.num_free_blocks == 0 and self.scheduler.prefix_cache is not None:
-            self.scheduler.prefix_cache.evict(1)
-        blocks = pool.allocate(1)
-        return blocks[0] if blocks else None
 
     def _drop_beam(self, search: BeamSearch, beam: Request) -> None:
         self._by_beam.pop(beam.request_id, None)

@@ -64,9 +64,9 @@ class Disaggregation:
         self.scheduler = scheduler
         self.engine_id = uuid.uuid4().hex[:12]
         self.timeout_s = self.config.disaggregation_transfer_timeout
-        self.prefill = (PrefillSide(self.config, kv_cache, scheduler.block_pool, self.engine_id)
+        self.prefill = (PrefillSide(self.config, kv_cache, scheduler.kv.block_pool, self.engine_id)
                         if self.mode == "prefill" else None)
-        self.decode = (DecodeClient(self.config, kv_cache, scheduler.block_pool, self.engine_id)
+        self.decode = (DecodeClient(self.config, kv_cache, scheduler.kv.block_pool, self.engine_id)
                        if self.mode == "decode" else None)
         self.tp_size = config.parallel.tensor_parallel_size
         self._prefill_requests: dict[str, KVTransfer] = {}
@@ -215,7 +215,7 @@ class Disaggregation:
         if not self.scheduler.reserve_remote(request, self.config.num_reserved_decode_tokens):
             return  # no room yet: try again next step
         assert transfer.key is not None and transfer.host is not None and transfer.port is not None
-        block_size = self.scheduler.block_size
+        block_size = self.scheduler.kv.block_size
         prefix = request.num_computed_tokens
         self.decode.pull(transfer.key, transfer.host, transfer.port, request.prompt_token_ids,
                          prefix, request.block_ids[prefix // block_size:])

@@ -31,6 +31,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
 from servelm.engine.executor import Executor, Runner
 from servelm.engine.heap import keep_large_buffers
+from servelm.engine.kv_manager import KVManager
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -85,13 +86,13 @@ class LLMEngine:
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
         self.lora = self._make_lora_manager(runner)
         """The adapter registry (None without --enable-lora)."""
-        self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
-                                   self.prefix_cache, seed=config.model.seed,
-                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
-                                   adapter_slot=self._adapter_slot if self.lora else None)
         self.hicache = build_hicache(config, runner, self.prefix_cache, self.block_pool)
         """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
-        self.scheduler.hicache = self.hicache
+        self.kv = KVManager(self.block_pool, runner.block_size, self.prefix_cache, self.hicache)
+        """Which blocks each request holds (prefix hits, growth, rollback, forks, parking)."""
+        self.scheduler = Scheduler(config.scheduler, self.kv, seed=config.model.seed,
+                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
+                                   adapter_slot=self._adapter_slot if self.lora else None)
         self.executor = Executor(runner)
         self.disaggregation = self._make_disaggregation(runner)
         """The prefill or decode side of K/V transfers (None: co-located, the default)."""
@@ -591,7 +592,7 @@ class LLMEngine:
             return
         # With speculation several tokens arrive at once: those after the one completing the stop
         # string were never generated as far as the client is concerned.
-        self.scheduler.truncate_output(request, detokenizer.num_output_tokens)
+        request.truncate_output(detokenizer.num_output_tokens)
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:

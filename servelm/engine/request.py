@@ -160,3 +160,14 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens after the first ``num_output_tokens`` (a stop string ended the
+        request inside a run of accepted drafts): what follows was never generated as far as
+        the client is concerned. The request must be finished next (its grammar is past the cut)."""
+        if len(self.output_token_ids) <= num_output_tokens:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        num_pending = num_output_tokens - self.num_sent_tokens
+        del self.pending_logprobs[max(num_pending, 0):]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

@@ -109,9 +109,8 @@ class Speculation:
         """Copy the K/V of the draft trees' accepted paths next to their roots now (call after
         ``Scheduler.update``), before anything between steps can read those blocks (eviction to
         the host tier, a K/V transfer); without trees there is nothing to copy."""
-        if scheduler.pending_slot_copies:
-            copies, scheduler.pending_slot_copies = scheduler.pending_slot_copies, []
-            runner.execute(BatchPlan(slot_copies=copies))
+        if scheduler.kv.pending_slot_copies:
+            runner.execute(BatchPlan(slot_copies=scheduler.kv.take_slot_copies()))
 
     def release(self, request: Request) -> None:
         if self.proposer is not None:
