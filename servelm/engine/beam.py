@@ -41,6 +41,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request, RequestStatus
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.engine.stage import Stage
 from servelm.sampling.params import BeamParams, SamplingParams
 
 _MAX_LOGPROBS = 20
@@ -100,8 +101,9 @@ class BeamSearch:
         return len(self.finished) >= self.beam.width
 
 
-class BeamSearches:
-    """Every running beam search of one engine, fed by the step's results."""
+class BeamSearches(Stage):
+    """Every running beam search of one engine, fed by the step's results (a stage: it answers
+    for its client requests' ids, and reads the beams' candidates after each update)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None) -> None:
         self.scheduler = scheduler
@@ -188,6 +190,9 @@ class BeamSearches:
                              num_prompt_tokens=search.receiver.num_prompt_tokens)
 
     # -- the step ---------------------------------------------------------------------------
+    def after_update(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        return self.update(output, results) if self._searches else []
+
     def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         """Read the beams' candidates from this step; advance (and answer) complete searches."""
         ready: dict[str, BeamSearch] = {}

@@ -162,9 +162,10 @@ class KVManager:
 
     def park(self, request: Request) -> None:
         """A prefill server's finished request: its blocks (computed ones cached) are held under
-        ``parked_block_ids`` for the decode server's pull instead of freed."""
+        ``transfer.parked_block_ids`` for the decode server's pull instead of freed."""
+        assert request.transfer is not None
         self.cache_computed_blocks(request)
-        request.parked_block_ids, request.block_ids = request.block_ids, []
+        request.transfer.parked_block_ids, request.block_ids = request.block_ids, []
         request.num_inserted_blocks = 0
 
     # -- speculation ------------------------------------------------------------------------

@@ -4,6 +4,8 @@ There is no prefill or decode phase. Each request has ``num_computed_tokens`` (K
 the cache) and ``num_tokens`` (prompt + output); a step computes up to the gap for as many
 requests as the token budget, the chunk cap and the free blocks allow. A decode is a gap of one;
 a prompt is a gap of many, cut into chunks; a preempted request's gap is all of its tokens.
+The scheduler decides who runs and how many tokens; ``engine/kv_manager.py`` decides which
+blocks (prefix hits, growth, rollback, forks), and every block goes through it.
 
 Invariants:
 - Running requests are served before waiting ones, oldest first; when blocks run out, the newest
@@ -56,7 +58,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, seed: int = 0,
                  max_adapters: int | None = None,
-                 adapter_slot: Callable[[Request], int | str | None] | None = None) -> None:
+                 adapter_slot: Callable[[Request, set[str]], int | str | None] | None = None) -> None:
         self.config = config
         self.max_adapters = max_adapters
         """--max-loras-per-batch: most distinct LoRA adapters among the running requests (so in
@@ -103,7 +105,8 @@ class Scheduler:
             self.waiting.remove(request)
             if self.kv.hicache is not None:
                 self.kv.hicache.forget(request.request_id)  # it may have been held for a prefetch
-        if request.transfer_key is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if (request.transfer is not None and request.transfer.key is not None
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
             self.kv.park(request)  # a prefill server's request: its blocks wait for the pull
         else:
             self.kv.free(request)
@@ -241,7 +244,8 @@ class Scheduler:
         """Whether a request may be admitted as far as its LoRA adapter goes (slot set)."""
         if request.adapter_id is None or self.adapter_slot is None:
             return True
-        slot = self.adapter_slot(request)
+        running = {r.adapter_id for r in self.running if r.adapter_id is not None}
+        slot = self.adapter_slot(request, running)
         if isinstance(slot, str):
             self.finish(request, FinishReason.ERROR, error=slot)
             output.finished.append(request)
@@ -320,7 +324,8 @@ class Scheduler:
         """The request's prompt K/V has arrived: it runs from here (``update`` appends its first
         token and counts the prompt computed)."""
         self.waiting.remove(request)
-        request.is_awaiting_kv = False
+        assert request.transfer is not None
+        request.transfer.is_awaiting_kv = False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if request.num_preemptions == 0:

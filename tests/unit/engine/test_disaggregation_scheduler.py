@@ -8,7 +8,7 @@ from __future__ import annotations
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
-from servelm.engine.request import FinishReason, Request, RequestStatus
+from servelm.engine.request import FinishReason, Request, RequestStatus, TransferState
 from servelm.engine.kv_manager import KVManager
 from servelm.engine.scheduler import Scheduler
 from servelm.sampling.params import SamplingParams
@@ -28,7 +28,7 @@ def request(request_id: str, tokens: list[int]) -> Request:
 def test_awaiting_request_is_skipped_then_reserved_and_admitted() -> None:
     scheduler = make()
     waiting = request("d", list(range(1, 11)))  # 10 tokens: 3 blocks
-    waiting.is_awaiting_kv = True
+    waiting.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(waiting)
     assert scheduler.schedule().is_empty  # never computed here
     assert scheduler.reserve_remote(waiting, reserve_tokens=0)
@@ -45,7 +45,7 @@ def test_reserve_shares_the_cached_prefix_and_refuses_without_headroom() -> None
     scheduler.kv.prefix_cache.insert(prefix, scheduler.kv.block_pool.allocate(2) or [], None)
     scheduler.kv.block_pool.release([0, 1])  # the tree holds them now
     late = request("d", prefix + [20, 21, 22])
-    late.is_awaiting_kv = True
+    late.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(late)
     # 1 new block needed, 4 free: refused while 16 tokens (4 blocks) per request must stay free
     assert not scheduler.reserve_remote(late, reserve_tokens=16)
@@ -61,16 +61,16 @@ def test_prefill_request_parks_its_blocks_on_a_normal_finish_only() -> None:
     scheduler = make()
     for request_id, reason in (("p", FinishReason.LENGTH), ("q", FinishReason.ABORT)):
         prefill = request(request_id, list(range(30, 39)))
-        prefill.transfer_key = f"7/{request_id}"
+        prefill.transfer = TransferState(key=f"7/{request_id}")
         scheduler.add_request(prefill)
         output = scheduler.schedule()
         assert [s.request for s in output.scheduled] == [prefill]
         prefill.num_computed_tokens = 9  # as update would after the step
         scheduler.finish(prefill, reason)
         if reason is FinishReason.LENGTH:
-            assert prefill.parked_block_ids == [0, 1, 2] and prefill.block_ids == []
+            assert prefill.transfer.parked_block_ids == [0, 1, 2] and prefill.block_ids == []
             assert scheduler.kv.block_pool.ref_count(2) == 1  # held for the decode server
-            scheduler.kv.block_pool.release(prefill.parked_block_ids)
+            scheduler.kv.block_pool.release(prefill.transfer.parked_block_ids)
         else:
-            assert prefill.parked_block_ids == []
+            assert prefill.transfer.parked_block_ids == []
     assert scheduler.kv.block_pool.ref_count(2) == 0

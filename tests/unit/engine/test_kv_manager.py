@@ -8,7 +8,7 @@ from __future__ import annotations
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.engine.kv_manager import KVManager
-from servelm.engine.request import Request
+from servelm.engine.request import Request, TransferState
 from servelm.sampling.params import SamplingParams
 
 
@@ -119,8 +119,9 @@ def test_park_hands_the_blocks_over_and_reserve_refuses_without_headroom() -> No
     kv = make_kv()
     a = request("a", list(range(1, 11)))
     compute(kv, a, 10)
+    a.transfer = TransferState(key="k")
     kv.park(a)
-    assert a.block_ids == [] and a.parked_block_ids == [0, 1, 2] and a.num_inserted_blocks == 0
+    assert a.block_ids == [] and a.transfer.parked_block_ids == [0, 1, 2] and a.num_inserted_blocks == 0
     assert kv.block_pool.ref_count(2) == 1  # held for the pull
     remote = request("r", list(range(1, 9)) + [60, 61, 62, 63, 64])  # 13 tokens, 8 cached
     assert not kv.reserve(remote, 13, headroom_blocks=5)  # needs 2 more + 5 > 5 available
