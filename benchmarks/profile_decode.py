@@ -109,7 +109,7 @@ def instrument(engine: LLMEngine, timers: Timers, op_hooks: bool = True) -> None
     engine.executor.sampler.__class__.__call__ = timed(  # type: ignore[method-assign]
         "stage:sampling", engine.executor.sampler.__class__.__call__)
     engine.executor.execute = timed("stage:executor.execute", engine.executor.execute)  # type: ignore[method-assign]
-    engine._update = timed("stage:update + detokenize", engine._update)  # type: ignore[method-assign]
+    engine.apply = timed("stage:update + detokenize", engine.apply)  # type: ignore[method-assign]
     model.forward = timed("stage:layers (model.forward)", model.forward)
 
 

@@ -41,6 +41,7 @@ from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request, RequestStatus
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.engine.stage import Stage
 from servelm.sampling.params import BeamParams, SamplingParams
 
 _MAX_LOGPROBS = 20
@@ -100,8 +101,9 @@ class BeamSearch:
         return len(self.finished) >= self.beam.width
 
 
-class BeamSearches:
-    """Every running beam search of one engine, fed by the step's results."""
+class BeamSearches(Stage):
+    """Every running beam search of one engine, fed by the step's results (a stage: it answers
+    for its client requests' ids, and reads the beams' candidates after each update)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None) -> None:
         self.scheduler = scheduler
@@ -188,6 +190,9 @@ class BeamSearches:
                              num_prompt_tokens=search.receiver.num_prompt_tokens)
 
     # -- the step ---------------------------------------------------------------------------
+    def after_update(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        return self.update(output, results) if self._searches else []
+
     def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
         """Read the beams' candidates from this step; advance (and answer) complete searches."""
         ready: dict[str, BeamSearch] = {}
@@ -336,32 +341,12 @@ class BeamSearches:
     def _fork(self, search: BeamSearch, parent: Request, token_id: int) -> Request:
         """A new beam: the parent's tokens plus ``token_id``, sharing the parent's K/V."""
         beam = self._new_beam(search, parent.output_token_ids + [token_id])
-        scheduler = self.scheduler
-        block_size = scheduler.block_size
         computed = parent.num_computed_tokens if parent.status is RequestStatus.RUNNING else 0
-        num_full = computed // block_size
-        beam.block_ids = list(parent.block_ids[:num_full])
-        scheduler.block_pool.retain(beam.block_ids)
-        if computed > num_full * block_size:  # copy-on-write of the partial last block
-            copy = self._allocate_block()
-            if copy is None:
-                computed = num_full * block_size  # no block free: recompute the tail instead
-            else:
-                beam.block_ids.append(copy)
-                scheduler.pending_block_copies.append((parent.block_ids[num_full], copy))
-                self.num_block_copies += 1
-        beam.num_computed_tokens = computed
-        beam.num_inserted_blocks = min(parent.num_inserted_blocks, num_full)
-        scheduler.add_running(beam)
+        if self.scheduler.kv.fork(parent, beam, computed):
+            self.num_block_copies += 1
+        self.scheduler.add_running(beam)
         self.num_forks += 1
         return beam
-
-    def _allocate_block(self) -> int | None:
-        pool = self.scheduler.block_pool
-        if pool.num_free_blocks == 0 and self.scheduler.prefix_cache is not None:
-            self.scheduler.prefix_cache.evict(1)
-        blocks = pool.allocate(1)
-        return blocks[0] if blocks else None
 
     def _drop_beam(self, search: BeamSearch, beam: Request) -> None:
         self._by_beam.pop(beam.request_id, None)

@@ -5,7 +5,7 @@ SGLang's prefill server answers); when it finishes normally the scheduler parks 
 this stage hands them to ``disagg/prefill.PrefillSide`` under the request's key, with the first
 token (and its logprob), for the decode server's pull.
 
-Decode server: a request with a transfer waits in the queue with ``is_awaiting_kv`` (the
+Decode server: a request with a transfer waits in the queue with ``is_awaiting_kv`` (``TransferState``) (the
 scheduler never admits it). Before each schedule this stage reserves its blocks (its own cached
 prefix shared, so only the rest is sent), pulls the K/V from the prefill server, and when it has
 arrived admits the request and returns a synthetic step: the request's prompt counted as computed
@@ -29,8 +29,10 @@ from servelm.config import EngineConfig
 from servelm.disagg.decode import Arrival, DecodeClient
 from servelm.disagg.prefill import Parked, PrefillSide
 from servelm.disagg.spec import KVTransfer
-from servelm.engine.request import FinishReason, Request
+from servelm.engine.request import FinishReason, Request, TransferState
+from servelm.engine.outputs import RequestOutput
 from servelm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from servelm.engine.stage import Stage, StepCore
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +57,9 @@ class _Pending:
     """The K/V arrived (written into the pool); admitted once its grammar is ready."""
 
 
-class Disaggregation:
-    """The prefill or the decode side of every transfer this engine takes part in."""
+class Disaggregation(Stage):
+    """The prefill or the decode side of every transfer this engine takes part in (a stage:
+    arrived K/V before the schedule, parked blocks handed over when a request finishes)."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, kv_cache: Any) -> None:
         self.config = config.disaggregation
@@ -64,9 +67,9 @@ class Disaggregation:
         self.scheduler = scheduler
         self.engine_id = uuid.uuid4().hex[:12]
         self.timeout_s = self.config.disaggregation_transfer_timeout
-        self.prefill = (PrefillSide(self.config, kv_cache, scheduler.block_pool, self.engine_id)
+        self.prefill = (PrefillSide(self.config, kv_cache, scheduler.kv.block_pool, self.engine_id)
                         if self.mode == "prefill" else None)
-        self.decode = (DecodeClient(self.config, kv_cache, scheduler.block_pool, self.engine_id)
+        self.decode = (DecodeClient(self.config, kv_cache, scheduler.kv.block_pool, self.engine_id)
                        if self.mode == "decode" else None)
         self.tp_size = config.parallel.tensor_parallel_size
         self._prefill_requests: dict[str, KVTransfer] = {}
@@ -100,14 +103,14 @@ class Disaggregation:
         """Take part in the request's transfer (``check`` passed)."""
         if self.prefill is not None:
             key = transfer.key or request.request_id
-            request.transfer_key = key
+            request.transfer = TransferState(key=key)
             params = request.params
             request.params = dataclasses.replace(params, max_tokens=1,
                                                  min_tokens=min(params.min_tokens, 1))
             self._prefill_requests[request.request_id] = transfer
             self.prefill.start(key)
         else:
-            request.is_awaiting_kv = True
+            request.transfer = TransferState(is_awaiting_kv=True)
             self._pending[request.request_id] = _Pending(request, transfer)
 
     def on_finished(self, request: Request) -> dict[str, Any] | None:
@@ -116,16 +119,17 @@ class Disaggregation:
         transfer = self._prefill_requests.pop(request.request_id, None)
         if transfer is None or self.prefill is None:
             return None
-        key = request.transfer_key
-        assert key is not None
+        state = request.transfer
+        assert state is not None and state.key is not None
+        key = state.key
         parked = None
-        if request.parked_block_ids:
+        if state.parked_block_ids:
             logprob = request.pending_logprobs[0] if request.pending_logprobs else None
-            parked = Parked(key, request.parked_block_ids, list(request.prompt_token_ids),
+            parked = Parked(key, state.parked_block_ids, list(request.prompt_token_ids),
                             request.output_token_ids[0], logprob,
                             time.monotonic() + self.timeout_s)
-            block_ids = list(request.parked_block_ids)
-            request.parked_block_ids = []
+            block_ids = list(state.parked_block_ids)
+            state.parked_block_ids = []
         reason = request.error or (request.finish_reason.value if request.finish_reason else "ended")
         self.prefill.finish(key, parked, reason)
         if not transfer.is_vllm or parked is None:
@@ -149,8 +153,26 @@ class Disaggregation:
         """Sockets the engine process should wake up for (the prefill side's bootstrap endpoint)."""
         return [self.prefill.socket] if self.prefill is not None else []
 
+    # -- the stage's hooks ------------------------------------------------------------------
+    def before_schedule(self, core: StepCore) -> list[RequestOutput]:
+        """K/V that arrived: those requests' first tokens, applied with the normal update."""
+        output, results = self.poll(len(self.scheduler.running))
+        if output.scheduled or output.finished:
+            return core.apply(output, results)
+        return []
+
+    def on_finish(self, request: Request, output: RequestOutput) -> None:
+        if request.finish_reason is not FinishReason.ABORT:  # an abort leaves its transfer alone
+            output.kv_transfer_params = self.on_finished(request)
+
+    def wait_idle(self) -> bool:
+        if not self.is_waiting:
+            return False
+        self.wait()
+        return True
+
     # -- the step ---------------------------------------------------------------------------
-    def before_schedule(self, num_running: int) -> tuple[SchedulerOutput, list[StepResult]]:
+    def poll(self, num_running: int) -> tuple[SchedulerOutput, list[StepResult]]:
         """Prefill: answer pulls. Decode: reserve, pull, and admit what arrived; returns the
         synthetic step that gives arrived requests their first token (apply it with the engine's
         update)."""
@@ -215,7 +237,7 @@ class Disaggregation:
         if not self.scheduler.reserve_remote(request, self.config.num_reserved_decode_tokens):
             return  # no room yet: try again next step
         assert transfer.key is not None and transfer.host is not None and transfer.port is not None
-        block_size = self.scheduler.block_size
+        block_size = self.scheduler.kv.block_size
         prefix = request.num_computed_tokens
         self.decode.pull(transfer.key, transfer.host, transfer.port, request.prompt_token_ids,
                          prefix, request.block_ids[prefix // block_size:])

@@ -1,58 +1,55 @@
 """The engine core: requests in, one step at a time, RequestOutputs out. Single-threaded (grammars
 compile on GrammarCompiler's worker threads; the step only polls them).
 
-``step()`` is grammars -> schedule -> execute -> update. A structured request waits in the queue
-until its grammar has compiled (the scheduler skips it, the batch goes on); a grammar that fails
-or runs past --grammar-compile-timeout ends its request with a 400. The core never raises for a
-single request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed forward
-pass ends every request in that batch with an error and the loop goes on.
+``step()`` is the stages' before-schedule hooks -> schedule -> execute -> ``apply`` (the update,
+with the stages around it; ``engine/stage.py``). The optional features (grammars, disaggregation,
+speculation, beam search, LoRA, the hierarchical cache) are stages built here at construction,
+each given its collaborators; the step names none of them. The core never raises for a single
+request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed
+forward pass ends every request in that batch with an error and the loop goes on.
 The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
 A failed rank (``RankFailedError``) is different: no later step can run. That step ends every
-request with the rank's error, and the next ``step()`` raises it, so the engine process exits.
-"""
+request with the rank's error, and the next ``step()`` raises it, so the engine process exits."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from servelm.cache.block_pool import BlockPool
+from servelm.cache.hicache import HiCacheController
 from servelm.cache.radix_tree import RadixTree
-from servelm.engine.hicache import build_hicache
 from servelm.config import EAGLE_ALGORITHMS, EngineConfig
-from servelm.constrained.compile_process import BackendRecipe
-from servelm.constrained.compiler import GrammarCompiler
-from servelm.constrained.grammar import GrammarError, check_backend_available
+from servelm.constrained.grammar import check_backend_available
+from servelm.disagg.spec import KVTransfer
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.beam import BeamSearches
-from servelm.disagg.spec import KVTransfer
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
 from servelm.engine.executor import Executor, Runner
+from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers
+from servelm.engine.hicache import HiCacheStage, build_hicache
+from servelm.engine.kv_manager import KVManager
+from servelm.engine.lora_stage import AdapterSlots, LoRAStage
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.engine.speculation import Speculation
+from servelm.engine.stage import Hooks, Stage
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
 from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
-from servelm.engine.speculation import Speculation
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
-from servelm.spec.typical import make_typical_acceptance
 
 if TYPE_CHECKING:
     from servelm.model.eagle import EagleHeadRunner
     from servelm.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-MAX_JUMP_FORWARD_CHARS = 256
-"""Most forced text one step appends to a request (a grammar may force far more: a 100k-character
-const, or with llguidance a recursion with no way out): the rest comes on later steps."""
-_IDLE_COMPILE_WAIT_S = 0.01
-"""How long an engine with nothing to run but compiling grammars sleeps per step."""
 
 _EMBEDDING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 """What an embedding request's scheduling reads of SamplingParams: no output beyond its prompt."""
@@ -63,8 +60,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: Runner | None = None,
                  tokenizer: Any | None = None, eos_token_ids: list[int] | None = None,
-                 context_length: int | None = None, proposer: Proposer | None = None) -> None:
-        """``proposer`` replaces the one --speculative-algorithm names (tests force drafts)."""
+                 context_length: int | None = None, proposer: Proposer | None = None,
+                 extra_stages: Sequence[Callable[[LLMEngine], Stage]] = ()) -> None:
+        """``proposer`` replaces the one --speculative-algorithm names (tests force drafts);
+        ``extra_stages`` build further stages (``engine/stage.py``) from the constructed engine's
+        collaborators (scheduler, KV manager, runner); they run after the built-in ones."""
         self.config = config
         check_backend_available(config.structured.grammar_backend)  # fail at start, not per request
         keep_large_buffers()   # a step's big buffers (logits) reused, not mapped and faulted afresh
@@ -85,28 +85,32 @@ class LLMEngine:
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
         self.lora = self._make_lora_manager(runner)
         """The adapter registry (None without --enable-lora)."""
-        self.scheduler = Scheduler(config.scheduler, self.block_pool, runner.block_size,
-                                   self.prefix_cache, seed=config.model.seed,
-                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
-                                   adapter_slot=self._adapter_slot if self.lora else None)
-        self.hicache = build_hicache(config, runner, self.prefix_cache, self.block_pool)
+        hicache = build_hicache(config, runner, self.prefix_cache, self.block_pool)
         """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
-        self.scheduler.hicache = self.hicache
-        self.executor = Executor(runner)
+        self.kv = KVManager(self.block_pool, runner.block_size, self.prefix_cache, hicache)
+        """Which blocks each request holds (prefix hits, growth, rollback, forks, parking)."""
+        self.scheduler = Scheduler(config.scheduler, self.kv, seed=config.model.seed,
+                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
+                                   adapter_slot=AdapterSlots(self.lora) if self.lora else None)
         self.disaggregation = self._make_disaggregation(runner)
         """The prefill or decode side of K/V transfers (None: co-located, the default)."""
-        self.speculation = Speculation(config.speculative, proposer or self._draft_proposer)
+        self.speculation = Speculation(config.speculative, self.scheduler, runner,
+                                       proposer or self._draft_proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
-        self.executor.typical_acceptance = make_typical_acceptance(config.speculative)
         self.beams = BeamSearches(self.scheduler, tokenizer)
         """Beam-search requests (params.beam): their beams run as scheduler requests."""
-        self._grammars = self._make_grammar_compiler()
-        """Compiles grammars on worker threads (None: no tokenizer, --grammar-backend none or an
-        embedding model); the backend itself is created on a worker at start-up."""
-        self._compiling: list[Request] = []
-        """Waiting requests whose grammar job is not resolved yet, in arrival order."""
-        self.num_jump_forward_tokens = 0
-        """Output tokens appended by grammar jump-forward instead of a model step."""
+        self.grammars = Grammars(config, self.scheduler, tokenizer, make_grammar_compiler(
+            config, tokenizer, runner.vocab_size, eos_token_ids, self.task))
+        """Structured output: grammars compile on worker threads (started here, after everything
+        that may refuse to start); jump-forward after updates."""
+        self.executor = Executor(runner, grammars=self.grammars,
+                                 verification=self.speculation.verification)
+        self.stages: list[Stage] = [
+            self.grammars, *([self.disaggregation] if self.disaggregation else []),
+            self.speculation, self.beams,
+            *([LoRAStage(self.lora, self.scheduler)] if self.lora else []),
+            *([HiCacheStage(hicache)] if hicache else [])]
+        """The optional features, each plugged into the step through ``engine/stage.py``."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self._num_arrivals = 0
@@ -114,6 +118,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.fatal_error: RankFailedError | None = None
         """Set when a rank failed: every request has been ended and the next step raises it."""
+        self.stages += [make_stage(self) for make_stage in extra_stages]
+        self._hooks = Hooks(self.stages)
         self.model_info.update({
             "context_length": context_length,
             "eos_token_ids": eos_token_ids,
@@ -246,14 +252,6 @@ class LLMEngine:
     def _running_adapters(self) -> set[str]:
         return {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
 
-    def _adapter_slot(self, request: Request) -> int | str | None:
-        """The scheduler's hook: the runner slot of a request being admitted (None: wait)."""
-        assert self.lora is not None and request.adapter_id is not None
-        try:
-            return self.lora.acquire(request.adapter_id, self._running_adapters())
-        except LoRAAdapterError as error:  # dropped from memory, then its files changed
-            return f"the LoRA adapter could not be read again from disk: {error}"
-
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Register and load an adapter: {"success", "message", "status"} (400 naming the reason)."""
         if self.lora is None:
@@ -280,6 +278,16 @@ class LLMEngine:
         self.model_info["lora_adapters"] = self.lora.describe()
         note = " (its running requests finish first)" if draining else ""
         return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} unloaded{note}"}
+
+    @property
+    def num_jump_forward_tokens(self) -> int:
+        """Output tokens appended by grammar jump-forward instead of a model step."""
+        return self.grammars.num_jump_forward_tokens
+
+    @property
+    def hicache(self) -> HiCacheController | None:
+        """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
+        return self.kv.hicache
 
     @property
     def max_embedding_tokens(self) -> int:
@@ -341,14 +349,11 @@ class LLMEngine:
         if params.beam is not None:
             return self._add_beam_request(request)
         if params.structured is not None:
-            try:
-                request.grammar_job = self._compiler().submit(params.structured.kind,
-                                                              params.structured.spec)
-            except GrammarError as error:
+            error = self.grammars.submit(request)
+            if error is not None:
                 return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                     error=str(error), num_prompt_tokens=request.num_prompt_tokens,
+                                     error=error, num_prompt_tokens=request.num_prompt_tokens,
                                      error_status=400)
-            self._compiling.append(request)
         if kv_transfer is not None:
             assert self.disaggregation is not None
             self.disaggregation.add(request, kv_transfer)
@@ -403,95 +408,41 @@ class LLMEngine:
             return "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)"
         return None
 
-    def _make_grammar_compiler(self) -> GrammarCompiler | None:
-        structured = self.config.structured
-        if self.tokenizer is None or structured.grammar_backend == "none" or self.task != "generate":
-            return None
-        recipe = BackendRecipe(structured.grammar_backend, self.tokenizer, self.runner.vocab_size,
-                               list(self.eos_token_ids),
-                               structured.constrained_json_whitespace_pattern)
-        # The backend is created on a compile worker (2.5-8 s for a real vocab).
-        return GrammarCompiler(recipe.create, structured.grammar_compile_timeout,
-                               structured.max_grammar_spec_bytes,
-                               recipe=None if structured.disable_grammar_compile_process else recipe)
-
-    def _compiler(self) -> GrammarCompiler:
-        if self._grammars is not None:
-            return self._grammars
-        if self.tokenizer is None:
-            raise GrammarError("structured output needs a tokenizer (the server runs with "
-                               "--skip-tokenizer-init)")
-        raise GrammarError("structured output is disabled (--grammar-backend none)")
-
-    def _resolve_grammars(self) -> list[RequestOutput]:
-        """Give each request whose grammar has compiled its matcher (the scheduler may then
-        admit it); end with a 400 those whose grammar failed or ran past its time budget."""
-        if not self._compiling:
-            return []
-        assert self._grammars is not None
-        outputs = []
-        still_compiling = []
-        for request in self._compiling:
-            if request.is_finished:  # aborted while compiling
-                continue
-            assert request.grammar_job is not None
-            try:
-                compiled = self._grammars.poll(request.grammar_job)
-                if compiled is None:
-                    still_compiling.append(request)
-                    continue
-                request.grammar = self._grammars.make_matcher(compiled)
-                self.executor.grammar_backend = self._grammars.backend
-            except GrammarError as error:
-                self.scheduler.finish(request, FinishReason.ERROR, error=str(error), error_status=400)
-                outputs.append(self._make_output(request))
-            request.grammar_job = None
-        self._compiling = still_compiling
-        return outputs
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        if self.beams.owns(request_id):
-            return self.beams.abort(request_id)
+        for abort in self._hooks["abort"]:  # a stage's own ids (a beam search's clients)
+            answer: RequestOutput | None = abort(request_id)
+            if answer is not None:
+                return answer
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        self.speculation.release(request)
-        if self.lora is not None and self.lora.has_unloaded:
-            self.lora.release_unused(self._adapters_in_use())
-        return self._make_output(request)
+        output = self._make_output(request)
+        for on_finish in self._hooks["on_finish"]:
+            on_finish(request, output)
+        return output
 
     def has_unfinished(self) -> bool:
         return self.fatal_error is not None or self.scheduler.has_unfinished()
 
     def shutdown(self) -> None:
-        """Stop the rank workers (nothing to do at tp 1) and the grammar compile workers."""
-        if self._grammars is not None:
-            self._grammars.close()
-        if self.hicache is not None:
-            self.hicache.close()
-        if self.disaggregation is not None:
-            self.disaggregation.close()
+        """Close the stages (grammar compile workers, tiers, transfers), then the rank workers."""
+        for close in self._hooks["close"]:
+            close()
         self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Stages prepare, the scheduler plans, the model runs, the update applies the results."""
         if self.fatal_error is not None:
             raise self.fatal_error
-        refused = self._resolve_grammars()
-        if self.disaggregation is not None:  # K/V that arrived: those requests' first tokens
-            arrived = self.disaggregation.before_schedule(len(self.scheduler.running))
-            if arrived[0].scheduled or arrived[0].finished:
-                refused += self._update(*arrived)
-        self.speculation.propose(self.scheduler)
+        outputs: list[RequestOutput] = []
+        for before_schedule in self._hooks["before_schedule"]:
+            outputs += before_schedule(self)
         scheduled = self.scheduler.schedule()
         results = self._execute(scheduled)
         if scheduled.is_empty:
             self._wait_while_idle()
-        outputs = refused + self._update(scheduled, results)
-        self.speculation.move_accepted_paths(self.scheduler, self.runner)
-        if self.lora is not None and self.lora.has_unloaded:
-            self.lora.release_unused(self._adapters_in_use())
-        return outputs
+        return outputs + self.apply(scheduled, results)
 
     def _execute(self, scheduled: SchedulerOutput) -> list[StepResult]:
         if scheduled.is_empty:
@@ -517,69 +468,45 @@ class LLMEngine:
             return []
 
     def _wait_while_idle(self) -> None:
-        """Nothing was scheduled: block briefly on what the waiting requests wait for (grammar
-        compiles, disk reads of the hierarchical cache, K/V from a prefill server) instead of
-        spinning."""
-        if self._compiling:
-            assert self._grammars is not None
-            self._grammars.wait([r.grammar_job for r in self._compiling if r.grammar_job],
-                                _IDLE_COMPILE_WAIT_S)
-        elif self.hicache is not None and self.hicache.is_holding_requests:
-            self.hicache.wait_for_reads(_IDLE_COMPILE_WAIT_S)
-        elif self.disaggregation is not None and self.disaggregation.is_waiting:
-            self.disaggregation.wait()
+        """Nothing was scheduled: the first stage with something to wait for (grammar compiles,
+        disk reads of the hierarchical cache, K/V from a prefill server) blocks briefly on it
+        instead of spinning."""
+        for wait_idle in self._hooks["wait_idle"]:
+            if wait_idle():
+                return
 
-    def _update(self, scheduled: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+    def apply(self, scheduled: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        """The update: the scheduler applies the results, the stages follow, and each touched
+        request is detokenized and reported (every ``stream_interval`` tokens, and at its end)."""
         self.num_steps += 1
-        self.speculation.record(scheduled, results)
+        for before_update in self._hooks["before_update"]:
+            before_update(scheduled, results)
         touched = self.scheduler.update(scheduled, results)
-        outputs = self.beams.update(scheduled, results)
+        outputs: list[RequestOutput] = []
+        for after_update in self._hooks["after_update"]:
+            outputs += after_update(scheduled, results)
+        on_new_tokens, on_finish = self._hooks["on_new_tokens"], self._hooks["on_finish"]
         interval = self.config.scheduler.stream_interval
         for request in touched:
-            if request.is_beam:
-                continue  # its search answers for it
-            if request.grammar is not None and not request.is_finished:
-                self._jump_forward(request)
+            if request.is_internal:
+                continue  # a stage answers for it (a beam: its search)
+            if not request.is_finished:
+                for hook in on_new_tokens:
+                    hook(request)
             self._detokenize(request)
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
-            transfer_params = None
+            output = self._make_output(request)
             if request.is_finished:
-                self.speculation.release(request)
-                if self.disaggregation is not None:
-                    transfer_params = self.disaggregation.on_finished(request)
-            outputs.append(self._make_output(request))
-            outputs[-1].kv_transfer_params = transfer_params
+                for hook in on_finish:
+                    hook(request, output)
+            outputs.append(output)
         self.num_generated_tokens += sum(len(r.token_ids) for r in results)
         return outputs
 
-    def _jump_forward(self, request: Request) -> None:
-        """Append the text the grammar forces next (e.g. '": ' after a key) without sampling it.
-
-        The forced text is tokenized and each token fed to the matcher; the first token it refuses
-        (a tokenization that does not line up with the grammar) ends the jump. The appended tokens
-        are ordinary output tokens: the scheduler computes their K/V next step with the same
-        catch-up arithmetic as a prompt chunk, and samples after the last one.
-        """
-        params = request.params
-        if (self.config.structured.disable_jump_forward or self.tokenizer is None
-                or params.logprobs is not None or request.grammar is None):
-            return
-        forced = request.grammar.forced_text()
-        if not forced:
-            return
-        token_ids = self.tokenizer.encode(forced[:MAX_JUMP_FORWARD_CHARS], add_special_tokens=False)
-        if len(forced) > MAX_JUMP_FORWARD_CHARS:
-            token_ids = token_ids[:-1]  # the cut may split a token: its text comes next step
-        budget = request.max_context_tokens - request.num_tokens - 1
-        if params.max_tokens is not None:
-            budget = min(budget, params.max_tokens - len(request.output_token_ids) - 1)
-        for token_id in token_ids[:max(budget, 0)]:
-            if not request.grammar.accept_token(token_id):
-                break
-            request.output_token_ids.append(token_id)
-            self.num_jump_forward_tokens += 1
+    def output_of(self, request: Request) -> RequestOutput:
+        return self._make_output(request)
 
     def _detokenize(self, request: Request) -> None:
         """Decode the request's new tokens; a matched stop string ends it with reason "stop"."""
@@ -591,7 +518,7 @@ class LLMEngine:
             return
         # With speculation several tokens arrive at once: those after the one completing the stop
         # string were never generated as far as the client is concerned.
-        self.scheduler.truncate_output(request, detokenizer.num_output_tokens)
+        request.truncate_output(detokenizer.num_output_tokens)
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:
@@ -636,8 +563,8 @@ class LLMEngine:
             return {"success": False, "message": (
                 f"cannot flush the cache while {len(self.scheduler.running)} requests are running "
                 f"and {len(self.scheduler.waiting)} waiting; retry when the server is idle")}
-        if self.hicache is not None:
-            self.hicache.flush()
+        if self.kv.hicache is not None:
+            self.kv.hicache.flush()
         return {"success": True, "message": "cache flushed"}
 
     def stats(self) -> dict[str, Any]:
@@ -668,9 +595,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
-            **({"lora_adapters": self.lora.describe()} if self.lora is not None else {}),
-            **self.speculation.stats(),
-            **(self.hicache.stats() if self.hicache is not None else {}),
-            **self.beams.stats(),
-            **(self.disaggregation.stats() if self.disaggregation is not None else {}),
+            **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }

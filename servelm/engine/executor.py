@@ -14,15 +14,19 @@ import torch
 
 from servelm.constrained.grammar import GrammarBackend
 from servelm.engine.request import Request
-from servelm.engine.outputs import TokenLogprob
-from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput, StepResult
+from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.pooling import PoolerConfig
-from servelm.sampling.logprobs import gather_logprobs
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs, needs_only_argmax
-from servelm.spec.tree import accept_tree, path_tokens
-from servelm.spec.typical import TypicalAcceptance
-from servelm.spec.verify import accept_point_mass, rejection_sample
+from servelm.engine.verification import Verification
+from servelm.spec.tree import path_tokens
+
+
+class GrammarBackendSource(Protocol):
+    """Where the executor finds the grammar backend (the grammar compiler)."""
+
+    @property
+    def backend(self) -> GrammarBackend | None: ...
 
 
 class Runner(Protocol):
@@ -100,17 +104,15 @@ class Executor:
     """Forward pass plus sampling for one step."""
 
     def __init__(self, runner: Runner, sampler: Sampler | None = None,
-                 grammar_backend: GrammarBackend | None = None) -> None:
+                 grammars: GrammarBackendSource | None = None,
+                 verification: Verification | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
-        self.grammar_backend = grammar_backend
-        """Applies structured-output bitmasks; set by the engine before the first grammar request."""
-        self._generator = torch.Generator()
-        """Rejection-sampling draws of unseeded requests (seeded ones reseed per step)."""
-        self._generator.seed()
-        self.typical_acceptance: TypicalAcceptance | None = None
-        """Set by the engine for --spec-decoding-acceptance-method typical_acceptance_sampler: a
-        sampling request's drafts are then verified by it instead of rejection sampling."""
+        self.grammars = grammars
+        """Gives the backend that applies structured-output bitmasks (it is created on a compile
+        worker at start-up, so it is read when the first grammar request runs)."""
+        self.verification = verification or Verification()
+        """Turns each sampling request's rows into its tokens (the speculation stage's rule)."""
 
     def execute(self, output: SchedulerOutput) -> list[StepResult]:
         if output.plan.num_pooled:
@@ -161,100 +163,16 @@ class Executor:
             sampling = [s for s in output.scheduled if s.is_sampling]
             self._apply_grammars(sample_logits, grammar_requests, [s.draft_token_ids for s in sampling],
                                  [s.draft_parents for s in sampling])
-            sampled = self.sampler(sample_logits, [r for _, r in sample_targets])
+            rows = [r for _, r in sample_targets]
+            sampled = self.sampler(sample_logits, rows)
             position = 0
             for index, scheduled in enumerate(output.scheduled):
-                if not scheduled.is_sampling:
-                    continue
-                num_rows = len(scheduled.draft_token_ids) + 1
-                token_ids = sampled.token_ids[position:position + num_rows]
-                draft_probs = scheduled.request.draft_probs
-                if scheduled.draft_parents is not None:
-                    self._accept_tree(results[index], scheduled, token_ids, sampled.logprobs,
-                                      sample_logits[position:position + num_rows],
-                                      [r for _, r in sample_targets[position:position + num_rows]],
-                                      position)
-                    position += num_rows
-                    continue
-                if (self.typical_acceptance is not None and scheduled.draft_token_ids
-                        and not scheduled.request.params.is_greedy):
-                    rows = [r for _, r in sample_targets[position:position + num_rows]]
-                    emitted = self.typical_acceptance.accept(
-                        self.sampler.probabilities(sample_logits[position:position + num_rows], rows),
-                        scheduled.draft_token_ids, token_ids[-1])
-                    results[index].token_ids = emitted
-                    self._gather_logprobs(results[index], scheduled.request,
-                                          sample_logits[position:position + len(emitted)], emitted)
-                    position += num_rows
-                    continue
-                if draft_probs is not None and scheduled.draft_token_ids:
-                    rows = [r for _, r in sample_targets[position:position + num_rows]]
-                    emitted = self._rejection_sample(sample_logits[position:position + num_rows],
-                                                     rows, scheduled.draft_token_ids, draft_probs)
-                    results[index].token_ids = emitted
-                    num_top = scheduled.request.params.logprobs
-                    if num_top is not None:
-                        results[index].logprobs = gather_logprobs(
-                            sample_logits[position:position + len(emitted)], emitted,
-                            [num_top] * len(emitted))
-                    position += num_rows
-                    continue
-                emitted = accept_point_mass(token_ids, scheduled.draft_token_ids)
-                results[index].token_ids = emitted
-                if sampled.logprobs is not None and sampled.logprobs[position] is not None:
-                    results[index].logprobs = [
-                        logprob for logprob in sampled.logprobs[position:position + len(emitted)]
-                        if logprob is not None]
-                position += num_rows
+                if scheduled.is_sampling:
+                    self.verification.verify(self.sampler, results[index], scheduled,
+                                             sampled.token_ids, sampled.logprobs, position,
+                                             sample_logits, rows)
+                    position += len(scheduled.draft_token_ids) + 1
         return results
-
-    def _accept_tree(self, result: StepResult, scheduled: ScheduledRequest, token_ids: list[int],
-                     logprobs: list[TokenLogprob | None] | None, logits: torch.Tensor,
-                     rows: list[SamplingRow], position: int) -> None:
-        """Verify a draft tree (``spec/tree.py``): walk it with the model's own token of each row
-        (exact for greedy and sampling: the drafts are fixed point masses), or with typical
-        acceptance for a sampling request when configured."""
-        drafts, parents = scheduled.draft_token_ids, scheduled.draft_parents
-        assert parents is not None
-        if self.typical_acceptance is not None and not scheduled.request.params.is_greedy:
-            emitted, accepted = self.typical_acceptance.accept_tree(
-                self.sampler.probabilities(logits, rows), drafts, parents, token_ids)
-            result.token_ids, result.accepted_draft_indices = emitted, accepted
-            used = [0] + [node + 1 for node in accepted]
-            self._gather_logprobs(result, scheduled.request, logits[used], emitted)
-            return
-        emitted, accepted = accept_tree(token_ids, drafts, parents)
-        result.token_ids, result.accepted_draft_indices = emitted, accepted
-        if logprobs is not None and logprobs[position] is not None:
-            used = [0] + [node + 1 for node in accepted]
-            result.logprobs = [logprob for logprob in (logprobs[position + row] for row in used)
-                               if logprob is not None]
-
-    @staticmethod
-    def _gather_logprobs(result: StepResult, request: Request, logits: torch.Tensor,
-                         emitted: list[int]) -> None:
-        """Logprobs of tokens chosen outside the sampler (rejection sampling, typical
-        acceptance): each from its own verify row."""
-        num_top = request.params.logprobs
-        if num_top is not None:
-            result.logprobs = gather_logprobs(logits, emitted, [num_top] * len(emitted))
-
-    def _rejection_sample(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int],
-                          draft_probs: torch.Tensor) -> list[int]:
-        """Verify drafts a model sampled from ``draft_probs``: rejection sampling against the
-        distributions the sampler draws each row from (processors, grammar mask and all), so
-        the emitted tokens follow the model's distribution exactly (``spec/verify.py``)."""
-        target_probs = self.sampler.probabilities(logits, rows)
-        seed = rows[0].seed
-        generator = self._generator
-        if seed is not None:  # depends only on (seed, output length), like a seeded sampler row
-            generator = torch.Generator(device=logits.device).manual_seed(
-                (seed * 0x2545F4914F6CDD1D + len(rows[0].output_token_ids)) & ((1 << 64) - 1))
-        elif logits.device.type != "cpu":
-            generator = torch.Generator(device=logits.device).manual_seed(
-                int(torch.randint(0, 2 ** 62, (1,), generator=self._generator)))
-        return rejection_sample(target_probs, draft_probs[:len(drafts)].to(logits.device), drafts,
-                                generator)
 
     def _pool(self, output: SchedulerOutput) -> list[StepResult]:
         """Embeddings: every request of the step is pooled; row i is request i's vector."""
@@ -277,8 +195,9 @@ class Executor:
         """
         if all(request is None for request in requests):
             return
-        assert self.grammar_backend is not None, "a grammar request needs the engine's backend"
-        bitmask = self.grammar_backend.allocate_bitmask(logits.shape[0])  # all tokens allowed
+        backend = self.grammars.backend if self.grammars is not None else None
+        assert backend is not None, "a grammar request needs the engine's backend"
+        bitmask = backend.allocate_bitmask(logits.shape[0])  # all tokens allowed
         row = 0
         for number, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
             matcher = request.grammar if request is not None else None
@@ -298,7 +217,7 @@ class Executor:
                 if num_advanced:
                     matcher.rollback(num_advanced)
             row += len(draft) + 1
-        self.grammar_backend.apply_bitmask(logits, bitmask)
+        backend.apply_bitmask(logits, bitmask)
 
     @staticmethod
     def _fill_tree_bitmask(matcher: Any, bitmask: Any, row: int, drafts: list[int],

@@ -16,6 +16,7 @@ from servelm.cache.block_pool import BlockPool
 from servelm.cache.hicache import FileStorage, HiCacheController, HiCacheSettings, StorageFingerprint
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import HICACHE_DEFAULT_DIR, EngineConfig
+from servelm.engine.stage import Stage
 from servelm.model.kv_cache import KVCache
 from servelm.model.kv_tiers import HostKVTier
 
@@ -103,3 +104,26 @@ def build_hicache(config: EngineConfig, runner: Any, tree: RadixTree | None,
         prefetch_policy=hicache.hicache_storage_prefetch_policy,
         prefetch_timeout_s=float(hicache.storage_extra_config.get("prefetch_timeout_s", 2.0)))
     return HiCacheController(tree, pool, host, num_slots, settings, storage)
+
+
+IDLE_READ_WAIT_S = 0.01
+"""How long an engine with nothing to run but requests waiting on disk reads sleeps per step."""
+
+
+class HiCacheStage(Stage):
+    """The hierarchical cache in the step: an idle step waits on disk reads; figures; close."""
+
+    def __init__(self, controller: HiCacheController) -> None:
+        self.controller = controller
+
+    def wait_idle(self) -> bool:
+        if not self.controller.is_holding_requests:
+            return False
+        self.controller.wait_for_reads(IDLE_READ_WAIT_S)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return self.controller.stats()
+
+    def close(self) -> None:
+        self.controller.close()

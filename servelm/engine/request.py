@@ -42,6 +42,21 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(slots=True)
+class TransferState:
+    """A request's part in a prefill/decode K/V transfer (engine/disaggregation.py)."""
+
+    key: str | None = None
+    """Prefill server: the key its K/V is pulled by. When it finishes normally its blocks are
+    parked (``parked_block_ids``) for the decode server instead of freed."""
+    parked_block_ids: list[int] = field(default_factory=list)
+    """Prefill server: the finished request's blocks, held for the decode server's pull (the
+    disaggregation stage releases them)."""
+    is_awaiting_kv: bool = False
+    """Decode server: its prompt K/V comes from a prefill server. It waits (never admitted by the
+    scheduler) until the K/V and first token arrive; then it runs as if it had computed them."""
+
+
+@dataclass(slots=True)
 class Request:
     """One generation request as the scheduler sees it."""
 
@@ -114,16 +129,8 @@ class Request:
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.
     Empty: a group of its own (the request id)."""
-
-    transfer_key: str | None = None
-    """Prefill server (disaggregation): the key its K/V is pulled by. When it finishes normally
-    its blocks are parked (``parked_block_ids``) for the decode server instead of freed."""
-    parked_block_ids: list[int] = field(default_factory=list)
-    """Prefill server: the finished request's blocks, held for the decode server's pull (the
-    disaggregation stage releases them)."""
-    is_awaiting_kv: bool = False
-    """Decode server: its prompt K/V comes from a prefill server. It waits (never admitted by the
-    scheduler) until the K/V and first token arrive; then it runs as if it had computed them."""
+    transfer: TransferState | None = None
+    """Disaggregation: the request's K/V crosses servers (None: co-located, the usual case)."""
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -133,6 +140,16 @@ class Request:
     def is_compiling(self) -> bool:
         """Waiting for its grammar: not admitted yet, and holding up nobody behind it."""
         return self.grammar_job is not None
+
+    @property
+    def is_awaiting_kv(self) -> bool:
+        """Decode server: waiting for its prompt K/V from a prefill server (never admitted)."""
+        return self.transfer is not None and self.transfer.is_awaiting_kv
+
+    @property
+    def is_internal(self) -> bool:
+        """A request a stage answers for (a beam: its search), never reported itself."""
+        return self.is_beam
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -160,3 +177,14 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens after the first ``num_output_tokens`` (a stop string ended the
+        request inside a run of accepted drafts): what follows was never generated as far as
+        the client is concerned. The request must be finished next (its grammar is past the cut)."""
+        if len(self.output_token_ids) <= num_output_tokens:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        num_pending = num_output_tokens - self.num_sent_tokens
+        del self.pending_logprobs[max(num_pending, 0):]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

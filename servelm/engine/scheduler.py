@@ -4,6 +4,8 @@ There is no prefill or decode phase. Each request has ``num_computed_tokens`` (K
 the cache) and ``num_tokens`` (prompt + output); a step computes up to the gap for as many
 requests as the token budget, the chunk cap and the free blocks allow. A decode is a gap of one;
 a prompt is a gap of many, cut into chunks; a preempted request's gap is all of its tokens.
+The scheduler decides who runs and how many tokens; ``engine/kv_manager.py`` decides which
+blocks (prefix hits, growth, rollback, forks), and every block goes through it.
 
 Invariants:
 - Running requests are served before waiting ones, oldest first; when blocks run out, the newest
@@ -36,87 +38,27 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from servelm.cache.block_pool import BlockPool
-from servelm.cache.hicache import HiCacheController
-from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
-from servelm.engine.outputs import TokenLogprob
-from servelm.engine.policy import cache_key, order_waiting, urgency
+from servelm.engine.kv_manager import KVManager, cdiv
+from servelm.engine.policy import order_waiting, urgency
 from servelm.engine.request import FinishReason, Request, RequestStatus
-from servelm.model.forward_batch import BatchPlan, DraftTree, SequencePlan
-from servelm.spec.tree import accepted_path_copies, tree_plan_parents
+from servelm.engine.stop_rules import ending_after
+from servelm.engine.scheduler_output import (ScheduledRequest, SchedulerOutput, StepResult,
+                                             schedule_request)
 
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step."""
-
-    request: Request
-    num_tokens: int
-    """Tokens computed this step, starting at the request's num_computed_tokens."""
-    num_logits: int
-    """Logits rows returned for this request (trailing positions of its chunk)."""
-    is_sampling: bool
-    """The chunk reaches the end of the request's tokens, so its last row is sampled."""
-    num_prompt_logprob_rows: int
-    """Leading rows of this request's logits that give prompt-token logprobs."""
-    is_pooled: bool = False
-    """An embedding request: its whole prompt is computed and pooled; the result is a vector."""
-    draft_token_ids: list[int] = field(default_factory=list)
-    """Speculative tokens computed after the request's last token this step (their K/V is
-    written; ``update`` keeps only what the model accepted). Each adds one logits row."""
-    draft_parents: list[int] | None = None
-    """The drafts form a tree (``Request.draft_parents``); None: a chain."""
-
-
-@dataclass
-class SchedulerOutput:
-    """What to run this step: the model's plan and how its rows map back to requests."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """Requests in plan order."""
-    plan: BatchPlan = field(default_factory=BatchPlan)
-    """The tokens, positions and blocks the model computes."""
-    finished: list[Request] = field(default_factory=list)
-    """Requests the scheduler ended this step without running them (e.g. cannot fit the pool)."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What the model produced for one scheduled request."""
-
-    token_ids: list[int] = field(default_factory=list)
-    """Accepted new tokens (one when sampling; none for a non-final prefill chunk; with k
-    drafts, the accepted drafts plus the model's own next token: 1..k + 1)."""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    embedding: list[float] | None = None
-    """The pooled vector of an embedding request."""
-    accepted_draft_indices: list[int] | None = None
-    """A draft tree's accepted path (draft indices, root first); None: a chain's leading drafts."""
-
+__all__ = ["GROUP_SHARE", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepResult", "cdiv"]
 
 GROUP_SHARE = 0.25
 """Share of the running slots one group (client request) may take while other groups have work."""
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Scheduler:
-    """Owns the waiting queue, the running set and the requests' blocks."""
+    """Owns the waiting queue and the running set; ``kv`` owns their blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
-                 prefix_cache: RadixTree | None = None, seed: int = 0,
+    def __init__(self, config: SchedulerConfig, kv: KVManager, seed: int = 0,
                  max_adapters: int | None = None,
-                 adapter_slot: Callable[[Request], int | str | None] | None = None) -> None:
+                 adapter_slot: Callable[[Request, set[str]], int | str | None] | None = None) -> None:
         self.config = config
         self.max_adapters = max_adapters
         """--max-loras-per-batch: most distinct LoRA adapters among the running requests (so in
@@ -124,12 +66,7 @@ class Scheduler:
         self.adapter_slot = adapter_slot
         """Gives a LoRA request being admitted its runner slot (installing the adapter): the slot,
         None when there is no room yet (it waits), or an error message (it ends with it)."""
-        self.block_pool = block_pool
-        self.block_size = block_size
-        self.prefix_cache = prefix_cache
-        self.hicache: HiCacheController | None = None
-        """The tiers below the pool (--enable-hierarchical-cache): a prefix match first pulls
-        demoted blocks back up; a request whose blocks are being read from disk may wait."""
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -140,17 +77,8 @@ class Scheduler:
         """Of those, tokens served from the prefix cache."""
         self._rng = random.Random(seed)
         self._num_steps_without_admission = 0
-        self.pending_block_copies: list[tuple[int, int]] = []
-        """(source, destination) K/V block copies (beam forks) the next forward makes first."""
-        self.pending_slot_copies: list[tuple[int, int]] = []
-        """(source, destination) K/V slot copies (a draft tree's accepted path); the engine makes
-        them right after the update (``Speculation.move_accepted_paths``), else the next plan."""
 
     # -- queue management -------------------------------------------------------------------
-    @property
-    def pool_capacity_tokens(self) -> int:
-        return self.block_pool.num_blocks * self.block_size
-
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
@@ -175,15 +103,13 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-            if self.hicache is not None:
-                self.hicache.forget(request.request_id)  # it may have been held for a prefetch
-        if request.transfer_key is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            # a prefill server's request: its blocks wait for the decode server's pull
-            self.cache_computed_blocks(request)
-            request.parked_block_ids, request.block_ids = request.block_ids, []
-            request.num_inserted_blocks = 0
+            if self.kv.hicache is not None:
+                self.kv.hicache.forget(request.request_id)  # it may have been held for a prefetch
+        if (request.transfer is not None and request.transfer.key is not None
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
+            self.kv.park(request)  # a prefill server's request: its blocks wait for the pull
         else:
-            self._free_blocks(request)
+            self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -212,32 +138,21 @@ class Scheduler:
                 continue
             num_drafts = self._num_drafts(request, num_tokens, budget)
             target_tokens = request.num_computed_tokens + num_tokens + num_drafts
-            if not self._grow(request, target_tokens):
+            if not self.kv.grow(request, target_tokens):
                 did_preempt = True
                 if not self._preempt_for(request, target_tokens, output):
                     continue  # request itself was preempted or failed; the list shifted
-            self._add(output, request, num_tokens)
+            output.scheduled.append(schedule_request(request, num_tokens))
             budget -= num_tokens + num_drafts
             index += 1
 
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
             self._admit(output, budget)
-        self._group_by_adapter(output)
-        if self.pending_block_copies and output.scheduled:
-            output.plan.block_copies, self.pending_block_copies = self.pending_block_copies, []
-        if self.pending_slot_copies and output.scheduled:
-            output.plan.slot_copies, self.pending_slot_copies = self.pending_slot_copies, []
+        output.seal()
+        if output.scheduled:  # K/V copies the forward makes before it writes anything
+            output.plan.block_copies = self.kv.take_block_copies()
+            output.plan.slot_copies = self.kv.take_slot_copies()
         return output
-
-    @staticmethod
-    def _group_by_adapter(output: SchedulerOutput) -> None:
-        """Order the step's sequences by LoRA slot (stable), so each adapter's rows are contiguous
-        and its deltas read views of the batch instead of gathering rows."""
-        if not any(sequence.lora_slot for sequence in output.plan.sequences):
-            return
-        order = sorted(range(len(output.scheduled)), key=lambda i: output.plan.sequences[i].lora_slot)
-        output.scheduled = [output.scheduled[i] for i in order]
-        output.plan.sequences = [output.plan.sequences[i] for i in order]
 
     def _num_drafts(self, request: Request, num_tokens: int, budget: int) -> int:
         """Cut the request's drafts to what this step can verify: only a decode (its one
@@ -276,7 +191,7 @@ class Scheduler:
         for running in self.running:
             running_per_group[running.group] = running_per_group.get(running.group, 0) + 1
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
-        for request in order_waiting(self.waiting, self.config, self.prefix_cache, self._rng):
+        for request in order_waiting(self.waiting, self.config, self.kv.prefix_cache, self._rng):
             if budget <= 0:
                 break
             if (self.max_adapters is not None and request.adapter_id is not None
@@ -288,28 +203,28 @@ class Scheduler:
                 continue  # its grammar (or its K/V from a prefill server) is not ready
             if request.is_parked:
                 continue  # a beam waiting for its siblings (engine/beam.py)
-            if self._cannot_ever_fit(request):
+            if not self.kv.can_ever_fit(request.num_tokens + 1):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
-                    f"{self.pool_capacity_tokens}"))
+                    f"{self.kv.pool_capacity_tokens}"))
                 output.finished.append(request)
                 continue
             if not self._give_adapter_slot(request, output):
                 continue
-            if self._shares_prefix_in_flight(request, admitted):
+            if self.kv.shares_prefix_in_flight(request, admitted):
                 continue  # compute the shared prefix once: next step it is cached
-            if not self._is_prefetched(request):
+            if not self.kv.is_prefetched(request):
                 continue  # its blocks are still being read from disk (--hicache-storage-prefetch-policy)
-            self._match_prefix(request)
+            self.kv.match_prefix(request)
             num_tokens = self._chunk(request, budget)
             if num_tokens == 0:
                 return  # an embedding prompt waits for a step with room for all of it
             while not self._fits(request, num_tokens):
                 victim = self._priority_victim(request)
                 if victim is None:
-                    self._unmatch(request)
+                    self.kv.unmatch(request)
                     return
-                budget += self._unschedule(output, victim)
+                budget += output.remove(victim)
                 self._preempt(victim)
                 num_tokens = self._chunk(request, budget)
             self.waiting.remove(request)
@@ -318,7 +233,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens
                 self.num_cached_prompt_tokens += request.num_cached_tokens
-            self._add(output, request, num_tokens)
+            output.scheduled.append(schedule_request(request, num_tokens))
             admitted.append(request)
             if request.adapter_id is not None:
                 adapters.add(request.adapter_id)
@@ -329,7 +244,8 @@ class Scheduler:
         """Whether a request may be admitted as far as its LoRA adapter goes (slot set)."""
         if request.adapter_id is None or self.adapter_slot is None:
             return True
-        slot = self.adapter_slot(request)
+        running = {r.adapter_id for r in self.running if r.adapter_id is not None}
+        slot = self.adapter_slot(request, running)
         if isinstance(slot, str):
             self.finish(request, FinishReason.ERROR, error=slot)
             output.finished.append(request)
@@ -352,27 +268,28 @@ class Scheduler:
             return False
         if not self._has_headroom(request, num_tokens):
             return False
-        return self._grow(request, request.num_computed_tokens + num_tokens)
+        return self.kv.grow(request, request.num_computed_tokens + num_tokens)
 
     def _has_headroom(self, request: Request, num_tokens: int) -> bool:
         """--schedule-conservativeness: keep a share of the running requests' future blocks free."""
         conservativeness = self.config.schedule_conservativeness
         ratio = self.config.router_token_ratio
+        pool = self.kv.block_pool
         evictable = None
         if ratio > 0:
-            evictable = self._num_evictable_blocks()
-            used = self.block_pool.num_used_blocks - evictable
-            if used / self.block_pool.num_blocks >= ratio:
+            evictable = self.kv.num_evictable_blocks()
+            used = pool.num_used_blocks - evictable
+            if used / pool.num_blocks >= ratio:
                 conservativeness = max(conservativeness, 1.0)
         if conservativeness == 0:
             return True
         reserve = sum(max(0, self._final_blocks(r) - len(r.block_ids)) for r in self.running)
         reserve += max(0, self._final_blocks(request)
-                       - cdiv(request.num_computed_tokens + num_tokens, self.block_size))
-        needed = cdiv(request.num_computed_tokens + num_tokens, self.block_size) - len(request.block_ids)
+                       - self.kv.blocks_for(request.num_computed_tokens + num_tokens))
+        needed = self.kv.blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids)
         if evictable is None:
-            evictable = self._num_evictable_blocks()
-        available = self.block_pool.num_free_blocks + evictable
+            evictable = self.kv.num_evictable_blocks()
+        available = pool.num_free_blocks + evictable
         return needed + conservativeness * reserve <= available
 
     def _final_blocks(self, request: Request) -> int:
@@ -380,10 +297,7 @@ class Scheduler:
         max_tokens = request.params.max_tokens
         final_tokens = request.max_context_tokens if max_tokens is None else min(
             request.max_context_tokens, request.num_prompt_tokens + max_tokens)
-        return cdiv(final_tokens, self.block_size)
-
-    def _num_evictable_blocks(self) -> int:
-        return self.prefix_cache.num_evictable_blocks() if self.prefix_cache is not None else 0
+        return self.kv.blocks_for(final_tokens)
 
     def _priority_victim(self, request: Request) -> Request | None:
         """Priority scheduling: the least urgent running request (newest among equals), when
@@ -395,16 +309,6 @@ class Scheduler:
         margin = urgency(victim, low_first) - urgency(request, low_first)
         return victim if margin > self.config.priority_scheduling_preemption_threshold else None
 
-    @staticmethod
-    def _unschedule(output: SchedulerOutput, request: Request) -> int:
-        """Take ``request`` out of this step's plan; returns the tokens it had been given."""
-        for index, scheduled in enumerate(output.scheduled):
-            if scheduled.request is request:
-                del output.scheduled[index]
-                del output.plan.sequences[index]
-                return scheduled.num_tokens + len(scheduled.draft_token_ids)
-        return 0
-
     # -- disaggregation (decode server) ----------------------------------------------------
     def reserve_remote(self, request: Request, reserve_tokens: int) -> bool:
         """Give a waiting request whose prompt K/V comes from a prefill server its blocks: its
@@ -413,90 +317,26 @@ class Scheduler:
         ``reserve_tokens`` free slots per running request beyond it."""
         if len(self.running) >= self.config.max_running_requests:
             return False
-        self._match_prefix(request)
-        needed = cdiv(request.num_prompt_tokens, self.block_size) - len(request.block_ids)
-        headroom = cdiv(reserve_tokens, self.block_size) * (len(self.running) + 1)
-        available = self.block_pool.num_free_blocks + self._num_evictable_blocks()
-        if needed + headroom > available or not self._grow(request, request.num_prompt_tokens):
-            self._unmatch(request)
-            return False
-        return True
+        headroom = self.kv.blocks_for(reserve_tokens) * (len(self.running) + 1)
+        return self.kv.reserve(request, request.num_prompt_tokens, headroom)
 
     def admit_remote(self, request: Request) -> None:
         """The request's prompt K/V has arrived: it runs from here (``update`` appends its first
         token and counts the prompt computed)."""
         self.waiting.remove(request)
-        request.is_awaiting_kv = False
+        assert request.transfer is not None
+        request.transfer.is_awaiting_kv = False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if request.num_preemptions == 0:
             self.num_prompt_tokens += request.num_prompt_tokens
             self.num_cached_prompt_tokens += request.num_cached_tokens
 
-    # -- prefix cache -----------------------------------------------------------------------
-    def _match_prefix(self, request: Request) -> None:
-        """Start a request at its longest cached prefix, sharing those blocks."""
-        if (self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs
-                or request.is_embedding):
-            return  # prompt logprobs (and pooling) need every prompt position computed
-        if self.hicache is not None:
-            self.hicache.pull_up(cache_key(request), request.adapter_id)
-        match = self.prefix_cache.match_prefix(cache_key(request), request.adapter_id)
-        if not match.block_ids:
-            return
-        self.block_pool.retain(match.block_ids)
-        request.block_ids = list(match.block_ids)
-        request.num_inserted_blocks = len(match.block_ids)
-        request.num_computed_tokens = match.num_tokens
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = min(match.num_tokens, request.num_prompt_tokens)
-
-    def _is_prefetched(self, request: Request) -> bool:
-        if (self.hicache is None or request.block_ids or request.wants_prompt_logprobs
-                or request.is_embedding):
-            return True
-        return self.hicache.is_ready(cache_key(request), request.adapter_id, request.request_id)
-
-    def _unmatch(self, request: Request) -> None:
-        """Undo ``_match_prefix`` for a request that stays waiting (it must not pin blocks)."""
-        self._free_blocks(request)
-        request.num_computed_tokens = 0
-
-    def _shares_prefix_in_flight(self, request: Request, admitted: list[Request]) -> bool:
-        """True when a request admitted this step will compute a full block of this request's
-        uncached prefix: waiting one step turns that duplicate work into a cache hit."""
-        if self.prefix_cache is None or not admitted or request.is_embedding:
-            return False
-        key = cache_key(request)
-        size = self.block_size
-        if len(key) < size:
-            return False
-        cached = self.prefix_cache.match_length(key, request.adapter_id)
-        for other in admitted:
-            if other.adapter_id != request.adapter_id or other.num_computed_tokens > cached:
-                continue
-            limit = min(len(key), other.num_tokens - 1)
-            if limit >= cached + size and other.token_slice(cached, cached + size) == key[cached:cached + size]:
-                return True
-        return False
-
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Give the request's newly computed full blocks to the prefix cache (an encoder's K/V
-        depend on the whole prompt, so embedding requests never share theirs)."""
-        if self.prefix_cache is None or request.is_embedding:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full > request.num_inserted_blocks:
-            self.prefix_cache.insert(request.token_slice(0, num_full * self.block_size),
-                                     request.block_ids[:num_full], request.adapter_id)
-            request.num_inserted_blocks = num_full
-
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is queued or running."""
         if self.has_unfinished():
             return False
-        if self.prefix_cache is not None:
-            self.prefix_cache.reset()
+        self.kv.flush()
         return True
 
     def _chunk(self, request: Request, budget: int) -> int:
@@ -517,23 +357,6 @@ class Scheduler:
         return (not self.config.is_lone_prompt_chunked and len(self.running) + len(self.waiting) == 1
                 and not request.wants_prompt_logprobs)
 
-    def _cannot_ever_fit(self, request: Request) -> bool:
-        return cdiv(request.num_tokens + 1, self.block_size) > self.block_pool.num_blocks
-
-    def _grow(self, request: Request, num_tokens: int) -> bool:
-        """Make the request's blocks cover ``num_tokens`` positions; False if the pool is short."""
-        missing = cdiv(num_tokens, self.block_size) - len(request.block_ids)
-        if missing <= 0:
-            return True
-        new_blocks = self.block_pool.allocate(missing)
-        if new_blocks is None and self.prefix_cache is not None:
-            self.prefix_cache.evict(missing - self.block_pool.num_free_blocks)
-            new_blocks = self.block_pool.allocate(missing)
-        if new_blocks is None:
-            return False
-        request.block_ids.extend(new_blocks)
-        return True
-
     def _preempt_for(self, request: Request, target_tokens: int, output: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` can cover ``target_tokens``.
 
@@ -544,13 +367,13 @@ class Scheduler:
             if victim is request and len(self.running) == 1 and not self.waiting:
                 self.finish(request, FinishReason.ERROR, error=(
                     f"KV pool exhausted: request reached {request.num_tokens} tokens and the pool "
-                    f"holds {self.pool_capacity_tokens}"))
+                    f"holds {self.kv.pool_capacity_tokens}"))
                 output.finished.append(request)
                 return False
             self._preempt(victim)
             if victim is request:
                 return False
-            if self._grow(request, target_tokens):  # the victim's blocks are free or evictable
+            if self.kv.grow(request, target_tokens):  # the victim's blocks are free or evictable
                 return True
 
     def preempt(self, request: Request) -> None:
@@ -563,52 +386,12 @@ class Scheduler:
         self.running.remove(request)
         request.draft_token_ids = []
         request.draft_parents = None
-        self._free_blocks(request)
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    def _free_blocks(self, request: Request) -> None:
-        """Drop the request's blocks; its computed full blocks stay in the prefix cache."""
-        if request.block_ids:
-            self.cache_computed_blocks(request)
-            self.block_pool.release(request.block_ids)
-            request.block_ids = []
-        request.num_inserted_blocks = 0
-
-    def _add(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        start = request.num_computed_tokens
-        if request.is_embedding:
-            output.scheduled.append(ScheduledRequest(request, num_tokens, 0, False, 0, is_pooled=True))
-            output.plan.sequences.append(SequencePlan(
-                token_ids=request.token_slice(start, start + num_tokens), start_position=start,
-                block_ids=request.block_ids, num_logits=0, is_pooled=True, lora_slot=request.lora_slot))
-            return
-        is_sampling = start + num_tokens == request.num_tokens
-        drafts = list(request.draft_token_ids) if is_sampling else []
-        num_prompt_rows = 0
-        if request.wants_prompt_logprobs:
-            # Row i predicts position start + i + 1; prompt positions end at num_prompt_tokens - 1.
-            num_prompt_rows = max(0, min(num_tokens, request.num_prompt_tokens - 1 - start))
-        num_logits = num_prompt_rows + (1 if is_sampling else 0)
-        if num_prompt_rows and is_sampling:
-            num_logits = num_tokens  # prompt rows plus the final sampling row are contiguous
-        num_logits += len(drafts)  # one row per draft: the model's token after each
-        parents = list(request.draft_parents) if drafts and request.draft_parents is not None else None
-        output.scheduled.append(ScheduledRequest(request, num_tokens, num_logits, is_sampling,
-                                                 num_prompt_rows, draft_token_ids=drafts,
-                                                 draft_parents=parents))
-        output.plan.sequences.append(SequencePlan(
-            token_ids=request.token_slice(start, start + num_tokens) + drafts,
-            start_position=start,
-            block_ids=request.block_ids,
-            num_logits=num_logits,
-            lora_slot=request.lora_slot,
-        ))
-        if parents is not None:  # verified as a tree: its root is the request's last token
-            output.plan.sequences[-1].tree = DraftTree(start + num_tokens - 1, tree_plan_parents(parents))
 
     # -- update -----------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[Request]:
@@ -625,7 +408,7 @@ class Scheduler:
                 self.finish(request, FinishReason.STOP)
                 touched.append(request)
                 continue
-            self.cache_computed_blocks(request)
+            self.kv.cache_computed_blocks(request)
             if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
                 request.prompt_logprobs = [None]  # the first prompt token has no logprob
             if result.prompt_logprobs:
@@ -637,78 +420,22 @@ class Scheduler:
                 continue
             num_accepted_drafts = len(result.token_ids) - 1 if scheduled.draft_token_ids else 0
             if result.accepted_draft_indices:  # a tree's path: move its K/V next to the root
-                self.pending_slot_copies += accepted_path_copies(
-                    request.block_ids, self.block_size, request.num_computed_tokens - 1,
-                    result.accepted_draft_indices)
+                self.kv.move_accepted_path(request, request.num_computed_tokens - 1,
+                                           result.accepted_draft_indices)
             for index, token_id in enumerate(result.token_ids):
                 request.output_token_ids.append(token_id)
                 if result.logprobs:
                     request.pending_logprobs.append(result.logprobs[index])
                 if index < num_accepted_drafts:
                     request.num_computed_tokens += 1  # an accepted draft: its K/V was computed
-                if request.grammar is not None and self._grammar_ends(request, token_id):
-                    break
-                if self._check_stop(request, token_id):
+                ending = ending_after(request, token_id)
+                if ending is not None:
+                    self.finish(request, ending.reason, ending.stop_reason, ending.error,
+                                ending.error_status)
                     break
             if scheduled.draft_token_ids and not request.is_finished:
-                self._roll_back_drafts(request)
+                request.draft_token_ids = []
+                request.draft_parents = None
+                self.kv.roll_back_drafts(request)
             touched.append(request)
         return touched
-
-    def _roll_back_drafts(self, request: Request) -> None:
-        """After a verify step: drop the blocks that only rejected drafts reached (their K/V is
-        garbage beyond ``num_computed_tokens``; slots in a kept block are overwritten before they
-        are read, and a block enters the prefix cache only once every slot is computed), then
-        cache the blocks the accepted drafts completed."""
-        request.draft_token_ids = []
-        request.draft_parents = None
-        keep = cdiv(request.num_computed_tokens, self.block_size)
-        if len(request.block_ids) > keep:
-            self.block_pool.release(request.block_ids[keep:])
-            del request.block_ids[keep:]
-        self.cache_computed_blocks(request)
-
-    def truncate_output(self, request: Request, num_output_tokens: int) -> None:
-        """Drop output tokens after the first ``num_output_tokens`` (a stop string ended the
-        request inside a run of accepted drafts): what follows was never generated as far as
-        the client is concerned. The request must be finished next (its grammar is past the cut)."""
-        num_dropped = len(request.output_token_ids) - num_output_tokens
-        if num_dropped <= 0:
-            return
-        del request.output_token_ids[num_output_tokens:]
-        num_pending = num_output_tokens - request.num_sent_tokens
-        del request.pending_logprobs[max(num_pending, 0):]
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-
-    def _grammar_ends(self, request: Request, token_id: int) -> bool:
-        """Feed the token to the request's grammar; True when that finished the request."""
-        assert request.grammar is not None
-        if not request.grammar.accept_token(token_id):
-            # Only a grammar that reached a state no token of the vocabulary can continue lets
-            # the masked sampler pick a forbidden token: the request's grammar, not the server.
-            self.finish(request, FinishReason.ERROR, error_status=400,
-                        error=("the request's grammar allows no further token of this model's "
-                               f"vocabulary after {len(request.output_token_ids) - 1} output tokens"))
-            return True
-        if request.grammar.is_terminated():
-            self.finish(request, FinishReason.STOP)
-            return True
-        return False
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        params = request.params
-        num_output = len(request.output_token_ids)
-        if num_output >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                self.finish(request, FinishReason.STOP, stop_reason=token_id)
-                return True
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                self.finish(request, FinishReason.STOP)
-                return True
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            self.finish(request, FinishReason.LENGTH)
-            return True
-        if request.num_tokens >= request.max_context_tokens:
-            self.finish(request, FinishReason.LENGTH)
-            return True
-        return False

@@ -23,20 +23,29 @@ from typing import Any
 
 from servelm.config import SpeculativeConfig
 from servelm.engine.monitor import acceptance_figures
+from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from servelm.engine.stage import Stage, StepCore
+from servelm.engine.verification import Verification
 from servelm.model.forward_batch import BatchPlan
 from servelm.spec.draft_model import DraftModelProposer
 from servelm.spec.eagle import EagleProposer
 from servelm.spec.proposer import DraftRequest, Proposer, make_proposer
+from servelm.spec.typical import make_typical_acceptance
 
 
-class Speculation:
-    """Proposes drafts for a step and keeps the acceptance figures."""
+class Speculation(Stage):
+    """Proposes drafts for a step, verifies them (``verification``) and keeps the figures."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, runner: Any,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
         self.proposer = proposer if proposer is not None else make_proposer(config)
+        self.verification = Verification(make_typical_acceptance(config))
+        """The verify rule, chosen once here; the executor applies it to each sampling request."""
         self.num_verify_passes = 0
         """Request-steps that carried at least one draft."""
         self.num_draft_tokens = 0
@@ -46,6 +55,21 @@ class Speculation:
     @property
     def is_enabled(self) -> bool:
         return self.proposer is not None
+
+    # -- the stage's hooks ------------------------------------------------------------------
+    def before_schedule(self, core: StepCore) -> list[RequestOutput]:
+        self.propose(self.scheduler)
+        return []
+
+    def before_update(self, output: SchedulerOutput, results: list[StepResult]) -> None:
+        self.record(output, results)
+
+    def after_update(self, output: SchedulerOutput, results: list[StepResult]) -> list[RequestOutput]:
+        self.move_accepted_paths(self.scheduler, self.runner)
+        return []
+
+    def on_finish(self, request: Request, output: RequestOutput) -> None:
+        self.release(request)
 
     def propose(self, scheduler: Scheduler) -> None:
         """Set the drafts of this step's decoding requests."""
@@ -111,9 +135,8 @@ class Speculation:
         """Copy the K/V of the draft trees' accepted paths next to their roots now (call after
         ``Scheduler.update``), before anything between steps can read those blocks (eviction to
         the host tier, a K/V transfer); without trees there is nothing to copy."""
-        if scheduler.pending_slot_copies:
-            copies, scheduler.pending_slot_copies = scheduler.pending_slot_copies, []
-            runner.execute(BatchPlan(slot_copies=copies))
+        if scheduler.kv.pending_slot_copies:
+            runner.execute(BatchPlan(slot_copies=scheduler.kv.take_slot_copies()))
 
     def release(self, request: Request) -> None:
         if self.proposer is not None:

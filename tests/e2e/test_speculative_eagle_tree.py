@@ -47,9 +47,9 @@ def count_slot_copies(engine: LLMEngine) -> list[int]:
     original = engine.speculation.move_accepted_paths
 
     def move(scheduler, runner):
-        counts.append(len(scheduler.pending_slot_copies))
+        counts.append(len(scheduler.kv.pending_slot_copies))
         original(scheduler, runner)
-        assert not scheduler.pending_slot_copies
+        assert not scheduler.kv.pending_slot_copies
 
     engine.speculation.move_accepted_paths = move
     return counts

@@ -35,7 +35,7 @@ def test_greedy_and_top_k_1_sampling_equal_plain_greedy(models):  # noqa: F811
     params = greedy_all(token_lists, max_tokens=23)
     plain = generate(make_engine(models["target"]), params, token_lists)
     engine = make_engine(models["target"], models["far"])
-    assert engine.executor.typical_acceptance is not None
+    assert engine.executor.verification.typical is not None
     assert generate(engine, params, token_lists) == plain
     point_mass = {key: SamplingParams(temperature=1.0, top_k=1, seed=7, max_tokens=23, ignore_eos=True)
                   for key in token_lists}

@@ -15,7 +15,8 @@ import pytest
 
 from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarBackend, make_backend
-from servelm.engine.engine import MAX_JUMP_FORWARD_CHARS, LLMEngine
+from servelm.engine.engine import LLMEngine
+from servelm.engine.grammar_stage import MAX_JUMP_FORWARD_CHARS
 from servelm.engine.request import RequestStatus
 from servelm.sampling.params import SamplingParams, StructuredSpec
 from tests.unit.constrained.test_grammar import (SCHEMA, final_output, installed_backends,  # noqa: F401
@@ -63,7 +64,7 @@ def gated_engine(tokenizer, backend: str, timeout_s: float = 0.0) -> tuple[LLMEn
         created.wait()
         return gated  # type: ignore[return-value]
 
-    engine._grammars = GrammarCompiler(create, timeout_s, 32768)
+    engine.grammars.compiler = GrammarCompiler(create, timeout_s, 32768)
     return engine, gated, created
 
 
@@ -151,7 +152,7 @@ def test_an_aborted_compiling_request_leaves_nothing_behind(tokenizer, backend):
     gated.compile_gate.set()
     for _ in range(3):
         assert engine.step() == []
-    assert not engine.has_unfinished() and engine._compiling == []
+    assert not engine.has_unfinished() and engine.grammars.compiling == []
 
 
 def test_hostile_schema_through_the_engine_is_a_400_not_a_crash(tokenizer, backend):

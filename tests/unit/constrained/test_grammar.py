@@ -105,7 +105,7 @@ def test_outputs_follow_the_grammar_under_preemption(tokenizer, backend):
         else:
             assert text in ("alpha", "beta")
     assert len({text for request_id, (text, _) in results.items() if request_id.startswith("json")}) > 1
-    assert engine._grammars is not None and engine._grammars.num_misses == 3  # compiled once each
+    assert engine.grammars.compiler is not None and engine.grammars.compiler.num_misses == 3  # compiled once each
     assert engine.num_jump_forward_tokens > 0  # JSON keys and punctuation were forced
     assert engine.stats()["num_used_blocks"] == 0
 

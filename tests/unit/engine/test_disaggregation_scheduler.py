@@ -8,7 +8,8 @@ from __future__ import annotations
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
-from servelm.engine.request import FinishReason, Request, RequestStatus
+from servelm.engine.request import FinishReason, Request, RequestStatus, TransferState
+from servelm.engine.kv_manager import KVManager
 from servelm.engine.scheduler import Scheduler
 from servelm.sampling.params import SamplingParams
 
@@ -17,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 
 def make(num_blocks: int = 16) -> Scheduler:
     pool = BlockPool(num_blocks)
-    return Scheduler(SchedulerConfig(), pool, 4, RadixTree(pool, 4, "lru"))
+    return Scheduler(SchedulerConfig(), KVManager(pool, 4, RadixTree(pool, 4, "lru")))
 
 
 def request(request_id: str, tokens: list[int]) -> Request:
@@ -27,7 +28,7 @@ def request(request_id: str, tokens: list[int]) -> Request:
 def test_awaiting_request_is_skipped_then_reserved_and_admitted() -> None:
     scheduler = make()
     waiting = request("d", list(range(1, 11)))  # 10 tokens: 3 blocks
-    waiting.is_awaiting_kv = True
+    waiting.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(waiting)
     assert scheduler.schedule().is_empty  # never computed here
     assert scheduler.reserve_remote(waiting, reserve_tokens=0)
@@ -40,36 +41,36 @@ def test_awaiting_request_is_skipped_then_reserved_and_admitted() -> None:
 def test_reserve_shares_the_cached_prefix_and_refuses_without_headroom() -> None:
     scheduler = make(num_blocks=6)
     prefix = list(range(1, 9))  # two full blocks
-    assert scheduler.prefix_cache is not None
-    scheduler.prefix_cache.insert(prefix, scheduler.block_pool.allocate(2) or [], None)
-    scheduler.block_pool.release([0, 1])  # the tree holds them now
+    assert scheduler.kv.prefix_cache is not None
+    scheduler.kv.prefix_cache.insert(prefix, scheduler.kv.block_pool.allocate(2) or [], None)
+    scheduler.kv.block_pool.release([0, 1])  # the tree holds them now
     late = request("d", prefix + [20, 21, 22])
-    late.is_awaiting_kv = True
+    late.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(late)
     # 1 new block needed, 4 free: refused while 16 tokens (4 blocks) per request must stay free
     assert not scheduler.reserve_remote(late, reserve_tokens=16)
-    assert late.block_ids == [] and scheduler.block_pool.num_used_blocks == 2
+    assert late.block_ids == [] and scheduler.kv.block_pool.num_used_blocks == 2
     assert scheduler.reserve_remote(late, reserve_tokens=8)
     assert late.block_ids == [0, 1, 2] and late.num_computed_tokens == 8
     assert late.num_cached_tokens == 8
     scheduler.finish(late, FinishReason.ABORT)  # aborted while its K/V travels: all freed
-    assert scheduler.block_pool.num_used_blocks == 2  # only the tree's two blocks
+    assert scheduler.kv.block_pool.num_used_blocks == 2  # only the tree's two blocks
 
 
 def test_prefill_request_parks_its_blocks_on_a_normal_finish_only() -> None:
     scheduler = make()
     for request_id, reason in (("p", FinishReason.LENGTH), ("q", FinishReason.ABORT)):
         prefill = request(request_id, list(range(30, 39)))
-        prefill.transfer_key = f"7/{request_id}"
+        prefill.transfer = TransferState(key=f"7/{request_id}")
         scheduler.add_request(prefill)
         output = scheduler.schedule()
         assert [s.request for s in output.scheduled] == [prefill]
         prefill.num_computed_tokens = 9  # as update would after the step
         scheduler.finish(prefill, reason)
         if reason is FinishReason.LENGTH:
-            assert prefill.parked_block_ids == [0, 1, 2] and prefill.block_ids == []
-            assert scheduler.block_pool.ref_count(2) == 1  # held for the decode server
-            scheduler.block_pool.release(prefill.parked_block_ids)
+            assert prefill.transfer.parked_block_ids == [0, 1, 2] and prefill.block_ids == []
+            assert scheduler.kv.block_pool.ref_count(2) == 1  # held for the decode server
+            scheduler.kv.block_pool.release(prefill.transfer.parked_block_ids)
         else:
-            assert prefill.parked_block_ids == []
-    assert scheduler.block_pool.ref_count(2) == 0
+            assert prefill.transfer.parked_block_ids == []
+    assert scheduler.kv.block_pool.ref_count(2) == 0

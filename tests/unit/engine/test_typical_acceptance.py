@@ -36,7 +36,7 @@ def test_greedy_tokens_equal_plain_decoding(proposer: str) -> None:
     requests = {str(i): (prompt, greedy(25)) for i, prompt in enumerate(PROMPTS)}
     plain = run_all(make(None), requests)
     engine = make(proposer)
-    assert engine.executor.typical_acceptance is not None
+    assert engine.executor.verification.typical is not None
     assert run_all(engine, requests)[0] == plain[0]
     assert engine.stats()["spec_num_draft_tokens"] > 0
     assert engine.block_pool.num_free_blocks == 64

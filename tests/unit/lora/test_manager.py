@@ -11,6 +11,7 @@ import torch
 from servelm.cache.block_pool import BlockPool
 from servelm.config import LoRAConfig, SchedulerConfig
 from servelm.engine.request import Request
+from servelm.engine.kv_manager import KVManager
 from servelm.engine.scheduler import Scheduler
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
 from servelm.lora.manager import AdapterNotFoundError, LoRAManager
@@ -137,7 +138,7 @@ def test_config_parses_both_dialects() -> None:
 def test_scheduler_defers_a_further_adapter() -> None:
     """--max-loras-per-batch 2: requests for a third adapter wait until one adapter has no running
     request; the base model does not count; the plan is grouped by slot."""
-    scheduler = Scheduler(SchedulerConfig(), BlockPool(64), 4, max_adapters=2)
+    scheduler = Scheduler(SchedulerConfig(), KVManager(BlockPool(64), 4), max_adapters=2)
 
     def add(name: str, adapter: str | None, slot: int, max_tokens: int) -> Request:
         request = Request(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens), [0], 512,
