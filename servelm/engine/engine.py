@@ -128,6 +128,8 @@ class LLMEngine:
             "kv_pool_tokens": runner.num_blocks * runner.block_size,
             "task": self.task,
             "is_generation": self.task == "generate",
+            # the GGUF linears' measured routes (model/routes.py); None off GGUF blocks or on rank workers
+            "routes": getattr(runner, "routes_summary", lambda: None)(),
         })
         if self.lora is not None:
             self.model_info["lora"] = {"max_loras_per_batch": config.lora.max_loras_per_batch,
@@ -595,5 +597,6 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
+            "routes": self.model_info.get("routes"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }

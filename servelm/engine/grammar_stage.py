@@ -121,10 +121,7 @@ class Grammars(Stage):
         token_ids = self.tokenizer.encode(forced[:MAX_JUMP_FORWARD_CHARS], add_special_tokens=False)
         if len(forced) > MAX_JUMP_FORWARD_CHARS:
             token_ids = token_ids[:-1]  # the cut may split a token: its text comes next step
-        budget = request.max_context_tokens - request.num_tokens - 1
-        if params.max_tokens is not None:
-            budget = min(budget, params.max_tokens - len(request.output_token_ids) - 1)
-        for token_id in token_ids[:max(budget, 0)]:
+        for token_id in token_ids[:request.num_appendable_tokens()]:
             if not request.grammar.accept_token(token_id):
                 break
             request.output_token_ids.append(token_id)

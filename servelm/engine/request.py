@@ -178,6 +178,13 @@ class Request:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
+    def num_appendable_tokens(self) -> int:
+        """Tokens this request may still append beside the one its next step samples (drafts,
+        jump-forward text): within its context and its max_tokens; never negative."""
+        limit = self.max_context_tokens - self.num_tokens - 1
+        by_budget = self.params.num_appendable_tokens(len(self.output_token_ids))
+        return max(0, limit if by_budget is None else min(limit, by_budget))
+
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens after the first ``num_output_tokens`` (a stop string ended the
         request inside a run of accepted drafts): what follows was never generated as far as

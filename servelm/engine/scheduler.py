@@ -164,10 +164,7 @@ class Scheduler:
         limit = budget - num_tokens
         if request.num_computed_tokens + num_tokens != request.num_tokens or num_tokens != 1:
             limit = 0
-        limit = min(limit, request.max_context_tokens - request.num_tokens - 1)
-        max_tokens = request.params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - len(request.output_token_ids) - 1)
+        limit = min(limit, request.num_appendable_tokens())
         if len(drafts) > limit:
             del drafts[max(limit, 0):]
             if request.draft_parents is not None:  # breadth-first: a prefix is still a tree

@@ -110,12 +110,7 @@ class Speculation(Stage):
         """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
         if request.is_embedding or request.num_computed_tokens != request.num_tokens - 1:
             return 0
-        limit = min(self.config.max_draft_tokens,
-                    request.max_context_tokens - request.num_tokens - 1)
-        appendable = request.params.num_appendable_tokens(len(request.output_token_ids))
-        if appendable is not None:
-            limit = min(limit, appendable)
-        return max(limit, 0)
+        return min(self.config.max_draft_tokens, request.num_appendable_tokens())
 
     def record(self, scheduled: SchedulerOutput, results: list[StepResult]) -> None:
         """Count the step's verify passes (call before ``Scheduler.update``)."""
