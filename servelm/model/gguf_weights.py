@@ -221,7 +221,8 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                     kinds[weight.kind] += 1
     bf16_rows = (f" ({BF16_KERNEL_MAX_ROWS[activations]} for a bf16 model's layers)"
                  if dense_dtype == torch.bfloat16 else "")
-    kernel_note = (f"VNNI block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows{bf16_rows}, "
+    isa = "AVX2" if getattr(kernel, "ISA", "") == "avx2" else "VNNI"
+    kernel_note = (f"{isa} block kernel ({activations} activations) at <= {KERNEL_MAX_ROWS[activations]} rows{bf16_rows}, "
                    f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')} above"
                    if kernel is not None
                    else f"a copy dequantized once to {str(dense_dtype).removeprefix('torch.')}")

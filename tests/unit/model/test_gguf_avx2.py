@@ -8,6 +8,8 @@ the dequantized weight times the activations rounded as the function rounds them
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -140,3 +142,73 @@ def test_the_build_follows_the_cpu_flags(avx2: object) -> None:
     assert gguf_kernel.candidates(set()) == [] and gguf_kernel.load_kernel(set()) is None
     assert gguf_kernel.kernel_status({"avx2"}).startswith("this CPU lacks ")
     assert gguf_kernel.missing_cpu_flags({"avx2"}) == ["fma", "f16c"]
+
+
+# -- dispatch: the engine on a tiny quantized GGUF with the CPU's flags hidden or not -----------------
+
+KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.paged_decode",
+                  "servelm.model.attention.prefill_attention", "servelm.model.layers.fused",
+                  "servelm.model.layers.lm_head_screen", "servelm.model.layers.gguf_rows",
+                  "servelm.model.layers.gguf_i8gemm")
+
+
+def greedy(model_path: Path, quantization: str = "auto") -> tuple[list[int], object]:
+    from servelm.config import EngineConfig
+    from servelm.engine.engine import LLMEngine
+    from servelm.sampling.params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=str(model_path), skip_tokenizer_init=True,
+                                                   quantization=quantization, num_threads=1,
+                                                   max_total_tokens=512)))
+    try:
+        engine.add_request("0", [3, 17, 42, 5, 9], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+        return tokens, engine.runner.model.lm_head.__dict__.get("linear_method")
+    finally:
+        engine.shutdown()
+
+
+def test_no_x86_features_compiles_nothing_x86_and_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every CPU flag hidden (a non-x86 CPU), no kernel that needs an x86 instruction is chosen,
+    the plain C++ ones are compiled without any -m flag, ``auto`` dequantizes the GGUF, and the engine
+    serves it through the torch routes: the same greedy tokens as ``--quantization none``."""
+    import importlib
+
+    from servelm.distributed.parallel import ParallelContext
+    from servelm.model.gguf_weights import resolve_quantization
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: set())
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
+        for kernel in getattr(module, "KERNELS", (module.KERNEL,)):
+            flags = kernel._compile_flags(set()) if callable(kernel._compile_flags) else kernel._compile_flags
+            assert kernel.missing_cpu_flags() or not any(flag.startswith("-m") for flag in flags), kernel.name
+    assert gguf_kernel.load_kernel() is None
+    mode, reason = resolve_quantization("auto", str(path), ParallelContext.single(), torch.device("cpu"), False)
+    assert mode == "none" and "avx2, fma, f16c" in reason
+    tokens, method = greedy(path)
+    assert method is None and tokens == expected and len(tokens) == 8
+
+
+def test_avx2_cpu_serves_the_gguf_blocks_on_the_avx2_build(avx2: object, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AVX2 + FMA and no AVX-512 (forced where it has more): ``auto`` keeps the GGUF
+    blocks on the AVX2 build for few rows (the float32 dense copy above), and its greedy tokens are
+    the dequantized model's on this tiny model."""
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: AVX2 | {"sse4_2", "avx"})
+    tokens, method = greedy(path)
+    assert method is not None and getattr(method.kernel, "ISA", "") == "avx2"
+    assert method.dense_dtype == torch.float32 and method.rows_kernel is None and method.i8_kernel is None
+    assert tokens == expected
