@@ -35,9 +35,11 @@ def _is_built(module_name: str) -> bool:
     from servelm.model import cpp_kernel
 
     module = importlib.import_module(module_name)
-    kernel = module.KERNEL
-    if kernel.missing_cpu_flags():
+    # a module with several builds (gguf_kernel: AVX-512, AVX2) loads the first the CPU allows
+    allowed = [kernel for kernel in getattr(module, "KERNELS", (module.KERNEL,)) if not kernel.missing_cpu_flags()]
+    if not allowed:
         return True
+    kernel = allowed[0]
     build_dir = cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}"
     return any(build_dir.glob("*.so"))
 

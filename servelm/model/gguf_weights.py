@@ -259,7 +259,8 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
         if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}
     x_bf16 = model_dtype == torch.bfloat16
     method.route_report = route_summary(routes_by_shape, x_bf16, route_source)
-    kernel_note = (f"routes ({route_source}; {route_seconds:.2f} s):\n  "
+    isa = "AVX2" if getattr(kernel, "ISA", "") == "avx2" else "AVX512-VNNI" if kernel is not None else "no"
+    kernel_note = (f"{isa} block kernel; routes ({route_source}; {route_seconds:.2f} s):\n  "
                    + "\n  ".join(format_report(method.route_report)))
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,

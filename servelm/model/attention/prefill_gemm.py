@@ -43,6 +43,9 @@ MAX_SCORE_ELEMENTS = 1 << 22
 """Cap on one tile's ``[G * n, columns]`` scores (16 MiB of float32)."""
 
 _ONEDNN = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+"""oneDNN's bf16 inner product exists only on CPUs with AVX-512 (BW or BF16) or AMX: on an AVX2-only
+CPU it raises "could not create a primitive descriptor", so bf16 operands take ``@`` there."""
 
 
 @dataclass(slots=True)
@@ -98,7 +101,7 @@ def build_tiles(row_starts: list[int], query_lens: list[int], starts: list[int],
 
 def _matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for contiguous 2-D operands (oneDNN on CPU)."""
-    if _ONEDNN and x.device.type == "cpu":
+    if _ONEDNN and x.device.type == "cpu" and (_ONEDNN_BF16 or x.dtype != torch.bfloat16):
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return x @ weight.T
 

@@ -1,0 +1,334 @@
+// The GGUF block linear of gguf_kernel.cpp for CPUs with AVX2 + FMA but no AVX-512 (most desktops
+// and laptops, AMD Zen 1-3): the same three Python functions with the same arguments and the same
+// arithmetic, y[M, N] = x[M, K] @ W.T with W[n, k] = codes[n, k] * scales[n, k / B] (+ offsets[n, k / B]),
+// B = 16 or 32 (gguf_blocks.py), read from the int8 codes as they are stored (1 byte per weight).
+//
+// Activation formats, as gguf_kernel.cpp's:
+//   block_linear_a16  q = round(x / d) in [-32512, 32512], d = amax / 32512 per 32 inputs (the default)
+//   block_linear      q = round(x / d) in [-127, 127],     d = amax / 127   per 32 inputs (llama.cpp's)
+//   block_linear_float  x unrounded, the codes converted to float and scaled in registers.
+// Both rounded formats keep q as int16 and multiply it by the codes sign-extended to int16 with
+// vpmaddwd (pairs of int16 products summed into int32): |q| <= 32512 and |code| <= 128, so a pair is
+// at most 2 * 32512 * 128 < 2^23 and a block's int32 lane sums (2 or 4 pairs) are exact -- no
+// saturation case at all, unlike vpmaddubsw (unsigned x signed bytes into int16), whose pairs
+// overflow for the 16-bit format's low byte (2 * 255 * 128 > 32767) on Q8_0's codes. The int32 sums
+// of a block are then scaled in float32 (weight scale x activation scale), as the VNNI kernel does.
+//
+// Compiled by servelm/model/layers/gguf_kernel.py with -mavx2 -mfma -mf16c where /proc/cpuinfo has
+// them; gguf_kernel.load_kernel picks the AVX-512 build where the CPU has AVX512-VNNI.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kActBlock = 32;        // activation quantization block
+constexpr int kRowTile = 4;          // activation rows sharing one pass over a weight row
+constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all activation rows pass
+constexpr int64_t kMinChunkBytes = 32768;  // the least weight bytes worth a thread of their own
+constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of a weight row's block the stream is prefetched
+
+// Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call).
+template <class T>
+T* scratch(int slot, int64_t count) {
+  static thread_local std::vector<T> buffers[3];
+  std::vector<T>& buffer = buffers[slot];
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Float sums of x over each weight block [rows, K / B]: offsets multiply them.
+const float* block_sums(const float* x, int64_t rows, int64_t k, int64_t block) {
+  float* sums = scratch<float>(2, rows * (k / block));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < k / block; ++b) {
+      float s = 0.f;
+      for (int64_t i = 0; i < block; ++i) s += x[r * k + b * block + i];
+      sums[r * (k / block) + b] = s;
+    }
+  return sums;
+}
+
+// x [rows, k] as float32: bf16 widened exactly into a scratch buffer, float32 used in place.
+const float* float_rows(const torch::Tensor& x, int64_t count) {
+  if (x.dtype() == torch::kFloat32) return x.data_ptr<float>();
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  float* out = scratch<float>(0, count);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_slli_epi32(wide, 16));
+  }
+  for (; i < count; ++i) {
+    const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(out + i, &word, sizeof(word));
+  }
+  return out;
+}
+
+// 16 int8 codes sign-extended to int16
+inline __m256i load_codes16(const int8_t* w) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+
+// Rounded activations (both integer formats): q = round(x / d) per row and kActBlock inputs with
+// d = amax / qmax, stored as int16 [rows, k], and d per block [rows, k / 32]. The arithmetic is the
+// VNNI kernel's (d, 1 / d or 0, round to nearest even of x * (1 / d)), so q is the same integer.
+// A few rows (decode) are quantized by the calling thread: a parallel region costs more than they do.
+struct IntActivations {
+  static constexpr int64_t kKMultiple = kActBlock;
+  const int16_t* codes;
+  const float* block_scales;
+  int64_t k;
+
+  IntActivations(const float* x, int64_t rows, int64_t k_, float qmax) : k(k_) {
+    int16_t* q = scratch<int16_t>(0, rows * k);
+    float* scales = scratch<float>(1, rows * (k / kActBlock));
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    auto quantize = [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t b = 0; b < k / kActBlock; ++b) {
+          const float* xb = x + r * k + b * kActBlock;
+          __m256 v[4];
+          __m256 amax = _mm256_setzero_ps();
+          for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+          }
+          const float d = hmax(amax) / qmax;
+          const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+          int16_t* qb = q + r * k + b * kActBlock;
+          for (int half = 0; half < 2; ++half) {
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half], inv));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half + 1], inv));
+            // packs works per 128-bit lane: [lo0-3 hi0-3 lo4-7 hi4-7] -> reorder the 64-bit quarters
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16 * half), packed);
+          }
+          scales[r * (k / kActBlock) + b] = d;
+        }
+      }
+    };
+    if (rows <= kRowTile) {
+      quantize(0, rows);
+    } else {
+      at::parallel_for(0, rows, 1, quantize);
+    }
+    codes = q;
+    block_scales = scales;
+  }
+
+  // ROWS activation rows (from r0) against one weight row; per 32 inputs: two vpmaddwd of 16 codes
+  // each, their int32 lanes (B = 32: added; B = 16: each its own block) scaled into a float accumulator.
+  template <int ROWS>
+  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+    const int16_t* xq[ROWS];
+    const float* xs[ROWS];
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      xq[r] = codes + (r0 + r) * k;
+      xs[r] = block_scales + (r0 + r) * (k / kActBlock);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const int64_t steps = k / kActBlock;
+    for (int64_t c = 0; c < steps; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * kActBlock) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i w0 = load_codes16(w + c * kActBlock);
+      const __m256i w1 = load_codes16(w + c * kActBlock + 16);
+      if (block == 32) {
+        const float ws = w_scales[c];
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32)));
+          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32 + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(ws * xs[r][c]), acc[r]);
+        }
+      } else {
+        const float ws0 = w_scales[2 * c], ws1 = w_scales[2 * c + 1];
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32)));
+          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32 + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ws0 * xs[r][c]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ws1 * xs[r][c]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
+  }
+};
+
+struct Int16Activations : IntActivations {
+  Int16Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 32512.f) {}
+};
+
+struct Int8Activations : IntActivations {
+  Int8Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 127.f) {}
+};
+
+// Float activations, unrounded: the weight row dequantized in registers (code * scale, exactly the
+// float32 dequantized weight) and multiplied by x; only the summation order differs from F.linear.
+struct FloatActivations {
+  static constexpr int64_t kKMultiple = 32;
+  const float* x;
+  int64_t k;
+
+  FloatActivations(const float* x_, int64_t /*rows*/, int64_t k_) : x(x_), k(k_) {}
+
+  template <int ROWS>
+  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+    const float* xr[ROWS];
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      xr[r] = x + (r0 + r) * k;
+      acc[r] = _mm256_setzero_ps();
+    }
+    const int64_t steps = k / 32;
+    for (int64_t c = 0; c < steps; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * 32) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256 s0 = _mm256_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c]);
+      const __m256 s1 = _mm256_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c + 1]);
+      __m256 wf[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c * 32 + 8 * i)));
+        wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(wide), i < 2 ? s0 : s1);
+      }
+      for (int r = 0; r < ROWS; ++r)
+        for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xr[r] + c * 32 + 8 * i), acc[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
+  }
+};
+
+// y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
+// kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
+template <class Activations>
+torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(codes.size(1) == k && k % Activations::kKMultiple == 0,
+              "K must match and be a multiple of ", Activations::kKMultiple);
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2
+              && scales.size(0) == n && scales.size(1) == k / block, "scales: float32 [N, K / block]");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets) {
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: float32 like scales");
+  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                && bias->is_contiguous() && bias->size(0) == n, "bias: contiguous float32 or bfloat16 [N]");
+  }
+  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  if (rows == 0 || n == 0) return out;
+  const float* xp = float_rows(x, rows * k);
+  const Activations acts(xp, rows, k);
+  const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
+  const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
+  const c10::BFloat16* bias16 = has_bias && bias->dtype() == torch::kBFloat16 ? bias->data_ptr<c10::BFloat16>()
+                                                                               : nullptr;
+  float* y = bf16_out ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t nb = k / block;
+  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / k);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    float dots[kRowTile];
+    for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
+      const int64_t n1 = std::min(end, n0 + kWeightTile);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+        for (int64_t j = n0; j < n1; ++j) {
+          const int8_t* wr = w + j * k;
+          const float* sr = s + j * nb;
+          switch (tile) {
+            case 4: acts.template dot<4>(wr, sr, block, r0, dots); break;
+            case 3: acts.template dot<3>(wr, sr, block, r0, dots); break;
+            case 2: acts.template dot<2>(wr, sr, block, r0, dots); break;
+            default: acts.template dot<1>(wr, sr, block, r0, dots); break;
+          }
+          for (int t = 0; t < tile; ++t) {
+            float value = dots[t];
+            if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+            if (bias32 != nullptr) value += bias32[j];
+            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
+            if (y16 != nullptr) {
+              y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
+            } else {
+              y[(r0 + t) * n + j] = value;
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                           c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                           c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<Int8Activations>(x, codes, scales, offsets, block, bf16_out, bias);
+}
+
+torch::Tensor block_linear_a16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                               c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                               c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<Int16Activations>(x, codes, scales, offsets, block, bf16_out, bias);
+}
+
+torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                                 c10::optional<torch::Tensor> bias) {
+  return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out, bias);
+}
+
+#define BLOCK_LINEAR_ARGS py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
+                          py::arg("bf16_out") = false, py::arg("bias") = py::none()
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") = "avx2";
+  m.def("block_linear_a16", &block_linear_a16,
+        "activations rounded to 16 bits per 32 inputs (int16 x int16 vpmaddwd, AVX2)", BLOCK_LINEAR_ARGS);
+  m.def("block_linear", &block_linear, "activations rounded to int8 per 32 inputs as llama.cpp (AVX2)",
+        BLOCK_LINEAR_ARGS);
+  m.def("block_linear_float", &block_linear_float,
+        "float activations (weights dequantized in registers; no activation rounding; AVX2 + FMA)",
+        BLOCK_LINEAR_ARGS);
+}

@@ -1,0 +1,214 @@
+"""The AVX2 + FMA build of the GGUF block linear (gguf_kernel_avx2.cpp) and the choice between builds.
+
+The AVX2 build is forced where the CPU also has AVX-512 (``AVX2_KERNEL`` is compiled without any
+AVX-512 flag; ``load_kernel(flags)`` hides features from the choice), so these tests run on every
+x86 machine with AVX2. Each of its three functions is checked against its arithmetic in float64:
+the dequantized weight times the activations rounded as the function rounds them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm.model.layers import gguf_kernel
+from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, repack
+from tests.unit.model.test_gguf_blocks import random_raw
+
+AVX2 = {"avx2", "fma", "f16c"}
+
+
+@pytest.fixture(scope="module")
+def avx2() -> object:
+    if gguf_kernel.AVX2_KERNEL.missing_cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(gguf_kernel.AVX2_KERNEL.missing_cpu_flags())}")
+    module = gguf_kernel.AVX2_KERNEL.load()
+    if module is None:
+        pytest.skip(gguf_kernel.AVX2_KERNEL.status())
+    return module
+
+
+def rounded(x: torch.Tensor, qmax: float | None) -> torch.Tensor:
+    """x as a rounding function sees it, in float64: per 32 inputs q = round(x * (1 / d)) with
+    d = amax / qmax, all in float32 as the kernels compute it (None: unrounded)."""
+    if qmax is None:
+        return x.double()
+    rows, cols = x.shape
+    blocks = x.float().view(rows, cols // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / qmax
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).double() * d.double()).view(rows, cols)
+
+
+def reference(x: torch.Tensor, weight: BlockWeight, qmax: float | None) -> torch.Tensor:
+    """The dequantized weight times rounded x, in float64; offsets multiply the unrounded sums."""
+    rows, cols = x.shape
+    out = rounded(x, qmax) @ weight.dequantize().double().T
+    if weight.offsets is not None:   # dequantize() included them with rounded x: swap in unrounded sums
+        n = weight.codes.shape[0]
+        sums = x.double().view(rows, -1, weight.block).sum(-1)
+        rounded_sums = rounded(x, qmax).view(rows, -1, weight.block).sum(-1)
+        out += (sums - rounded_sums) @ weight.offsets.double().T
+        assert out.shape == (rows, n)
+    return out
+
+
+MODES = {"block_linear_a16": 32512.0, "block_linear": 127.0, "block_linear_float": None}
+
+
+@pytest.mark.parametrize("kind", sorted(REPACKABLE))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+def test_avx2_kernel_matches_its_arithmetic(avx2: object, kind: str, rows: int) -> None:
+    """Every block type gguf_blocks repacks, 1..16 rows, an odd number of outputs; float32 rows."""
+    n, k = 37, 512
+    weight = repack(random_raw(kind, n, k, seed=rows), (n, k), kind)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0   # an all-zero block: d = 0
+    for name, qmax in MODES.items():
+        out = getattr(avx2, name)(x, weight.codes, weight.scales, weight.offsets, weight.block)
+        expected = reference(x, weight, qmax)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        assert (out.double() - expected).abs().max() <= 2e-6 * expected.abs().max(), name
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K", "Q4_1"])
+def test_avx2_kernel_bf16_rows_bias_and_output(avx2: object, kind: str) -> None:
+    """bf16 rows are widened exactly; a float32 or bf16 bias is added in float32 before the bf16
+    rounding of ``bf16_out``."""
+    n, k, rows = 45, 256, 4
+    weight = repack(random_raw(kind, n, k), (n, k), kind)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).bfloat16()
+    for bias in (None, torch.randn(n), torch.randn(n).bfloat16()):
+        for name in MODES:
+            run = getattr(avx2, name)
+            unrounded = run(x.float(), weight.codes, weight.scales, weight.offsets, weight.block)
+            assert torch.equal(run(x, weight.codes, weight.scales, weight.offsets, weight.block), unrounded)
+            with_bias = run(x, weight.codes, weight.scales, weight.offsets, weight.block, False, bias)
+            expected = unrounded if bias is None else unrounded + bias.float()
+            torch.testing.assert_close(with_bias, expected, rtol=1e-6, atol=1e-6)
+            as_bf16 = run(x, weight.codes, weight.scales, weight.offsets, weight.block, True, bias)
+            assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, with_bias.bfloat16())
+
+
+def test_avx2_kernel_many_rows_and_threads(avx2: object) -> None:
+    """Rows past the 4-row tile (the tails of 3, 2 and 1), weight rows split over threads."""
+    n, k = 300, 1024
+    weight = repack(random_raw("Q4_K", n, k, seed=3), (n, k), "Q4_K")
+    for rows in (7, 9, 10, 33):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        out = avx2.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, weight.block)
+        expected = reference(x, weight, 32512.0)
+        assert (out.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
+        # each row alone gives the same numbers (no dependence on the batch)
+        assert torch.equal(avx2.block_linear_a16(x[-1:].contiguous(), weight.codes, weight.scales, weight.offsets,
+                                                 weight.block), out[-1:])
+
+
+def test_avx2_kernel_refuses_bad_arguments(avx2: object) -> None:
+    weight = repack(random_raw("Q8_0", 4, 64), (4, 64), "Q8_0")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        avx2.block_linear_a16(torch.randn(1, 48), weight.codes[:, :48].contiguous(), weight.scales[:, :1].contiguous(),
+                              None, 32)
+    with pytest.raises(RuntimeError, match="block must be 16 or 32"):
+        avx2.block_linear_a16(torch.randn(1, 64), weight.codes, weight.scales, None, 8)
+
+
+def test_avx2_equals_avx512_where_both_build(avx2: object) -> None:
+    """Where the CPU has AVX512-VNNI too, both builds compute the same integers: equal to float32
+    summation order."""
+    avx512 = gguf_kernel.KERNEL.load() if not gguf_kernel.KERNEL.missing_cpu_flags() else None
+    if avx512 is None:
+        pytest.skip("no AVX512-VNNI build here")
+    for kind in sorted(REPACKABLE):
+        weight = repack(random_raw(kind, 40, 512), (40, 512), kind)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+        for name in MODES:
+            args = (x, weight.codes, weight.scales, weight.offsets, weight.block)
+            torch.testing.assert_close(getattr(avx2, name)(*args), getattr(avx512, name)(*args),
+                                       rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+
+
+def test_the_build_follows_the_cpu_flags(avx2: object) -> None:
+    """AVX512-VNNI picks the AVX-512 build first, AVX2 + FMA + F16C alone the AVX2 build (compiled
+    with no AVX-512 flag), no x86 vector flags no build at all (nothing compiled)."""
+    assert gguf_kernel.candidates(AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}) == [
+        gguf_kernel.KERNEL, gguf_kernel.AVX2_KERNEL]
+    assert gguf_kernel.candidates(AVX2 | {"avx512f"}) == [gguf_kernel.AVX2_KERNEL]
+    assert not any("avx512" in flag for flag in gguf_kernel.AVX2_KERNEL.compile_flags)
+    assert gguf_kernel.load_kernel(AVX2) is avx2 and avx2.ISA == "avx2"
+    assert "AVX2+FMA" in gguf_kernel.kernel_status(AVX2)
+    assert gguf_kernel.candidates(set()) == [] and gguf_kernel.load_kernel(set()) is None
+    assert gguf_kernel.kernel_status({"avx2"}).startswith("this CPU lacks ")
+    assert gguf_kernel.missing_cpu_flags({"avx2"}) == ["fma", "f16c"]
+
+
+# -- dispatch: the engine on a tiny quantized GGUF with the CPU's flags hidden or not -----------------
+
+KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.paged_decode",
+                  "servelm.model.attention.prefill_attention", "servelm.model.layers.fused",
+                  "servelm.model.layers.lm_head_screen", "servelm.model.layers.gguf_rows",
+                  "servelm.model.layers.gguf_i8gemm")
+
+
+def greedy(model_path: Path, quantization: str = "auto") -> tuple[list[int], object]:
+    from servelm.config import EngineConfig
+    from servelm.engine.engine import LLMEngine
+    from servelm.sampling.params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_flat(dict(model=str(model_path), skip_tokenizer_init=True,
+                                                   quantization=quantization, num_threads=1,
+                                                   max_total_tokens=512)))
+    try:
+        engine.add_request("0", [3, 17, 42, 5, 9], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.extend(output.new_token_ids)
+        return tokens, engine.runner.model.lm_head.__dict__.get("linear_method")
+    finally:
+        engine.shutdown()
+
+
+def test_no_x86_features_compiles_nothing_x86_and_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every CPU flag hidden (a non-x86 CPU), no kernel that needs an x86 instruction is chosen,
+    the plain C++ ones are compiled without any -m flag, ``auto`` dequantizes the GGUF, and the engine
+    serves it through the torch routes: the same greedy tokens as ``--quantization none``."""
+    import importlib
+
+    from servelm.distributed.parallel import ParallelContext
+    from servelm.model.gguf_weights import resolve_quantization
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: set())
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
+        for kernel in getattr(module, "KERNELS", (module.KERNEL,)):
+            flags = kernel._compile_flags(set()) if callable(kernel._compile_flags) else kernel._compile_flags
+            assert kernel.missing_cpu_flags() or not any(flag.startswith("-m") for flag in flags), kernel.name
+    assert gguf_kernel.load_kernel() is None
+    mode, reason = resolve_quantization("auto", str(path), ParallelContext.single(), torch.device("cpu"), False)
+    assert mode == "none" and "avx2, fma, f16c" in reason
+    tokens, method = greedy(path)
+    assert method is None and tokens == expected and len(tokens) == 8
+
+
+def test_avx2_cpu_serves_the_gguf_blocks_on_the_avx2_build(avx2: object, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AVX2 + FMA and no AVX-512 (forced where it has more): ``auto`` keeps the GGUF
+    blocks on the AVX2 build for few rows (the float32 dense copy above), and its greedy tokens are
+    the dequantized model's on this tiny model."""
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: AVX2 | {"sse4_2", "avx"})
+    tokens, method = greedy(path)
+    assert method is not None and getattr(method.kernel, "ISA", "") == "avx2"
+    assert method.dense_dtype == torch.float32 and method.rows_kernel is None and method.i8_kernel is None
+    assert tokens == expected
