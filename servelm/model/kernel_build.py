@@ -55,7 +55,7 @@ def _module_kernels(module: object) -> list[CppKernel]:
     if isinstance(single, CppKernel):
         found.append(single)
     for kernel in getattr(module, "KERNELS", ()):
-        if isinstance(kernel, CppKernel):
+        if isinstance(kernel, CppKernel) and kernel not in found:
             found.append(kernel)
     return found
 
