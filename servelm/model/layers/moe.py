@@ -158,7 +158,7 @@ class FusedMoE(nn.Module):
                 source = loaded.narrow(-1, shard.start, shard.size)
                 target = param.data if shard_id is None else param.data[shard_id[0]]
             else:
-                row = 0 if part == "gate" else full
+                row = full if part == "up" and shard_id is None else 0   # the stack's up rows follow its gate rows
                 source = loaded.narrow(-2, row + shard.start, shard.size)
                 start = 0 if part == "gate" else shard.size
                 target = (param.data if shard_id is None else param.data[shard_id[0]]).narrow(-2, start, shard.size)
