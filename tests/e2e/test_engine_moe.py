@@ -65,3 +65,18 @@ def test_greedy_matches_transformers_with_prefix_cache_and_chunks(tiny_model):
     assert first + rest == reference, arch
     uncached, _ = run(make_engine(path, cache=False), token_lists)
     assert uncached == reference, arch
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_engine_matches_tp1(tmp_path, arch):
+    """Two ranks on loopback, each holding every expert's half of the intermediate dimension (and
+    half the shared expert, half the dense layer's MLP): greedy tokens equal one rank's, chunked."""
+    from tests.e2e.test_tensor_parallel import run_engine
+
+    model = str(make_tiny_model_dir(tmp_path, arch))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    expected, _ = run_engine(model, 1, prompts, **flags)
+    got, layout = run_engine(model, 2, prompts, **flags)
+    assert got == expected
+    assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
