@@ -406,11 +406,24 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "servelm's scheduler does not overlap with the forward pass"),
     AlreadyBehaviour(("--disable-outlines-disk-cache",),
                      "servelm has no outlines backend; xgrammar compiles are cached in memory"),
-    AlreadyBehaviour(("--disable-mla",), "servelm has no Multi-head Latent Attention kernels"),
-    AlreadyBehaviour(("--disable-shared-experts-fusion", "--disable-chunked-prefix-cache",
-                      "--flashinfer-mla-disable-ragged",
+    AlreadyBehaviour(("--disable-mla",), "servelm has no Multi-head Latent Attention: DeepSeek's MLA "
+                     "models do not load yet (issue 33), and no other model uses it"),
+    AlreadyBehaviour(("--disable-shared-experts-fusion",),
+                     "servelm computes a shared expert (Qwen2-MoE) as its own gated MLP beside the "
+                     "routed experts, never fused into them"),
+    AlreadyBehaviour(("--disable-chunked-prefix-cache", "--flashinfer-mla-disable-ragged",
                       "--disable-flashinfer-cutlass-moe-fp4-allgather"),
-                     "servelm has none of these DeepSeek / flashinfer MoE and MLA optimisations"),
+                     "servelm has none of these DeepSeek MLA / FlashInfer MoE optimisations (CUDA-only "
+                     "kernels)"),
+    AlreadyBehaviour(("--moe-runner-backend",),
+                     "servelm runs every MoE layer through its own fused CPU path (rows grouped by "
+                     "expert, a gate_up and a down GEMM per expert with rows), which is what auto picks "
+                     "here; the triton, triton_kernel, deep_gemm, cutlass and flashinfer_* runners are "
+                     "CUDA-only kernels", values=("auto",), bad_value="triton"),
+    AlreadyBehaviour(("--moe-a2a-backend",),
+                     "no all-to-all: MoE expert parallelism is not built yet on this build (issue 33), "
+                     "so every rank holds every expert; deepep and mooncake are CUDA/RDMA-only",
+                     values=("none",), bad_value="deepep"),
     AlreadyBehaviour(("--enable-mixed-chunk", "--splitfuse_mode"),
                      "servelm's scheduler has no prefill/decode phases: prompt chunks and decodes "
                      "always share a step",
@@ -433,7 +446,8 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "the engine reads new requests between every two steps", values=("1",),
                      bad_value="4"),
     AlreadyBehaviour(("--expert-parallel-size", "--ep-size", "--ep"),
-                     "servelm has no expert parallelism (no MoE kernels)", values=("1",),
+                     "MoE expert parallelism is not built yet on this build (issue 33): every rank holds "
+                     "every expert (--tp-size splits each expert's intermediate dimension)", values=("1",),
                      bad_value="2"),
     AlreadyBehaviour(("--cpu-offload-gb", "--swap-space"),
                      "servelm keeps weights and KV in one memory pool: no CPU offload or swap",
@@ -541,8 +555,10 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--config_server_host", "--config_server_port")),
     Rejection("not supported: DP attention and its tuning (data parallelism here is whole engine "
               "replicas: --dp-size with --load-balance-method)",
-              ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head",
-               "--enable-dp-attention")),
+              ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head")),
+    Rejection(f"{NOT_BUILT_YET}: DP attention (attention data-parallel, MoE layers expert-parallel) is "
+              "planned with DeepSeek's MLA and expert parallelism (issue 33); data parallelism here "
+              "is whole engine replicas (--dp-size)", ("--enable-dp-attention",)),
     Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
               "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
               ("--gpu-id-step", "--enable-nccl-nvls",
@@ -604,18 +620,24 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection("not supported: servelm has no mixture-of-experts kernels or expert parallelism",
-              ("--enable-ep-moe", "--enable-deepep-moe", "--enable-flashinfer-cutlass-moe",
-               "--enable-flashinfer-cutedsl-moe", "--enable-flashinfer-trtllm-moe",
-               "--enable-flashinfer-mxfp4-moe", "--enable-triton-kernel-moe",
-               "--moe-runner-backend", "--ep_redundancy_expert_config_path",
-               "--auto_update_redundancy_expert", "--elastic-ep-backend", "--mooncake-ib-device",
-               "--moe-a2a-backend", "--flashinfer-mxfp4-moe-precision", "--deepep-mode",
-               "--ep-num-redundant-experts", "--ep-dispatch-algorithm", "--init-expert-location",
-               "--enable-eplb", "--eplb-algorithm", "--eplb-rebalance-num-iterations",
-               "--eplb-rebalance-layers-per-chunk", "--eplb-min-rebalancing-utilization-threshold",
-               "--expert-distribution-recorder-mode", "--expert-distribution-recorder-buffer-size",
-               "--enable-expert-distribution-metrics", "--deepep-config", "--moe-dense-tp-size")),
+    Rejection(f"{NOT_BUILT_YET}: MoE expert parallelism and expert load balancing (issue 33); MoE "
+              "models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) run with every expert on every rank, "
+              "their intermediate dimension split by --tp-size",
+              ("--enable-ep-moe", "--enable_ep_moe", "--enable-expert-parallel",
+               "--ep_redundancy_expert_config_path", "--auto_update_redundancy_expert",
+               "--elastic-ep-backend", "--ep-num-redundant-experts", "--ep-dispatch-algorithm",
+               "--init-expert-location", "--enable-eplb", "--eplb-algorithm",
+               "--eplb-rebalance-num-iterations", "--eplb-rebalance-layers-per-chunk",
+               "--eplb-min-rebalancing-utilization-threshold", "--expert-distribution-recorder-mode",
+               "--expert-distribution-recorder-buffer-size", "--enable-expert-distribution-metrics")),
+    Rejection(f"{NOT_BUILT_YET}: a separate tensor-parallel size for the dense MLP layers of MoE models "
+              "(issue 33); every layer is split by --tp-size", ("--moe-dense-tp-size",)),
+    Rejection("not supported: CUDA-only MoE kernels and transports (DeepEP, FlashInfer, Triton, "
+              "Mooncake RDMA); servelm runs MoE layers through its own fused CPU path",
+              ("--enable-deepep-moe", "--enable-flashinfer-cutlass-moe", "--enable-flashinfer-cutedsl-moe",
+               "--enable-flashinfer-trtllm-moe", "--enable-flashinfer-mxfp4-moe", "--enable-triton-kernel-moe",
+               "--flashinfer-mxfp4-moe-precision", "--deepep-mode", "--deepep-config",
+               "--mooncake-ib-device")),
     Rejection("not supported: servelm serves transformer models only (no Mamba state cache)",
               ("--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio")),
     Rejection("not supported: servelm runs eager PyTorch (or torch.compile with "

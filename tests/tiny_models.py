@@ -20,6 +20,11 @@ TINY_TP_ARCHS = ("llama_uneven", "gemma3_mqa")
 """Head layouts for tensor-parallel tests: ``llama_uneven`` has 6 query / 3 KV heads (SmolLM2's
 9/3 in miniature: 2 ranks split the KV heads 2 + 1); ``gemma3_mqa`` has one KV head (Gemma 3 270M:
 the KV head is replicated on every rank)."""
+TINY_MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+"""Mixture-of-experts configs: 8 experts (top-2, qwen2_moe top-4), a dense layer among the sparse
+ones where the family has them (qwen3_moe's ``mlp_only_layers``, qwen2_moe's
+``decoder_sparse_step``), renormalised top-k (qwen3_moe, mixtral) and not (qwen2_moe, olmoe)."""
+TINY_NUM_EXPERTS = 8
 TINY_SLIDING_WINDOW = 8
 TINY_VOCAB_SIZE = 320
 
@@ -39,6 +44,23 @@ def make_tiny_config(arch: str) -> Any:
         config = make_tiny_config("gemma3")
         config.num_key_value_heads = 1
         return config
+    moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if arch == "qwen3_moe":  # layers 0 and 2 sparse, 1 dense; renormalised top-2
+        return transformers.Qwen3MoeConfig(
+            **common, **moe, num_hidden_layers=3, head_dim=32, num_experts=TINY_NUM_EXPERTS,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
+    if arch == "mixtral":  # every layer sparse; softmax over the chosen two
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 48}, **moe, num_hidden_layers=2,
+                                          num_local_experts=TINY_NUM_EXPERTS, tie_word_embeddings=False)
+    if arch == "qwen2_moe":  # every 2nd layer sparse, with the shared expert; top-4 not renormalised
+        return transformers.Qwen2MoeConfig(
+            **common, **{**moe, "num_experts_per_tok": 4}, num_hidden_layers=2, num_experts=TINY_NUM_EXPERTS,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+            norm_topk_prob=False, tie_word_embeddings=False)
+    if arch == "olmoe":  # whole-projection q/k norms, q/k/v clipped; top-2 not renormalised
+        return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, **moe, num_hidden_layers=2,
+                                        num_experts=TINY_NUM_EXPERTS, clip_qkv=3.0, norm_topk_prob=False,
+                                        tie_word_embeddings=False)
     if arch == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling
         return transformers.LlamaConfig(
             **common, num_hidden_layers=2, tie_word_embeddings=True, hidden_act="silu",
@@ -58,11 +80,18 @@ def make_tiny_config(arch: str) -> Any:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
             hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS}")
+    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS + TINY_MOE_ARCHS}")
 
 
-def make_tiny_hf_model(arch: str, seed: int = 0) -> Any:
-    """The transformers model (float32, eval mode, eager attention) for ``make_tiny_config(arch)``."""
+TINY_SEEDS = {"mixtral": 2}
+"""Seeds other than 0: seed 0's Mixtral router never picks one expert of layer 1 on the parity
+tests' prompts (an expert whose weights no test would check)."""
+
+
+def make_tiny_hf_model(arch: str, seed: int | None = None) -> Any:
+    """The transformers model (float32, eval mode, eager attention) for ``make_tiny_config(arch)``
+    (``seed`` None: ``TINY_SEEDS``' or 0)."""
+    seed = TINY_SEEDS.get(arch, 0) if seed is None else seed
     config = make_tiny_config(arch)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -78,7 +107,7 @@ def make_tiny_hf_model(arch: str, seed: int = 0) -> Any:
     return model.eval()
 
 
-def make_tiny_model_dir(tmp_path: str | Path, arch: str, seed: int = 0) -> Path:
+def make_tiny_model_dir(tmp_path: str | Path, arch: str, seed: int | None = None) -> Path:
     """Save a tiny model as ``tmp_path/tiny-<arch>/{config.json, model.safetensors}``; returns the dir."""
     path = Path(tmp_path) / f"tiny-{arch}"
     make_tiny_hf_model(arch, seed).save_pretrained(path, safe_serialization=True)

@@ -33,6 +33,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # llama.cpp architecture -> transformers model_type (Gemma 3 GGUFs hold the text backbone only).
+_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "deepseek2", "llama4", "gpt-oss")
+"""GGUF architectures of MoE models, refused with their own reason (a Mixtral GGUF is "llama" with
+an ``expert_count``)."""
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 # GGUF metadata key (after "<arch>.") -> config field, per architecture.
@@ -175,6 +178,9 @@ class GGUFFile:
         except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
             raise GGUFError(f"cannot read GGUF file {self.path}: {e}") from e
         self.architecture = str(self.fields.get("general.architecture"))
+        if self.architecture in _MOE_ARCHITECTURES or self.fields.get(f"{self.architecture}.expert_count"):
+            raise GGUFError(f"{self.path.name}: a mixture-of-experts GGUF ({self.architecture!r} with experts) "
+                            "does not load yet (issue 33); its Hugging Face safetensors directory does")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"{self.path.name}: GGUF architecture {self.architecture!r} is not "
                             f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")

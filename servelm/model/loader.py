@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import STACKED_PARAMS
+from servelm.model.layers.moe import FusedMoE
 from servelm.model.registry import ENCODER_ARCHITECTURES, architecture_name, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,10 @@ def expected_checkpoint_tensors(model: nn.Module) -> int:
         shards_per_fused[fused] = shards_per_fused.get(fused, 0) + 1
     total = 0
     for name, _ in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, FusedMoE):   # per-expert tensors: gate and up, or down, of each expert
+            total += owner.num_experts * (2 if name.endswith("gate_up_proj") else 1)
+            continue
         module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         total += shards_per_fused.get(module_name, 1)
     return total

@@ -1,7 +1,8 @@
 """Pieces every decoder-only architecture shares: the gated MLP, layer-type lookup, weight loading.
 
 Weight names follow the HF checkpoints. Fused parameters (``qkv_proj``, ``gate_up_proj``) load from
-their HF shards through ``STACKED_PARAMS``; every other tensor loads by its own name.
+their HF shards through ``STACKED_PARAMS``, the stacked MoE experts from per-expert tensors through
+``FusedMoE.checkpoint_part``; every other tensor loads by its own name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.layers.activation import ActAndMul
 from servelm.model.layers.linear import LinearMethod, LoRAGroup, MergedColumnParallelLinear, RowParallelLinear
+from servelm.model.layers.moe import FusedMoE
 
 # (fused parameter, HF shard, shard id)
 STACKED_PARAMS: list[tuple[str, str, int | str]] = [
@@ -43,13 +45,17 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x, lora, rows)), lora, rows)
 
 
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+"""Families whose config's ``sliding_window`` (None when off) applies to every layer."""
+
+
 def layer_sliding_window(hf_config: Any, layer_id: int) -> int | None:
     """The sliding window of one layer, or None for full attention."""
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_id] == "sliding_attention" else None
-    if getattr(hf_config, "model_type", "") == "mistral":
+    if getattr(hf_config, "model_type", "") in _WINDOW_ON_EVERY_LAYER:
         return window
     return None
 
@@ -71,8 +77,11 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         name = rename(checkpoint_name)
         if name is None or name.endswith("rotary_emb.inv_freq"):
             continue
-        shard_id: int | str | None = None
-        for fused, shard, sid in STACKED_PARAMS:
+        shard_id: Any = None
+        expert_part = FusedMoE.checkpoint_part(name)   # one expert's tensor of a stacked MoE weight
+        if expert_part is not None:
+            name, shard_id = expert_part
+        for fused, shard, sid in STACKED_PARAMS if expert_part is None else ():
             if f".{shard}." in name:
                 name, shard_id = name.replace(f".{shard}.", f".{fused}."), sid
                 break
@@ -92,6 +101,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             param.data.copy_(tensor)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
+    missing += [f"{name} {part}" for name, module in model.named_modules() if isinstance(module, FusedMoE)
+                for part in module.missing_parts()]
     if missing:
         raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
     return loaded

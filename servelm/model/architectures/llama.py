@@ -2,12 +2,13 @@
 
 pre-norm blocks: ``h += o(attn(rope(qkv(norm(h)))))``, ``h += down(act(gate(x)) * up(x))``, final norm.
 Class attributes choose the variants: ``qkv_bias``/``o_bias`` (None: the config's
-``attention_bias``) and ``has_qk_norm`` (per-head RMSNorm of q and k before rope, Qwen3).
+``attention_bias``) and ``has_qk_norm`` (per-head RMSNorm of q and k before rope, Qwen3);
+``build_attention``/``build_mlp`` build each layer's parts (the MoE families override them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
+    has_flat_decode = True
+    """Whether llama_decode.py's flat plan computes this attention (a subclass with other steps: False)."""
+
     def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
                  parallel: ParallelContext) -> None:
         super().__init__()
@@ -57,12 +61,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_id: int, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
-                 parallel: ParallelContext) -> None:
+    """Pre-norm attention then MLP; ``mlp`` is any module called as ``mlp(x, lora)`` (the dense
+    GatedMLP, or an MoE block)."""
+
+    def __init__(self, hf_config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, layer_id, qkv_bias, o_bias, has_qk_norm, parallel)
-        self.mlp = GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
-                            bias=getattr(hf_config, "mlp_bias", False), parallel=parallel)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -77,17 +82,15 @@ class LlamaModel(nn.Module):
     """The residual stream's dtype (``--residual-dtype``; None: the embedding's). The norms take it
     in and give their weight's dtype out; the final norm's output is in the model dtype."""
 
-    def __init__(self, hf_config: Any, qkv_bias: bool, o_bias: bool, has_qk_norm: bool,
-                 parallel: ParallelContext) -> None:
+    def __init__(self, hf_config: Any, parallel: ParallelContext,
+                 build_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # A pipeline stage holds its own layers; the embedding and the final norm only on the first
         # and last stage (None elsewhere).
         self.embed_tokens = (VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel=parallel)
                              if parallel.is_first_stage else None)
         self.held_layers = parallel.layer_range(hf_config.num_hidden_layers)
-        self.layers = stage_layers(
-            hf_config.num_hidden_layers, parallel,
-            lambda i: LlamaDecoderLayer(hf_config, i, qkv_bias, o_bias, has_qk_norm, parallel))
+        self.layers = stage_layers(hf_config.num_hidden_layers, parallel, build_layer)
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps) if parallel.is_last_stage else None
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,14 +115,24 @@ class LlamaForCausalLM(nn.Module):
         parallel = parallel or ParallelContext.single()
         self.hf_config = hf_config
         self.parallel = parallel
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, self.has_qk_norm, parallel)
+        self.model = LlamaModel(hf_config, parallel, lambda i: LlamaDecoderLayer(
+            hf_config, self.build_attention(hf_config, i, parallel), self.build_mlp(hf_config, i, parallel)))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = (LMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied, parallel=parallel)
                         if parallel.is_last_stage else None)
+
+    def build_attention(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
+        """Layer ``layer_id``'s attention (the class attributes choose biases and q/k norms)."""
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        return LlamaAttention(hf_config, layer_id, qkv_bias, o_bias, self.has_qk_norm, parallel)
+
+    def build_mlp(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
+        """Layer ``layer_id``'s MLP: dense here; the MoE families return their sparse block."""
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
+                        bias=getattr(hf_config, "mlp_bias", False), parallel=parallel)
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(batch, hidden)

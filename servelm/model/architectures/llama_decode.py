@@ -24,6 +24,8 @@ from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, k
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_linear import decode_takes_bias
 
+from servelm.model.architectures.common import GatedMLP
+
 if TYPE_CHECKING:
     from servelm.model.architectures.llama import LlamaDecoderLayer
     from servelm.model.forward_batch import ForwardBatch
@@ -51,6 +53,8 @@ class LlamaDecodePlan(FlatDecodePlan):
 
     def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, GatedMLP) or not getattr(attn, "has_flat_decode", False):
+            return None   # an MoE block, or attention with steps of its own (OLMoE): the module path
         qkv_call = kernel_call(attn.qkv_proj, allow_bias=True)
         calls = [kernel_call(linear) for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         head_norms = [attn.q_norm, attn.k_norm] if attn.has_qk_norm else []

@@ -1,0 +1,67 @@
+"""The sparse MoE block every MoE family shares: a router, the fused experts, and optionally a
+shared expert (Qwen2-MoE) scaled by its own sigmoid gate; and which layers are sparse.
+
+Names follow transformers (>= 5): ``mlp.gate`` (the router, ``[E, H]``), ``mlp.experts`` (the
+stacked weights: servelm.model.layers.moe), ``mlp.shared_expert`` and ``mlp.shared_expert_gate``.
+The router and the shared expert's gate are plain (replicated) linears, never quantized: a
+rounding change in the router's logits changes which experts run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from servelm.distributed.parallel import ParallelContext
+from servelm.model.architectures.common import GatedMLP
+from servelm.model.layers.linear import LoRAGroup
+from servelm.model.layers.moe import FusedMoE, route
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """The routed experts of a config (``num_experts``; Mixtral's ``num_local_experts``)."""
+    return int(getattr(hf_config, "num_experts", None) or hf_config.num_local_experts)
+
+
+def is_sparse_layer(hf_config: Any, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` has the MoE block (else a dense MLP): Qwen's ``mlp_only_layers``
+    and ``decoder_sparse_step`` (every step-th layer, counting from 1); every layer elsewhere."""
+    if layer_id in (getattr(hf_config, "mlp_only_layers", None) or []):
+        return False
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    return num_experts_of(hf_config) > 0 and (layer_id + 1) % step == 0
+
+
+class SparseMoeBlock(nn.Module):
+    """``forward(x [T, H]) -> [T, H]``: the routed experts' weighted sum, plus
+    ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is a shared expert."""
+
+    def __init__(self, hf_config: Any, intermediate_size: int, renormalize: bool,
+                 parallel: ParallelContext, shared_intermediate_size: int | None = None) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        num_experts = num_experts_of(hf_config)
+        self.top_k = int(hf_config.num_experts_per_tok)
+        if not 0 < self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}]")
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden, intermediate_size, hf_config.hidden_act, parallel=parallel)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, shared_intermediate_size, hf_config.hidden_act, parallel=parallel)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
+        """``lora`` is accepted for the decoder layer's call and unused: adapters reach the attention
+        projections and the shared expert only (an adapter on the routed experts is refused when
+        it is loaded, as the model has no such layer)."""
+        routing = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, routing)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
+        return out

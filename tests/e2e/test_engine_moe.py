@@ -1,0 +1,82 @@
+"""The whole engine on the tiny MoE checkpoints as saved on disk (per-expert tensors): greedy tokens
+equal transformers' generate with the prefix cache on, chunked prefill and several concurrent
+requests sharing a prefix, and equal the same engine with the cache off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from servelm.engine.engine import LLMEngine
+from servelm.sampling.params import SamplingParams
+from tests.reference import load_reference_model, transformers_greedy
+from tests.tiny_models import TINY_MOE_ARCHS, make_tiny_model_dir
+
+NUM_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=TINY_MOE_ARCHS)
+def tiny_model(request, tmp_path_factory):
+    return request.param, make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def make_engine(path, cache: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+        cache=CacheConfig(max_total_tokens=4096, page_size=8, disable_radix_cache=not cache),
+        scheduler=SchedulerConfig(chunked_prefill_size=16, max_prefill_tokens=256),
+    )
+    return LLMEngine(config)
+
+
+def shared_prefix_prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(11)
+    system = [rng.randrange(1, vocab_size) for _ in range(29)]
+    return [system + [rng.randrange(1, vocab_size) for _ in range(rng.randrange(1, 14))] for _ in range(5)]
+
+
+def run(engine: LLMEngine, token_lists: list[list[int]]) -> tuple[list[list[int]], int]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(token_lists))]
+    for request_id, tokens in zip(ids, token_lists):
+        assert engine.add_request(request_id, tokens, params) is None
+    outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    cached = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+            if output.is_finished:
+                assert output.finish_reason == "length", output.error
+                cached += output.num_cached_tokens
+    assert engine.stats()["num_used_blocks"] == 0
+    return [outputs[request_id] for request_id in ids], cached
+
+
+def test_greedy_matches_transformers_with_prefix_cache_and_chunks(tiny_model):
+    arch, path = tiny_model
+    engine = make_engine(path, cache=True)
+    token_lists = shared_prefix_prompts(engine.runner.vocab_size)
+    # a first request fills the cache; the rest run together, chunked, from its prefix
+    first, _ = run(engine, token_lists[:1])
+    rest, cached = run(engine, token_lists[1:])
+    assert cached > 0, f"{arch}: no prefix-cache hit"
+    reference = transformers_greedy(load_reference_model(path), token_lists, NUM_NEW_TOKENS)
+    assert first + rest == reference, arch
+    uncached, _ = run(make_engine(path, cache=False), token_lists)
+    assert uncached == reference, arch
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_engine_matches_tp1(tmp_path, arch):
+    """Two ranks on loopback, each holding every expert's half of the intermediate dimension (and
+    half the shared expert, half the dense layer's MLP): greedy tokens equal one rank's, chunked."""
+    from tests.e2e.test_tensor_parallel import run_engine
+
+    model = str(make_tiny_model_dir(tmp_path, arch))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    expected, _ = run_engine(model, 1, prompts, **flags)
+    got, layout = run_engine(model, 2, prompts, **flags)
+    assert got == expected
+    assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
