@@ -10,6 +10,7 @@ import pytest
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
+from tests.e2e.test_prefix_cache_tiny import run as run_greedy
 from tests.reference import load_reference_model, transformers_greedy
 from tests.tiny_models import TINY_MOE_ARCHS, make_tiny_model_dir
 
@@ -37,20 +38,10 @@ def shared_prefix_prompts(vocab_size: int) -> list[list[int]]:
 
 
 def run(engine: LLMEngine, token_lists: list[list[int]]) -> tuple[list[list[int]], int]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    ids = [f"r{i}" for i in range(len(token_lists))]
-    for request_id, tokens in zip(ids, token_lists):
-        assert engine.add_request(request_id, tokens, params) is None
-    outputs: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    cached = 0
-    while engine.has_unfinished():
-        for output in engine.step():
-            outputs[output.request_id].extend(output.new_token_ids)
-            if output.is_finished:
-                assert output.finish_reason == "length", output.error
-                cached += output.num_cached_tokens
+    """Greedy outputs and cached prompt tokens (test_prefix_cache_tiny's driver); every block freed after."""
+    outputs, cached = run_greedy(engine, token_lists, NUM_NEW_TOKENS)
     assert engine.stats()["num_used_blocks"] == 0
-    return [outputs[request_id] for request_id in ids], cached
+    return outputs, cached
 
 
 def test_greedy_matches_transformers_with_prefix_cache_and_chunks(tiny_model):

@@ -56,12 +56,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = GatedMLP(hidden, shared_intermediate_size, hf_config.hidden_act, parallel=parallel)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None) -> torch.Tensor:
-        """``lora`` is accepted for the decoder layer's call and unused: adapters reach the attention
-        projections and the shared expert only (an adapter on the routed experts is refused when
-        it is loaded, as the model has no such layer)."""
+    def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
+        """``lora`` reaches the shared expert only (an adapter on the routed experts is refused when
+        it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows, for
+        GGUF routes) too: the experts and the router are plain float weights."""
         routing = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora, rows)
         return out
