@@ -1,7 +1,7 @@
 """One C++ kernel source built with torch.utils.cpp_extension, at most once per process.
 
 The shared object is cached under ``~/.cache/servelm/kernels/<name>_<hash>`` (the hash covers the
-source, the shared headers, torch's version and the compile flags), so only the first start on a machine compiles it
+source, the shared headers, torch's version and installation, and the compile flags), so only the first start on a machine compiles it
 (20-60 s on 2 cores) and later starts load it in milliseconds. Building needs the CPU features the
 source is compiled for (read from /proc/cpuinfo, never assumed), a C++ compiler and ninja; when
 anything is missing or the build fails, ``load`` returns None and ``status`` says why, and the
@@ -123,6 +123,9 @@ class CppKernel:
             digest.update(header.name.encode())
             digest.update(header.read_bytes())
         digest.update(torch.__version__.encode())
+        # the installation too: its header paths are in ninja's build file, so two environments (two
+        # virtualenvs with the same torch) sharing one directory would each rebuild it in turn
+        digest.update(str(Path(torch.__file__).resolve().parent).encode())
         digest.update(" ".join(self.compile_flags + self.link_flags).encode())
         return digest.hexdigest()[:16]
 
