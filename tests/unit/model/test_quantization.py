@@ -87,7 +87,11 @@ def test_quantized_tiny_model_stays_close(arch: str) -> None:
     expected, actual = exact.execute(plan), quantized.execute(plan)
     assert relative_error(actual, expected) < 0.1
     top2 = expected.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * expected.std(dim=-1)
+    # without VNNI fbgemm takes 7-bit activations (reduce_range: vpmaddubsw's int16 sums would
+    # saturate), twice the rounding step, so a margin must be twice as wide to be clear
+    from servelm.model.layers import quantization
+    margin = 0.2 if quantization._REDUCE_RANGE else 0.1
+    clear = (top2[:, 0] - top2[:, 1]) > margin * expected.std(dim=-1)
     assert clear.sum() >= 4
     assert torch.equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
 
