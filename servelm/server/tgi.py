@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
