@@ -30,10 +30,16 @@ class ServerProcess:
     kind = "server"
 
     def __init__(self, args: list[str], startup_timeout_s: float = 600.0,
-                 program: list[str] | None = None) -> None:
-        """``program``: the command before ``args`` (default: this python's ``-m servelm serve``)."""
+                 program: list[str] | None = None, warm_up: bool = False) -> None:
+        """``program``: the command before ``args`` (default: this python's ``-m servelm serve``).
+
+        ``warm_up``: keep the start-up warm-up. Off by default: it costs 2-13 s per start on a
+        2-core CI box (over 100 starts in the default run) and changes no token; its own tests
+        (tests/unit/engine/test_warmup.py, tests/e2e/test_warmup_live.py) ask for it."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        if not warm_up and program is None and "--skip-server-warmup" not in args:
+            args = [*args, "--skip-server-warmup"]
         self.args = args
         self.program = program or [sys.executable, "-m", "servelm", "serve"]
         self.startup_timeout_s = startup_timeout_s

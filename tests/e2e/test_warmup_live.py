@@ -33,7 +33,7 @@ def test_warm_up_runs_before_ready_and_leaves_no_trace(tmp_path: Path) -> None:
     path = make_tiny_model_dir(tmp_path, "gemma3")
     args = [str(path), "--num-threads", "1", "--max-total-tokens", "2048", "--chunked-prefill-size", "32",
             "--enable-metrics"]
-    with ServerProcess(args) as server:
+    with ServerProcess(args, warm_up=True) as server:
         assert "start-up warm-up: prefill chunks and decode batches ran in" in server.log(None)
         info = _info(server)
         assert not info["skip_server_warmup"]
