@@ -8,6 +8,11 @@ Invariants:
 - Trusted templates (the tokenizer's, --chat-template) render off the event loop; a template sent
   in a request is refused unless --trust-request-chat-template, and then renders in
   ``template_sandbox`` (a worker process with a time and memory budget).
+- Content parts reach the template per --chat-template-content-format: as lists of
+  ``{"type": "text"}`` / ``{"type": "image"}`` parts (openai; the model's template places each
+  image), or joined into one string with the image marker text where an image was (string). The
+  images themselves are collected here in message order (``ImageRef``s, not read yet): the i-th
+  image part is the i-th image the template writes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""Small images for the media tests, well-formed and hostile, built in memory (no files)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="8" height="8"/></svg>'
+
+
+def png(width: int = 16, height: int = 12, seed: int = 0, mode: str = "RGB") -> bytes:
+    """A real PNG with varied pixels (``seed`` changes them)."""
+    from PIL import Image
+
+    image = Image.new(mode, (width, height))
+    channels = len(mode)
+    image.putdata([tuple((x * 7 + y * 13 + seed * 31 + c * 50) % 256 for c in range(channels))
+                   if channels > 1 else (x * 7 + y * 13 + seed * 31) % 256
+                   for y in range(height) for x in range(width)])
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def encode(data: bytes, fmt: str) -> bytes:
+    """The same pixels in another format (lossless: BMP, PNG, WEBP lossless)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(out, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return out.getvalue()
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` (8-bit greyscale) but carries a few bytes of pixel
+    data: a decompression bomb's header without its payload (opening it must not allocate it)."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header)
+            + _chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + _chunk(b"IEND", b""))
+
+
+def strip_png(length: int = 100_000) -> bytes:
+    """A real 1 x ``length`` PNG."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("L", (1, length), 128).save(out, format="PNG")
+    return out.getvalue()
+
+
+def truncated_png() -> bytes:
+    """A noisy 64 x 64 PNG cut in half (its pixel data ends early)."""
+    data = png(64, 64, seed=3)
+    return data[: len(data) // 2]
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
