@@ -7,7 +7,6 @@ methods here are synchronous and block until their requests finish.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import threading
 from collections.abc import Coroutine, Sequence
@@ -17,9 +16,6 @@ from typing import Any, TypeVar
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine
 from servelm.engine.outputs import TokenLogprob
-from servelm.multimodal.front_door import ImageRef, MultimodalFrontDoor, load_image_processor
-from servelm.multimodal.inputs import MultimodalInputs
-from servelm.multimodal.media import MediaPolicy
 from servelm.sampling.params import BeamParams, SamplingParams
 
 T = TypeVar("T")
@@ -63,7 +59,6 @@ class Engine:
         except BaseException:
             self._stop_loop()
             raise
-        self._images: MultimodalFrontDoor | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -86,17 +81,11 @@ class Engine:
         sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         lora_path: str | Sequence[str | None] | None = None,
-        image_data: Any = None,
     ) -> Any:
         """Generate for each prompt (text or token ids). A single prompt gives one result,
         a list gives a list in the same order. ``lora_path``: the LoRA adapter (its name) for
-        every prompt, or one per prompt (None: the base model). ``image_data`` (SGLang's
-        Engine): a single prompt's image or list of images; for a list of prompts, one entry
-        (an image, a list, or None) per prompt. An image is a PIL image, bytes, a file path, or a
-        data:/file:// URL (http(s) only from --allowed-media-domains); the prompt carries the
-        model's image marker for each."""
+        every prompt, or one per prompt (None: the base model)."""
         token_lists, is_single = self._token_lists(prompts, input_ids)
-        mm_inputs = self._multimodal(token_lists, image_data, is_single)
         params = self._params(sampling_params, len(token_lists))
         if lora_path is None or isinstance(lora_path, str):
             adapters: list[str | None] = [lora_path] * len(token_lists)
@@ -104,42 +93,8 @@ class Engine:
             adapters = list(lora_path)
             if len(adapters) != len(token_lists):
                 raise ValueError(f"{len(adapters)} lora_path entries for {len(token_lists)} prompts")
-        results = self._run(self._generate_all(token_lists, params, adapters, mm_inputs))
+        results = self._run(self._generate_all(token_lists, params, adapters))
         return results[0] if is_single else results
-
-    def _multimodal(self, token_lists: list[list[int]], image_data: Any,
-                    is_single: bool) -> list[MultimodalInputs | None]:
-        """Each prompt's images, loaded and expanded by the model's image processor (the prompt
-        in ``token_lists`` is replaced by its expansion); None for a prompt without images."""
-        if image_data is None:
-            return [None] * len(token_lists)
-        if is_single:
-            per_prompt = [image_data if isinstance(image_data, list) else [image_data]]
-        else:
-            if not isinstance(image_data, list) or len(image_data) != len(token_lists):
-                raise ValueError(f"image_data needs one entry per prompt ({len(token_lists)})")
-            per_prompt = [[] if entry is None else entry if isinstance(entry, list) else [entry]
-                          for entry in image_data]
-        if self._images is None:
-            info = self._engine.model_info
-            processor = load_image_processor(self.config, info.architecture,
-                                             info.model_path or self.config.model.model,
-                                             self.tokenizer)
-            policy = dataclasses.replace(MediaPolicy.from_config(self.config), is_trusted_caller=True)
-            self._images = MultimodalFrontDoor(self.config, processor, self.config.model.name, policy)
-        front_door = self._images
-        results: list[MultimodalInputs | None] = []
-        for index, images in enumerate(per_prompt):
-            refs = [ImageRef(image, f"image_data[{index}][{position}]")
-                    for position, image in enumerate(images)]
-            if not refs:
-                results.append(None)
-                continue
-            loaded = self._run(front_door.load(refs))
-            expanded = self._run(front_door.expand(token_lists[index], loaded, f"image_data[{index}]"))
-            token_lists[index] = expanded.prompt_token_ids
-            results.append(expanded)
-        return results
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         """Load a LoRA adapter (needs enable_lora=True): {"success", "message", ...}."""
@@ -176,13 +131,10 @@ class Engine:
         return params
 
     async def _generate_all(self, token_lists: list[list[int]], params: list[SamplingParams],
-                            adapters: list[str | None],
-                            mm_inputs: list[MultimodalInputs | None] | None = None
-                            ) -> list[GenerationResult]:
-        images = mm_inputs or [None] * len(token_lists)
+                            adapters: list[str | None]) -> list[GenerationResult]:
         return list(await asyncio.gather(*(
-            self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter, mm_inputs=mm)
-            for ids, p, adapter, mm in zip(token_lists, params, adapters, images, strict=True))))
+            self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter)
+            for ids, p, adapter in zip(token_lists, params, adapters, strict=True))))
 
     def beam_search(self, prompts: str | Sequence[str] | None = None, beam_width: int = 4,
                     max_tokens: int = 16, *, input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -208,12 +160,10 @@ class Engine:
 
     async def _generate_one(self, request_id: str, prompt_token_ids: list[int],
                             params: SamplingParams, lora_name: str | None,
-                            group: str = "", mm_inputs: MultimodalInputs | None = None
-                            ) -> GenerationResult:
+                            group: str = "") -> GenerationResult:
         result = GenerationResult("", [], "", prompt_token_ids)
-        images = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
         async for output in self._engine.generate(request_id, prompt_token_ids, params,
-                                                  group=group, lora_name=lora_name, **images):
+                                                  group=group, lora_name=lora_name):
             result.text += output.new_text
             result.token_ids.extend(output.new_token_ids)
             result.logprobs.extend(output.logprobs or [])

@@ -1,13 +1,13 @@
-"""Images at the front door (the HTTP server and the offline Engine): which request parts are
-images, whether this server takes them, and turning a prompt with images into the engine's
-``MultimodalInputs``.
+"""Images at the front door (the HTTP server): which request parts are images, whether this
+server takes them, and turning a prompt with images into the engine's ``MultimodalInputs``.
 
 Flow for one request: the route collects ``ImageRef``s (what the client sent, unread) while it
 parses the request; ``MultimodalFrontDoor.check`` refuses them at once when the model is text-only,
 images are off or there are too many (nothing is read or fetched then); ``load`` reads and checks
-them (``servelm.multimodal.media``) off the event loop; after the prompt text is tokenized,
-``expand`` runs the model's image processor, which replaces each image marker with the image's
-placeholder tokens and computes its pixel values. The expanded token ids are the prompt the engine
+them (``servelm.multimodal.media``) off the event loop; ``expand_text`` writes each image's
+full token sequence into the prompt text (as transformers' processors do, so the tokenization
+matches theirs), and after tokenizing ``expand`` runs the model's image processor, which finds
+(or, for token ids sent as such, makes) each image's placeholder tokens and computes its pixels. The expanded token ids are the prompt the engine
 sees: the context check, ``usage.prompt_tokens`` and the prefix cache all count image tokens.
 
 The image processor comes from the model side (``servelm.multimodal.processor``) through one
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,36 +31,52 @@ logger = logging.getLogger(__name__)
 
 
 class ImageProcessor(Protocol):
-    """The model's image processor, as the front door uses it."""
+    """The model's image processor, as the front door uses it (``servelm.multimodal.processor``'s
+    Gemma3Processor and Qwen2VLProcessor have this shape)."""
 
-    image_marker: str | None
-    """The text the model's chat template writes for one image (Gemma 3: ``<start_of_image>``);
-    --chat-template-content-format string puts it where an image part was. None: unknown."""
+    def marker_text(self) -> str:
+        """The text the model's chat template writes for one image (Gemma 3:
+        ``<start_of_image>``); --chat-template-content-format string puts it where an image part
+        was. ValueError when unknown."""
+        ...
+
+    def expand_text(self, text: str) -> str:
+        """The prompt text with each image marker replaced by the image's full token sequence, as
+        transformers' processor does before tokenizing (so the ids equal transformers')."""
+        ...
 
     def process(self, prompt_token_ids: list[int], images: list[ImageItem]) -> MultimodalInputs:
-        """Expand each image marker in ``prompt_token_ids`` (in order, one per image) into the
-        image's placeholder tokens and compute its pixel values. ValueError (a 400) when the
-        markers do not match the images."""
+        """One ``ImageSpan`` per image, in order, over ``prompt_token_ids`` (expanded already by
+        ``expand_text``, or holding one marker per image, which it expands), with each image's
+        pixel values. ValueError (a 400) when the markers do not match the images."""
         ...
 
 
-def load_image_processor(config: EngineConfig, architecture: str | None, model_path: str | None,
+def load_image_processor(config: EngineConfig, model_path: str | None,
                          tokenizer: Any) -> ImageProcessor | None:
     """The served model's image processor, or None when the model takes no images.
 
     The one place the model side's processor plugs in (``servelm.multimodal.processor.
-    load_processor``: None for an architecture without a vision tower).
+    get_processor``: None for a model without a vision tower). A model that is not a local
+    checkpoint folder (a GGUF file, a test's fake engine) takes no images.
     """
-    if config.multimodal.enable_multimodal is False or tokenizer is None:
+    if config.multimodal.enable_multimodal is False or tokenizer is None or not model_path:
+        return None
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
         return None
     try:
-        from servelm.multimodal.processor import load_processor  # type: ignore[import-not-found]
+        from servelm.multimodal.processor import get_processor  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
-    processor: ImageProcessor | None = load_processor(
-        architecture=architecture, model_path=model_path, tokenizer=tokenizer,
-        kwargs=config.multimodal.processor_kwargs)
-    return processor
+    kwargs = config.multimodal.processor_kwargs
+    if not kwargs:
+        processor: ImageProcessor | None = get_processor(model_path, tokenizer)
+        return processor
+    try:
+        return get_processor(model_path, tokenizer, processor_kwargs=kwargs)  # type: ignore[no-any-return,call-arg,unused-ignore]
+    except TypeError:
+        raise ValueError("--mm-processor-kwargs: this build's image processors take no "
+                         "overrides (they read the model's preprocessor_config.json)") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +135,19 @@ class MultimodalFrontDoor:
 
     @property
     def image_marker(self) -> str | None:
-        return None if self.processor is None else self.processor.image_marker
+        """The model's image marker text, or None (text-only, or unknown)."""
+        if self.processor is None:
+            return None
+        try:
+            return self.processor.marker_text()
+        except ValueError:
+            return None
+
+    async def expand_text(self, text: str, images: list[ImageItem]) -> str:
+        """The prompt text with its image markers expanded (text-level, as transformers)."""
+        if not images or self.processor is None:
+            return text
+        return await asyncio.to_thread(self.processor.expand_text, text)
 
     def check_accepts(self, param: str) -> None:
         """400 when the request at ``param`` has an image and this server takes none."""

@@ -261,10 +261,11 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
     if request.messages is not None:
         text, refs = await render_chat_request(ctx, request)
+        images = await ctx.multimodal.load(refs) if refs else []  # counted: their tokens too
+        text = await ctx.multimodal.expand_text(text, images)
         tokens = await ctx.encode(text, add_special_tokens=bool(request.add_special_tokens),
                                   param="messages")
-        if refs:  # count the image tokens the prompt would have
-            images = await ctx.multimodal.load(refs)
+        if images:
             tokens = (await ctx.multimodal.expand(tokens, images, "messages")).prompt_token_ids
     else:
         add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens

@@ -100,8 +100,7 @@ class ServingContext:
             *config.model.served_names, config.model.model, info.served_model_name,
             info.model_path) if name}
         if image_processor == "load":
-            image_processor = load_image_processor(config, info.architecture,
-                                                   info.model_path or config.model.model,
+            image_processor = load_image_processor(config, info.model_path or config.model.model,
                                                    self.tokenizer)
         self.multimodal = MultimodalFrontDoor(config, image_processor, self.served_model_name)
         """Whether and how requests may carry images (server/multimodal.py)."""
@@ -304,7 +303,8 @@ class ServingContext:
         require_prompt(text, param)
         self.multimodal.check(images or [])
         loaded = await self.multimodal.load(images) if images else []
-        token_ids = await self.encode(text, add_special_tokens=add_special_tokens, param=param)
+        expanded = await self.multimodal.expand_text(text, loaded)
+        token_ids = await self.encode(expanded, add_special_tokens=add_special_tokens, param=param)
         return await self.prompt_from_ids(token_ids, text, max_tokens, param=param,
                                           is_default_max_tokens=is_default_max_tokens,
                                           images=loaded)

@@ -209,7 +209,8 @@ async def _prepare(ctx: ServingContext, request: TGIRequest) -> tuple[Submission
     refs = _image_refs(request.multimodal_params)
     ctx.multimodal.check(refs)
     images = await ctx.multimodal.load(refs) if refs else None
-    token_ids = await ctx.encode(request.inputs, add_special_tokens=True, param="inputs")
+    expanded = await ctx.multimodal.expand_text(request.inputs, images or [])
+    token_ids = await ctx.encode(expanded, add_special_tokens=True, param="inputs")
     text: str | None = request.inputs
     if parameters.truncate is not None and len(token_ids) > parameters.truncate:
         if images:

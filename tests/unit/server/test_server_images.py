@@ -36,13 +36,20 @@ VLM_TEMPLATE = (
 
 
 class FakeProcessor:
-    """Replaces each ``<image>`` (its byte tokens) by (w/4) x (h/4) placeholder tokens."""
-
-    image_marker = MARKER
+    """Replaces each ``<image>`` (its byte tokens) by (w/4) x (h/4) placeholder tokens; its text
+    expansion only records the text (the ids are expanded in ``process``)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.marker_ids = list(tokenizer.encode(MARKER, add_special_tokens=False))
         self.calls: list[tuple[list[int], list[ImageItem]]] = []
+        self.texts: list[str] = []
+
+    def marker_text(self) -> str:
+        return MARKER
+
+    def expand_text(self, text: str) -> str:
+        self.texts.append(text)
+        return text
 
     def process(self, prompt_token_ids: list[int], images: list[ImageItem]) -> MultimodalInputs:
         self.calls.append((list(prompt_token_ids), list(images)))
