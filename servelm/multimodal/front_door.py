@@ -119,11 +119,11 @@ class MultimodalFrontDoor:
 
     def __init__(self, config: EngineConfig, processor: ImageProcessor | None,
                  model_name: str, policy: MediaPolicy | None = None) -> None:
-        self.processor = processor
+        self.enable = config.multimodal.enable_multimodal
+        self.processor = processor if self.enable is not False else None
         self.policy = policy if policy is not None else MediaPolicy.from_config(config)
         self.images_per_prompt = config.multimodal.images_per_prompt
         self.model_name = model_name
-        self.enable = config.multimodal.enable_multimodal
         if self.enable and processor is None:
             raise ValueError(f"--enable-multimodal: the model {model_name!r} takes no images (it has "
                              "no vision tower servelm can run); leave the flag out to serve it "

@@ -152,10 +152,11 @@ def read_local_file(url: str, policy: MediaPolicy, param: str) -> tuple[bytes, s
         fd = os.open(real, flags)
     except OSError as error:
         raise _error(f"{param}: cannot read {url!r}: {error.strerror}", param) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # a directory, a FIFO that would block, a device
+        os.close(fd)
+        raise _error(f"{param}: {url!r} is not a regular file", param)
     with os.fdopen(fd, "rb") as file:
-        info = os.fstat(file.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _error(f"{param}: {url!r} is not a regular file", param)
         if info.st_size > policy.max_image_bytes:
             raise _too_big(info.st_size, policy, param)
         data = file.read(policy.max_image_bytes + 1)
@@ -181,6 +182,7 @@ def _check_host(url: str, policy: MediaPolicy, param: str) -> None:
 def fetch_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     """Download an image from an allowed host: at most ``max_image_bytes``, within the time
     limit (checked between chunks; one read waits at most the limit), redirects re-checked."""
+    _check_host(url, policy, param)  # before anything is set up: a refusal costs nothing
     import httpx
 
     deadline = time.monotonic() + policy.fetch_timeout_s
@@ -262,6 +264,19 @@ def image_digest(image: Any) -> str:
     return digest.hexdigest()
 
 
+def _claimed_format(data: bytes) -> str | None:
+    """The format whose signature ``data`` starts with, if any (to tell a broken image from a
+    non-image)."""
+    signatures = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"),
+                  (b"BM", "BMP"))
+    for signature, name in signatures:
+        if data.startswith(signature):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return None
+
+
 def decode_image(data: bytes, policy: MediaPolicy, *, source: str, param: str) -> ImageItem:
     """Check and decode encoded image bytes (see the module invariants)."""
     from PIL import Image, UnidentifiedImageError
@@ -280,6 +295,10 @@ def decode_image(data: bytes, policy: MediaPolicy, *, source: str, param: str) -
                      f"({policy.max_image_pixels:,}, --max-image-pixels)", param,
                      "image_too_large") from None
     except UnidentifiedImageError:
+        claimed = _claimed_format(data)
+        if claimed is not None:
+            raise _error(f"{param}: the data starts like a {claimed} image but its header is "
+                         "invalid", param) from None
         raise _error(f"{param}: the data is not an image this server reads (PNG, JPEG, WebP, GIF "
                      "or BMP)", param, "unsupported_image_format") from None
     except Exception as error:  # a malformed header: any decoder error is the client's data

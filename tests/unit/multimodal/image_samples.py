@@ -11,14 +11,14 @@ SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width
 
 
 def png(width: int = 16, height: int = 12, seed: int = 0, mode: str = "RGB") -> bytes:
-    """A real PNG with varied pixels (``seed`` changes them)."""
+    """A real PNG of noise (``seed`` picks the pixels), so it does not compress away."""
+    import random
+
     from PIL import Image
 
-    image = Image.new(mode, (width, height))
-    channels = len(mode)
-    image.putdata([tuple((x * 7 + y * 13 + seed * 31 + c * 50) % 256 for c in range(channels))
-                   if channels > 1 else (x * 7 + y * 13 + seed * 31) % 256
-                   for y in range(height) for x in range(width)])
+    rng = random.Random(seed)
+    size = width * height * len(mode)
+    image = Image.frombytes(mode, (width, height), bytes(rng.getrandbits(8) for _ in range(size)))
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()

@@ -118,7 +118,7 @@ def chat(client: TestClient, *parts: dict[str, Any], text: str = "What is this?"
     content = [{"type": "text", "text": text}, *parts]
     return client.post("/v1/chat/completions", json={
         "model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
-        "max_tokens": 4, **extra})
+        "max_tokens": 16, **extra})
 
 
 def error_of(response: Any, status: int = 400) -> dict[str, Any]:
