@@ -382,7 +382,7 @@ ALIASES: tuple[Alias, ...] = (
           example=("8",)),
     Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
           example=("3",)),
-    Alias(("--cache_capacity",), "encoder_cache_capacity", "LightLLM", example=("200",),
+    Alias(("--cache_capacity",), "encoder_cache_capacity", "LightLLM", example=("100",),
           note="images whose vision-tower output is kept (LightLLM's multimodal cache)"),
 )
 
