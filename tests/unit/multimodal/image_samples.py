@@ -5,7 +5,11 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="8" height="8"/></svg>'
 
@@ -62,3 +66,40 @@ def truncated_png() -> bytes:
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+@contextmanager
+def image_server(routes: dict[str, tuple[int, dict[str, str], bytes]]) -> Iterator[str]:
+    """A local HTTP server of the test's own on 127.0.0.1 (yields its base URL): ``routes`` maps a
+    path to (status, headers, body); ``/endless`` streams zeros until the client gives up."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/endless":
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(10_000):
+                        self.wfile.write(b"\x00" * 4096)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                return
+            status, headers, body = routes.get(self.path, (404, {}, b"no"))
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()

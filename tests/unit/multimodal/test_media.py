@@ -5,17 +5,16 @@ and digests follow the pixels, not the encoding."""
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from servelm.errors import InvalidRequestError
 from servelm.multimodal.media import MediaPolicy, decode_image, load_image
-from tests.unit.multimodal.image_samples import (SVG, data_url, encode, png, png_header_only,
-                                                 strip_png, truncated_png)
+from tests.unit.multimodal.image_samples import SVG, data_url, encode, png, png_header_only
+from tests.unit.multimodal.image_samples import image_server as serve_images
+from tests.unit.multimodal.image_samples import strip_png, truncated_png
 
 POLICY = MediaPolicy()
 
@@ -149,45 +148,15 @@ def test_local_files_are_off_by_default(media_root: Path) -> None:
 
 # -- http(s) ----------------------------------------------------------------------------------------
 
-class _Images(BaseHTTPRequestHandler):
-    routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path == "/endless":
-            self.send_response(200)
-            self.end_headers()
-            try:
-                for _ in range(10_000):
-                    self.wfile.write(b"\x00" * 4096)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-            return
-        status, headers, body = self.routes.get(self.path, (404, {}, b"no"))
-        self.send_response(status)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def image_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Images)
-    base = f"http://127.0.0.1:{server.server_port}"
-    _Images.routes = {"/cat.png": (200, {"Content-Type": "image/png"}, png(10, 10, seed=2)),
-                      "/redirect": (302, {"Location": "http://localhost:1/cat.png"}, b""),
-                      "/same-host": (302, {"Location": "/cat.png"}, b"")}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield base
-    server.shutdown()
-    server.server_close()
+    routes = {"/cat.png": (200, {"Content-Type": "image/png"}, png(10, 10, seed=2)),
+              "/redirect": (302, {"Location": "http://localhost:1/cat.png"}, b""),
+              "/same-host": (302, {"Location": "/cat.png"}, b"")}
+    with serve_images(routes) as base:
+        yield base
 
 
 def test_http_fetch_from_an_allowed_host(image_server: str) -> None:

@@ -22,7 +22,8 @@ from servelm.sampling.params import SamplingParams
 from servelm.server.app import build_app
 from servelm.server.chat import message_dicts, resolve_content_format, template_iterates_content
 from servelm.server.protocol import ChatMessage
-from tests.unit.multimodal.image_samples import SVG, data_url, png, png_header_only, strip_png, truncated_png
+from tests.unit.multimodal.image_samples import (SVG, data_url, image_server, png, png_header_only,
+                                                 strip_png, truncated_png)
 
 MARKER = "<image>"
 PLACEHOLDER = 290
@@ -211,6 +212,19 @@ def test_sources_outside_what_the_server_allows(engine: ImageEngine, tmp_path: A
         assert error_of(chat(client, image_part(url)))["code"] == "image_source_not_allowed", url
     (allowed / "ok.png").write_bytes(png())
     assert chat(client, image_part(f"file://{allowed}/ok.png")).status_code == 200
+
+
+def test_http_image_from_an_allowed_domain(engine: ImageEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with image_server({"/cat.png": (200, {"Content-Type": "image/png"}, png(8, 12))}) as base:
+        client = vlm_client(engine, multimodal={"allowed_media_domains": ["127.0.0.1"]})
+        assert chat(client, image_part(f"{base}/cat.png")).status_code == 200
+        assert engine.mm_inputs[-1].images[0].length == 6  # type: ignore[union-attr]
+        error = error_of(chat(client, image_part(f"{base}/missing.png")))
+        assert error["code"] == "image_fetch_failed" and "404" in error["message"]
+        closed = vlm_client(engine)  # the default: no URL is fetched
+        assert error_of(chat(closed, image_part(f"{base}/cat.png")))["code"] == "image_source_not_allowed"
 
 
 def test_images_only_in_user_messages_and_other_media_refused(engine: ImageEngine) -> None:
