@@ -1418,8 +1418,8 @@ class MultimodalConfig:
         "and its decoding memory. Video and audio are not served (only 0 is accepted).")
     mm_processor_kwargs: str | None = opt(
         None, "JSON object of image-processor settings that override the model's "
-        "preprocessor_config.json (e.g. '{\"do_pan_and_scan\": true}'); the processor refuses "
-        "keys it does not know at start-up.")
+        "preprocessor_config.json (e.g. '{\"do_pan_and_scan\": true}'); start-up fails when the "
+        "model's processor does not take them (never ignored).")
     allowed_local_media_path: str | None = opt(
         None, "A directory whose files requests may name as file:// image URLs (symlinks and '..' "
         "out of it are refused). Off by default: a request could otherwise read any file the "
