@@ -128,6 +128,9 @@ class MultimodalFrontDoor:
             raise ValueError(f"--enable-multimodal: the model {model_name!r} takes no images (it has "
                              "no vision tower servelm can run); leave the flag out to serve it "
                              "text-only")
+        if config.multimodal.processor_kwargs and self.processor is None:
+            raise ValueError(f"--mm-processor-kwargs: the model {model_name!r} is served without "
+                             "images, so there is no image processor to configure")
 
     @property
     def accepts_images(self) -> bool:

@@ -177,6 +177,8 @@ def test_text_only_model_refuses_images(engine: ImageEngine) -> None:
 def test_enable_multimodal_needs_a_vision_model(engine: ImageEngine) -> None:
     with pytest.raises(ValueError, match="takes no images"):
         vlm_client(engine, processor=None, multimodal={"enable_multimodal": True})
+    with pytest.raises(ValueError, match="--mm-processor-kwargs"):
+        vlm_client(engine, processor=None, multimodal={"mm_processor_kwargs": '{"a": 1}'})
 
 
 @pytest.mark.parametrize("payload, code", [
