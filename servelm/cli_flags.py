@@ -382,6 +382,8 @@ ALIASES: tuple[Alias, ...] = (
           example=("8",)),
     Alias(("--speculative-ngram-min-match-window-size",), "ngram_prompt_lookup_min", "SGLang",
           example=("3",)),
+    Alias(("--cache_capacity",), "encoder_cache_capacity", "LightLLM", example=("100",),
+          note="images whose vision-tower output is kept (LightLLM's multimodal cache)"),
 )
 
 # --- accepted: already the behaviour of this build ---------------------------------------------
@@ -495,6 +497,24 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "verification is exact: a draft token is kept only as the model's own sample "
                      "(a threshold below 1 would trade the model's distribution for speed)",
                      values=("1",), bad_value="0.5"),
+    AlreadyBehaviour(("--mm-cache-preprocessor",),
+                     "a repeated image is not encoded again: the engine's encoder cache (on by "
+                     "default, --encoder-cache-capacity) keeps its vision-tower output by the "
+                     "image's digest, which skips more than caching the preprocessor would",
+                     contradicts=(Contradiction("encoder_cache_capacity", (0,)),)),
+    AlreadyBehaviour(("--mm-attention-backend",),
+                     "the vision tower's attention runs on PyTorch's scaled_dot_product_attention "
+                     "(sdpa); fa3, flashinfer, triton_attn and aiter_attn are CUDA/ROCm-only kernels",
+                     values=("sdpa",), bad_value="fa3"),
+    AlreadyBehaviour(("--disable-fast-image-processor",),
+                     "servelm preprocesses images with its own code, equal to transformers' base "
+                     "(PIL and numpy) image processors: there is no fast (torchvision) variant"),
+    AlreadyBehaviour(("--keep-mm-feature-on-device",),
+                     "image features stay where the vision tower computed them, beside the text "
+                     "model: on CPU there is no device-to-host copy to save"),
+    AlreadyBehaviour(("--visual_tp", "--visual_dp"),
+                     "the vision tower runs inside the engine with the text model: it has no "
+                     "tensor- or data-parallel group of its own", values=("1",), bad_value="2"),
     AlreadyBehaviour(("--speculative-attention-mode",),
                      "the target verifies the drafts as one multi-token (prefill-style) step",
                      values=("prefill",), bad_value="decode"),
@@ -612,7 +632,7 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported yet: only quantization computed at load (--quantization w8a8_int8, int8wo, "
               "int4wo-<group>) is implemented; "
               "pre-quantized checkpoints, ModelOpt and calibration files are not (GGUF loads by path)",
-              ("--quantization-param-path", "--quant_cfg", "--vit_quant_type", "--vit_quant_cfg",
+              ("--quantization-param-path", "--quant_cfg",
                "--modelopt-quant", "--modelopt-checkpoint-restore-path",
                "--modelopt-checkpoint-save-path")),
     Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
@@ -659,13 +679,17 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: servelm's KV pool gives sliding-window layers as many tokens as "
               "full layers (no hybrid SWA pool to size)",
               ("--hybrid-kvcache-ratio", "--swa-full-tokens-ratio")),
-    Rejection("not supported: servelm serves text-only models (no multimodal inputs)",
-              ("--enable_multimodal", "--enable-multimodal", "--enable_multimodal_audio",
-               "--cache_capacity", "--cache_reserved_ratio", "--visual_infer_batch_size",
-               "--visual_gpu_ids", "--visual_tp", "--visual_dp", "--visual_nccl_ports",
-               "--limit-mm-per-prompt", "--mm-processor-kwargs", "--mm-cache-preprocessor",
-               "--allowed-local-media-path", "--mm-attention-backend",
-               "--disable-fast-image-processor", "--keep-mm-feature-on-device")),
+    Rejection("not supported: audio inputs (servelm's multimodal models take images only)",
+              ("--enable_multimodal_audio",)),
+    Rejection("not supported: the vision tower has no server of its own: it runs inside the "
+              "engine process on the model's device and threads (no visual GPU ids or NCCL "
+              "ports), and encodes the images an engine step needs together (no separate batch "
+              "size)", ("--visual_infer_batch_size", "--visual_gpu_ids", "--visual_nccl_ports")),
+    Rejection("not supported: the encoder cache drops the least recently used image one at a "
+              "time when it is full (--encoder-cache-capacity); there is no bulk clearing down to "
+              "a reserved ratio", ("--cache_reserved_ratio",)),
+    Rejection("not supported: quantizing the vision tower; it runs unquantized, in the model's "
+              "dtype", ("--vit_quant_type", "--vit_quant_cfg")),
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
               "models or multi-item scoring; no token-healing mode)",
               ("--use_reward_model", "--multi-item-scoring-delimiter", "--token_healing_mode")),
@@ -673,7 +697,7 @@ REJECTIONS: tuple[Rejection, ...] = (
               "token ids are per-request parameters; /generate streams cumulative text)",
               ("--return_all_prompt_logprobs", "--return-token-ids",
                "--return-tokens-as-token-ids", "--max-logprobs", "--response-role",
-               "--chat-template-content-format", "--stream-output",
+               "--stream-output",
                "--enable-return-hidden-states", "--preferred-sampling-params")),
     Rejection("not supported: KV offloading and block-count overrides (size the pool with "
               "--max-total-tokens or --mem-fraction-static)",

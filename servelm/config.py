@@ -672,8 +672,10 @@ class ServerConfig:
     root_path: str | None = opt(None, "ASGI root path when behind a path-based routing proxy "
                                 "(e.g. /llm).")
     max_request_body_bytes: int = opt(
-        8 * 1024 * 1024, "Largest request body accepted, in bytes; larger ones get 413. 8 MiB "
-        "holds any prompt that fits a 1M-token context while bounding memory per request.")
+        32 * 1024 * 1024, "Largest request body accepted, in bytes; larger ones get 413. 32 MiB "
+        "holds any text prompt that fits a 1M-token context, or a camera photo as a base64 data: "
+        "URL (base64 adds a third: a 20 MB JPEG, --max-image-bytes, is 27 MB), while bounding "
+        "memory per request.")
     shutdown_timeout_s: float = opt(
         60.0, "On SIGTERM/SIGINT, seconds to let in-flight requests finish before they are "
         "cut off; then the engine process is stopped.")
@@ -699,7 +701,8 @@ class ServerConfig:
         False, "Do not serve the playground page at / and /playground (the API is unchanged).")
     http_body_timeout_s: float = opt(
         60.0, "Seconds a request may take to send its body once its headers arrived; then the "
-        "connection is closed. 60 s moves the largest body (--max-request-body-bytes) on a slow link.")
+        "connection is closed. 60 s moves the largest body (--max-request-body-bytes, 32 MiB) at "
+        "about 5 Mbit/s.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -1361,6 +1364,119 @@ class DisaggregationConfig:
         return self.mode != "null"
 
 
+MM_MODALITIES = ("image", "video", "audio")
+"""Modalities --limit-mm-per-prompt may name (vLLM's); only images are served here."""
+DEFAULT_IMAGES_PER_PROMPT = 16
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def parse_mm_limits(text: str | None) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` in vLLM's spellings, ``{"image": 2}`` or ``image=2,video=0``, as
+    {modality: limit}; ValueError naming the flag for anything else."""
+    if not text:
+        return {}
+    flag = "--limit-mm-per-prompt"
+    if text.strip().startswith("{"):
+        raw: dict[str, Any] = parse_json_object_flag(flag, text)
+    else:
+        raw = {}
+        for item in text.split(","):
+            key, equals, value = item.partition("=")
+            if not equals:
+                raise ValueError(f"{flag}: expected MODALITY=N items or a JSON object, got {text!r}")
+            raw[key.strip()] = value.strip()
+    limits: dict[str, int] = {}
+    for key, value in raw.items():
+        if key not in MM_MODALITIES:
+            raise ValueError(f"{flag}: unknown modality {key!r}; choose from {', '.join(MM_MODALITIES)}")
+        try:
+            number = int(value) if not isinstance(value, bool) else -1
+        except (TypeError, ValueError):
+            number = -1
+        if number < 0 or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"{flag}: {key} needs a count (an integer >= 0), got {value!r}")
+        if key != "image" and number > 0:
+            raise ValueError(f"{flag}: {key} inputs are not supported (servelm's multimodal models "
+                             f"take images only); give {key}=0 or leave it out")
+        limits[key] = number
+    return limits
+
+
+@dataclass(frozen=True)
+class MultimodalConfig:
+    """Images in requests: where they may come from, how many and how large, how chat templates
+    see them, and the engine's cache of encoded images."""
+
+    enable_multimodal: bool | None = opt(
+        None, "Accept images. Default: on when the model has a vision tower (as vLLM and SGLang "
+        "do); --enable-multimodal makes start-up fail on a text-only model instead of serving it "
+        "without images; --no-enable-multimodal serves a vision-language model text-only.",
+        flags=("--enable_multimodal",), negatable=True)
+    limit_mm_per_prompt: str | None = opt(
+        None, "Most images in one prompt, in vLLM's syntax: '{\"image\": 2}' or image=2 (0 refuses "
+        f"images). Default {DEFAULT_IMAGES_PER_PROMPT}: each image costs hundreds of prompt tokens "
+        "and its decoding memory. Video and audio are not served (only 0 is accepted).")
+    mm_processor_kwargs: str | None = opt(
+        None, "JSON object of image-processor settings that override the model's "
+        "preprocessor_config.json (e.g. '{\"do_pan_and_scan\": true}'); start-up fails when the "
+        "model's processor does not take them (never ignored).")
+    allowed_local_media_path: str | None = opt(
+        None, "A directory whose files requests may name as file:// image URLs (symlinks and '..' "
+        "out of it are refused). Off by default: a request could otherwise read any file the "
+        "server can.")
+    allowed_media_domains: list[str] | None = opt(
+        None, "Hosts whose http(s) image URLs the server fetches (exact host names). Off by "
+        "default: fetching a URL a client names lets it reach hosts the server can reach.")
+    media_fetch_timeout_s: float = opt(
+        5.0, "Seconds fetching one image URL may take, body included (vLLM's default).")
+    max_image_bytes: int = opt(
+        20 * 1024 * 1024, "Largest encoded image, in bytes (a 48-megapixel phone JPEG is ~15 MB).")
+    max_image_pixels: int = opt(
+        50_000_000, "Largest image in pixels (width x height), checked from the image header "
+        "before decoding, so a small file declaring a huge image (a decompression bomb) is "
+        "refused without allocating it; 50 M holds any camera photo, decoded as ~150 MB RGB.")
+    chat_template_content_format: str = opt(
+        "auto", "How message content reaches the chat template: openai gives content-part lists "
+        "([{type: text, text}, {type: image}], what vision-language templates iterate), string "
+        "joins the parts into one string (an image becomes the model's image marker text); auto "
+        "picks openai for messages with images when the template iterates content, else string.",
+        choices=list(CONTENT_FORMATS))
+    encoder_cache_capacity: int = opt(
+        200, "Images whose vision-tower output the engine keeps, keyed by the image's digest, so a "
+        "repeated image is not encoded again (least recently used dropped first); 0 turns the "
+        "cache off. LightLLM's --cache_capacity and its default (~250 MB for Gemma 3 4B in bf16).")
+
+    def __post_init__(self) -> None:
+        parse_mm_limits(self.limit_mm_per_prompt)
+        parse_json_object_flag("--mm-processor-kwargs", self.mm_processor_kwargs)
+        path = self.allowed_local_media_path
+        if path is not None:
+            import os
+
+            if not os.path.isdir(path):
+                raise ValueError(f"--allowed-local-media-path {path!r} is not a directory")
+        for domain in self.allowed_media_domains or ():
+            if not domain or any(c in domain for c in "/:@ ") or domain.startswith("."):
+                raise ValueError(f"--allowed-media-domains takes host names (example.com), got "
+                                 f"{domain!r}")
+        if self.media_fetch_timeout_s <= 0:
+            raise ValueError(f"--media-fetch-timeout-s must be positive, got {self.media_fetch_timeout_s}")
+        if self.max_image_bytes <= 0 or self.max_image_pixels <= 0:
+            raise ValueError("--max-image-bytes and --max-image-pixels must be positive")
+        if self.encoder_cache_capacity < 0:
+            raise ValueError(f"--encoder-cache-capacity must be >= 0, got {self.encoder_cache_capacity}")
+
+    @property
+    def images_per_prompt(self) -> int:
+        """Most images one prompt may carry (0: images refused)."""
+        return parse_mm_limits(self.limit_mm_per_prompt).get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    @property
+    def processor_kwargs(self) -> dict[str, Any]:
+        """--mm-processor-kwargs as a dict ({} when unset)."""
+        return parse_json_object_flag("--mm-processor-kwargs", self.mm_processor_kwargs)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine and server need, one frozen dataclass per concern."""
@@ -1377,6 +1493,7 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
 
     def __post_init__(self) -> None:
         if self.runtime.enable_torch_compile and self.model.quantization not in ("none", "auto"):

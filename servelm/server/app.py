@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -35,6 +35,7 @@ from servelm.server.errors import APIError, error_response, install_error_handle
 from servelm.server.http_limits import connection_limit, guarded_protocol, install_repeat_filter
 from servelm.server.lora import add_lora_routes
 from servelm.server.middleware import install_middleware
+from servelm.multimodal.front_door import ImageProcessor
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
 from servelm.server.playground import PUBLIC_PATHS, install_playground
@@ -268,14 +269,19 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     return app
 
 
-def _serving_context(app: FastAPI, engine: EngineClient, config: EngineConfig) -> ServingContext:
-    return ServingContext(ObservedEngine(engine, config, app.state.metrics), config)
+def _serving_context(app: FastAPI, engine: EngineClient, config: EngineConfig,
+                     image_processor: ImageProcessor | None | Literal["load"] = "load"
+                     ) -> ServingContext:
+    return ServingContext(ObservedEngine(engine, config, app.state.metrics), config,
+                          image_processor)
 
 
-def build_app(engine: EngineClient, config: EngineConfig) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an AsyncEngine, or a test's fake of the protocol)."""
+def build_app(engine: EngineClient, config: EngineConfig,
+              image_processor: ImageProcessor | None | Literal["load"] = "load") -> FastAPI:
+    """The FastAPI app serving ``engine`` (an AsyncEngine, or a test's fake of the protocol);
+    ``image_processor``: the model's (loaded from the model by default), or a test's."""
     app = _create_app(config)
-    app.state.serving = _serving_context(app, engine, config)
+    app.state.serving = _serving_context(app, engine, config, image_processor)
     return app
 
 

@@ -17,7 +17,7 @@ def llama_cpp_props(ctx: ServingContext) -> dict[str, Any]:
         "model_path": ctx.config.model.model,
         "model_alias": ctx.served_model_name,
         "chat_template": template if isinstance(template, str) else "",
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": ctx.multimodal.accepts_images, "audio": False},
         "build_info": "servelm",
         "is_sleeping": False,
     }

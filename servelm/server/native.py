@@ -2,7 +2,8 @@
 
 /generate answers ``{"text", "output_ids", "meta_info"}`` per prompt (a list for a batch or n > 1);
 streamed chunks carry the cumulative text and ids so far (SGLang's default), plus ``index`` when
-there are several outputs.
+there are several outputs. ``image_data`` gives the prompts' images (the text carries the model's
+image marker for each); ``meta_info.prompt_tokens`` counts their placeholder tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from servelm.server.protocol import (DetokenizeRequest, GenerateRequest, NativeS
                                      native_to_sampling_params, requested_max_tokens)
 from servelm.server.serving import Prompt, ServingContext, new_id, safe_logprob
 from servelm.server.disagg import attach_transfers
+from servelm.multimodal.front_door import ImageRef
 from servelm.server.streaming import SSE_DONE, ClientDisconnected, Submission, sse, stream_outputs
 
 
@@ -114,6 +116,40 @@ def _native_inputs(request: GenerateRequest) -> tuple[list[str | list[int]], boo
     return [list(item) for item in ids], True  # type: ignore[union-attr]
 
 
+def _image_item(item: Any, param: str) -> ImageRef:
+    if isinstance(item, dict):
+        item = item.get("url")
+    if not isinstance(item, str) or not item:
+        raise InvalidRequestError(f"{param}: an image is a URL (data:, file://, http(s)) or base64 "
+                                  'string, or {"url": ...}', param)
+    return ImageRef(item, param, allow_bare_base64=True)
+
+
+def _image_refs(request: GenerateRequest, num_inputs: int, is_batch: bool) -> list[list[ImageRef]]:
+    """Each prompt's images from SGLang's ``image_data``: one image or a list for one prompt;
+    for a batch, one entry (an image, a list, or null) per prompt."""
+    data = request.image_data
+    if data is None:
+        return [[] for _ in range(num_inputs)]
+    if not is_batch:
+        items = data if isinstance(data, list) else [data]
+        return [[_image_item(item, f"image_data[{i}]" if isinstance(data, list) else "image_data")
+                 for i, item in enumerate(items)]]
+    if not isinstance(data, list) or len(data) != num_inputs:
+        raise InvalidRequestError(f"image_data: a batch of {num_inputs} prompts needs a list of "
+                                  f"{num_inputs} entries (an image, a list of images, or null each)",
+                                  "image_data")
+    refs = []
+    for index, entry in enumerate(data):
+        if entry is None:
+            refs.append([])
+        elif isinstance(entry, list):
+            refs.append([_image_item(item, f"image_data[{index}][{i}]") for i, item in enumerate(entry)])
+        else:
+            refs.append([_image_item(entry, f"image_data[{index}]")])
+    return refs
+
+
 def _lora_names(ctx: ServingContext, request: GenerateRequest, num_inputs: int) -> list[str | None]:
     """Each prompt's LoRA adapter from ``lora_path`` (one for all, or one per prompt)."""
     if not isinstance(request.lora_path, list):
@@ -142,6 +178,9 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
         raise InvalidRequestError("rid: every request id in a batch must be different", "rid")
     priority = ctx.request_priority(request.priority)
     lora_names = _lora_names(ctx, request, len(inputs))
+    image_refs = _image_refs(request, len(inputs), is_batch)
+    for refs in image_refs:
+        ctx.multimodal.check(refs)
     base_id = new_id("gen")
     start_s = time.monotonic()
     submissions: list[Submission] = []
@@ -153,12 +192,15 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
         ctx.check_stop(native.stop, native.stop_token_ids, "sampling_params.stop",
                        "sampling_params.stop_token_ids")
         max_tokens, is_default = requested_max_tokens(native)
+        refs = image_refs[prompt_index]
         if isinstance(item, str):
             prompt = await ctx.prompt_from_text(item, max_tokens, add_special_tokens=True,
-                                                param="text", is_default_max_tokens=is_default)
+                                                param="text", is_default_max_tokens=is_default,
+                                                images=refs)
         else:
-            prompt = ctx.fit_prompt(item, None, max_tokens, param="input_ids",
-                                    is_default_max_tokens=is_default)
+            images = await ctx.multimodal.load(refs) if refs else None
+            prompt = await ctx.prompt_from_ids(item, None, max_tokens, param="input_ids",
+                                               is_default_max_tokens=is_default, images=images)
         seed = native.sampling_seed if native.sampling_seed is not None else native.seed
         for sample in range(native.n):
             params = native_to_sampling_params(
@@ -173,7 +215,8 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
             else:
                 request_id = f"{base_id}-{index}"
             submissions.append(Submission(index, request_id, prompt.token_ids, params, priority,
-                                          group=base_id, lora_name=lora_names[prompt_index]))
+                                          group=base_id, lora_name=lora_names[prompt_index],
+                                          mm_inputs=prompt.mm_inputs))
             outputs.append(_NativeOutput(ctx, request_id, prompt, request, start_s))
     is_list = is_batch or len(submissions) > 1
     attach_transfers(ctx.config, request, submissions)
@@ -217,9 +260,13 @@ async def tokenize(ctx: ServingContext, request: TokenizeRequest) -> dict[str, A
     if (request.prompt is None) == (request.messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
     if request.messages is not None:
-        text = await render_chat_request(ctx, request)
+        text, refs = await render_chat_request(ctx, request)
+        images = await ctx.multimodal.load(refs) if refs else []  # counted: their tokens too
+        text = await ctx.multimodal.expand_text(text, images)
         tokens = await ctx.encode(text, add_special_tokens=bool(request.add_special_tokens),
                                   param="messages")
+        if images:
+            tokens = (await ctx.multimodal.expand(tokens, images, "messages")).prompt_token_ids
     else:
         add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
         tokens = await ctx.encode(request.prompt or "", add_special_tokens=add_special_tokens)

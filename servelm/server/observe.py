@@ -26,6 +26,7 @@ from servelm.disagg.spec import KVTransfer
 from servelm.engine.frontdoor import EngineClient, ModelInfo
 from servelm.engine.monitor import cache_hit_rate
 from servelm.engine.outputs import RequestOutput
+from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
 logger = logging.getLogger("servelm.requests")
@@ -230,13 +231,15 @@ class ObservedEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, group: str = "",
                        lora_name: str | None = None,
-                       kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer: KVTransfer | None = None,
+                       mm_inputs: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream, observed."""
         record = RequestRecord(request_id, list(prompt_token_ids), params)
         record.lora_name = lora_name
         keep_text = self._config.observability.log_requests_level >= 2
+        images = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
         outputs = self._engine.generate(request_id, prompt_token_ids, params, priority, group,
-                                        lora_name, kv_transfer)
+                                        lora_name, kv_transfer, **images)
         try:
             async for output in outputs:
                 self._observe(record, output, keep_text)

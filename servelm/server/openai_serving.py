@@ -22,9 +22,10 @@ from starlette.responses import Response
 from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import StructuredSpec
-from servelm.server.chat import chat_job, render_job, sandbox_job
+from servelm.server.chat import chat_job, first_image_part, render_job, sandbox_job
 from servelm.server.chat_outputs import ChatOutputParser, merge_tool_call_entries
 from servelm.server.errors import APIError, api_error_from, error_body
+from servelm.multimodal.front_door import ImageRef
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, check_supported,
                                      choice_seed, is_prompt_only, requested_max_tokens,
                                      to_sampling_params)
@@ -180,7 +181,8 @@ def _submissions(request: CompletionRequest | ChatCompletionRequest, prompts: li
                                         seed=choice_seed(request.seed, sample), structured=structured,
                                         choice=sample)
             submissions.append(Submission(index, f"{base_id}-{index}", prompt.token_ids, params,
-                                          priority, group=base_id, lora_name=lora_name))
+                                          priority, group=base_id, lora_name=lora_name,
+                                          mm_inputs=prompt.mm_inputs))
     return submissions
 
 
@@ -324,10 +326,15 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest, raw
 # -- chat --------------------------------------------------------------------------------------
 
 async def render_chat_request(ctx: ServingContext, request: Any,
-                              tools: list[dict[str, Any]] | None = None) -> str:
+                              tools: list[dict[str, Any]] | None = None
+                              ) -> tuple[str, list[ImageRef]]:
     """The prompt text of a chat request (also used by /tokenize with messages), rendered off
-    the event loop; a request's own template only with --trust-request-chat-template."""
+    the event loop, and the images its messages carry (unread; refused here at once when the
+    model takes none); a request's own template only with --trust-request-chat-template."""
     tokenizer = ctx.require_tokenizer("chat", "messages")
+    image_at = first_image_part(request.messages)
+    if image_at is not None:
+        ctx.multimodal.check_accepts(image_at)
     is_request_template = request.chat_template is not None
     if is_request_template and not ctx.config.server.trust_request_chat_template:
         raise InvalidRequestError("chat_template: this server does not accept chat templates in "
@@ -337,10 +344,14 @@ async def render_chat_request(ctx: ServingContext, request: Any,
                    template=request.chat_template if is_request_template else ctx.chat_template,
                    add_generation_prompt=request.add_generation_prompt,
                    continue_final_message=request.continue_final_message,
-                   template_kwargs=request.chat_template_kwargs, tools=tools)
+                   template_kwargs=request.chat_template_kwargs, tools=tools,
+                   content_format=ctx.config.multimodal.chat_template_content_format,
+                   image_marker=ctx.multimodal.image_marker)
+    images: list[ImageRef] = job.pop("images")
+    ctx.multimodal.check(images)
     if is_request_template:
-        return await ctx.template_sandbox().render(sandbox_job(tokenizer, job))
-    return await ctx.run_on_tokenizer_thread(lambda: render_job(tokenizer, job))
+        return await ctx.template_sandbox().render(sandbox_job(tokenizer, job)), images
+    return await ctx.run_on_tokenizer_thread(lambda: render_job(tokenizer, job)), images
 
 
 async def _chat_plan(ctx: ServingContext, request: ChatCompletionRequest
@@ -378,10 +389,11 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.check_num_sequences(request.n)
     structured, tools, tool_parser = await _chat_plan(ctx, request)
     max_tokens, is_default = requested_max_tokens(request)
-    prompt_text = await render_chat_request(ctx, request, tools)
+    prompt_text, images = await render_chat_request(ctx, request, tools)
     prompt = await ctx.prompt_from_text(prompt_text, max_tokens,
                                         add_special_tokens=request.add_special_tokens,
-                                        param="messages", is_default_max_tokens=is_default)
+                                        param="messages", is_default_max_tokens=is_default,
+                                        images=images)
     base_id, created = new_id("chatcmpl"), int(time.time())
     submissions = _submissions(request, [prompt], base_id, structured,
                                ctx.request_priority(request.priority), lora_name)

@@ -205,6 +205,10 @@ class GenerateRequest(_Request):
     lora_path: str | list[str | None] | None = None
     """The LoRA adapter (its name) to run with; a list gives one per prompt of a batch (None or
     "" for the base model)."""
+    image_data: str | dict[str, Any] | list[Any] | None = None
+    """The prompt's images: a URL (data:, file://, http(s)), bare base64 or ``{"url": ...}``,
+    or a list of them; for a batch, one such entry (or null) per prompt. The prompt text (or
+    ids) carries the model's image marker where each goes."""
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -15,7 +15,8 @@ client sends the call back as a ``function_call`` input item followed by a
 
 Invariants:
 - Only what we implement is accepted: non-function tools, stored conversations
-  (``previous_response_id``), background mode and non-text inputs are a 400 naming the field,
+  (``previous_response_id``), background mode and inputs other than text and images (``input_image``
+  in user messages, as chat image parts: server/multimodal.py) are a 400 naming the field,
   never silently dropped. ``reasoning`` items of an earlier response sent back as input are
   accepted and left out of the prompt, as chat templates leave out earlier turns' reasoning.
 - The streamed events (OpenAI's names and shapes, with ``sequence_number``) add up to the
@@ -83,18 +84,29 @@ class _Plan:
     text_format: dict[str, Any]
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, allow_images: bool = False) -> str | list[dict[str, Any]]:
+    """A Responses content as chat content: its text joined, or, when it holds ``input_image``
+    parts (``allow_images``: user messages), a chat content-part list (each image part keeps
+    where it came from, for errors)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where} must be a string or a list of content parts", where)
     texts = []
+    parts: list[dict[str, Any]] = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and allow_images:
+            parts.append({**part, "_param": f"{where}[{index}]"})
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise InvalidRequestError(f"{where}[{index}]: only text content is supported (got "
+            what = "text and image" if allow_images else "text"
+            raise InvalidRequestError(f"{where}[{index}]: only {what} content is supported (got "
                                       f"{kind!r})", f"{where}[{index}].type")
         texts.append(str(part.get("text", "")))
+        parts.append({"type": "text", "text": texts[-1]})
+    if any(part["type"] == "input_image" for part in parts):
+        return parts
     return "".join(texts)
 
 
@@ -127,8 +139,8 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("system", "developer", "user", "assistant"):
                 raise InvalidRequestError(f"input[{index}].role must be system, developer, user or "
                                           f"assistant, got {role!r}", f"input[{index}].role")
-            messages.append({"role": role, "content": _content_text(item.get("content"),
-                                                                     f"input[{index}].content")})
+            messages.append({"role": role, "content": _content_text(
+                item.get("content"), f"input[{index}].content", allow_images=role == "user")})
     if not any(message["role"] != "system" for message in messages):
         raise InvalidRequestError("input must not be empty", "input")
     return messages
@@ -285,10 +297,11 @@ async def create_response(ctx: ServingContext, request: ResponsesRequest, raw: R
     check_supported(chat)
     _check_stop_strings(ctx, chat)
     structured, tools, tool_parser = await _chat_plan(ctx, chat)
-    prompt_text = await render_chat_request(ctx, chat, tools)
+    prompt_text, images = await render_chat_request(ctx, chat, tools)
     max_tokens, is_default = requested_max_tokens(chat)
     prompt = await ctx.prompt_from_text(prompt_text, max_tokens, add_special_tokens=False,
-                                        param="input", is_default_max_tokens=is_default)
+                                        param="input", is_default_max_tokens=is_default,
+                                        images=images)
     builder = _ResponseBuilder(ctx, request, plan.text_format, len(prompt.token_ids))
     submissions = _submissions(chat, [prompt], builder.id, structured,
                                ctx.request_priority(chat.priority))

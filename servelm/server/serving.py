@@ -17,14 +17,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from servelm.config import EngineConfig
 from servelm.engine.frontdoor import EngineClient
 from servelm.errors import InvalidRequestError
 from servelm.parsers.tool_templates import ToolParserChoice, choose_tool_parser
 from servelm.server.chat import load_chat_template
+from servelm.multimodal.inputs import ImageItem, MultimodalInputs
 from servelm.server.errors import APIError
+from servelm.multimodal.front_door import (ImageProcessor, ImageRef, MultimodalFrontDoor,
+                                       load_image_processor)
 from servelm.server.template_sandbox import TemplateSandbox
 
 T = TypeVar("T")
@@ -46,6 +49,8 @@ class Prompt:
     """The prompt text when the client sent text and it was not truncated (for echo)."""
     max_tokens: int
     """Resolved output budget: the request's max_tokens, or what is left of the context."""
+    mm_inputs: MultimodalInputs | None = None
+    """The prompt's images (``token_ids`` holds their placeholder tokens); None: text only."""
 
 
 def require_prompt(prompt: str | list[Any], param: str) -> None:
@@ -65,7 +70,8 @@ def safe_logprob(value: float) -> float:
 class ServingContext:
     """The engine plus everything derived once from the config and the model."""
 
-    def __init__(self, engine: EngineClient, config: EngineConfig) -> None:
+    def __init__(self, engine: EngineClient, config: EngineConfig,
+                 image_processor: ImageProcessor | None | Literal["load"] = "load") -> None:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
@@ -93,6 +99,11 @@ class ServingContext:
         self.accepted_model_names = {name for name in (
             *config.model.served_names, config.model.model, info.served_model_name,
             info.model_path) if name}
+        if image_processor == "load":
+            image_processor = load_image_processor(config, info.model_path or config.model.model,
+                                                   self.tokenizer)
+        self.multimodal = MultimodalFrontDoor(config, image_processor, self.served_model_name)
+        """Whether and how requests may carry images (server/multimodal.py)."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servelm-tokenizer")
         self._template_sandbox: TemplateSandbox | None = None
 
@@ -215,15 +226,18 @@ class ServingContext:
 
     # -- prompts ------------------------------------------------------------------------------
     def fit_prompt(self, token_ids: list[int], text: str | None, max_tokens: int | None,
-                   param: str = "prompt", *, is_default_max_tokens: bool = False) -> Prompt:
+                   param: str = "prompt", *, is_default_max_tokens: bool = False,
+                   mm_inputs: MultimodalInputs | None = None) -> Prompt:
         """Check a tokenized prompt against the vocabulary and the context (see module invariants).
 
         A default ``max_tokens`` (one the client did not send) is capped at what the context
-        leaves; a value the client sent is never changed.
+        leaves; a value the client sent is never changed. A prompt with images (``mm_inputs``,
+        whose ids are ``token_ids``) is never truncated: that would cut an image's tokens.
         """
         if is_default_max_tokens and max_tokens is not None:
-            fitted = self.fit_prompt(token_ids, text, None, param)
-            return Prompt(fitted.token_ids, fitted.text, min(max_tokens, fitted.max_tokens))
+            fitted = self.fit_prompt(token_ids, text, None, param, mm_inputs=mm_inputs)
+            return Prompt(fitted.token_ids, fitted.text, min(max_tokens, fitted.max_tokens),
+                          mm_inputs)
         require_prompt(token_ids, param)
         self.check_token_ids(token_ids, param)
         context = self.context_length
@@ -235,7 +249,7 @@ class ServingContext:
                 raise InvalidRequestError(
                     f"max_tokens ({max_tokens}) must be smaller than the model's context length "
                     f"({context})", "max_tokens", code="context_length_exceeded")
-            mode = self.config.server.truncation_mode
+            mode = self.config.server.truncation_mode if mm_inputs is None else None
             if mode is None:
                 asked = f" + max_tokens {max_tokens}" if max_tokens is not None else ""
                 raise InvalidRequestError(
@@ -250,7 +264,7 @@ class ServingContext:
             text = None
         resolved = max_tokens if max_tokens is not None else context - len(token_ids)
         resolved = self._fit_pool(len(token_ids), resolved, max_tokens is not None, param)
-        return Prompt(token_ids=token_ids, text=text, max_tokens=resolved)
+        return Prompt(token_ids=token_ids, text=text, max_tokens=resolved, mm_inputs=mm_inputs)
 
     def _fit_pool(self, num_prompt_tokens: int, max_tokens: int, is_given: bool, param: str) -> int:
         """A request must fit the KV pool alone (prompt + max_tokens - 1 positions hold K/V):
@@ -282,8 +296,26 @@ class ServingContext:
         return priority
 
     async def prompt_from_text(self, text: str, max_tokens: int | None, *, add_special_tokens: bool,
-                               param: str = "prompt", is_default_max_tokens: bool = False) -> Prompt:
+                               param: str = "prompt", is_default_max_tokens: bool = False,
+                               images: list[ImageRef] | None = None) -> Prompt:
+        """A text prompt, tokenized and checked; with ``images``, their markers expanded by the
+        model's image processor first (so the checks count image tokens)."""
         require_prompt(text, param)
-        token_ids = await self.encode(text, add_special_tokens=add_special_tokens, param=param)
+        self.multimodal.check(images or [])
+        loaded = await self.multimodal.load(images) if images else []
+        expanded = await self.multimodal.expand_text(text, loaded)
+        token_ids = await self.encode(expanded, add_special_tokens=add_special_tokens, param=param)
+        return await self.prompt_from_ids(token_ids, text, max_tokens, param=param,
+                                          is_default_max_tokens=is_default_max_tokens,
+                                          images=loaded)
+
+    async def prompt_from_ids(self, token_ids: list[int], text: str | None, max_tokens: int | None,
+                              *, param: str = "prompt", is_default_max_tokens: bool = False,
+                              images: list[ImageItem] | None = None) -> Prompt:
+        """``fit_prompt``, after the image processor has expanded the images' markers."""
+        mm_inputs = None
+        if images:
+            mm_inputs = await self.multimodal.expand(token_ids, images, param)
+            token_ids = mm_inputs.prompt_token_ids
         return self.fit_prompt(token_ids, text, max_tokens, param,
-                               is_default_max_tokens=is_default_max_tokens)
+                               is_default_max_tokens=is_default_max_tokens, mm_inputs=mm_inputs)

@@ -25,6 +25,7 @@ from servelm.disagg.spec import KVTransfer
 from servelm.engine.frontdoor import EngineClient
 from servelm.engine.outputs import RequestOutput
 from servelm.errors import EngineRequestError, InvalidRequestError
+from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -57,6 +58,8 @@ class Submission:
     """Its part in a prefill/decode transfer (server/disagg.py); None: co-located."""
     kv_transfer_params: dict[str, Any] | None = None
     """Set from the finished output of a vLLM-flow prefill request (the decode call's params)."""
+    mm_inputs: MultimodalInputs | None = None
+    """The prompt's images (SubmitRequest.mm_inputs); None: a text prompt."""
 
 
 async def wait_disconnected(request: Request) -> None:
@@ -82,11 +85,12 @@ async def stream_outputs(engine: EngineClient, submissions: list[Submission], re
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(submission: Submission) -> None:
+        images = {"mm_inputs": submission.mm_inputs} if submission.mm_inputs is not None else {}
         outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
                                   submission.params, priority=submission.priority,
                                   group=submission.group if len(submissions) > 1 else "",
                                   lora_name=submission.lora_name,
-                                  kv_transfer=submission.kv_transfer)
+                                  kv_transfer=submission.kv_transfer, **images)
         try:
             async for output in outputs:
                 if output.kv_transfer_params is not None:

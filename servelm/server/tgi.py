@@ -1,4 +1,5 @@
-"""Hugging Face TGI's API, which LightLLM's ``--use_tgi_api`` switches /generate to.
+"""Hugging Face TGI's API, which LightLLM's ``--use_tgi_api`` switches /generate to (the request
+shape is LightLLM's own: ``inputs``, ``parameters``, and ``multimodal_params`` for images).
 
 ``POST /generate`` answers ``{"generated_text", "details"}``; ``POST /generate_stream`` streams
 one event per token (``{"index", "token", "top_tokens", "generated_text", "details"}``, the last
@@ -29,6 +30,7 @@ from servelm.engine.outputs import RequestOutput, TokenLogprob
 from servelm.errors import EngineRequestError, InvalidRequestError
 from servelm.sampling.params import StructuredSpec
 from servelm.server.errors import APIError, api_error_from
+from servelm.multimodal.front_door import ImageRef
 from servelm.server.openai_serving import SSE_HEADERS, open_stream
 from servelm.server.protocol import _Request, make_sampling_params
 from servelm.server.serving import Prompt, ServingContext, new_id, require_prompt, safe_logprob
@@ -71,6 +73,32 @@ class TGIRequest(_Request):
     inputs: str
     parameters: TGIParameters | None = None
     stream: bool = False
+    multimodal_params: dict[str, Any] | None = None
+    """LightLLM's images: ``{"images": [{"type": "url" | "base64", "data": ...}]}``; ``inputs``
+    carries the model's image marker where each goes."""
+
+
+def _image_refs(params: dict[str, Any] | None) -> list[ImageRef]:
+    """The images of LightLLM's ``multimodal_params`` (audio is refused: images only)."""
+    if not params:
+        return []
+    for key in params:
+        if key != "images" and params[key]:
+            raise InvalidRequestError(f"multimodal_params.{key} is not supported: this server takes "
+                                      "images only", f"multimodal_params.{key}")
+    images = params.get("images") or []
+    if not isinstance(images, list):
+        raise InvalidRequestError("multimodal_params.images must be a list", "multimodal_params.images")
+    refs = []
+    for index, item in enumerate(images):
+        where = f"multimodal_params.images[{index}]"
+        kind = item.get("type") if isinstance(item, dict) else None
+        data = item.get("data") if isinstance(item, dict) else None
+        if kind not in ("url", "base64") or not isinstance(data, str) or not data:
+            raise InvalidRequestError(f'{where} must be {{"type": "url" or "base64", "data": ...}}',
+                                      where)
+        refs.append(ImageRef(data, where, allow_bare_base64=kind == "base64"))
+    return refs
 
 
 def _structured(grammar: TGIGrammar | None) -> StructuredSpec | None:
@@ -178,11 +206,19 @@ async def _prepare(ctx: ServingContext, request: TGIRequest) -> tuple[Submission
     await validate_structured(ctx.config, structured, "parameters.grammar" if structured else None)
     ctx.check_stop(parameters.stop, None, "parameters.stop", token_ids_param=None)
     require_prompt(request.inputs, "inputs")
-    token_ids = await ctx.encode(request.inputs, add_special_tokens=True, param="inputs")
+    refs = _image_refs(request.multimodal_params)
+    ctx.multimodal.check(refs)
+    images = await ctx.multimodal.load(refs) if refs else None
+    expanded = await ctx.multimodal.expand_text(request.inputs, images or [])
+    token_ids = await ctx.encode(expanded, add_special_tokens=True, param="inputs")
     text: str | None = request.inputs
     if parameters.truncate is not None and len(token_ids) > parameters.truncate:
+        if images:
+            raise InvalidRequestError("parameters.truncate would cut a prompt with images (their "
+                                      "tokens must stay whole)", "parameters.truncate")
         token_ids, text = token_ids[-parameters.truncate:], None
-    prompt = ctx.fit_prompt(token_ids, text, parameters.max_new_tokens, "inputs")
+    prompt = await ctx.prompt_from_ids(token_ids, text, parameters.max_new_tokens, param="inputs",
+                                       images=images)
     is_sampling = parameters.do_sample or any(value is not None for value in (
         parameters.temperature, parameters.top_k, parameters.top_p))
     sampling: dict[str, Any] = {"temperature": 0.0}
@@ -200,7 +236,8 @@ async def _prepare(ctx: ServingContext, request: TGIRequest) -> tuple[Submission
         structured=structured, **sampling)
     request_id = new_id("tgi")
     submission = Submission(0, request_id, prompt.token_ids, params,
-                            ctx.request_priority(request.priority), group=request_id)
+                            ctx.request_priority(request.priority), group=request_id,
+                            mm_inputs=prompt.mm_inputs)
     return submission, _TGIOutput(ctx, prompt, parameters)
 
 

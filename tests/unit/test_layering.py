@@ -27,8 +27,10 @@ ALLOWED: dict[str, set[str]] = {
     **{peer: {"distributed", *LEAF} for peer in PEERS},
     "workers": {"model", "distributed", *LEAF},
     "disagg": {"cache", "model", "sampling", "distributed", *LEAF},
-    "engine": {*PEERS - {"parsers"}, "workers", "disagg", "distributed", *LEAF},
-    "server": {"engine", "sampling", "constrained", "parsers", "disagg", "distributed", *LEAF},
+    "multimodal": set(LEAF),  # request images (media.py) and the seam types (inputs.py)
+    "engine": {*PEERS - {"parsers"}, "workers", "disagg", "distributed", "multimodal", *LEAF},
+    "server": {"engine", "sampling", "constrained", "parsers", "disagg", "distributed",
+               "multimodal", *LEAF},
     "router": set(LEAF),  # talks to servers over HTTP only
 }
 ENTRY = {"__init__", "__main__", "cli", "cli_args", "cli_flags", "launch_server", "bench",

@@ -106,6 +106,14 @@ def field_example(field_name: str) -> list[str]:
         return ['{"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}']
     if field_name == "lora_target_modules":
         return ["q_proj", "v_proj"]
+    if field_name == "limit_mm_per_prompt":
+        return ['{"image": 2}']
+    if field_name == "mm_processor_kwargs":
+        return ['{"do_pan_and_scan": true}']
+    if field_name == "allowed_local_media_path":
+        return [str(Path(__file__).resolve().parent)]
+    if field_name == "allowed_media_domains":
+        return ["images.example.com"]
     if field_name == "speculative_eagle_topk":
         return ["1"]  # a chain: the only top-k built (a tree is refused)
     field = cli_flags.config_fields()[field_name]

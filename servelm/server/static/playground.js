@@ -7,7 +7,8 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = "servelm-playground-api-key";
 
 const state = {
-  messages: [],        // {role, content, reasoning, toolCalls, stats, format, note}
+  messages: [],        // {role, content, images, reasoning, toolCalls, stats, format, note}
+  pendingImages: [],   // data: URLs attached to the message being written
   controller: null,    // AbortController of the generation in flight
   reasoningParser: null,
 };
@@ -194,6 +195,18 @@ function messageElement(message, index, isStreaming) {
     details.append(summary, body);
     element.append(details);
   }
+  if (message.images && message.images.length) {
+    const images = document.createElement("div");
+    images.className = "images";
+    for (const url of message.images) {
+      const image = document.createElement("img");
+      image.className = "attached";
+      image.src = url;
+      image.alt = "attached image";
+      images.append(image);
+    }
+    element.append(images);
+  }
   const content = document.createElement("div");
   content.className = "content";
   content.dataset.raw = message.content || "";
@@ -276,6 +289,10 @@ function chatRequestBody() {
   if (system) messages.push({role: "system", content: system});
   for (const message of state.messages) {
     const entry = {role: message.role, content: message.content || ""};
+    if (message.images && message.images.length) {  // OpenAI content parts: the images, then the text
+      entry.content = message.images.map((url) => ({type: "image_url", image_url: {url}}));
+      if (message.content) entry.content.push({type: "text", text: message.content});
+    }
     if (message.toolCalls && message.toolCalls.length) entry.tool_calls = message.toolCalls;
     messages.push(entry);
   }
@@ -357,10 +374,45 @@ async function generateReply() {
 
 function sendMessage() {
   const text = $("chat-input").value;
-  if (!text.trim() || state.controller) return;
+  const images = state.pendingImages;
+  if ((!text.trim() && !images.length) || state.controller) return;
   $("chat-input").value = "";
-  state.messages.push({role: "user", content: text});
+  state.pendingImages = [];
+  renderAttachments();
+  state.messages.push({role: "user", content: text, images});
   generateReply();
+}
+
+// -- images ----------------------------------------------------------------------------------
+
+function renderAttachments() {
+  const strip = $("attachments");
+  strip.hidden = !state.pendingImages.length;
+  strip.replaceChildren(...state.pendingImages.map((url, index) => {
+    const figure = document.createElement("figure");
+    const image = document.createElement("img");
+    image.src = url;
+    image.alt = "image to send";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "secondary";
+    remove.textContent = "×";
+    remove.title = "Remove";
+    remove.onclick = () => { state.pendingImages.splice(index, 1); renderAttachments(); };
+    figure.append(image, remove);
+    return figure;
+  }));
+}
+
+// Attach image files (picked or pasted) as data: URLs; the server checks them.
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { state.pendingImages.push(reader.result); renderAttachments(); };
+    reader.onerror = () => showError(new Error(`Could not read ${file.name}`));
+    reader.readAsDataURL(file);
+  }
 }
 
 function editMessage(index) {
@@ -371,8 +423,9 @@ function editMessage(index) {
   editor.value = state.messages[index].content;
   editor.rows = Math.min(12, editor.value.split("\n").length + 1);
   const save = linkButton("Save & submit", "save", () => {
+    const images = state.messages[index].images;
     state.messages = state.messages.slice(0, index);
-    state.messages.push({role: "user", content: editor.value});
+    state.messages.push({role: "user", content: editor.value, images});
     generateReply();
   });
   const cancel = linkButton("Cancel", "cancel", renderMessages);
@@ -501,6 +554,12 @@ function init() {
   $("chat-form").onsubmit = (event) => { event.preventDefault(); sendMessage(); };
   $("chat-input").addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); sendMessage(); }
+  });
+  $("attach-image").onclick = () => $("image-input").click();
+  $("image-input").onchange = () => { attachFiles($("image-input").files); $("image-input").value = ""; };
+  $("chat-input").addEventListener("paste", (event) => {
+    const files = [...(event.clipboardData?.files || [])].filter((file) => file.type.startsWith("image/"));
+    if (files.length) { event.preventDefault(); attachFiles(files); }
   });
   $("stop").onclick = stopGeneration;
   $("complete-stop").onclick = stopGeneration;

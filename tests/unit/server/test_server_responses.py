@@ -69,6 +69,8 @@ def test_refusals(client) -> None:
                          ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
                          ({"tool_choice": {"type": "mcp"}}, "tool_choice"),
                          ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+                          "input[0].content[0]"),  # a text-only model
+                         ({"input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
                           "input[0].content[0].type"),
                          ({"text": {"format": {"type": "xml"}}}, "text.format.type")]:
         response = client.post("/v1/responses", json={"input": "hi", **extra})
