@@ -157,14 +157,15 @@ def test_unpack_dense_matches_compressed_tensors(bits: int) -> None:
 
 # --- GPTQ and AWQ parity ---------------------------------------------------------------------------
 
+SLOW = pytest.mark.slow   # each case ~3 s on 2 Zen 3 cores: the default run keeps one or two per format
 GPTQ_CASES = [
     # arch, bits, group, sym, desc_act, v2
-    ("llama", 4, 32, True, False, False),
+    pytest.param("llama", 4, 32, True, False, False, marks=SLOW),
     ("qwen2", 4, 32, False, False, False),
-    ("qwen2", 4, -1, True, False, False),
-    ("llama", 8, 32, False, False, False),
-    ("llama", 8, 64, True, False, True),
-    ("qwen2", 4, 32, True, True, False),
+    pytest.param("qwen2", 4, -1, True, False, False, marks=SLOW),
+    pytest.param("llama", 8, 32, False, False, False, marks=SLOW),
+    pytest.param("llama", 8, 64, True, False, True, marks=SLOW),
+    pytest.param("qwen2", 4, 32, True, True, False, marks=SLOW),
     ("llama", 4, 32, False, True, True),
 ]
 
@@ -179,7 +180,7 @@ def test_gptq_logits_and_greedy_match_the_dequantized_reference(tmp_path: Path, 
     assert_parity(runner, reference, arch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=SLOW)])
 def test_awq_group_128_logits_and_greedy_match_the_dequantized_reference(tmp_path: Path, arch: str) -> None:
     model = make_quant_hf_model(arch, hidden=128, intermediate=256)
     reference = reference_model(model, write_awq(tmp_path / "awq", model, group=128))
@@ -226,7 +227,8 @@ def test_gptq_tensor_parallel_2_matches_tp1(tmp_path: Path) -> None:
 
 # --- block routes ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("desc_act", "shared_order"), [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize(("desc_act", "shared_order"), [pytest.param(False, True, marks=SLOW), (True, True),
+                                                         pytest.param(True, False, marks=SLOW)])
 def test_gptq_codes_run_on_the_block_routes(tmp_path: Path, desc_act: bool, shared_order: bool) -> None:
     """--dtype auto at tp 1: the integer codes replace the float weights (checked equal to them) and
     the GGUF block kernel runs them; the logits stay within its 16-bit activation rounding of the
@@ -277,7 +279,8 @@ def test_fp8_matches_its_documented_dequantization(tmp_path: Path, block: tuple[
 
 # --- compressed-tensors ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("arch", "bits", "sym"), [("llama", 4, True), ("qwen2", 4, False), ("llama", 8, False)])
+@pytest.mark.parametrize(("arch", "bits", "sym"), [pytest.param("llama", 4, True, marks=SLOW), ("qwen2", 4, False),
+                                                   pytest.param("llama", 8, False, marks=SLOW)])
 def test_compressed_tensors_pack_quantized_layout(tmp_path: Path, arch: str, bits: int, sym: bool) -> None:
     model = make_quant_hf_model(arch)
     reference = reference_model(model, write_ct_pack_quantized(tmp_path / "ct", model, bits, 32, sym))
@@ -350,15 +353,16 @@ def ct_reference(path: Path) -> Any:
 
 
 CT_LIBRARY_CASES = [
-    ("llama", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
-     "pack-quantized", None),
+    pytest.param("llama", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+                 "pack-quantized", None, marks=SLOW),
     ("qwen2", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32},
      "pack-quantized", None),
-    ("llama", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, "int-quantized",
-     {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}),
+    pytest.param("llama", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, "int-quantized",
+                 {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}, marks=SLOW),
     ("qwen2", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "float-quantized",
      {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}),
-    ("llama", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}, "float-quantized", None),
+    pytest.param("llama", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"},
+                 "float-quantized", None, marks=SLOW),
 ]
 
 
