@@ -387,3 +387,28 @@ def test_compressed_tensors_made_by_the_library(tmp_path: Path, arch: str, weigh
     runner = make_quant_runner(tmp_path / "ct")
     assert runner.quantization == "compressed-tensors"
     assert_parity(runner, reference, arch)
+
+
+@pytest.mark.slow   # 22 s on 2 Zen 3 cores (the engine's start-up)
+def test_engine_serves_a_gptq_checkpoint_with_prefix_caching(tmp_path: Path) -> None:
+    """The whole engine on a desc_act GPTQ directory: requests sharing a prefix (the second wave hits
+    the prefix cache) generate the dequantized reference's greedy tokens."""
+    from servelm.engine.engine import LLMEngine
+    from servelm.sampling.params import SamplingParams
+    from tests.engine_drive import greedy
+
+    model = make_quant_hf_model("qwen2")
+    reference = reference_model(model, write_gptq(tmp_path / "gptq", model, 4, 32, sym=False, desc_act=True))
+    config = EngineConfig(model=ModelConfig(model=str(tmp_path / "gptq"), skip_tokenizer_init=True, dtype="float32"),
+                          cache=CacheConfig(max_total_tokens=512, page_size=BLOCK_SIZE))
+    engine = LLMEngine(config)
+    try:
+        prefix = list(range(20, 40))
+        prompts = [prefix + [7, 8], prefix + [9], prefix + [11, 12, 13]]
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+        first = greedy(engine, prompts[:1], params)
+        rest = greedy(engine, prompts[1:], params)
+    finally:
+        engine.shutdown()
+    _, expected = reference_logits_and_greedy(reference, prompts)
+    assert first + rest == expected
