@@ -236,6 +236,10 @@ def _lightllm_quant_type(text: str) -> str:
         return "int8wo"
     if text.startswith("ao-int4wo-") and text.removeprefix("ao-int4wo-") in _INT4_GROUPS:
         return text.removeprefix("ao-")
+    if "fp8" in text:
+        raise ValueError(f"{text!r} quantizes to FP8 at load, which needs an FP8 GEMM that this CPU path lacks "
+                         "(a pre-quantized FP8 checkpoint loads by path, dequantized); choose from none, "
+                         "vllm-w8a8, ao-int8dq, ao-int8wo, ao-int4wo-<group>")
     raise ValueError("choose from none, vllm-w8a8, ao-int8dq (W8A8 dynamic int8), ao-int8wo, "
                      f"ao-int4wo-<group> with group {'/'.join(_INT4_GROUPS)}; got {text!r}")
 
@@ -629,12 +633,14 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: prompt adapters (soft prompts) are not planned",
               ("--enable-prompt-adapter", "--prompt-adapters", "--max-prompt-adapters",
                "--max-prompt-adapter-token")),
-    Rejection("not supported yet: only quantization computed at load (--quantization w8a8_int8, int8wo, "
-              "int4wo-<group>) is implemented; "
-              "pre-quantized checkpoints, ModelOpt and calibration files are not (GGUF loads by path)",
-              ("--quantization-param-path", "--quant_cfg",
-               "--modelopt-quant", "--modelopt-checkpoint-restore-path",
-               "--modelopt-checkpoint-save-path")),
+    Rejection("not supported yet: per-layer FP8 KV-cache scaling factors from a file (--kv-cache-dtype fp8 "
+              "stores the values themselves, unscaled)", ("--quantization-param-path",)),
+    Rejection("not supported: NVIDIA ModelOpt quantization and its checkpoints (CUDA formats); pre-quantized "
+              "GPTQ, AWQ, FP8 and compressed-tensors checkpoints load by path (their config.json "
+              "quantization_config), and --quantization w8a8_int8/int8wo/int4wo-<group> quantize at load",
+              ("--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path")),
+    Rejection("not supported yet: LightLLM's quantization config files (--quant_cfg); --quant_type and "
+              "pre-quantized checkpoints load without them", ("--quant_cfg",)),
     Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
               "response_format, json_schema, regex, ebnf)",
               ("--first_token_constraint_mode", "--logits-processor-pattern")),

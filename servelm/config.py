@@ -20,6 +20,31 @@ from typing import Any
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
+PREQUANTIZED_FLAG_VALUES = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tensors", "gptq_marlin", "awq_marlin")
+"""``--quantization`` values naming a pre-quantized checkpoint's format (servelm/model/prequantized.py)."""
+
+REFUSED_QUANTIZATION = {
+    "bitsandbytes": "bitsandbytes checkpoints (8-bit, nf4/fp4) are not supported yet",
+    "hqq": "HQQ checkpoints are not supported",
+    "experts_int8": "experts_int8 quantizes MoE experts on CUDA at load; on CPU use --quantization int8wo",
+    "modelopt": "NVIDIA ModelOpt checkpoints are not supported",
+    "modelopt_fp4": "NVIDIA ModelOpt FP4 checkpoints are not supported (no FP4 path on CPU)",
+    "gptq_marlin_24": "2:4 sparse GPTQ (Marlin 24) is a CUDA-only sparse format",
+    "gptq_bitblas": "BitBLAS is a CUDA kernel; serve the GPTQ checkpoint with --quantization gptq",
+    "bitblas": "BitBLAS is a CUDA kernel; serve the GPTQ checkpoint with --quantization gptq",
+    "deepspeedfp": "DeepSpeed FP6/FP8 checkpoints are not supported",
+    "mxfp4": "MXFP4 checkpoints are not supported (no FP4 path on CPU)",
+    "ptpc_fp8": "ptpc_fp8 quantizes to FP8 at load on ROCm; this CPU path has no FP8 GEMM",
+    "quark": "AMD Quark checkpoints are not supported",
+    "auto-round": "AutoRound checkpoints are not supported",
+    "moe_wna16": "moe_wna16 is a CUDA MoE kernel; a GPTQ/AWQ MoE checkpoint loads with --quantization gptq/awq",
+    "torchao": "torchao checkpoints are not supported; --quantization int8wo / int4wo-<group> quantize at load",
+    "inc": "Intel Neural Compressor checkpoints are not supported",
+    "w8a8_fp8": "FP8 quantization at load needs an FP8 GEMM, which this CPU path lacks; use w8a8_int8",
+}
+"""Other engines' ``--quantization`` values servelm refuses at start-up, with the reason."""
+
+
 def opt(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with CLI metadata: ``help`` text and optional ``choices``/``flags``."""
     metadata = {"help": help, **extra}
@@ -95,7 +120,7 @@ class ModelConfig:
                               choices=["auto", "slow"])
     skip_tokenizer_init: bool = opt(False, "Load no tokenizer: requests give input_ids and get token ids back.")
     load_format: str = opt("auto", "Weight format: auto detects safetensors/pt/gguf; dummy makes random weights.",
-                           choices=["auto", "safetensors", "pt", "gguf", "dummy"])
+                           choices=["auto", "safetensors", "pt", "gguf", "dummy", "bitsandbytes"])
     dtype: str = opt("auto", "Weight and activation dtype. auto: float32 on CPU (fast, exact), the "
                      "checkpoint's dtype on CUDA.",
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
@@ -137,9 +162,14 @@ class ModelConfig:
                             "error per layer). int8wo: int8 weights per output channel, float activations, "
                             "for the linears, the LM head and the embedding. int4wo-<group>: 4-bit weights "
                             "with a scale and zero per group of inputs (8x less weight memory than float32; "
-                            "smaller groups are more accurate). none: the model dtype (a GGUF file dequantized).",
+                            "smaller groups are more accurate). none: the model dtype (a GGUF file dequantized). "
+                            "A pre-quantized checkpoint (config.json quantization_config: gptq, awq, fp8, "
+                            "fbgemm_fp8, compressed-tensors) is detected under auto; naming its format "
+                            "(gptq_marlin/awq_marlin: the same formats) must agree with the checkpoint. Its "
+                            "weights are dequantized exactly at load; GPTQ/AWQ/compressed-tensors integer codes "
+                            "then run on the GGUF block kernels (--tp-size 1, --dtype auto).",
                             choices=["auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
-                                     "int4wo-256"])
+                                     "int4wo-256", *PREQUANTIZED_FLAG_VALUES, *REFUSED_QUANTIZATION])
     task: str = opt(
         "auto", "What the model serves: generate (completions and chat) or embed (/v1/embeddings: "
         "one pooled vector per input). auto: embed for encoder-only models (BERT), generate for "
@@ -1496,6 +1526,13 @@ class EngineConfig:
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
 
     def __post_init__(self) -> None:
+        if self.model.load_format == "bitsandbytes":
+            raise ValueError("--load-format bitsandbytes is not supported yet: bitsandbytes checkpoints "
+                             "(8-bit, nf4/fp4) do not load; GPTQ, AWQ, FP8 and compressed-tensors ones do "
+                             "(--load-format auto)")
+        if self.model.quantization in REFUSED_QUANTIZATION:
+            raise ValueError(f"--quantization {self.model.quantization} is not supported: "
+                             f"{REFUSED_QUANTIZATION[self.model.quantization]}")
         if self.runtime.enable_torch_compile and self.model.quantization not in ("none", "auto"):
             raise ValueError(
                 f"--enable-torch-compile cannot be combined with --quantization "

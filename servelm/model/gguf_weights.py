@@ -207,6 +207,18 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first).
     ``route_budget_s``: seconds the route table's missing cells may take (model/routes.py; None: no limit);
     ``fresh_routes``: measure every cell again (``servelm tune``)."""
+    blocks, others = read_block_weights(path)
+    return apply_block_weights(model, blocks, others, activations, check, route_budget_s, fresh_routes)
+
+
+def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others: dict[str, str],
+                        activations: str = "int16", check: bool = True,
+                        route_budget_s: float | None = STARTUP_BUDGET_S, fresh_routes: bool = False,
+                        label: str = "GGUF") -> dict[str, Any]:
+    """``apply_gguf_blocks`` on block weights from anywhere (``blocks``: HF checkpoint name ->
+    BlockWeight; ``others``: names kept float -> their type, for the log): a GGUF file's repack,
+    or a pre-quantized checkpoint's integer codes (servelm/model/prequantized.py). ``label``
+    names the source in the log."""
     kernel = load_kernel()
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
@@ -214,7 +226,6 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
     # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
     i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
-    blocks, others = read_block_weights(path)
     started = time.perf_counter()
     route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
     route_seconds = time.perf_counter() - started
@@ -267,9 +278,9 @@ def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "in
                "float32_bytes": float_bytes, "checkpoint_names": replaced,
                "kernel": kernel_status(), "activations": activations,
                "routes": method.route_report}
-    logger.info("GGUF weights served in their own blocks: linears %s, LM head %s, embedding %s; "
+    logger.info("%s weights served in their own blocks: linears %s, LM head %s, embedding %s; "
                 "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); block kernel: %s%s; %s",
-                ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
+                label, ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
                 head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
                 kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "", kernel_note)
     return summary

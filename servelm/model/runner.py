@@ -44,6 +44,10 @@ from servelm.model.kv_cache import KVCache
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
+from servelm.model.prequantized import (LoadReport, QuantSpec, apply_prequantized_blocks, dequantizing_weights,
+                                       serve_blocks)
+from servelm.model.prequantized import detect as detect_prequantized
+from servelm.model.prequantized import resolve as resolve_prequantized
 from servelm.model.loader import (
     DTYPES, dtype_reason, load_model, resolve_device, resolve_dtype, resolve_residual_dtype)
 from servelm.model.pipeline import PipelineStage
@@ -128,9 +132,15 @@ class ModelRunner:
                     and ThreadGovernor.supported()):
                 self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
-        self.quantization, quantization_reason = resolve_quantization(
-            config.model.quantization, getattr(source, "gguf_path", None), self.parallel, self.device,
-            config.runtime.enable_torch_compile, config.model.dtype)
+        self.prequantized = detect_prequantized(source.hf_config)
+        """The checkpoint's own quantization (GPTQ, AWQ, FP8, compressed-tensors), or None."""
+        flag, quantization_reason = resolve_prequantized(config.model.quantization, self.prequantized)
+        if self.prequantized is not None:
+            self.quantization = self.prequantized.method
+        else:
+            self.quantization, quantization_reason = resolve_quantization(
+                flag, getattr(source, "gguf_path", None), self.parallel, self.device,
+                config.runtime.enable_torch_compile, config.model.dtype)
         """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
         self.dtype = (gguf_model_dtype(config.model.dtype, self.device)[0] if self.quantization in GGUF_MODES
                       else resolve_dtype(config.model.dtype, source.hf_config, self.device))
@@ -150,11 +160,16 @@ class ModelRunner:
             self.model = load_gguf_model(source.hf_config, source.gguf_path, self.dtype, self.device,
                                          GGUF_MODES[self.quantization], self.parallel)
         else:
-            self.model = load_model(source.hf_config, source.weights, self.dtype, self.device,
+            weights, load_report = source.weights, LoadReport()
+            if self.prequantized is not None and weights is not None:
+                weights = dequantizing_weights(weights, self.prequantized, load_report)
+            self.model = load_model(source.hf_config, weights, self.dtype, self.device,
                                     config.model.seed, self.parallel)
         if self.quantization in GGUF_MODES:
             if source.weights is None:   # --load-format dummy
                 apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization], check=False)
+        elif self.prequantized is not None:
+            self._serve_prequantized(self.prequantized, load_report)
         else:
             quantize_model(self.model, self.quantization)
         self.residual_dtype, residual_reason = resolve_residual_dtype(config.model.residual_dtype, self.dtype,
@@ -249,6 +264,22 @@ class ModelRunner:
                         " + L2 normalize" if self.pooler.normalize else "", self.hidden_size)
         if config.runtime.enable_torch_compile:
             self._compile(config.runtime.torch_compile_max_bs)
+
+    def _serve_prequantized(self, spec: QuantSpec, report: LoadReport) -> None:
+        """After a pre-quantized checkpoint loaded dequantized: its integer codes take the block
+        routes where ``serve_blocks`` allows, else the exact dequantized weights serve."""
+        runtime = self.config.runtime
+        serve, why = serve_blocks(self.config.model.quantization, self.config.model.dtype, self.parallel.tp_size,
+                                  self.parallel.pp_size, self.device, runtime.enable_torch_compile, spec)
+        notes = "; ".join(spec.notes)
+        if report.dropped:
+            notes = (notes + "; " if notes else "") + f"{report.dropped} activation scale tensors dropped"
+        logger.info("pre-quantized %s: %d quantized modules dequantized exactly at load%s; %s%s",
+                    spec.description, report.dequantized,
+                    f" ({len(report.dense_only)} without integer blocks)" if report.dense_only else "",
+                    why, f"; {notes}" if notes else "")
+        if serve and report.blocks:
+            apply_prequantized_blocks(self.model, report, spec.method)
 
     def _set_fp32_lm_head(self) -> None:
         """--enable-fp32-lm-head on a 16-bit model: the head computes from a float32 copy of its

@@ -206,7 +206,8 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     err = fail_message(["m", "--worker-cls", "x.Worker"], capsys)
     assert err.startswith("servelm: --worker-cls is not supported: rank processes run servelm's "
                           "own worker")
-    assert "invalid choice: 'fp8'" in fail_message(["--quantization", "fp8"], capsys)
+    assert "--quantization hqq is not supported: HQQ checkpoints" in fail_message(["--quantization", "hqq"], capsys)
+    assert "--load-format bitsandbytes is not supported yet" in fail_message(["--load-format", "bitsandbytes"], capsys)
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
     assert "choose from int8dq, int8wo" in fail_message(["--torchao-config", "fp8wo"], capsys)
@@ -218,6 +219,8 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     (["--torchao-config", "int4wo-128"], "int4wo-128"), (["--quant_type", "ao-int8wo"], "int8wo"),
     (["--quant_type", "ao-int4wo-32"], "int4wo-32"), (["--quant_type", "vllm-w8a8"], "w8a8_int8"),
     (["--quantization", "int4wo-64"], "int4wo-64"), (["-q", "int8wo"], "int8wo"),
+    (["--quantization", "gptq"], "gptq"), (["-q", "awq_marlin"], "awq_marlin"), (["-q", "fp8"], "fp8"),
+    (["--quantization", "compressed-tensors"], "compressed-tensors"),
 ])
 def test_quantization_aliases(argv: list[str], expected: str) -> None:
     assert cli_args.parse_args(argv).model.quantization == expected

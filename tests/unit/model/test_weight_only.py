@@ -173,8 +173,13 @@ def test_mixed_precision_overrides() -> None:
 
 def test_config_choices_match_the_registry() -> None:
     """config.py cannot import torch, so it lists the names itself; they must stay the same."""
+    from servelm.config import PREQUANTIZED_FLAG_VALUES, REFUSED_QUANTIZATION
+    from servelm.model.prequantized import FLAG_ALIASES, PREQUANTIZED_METHODS
+
     quantization = next(f for f in dataclasses.fields(ModelConfig) if f.name == "quantization")
-    assert tuple(quantization.metadata["choices"]) == QUANTIZATION_METHODS
+    assert tuple(quantization.metadata["choices"]) == (QUANTIZATION_METHODS + PREQUANTIZED_FLAG_VALUES
+                                                       + tuple(REFUSED_QUANTIZATION))
+    assert set(PREQUANTIZED_FLAG_VALUES) == set(PREQUANTIZED_METHODS) | set(FLAG_ALIASES)
 
 
 def make_runner(source: object, quantization: str) -> ModelRunner:
