@@ -173,7 +173,8 @@ class ForwardBatch:
     """The same for the LM head's call on the ``logits_indices`` rows."""
     images: list[list[tuple[int, int]]] | None = None
     """Per sequence, the (first, end) positions of each image block that has query rows in this
-    pass: its rows see the whole block (bidirectional). None when no sequence has one."""
+    pass: its rows see the whole block (bidirectional; a model whose images attend both ways
+    only, ``build(bidirectional_images=True)``: Gemma 3). None when no sequence has one."""
     image_rows: list[ImageRows] = field(default_factory=list)
     """The batch rows that take image features, per image piece (the runner encodes them)."""
     mm_rows: torch.Tensor | None = None
@@ -199,8 +200,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, plan: BatchPlan, block_size: int, device: torch.device,
-              kv_cache: Any = None, attention: Any = None) -> ForwardBatch:
-        """Turn the plan's lists into device tensors (and the backend's metadata, when given)."""
+              kv_cache: Any = None, attention: Any = None, bidirectional_images: bool = False) -> ForwardBatch:
+        """Turn the plan's lists into device tensors (and the backend's metadata, when given).
+        ``bidirectional_images``: image placeholder rows attend to their whole image (Gemma 3);
+        else causally, like text (Qwen2-VL)."""
         sequences = plan.sequences
         query_lens = [len(s.token_ids) for s in sequences]
         start_positions = [s.start_position for s in sequences]
@@ -255,7 +258,7 @@ class ForwardBatch:
                     mrope[:, row_start:row_start + n] = s.mrope_positions
             batch.mrope_positions = mrope.to(device)
         if any(s.images for s in sequences):
-            batch.images = []
+            blocks_per_sequence: list[list[tuple[int, int]]] = []
             for s, row_start, n in zip(sequences, query_start.tolist(), query_lens):
                 blocks = []
                 for span in s.images:
@@ -267,7 +270,9 @@ class ForwardBatch:
                     blocks.append((span.offset, span.offset + span.length))
                     batch.image_rows.append(ImageRows(row_start + first - s.start_position, span,
                                                       first - span.offset, end - first))
-                batch.images.append(blocks)
+                blocks_per_sequence.append(blocks)
+            if bidirectional_images:
+                batch.images = blocks_per_sequence
         generation = [n <= s.num_logits for s, n in zip(sequences, query_lens)]
         batch.rows = PassRows.of(query_lens, generation)
         batch.head_rows = PassRows.of([s.num_logits for s in sequences], generation)

@@ -346,7 +346,8 @@ class ModelRunner:
             return self._stage.execute(plan, self.kv_cache)
         if self.thread_governor is not None:
             self.thread_governor.step()
-        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
+        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention,
+                                   bidirectional_images=self.bidirectional_images)
         if batch.image_rows:
             self._attach_images(batch)
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
@@ -362,6 +363,11 @@ class ModelRunner:
     @property
     def takes_images(self) -> bool:
         return bool(getattr(self.model, "takes_images", False))
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """The model's image placeholders attend to their whole image (Gemma 3), not causally."""
+        return bool(getattr(self.model, "bidirectional_images", False))
 
     @torch.inference_mode()
     def encode_images(self, spans: list[Any]) -> list[torch.Tensor]:

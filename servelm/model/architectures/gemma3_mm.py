@@ -54,6 +54,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma3ForCausalLM's interface plus ``encode_images(spans) -> [T, hidden] per image``."""
 
     takes_images = True
+    bidirectional_images = True
+    """An image's placeholder rows attend to each other in both directions (transformers'
+    ``token_type_ids``): the runner builds its passes with that block mask."""
 
     def __init__(self, hf_config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__(hf_config, parallel)

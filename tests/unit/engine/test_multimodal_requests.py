@@ -108,13 +108,14 @@ def test_prefix_cache_keys_images_by_digest(model_dir: Path, reference_model: An
     image_end = image_offset + TINY_VLM_IMAGE_TOKENS
 
     tokens, cached = run(engine, {"first": first})
-    assert tokens["first"] == reference_greedy(reference_model, first)
+    first_tokens = tokens["first"]
+    assert first_tokens == reference_greedy(reference_model, first)
     tokens, cached = run(engine, {"other": other})
     assert 0 < cached["other"] <= image_offset   # the text before the image only
     assert tokens["other"] == reference_greedy(reference_model, other)
     tokens, cached = run(engine, {"again": again})
     assert cached["again"] >= image_end // BLOCK * BLOCK > image_offset
-    assert tokens["again"] == tokens["first"]
+    assert tokens["again"] == first_tokens
 
     encoded = engine.runner.encoder_cache.num_encoded
     shifted = processor.process([60, 61] + prompt, [first_image])
@@ -196,5 +197,5 @@ def test_qwen2_vl_images_through_the_engine_equal_transformers(tmp_path: Path) -
     assert tokens["one"] == reference(one)
     assert tokens["two"] == reference(two)
     assert tokens["text"] == reference(text)
-    tokens, cached = run(engine, {"again": processor.process(TEXT + marker + [30, 31], [big])})
-    assert tokens["again"] == tokens["one"] and cached["again"] > one.images[0].offset + one.images[0].length - BLOCK
+    again, cached = run(engine, {"again": processor.process(TEXT + marker + [30, 31], [big])})
+    assert again["again"] == tokens["one"] and cached["again"] > one.images[0].offset + one.images[0].length - BLOCK
