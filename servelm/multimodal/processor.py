@@ -230,7 +230,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """Qwen2-VL's output size: both sides multiples of ``factor``, the area within
     [min_pixels, max_pixels], the aspect ratio kept as closely as possible (transformers' own rule)."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"an image's aspect ratio must be below 200, got {max(height, width) / min(height, width):.0f}")
+        ratio = max(height, width) / min(height, width)
+        raise ValueError(f"an image's aspect ratio must be below 200, got {ratio:.0f}")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -274,7 +275,8 @@ class Qwen2VLProcessor:
         self.temporal_patch_size = int(config.get("temporal_patch_size") or vision.temporal_patch_size)
         if (self.patch_size, self.merge_size, self.temporal_patch_size) != (
                 vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size):
-            raise ValueError("the image processor's patch, merge or temporal patch size differs from the vision tower's")
+            raise ValueError("the image processor's patch, merge or temporal patch size differs from the "
+                             "vision tower's")
         size = config.get("size") or {}
         self.min_pixels = int(config.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
         self.max_pixels = int(config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)

@@ -45,7 +45,8 @@ class Gemma3MultiModalProjector(nn.Module):
     def forward(self, vision_rows: torch.Tensor) -> torch.Tensor:
         num_images, _, width = vision_rows.shape
         grid = vision_rows.transpose(1, 2).reshape(num_images, width, self.patches_per_side, self.patches_per_side)
-        pooled = F.avg_pool2d(grid.contiguous(), self.kernel_size, self.kernel_size).flatten(2).transpose(1, 2).contiguous()
+        pooled = F.avg_pool2d(grid.contiguous(), self.kernel_size, self.kernel_size)
+        pooled = pooled.flatten(2).transpose(1, 2).contiguous()   # [N, T, E] (the fused norm takes contiguous rows)
         normed = self.mm_soft_emb_norm(pooled).to(vision_rows.dtype)
         return torch.matmul(normed, self.mm_input_projection_weight).to(vision_rows.dtype)
 
