@@ -122,3 +122,117 @@ def random_block_weight(n: int, k: int, block: int, offsets: bool, seed: int) ->
     scales = torch.rand(n, k // block, generator=generator) * 1e-2
     offs = torch.randn(n, k // block, generator=generator) * 1e-2 if offsets else None
     return BlockWeight(codes, scales, offs, block, "test")
+
+
+# -- a tiny vision-language model (Gemma 3 + SigLIP) -------------------------------------------------
+
+TINY_VLM_BOI, TINY_VLM_EOI, TINY_VLM_IMAGE = 300, 301, 302
+"""<start_of_image>, <end_of_image> and the image placeholder token of the tiny Gemma 3 VLM."""
+TINY_VLM_NEWLINES = 7
+"""The token the tiny VLM's processor puts around an expanded image (Gemma's "\\n\\n")."""
+TINY_VLM_IMAGE_SIZE = 64
+TINY_VLM_IMAGE_TOKENS = 16
+"""4 x 4 pooled from SigLIP's 8 x 8 patches: longer than the text model's sliding window (8), so a
+sliding layer's window cuts through an image block."""
+
+
+def make_tiny_vlm_config() -> Any:
+    """Gemma3Config: the tiny Gemma 3 text model (window 8) + a 2-layer SigLIP over 64 x 64 images."""
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=TINY_VLM_IMAGE_SIZE, patch_size=8, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+        vision_use_head=False)
+    return transformers.Gemma3Config(
+        text_config=make_tiny_config("gemma3"), vision_config=vision, mm_tokens_per_image=TINY_VLM_IMAGE_TOKENS,
+        boi_token_index=TINY_VLM_BOI, eoi_token_index=TINY_VLM_EOI, image_token_index=TINY_VLM_IMAGE,
+        tie_word_embeddings=True)
+
+
+def make_tiny_vlm(seed: int = 0) -> Any:
+    """transformers' Gemma3ForConditionalGeneration (float32, eval, eager attention) with every
+    weight random: Gemma (1 + w) norms around 0, SigLIP LayerNorms around 1, biases and the
+    projector (zeros at init) drawn too, so loading each of them is tested."""
+    config = make_tiny_vlm_config()
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration._from_config(config, attn_implementation="eager",
+                                                                     dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_layer_norm = "vision_tower" in name and ("layer_norm" in name or "post_layernorm" in name)
+            if is_layer_norm and name.endswith(".weight"):
+                param.normal_(1.0, 0.1)
+            elif "norm" in name and not is_layer_norm:
+                param.normal_(0.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "mm_input_projection_weight" in name:
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def make_tiny_vlm_dir(tmp_path: str | Path, seed: int = 0) -> Path:
+    """Save the tiny VLM with a ``preprocessor_config.json`` (64 x 64, transformers' Gemma 3
+    defaults otherwise) as ``tmp_path/tiny-gemma3-vlm``; returns the dir."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    path = Path(tmp_path) / "tiny-gemma3-vlm"
+    make_tiny_vlm(seed).save_pretrained(path, safe_serialization=True)
+    Gemma3ImageProcessorPil(size={"height": TINY_VLM_IMAGE_SIZE, "width": TINY_VLM_IMAGE_SIZE}).save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, width: int = 80, height: int = 56, mode: str = "RGB") -> Any:
+    """A PIL image of random pixels (the processor resizes it to the tower's size)."""
+    from PIL import Image
+    generator = torch.Generator().manual_seed(seed)
+    channels = len(mode) if mode in ("RGB", "RGBA") else 1
+    pixels = torch.randint(0, 256, (height, width, channels), generator=generator, dtype=torch.uint8).numpy()
+    return Image.fromarray(pixels.squeeze(-1) if channels == 1 else pixels)   # RGB, RGBA or L by shape
+
+
+# -- a tiny Qwen2-VL ---------------------------------------------------------------------------------
+
+TINY_QWEN2_VL_START, TINY_QWEN2_VL_END, TINY_QWEN2_VL_IMAGE = 300, 301, 302
+"""<|vision_start|>, <|vision_end|> and <|image_pad|> of the tiny Qwen2-VL."""
+TINY_QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 4096, "patch_size": 4, "merge_size": 2,
+                        "temporal_patch_size": 2}
+"""Its image processor: sides in multiples of 8 (patch 4 x merge 2), 256..4096 pixels."""
+
+
+def make_tiny_qwen2_vl_config() -> Any:
+    """Qwen2VLConfig: a 2-layer Qwen2 text model (head_dim 16, mrope_section 2/3/3) + a 2-block tower."""
+    text = transformers.Qwen2VLTextConfig(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = transformers.Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+        temporal_patch_size=2, hidden_act="quick_gelu", initializer_range=0.1)
+    return transformers.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=TINY_QWEN2_VL_IMAGE, video_token_id=303,
+        vision_start_token_id=TINY_QWEN2_VL_START, vision_end_token_id=TINY_QWEN2_VL_END,
+        tie_word_embeddings=False)
+
+
+def make_tiny_qwen2_vl(seed: int = 0) -> Any:
+    """transformers' Qwen2VLForConditionalGeneration (float32, eval, eager), norms and biases drawn."""
+    config = make_tiny_qwen2_vl_config()
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager",
+                                                                      dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0) -> Path:
+    """Save the tiny Qwen2-VL with its ``preprocessor_config.json`` as ``tmp_path/tiny-qwen2-vl``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    path = Path(tmp_path) / "tiny-qwen2-vl"
+    make_tiny_qwen2_vl(seed).save_pretrained(path, safe_serialization=True)
+    Qwen2VLImageProcessorPil(**TINY_QWEN2_VL_PIXELS).save_pretrained(path)
+    return path

@@ -53,6 +53,7 @@ from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput, merge_outputs
 from servelm.errors import InvalidRequestError
 from servelm.model.threads import export_openmp_wait_policy
+from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -313,14 +314,16 @@ class AsyncEngine:
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int = 0,
                  group: str = "", lora_name: str | None = None,
-                 kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
+                 kv_transfer: KVTransfer | None = None,
+                 mm_inputs: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; stopping early (cancel, close) aborts it.
 
         ``group`` names the client request this one is part of (see Request.group);
         ``lora_name`` the LoRA adapter it runs with (None: the base model); ``kv_transfer`` its
-        part in a prefill/decode transfer (None: co-located)."""
+        part in a prefill/decode transfer (None: co-located); ``mm_inputs`` its images (the
+        processor's result, whose ``prompt_token_ids`` are the ones to give here)."""
         return self._submit(SubmitRequest(request_id, list(prompt_token_ids), params, priority,
-                                          group, lora_name, kv_transfer))
+                                          group, lora_name, kv_transfer, mm_inputs))
 
     async def encode(self, request_id: str, prompt_token_ids: list[int],
                      priority: int = 0) -> RequestOutput:

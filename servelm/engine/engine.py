@@ -41,6 +41,8 @@ from servelm.engine.speculation import Speculation
 from servelm.engine.stage import Hooks, Stage
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
 from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
+from servelm.multimodal.inputs import MultimodalInputs
+from servelm.multimodal.processor import supports_images
 from servelm.sampling.params import SamplingParams, SamplingParamsError
 from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
@@ -194,6 +196,7 @@ class LLMEngine:
             "load_time_s": round(time.monotonic() - start_s, 2),
             "device": str(runner.device),
             "parallel": runner.layout(),
+            "takes_images": supports_images(hf_config),
         })
         return runner, tokenizer, list(source.eos_token_ids), source.context_length
 
@@ -308,12 +311,14 @@ class LLMEngine:
                     params: SamplingParams, priority: int = 0, *,
                     is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
                     lora_slot: int = 0, lora_name: str | None = None,
-                    kv_transfer: KVTransfer | None = None) -> RequestOutput | None:
+                    kv_transfer: KVTransfer | None = None,
+                    mm_inputs: MultimodalInputs | None = None) -> RequestOutput | None:
         """Queue a request. Returns a finished error output when it can never run (or when the
         waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
         with (unknown: 404), which sets ``adapter_id`` (the prefix-cache root); its runner slot
         (``lora_slot``) comes at admission. Tests driving a runner's slots directly give
-        ``adapter_id``/``lora_slot`` instead. None/0: the base model."""
+        ``adapter_id``/``lora_slot`` instead. None/0: the base model. ``mm_inputs``: the prompt's
+        images (the processor's spans over ``prompt_token_ids``, the expanded ids)."""
         if lora_name is not None:
             refusal: tuple[str, int] | None = (
                 "LoRA is not enabled: start the server with --enable-lora", 400)
@@ -331,7 +336,8 @@ class LLMEngine:
                           max_context_tokens=self.context_length, priority=priority,
                           is_embedding=is_embedding, group=group,
                           default_seed=request_seed(self.config.model.seed, self._num_arrivals),
-                          adapter_id=adapter_id, lora_slot=lora_slot)
+                          adapter_id=adapter_id, lora_slot=lora_slot,
+                          mm_inputs=mm_inputs if mm_inputs is not None and mm_inputs.images else None)
         self._num_arrivals += 1
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
@@ -340,6 +346,8 @@ class LLMEngine:
                                         "waiting (--max-queued-requests); retry later"),
                                  num_prompt_tokens=request.num_prompt_tokens, error_status=503)
         error = self._check(request)
+        if error is None and request.mm_inputs is not None:
+            error = self._check_images(request, kv_transfer)
         if error is None and kv_transfer is not None:
             error = ("this server runs co-located (--disaggregation-mode null): it takes no K/V "
                      "transfers" if self.disaggregation is None
@@ -373,6 +381,26 @@ class LLMEngine:
                                        "(--speculative-algorithm)",
                                  num_prompt_tokens=request.num_prompt_tokens, error_status=400)
         self.beams.add(request)
+        return None
+
+    def _check_images(self, request: Request, kv_transfer: KVTransfer | None) -> str | None:
+        """Why a request with images cannot run here (None: it can)."""
+        assert request.mm_inputs is not None
+        if not self.model_info.get("takes_images", getattr(self.runner, "takes_images", False)):
+            return "this model does not take images (it is not a vision-language model)"
+        if request.is_embedding:
+            return "embedding requests take text only"
+        if request.params.beam is not None:
+            return "beam search does not take images yet"
+        if kv_transfer is not None:
+            return "prefill/decode disaggregation does not take images yet"
+        if self.config.parallel.pipeline_parallel_size > 1:
+            return "images need --pipeline-parallel-size 1"
+        previous_end = 0
+        for span in request.mm_inputs.images:
+            if span.offset < previous_end or span.length <= 0 or span.offset + span.length > request.num_prompt_tokens:
+                return "image spans must be ordered, disjoint and inside the prompt"
+            previous_end = span.offset + span.length
         return None
 
     def _check(self, request: Request) -> str | None:

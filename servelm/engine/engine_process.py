@@ -113,7 +113,8 @@ def _handle(engine: LLMEngine, message: FrontMessage, outputs: zmq.Socket[Any]) 
             rejected = engine.add_request(message.request_id, message.prompt_token_ids,
                                           message.params, message.priority, group=message.group,
                                           lora_name=message.lora_name,
-                                          kv_transfer=message.kv_transfer)
+                                          kv_transfer=message.kv_transfer,
+                                          mm_inputs=message.mm_inputs)
         if rejected is not None:
             outputs.send_pyobj(StepOutputs([rejected]))
     elif isinstance(message, AbortRequest):

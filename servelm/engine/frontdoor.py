@@ -24,9 +24,11 @@ from typing import Any, Protocol
 
 from servelm.disagg.spec import KVTransfer
 from servelm.engine.outputs import RequestOutput
+from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: SubmitRequest.mm_inputs (images)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class ModelInfo:
     embedding_size: int | None = None
     pooler: dict[str, Any] | None = None
     max_embedding_tokens: int | None = None
+    takes_images: bool | None = None
+    """The model takes images (a vision-language model: /props' ``modalities.vision``); None: not
+    reported (an engine built around a test runner)."""
     disaggregation: dict[str, Any] = field(default_factory=dict)
     """The prefill/decode role's description (disaggregation_mode, ...); empty when co-located."""
 
@@ -108,6 +113,9 @@ class SubmitRequest:
     """The LoRA adapter it runs with (None: the base model)."""
     kv_transfer: KVTransfer | None = None
     """Its part in a prefill/decode transfer (None: co-located)."""
+    mm_inputs: MultimodalInputs | None = None
+    """Its images (a vision-language model): the processor's spans over ``prompt_token_ids``,
+    which are the expanded ids (``mm_inputs.prompt_token_ids``). None: text only."""
 
     @property
     def is_embedding(self) -> bool:
@@ -226,7 +234,8 @@ class EngineClient(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, group: str = "", lora_name: str | None = None,
-                 kv_transfer: KVTransfer | None = None) -> AsyncIterator[RequestOutput]:
+                 kv_transfer: KVTransfer | None = None,
+                 mm_inputs: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; closing the iterator early aborts the request."""
 
     async def encode(self, request_id: str, prompt_token_ids: list[int],

@@ -113,7 +113,7 @@ class KVManager:
             if other.adapter_id != request.adapter_id or other.num_computed_tokens > cached:
                 continue
             limit = min(len(key), other.num_tokens - 1)
-            if limit >= cached + size and other.token_slice(cached, cached + size) == key[cached:cached + size]:
+            if limit >= cached + size and other.cache_slice(cached, cached + size) == key[cached:cached + size]:
                 return True
         return False
 
@@ -124,7 +124,7 @@ class KVManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full > request.num_inserted_blocks:
-            self.prefix_cache.insert(request.token_slice(0, num_full * self.block_size),
+            self.prefix_cache.insert(request.cache_slice(0, num_full * self.block_size),
                                      request.block_ids[:num_full], request.adapter_id)
             request.num_inserted_blocks = num_full
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine
 from servelm.engine.outputs import TokenLogprob
+from servelm.multimodal.inputs import ImageItem, MultimodalInputs
 from servelm.sampling.params import BeamParams, SamplingParams
 
 T = TypeVar("T")
@@ -50,6 +51,8 @@ class Engine:
             server_args["model"] = model_path
         self.config = EngineConfig.from_flat(server_args)
         self._ids = itertools.count()
+        self._processor: Any = None
+        """The model's image processor (servelm.multimodal.processor), loaded on first use."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="servelm-engine-client",
                                         daemon=True)
@@ -81,11 +84,20 @@ class Engine:
         sampling_params: SamplingParams | dict[str, Any] | Sequence[SamplingParams] | None = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         lora_path: str | Sequence[str | None] | None = None,
+        image_data: Any = None,
     ) -> Any:
         """Generate for each prompt (text or token ids). A single prompt gives one result,
         a list gives a list in the same order. ``lora_path``: the LoRA adapter (its name) for
-        every prompt, or one per prompt (None: the base model)."""
+        every prompt, or one per prompt (None: the base model). ``image_data`` (a
+        vision-language model): the images of a single prompt (a list of PIL images or
+        ImageItems, or one image), or one such list per prompt; each prompt names its images
+        with the model's marker (Gemma 3: ``<start_of_image>``) in its text or ids, in order."""
         token_lists, is_single = self._token_lists(prompts, input_ids)
+        mm_inputs: list[MultimodalInputs | None] = [None] * len(token_lists)
+        if image_data is not None:
+            mm_inputs = self._images(prompts, token_lists, image_data, is_single)
+            token_lists = [mm.prompt_token_ids if mm is not None else ids
+                           for ids, mm in zip(token_lists, mm_inputs)]
         params = self._params(sampling_params, len(token_lists))
         if lora_path is None or isinstance(lora_path, str):
             adapters: list[str | None] = [lora_path] * len(token_lists)
@@ -93,8 +105,35 @@ class Engine:
             adapters = list(lora_path)
             if len(adapters) != len(token_lists):
                 raise ValueError(f"{len(adapters)} lora_path entries for {len(token_lists)} prompts")
-        results = self._run(self._generate_all(token_lists, params, adapters))
+        results = self._run(self._generate_all(token_lists, params, adapters, mm_inputs))
         return results[0] if is_single else results
+
+    def _images(self, prompts: Any, token_lists: list[list[int]], image_data: Any,
+                is_single: bool) -> list[MultimodalInputs | None]:
+        """Each prompt's MultimodalInputs (None where it has no images)."""
+        from servelm.multimodal.processor import get_processor, image_item
+        if self._processor is None:
+            self._processor = get_processor(self._engine.model_info.model_path or self.config.model.model,
+                                            self.tokenizer)
+        processor = self._processor
+        if processor is None:
+            raise ValueError("this model does not take images (it is not a vision-language model)")
+        per_prompt = [image_data] if is_single else list(image_data)
+        if len(per_prompt) != len(token_lists):
+            raise ValueError(f"{len(per_prompt)} image lists for {len(token_lists)} prompts")
+        texts = None if prompts is None else ([prompts] if is_single else list(prompts))
+        result: list[MultimodalInputs | None] = []
+        for index, images in enumerate(per_prompt):
+            if images is None or (isinstance(images, list) and not images):
+                result.append(None)
+                continue
+            items = [image if isinstance(image, ImageItem) else image_item(image)
+                     for image in (images if isinstance(images, (list, tuple)) else [images])]
+            ids = token_lists[index]
+            if texts is not None and processor.tokenizer is not None:   # transformers' text-level expansion
+                ids = self.tokenizer.encode(processor.expand_text(texts[index]))
+            result.append(processor.process(ids, items))
+        return result
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         """Load a LoRA adapter (needs enable_lora=True): {"success", "message", ...}."""
@@ -131,10 +170,12 @@ class Engine:
         return params
 
     async def _generate_all(self, token_lists: list[list[int]], params: list[SamplingParams],
-                            adapters: list[str | None]) -> list[GenerationResult]:
+                            adapters: list[str | None],
+                            mm_inputs: list[MultimodalInputs | None] | None = None) -> list[GenerationResult]:
+        images = mm_inputs if mm_inputs is not None else [None] * len(token_lists)
         return list(await asyncio.gather(*(
-            self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter)
-            for ids, p, adapter in zip(token_lists, params, adapters, strict=True))))
+            self._generate_one(f"offline-{next(self._ids)}", ids, p, adapter, mm_inputs=mm)
+            for ids, p, adapter, mm in zip(token_lists, params, adapters, images, strict=True))))
 
     def beam_search(self, prompts: str | Sequence[str] | None = None, beam_width: int = 4,
                     max_tokens: int = 16, *, input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
@@ -160,10 +201,10 @@ class Engine:
 
     async def _generate_one(self, request_id: str, prompt_token_ids: list[int],
                             params: SamplingParams, lora_name: str | None,
-                            group: str = "") -> GenerationResult:
+                            group: str = "", mm_inputs: MultimodalInputs | None = None) -> GenerationResult:
         result = GenerationResult("", [], "", prompt_token_ids)
         async for output in self._engine.generate(request_id, prompt_token_ids, params,
-                                                  group=group, lora_name=lora_name):
+                                                  group=group, lora_name=lora_name, mm_inputs=mm_inputs):
             result.text += output.new_text
             result.token_ids.extend(output.new_token_ids)
             result.logprobs.extend(output.logprobs or [])

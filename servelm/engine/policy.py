@@ -36,8 +36,9 @@ LPM_MAX_QUEUE = 128
 
 
 def cache_key(request: Request) -> list[int]:
-    """The tokens looked up in the prefix cache: all but the last, whose logits must be computed."""
-    return request.token_slice(0, request.num_tokens - 1)
+    """The tokens looked up in the prefix cache: all but the last, whose logits must be computed
+    (image placeholders keyed by their image's digest: ``Request.cache_slice``)."""
+    return request.cache_slice(0, request.num_tokens - 1)
 
 
 def urgency(request: Request, low_values_first: bool) -> int:

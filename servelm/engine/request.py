@@ -17,11 +17,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from servelm.constrained.compiler import CompileJob
 from servelm.constrained.grammar import GrammarMatcher
 from servelm.engine.outputs import TokenLogprob
+from servelm.multimodal.cache_keys import keyed_tokens
+from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -131,6 +133,10 @@ class Request:
     Empty: a group of its own (the request id)."""
     transfer: TransferState | None = None
     """Disaggregation: the request's K/V crosses servers (None: co-located, the usual case)."""
+    mm_inputs: MultimodalInputs | None = None
+    """Its images (vision-language models): spans over ``prompt_token_ids`` (the expanded ids).
+    The scheduler never cuts a span across steps; the prefix cache keys a span's positions by
+    the image's digest (``cache_slice``). None: text only."""
 
     def __post_init__(self) -> None:
         if not self.group:
@@ -177,6 +183,21 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    def cache_slice(self, start: int, end: int) -> list[int]:
+        """``token_slice`` as the prefix cache keys it: image placeholder positions read as their
+        image's digest-derived pad id (servelm.multimodal.cache_keys), so K/V computed with one
+        image is never served for another."""
+        tokens = self.token_slice(start, end)
+        if self.mm_inputs is None or not self.mm_inputs.images:
+            return tokens
+        return keyed_tokens(tokens, start, self.mm_inputs.images)
+
+    def image_spans(self, start: int, end: int) -> list[Any]:
+        """The ImageSpans overlapping positions [start, end), in order."""
+        if self.mm_inputs is None:
+            return []
+        return [span for span in self.mm_inputs.images if span.offset < end and span.offset + span.length > start]
 
     def num_appendable_tokens(self) -> int:
         """Tokens this request may still append beside the one its next step samples (drafts,

@@ -28,6 +28,10 @@ Invariants:
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
   It waits while the step's remaining token budget is smaller than its prompt.
+- An image (``Request.mm_inputs``) is never cut across steps: its placeholder tokens attend to
+  each other in both directions, so a chunk that would end inside an image ends before it, or,
+  when it starts at (or inside) the image, runs to the image's end even past the chunk cap; past
+  the step's budget only when nothing else is scheduled this step (else it waits for the next).
 - The default --chunked-prefill-size caps a prompt's chunk only when another request is queued or
   running; a lone request's prompt takes up to the step budget at once (``_is_alone``). A size set
   to anything else caps every chunk.
@@ -215,7 +219,8 @@ class Scheduler:
             self.kv.match_prefix(request)
             num_tokens = self._chunk(request, budget)
             if num_tokens == 0:
-                return  # an embedding prompt waits for a step with room for all of it
+                self.kv.unmatch(request)
+                return  # an embedding prompt (or an image) waits for a step with room for all of it
             while not self._fits(request, num_tokens):
                 victim = self._priority_victim(request)
                 if victim is None:
@@ -342,8 +347,27 @@ class Scheduler:
             return remaining if remaining <= budget else 0
         cap = self.config.max_chunk_tokens
         if cap is None or self._is_alone(request):
-            return min(remaining, budget)
-        return min(remaining, budget, cap)
+            num_tokens = min(remaining, budget)
+        else:
+            num_tokens = min(remaining, budget, cap)
+        if request.mm_inputs is not None and request.mm_inputs.images:
+            num_tokens = self._whole_images(request, num_tokens, budget)
+        return num_tokens
+
+    def _whole_images(self, request: Request, num_tokens: int, budget: int) -> int:
+        """``num_tokens`` moved so the chunk cuts no image: back to the image's start when the
+        chunk starts before it, on to its end when the chunk starts at or inside it (0: it does
+        not fit the rest of this step's budget; the whole budget always takes it)."""
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        for span in request.mm_inputs.images if request.mm_inputs is not None else ():
+            span_end = span.offset + span.length
+            if span.offset < end < span_end:
+                if span.offset > start:
+                    return span.offset - start
+                needed = span_end - start
+                return needed if needed <= budget or budget >= self.config.max_tokens_per_step else 0
+        return num_tokens
 
     def _is_alone(self, request: Request) -> bool:
         """The only request with work, under the default chunk size: no decode's inter-token

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from servelm.engine.outputs import TokenLogprob
 from servelm.engine.request import Request
 from servelm.model.forward_batch import BatchPlan, DraftTree, SequencePlan
+from servelm.multimodal.processor import mrope_positions_for
 from servelm.spec.tree import tree_plan_parents
 
 
@@ -62,7 +63,9 @@ def schedule_request(request: Request, num_tokens: int) -> ScheduledRequest:
     parents = list(request.draft_parents) if drafts and request.draft_parents is not None else None
     sequence = SequencePlan(token_ids=request.token_slice(start, start + num_tokens) + drafts,
                             start_position=start, block_ids=request.block_ids,
-                            num_logits=num_logits, lora_slot=request.lora_slot)
+                            num_logits=num_logits, lora_slot=request.lora_slot,
+                            images=request.image_spans(start, start + num_tokens),
+                            mrope_positions=mrope_positions_for(request.mm_inputs, start, num_tokens + len(drafts)))
     if parents is not None:  # verified as a tree: its root is the request's last token
         sequence.tree = DraftTree(start + num_tokens - 1, tree_plan_parents(parents))
     return ScheduledRequest(request, num_tokens, num_logits, is_sampling, num_prompt_rows,

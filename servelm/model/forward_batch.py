@@ -18,6 +18,12 @@ Invariants of a SequencePlan:
   of linear position p as above), but a node's rope position is ``first_position + depth`` and it
   attends to positions before ``first_position`` plus its own ancestors (and itself) only.
   Without a tree nothing here changes (``ForwardBatch.trees`` stays None).
+- ``images`` (vision-language models): the image spans (``servelm.multimodal.inputs.ImageSpan``,
+  prompt positions) that overlap this step's tokens. The scheduler never cuts a span: a step
+  computes all of a span's positions from its first computed one on. Rows at a span's positions
+  take the image's encoded rows instead of token embeddings (``ForwardBatch.mm_rows``, filled by the
+  runner), and query rows inside a span see every position of that span (both directions:
+  ``ForwardBatch.images``, the attention backend's mask), on top of the causal (and window) rule.
 """
 
 from __future__ import annotations
@@ -76,6 +82,11 @@ class SequencePlan:
     """Adapter slot whose LoRA deltas apply to this sequence's rows (0: the base model)."""
     tree: DraftTree | None = None
     """Tree-shaped tail (a speculative draft tree); None: causal chain, the usual case."""
+    images: list[Any] = field(default_factory=list)
+    """ImageSpans (servelm.multimodal.inputs) overlapping ``token_ids``' positions, in order."""
+    mrope_positions: Any = None
+    """``[3, len(token_ids)]`` int64 M-RoPE positions (Qwen2-VL: temporal, height, width) of a
+    sequence with images; None: its linear positions on all three axes."""
 
 
 @dataclass(slots=True)
@@ -106,6 +117,17 @@ class BatchPlan:
     @property
     def num_pooled(self) -> int:
         return sum(1 for s in self.sequences if s.is_pooled)
+
+
+@dataclass(slots=True)
+class ImageRows:
+    """``count`` consecutive batch rows from ``row`` that take rows ``first .. first + count - 1``
+    of ``span``'s encoded image."""
+
+    row: int
+    span: Any
+    first: int
+    count: int
 
 
 @dataclass
@@ -149,6 +171,19 @@ class ForwardBatch:
     only them computes them (GGUF routes, layers/gguf_routes.py). None: every row a prompt row."""
     head_rows: PassRows | None = None
     """The same for the LM head's call on the ``logits_indices`` rows."""
+    images: list[list[tuple[int, int]]] | None = None
+    """Per sequence, the (first, end) positions of each image block that has query rows in this
+    pass: its rows see the whole block (bidirectional; a model whose images attend both ways
+    only, ``build(bidirectional_images=True)``: Gemma 3). None when no sequence has one."""
+    image_rows: list[ImageRows] = field(default_factory=list)
+    """The batch rows that take image features, per image piece (the runner encodes them)."""
+    mm_rows: torch.Tensor | None = None
+    """[n] int64 token rows whose embeddings ``mm_embeds`` replaces (set by the runner)."""
+    mm_embeds: torch.Tensor | None = None
+    """[n, hidden] the image features of ``mm_rows``, in their order."""
+    mrope_positions: torch.Tensor | None = None
+    """[3, num_tokens] int64 M-RoPE positions (``SequencePlan.mrope_positions``, else ``positions``
+    on all three axes); None when no sequence has its own."""
 
     @property
     def num_tokens(self) -> int:
@@ -165,8 +200,10 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, plan: BatchPlan, block_size: int, device: torch.device,
-              kv_cache: Any = None, attention: Any = None) -> ForwardBatch:
-        """Turn the plan's lists into device tensors (and the backend's metadata, when given)."""
+              kv_cache: Any = None, attention: Any = None, bidirectional_images: bool = False) -> ForwardBatch:
+        """Turn the plan's lists into device tensors (and the backend's metadata, when given).
+        ``bidirectional_images``: image placeholder rows attend to their whole image (Gemma 3);
+        else causally, like text (Qwen2-VL)."""
         sequences = plan.sequences
         query_lens = [len(s.token_ids) for s in sequences]
         start_positions = [s.start_position for s in sequences]
@@ -212,6 +249,30 @@ class ForwardBatch:
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))
         if has_tree:
             batch.trees = [s.tree for s in sequences]
+        if any(s.mrope_positions is not None for s in sequences):
+            assert not has_tree, "M-RoPE sequences are not verified as draft trees"
+            mrope = positions.unsqueeze(0).repeat(3, 1)
+            for s, row_start, n in zip(sequences, query_start.tolist(), query_lens):
+                if s.mrope_positions is not None:
+                    assert tuple(s.mrope_positions.shape) == (3, n), "one M-RoPE column per token"
+                    mrope[:, row_start:row_start + n] = s.mrope_positions
+            batch.mrope_positions = mrope.to(device)
+        if any(s.images for s in sequences):
+            blocks_per_sequence: list[list[tuple[int, int]]] = []
+            for s, row_start, n in zip(sequences, query_start.tolist(), query_lens):
+                blocks = []
+                for span in s.images:
+                    first = max(span.offset, s.start_position)
+                    end = min(span.offset + span.length, s.start_position + n)
+                    if first >= end:
+                        continue
+                    assert end == span.offset + span.length, "an image span is never cut by a pass"
+                    blocks.append((span.offset, span.offset + span.length))
+                    batch.image_rows.append(ImageRows(row_start + first - s.start_position, span,
+                                                      first - span.offset, end - first))
+                blocks_per_sequence.append(blocks)
+            if bidirectional_images:
+                batch.images = blocks_per_sequence
         generation = [n <= s.num_logits for s, n in zip(sequences, query_lens)]
         batch.rows = PassRows.of(query_lens, generation)
         batch.head_rows = PassRows.of([s.num_logits for s in sequences], generation)

@@ -24,7 +24,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
-    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM"),  # text part only
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),  # SigLIP + text
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "BertModel": ("bert", "BertModel"),
     "MPNetModel": ("mpnet", "MPNetModel"),
     "MPNetForMaskedLM": ("mpnet", "MPNetModel"),  # the encoder only (no MLM head)
@@ -41,6 +42,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

@@ -55,6 +55,7 @@ from servelm.model.pooling import (PoolerConfig, architecture_label, pool, resol
                                     resolve_task)
 from servelm.model.onednn import configure_onednn_cache
 from servelm.model.threads import ThreadGovernor, configure_engine_threads, log_openmp_wait_policy
+from servelm.multimodal.encoder_cache import EncoderCache
 
 if TYPE_CHECKING:
     from servelm.model.source import ModelSource
@@ -216,6 +217,8 @@ class ModelRunner:
                                     self.residual_dtype, self.device, self.attention, self.vocab_size,
                                     config.parallel.pp_max_micro_batch_size)
         """This rank's part of a pipeline step (used at pp > 1 only)."""
+        self.encoder_cache = EncoderCache()
+        """A vision-language model's encoded images by digest (servelm.multimodal.encoder_cache)."""
         self.num_blocks = 0
         """Blocks in the KV pool; 0 until ``init_kv_cache``."""
         self.kv_cache: KVCache | None = None
@@ -374,7 +377,10 @@ class ModelRunner:
             return self._stage.execute(plan, self.kv_cache)
         if self.thread_governor is not None:
             self.thread_governor.step()
-        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
+        batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention,
+                                   bidirectional_images=self.bidirectional_images)
+        if batch.image_rows:
+            self._attach_images(batch)
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
         # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
         hidden = self.model(batch)
@@ -384,6 +390,51 @@ class ModelRunner:
             return screened
         logits = self.model.compute_logits(rows, batch.head_rows)
         return logits.float()
+
+    @property
+    def takes_images(self) -> bool:
+        return bool(getattr(self.model, "takes_images", False))
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """The model's image placeholders attend to their whole image (Gemma 3), not causally."""
+        return bool(getattr(self.model, "bidirectional_images", False))
+
+    @torch.inference_mode()
+    def encode_images(self, spans: list[Any]) -> list[torch.Tensor]:
+        """Each ImageSpan's encoded rows ``[length, hidden]``: from the encoder cache by digest,
+        the others encoded together in one call of the model's tower (a repeated digest once)."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, Any] = {}
+        for span in spans:
+            if span.digest in found or span.digest in missing:
+                continue
+            rows = self.encoder_cache.get(span.digest)
+            if rows is None:
+                missing[span.digest] = span
+            else:
+                found[span.digest] = rows
+        if missing:
+            encoded = self.model.encode_images(list(missing.values()))   # one [tokens, hidden] per image
+            self.encoder_cache.num_encoded += len(missing)
+            for (digest, span), rows in zip(missing.items(), encoded):
+                assert rows.shape[0] == span.length, (
+                    f"the tower gave {rows.shape[0]} rows for an image of {span.length} placeholders")
+                rows = rows.contiguous()
+                found[digest] = rows
+                self.encoder_cache.put(digest, rows)
+        return [found[span.digest] for span in spans]
+
+    def _attach_images(self, batch: ForwardBatch) -> None:
+        """Set ``batch.mm_rows`` / ``mm_embeds`` from its image pieces (``batch.image_rows``)."""
+        if not self.takes_images:
+            raise ValueError(f"{type(self.model).__name__} does not take images")
+        pieces = batch.image_rows
+        encoded = self.encode_images([piece.span for piece in pieces])
+        rows = torch.cat([torch.arange(piece.row, piece.row + piece.count) for piece in pieces])
+        batch.mm_rows = rows.to(self.device)
+        batch.mm_embeds = torch.cat([features[piece.first:piece.first + piece.count]
+                                     for piece, features in zip(pieces, encoded)])
 
     @torch.inference_mode()
     def pool(self, plan: BatchPlan) -> torch.Tensor:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "servelm"
 
-LEAF = {"config", "errors", "logging_utils"}
+LEAF = {"config", "errors", "logging_utils", "multimodal"}
+"""``multimodal`` (the image seam, processors, the encoder cache) imports no other unit: the server,
+the engine and the model all use it."""
 PEERS = {"cache", "model", "sampling", "constrained", "lora", "spec", "parsers"}
 ALLOWED: dict[str, set[str]] = {
     **{leaf: set(LEAF) for leaf in LEAF},

@@ -144,6 +144,17 @@ def stage_rename(name: str | None, parallel: ParallelContext, num_layers: int,
     return name
 
 
+def embed_tokens_and_images(embed_tokens: nn.Module, batch: Any) -> torch.Tensor:
+    """The token embeddings of ``batch.input_ids``, with the rows of ``batch.mm_rows`` (image
+    placeholders) replaced by ``batch.mm_embeds`` (the encoded images, unscaled: transformers
+    merges them after the embedding's own scale). A placeholder id may lie past the vocabulary,
+    so those rows look up id 0 first."""
+    if batch.mm_rows is None:
+        return embed_tokens(batch.input_ids)
+    hidden = embed_tokens(batch.input_ids.index_fill(0, batch.mm_rows, 0))
+    return hidden.index_copy(0, batch.mm_rows, batch.mm_embeds.to(hidden.dtype))
+
+
 def set_residual_dtype(model: nn.Module, dtype: torch.dtype) -> bool:
     """Give every decoder body of ``model`` (a module with a ``residual_dtype`` class attribute:
     LlamaModel, Gemma3Model) its residual stream's dtype; False where there is none (encoders).

@@ -7,7 +7,9 @@ Differences from Llama, all following the HF reference:
 - (1 + w) RMSNorm everywhere, per-head q/k norms, norms after attention and around the MLP.
 - embeddings scaled by sqrt(hidden) rounded to the model dtype; attention scale
   ``query_pre_attn_scalar ** -0.5``; gelu_pytorch_tanh MLP; tied LM head; optional final softcap.
-A multimodal Gemma3Config is served through its ``text_config``; vision weights are skipped.
+A multimodal Gemma3Config is served through its ``text_config`` here (vision weights skipped);
+gemma3_mm.py adds the vision tower. Rows of ``ForwardBatch.mm_rows`` (image placeholders) take
+``ForwardBatch.mm_embeds`` instead of their token embeddings (unscaled, as transformers' merge).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import (
-    GatedMLP, head_dim_of, load_named_weights, stage_layers, stage_rename)
+    GatedMLP, embed_tokens_and_images, head_dim_of, load_named_weights, stage_layers, stage_rename)
 from servelm.model.architectures.flat_decode import run_layers
 from servelm.model.architectures.gemma3_decode import DecodePlan
 from servelm.model.attention import Attention
@@ -102,7 +104,7 @@ class Gemma3Model(nn.Module):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """As LlamaModel.forward: ``hidden`` is the previous pipeline stage's output (None: embed)."""
         if self.embed_tokens is not None:
-            hidden = self.embed_tokens(batch.input_ids)
+            hidden = embed_tokens_and_images(self.embed_tokens, batch)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, DecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)
@@ -137,17 +139,23 @@ class Gemma3ForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden, rows)
 
+    def _vision_weight_name(self, name: str) -> str | None:
+        """Our name for a vision tower or projector tensor: None, the text model skips them
+        (gemma3_mm.py's Gemma3ForConditionalGeneration loads them)."""
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         is_tied = self.lm_head is not None and self.lm_head.is_tied
         num_layers = len(self.model.layers)
 
         def rename(name: str) -> str | None:
+            checkpoint_name = name
             for prefix in ("model.language_model.", "language_model.model."):
                 if name.startswith(prefix):
                     name = "model." + name[len(prefix):]
             name = name.removeprefix("language_model.")
             if "vision_tower" in name or "multi_modal_projector" in name:
-                return None
+                return self._vision_weight_name(checkpoint_name)
             if is_tied and name.startswith("lm_head."):
                 return None
             return stage_rename(name, self.parallel, num_layers, self.tie_word_embeddings)

@@ -16,7 +16,8 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import (
-    GatedMLP, head_dim_of, layer_sliding_window, load_named_weights, stage_layers, stage_rename)
+    GatedMLP, embed_tokens_and_images, head_dim_of, layer_sliding_window, load_named_weights, stage_layers,
+    stage_rename)
 from servelm.model.architectures.flat_decode import run_layers
 from servelm.model.architectures.llama_decode import LlamaDecodePlan
 from servelm.model.attention import Attention
@@ -97,7 +98,7 @@ class LlamaModel(nn.Module):
         """The final hidden states; on a pipeline stage, the stage's output from the previous
         stage's ``hidden`` (None on the first stage, which embeds ``batch.input_ids``)."""
         if self.embed_tokens is not None:
-            hidden = self.embed_tokens(batch.input_ids)
+            hidden = embed_tokens_and_images(self.embed_tokens, batch)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
         hidden = run_layers(self, LlamaDecodePlan, hidden, batch)
         return hidden if self.norm is None else self.norm(hidden)

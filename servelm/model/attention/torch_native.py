@@ -24,6 +24,12 @@ are replaced by the tree's ancestor mask (a node sees the context before the tre
 and itself); the prefill_gemm tiles of such a sequence take their bias from that mask. Batches
 without a tree never reach this code.
 
+Image blocks (``ForwardBatch.images``, vision-language models): a query row inside an image block
+also sees every column of that block, later ones included (transformers' ``token_type_ids``
+overlay): ``visible = (causal or same block) and window``. A multi-token group with an image block
+always attends through SDPA with that mask (the prefill kernels are causal-only); decode groups
+never hold one (an image is computed whole in the step that reaches it).
+
 Decode groups fold GQA into the query dimension (``[b, Hkv, H/Hkv, D]`` against ``[b, Hkv, C, D]``):
 exact for one query per sequence, and it avoids SDPA expanding K/V per query head. Multi-token
 groups use SDPA's ``enable_gqa``. Measured on the 2-core dev box (32 x 128 context rows of
@@ -117,6 +123,8 @@ class _Group:
     """(sliding_window, is_causal) -> view, built on first use."""
     trees: list[DraftTree | None] | None = None
     """Per sequence, its draft tree (None: no sequence of the group has one)."""
+    images: list[list[tuple[int, int]]] | None = None
+    """Per sequence, its image blocks' (first, end) positions (None: no sequence of the group has one)."""
 
     def view(self, sliding_window: int | None, is_causal: bool = True) -> _KVView:
         key = (sliding_window, is_causal)
@@ -159,6 +167,8 @@ class _Group:
         q_positions = self.query_positions[:, :, None]                        # [b, Q, 1]
         if is_causal:
             visible = kv_valid[:, None, :] & (kv_positions[:, None, :] <= q_positions)
+            if self.images is not None:
+                visible |= kv_valid[:, None, :] & self._same_image(kv_positions)
         else:
             assert not bool(self.starts.any()), "a non-causal sequence is computed whole, from 0"
             visible = kv_valid[:, None, :] & self.query_valid[:, :, None]
@@ -169,6 +179,18 @@ class _Group:
             self._apply_trees(visible, kv_positions, first, window)
         visible |= (~self.query_valid[:, :, None]) & (columns[:, None, :] == 0)
         return visible[:, None].to(self.device)
+
+    def _same_image(self, kv_positions: torch.Tensor) -> torch.Tensor:
+        """``[b, Q, C]``: the query and the column lie in one image block of their sequence."""
+        assert self.images is not None
+        q_positions = self.query_positions                                    # [b, Q]
+        same = torch.zeros(q_positions.shape[0], q_positions.shape[1], kv_positions.shape[1], dtype=torch.bool)
+        for index, blocks in enumerate(self.images):
+            for first, end in blocks:
+                in_query = (q_positions[index] >= first) & (q_positions[index] < end) & self.query_valid[index]
+                in_column = (kv_positions[index] >= first) & (kv_positions[index] < end)
+                same[index] |= in_query[:, None] & in_column[None, :]
+        return same
 
     def _apply_trees(self, visible: torch.Tensor, kv_positions: torch.Tensor, first: torch.Tensor,
                      window: int | None) -> None:
@@ -264,6 +286,11 @@ class TorchNativeAttention:
             for group, members in zip(groups, [m for m in (decodes, others) if m]):
                 if any(trees[i] is not None for i in members):
                     group.trees = [trees[i] for i in members]
+        images = batch.images
+        if images is not None:
+            for group, members in zip(groups, [m for m in (decodes, others) if m]):
+                if group.max_query > 1 and any(images[i] for i in members):
+                    group.images = [images[i] for i in members]
         return TorchNativeMetadata(groups=groups)
 
     @staticmethod
@@ -311,14 +338,15 @@ class TorchNativeAttention:
             view = group.view(layer.sliding_window, layer.is_causal)
             columns = view.num_columns
             if (max_query > 1 and layer.is_causal and position_bias is None and group.trees is None
-                    and prefill_attention.supports(q, k_cache, v_cache)):
+                    and group.images is None and prefill_attention.supports(q, k_cache, v_cache)):
                 if view.sequences is None:
                     view.sequences = prefill_attention.plan(group.row_starts, group.query_lens,
                                                             group.starts.tolist(), view.firsts)
                 prefill_attention.attend(q, k_cache, v_cache, view.slots.view(b, columns), view.sequences,
                                          layer.sliding_window, layer.scale, out)
                 continue
-            if max_query > 1 and layer.is_causal and position_bias is None and prefill_gemm.supports(q):
+            if (max_query > 1 and layer.is_causal and position_bias is None and group.images is None
+                    and prefill_gemm.supports(q)):
                 tiles = group.tiles(view, layer.sliding_window, num_heads // num_kv_heads)
                 prefill_gemm.attend(q, k_cache.index_select(0, view.slots).to(q.dtype),
                                     v_cache.index_select(0, view.slots).to(q.dtype), tiles,

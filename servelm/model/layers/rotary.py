@@ -135,3 +135,26 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rope_type={self.rope_type}"
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rope: positions ``[3, T]`` (temporal, height, width; ``[T]`` means the
+    same on all three); frequency section i of ``mrope_section`` (sizes summing to head_dim / 2)
+    turns with axis i % 3, as transformers' ``Qwen2VLRotaryEmbedding``."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__(head_dim, params)
+        self.mrope_section = [int(size) for size in params["mrope_section"]]
+        assert sum(self.mrope_section) == head_dim // 2, "mrope_section covers head_dim / 2 frequencies"
+        axes = [index % 3 for index, size in enumerate(self.mrope_section) for _ in range(size)]
+        self.axis_of_frequency = torch.tensor(axes, dtype=torch.int64)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, :, None] * inv_freq[None, None, :]          # [3, T, D/2]
+        index = self.axis_of_frequency.to(positions.device)[None, None, :].expand(1, freqs.shape[1], -1)
+        freqs = freqs.gather(0, index)[0]                                        # [T, D/2]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
