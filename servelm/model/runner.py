@@ -217,7 +217,7 @@ class ModelRunner:
                                     self.residual_dtype, self.device, self.attention, self.vocab_size,
                                     config.parallel.pp_max_micro_batch_size)
         """This rank's part of a pipeline step (used at pp > 1 only)."""
-        self.encoder_cache = EncoderCache()
+        self.encoder_cache = EncoderCache(capacity_items=config.multimodal.encoder_cache_capacity)
         """A vision-language model's encoded images by digest (servelm.multimodal.encoder_cache)."""
         self.num_blocks = 0
         """Blocks in the KV pool; 0 until ``init_kv_cache``."""

@@ -1,7 +1,7 @@
 """The encoder cache: an image's encoded rows by its digest, so a repeated image is not encoded again.
 
-A small LRU bounded in bytes (SGLang's ``--mm-cache`` / vLLM's ``--mm-cache-preprocessor`` /
-LightLLM's ``--cache_capacity`` in spirit). It lives beside the model on each rank
+A small LRU bounded in bytes and in images (``--encoder-cache-capacity``, LightLLM's
+``--cache_capacity``: a count of images; 0 turns the cache off). It lives beside the model on each rank
 (``ModelRunner.encoder_cache``) and holds the projector's output, ``[tokens, hidden]`` in the model
 dtype. An image bigger than the whole capacity is encoded every time it is needed.
 """
@@ -17,10 +17,12 @@ DEFAULT_ENCODER_CACHE_BYTES = 256 * 2 ** 20
 
 
 class EncoderCache:
-    """digest -> encoded rows, least recently used evicted first; ``capacity_bytes`` 0 disables it."""
+    """digest -> encoded rows, least recently used evicted first; ``capacity_bytes`` or
+    ``capacity_items`` 0 disables it."""
 
-    def __init__(self, capacity_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
+    def __init__(self, capacity_bytes: int = DEFAULT_ENCODER_CACHE_BYTES, capacity_items: int = 200) -> None:
         self.capacity_bytes = capacity_bytes
+        self.capacity_items = capacity_items
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.nbytes = 0
         self.hits = 0
@@ -45,12 +47,13 @@ class EncoderCache:
 
     def put(self, digest: str, rows: torch.Tensor) -> None:
         size = rows.nbytes
-        if size > self.capacity_bytes:
+        if size > self.capacity_bytes or self.capacity_items <= 0:
             return
         old = self._entries.pop(digest, None)
         if old is not None:
             self.nbytes -= old.nbytes
-        while self._entries and self.nbytes + size > self.capacity_bytes:
+        while self._entries and (self.nbytes + size > self.capacity_bytes
+                                 or len(self._entries) >= self.capacity_items):
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
         self._entries[digest] = rows

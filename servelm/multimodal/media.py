@@ -243,14 +243,13 @@ def _check_dimensions(width: int, height: int, policy: MediaPolicy, param: str) 
                      "invalid_image")
 
 
-def _to_rgb(image: Any) -> Any:
+def to_rgb(image: Any) -> Any:
+    """RGB, transparency composited onto white (transformers' ``convert_to_rgb``, vLLM's too)."""
     from PIL import Image
 
     if image.mode == "RGB":
         return image
-    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        image.mode == "P" and "transparency" in image.info)
-    if has_alpha:
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
@@ -307,7 +306,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, source: str, param: str) -
     try:
         image.seek(0)  # an animation: its first frame
         image.load()
-        rgb = _to_rgb(image)
+        rgb = to_rgb(image)
         rgb.load()
     except Exception as error:  # truncated or corrupt data
         raise _error(f"{param}: the image cannot be decoded ({image.format}): {error}", param) \
@@ -318,7 +317,7 @@ def decode_image(data: bytes, policy: MediaPolicy, *, source: str, param: str) -
 def image_from_pil(image: Any, policy: MediaPolicy, *, param: str) -> ImageItem:
     """A PIL image given directly (the offline Engine): the same pixel checks, then RGB."""
     _check_dimensions(image.width, image.height, policy, param)
-    rgb = _to_rgb(image)
+    rgb = to_rgb(image)
     return ImageItem(image=rgb, digest=image_digest(rgb), source="PIL image")
 
 

@@ -22,7 +22,6 @@ Gemma 3 (``Gemma3ForConditionalGeneration``, SigLIP tower), as transformers' Gem
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from servelm.multimodal.inputs import ImageItem, ImageSpan, MultimodalInputs
+from servelm.multimodal.media import image_digest, to_rgb
 
 MULTIMODAL_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration"})
 """Architectures whose model takes images (servelm.model.architectures.gemma3_mm, qwen2_vl)."""
@@ -56,30 +56,11 @@ def _architecture(hf_config: Any) -> str | None:
     return next((name for name in names if name in MULTIMODAL_ARCHITECTURES), None)
 
 
-def image_digest(image: Any) -> str:
-    """sha256 hex of an image's mode, size and decoded pixels (equal images, equal digest)."""
-    hasher = hashlib.sha256()
-    hasher.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
-    hasher.update(image.tobytes())
-    return hasher.hexdigest()
-
-
 def image_item(image: Any, source: str = "") -> ImageItem:
     """An ``ImageItem`` for a PIL image the caller already holds (the offline Engine, tests): RGB,
-    with its digest. The server's loader (``servelm.multimodal.media``) makes its own."""
+    with its digest, as the server's loader (``servelm.multimodal.media``) makes them."""
     rgb = to_rgb(image)
     return ImageItem(image=rgb, digest=image_digest(rgb), source=source)
-
-
-def to_rgb(image: Any) -> Any:
-    """RGB, transparency composited onto white (transformers' ``convert_to_rgb``)."""
-    from PIL import Image
-    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
-    if has_alpha:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 class ImagePreprocessor:
