@@ -236,3 +236,52 @@ def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0) -> Path:
     make_tiny_qwen2_vl(seed).save_pretrained(path, safe_serialization=True)
     Qwen2VLImageProcessorPil(**TINY_QWEN2_VL_PIXELS).save_pretrained(path)
     return path
+
+
+TINY_VLM_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma 3's chat template in miniature: content lists walked, an image item written as the marker."""
+
+
+def write_tiny_vlm_tokenizer(path: str | Path) -> None:
+    """A real byte-level BPE tokenizer (``tokenizers``, no merges) for the tiny Gemma 3 VLM in
+    ``path``: ids 0-4 pad/eos/bos/turn markers, the byte symbols of printable ASCII, tab and newline
+    from 10 on, the image tokens at their config ids (300-302), and ASCII words ``w<id>`` for the
+    other ids, so that whatever a random model generates decodes to ASCII text; with the chat
+    template above. Text in is ASCII only."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<start_of_turn>", 4: "<end_of_turn>",
+                TINY_VLM_BOI: "<start_of_image>", TINY_VLM_EOI: "<end_of_image>", TINY_VLM_IMAGE: "<image_soft_token>"}
+    byte_symbols = _byte_level_symbols()
+    ascii_bytes = [9, 10, *range(32, 127)]
+    vocab = {byte_symbols[byte]: 10 + index for index, byte in enumerate(ascii_bytes)}
+    for token_id in range(TINY_VOCAB_SIZE):
+        if token_id not in vocab.values():
+            vocab.setdefault(specials.get(token_id, f"w{token_id}"), token_id)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(specials.values()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>",
+                                   "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    fast.chat_template = TINY_VLM_CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def _byte_level_symbols() -> dict[int, str]:
+    """byte -> the symbol the ByteLevel pre-tokenizer writes for it (GPT-2's byte-to-unicode map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    symbols = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in symbols:
+            symbols[byte] = chr(256 + extra)
+            extra += 1
+    return symbols
