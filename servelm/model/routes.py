@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import platform
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,3 +259,20 @@ def tune(config: Any) -> dict[str, Any] | None:
     summary = apply_gguf_blocks(model, gguf_path, GGUF_MODES[quantization], check=False, route_budget_s=None,
                                 fresh_routes=True)
     return summary["routes"]
+
+
+@contextlib.contextmanager
+def forced_route(route: Route) -> Iterator[None]:
+    """For benchmarks and tests: GGUF models loaded inside take ``route`` first at every row count
+    instead of the measured table (``LayerRoutes.resolve`` still applies the quality rules, and the
+    route is held only where its kernel is built), e.g. benchmarks/quant_quality.py ``gguf+route=block``."""
+    original = RouteTable.ranking
+
+    def ranking(self: RouteTable, fallback: Ranking) -> Ranking:
+        return lambda shape, x_bf16, rows: complete([route])
+
+    RouteTable.ranking = ranking  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RouteTable.ranking = original  # type: ignore[method-assign]
