@@ -12,9 +12,11 @@ A quantization may carry mixed-precision overrides for the LM head and the embed
 ``w8a8_int8+head=int8wo:auto`` or ``int4wo-128+emb=int8:auto`` (see ``quantize_model``); the model
 then loads in float32 (``--dtype float32``: the reference is the float32 dequantized GGUF) and the
 script requantizes it with those overrides. ``gguf`` is the default for a GGUF file (its own
-blocks, servelm/model/gguf_weights.py); ``gguf+kernel_rows=N`` moves the row count up to which the
-kernel runs (default 16, gguf_a8 32; above it the weight is dequantized to bf16; never for the LM head), e.g.
-1000000 to put the perplexity pass and prefill through the kernel too. ``gguf_a8`` rounds the
+blocks, servelm/model/gguf_weights.py); ``gguf+route=R`` puts GGUF route R (block, rows, int8, dense:
+servelm/model/layers/gguf_routes.py) first at every row count instead of the table measured on this
+machine (the quality rules still apply: generation rows never take int8, a float32 model's first rows
+keep the block kernel), e.g. ``gguf+route=block`` to put the perplexity pass and prefill through the block
+kernel too (the former ``kernel_rows=1000000``). ``gguf_a8`` rounds the
 kernel's activations to int8 per 32 inputs as llama.cpp does. ``+residual=model`` keeps a bf16 model's
 residual stream in bf16 (``--residual-dtype model``; default auto: float32 on CPU), e.g. ``auto+residual=model``.
 
@@ -24,6 +26,7 @@ residual stream in bf16 (``--residual-dtype model``; default auto: float32 on CP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -37,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.forward_batch import BatchPlan, SequencePlan  # noqa: E402
-from servelm.model.layers import gguf_linear  # noqa: E402
+from servelm.model.layers.gguf_routes import Route  # noqa: E402
 from servelm.model.layers.quantization import quantize_model  # noqa: E402
+from servelm.model.routes import forced_route  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -112,10 +116,8 @@ TEXT = (
 )
 
 
-KERNEL_ROWS = dict(gguf_linear.KERNEL_MAX_ROWS)
-
-MODES = [("none", "auto"), ("gguf", "auto"), ("gguf+kernel_rows=1000000", "auto"), ("gguf_a8", "auto"),
-         ("gguf_a8+kernel_rows=1000000", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
+MODES = [("none", "auto"), ("gguf", "auto"), ("gguf+route=block", "auto"), ("gguf_a8", "auto"),
+         ("gguf_a8+route=block", "auto"), ("w8a8_int8", "auto"), ("none", "fp8_e4m3"), ("none", "fp8_e5m2"),
          ("w8a8_int8", "fp8_e4m3"), ("int8wo", "auto"), ("int4wo-128", "auto"), ("int4wo-64", "auto"),
          ("w8a8_int8+head=int8wo", "auto"), ("w8a8_int8+emb=int8", "auto"), ("int4wo-128+head=int8wo", "auto")]
 
@@ -159,11 +161,12 @@ def build_engine(model: str, mode: str, kv_dtype: str, num_threads: int | None) 
     method, *overrides = mode.split("+")
     options = dict(override.split("=", 1) for override in overrides)
     if method in ("gguf", "gguf_a8", "auto"):   # the GGUF's own blocks, applied by the runner itself
-        gguf_linear.KERNEL_MAX_ROWS = (dict.fromkeys(KERNEL_ROWS, int(options["kernel_rows"]))
-                                       if "kernel_rows" in options else dict(KERNEL_ROWS))
-        engine = LLMEngine(EngineConfig.from_flat({
-            "model": model, "quantization": method, "kv_cache_dtype": kv_dtype,
-            "residual_dtype": options.get("residual", "auto"), "max_total_tokens": 8192, "disable_radix_cache": True, "num_threads": num_threads}))
+        forced = Route(options["route"]) if "route" in options else None
+        with forced_route(forced) if forced else contextlib.nullcontext():
+            engine = LLMEngine(EngineConfig.from_flat({
+                "model": model, "quantization": method, "kv_cache_dtype": kv_dtype,
+                "residual_dtype": options.get("residual", "auto"), "max_total_tokens": 8192,
+                "disable_radix_cache": True, "num_threads": num_threads}))
         weights = {id(w): w.nbytes for m in engine.runner.model.modules()
                    if (w := getattr(m, "gguf_weight", None)) is not None}
         floats = {id(p): p.nbytes for p in engine.runner.model.parameters() if p.dim() == 2}

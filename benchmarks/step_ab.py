@@ -23,18 +23,14 @@ with and without the change (prefix cache off), and whether every output is iden
   ``torch.mm`` on V as it lies (bf16 only).
 - ``prefill_softmax``: prefill attention's tiles take float32 copy + mask + softmax + rounding as
   torch ops instead of fused_ops.cpp's ``causal_softmax``.
-- ``gguf_rows``: a bf16 model's GGUF block layers run the VNNI kernel up to the float32 model's row
-  limit (16) instead of ``BF16_KERNEL_MAX_ROWS`` (4), the dense bf16 copy above.
-- ``rows_kernel``: a bf16 model's GGUF layers and LM head without the AVX512-BF16 rows kernel
-  (servelm.model.layers.gguf_rows): the VNNI kernel and the dense bf16 copy at every M as before.
-- ``rows_gemm``: a bf16 model's GGUF layers and LM head routed as before the rows kernel's GEMM
-  (gguf_rows.rows_gemm): the VNNI kernel's decode call up to 4 rows, ``rows_linear`` for layers at 2-8
-  rows and the head at 3-16, the VNNI kernel up to 4 (head 16) rows, the dense bf16 copy above (made
-  for the head while the B side runs), and Gemma 3's flat decode path off above 4 rows (exact at 5 rows
-  and more; at 1-4 the flat path still calls the GEMM).
-- ``i8_gemm``: GGUF layers and LM head without the int8 GEMM (servelm.model.layers.gguf_i8gemm): the
-  dense bf16 copy (made once for the B side) above the rows kernel's 48 rows, the head's rows kernel at
-  every M.
+- ``gguf_defaults``: every GGUF layer's routes (servelm/model/layers/gguf_routes.py) resolved from
+  the constant ranking of earlier sessions (Zen 5, ``default_ranking``) instead of the table measured
+  on this machine (servelm/model/routes.py), among the copies the layer keeps (its prepared decode call
+  too). Replaces the row-limit knobs ``gguf_rows``, ``rows_kernel``, ``rows_gemm``, ``i8_gemm`` and
+  ``gguf_decode_call``, whose constants session 12 turned into measured routes.
+- ``prefill_routes``: multi-token attention in the constant order (the AVX512-BF16 kernel where
+  built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
+  (servelm/model/attention/prefill_routes.py).
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
@@ -42,8 +38,6 @@ with and without the change (prefix cache off), and whether every output is iden
   modules instead of the flat calls of servelm.model.architectures.llama_decode.
 - ``first_argmax``: greedy rows take ``torch.argmax`` instead of servelm.sampling.argmax's chunked
   pass (the same token ids).
-- ``gguf_decode_call``: a GGUF block layer's few-row bf16 calls take the general routing of
-  GGUFBlockLinearMethod.apply instead of the kernel call prepared at load.
 
     .venv/bin/python benchmarks/step_ab.py --change prefill_gemm --phase prefill --input-len 1019
 """
@@ -152,28 +146,18 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             softmax_module.FUSED_SOFTMAX = True
-    elif change == "gguf_rows":
-        from servelm.model.layers import gguf_linear
-        saved_rows = dict(gguf_linear.BF16_KERNEL_MAX_ROWS)
-        gguf_linear.BF16_KERNEL_MAX_ROWS.update(gguf_linear.KERNEL_MAX_ROWS)
+    elif change == "gguf_defaults":
+        with _gguf_defaults():
+            yield
+    elif change == "prefill_routes":
+        from servelm.model.attention.prefill_routes import PrefillRouting
+        backend = _ENGINE.runner.attention
+        measured = backend.prefill_routing
+        backend.prefill_routing = PrefillRouting()
         try:
             yield
         finally:
-            gguf_linear.BF16_KERNEL_MAX_ROWS.update(saved_rows)
-    elif change == "rows_kernel":
-        from servelm.model.layers import gguf_linear
-        saved_ranges = dict(gguf_linear.ROWS_KERNEL_ROWS)
-        gguf_linear.ROWS_KERNEL_ROWS.update({role: (1, 0) for role in saved_ranges})   # empty ranges
-        try:
-            yield
-        finally:
-            gguf_linear.ROWS_KERNEL_ROWS.update(saved_ranges)
-    elif change == "rows_gemm":
-        with _before_rows_gemm():
-            yield
-    elif change == "i8_gemm":
-        with _without_i8_gemm():
-            yield
+            backend.prefill_routing = measured
     elif change == "lm_head_screen":
         from servelm.model.layers import lm_head_screen
         limit = lm_head_screen.MAX_SCREEN_ROWS
@@ -206,94 +190,44 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             LlamaDecodePlan.applies = llama_applies  # type: ignore[method-assign]
-    elif change == "gguf_decode_call":
-        from servelm.model.layers import gguf_linear as linear_module
-        decode_rows = linear_module.DECODE_ROWS
-        linear_module.DECODE_ROWS = 0
-        try:
-            yield
-        finally:
-            linear_module.DECODE_ROWS = decode_rows
     else:
         raise SystemExit(f"unknown change {change!r}")
 
 
-_DENSE_HEADS: dict[int, Any] = {}
-_DENSE_LAYERS: dict[int, Any] = {}
+_ENGINE: Any = None
+"""The engine ``main`` built (the changes that swap its state read it)."""
 
 
 @contextlib.contextmanager
-def _without_i8_gemm() -> Iterator[None]:
-    """GGUFBlockLinearMethod.apply without the int8 GEMM (``--change i8_gemm``): each call sees its
-    layer without the int8 copy and with the dense bf16 copy it no longer keeps (made once, kept
-    here; the head keeps none and takes the rows kernel at every M, as before)."""
+def _gguf_defaults() -> Iterator[None]:
+    """Each GGUF layer's routes resolved from the constant ranking (``--change gguf_defaults``):
+    ``LayerRoutes.resolve`` over the routes whose copies the layer keeps, its prepared decode call
+    from them; the flat decode plans (built from the prepared calls) made again on each side."""
     from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
-    original_apply: Any = GGUFBlockLinearMethod.apply
-
-    def apply_without(self: Any, layer: Any, x: Any, bias: Any) -> Any:
-        state = layer.__dict__
-        i8 = state.get("gguf_i8")
-        if i8 is None:
-            return original_apply(self, layer, x, bias)
-        is_head = state.get("gguf_float_output", False)
-        state["gguf_i8"] = None
-        if not is_head:
-            state["gguf_dense"] = _DENSE_LAYERS.setdefault(
-                id(layer), layer.gguf_weight.dequantize(dtype=self.dense_dtype))
-        try:
-            return original_apply(self, layer, x, bias)
-        finally:
-            state["gguf_i8"] = i8
-            state["gguf_dense"] = None
-
-    GGUFBlockLinearMethod.apply = apply_without  # type: ignore[method-assign]
+    from servelm.model.layers.gguf_routes import LayerRoutes
+    model = _ENGINE.runner.model
+    saved = []
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        routes = module.__dict__.get("gguf_routes")
+        if not isinstance(method, GGUFBlockLinearMethod) or not isinstance(routes, LayerRoutes):
+            continue
+        model_bf16 = _ENGINE.runner.dtype == torch.bfloat16
+        constant = LayerRoutes.resolve(routes.shape, routes.held, method.default_ranking, model_bf16,
+                                       method.activations, method.dense_dtype == torch.bfloat16)
+        saved.append((module, routes, module.__dict__["gguf_decode_args"]))
+        module.__dict__["gguf_routes"] = constant
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant)
+    plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
     try:
         yield
     finally:
-        GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def _before_rows_gemm() -> Iterator[None]:
-    """GGUFBlockLinearMethod.apply as it routed a bf16 model's rows before rows_gemm (``--change
-    rows_gemm``); the head's dense bf16 copy, which it no longer keeps, made once and kept here."""
-    from servelm.model.architectures.gemma3_decode import DecodePlan
-    from servelm.model.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFBlockLinearMethod
-    from servelm.model.layers.linear import dense_linear
-    original_apply: Any = GGUFBlockLinearMethod.apply
-    original_max_rows: Any = DecodePlan.max_rows
-
-    def old_apply(self: Any, layer: Any, x: Any, bias: Any) -> Any:
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or layer.__dict__.get("gguf_packed") is None:
-            return original_apply(self, layer, x, bias)
-        weight = layer.gguf_weight
-        is_head = getattr(layer, "gguf_float_output", False)
-        m = x.shape[0]
-        kernel = self.kernel.block_linear_a16
-        x = x.contiguous()
-        if not is_head and bias is None and m <= 4:
-            return kernel(x, weight.codes, weight.scales, weight.offsets, weight.block, True)
-        first, last = (3, 16) if is_head else (2, 8)
-        if first <= m <= last:
-            out = self.rows_kernel.rows_linear(x, weight.codes, weight.scales, weight.offsets, weight.block)
-        elif m <= (KERNEL_MAX_ROWS["int16"] if is_head else 4):
-            out = kernel(x, weight.codes, weight.scales, weight.offsets, weight.block, False)
-        else:
-            dense = layer.gguf_dense
-            if dense is None:
-                dense = _DENSE_HEADS.setdefault(id(layer), weight.dequantize(dtype=torch.bfloat16))
-            out = dense_linear(x, dense)
-        if bias is not None:
-            out = out + bias
-        return out.float() if is_head else out.to(torch.bfloat16)
-
-    GGUFBlockLinearMethod.apply = old_apply  # type: ignore[method-assign]
-    DecodePlan.max_rows = lambda self: 4  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GGUFBlockLinearMethod.apply = original_apply  # type: ignore[method-assign]
-        DecodePlan.max_rows = original_max_rows  # type: ignore[method-assign]
+        for module, routes, decode_args in saved:
+            module.__dict__["gguf_routes"] = routes
+            module.__dict__["gguf_decode_args"] = decode_args
+        for m in model.modules():
+            m.__dict__.pop("decode_plan", None)
+        del plans
 
 
 def main() -> None:
@@ -310,9 +244,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
-                                                    "dtype": args.dtype,
-                                                    "disable_radix_cache": args.phase == "greedy"}))
+    global _ENGINE
+    engine = _ENGINE = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
+                                                         "dtype": args.dtype,
+                                                         "disable_radix_cache": args.phase == "greedy"}))
     vocab_size = min(50000, engine.runner.vocab_size)
     times: dict[str, list[float]] = {"with": [], "without": []}
     load_before = os.getloadavg()[0]

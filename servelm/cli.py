@@ -79,8 +79,13 @@ def tune(config: EngineConfig) -> None:
 
     configure_logging(config.server.log_level)
     report = tune_routes(config)
-    if report is not None:
+    if report is not None and "row_classes" in report:
         sys.stdout.write(f"{report['source']}\n" + "\n".join(format_report(report)) + "\n")
+    attention = (report or {}).get("prefill_attention")
+    if attention:
+        sys.stdout.write(f"prefill attention ({attention['source']}):\n" + "".join(
+            f"  {name}: " + " ".join(f"{rows}:{route}" for rows, route in routes.items()) + "\n"
+            for name, routes in attention["routes"].items()))
 
 
 def dry_run(config: EngineConfig) -> None:

@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import platform
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,8 @@ def tune(config: Any) -> dict[str, Any] | None:
     must match serving's); saves it and returns the chosen routes (None: no GGUF blocks to route)."""
     from servelm.distributed.parallel import ParallelContext
     from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
-    from servelm.model.loader import build_model, resolve_device
+    from servelm.model.attention import Attention, prefill_routes
+    from servelm.model.loader import DTYPES, build_model, resolve_device, resolve_dtype
     from servelm.model.source import resolve_model_source
     from servelm.model.threads import configure_engine_threads
 
@@ -250,11 +252,35 @@ def tune(config: Any) -> dict[str, Any] | None:
     gguf_path = getattr(source, "gguf_path", None)
     quantization, reason = resolve_quantization(config.model.quantization, gguf_path, ParallelContext.single(),
                                                 device, False, config.model.dtype)
-    if quantization not in GGUF_MODES:
-        logger.info("nothing to tune: quantization %s (%s) runs no GGUF block routes", quantization, reason)
-        return None
-    dtype = gguf_model_dtype(config.model.dtype, device)[0]
+    dtype = (gguf_model_dtype(config.model.dtype, device)[0] if quantization in GGUF_MODES
+             else resolve_dtype(config.model.dtype, source.hf_config, device))
     model = build_model(source.hf_config, dtype, device, ParallelContext.single())
+    attention = None
+    if device.type == "cpu":   # the prefill attention's table too (attention/prefill_routes.py)
+        kv_dtype = dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+        shapes = prefill_routes.model_shapes([m for m in model.modules() if isinstance(m, Attention)], dtype,
+                                             kv_dtype)
+        attention = prefill_routes.build_routing(shapes, None, fresh=True).summary(shapes)
+    if quantization not in GGUF_MODES:
+        logger.info("no GGUF routes to tune: quantization %s (%s) runs no GGUF block routes", quantization, reason)
+        return {"prefill_attention": attention} if attention else None
     summary = apply_gguf_blocks(model, gguf_path, GGUF_MODES[quantization], check=False, route_budget_s=None,
                                 fresh_routes=True)
-    return summary["routes"]
+    return {**summary["routes"], "prefill_attention": attention} if attention else summary["routes"]
+
+
+@contextlib.contextmanager
+def forced_route(route: Route) -> Iterator[None]:
+    """For benchmarks and tests: GGUF models loaded inside take ``route`` first at every row count
+    instead of the measured table (``LayerRoutes.resolve`` still applies the quality rules, and the
+    route is held only where its kernel is built), e.g. benchmarks/quant_quality.py ``gguf+route=block``."""
+    original = RouteTable.ranking
+
+    def ranking(self: RouteTable, fallback: Ranking) -> Ranking:
+        return lambda shape, x_bf16, rows: complete([route])
+
+    RouteTable.ranking = ranking  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        RouteTable.ranking = original  # type: ignore[method-assign]

@@ -35,7 +35,7 @@ import torch
 from servelm.config import CacheConfig, EngineConfig
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import set_residual_dtype
-from servelm.model.attention import Attention, get_attention_backend
+from servelm.model.attention import Attention, get_attention_backend, prefill_routes
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
@@ -213,6 +213,10 @@ class ModelRunner:
         """Tokens the scheduler could ever hold at once (max running requests x context): a
         default pool needs no more."""
         self.attention = get_attention_backend(attention_backend)
+        self._prefill_shapes: list[prefill_routes.PrefillShape] = []
+        if self.device.type == "cpu" and hasattr(self.attention, "prefill_routing"):
+            self._prefill_shapes = prefill_routes.model_shapes(self._attention_layers, self.dtype, self.kv_dtype)
+            self.attention.prefill_routing = prefill_routes.build_routing(self._prefill_shapes)
         self._stage = PipelineStage(self.model, self.parallel, self.block_size, self.hidden_size,
                                     self.residual_dtype, self.device, self.attention, self.vocab_size,
                                     config.parallel.pp_max_micro_batch_size)
@@ -316,12 +320,15 @@ class ModelRunner:
 
     def routes_summary(self) -> dict[str, Any] | None:
         """The GGUF linears' chosen routes per row class and where they came from (model/routes.py),
-        for the start-up log and /get_server_info; None where no layer runs GGUF blocks."""
-        for module in self.model.modules():
-            report = getattr(getattr(module, "linear_method", None), "route_report", None)
-            if report is not None:
-                return report
-        return None
+        and the prefill attention's per shape and query class (``prefill_attention``:
+        attention/prefill_routes.py), for /get_server_info; None where neither is routed."""
+        report = next((report for module in self.model.modules()
+                       if (report := getattr(getattr(module, "linear_method", None), "route_report", None))
+                       is not None), None)
+        routing = getattr(self.attention, "prefill_routing", None)
+        if routing is None or not self._prefill_shapes:
+            return report
+        return {**(report or {}), "prefill_attention": routing.summary(self._prefill_shapes)}
 
     def shutdown(self) -> None:
         """Nothing to stop: this runner lives in the engine's process."""

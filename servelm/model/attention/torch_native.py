@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from servelm.model.attention import paged_decode, prefill_attention, prefill_gemm
+from servelm.model.attention import paged_decode, prefill_attention, prefill_gemm, prefill_routes
 from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import DraftTree, ForwardBatch
 
@@ -264,6 +264,23 @@ class TorchNativeAttention:
     def __init__(self) -> None:
         paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
         prefill_attention.load_kernel()   # likewise (None where the CPU lacks AVX512-BF16)
+        self.prefill_routing = prefill_routes.PrefillRouting()
+        """Which route multi-token causal calls take, per shape and query class (measured by the runner
+        at start-up: ``prefill_routes.build_routing``; the constant order until then)."""
+
+    def _prefill_route(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention,
+                       max_query: int, no_trees: bool) -> str:
+        """The first route of the measured ranking (prefill_routes.py) that computes this causal
+        multi-token call here: the kernel needs a bf16 pool and no draft trees, the GEMMs oneDNN."""
+        for route in self.prefill_routing.order(layer.num_heads, layer.num_kv_heads, q.shape[-1], q.dtype,
+                                                k_cache.dtype, max_query):
+            if route == "sdpa":
+                return route
+            if route == "kernel" and no_trees and prefill_attention.supports(q, k_cache, v_cache):
+                return route
+            if route == "gemm" and prefill_gemm.supports(q):
+                return route
+        return "sdpa"
 
     def build_metadata(self, batch: ForwardBatch) -> TorchNativeMetadata:
         device = batch.input_ids.device
@@ -337,16 +354,17 @@ class TorchNativeAttention:
             b, max_query = group.num_sequences, group.max_query
             view = group.view(layer.sliding_window, layer.is_causal)
             columns = view.num_columns
-            if (max_query > 1 and layer.is_causal and position_bias is None and group.trees is None
-                    and group.images is None and prefill_attention.supports(q, k_cache, v_cache)):
+            route = (self._prefill_route(q, k_cache, v_cache, layer, max_query, group.trees is None)
+                     if max_query > 1 and layer.is_causal and position_bias is None and group.images is None
+                     else "sdpa")   # an image block attends both ways: SDPA with the block mask
+            if route == "kernel":
                 if view.sequences is None:
                     view.sequences = prefill_attention.plan(group.row_starts, group.query_lens,
                                                             group.starts.tolist(), view.firsts)
                 prefill_attention.attend(q, k_cache, v_cache, view.slots.view(b, columns), view.sequences,
                                          layer.sliding_window, layer.scale, out)
                 continue
-            if (max_query > 1 and layer.is_causal and position_bias is None and group.images is None
-                    and prefill_gemm.supports(q)):
+            if route == "gemm":
                 tiles = group.tiles(view, layer.sliding_window, num_heads // num_kv_heads)
                 prefill_gemm.attend(q, k_cache.index_select(0, view.slots).to(q.dtype),
                                     v_cache.index_select(0, view.slots).to(q.dtype), tiles,

@@ -18,8 +18,8 @@ from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
 from servelm.model.layers import gguf_i8gemm
 from servelm.model.layers.gguf_blocks import BlockWeight
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
-from servelm.model.layers.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LinearShape, PassRows, Route,
-                                              complete)
+from servelm.model.layers.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
+                                              Route, complete)
 
 
 def _unpack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -247,3 +247,23 @@ def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
     assert torch.equal(method.apply(layer, x[:1], bias), method.run_route(first, layer, x[:1], bias, False))
     nine = torch.randn(9, 128).bfloat16()
     assert torch.equal(method.apply(layer, nine, None), method.run_route(Route.DENSE, layer, nine, None, False))
+
+
+def test_a_forced_route_comes_first_where_the_rules_allow_it(tmp_path, monkeypatch) -> None:
+    """``routes.forced_route`` (benchmarks/quant_quality.py ``gguf+route=R``): the measured table's
+    ranking gives way to the forced route; the rules still keep generation rows off int8."""
+    method = torch_method(dense_dtype=torch.float32)
+    shape = LinearShape(128, 64, "Q8_0", False, True)
+    monkeypatch.setattr(route_table, "time_candidates",
+                        lambda candidates, **_: {name: (1.0 if name == "dense" else 2.0) for name in candidates})
+    table, _ = route_table.build_table(method, [route_table.ShapeSpec(shape, 32, False)], torch.float32, None,
+                                       tmp_path)
+    assert table.ranking(method.default_ranking)(shape, False, 64)[0] is Route.DENSE
+    with route_table.forced_route(Route.BLOCK):
+        assert table.ranking(method.default_ranking)(shape, False, 64)[0] is Route.BLOCK
+    with route_table.forced_route(Route.INT8):
+        ranking = table.ranking(method.default_ranking)
+    assert ranking(shape, False, 64)[0] is Route.INT8
+    resolved = LayerRoutes.resolve(shape, frozenset(Route), ranking, False, "int16", False)
+    assert resolved.pick(64, False, True) is Route.INT8 and resolved.pick(64, False, False) is not Route.INT8
+    assert table.ranking(method.default_ranking)(shape, False, 64)[0] is Route.DENSE   # restored
