@@ -50,15 +50,16 @@ def token_prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(*TOKEN_RANGE) for _ in range(length)]
 
 
-def heavy_bodies(model: str, context_length: int) -> dict[str, dict[str, Any]]:
-    """One of each heavy-but-legal kind (all within the server's default limits)."""
+def heavy_bodies(model: str, context_length: int, scale: int = 1) -> dict[str, dict[str, Any]]:
+    """One of each heavy-but-legal kind (all within the server's default limits); ``scale`` 2
+    halves the copies, the beam width and the outputs (a loaded machine)."""
     return {
         "echo_logprobs_n8": {"model": model, "prompt": token_prompt(ECHO_PROMPT_TOKENS, 1), "echo": True,
                              "logprobs": 5, "n": 8, "max_tokens": 8, "temperature": 1.0, "seed": 1},
-        "n64_long_output": {"model": model, "prompt": token_prompt(32, 2), "n": 64, "max_tokens": 64,
-                            "temperature": 1.0, "seed": 2, "ignore_eos": True},
-        "beam_16": {"model": model, "prompt": token_prompt(32, 3), "use_beam_search": True,
-                    "best_of": 16, "n": 4, "max_tokens": 32, "temperature": 0.0},
+        "large_n": {"model": model, "prompt": token_prompt(32, 2), "n": 64 // scale,
+                    "max_tokens": 64 // scale, "temperature": 1.0, "seed": 2, "ignore_eos": True},
+        "wide_beam": {"model": model, "prompt": token_prompt(32, 3), "use_beam_search": True,
+                      "best_of": 16 // scale, "n": 4, "max_tokens": 32 // scale, "temperature": 0.0},
         "longest_context": {"model": model, "prompt": token_prompt(context_length - 17, 4),
                             "max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
     }
@@ -107,7 +108,8 @@ async def timed_post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
     return {"status": status, "seconds": round(time.perf_counter() - start, 2), "detail": detail}
 
 
-async def shared_prompt(client: httpx.AsyncClient, base_url: str, model: str) -> dict[str, Any]:
+async def shared_prompt(client: httpx.AsyncClient, base_url: str, model: str,
+                        with_separate: bool = True) -> dict[str, Any]:
     """The echo-logprobs request with n=1 and n=8 on the idle server (each its own prompt)."""
     result = {}
     for n, seed in ((1, 11), (8, 12)):
@@ -117,6 +119,8 @@ async def shared_prompt(client: httpx.AsyncClient, base_url: str, model: str) ->
         timed = await timed_post(client, f"{base_url}/v1/completions", body)
         timed["prefill_tokens"] = await prefill_tokens(client, base_url) - before
         result[f"n={n}"] = timed
+    if not with_separate:
+        return result
     # What n=8 cost before its copies shared the prompt: 8 requests of one copy each, at once.
     body = {"model": model, "prompt": token_prompt(ECHO_PROMPT_TOKENS, 13), "echo": True,
             "logprobs": 5, "n": 1, "max_tokens": 4, "temperature": 1.0}
@@ -133,11 +137,13 @@ async def shared_prompt(client: httpx.AsyncClient, base_url: str, model: str) ->
 
 async def measure(base_url: str, alone_s: float = 30.0, heavy_timeout_s: float = 400.0,
                   model: str = MODEL, context_length: int = CONTEXT_LENGTH,
-                  with_shared_prompt: bool = True) -> dict[str, Any]:
+                  with_shared_prompt: bool = True, with_separate: bool = True,
+                  scale: int = 1) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(heavy_timeout_s + 60)) as client:
         report: dict[str, Any] = {}
         if with_shared_prompt:
-            report["shared_prompt"] = await shared_prompt(client, base_url, model)
+            report["shared_prompt"] = await shared_prompt(client, base_url, model, with_separate)
+            print(json.dumps(report["shared_prompt"]), file=sys.stderr, flush=True)
         alone = Phase()  # before and after the heavy phase: the shared machine's load drifts
         for phase_name in ("alone_before", "beside_heavy", "alone_after"):
             phase = alone if phase_name.startswith("alone") else Phase()
@@ -148,7 +154,7 @@ async def measure(base_url: str, alone_s: float = 30.0, heavy_timeout_s: float =
             if phase_name.startswith("alone"):
                 await asyncio.sleep(alone_s / 2)
             else:
-                bodies = heavy_bodies(model, context_length)
+                bodies = heavy_bodies(model, context_length, scale)
                 await asyncio.sleep(0.5)
                 heavy = await asyncio.wait_for(asyncio.gather(*(
                     timed_post(client, f"{base_url}/v1/completions", body) for body in bodies.values())),
@@ -160,6 +166,8 @@ async def measure(base_url: str, alone_s: float = 30.0, heavy_timeout_s: float =
                 name = "alone" if phase is alone else phase_name
                 report[name] = {**phase.summary(), "error_samples": phase.errors[:3]}
             report.setdefault("phase_seconds", {})[phase_name] = round(time.perf_counter() - start, 1)
+            print(phase_name, json.dumps(report.get("heavy") if phase_name == "beside_heavy" else None),
+                  json.dumps(phase.summary()), file=sys.stderr, flush=True)
         alone, beside = report["alone"], report["beside_heavy"]
         report["p99_latency_ratio"] = round(beside["latency_p99_s"] / alone["latency_p99_s"], 2)
         report["p99_ttft_ratio"] = round(beside["ttft_p99_s"] / alone["ttft_p99_s"], 2)
@@ -171,15 +179,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default=None, help="a running server (default: start smollm2-135m)")
     parser.add_argument("--alone-s", type=float, default=30.0)
+    parser.add_argument("--context-length", type=int, default=CONTEXT_LENGTH)
+    parser.add_argument("--quick", action="store_true",
+                        help="a loaded machine: no 8 x n=1 comparison, half the copies, beam width and "
+                             "outputs, no server warm-up")
     parser.add_argument("--servelm-args", default="", help="extra server arguments, space separated")
     args = parser.parse_args()
+    options = dict(alone_s=args.alone_s, context_length=args.context_length,
+                   with_separate=not args.quick, scale=2 if args.quick else 1)
     if args.base_url is not None:
-        print(json.dumps(asyncio.run(measure(args.base_url, args.alone_s)), indent=2))
+        print(json.dumps(asyncio.run(measure(args.base_url, **options)), indent=2))
         return
     from tests.e2e.server_process import ServerProcess
 
-    with ServerProcess(SERVER_ARGS + args.servelm_args.split()) as server:
-        print(json.dumps(asyncio.run(measure(server.base_url, args.alone_s)), indent=2))
+    server_args = [MODEL, "--context-length", str(args.context_length), *args.servelm_args.split()]
+    if args.quick:
+        server_args.append("--skip-server-warmup")
+    with ServerProcess(server_args) as server:
+        print(json.dumps(asyncio.run(measure(server.base_url, **options)), indent=2))
 
 
 if __name__ == "__main__":
