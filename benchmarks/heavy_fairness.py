@@ -156,10 +156,16 @@ async def measure(base_url: str, alone_s: float = 30.0, heavy_timeout_s: float =
             else:
                 bodies = heavy_bodies(model, context_length, scale)
                 await asyncio.sleep(0.5)
-                heavy = await asyncio.wait_for(asyncio.gather(*(
-                    timed_post(client, f"{base_url}/v1/completions", body) for body in bodies.values())),
-                    heavy_timeout_s)
-                report["heavy"] = dict(zip(bodies, heavy))
+                tasks = [asyncio.create_task(timed_post(client, f"{base_url}/v1/completions", body))
+                         for body in bodies.values()]
+                await asyncio.wait(tasks, timeout=heavy_timeout_s)
+                report["heavy"] = {}
+                for name, task in zip(bodies, tasks):
+                    if task.done():
+                        report["heavy"][name] = task.result()
+                    else:  # not failed: still running when the phase ended (a loaded machine)
+                        task.cancel()
+                        report["heavy"][name] = {"status": "unfinished", "seconds": heavy_timeout_s}
             stop.set()
             await asyncio.gather(*users)
             if phase_name != "alone_before":
@@ -180,12 +186,17 @@ def main() -> None:
     parser.add_argument("--base-url", default=None, help="a running server (default: start smollm2-135m)")
     parser.add_argument("--alone-s", type=float, default=30.0)
     parser.add_argument("--context-length", type=int, default=CONTEXT_LENGTH)
+    parser.add_argument("--heavy-timeout-s", type=float, default=400.0,
+                        help="end the heavy phase after this long (unfinished heavy requests are "
+                             "reported as such and cancelled)")
+    parser.add_argument("--no-shared-prompt", action="store_true", help="skip part 1 (n=1 vs n=8)")
     parser.add_argument("--quick", action="store_true",
                         help="a loaded machine: no 8 x n=1 comparison, half the copies, beam width and "
                              "outputs, no server warm-up")
     parser.add_argument("--servelm-args", default="", help="extra server arguments, space separated")
     args = parser.parse_args()
     options = dict(alone_s=args.alone_s, context_length=args.context_length,
+                   heavy_timeout_s=args.heavy_timeout_s, with_shared_prompt=not args.no_shared_prompt,
                    with_separate=not args.quick, scale=2 if args.quick else 1)
     if args.base_url is not None:
         print(json.dumps(asyncio.run(measure(args.base_url, **options)), indent=2))

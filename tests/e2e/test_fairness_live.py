@@ -28,7 +28,7 @@ P99_RATIO = 3.0
 @pytest.mark.slow
 def test_heavy_requests_beside_normal_users():
     with ServerProcess(bench.SERVER_ARGS) as server:
-        report = asyncio.run(bench.measure(server.base_url, alone_s=30.0))
+        report = asyncio.run(bench.measure(server.base_url, alone_s=30.0, heavy_timeout_s=900.0))
     print(json.dumps(report, indent=2))
     shared = report["shared_prompt"]
     assert shared["n=1"]["status"] == shared["n=8"]["status"] == 200, shared
