@@ -330,7 +330,7 @@ class SchedulerConfig:
         "applied to a request alone in the engine (no decode waits on it), any other size always is.")
     max_prefill_tokens: int = opt(4096, "Most tokens (prefill and decode together) computed in one step.")
     fair_step_tokens: int = opt(
-        32, "While a heavy request (more than 512 prompt tokens left, a prompt-logprob token counting "
+        8, "While a heavy request (more than 512 prompt tokens left, a prompt-logprob token counting "
         "double and one deep in a long context more; or more than 4 sequences: n, beams, prompt "
         "lists) and a normal one both have work, the heavy ones together compute at most this many "
         "tokens per step (prompt tokens and decode rows), in equal shares; normal requests are not "

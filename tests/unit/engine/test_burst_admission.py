@@ -133,8 +133,8 @@ def test_a_long_prompt_beside_a_decode_is_chunked() -> None:
 
 def test_a_long_prompt_beside_a_decode_moves_at_the_fair_share() -> None:
     """More than 512 prompt tokens beside a decode: a heavy request, bounded to --fair-step-tokens
-    (32) a step (fewer deep in its context) until the decode is done (issue 35)."""
-    engine, steps = make_chunking_engine()
+    (32 here) a step (fewer deep in its context) until the decode is done (issue 35)."""
+    engine, steps = make_chunking_engine(fair_step_tokens=32)
     assert engine.add_request("first", long_prompt(16), params(8)) is None
     engine.step()
     assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None

@@ -1,6 +1,6 @@
 """Heavy requests beside normal users (issue 35): n copies of a prompt compute it once, and while
 a heavy request and a normal one both have work, the heavy ones' tokens per step are bounded
-(--fair-step-tokens, 32) and one request's copies take at most a quarter of --max-running-requests
+(--fair-step-tokens; 32 here) and one request's copies take at most a quarter of --max-running-requests
 sequences per step, while normal requests are computed as before (test_burst_admission.py)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from .fake_runner import FakeRunner
 
 
 def make_engine(**scheduler: int) -> tuple[LLMEngine, list[dict[str, int]], FakeRunner]:
+    scheduler.setdefault("fair_step_tokens", 32)
     runner = FakeRunner(num_blocks=600, block_size=16)
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner,
                        eos_token_ids=[96], context_length=4096)
