@@ -359,6 +359,14 @@ class SchedulerConfig:
         "disables chunking. 512 keeps a step short on CPU so decodes stream; the default 512 is not "
         "applied to a request alone in the engine (no decode waits on it), any other size always is.")
     max_prefill_tokens: int = opt(4096, "Most tokens (prefill and decode together) computed in one step.")
+    fair_step_tokens: int = opt(
+        8, "While a heavy request (more than 512 prompt tokens left, a prompt-logprob token counting "
+        "double and one deep in a long context more; or more than 4 sequences: n, beams, prompt "
+        "lists) and a normal one both have work, the heavy ones together compute at most this many "
+        "tokens per step (prompt tokens and decode rows), in equal shares; normal requests are not "
+        "bounded. Keeps a normal user's latency within a small multiple of its latency alone beside "
+        "heavy requests (SmolLM2-135M on 2 CPU cores: benchmarks/RESULTS.md, issue 35). 0 turns it "
+        "off (throughput first, for batch jobs; the offline Engine class defaults to 0).")
     stream_interval: int = opt(1, "Send streamed output every N tokens.")
     schedule_policy: str = opt(
         "fcfs", "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), "
@@ -397,6 +405,8 @@ class SchedulerConfig:
             raise ValueError(f"--chunked-prefill-size must be positive or -1, got {self.chunked_prefill_size}")
         if self.max_prefill_tokens <= 0:
             raise ValueError(f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
+        if self.fair_step_tokens < 0:
+            raise ValueError(f"--fair-step-tokens must be >= 0, got {self.fair_step_tokens}")
         if self.stream_interval <= 0:
             raise ValueError(f"--stream-interval must be positive, got {self.stream_interval}")
         if self.schedule_conservativeness < 0:

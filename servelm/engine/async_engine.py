@@ -86,7 +86,8 @@ class _Replica:
 
 _SUMMED_STATS = ("num_running", "num_waiting", "num_used_blocks", "num_free_blocks",
                  "kv_pool_tokens", "num_cached_blocks", "num_evictable_blocks", "num_prompt_tokens",
-                 "num_cached_prompt_tokens", "num_preemptions", "num_steps", "num_generated_tokens",
+                 "num_cached_prompt_tokens", "num_prefill_tokens", "num_shared_prompts", "num_preemptions",
+                 "num_steps", "num_generated_tokens",
                  "spec_num_verify_passes", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 

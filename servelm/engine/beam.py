@@ -44,6 +44,9 @@ from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.engine.stage import Stage
 from servelm.sampling.params import BeamParams, SamplingParams
 
+PARKED = "its beam search's next step"
+"""``Request.held_by`` of a preempted beam that has its candidates: not admitted again until its
+search has picked its next token (its siblings go first)."""
 _MAX_LOGPROBS = 20
 """What SamplingParams lets a user ask for; a search asks its beams for more (internal params)."""
 
@@ -232,7 +235,7 @@ class BeamSearches(Stage):
         if running and all(beam.request_id in search.candidates for beam in running):
             for beam in running:
                 self.scheduler.preempt(beam)
-                beam.is_parked = True
+                beam.held_by = PARKED
 
     def _advance(self, search: BeamSearch) -> bool:
         """One step of the search; True when it is done."""
@@ -334,7 +337,7 @@ class BeamSearches(Stage):
             sum_logprobs[beam.request_id] = candidate.sum_logprobs
         for parent, token_id in appends:
             parent.output_token_ids.append(token_id)
-            parent.is_parked = False
+            parent.held_by = None
         search.beams = beams
         search.sum_logprobs = sum_logprobs
 

@@ -35,6 +35,7 @@ from servelm.engine.hicache import HiCacheStage, build_hicache
 from servelm.engine.kv_manager import KVManager
 from servelm.engine.lora_stage import AdapterSlots, LoRAStage
 from servelm.engine.outputs import RequestOutput
+from servelm.engine.prompt_sharing import SharedPrompts
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.engine.speculation import Speculation
@@ -107,8 +108,10 @@ class LLMEngine:
         that may refuse to start); jump-forward after updates."""
         self.executor = Executor(runner, grammars=self.grammars,
                                  verification=self.speculation.verification)
+        self.shared_prompts = SharedPrompts(self.scheduler)
+        """n copies of one prompt compute it (and its prompt logprobs) once, then fork."""
         self.stages: list[Stage] = [
-            self.grammars, *([self.disaggregation] if self.disaggregation else []),
+            self.shared_prompts, self.grammars, *([self.disaggregation] if self.disaggregation else []),
             self.speculation, self.beams,
             *([LoRAStage(self.lora, self.scheduler)] if self.lora else []),
             *([HiCacheStage(hicache)] if hicache else [])]
@@ -370,6 +373,8 @@ class LLMEngine:
         if self.tokenizer is not None and not is_embedding:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params)
+        for on_add in self._hooks["on_add"]:
+            on_add(request)
         self.scheduler.add_request(request)
         return None
 
@@ -619,6 +624,7 @@ class LLMEngine:
             "num_evictable_blocks": num_evictable,
             "num_prompt_tokens": scheduler.num_prompt_tokens,
             "num_cached_prompt_tokens": scheduler.num_cached_prompt_tokens,
+            "num_prefill_tokens": scheduler.num_prefill_tokens,
             "cache_hit_rate": round(scheduler.num_cached_prompt_tokens
                                     / max(1, scheduler.num_prompt_tokens), 4),
             "num_preemptions": self.scheduler.num_preemptions,

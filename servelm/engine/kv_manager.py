@@ -24,7 +24,7 @@ from servelm.cache.block_pool import BlockPool
 from servelm.cache.hicache import HiCacheController
 from servelm.cache.radix_tree import RadixTree
 from servelm.engine.policy import cache_key
-from servelm.engine.request import Request
+from servelm.engine.request import Request, RequestStatus
 from servelm.spec.tree import accepted_path_copies
 
 
@@ -46,6 +46,11 @@ class KVManager:
         demoted blocks back up; a request whose blocks are being read from disk may wait."""
         self.pending_block_copies: list[tuple[int, int]] = []
         """(source, destination) K/V block copies (beam forks) the next forward makes first."""
+        self.prompt_sources: dict[str, Request] = {}
+        """Request id -> a request with the same prompt that has computed it
+        (engine/prompt_sharing.py): at admission, while that source runs and the request has no
+        output yet, the request forks its K/V instead of matching the prefix cache. The entry
+        goes when the request ends."""
         self.pending_slot_copies: list[tuple[int, int]] = []
         """(source, destination) K/V slot copies (a draft tree's accepted path); the speculation
         stage makes them right after the update, else the next plan carries them."""
@@ -71,7 +76,11 @@ class KVManager:
     # -- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> None:
         """Start a request at its longest cached prefix, sharing those blocks (all tokens but the
-        last are matched, so the last always yields logits)."""
+        last are matched, so the last always yields logits); or, when it has a prompt source,
+        fork the source's computed prompt (all tokens but the last too)."""
+        source = self.prompt_sources.get(request.request_id)
+        if source is not None and not request.block_ids and self._fork_prompt(source, request):
+            return
         if (self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs
                 or request.is_embedding):
             return  # prompt logprobs (and pooling) need every prompt position computed
@@ -86,6 +95,18 @@ class KVManager:
         request.num_computed_tokens = match.num_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = min(match.num_tokens, request.num_prompt_tokens)
+
+    def _fork_prompt(self, source: Request, request: Request) -> bool:
+        """Take ``source``'s K/V of the request's prompt but its last token (the same prompt:
+        engine/prompt_sharing.py); False when the source no longer holds it."""
+        num_tokens = request.num_tokens - 1
+        if (source.status is not RequestStatus.RUNNING or source.num_computed_tokens < num_tokens
+                or request.wants_prompt_logprobs or request.output_token_ids
+                or source.adapter_id != request.adapter_id
+                or source.token_slice(0, num_tokens) != request.token_slice(0, num_tokens)):
+            return False
+        self.fork(source, request, num_tokens)
+        return True
 
     def unmatch(self, request: Request) -> None:
         """Undo ``match_prefix`` for a request that stays waiting (it must not pin blocks)."""

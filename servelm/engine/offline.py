@@ -44,11 +44,14 @@ class Engine:
 
     Keyword arguments are EngineConfig field names (``max_total_tokens=4096``,
     ``chunked_prefill_size=256``, ...). Use it as a context manager, or call ``shutdown()``.
+    ``fair_step_tokens`` defaults to 0 here (a batch job wants throughput; the server's default
+    bounds prompt tokens per step while users decode).
     """
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         if model_path is not None:
             server_args["model"] = model_path
+        server_args.setdefault("fair_step_tokens", 0)  # a batch job: throughput, not latency
         self.config = EngineConfig.from_flat(server_args)
         self._ids = itertools.count()
         self._processor: Any = None

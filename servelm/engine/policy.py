@@ -124,3 +124,101 @@ def _dfs_weight(waiting: list[Request], tree: RadixTree) -> list[Request]:
         stack.append((node, True))
         stack.extend((child, False) for child in heaviest_last(children[id(node)]))
     return result
+
+
+# -- fair shares within a step -------------------------------------------------------------
+
+LOGITS_ROW_WORK = 1.0
+"""Extra work of a prompt token whose logprobs are asked for: a vocabulary-wide logits row
+(the LM head, a log-softmax and a top-k) on top of the token's pass through the layers."""
+ATTENTION_SPAN = 4096
+"""Context length at which a token's attention costs about as much as its pass through the
+layers' weights (6 x hidden size for a dense decoder; 3,456 for SmolLM2-135M, 5,376 for
+Qwen2.5-0.5B): a chunk deep in a long context costs more per token."""
+
+
+def prefill_work(request: Request, num_tokens: int) -> float:
+    """Work per token of computing ``request``'s next ``num_tokens`` tokens (1 for a plain prompt
+    token at the start of its context)."""
+    weight = 1.0 + request.num_computed_tokens / ATTENTION_SPAN
+    if request.wants_prompt_logprobs:
+        weight += LOGITS_ROW_WORK
+    return weight
+
+
+def is_admittable(request: Request) -> bool:
+    """A waiting request nothing holds back (a stage, its grammar, its K/V, its beam search)."""
+    return (request.held_by is None and not request.is_compiling
+            and not request.is_awaiting_kv)
+
+
+HEAVY_PROMPT_WORK = 512
+"""A group with more prompt work than this left (``prefill_work`` units: a prompt over one
+default chunk, fewer tokens with echo logprobs or deep in a long context) is heavy."""
+HEAVY_SEQUENCES = 4
+"""A group computing more sequences than this at once (n copies, beams, a prompt list) is heavy."""
+
+
+class GroupShares:
+    """One step's fair shares while a heavy group and a light one both have work
+    (--fair-step-tokens). Every user waits for each step, and a step's time grows with its tokens,
+    so the heavy groups together compute at most ``total_work`` per step, in equal shares: prompt
+    tokens weighted by ``prefill_work``, a decode row one unit; and every group at most
+    ``max_sequences`` sequences (a group of n copies, a wide beam or a prompt list counts as one
+    user). Light groups (a normal prompt, a few sequences) compute what they need, as before. So
+    a normal user's inter-token time and time to first token stay within a small multiple of
+    what they are alone, whatever heavy requests run beside it, and each heavy one moves at its
+    share (at least one token of one sequence per step)."""
+
+    def __init__(self, heavy: set[str], total_work: float, max_sequences: int) -> None:
+        self.max_sequences = max_sequences
+        self.work_left: dict[str, float] = {group: total_work / len(heavy) for group in heavy}
+        """Heavy group -> work it may still compute this step (light groups: no bound)."""
+        self._sequences: dict[str, int] = {}
+        self._has_moved: set[str] = set()
+
+    def take(self, request: Request, num_tokens: int) -> int:
+        """How many of ``num_tokens`` the request may compute this step (0: its group has had
+        its share of this step); records them."""
+        group = request.group
+        if self._sequences.get(group, 0) >= self.max_sequences:
+            return 0
+        left = self.work_left.get(group)
+        if left is not None:
+            weight = prefill_work(request, num_tokens) if num_tokens > 1 else 1.0
+            granted = min(num_tokens, int(left / weight))
+            if granted <= 0 and group not in self._has_moved:
+                granted = 1  # a share smaller than one token still moves the group on
+            if granted <= 0:
+                return 0
+            num_tokens = granted
+            self.work_left[group] = left - granted * weight
+            self._has_moved.add(group)
+        self._sequences[group] = self._sequences.get(group, 0) + 1
+        return num_tokens
+
+
+def step_shares(running: Sequence[Request], waiting: Sequence[Request], total_work: int,
+                max_sequences: int) -> GroupShares | None:
+    """The step's shares; None while fairness is off (``total_work`` 0) or unless a heavy group
+    and a light one both have something to compute (heavy requests among themselves, or a burst
+    of normal ones, are computed at the full step budget as before)."""
+    if total_work <= 0:
+        return None
+    needs: dict[str, float] = {}
+    sequences: dict[str, int] = {}
+    for requests, is_waiting in ((running, False), (waiting, True)):
+        for request in requests:
+            if is_waiting and not is_admittable(request):
+                continue
+            gap = request.num_tokens - request.num_computed_tokens
+            if gap <= 0:
+                continue
+            group = request.group
+            sequences[group] = sequences.get(group, 0) + 1
+            needs[group] = needs.get(group, 0.0) + (gap * prefill_work(request, gap) if gap > 1 else 0.0)
+    heavy = {group for group, count in sequences.items()
+             if count > HEAVY_SEQUENCES or needs[group] > HEAVY_PROMPT_WORK}
+    if not heavy or len(heavy) == len(sequences):
+        return None
+    return GroupShares(heavy, total_work, max_sequences)

@@ -118,9 +118,6 @@ class Request:
     """One beam of a beam search (engine/beam.py): the scheduler computes it like any request,
     but its sampled row's candidates go to the search, which appends the chosen token (the
     scheduler's update appends nothing and applies no stop rule to it)."""
-    is_parked: bool = False
-    """A preempted beam that already has its candidates: not admitted again until its search
-    has picked its next token (its siblings go first)."""
     draft_probs: torch.Tensor | None = None
     """``[len(draft_token_ids), vocab]`` distributions a draft model sampled the drafts from
     (verified by rejection sampling); None: point-mass drafts (n-gram, greedy)."""
@@ -137,6 +134,10 @@ class Request:
     """Its images (vision-language models): spans over ``prompt_token_ids`` (the expanded ids).
     The scheduler never cuts a span across steps; the prefix cache keys a span's positions by
     the image's digest (``cache_slice``). None: text only."""
+    held_by: str | None = None
+    """What a stage holds this waiting request back for (None: nothing): the scheduler does not
+    admit it while set (engine/prompt_sharing.py: a copy waiting for its prompt's first copy;
+    engine/beam.py: a parked beam waiting for its search's next step)."""
 
     def __post_init__(self) -> None:
         if not self.group:

@@ -23,7 +23,16 @@ Invariants:
   While other groups (client requests) have work, one group holds at most GROUP_SHARE of
   ``--max-running-requests``: its further requests are skipped, not admitted, so a big batch
   leaves room (and a smaller, faster batch) for other users; alone it may use every slot.
-  A request whose grammar is still compiling is skipped, not waited for.
+  A request whose grammar is still compiling is skipped, not waited for, and so is one a stage
+  holds (``held_by``: a copy of an n > 1 prompt until its first copy has computed it).
+- While a heavy group and a light one both have work, each step is shared (engine/policy.py
+  ``GroupShares``): the heavy groups (more prompt work left than HEAVY_PROMPT_WORK, weighted for
+  prompt-logprob rows and deep context, or more than HEAVY_SEQUENCES sequences) together compute
+  at most --fair-step-tokens tokens (prompt tokens and decode rows) in equal shares, and one group
+  computes at most GROUP_SHARE of --max-running-requests sequences; a running request whose group
+  has had its share waits for the next step. So a heavy request (a long prompt with echo
+  logprobs, many copies, a wide beam, the longest context) moves at its share and a normal
+  user's steps stay short. Light groups are not bounded, nor are heavy ones among themselves.
 - An embedding request is computed whole in the step that admits it (never chunked: an encoder
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
@@ -45,7 +54,7 @@ from collections.abc import Callable
 
 from servelm.config import SchedulerConfig
 from servelm.engine.kv_manager import KVManager, cdiv
-from servelm.engine.policy import order_waiting, urgency
+from servelm.engine.policy import GroupShares, order_waiting, step_shares, urgency
 from servelm.engine.request import FinishReason, Request, RequestStatus
 from servelm.engine.stop_rules import ending_after
 from servelm.engine.scheduler_output import (ScheduledRequest, SchedulerOutput, StepResult,
@@ -79,6 +88,9 @@ class Scheduler:
         """Prompt tokens of admitted requests (first admission only): the hit rate's denominator."""
         self.num_cached_prompt_tokens = 0
         """Of those, tokens served from the prefix cache."""
+        self.num_prefill_tokens = 0
+        """Prompt positions the model computed (recomputes after preemption included): n copies
+        of one prompt add the prompt once (engine/prompt_sharing.py)."""
         self._rng = random.Random(seed)
         self._num_steps_without_admission = 0
 
@@ -133,12 +145,15 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         did_preempt = False
 
+        shares = self._step_shares()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = self._chunk(request, budget)
-            if num_tokens == 0:  # an embedding prompt larger than what is left of the budget
-                index += 1
+            if num_tokens and shares is not None:
+                num_tokens = shares.take(request, num_tokens)
+            if num_tokens == 0:  # nothing to compute (an idle beam), its group's share is used,
+                index += 1       # or an embedding prompt larger than what is left of the budget
                 continue
             num_drafts = self._num_drafts(request, num_tokens, budget)
             target_tokens = request.num_computed_tokens + num_tokens + num_drafts
@@ -151,7 +166,7 @@ class Scheduler:
             index += 1
 
         if self.waiting and budget > 0 and not did_preempt and self._is_admission_step():
-            self._admit(output, budget)
+            self._admit(output, budget, shares)
         output.seal()
         if output.scheduled:  # K/V copies the forward makes before it writes anything
             output.plan.block_copies = self.kv.take_block_copies()
@@ -184,7 +199,15 @@ class Scheduler:
         self._num_steps_without_admission += 1
         return False
 
-    def _admit(self, output: SchedulerOutput, budget: int) -> None:
+    def _step_shares(self) -> GroupShares | None:
+        """Each group's share of this step while several groups have work (engine/policy.py)."""
+        return step_shares(self.running, self.waiting, self.config.fair_step_tokens,
+                           self._group_share())
+
+    def _group_share(self) -> int:
+        return max(1, int(self.config.max_running_requests * GROUP_SHARE))
+
+    def _admit(self, output: SchedulerOutput, budget: int, shares: GroupShares | None = None) -> None:
         """Move waiting requests to running in policy order while they fit."""
         admitted: list[Request] = []
         group_cap = self._group_cap()
@@ -202,8 +225,8 @@ class Scheduler:
                 continue  # this client request has its share; others go first
             if request.is_compiling or request.is_awaiting_kv:
                 continue  # its grammar (or its K/V from a prefill server) is not ready
-            if request.is_parked:
-                continue  # a beam waiting for its siblings (engine/beam.py)
+            if request.held_by is not None:
+                continue  # a stage holds it (a copy waiting for its prompt, a parked beam)
             if not self.kv.can_ever_fit(request.num_tokens + 1):
                 self.finish(request, FinishReason.ERROR, error=(
                     f"request needs {request.num_tokens + 1} tokens of KV cache but the pool holds "
@@ -221,6 +244,13 @@ class Scheduler:
             if num_tokens == 0:
                 self.kv.unmatch(request)
                 return  # an embedding prompt (or an image) waits for a step with room for all of it
+            granted = num_tokens if shares is None or request.is_embedding else shares.take(request, num_tokens)
+            if granted == 0:
+                self.kv.unmatch(request)
+                continue  # its group has had its share of this step
+            if granted < num_tokens and request.mm_inputs is not None and request.mm_inputs.images:
+                granted = self._whole_images(request, granted, num_tokens)  # a share cuts no image either
+            num_tokens = granted
             while not self._fits(request, num_tokens):
                 victim = self._priority_victim(request)
                 if victim is None:
@@ -228,7 +258,7 @@ class Scheduler:
                     return
                 budget += output.remove(victim)
                 self._preempt(victim)
-                num_tokens = self._chunk(request, budget)
+                num_tokens = min(granted, self._chunk(request, budget))
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -263,7 +293,7 @@ class Scheduler:
         groups.update(request.group for request in self.waiting)
         if len(groups) <= 1:
             return None
-        return max(1, int(self.config.max_running_requests * GROUP_SHARE))
+        return self._group_share()
 
     def _fits(self, request: Request, num_tokens: int) -> bool:
         if len(self.running) >= self.config.max_running_requests:
@@ -374,9 +404,15 @@ class Scheduler:
         latency and no other prompt's first token waits on its step, so its prompt is not cut at
         --chunked-prefill-size (the step budget, --max-prefill-tokens, still bounds it). One step
         instead of several saves a pass over the weights and a chunk's attention over paged K/V.
-        Prompt logprobs keep the cap: their logits rows grow with the chunk."""
-        return (not self.config.is_lone_prompt_chunked and len(self.running) + len(self.waiting) == 1
-                and not request.wants_prompt_logprobs)
+        Prompt logprobs keep the cap: their logits rows grow with the chunk. Copies held for
+        this request's prompt (engine/prompt_sharing.py) wait for all of it: they do not count."""
+        if self.config.is_lone_prompt_chunked or request.wants_prompt_logprobs:
+            return False
+        if len(self.running) + len(self.waiting) == 1:
+            return True
+        return (len(self.running) <= 1
+                and all(other is request for other in self.running)
+                and all(other is request or other.held_by is not None for other in self.waiting))
 
     def _preempt_for(self, request: Request, target_tokens: int, output: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` can cover ``target_tokens``.
@@ -422,6 +458,9 @@ class Scheduler:
             request = scheduled.request
             if request.is_finished:
                 continue  # aborted while the step ran
+            start = request.num_computed_tokens
+            self.num_prefill_tokens += max(0, min(request.num_prompt_tokens, start + scheduled.num_tokens)
+                                           - start)
             request.num_computed_tokens += scheduled.num_tokens
             if scheduled.is_pooled:
                 assert result.embedding is not None, "a pooled request gets its vector"

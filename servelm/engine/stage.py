@@ -3,6 +3,7 @@
 ``LLMEngine.step()`` is schedule -> execute -> update with the stages around it, and names no
 feature::
 
+    (add_request: for stage: stage.on_add(request), before it joins the waiting queue)
     for stage: outputs += stage.before_schedule(core)      # grammars ready, K/V arrived, drafts
     output = scheduler.schedule(); results = executor.execute(output)
     (nothing scheduled: the first stage that has something to wait for waits: wait_idle)
@@ -20,7 +21,7 @@ the engine calls only the overridden ones (``Hooks``), so an unused hook costs t
 
 Invariants:
 - A stage never changes which requests the scheduler schedules except through request state the
-  scheduler already reads (drafts, ``is_compiling``, ``is_awaiting_kv``, ``is_parked``).
+  scheduler already reads (drafts, ``is_compiling``, ``is_awaiting_kv``, ``held_by``).
 - ``on_finish`` runs once per request that ends inside the step or by ``abort``, after its last
   output is built (a stage may annotate that output, e.g. ``kv_transfer_params``).
 - ``abort`` lets a stage answer for request ids it owns (a beam search's client requests); the
@@ -51,6 +52,11 @@ class StepCore(Protocol):
 
 class Stage(Protocol):
     """An optional feature's hooks into the step; every hook defaults to doing nothing."""
+
+    def on_add(self, request: Request) -> None:
+        """A request was accepted and is about to join the waiting queue (a stage may hold it
+        back through ``Request.held_by``)."""
+        return None
 
     def before_schedule(self, core: StepCore) -> list[RequestOutput]:
         """Before the scheduler runs: prepare request state it reads; returns outputs of requests
@@ -91,7 +97,7 @@ class Stage(Protocol):
         return None
 
 
-HOOKS = ("before_schedule", "before_update", "after_update", "on_new_tokens", "on_finish", "abort",
+HOOKS = ("on_add", "before_schedule", "before_update", "after_update", "on_new_tokens", "on_finish", "abort",
          "wait_idle", "stats", "close")
 
 

@@ -48,6 +48,11 @@ class FakeRunner:
     def execute(self, plan: BatchPlan) -> torch.Tensor:
         rows = []
         self.max_batch_tokens = max(self.max_batch_tokens, plan.num_tokens)
+        for source, destination in plan.block_copies:  # copy-on-write before anything is written
+            size = self.block_size
+            self.slots[destination * size:(destination + 1) * size] = self.slots[source * size:(source + 1) * size]
+        for source, destination in plan.slot_copies:
+            self.slots[destination] = self.slots[source]
         for seq in plan.sequences:
             end = seq.start_position + len(seq.token_ids)
             assert len(seq.block_ids) * self.block_size >= end, "blocks do not cover the tokens"

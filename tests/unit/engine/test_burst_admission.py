@@ -122,13 +122,26 @@ def test_the_step_budget_still_bounds_a_lone_prompt() -> None:
 
 
 def test_a_long_prompt_beside_a_decode_is_chunked() -> None:
-    engine, steps = make_chunking_engine()
+    engine, steps = make_chunking_engine(fair_step_tokens=0)
     assert engine.add_request("first", long_prompt(16), params(8)) is None
     engine.step()
     assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None
     drain(engine)
     assert steps[1] == [1, 512]                      # the decode keeps streaming beside it
     assert steps[2] == [1, 507]
+
+
+def test_a_long_prompt_beside_a_decode_moves_at_the_fair_share() -> None:
+    """More than 512 prompt tokens beside a decode: a heavy request, bounded to --fair-step-tokens
+    (32 here) a step (fewer deep in its context) until the decode is done (issue 35)."""
+    engine, steps = make_chunking_engine(fair_step_tokens=32)
+    assert engine.add_request("first", long_prompt(16), params(8)) is None
+    engine.step()
+    assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None
+    drain(engine)
+    for step in steps[1:8]:                          # the decode streams beside it, steps stay short
+        assert step[0] == 1 and 30 <= step[1] <= 32, steps
+    assert steps[8] == [1019 - sum(step[1] for step in steps[1:8])]  # then alone: the rest at once
 
 
 def test_two_long_prompts_queued_together_are_chunked() -> None:

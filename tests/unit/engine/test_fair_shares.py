@@ -1,0 +1,147 @@
+"""Heavy requests beside normal users (issue 35): n copies of a prompt compute it once, and while
+a heavy request and a normal one both have work, the heavy ones' tokens per step are bounded
+(--fair-step-tokens; 32 here) and one request's copies take at most a quarter of --max-running-requests
+sequences per step, while normal requests are computed as before (test_burst_admission.py)."""
+
+from __future__ import annotations
+
+from servelm.config import EngineConfig, SchedulerConfig
+from servelm.engine.engine import LLMEngine
+from servelm.engine.policy import step_shares
+from servelm.engine.request import Request
+from servelm.engine.scheduler import SchedulerOutput
+from servelm.sampling.params import SamplingParams
+
+from .fake_runner import FakeRunner
+
+
+def make_engine(**scheduler: int) -> tuple[LLMEngine, list[dict[str, int]], FakeRunner]:
+    scheduler.setdefault("fair_step_tokens", 32)
+    runner = FakeRunner(num_blocks=600, block_size=16)
+    engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner,
+                       eos_token_ids=[96], context_length=4096)
+    steps: list[dict[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        output = schedule()
+        steps.append({s.request.request_id: s.num_tokens for s in output.scheduled})
+        return output
+
+    engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return engine, steps, runner
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return [(seed * 13 + position * 7) % 90 + 1 for position in range(length)]
+
+
+def params(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def drain(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            assert output.finish_reason in (None, "length"), output.error
+    return tokens
+
+
+def test_a_heavy_prompt_beside_a_decode_moves_at_its_share():
+    engine, steps, runner = make_engine()
+    assert engine.add_request("user", prompt(16), params(20)) is None
+    first = engine.step()
+    assert engine.add_request("heavy", prompt(700, 1), params(2, prompt_logprobs=5)) is None
+    tokens = drain(engine)
+    tokens["user"] = first[0].new_token_ids + tokens["user"]
+    shared = [step for step in steps[1:] if "user" in step and "heavy" in step]
+    assert len(shared) >= 15 and all(step["user"] == 1 for step in shared)  # decodes every step
+    for step in shared:
+        assert 0 < step["heavy"] * 2 <= 32  # a prompt-logprob token counts (at least) double
+    assert tokens["heavy"] == runner.reference(prompt(700, 1), 2)
+    assert tokens["user"] == runner.reference(prompt(16), 20)
+    alone = [step["heavy"] for step in steps if list(step) == ["heavy"] and step["heavy"] > 1]
+    assert alone and max(alone) > 32  # once the user is done, the heavy one runs at full chunks
+
+
+def test_a_light_arrival_is_not_bounded_and_fairness_can_be_turned_off():
+    for fair, expected in ((32, 32 // 2), (0, 512)):
+        engine, steps, _ = make_engine(fair_step_tokens=fair)
+        assert engine.add_request("user", prompt(16), params(8)) is None
+        engine.step()
+        assert engine.add_request("heavy", prompt(700, 1), params(1, prompt_logprobs=1)) is None
+        assert engine.add_request("light", prompt(100, 2), params(1)) is None
+        engine.step()
+        assert steps[1]["user"] == 1 and steps[1]["light"] == 100  # a normal prompt joins whole
+        assert steps[1]["heavy"] <= expected and steps[1]["heavy"] >= expected * 0.8
+
+
+def test_a_group_of_copies_decodes_at_most_its_share_of_sequences_per_step():
+    engine, steps, runner = make_engine(max_running_requests=32, fair_step_tokens=64)  # 8 a step
+    for index in range(20):
+        assert engine.add_request(f"copy-{index}", prompt(12, 3), params(12), group="big") is None
+    early = engine.step() + engine.step()
+    assert sum(1 for request_id in steps[1] if request_id.startswith("copy-")) == 20  # alone: all
+    assert engine.add_request("user", prompt(10), params(8)) is None
+    tokens = drain(engine)
+    for output in reversed(early):
+        tokens[output.request_id] = output.new_token_ids + tokens[output.request_id]
+    with_user = [step for step in steps[2:] if "user" in step]
+    assert len(with_user) == 8  # the user computes in every step until it is done
+    for step in with_user:
+        assert sum(1 for request_id in step if request_id.startswith("copy-")) <= 8
+    reference = runner.reference(prompt(12, 3), 12)
+    assert all(tokens[f"copy-{index}"] == reference for index in range(20))
+    assert tokens["user"] == runner.reference(prompt(10), 8)
+
+
+def test_copies_of_one_prompt_compute_it_once_with_its_prompt_logprobs():
+    engine, steps, runner = make_engine()
+    for index in range(4):
+        assert engine.add_request(f"c{index}", prompt(101), params(3, prompt_logprobs=2), group="g") is None
+    prompt_logprobs: dict[str, list] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[output.request_id] = output.prompt_logprobs
+    assert engine.stats()["num_prefill_tokens"] == 101 + 3   # once, then one last token per copy
+    assert engine.stats()["num_shared_prompts"] == 3
+    reference = runner.reference(prompt(101), 3)
+    assert all(tokens[f"c{index}"] == reference for index in range(4))
+    assert all(len(prompt_logprobs[f"c{index}"]) == 101 for index in range(4))
+    assert all(prompt_logprobs[f"c{index}"] == prompt_logprobs["c0"] for index in range(4))
+    assert engine.stats()["num_used_blocks"] == 0
+
+
+def test_copies_fork_without_the_prefix_cache():
+    runner = FakeRunner(num_blocks=200, block_size=16)
+    from servelm.config import CacheConfig
+    engine = LLMEngine(EngineConfig(cache=CacheConfig(disable_radix_cache=True)), runner=runner,
+                       eos_token_ids=[96], context_length=4096)
+    for index in range(3):
+        assert engine.add_request(f"c{index}", prompt(77), params(5), group="g") is None
+    tokens = drain(engine)
+    assert engine.stats()["num_prefill_tokens"] == 77 + 2
+    assert all(tokens[f"c{index}"] == runner.reference(prompt(77), 5) for index in range(3))
+
+
+def test_shares_split_the_step_among_heavy_groups_only():
+    def request(group: str, length: int, logprobs: bool = False) -> Request:
+        return Request(f"{group}-r", prompt(length), params(1, prompt_logprobs=1 if logprobs else None),
+                       [96], 4096, group=group)
+
+    heavy_a, heavy_b, light = request("a", 1000), request("b", 1000, True), request("c", 50)
+    assert step_shares([], [heavy_a, heavy_b], 32, 16) is None  # heavy among themselves: no bound
+    assert step_shares([], [light, request("d", 300)], 32, 16) is None  # normal ones: no bound
+    shares = step_shares([], [heavy_a, heavy_b, light], 32, max_sequences=2)
+    assert shares is not None
+    assert shares.take(light, 50) == 50
+    assert shares.take(heavy_a, 512) == 16
+    assert shares.take(heavy_b, 512) == 8  # a prompt-logprob token counts double
+    assert shares.take(heavy_a, 512) == 0  # its share of the step is used
+    assert shares.take(request("c", 10), 1) == 1 and shares.take(request("c", 10), 1) == 0  # 2 rows
+    assert step_shares([], [heavy_a, light], 0, 16) is None  # --fair-step-tokens 0: off
