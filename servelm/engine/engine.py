@@ -441,6 +441,7 @@ class LLMEngine:
         for before_schedule in self._hooks["before_schedule"]:
             outputs += before_schedule(self)
         scheduled = self.scheduler.schedule()
+        _mark_scheduled(scheduled)
         results = self._execute(scheduled)
         if scheduled.is_empty:
             self._wait_while_idle()
@@ -495,7 +496,11 @@ class LLMEngine:
             if not request.is_finished:
                 for hook in on_new_tokens:
                     hook(request)
+            if request.first_token_wall_s is None and request.output_token_ids:
+                request.first_token_wall_s = time.time()
+            detokenize_start_s = time.perf_counter()
             self._detokenize(request)
+            request.detokenize_s += time.perf_counter() - detokenize_start_s
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
@@ -531,7 +536,9 @@ class LLMEngine:
         detokenizer = self._detokenizers.get(request.request_id)
         text = ""
         if detokenizer is not None:
+            detokenize_start_s = time.perf_counter()
             text = detokenizer.take_new_text(request.is_finished)
+            request.detokenize_s += time.perf_counter() - detokenize_start_s
         request.num_sent_tokens = len(request.output_token_ids)
         logprobs = None
         if request.params.logprobs is not None:
@@ -557,6 +564,7 @@ class LLMEngine:
             error=request.error,
             error_status=request.error_status,
             embedding=request.embedding,
+            timings=_timings(request) if request.is_finished else None,
         )
 
     def flush_cache(self) -> dict[str, Any]:
@@ -600,3 +608,23 @@ class LLMEngine:
             "routes": self.model_info.get("routes"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }
+
+
+def _mark_scheduled(scheduled: SchedulerOutput) -> None:
+    """The wall-clock time a request is first computed (the end of its queueing)."""
+    now = None
+    for item in scheduled.scheduled:
+        if item.request.scheduled_wall_s is None:
+            now = now or time.time()
+            item.request.scheduled_wall_s = now
+
+
+def _timings(request: Request) -> dict[str, float]:
+    """A finished request's phase times (RequestOutput.timings)."""
+    if request.finished_wall_s is None:
+        request.finished_wall_s = time.time()
+    phases = {"arrival": request.arrival_wall_s, "scheduled": request.scheduled_wall_s,
+              "first_token": request.first_token_wall_s, "finished": request.finished_wall_s}
+    timings = {name: value for name, value in phases.items() if value is not None}
+    timings["detokenize_s"] = request.detokenize_s
+    return timings
