@@ -28,7 +28,7 @@ from servelm.distributed.errors import RankFailedError
 from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
-from servelm.engine.executor import Executor, Runner
+from servelm.engine.executor import Executor, NaNLogitsError, Runner
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers
 from servelm.engine.hicache import HiCacheStage, build_hicache
@@ -104,7 +104,9 @@ class LLMEngine:
         """Structured output: grammars compile on worker threads (started here, after everything
         that may refuse to start); jump-forward after updates."""
         self.executor = Executor(runner, grammars=self.grammars,
-                                 verification=self.speculation.verification)
+                                 verification=self.speculation.verification,
+                                 nan_check=config.observability.nan_check,
+                                 deterministic=config.runtime.enable_deterministic_inference)
         self.stages: list[Stage] = [
             self.grammars, *([self.disaggregation] if self.disaggregation else []),
             self.speculation, self.beams,
@@ -452,7 +454,7 @@ class LLMEngine:
             return []
         try:
             return self.executor.execute(scheduled)
-        except RankFailedError as error:  # no step can run again: end every request, then exit
+        except (RankFailedError, NaNLogitsError) as error:  # no step can run again: end every request, then exit
             logger.error("%s; ending all %d requests", error, len(self.scheduler.requests))
             self.fatal_error = error
             for request in list(self.scheduler.requests.values()):

@@ -50,6 +50,7 @@ from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import (PoolerConfig, architecture_label, pool, resolve_pooler_config,
                                     resolve_task)
 from servelm.model.onednn import configure_onednn_cache
+from servelm.model.tensor_dump import TensorDumper
 from servelm.model.threads import ThreadGovernor, configure_engine_threads, log_openmp_wait_policy
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class ModelRunner:
             threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
             if (not config.runtime.disable_adaptive_threads and threads > 1
+                    and not config.runtime.enable_deterministic_inference  # fixed reduction splits
                     and ThreadGovernor.supported()):
                 self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
@@ -201,6 +203,11 @@ class ModelRunner:
                                     self.residual_dtype, self.device, self.attention, self.vocab_size,
                                     config.parallel.pp_max_micro_batch_size)
         """This rank's part of a pipeline step (used at pp > 1 only)."""
+        self.tensor_dumper: TensorDumper | None = None
+        """--debug-tensor-dump-output-folder: writes every forward pass's tensors."""
+        if config.observability.debug_tensor_dump_output_folder is not None:
+            self.tensor_dumper = TensorDumper(config.observability.debug_tensor_dump_output_folder,
+                                              self.model, self.parallel.tp_rank)
         self.num_blocks = 0
         """Blocks in the KV pool; 0 until ``init_kv_cache``."""
         self.kv_cache: KVCache | None = None
@@ -344,15 +351,20 @@ class ModelRunner:
         if self.thread_governor is not None:
             self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention)
+        if self.tensor_dumper is not None:
+            self.tensor_dumper.begin(batch)
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
         # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
         hidden = self.model(batch)
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:
-            return screened
-        logits = self.model.compute_logits(rows, batch.head_rows)
-        return logits.float()
+            logits = screened
+        else:
+            logits = self.model.compute_logits(rows, batch.head_rows).float()
+        if self.tensor_dumper is not None:
+            self.tensor_dumper.end(logits)
+        return logits
 
     @torch.inference_mode()
     def pool(self, plan: BatchPlan) -> torch.Tensor:
