@@ -172,7 +172,8 @@ def pushgateway() -> Iterator[str]:
     if binary is None:
         pytest.skip("prometheus-pushgateway is not installed (apt-get install prometheus-pushgateway)")
     address = f"127.0.0.1:{_free_port()}"
-    process = subprocess.Popen([binary, f"--web.listen-address={address}"],
+    # Debian's default persists to /var/lib/prometheus/pushgateway.data: memory only here.
+    process = subprocess.Popen([binary, f"--web.listen-address={address}", "--persistence.file="],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
