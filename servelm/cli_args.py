@@ -421,6 +421,12 @@ def _check_environment(config: EngineConfig) -> None:
         check_backend_available(structured.grammar_backend)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if config.observability.tracing:
+        from servelm.server.tracing import check_sdk_available
+        try:
+            check_sdk_available()
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     pattern = structured.constrained_json_whitespace_pattern
     if pattern is None:
         return

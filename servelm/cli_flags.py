@@ -456,7 +456,9 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "every expert (--tp-size splits each expert's intermediate dimension)", values=("1",),
                      bad_value="2"),
     AlreadyBehaviour(("--cpu-offload-gb", "--swap-space"),
-                     "servelm keeps weights and KV in one memory pool: no CPU offload or swap",
+                     "weights stay where the model was loaded (no CPU offload of weights), and a "
+                     "preempted request is recomputed, not swapped out (evicted prefix blocks can "
+                     "go to host memory with --enable-hierarchical-cache)",
                      values=("0",), bad_value="4"),
     AlreadyBehaviour(("--compilation-config", "-O"),
                      "servelm runs eager PyTorch by default: only level 0 (no compilation) is "
@@ -519,13 +521,26 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--visual_tp", "--visual_dp"),
                      "the vision tower runs inside the engine with the text model: it has no "
                      "tensor- or data-parallel group of its own", values=("1",), bad_value="2"),
+    AlreadyBehaviour(("--disable_aggressive_schedule",),
+                     "servelm always schedules as LightLLM does with this flag: while requests "
+                     "decode, --router_max_wait_tokens N holds new prompts back for N steps (0, the "
+                     "default, admits at every step)"),
+    AlreadyBehaviour(("--return-token-ids",),
+                     "SGLang's /generate already returns each output's token ids (output_ids) "
+                     "with its text"),
+    AlreadyBehaviour(("--enable-metrics-for-all-schedulers",),
+                     "every scheduler already reports: an engine has one scheduler (tensor-"
+                     "parallel ranks run its batches and schedule nothing), and with --dp-size > 1 "
+                     "/metrics shows each replica's running and waiting requests "
+                     "(servelm:dp_replica_*)"),
     AlreadyBehaviour(("--speculative-attention-mode",),
                      "the target verifies the drafts as one multi-token (prefill-style) step",
                      values=("prefill",), bad_value="decode"),
 )
 
 # --- rejected, by reason -----------------------------------------------------------------------
-# A reason says why: a CUDA-only mechanism, a design choice, or a feature not supported yet.
+# A reason says why: a CUDA-only mechanism, a design choice, or (NOT_BUILT_YET) a feature of an
+# open issue (mixture-of-experts parallelism, pre-quantized checkpoints).
 
 NOT_BUILT_YET = "not built yet"
 
@@ -552,10 +567,10 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--speculative-draft-model-revision", "--speculative-moe-runner-backend",
                "--speculative-draft-tensor-parallel-size", "-spec-draft-tp",
                "--speculative-model-quantization", "--speculative-max-model-len")),
-    Rejection("not supported: servelm's NGRAM proposer looks up each request's own prompt and "
-              "output (one chain of drafts, --ngram-prompt-lookup-min/max); SGLang's shared "
-              "n-gram cache tree, with its capacity, BFS breadth, match type and branch length, "
-              "is not built",
+    Rejection("not supported: servelm's NGRAM proposer drafts one chain from the request's own "
+              "prompt and output (--ngram-prompt-lookup-min/max, --num-speculative-tokens) and "
+              "keeps no n-gram store shared between requests, so SGLang's cache-tree settings "
+              "(capacity, BFS breadth, match type, branch length) have nothing to set",
               ("--speculative-ngram-min-bfs-breadth", "--speculative-ngram-max-bfs-breadth",
                "--speculative-ngram-match-type", "--speculative-ngram-branch-length",
                "--speculative-ngram-capacity")),
@@ -583,14 +598,21 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection(f"{NOT_BUILT_YET}: DP attention (attention data-parallel, MoE layers expert-parallel) is "
               "planned with DeepSeek's MLA and expert parallelism (issue 33); data parallelism here "
               "is whole engine replicas (--dp-size)", ("--enable-dp-attention",)),
-    Rejection(f"{NOT_BUILT_YET}: GPU communication tuning (NCCL ports, symmetric memory, fused "
-              "all-reduce kernels); tensor parallelism runs on gloo and shared memory (--tp-size)",
-              ("--gpu-id-step", "--enable-nccl-nvls",
-               "--enable-symm-mem", "--enable-mscclpp", "--enable-torch-symm-mem",
-               "--enable-flashinfer-allreduce-fusion", "--enable-two-batch-overlap",
-               "--enable-single-batch-overlap", "--tbo-token-distribution-threshold",
-               "--enable_custom_allgather", "--enable_prefill_microbatch_overlap",
-               "--enable_decode_microbatch_overlap", "--base-gpu-id", "--enable-p2p-check")),
+    Rejection("not supported: CUDA-only communication kernels (NVLS, symmetric memory, MSCCL++, "
+              "FlashInfer's fused all-reduce, custom all-gather); servelm's collectives are plain "
+              "torch.distributed groups (gloo and shared memory on CPU, NCCL on CUDA) with no "
+              "custom kernel to switch on",
+              ("--enable-nccl-nvls", "--enable-symm-mem", "--enable-mscclpp",
+               "--enable-torch-symm-mem", "--enable-flashinfer-allreduce-fusion",
+               "--enable_custom_allgather", "--enable-p2p-check")),
+    Rejection("not supported: overlapping one micro-batch's communication with another's compute "
+              "(SGLang's two-batch overlap, LightLLM's micro-batch overlap) hides the all-to-all "
+              "of expert parallelism and DP attention on GPUs; servelm runs each step as one batch",
+              ("--enable-two-batch-overlap", "--enable-single-batch-overlap",
+               "--tbo-token-distribution-threshold", "--enable_prefill_microbatch_overlap",
+               "--enable_decode_microbatch_overlap")),
+    Rejection("not supported: on CUDA, rank r of a node uses cuda:r; choose the GPUs with "
+              "CUDA_VISIBLE_DEVICES", ("--gpu-id-step", "--base-gpu-id")),
     Rejection("not supported: on one node the ranks meet on a free loopback port chosen at "
               "start-up, so there is no port to pick (and no clash between servers); across "
               "nodes give node 0's address with --dist-init-addr host:port",
@@ -607,21 +629,11 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: rank processes run servelm's own worker (no user worker classes, "
               "no Nsight profiling of Ray workers)",
               ("--worker-cls", "--ray-workers-use-nsight")),
-    Rejection("not supported yet: these scheduling extras (servelm's waiting queue is ordered by "
-              "--schedule-policy fcfs, lpm, dfs-weight or random, or by priority, and chunked "
-              "prefill mixes prompts with decodes in every step)",
-              ("--prefill-only-one-req", "--router_max_new_token_len",
-               "--disable_aggressive_schedule")),
-    Rejection("not supported yet: metrics push gateways, custom metric labels, token histograms, "
-              "tracing and timing marks (--enable-metrics serves /metrics for Prometheus to "
-              "scrape; --log-requests logs each request's latency)",
-              ("--enable-metrics-for-all-schedulers",
-               "--tokenizer-metrics-custom-labels-header",
-               "--tokenizer-metrics-allowed-custom-labels", "--metric_gateway", "--job_name",
-               "--grouping_key", "--push_interval", "--enable_monitor_auth", "--health_monitor",
-               "--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-trace",
-               "--show-time-cost", "--collect-tokens-histogram", "--prompt-tokens-buckets",
-               "--generation-tokens-buckets", "--enable-request-time-stats-logging")),
+    Rejection("not supported: servelm does not restart itself; a dead engine process or a hung "
+              "step (--watchdog-timeout) makes the server exit with an error status, for its "
+              "supervisor (systemd, Kubernetes, docker --restart) to restart it; /health and "
+              "/health_generate are there for that supervisor's probes",
+              ("--health_monitor",)),
     Rejection("not supported: KV cache event publishing for external routers (NVIDIA Dynamo)",
               ("--kv-events-config",)),
     Rejection("not supported: custom logit processors run client-supplied code inside the "
@@ -699,23 +711,26 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: servelm serves text generation and embeddings only (no reward "
               "models or multi-item scoring; no token-healing mode)",
               ("--use_reward_model", "--multi-item-scoring-delimiter", "--token_healing_mode")),
-    Rejection("not supported: this response option is not implemented (prompt logprobs and "
-              "token ids are per-request parameters; /generate streams cumulative text)",
-              ("--return_all_prompt_logprobs", "--return-token-ids",
-               "--return-tokens-as-token-ids", "--max-logprobs", "--response-role",
-               "--stream-output",
-               "--enable-return-hidden-states", "--preferred-sampling-params")),
-    Rejection("not supported: KV offloading and block-count overrides (size the pool with "
+    Rejection("not supported: a forward pass hands back only each request's sampled tokens and "
+              "their logprobs; no hidden-state vectors leave the model runner (a prompt's pooled "
+              "vector is what --is-embedding serves at /v1/embeddings)",
+              ("--enable-return-hidden-states",)),
+    Rejection("not supported: a block-count override (size the KV pool with "
               "--max-total-tokens or --mem-fraction-static)",
               ("--num-gpu-blocks-override",)),
     Rejection("not supported: weights stay in memory for the server's lifetime (no layer "
               "offloading, no release and resume of weights or KV)",
               ("--offload-group-size", "--offload-num-in-group", "--offload-prefetch-step",
                "--offload-mode", "--enable-memory-saver", "--enable-weights-cpu-backup")),
-    Rejection("not supported yet: this HTTP server option (custom middleware, docs switch, "
-              "file storage, custom warm-ups) is not implemented",
-              ("--middleware", "--disable-fastapi-docs",
-               "--file-storage-pth", "--warmups")),
+    Rejection("not supported: --middleware imports and runs user code (an import path) inside "
+              "the server process; servelm runs no code the command line names (its own "
+              "middleware: --api-key, --allowed-origins, --max-request-body-bytes)",
+              ("--middleware",)),
+    Rejection("not supported: servelm has no file API (/v1/files, batches), so there is no file "
+              "storage to place", ("--file-storage-pth",)),
+    Rejection("not supported: SGLang's named warm-up functions (its warmup.py registry) do not "
+              "exist here; servelm warms up by itself before it reports ready (prefill chunks and "
+              "decode batches; --skip-server-warmup turns it off)", ("--warmups",)),
     Rejection("not supported: the process layout is fixed (engine core in its own process, "
               "ZMQ IPC, tokenization in the front end)",
               ("--zmq_mode", "--disable-frontend-multiprocessing", "--disable-async-output-proc",
@@ -743,11 +758,13 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--disable-sliding-window",)),
     Rejection("not supported: prompts are bounded only by the context length "
               "(--context-length / --max_req_total_len)", ("--max_req_input_len",)),
-    Rejection("not supported: debugging switch not implemented (NaN detection, "
-              "deterministic mode, GC warnings, tensor dumps)",
-              ("--enable-nan-detection", "--enable-deterministic-inference", "--crash-on-nan",
-               "--gc-warning-threshold-secs", "--debug-tensor-dump-output-folder",
-               "--debug-tensor-dump-input-file", "--debug-tensor-dump-inject")),
+    Rejection("not supported: servelm dumps the tensors of the requests it serves "
+              "(--debug-tensor-dump-output-folder); send the input as a request (input_ids at "
+              "/generate) rather than as a start-up input file", ("--debug-tensor-dump-input-file",)),
+    Rejection("not supported: feeding a reference implementation's (JAX) layer outputs into every "
+              "layer is a harness for SGLang's own model ports; compare servelm's dumps "
+              "(--debug-tensor-dump-output-folder) with transformers instead",
+              ("--debug-tensor-dump-inject",)),
     Rejection("not a server option: --shm-size is a `docker run` flag (shared memory for the "
               "container)", ("--shm-size",)),
 )
@@ -787,6 +804,16 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("disaggregation_decode_polling_interval", "disaggregation_mode"),
     ("pd_master_ip", "disaggregation_mode"),
     ("pd_master_port", "disaggregation_mode"),
+    ("return_all_prompt_logprobs", "use_tgi_api"),
+    ("router_max_new_token_len", "router_token_ratio"),
+    ("collect_tokens_histogram", "enable_metrics"),
+    ("prompt_tokens_buckets", "collect_tokens_histogram"),
+    ("generation_tokens_buckets", "collect_tokens_histogram"),
+    ("tokenizer_metrics_custom_labels_header", "tokenizer_metrics_allowed_custom_labels"),
+    ("job_name", "metric_gateway"),
+    ("grouping_key", "metric_gateway"),
+    ("push_interval", "metric_gateway"),
+    ("enable_monitor_auth", "metric_gateway"),
 )
 """(field, needed): a non-default ``field`` means nothing unless ``needed`` is set too, so it is
 refused at start-up rather than ignored."""

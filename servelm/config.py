@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -397,6 +398,15 @@ class SchedulerConfig:
         "batched instead of interrupting decode each step; 0 admits at every step.")
     max_queued_requests: int | None = opt(
         None, "Most requests waiting for admission; beyond it new requests get 503. Unset: no limit.")
+    router_max_new_token_len: int | None = opt(
+        None, "With --router_token_ratio: the output length admission assumes for a request when "
+        "reserving its future KV (the smaller of this and its max_tokens), so requests with large "
+        "max_tokens are not held back for output they rarely produce (LightLLM's flag; it may "
+        "cause preemptions). Unset: each request's max_tokens.",
+        flags=("--router_max_new_token_len",))
+    prefill_only_one_req: bool = opt(
+        False, "Admit at most one new request per step (its prompt, or its first chunk), so "
+        "prompts never share a step with each other (running requests keep decoding beside it).")
 
     def __post_init__(self) -> None:
         if self.max_running_requests <= 0:
@@ -415,6 +425,9 @@ class SchedulerConfig:
             raise ValueError(f"--router-token-ratio must be in [0, 1], got {self.router_token_ratio}")
         if self.router_max_wait_tokens < 0:
             raise ValueError(f"--router-max-wait-tokens must be >= 0, got {self.router_max_wait_tokens}")
+        if self.router_max_new_token_len is not None and self.router_max_new_token_len <= 0:
+            raise ValueError("--router_max_new_token_len must be positive, got "
+                             f"{self.router_max_new_token_len}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:
             raise ValueError(f"--max-queued-requests must be positive, got {self.max_queued_requests}")
         if self.priority_scheduling_preemption_threshold < 0:
@@ -606,6 +619,13 @@ class RuntimeConfig:
         "benchmarks/RESULTS.md). Set in the environment of the processes servelm starts; an "
         "OMP_WAIT_POLICY the user already exported wins. An in-process LLMEngine inherits whatever "
         "its python was started with.", choices=["passive", "active", "default"])
+    enable_deterministic_inference: bool = opt(
+        False, "Make a request's output independent of what it is batched with and of prefix-cache "
+        "hits: every token's forward pass runs alone (one token of one sequence per pass, so "
+        "every K/V entry and logit is computed with the same shapes whatever the batch, the "
+        "chunking or the cache), with fixed threads. Costs batching: prompts are computed token "
+        "by token like decode, and concurrent requests take turns (see README, Deterministic "
+        "inference). Not with speculative decoding or --enable-torch-compile.")
     torch_compile_max_bs: int = opt(
         32, "Largest decode batch (sequences) run through the compiled layers; one dynamic-shape "
         "graph covers 2..max-bs, batch 1 gets its own.")
@@ -743,6 +763,29 @@ class ServerConfig:
         60.0, "Seconds a request may take to send its body once its headers arrived; then the "
         "connection is closed. 60 s moves the largest body (--max-request-body-bytes, 32 MiB) at "
         "about 5 Mbit/s.")
+    response_role: str = opt(
+        "assistant", "Role of the generated message in chat completion responses (when the "
+        "request adds the generation prompt; otherwise the role of its last message).")
+    return_tokens_as_token_ids: bool = opt(
+        False, "Show tokens in OpenAI logprobs as 'token_id:ID' strings instead of their text, so "
+        "tokens that are not valid UTF-8 on their own can be identified.")
+    max_logprobs: int = opt(
+        20, "Most logprobs (alternatives per token) a request may ask for, for its output "
+        "(logprobs, top_logprobs, top_logprobs_num) or its prompt; more is a 400. At most 20, "
+        "the sampler's limit.")
+    stream_output: bool = opt(
+        False, "Streamed /generate chunks carry only what is new since the previous chunk (text, "
+        "output_ids, output logprobs: disjoint segments) instead of everything so far.")
+    preferred_sampling_params: str | None = opt(
+        None, "A JSON object of sampling settings recommended for this model, returned as "
+        "preferred_sampling_params by /get_model_info (it changes no request).")
+    return_all_prompt_logprobs: bool = opt(
+        False, "LightLLM's flag, with --use_tgi_api: every request's prompt logprobs are computed "
+        "and the /generate body adds prompt_token_ids and prompt_logprobs (None for the first "
+        "token), as details.prefill does for decoder_input_details.",
+        flags=("--return_all_prompt_logprobs",))
+    disable_fastapi_docs: bool = opt(
+        False, "Do not serve the OpenAPI schema and its docs pages (/openapi.json, /docs, /redoc).")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -763,6 +806,12 @@ class ServerConfig:
             raise ValueError(f"--max-connections must be positive, got {self.max_connections}")
         if self.http_header_timeout_s <= 0 or self.http_body_timeout_s <= 0:
             raise ValueError("--http-header-timeout-s and --http-body-timeout-s must be positive")
+        if not self.response_role.strip():
+            raise ValueError("--response-role must not be empty")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"--max-logprobs must be in [0, 20] (the sampler returns at most 20 "
+                             f"alternatives per token), got {self.max_logprobs}")
+        parse_json_object_flag("--preferred-sampling-params", self.preferred_sampling_params)
 
     @property
     def truncation_mode(self) -> str | None:
@@ -770,6 +819,37 @@ class ServerConfig:
         if self.long_truncation_mode != "none":
             return self.long_truncation_mode
         return "head" if self.allow_auto_truncate else None
+
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def token_buckets(flag: str, rule: list[str], default: tuple[float, ...]) -> list[float]:
+    """Histogram bounds from SGLang's bucket rule: ``default``; ``tse MIDDLE BASE COUNT``
+    (MIDDLE, and MIDDLE +- BASE^i for i in 1..ceil(COUNT/2), floored at 0); ``custom B1 B2 ..``.
+    ValueError naming ``flag`` for anything else."""
+    kind, args = (rule[0], rule[1:]) if rule else ("default", [])
+    try:
+        if kind == "default" and not args:
+            return sorted(set(default))
+        if kind == "tse" and len(args) == 3:
+            middle, base, count = float(args[0]), float(args[1]), int(args[2])
+            if base <= 1 or count < 1 or middle < 0:
+                raise ValueError("tse needs MIDDLE >= 0, BASE > 1 and COUNT >= 1")
+            bounds, distance = {middle}, 1.0
+            for _ in range(math.ceil(count / 2)):
+                distance *= base
+                bounds.update((middle + distance, max(0.0, middle - distance)))
+            return sorted(bounds)
+        if kind in ("custom", "customer") and args:
+            bounds_list = sorted({float(value) for value in args})
+            if bounds_list[0] < 0:
+                raise ValueError("custom bounds must be >= 0")
+            return bounds_list
+    except ValueError as error:
+        raise ValueError(f"{flag} {' '.join(rule)}: {error}") from None
+    raise ValueError(f"{flag} {' '.join(rule)}: expected default, tse MIDDLE BASE COUNT, or "
+                     "custom B1 B2 ...")
 
 
 def _bucket_check(flag: str, buckets: list[float] | None) -> None:
@@ -809,6 +889,74 @@ class ObservabilityConfig:
         None, "Folder for a JSON dump of the last five minutes of requests (prompt token ids, "
         "sampling parameters, how each ended), written when the engine process dies; unset: no "
         "record is kept.")
+    enable_trace: bool = opt(
+        False, "Send one OpenTelemetry span per request (its queue, prefill, decode and "
+        "detokenize phases as events, token counts and latencies as attributes) over OTLP/HTTP "
+        "to --otlp-traces-endpoint; a request's W3C traceparent header makes its span part of "
+        "the caller's trace. Needs the OpenTelemetry SDK: pip install 'servelm[tracing]'.")
+    otlp_traces_endpoint: str | None = opt(
+        None, "OTLP/HTTP (protobuf) collector receiving the traces: a URL "
+        "(http://collector:4318/v1/traces) or host:port (http:// and /v1/traces are added); "
+        "setting it turns tracing on. Unset with --enable-trace: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://localhost:4318/v1/traces. (OTLP over "
+        "gRPC, port 4317, is not spoken: point it at the collector's HTTP receiver.)")
+    collect_detailed_traces: str | None = opt(
+        None, "vLLM's model, worker or all (comma-separated; all mean the same here): each "
+        "request span also gets a child span per phase (queue, prefill, decode, detokenize). "
+        "Needs tracing (--enable-trace or --otlp-traces-endpoint).")
+    collect_tokens_histogram: bool = opt(
+        False, "With --enable-metrics: histograms of each request's prompt and generation "
+        "token counts (servelm:prompt_tokens_histogram, servelm:generation_tokens_histogram).")
+    prompt_tokens_buckets: list[str] | None = opt(
+        None, "Bucket rule of the prompt tokens histogram (SGLang's): default; tse MIDDLE BASE "
+        "COUNT (bounds MIDDLE +- BASE^i, two-sided exponential); or custom B1 B2 ...")
+    generation_tokens_buckets: list[str] | None = opt(
+        None, "Bucket rule of the generation tokens histogram, as --prompt-tokens-buckets.")
+    tokenizer_metrics_custom_labels_header: str = opt(
+        "x-custom-labels", "Request header carrying a JSON object of metric labels for the "
+        "request (the names --tokenizer-metrics-allowed-custom-labels allows).")
+    tokenizer_metrics_allowed_custom_labels: list[str] | None = opt(
+        None, "Label names a request may set through --tokenizer-metrics-custom-labels-header; "
+        "each becomes a label of the per-request metrics (empty when a request does not set it; "
+        "other names in the header are ignored).")
+    enable_request_time_stats_logging: bool = opt(
+        False, "Log each finished request's phase times: queue, prefill (to the first token), "
+        "decode, detokenize, time to first token and end to end (logger servelm.requests).")
+    metric_gateway: str | None = opt(
+        None, "Prometheus Pushgateway (host:port or URL) that the server pushes its metrics to "
+        "every --push-interval seconds (LightLLM's push), under --job-name and --grouping-key.",
+        flags=("--metric_gateway",))
+    job_name: str = opt("servelm", "Pushgateway job the metrics are pushed as.",
+                        flags=("--job_name",))
+    grouping_key: list[str] | None = opt(
+        None, "Pushgateway grouping key, KEY=VALUE pairs (e.g. instance=node1).",
+        flags=("--grouping_key",))
+    push_interval: float = opt(10.0, "Seconds between pushes to --metric-gateway.",
+                               flags=("--push_interval",))
+    enable_nan_detection: bool = opt(
+        False, "Check every step's logits for NaN: a request whose row has NaN is logged (a "
+        "warning naming it) and sampled with those entries at -1e5, so one bad row does not "
+        "poison the batch. Costs one pass over the step's logits.")
+    crash_on_nan: bool = opt(
+        False, "Treat NaN in the logits as fatal: every request ends with an error and the "
+        "engine process exits (the server with it, status 1). Implies the check of "
+        "--enable-nan-detection.")
+    gc_warning_threshold_secs: float = opt(
+        0.0, "Log a warning when one Python garbage collection takes longer than this (seconds), "
+        "in the server and the engine process; 0 turns it off.")
+    debug_tensor_dump_output_folder: str | None = opt(
+        None, "Folder where each forward pass writes its intermediate tensors (batch input ids "
+        "and positions, each decoder layer's and its attention's and MLP's output, the final "
+        "norm's, the logits) as rank<r>/pass<N>.pt, for comparing a model with a reference layer "
+        "by layer. Slow, and large: debugging only. Not with --pp-size > 1.")
+    show_time_cost: bool = opt(
+        False, "Log the time cost of the engine's marked phases: model load and warm-up at "
+        "start-up, and each stats line (--log-stats-interval) the mean and longest step time "
+        "since the previous line.")
+    enable_monitor_auth: bool = opt(
+        False, "Push with HTTP basic auth, the user and password read from the environment "
+        "(SERVELM_PUSHGATEWAY_USER, SERVELM_PUSHGATEWAY_PASSWORD).",
+        flags=("--enable_monitor_auth",))
 
     def __post_init__(self) -> None:
         _bucket_check("--bucket-time-to-first-token", self.bucket_time_to_first_token)
@@ -824,6 +972,62 @@ class ObservabilityConfig:
             raise ValueError(f"--decode-log-interval must be >= 0, got {self.decode_log_interval}")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
+        self._check_tracing()
+        self._check_token_metrics()
+        if self.gc_warning_threshold_secs < 0:
+            raise ValueError("--gc-warning-threshold-secs must be >= 0, got "
+                             f"{self.gc_warning_threshold_secs}")
+        if self.push_interval <= 0:
+            raise ValueError(f"--push-interval must be positive, got {self.push_interval}")
+        for pair in self.grouping_key or ():
+            key, sep, _ = pair.partition("=")
+            if not sep or not _LABEL_NAME.fullmatch(key):
+                raise ValueError(f"--grouping-key {pair!r}: expected KEY=VALUE with KEY a label "
+                                 "name ([a-zA-Z_][a-zA-Z0-9_]*)")
+
+    @property
+    def nan_check(self) -> str:
+        """What NaN in the logits does: off, warn (--enable-nan-detection) or crash."""
+        return "crash" if self.crash_on_nan else "warn" if self.enable_nan_detection else "off"
+
+    @property
+    def tracing(self) -> bool:
+        """Requests are traced (--enable-trace or --otlp-traces-endpoint)."""
+        return self.enable_trace or self.otlp_traces_endpoint is not None
+
+    @property
+    def grouping_key_dict(self) -> dict[str, str]:
+        return dict(pair.split("=", 1) for pair in self.grouping_key or ())
+
+    def _check_tracing(self) -> None:
+        if self.collect_detailed_traces is not None:
+            modules = {m.strip() for m in self.collect_detailed_traces.split(",")}
+            if not modules or not modules <= {"model", "worker", "all"}:
+                raise ValueError("--collect-detailed-traces takes model, worker or all (comma-"
+                                 f"separated), got {self.collect_detailed_traces!r}")
+            if not self.tracing:
+                raise ValueError("--collect-detailed-traces needs tracing on: give "
+                                 "--otlp-traces-endpoint (or --enable-trace)")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.strip():
+            raise ValueError("--otlp-traces-endpoint is empty")
+
+    def _check_token_metrics(self) -> None:
+        for flag, rule in (("--prompt-tokens-buckets", self.prompt_tokens_buckets),
+                           ("--generation-tokens-buckets", self.generation_tokens_buckets)):
+            if rule is not None:
+                token_buckets(flag, rule, (1.0,))  # raises ValueError naming the flag
+        header = self.tokenizer_metrics_custom_labels_header
+        if not header or any(c.isspace() or c == ":" for c in header):
+            raise ValueError(f"--tokenizer-metrics-custom-labels-header {header!r} is not a "
+                             "header name")
+        labels = self.tokenizer_metrics_allowed_custom_labels or []
+        for label in labels:
+            if not _LABEL_NAME.fullmatch(label) or label in ("model_name", "finish_reason", "le"):
+                raise ValueError(f"--tokenizer-metrics-allowed-custom-labels: {label!r} is not a "
+                                 "usable Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*, not "
+                                 "model_name, finish_reason or le)")
+        if len(set(labels)) != len(labels):
+            raise ValueError("--tokenizer-metrics-allowed-custom-labels names a label twice")
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -963,8 +1167,8 @@ TYPICAL_POSTERIOR_ALPHA = 0.3
 """vLLM's default delta of typical acceptance."""
 
 SPECULATIVE_NOT_BUILT = {
-    "NEXTN": "NEXTN uses a model's own multi-token-prediction layers (DeepSeek-V3 MTP), which no "
-             "architecture servelm loads has; it is not built yet",
+    "NEXTN": "NEXTN drafts with a model's own multi-token-prediction layers (DeepSeek-V3 MTP), "
+             "and no architecture servelm loads has them (DeepSeek-V3 is the open issue 33)",
 }
 """--speculative-algorithm values refused in this build, with the reason (NGRAM, STANDALONE,
 EAGLE and EAGLE3 are built)."""
@@ -1384,7 +1588,7 @@ class DisaggregationConfig:
         if backend in _BUILT_TRANSFER_BACKENDS:
             return
         raise ValueError(f"--disaggregation-transfer-backend {backend}: the package is installed but "
-                         "servelm's transfer over it is not built yet; use zmq (TCP) or shm")
+                         "servelm has no transfer over it; use zmq (TCP) or shm")
 
     @property
     def mode(self) -> str:
@@ -1553,6 +1757,18 @@ class EngineConfig:
         self._check_lora()
         self._check_hicache()
         self._check_disaggregation()
+        if self.runtime.enable_deterministic_inference:
+            if self.speculative.is_enabled:
+                raise ValueError("--enable-deterministic-inference runs one token per forward pass; "
+                                 "speculative decoding verifies its drafts in one pass, and what it "
+                                 "drafts depends on other passes: use one or the other")
+            if self.runtime.enable_torch_compile:
+                raise ValueError("--enable-deterministic-inference cannot be combined with "
+                                 "--enable-torch-compile (compiled kernels are chosen per batch shape)")
+        if (self.observability.debug_tensor_dump_output_folder is not None
+                and self.parallel.pipeline_parallel_size > 1):
+            raise ValueError("--debug-tensor-dump-output-folder dumps whole forward passes; a "
+                             "pipeline stage (--pipeline-parallel-size > 1) runs part of one")
 
     def _check_hicache(self) -> None:
         """The hierarchical cache extends the radix cache of the in-process runner."""
@@ -1580,8 +1796,8 @@ class EngineConfig:
                              "data parallelism of PD servers is the router's job (start several "
                              "prefill or decode servers and list them all to `servelm router`)")
         if parallel.pipeline_parallel_size > 1:
-            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --pp-size > 1 "
-                             "yet: a transfer reads and writes one stage's KV pool (use --tp-size)")
+            raise ValueError(f"--disaggregation-mode {mode} cannot be combined with --pp-size > 1: "
+                             "a transfer reads and writes one stage's KV pool (use --tp-size)")
         if parallel.tensor_parallel_size > 1 and (self.disaggregation.transfer_backend not in ("zmq", "shm")
                                                   or parallel.distributed_executor_backend != "mp"):
             raise ValueError(f"--disaggregation-mode {mode} with --tp-size > 1 moves K/V through "
@@ -1608,14 +1824,14 @@ class EngineConfig:
                              "the rank workers run their layers eagerly")
 
     def _check_lora(self) -> None:
-        """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with yet."""
+        """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with."""
         if not self.lora.is_enabled:
             return
         if self.model.is_embed_task:
             raise ValueError("--enable-lora serves generation; it cannot be combined with "
                              "--task embed")
         if self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora cannot be combined with --pp-size > 1 yet: adapters are "
+            raise ValueError("--enable-lora cannot be combined with --pp-size > 1: adapters are "
                              "installed on the tensor-parallel ranks only; use --tp-size or --dp-size")
         for source in self.lora.sources:
             if source.name in (*self.model.served_names, self.model.model):

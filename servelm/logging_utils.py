@@ -3,12 +3,19 @@
 Invariant: a warning or error line repeated more than ``burst`` times within ``window_s`` (same logger, level
 and format string) is dropped until the window ends, and the next one says how many were
 dropped, so a flood of bad clients cannot grow the log without bound.
+
+``watch_gc`` (--gc-warning-threshold-secs) logs each Python garbage collection slower than a bound:
+a full collection of a process holding millions of objects can stall it, and in the engine process
+that stalls every running request's next token. It hooks ``gc.callbacks`` (start and stop of each
+collection), once per process; 0 installs nothing.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from typing import Any
 
 _FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 
@@ -57,3 +64,39 @@ class RepeatFilter(logging.Filter):
             return True
         entry[2] += 1
         return False
+
+
+_gc_logger = logging.getLogger("servelm.gc")
+
+_installed: list[Any] = []
+
+
+def watch_gc(threshold_s: float, process: str) -> Any:
+    """Log collections longer than ``threshold_s`` in this process (named ``process`` in the
+    line); returns the callback (None when ``threshold_s`` is 0). Replaces an earlier watcher."""
+    unwatch_gc()
+    if threshold_s <= 0:
+        return None
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            elapsed_s = time.perf_counter() - started.pop()
+            if elapsed_s > threshold_s:
+                _gc_logger.warning("%s: a garbage collection of generation %s took %.3f s "
+                                   "(--gc-warning-threshold-secs %g; %s objects collected)", process,
+                                   info.get("generation"), elapsed_s, threshold_s, info.get("collected"))
+
+    gc.callbacks.append(callback)
+    _installed.append(callback)
+    return callback
+
+
+def unwatch_gc() -> None:
+    """Remove the watcher ``watch_gc`` installed, if any."""
+    while _installed:
+        callback = _installed.pop()
+        if callback in gc.callbacks:
+            gc.callbacks.remove(callback)

@@ -28,7 +28,7 @@ from servelm.distributed.errors import RankFailedError
 from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
-from servelm.engine.executor import Executor, Runner
+from servelm.engine.executor import Executor, NaNLogitsError, Runner
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers
 from servelm.engine.hicache import HiCacheStage, build_hicache
@@ -107,7 +107,9 @@ class LLMEngine:
         """Structured output: grammars compile on worker threads (started here, after everything
         that may refuse to start); jump-forward after updates."""
         self.executor = Executor(runner, grammars=self.grammars,
-                                 verification=self.speculation.verification)
+                                 verification=self.speculation.verification,
+                                 nan_check=config.observability.nan_check,
+                                 deterministic=config.runtime.enable_deterministic_inference)
         self.shared_prompts = SharedPrompts(self.scheduler)
         """n copies of one prompt compute it (and its prompt logprobs) once, then fork."""
         self.stages: list[Stage] = [
@@ -474,6 +476,7 @@ class LLMEngine:
         for before_schedule in self._hooks["before_schedule"]:
             outputs += before_schedule(self)
         scheduled = self.scheduler.schedule()
+        _mark_scheduled(scheduled)
         results = self._execute(scheduled)
         if scheduled.is_empty:
             self._wait_while_idle()
@@ -484,7 +487,7 @@ class LLMEngine:
             return []
         try:
             return self.executor.execute(scheduled)
-        except RankFailedError as error:  # no step can run again: end every request, then exit
+        except (RankFailedError, NaNLogitsError) as error:  # no step can run again: end every request, then exit
             logger.error("%s; ending all %d requests", error, len(self.scheduler.requests))
             self.fatal_error = error
             for request in list(self.scheduler.requests.values()):
@@ -528,7 +531,11 @@ class LLMEngine:
             if not request.is_finished:
                 for hook in on_new_tokens:
                     hook(request)
+            if request.first_token_wall_s is None and request.output_token_ids:
+                request.first_token_wall_s = time.time()
+            detokenize_start_s = time.perf_counter()
             self._detokenize(request)
+            request.detokenize_s += time.perf_counter() - detokenize_start_s
             num_new = len(request.output_token_ids) - request.num_sent_tokens
             if not request.is_finished and num_new < interval:
                 continue
@@ -564,7 +571,9 @@ class LLMEngine:
         detokenizer = self._detokenizers.get(request.request_id)
         text = ""
         if detokenizer is not None:
+            detokenize_start_s = time.perf_counter()
             text = detokenizer.take_new_text(request.is_finished)
+            request.detokenize_s += time.perf_counter() - detokenize_start_s
         request.num_sent_tokens = len(request.output_token_ids)
         logprobs = None
         if request.params.logprobs is not None:
@@ -590,6 +599,7 @@ class LLMEngine:
             error=request.error,
             error_status=request.error_status,
             embedding=request.embedding,
+            timings=_timings(request) if request.is_finished else None,
         )
 
     def flush_cache(self) -> dict[str, Any]:
@@ -634,3 +644,23 @@ class LLMEngine:
             "routes": self.model_info.get("routes"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }
+
+
+def _mark_scheduled(scheduled: SchedulerOutput) -> None:
+    """The wall-clock time a request is first computed (the end of its queueing)."""
+    now = None
+    for item in scheduled.scheduled:
+        if item.request.scheduled_wall_s is None:
+            now = now or time.time()
+            item.request.scheduled_wall_s = now
+
+
+def _timings(request: Request) -> dict[str, float]:
+    """A finished request's phase times (RequestOutput.timings)."""
+    if request.finished_wall_s is None:
+        request.finished_wall_s = time.time()
+    phases = {"arrival": request.arrival_wall_s, "scheduled": request.scheduled_wall_s,
+              "first_token": request.first_token_wall_s, "finished": request.finished_wall_s}
+    timings = {name: value for name, value in phases.items() if value is not None}
+    timings["detokenize_s"] = request.detokenize_s
+    return timings

@@ -40,12 +40,13 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     from servelm.engine.heap import IdleTrim
     from servelm.engine.monitor import StatsLogger, Watchdog
     from servelm.engine.warmup import warm_up_for_serving
-    from servelm.logging_utils import configure_logging
+    from servelm.logging_utils import configure_logging, watch_gc
 
     # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.server.log_level)
+    watch_gc(config.observability.gc_warning_threshold_secs, "engine process")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
@@ -54,8 +55,13 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     outputs.connect(output_address)
     parent_pid = os.getppid()  # after die_with_parent: still the front end
     try:
+        start_s = time.monotonic()
         engine = LLMEngine(config)
+        loaded_s = time.monotonic()
         warm_up_for_serving(engine)
+        if config.observability.show_time_cost:
+            logger.info("time cost: model load and KV pool %.2f s, warm-up %.2f s",
+                        loaded_s - start_s, time.monotonic() - loaded_s)
     except ValueError as error:  # a configuration the user can fix: the message says how
         logger.error("engine failed to start: %s", error)
         outputs.send_pyobj(EngineFailed(str(error)))
@@ -94,7 +100,9 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         if is_busy or engine.disaggregation is not None:  # transfers expire even when idle
             if watchdog is not None:
                 watchdog.step_started()
+            step_start_s = time.perf_counter()
             step_outputs = engine.step()
+            stats.record_step(time.perf_counter() - step_start_s)
             if watchdog is not None:
                 watchdog.step_finished()
             if step_outputs:

@@ -8,6 +8,7 @@ step holds only those, or none) runs ``runner.pool`` instead: one vector per req
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
@@ -15,11 +16,23 @@ import torch
 from servelm.constrained.grammar import GrammarBackend
 from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput, StepResult
-from servelm.model.forward_batch import BatchPlan
+from servelm.model.forward_batch import BatchPlan, SequencePlan
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs, needs_only_argmax
 from servelm.engine.verification import Verification
 from servelm.spec.tree import path_tokens
+
+logger = logging.getLogger(__name__)
+
+NAN_FILL = -1e5
+"""What --enable-nan-detection puts in place of a NaN logit (SGLang's value): far below any real
+logit, so the token is effectively never sampled, yet finite so a whole-NaN row stays a valid
+(uniform) distribution."""
+
+
+class NaNLogitsError(RuntimeError):
+    """--crash-on-nan: the step's logits hold NaN. Fatal like a failed rank: the engine ends
+    every request with this message and its process exits."""
 
 
 class GrammarBackendSource(Protocol):
@@ -100,13 +113,43 @@ def argmax_rows(output: SchedulerOutput) -> list[int]:
     return rows
 
 
+def token_passes(plan: BatchPlan) -> list[BatchPlan]:
+    """``plan`` as one forward pass per token, in plan order (--enable-deterministic-inference).
+
+    Token i of a sequence is computed alone at its position, attending to the K/V the earlier
+    passes wrote, so the same token at the same position over the same context is the same
+    computation whether it came in a long prefill chunk, after a prefix-cache hit, or beside other
+    requests. Its pass has a logits row exactly when the plan gives the token one, so the passes'
+    rows, concatenated, are the plan's rows. The block and slot copies go with the first pass."""
+    passes: list[BatchPlan] = []
+    argmax = set(plan.argmax_rows)
+    row = 0
+    for sequence in plan.sequences:
+        assert sequence.tree is None, "a draft tree is verified in one pass"
+        first_logit = len(sequence.token_ids) - sequence.num_logits
+        for index, token_id in enumerate(sequence.token_ids):
+            has_logits = index >= first_logit
+            single = SequencePlan([token_id], sequence.start_position + index, sequence.block_ids,
+                                  num_logits=int(has_logits), lora_slot=sequence.lora_slot)
+            passes.append(BatchPlan([single], argmax_rows=[0] if has_logits and row in argmax else []))
+            row += int(has_logits)
+    if passes:
+        passes[0].block_copies, passes[0].slot_copies = plan.block_copies, plan.slot_copies
+    return passes
+
+
 class Executor:
     """Forward pass plus sampling for one step."""
 
     def __init__(self, runner: Runner, sampler: Sampler | None = None,
                  grammars: GrammarBackendSource | None = None,
-                 verification: Verification | None = None) -> None:
+                 verification: Verification | None = None, nan_check: str = "off",
+                 deterministic: bool = False) -> None:
         self.runner = runner
+        self.deterministic = deterministic
+        """--enable-deterministic-inference: one token of one sequence per forward pass."""
+        self.nan_check = nan_check
+        """off, warn (--enable-nan-detection) or crash (--crash-on-nan)."""
         self.sampler = sampler or Sampler()
         self.grammars = grammars
         """Gives the backend that applies structured-output bitmasks (it is created on a compile
@@ -118,7 +161,9 @@ class Executor:
         if output.plan.num_pooled:
             return self._pool(output)
         output.plan.argmax_rows = argmax_rows(output)
-        logits = self.runner.execute(output.plan)
+        logits = self._forward(output.plan)
+        if self.nan_check != "off":
+            logits = self._check_nan(logits, output)
         results = [StepResult() for _ in output.scheduled]
         sample_rows: list[int] = []
         sample_targets: list[tuple[int, SamplingRow]] = []
@@ -173,6 +218,36 @@ class Executor:
                                              sample_logits, rows)
                     position += len(scheduled.draft_token_ids) + 1
         return results
+
+    def _forward(self, plan: BatchPlan) -> torch.Tensor:
+        """The plan's logits; in deterministic mode from one pass per token (``token_passes``)."""
+        if not self.deterministic or not plan.sequences or (
+                len(plan.sequences) == 1 and len(plan.sequences[0].token_ids) == 1):
+            return self.runner.execute(plan)
+        return torch.cat([self.runner.execute(single) for single in token_passes(plan)], dim=0)
+
+    def _check_nan(self, logits: torch.Tensor, output: SchedulerOutput) -> torch.Tensor:
+        """NaN rows: logged with their requests and filled (warn), or NaNLogitsError (crash).
+        A row's sum is NaN when the row holds one (or both infinities): one read of the logits
+        and no mask in the usual case; the exact per-entry check runs only then."""
+        if logits.numel() == 0 or not bool(torch.isnan(logits.sum(dim=-1)).any()):
+            return logits
+        is_nan = torch.isnan(logits)
+        bad_rows = is_nan.any(dim=-1)
+        if not bool(bad_rows.any()):
+            return logits
+        rows = set(bad_rows.nonzero().flatten().tolist())
+        owners, row = [], 0
+        for scheduled in output.scheduled:
+            if rows.intersection(range(row, row + scheduled.num_logits)):
+                owners.append(scheduled.request.request_id)
+            row += scheduled.num_logits
+        message = f"NaN in the logits of {len(rows)} row(s) this step, of requests {owners}"
+        if self.nan_check == "crash":
+            raise NaNLogitsError(f"{message} (--crash-on-nan)")
+        logger.warning("%s; sampling with those logits at %g (--enable-nan-detection)",
+                       message, NAN_FILL)
+        return logits.masked_fill(is_nan, NAN_FILL)
 
     def _pool(self, output: SchedulerOutput) -> list[StepResult]:
         """Embeddings: every request of the step is pooled; row i is request i's vector."""

@@ -63,6 +63,13 @@ class StatsLogger:
         self.last_s = time.monotonic()
         self.last_tokens = 0
         self.last_steps = 0
+        self.show_time_cost = config.show_time_cost
+        self.step_times_s: list[float] = []
+        """--show-time-cost: durations of the steps since the last line."""
+
+    def record_step(self, seconds: float) -> None:
+        if self.show_time_cost:
+            self.step_times_s.append(seconds)
 
     def maybe_log(self) -> None:
         if self.interval_s <= 0 and self.interval_steps <= 0:
@@ -77,6 +84,7 @@ class StatsLogger:
         if tokens != self.last_tokens or self.engine.has_unfinished():
             logger.info(self.line(tokens - self.last_tokens, now - self.last_s))
         self.last_s, self.last_tokens, self.last_steps = now, tokens, steps
+        self.step_times_s = []
 
     def line(self, num_tokens: int, elapsed_s: float) -> str:
         stats = self.engine.stats()
@@ -89,7 +97,11 @@ class StatsLogger:
                    if "spec_accept_length" in stats else "")
                 + (f" hicache_host_hit_tokens={stats['hicache_host_hit_tokens']} "
                    f"hicache_storage_hit_tokens={stats.get('hicache_storage_hit_tokens', 0)}"
-                   if "hicache_host_hit_tokens" in stats else ""))
+                   if "hicache_host_hit_tokens" in stats else "")
+                + (f" steps={len(self.step_times_s)} step_time_mean="
+                   f"{1000 * sum(self.step_times_s) / len(self.step_times_s):.1f}ms "
+                   f"step_time_max={1000 * max(self.step_times_s):.1f}ms"
+                   if self.show_time_cost and self.step_times_s else ""))
 
 
 def _die_loudly(elapsed_s: float, timeout_s: float) -> None:

@@ -50,6 +50,11 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     """A prefill server's vLLM-flow request, on its finished output: what the decode call needs
     (the front end adds the host and port)."""
+    timings: dict[str, float] | None = None
+    """On a generation request's finished output: the wall-clock times (seconds since the epoch)
+    of its phases in the engine, ``arrival``, ``scheduled`` (first step that computed it),
+    ``first_token`` and ``finished`` (a phase not reached is left out), and ``detokenize_s``, the
+    time spent detokenizing it. Traces and the request time stats log read them."""
 
     @property
     def is_finished(self) -> bool:

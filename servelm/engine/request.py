@@ -79,6 +79,14 @@ class Request:
     """HTTP status of ``error``: None is a server error (500); 400 when the request itself
     cannot be served (its grammar allows no further token, say)."""
     arrival_time_s: float = field(default_factory=time.monotonic)
+    arrival_wall_s: float = field(default_factory=time.time)
+    """Wall-clock times of the request's phases (seconds since the epoch, so the server process
+    on the same host can place them in a trace): arrival here, first scheduled, first output
+    token, finish; None until reached. ``detokenize_s`` sums the time spent detokenizing it."""
+    scheduled_wall_s: float | None = None
+    first_token_wall_s: float | None = None
+    finished_wall_s: float | None = None
+    detokenize_s: float = 0.0
     num_preemptions: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Logprobs of tokens sampled since the last output was sent."""

@@ -216,7 +216,7 @@ class Scheduler:
             running_per_group[running.group] = running_per_group.get(running.group, 0) + 1
         adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         for request in order_waiting(self.waiting, self.config, self.kv.prefix_cache, self._rng):
-            if budget <= 0:
+            if budget <= 0 or (admitted and self.config.prefill_only_one_req):
                 break
             if (self.max_adapters is not None and request.adapter_id is not None
                     and request.adapter_id not in adapters and len(adapters) >= self.max_adapters):
@@ -327,6 +327,9 @@ class Scheduler:
     def _final_blocks(self, request: Request) -> int:
         """Blocks the request holds when it reaches max_tokens (or the context)."""
         max_tokens = request.params.max_tokens
+        assumed = self.config.router_max_new_token_len  # LightLLM's estimate of the output
+        if assumed is not None:
+            max_tokens = assumed if max_tokens is None else min(max_tokens, assumed)
         final_tokens = request.max_context_tokens if max_tokens is None else min(
             request.max_context_tokens, request.num_prompt_tokens + max_tokens)
         return self.kv.blocks_for(final_tokens)

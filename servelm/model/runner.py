@@ -54,6 +54,7 @@ from servelm.model.pipeline import PipelineStage
 from servelm.model.pooling import (PoolerConfig, architecture_label, pool, resolve_pooler_config,
                                     resolve_task)
 from servelm.model.onednn import configure_onednn_cache
+from servelm.model.tensor_dump import TensorDumper
 from servelm.model.threads import ThreadGovernor, configure_engine_threads, log_openmp_wait_policy
 from servelm.multimodal.encoder_cache import EncoderCache
 
@@ -130,6 +131,7 @@ class ModelRunner:
             threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
             if (not config.runtime.disable_adaptive_threads and threads > 1
+                    and not config.runtime.enable_deterministic_inference  # fixed reduction splits
                     and ThreadGovernor.supported()):
                 self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
@@ -223,6 +225,11 @@ class ModelRunner:
         """This rank's part of a pipeline step (used at pp > 1 only)."""
         self.encoder_cache = EncoderCache(capacity_items=config.multimodal.encoder_cache_capacity)
         """A vision-language model's encoded images by digest (servelm.multimodal.encoder_cache)."""
+        self.tensor_dumper: TensorDumper | None = None
+        """--debug-tensor-dump-output-folder: writes every forward pass's tensors."""
+        if config.observability.debug_tensor_dump_output_folder is not None:
+            self.tensor_dumper = TensorDumper(config.observability.debug_tensor_dump_output_folder,
+                                              self.model, self.parallel.tp_rank)
         self.num_blocks = 0
         """Blocks in the KV pool; 0 until ``init_kv_cache``."""
         self.kv_cache: KVCache | None = None
@@ -388,15 +395,20 @@ class ModelRunner:
                                    bidirectional_images=self.bidirectional_images)
         if batch.image_rows:
             self._attach_images(batch)
+        if self.tensor_dumper is not None:
+            self.tensor_dumper.begin(batch)
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
         # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
         hidden = self.model(batch)
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:
-            return screened
-        logits = self.model.compute_logits(rows, batch.head_rows)
-        return logits.float()
+            logits = screened
+        else:
+            logits = self.model.compute_logits(rows, batch.head_rows).float()
+        if self.tensor_dumper is not None:
+            self.tensor_dumper.end(logits)
+        return logits
 
     @property
     def takes_images(self) -> bool:

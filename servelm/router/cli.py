@@ -182,8 +182,8 @@ def serve_run_mode(argv: Sequence[str]) -> None:
     mode = run_mode_of(argv)
     if mode == "config_server":
         _fail("servelm serve --run_mode config_server",
-              "not built: LightLLM's config_server coordinates several pd_master processes; "
-              "run one `--run_mode pd_master` (it holds the registry itself)")
+              "not supported: LightLLM's config_server coordinates several pd_master processes; "
+              "servelm runs one `--run_mode pd_master`, which holds the registry itself")
     args = list(argv)
     is_dry_run = "--dry-run" in args
     config = pd_master_config([a for a in args if a != "--dry-run"])

@@ -14,6 +14,7 @@ import dataclasses
 import hmac
 import importlib
 import importlib.metadata
+import json
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
 from servelm.engine.frontdoor import EngineClient
+from servelm.logging_utils import watch_gc
 from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
 from servelm.server.disagg import register_when_serving
@@ -39,6 +41,8 @@ from servelm.multimodal.front_door import ImageProcessor
 from servelm.server.observe import ObservedEngine, ServerMetrics
 from servelm.server.openai_serving import create_chat_completion, create_completion
 from servelm.server.playground import PUBLIC_PATHS, install_playground
+from servelm.server.push import MetricsPusher
+from servelm.server.tracing import TRACE_HEADERS, RequestHeadersMiddleware, RequestTracer
 from servelm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, EncodeRequest, GenerateRequest,
                                      TokenizeRequest)
@@ -127,7 +131,7 @@ def _add_routes(app: FastAPI) -> None:
             return error_response(503, "the engine cannot generate")
         return Response(status_code=200)
 
-    if app.state.metrics is not None:
+    if app.state.metrics is not None and app.state.serve_metrics:
         @app.get("/metrics")
         async def metrics() -> Response:
             serving, collectors = app.state.serving, app.state.metrics
@@ -185,6 +189,8 @@ def _add_routes(app: FastAPI) -> None:
             info["lora_adapters"] = serving.engine.lora_adapters
         info["served_model_name"] = serving.served_model_name
         info["tokenizer_path"] = serving.config.model.tokenizer or serving.config.model.model
+        preferred = serving.config.server.preferred_sampling_params
+        info["preferred_sampling_params"] = json.loads(preferred) if preferred else None
         return info
 
     @app.get("/get_server_info")
@@ -251,10 +257,19 @@ def _add_routes(app: FastAPI) -> None:
 
 
 def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
-    app = FastAPI(title="servelm", version=server_version(), lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if config.server.disable_fastapi_docs:
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="servelm", version=server_version(), lifespan=lifespan, **docs)
     app.state.serving = None
     app.state.created = int(time.time())
-    app.state.metrics = ServerMetrics(config) if config.observability.enable_metrics else None
+    observability = config.observability
+    app.state.serve_metrics = observability.enable_metrics
+    app.state.metrics = ServerMetrics(config) \
+        if observability.enable_metrics or observability.metric_gateway else None
+    app.state.pusher = MetricsPusher(config, app.state.metrics) \
+        if observability.metric_gateway else None
+    app.state.tracer = RequestTracer(config) if observability.tracing else None
     app.state.use_tgi_api = config.server.use_tgi_api
     install_error_handlers(app)
     _add_routes(app)
@@ -266,14 +281,19 @@ def _create_app(config: EngineConfig, lifespan: Any = None) -> FastAPI:
     if config.server.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.server.api_key, exempt_paths=exempt_paths)
     install_middleware(app, config.server)
+    observed_headers = TRACE_HEADERS if observability.tracing else ()
+    if observability.tokenizer_metrics_allowed_custom_labels:
+        observed_headers += (observability.tokenizer_metrics_custom_labels_header,)
+    if observed_headers:
+        app.add_middleware(RequestHeadersMiddleware, names=observed_headers)
     return app
 
 
 def _serving_context(app: FastAPI, engine: EngineClient, config: EngineConfig,
                      image_processor: ImageProcessor | None | Literal["load"] = "load"
                      ) -> ServingContext:
-    return ServingContext(ObservedEngine(engine, config, app.state.metrics), config,
-                          image_processor)
+    return ServingContext(ObservedEngine(engine, config, app.state.metrics, app.state.tracer),
+                          config, image_processor)
 
 
 def build_app(engine: EngineClient, config: EngineConfig,
@@ -300,6 +320,7 @@ def run_server(config: EngineConfig) -> None:
 
     server_config = config.server
     engine_death: list[str] = []
+    watch_gc(config.observability.gc_warning_threshold_secs, "server process")
 
     async def exit_when_engine_dies(engine: AsyncEngine, server: uvicorn.Server) -> None:
         reason = await engine.wait_dead()
@@ -313,6 +334,8 @@ def run_server(config: EngineConfig) -> None:
         engine = await AsyncEngine.start(config)
         watcher = asyncio.create_task(exit_when_engine_dies(engine, server))
         registration = asyncio.create_task(register_when_serving(config, server, engine_death))
+        pusher: MetricsPusher | None = app.state.pusher
+        pushing = None if pusher is None else asyncio.create_task(pusher.run(lambda: engine))
         try:
             app.state.serving = _serving_context(app, engine, config)
             scheme = "https" if server_config.ssl_certfile else "http"
@@ -323,13 +346,21 @@ def run_server(config: EngineConfig) -> None:
         finally:
             watcher.cancel()
             registration.cancel()
+            if pushing is not None and pusher is not None:
+                pushing.cancel()
+                await pusher.try_push(engine)  # the final counts
+            if app.state.tracer is not None:
+                app.state.tracer.shutdown()  # exports the spans still batched
             serving = app.state.serving
             app.state.serving = None
             if serving is not None:
                 serving.close()
             await engine.shutdown()
 
-    app = _create_app(config, lifespan)
+    try:
+        app = _create_app(config, lifespan)
+    except ValueError as error:  # e.g. --enable_monitor_auth without its credentials
+        raise SystemExit(f"servelm: {error}") from None
     http_level = config.observability.log_level_http or server_config.log_level
     http_protocol = guarded_protocol(connection_limit(server_config.max_connections),
                                      server_config.http_header_timeout_s,

@@ -1,9 +1,10 @@
 """SGLang's native /generate and vLLM's /tokenize, /detokenize and /tokenizer_info.
 
 /generate answers ``{"text", "output_ids", "meta_info"}`` per prompt (a list for a batch or n > 1);
-streamed chunks carry the cumulative text and ids so far (SGLang's default), plus ``index`` when
-there are several outputs. ``image_data`` gives the prompts' images (the text carries the model's
-image marker for each); ``meta_info.prompt_tokens`` counts their placeholder tokens.
+streamed chunks carry the cumulative text and ids so far (SGLang's default; with --stream-output
+only what is new since the previous chunk), plus ``index`` when there are several outputs.
+``image_data`` gives the prompts' images (the text carries the model's image marker for each);
+``meta_info.prompt_tokens`` counts their placeholder tokens.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class _NativeOutput:
         self.input_top: list[list[list[Any]]] = []
         self.cached_tokens = 0
         self.finish_reason: dict[str, Any] | None = None
+        self.num_sent = (0, 0, 0)
+        """--stream-output: (text characters, output ids, output logprobs) already streamed."""
 
     def _triple(self, logprob: float | None, token_id: int) -> list[Any]:
         text = self.ctx.token_text(token_id) if self.request.return_text_in_logprobs else None
@@ -78,6 +81,18 @@ class _NativeOutput:
             self.finish_reason = {"type": "length", "length": len(self.output_ids)}
         elif output.finish_reason is not None:
             self.finish_reason = {"type": output.finish_reason, "message": output.error}
+
+    def segment(self, index: int | None) -> dict[str, Any]:
+        """--stream-output: the chunk of what is new since the previous one (disjoint segments)."""
+        text, ids, logprobs = self.num_sent
+        body = self.body(index)
+        body["text"], body["output_ids"] = self.text[text:], self.output_ids[ids:]
+        meta = body["meta_info"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            if key in meta:
+                meta[key] = meta[key][logprobs:]
+        self.num_sent = (len(self.text), len(self.output_ids), len(self.output_logprobs))
+        return body
 
     def body(self, index: int | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -223,7 +238,7 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
 
     if request.stream:
         opened = await open_stream(ctx, submissions, raw)
-        return StreamingResponse(_stream(opened, outputs, is_list),
+        return StreamingResponse(_stream(opened, outputs, is_list, ctx.config.server.stream_output),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         async with aclosing(stream_outputs(ctx.engine, submissions, raw)) as stream:
@@ -237,15 +252,17 @@ async def generate(ctx: ServingContext, request: GenerateRequest, raw: Request) 
     return JSONResponse(bodies if is_list else bodies[0])
 
 
-async def _stream(opened: Any, outputs: list[_NativeOutput],
-                  is_list: bool):  # type: ignore[no-untyped-def]
+async def _stream(opened: Any, outputs: list[_NativeOutput], is_list: bool,
+                  disjoint: bool):  # type: ignore[no-untyped-def]
     try:
         async with aclosing(opened) as stream:
             async for index, output in stream:
                 if output.finish_reason == "error":
                     raise EngineRequestError.from_output(output)
                 outputs[index].add(output)
-                yield sse(outputs[index].body(index if is_list else None))
+                position = index if is_list else None
+                yield sse(outputs[index].segment(position) if disjoint
+                          else outputs[index].body(position))
     except ClientDisconnected:
         return
     except Exception as error:

@@ -12,20 +12,27 @@ Invariants:
 - Gauges (running, waiting, KV use, prefix-cache hit rate, speculative accept length and
   acceptance rate) are read from the engine at scrape time.
 - Health probes (``health_generate``) bypass the wrapper and are never counted.
+- Per-request metrics carry the labels --tokenizer-metrics-allowed-custom-labels names, valued
+  from the request's --tokenizer-metrics-custom-labels-header JSON object ("" when not given, or
+  longer than MAX_LABEL_VALUE_CHARS, or a new combination past MAX_LABEL_SETS); engine gauges
+  carry only the model name.
+- With tracing on, every observed request ends exactly one span (servelm.server.tracing).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from servelm.config import EngineConfig
+from servelm.config import EngineConfig, token_buckets
 from servelm.disagg.spec import KVTransfer
 from servelm.engine.frontdoor import EngineClient, ModelInfo
 from servelm.engine.monitor import cache_hit_rate
 from servelm.engine.outputs import RequestOutput
+from servelm.errors import InvalidRequestError
 from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
@@ -36,7 +43,13 @@ DEFAULT_TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0
 DEFAULT_ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                          1.0, 2.5, 5.0)
 DEFAULT_E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+DEFAULT_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(0, 6) for m in (1, 2, 5)) + (1e6,)
+"""Prompt and generation token histogram bounds: 1, 2, 5, 10, ... 500000, 1000000."""
 _DEFAULT_MAX_LOG_LEN = 2048
+MAX_LABEL_SETS = 1000
+"""Most distinct combinations of custom label values: later new ones count under "" (clients
+choose the values, and each combination is a set of series held for the server's lifetime)."""
+MAX_LABEL_VALUE_CHARS = 128
 
 
 class ServerMetrics:
@@ -49,9 +62,14 @@ class ServerMetrics:
         self.model_name = config.model.name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        self.custom_labels = tuple(observability.tokenizer_metrics_allowed_custom_labels or ())
+        self.custom_labels_header = observability.tokenizer_metrics_custom_labels_header.lower()
+        request_labels = labels + list(self.custom_labels)
+        self._label_sets: set[tuple[str, ...]] = set()
+        """Custom label values seen so far (at most MAX_LABEL_SETS)."""
 
         def histogram(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, labels, buckets=tuple(buckets), registry=self.registry)
+            return Histogram(name, doc, request_labels, buckets=tuple(buckets), registry=self.registry)
 
         self.ttft = histogram("servelm:time_to_first_token_seconds", "Time to first token.",
                               observability.bucket_time_to_first_token or DEFAULT_TTFT_BUCKETS_S)
@@ -59,12 +77,22 @@ class ServerMetrics:
                              observability.bucket_inter_token_latency or DEFAULT_ITL_BUCKETS_S)
         self.e2e = histogram("servelm:e2e_request_latency_seconds", "Whole-request latency.",
                              observability.bucket_e2e_request_latency or DEFAULT_E2E_BUCKETS_S)
-        self.prompt_tokens = Counter("servelm:prompt_tokens", "Prompt tokens processed.", labels,
-                                     registry=self.registry)
+        self.prompt_tokens = Counter("servelm:prompt_tokens", "Prompt tokens processed.",
+                                     request_labels, registry=self.registry)
         self.generation_tokens = Counter("servelm:generation_tokens", "Output tokens generated.",
-                                         labels, registry=self.registry)
+                                         request_labels, registry=self.registry)
         self.requests = Counter("servelm:request_finished", "Finished requests by finish reason.",
-                                labels + ["finish_reason"], registry=self.registry)
+                                request_labels + ["finish_reason"], registry=self.registry)
+        self.prompt_tokens_histogram = self.generation_tokens_histogram = None
+        if observability.collect_tokens_histogram:
+            self.prompt_tokens_histogram = histogram(
+                "servelm:prompt_tokens_histogram", "Prompt tokens per request.",
+                token_buckets("--prompt-tokens-buckets", observability.prompt_tokens_buckets or [],
+                              DEFAULT_TOKEN_BUCKETS))
+            self.generation_tokens_histogram = histogram(
+                "servelm:generation_tokens_histogram", "Output tokens per request.",
+                token_buckets("--generation-tokens-buckets",
+                              observability.generation_tokens_buckets or [], DEFAULT_TOKEN_BUCKETS))
         self.running = Gauge("servelm:num_requests_running", "Requests in the running batch.",
                              labels, registry=self.registry)
         self.waiting = Gauge("servelm:num_requests_waiting", "Requests queued for admission.",
@@ -104,12 +132,39 @@ class ServerMetrics:
             self.model_name, str(parallel.tensor_parallel_size), str(parallel.nnodes),
             str(parallel.ranks_per_node), parallel.distributed_executor_backend).set(1)
 
+    def request_labels(self, headers: dict[str, str]) -> tuple[str, ...]:
+        """Label values of a request: the model name, then each allowed custom label's value in
+        the request's labels header (a JSON object; "" for a label it does not set, and for all
+        of them when the header is not a JSON object of strings)."""
+        if not self.custom_labels:
+            return (self.model_name,)
+        given: dict[str, Any] = {}
+        text = headers.get(self.custom_labels_header)
+        if text:
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                given = parsed
+        values = tuple(value if isinstance(value, str) and len(value) <= MAX_LABEL_VALUE_CHARS
+                       else "" for value in (given.get(label) for label in self.custom_labels))
+        if values not in self._label_sets:
+            if len(self._label_sets) >= MAX_LABEL_SETS:  # clients pick the values: bound the series
+                values = ("",) * len(self.custom_labels)
+            else:
+                self._label_sets.add(values)
+        return (self.model_name, *values)
+
     def observe_finish(self, record: RequestRecord) -> None:
-        name = self.model_name
-        self.e2e.labels(name).observe(record.elapsed_s())
-        self.prompt_tokens.labels(name).inc(record.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(record.num_output_tokens)
-        self.requests.labels(name, record.finish_reason or "abort").inc()
+        labels = record.labels or (self.model_name,) + ("",) * len(self.custom_labels)
+        self.e2e.labels(*labels).observe(record.elapsed_s())
+        self.prompt_tokens.labels(*labels).inc(record.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(record.num_output_tokens)
+        self.requests.labels(*labels, record.finish_reason or "abort").inc()
+        if self.prompt_tokens_histogram is not None and self.generation_tokens_histogram is not None:
+            self.prompt_tokens_histogram.labels(*labels).observe(record.num_prompt_tokens)
+            self.generation_tokens_histogram.labels(*labels).observe(record.num_output_tokens)
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         name = self.model_name
@@ -157,7 +212,8 @@ class RequestRecord:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "start_s", "last_token_s",
                  "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "text",
-                 "token_ids", "lora_name")
+                 "token_ids", "lora_name", "labels", "start_wall_s", "first_token_wall_s",
+                 "timings", "span")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams | None) -> None:
@@ -174,6 +230,14 @@ class RequestRecord:
         self.token_ids: list[int] = []
         self.lora_name: str | None = None
         """The LoRA adapter the request ran with (None: the base model)."""
+        self.labels: tuple[str, ...] = ()
+        """Metric label values (ServerMetrics.request_labels); empty: the model name only."""
+        self.start_wall_s = time.time()
+        self.first_token_wall_s: float | None = None
+        self.timings: dict[str, float] | None = None
+        """The engine's phase times (RequestOutput.timings), from the finished output."""
+        self.span: Any = None
+        """The request's trace span while tracing."""
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.start_s
@@ -186,10 +250,13 @@ class ObservedEngine:
     Everything else is passed through to the wrapped engine.
     """
 
-    def __init__(self, engine: EngineClient, config: EngineConfig, metrics: ServerMetrics | None) -> None:
+    def __init__(self, engine: EngineClient, config: EngineConfig, metrics: ServerMetrics | None,
+                 tracer: Any = None) -> None:
         self._engine = engine
         self._config = config
         self._metrics = metrics
+        self._tracer = tracer
+        """A servelm.server.tracing.RequestTracer while tracing, else None."""
 
     @property
     def tokenizer(self) -> Any:
@@ -234,7 +301,8 @@ class ObservedEngine:
                        kv_transfer: KVTransfer | None = None,
                        mm_inputs: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream, observed."""
-        record = RequestRecord(request_id, list(prompt_token_ids), params)
+        self._check_logprobs(params)
+        record = self._start(request_id, prompt_token_ids, params)
         record.lora_name = lora_name
         keep_text = self._config.observability.log_requests_level >= 2
         images = {"mm_inputs": mm_inputs} if mm_inputs is not None else {}
@@ -256,7 +324,7 @@ class ObservedEngine:
     async def encode(self, request_id: str, prompt_token_ids: list[int],
                      priority: int = 0) -> RequestOutput:
         """The engine's embedding call, counted and logged like a request with no output tokens."""
-        record = RequestRecord(request_id, list(prompt_token_ids), None)
+        record = self._start(request_id, prompt_token_ids, None)
         try:
             output: RequestOutput = await self._engine.encode(request_id, prompt_token_ids, priority)
             record.finish_reason, record.error = output.finish_reason, output.error
@@ -267,29 +335,58 @@ class ObservedEngine:
         finally:
             self._finish(record)
 
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """--max-logprobs: every API's logprobs reach the engine through here."""
+        limit = self._config.server.max_logprobs
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{name}: at most {limit} alternatives per token "
+                                          f"(--max-logprobs), got {value}", name)
+
+    def _start(self, request_id: str, prompt_token_ids: list[int],
+               params: SamplingParams | None) -> RequestRecord:
+        record = RequestRecord(request_id, list(prompt_token_ids), params)
+        if self._metrics is not None and self._metrics.custom_labels:
+            from servelm.server.tracing import REQUEST_HEADERS
+
+            record.labels = self._metrics.request_labels(REQUEST_HEADERS.get())
+        if self._tracer is not None:
+            record.span = self._tracer.start(request_id, record.num_prompt_tokens, params)
+        return record
+
     def _finish(self, record: RequestRecord) -> None:
         if record.finish_reason is None:
             record.finish_reason = "abort"  # the consumer stopped early (client left)
         if self._metrics is not None:
             self._metrics.observe_finish(record)
+        if record.span is not None:
+            try:
+                self._tracer.finish(record.span, record)
+            except Exception:  # a tracing failure must not fail the request
+                logger.warning("tracing: could not end the span of %s", record.request_id,
+                               exc_info=True)
         if self._config.observability.log_requests:
             log_request(record, self._config)
+        if self._config.observability.enable_request_time_stats_logging:
+            log_time_stats(record)
 
     def _observe(self, record: RequestRecord, output: RequestOutput, keep_text: bool) -> None:
         now = time.perf_counter()
         num_new = len(output.new_token_ids)
         if num_new and self._metrics is not None:
-            name = self._metrics.model_name
+            labels = record.labels or (self._metrics.model_name,) + ("",) * len(self._metrics.custom_labels)
             if record.last_token_s is None:
-                self._metrics.ttft.labels(name).observe(now - record.start_s)
+                self._metrics.ttft.labels(*labels).observe(now - record.start_s)
                 gaps = num_new - 1
                 gap_s = 0.0
             else:
                 gaps = num_new
                 gap_s = (now - record.last_token_s) / num_new
             for _ in range(gaps):
-                self._metrics.itl.labels(name).observe(gap_s)
+                self._metrics.itl.labels(*labels).observe(gap_s)
         if num_new:
+            if record.last_token_s is None:
+                record.first_token_wall_s = time.time()
             record.last_token_s = now
         record.num_output_tokens += num_new
         if output.num_prompt_tokens:
@@ -299,6 +396,7 @@ class ObservedEngine:
             record.token_ids.extend(output.new_token_ids)
         if output.is_finished:
             record.finish_reason, record.error = output.finish_reason, output.error
+            record.timings = output.timings
 
 
 def _cut(value: Any, limit: int | None) -> str:
@@ -325,4 +423,20 @@ def log_request(record: RequestRecord, config: EngineConfig) -> None:
         limit = None if level >= 3 else (_DEFAULT_MAX_LOG_LEN if max_log_len is None else max_log_len)
         parts.append(f"prompt_token_ids={_cut(record.prompt_token_ids, limit)}")
         parts.append(f"output={_cut(repr(''.join(record.text)), limit)}")
+    logger.info(" ".join(parts))
+
+
+def log_time_stats(record: RequestRecord) -> None:
+    """--enable-request-time-stats-logging: one line of a finished request's phase times."""
+    from servelm.server.tracing import phase_durations
+
+    parts = [f"request {record.request_id} time stats:"]
+    phases = phase_durations(record.timings or {})
+    for name in ("queue", "prefill", "decode", "detokenize"):
+        if name in phases:
+            parts.append(f"{name}={phases[name]:.4f}s")
+    if record.first_token_wall_s is not None:
+        parts.append(f"ttft={record.first_token_wall_s - record.start_wall_s:.4f}s")
+    parts.append(f"e2e={record.elapsed_s():.4f}s")
+    parts.append(f"prompt_tokens={record.num_prompt_tokens} output_tokens={record.num_output_tokens}")
     logger.info(" ".join(parts))

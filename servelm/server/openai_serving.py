@@ -80,14 +80,14 @@ class CompletionChoice(_Choice):
 
     def _add(self, logprobs: dict[str, list[Any]], token_id: int, entry: TokenLogprob | None,
              offset: int) -> int:
-        token = self.ctx.token_text(token_id)
+        token = self.ctx.logprob_token(token_id)
         logprobs["tokens"].append(token)
         logprobs["text_offset"].append(offset)
         if entry is None:
             logprobs["token_logprobs"].append(None)
             logprobs["top_logprobs"].append(None)
         else:
-            top = {self.ctx.token_text(tid): safe_logprob(lp)
+            top = {self.ctx.logprob_token(tid): safe_logprob(lp)
                    for tid, lp in entry.top[:self.num_logprobs]}
             top.setdefault(token, safe_logprob(entry.logprob))
             logprobs["token_logprobs"].append(safe_logprob(entry.logprob))
@@ -137,7 +137,7 @@ class ChatChoice(_Choice):
         self.logprobs: list[dict[str, Any]] | None = [] if num_logprobs is not None else None
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        token = self.ctx.token_text(token_id)
+        token = self.ctx.logprob_token(token_id)
         return {"token": token, "logprob": safe_logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
     def delta(self, output: RequestOutput) -> tuple[str, list[dict[str, Any]] | None]:
@@ -407,6 +407,10 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     def finish_reason(index: int, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and parsers[index].has_calls else reason
 
+    # vLLM's rule: --response-role when the generation prompt is added, else the last message's.
+    role = ctx.config.server.response_role if request.add_generation_prompt or not request.messages \
+        else request.messages[-1].role
+
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         header = {"id": base_id, "object": "chat.completion.chunk", "created": created,
@@ -418,7 +422,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
                 result["usage"] = None
             return result
 
-        prelude = [chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+        prelude = [chunk({"index": c.index, "delta": {"role": role, "content": ""},
                           "logprobs": None, "finish_reason": None}) for c in choices]
 
         def chunk_for(index: int, output: RequestOutput) -> dict[str, Any] | None:
@@ -451,9 +455,9 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         if parser.is_active:
             parser.feed(choice.text)
             parser.finish()
-            messages.append(parser.message())
+            messages.append({**parser.message(), "role": role})
         else:
-            messages.append({"role": "assistant", "content": choice.text, "refusal": None})
+            messages.append({"role": role, "content": choice.text, "refusal": None})
     body = {"id": base_id, "object": "chat.completion", "created": created,
             "model": request.model if lora_name else ctx.served_model_name,
             "choices": [{"index": c.index,

@@ -218,6 +218,13 @@ class ServingContext:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
+    def logprob_token(self, token_id: int) -> str:
+        """A token as OpenAI logprobs show it: its text, or ``token_id:ID`` with
+        --return-tokens-as-token-ids."""
+        if self.config.server.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.token_text(token_id)
+
     def token_text(self, token_id: int) -> str:
         """Readable text of one token, as shown in logprobs."""
         if self.tokenizer is None:

@@ -232,7 +232,8 @@ async def _prepare(ctx: ServingContext, request: TGIRequest) -> tuple[Submission
     params = make_sampling_params(
         max_tokens=prompt.max_tokens, stop=list(parameters.stop), seed=parameters.seed,
         logprobs=parameters.top_n_tokens or 0,
-        prompt_logprobs=0 if parameters.decoder_input_details else None,
+        prompt_logprobs=0 if parameters.decoder_input_details
+        or ctx.config.server.return_all_prompt_logprobs else None,
         structured=structured, **sampling)
     request_id = new_id("tgi")
     submission = Submission(0, request_id, prompt.token_ids, params,
@@ -255,6 +256,9 @@ async def generate(ctx: ServingContext, request: TGIRequest, raw: Request) -> di
     body: dict[str, Any] = {"generated_text": result.generated_text}
     if result.parameters.details:
         body["details"] = result.details(full=True)
+    if ctx.config.server.return_all_prompt_logprobs:  # LightLLM's --return_all_prompt_logprobs
+        body["prompt_token_ids"] = list(result.prompt.token_ids)
+        body["prompt_logprobs"] = [token["logprob"] for token in result.prefill]
     return body
 
 

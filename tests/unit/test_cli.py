@@ -90,9 +90,9 @@ def test_main_without_command_exits_2(capsys: pytest.CaptureFixture[str]) -> Non
 def test_main_reports_errors_with_exit_2(served: list[EngineConfig],
                                          capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.main(["serve", "m", "--enable-trace"])
+        cli.main(["serve", "m", "--enable-lmcache"])
     assert exc.value.code == 2
-    assert "servelm: --enable-trace is not supported yet: metrics push" in capsys.readouterr().err
+    assert "servelm: --enable-lmcache is not supported: LMCache" in capsys.readouterr().err
     assert served == []
 
 
@@ -341,7 +341,7 @@ def test_positional_model_overrides_config_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text, expected", [
     ("no-such-option: 1\n", "no-such-option: unknown option"),
-    ("enable-trace: true\n", "--enable-trace is not supported yet"),
+    ("enable-lmcache: true\n", "--enable-lmcache is not supported: LMCache"),
     ("port: abc\n", "argument --port: invalid int value"),
     ("page-size: 0\n", "--page-size must be positive, got 0 (given as --page-size (in "),
     ("tp: 0\n", "(given as --tp (in "),

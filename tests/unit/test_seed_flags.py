@@ -116,6 +116,18 @@ def field_example(field_name: str) -> list[str]:
         return ["images.example.com"]
     if field_name == "speculative_eagle_topk":
         return ["1"]  # a chain: the only top-k built (a tree is refused)
+    if field_name == "collect_detailed_traces":
+        return ["model,worker"]
+    if field_name in ("prompt_tokens_buckets", "generation_tokens_buckets"):
+        return ["tse", "1000", "2", "5"]
+    if field_name == "tokenizer_metrics_allowed_custom_labels":
+        return ["tenant"]
+    if field_name == "grouping_key":
+        return ["instance=node1"]
+    if field_name == "max_logprobs":
+        return ["5"]  # at most 20 (the sampler's limit), the default
+    if field_name == "preferred_sampling_params":
+        return ['{"temperature": 0.7}']
     field = cli_flags.config_fields()[field_name]
     hints: dict[str, typing.Any] = {}
     for section in EngineConfig.sections().values():
@@ -248,6 +260,8 @@ def companions(field_name: str) -> list[str]:
         return ["--enable-lora"]
     if field_name in EAGLE_COMPANIONS:
         return EAGLE_COMPANIONS[field_name]
+    if field_name == "collect_detailed_traces":
+        return ["--enable-trace"]
     if field_name == "disaggregation_ib_device":
         if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
             pytest.skip("--disaggregation-ib-device needs the nixl backend: pip install --no-deps "

@@ -109,3 +109,24 @@ def test_stats_line_by_steps_and_off(caplog: pytest.LogCaptureFixture) -> None:
         engine.num_steps += 100
         silent.maybe_log()
     assert not caplog.records
+
+
+def test_show_time_cost_adds_step_times_to_the_stats_line(caplog: pytest.LogCaptureFixture) -> None:
+    """--show-time-cost: each line reports the steps since the previous one, mean and longest."""
+    engine = FakeEngine()
+    logger = StatsLogger(engine, ObservabilityConfig(log_stats_interval=0, decode_log_interval=2,
+                                                     show_time_cost=True))
+    plain = StatsLogger(engine, ObservabilityConfig(log_stats_interval=0, decode_log_interval=2))
+    with caplog.at_level(logging.INFO, logger="servelm.engine.monitor"):
+        for seconds in (0.010, 0.030, 0.002, 0.004):
+            engine.num_steps += 1
+            engine.num_generated_tokens += 3
+            logger.record_step(seconds)
+            plain.record_step(seconds)
+            logger.maybe_log()
+            plain.maybe_log()
+    lines = [r.getMessage() for r in caplog.records]
+    timed = [line for line in lines if "step_time" in line]
+    assert timed == [line for line in lines[::2]] and len(timed) == 2
+    assert "steps=2 step_time_mean=20.0ms step_time_max=30.0ms" in timed[0]
+    assert "steps=2 step_time_mean=3.0ms step_time_max=4.0ms" in timed[1]
