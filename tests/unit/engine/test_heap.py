@@ -53,4 +53,6 @@ def test_a_freed_large_buffer_is_reused_without_page_faults():
     for _ in range(5):
         torch.empty(size, dtype=torch.uint8).fill_(1)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < size >> 12, faults   # 5 x 10,240 pages when each buffer is mapped afresh
+    # 5 x 10,240 pages when each buffer is mapped afresh; one refault of a buffer (exactly 10,240:
+    # the heap's top trimmed once by another allocation in between) was seen now and then
+    assert faults < 2 * (size >> 12), faults
