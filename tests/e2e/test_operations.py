@@ -9,6 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from servelm.config import ServerConfig
+
 from .conftest import OPS_MODEL, OPS_ORIGIN
 
 
@@ -97,7 +99,8 @@ def test_cors(ops_server):
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_body_over_limit_is_413(ops_server, chunked):
-    big = json.dumps({"model": OPS_MODEL, "prompt": "a" * (10 * 1024 * 1024)}).encode()
+    limit = ServerConfig().max_request_body_bytes   # the default (the ops server sets none)
+    big = json.dumps({"model": OPS_MODEL, "prompt": "a" * (limit + (1 << 20))}).encode()
     content = iter([big[i:i + 65536] for i in range(0, len(big), 65536)]) if chunked else big
     response = httpx.post(f"{ops_server.base_url}/v1/completions", content=content,
                           headers={"Content-Type": "application/json"}, timeout=60)
