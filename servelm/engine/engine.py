@@ -123,8 +123,9 @@ class LLMEngine:
         self._num_arrivals = 0
         """Requests added so far: the arrival index that seeds an unseeded request's sampling."""
         self.num_generated_tokens = 0
-        self.fatal_error: RankFailedError | None = None
-        """Set when a rank failed: every request has been ended and the next step raises it."""
+        self.fatal_error: RankFailedError | NaNLogitsError | None = None
+        """Set when a rank failed or logits held NaN under --crash-on-nan: every request has been
+        ended and the next step raises it."""
         self.stages += [make_stage(self) for make_stage in extra_stages]
         self._hooks = Hooks(self.stages)
         self.model_info.update({
