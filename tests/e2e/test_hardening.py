@@ -157,6 +157,8 @@ class _Stream(threading.Thread):
         self.server, self.max_tokens = server, max_tokens
         self.status: int | None = None
         self.started = threading.Event()
+        self.stop = threading.Event()
+        """Set: close the stream at its next line (the client disconnects; the server aborts it)."""
 
     def run(self) -> None:
         try:
@@ -166,7 +168,8 @@ class _Stream(threading.Thread):
                 self.status = response.status_code
                 self.started.set()
                 for _ in response.iter_lines():
-                    pass
+                    if self.stop.is_set():
+                        break
         finally:
             self.started.set()
 
@@ -191,6 +194,8 @@ def test_busy_server_streams_503_and_stays_healthy(server):
     health = [httpx.get(f"{server.base_url}/health_generate", timeout=60) for _ in range(5)]
     assert all(h.status_code == 200 for h in health), [h.status_code for h in health]
     assert time.monotonic() - started < 5  # answered from recent output, no probe queued
+    for stream in streams:   # each was admitted (its status is in); their 1,000 tokens are not needed
+        stream.stop.set()
     for stream in streams:
         stream.join(120)
     assert [s.status for s in streams] == [200, 200, 200, 200]
@@ -198,6 +203,7 @@ def test_busy_server_streams_503_and_stays_healthy(server):
 
 def test_rid_in_use_is_a_400(server):
     first_chunk = threading.Event()
+    done = threading.Event()   # set: disconnect (the rid's 1,000 tokens are not needed after the check)
 
     def hold_the_rid() -> None:   # streams long enough that the rid is still running when reused
         with httpx.stream("POST", f"{server.base_url}/generate", timeout=120, json={
@@ -205,6 +211,8 @@ def test_rid_in_use_is_a_400(server):
                     "max_new_tokens": 1000, "ignore_eos": True}}) as reply:
             for _ in reply.iter_lines():
                 first_chunk.set()
+                if done.is_set():
+                    break
         first_chunk.set()
 
     stream = threading.Thread(target=hold_the_rid, daemon=True)
@@ -214,6 +222,7 @@ def test_rid_in_use_is_a_400(server):
         "text": "Hi", "rid": "taken", "sampling_params": {"max_new_tokens": 2}})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "rid"
+    done.set()
     stream.join(120)
 
 
