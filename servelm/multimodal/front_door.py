@@ -64,19 +64,12 @@ def load_image_processor(config: EngineConfig, model_path: str | None,
         return None
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         return None
-    try:
-        from servelm.multimodal.processor import get_processor  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    kwargs = config.multimodal.processor_kwargs
-    if not kwargs:
-        processor: ImageProcessor | None = get_processor(model_path, tokenizer)
-        return processor
-    try:
-        return get_processor(model_path, tokenizer, processor_kwargs=kwargs)  # type: ignore[no-any-return,call-arg,unused-ignore]
-    except TypeError:
+    from servelm.multimodal.processor import get_processor
+    processor: ImageProcessor | None = get_processor(model_path, tokenizer)
+    if processor is not None and config.multimodal.processor_kwargs:
         raise ValueError("--mm-processor-kwargs: this build's image processors take no "
-                         "overrides (they read the model's preprocessor_config.json)") from None
+                         "overrides (they read the model's preprocessor_config.json)")
+    return processor
 
 
 @dataclass(frozen=True, slots=True)
