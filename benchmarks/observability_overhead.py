@@ -55,25 +55,17 @@ def wrapper_us(observability: ObservabilityConfig, requests: int, tokens: int, t
         tracer = RequestTracer(config, exporter=InMemorySpanExporter())
     engine = ObservedEngine(NullEngine(tokens), config, metrics, tracer)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=tokens)
-
-    async def run() -> float:
-        start = time.perf_counter()
-        for index in range(requests):
-            async for _ in engine.generate(f"r{index}", [1, 2, 3], params):
-                pass
-        return time.perf_counter() - start
-
     bare = ObservedEngine(NullEngine(tokens), EngineConfig(), None)  # type: ignore[arg-type]
 
-    async def run_bare() -> float:
+    async def run(observed: ObservedEngine) -> float:
         start = time.perf_counter()
         for index in range(requests):
-            async for _ in bare.generate(f"r{index}", [1, 2, 3], params):
+            async for _ in observed.generate(f"r{index}", [1, 2, 3], params):
                 pass
         return time.perf_counter() - start
 
-    elapsed = min(asyncio.run(run()) for _ in range(3))
-    baseline = min(asyncio.run(run_bare()) for _ in range(3))
+    elapsed = min(asyncio.run(run(engine)) for _ in range(3))
+    baseline = min(asyncio.run(run(bare)) for _ in range(3))
     if tracer is not None:
         tracer.shutdown()
     return (elapsed - baseline) / requests * 1e6
