@@ -70,9 +70,14 @@ class Phase:
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    slowest: list[tuple[float, float, float]] = field(default_factory=list)
+    """(latency, time to first token, start offset in the phase) of each request: the worst are reported."""
+    start_s: float = field(default_factory=time.perf_counter)
 
     def summary(self) -> dict[str, Any]:
+        worst = sorted(self.slowest, reverse=True)[:3]
         return {"requests": len(self.latency_s), "errors": len(self.errors),
+                "worst_latency_ttft_start_s": [[round(v, 2) for v in row] for row in worst],
                 "ttft_p50_s": round(percentile(self.ttft_s, 50), 3),
                 "ttft_p99_s": round(percentile(self.ttft_s, 99), 3),
                 "latency_p50_s": round(percentile(self.latency_s, 50), 3),
@@ -85,12 +90,14 @@ async def normal_user(client: httpx.AsyncClient, base_url: str, model: str, user
     while not stop.is_set():
         body = {"model": model, "prompt": f"Tell me a short story about the number {rng.randint(1, 999)}.",
                 "max_tokens": NORMAL_MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+        started = time.perf_counter() - phase.start_s
         timing = await one_request(client, f"{base_url}/v1/completions", body)
         if timing.error is not None:
             phase.errors.append(timing.error)
             continue
         phase.latency_s.append(timing.latency_s)
         phase.ttft_s.append(timing.ttft_s if timing.ttft_s is not None else timing.latency_s)
+        phase.slowest.append((timing.latency_s, phase.ttft_s[-1], started))
 
 
 async def prefill_tokens(client: httpx.AsyncClient, base_url: str) -> int:

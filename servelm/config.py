@@ -363,9 +363,10 @@ class SchedulerConfig:
     fair_step_tokens: int = opt(
         8, "While a heavy request (more than 512 prompt tokens left, a prompt-logprob token counting "
         "double and one deep in a long context more; or more than 4 sequences: n, beams, prompt "
-        "lists) and a normal one both have work, the heavy ones together compute at most this many "
-        "tokens per step (prompt tokens and decode rows), in equal shares; normal requests are not "
-        "bounded. Keeps a normal user's latency within a small multiple of its latency alone beside "
+        "lists) and a normal one both have work (and for 1 s after a normal one's last work, so the "
+        "user's next request does not wait for a full heavy step), the heavy ones together compute at "
+        "most this many tokens per step (prompt tokens and decode rows), in equal shares; normal "
+        "requests are not bounded. Keeps a normal user's latency within a small multiple of its latency alone beside "
         "heavy requests (SmolLM2-135M on 2 CPU cores: benchmarks/RESULTS.md, issue 35). 0 turns it "
         "off (throughput first, for batch jobs; the offline Engine class defaults to 0).")
     stream_interval: int = opt(1, "Send streamed output every N tokens.")

@@ -24,8 +24,10 @@ priority. Urgent means larger ``priority`` values unless low values come first (
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
@@ -198,13 +200,15 @@ class GroupShares:
         return num_tokens
 
 
-def step_shares(running: Sequence[Request], waiting: Sequence[Request], total_work: int,
-                max_sequences: int) -> GroupShares | None:
-    """The step's shares; None while fairness is off (``total_work`` 0) or unless a heavy group
-    and a light one both have something to compute (heavy requests among themselves, or a burst
-    of normal ones, are computed at the full step budget as before)."""
-    if total_work <= 0:
-        return None
+LIGHT_GRACE_S = 1.0
+"""How long after a light group last had work the heavy groups keep to their shares. A normal
+user's next request follows its last one within a round trip; without this, every such gap let the
+heavy groups take a full-budget step (several 512-token chunks with prompt logprobs: seconds on two
+cores) that the user's next request then waited for."""
+
+
+def group_weights(running: Sequence[Request], waiting: Sequence[Request]) -> tuple[set[str], set[str]]:
+    """The heavy and the light groups among those with work."""
     needs: dict[str, float] = {}
     sequences: dict[str, int] = {}
     for requests, is_waiting in ((running, False), (waiting, True)):
@@ -219,6 +223,32 @@ def step_shares(running: Sequence[Request], waiting: Sequence[Request], total_wo
             needs[group] = needs.get(group, 0.0) + (gap * prefill_work(request, gap) if gap > 1 else 0.0)
     heavy = {group for group, count in sequences.items()
              if count > HEAVY_SEQUENCES or needs[group] > HEAVY_PROMPT_WORK}
-    if not heavy or len(heavy) == len(sequences):
-        return None
-    return GroupShares(heavy, total_work, max_sequences)
+    return heavy, set(sequences) - heavy
+
+
+class FairShares:
+    """--fair-step-tokens over time: each step's ``GroupShares``, kept for ``LIGHT_GRACE_S`` after
+    another group's last light work (``clock``: seconds, monotonic)."""
+
+    def __init__(self, total_work: int, max_sequences: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_work = total_work
+        self.max_sequences = max_sequences
+        self.clock = clock
+        self._light_seen_s: dict[str, float] = {}
+        """Light group -> when it last had work (within the grace)."""
+
+    def for_step(self, running: Sequence[Request], waiting: Sequence[Request]) -> GroupShares | None:
+        """The step's shares; None while fairness is off (``total_work`` 0), without a heavy group,
+        or when no other group has had light work for ``LIGHT_GRACE_S`` (heavy requests among
+        themselves, or a burst of normal ones, are computed at the full step budget as before)."""
+        if self.total_work <= 0:
+            return None
+        heavy, light = group_weights(running, waiting)
+        now = self.clock()
+        self._light_seen_s = {group: seen for group, seen in self._light_seen_s.items()
+                              if now - seen <= LIGHT_GRACE_S and group not in heavy}
+        self._light_seen_s.update(dict.fromkeys(light, now))
+        if not heavy or not self._light_seen_s:
+            return None
+        return GroupShares(heavy, self.total_work, self.max_sequences)

@@ -25,14 +25,16 @@ Invariants:
   leaves room (and a smaller, faster batch) for other users; alone it may use every slot.
   A request whose grammar is still compiling is skipped, not waited for, and so is one a stage
   holds (``held_by``: a copy of an n > 1 prompt until its first copy has computed it).
-- While a heavy group and a light one both have work, each step is shared (engine/policy.py
-  ``GroupShares``): the heavy groups (more prompt work left than HEAVY_PROMPT_WORK, weighted for
+- While a heavy group and a light one both have work, and for LIGHT_GRACE_S after a light one
+  last had work (a user's next request follows within a round trip), each step is shared
+  (engine/policy.py ``FairShares``): the heavy groups (more prompt work left than HEAVY_PROMPT_WORK, weighted for
   prompt-logprob rows and deep context, or more than HEAVY_SEQUENCES sequences) together compute
   at most --fair-step-tokens tokens (prompt tokens and decode rows) in equal shares, and one group
   computes at most GROUP_SHARE of --max-running-requests sequences; a running request whose group
   has had its share waits for the next step. So a heavy request (a long prompt with echo
   logprobs, many copies, a wide beam, the longest context) moves at its share and a normal
-  user's steps stay short. Light groups are not bounded, nor are heavy ones among themselves.
+  user's steps stay short. Light groups are not bounded, nor are heavy ones among themselves
+  once no light group has had work for LIGHT_GRACE_S.
 - An embedding request is computed whole in the step that admits it (never chunked: an encoder
   attends both ways, and pooling needs every row at once), never matches or fills the prefix
   cache, and is finished by ``update`` with its pooled vector, freeing its blocks in that step.
@@ -54,7 +56,7 @@ from collections.abc import Callable
 
 from servelm.config import SchedulerConfig
 from servelm.engine.kv_manager import KVManager, cdiv
-from servelm.engine.policy import GroupShares, order_waiting, step_shares, urgency
+from servelm.engine.policy import FairShares, GroupShares, order_waiting, urgency
 from servelm.engine.request import FinishReason, Request, RequestStatus
 from servelm.engine.stop_rules import ending_after
 from servelm.engine.scheduler_output import (ScheduledRequest, SchedulerOutput, StepResult,
@@ -93,6 +95,8 @@ class Scheduler:
         of one prompt add the prompt once (engine/prompt_sharing.py)."""
         self._rng = random.Random(seed)
         self._num_steps_without_admission = 0
+        self.fair_shares = FairShares(config.fair_step_tokens, self._group_share())
+        """Each step's shares while heavy and light groups have work (engine/policy.py)."""
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -145,7 +149,7 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         did_preempt = False
 
-        shares = self._step_shares()
+        shares = self.fair_shares.for_step(self.running, self.waiting)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -198,11 +202,6 @@ class Scheduler:
             return True
         self._num_steps_without_admission += 1
         return False
-
-    def _step_shares(self) -> GroupShares | None:
-        """Each group's share of this step while several groups have work (engine/policy.py)."""
-        return step_shares(self.running, self.waiting, self.config.fair_step_tokens,
-                           self._group_share())
 
     def _group_share(self) -> int:
         return max(1, int(self.config.max_running_requests * GROUP_SHARE))

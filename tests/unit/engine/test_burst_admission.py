@@ -7,6 +7,8 @@ fails here."""
 
 from __future__ import annotations
 
+import itertools
+
 from servelm.config import EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.engine.scheduler import SchedulerOutput
@@ -133,15 +135,20 @@ def test_a_long_prompt_beside_a_decode_is_chunked() -> None:
 
 def test_a_long_prompt_beside_a_decode_moves_at_the_fair_share() -> None:
     """More than 512 prompt tokens beside a decode: a heavy request, bounded to --fair-step-tokens
-    (32 here) a step (fewer deep in its context) until the decode is done (issue 35)."""
+    (32 here) a step (fewer deep in its context) until the decode is done and LIGHT_GRACE_S more
+    (the user's next request may be on its way; each step here takes 0.3 s) (issue 35)."""
     engine, steps = make_chunking_engine(fair_step_tokens=32)
+    times = itertools.count(0.0, 0.3)
+    engine.scheduler.fair_shares.clock = lambda: next(times)
     assert engine.add_request("first", long_prompt(16), params(8)) is None
     engine.step()
     assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None
     drain(engine)
     for step in steps[1:8]:                          # the decode streams beside it, steps stay short
         assert step[0] == 1 and 30 <= step[1] <= 32, steps
-    assert steps[8] == [1019 - sum(step[1] for step in steps[1:8])]  # then alone: the rest at once
+    for step in steps[8:11]:                         # within the grace: still short
+        assert len(step) == 1 and 24 <= step[0] <= 32, steps  # fewer deeper in its context
+    assert steps[11] == [1019 - sum(step[-1] for step in steps[1:11])]  # then alone: the rest at once
 
 
 def test_two_long_prompts_queued_together_are_chunked() -> None:

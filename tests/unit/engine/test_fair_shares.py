@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from servelm.config import EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
-from servelm.engine.policy import step_shares
+from servelm.engine.policy import LIGHT_GRACE_S, FairShares
 from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.sampling.params import SamplingParams
@@ -15,15 +15,29 @@ from servelm.sampling.params import SamplingParams
 from .fake_runner import FakeRunner
 
 
-def make_engine(**scheduler: int) -> tuple[LLMEngine, list[dict[str, int]], FakeRunner]:
+class StepClock:
+    """A clock that moves ``step_s`` per engine step (the fake runner's steps take no time)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_engine(step_s: float = 0.1, **scheduler: int) -> tuple[LLMEngine, list[dict[str, int]], FakeRunner]:
     scheduler.setdefault("fair_step_tokens", 32)
     runner = FakeRunner(num_blocks=600, block_size=16)
     engine = LLMEngine(EngineConfig(scheduler=SchedulerConfig(**scheduler)), runner=runner,
                        eos_token_ids=[96], context_length=4096)
     steps: list[dict[str, int]] = []
     schedule = engine.scheduler.schedule
+    clock = StepClock(step_s)
+    engine.scheduler.fair_shares.clock = clock
 
     def recording_schedule() -> SchedulerOutput:
+        clock.now += clock.step_s
         output = schedule()
         steps.append({s.request.request_id: s.num_tokens for s in output.scheduled})
         return output
@@ -64,6 +78,22 @@ def test_a_heavy_prompt_beside_a_decode_moves_at_its_share():
     assert tokens["user"] == runner.reference(prompt(16), 20)
     alone = [step["heavy"] for step in steps if list(step) == ["heavy"] and step["heavy"] > 1]
     assert alone and max(alone) > 32  # once the user is done, the heavy one runs at full chunks
+    grace = [step["heavy"] for step in steps[len(shared) + 1:][:int(LIGHT_GRACE_S / 0.1) - 1]]
+    assert grace and max(grace) * 2 <= 32  # ... after the grace a normal user's next request gets
+
+
+def test_a_normal_users_next_request_finds_the_heavy_one_at_its_share():
+    """Between a normal user's requests (a round trip) the heavy request keeps to its share, so the
+    user's next request does not wait for a full-budget heavy step; long after, it runs full."""
+    for gap_s, bounded in ((LIGHT_GRACE_S / 2, True), (LIGHT_GRACE_S * 3, False)):
+        engine, steps, _ = make_engine(step_s=gap_s)
+        assert engine.add_request("heavy", prompt(2000, 1), params(1, prompt_logprobs=1)) is None
+        assert engine.add_request("user", prompt(16), params(1)) is None
+        engine.step()  # the user's prompt and its one token; the heavy one at its share
+        assert steps[0]["user"] == 16 and steps[0]["heavy"] * 2 <= 32
+        engine.step()  # the user's next request has not arrived yet
+        assert "user" not in steps[1]
+        assert (steps[1]["heavy"] * 2 <= 32) is bounded, (gap_s, steps[1])
 
 
 def test_a_light_arrival_is_not_bounded_and_fairness_can_be_turned_off():
@@ -134,14 +164,17 @@ def test_shares_split_the_step_among_heavy_groups_only():
         return Request(f"{group}-r", prompt(length), params(1, prompt_logprobs=1 if logprobs else None),
                        [96], 4096, group=group)
 
+    def for_step(waiting: list[Request], total_work: int = 32, max_sequences: int = 16):
+        return FairShares(total_work, max_sequences, clock=lambda: 0.0).for_step([], waiting)
+
     heavy_a, heavy_b, light = request("a", 1000), request("b", 1000, True), request("c", 50)
-    assert step_shares([], [heavy_a, heavy_b], 32, 16) is None  # heavy among themselves: no bound
-    assert step_shares([], [light, request("d", 300)], 32, 16) is None  # normal ones: no bound
-    shares = step_shares([], [heavy_a, heavy_b, light], 32, max_sequences=2)
+    assert for_step([heavy_a, heavy_b]) is None  # heavy among themselves: no bound
+    assert for_step([light, request("d", 300)]) is None  # normal ones: no bound
+    shares = for_step([heavy_a, heavy_b, light], max_sequences=2)
     assert shares is not None
     assert shares.take(light, 50) == 50
     assert shares.take(heavy_a, 512) == 16
     assert shares.take(heavy_b, 512) == 8  # a prompt-logprob token counts double
     assert shares.take(heavy_a, 512) == 0  # its share of the step is used
     assert shares.take(request("c", 10), 1) == 1 and shares.take(request("c", 10), 1) == 0  # 2 rows
-    assert step_shares([], [heavy_a, light], 0, 16) is None  # --fair-step-tokens 0: off
+    assert for_step([heavy_a, light], total_work=0) is None  # --fair-step-tokens 0: off
