@@ -22,9 +22,9 @@ def tiny_model(request, tmp_path_factory):
     return request.param, make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def make_engine(path, cache: bool) -> LLMEngine:
+def make_engine(path, cache: bool, disable_mla: bool = False) -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32", disable_mla=disable_mla),
         cache=CacheConfig(max_total_tokens=4096, page_size=8, disable_radix_cache=not cache),
         scheduler=SchedulerConfig(chunked_prefill_size=16, max_prefill_tokens=256),
     )

@@ -1,0 +1,36 @@
+"""The whole engine on the tiny DeepSeek checkpoints as saved on disk: greedy tokens equal
+transformers' generate with the prefix cache on, chunked prefill and concurrent requests sharing a
+prefix, over the latent pool; ``--disable-mla`` (expanded per-head K/V) gives the same tokens, and
+/get_server_info's model info says what a token costs in each pool."""
+
+from __future__ import annotations
+
+import pytest
+from tests.e2e.test_engine_moe import NUM_NEW_TOKENS, make_engine, run, shared_prefix_prompts
+from tests.reference import load_reference_model, transformers_greedy
+from tests.tiny_models import TINY_MLA_ARCHS, make_tiny_model_dir
+
+
+@pytest.fixture(scope="module", params=[pytest.param(arch, marks=[pytest.mark.slow] if arch == "deepseek_v3" else [])
+                                        for arch in TINY_MLA_ARCHS])   # V3 adds routing, covered by the unit tests
+def tiny_model(request, tmp_path_factory):
+    return request.param, make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_greedy_matches_transformers_over_the_latent_pool_and_expanded(tiny_model):
+    arch, path = tiny_model
+    engine = make_engine(path, cache=True)
+    pool = engine.model_info["kv_pool"]
+    assert pool["kind"] == "latent" and pool["expanded_bytes_per_token"] > pool["bytes_per_token"], pool
+    token_lists = shared_prefix_prompts(engine.runner.vocab_size)
+    # a first request fills the cache; the rest run together, chunked, from its prefix
+    first, _ = run(engine, token_lists[:1])
+    rest, cached = run(engine, token_lists[1:])
+    assert cached > 0, f"{arch}: no prefix-cache hit"
+    reference = transformers_greedy(load_reference_model(path), token_lists, NUM_NEW_TOKENS)
+    assert first + rest == reference, arch
+    expanded = make_engine(path, cache=True, disable_mla=True)
+    assert expanded.model_info["kv_pool"] == {"kind": "per_head",
+                                              "bytes_per_token": pool["expanded_bytes_per_token"]}
+    outputs, cached = run(expanded, token_lists)
+    assert cached > 0 and outputs == reference, arch
