@@ -6,8 +6,7 @@ prefix, over the latent pool; ``--disable-mla`` (expanded per-head K/V) gives th
 from __future__ import annotations
 
 import pytest
-from tests.e2e.test_engine_moe import NUM_NEW_TOKENS, make_engine, run, shared_prefix_prompts
-from tests.reference import load_reference_model, transformers_greedy
+from tests.e2e.test_engine_moe import check_cached_and_chunked, make_engine, run
 from tests.tiny_models import TINY_MLA_ARCHS, make_tiny_model_dir
 
 
@@ -22,15 +21,10 @@ def test_greedy_matches_transformers_over_the_latent_pool_and_expanded(tiny_mode
     engine = make_engine(path, cache=True)
     pool = engine.model_info["kv_pool"]
     assert pool["kind"] == "latent" and pool["expanded_bytes_per_token"] > pool["bytes_per_token"], pool
-    token_lists = shared_prefix_prompts(engine.runner.vocab_size)
-    # a first request fills the cache; the rest run together, chunked, from its prefix
-    first, _ = run(engine, token_lists[:1])
-    rest, cached = run(engine, token_lists[1:])
-    assert cached > 0, f"{arch}: no prefix-cache hit"
-    reference = transformers_greedy(load_reference_model(path), token_lists, NUM_NEW_TOKENS)
-    assert first + rest == reference, arch
+    token_lists, reference = check_cached_and_chunked(arch, path, engine)
     expanded = make_engine(path, cache=True, disable_mla=True)
     assert expanded.model_info["kv_pool"] == {"kind": "per_head",
                                               "bytes_per_token": pool["expanded_bytes_per_token"]}
     outputs, cached = run(expanded, token_lists)
     assert cached > 0 and outputs == reference, arch
+
