@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from servelm.config import ModelConfig
 from servelm.model.architectures.deepseek import DISABLE_MLA, DeepseekRouter
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.kv_cache import KVCache, LatentKVCache
 from servelm.model.layers.moe import route_group_limited, route_noaux_tc
-from tests.tiny_models import TINY_MLA_ARCHS, make_tiny_config
+from servelm.model.source import ModelSourceError, resolve_model_source
+from tests.tiny_models import TINY_MLA_ARCHS, make_tiny_config, make_tiny_model_dir
 
 from .conftest import BlockAllocator, make_runner, make_source, prompts_for
 from . import test_architectures, test_moe_architectures
@@ -114,3 +116,29 @@ def test_router_matches_transformers(arch: str) -> None:
     ungrouped = (route_group_limited(logits, top_k, 1, 1, 1.0) if ours.e_score_correction_bias is None
                  else route_noaux_tc(logits, ours.e_score_correction_bias, top_k, 1, 1, True, 1.0))
     assert not torch.equal(ungrouped.expert_ids.sort(-1).values, routing.expert_ids.sort(-1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_latent_pool_rows_blocks_and_copies(dtype: torch.dtype) -> None:
+    """V is a view of the stored row (nothing stored twice); whole blocks move between pools as
+    bytes (prefill/decode transfer), and block copies move the latent (copy-on-write)."""
+    pool = LatentKVCache(2, 4, 2, 1, 6, dtype, torch.device("cpu"), first_layer=3, v_head_dim=4)
+    assert pool.nbytes == 2 * 4 * 2 * 6 * dtype.itemsize and not pool.v_caches
+    rows = torch.randn(8, 1, 6)
+    for layer in (3, 4):
+        pool.write(layer, torch.arange(8), rows * layer, rows[..., :4])
+    k, v = pool.layer(4)
+    assert torch.equal(k.float(), (rows * 4).to(dtype).float()) and v.data_ptr() == k.data_ptr()
+    assert v.shape == (8, 1, 4)
+    other = LatentKVCache(2, 4, 2, 1, 6, dtype, torch.device("cpu"), first_layer=3, v_head_dim=4)
+    other.write_blocks([2, 0], *pool.read_blocks([1, 3]))
+    assert torch.equal(other.layer(3)[0][4:6].view(torch.uint8), pool.layer(3)[0][2:4].view(torch.uint8))
+    pool.copy_blocks([(0, 2)])
+    assert torch.equal(pool.layer(4)[0][4:6].view(torch.uint8), pool.layer(4)[0][0:2].view(torch.uint8))
+
+
+def test_disable_mla_on_a_model_without_it_is_refused(tmp_path: Any) -> None:
+    path = make_tiny_model_dir(tmp_path, "llama")
+    with pytest.raises(ModelSourceError, match="--disable-mla: LlamaForCausalLM has no multi-head latent"):
+        resolve_model_source(ModelConfig(model=str(path), disable_mla=True))
+    assert getattr(resolve_model_source(ModelConfig(model=str(path))).hf_config, DISABLE_MLA, False) is False
