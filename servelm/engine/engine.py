@@ -645,6 +645,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
             "routes": self.model_info.get("routes"),
+            "kv_pool": self.model_info.get("kv_pool"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }
 

@@ -19,11 +19,11 @@ def tiny_model(request, tmp_path_factory):
 def test_greedy_matches_transformers_over_the_latent_pool_and_expanded(tiny_model):
     arch, path = tiny_model
     engine = make_engine(path, cache=True)
-    pool = engine.model_info["kv_pool"]
+    pool = engine.stats()["kv_pool"]   # /get_server_info's
     assert pool["kind"] == "latent" and pool["expanded_bytes_per_token"] > pool["bytes_per_token"], pool
     token_lists, reference = check_cached_and_chunked(arch, path, engine)
     expanded = make_engine(path, cache=True, disable_mla=True)
-    assert expanded.model_info["kv_pool"] == {"kind": "per_head",
+    assert expanded.stats()["kv_pool"] == {"kind": "per_head",
                                               "bytes_per_token": pool["expanded_bytes_per_token"]}
     outputs, cached = run(expanded, token_lists)
     assert cached > 0 and outputs == reference, arch
