@@ -412,8 +412,6 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "servelm's scheduler does not overlap with the forward pass"),
     AlreadyBehaviour(("--disable-outlines-disk-cache",),
                      "servelm has no outlines backend; xgrammar compiles are cached in memory"),
-    AlreadyBehaviour(("--disable-mla",), "servelm has no Multi-head Latent Attention: DeepSeek's MLA "
-                     "models do not load yet (issue 33), and no other model uses it"),
     AlreadyBehaviour(("--disable-shared-experts-fusion",),
                      "servelm computes a shared expert (Qwen2-MoE) as its own gated MLP beside the "
                      "routed experts, never fused into them"),

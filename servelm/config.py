@@ -138,6 +138,12 @@ class ModelConfig:
         "bfloat16 or float16 (--dtype, or auto on a CPU with a native bf16 GEMM): a float32 copy of "
         "the head's weight is kept beside the model's (4 bytes per vocabulary row entry). A float32 "
         "model's head is float32 already. Not with a quantized head (--quantization).")
+    disable_mla: bool = opt(
+        False, "Run DeepSeek-V2/V3's multi-head latent attention with per-head K and V expanded from the "
+        "latent and cached as such, as transformers computes it, instead of caching the compressed latent "
+        "(kv_lora_rank + qk_rope_head_dim values per token and layer) and attending to it directly. Same "
+        "outputs; the pool takes 2 num_heads (qk_head_dim + v_head_dim) / (kv_lora_rank + qk_rope_head_dim) "
+        "times more bytes per token. Only for models with latent attention.")
     context_length: int | None = opt(None, "Maximum context in tokens; defaults to the model config's.")
     hf_overrides: str | None = opt(None, "JSON object merged into the model's config.json fields.")
     served_model_name: list[str] | None = opt(

@@ -24,6 +24,14 @@ TINY_MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 """Mixture-of-experts configs: 8 experts (top-2, qwen2_moe top-4), a dense layer among the sparse
 ones where the family has them (qwen3_moe's ``mlp_only_layers``, qwen2_moe's
 ``decoder_sparse_step``), renormalised top-k (qwen3_moe, mixtral) and not (qwen2_moe, olmoe)."""
+TINY_MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
+"""DeepSeek's multi-head latent attention and experts, V2-Lite's shape scaled down (kv_lora_rank 32,
+rope 8, no-rope 16, v 16; 8 routed experts, shared experts, layer 0 dense): ``deepseek_v2`` without
+q_lora_rank (V2-Lite), group-limited softmax top-3 (4 groups of 2, best 2: a top-3 across three
+groups is refused), YaRN whose mscale and
+mscale_all_dim differ (so the cos/sin factor and the softmax scale both depart from 1);
+``deepseek_v3`` with q_lora_rank, sigmoid grouped top-2 with a random correction bias,
+renormalised and scaled by 2.5, interleaved rope."""
 TINY_NUM_EXPERTS = 8
 TINY_SLIDING_WINDOW = 8
 TINY_VOCAB_SIZE = 320
@@ -61,6 +69,21 @@ def make_tiny_config(arch: str) -> Any:
         return transformers.OlmoeConfig(**{**common, "intermediate_size": 32}, **moe, num_hidden_layers=2,
                                         num_experts=TINY_NUM_EXPERTS, clip_qkv=3.0, norm_topk_prob=False,
                                         tie_word_embeddings=False)
+    mla = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=TINY_NUM_EXPERTS, n_shared_experts=2,
+               moe_intermediate_size=32, first_k_dense_replace=1, n_group=4, topk_group=2,
+               tie_word_embeddings=False)
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **{**common, **mla}, **{**moe, "num_experts_per_tok": 3}, q_lora_rank=None,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                             "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": 64})
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**common, **mla}, **moe, q_lora_rank=24, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5, rope_interleave=True)
     if arch == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling
         return transformers.LlamaConfig(
             **common, num_hidden_layers=2, tie_word_embeddings=True, hidden_act="silu",
@@ -80,7 +103,7 @@ def make_tiny_config(arch: str) -> Any:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
             hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS + TINY_MOE_ARCHS}")
+    raise ValueError(f"unknown tiny arch {arch!r}; known: {TINY_ARCHS + TINY_MOE_ARCHS + TINY_MLA_ARCHS}")
 
 
 TINY_SEEDS = {"mixtral": 2}
@@ -104,6 +127,9 @@ def make_tiny_hf_model(arch: str, seed: int | None = None) -> Any:
                 param.normal_(norm_mean, 0.1)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
+                buffer.normal_(0.0, 0.1)
     return model.eval()
 
 

@@ -138,6 +138,8 @@ class LLMEngine:
             "is_generation": self.task == "generate",
             # the GGUF linears' measured routes (model/routes.py); None off GGUF blocks or on rank workers
             "routes": getattr(runner, "routes_summary", lambda: None)(),
+            # what a token costs in the pool (latent rows for MLA models); None on rank workers
+            "kv_pool": getattr(runner, "kv_pool_layout", lambda: None)(),
         })
         if self.lora is not None:
             self.model_info["lora"] = {"max_loras_per_batch": config.lora.max_loras_per_batch,
@@ -643,6 +645,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "parallel": self.model_info.get("parallel"),
             "routes": self.model_info.get("routes"),
+            "kv_pool": self.model_info.get("kv_pool"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }
 

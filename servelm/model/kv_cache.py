@@ -3,7 +3,11 @@
 Layout (per layer, K and V separately)::
 
     k[layer]: [num_blocks * block_size, num_kv_heads, head_dim]
+    v[layer]: [num_blocks * block_size, num_kv_heads, v_head_dim]   (v_head_dim: head_dim unless set)
                slot = block_id * block_size + offset_in_block
+
+``LatentKVCache`` (multi-head latent attention) holds one row per token and layer instead, V a view
+of its first columns.
 
 Invariants:
 - Block ids come from the scheduler (servelm/cache); this module never allocates or frees blocks,
@@ -28,7 +32,8 @@ class KVCache:
     """K and V tensors of every layer, indexed by slot."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, first_layer: int = 0) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
+                 v_head_dim: int | None = None) -> None:
         self.num_layers = num_layers
         self.first_layer = first_layer
         """Model index of this pool's first layer: a pipeline stage holds K/V for its layers
@@ -37,11 +42,19 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        """V's width per head (DeepSeek's expanded K/V: 192-wide K, 128-wide V); K's elsewhere."""
         self.dtype = dtype
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        pools = _zeroed_pools(2 * num_layers, shape, dtype, device)
-        self.k_caches = pools[:num_layers]
-        self.v_caches = pools[num_layers:]
+        self.k_caches, self.v_caches = self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The K and the V tensor of every layer."""
+        slots, num_layers = self.num_blocks * self.block_size, self.num_layers
+        if self.v_head_dim == self.head_dim:
+            pools = _zeroed_pools(2 * num_layers, (slots, self.num_kv_heads, self.head_dim), self.dtype, device)
+            return pools[:num_layers], pools[num_layers:]
+        return (_zeroed_pools(num_layers, (slots, self.num_kv_heads, self.head_dim), self.dtype, device),
+                _zeroed_pools(num_layers, (slots, self.num_kv_heads, self.v_head_dim), self.dtype, device))
 
     @property
     def num_slots(self) -> int:
@@ -52,9 +65,11 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
         """Bytes one token's K and V take across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        width = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return num_layers * num_kv_heads * width * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ``[num_tokens, num_kv_heads, head_dim]`` at ``slots`` ``[num_tokens]``."""
@@ -107,16 +122,56 @@ class KVCache:
         on the CPU (bytes as stored: float8 K/V stays one byte per element)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.k_caches[0].device)
         k = torch.stack([self._as_blocks(t).index_select(0, index) for t in self.k_caches])
-        v = torch.stack([self._as_blocks(t).index_select(0, index) for t in self.v_caches])
+        v = (torch.stack([self._as_blocks(t).index_select(0, index) for t in self.v_caches]) if self.v_caches
+             else k.new_empty(k.shape[0], k.shape[1], 0))   # a latent pool stores no V
         return k.cpu().contiguous(), v.cpu().contiguous()
 
     def write_blocks(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``read_blocks``' output at ``block_ids`` of this pool."""
         device = self.k_caches[0].device
         index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
-            self._as_blocks(k_cache).index_copy_(0, index, k[layer].to(device))
-            self._as_blocks(v_cache).index_copy_(0, index, v[layer].to(device))
+        for caches, blocks in ((self.k_caches, k), (self.v_caches, v)):
+            for layer, cache in enumerate(caches):
+                self._as_blocks(cache).index_copy_(0, index, blocks[layer].to(device))
+
+
+class LatentKVCache(KVCache):
+    """Multi-head latent attention's pool (DeepSeek-V2/V3): per layer and token one row, the
+    compressed KV latent (``v_head_dim`` = kv_lora_rank columns) then the rope key
+    (qk_rope_head_dim), as one KV "head" ``[num_slots, 1, head_dim]`` that every query head reads.
+    K is the whole row; V is its first ``v_head_dim`` columns, a view (``layer``), so nothing is
+    stored twice: ``v_caches`` is empty and ``write`` stores K only."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, first_layer: int = 0,
+                 v_head_dim: int | None = None) -> None:
+        assert num_kv_heads == 1 and v_head_dim is not None and v_head_dim <= head_dim, \
+            "a latent pool holds one row per token, V within it"
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                         first_layer, v_head_dim)
+
+    def _allocate(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (self.num_blocks * self.block_size, 1, self.head_dim)
+        return _zeroed_pools(self.num_layers, shape, self.dtype, device), []
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
+        """Bytes one token's latent rows take across all layers (V is inside them)."""
+        return num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the latent rows ``k`` ``[num_tokens, 1, head_dim]``; ``v`` is their first
+        ``v_head_dim`` columns and is not stored again."""
+        cache = self.k_caches[layer_id - self.first_layer]
+        k = k.to(self.dtype)
+        if self.dtype.itemsize == 1 and self.dtype.is_floating_point:   # as KVCache.write: no float8 kernel
+            cache, k = cache.view(torch.uint8), k.view(torch.uint8)
+        cache.index_copy_(0, slots, k)
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = self.k_caches[layer_id - self.first_layer]
+        return latent, latent[..., :self.v_head_dim]
 
 
 def _pairs_as_words(x: torch.Tensor) -> bool:

@@ -35,12 +35,12 @@ import torch
 from servelm.config import CacheConfig, EngineConfig
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import set_residual_dtype
-from servelm.model.attention import Attention, get_attention_backend, prefill_routes
+from servelm.model.attention import Attention, LatentAttention, get_attention_backend, prefill_routes
 from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         resolve_quantization)
-from servelm.model.kv_cache import KVCache
+from servelm.model.kv_cache import KVCache, LatentKVCache
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
@@ -207,8 +207,10 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
         self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else DTYPES[config.lora.lora_dtype]
         """Dtype of installed adapters' weights and their deltas (--lora-dtype)."""
-        self.kv_bytes_per_token = KVCache.bytes_per_token(len(self._attention_layers), first.num_kv_heads,
-                                                          first.head_dim, self.kv_dtype)
+        self._pool_class = LatentKVCache if first.latent else KVCache
+        """The pool's kind: MLA models' latent rows, else per-head K and V."""
+        self.kv_bytes_per_token = self._pool_class.bytes_per_token(
+            len(self._attention_layers), first.num_kv_heads, first.head_dim, self.kv_dtype, first.v_head_dim)
         context_length = getattr(source, "context_length", None)
         self._demand_tokens = (config.scheduler.max_running_requests * context_length
                                if context_length else None)
@@ -254,9 +256,10 @@ class ModelRunner:
         assert self.kv_cache is None, "the KV pool is sized once"
         first = self._attention_layers[0]
         self.num_blocks = num_blocks
-        self.kv_cache = KVCache(len(self._attention_layers), num_blocks, self.block_size, first.num_kv_heads,
-                                first.head_dim, self.kv_dtype, self.device,
-                                first_layer=min(layer.layer_id for layer in self._attention_layers))
+        self.kv_cache = self._pool_class(len(self._attention_layers), num_blocks, self.block_size,
+                                         first.num_kv_heads, first.head_dim, self.kv_dtype, self.device,
+                                         first_layer=min(layer.layer_id for layer in self._attention_layers),
+                                         v_head_dim=first.v_head_dim)
         self.kv_cache_bytes = self.kv_cache.nbytes
         config = self.config
         logger.info("model %s on %s, dtype %s (%s)%s%s; KV pool %d blocks x %d = %d tokens, %.1f MiB "
@@ -273,11 +276,29 @@ class ModelRunner:
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                     self.kv_cache_bytes / 2 ** 20, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_bytes_per_token)
+        if first.latent:
+            logger.info("KV pool holds the latent (multi-head latent attention): %s",
+                        self.kv_pool_layout()["note"])
         if self.pooler is not None:
             logger.info("task embed: %s pooling%s, %d-dim vectors", self.pooler.pooling_type,
                         " + L2 normalize" if self.pooler.normalize else "", self.hidden_size)
         if config.runtime.enable_torch_compile:
             self._compile(config.runtime.torch_compile_max_bs)
+
+    def kv_pool_layout(self) -> dict[str, Any]:
+        """What a token costs in the pool (the start-up log and /get_server_info): per-head K and V,
+        or MLA's latent rows beside the per-head K/V they stand for (``--disable-mla``'s pool)."""
+        first, num_layers = self._attention_layers[0], len(self._attention_layers)
+        layout: dict[str, Any] = {"kind": "latent" if first.latent else "per_head",
+                                  "bytes_per_token": self.kv_bytes_per_token}
+        if isinstance(first, LatentAttention):
+            k_width, v_width = first.expanded_dims
+            expanded = KVCache.bytes_per_token(num_layers, first.num_heads, k_width, self.kv_dtype, v_width)
+            layout.update(latent_width=first.head_dim, expanded_bytes_per_token=expanded,
+                          note=f"{first.head_dim} values per token and layer, {self.kv_bytes_per_token} bytes "
+                               f"per token against {expanded} for the expanded per-head K/V of "
+                               f"{first.num_heads} heads ({expanded / self.kv_bytes_per_token:.1f}x smaller)")
+        return layout
 
     def _serve_prequantized(self, spec: QuantSpec, report: LoadReport) -> None:
         """After a pre-quantized checkpoint loaded dequantized: its integer codes take the block

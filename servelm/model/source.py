@@ -75,7 +75,20 @@ def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None =
         source.tokenizer_path = str(Path(config.tokenizer).expanduser())
     if config.skip_tokenizer_init:
         source.tokenizer_path = None
+    if config.disable_mla:
+        _disable_latent_attention(source.hf_config)
     return source
+
+
+def _disable_latent_attention(hf_config: PretrainedConfig) -> None:
+    """--disable-mla: the DeepSeek architectures read the flag from their config (every path that
+    builds the model, rank workers included, resolves its source here)."""
+    from servelm.model.architectures.deepseek import DISABLE_MLA, has_latent_attention
+
+    if not has_latent_attention(hf_config):
+        raise ModelSourceError(f"--disable-mla: {(getattr(hf_config, 'architectures', None) or ['this model'])[0]} "
+                               "has no multi-head latent attention to disable (DeepSeek-V2/V3 have it)")
+    setattr(hf_config, DISABLE_MLA, True)
 
 
 def _locate(config: ModelConfig, hub_cache_dir: Path) -> tuple[Path, str]:

@@ -22,9 +22,9 @@ def tiny_model(request, tmp_path_factory):
     return request.param, make_tiny_model_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def make_engine(path, cache: bool) -> LLMEngine:
+def make_engine(path, cache: bool, disable_mla: bool = False) -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32", disable_mla=disable_mla),
         cache=CacheConfig(max_total_tokens=4096, page_size=8, disable_radix_cache=not cache),
         scheduler=SchedulerConfig(chunked_prefill_size=16, max_prefill_tokens=256),
     )
@@ -44,24 +44,30 @@ def run(engine: LLMEngine, token_lists: list[list[int]]) -> tuple[list[list[int]
     return outputs, cached
 
 
-def test_greedy_matches_transformers_with_prefix_cache_and_chunks(tiny_model):
-    arch, path = tiny_model
-    engine = make_engine(path, cache=True)
+def check_cached_and_chunked(arch: str, path, engine: LLMEngine) -> tuple[list[list[int]], list[list[int]]]:
+    """A first request fills the cache; the rest run together, chunked, from its prefix: all their
+    greedy tokens equal transformers'. Returns the prompts and transformers' tokens."""
     token_lists = shared_prefix_prompts(engine.runner.vocab_size)
-    # a first request fills the cache; the rest run together, chunked, from its prefix
     first, _ = run(engine, token_lists[:1])
     rest, cached = run(engine, token_lists[1:])
     assert cached > 0, f"{arch}: no prefix-cache hit"
     reference = transformers_greedy(load_reference_model(path), token_lists, NUM_NEW_TOKENS)
     assert first + rest == reference, arch
+    return token_lists, reference
+
+
+def test_greedy_matches_transformers_with_prefix_cache_and_chunks(tiny_model):
+    arch, path = tiny_model
+    token_lists, reference = check_cached_and_chunked(arch, path, make_engine(path, cache=True))
     uncached, _ = run(make_engine(path, cache=False), token_lists)
     assert uncached == reference, arch
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_tp2_engine_matches_tp1(tmp_path, arch):
     """Two ranks on loopback, each holding every expert's half of the intermediate dimension (and
-    half the shared expert, half the dense layer's MLP): greedy tokens equal one rank's, chunked."""
+    half the shared expert, half the dense layer's MLP; DeepSeek: half the query heads over a
+    latent pool each rank holds whole): greedy tokens equal one rank's, chunked."""
     from tests.e2e.test_tensor_parallel import run_engine
 
     model = str(make_tiny_model_dir(tmp_path, arch))

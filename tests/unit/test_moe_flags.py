@@ -14,9 +14,13 @@ from .test_cli import fail_message
 
 def test_what_this_build_already_does_is_accepted() -> None:
     for argv in (["--moe-runner-backend", "auto"], ["--moe-a2a-backend", "none"], ["--ep-size", "1"],
-                 ["--ep", "1"], ["--expert-parallel-size", "1"], ["--disable-shared-experts-fusion"],
-                 ["--disable-mla"]):
+                 ["--ep", "1"], ["--expert-parallel-size", "1"], ["--disable-shared-experts-fusion"]):
         assert cli_args.parse_args(argv) == EngineConfig(), argv
+
+
+def test_disable_mla_is_a_flag_of_its_own() -> None:
+    assert cli_args.parse_args(["--disable-mla"]).model.disable_mla
+    assert not EngineConfig().model.disable_mla
 
 
 @pytest.mark.parametrize("argv", [["--moe-runner-backend", "triton"], ["--moe-runner-backend", "flashinfer_cutlass"],

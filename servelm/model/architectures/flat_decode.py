@@ -164,7 +164,7 @@ class FlatDecodePlan:
         self.round_updates = not (layers and getattr(layers[0].self_attn.o_proj, "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: they join a float32
         residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on the module path)."""
-        probe: list[nn.Module] = [layers[0].self_attn.qkv_proj] if layers else []
+        probe: list[nn.Module] = [layers[0].self_attn.qkv_proj] if self.layers else []   # no plan: no probe
         self._hooks: list[dict[int, Any]] = [hooks for module in (*layers, *probe)
                                              for hooks in (module._forward_pre_hooks, module._forward_hooks)]
         """The hook dicts (filled in place by ``register_forward_*hook``) of every layer module and of one

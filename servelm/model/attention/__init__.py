@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from servelm.model.attention.base import Attention, AttentionBackend
+from servelm.model.attention.base import Attention, AttentionBackend, LatentAttention
 
 
 def _torch_native() -> Any:
@@ -23,4 +23,4 @@ def get_attention_backend(name: str = "torch_native") -> AttentionBackend:
     return ATTENTION_BACKENDS[name]()
 
 
-__all__ = ["Attention", "AttentionBackend", "ATTENTION_BACKENDS", "get_attention_backend"]
+__all__ = ["Attention", "AttentionBackend", "LatentAttention", "ATTENTION_BACKENDS", "get_attention_backend"]

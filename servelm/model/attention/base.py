@@ -39,14 +39,20 @@ class AttentionBackend(Protocol):
 class Attention(nn.Module):
     """Paged attention of one layer: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` -> ``[T, H * D]``."""
 
+    latent = False
+    """Whether the pool holds one latent row per token whose first ``v_head_dim`` columns are V
+    (``LatentAttention``; the runner then allocates a ``LatentKVCache``)."""
+
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, is_causal: bool = True) -> None:
+                 sliding_window: int | None = None, is_causal: bool = True, v_head_dim: int | None = None) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        """V's width per head (and the output's): head_dim unless set (DeepSeek's 128 beside 192)."""
         self.scale = scale
         self.sliding_window = sliding_window
         """Keys at positions > query_position - sliding_window are visible; None: all."""
@@ -62,4 +68,26 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}, causal={self.is_causal}")
+                f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, sliding_window={self.sliding_window}, "
+                f"causal={self.is_causal}")
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention over the latent pool, absorbed form: every query head attends
+    to one shared KV row per token, ``latent_dim`` compressed-KV columns then ``rope_dim`` rope-key
+    columns; the value is the same row's first ``latent_dim`` columns. q ``[T, H, latent_dim +
+    rope_dim]`` (the no-rope query already multiplied into the latent space), latent ``[T, 1,
+    latent_dim + rope_dim]`` -> ``[T, H * latent_dim]`` (still to be multiplied out of it)."""
+
+    latent = True
+
+    def __init__(self, layer_id: int, num_heads: int, latent_dim: int, rope_dim: int, scale: float,
+                 expanded_dims: tuple[int, int]) -> None:
+        super().__init__(layer_id, num_heads, 1, latent_dim + rope_dim, scale, v_head_dim=latent_dim)
+        self.expanded_dims = expanded_dims
+        """The per-head K and V widths the latent stands for (what an expanded pool would hold)."""
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, batch: ForwardBatch,  # type: ignore[override]
+                position_bias: PositionBias | None = None) -> torch.Tensor:
+        assert position_bias is None, "latent attention is causal, without a position bias"
+        return batch.attention.forward(q, latent, latent[..., :self.v_head_dim], self, batch)

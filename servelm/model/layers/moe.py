@@ -54,6 +54,47 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
     return Routing(weights, expert_ids)
 
 
+def route_group_limited(router_logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                        scaling: float) -> Routing:
+    """DeepSeek-V2: softmax over all experts in float32; with ``num_groups`` > 1 the experts form
+    that many equal groups and only those of the ``topk_groups`` groups with the highest best
+    score may be chosen (``group_limited_greedy``); the ``top_k`` scores, not renormalised, times
+    ``scaling`` (``routed_scaling_factor``)."""
+    scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # [T, E]
+    if num_groups > 1:
+        group_best = scores.view(scores.shape[0], num_groups, -1).amax(dim=-1)
+        scores = _only_top_groups(scores, group_best, topk_groups, 0.0)
+    weights, expert_ids = torch.topk(scores, top_k, dim=-1)
+    return Routing(weights * scaling, expert_ids)
+
+
+def route_noaux_tc(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
+                   topk_groups: int, renormalize: bool, scaling: float) -> Routing:
+    """DeepSeek-V3 (``noaux_tc``): sigmoid scores in float32; experts are chosen by score plus
+    ``correction_bias`` (the load-balancing bias), among the ``topk_groups`` groups whose two best
+    biased scores sum highest; their weights are the unbiased scores, renormalised to sum to 1
+    where ``renormalize`` (``norm_topk_prob``), times ``scaling``."""
+    scores = router_logits.float().sigmoid()                            # [T, E]
+    biased = scores + correction_bias.float()
+    if num_groups > 1:
+        group_score = biased.view(scores.shape[0], num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+        biased = _only_top_groups(biased, group_score, topk_groups, float("-inf"))
+    expert_ids = torch.topk(biased, top_k, dim=-1).indices
+    weights = scores.gather(1, expert_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights * scaling, expert_ids)
+
+
+def _only_top_groups(scores: torch.Tensor, group_score: torch.Tensor, topk_groups: int,
+                     fill: float) -> torch.Tensor:
+    """``scores`` ``[T, E]`` with every expert outside each token's ``topk_groups`` best groups (by
+    ``group_score`` ``[T, G]``) set to ``fill``."""
+    chosen = torch.topk(group_score, topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, chosen, True)
+    return scores.masked_fill(~keep.repeat_interleave(scores.shape[1] // group_score.shape[1], dim=1), fill)
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertGroups:
     """The ``T * k`` (token, expert) pairs of a routing, sorted by expert id (stable: within an

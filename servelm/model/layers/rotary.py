@@ -53,7 +53,59 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, params)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN (DeepSeek-V2/V3's long-context rope): frequencies that turn fewer than ``beta_slow``
+    times over the original context are divided by ``factor``, those turning more than
+    ``beta_fast`` times kept, a linear ramp over the dimensions between."""
+    factor = float(params["factor"])
+    base = float(params["rope_theta"])
+    context = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def dimension_of(rotations: float) -> float:   # the dimension turning ``rotations`` times
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(params: dict[str, Any]) -> float:
+    """What YaRN multiplies cos and sin by (1.0 for every other rope type): the config's
+    ``attention_factor``, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` where
+    both are set (DeepSeek), else ``mscale(factor)``."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(params: dict[str, Any], scale: float) -> float:
+    """DeepSeek's attention scale under YaRN: ``scale * mscale(factor, mscale_all_dim) ** 2``
+    (``scale`` itself for other rope types or without ``mscale_all_dim``)."""
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] == "default" or not mscale_all_dim:
+        return scale
+    return scale * _yarn_mscale(float(params["factor"]), float(mscale_all_dim)) ** 2
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -86,6 +138,8 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = params["rope_type"]
         # Not a buffer: model.to(dtype) must never round it.
         self.inv_freq = compute_inv_freq(head_dim, params).to(torch.get_default_device())
+        self.attention_factor = rope_attention_factor(params)
+        """cos and sin are multiplied by it (YaRN's; 1.0 otherwise)."""
         self.cache_key = (head_dim, repr(sorted(params.items())))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +147,10 @@ class RotaryEmbedding(nn.Module):
         takes cos/sin of ``cat(freqs, freqs)``): cos/sin of one half, rounded, then duplicated is
         bit-identical at half the cost (1,019 positions, D 256: 0.62 -> 0.3 ms, one thread)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(dtype), sin.to(dtype)
         return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

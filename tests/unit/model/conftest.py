@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # repo root, for t
 from servelm.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from servelm.model.forward_batch import SequencePlan  # noqa: E402
 from servelm.model.runner import ModelRunner  # noqa: E402
-from tests.tiny_models import TINY_MOE_ARCHS, make_tiny_hf_model  # noqa: E402
+from tests.tiny_models import TINY_MLA_ARCHS, TINY_MOE_ARCHS, make_tiny_hf_model  # noqa: E402
 
 BLOCK_SIZE = 4
 POOL_TOKENS = 4096
@@ -81,5 +81,6 @@ def prompts_for(arch: str, vocab_size: int, seed: int = 1) -> list[list[int]]:
     """Prompts of mixed lengths; the longest exceeds the Gemma sliding window several times; the MoE
     models' are longer, so that every expert of every sparse layer gets tokens."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = [3, 11, 29] if arch == "gemma3" else [5, 23, 41] if arch in TINY_MOE_ARCHS else [3, 9, 17]
+    lengths = ([3, 11, 29] if arch == "gemma3" else [5, 23, 41] if arch in TINY_MOE_ARCHS + TINY_MLA_ARCHS
+               else [3, 9, 17])
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
