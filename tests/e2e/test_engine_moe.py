@@ -71,3 +71,32 @@ def test_tp2_engine_matches_tp1(tmp_path, arch):
     got, layout = run_engine(model, 2, prompts, **flags)
     assert got == expected
     assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
+
+
+def test_ep2_engine_matches_one_process_across_rebalances(tmp_path):
+    """--tp 2 --ep-size 2 on Mixtral (8 experts and 2 redundant slots: 5 whole experts a rank,
+    attention tensor-parallel), EPLB re-placing the experts every 3 passes: greedy tokens equal one
+    process's, chunked, and the experts did move."""
+    from tests.e2e.test_tensor_parallel import PARAMS
+    from tests.engine_drive import greedy
+
+    model = str(make_tiny_model_dir(tmp_path, "mixtral"))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(model=model, dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
+                 max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    single = LLMEngine(EngineConfig.from_flat(flags))
+    expected = greedy(single, prompts, PARAMS)
+    single.shutdown()
+    engine = LLMEngine(EngineConfig.from_flat(dict(
+        flags, tensor_parallel_size=2, expert_parallel_size=2, ep_num_redundant_experts=2, enable_eplb=True,
+        eplb_rebalance_num_iterations=3, enable_metrics=True, enable_expert_distribution_metrics=True)))
+    try:
+        initial = engine.expert_load.placements()
+        assert initial[0] == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
+        assert greedy(engine, prompts, PARAMS) == expected
+        moe = engine.stats()["moe"]
+        assert moe["eplb_rebalances"] >= 3 and engine.expert_load.placements() != initial
+        assert moe["layers"] == [0, 1] and sum(moe["expert_rows"][0]) == sum(map(sum, moe["ep_rank_rows"][:1]))
+        assert engine.stats()["parallel"]["ep_size"] == 2
+    finally:
+        engine.shutdown()
