@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from servelm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
+from servelm.engine.expert_stage import expert_distribution_call
 from servelm.sampling.params import SamplingParams
 from tests.e2e.test_prefix_cache_tiny import run as run_greedy
 from tests.reference import load_reference_model, transformers_greedy
@@ -100,3 +101,25 @@ def test_ep2_engine_matches_one_process_across_rebalances(tmp_path):
         assert engine.stats()["parallel"]["ep_size"] == 2
     finally:
         engine.shutdown()
+
+
+def test_expert_distribution_recorder_in_process(tmp_path):
+    """--expert-distribution-recorder-mode per_token on one process: nothing is kept before start;
+    between start and stop every pass's routing is, each token's top-2 per sparse layer (qwen3_moe's
+    layers 0 and 2); the dump after stop is what was recorded, and a recorder-less engine says why."""
+    model = make_tiny_model_dir(tmp_path, "qwen3_moe")
+    config = EngineConfig(model=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
+                          observability=ObservabilityConfig(expert_distribution_recorder_mode="per_token"))
+    engine = LLMEngine(config)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    run_greedy(engine, [[11, 12, 13]], 2)
+    assert engine.expert_distribution("dump")["num_passes"] == 0
+    assert engine.expert_distribution("start")["success"]
+    run_greedy(engine, prompts, 3)
+    engine.expert_distribution("stop")
+    run_greedy(engine, [[21, 22]], 2)
+    dump = engine.expert_distribution("dump")
+    assert dump["layers"] == [0, 2] and dump["num_passes"] == 3
+    rows = [token for one_pass in dump["passes"] for token in one_pass[0]]
+    assert len(rows) == 5 + 3 + 2 + 2 and all(len(set(experts)) == 2 for experts in rows)
+    assert "--expert-distribution-recorder-mode" in expert_distribution_call(None, "start")["message"]
