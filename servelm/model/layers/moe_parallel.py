@@ -12,8 +12,8 @@ Invariants:
   the rows it received with its local slots, sends the results back, and weights and sums each
   token's ``k`` results in choice order; an all-gather of the token slices gives every rank the
   whole output again. Every expert row is computed exactly once, on one rank.
-- Which replica a row goes to is a pure function of the placement and the row's global pair index
-  (``token * k + choice``, round robin over the expert's replicas), so every rank routes alike.
+- Which replica a row goes to is a pure function of the placement and the row's global token index
+  and choice (round robin over the expert's replicas), so every rank routes alike.
 - The output never depends on the placement: replicas hold identical weights, and the ``k``
   results are summed in choice order whatever rank computed them (rebalancing changes which rank
   computes a row, not its value, up to the GEMM's row blocking).
@@ -67,7 +67,8 @@ class ExpertPlacement:
 
     def to_physical(self, expert_ids: torch.Tensor, first_pair: int = 0) -> torch.Tensor:
         """``[T, k]`` logical ids -> the physical slot each row goes to: round robin over the
-        expert's replicas by the row's global pair index (``first_pair`` + its flat index)."""
+        expert's replicas by the row's global token index plus its choice (the global pair index
+        is ``first_pair`` + the row's flat index)."""
         replicas = [[p for p, e in enumerate(self.physical_to_logical) if e == logical]
                     for logical in range(self.num_logical)]
         width = max(len(slots) for slots in replicas)
@@ -76,7 +77,11 @@ class ExpertPlacement:
         counts = torch.tensor([len(slots) for slots in replicas], device=expert_ids.device)
         flat = expert_ids.reshape(-1)
         pairs = torch.arange(first_pair, first_pair + flat.numel(), device=flat.device)
-        choice = torch.remainder(pairs, counts[flat])
+        top_k = max(1, expert_ids.shape[-1])
+        # token + choice, not the pair index: with an even k the pair index's parity is the choice's,
+        # and an expert is far more often a token's first choice than its second
+        spread = torch.div(pairs, top_k, rounding_mode="floor") + pairs % top_k
+        choice = torch.remainder(spread, counts[flat])
         return table[flat, choice].reshape(expert_ids.shape)
 
     def rows_per_rank(self, expert_ids: torch.Tensor) -> list[int]:

@@ -105,8 +105,8 @@ def test_rebalance_lowers_the_busiest_ranks_share() -> None:
 def test_placement_rules() -> None:
     placement = ExpertPlacement.initial(6, 2, 2)
     assert placement.rank_experts(0) == (0, 1, 2, 3) and placement.rank_experts(1) == (4, 5, 0, 1)
-    # expert 0 has slots 0 and 6: pairs alternate between them
-    assert placement.to_physical(torch.tensor([[0, 0], [0, 5]])).tolist() == [[0, 6], [0, 5]]
+    # expert 0 has slots 0 and 6: token + choice picks the replica, so its first-choice rows alternate
+    assert placement.to_physical(torch.tensor([[0, 1], [0, 5], [0, 2]])).tolist() == [[0, 7], [6, 5], [0, 2]]
     for bad in ((6, 1, 2), (6, 0, 4)):
         try:
             ExpertPlacement.initial(*bad)
