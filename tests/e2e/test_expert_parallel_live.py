@@ -1,6 +1,7 @@
-"""Expert parallelism through the server (slow: two servers with a rank process each): SGLang's
-recorder endpoints and the routing metrics on --tp 2 --ep 2 with EPLB, and a rank killed
-mid-generation under EP ends the server with the tensor-parallel path's clear error."""
+"""Expert parallelism through the server (slow: servers with a rank process each): SGLang's
+recorder endpoints and the routing metrics on --tp 2 --ep 2 with EPLB, a rank killed
+mid-generation under EP ends the server with the tensor-parallel path's clear error, and EP across
+two nodes (loopback, and a network namespace joined by a veth pair) equals one process."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import ServerProcess, check_killed_rank_ends_the_server
+from .test_multi_node import second_address  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +48,33 @@ def test_killing_a_rank_under_expert_parallelism_ends_the_server(tmp_path: Path)
     check_killed_rank_ends_the_server(str(make_tiny_model_dir(tmp_path, "mixtral")), ["--tp", "2", "--ep", "2"],
                                       "tensor-parallel rank 1 (pid {pid}) was killed by SIGKILL",
                                       "tensor-parallel rank 1")
+
+
+@pytest.mark.parametrize("network", ["loopback", "netns"])
+def test_ep2_over_two_nodes_matches_one_process(tmp_path: Path, network: str, request: pytest.FixtureRequest) -> None:
+    """--tp 2 --ep 2 with one rank per node: the all-to-all crosses the nodes (on loopback, and from
+    a network namespace of its own joined by a veth pair: skipped where namespaces cannot be made);
+    greedy tokens equal one process's."""
+    from tests.e2e.test_multi_node import NodeProcess, generate_tokens
+    from tests.engine_drive import reference_greedy
+
+    from .server_process import free_port
+
+    model = str(make_tiny_model_dir(tmp_path, "mixtral"))
+    prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], 12, model=model,
+                                         dtype="float32", num_threads=1, skip_tokenizer_init=True,
+                                         max_total_tokens=1024)
+    address, prefix = "127.0.0.1", ()
+    if network == "netns":
+        namespace, address, _ = request.getfixturevalue("second_address")
+        prefix = ("ip", "netns", "exec", namespace)
+    args = [model, "--tp", "2", "--ep", "2", "--nnodes", "2", "--dist-init-addr", f"{address}:{free_port()}",
+            "--num-threads", "1", "--dtype", "float32", "--skip-tokenizer-init", "--max-total-tokens", "1024",
+            "--dist-timeout", "60"]
+    with NodeProcess([*args, "--node-rank", "1"], tmp_path / "node1.log", prefix=prefix) as node1:
+        with ServerProcess([*args, "--node-rank", "0"]) as server:
+            got = [generate_tokens(server, prompt, 12) for prompt in prompts]
+            layout = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]
+        assert got == expected
+        assert layout["ep_size"] == 2 and [rank["node"] for rank in layout["ranks"]] == [0, 1]
+        assert node1.wait(30) == 0, node1.log()

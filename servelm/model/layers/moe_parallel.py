@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -65,16 +66,21 @@ class ExpertPlacement:
         size = self.slots_per_rank
         return self.physical_to_logical[rank * size:(rank + 1) * size]
 
+    @functools.cached_property
+    def _replica_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[E, max replicas]`` each expert's slots (the row padded with its first), ``[E]`` how
+        many; built once per placement (every MoE forward reads it)."""
+        replicas = [[p for p, e in enumerate(self.physical_to_logical) if e == logical]
+                    for logical in range(self.num_logical)]
+        width = max(len(slots) for slots in replicas)
+        return (torch.tensor([slots + slots[:1] * (width - len(slots)) for slots in replicas]),
+                torch.tensor([len(slots) for slots in replicas]))
+
     def to_physical(self, expert_ids: torch.Tensor, first_pair: int = 0) -> torch.Tensor:
         """``[T, k]`` logical ids -> the physical slot each row goes to: round robin over the
         expert's replicas by the row's global token index plus its choice (the global pair index
         is ``first_pair`` + the row's flat index)."""
-        replicas = [[p for p, e in enumerate(self.physical_to_logical) if e == logical]
-                    for logical in range(self.num_logical)]
-        width = max(len(slots) for slots in replicas)
-        table = torch.tensor([slots + slots[:1] * (width - len(slots)) for slots in replicas],
-                             device=expert_ids.device)          # [E, max replicas]
-        counts = torch.tensor([len(slots) for slots in replicas], device=expert_ids.device)
+        table, counts = (tensor.to(expert_ids.device) for tensor in self._replica_table)
         flat = expert_ids.reshape(-1)
         pairs = torch.arange(first_pair, first_pair + flat.numel(), device=flat.device)
         top_k = max(1, expert_ids.shape[-1])
