@@ -1891,6 +1891,10 @@ class EngineConfig:
             raise ValueError("--enable-torch-compile cannot be combined with --tp-size or --pp-size > 1: "
                              "the compiled decode graphs are built by the in-process runner only, and "
                              "the rank workers run their layers eagerly")
+        if self.observability.expert_distribution_recorder_mode or self.observability.enable_expert_distribution_metrics:
+            raise ValueError("--enable-torch-compile with the expert distribution recorder or its metrics is "
+                             "not built yet (issue 33): the recorder reads every MoE layer's routing after "
+                             "each pass, which the compiled decode graphs were neither built nor tested for")
 
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with."""
