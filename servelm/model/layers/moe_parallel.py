@@ -22,7 +22,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -110,21 +109,13 @@ def rebalance(load: list[float], num_redundant: int, num_ranks: int) -> ExpertPl
                    key=lambda item: (-item[0], item[1]))
     slots = (num_logical + num_redundant) // num_ranks
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
-    heap = [(0.0, rank) for rank in range(num_ranks)]   # (load so far, rank) of ranks with a free slot
+    totals = [0.0] * num_ranks
     for share, expert in items:
-        skipped = []
-        while len(heap) > 1 and expert in ranks[heap[0][1]]:
-            skipped.append(heapq.heappop(heap))   # prefer a rank without this expert yet
-        if expert in ranks[heap[0][1]] and skipped:
-            heap.extend(skipped)                  # every free rank holds it already: take the least loaded
-            heapq.heapify(heap)
-            skipped = []
-        total, rank = heapq.heappop(heap)
+        free = [rank for rank in range(num_ranks) if len(ranks[rank]) < slots]
+        fresh = [rank for rank in free if expert not in ranks[rank]] or free
+        rank = min(fresh, key=lambda r: (totals[r], r))
         ranks[rank].append(expert)
-        if len(ranks[rank]) < slots:
-            heapq.heappush(heap, (total + share, rank))
-        for entry in skipped:
-            heapq.heappush(heap, entry)
+        totals[rank] += share
     return ExpertPlacement(tuple(e for rank_experts in ranks for e in sorted(rank_experts)), num_logical, num_ranks)
 
 
