@@ -352,6 +352,10 @@ ALIASES: tuple[Alias, ...] = (
           "SGLang, vLLM, LightLLM", example=("2",)),
     Alias(("--disable_custom_allreduce",), "disable_custom_all_reduce", "LightLLM", takes_value=False,
           const=True),
+    Alias(("--ep-size", "--ep"), "expert_parallel_size", "SGLang", example=("2",)),
+    Alias(("--enable-ep-moe", "--enable_ep_moe"), "enable_expert_parallel", "SGLang, LightLLM",
+          takes_value=False, const=True, note="--ep-size = --tp-size"),
+    Alias(("--auto_update_redundancy_expert",), "enable_eplb", "LightLLM", takes_value=False, const=True),
     Alias(("-pp", "--pp-size"), "pipeline_parallel_size", "vLLM, SGLang", example=("2",)),
     Alias(("--dp-size", "--dp", "-dp"), "data_parallel_size", "SGLang, LightLLM, vLLM",
           example=("2",)),
@@ -425,8 +429,8 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "here; the triton, triton_kernel, deep_gemm, cutlass and flashinfer_* runners are "
                      "CUDA-only kernels", values=("auto",), bad_value="triton"),
     AlreadyBehaviour(("--moe-a2a-backend",),
-                     "no all-to-all: MoE expert parallelism is not built yet on this build (issue 33), "
-                     "so every rank holds every expert; deepep and mooncake are CUDA/RDMA-only",
+                     "expert parallelism exchanges tokens with torch.distributed's all-to-all (gloo "
+                     "on CPU); deepep and mooncake are CUDA/RDMA transports",
                      values=("none",), bad_value="deepep"),
     AlreadyBehaviour(("--enable-mixed-chunk", "--splitfuse_mode"),
                      "servelm's scheduler has no prefill/decode phases: prompt chunks and decodes "
@@ -449,10 +453,15 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
     AlreadyBehaviour(("--scheduler-recv-interval",),
                      "the engine reads new requests between every two steps", values=("1",),
                      bad_value="4"),
-    AlreadyBehaviour(("--expert-parallel-size", "--ep-size", "--ep"),
-                     "MoE expert parallelism is not built yet on this build (issue 33): every rank holds "
-                     "every expert (--tp-size splits each expert's intermediate dimension)", values=("1",),
-                     bad_value="2"),
+    AlreadyBehaviour(("--init-expert-location",),
+                     "experts start in checkpoint order, the redundant slots replicating the first "
+                     "experts, and --enable-eplb moves them from the measured load (a placement file "
+                     "is not read)", values=("trivial",), bad_value="/tmp/placement.json"),
+    AlreadyBehaviour(("--eplb-algorithm",),
+                     "servelm's EPLB gives the redundant slots to the experts with the most rows per "
+                     "replica and packs the replicas heaviest first onto the least loaded rank; "
+                     "the ranks are one tensor-parallel group, so there is no node hierarchy to plan "
+                     "for (deepseek_hierarchical)", values=("auto",), bad_value="deepseek_hierarchical"),
     AlreadyBehaviour(("--cpu-offload-gb", "--swap-space"),
                      "weights stay where the model was loaded (no CPU offload of weights), and a "
                      "preempted request is recomputed, not swapped out (evicted prefix blocks can "
@@ -656,16 +665,19 @@ REJECTIONS: tuple[Rejection, ...] = (
               ("--first_token_constraint_mode", "--logits-processor-pattern")),
     Rejection("not supported: tool parser plugins (choose a built-in --tool-call-parser)",
               ("--tool-parser-plugin",)),
-    Rejection(f"{NOT_BUILT_YET}: MoE expert parallelism and expert load balancing (issue 33); MoE "
-              "models (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE) run with every expert on every rank, "
-              "their intermediate dimension split by --tp-size",
-              ("--enable-ep-moe", "--enable_ep_moe", "--enable-expert-parallel",
-               "--ep_redundancy_expert_config_path", "--auto_update_redundancy_expert",
-               "--elastic-ep-backend", "--ep-num-redundant-experts", "--ep-dispatch-algorithm",
-               "--init-expert-location", "--enable-eplb", "--eplb-algorithm",
-               "--eplb-rebalance-num-iterations", "--eplb-rebalance-layers-per-chunk",
-               "--eplb-min-rebalancing-utilization-threshold", "--expert-distribution-recorder-mode",
-               "--expert-distribution-recorder-buffer-size", "--enable-expert-distribution-metrics")),
+    Rejection("not supported: LightLLM's redundant-expert file; servelm places redundant experts "
+              "itself (--ep-num-redundant-experts, moved by --enable-eplb)",
+              ("--ep_redundancy_expert_config_path",)),
+    Rejection("not supported: elastic expert parallelism (surviving a lost rank over Mooncake's RDMA "
+              "transport); a rank that dies ends the server with an error naming it",
+              ("--elastic-ep-backend",)),
+    Rejection("not supported: a redundant expert's rows are spread over its replicas round robin "
+              "by the row's position in the batch, which every rank computes alike without "
+              "exchanging choices; SGLang's static/dynamic/fake dispatch choices are not offered",
+              ("--ep-dispatch-algorithm",)),
+    Rejection("not supported: EPLB moves every MoE layer's experts in the same forward pass (a "
+              "rebalance is a few broadcasts of the moved experts over the tensor-parallel group); "
+              "there is no per-chunk schedule to set", ("--eplb-rebalance-layers-per-chunk",)),
     Rejection(f"{NOT_BUILT_YET}: a separate tensor-parallel size for the dense MLP layers of MoE models "
               "(issue 33); every layer is split by --tp-size", ("--moe-dense-tp-size",)),
     Rejection("not supported: CUDA-only MoE kernels and transports (DeepEP, FlashInfer, Triton, "
@@ -808,6 +820,14 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("prompt_tokens_buckets", "collect_tokens_histogram"),
     ("generation_tokens_buckets", "collect_tokens_histogram"),
     ("tokenizer_metrics_custom_labels_header", "tokenizer_metrics_allowed_custom_labels"),
+    ("expert_parallel_size", "tensor_parallel_size"),
+    ("enable_expert_parallel", "tensor_parallel_size"),
+    ("ep_num_redundant_experts", "expert_parallel_size"),
+    ("enable_eplb", "expert_parallel_size"),
+    ("eplb_rebalance_num_iterations", "enable_eplb"),
+    ("eplb_min_rebalancing_utilization_threshold", "enable_eplb"),
+    ("expert_distribution_recorder_buffer_size", "expert_distribution_recorder_mode"),
+    ("enable_expert_distribution_metrics", "enable_metrics"),
     ("job_name", "metric_gateway"),
     ("grouping_key", "metric_gateway"),
     ("push_interval", "metric_gateway"),

@@ -507,6 +507,29 @@ class ParallelConfig:
         "timeout of every collective; a rank that misses it fails the server with a clear error "
         "instead of hanging. Loading a large model on a slow disk may need more.")
 
+    expert_parallel_size: int = opt(
+        1, "Expert-parallel degree of MoE layers: 1 (every tensor-parallel rank holds a slice of "
+        "every expert) or --tp-size (each rank holds whole experts, E / N of them, and tokens go "
+        "to the rank holding their expert and back by all-to-all; attention stays tensor-parallel).")
+    enable_expert_parallel: bool = opt(
+        False, "Expert parallelism over all tensor-parallel ranks: --ep-size set to --tp-size.")
+    ep_num_redundant_experts: int = opt(
+        0, "Extra expert slots per MoE layer under expert parallelism, each a replica of a busy "
+        "expert (rows of a replicated expert are spread over its replicas); experts plus these "
+        "must divide by --ep-size. They start as replicas of the first experts; --enable-eplb "
+        "moves them to the measured busiest.")
+    enable_eplb: bool = opt(
+        False, "Expert load balancing: count each MoE layer's routed rows per expert and every "
+        "--eplb-rebalance-num-iterations forward passes re-place the experts (and their redundant "
+        "replicas) so each expert-parallel rank computes about as many rows. Outputs do not "
+        "change (the placement decides which rank computes a row, not its value).")
+    eplb_rebalance_num_iterations: int = opt(
+        1000, "Forward passes between two EPLB rebalances (the load counted since the last one "
+        "decides the next placement).")
+    eplb_min_rebalancing_utilization_threshold: float = opt(
+        1.0, "Rebalance only when the layers' mean balancedness (mean / max rows per rank over the "
+        "last window) is below this; 1.0 rebalances every time.")
+
     disable_custom_all_reduce: bool = opt(
         False, "All-reduce through torch.distributed (gloo) only. By default, tensor-parallel ranks "
         "on one CPU host sum tensors of up to 4 MiB through shared memory (tens of microseconds "
@@ -531,8 +554,38 @@ class ParallelConfig:
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError(f"--pp-max-micro-batch-size must be at least 1, got {self.pp_max_micro_batch_size}")
         self._check_nodes()
+        self._check_experts()
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
+
+    def _check_experts(self) -> None:
+        """--ep-size and EPLB: experts are sharded over the tensor-parallel ranks."""
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if self.enable_expert_parallel and ep not in (1, tp):
+            raise ValueError(f"--enable-expert-parallel sets --ep-size to --tp-size {tp}; "
+                             f"--ep-size {ep} contradicts it")
+        if ep not in (1, tp):
+            raise ValueError(f"--ep-size {ep} must be 1 or --tp-size {tp}: experts are sharded over "
+                             "the tensor-parallel ranks (attention TP, experts EP); an expert-parallel "
+                             "group smaller than the tensor-parallel one (experts split both ways) is "
+                             "not built yet (issue 33)")
+        if self.ep_num_redundant_experts < 0:
+            raise ValueError(f"--ep-num-redundant-experts must be at least 0, got {self.ep_num_redundant_experts}")
+        if self.ep_size == 1 and (self.ep_num_redundant_experts or self.enable_eplb):
+            raise ValueError("--ep-num-redundant-experts and --enable-eplb place experts on expert-"
+                             "parallel ranks: they need --ep-size > 1 (with --ep-size 1 every rank "
+                             "holds every expert)")
+        if self.eplb_rebalance_num_iterations < 1:
+            raise ValueError(f"--eplb-rebalance-num-iterations must be at least 1, got "
+                             f"{self.eplb_rebalance_num_iterations}")
+        if self.enable_eplb and self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-eplb with --pp-size > 1 is not built yet (issue 33): the "
+                             "rebalance counts the last stage's layers only")
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel degree (--ep-size, or --tp-size with --enable-expert-parallel)."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else self.expert_parallel_size
 
     def _check_nodes(self) -> None:
         """The multi-node and executor flags (--nnodes, --node-rank, --dist-init-addr, ray)."""
@@ -892,6 +945,17 @@ class ObservabilityConfig:
         300.0, "Seconds one engine step may take; a step that hangs longer kills the engine (the "
         "server then exits with an error) instead of hanging forever. 300 s is far above any "
         "healthy step, even a full prefill on CPU. 0 turns the watchdog off.")
+    expert_distribution_recorder_mode: str | None = opt(
+        None, "Record which experts each MoE layer routes to, for /dump_expert_distribution_record "
+        "(between /start_expert_distribution_record and /stop_expert_distribution_record): stat "
+        "(rows per layer and expert, summed over the buffer's passes), per_pass (those counts per "
+        "forward pass) or per_token (each token's chosen experts per layer, per pass).",
+        choices=["stat", "per_pass", "per_token"])
+    expert_distribution_recorder_buffer_size: int | None = opt(
+        None, "Forward passes the recorder keeps (the oldest drop out); unset: 1000, -1: all.")
+    enable_expert_distribution_metrics: bool = opt(
+        False, "Export MoE routing on /metrics: rows per layer and expert, rows per expert-parallel "
+        "rank, and EPLB rebalances (counted since start; needs --enable-metrics).")
     crash_dump_folder: str | None = opt(
         None, "Folder for a JSON dump of the last five minutes of requests (prompt token ids, "
         "sampling parameters, how each ended), written when the engine process dies; unset: no "
@@ -977,6 +1041,11 @@ class ObservabilityConfig:
             raise ValueError(f"--log-stats-interval must be >= 0, got {self.log_stats_interval}")
         if self.decode_log_interval < 0:
             raise ValueError(f"--decode-log-interval must be >= 0, got {self.decode_log_interval}")
+        size = self.expert_distribution_recorder_buffer_size
+        if size is not None and (size == 0 or size < -1):
+            raise ValueError(f"--expert-distribution-recorder-buffer-size must be positive or -1 (all), got {size}")
+        if self.enable_expert_distribution_metrics and not self.enable_metrics:
+            raise ValueError("--enable-expert-distribution-metrics exports on /metrics: add --enable-metrics")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be >= 0, got {self.watchdog_timeout}")
         self._check_tracing()
@@ -1829,6 +1898,10 @@ class EngineConfig:
             raise ValueError("--enable-torch-compile cannot be combined with --tp-size or --pp-size > 1: "
                              "the compiled decode graphs are built by the in-process runner only, and "
                              "the rank workers run their layers eagerly")
+        if self.observability.expert_distribution_recorder_mode or self.observability.enable_expert_distribution_metrics:
+            raise ValueError("--enable-torch-compile with the expert distribution recorder or its metrics is "
+                             "not built yet (issue 33): the recorder reads every MoE layer's routing after "
+                             "each pass, which the compiled decode graphs were neither built nor tested for")
 
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with."""

@@ -68,12 +68,18 @@ class ParallelContext:
     """A ShmAllReduce over the ranks of this host (None: all-reduce on ``group``)."""
     pp_group: Any = field(default=None, compare=False, repr=False)
     """The pipeline ProcessGroup of this tp rank's stages, group rank = pp_rank (None at pp 1)."""
+    ep_size: int = 1
+    """Expert-parallel degree: 1 (every rank holds a slice of every expert) or tp_size (each rank
+    holds whole experts; MoE layers exchange tokens over ``group``)."""
+    num_redundant_experts: int = 0
+    """Extra expert slots per MoE layer (replicas of the busiest experts, --ep-num-redundant-experts)."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, f"tp rank {self.tp_rank} outside [0, {self.tp_size})"
         assert 0 <= self.pp_rank < self.pp_size, f"pp rank {self.pp_rank} outside [0, {self.pp_size})"
         assert self.tp_size == 1 or self.group is not None, "tp_size > 1 needs a process group"
         assert self.pp_size == 1 or self.pp_group is not None, "pp_size > 1 needs a process group"
+        assert self.ep_size in (1, self.tp_size), f"ep size {self.ep_size} is neither 1 nor tp size {self.tp_size}"
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -106,11 +112,13 @@ class ParallelContext:
         return range(start, start + base + (1 if self.pp_rank < extra else 0))
 
     # -- partitions -------------------------------------------------------------------------
-    def split(self, size: int) -> Shard:
-        """This rank's part of ``size`` (contiguous; sizes differ by at most one across ranks)."""
+    def split(self, size: int, rank: int | None = None) -> Shard:
+        """This rank's (or tp rank ``rank``'s) part of ``size`` (contiguous; sizes differ by at most
+        one across ranks)."""
+        rank = self.tp_rank if rank is None else rank
         base, extra = divmod(size, self.tp_size)
-        start = self.tp_rank * base + min(self.tp_rank, extra)
-        return Shard(start, base + (1 if self.tp_rank < extra else 0))
+        start = rank * base + min(rank, extra)
+        return Shard(start, base + (1 if rank < extra else 0))
 
     def padded_split(self, size: int) -> Shard:
         """This rank's part of ``size`` rounded up to a multiple of tp_size (equal parts, so they
@@ -158,6 +166,37 @@ class ParallelContext:
         self.group.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
 
+    def all_gather_rows(self, tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Every rank's ``split(num_rows)`` rows of ``tensor`` (``[rows, ...]``) concatenated in rank
+        order: the ``num_rows`` rows whole. The parts travel padded to equal length."""
+        if self.tp_size == 1:
+            return tensor
+        part = self.padded_split(num_rows).size
+        padded = tensor.new_zeros((part, *tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.tp_size)]
+        self.group.allgather([parts], [padded]).wait()
+        return torch.cat([whole[:self.split(num_rows, rank).size] for rank, whole in enumerate(parts)])
+
+    def all_to_all_rows(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Send rows ``sum(send_counts[:r]) ..`` of ``tensor`` to rank r; returns the rows every rank
+        sent here, in rank order (``recv_counts[r]`` from rank r)."""
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        self.group.alltoall_base(out, tensor.contiguous(), recv_counts, send_counts).wait()
+        return out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """``send_counts[r]``: what this rank sends rank r; returns what each rank sends this one."""
+        recv = torch.empty_like(send_counts)
+        self.group.alltoall_base(recv, send_counts.contiguous(), [1] * self.tp_size, [1] * self.tp_size).wait()
+        return [int(count) for count in recv.tolist()]
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with tp rank ``root``'s, in place; returns it."""
+        if self.tp_size > 1:
+            self.group.broadcast(tensor, root).wait()
+        return tensor
+
     def send_to_next_stage(self, tensor: torch.Tensor, tag: int) -> Any:
         """Start sending ``tensor`` to the same tp rank of stage pp_rank + 1; returns the Work
         (the caller keeps ``tensor`` alive until ``wait()``)."""
@@ -174,7 +213,8 @@ class ParallelContext:
     def describe(self) -> dict[str, int]:
         """The layout for logs and /get_server_info."""
         return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
-                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+                "ep_size": self.ep_size}
 
 
 def make_tp_group(store: Any, rank: int, size: int, device: torch.device, timeout_s: float,

@@ -46,7 +46,7 @@ from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
 from servelm.engine.engine_process import run_engine_process
 from servelm.engine.frontdoor import (PROTOCOL_VERSION, AbortRequest, CallResult, EngineCall,
-                                      EngineFailed, EngineReady, FlushCacheCall, FrontMessage,
+                                      EngineFailed, EngineReady, ExpertDistributionCall, FlushCacheCall, FrontMessage,
                                       LoadLoRACall, ModelInfo, Shutdown, StatsCall, StepOutputs,
                                       SubmitRequest, UnloadLoRACall)
 from servelm.engine.monitor import acceptance_figures
@@ -444,6 +444,16 @@ class AsyncEngine:
         if failed:
             return {"success": False, "message": "; ".join(failed)}
         return {"success": True, "message": f"cache flushed on {len(results)} replicas"}
+
+    async def expert_distribution(self, action: str) -> dict[str, Any]:
+        """The expert distribution recorder of every replica: start, stop or dump (one replica's
+        answer; with --dp-size > 1 ``replicas`` lists each one's)."""
+        results = await asyncio.gather(*(self._call(r, lambda call_id: ExpertDistributionCall(call_id, action))
+                                         for r in self._replicas))
+        if len(results) == 1:
+            return results[0]
+        return {"success": all(result.get("success") for result in results), "replicas": results,
+                "message": "; ".join(str(result.get("message")) for result in results)}
 
     @property
     def lora_adapters(self) -> list[dict[str, Any]]:

@@ -62,14 +62,20 @@ def check_draft_supported(config: EngineConfig) -> None:
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """The config the draft's ModelRunner is built from: the model's, with the draft's path and
-    none of the model-only options (tokenizer, overrides, context length, torch.compile)."""
+    none of the model-only options (tokenizer, overrides, context length, torch.compile, the MoE
+    expert placement and recording: the draft runs whole on the engine's rank)."""
     path = config.speculative.speculative_draft_model_path
     assert path is not None, "STANDALONE has a draft path (SpeculativeConfig)"
     model = dataclasses.replace(config.model, model=path, tokenizer=None, hf_overrides=None,
                                 context_length=None, served_model_name=None, revision=None,
                                 download_dir=None)
     runtime = dataclasses.replace(config.runtime, enable_torch_compile=False)
-    return dataclasses.replace(config, model=model, runtime=runtime)
+    parallel = dataclasses.replace(config.parallel, expert_parallel_size=1, enable_expert_parallel=False,
+                                   ep_num_redundant_experts=0, enable_eplb=False)
+    observability = dataclasses.replace(config.observability, expert_distribution_recorder_mode=None,
+                                        enable_expert_distribution_metrics=False)
+    return dataclasses.replace(config, model=model, runtime=runtime, parallel=parallel,
+                               observability=observability)
 
 
 def load_draft_runner(config: EngineConfig) -> tuple[ModelRunner, Any]:

@@ -29,6 +29,7 @@ from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import Disaggregation
 from servelm.engine.executor import Executor, NaNLogitsError, Runner
+from servelm.engine.expert_stage import ExpertLoadStage, expert_distribution_call
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers
 from servelm.engine.hicache import HiCacheStage, build_hicache
@@ -50,6 +51,7 @@ from servelm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
     from servelm.model.eagle import EagleHeadRunner
+    from servelm.model.expert_load import ExpertLoad
     from servelm.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,11 @@ class LLMEngine:
             self.speculation, self.beams,
             *([LoRAStage(self.lora, self.scheduler)] if self.lora else []),
             *([HiCacheStage(hicache)] if hicache else [])]
+        self.expert_load: ExpertLoad | None = getattr(runner, "expert_load", None)
+        """Rank 0's MoE routing counts (model/expert_load.py), None where no flag asks for them."""
+        if self.expert_load is not None:
+            self.stages.append(ExpertLoadStage(self.expert_load,
+                                               config.observability.enable_expert_distribution_metrics))
         """The optional features, each plugged into the step through ``engine/stage.py``."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -614,6 +621,10 @@ class LLMEngine:
         if self.kv.hicache is not None:
             self.kv.hicache.flush()
         return {"success": True, "message": "cache flushed"}
+
+    def expert_distribution(self, action: str) -> dict[str, Any]:
+        """The expert distribution recorder: start, stop or dump (engine/expert_stage.py)."""
+        return expert_distribution_call(self.expert_load, action)
 
     def stats(self) -> dict[str, Any]:
         """Live pool, queue and cache figures. Used blocks (and ``token_usage``) are those held by

@@ -14,7 +14,7 @@ import zmq
 
 from servelm.config import EngineConfig
 from servelm.engine.frontdoor import (AbortRequest, CallResult, EngineFailed, EngineReady,
-                                      FlushCacheCall, FrontMessage, LoadLoRACall, ModelInfo,
+                                      ExpertDistributionCall, FlushCacheCall, FrontMessage, LoadLoRACall, ModelInfo,
                                       Shutdown, StatsCall, StepOutputs, SubmitRequest,
                                       UnloadLoRACall)
 
@@ -133,6 +133,8 @@ def _handle(engine: LLMEngine, message: FrontMessage, outputs: zmq.Socket[Any]) 
         outputs.send_pyobj(CallResult(message.call_id, engine.stats()))
     elif isinstance(message, FlushCacheCall):
         outputs.send_pyobj(CallResult(message.call_id, engine.flush_cache()))
+    elif isinstance(message, ExpertDistributionCall):
+        outputs.send_pyobj(CallResult(message.call_id, engine.expert_distribution(message.action)))
     elif isinstance(message, LoadLoRACall):
         outputs.send_pyobj(CallResult(message.call_id, engine.load_lora_adapter(message.name, message.path)))
     elif isinstance(message, UnloadLoRACall):

@@ -167,11 +167,19 @@ class UnloadLoRACall:
 
 
 @dataclass(frozen=True)
+class ExpertDistributionCall:
+    """The expert distribution recorder: ``action`` start, stop or dump (LLMEngine.expert_distribution)."""
+
+    call_id: int
+    action: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop stepping and exit."""
 
 
-EngineCall = StatsCall | FlushCacheCall | LoadLoRACall | UnloadLoRACall
+EngineCall = StatsCall | FlushCacheCall | LoadLoRACall | UnloadLoRACall | ExpertDistributionCall
 FrontMessage = SubmitRequest | AbortRequest | EngineCall | Shutdown
 
 
@@ -247,6 +255,8 @@ class EngineClient(Protocol):
     async def get_server_info(self) -> dict[str, Any]: ...
 
     async def flush_cache(self) -> dict[str, Any]: ...
+
+    async def expert_distribution(self, action: str) -> dict[str, Any]: ...
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]: ...
 

@@ -37,6 +37,7 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import set_residual_dtype
 from servelm.model.attention import Attention, LatentAttention, get_attention_backend, prefill_routes
 from servelm.model.compile import compile_decode_layers, warm_up
+from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         resolve_quantization)
@@ -126,7 +127,8 @@ class ModelRunner:
         self.thread_governor: ThreadGovernor | None = None
         """Adapts torch's thread count to other processes' load (see --disable-adaptive-threads)."""
         configure_onednn_cache(config.runtime.onednn_primitive_cache_capacity)  # before any op
-        self.parallel = parallel or ParallelContext.single()
+        self.parallel = dataclasses.replace(parallel or ParallelContext.single(), ep_size=config.parallel.ep_size,
+                                            num_redundant_experts=config.parallel.ep_num_redundant_experts)
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
@@ -145,6 +147,9 @@ class ModelRunner:
                 flag, getattr(source, "gguf_path", None), self.parallel, self.device,
                 config.runtime.enable_torch_compile, config.model.dtype)
         """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
+        if self.parallel.ep_size > 1 and self.quantization in GGUF_MODES:
+            raise ValueError("--ep-size > 1 with a GGUF file is not built yet (issue 33): expert parallelism "
+                             "moves and loads float expert stacks, not GGUF blocks")
         self.dtype = (gguf_model_dtype(config.model.dtype, self.device)[0] if self.quantization in GGUF_MODES
                       else resolve_dtype(config.model.dtype, source.hf_config, self.device))
         self.hf_config = source.hf_config
@@ -189,6 +194,8 @@ class ModelRunner:
                             residual_reason)
         if config.model.enable_fp32_lm_head and self.dtype != torch.float32:
             self._set_fp32_lm_head()
+        self.expert_load = build_expert_load(self.model, self.parallel, config)
+        """MoE routing counts: the recorder, /metrics' totals and EPLB (None where no flag asks)."""
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
                                            self.device, self.task)
         """Greedy rows' exact argmax from a 5-bit copy of a Q8_0 head (None: every row the full head)."""
@@ -421,6 +428,8 @@ class ModelRunner:
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
         # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
         hidden = self.model(batch)
+        if self.expert_load is not None:
+            self.expert_load.after_pass()
         rows = hidden.index_select(0, batch.logits_indices)
         screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
         if screened is not None:

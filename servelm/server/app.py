@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -95,6 +95,17 @@ def _serving(request: Request) -> ServingContext:
     return serving
 
 
+def _expert_distribution_route(action: str) -> Callable[[Request], Awaitable[Response]]:
+    """SGLang's /start_, /stop_ and /dump_expert_distribution_record: the recorder of
+    --expert-distribution-recorder-mode (400 without it)."""
+    async def route(request: Request) -> Response:
+        result = await _serving(request).engine.expert_distribution(action)
+        if not result.get("success"):
+            raise APIError(400, str(result.get("message", "no expert distribution recorder")))
+        return JSONResponse(result)
+    return route
+
+
 def _generation(request: Request, api: str) -> ServingContext:
     """The serving context of a generation route; 400 on an embedding server."""
     serving = _serving(request)
@@ -155,6 +166,10 @@ def _add_routes(app: FastAPI) -> None:
         if not result.get("success"):
             raise APIError(400, str(result.get("message", "the cache could not be flushed")))
         return JSONResponse(result)
+
+    for action in ("start", "stop", "dump"):
+        app.add_api_route(f"/{action}_expert_distribution_record", _expert_distribution_route(action),
+                          methods=["GET", "POST"])
 
     @app.get("/v1/models")
     @app.get("/models")  # Open WebUI and others call it without /v1

@@ -131,6 +131,8 @@ class ServerMetrics:
         self.parallel_layout.labels(
             self.model_name, str(parallel.tensor_parallel_size), str(parallel.nnodes),
             str(parallel.ranks_per_node), parallel.distributed_executor_backend).set(1)
+        self.experts = (ExpertMetrics(labels, self.registry)
+                        if observability.enable_expert_distribution_metrics else None)
 
     def request_labels(self, headers: dict[str, str]) -> tuple[str, ...]:
         """Label values of a request: the model name, then each allowed custom label's value in
@@ -178,6 +180,8 @@ class ServerMetrics:
         self.spec_accepted_tokens.labels(name).set(stats.get("spec_num_accepted_tokens", 0))
         for key, gauge in self.hicache.items():
             gauge.labels(name).set(stats.get(key, 0))
+        if self.experts is not None and stats.get("moe"):
+            self.experts.set(name, stats["moe"])
         for replica in stats.get("dp_replicas") or ():
             index = str(replica["replica"])
             self.replica_running.labels(name, index).set(replica.get("num_running") or 0)
@@ -187,6 +191,38 @@ class ServerMetrics:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ExpertMetrics:
+    """--enable-expert-distribution-metrics: the MoE routing counted since start (engine stats'
+    ``moe``; model/expert_load.py), as gauges read at scrape time."""
+
+    def __init__(self, labels: list[str], registry: Any) -> None:
+        from prometheus_client import Gauge
+
+        self.expert_rows = Gauge(
+            "servelm:moe_expert_rows", "Rows (token, chosen expert) each MoE layer routed to each "
+            "expert since start.", labels + ["layer", "expert"], registry=registry)
+        self.rank_rows = Gauge(
+            "servelm:moe_ep_rank_rows", "Rows each expert-parallel rank computed per MoE layer since "
+            "start (--ep-size > 1).", labels + ["layer", "ep_rank"], registry=registry)
+        self.balancedness = Gauge(
+            "servelm:moe_ep_balancedness", "Mean over MoE layers of mean / max rows per "
+            "expert-parallel rank since start (1: even; --ep-size > 1).", labels, registry=registry)
+        self.rebalances = Gauge(
+            "servelm:eplb_rebalances", "Expert placements EPLB has moved to (--enable-eplb).",
+            labels, registry=registry)
+
+    def set(self, name: str, moe: dict[str, Any]) -> None:
+        for layer, rows in zip(moe["layers"], moe["expert_rows"]):
+            for expert, count in enumerate(rows):
+                self.expert_rows.labels(name, str(layer), str(expert)).set(count)
+        for layer, rows in zip(moe["layers"], moe.get("ep_rank_rows") or ()):
+            for rank, count in enumerate(rows):
+                self.rank_rows.labels(name, str(layer), str(rank)).set(count)
+        if moe.get("balancedness") is not None:
+            self.balancedness.labels(name).set(moe["balancedness"])
+        self.rebalances.labels(name).set(moe.get("eplb_rebalances", 0))
 
 
 HICACHE_GAUGES = {
@@ -282,6 +318,9 @@ class ObservedEngine:
 
     async def flush_cache(self) -> dict[str, Any]:
         return await self._engine.flush_cache()
+
+    async def expert_distribution(self, action: str) -> dict[str, Any]:
+        return await self._engine.expert_distribution(action)
 
     async def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         return await self._engine.load_lora_adapter(name, path)

@@ -59,6 +59,7 @@ from servelm.workers.messages import (
 from servelm.distributed import shm_allreduce
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
 from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
+from servelm.model.expert_load import ExpertLoad
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
@@ -298,6 +299,11 @@ class MultiprocExecutor:
         return self.runner.pooler
 
     @property
+    def expert_load(self) -> ExpertLoad | None:
+        """Rank 0's MoE routing counts (its routing is the whole batch's under TP)."""
+        return self.runner.expert_load
+
+    @property
     def hidden_size(self) -> int:
         return self.runner.hidden_size
 
@@ -384,7 +390,7 @@ class MultiprocExecutor:
                           "cpus": loaded.cpus})
         all_reduce = ("shared memory (up to 4 MiB), else gloo" if self._shm_path
                       else self.parallel.group.name() if self.parallel.group is not None else "none")
-        return {**self.parallel.describe(), "executor": self.executor_name, "nnodes": self.nnodes,
+        return {**self.runner.parallel.describe(), "executor": self.executor_name, "nnodes": self.nnodes,
                 "ranks_per_node": self.local_size, "all_reduce": all_reduce, "ranks": ranks}
 
     def shutdown(self) -> None:

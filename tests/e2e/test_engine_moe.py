@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from servelm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from servelm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
+from servelm.engine.expert_stage import expert_distribution_call
 from servelm.sampling.params import SamplingParams
 from tests.e2e.test_prefix_cache_tiny import run as run_greedy
 from tests.reference import load_reference_model, transformers_greedy
@@ -77,3 +78,54 @@ def test_tp2_engine_matches_tp1(tmp_path, arch):
     got, layout = run_engine(model, 2, prompts, **flags)
     assert got == expected
     assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
+
+
+def test_ep2_engine_matches_one_process_across_rebalances(tmp_path):
+    """--tp 2 --ep-size 2 on Mixtral (8 experts and 2 redundant slots: 5 whole experts a rank,
+    attention tensor-parallel), EPLB re-placing the experts every 3 passes: greedy tokens equal one
+    process's, chunked, and the experts did move."""
+    from tests.e2e.test_tensor_parallel import PARAMS
+    from tests.engine_drive import greedy
+
+    model = str(make_tiny_model_dir(tmp_path, "mixtral"))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(model=model, dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
+                 max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    single = LLMEngine(EngineConfig.from_flat(flags))
+    expected = greedy(single, prompts, PARAMS)
+    single.shutdown()
+    engine = LLMEngine(EngineConfig.from_flat(dict(
+        flags, tensor_parallel_size=2, expert_parallel_size=2, ep_num_redundant_experts=2, enable_eplb=True,
+        eplb_rebalance_num_iterations=3, enable_metrics=True, enable_expert_distribution_metrics=True)))
+    try:
+        initial = engine.expert_load.placements()
+        assert initial[0] == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
+        assert greedy(engine, prompts, PARAMS) == expected
+        moe = engine.stats()["moe"]
+        assert moe["eplb_rebalances"] >= 3 and engine.expert_load.placements() != initial
+        assert moe["layers"] == [0, 1] and sum(moe["expert_rows"][0]) == sum(map(sum, moe["ep_rank_rows"][:1]))
+        assert engine.stats()["parallel"]["ep_size"] == 2
+    finally:
+        engine.shutdown()
+
+
+def test_expert_distribution_recorder_in_process(tmp_path):
+    """--expert-distribution-recorder-mode per_token on one process: nothing is kept before start;
+    between start and stop every pass's routing is, each token's top-2 per sparse layer (qwen3_moe's
+    layers 0 and 2); the dump after stop is what was recorded, and a recorder-less engine says why."""
+    model = make_tiny_model_dir(tmp_path, "qwen3_moe")
+    config = EngineConfig(model=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
+                          observability=ObservabilityConfig(expert_distribution_recorder_mode="per_token"))
+    engine = LLMEngine(config)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    run_greedy(engine, [[11, 12, 13]], 2)
+    assert engine.expert_distribution("dump")["num_passes"] == 0
+    assert engine.expert_distribution("start")["success"]
+    run_greedy(engine, prompts, 3)
+    engine.expert_distribution("stop")
+    run_greedy(engine, [[21, 22]], 2)
+    dump = engine.expert_distribution("dump")
+    assert dump["layers"] == [0, 2] and dump["num_passes"] == 3
+    rows = [token for one_pass in dump["passes"] for token in one_pass[0]]
+    assert len(rows) == 5 + 3 + 2 + 2 and all(len(set(experts)) == 2 for experts in rows)
+    assert "--expert-distribution-recorder-mode" in expert_distribution_call(None, "start")["message"]

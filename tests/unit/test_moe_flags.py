@@ -1,6 +1,7 @@
 """The MoE flags of SGLang, vLLM and LightLLM say what this build does: the fused CPU path is the
-only MoE runner (auto), the CUDA-only kernels are refused as such, and expert parallelism, load
-balancing and DP attention are refused as not built yet (issue 33)."""
+only MoE runner (auto), the CUDA-only kernels are refused as such, expert parallelism runs over the
+tensor-parallel ranks (--ep-size = --tp-size, and its aliases), EPLB and the recorder need it or a
+MoE model, and what is not built (a smaller EP group, DP attention) is refused naming issue 33."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from .test_cli import fail_message
 
 def test_what_this_build_already_does_is_accepted() -> None:
     for argv in (["--moe-runner-backend", "auto"], ["--moe-a2a-backend", "none"], ["--ep-size", "1"],
-                 ["--ep", "1"], ["--expert-parallel-size", "1"], ["--disable-shared-experts-fusion"]):
+                 ["--ep", "1"], ["--expert-parallel-size", "1"], ["--init-expert-location", "trivial"],
+                 ["--disable-shared-experts-fusion"]):
         assert cli_args.parse_args(argv) == EngineConfig(), argv
 
 
@@ -31,13 +33,35 @@ def test_cuda_only_moe_kernels_are_refused_as_such(argv: list[str], capsys: pyte
     assert argv[0] in err and "CUDA" in err and "fused CPU path" in err
 
 
-@pytest.mark.parametrize("argv", [["--ep-size", "2"], ["--expert-parallel-size", "4"], ["--moe-a2a-backend", "deepep"],
-                                  ["--enable-ep-moe"], ["--enable_ep_moe"], ["--enable-expert-parallel"],
-                                  ["--enable-eplb"], ["--ep-num-redundant-experts", "2"],
-                                  ["--expert-distribution-recorder-mode", "stat"],
-                                  ["--enable-expert-distribution-metrics"], ["--moe-dense-tp-size", "1"],
-                                  ["--enable-dp-attention"], ["--auto_update_redundancy_expert"]])
-def test_expert_parallelism_is_refused_as_not_built_yet(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    err = fail_message(argv, capsys)
-    assert argv[0] in err and "issue 33" in err
-    assert "not built yet" in err or "is not supported:" in err   # a value outside "1"/"none": the same reason
+def test_expert_parallel_spellings_set_the_same_size() -> None:
+    for argv in (["--tp", "2", "--ep-size", "2"], ["--tp", "2", "--ep", "2"], ["--tp", "2", "--enable-ep-moe"],
+                 ["--tp", "2", "--enable_ep_moe"], ["--tp", "2", "--enable-expert-parallel"],
+                 ["--tp", "2", "--expert-parallel-size", "2"]):
+        assert cli_args.parse_args(argv).parallel.ep_size == 2, argv
+    config = cli_args.parse_args(["--tp", "2", "--ep", "2", "--auto_update_redundancy_expert",
+                                  "--ep-num-redundant-experts", "2", "--eplb-algorithm", "auto",
+                                  "--init-expert-location", "trivial", "--moe-a2a-backend", "none"])
+    assert config.parallel.enable_eplb and config.parallel.ep_num_redundant_experts == 2
+    recorder = cli_args.parse_args(["--expert-distribution-recorder-mode", "per_token",
+                                    "--expert-distribution-recorder-buffer-size", "-1"]).observability
+    assert recorder.expert_distribution_recorder_mode == "per_token"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ep-size", "2"], "must be 1 or --tp-size 1"),
+    (["--tp", "4", "--ep-size", "2"], "not built yet (issue 33)"),
+    (["--tp", "4", "--ep-size", "2", "--enable-ep-moe"], "contradicts"),
+    (["--enable-eplb"], "need --ep-size > 1"),
+    (["--ep-num-redundant-experts", "2"], "need --ep-size > 1"),
+    (["--tp", "2", "--ep", "2", "--enable-eplb", "--eplb-rebalance-num-iterations", "0"], "at least 1"),
+    (["--enable-expert-distribution-metrics"], "add --enable-metrics"),
+    (["--expert-distribution-recorder-buffer-size", "0"], "positive or -1"),
+    (["--eplb-algorithm", "deepseek_hierarchical"], "no node hierarchy"),
+    (["--moe-a2a-backend", "deepep"], "CUDA/RDMA"),
+    (["--ep-dispatch-algorithm", "dynamic"], "round robin"),
+    (["--eplb-rebalance-layers-per-chunk", "1"], "same forward pass"),
+    (["--moe-dense-tp-size", "1"], "issue 33"),
+    (["--enable-dp-attention"], "issue 33"),
+])
+def test_expert_parallel_refusals_say_why(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert words in fail_message(argv, capsys)

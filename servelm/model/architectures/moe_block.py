@@ -19,6 +19,7 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP
 from servelm.model.layers.linear import LoRAGroup
 from servelm.model.layers.moe import FusedMoE, route
+from servelm.model.layers.moe_parallel import ExpertParallelMoE
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -49,7 +50,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}]")
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, hidden, intermediate_size, hf_config.hidden_act, parallel=parallel)
+        experts = ExpertParallelMoE if parallel.ep_size > 1 else FusedMoE
+        self.experts = experts(num_experts, hidden, intermediate_size, hf_config.hidden_act, parallel=parallel)
+        self.is_recording = False
+        """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
+        self.last_expert_ids: torch.Tensor | None = None
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
@@ -61,6 +66,8 @@ class SparseMoeBlock(nn.Module):
         it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows, for
         GGUF routes) too: the experts and the router are plain float weights."""
         routing = route(self.gate(x), self.top_k, self.renormalize)
+        if self.is_recording:
+            self.last_expert_ids = routing.expert_ids
         out = self.experts(x, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora, rows)

@@ -149,6 +149,12 @@ class FakeEngine:
     async def health_generate(self) -> bool:
         return self.healthy
 
+    async def expert_distribution(self, action: str) -> dict[str, Any]:
+        """The engine's answer through engine/expert_stage.py, with no recorder."""
+        from servelm.engine.expert_stage import expert_distribution_call
+
+        return expert_distribution_call(None, action)
+
     async def flush_cache(self) -> dict[str, Any]:
         self.flushes += 1
         if self.requests and len(self.finished) + len(self.aborted) < len(self.requests):

@@ -40,6 +40,13 @@ def test_flush_cache_when_idle_and_refused_while_busy(engine: FakeEngine, client
     assert "running" in response.json()["error"]["message"]
 
 
+def test_expert_distribution_routes_without_a_recorder_say_why(client) -> None:
+    for action in ("start", "stop", "dump"):
+        response = client.post(f"/{action}_expert_distribution_record")
+        assert response.status_code == 400
+        assert "--expert-distribution-recorder-mode" in response.json()["error"]["message"]
+
+
 def test_priority_needs_priority_scheduling(engine: FakeEngine, client) -> None:
     response = complete(client, priority=3, max_tokens=2)
     assert response.status_code == 400

@@ -1,0 +1,116 @@
+"""Expert parallelism on two ranks (threads, real gloo all-to-all): the dispatch and combine equal
+one process's FusedMoE, with redundant replicas and after a rebalance; and the rebalancing plan
+lowers the busiest rank's share of a skewed load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from servelm.distributed.parallel import ParallelContext
+from servelm.model.layers.moe import FusedMoE, route
+from servelm.model.layers.moe_parallel import ExpertParallelMoE, ExpertPlacement, rebalance
+from tests.unit.distributed.test_parallel import run_ranks
+from tests.unit.model.test_moe_layer import E, H, I, K, full_weights
+
+NUM_TOKENS = 11
+
+
+def skewed_routing(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states and router logits that send most rows to experts 2 and 3 (both on rank 0 in
+    the initial placement, which replicates experts 0 and 1 on rank 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, E, generator=generator)
+    logits[:, 2:4] += 3.0
+    return torch.randn(num_tokens, H, generator=generator), logits
+
+
+def single_process(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    gate_up, down = full_weights()
+    layer = FusedMoE(E, H, I, "silu")
+    layer.weight_loader(layer.gate_up_proj, gate_up)
+    layer.weight_loader(layer.down_proj, down)
+    return layer(x, route(logits, K, True))
+
+
+def expert_parallel_layer(parallel: ParallelContext, num_redundant: int, per_expert: bool) -> ExpertParallelMoE:
+    parallel = dataclasses.replace(parallel, ep_size=parallel.tp_size, num_redundant_experts=num_redundant)
+    layer = ExpertParallelMoE(E, H, I, "silu", parallel=parallel)
+    gate_up, down = full_weights()
+    if per_expert:
+        for e in range(E):
+            gate, up = gate_up[e].chunk(2)
+            layer.weight_loader(layer.gate_up_proj, gate, (e, "gate"))
+            layer.weight_loader(layer.gate_up_proj, up, (e, "up"))
+            layer.weight_loader(layer.down_proj, down[e], (e, "down"))
+    else:
+        layer.weight_loader(layer.gate_up_proj, gate_up)
+        layer.weight_loader(layer.down_proj, down)
+    assert layer.missing_parts() == []
+    return layer
+
+
+def test_replicated_tokens_equal_one_process_before_and_after_a_rebalance() -> None:
+    """EP=2 with 2 redundant slots (4 slots a rank): every rank returns one process's output, from
+    either checkpoint form, and again after moving to a placement planned from a skewed load."""
+    x, logits = skewed_routing(NUM_TOKENS, 1)
+    expected = single_process(x, logits)
+    routing = route(logits, K, True)
+
+    def work(parallel: ParallelContext) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        layer = expert_parallel_layer(parallel, 2, per_expert=parallel.tp_rank == 0)
+        assert layer.gate_up_proj.shape == (4, 2 * I, H)
+        before = layer(x, routing)
+        load = torch.bincount(routing.expert_ids.reshape(-1), minlength=E).tolist()
+        layer.apply_placement(rebalance([float(n) for n in load], 2, 2))
+        return before, layer(x, routing), layer.placement.rank_experts(parallel.tp_rank)
+
+    ranks = run_ranks(2, work)
+    for before, after, _ in ranks:
+        torch.testing.assert_close(before, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+    held = [experts for _, _, experts in ranks]
+    assert held != [(0, 1, 2, 3), (4, 5, 0, 1)]   # the placement moved
+    assert {2, 3} <= set(held[0]) and {2, 3} <= set(held[1])   # the two busy experts on both ranks
+
+
+def test_rank_local_tokens_dispatch_and_combine() -> None:
+    """Each rank with its own tokens (as under DP attention): the all-to-all sends rows to the other
+    rank's experts and back; each rank gets one process's output for its tokens."""
+    inputs = [skewed_routing(5, 2), skewed_routing(3, 4)]
+
+    def work(parallel: ParallelContext) -> torch.Tensor:
+        layer = expert_parallel_layer(parallel, 0, per_expert=True)
+        x, logits = inputs[parallel.tp_rank]
+        return layer.dispatch_and_combine(x, route(logits, K, True), 0)
+
+    for got, (x, logits) in zip(run_ranks(2, work), inputs):
+        torch.testing.assert_close(got, single_process(x, logits), atol=1e-5, rtol=1e-5)
+
+
+def test_rebalance_lowers_the_busiest_ranks_share() -> None:
+    """Experts 2 and 3 take most rows: in the initial placement both sit on rank 0; the plan
+    replicates them on both ranks, and the rows each rank computes (the real dispatch) even out."""
+    _, logits = skewed_routing(400, 5)
+    ids = route(logits, K, True).expert_ids
+    load = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+    initial = ExpertPlacement.initial(E, 2, 2)
+    planned = rebalance([float(n) for n in load], 2, 2)
+    before, after = initial.rows_per_rank(ids), planned.rows_per_rank(ids)
+    assert sum(before) == sum(after) == 400 * K
+    assert max(before) / sum(before) > 0.7 and max(after) / sum(after) < 0.55, (before, after)
+
+
+def test_placement_rules() -> None:
+    placement = ExpertPlacement.initial(6, 2, 2)
+    assert placement.rank_experts(0) == (0, 1, 2, 3) and placement.rank_experts(1) == (4, 5, 0, 1)
+    # expert 0 has slots 0 and 6: token + choice picks the replica, so its first-choice rows alternate
+    assert placement.to_physical(torch.tensor([[0, 1], [0, 5], [0, 2]])).tolist() == [[0, 7], [6, 5], [0, 2]]
+    for bad in ((6, 1, 2), (6, 0, 4)):
+        try:
+            ExpertPlacement.initial(*bad)
+        except ValueError as error:
+            assert "--ep-num-redundant-experts" in str(error)
+        else:
+            raise AssertionError(bad)
