@@ -2,7 +2,7 @@
 /metrics exports, and EPLB (expert placement rebalanced from the measured load).
 
 The runner calls ``ExpertLoad.after_pass()`` after every forward pass; it reads each MoE block's
-routing of that pass (``SparseMoeBlock.last_expert_ids``, kept while ``is_recording``) and feeds:
+routing of that pass (``RoutedExpertsBlock.last_expert_ids``, kept while ``is_recording``) and feeds:
 
 - the recorder (--expert-distribution-recorder-mode), between ``start()`` and ``stop()``: a ring
   of the last ``buffer_size`` passes, each pass the rows per layer and expert (``stat``, summed at
@@ -94,7 +94,7 @@ class ExpertLoad:
         self.parallel = parallel
         self.recorder = recorder
         self.eplb = eplb
-        num_experts = self.blocks[0].gate.out_features
+        num_experts = self.blocks[0].num_experts
         self.expert_rows = torch.zeros(len(blocks), num_experts, dtype=torch.int64)
         """Rows routed to each (layer, logical expert) since start."""
         self.rank_rows = torch.zeros(len(blocks), parallel.ep_size, dtype=torch.int64)
@@ -174,10 +174,10 @@ def build_expert_load(model: torch.nn.Module, parallel: ParallelContext, config:
     """The model's ExpertLoad where a flag asks for one (--enable-eplb, a recorder mode,
     --enable-expert-distribution-metrics); None otherwise. ValueError naming the flag when the
     model has no MoE layer for it (or, with --ep-size > 1, for expert parallelism itself)."""
-    from servelm.model.architectures.moe_block import SparseMoeBlock
+    from servelm.model.architectures.moe_block import RoutedExpertsBlock
 
     blocks = [(int(name.split(".")[-2]), module) for name, module in model.named_modules()
-              if isinstance(module, SparseMoeBlock)]
+              if isinstance(module, RoutedExpertsBlock)]
     observability, eplb_flags = config.observability, config.parallel
     wanted = [flag for flag, is_set in (
         ("--enable-eplb", eplb_flags.enable_eplb),

@@ -50,10 +50,11 @@ from torch import nn
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP
 from servelm.model.architectures.llama import LlamaForCausalLM
+from servelm.model.architectures.moe_block import RoutedExpertsBlock
 from servelm.model.attention import Attention, LatentAttention
 from servelm.model.forward_batch import ForwardBatch
 from servelm.model.layers.linear import ColumnParallelLinear, LoRAGroup, RowParallelLinear, dense_linear
-from servelm.model.layers.moe import FusedMoE, Routing, route_group_limited, route_noaux_tc
+from servelm.model.layers.moe import Routing, route_group_limited, route_noaux_tc
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.layers.rotary import RotaryEmbedding, rope_parameters, yarn_softmax_scale
 
@@ -232,21 +233,19 @@ class DeepseekRouter(nn.Module):
                               self.topk_groups, self.renormalize, self.scaling)
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(RoutedExpertsBlock):
     """Routed experts plus the shared experts (no gate on them): ``forward(x [T, H]) -> [T, H]``."""
 
     def __init__(self, hf_config: Any, has_correction_bias: bool, parallel: ParallelContext) -> None:
-        super().__init__()
         hidden, intermediate = hf_config.hidden_size, hf_config.moe_intermediate_size
+        super().__init__(int(hf_config.n_routed_experts), hidden, intermediate, hf_config.hidden_act, parallel)
         self.gate = DeepseekRouter(hf_config, has_correction_bias)
-        self.experts = FusedMoE(int(hf_config.n_routed_experts), hidden, intermediate, hf_config.hidden_act,
-                                parallel=parallel)
         num_shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
         self.shared_experts = (GatedMLP(hidden, intermediate * num_shared, hf_config.hidden_act, parallel=parallel)
                                if num_shared else None)
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        out = self.run_experts(x, self.gate(x))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, lora, rows)
         return out

@@ -18,7 +18,7 @@ from torch import nn
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP
 from servelm.model.layers.linear import LoRAGroup
-from servelm.model.layers.moe import FusedMoE, route
+from servelm.model.layers.moe import FusedMoE, Routing, route
 from servelm.model.layers.moe_parallel import ExpertParallelMoE
 
 
@@ -36,25 +36,42 @@ def is_sparse_layer(hf_config: Any, layer_id: int) -> bool:
     return num_experts_of(hf_config) > 0 and (layer_id + 1) % step == 0
 
 
-class SparseMoeBlock(nn.Module):
+class RoutedExpertsBlock(nn.Module):
+    """What every MoE block has: the routed experts (``FusedMoE``, or this rank's share of them
+    under --ep-size, ``ExpertParallelMoE``) and the routing the expert distribution recorder reads
+    (model/expert_load.py finds the blocks by this class)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate_size: int, activation: str,
+                 parallel: ParallelContext) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        """Routed (logical) experts: the router's outputs."""
+        experts = ExpertParallelMoE if parallel.ep_size > 1 else FusedMoE
+        self.experts = experts(num_experts, hidden, intermediate_size, activation, parallel=parallel)
+        self.is_recording = False
+        """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
+        self.last_expert_ids: torch.Tensor | None = None
+
+    def run_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.is_recording:
+            self.last_expert_ids = routing.expert_ids
+        return self.experts(x, routing)
+
+
+class SparseMoeBlock(RoutedExpertsBlock):
     """``forward(x [T, H]) -> [T, H]``: the routed experts' weighted sum, plus
     ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` where there is a shared expert."""
 
     def __init__(self, hf_config: Any, intermediate_size: int, renormalize: bool,
                  parallel: ParallelContext, shared_intermediate_size: int | None = None) -> None:
-        super().__init__()
         hidden = hf_config.hidden_size
         num_experts = num_experts_of(hf_config)
+        super().__init__(num_experts, hidden, intermediate_size, hf_config.hidden_act, parallel)
         self.top_k = int(hf_config.num_experts_per_tok)
         if not 0 < self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {num_experts}]")
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        experts = ExpertParallelMoE if parallel.ep_size > 1 else FusedMoE
-        self.experts = experts(num_experts, hidden, intermediate_size, hf_config.hidden_act, parallel=parallel)
-        self.is_recording = False
-        """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
-        self.last_expert_ids: torch.Tensor | None = None
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate_size:
@@ -65,10 +82,7 @@ class SparseMoeBlock(nn.Module):
         """``lora`` reaches the shared expert only (an adapter on the routed experts is refused when
         it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows, for
         GGUF routes) too: the experts and the router are plain float weights."""
-        routing = route(self.gate(x), self.top_k, self.renormalize)
-        if self.is_recording:
-            self.last_expert_ids = routing.expert_ids
-        out = self.experts(x, routing)
+        out = self.run_experts(x, route(self.gate(x), self.top_k, self.renormalize))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora, rows)
         return out
