@@ -198,28 +198,45 @@ TINY_QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 4096, "patch_size": 4, 
 """Its image processor: sides in multiples of 8 (patch 4 x merge 2), 256..4096 pixels."""
 
 
-def make_tiny_qwen2_vl_config() -> Any:
-    """Qwen2VLConfig: a 2-layer Qwen2 text model (head_dim 16, mrope_section 2/3/3) + a 2-block tower."""
-    text = transformers.Qwen2VLTextConfig(
+TINY_QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""Qwen2-VL and Qwen2.5-VL: one text model, processor and token ids; their vision towers differ."""
+
+
+def make_tiny_qwen2_vl_config(family: str = "qwen2_vl") -> Any:
+    """Qwen2VLConfig (or Qwen2_5_VLConfig): a 2-layer Qwen2 text model (head_dim 16, mrope_section
+    2/3/3) + a small tower. Qwen2.5-VL's has 3 blocks, the middle one full attention, the others in
+    windows of 2 x 2 merge units (16 pixels), so the test images span several windows, partial ones too."""
+    text_kwargs = dict(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = transformers.Qwen2VLVisionConfig(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
-        temporal_patch_size=2, hidden_act="quick_gelu", initializer_range=0.1)
-    return transformers.Qwen2VLConfig(
+    tower_kwargs = dict(num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    if family == "qwen2_5_vl":
+        text = transformers.Qwen2_5_VLTextConfig(**text_kwargs)
+        vision = transformers.Qwen2_5_VLVisionConfig(
+            depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, hidden_act="silu", window_size=16,
+            fullatt_block_indexes=[1], **tower_kwargs)
+        config_class = transformers.Qwen2_5_VLConfig
+    else:
+        text = transformers.Qwen2VLTextConfig(**text_kwargs)
+        vision = transformers.Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2,
+                                                  hidden_act="quick_gelu", **tower_kwargs)
+        config_class = transformers.Qwen2VLConfig
+    return config_class(
         text_config=text, vision_config=vision, image_token_id=TINY_QWEN2_VL_IMAGE, video_token_id=303,
         vision_start_token_id=TINY_QWEN2_VL_START, vision_end_token_id=TINY_QWEN2_VL_END,
         tie_word_embeddings=False)
 
 
-def make_tiny_qwen2_vl(seed: int = 0) -> Any:
-    """transformers' Qwen2VLForConditionalGeneration (float32, eval, eager), norms and biases drawn."""
-    config = make_tiny_qwen2_vl_config()
+def make_tiny_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> Any:
+    """transformers' Qwen2VLForConditionalGeneration or Qwen2_5_VLForConditionalGeneration (float32,
+    eval, eager), norms and biases drawn."""
+    config = make_tiny_qwen2_vl_config(family)
+    model_class = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl"
+                   else transformers.Qwen2VLForConditionalGeneration)
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager",
-                                                                      dtype=torch.float32)
+    model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
@@ -229,11 +246,12 @@ def make_tiny_qwen2_vl(seed: int = 0) -> Any:
     return model.eval()
 
 
-def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0) -> Path:
-    """Save the tiny Qwen2-VL with its ``preprocessor_config.json`` as ``tmp_path/tiny-qwen2-vl``."""
+def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """Save the tiny Qwen2-VL (or Qwen2.5-VL) with its ``preprocessor_config.json`` as
+    ``tmp_path/tiny-<family>``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    path = Path(tmp_path) / "tiny-qwen2-vl"
-    make_tiny_qwen2_vl(seed).save_pretrained(path, safe_serialization=True)
+    path = Path(tmp_path) / f"tiny-{family.replace('_', '-')}"
+    make_tiny_qwen2_vl(seed, family).save_pretrained(path, safe_serialization=True)
     Qwen2VLImageProcessorPil(**TINY_QWEN2_VL_PIXELS).save_pretrained(path)
     return path
 

@@ -1,6 +1,7 @@
-"""Qwen2-VL (M-RoPE text model + its vision transformer) against transformers, float32, tiny random
-weights: the processor's patches and 3-D positions, prefill and decode logits with 0, 1 and 2
-images of different sizes (dynamic resolution), and the M-RoPE offsets' effect on decode."""
+"""Qwen2-VL and Qwen2.5-VL (M-RoPE text model + their vision transformers) against transformers,
+float32, tiny random weights: the processor's patches and 3-D positions, prefill and decode logits
+with 0, 1 and 2 images of different sizes (dynamic resolution; Qwen2.5-VL's images span several
+attention windows), and the M-RoPE offsets' effect on decode."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from servelm.model.forward_batch import BatchPlan  # noqa: E402
 from servelm.multimodal.inputs import MultimodalInputs  # noqa: E402
 from servelm.multimodal.processor import Qwen2VLProcessor, image_item, mrope_positions_for  # noqa: E402
 from tests.tiny_models import (TINY_QWEN2_VL_END, TINY_QWEN2_VL_IMAGE, TINY_QWEN2_VL_PIXELS,  # noqa: E402
-                               TINY_QWEN2_VL_START, make_tiny_qwen2_vl, random_image)
+                               TINY_QWEN2_VL_START, TINY_QWEN_VL_FAMILIES, make_tiny_qwen2_vl, random_image)
 
 from .conftest import POOL_TOKENS, BlockAllocator, make_runner, make_source  # noqa: E402
 
@@ -24,9 +25,9 @@ NUM_NEW_TOKENS = 6
 SIZES = [(40, 56), (30, 22)]   # (width, height): 7 x 5 and 3 x 4 merged tokens after smart_resize
 
 
-@pytest.fixture(scope="module")
-def hf_vlm() -> Any:
-    return make_tiny_qwen2_vl()
+@pytest.fixture(scope="module", params=TINY_QWEN_VL_FAMILIES)
+def hf_vlm(request: pytest.FixtureRequest) -> Any:
+    return make_tiny_qwen2_vl(family=request.param)
 
 
 @pytest.fixture(scope="module")
