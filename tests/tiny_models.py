@@ -265,16 +265,89 @@ TINY_VLM_CHAT_TEMPLATE = (
 """Gemma 3's chat template in miniature: content lists walked, an image item written as the marker."""
 
 
-def write_tiny_vlm_tokenizer(path: str | Path) -> None:
-    """A real byte-level BPE tokenizer (``tokenizers``, no merges) for the tiny Gemma 3 VLM in
-    ``path``: ids 0-4 pad/eos/bos/turn markers, the byte symbols of printable ASCII, tab and newline
-    from 10 on, the image tokens at their config ids (300-302), and ASCII words ``w<id>`` for the
-    other ids, so that whatever a random model generates decodes to ASCII text; with the chat
-    template above. Text in is ASCII only."""
+# -- a tiny Idefics3 / SmolVLM --------------------------------------------------------------------------
+
+TINY_IDEFICS3_FAKE, TINY_IDEFICS3_GLOBAL, TINY_IDEFICS3_IMAGE, TINY_IDEFICS3_END = 300, 301, 302, 303
+"""<fake_token_around_image>, <global-img>, <image> and <end_of_utterance> of the tiny Idefics3."""
+TINY_IDEFICS3_ROW_COL = {f"<row_{r}_col_{c}>": 304 + 2 * (r - 1) + (c - 1) for r in (1, 2) for c in (1, 2)}
+TINY_IDEFICS3_PIXELS = {"size": {"longest_edge": 96}, "max_image_size": {"longest_edge": 48}}
+"""Frames of 48 x 48, images up to 96 a side: at most 2 x 2 crops plus the whole image."""
+TINY_IDEFICS3_FAMILIES = ("idefics3", "smolvlm")
+
+
+def make_tiny_idefics3_config(family: str = "idefics3") -> Any:
+    """Idefics3Config (or SmolVLMConfig): the tiny Llama text model + a 2-layer SigLIP-style tower
+    over 48 x 48 frames of 8-pixel patches (6 x 6: the bucketed position ids' 1/6 steps are inexact
+    in float32), pixel shuffle by 2: 9 tokens per frame."""
+    vision_kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=48, patch_size=8, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+                         initializer_range=0.1)
+    if family == "smolvlm":
+        vision, config_class = transformers.SmolVLMVisionConfig(**vision_kwargs), transformers.SmolVLMConfig
+    else:
+        vision, config_class = transformers.Idefics3VisionConfig(**vision_kwargs), transformers.Idefics3Config
+    return config_class(text_config=make_tiny_config("llama"), vision_config=vision, scale_factor=2,
+                        image_token_id=TINY_IDEFICS3_IMAGE, tie_word_embeddings=True)
+
+
+def make_tiny_idefics3(seed: int = 0, family: str = "idefics3") -> Any:
+    """transformers' Idefics3ForConditionalGeneration or SmolVLMForConditionalGeneration (float32,
+    eval, eager), LayerNorms, RMSNorms and biases drawn."""
+    config = make_tiny_idefics3_config(family)
+    model_class = (transformers.SmolVLMForConditionalGeneration if family == "smolvlm"
+                   else transformers.Idefics3ForConditionalGeneration)
+    torch.manual_seed(seed)
+    model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def make_tiny_idefics3_dir(tmp_path: str | Path, seed: int = 0, family: str = "idefics3") -> Path:
+    """Save the tiny Idefics3 (or SmolVLM) with its ``preprocessor_config.json`` and tokenizer as
+    ``tmp_path/tiny-<family>``."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    path = Path(tmp_path) / f"tiny-{family}"
+    make_tiny_idefics3(seed, family).save_pretrained(path, safe_serialization=True)
+    Idefics3ImageProcessorPil(**TINY_IDEFICS3_PIXELS).save_pretrained(path)
+    write_tiny_vlm_tokenizer(path, family="idefics3")
+    return path
+
+
+TINY_IDEFICS3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+"""SmolVLM's chat template in miniature: an image item written as ``<image>``."""
+
+_TINY_TOKENIZERS: dict[str, tuple[dict[int, str], dict[str, str], str]] = {
+    "gemma3": ({0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<start_of_turn>", 4: "<end_of_turn>",
+                TINY_VLM_BOI: "<start_of_image>", TINY_VLM_EOI: "<end_of_image>", TINY_VLM_IMAGE: "<image_soft_token>"},
+               {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+               TINY_VLM_CHAT_TEMPLATE),
+    "idefics3": ({0: "<pad>", 1: "<eos>", 2: "<bos>", TINY_IDEFICS3_FAKE: "<fake_token_around_image>",
+                  TINY_IDEFICS3_GLOBAL: "<global-img>", TINY_IDEFICS3_IMAGE: "<image>",
+                  TINY_IDEFICS3_END: "<end_of_utterance>",
+                  **{token_id: text for text, token_id in TINY_IDEFICS3_ROW_COL.items()}},
+                 {"image_token": "<image>"}, TINY_IDEFICS3_CHAT_TEMPLATE),
+}
+
+
+def write_tiny_vlm_tokenizer(path: str | Path, family: str = "gemma3") -> None:
+    """A real byte-level BPE tokenizer (``tokenizers``, no merges) for a tiny VLM in ``path``
+    (``family`` gemma3 or idefics3): ids 0-4 pad/eos/bos (and Gemma's turn markers), the byte
+    symbols of printable ASCII, tab and newline from 10 on, the family's image tokens at their
+    config ids (300 on), and ASCII words ``w<id>`` for the other ids, so that whatever a random
+    model generates decodes to ASCII text; with the family's chat template. Text in is ASCII only."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<start_of_turn>", 4: "<end_of_turn>",
-                TINY_VLM_BOI: "<start_of_image>", TINY_VLM_EOI: "<end_of_image>", TINY_VLM_IMAGE: "<image_soft_token>"}
+    specials, extra_special_tokens, chat_template = _TINY_TOKENIZERS[family]
     byte_symbols = _byte_level_symbols()
     ascii_bytes = [9, 10, *range(32, 127)]
     vocab = {byte_symbols[byte]: 10 + index for index, byte in enumerate(ascii_bytes)}
@@ -286,9 +359,8 @@ def write_tiny_vlm_tokenizer(path: str | Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(specials.values()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>",
-                                   "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
-    fast.chat_template = TINY_VLM_CHAT_TEMPLATE
+                                   pad_token="<pad>", extra_special_tokens=extra_special_tokens)
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
 
 
