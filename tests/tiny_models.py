@@ -235,6 +235,12 @@ def make_tiny_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> Any:
     config = make_tiny_qwen2_vl_config(family)
     model_class = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl"
                    else transformers.Qwen2VLForConditionalGeneration)
+    return _random_vlm(model_class, config, seed)
+
+
+def _random_vlm(model_class: Any, config: Any, seed: int) -> Any:
+    """``model_class`` over ``config`` (float32, eval, eager) with norm scales (``norm``, ``ln_q``)
+    drawn around 1 and biases around 0, so loading each of them is tested."""
     torch.manual_seed(seed)
     model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -296,15 +302,7 @@ def make_tiny_idefics3(seed: int = 0, family: str = "idefics3") -> Any:
     config = make_tiny_idefics3_config(family)
     model_class = (transformers.SmolVLMForConditionalGeneration if family == "smolvlm"
                    else transformers.Idefics3ForConditionalGeneration)
-    torch.manual_seed(seed)
-    model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith(".weight"):
-                param.normal_(1.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
-    return model.eval()
+    return _random_vlm(model_class, config, seed)
 
 
 def make_tiny_idefics3_dir(tmp_path: str | Path, seed: int = 0, family: str = "idefics3") -> Path:

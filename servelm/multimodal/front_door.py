@@ -47,9 +47,9 @@ class ImageProcessor(Protocol):
         ...
 
     def process(self, prompt_token_ids: list[int], images: list[ImageItem]) -> MultimodalInputs:
-        """One ``ImageSpan`` per image (per frame for families that cut images), in order, over ``prompt_token_ids`` (expanded already by
-        ``expand_text``, or holding one marker per image, which it expands), with each image's
-        pixel values. ValueError (a 400) when the markers do not match the images."""
+        """One ``ImageSpan`` per image (per frame for families that cut images), in order, over
+        ``prompt_token_ids`` (expanded already by ``expand_text``, or holding one marker per image,
+        which it expands), with each image's pixel values. ValueError (a 400) when the markers do not match the images."""
         ...
 
 

@@ -190,7 +190,8 @@ class Idefics3Processor:
                 previous = start + 1
             ids = expanded + ids[previous:]
             runs = image_runs(ids, self.image_token_id)
-        frames = [(item, index, frame) for item, (frames, _, _) in zip(images, cut) for index, frame in enumerate(frames)]
+        frames = [(item, index, frame) for item, (frames, _, _) in zip(images, cut)
+                  for index, frame in enumerate(frames)]
         if len(runs) != len(frames) or any(length != self.tokens_per_frame for _, length in runs):
             raise ValueError(f"the prompt's image placeholders ({len(runs)} run(s)) do not fit {len(images)} "
                              f"image(s) of {len(frames)} frame(s) of {self.tokens_per_frame} tokens each")

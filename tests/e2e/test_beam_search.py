@@ -255,7 +255,8 @@ def test_beams_with_an_image_match_transformers(tmp_path: Any) -> None:
     ids = torch.tensor([inputs.prompt_token_ids])
     span = inputs.images[0]
     reference = transformers_beams(model, inputs.prompt_token_ids, width, MAX_TOKENS, stop,
-                                   pixel_values=span.pixel_values, image_grid_thw=torch.tensor([span.extra["grid_thw"]]),
+                                   pixel_values=span.pixel_values,
+                                   image_grid_thw=torch.tensor([span.extra["grid_thw"]]),
                                    mm_token_type_ids=(ids == TINY_QWEN2_VL_IMAGE).int())
     assert_same([outputs[f"v-{rank}"] for rank in range(width)], reference)
     assert engine.stats()["num_beam_forks"] > 0

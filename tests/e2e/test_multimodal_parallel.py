@@ -67,15 +67,20 @@ def greedy(target: LLMEngine, batch: dict[str, MultimodalInputs]) -> dict[str, l
     return tokens
 
 
+def one_engine(path: Path, batch: dict[str, MultimodalInputs]) -> dict[str, list[int]]:
+    """The batch's greedy tokens from one co-located, one-rank engine (the reference)."""
+    single = engine(path)
+    try:
+        return greedy(single, batch)
+    finally:
+        single.shutdown()
+
+
 @pytest.mark.slow   # a rank process and two engines: ~50 s on the loaded 2-core build machine
 def test_tp2_images_equal_one_rank(tmp_path: Path) -> None:
     path, processor, marker = vlm(tmp_path, "gemma3")
     batch = requests(processor, marker)
-    single = engine(path)
-    try:
-        expected = greedy(single, batch)
-    finally:
-        single.shutdown()
+    expected = one_engine(path, batch)
     assert len({tuple(tokens) for tokens in expected.values()}) > 1   # the images change the answer
     tp2 = engine(path, parallel=ParallelConfig(tensor_parallel_size=2))
     try:
@@ -120,11 +125,7 @@ def disaggregated(path: Path, batch: dict[str, MultimodalInputs]) -> tuple[dict[
 def test_prefill_decode_with_images_equals_one_engine(tmp_path: Path, family: str) -> None:
     path, processor, marker = vlm(tmp_path, family)
     batch = requests(processor, marker)
-    single = engine(path)
-    try:
-        expected = greedy(single, batch)
-    finally:
-        single.shutdown()
+    expected = one_engine(path, batch)
     tokens, sent = disaggregated(path, batch)
     assert tokens == expected
     # "other" has "one"'s text (Gemma 3: its very token ids): on the decode side it shares only

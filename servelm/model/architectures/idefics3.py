@@ -41,14 +41,8 @@ class Idefics3VisionEmbeddings(SiglipEmbeddings):
         self.position_ids = (buckets[:, None] * side + buckets[None, :]).flatten()
         """``[P]`` int64; not a buffer (checkpoints have none)."""
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        height, width = pixel_values.shape[-2:]
-        if height != self.image_size or width != self.image_size:
-            raise ValueError(f"the vision tower encodes {self.image_size}x{self.image_size} frames, "
-                             f"got {height}x{width}")
-        weight = self.patch_embedding.weight
-        patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)   # [N, P, E]
-        return patches + self.position_embedding(self.position_ids.to(weight.device))
+    def position_rows(self) -> torch.Tensor:
+        return self.position_embedding(self.position_ids.to(self.position_embedding.weight.device))
 
 
 class Idefics3VisionTower(SiglipVisionTower):

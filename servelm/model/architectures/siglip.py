@@ -96,7 +96,11 @@ class SiglipEmbeddings(nn.Module):
                              f"got {height}x{width}")
         weight = self.patch_embedding.weight
         patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)   # [N, P, E]
-        return patches + self.position_embedding.weight
+        return patches + self.position_rows()
+
+    def position_rows(self) -> torch.Tensor:
+        """``[P, E]``: what each patch adds for its position (here patch i takes row i)."""
+        return self.position_embedding.weight
 
 
 class SiglipVisionTower(nn.Module):

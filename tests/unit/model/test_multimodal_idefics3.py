@@ -22,7 +22,7 @@ from servelm.multimodal.processor import image_item  # noqa: E402
 from tests.tiny_models import (TINY_IDEFICS3_FAMILIES, TINY_IDEFICS3_IMAGE, TINY_IDEFICS3_PIXELS,  # noqa: E402
                                make_tiny_idefics3, random_image, write_tiny_vlm_tokenizer)
 
-from .conftest import POOL_TOKENS, BlockAllocator, make_runner, make_source  # noqa: E402
+from .conftest import POOL_TOKENS, BlockAllocator  # noqa: E402
 
 ATOL = 1e-4
 NUM_NEW_TOKENS = 5
@@ -40,11 +40,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module", params=TINY_IDEFICS3_FAMILIES)
 def hf_vlm(request: pytest.FixtureRequest) -> Any:
     return make_tiny_idefics3(family=request.param)
-
-
-@pytest.fixture(scope="module")
-def runner(hf_vlm: Any) -> Any:
-    return make_runner(make_source(hf_vlm))
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +118,7 @@ def hf_forward(model: Any, inputs: MultimodalInputs, extra: list[int] | None = N
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 2])
-def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, runner: Any, processor: Idefics3Processor,
+def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, vlm_runner: Any, processor: Idefics3Processor,
                                                       num_images: int) -> None:
     inputs = prompt_with_images(processor, num_images)
     assert len(inputs.images) == [0, 3, 6][num_images]
@@ -131,12 +126,12 @@ def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, runner: Any, 
     allocator = BlockAllocator(POOL_TOKENS // 4)
     plan = allocator.plan(0, ids, num_logits=len(ids))
     plan.images = list(inputs.images)
-    logits = runner.execute(BatchPlan([plan]))
+    logits = vlm_runner.execute(BatchPlan([plan]))
     torch.testing.assert_close(logits, hf_forward(hf_vlm, inputs), atol=ATOL, rtol=1e-4)
     output = [int(logits[-1].argmax())]
     decode_rows = []
     while len(output) < NUM_NEW_TOKENS:
-        row = runner.execute(BatchPlan([allocator.plan(0, output[-1:], num_logits=1)]))[0]
+        row = vlm_runner.execute(BatchPlan([allocator.plan(0, output[-1:], num_logits=1)]))[0]
         decode_rows.append(row)
         output.append(int(row.argmax()))
     expected = hf_forward(hf_vlm, inputs, output[:-1])[len(ids):]
