@@ -56,12 +56,13 @@ def transformers_greedy(model, token_lists: list[list[int]], num_new_tokens: int
 
 def transformers_beams(model, prompt: list[int], num_beams: int, max_new_tokens: int,  # type: ignore[no-untyped-def]
                        eos_token_ids: list[int], length_penalty: float = 1.0,
-                       early_stopping: bool | str = False) -> list[tuple[list[int], float]]:
+                       early_stopping: bool | str = False, **model_inputs) -> list[tuple[list[int], float]]:
     """transformers' beam search (``num_return_sequences=num_beams``): (output tokens, score) per
-    beam, best first; a beam ends after its first EOS (the padding after it is cut off)."""
+    beam, best first; a beam ends after its first EOS (the padding after it is cut off).
+    ``model_inputs``: more inputs for ``generate`` (a VLM's pixel values)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **model_inputs,
                              num_beams=num_beams, num_return_sequences=num_beams, do_sample=False,
                              length_penalty=length_penalty, early_stopping=early_stopping,
                              output_scores=True, return_dict_in_generate=True,

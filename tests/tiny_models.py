@@ -224,28 +224,51 @@ TINY_QWEN2_VL_PIXELS = {"min_pixels": 256, "max_pixels": 4096, "patch_size": 4, 
 """Its image processor: sides in multiples of 8 (patch 4 x merge 2), 256..4096 pixels."""
 
 
-def make_tiny_qwen2_vl_config() -> Any:
-    """Qwen2VLConfig: a 2-layer Qwen2 text model (head_dim 16, mrope_section 2/3/3) + a 2-block tower."""
-    text = transformers.Qwen2VLTextConfig(
+TINY_QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+"""Qwen2-VL and Qwen2.5-VL: one text model, processor and token ids; their vision towers differ."""
+
+
+def make_tiny_qwen2_vl_config(family: str = "qwen2_vl") -> Any:
+    """Qwen2VLConfig (or Qwen2_5_VLConfig): a 2-layer Qwen2 text model (head_dim 16, mrope_section
+    2/3/3) + a small tower. Qwen2.5-VL's has 3 blocks, the middle one full attention, the others in
+    windows of 2 x 2 merge units (16 pixels), so the test images span several windows, partial ones too."""
+    text_kwargs = dict(
         vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = transformers.Qwen2VLVisionConfig(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
-        temporal_patch_size=2, hidden_act="quick_gelu", initializer_range=0.1)
-    return transformers.Qwen2VLConfig(
+    tower_kwargs = dict(num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)
+    if family == "qwen2_5_vl":
+        text = transformers.Qwen2_5_VLTextConfig(**text_kwargs)
+        vision = transformers.Qwen2_5_VLVisionConfig(
+            depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, hidden_act="silu", window_size=16,
+            fullatt_block_indexes=[1], **tower_kwargs)
+        config_class = transformers.Qwen2_5_VLConfig
+    else:
+        text = transformers.Qwen2VLTextConfig(**text_kwargs)
+        vision = transformers.Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2,
+                                                  hidden_act="quick_gelu", **tower_kwargs)
+        config_class = transformers.Qwen2VLConfig
+    return config_class(
         text_config=text, vision_config=vision, image_token_id=TINY_QWEN2_VL_IMAGE, video_token_id=303,
         vision_start_token_id=TINY_QWEN2_VL_START, vision_end_token_id=TINY_QWEN2_VL_END,
         tie_word_embeddings=False)
 
 
-def make_tiny_qwen2_vl(seed: int = 0) -> Any:
-    """transformers' Qwen2VLForConditionalGeneration (float32, eval, eager), norms and biases drawn."""
-    config = make_tiny_qwen2_vl_config()
+def make_tiny_qwen2_vl(seed: int = 0, family: str = "qwen2_vl") -> Any:
+    """transformers' Qwen2VLForConditionalGeneration or Qwen2_5_VLForConditionalGeneration (float32,
+    eval, eager), norms and biases drawn."""
+    config = make_tiny_qwen2_vl_config(family)
+    model_class = (transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl"
+                   else transformers.Qwen2VLForConditionalGeneration)
+    return _random_vlm(model_class, config, seed)
+
+
+def _random_vlm(model_class: Any, config: Any, seed: int) -> Any:
+    """``model_class`` over ``config`` (float32, eval, eager) with norm scales (``norm``, ``ln_q``)
+    drawn around 1 and biases around 0, so loading each of them is tested."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager",
-                                                                      dtype=torch.float32)
+    model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
@@ -255,11 +278,12 @@ def make_tiny_qwen2_vl(seed: int = 0) -> Any:
     return model.eval()
 
 
-def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0) -> Path:
-    """Save the tiny Qwen2-VL with its ``preprocessor_config.json`` as ``tmp_path/tiny-qwen2-vl``."""
+def make_tiny_qwen2_vl_dir(tmp_path: str | Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """Save the tiny Qwen2-VL (or Qwen2.5-VL) with its ``preprocessor_config.json`` as
+    ``tmp_path/tiny-<family>``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    path = Path(tmp_path) / "tiny-qwen2-vl"
-    make_tiny_qwen2_vl(seed).save_pretrained(path, safe_serialization=True)
+    path = Path(tmp_path) / f"tiny-{family.replace('_', '-')}"
+    make_tiny_qwen2_vl(seed, family).save_pretrained(path, safe_serialization=True)
     Qwen2VLImageProcessorPil(**TINY_QWEN2_VL_PIXELS).save_pretrained(path)
     return path
 
@@ -273,16 +297,81 @@ TINY_VLM_CHAT_TEMPLATE = (
 """Gemma 3's chat template in miniature: content lists walked, an image item written as the marker."""
 
 
-def write_tiny_vlm_tokenizer(path: str | Path) -> None:
-    """A real byte-level BPE tokenizer (``tokenizers``, no merges) for the tiny Gemma 3 VLM in
-    ``path``: ids 0-4 pad/eos/bos/turn markers, the byte symbols of printable ASCII, tab and newline
-    from 10 on, the image tokens at their config ids (300-302), and ASCII words ``w<id>`` for the
-    other ids, so that whatever a random model generates decodes to ASCII text; with the chat
-    template above. Text in is ASCII only."""
+# -- a tiny Idefics3 / SmolVLM --------------------------------------------------------------------------
+
+TINY_IDEFICS3_FAKE, TINY_IDEFICS3_GLOBAL, TINY_IDEFICS3_IMAGE, TINY_IDEFICS3_END = 300, 301, 302, 303
+"""<fake_token_around_image>, <global-img>, <image> and <end_of_utterance> of the tiny Idefics3."""
+TINY_IDEFICS3_ROW_COL = {f"<row_{r}_col_{c}>": 304 + 2 * (r - 1) + (c - 1) for r in (1, 2) for c in (1, 2)}
+TINY_IDEFICS3_PIXELS = {"size": {"longest_edge": 96}, "max_image_size": {"longest_edge": 48}}
+"""Frames of 48 x 48, images up to 96 a side: at most 2 x 2 crops plus the whole image."""
+TINY_IDEFICS3_FAMILIES = ("idefics3", "smolvlm")
+
+
+def make_tiny_idefics3_config(family: str = "idefics3") -> Any:
+    """Idefics3Config (or SmolVLMConfig): the tiny Llama text model + a 2-layer SigLIP-style tower
+    over 48 x 48 frames of 8-pixel patches (6 x 6: the bucketed position ids' 1/6 steps are inexact
+    in float32), pixel shuffle by 2: 9 tokens per frame."""
+    vision_kwargs = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         image_size=48, patch_size=8, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+                         initializer_range=0.1)
+    if family == "smolvlm":
+        vision, config_class = transformers.SmolVLMVisionConfig(**vision_kwargs), transformers.SmolVLMConfig
+    else:
+        vision, config_class = transformers.Idefics3VisionConfig(**vision_kwargs), transformers.Idefics3Config
+    return config_class(text_config=make_tiny_config("llama"), vision_config=vision, scale_factor=2,
+                        image_token_id=TINY_IDEFICS3_IMAGE, tie_word_embeddings=True)
+
+
+def make_tiny_idefics3(seed: int = 0, family: str = "idefics3") -> Any:
+    """transformers' Idefics3ForConditionalGeneration or SmolVLMForConditionalGeneration (float32,
+    eval, eager), LayerNorms, RMSNorms and biases drawn."""
+    config = make_tiny_idefics3_config(family)
+    model_class = (transformers.SmolVLMForConditionalGeneration if family == "smolvlm"
+                   else transformers.Idefics3ForConditionalGeneration)
+    return _random_vlm(model_class, config, seed)
+
+
+def make_tiny_idefics3_dir(tmp_path: str | Path, seed: int = 0, family: str = "idefics3") -> Path:
+    """Save the tiny Idefics3 (or SmolVLM) with its ``preprocessor_config.json`` and tokenizer as
+    ``tmp_path/tiny-<family>``."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    path = Path(tmp_path) / f"tiny-{family}"
+    make_tiny_idefics3(seed, family).save_pretrained(path, safe_serialization=True)
+    Idefics3ImageProcessorPil(**TINY_IDEFICS3_PIXELS).save_pretrained(path)
+    write_tiny_vlm_tokenizer(path, family="idefics3")
+    return path
+
+
+TINY_IDEFICS3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+"""SmolVLM's chat template in miniature: an image item written as ``<image>``."""
+
+_TINY_TOKENIZERS: dict[str, tuple[dict[int, str], dict[str, str], str]] = {
+    "gemma3": ({0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<start_of_turn>", 4: "<end_of_turn>",
+                TINY_VLM_BOI: "<start_of_image>", TINY_VLM_EOI: "<end_of_image>", TINY_VLM_IMAGE: "<image_soft_token>"},
+               {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+               TINY_VLM_CHAT_TEMPLATE),
+    "idefics3": ({0: "<pad>", 1: "<eos>", 2: "<bos>", TINY_IDEFICS3_FAKE: "<fake_token_around_image>",
+                  TINY_IDEFICS3_GLOBAL: "<global-img>", TINY_IDEFICS3_IMAGE: "<image>",
+                  TINY_IDEFICS3_END: "<end_of_utterance>",
+                  **{token_id: text for text, token_id in TINY_IDEFICS3_ROW_COL.items()}},
+                 {"image_token": "<image>"}, TINY_IDEFICS3_CHAT_TEMPLATE),
+}
+
+
+def write_tiny_vlm_tokenizer(path: str | Path, family: str = "gemma3") -> None:
+    """A real byte-level BPE tokenizer (``tokenizers``, no merges) for a tiny VLM in ``path``
+    (``family`` gemma3 or idefics3): ids 0-4 pad/eos/bos (and Gemma's turn markers), the byte
+    symbols of printable ASCII, tab and newline from 10 on, the family's image tokens at their
+    config ids (300 on), and ASCII words ``w<id>`` for the other ids, so that whatever a random
+    model generates decodes to ASCII text; with the family's chat template. Text in is ASCII only."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<start_of_turn>", 4: "<end_of_turn>",
-                TINY_VLM_BOI: "<start_of_image>", TINY_VLM_EOI: "<end_of_image>", TINY_VLM_IMAGE: "<image_soft_token>"}
+    specials, extra_special_tokens, chat_template = _TINY_TOKENIZERS[family]
     byte_symbols = _byte_level_symbols()
     ascii_bytes = [9, 10, *range(32, 127)]
     vocab = {byte_symbols[byte]: 10 + index for index, byte in enumerate(ascii_bytes)}
@@ -294,9 +383,8 @@ def write_tiny_vlm_tokenizer(path: str | Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(specials.values()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>",
-                                   "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
-    fast.chat_template = TINY_VLM_CHAT_TEMPLATE
+                                   pad_token="<pad>", extra_special_tokens=extra_special_tokens)
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
 
 

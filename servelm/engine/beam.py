@@ -175,7 +175,7 @@ class BeamSearches(Stage):
                        max_context_tokens=receiver.max_context_tokens,
                        output_token_ids=output_token_ids, priority=receiver.priority,
                        group=receiver.group, adapter_id=receiver.adapter_id,
-                       lora_slot=receiver.lora_slot, is_beam=True)
+                       lora_slot=receiver.lora_slot, is_beam=True, mm_inputs=receiver.mm_inputs)
         search.num_forks += 1
         search.sum_logprobs[beam.request_id] = 0.0
         self._by_beam[beam.request_id] = search

@@ -362,7 +362,7 @@ class LLMEngine:
                                  num_prompt_tokens=request.num_prompt_tokens, error_status=503)
         error = self._check(request)
         if error is None and request.mm_inputs is not None:
-            error = self._check_images(request, kv_transfer)
+            error = self._check_images(request)
         if error is None and kv_transfer is not None:
             error = ("this server runs co-located (--disaggregation-mode null): it takes no K/V "
                      "transfers" if self.disaggregation is None
@@ -400,17 +400,15 @@ class LLMEngine:
         self.beams.add(request)
         return None
 
-    def _check_images(self, request: Request, kv_transfer: KVTransfer | None) -> str | None:
-        """Why a request with images cannot run here (None: it can)."""
+    def _check_images(self, request: Request) -> str | None:
+        """Why a request with images cannot run here (None: it can). Under prefill/decode
+        disaggregation both sides take the images: the prefill side encodes them, the decode side
+        keys its prefix cache and its M-RoPE positions by them (their K/V arrives like any other)."""
         assert request.mm_inputs is not None
         if not self.model_info.get("takes_images", getattr(self.runner, "takes_images", False)):
             return "this model does not take images (it is not a vision-language model)"
         if request.is_embedding:
             return "embedding requests take text only"
-        if request.params.beam is not None:
-            return "beam search does not take images yet"
-        if kv_transfer is not None:
-            return "prefill/decode disaggregation does not take images yet"
         if self.config.parallel.pipeline_parallel_size > 1:
             return "images need --pipeline-parallel-size 1"
         previous_end = 0

@@ -134,7 +134,7 @@ class Engine:
                      for image in (images if isinstance(images, (list, tuple)) else [images])]
             ids = token_lists[index]
             if texts is not None and processor.tokenizer is not None:   # transformers' text-level expansion
-                ids = self.tokenizer.encode(processor.expand_text(texts[index]))
+                ids = self.tokenizer.encode(processor.expand_text(texts[index], items))
             result.append(processor.process(ids, items))
         return result
 

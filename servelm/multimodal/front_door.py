@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 class ImageProcessor(Protocol):
     """The model's image processor, as the front door uses it (``servelm.multimodal.processor``'s
-    Gemma3Processor and Qwen2VLProcessor have this shape)."""
+    Gemma3Processor, Qwen2VLProcessor and Idefics3Processor have this shape)."""
 
     def marker_text(self) -> str:
         """The text the model's chat template writes for one image (Gemma 3:
@@ -40,15 +40,16 @@ class ImageProcessor(Protocol):
         was. ValueError when unknown."""
         ...
 
-    def expand_text(self, text: str) -> str:
+    def expand_text(self, text: str, images: list[ImageItem]) -> str:
         """The prompt text with each image marker replaced by the image's full token sequence, as
-        transformers' processor does before tokenizing (so the ids equal transformers')."""
+        transformers' processor does before tokenizing (so the ids equal transformers'); the
+        images are there for families whose sequence depends on the image's size (Idefics3)."""
         ...
 
     def process(self, prompt_token_ids: list[int], images: list[ImageItem]) -> MultimodalInputs:
-        """One ``ImageSpan`` per image, in order, over ``prompt_token_ids`` (expanded already by
-        ``expand_text``, or holding one marker per image, which it expands), with each image's
-        pixel values. ValueError (a 400) when the markers do not match the images."""
+        """One ``ImageSpan`` per image (per frame for families that cut images), in order, over
+        ``prompt_token_ids`` (expanded already by ``expand_text``, or holding one marker per image,
+        which it expands), with each image's pixel values. ValueError (a 400) when the markers do not match the images."""
         ...
 
 
@@ -143,7 +144,7 @@ class MultimodalFrontDoor:
         """The prompt text with its image markers expanded (text-level, as transformers)."""
         if not images or self.processor is None:
             return text
-        return await asyncio.to_thread(self.processor.expand_text, text)
+        return await asyncio.to_thread(self.processor.expand_text, text, images)
 
     def check_accepts(self, param: str) -> None:
         """400 when the request at ``param`` has an image and this server takes none."""
@@ -187,8 +188,8 @@ class MultimodalFrontDoor:
             result = await asyncio.to_thread(processor.process, list(token_ids), images)
         except ValueError as error:
             raise InvalidRequestError(f"{param}: {error}", param) from None
-        if len(result.images) != len(images):
+        if result.num_images != len(images):
             raise InvalidRequestError(
-                f"{param}: the prompt places {len(result.images)} images but {len(images)} were "
+                f"{param}: the prompt places {result.num_images} images but {len(images)} were "
                 "sent; the prompt needs one image marker per image", param)
         return result

@@ -41,6 +41,10 @@ class ImageSpan:
     """The processor's tensor(s) for this image (a torch.Tensor, or a dict of them per family)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Family-specific data (e.g. Qwen2-VL's grid_thw)."""
+    frame: int = 0
+    """Which part of its image this span is: a family that cuts an image into frames encoded one by
+    one (Idefics3/SmolVLM: crops and the whole image, each its own run of placeholders between
+    text tokens) gives one span per frame, numbered from 0; other families one span (0)."""
 
 
 @dataclass
@@ -55,3 +59,8 @@ class MultimodalInputs:
     @property
     def num_image_tokens(self) -> int:
         return sum(span.length for span in self.images)
+
+    @property
+    def num_images(self) -> int:
+        """Images (not spans: an image cut into frames has one span per frame)."""
+        return sum(1 for span in self.images if span.frame == 0)

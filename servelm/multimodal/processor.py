@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,17 @@ import torch
 from servelm.multimodal.inputs import ImageItem, ImageSpan, MultimodalInputs
 from servelm.multimodal.media import image_digest, to_rgb
 
-MULTIMODAL_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration"})
-"""Architectures whose model takes images (servelm.model.architectures.gemma3_mm, qwen2_vl)."""
-_MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+MULTIMODAL_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                      "Qwen2_5_VLForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                                      "SmolVLMForConditionalGeneration"})
+"""Architectures whose model takes images (servelm.model.architectures.gemma3_mm, qwen2_vl, qwen2_5_vl,
+idefics3)."""
+_MODEL_TYPES = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+                "smolvlm": "SmolVLMForConditionalGeneration"}
+_IDEFICS3 = frozenset({"Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"})
+_QWEN_VL = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
+"""Qwen2-VL and Qwen2.5-VL: one processor (the same image processor, placeholders and M-RoPE table)."""
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -159,9 +168,10 @@ class Gemma3Processor:
         boi, eoi, image = (self._token_text(t) for t in (self.boi_token_id, self.eoi_token_id, self.image_token_id))
         return f"\n\n{boi}{image * self.tokens_per_image}{eoi}\n\n"
 
-    def expand_text(self, text: str) -> str:
+    def expand_text(self, text: str, images: Sequence[ImageItem] = ()) -> str:
         """The prompt text with each image marker replaced as transformers' Gemma3Processor does
-        (tokenize the result, then ``process`` it: the ids then equal transformers' exactly)."""
+        (tokenize the result, then ``process`` it: the ids then equal transformers' exactly); every
+        Gemma 3 image has the same sequence, so ``images`` is not read."""
         return text.replace(self.marker_text(), self.full_image_sequence())
 
     def _token_text(self, token_id: int) -> str:
@@ -193,7 +203,7 @@ class Gemma3Processor:
                 raise ValueError(f"the prompt names {markers} image(s) (<start_of_image>) but {len(images)} "
                                  "were given")
             ids = self.expand_ids(ids)
-        runs = _runs(ids, self.image_token_id)
+        runs = image_runs(ids, self.image_token_id)
         if len(runs) != len(images):
             raise ValueError(f"the prompt has {len(runs)} image placeholder block(s) but {len(images)} "
                              "image(s) were given")
@@ -274,7 +284,7 @@ class Qwen2VLProcessor:
             raise ValueError("the marker text needs the model's tokenizer")
         return str(self.tokenizer.convert_ids_to_tokens(self.image_token_id))
 
-    def expand_text(self, text: str) -> str:
+    def expand_text(self, text: str, images: Sequence[ImageItem] = ()) -> str:
         """No text-level step: each ``<|image_pad|>`` is expanded by ``process`` at the id level
         (the pads have no text around them to merge with)."""
         return text
@@ -298,7 +308,7 @@ class Qwen2VLProcessor:
         are kept), one ``ImageSpan`` per image and the M-RoPE positions (see the class docstring)."""
         pixels = [self.pixels(item.image) for item in images]
         counts = [grid[1] * grid[2] // self.merge_size ** 2 for _, grid in pixels]
-        runs = _runs(list(prompt_token_ids), self.image_token_id)
+        runs = image_runs(list(prompt_token_ids), self.image_token_id)
         if len(runs) != len(images):
             raise ValueError(f"the prompt names {len(runs)} image(s) (<|image_pad|>) but {len(images)} were given")
         ids: list[int] = []
@@ -310,7 +320,7 @@ class Qwen2VLProcessor:
             previous = start + length
         ids += list(prompt_token_ids[previous:])
         spans = []
-        for (offset, length), item, (values, grid) in zip(_runs(ids, self.image_token_id), images, pixels):
+        for (offset, length), item, (values, grid) in zip(image_runs(ids, self.image_token_id), images, pixels):
             spans.append(ImageSpan(offset=offset, length=length, digest=item.digest, pixel_values=values,
                                    extra={"grid_thw": grid}))
         positions, delta = self.mrope_positions(len(ids), spans)
@@ -355,7 +365,7 @@ def mrope_positions_for(inputs: MultimodalInputs | None, start: int, count: int)
     return torch.cat([inside, after], dim=1)
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+def image_runs(ids: list[int], token: int) -> list[tuple[int, int]]:
     """(start, length) of each maximal run of ``token`` in ``ids``."""
     runs: list[tuple[int, int]] = []
     start = None
@@ -378,7 +388,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def get_processor(model: Any, tokenizer: Any = None,
-                  hf_config: Any = None) -> Gemma3Processor | Qwen2VLProcessor | None:
+                  hf_config: Any = None) -> Any:
     """The processor of the model at ``model`` (a local directory, or an object with
     ``model_path``/``hf_config`` such as a ModelSource); None when the model takes no images.
     ``preprocessor_config.json`` (and ``processor_config.json``'s ``image_seq_length``) are read
@@ -396,8 +406,12 @@ def get_processor(model: Any, tokenizer: Any = None,
     if path is not None and Path(str(path)).is_dir():
         config = _read_json(Path(str(path)) / "preprocessor_config.json")
         processor_config = _read_json(Path(str(path)) / "processor_config.json")
-        if processor_config.get("image_seq_length") and not config.get("image_seq_length"):
-            config["image_seq_length"] = processor_config["image_seq_length"]
-    if architecture == "Qwen2VLForConditionalGeneration":
+        for key in ("image_seq_length", "image_seq_len"):   # Gemma 3's, Idefics3's
+            if processor_config.get(key) and not config.get(key):
+                config[key] = processor_config[key]
+    if architecture in _QWEN_VL:
         return Qwen2VLProcessor(hf_config, config, tokenizer)
+    if architecture in _IDEFICS3:
+        from servelm.multimodal.idefics3 import Idefics3Processor   # it builds on this module
+        return Idefics3Processor(hf_config, config, tokenizer)
     return Gemma3Processor(hf_config, config, tokenizer)

@@ -228,3 +228,36 @@ def test_gemma3_270m_beams_match_transformers(gemma: Any, width: int, length_pen
                                              early_stopping=early_stopping))
         assert ours[0].new_text == engine.tokenizer.decode(ours[0].new_token_ids, skip_special_tokens=True)
     assert_idle(engine)
+
+
+def test_beams_with_an_image_match_transformers(tmp_path: Any) -> None:
+    """Qwen2-VL with an image: every beam (forks included) carries the prompt's image, so its
+    decode positions keep the M-RoPE offset; beams and scores equal transformers'."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from servelm.multimodal.processor import get_processor, image_item
+    from tests.tiny_models import (TINY_QWEN2_VL_END, TINY_QWEN2_VL_IMAGE, TINY_QWEN2_VL_START,
+                                   make_tiny_qwen2_vl_dir, random_image)
+    path = make_tiny_qwen2_vl_dir(tmp_path)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    marker = [TINY_QWEN2_VL_START, TINY_QWEN2_VL_IMAGE, TINY_QWEN2_VL_END]
+    inputs = get_processor(str(path)).process([21, 22, 23] + marker + [30, 31], [image_item(random_image(1, 40, 56))])
+    width, stop = 3, [48]
+    engine = make_engine(path)
+    for rank in range(width):
+        assert engine.add_request(f"v-{rank}", inputs.prompt_token_ids, beam_params(width, rank, stop_token_ids=stop),
+                                  group="v", mm_inputs=inputs) is None
+    outputs: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        outputs.update((output.request_id, output) for output in engine.step() if output.is_finished)
+    ids = torch.tensor([inputs.prompt_token_ids])
+    span = inputs.images[0]
+    reference = transformers_beams(model, inputs.prompt_token_ids, width, MAX_TOKENS, stop,
+                                   pixel_values=span.pixel_values,
+                                   image_grid_thw=torch.tensor([span.extra["grid_thw"]]),
+                                   mm_token_type_ids=(ids == TINY_QWEN2_VL_IMAGE).int())
+    assert_same([outputs[f"v-{rank}"] for rank in range(width)], reference)
+    assert engine.stats()["num_beam_forks"] > 0
+    assert_idle(engine)

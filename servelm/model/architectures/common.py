@@ -28,6 +28,24 @@ STACKED_PARAMS: list[tuple[str, str, int | str]] = [
 ]
 
 
+class StackedLinear(nn.Linear):
+    """A replicated ``nn.Linear`` whose output stacks equally sized parts that checkpoints keep apart
+    (a vision tower's q/k/v, or gate/up): ``weight_loader`` copies one part by its shard id
+    (``STACKED_PARAMS``'s), weight and bias alike."""
+
+    def __init__(self, in_features: int, out_features: int, shard_ids: Sequence[int | str], bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.shard_ids = list(shard_ids)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        assert shard_id in self.shard_ids, f"this stacked projection loads {self.shard_ids}, not {shard_id!r}"
+        size = param.shape[0] // len(self.shard_ids)
+        index = self.shard_ids.index(shard_id)
+        part = param.data[index * size:(index + 1) * size]
+        assert part.shape == loaded.shape, f"{tuple(loaded.shape)} != {tuple(part.shape)}"
+        part.copy_(loaded)
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up fused into one column-parallel projection."""
 

@@ -15,7 +15,7 @@ vision transformer, following transformers.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -84,10 +84,7 @@ class Qwen2VLVisionAttention(nn.Module):
 class Qwen2VLVisionMLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, activation: str) -> None:
         super().__init__()
-        if activation not in _VISION_ACTIVATIONS:
-            raise ValueError(f"Qwen2-VL vision activation {activation!r} is not supported "
-                             f"(supported: {sorted(_VISION_ACTIVATIONS)})")
-        self.act = _VISION_ACTIVATIONS[activation]
+        self.act = vision_activation(activation)
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
 
@@ -95,13 +92,25 @@ class Qwen2VLVisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(hidden)))
 
 
+def vision_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _VISION_ACTIVATIONS:
+        raise ValueError(f"vision activation {name!r} is not supported (supported: {sorted(_VISION_ACTIVATIONS)})")
+    return _VISION_ACTIVATIONS[name]
+
+
+def layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
 class Qwen2VLVisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``; the family picks the norm and the MLP."""
+
+    def __init__(self, dim: int, num_heads: int, mlp: nn.Module, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.embed_dim, eps=1e-6)
-        self.attn = Qwen2VLVisionAttention(config.embed_dim, config.num_heads)
-        self.mlp = Qwen2VLVisionMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), config.hidden_act)
+        self.norm1 = norm(dim)
+        self.norm2 = norm(dim)
+        self.attn = Qwen2VLVisionAttention(dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         hidden = hidden + self.attn(self.norm1(hidden), cos, sin, lengths)
@@ -109,22 +118,22 @@ class Qwen2VLVisionBlock(nn.Module):
 
 
 class Qwen2VLPatchEmbed(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, width: int) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, width, kernel_size=kernel, stride=kernel, bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """``[N, C * T * P * P]`` -> ``[N, embed_dim]`` (the convolution over one patch is a matmul)."""
+        """``[N, C * T * P * P]`` -> ``[N, width]`` (the convolution over one patch is a matmul)."""
         weight = self.proj.weight
         return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1))
 
 
 class Qwen2VLPatchMerger(nn.Module):
-    def __init__(self, out_dim: int, context_dim: int, merge_size: int) -> None:
+    def __init__(self, out_dim: int, context_dim: int, merge_size: int, norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.merged_dim = context_dim * merge_size ** 2
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.ln_q = norm(context_dim)
         self.mlp = nn.Sequential(nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(),
                                  nn.Linear(self.merged_dim, out_dim))
 
@@ -134,20 +143,47 @@ class Qwen2VLPatchMerger(nn.Module):
 
 class Qwen2VLVisionTower(nn.Module):
     """Patches of several images (each ``[h * w, C * T * P * P]`` with its (t, h, w) grid) ->
-    per image ``[h * w / merge**2, hidden]``."""
+    per image ``[h * w / merge**2, hidden]``. Qwen2-VL's tower: LayerNorm, a plain MLP, every
+    block attending over whole images; subclasses change the width names, norm, MLP and the
+    attention layout (``attention_layout``)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.merge_size = config.spatial_merge_size
-        self.patch_embed = Qwen2VLPatchEmbed(config)
-        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(config) for _ in range(config.depth))
-        self.merger = Qwen2VLPatchMerger(config.hidden_size, config.embed_dim, config.spatial_merge_size)
-        head_dim = config.embed_dim // config.num_heads
+        width = self.width(config)
+        self.patch_embed = Qwen2VLPatchEmbed(config, width)
+        self.blocks = nn.ModuleList(Qwen2VLVisionBlock(width, config.num_heads, self.mlp(config), self.norm)
+                                    for _ in range(config.depth))
+        self.merger = Qwen2VLPatchMerger(self.out_dim(config), width, config.spatial_merge_size, self.norm)
+        head_dim = width // config.num_heads
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         half = head_dim // 2
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
         """Not a buffer: model.to(dtype) must never round it."""
 
+    # -- what a family changes ---------------------------------------------------------------
+    @staticmethod
+    def width(config: Any) -> int:
+        return int(config.embed_dim)
+
+    @staticmethod
+    def out_dim(config: Any) -> int:
+        return int(config.hidden_size)
+
+    @staticmethod
+    def norm(dim: int) -> nn.Module:
+        return layer_norm(dim)
+
+    @staticmethod
+    def mlp(config: Any) -> nn.Module:
+        return Qwen2VLVisionMLP(config.embed_dim, int(config.embed_dim * config.mlp_ratio), config.hidden_act)
+
+    def attention_layout(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor | None, list[list[int]]]:
+        """The order of the merge units the blocks see (None: as given) and, per block, the lengths
+        of the runs of patches that attend to each other (here: each image)."""
+        return None, [[t * h * w for t, h, w in grids]] * len(self.blocks)
+
+    # -- shared ------------------------------------------------------------------------------
     def rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[N, head_dim]`` float32: each patch's (row, column) in merge-block order."""
         merge = self.merge_size
@@ -165,14 +201,20 @@ class Qwen2VLVisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        lengths = [t * h * w for t, h, w in grids]
+        unit_order, layer_lengths = self.attention_layout(grids)
         hidden = self.patch_embed(patches)
         cos, sin = self.rotary(grids)
         cos, sin = cos.to(hidden.device), sin.to(hidden.device)
-        for block in self.blocks:
+        if unit_order is not None:   # whole merge units move, so the merger's groups stay intact
+            unit = self.merge_size ** 2
+            order = (unit_order[:, None] * unit + torch.arange(unit)).flatten().to(hidden.device)
+            hidden, cos, sin = hidden[order], cos[order], sin[order]
+        for block, lengths in zip(self.blocks, layer_lengths):
             hidden = block(hidden, cos, sin, lengths)
         merged = self.merger(hidden)
-        return list(merged.split([length // self.merge_size ** 2 for length in lengths]))
+        if unit_order is not None:
+            merged = merged[torch.argsort(unit_order).to(merged.device)]
+        return list(merged.split([t * h * w // self.merge_size ** 2 for t, h, w in grids]))
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -180,19 +222,20 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     ``encode_images(spans) -> [tokens, hidden] per image``."""
 
     takes_images = True
+    vision_tower_class: type[Qwen2VLVisionTower] = Qwen2VLVisionTower
 
     def __init__(self, hf_config: Any, parallel: ParallelContext | None = None) -> None:
         text = copy.deepcopy(hf_config.get_text_config())
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not (getattr(text, "rope_parameters", None) or {}).get("mrope_section"):
-            raise ValueError("a Qwen2-VL text config names its mrope_section (rope_parameters)")
+            raise ValueError(f"a {type(self).__name__} text config names its mrope_section (rope_parameters)")
         if getattr(text, "use_sliding_window", False):
-            raise NotImplementedError("Qwen2-VL with use_sliding_window is not supported")
+            raise NotImplementedError(f"{type(self).__name__} with use_sliding_window is not supported")
         super().__init__(text, parallel)
         if self.parallel.pp_size > 1:
-            raise ValueError("Qwen2-VL runs with --pipeline-parallel-size 1 (the vision tower feeds the first "
-                             "stage's embeddings)")
-        self.visual = Qwen2VLVisionTower(hf_config.vision_config)
+            raise ValueError(f"{type(self).__name__} runs with --pipeline-parallel-size 1 (the vision tower "
+                             "feeds the first stage's embeddings)")
+        self.visual = self.vision_tower_class(hf_config.vision_config)
         self.visual.requires_grad_(False)
 
     def build_attention(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:

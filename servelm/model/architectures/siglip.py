@@ -18,26 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.model.architectures.common import StackedLinear
+
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
-
-
-class _QKVProjection(nn.Linear):
-    """q, k and v of one attention as one ``[3 * E, E]`` linear (with bias)."""
-
-    _SHARDS = {"q": 0, "k": 1, "v": 2}
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
-        assert shard_id in self._SHARDS, f"a fused q/k/v projection loads q, k or v, not {shard_id!r}"
-        size = param.shape[0] // 3
-        index = self._SHARDS[shard_id]
-        part = param.data[index * size:(index + 1) * size]
-        assert part.shape == loaded.shape, f"{tuple(loaded.shape)} != {tuple(part.shape)}"
-        part.copy_(loaded)
 
 
 class SiglipAttention(nn.Module):
@@ -47,7 +35,7 @@ class SiglipAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = _QKVProjection(hidden, 3 * hidden)
+        self.qkv_proj = StackedLinear(hidden, 3 * hidden, ("q", "k", "v"))
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -108,16 +96,23 @@ class SiglipEmbeddings(nn.Module):
                              f"got {height}x{width}")
         weight = self.patch_embedding.weight
         patches = self.patch_embedding(pixel_values.to(weight.dtype)).flatten(2).transpose(1, 2)   # [N, P, E]
-        return patches + self.position_embedding.weight
+        return patches + self.position_rows()
+
+    def position_rows(self) -> torch.Tensor:
+        """``[P, E]``: what each patch adds for its position (here patch i takes row i)."""
+        return self.position_embedding.weight
 
 
 class SiglipVisionTower(nn.Module):
     """``[N, 3, H, W] -> [N, patches, hidden]`` (the last hidden state after ``post_layernorm``)."""
 
+    embeddings_class: type[SiglipEmbeddings] = SiglipEmbeddings
+    """How pixels become patch rows; a family whose positions differ subclasses it (Idefics3)."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = SiglipEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = SiglipEncoder(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 

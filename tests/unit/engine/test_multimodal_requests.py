@@ -199,3 +199,35 @@ def test_qwen2_vl_images_through_the_engine_equal_transformers(tmp_path: Path) -
     assert tokens["text"] == reference(text)
     again, cached = run(engine, {"again": processor.process(TEXT + marker + [30, 31], [big])})
     assert again["again"] == tokens["one"] and cached["again"] > one.images[0].offset + one.images[0].length - BLOCK
+
+
+def test_smolvlm_frames_through_the_engine_equal_transformers(tmp_path: Path) -> None:
+    """SmolVLM from its checkpoint folder: two images cut into 3 and 5 frames (a span each) with
+    chunked prefill of 16 tokens (frames of 9 placeholders never cut); greedy tokens equal
+    transformers', and the same image again is a prefix-cache hit past its frames."""
+    from transformers import AutoTokenizer, SmolVLMForConditionalGeneration
+
+    from tests.tiny_models import TINY_IDEFICS3_IMAGE, make_tiny_idefics3_dir
+    path = make_tiny_idefics3_dir(tmp_path, family="smolvlm")
+    model = SmolVLMForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    processor = get_processor(str(path), AutoTokenizer.from_pretrained(str(path)))
+    wide, square = image_item(random_image(5, 80, 30)), image_item(random_image(6, 90, 96))
+    two = processor.process(TEXT[:3] + [TINY_IDEFICS3_IMAGE, 40, TINY_IDEFICS3_IMAGE, 41, 42], [wide, square])
+    assert [span.frame for span in two.images] == [0, 1, 2, 0, 1, 2, 3, 4]
+
+    def reference(inputs: MultimodalInputs) -> list[int]:
+        pixels = torch.stack([span.pixel_values for span in inputs.images])[None]
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                ids = torch.tensor([inputs.prompt_token_ids + out])
+                out.append(int(model(input_ids=ids, pixel_values=pixels).logits[0, -1].argmax()))
+        return out
+
+    engine = make(path, chunked_prefill_size=16)
+    tokens, _ = run(engine, {"two": two})
+    assert tokens["two"] == reference(two)
+    again, cached = run(engine, {"again": processor.process(two.prompt_token_ids, [wide, square])})
+    last = two.images[-1]
+    assert again["again"] == tokens["two"] and cached["again"] > last.offset + last.length - BLOCK

@@ -72,6 +72,12 @@ def runner_factory(hf_model: Any) -> Any:
     return lambda: make_runner(make_source(hf_model))
 
 
+@pytest.fixture(scope="module")
+def vlm_runner(hf_vlm: Any) -> ModelRunner:
+    """A runner over the module's ``hf_vlm`` fixture (a vision-language model's test module)."""
+    return make_runner(make_source(hf_vlm))
+
+
 @pytest.fixture
 def allocator() -> BlockAllocator:
     return BlockAllocator(POOL_TOKENS // BLOCK_SIZE)

@@ -1,6 +1,7 @@
-"""Qwen2-VL (M-RoPE text model + its vision transformer) against transformers, float32, tiny random
-weights: the processor's patches and 3-D positions, prefill and decode logits with 0, 1 and 2
-images of different sizes (dynamic resolution), and the M-RoPE offsets' effect on decode."""
+"""Qwen2-VL and Qwen2.5-VL (M-RoPE text model + their vision transformers) against transformers,
+float32, tiny random weights: the processor's patches and 3-D positions, prefill and decode logits
+with 0, 1 and 2 images of different sizes (dynamic resolution; Qwen2.5-VL's images span several
+attention windows), and the M-RoPE offsets' effect on decode."""
 
 from __future__ import annotations
 
@@ -15,23 +16,18 @@ from servelm.model.forward_batch import BatchPlan  # noqa: E402
 from servelm.multimodal.inputs import MultimodalInputs  # noqa: E402
 from servelm.multimodal.processor import Qwen2VLProcessor, image_item, mrope_positions_for  # noqa: E402
 from tests.tiny_models import (TINY_QWEN2_VL_END, TINY_QWEN2_VL_IMAGE, TINY_QWEN2_VL_PIXELS,  # noqa: E402
-                               TINY_QWEN2_VL_START, make_tiny_qwen2_vl, random_image)
+                               TINY_QWEN2_VL_START, TINY_QWEN_VL_FAMILIES, make_tiny_qwen2_vl, random_image)
 
-from .conftest import POOL_TOKENS, BlockAllocator, make_runner, make_source  # noqa: E402
+from .conftest import POOL_TOKENS, BlockAllocator  # noqa: E402
 
 ATOL = 1e-4
 NUM_NEW_TOKENS = 6
 SIZES = [(40, 56), (30, 22)]   # (width, height): 7 x 5 and 3 x 4 merged tokens after smart_resize
 
 
-@pytest.fixture(scope="module")
-def hf_vlm() -> Any:
-    return make_tiny_qwen2_vl()
-
-
-@pytest.fixture(scope="module")
-def runner(hf_vlm: Any) -> Any:
-    return make_runner(make_source(hf_vlm))
+@pytest.fixture(scope="module", params=TINY_QWEN_VL_FAMILIES)
+def hf_vlm(request: pytest.FixtureRequest) -> Any:
+    return make_tiny_qwen2_vl(family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +91,7 @@ def test_expansion_and_mrope_positions_equal_transformers(hf_vlm: Any, processor
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 2])
-def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, runner: Any, processor: Qwen2VLProcessor,
+def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, vlm_runner: Any, processor: Qwen2VLProcessor,
                                                       num_images: int) -> None:
     inputs = processor.process(prompt_with_images(num_images), images(num_images))
     ids = inputs.prompt_token_ids
@@ -103,14 +99,14 @@ def test_prefill_and_decode_logits_match_transformers(hf_vlm: Any, runner: Any, 
     plan = allocator.plan(0, ids, num_logits=len(ids))
     plan.images = list(inputs.images)
     plan.mrope_positions = mrope_positions_for(inputs, 0, len(ids))
-    logits = runner.execute(BatchPlan([plan]))
+    logits = vlm_runner.execute(BatchPlan([plan]))
     torch.testing.assert_close(logits, hf_forward(hf_vlm, inputs), atol=ATOL, rtol=1e-4)
     output = [int(logits[-1].argmax())]
     decode_rows = []
     while len(output) < NUM_NEW_TOKENS:
         step = allocator.plan(0, output[-1:], num_logits=1)
         step.mrope_positions = mrope_positions_for(inputs, len(ids) + len(output) - 1, 1)
-        row = runner.execute(BatchPlan([step]))[0]
+        row = vlm_runner.execute(BatchPlan([step]))[0]
         decode_rows.append(row)
         output.append(int(row.argmax()))
     expected = hf_forward(hf_vlm, inputs, output[:-1])[len(ids):]

@@ -48,7 +48,7 @@ class FakeProcessor:
     def marker_text(self) -> str:
         return MARKER
 
-    def expand_text(self, text: str) -> str:
+    def expand_text(self, text: str, images: list[ImageItem]) -> str:
         self.texts.append(text)
         return text
 
