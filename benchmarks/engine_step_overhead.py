@@ -3,7 +3,6 @@ time is the scheduler, KV manager, stages, executor (sampler), update and output
 median decode step (us) at 1 and 32 streams. Compare two commits by running it from each tree
 alternately (``PYTHONPATH=<tree> python benchmarks/engine_step_overhead.py``)."""
 import statistics
-import sys
 import time
 
 import torch
