@@ -1,7 +1,7 @@
 """Beam search: ``width`` beams per prompt, scored by cumulative log-probability, sharing K/V.
 
 A search is a stage beside the scheduler, like speculation: its beams are ordinary scheduler
-requests (``is_beam``) that the scheduler computes, chunks, preempts and caches like any other.
+requests (``Request.beam`` set) that the scheduler computes, chunks, preempts and caches like any other.
 Only their sampled rows are different: the scheduler appends nothing, and ``update`` reads each
 beam's top candidates (``params.logprobs``: the raw model log-probabilities) instead. Once every
 live beam has its candidates, the search takes one step of transformers' beam search
@@ -39,9 +39,10 @@ from typing import Any
 
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.outputs import RequestOutput
-from servelm.engine.request import FinishReason, Request, RequestStatus
+from servelm.engine.frontdoor import SubmitRequest
+from servelm.engine.request import BeamState, FinishReason, Request, RequestStatus
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
-from servelm.engine.stage import Stage
+from servelm.engine.stage import Refusal, Stage
 from servelm.sampling.params import BeamParams, SamplingParams
 
 PARKED = "its beam search's next step"
@@ -108,9 +109,11 @@ class BeamSearches(Stage):
     """Every running beam search of one engine, fed by the step's results (a stage: it answers
     for its client requests' ids, and reads the beams' candidates after each update)."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Any | None) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any | None, is_speculating: bool = False) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        self.is_speculating = is_speculating
+        """--speculative-algorithm is set: beam-search requests are refused."""
         self._searches: dict[str, BeamSearch] = {}
         """Search id (its first client request id) -> search."""
         self._open: dict[str, BeamSearch] = {}
@@ -131,6 +134,19 @@ class BeamSearches(Stage):
         return request_id in self._by_receiver
 
     # -- requests ---------------------------------------------------------------------------
+    def check(self, request: Request, submission: SubmitRequest) -> Refusal | None:
+        if request.params.beam is not None and self.is_speculating:
+            return Refusal("beam search is not supported with speculative decoding "
+                           "(--speculative-algorithm)")
+        return None
+
+    def on_add(self, request: Request, submission: SubmitRequest) -> bool:
+        """Take a beam-search client request: its search's beams are the scheduler's requests."""
+        if request.params.beam is None:
+            return False
+        self.add(request)
+        return True
+
     def add(self, request: Request) -> None:
         """Serve a client request (validated by the engine) from the search of its prompt."""
         beam = request.params.beam
@@ -174,8 +190,9 @@ class BeamSearches(Stage):
                        eos_token_ids=receiver.eos_token_ids,
                        max_context_tokens=receiver.max_context_tokens,
                        output_token_ids=output_token_ids, priority=receiver.priority,
-                       group=receiver.group, adapter_id=receiver.adapter_id,
-                       lora_slot=receiver.lora_slot, is_beam=True, mm_inputs=receiver.mm_inputs)
+                       group=receiver.group,
+                       lora=dataclasses.replace(receiver.lora) if receiver.lora is not None else None,
+                       beam=BeamState(search.search_id), mm_inputs=receiver.mm_inputs)
         search.num_forks += 1
         search.sum_logprobs[beam.request_id] = 0.0
         self._by_beam[beam.request_id] = search
@@ -201,7 +218,7 @@ class BeamSearches(Stage):
         ready: dict[str, BeamSearch] = {}
         for scheduled, result in zip(output.scheduled, results, strict=True):
             request = scheduled.request
-            if not request.is_beam or request.is_finished or not scheduled.is_sampling:
+            if request.beam is None or request.is_finished or not scheduled.is_sampling:
                 continue
             assert result.logprobs, "a beam asks for its candidates' logprobs"
             search = self._by_beam[request.request_id]

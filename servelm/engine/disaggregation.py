@@ -29,10 +29,11 @@ from servelm.config import EngineConfig
 from servelm.disagg.decode import Arrival, DecodeClient
 from servelm.disagg.prefill import Parked, PrefillSide
 from servelm.disagg.spec import KVTransfer
+from servelm.engine.frontdoor import SubmitRequest
 from servelm.engine.request import FinishReason, Request, TransferState
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
-from servelm.engine.stage import Stage, StepCore
+from servelm.engine.stage import Refusal, Refuses, Stage, StepCore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,30 @@ IDLE_WAIT_S = 0.005
 LOST_PEER_GRACE_S = 2.0
 """A prefill server whose connection dropped (killed, restarting) fails its pulls after this long
 without reconnecting, instead of waiting out the whole transfer timeout."""
+
+
+CO_LOCATED = Refuses(lambda submission: submission.kv_transfer is not None,
+                    "this server runs co-located (--disaggregation-mode null): it takes no K/V transfers")
+"""The stage of a co-located server (the default): it refuses K/V transfers."""
+
+
+def reserve_remote(scheduler: Scheduler, request: Request, reserve_tokens: int) -> bool:
+    """Give a waiting request whose prompt K/V comes from a prefill server its blocks: its cached
+    prefix (shared) plus new blocks for the rest of the prompt. Refused (False, nothing held)
+    while --max-running-requests run or the pool would keep fewer than ``reserve_tokens`` free
+    slots per running request beyond it."""
+    if len(scheduler.running) >= scheduler.config.max_running_requests:
+        return False
+    headroom = scheduler.kv.blocks_for(reserve_tokens) * (len(scheduler.running) + 1)
+    return scheduler.kv.reserve(request, request.num_prompt_tokens, headroom)
+
+
+def start_arrived(scheduler: Scheduler, request: Request) -> None:
+    """The request's prompt K/V has arrived: it runs from here (the update appends its first
+    token and counts the prompt computed)."""
+    assert request.transfer is not None
+    request.transfer.is_awaiting_kv = False
+    scheduler.start(request)
 
 
 @dataclass(slots=True)
@@ -88,16 +113,25 @@ class Disaggregation(Stage):
                 "disaggregation_transfer_backend": self.config.transfer_backend,
                 "disaggregation_engine_id": self.engine_id}
 
-    def check(self, request: Request, transfer: KVTransfer) -> str | None:
-        """Why this engine cannot take part in the transfer (a 400), or None."""
+    def check(self, request: Request, submission: SubmitRequest) -> Refusal | None:
+        """Why this engine cannot take part in the request's transfer, or None."""
+        transfer = submission.kv_transfer
+        if transfer is None:
+            return None
         if transfer.role != self.mode:
-            return (f"this server runs --disaggregation-mode {self.mode}; the request asks for the "
-                    f"{transfer.role} side")
+            return Refusal(f"this server runs --disaggregation-mode {self.mode}; the request asks "
+                           f"for the {transfer.role} side")
         if self.mode == "decode" and request.params.prompt_logprobs is not None:
-            return "prompt logprobs are computed by the prefill server; a decode server cannot return them"
+            return Refusal("prompt logprobs are computed by the prefill server; a decode server "
+                           "cannot return them")
         if self.mode == "decode" and any(p.transfer == transfer for p in self._pending.values()):
-            return f"transfer {transfer.key} is already in progress (a bootstrap_room used twice)"
+            return Refusal(f"transfer {transfer.key} is already in progress (a bootstrap_room used twice)")
         return None
+
+    def on_add(self, request: Request, submission: SubmitRequest) -> bool:
+        if submission.kv_transfer is not None:
+            self.add(request, submission.kv_transfer)
+        return False
 
     def add(self, request: Request, transfer: KVTransfer) -> None:
         """Take part in the request's transfer (``check`` passed)."""
@@ -202,7 +236,7 @@ class Disaggregation(Stage):
             elif pending.arrival is not None and pending.arrival.error is not None:
                 self._fail(request_id, pending.arrival.error, output)
             elif pending.arrival is not None:
-                if request.grammar_job is None:  # its grammar (if any) is ready too
+                if not request.is_compiling:  # its grammar (if any) is ready too
                     self._admit(request_id, pending.arrival, output, results)
             elif pending.deadline_s is None:
                 self._start_pull(pending)
@@ -234,7 +268,7 @@ class Disaggregation(Stage):
     def _start_pull(self, pending: _Pending) -> None:
         assert self.decode is not None
         request, transfer = pending.request, pending.transfer
-        if not self.scheduler.reserve_remote(request, self.config.num_reserved_decode_tokens):
+        if not reserve_remote(self.scheduler, request, self.config.num_reserved_decode_tokens):
             return  # no room yet: try again next step
         assert transfer.key is not None and transfer.host is not None and transfer.port is not None
         block_size = self.scheduler.kv.block_size
@@ -249,7 +283,7 @@ class Disaggregation(Stage):
         request = self._pending.pop(request_id).request
         assert arrival.first_token is not None
         num_new = request.num_prompt_tokens - request.num_computed_tokens
-        self.scheduler.admit_remote(request)
+        start_arrived(self.scheduler, request)
         output.scheduled.append(ScheduledRequest(request, num_new, 1, True, 0))
         logprobs = [arrival.logprob] if arrival.logprob is not None and \
             request.params.logprobs is not None else []

@@ -1,10 +1,12 @@
 """The engine core: requests in, one step at a time, RequestOutputs out. Single-threaded (grammars
 compile on GrammarCompiler's worker threads; the step only polls them).
 
-``step()`` is the stages' before-schedule hooks -> schedule -> execute -> ``apply`` (the update,
-with the stages around it; ``engine/stage.py``). The optional features (grammars, disaggregation,
-speculation, beam search, LoRA, the hierarchical cache) are stages built here at construction,
-each given its collaborators; the step names none of them. The core never raises for a single
+``submit`` is the one way in (generations and embeddings): generic checks, then the stages'
+``check`` and ``on_add`` hooks. ``step()`` is the stages' before-schedule hooks -> schedule ->
+execute -> ``apply`` (the update, with the stages around it; ``engine/stage.py``). The optional
+features (beam search, grammars, disaggregation, speculation, prompt sharing, LoRA, the
+hierarchical cache) are stages built here at construction, each given its collaborators; neither
+``submit`` nor ``step()`` names any of them. The core never raises for a single
 request's failure: the request ends with finish_reason "error" and its blocks are freed. A failed
 forward pass ends every request in that batch with an error and the loop goes on.
 The runner's task (generate or embed) is fixed: a request for the other one is refused (400).
@@ -27,22 +29,23 @@ from servelm.disagg.spec import KVTransfer
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
-from servelm.engine.disaggregation import Disaggregation
+from servelm.engine.disaggregation import CO_LOCATED, Disaggregation
 from servelm.engine.executor import Executor, NaNLogitsError, Runner
 from servelm.engine.expert_stage import ExpertLoadStage, expert_distribution_call
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers
 from servelm.engine.hicache import HiCacheStage, build_hicache
 from servelm.engine.kv_manager import KVManager
-from servelm.engine.lora_stage import AdapterSlots, LoRAStage
+from servelm.engine.frontdoor import SubmitRequest
+from servelm.engine.lora_stage import LORA_OFF, NOT_ENABLED, AdapterSlots, LoRAStage
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.prompt_sharing import SharedPrompts
-from servelm.engine.request import FinishReason, Request
+from servelm.engine.request import FinishReason, PoolingState, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.engine.speculation import Speculation
-from servelm.engine.stage import Hooks, Stage
+from servelm.engine.stage import Hooks, Refusal, Stage
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
-from servelm.lora.manager import AdapterNotFoundError, LoRAManager, LoRASlots
+from servelm.lora.manager import LoRAManager, LoRASlots
 from servelm.multimodal.inputs import MultimodalInputs
 from servelm.multimodal.processor import supports_images
 from servelm.sampling.params import SamplingParams, SamplingParamsError
@@ -94,15 +97,14 @@ class LLMEngine:
         """Host and storage tiers below the pool (None without --enable-hierarchical-cache)."""
         self.kv = KVManager(self.block_pool, runner.block_size, self.prefix_cache, hicache)
         """Which blocks each request holds (prefix hits, growth, rollback, forks, parking)."""
-        self.scheduler = Scheduler(config.scheduler, self.kv, seed=config.model.seed,
-                                   max_adapters=config.lora.max_loras_per_batch if self.lora else None,
-                                   adapter_slot=AdapterSlots(self.lora) if self.lora else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, seed=config.model.seed, adapter_slot=(
+            AdapterSlots(self.lora, config.lora.max_loras_per_batch) if self.lora else None))
         self.disaggregation = self._make_disaggregation(runner)
         """The prefill or decode side of K/V transfers (None: co-located, the default)."""
         self.speculation = Speculation(config.speculative, self.scheduler, runner,
                                        proposer or self._draft_proposer)
         """Drafts tokens before each schedule (--speculative-algorithm); off: does nothing."""
-        self.beams = BeamSearches(self.scheduler, tokenizer)
+        self.beams = BeamSearches(self.scheduler, tokenizer, is_speculating=self.speculation.is_enabled)
         """Beam-search requests (params.beam): their beams run as scheduler requests."""
         self.grammars = Grammars(config, self.scheduler, tokenizer, make_grammar_compiler(
             config, tokenizer, runner.vocab_size, eos_token_ids, self.task))
@@ -114,17 +116,17 @@ class LLMEngine:
                                  deterministic=config.runtime.enable_deterministic_inference)
         self.shared_prompts = SharedPrompts(self.scheduler)
         """n copies of one prompt compute it (and its prompt logprobs) once, then fork."""
+        self._lora_stage = LoRAStage(self.lora, self.scheduler) if self.lora else None
         self.stages: list[Stage] = [
-            self.shared_prompts, self.grammars, *([self.disaggregation] if self.disaggregation else []),
-            self.speculation, self.beams,
-            *([LoRAStage(self.lora, self.scheduler)] if self.lora else []),
-            *([HiCacheStage(hicache)] if hicache else [])]
+            self.beams, self.grammars, self.disaggregation or CO_LOCATED, self.speculation,
+            self.shared_prompts, self._lora_stage or LORA_OFF, *([HiCacheStage(hicache)] if hicache else [])]
         self.expert_load: ExpertLoad | None = getattr(runner, "expert_load", None)
         """Rank 0's MoE routing counts (model/expert_load.py), None where no flag asks for them."""
         if self.expert_load is not None:
             self.stages.append(ExpertLoadStage(self.expert_load,
                                                config.observability.enable_expert_distribution_metrics))
-        """The optional features, each plugged into the step through ``engine/stage.py``."""
+        """The optional features, each plugged into the step through ``engine/stage.py`` (a beam
+        search first: it takes its requests before the others start work on them)."""
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self._num_arrivals = 0
@@ -265,39 +267,21 @@ class LLMEngine:
         return manager
 
     # -- LoRA adapters ----------------------------------------------------------------------
-    def _adapters_in_use(self) -> set[str]:
-        """adapter_ids held by unfinished (queued or running) requests."""
-        return {r.adapter_id for r in self.scheduler.requests.values() if r.adapter_id is not None}
-
-    def _running_adapters(self) -> set[str]:
-        return {r.adapter_id for r in self.scheduler.running if r.adapter_id is not None}
-
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Register and load an adapter: {"success", "message", "status"} (400 naming the reason)."""
-        if self.lora is None:
-            return {"success": False, "status": 400,
-                    "message": "LoRA is not enabled: start the server with --enable-lora"}
-        try:
-            loaded = self.lora.load(name, path, self._running_adapters())
-        except LoRAAdapterError as error:
-            return {"success": False, "status": 400, "message": str(error)}
-        self.model_info["lora_adapters"] = self.lora.describe()
-        return {"success": True, "status": 200,
-                "message": f"LoRA adapter {name!r} loaded in {loaded.load_time_s:.3f} s",
-                "load_time_s": loaded.load_time_s}
+        if self._lora_stage is None:
+            return {"success": False, "status": 400, "message": NOT_ENABLED}
+        result = self._lora_stage.load(name, path)
+        self.model_info["lora_adapters"] = self._lora_stage.manager.describe()
+        return result
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         """Unregister an adapter; requests using it run to the end first (then its weights go)."""
-        if self.lora is None:
-            return {"success": False, "status": 400,
-                    "message": "LoRA is not enabled: start the server with --enable-lora"}
-        try:
-            draining = self.lora.unload(name, self._adapters_in_use())
-        except AdapterNotFoundError as error:
-            return {"success": False, "status": 404, "message": str(error)}
-        self.model_info["lora_adapters"] = self.lora.describe()
-        note = " (its running requests finish first)" if draining else ""
-        return {"success": True, "status": 200, "message": f"LoRA adapter {name!r} unloaded{note}"}
+        if self._lora_stage is None:
+            return {"success": False, "status": 400, "message": NOT_ENABLED}
+        result = self._lora_stage.unload(name)
+        self.model_info["lora_adapters"] = self._lora_stage.manager.describe()
+        return result
 
     @property
     def num_jump_forward_tokens(self) -> int:
@@ -319,86 +303,56 @@ class LLMEngine:
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],
                               priority: int = 0) -> RequestOutput | None:
         """Queue an embedding request (task embed): it finishes with ``embedding`` set."""
-        return self.add_request(request_id, prompt_token_ids, _EMBEDDING_PARAMS, priority,
-                                is_embedding=True)
+        return self.submit(SubmitRequest(request_id, prompt_token_ids, None, priority))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0, *,
-                    is_embedding: bool = False, group: str = "", adapter_id: str | None = None,
-                    lora_slot: int = 0, lora_name: str | None = None,
-                    kv_transfer: KVTransfer | None = None,
+                    params: SamplingParams, priority: int = 0, *, group: str = "",
+                    lora_name: str | None = None, kv_transfer: KVTransfer | None = None,
                     mm_inputs: MultimodalInputs | None = None) -> RequestOutput | None:
-        """Queue a request. Returns a finished error output when it can never run (or when the
-        waiting queue is full: ``error_status`` 503). ``lora_name``: the registered adapter it runs
-        with (unknown: 404), which sets ``adapter_id`` (the prefix-cache root); its runner slot
-        (``lora_slot``) comes at admission. Tests driving a runner's slots directly give
-        ``adapter_id``/``lora_slot`` instead. None/0: the base model. ``mm_inputs``: the prompt's
-        images (the processor's spans over ``prompt_token_ids``, the expanded ids)."""
-        if lora_name is not None:
-            refusal: tuple[str, int] | None = (
-                "LoRA is not enabled: start the server with --enable-lora", 400)
-            if self.lora is not None:
-                try:
-                    adapter_id, lora_slot, refusal = self.lora.resolve(lora_name), 0, None
-                except AdapterNotFoundError as not_found:  # the slot comes at admission
-                    refusal = (str(not_found), 404)
-            if refusal is not None:
-                return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                     error=refusal[0], num_prompt_tokens=len(prompt_token_ids),
-                                     error_status=refusal[1])
-        request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                          params=params, eos_token_ids=self.eos_token_ids,
-                          max_context_tokens=self.context_length, priority=priority,
-                          is_embedding=is_embedding, group=group,
-                          default_seed=request_seed(self.config.model.seed, self._num_arrivals),
-                          adapter_id=adapter_id, lora_slot=lora_slot,
-                          mm_inputs=mm_inputs if mm_inputs is not None and mm_inputs.images else None)
-        self._num_arrivals += 1
+        """Queue a generation request (``submit``'s fields as arguments)."""
+        return self.submit(SubmitRequest(request_id, prompt_token_ids, params, priority, group,
+                                         lora_name, kv_transfer, mm_inputs))
+
+    def submit(self, message: SubmitRequest) -> RequestOutput | None:
+        """Queue a request: the one path of generations and embeddings (``params`` None). Returns
+        a finished error output when it can never run (or when the waiting queue is full:
+        ``error_status`` 503). The stages check it, then start their work on it (``Stage.check``,
+        ``Stage.on_add``); one may take it instead of queueing it (a beam search)."""
+        request = self._new_request(message)
         max_queued = self.config.scheduler.max_queued_requests
         if max_queued is not None and len(self.scheduler.waiting) >= max_queued:
-            return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                 error=(f"the server is busy: {max_queued} requests are already "
-                                        "waiting (--max-queued-requests); retry later"),
-                                 num_prompt_tokens=request.num_prompt_tokens, error_status=503)
+            return _refused(request, Refusal(f"the server is busy: {max_queued} requests are already "
+                                             "waiting (--max-queued-requests); retry later", 503))
         error = self._check(request)
         if error is None and request.mm_inputs is not None:
             error = self._check_images(request)
-        if error is None and kv_transfer is not None:
-            error = ("this server runs co-located (--disaggregation-mode null): it takes no K/V "
-                     "transfers" if self.disaggregation is None
-                     else self.disaggregation.check(request, kv_transfer))
         if error is not None:
-            return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                 error=error, num_prompt_tokens=request.num_prompt_tokens,
-                                 error_status=400)
-        if params.beam is not None:
-            return self._add_beam_request(request)
-        if params.structured is not None:
-            error = self.grammars.submit(request)
-            if error is not None:
-                return RequestOutput(request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                     error=error, num_prompt_tokens=request.num_prompt_tokens,
-                                     error_status=400)
-        if kv_transfer is not None:
-            assert self.disaggregation is not None
-            self.disaggregation.add(request, kv_transfer)
-        if self.tokenizer is not None and not is_embedding:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params)
+            return _refused(request, Refusal(error))
+        for check in self._hooks["check"]:
+            refusal: Refusal | None = check(request, message)
+            if refusal is not None:
+                return _refused(request, refusal)
         for on_add in self._hooks["on_add"]:
-            on_add(request)
+            if on_add(request, message):
+                return None  # the stage serves it
+        if self.tokenizer is not None and request.pooling is None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params)
         self.scheduler.add_request(request)
         return None
 
-    def _add_beam_request(self, request: Request) -> RequestOutput | None:
-        """Serve a beam-search request from its prompt's search (engine/beam.py)."""
-        if self.speculation.is_enabled:
-            return RequestOutput(request.request_id, [], "", finish_reason=FinishReason.ERROR.value,
-                                 error="beam search is not supported with speculative decoding "
-                                       "(--speculative-algorithm)",
-                                 num_prompt_tokens=request.num_prompt_tokens, error_status=400)
-        self.beams.add(request)
-        return None
+    def _new_request(self, message: SubmitRequest) -> Request:
+        """The engine's request for a submission; its arrival index seeds unseeded sampling."""
+        mm_inputs = message.mm_inputs
+        request = Request(request_id=message.request_id, prompt_token_ids=list(message.prompt_token_ids),
+                          params=message.params or _EMBEDDING_PARAMS, eos_token_ids=self.eos_token_ids,
+                          max_context_tokens=self.context_length, priority=message.priority,
+                          group=message.group,
+                          default_seed=request_seed(self.config.model.seed, self._num_arrivals),
+                          pooling=PoolingState() if message.params is None else None,
+                          mm_inputs=mm_inputs if mm_inputs is not None and mm_inputs.images else None)
+        self._num_arrivals += 1
+        return request
 
     def _check_images(self, request: Request) -> str | None:
         """Why a request with images cannot run here (None: it can). Under prefill/decode
@@ -407,7 +361,7 @@ class LLMEngine:
         assert request.mm_inputs is not None
         if not self.model_info.get("takes_images", getattr(self.runner, "takes_images", False)):
             return "this model does not take images (it is not a vision-language model)"
-        if request.is_embedding:
+        if request.pooling is not None:
             return "embedding requests take text only"
         if self.config.parallel.pipeline_parallel_size > 1:
             return "images need --pipeline-parallel-size 1"
@@ -421,7 +375,7 @@ class LLMEngine:
     def _check(self, request: Request) -> str | None:
         if not request.prompt_token_ids:
             return "the prompt is empty"
-        if request.is_embedding != (self.task == "embed"):
+        if (request.pooling is not None) != (self.task == "embed"):
             return ("this model serves embeddings (--task embed): it does not support generation"
                     if self.task == "embed" else "this model does not support embeddings: start "
                     "the server with --task embed (--is-embedding) to serve them")
@@ -435,7 +389,7 @@ class LLMEngine:
                 request.params.validate_token_ids(vocab_size)
             except SamplingParamsError as error:
                 return str(error)
-        if request.is_embedding:
+        if request.pooling is not None:
             if request.num_prompt_tokens > self.max_embedding_tokens:
                 return (f"the input has {request.num_prompt_tokens} tokens; this model embeds at "
                         f"most {self.max_embedding_tokens} (context length, --max-prefill-tokens "
@@ -606,7 +560,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             error_status=request.error_status,
-            embedding=request.embedding,
+            embedding=request.pooling.embedding if request.pooling is not None else None,
             timings=_timings(request) if request.is_finished else None,
         )
 
@@ -657,6 +611,13 @@ class LLMEngine:
             "kv_pool": self.model_info.get("kv_pool"),
             **{key: value for stats in self._hooks["stats"] for key, value in stats().items()},
         }
+
+
+def _refused(request: Request, refusal: Refusal) -> RequestOutput:
+    """The finished error output of a request refused at submission."""
+    return RequestOutput(request.request_id, [], "", finish_reason=FinishReason.ERROR.value,
+                         error=refusal.reason, num_prompt_tokens=request.num_prompt_tokens,
+                         error_status=refusal.status)
 
 
 def _mark_scheduled(scheduled: SchedulerOutput) -> None:

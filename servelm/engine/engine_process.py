@@ -114,15 +114,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
 def _handle(engine: LLMEngine, message: FrontMessage, outputs: zmq.Socket[Any]) -> None:
     """Apply one front-end message between two steps."""
     if isinstance(message, SubmitRequest):
-        if message.params is None:
-            rejected = engine.add_embedding_request(message.request_id, message.prompt_token_ids,
-                                                    message.priority)
-        else:
-            rejected = engine.add_request(message.request_id, message.prompt_token_ids,
-                                          message.params, message.priority, group=message.group,
-                                          lora_name=message.lora_name,
-                                          kv_transfer=message.kv_transfer,
-                                          mm_inputs=message.mm_inputs)
+        rejected = engine.submit(message)
         if rejected is not None:
             outputs.send_pyobj(StepOutputs([rejected]))
     elif isinstance(message, AbortRequest):

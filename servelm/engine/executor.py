@@ -13,8 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from servelm.constrained.grammar import GrammarBackend
-from servelm.engine.request import Request
+from servelm.constrained.grammar import GrammarBackend, GrammarMatcher
 from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan, SequencePlan
 from servelm.model.pooling import PoolerConfig
@@ -167,7 +166,7 @@ class Executor:
         results = [StepResult() for _ in output.scheduled]
         sample_rows: list[int] = []
         sample_targets: list[tuple[int, SamplingRow]] = []
-        grammar_requests: list[Request | None] = []
+        matchers: list[GrammarMatcher | None] = []
         row = 0
         for index, scheduled in enumerate(output.scheduled):
             request = scheduled.request
@@ -197,7 +196,7 @@ class Executor:
                         eos_token_ids=request.eos_token_ids,
                         default_seed=request.default_seed,
                     )))
-                grammar_requests.append(request if request.grammar is not None else None)
+                matchers.append(request.grammar.matcher if request.grammar is not None else None)
             row += scheduled.num_logits
         assert row == logits.shape[0], f"runner returned {logits.shape[0]} rows, plan needs {row}"
         if sample_rows:
@@ -206,7 +205,7 @@ class Executor:
             else:
                 sample_logits = logits[sample_rows]  # a copy: masking it leaves prompt logprobs alone
             sampling = [s for s in output.scheduled if s.is_sampling]
-            self._apply_grammars(sample_logits, grammar_requests, [s.draft_token_ids for s in sampling],
+            self._apply_grammars(sample_logits, matchers, [s.draft_token_ids for s in sampling],
                                  [s.draft_parents for s in sampling])
             rows = [r for _, r in sample_targets]
             sampled = self.sampler(sample_logits, rows)
@@ -256,7 +255,7 @@ class Executor:
         assert pooled.shape[0] == len(output.scheduled), "one vector per pooled request"
         return [StepResult(embedding=row) for row in pooled.tolist()]
 
-    def _apply_grammars(self, logits: torch.Tensor, requests: list[Request | None],
+    def _apply_grammars(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None],
                         drafts: list[list[int]], trees: list[list[int] | None] | None = None) -> None:
         """Mask each grammar row's disallowed tokens to -inf, with one bitmask op for the batch.
 
@@ -268,14 +267,13 @@ class Executor:
         there, and the later rows (left unmasked) are never used. A draft tree's row gets the mask
         after its root path (``_fill_tree_bitmask``).
         """
-        if all(request is None for request in requests):
+        if all(matcher is None for matcher in matchers):
             return
         backend = self.grammars.backend if self.grammars is not None else None
         assert backend is not None, "a grammar request needs the engine's backend"
         bitmask = backend.allocate_bitmask(logits.shape[0])  # all tokens allowed
         row = 0
-        for number, (request, draft) in enumerate(zip(requests, drafts, strict=True)):
-            matcher = request.grammar if request is not None else None
+        for number, (matcher, draft) in enumerate(zip(matchers, drafts, strict=True)):
             parents = trees[number] if trees is not None else None
             if matcher is not None and parents is not None:
                 self._fill_tree_bitmask(matcher, bitmask, row, draft, parents)

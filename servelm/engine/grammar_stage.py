@@ -17,9 +17,10 @@ from servelm.constrained.compile_process import BackendRecipe
 from servelm.constrained.compiler import GrammarCompiler
 from servelm.constrained.grammar import GrammarBackend, GrammarError
 from servelm.engine.outputs import RequestOutput
-from servelm.engine.request import FinishReason, Request
+from servelm.engine.frontdoor import SubmitRequest
+from servelm.engine.request import FinishReason, GrammarState, Request
 from servelm.engine.scheduler import Scheduler
-from servelm.engine.stage import Stage, StepCore
+from servelm.engine.stage import Refusal, Stage, StepCore
 
 MAX_JUMP_FORWARD_CHARS = 256
 """Most forced text one step appends to a request (a grammar may force far more: a 100k-character
@@ -62,21 +63,24 @@ class Grammars(Stage):
         """The executor's masks: the compiler's backend once a worker has created it."""
         return self.compiler.backend if self.compiler is not None else None
 
-    def submit(self, request: Request) -> str | None:
-        """Start compiling a structured request's grammar; the reason it cannot be (a 400)."""
+    def check(self, request: Request, submission: SubmitRequest) -> Refusal | None:
+        """A structured request needs the compiler (a tokenizer and a grammar backend)."""
+        if request.params.structured is None or self.compiler is not None:
+            return None
+        if self.tokenizer is None:
+            return Refusal("structured output needs a tokenizer (the server runs with "
+                           "--skip-tokenizer-init)")
+        return Refusal("structured output is disabled (--grammar-backend none)")
+
+    def on_add(self, request: Request, submission: SubmitRequest) -> bool:
+        """Start compiling a structured request's grammar (off the step); it waits meanwhile."""
         structured = request.params.structured
-        assert structured is not None
-        if self.compiler is None:
-            if self.tokenizer is None:
-                return ("structured output needs a tokenizer (the server runs with "
-                        "--skip-tokenizer-init)")
-            return "structured output is disabled (--grammar-backend none)"
-        try:
-            request.grammar_job = self.compiler.submit(structured.kind, structured.spec)
-        except GrammarError as error:
-            return str(error)
+        if structured is None:
+            return False
+        assert self.compiler is not None
+        request.grammar = GrammarState(job=self.compiler.submit(structured.kind, structured.spec))
         self.compiling.append(request)
-        return None
+        return False
 
     def before_schedule(self, core: StepCore) -> list[RequestOutput]:
         """Give each request whose grammar has compiled its matcher (the scheduler may then
@@ -89,17 +93,18 @@ class Grammars(Stage):
         for request in self.compiling:
             if request.is_finished:  # aborted while compiling
                 continue
-            assert request.grammar_job is not None
+            grammar = request.grammar
+            assert grammar is not None and grammar.job is not None
             try:
-                compiled = self.compiler.poll(request.grammar_job)
+                compiled = self.compiler.poll(grammar.job)
                 if compiled is None:
                     still_compiling.append(request)
                     continue
-                request.grammar = self.compiler.make_matcher(compiled)
+                grammar.matcher = self.compiler.make_matcher(compiled)
             except GrammarError as error:
                 self.scheduler.finish(request, FinishReason.ERROR, error=str(error), error_status=400)
                 outputs.append(core.output_of(request))
-            request.grammar_job = None
+            grammar.job = None
         self.compiling = still_compiling
         return outputs
 
@@ -112,17 +117,18 @@ class Grammars(Stage):
         catch-up arithmetic as a prompt chunk, and samples after the last one.
         """
         params = request.params
-        if (request.grammar is None or not self.is_jump_forward_enabled or self.tokenizer is None
+        matcher = request.grammar.matcher if request.grammar is not None else None
+        if (matcher is None or not self.is_jump_forward_enabled or self.tokenizer is None
                 or params.logprobs is not None):
             return
-        forced = request.grammar.forced_text()
+        forced = matcher.forced_text()
         if not forced:
             return
         token_ids = self.tokenizer.encode(forced[:MAX_JUMP_FORWARD_CHARS], add_special_tokens=False)
         if len(forced) > MAX_JUMP_FORWARD_CHARS:
             token_ids = token_ids[:-1]  # the cut may split a token: its text comes next step
         for token_id in token_ids[:request.num_appendable_tokens()]:
-            if not request.grammar.accept_token(token_id):
+            if not matcher.accept_token(token_id):
                 break
             request.output_token_ids.append(token_id)
             self.num_jump_forward_tokens += 1
@@ -131,7 +137,7 @@ class Grammars(Stage):
         if not self.compiling:
             return False
         assert self.compiler is not None
-        self.compiler.wait([r.grammar_job for r in self.compiling if r.grammar_job],
+        self.compiler.wait([r.grammar.job for r in self.compiling if r.grammar is not None and r.grammar.job],
                            IDLE_COMPILE_WAIT_S)
         return True
 

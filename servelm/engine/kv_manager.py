@@ -23,6 +23,7 @@ from __future__ import annotations
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.hicache import HiCacheController
 from servelm.cache.radix_tree import RadixTree
+from servelm.config import SchedulerConfig
 from servelm.engine.policy import cache_key
 from servelm.engine.request import Request, RequestStatus
 from servelm.spec.tree import accepted_path_copies
@@ -82,7 +83,7 @@ class KVManager:
         if source is not None and not request.block_ids and self._fork_prompt(source, request):
             return
         if (self.prefix_cache is None or request.block_ids or request.wants_prompt_logprobs
-                or request.is_embedding):
+                or request.pooling is not None):
             return  # prompt logprobs (and pooling) need every prompt position computed
         if self.hicache is not None:
             self.hicache.pull_up(cache_key(request), request.adapter_id)
@@ -116,14 +117,14 @@ class KVManager:
     def is_prefetched(self, request: Request) -> bool:
         """False while the request's cached prefix is still being read from disk."""
         if (self.hicache is None or request.block_ids or request.wants_prompt_logprobs
-                or request.is_embedding):
+                or request.pooling is not None):
             return True
         return self.hicache.is_ready(cache_key(request), request.adapter_id, request.request_id)
 
     def shares_prefix_in_flight(self, request: Request, admitted: list[Request]) -> bool:
         """True when a request admitted this step will compute a full block of this request's
         uncached prefix: waiting one step turns that duplicate work into a cache hit."""
-        if self.prefix_cache is None or not admitted or request.is_embedding:
+        if self.prefix_cache is None or not admitted or request.pooling is not None:
             return False
         key = cache_key(request)
         size = self.block_size
@@ -141,7 +142,7 @@ class KVManager:
     def cache_computed_blocks(self, request: Request) -> None:
         """Give the request's newly computed full blocks to the prefix cache (an encoder's K/V
         depend on the whole prompt, so embedding requests never share theirs)."""
-        if self.prefix_cache is None or request.is_embedding:
+        if self.prefix_cache is None or request.pooling is not None:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full > request.num_inserted_blocks:
@@ -181,6 +182,16 @@ class KVManager:
             request.block_ids = []
         request.num_inserted_blocks = 0
 
+    def release(self, request: Request, was_waiting: bool, is_normal_end: bool) -> None:
+        """A request ended: its blocks go back, or, a prefill server's request ending normally,
+        are parked for the decode server's pull; a waiting one's disk prefetch is forgotten."""
+        if was_waiting and self.hicache is not None:
+            self.hicache.forget(request.request_id)
+        if is_normal_end and request.transfer is not None and request.transfer.key is not None:
+            self.park(request)
+        else:
+            self.free(request)
+
     def park(self, request: Request) -> None:
         """A prefill server's finished request: its blocks (computed ones cached) are held under
         ``transfer.parked_block_ids`` for the decode server's pull instead of freed."""
@@ -188,6 +199,38 @@ class KVManager:
         self.cache_computed_blocks(request)
         request.transfer.parked_block_ids, request.block_ids = request.block_ids, []
         request.num_inserted_blocks = 0
+
+    def has_headroom(self, request: Request, num_tokens: int, running: list[Request],
+                     config: SchedulerConfig) -> bool:
+        """--schedule-conservativeness: admitting ``request`` for ``num_tokens`` keeps a share of
+        the running requests' future blocks free (always, past --router-token-ratio usage)."""
+        conservativeness = config.schedule_conservativeness
+        evictable = None
+        if config.router_token_ratio > 0:
+            evictable = self.num_evictable_blocks()
+            used = self.block_pool.num_used_blocks - evictable
+            if used / self.block_pool.num_blocks >= config.router_token_ratio:
+                conservativeness = max(conservativeness, 1.0)
+        if conservativeness == 0:
+            return True
+        target_blocks = self.blocks_for(request.num_computed_tokens + num_tokens)
+        reserve = sum(max(0, self._final_blocks(r, config) - len(r.block_ids)) for r in running)
+        reserve += max(0, self._final_blocks(request, config) - target_blocks)
+        needed = target_blocks - len(request.block_ids)
+        if evictable is None:
+            evictable = self.num_evictable_blocks()
+        available = self.block_pool.num_free_blocks + evictable
+        return needed + conservativeness * reserve <= available
+
+    def _final_blocks(self, request: Request, config: SchedulerConfig) -> int:
+        """Blocks the request holds when it reaches max_tokens (or the context)."""
+        max_tokens = request.params.max_tokens
+        assumed = config.router_max_new_token_len  # LightLLM's estimate of the output
+        if assumed is not None:
+            max_tokens = assumed if max_tokens is None else min(max_tokens, assumed)
+        final_tokens = request.max_context_tokens if max_tokens is None else min(
+            request.max_context_tokens, request.num_prompt_tokens + max_tokens)
+        return self.blocks_for(final_tokens)
 
     # -- speculation ------------------------------------------------------------------------
     def roll_back_drafts(self, request: Request) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelm.engine.frontdoor import SubmitRequest
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import Request, RequestStatus
 from servelm.engine.scheduler import Scheduler
@@ -53,18 +54,19 @@ class SharedPrompts(Stage):
         self.num_shared_prompts = 0
         """Copies that took a leader's computed prompt instead of computing their own."""
 
-    def on_add(self, request: Request) -> None:
-        if request.is_embedding or request.transfer is not None or request.group == request.request_id:
-            return
+    def on_add(self, request: Request, submission: SubmitRequest) -> bool:
+        if request.pooling is not None or request.transfer is not None or request.group == request.request_id:
+            return False
         key: _Key = (request.group, request.adapter_id, request.params.prompt_logprobs,
                      tuple(request.prompt_token_ids))
         leader = self._leaders.get(key)
         if leader is None:
             self._leaders[key] = request
             self._copies[request.request_id] = []
-            return
+            return False
         request.held_by = HELD_BY
         self._copies[leader.request_id].append(request)
+        return False
 
     def before_schedule(self, core: StepCore) -> list[RequestOutput]:
         if not self._leaders:

@@ -9,6 +9,9 @@ Invariants:
   from ``num_computed_tokens`` on, which starts at the (block-aligned) cached length.
 - An embedding request is prefill-only: it runs in exactly one step (its whole prompt) and ends
   there, with its pooled vector and no output tokens.
+- Each optional feature keeps its per-request state in one object the feature owns (``drafts``,
+  ``beam``, ``grammar``, ``lora``, ``pooling``, ``transfer``): None when the request does not use
+  it, so the scheduler and the executor test that object, never a flag.
 """
 
 from __future__ import annotations
@@ -59,6 +62,67 @@ class TransferState:
 
 
 @dataclass(slots=True)
+class DraftState:
+    """Speculative decoding: tokens proposed to follow ``output_token_ids``, verified in the next
+    step (the proposer stage sets them before scheduling; never part of the output until the
+    model accepts them, and their K/V is rolled back when it does not)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+    """``[len(token_ids), vocab]`` distributions a draft model sampled the drafts from (verified
+    by rejection sampling); None: point-mass drafts (n-gram, greedy)."""
+    parents: list[int] | None = None
+    """A draft tree (EAGLE topk > 1, ``spec/tree.py``): each draft's parent among the drafts (-1:
+    the last accepted token); None: the drafts are a chain."""
+
+    def truncate(self, num_drafts: int) -> None:
+        """Keep the first ``num_drafts`` (breadth-first: a tree's prefix is still a tree)."""
+        del self.token_ids[num_drafts:]
+        if self.parents is not None:
+            del self.parents[num_drafts:]
+
+
+@dataclass(slots=True)
+class BeamState:
+    """One beam of a beam search (engine/beam.py): the scheduler computes it like any request,
+    but its sampled row's candidates go to the search, which appends the chosen token (the
+    scheduler's update appends nothing and applies no stop rule to it)."""
+
+    search_id: str
+
+
+@dataclass(slots=True)
+class GrammarState:
+    """Structured output: the compile job until the grammar is ready, then its matcher."""
+
+    job: CompileJob | None = None
+    """While the grammar compiles (off the step): the job its matcher will come from. The
+    scheduler does not admit the request until this is None."""
+    matcher: GrammarMatcher | None = None
+    """The grammar state after exactly ``output_token_ids`` (fed by the scheduler as tokens are
+    appended; preemption and recompute leave it alone)."""
+
+
+@dataclass(slots=True)
+class LoRAState:
+    """The LoRA adapter a request runs with."""
+
+    adapter_id: str
+    """The adapter the K/V is computed with; part of the prefix-cache key."""
+    slot: int = 0
+    """Runner slot holding the adapter's weights, given at admission; goes into the plan."""
+
+
+@dataclass(slots=True)
+class PoolingState:
+    """An embedding request (task embed): its whole prompt is computed in one step, never chunked
+    or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
+
+    embedding: list[float] | None = None
+    """The pooled vector, set when the step that computed the prompt finishes the request."""
+
+
+@dataclass(slots=True)
 class Request:
     """One generation request as the scheduler sees it."""
 
@@ -99,43 +163,25 @@ class Request:
     """Scheduling priority (used with priority scheduling; see engine/policy.py)."""
     default_seed: int | None = None
     """Sampling seed when ``params.seed`` is None: derived from --seed and the arrival order."""
-    adapter_id: str | None = None
-    """LoRA adapter the K/V is computed with; part of the prefix-cache key."""
-    lora_slot: int = 0
-    """Runner slot holding ``adapter_id``'s weights (0: the base model); goes into the plan."""
     num_cached_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache at first admission."""
     num_inserted_blocks: int = 0
     """Leading blocks of ``block_ids`` already given to the prefix cache."""
-    grammar: GrammarMatcher | None = None
-    """Structured output: the grammar state after exactly ``output_token_ids`` (fed by the
-    scheduler as tokens are appended; preemption and recompute leave it alone)."""
-    grammar_job: CompileJob | None = None
-    """While the request's grammar compiles (off the step): the job its matcher will come from.
-    The scheduler does not admit a request until this is None."""
-    is_embedding: bool = False
-    """An embedding request (task embed): its whole prompt is computed in one step, never chunked
-    or shared with the prefix cache, and it finishes with ``embedding`` instead of tokens."""
-    embedding: list[float] | None = None
-    """The pooled vector, set when the step that computed the prompt finishes the request."""
-    draft_token_ids: list[int] = field(default_factory=list)
-    """Speculative decoding: tokens proposed to follow ``output_token_ids``, verified in the next
-    step (the proposer stage sets them before scheduling; never part of the output until the
-    model accepts them, and their K/V is rolled back when it does not)."""
-    is_beam: bool = False
-    """One beam of a beam search (engine/beam.py): the scheduler computes it like any request,
-    but its sampled row's candidates go to the search, which appends the chosen token (the
-    scheduler's update appends nothing and applies no stop rule to it)."""
-    draft_probs: torch.Tensor | None = None
-    """``[len(draft_token_ids), vocab]`` distributions a draft model sampled the drafts from
-    (verified by rejection sampling); None: point-mass drafts (n-gram, greedy)."""
-    draft_parents: list[int] | None = None
-    """A draft tree (EAGLE topk > 1, ``spec/tree.py``): each draft's parent among the drafts (-1:
-    the last accepted token); None: the drafts are a chain."""
     group: str = ""
     """The client request this one belongs to (n > 1 and prompt lists make several); admission
     takes groups in turn (engine/policy.py), so one big request cannot starve the others.
     Empty: a group of its own (the request id)."""
+    # -- each optional feature's state: None when the request does not use the feature --------
+    drafts: DraftState | None = None
+    """Speculative decoding (engine/speculation.py): the drafts verified in the next step."""
+    beam: BeamState | None = None
+    """One beam of a beam search (engine/beam.py)."""
+    grammar: GrammarState | None = None
+    """Structured output (engine/grammar_stage.py): its grammar's compile job, then its matcher."""
+    lora: LoRAState | None = None
+    """The LoRA adapter it runs with (engine/lora_stage.py); None: the base model."""
+    pooling: PoolingState | None = None
+    """An embedding request (task embed)."""
     transfer: TransferState | None = None
     """Disaggregation: the request's K/V crosses servers (None: co-located, the usual case)."""
     mm_inputs: MultimodalInputs | None = None
@@ -154,7 +200,7 @@ class Request:
     @property
     def is_compiling(self) -> bool:
         """Waiting for its grammar: not admitted yet, and holding up nobody behind it."""
-        return self.grammar_job is not None
+        return self.grammar is not None and self.grammar.job is not None
 
     @property
     def is_awaiting_kv(self) -> bool:
@@ -164,7 +210,17 @@ class Request:
     @property
     def is_internal(self) -> bool:
         """A request a stage answers for (a beam: its search), never reported itself."""
-        return self.is_beam
+        return self.beam is not None
+
+    @property
+    def adapter_id(self) -> str | None:
+        """The prefix-cache root its K/V is keyed under: its LoRA adapter (None: the base model)."""
+        return self.lora.adapter_id if self.lora is not None else None
+
+    @property
+    def lora_slot(self) -> int:
+        """The runner slot of its adapter's weights (0: the base model)."""
+        return self.lora.slot if self.lora is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

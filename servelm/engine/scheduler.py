@@ -72,15 +72,12 @@ class Scheduler:
     """Owns the waiting queue and the running set; ``kv`` owns their blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, seed: int = 0,
-                 max_adapters: int | None = None,
                  adapter_slot: Callable[[Request, set[str]], int | str | None] | None = None) -> None:
         self.config = config
-        self.max_adapters = max_adapters
-        """--max-loras-per-batch: most distinct LoRA adapters among the running requests (so in
-        any step); a waiting request for a further adapter is deferred. None: no LoRA limit."""
         self.adapter_slot = adapter_slot
-        """Gives a LoRA request being admitted its runner slot (installing the adapter): the slot,
-        None when there is no room yet (it waits), or an error message (it ends with it)."""
+        """Gives a LoRA request being admitted its runner slot, given the running adapters
+        (engine/lora_stage.py): the slot, None when it must wait (--max-loras-per-batch adapters
+        run, or no slot is free), or an error message (it ends with it). None: no LoRA."""
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -119,17 +116,9 @@ class Scheduler:
         """End a request and free its blocks; it leaves the queues."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-            if self.kv.hicache is not None:
-                self.kv.hicache.forget(request.request_id)  # it may have been held for a prefetch
-        if (request.transfer is not None and request.transfer.key is not None
-                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
-            self.kv.park(request)  # a prefill server's request: its blocks wait for the pull
-        else:
-            self.kv.free(request)
+        was_waiting = request.status is not RequestStatus.RUNNING
+        (self.waiting if was_waiting else self.running).remove(request)
+        self.kv.release(request, was_waiting, reason in (FinishReason.STOP, FinishReason.LENGTH))
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -181,18 +170,19 @@ class Scheduler:
         """Cut the request's drafts to what this step can verify: only a decode (its one
         remaining token) carries drafts, within the token budget, and never past max_tokens or the
         context (k accepted drafts plus the model's token are appended)."""
-        drafts = request.draft_token_ids
-        if not drafts:
+        drafts = request.drafts
+        if drafts is None:
             return 0
         limit = budget - num_tokens
         if request.num_computed_tokens + num_tokens != request.num_tokens or num_tokens != 1:
             limit = 0
         limit = min(limit, request.num_appendable_tokens())
-        if len(drafts) > limit:
-            del drafts[max(limit, 0):]
-            if request.draft_parents is not None:  # breadth-first: a prefix is still a tree
-                del request.draft_parents[max(limit, 0):]
-        return len(drafts)
+        if limit <= 0:
+            request.drafts = None
+            return 0
+        if len(drafts.token_ids) > limit:
+            drafts.truncate(limit)
+        return len(drafts.token_ids)
 
     def _is_admission_step(self) -> bool:
         """LightLLM's --router_max_wait_tokens: while others decode, admit every N steps only."""
@@ -213,13 +203,9 @@ class Scheduler:
         running_per_group: dict[str, int] = {}
         for running in self.running:
             running_per_group[running.group] = running_per_group.get(running.group, 0) + 1
-        adapters = {r.adapter_id for r in self.running if r.adapter_id is not None}
         for request in order_waiting(self.waiting, self.config, self.kv.prefix_cache, self._rng):
             if budget <= 0 or (admitted and self.config.prefill_only_one_req):
                 break
-            if (self.max_adapters is not None and request.adapter_id is not None
-                    and request.adapter_id not in adapters and len(adapters) >= self.max_adapters):
-                continue  # --max-loras-per-batch adapters are running: it waits for one to drain
             if group_cap is not None and running_per_group.get(request.group, 0) >= group_cap:
                 continue  # this client request has its share; others go first
             if request.is_compiling or request.is_awaiting_kv:
@@ -243,7 +229,7 @@ class Scheduler:
             if num_tokens == 0:
                 self.kv.unmatch(request)
                 return  # an embedding prompt (or an image) waits for a step with room for all of it
-            granted = num_tokens if shares is None or request.is_embedding else shares.take(request, num_tokens)
+            granted = num_tokens if shares is None or request.pooling is not None else shares.take(request, num_tokens)
             if granted == 0:
                 self.kv.unmatch(request)
                 continue  # its group has had its share of this step
@@ -258,32 +244,25 @@ class Scheduler:
                 budget += output.remove(victim)
                 self._preempt(victim)
                 num_tokens = min(granted, self._chunk(request, budget))
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if request.num_preemptions == 0:
-                self.num_prompt_tokens += request.num_prompt_tokens
-                self.num_cached_prompt_tokens += request.num_cached_tokens
+            self.start(request)
             output.scheduled.append(schedule_request(request, num_tokens))
             admitted.append(request)
-            if request.adapter_id is not None:
-                adapters.add(request.adapter_id)
             running_per_group[request.group] = running_per_group.get(request.group, 0) + 1
             budget -= num_tokens
 
     def _give_adapter_slot(self, request: Request, output: SchedulerOutput) -> bool:
         """Whether a request may be admitted as far as its LoRA adapter goes (slot set)."""
-        if request.adapter_id is None or self.adapter_slot is None:
+        if request.lora is None or self.adapter_slot is None:
             return True
-        running = {r.adapter_id for r in self.running if r.adapter_id is not None}
+        running = {r.lora.adapter_id for r in self.running if r.lora is not None}
         slot = self.adapter_slot(request, running)
         if isinstance(slot, str):
             self.finish(request, FinishReason.ERROR, error=slot)
             output.finished.append(request)
             return False
         if slot is None:
-            return False  # every installed adapter has running requests: wait for one to drain
-        request.lora_slot = slot
+            return False  # its adapter cannot run beside the running ones yet: wait for one to drain
+        request.lora.slot = slot
         return True
 
     def _group_cap(self) -> int | None:
@@ -297,41 +276,9 @@ class Scheduler:
     def _fits(self, request: Request, num_tokens: int) -> bool:
         if len(self.running) >= self.config.max_running_requests:
             return False
-        if not self._has_headroom(request, num_tokens):
+        if not self.kv.has_headroom(request, num_tokens, self.running, self.config):
             return False
         return self.kv.grow(request, request.num_computed_tokens + num_tokens)
-
-    def _has_headroom(self, request: Request, num_tokens: int) -> bool:
-        """--schedule-conservativeness: keep a share of the running requests' future blocks free."""
-        conservativeness = self.config.schedule_conservativeness
-        ratio = self.config.router_token_ratio
-        pool = self.kv.block_pool
-        evictable = None
-        if ratio > 0:
-            evictable = self.kv.num_evictable_blocks()
-            used = pool.num_used_blocks - evictable
-            if used / pool.num_blocks >= ratio:
-                conservativeness = max(conservativeness, 1.0)
-        if conservativeness == 0:
-            return True
-        reserve = sum(max(0, self._final_blocks(r) - len(r.block_ids)) for r in self.running)
-        reserve += max(0, self._final_blocks(request)
-                       - self.kv.blocks_for(request.num_computed_tokens + num_tokens))
-        needed = self.kv.blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids)
-        if evictable is None:
-            evictable = self.kv.num_evictable_blocks()
-        available = pool.num_free_blocks + evictable
-        return needed + conservativeness * reserve <= available
-
-    def _final_blocks(self, request: Request) -> int:
-        """Blocks the request holds when it reaches max_tokens (or the context)."""
-        max_tokens = request.params.max_tokens
-        assumed = self.config.router_max_new_token_len  # LightLLM's estimate of the output
-        if assumed is not None:
-            max_tokens = assumed if max_tokens is None else min(max_tokens, assumed)
-        final_tokens = request.max_context_tokens if max_tokens is None else min(
-            request.max_context_tokens, request.num_prompt_tokens + max_tokens)
-        return self.kv.blocks_for(final_tokens)
 
     def _priority_victim(self, request: Request) -> Request | None:
         """Priority scheduling: the least urgent running request (newest among equals), when
@@ -343,23 +290,10 @@ class Scheduler:
         margin = urgency(victim, low_first) - urgency(request, low_first)
         return victim if margin > self.config.priority_scheduling_preemption_threshold else None
 
-    # -- disaggregation (decode server) ----------------------------------------------------
-    def reserve_remote(self, request: Request, reserve_tokens: int) -> bool:
-        """Give a waiting request whose prompt K/V comes from a prefill server its blocks: its
-        cached prefix (shared) plus new blocks for the rest of the prompt. Refused (False, nothing
-        held) while --max-running-requests run or the pool would keep fewer than
-        ``reserve_tokens`` free slots per running request beyond it."""
-        if len(self.running) >= self.config.max_running_requests:
-            return False
-        headroom = self.kv.blocks_for(reserve_tokens) * (len(self.running) + 1)
-        return self.kv.reserve(request, request.num_prompt_tokens, headroom)
-
-    def admit_remote(self, request: Request) -> None:
-        """The request's prompt K/V has arrived: it runs from here (``update`` appends its first
-        token and counts the prompt computed)."""
+    def start(self, request: Request) -> None:
+        """A waiting request runs from this step (admitted, or its K/V arrived from a prefill
+        server: engine/disaggregation.py); its first admission counts its prompt."""
         self.waiting.remove(request)
-        assert request.transfer is not None
-        request.transfer.is_awaiting_kv = False
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if request.num_preemptions == 0:
@@ -375,7 +309,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
-        if request.is_embedding:  # all or nothing: one forward computes the whole prompt
+        if request.pooling is not None:  # all or nothing: one forward computes the whole prompt
             return remaining if remaining <= budget else 0
         cap = self.config.max_chunk_tokens
         if cap is None or self._is_alone(request):
@@ -443,8 +377,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        request.draft_token_ids = []
-        request.draft_parents = None
+        request.drafts = None
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -464,9 +397,9 @@ class Scheduler:
             self.num_prefill_tokens += max(0, min(request.num_prompt_tokens, start + scheduled.num_tokens)
                                            - start)
             request.num_computed_tokens += scheduled.num_tokens
-            if scheduled.is_pooled:
+            if request.pooling is not None:
                 assert result.embedding is not None, "a pooled request gets its vector"
-                request.embedding = result.embedding
+                request.pooling.embedding = result.embedding
                 self.finish(request, FinishReason.STOP)
                 touched.append(request)
                 continue
@@ -476,7 +409,7 @@ class Scheduler:
             if result.prompt_logprobs:
                 assert request.prompt_logprobs is not None
                 request.prompt_logprobs.extend(result.prompt_logprobs)
-            if request.is_beam:
+            if request.beam is not None:
                 continue  # engine/beam.py reads its candidates and appends the chosen token
             if not result.token_ids:
                 continue
@@ -496,8 +429,7 @@ class Scheduler:
                                 ending.error_status)
                     break
             if scheduled.draft_token_ids and not request.is_finished:
-                request.draft_token_ids = []
-                request.draft_parents = None
+                request.drafts = None
                 self.kv.roll_back_drafts(request)
             touched.append(request)
         return touched

@@ -36,7 +36,7 @@ class ScheduledRequest:
     """Speculative tokens computed after the request's last token this step (their K/V is
     written; ``update`` keeps only what the model accepted). Each adds one logits row."""
     draft_parents: list[int] | None = None
-    """The drafts form a tree (``Request.draft_parents``); None: a chain."""
+    """The drafts form a tree (``DraftState.parents``); None: a chain."""
     sequence: SequencePlan | None = None
     """What the model computes for this request (None: a step the model did not run, such as
     a decode server's arrived K/V)."""
@@ -46,12 +46,13 @@ def schedule_request(request: Request, num_tokens: int) -> ScheduledRequest:
     """The step's share of ``request``: its next ``num_tokens`` tokens (plus its drafts when the
     chunk reaches its end), its logits rows and its sequence plan."""
     start = request.num_computed_tokens
-    if request.is_embedding:
+    if request.pooling is not None:
         return ScheduledRequest(request, num_tokens, 0, False, 0, is_pooled=True, sequence=SequencePlan(
             token_ids=request.token_slice(start, start + num_tokens), start_position=start,
             block_ids=request.block_ids, num_logits=0, is_pooled=True, lora_slot=request.lora_slot))
     is_sampling = start + num_tokens == request.num_tokens
-    drafts = list(request.draft_token_ids) if is_sampling else []
+    draft_state = request.drafts if is_sampling else None
+    drafts = list(draft_state.token_ids) if draft_state is not None else []
     num_prompt_rows = 0
     if request.wants_prompt_logprobs:
         # Row i predicts position start + i + 1; prompt positions end at num_prompt_tokens - 1.
@@ -60,7 +61,8 @@ def schedule_request(request: Request, num_tokens: int) -> ScheduledRequest:
     if num_prompt_rows and is_sampling:
         num_logits = num_tokens  # prompt rows plus the final sampling row are contiguous
     num_logits += len(drafts)  # one row per draft: the model's token after each
-    parents = list(request.draft_parents) if drafts and request.draft_parents is not None else None
+    parents = (list(draft_state.parents) if drafts and draft_state is not None
+               and draft_state.parents is not None else None)
     sequence = SequencePlan(token_ids=request.token_slice(start, start + num_tokens) + drafts,
                             start_position=start, block_ids=request.block_ids,
                             num_logits=num_logits, lora_slot=request.lora_slot,

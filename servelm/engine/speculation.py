@@ -2,7 +2,7 @@
 after the update.
 
 ``propose`` gives each decoding request (its one remaining token is the last one sampled) the
-proposer's drafts in ``Request.draft_token_ids``; the scheduler computes them after that token
+proposer's drafts in ``Request.drafts``; the scheduler computes them after that token
 (k + 1 positions, k + 1 logits rows), the executor verifies them (``spec/verify.py``) and
 ``Scheduler.update`` appends what was accepted and rolls the rest back. Nothing else in the step
 knows speculation exists.
@@ -24,7 +24,7 @@ from typing import Any
 from servelm.config import SpeculativeConfig
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput
-from servelm.engine.request import Request
+from servelm.engine.request import DraftState, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from servelm.engine.stage import Stage, StepCore
 from servelm.engine.verification import Verification
@@ -83,9 +83,7 @@ class Speculation(Stage):
         asking: list[Request] = []
         inputs: list[DraftRequest] = []
         for request in scheduler.running:
-            request.draft_token_ids = []
-            request.draft_probs = None
-            request.draft_parents = None
+            request.drafts = None
             max_drafts = 0 if is_disabled else self._max_drafts(request)
             if max_drafts > 0:
                 asking.append(request)
@@ -100,15 +98,15 @@ class Speculation(Stage):
             return
         for request, draft in zip(asking, self.proposer.propose(inputs), strict=True):
             num_drafts = min(len(draft.token_ids), self._max_drafts(request))
-            request.draft_token_ids = draft.token_ids[:num_drafts]
-            if draft.probs is not None and num_drafts:
-                request.draft_probs = draft.probs[:num_drafts]
-            if draft.parents is not None and num_drafts:  # a tree (breadth-first: a prefix is one)
-                request.draft_parents = draft.parents[:num_drafts]
+            if num_drafts:  # a tree's parents are cut like its tokens (breadth-first: a prefix is one)
+                request.drafts = DraftState(
+                    draft.token_ids[:num_drafts],
+                    draft.probs[:num_drafts] if draft.probs is not None else None,
+                    draft.parents[:num_drafts] if draft.parents is not None else None)
 
     def _max_drafts(self, request: Request) -> int:
         """Drafts worth proposing: only for a decode, and never past max_tokens or the context."""
-        if request.is_embedding or request.num_computed_tokens != request.num_tokens - 1:
+        if request.pooling is not None or request.num_computed_tokens != request.num_tokens - 1:
             return 0
         return min(self.config.max_draft_tokens, request.num_appendable_tokens())
 

@@ -24,14 +24,15 @@ class Ending:
 def ending_after(request: Request, token_id: int) -> Ending | None:
     """How ``request`` ends now that ``token_id`` is its last output token (fed to its grammar
     here), or None when it goes on."""
-    if request.grammar is not None:
-        if not request.grammar.accept_token(token_id):
+    matcher = request.grammar.matcher if request.grammar is not None else None
+    if matcher is not None:
+        if not matcher.accept_token(token_id):
             # Only a grammar that reached a state no token of the vocabulary can continue lets
             # the masked sampler pick a forbidden token: the request's grammar, not the server.
             return Ending(FinishReason.ERROR, error_status=400, error=(
                 "the request's grammar allows no further token of this model's vocabulary after "
                 f"{len(request.output_token_ids) - 1} output tokens"))
-        if request.grammar.is_terminated():
+        if matcher.is_terminated():
             return Ending(FinishReason.STOP)
     params = request.params
     num_output = len(request.output_token_ids)

@@ -2,11 +2,11 @@
 
 The rule for a sampling (non-greedy) request's drafts is chosen once, at start-up, from
 --spec-decoding-acceptance-method: typical acceptance, or rejection sampling for drafts a draft
-model sampled (``draft_probs``). The rest follows from the drafts themselves:
+model sampled (``DraftState.probs``). The rest follows from the drafts themselves:
 
-- a draft tree (``draft_parents``): walked with the model's own token of each row (exact for
+- a draft tree (``DraftState.parents``): walked with the model's own token of each row (exact for
   greedy and sampling: the drafts are fixed point masses), or by typical acceptance;
-- a chain with ``draft_probs``: rejection sampling against the distributions the sampler draws
+- a chain with ``DraftState.probs``: rejection sampling against the distributions the sampler draws
   from, so the emitted tokens follow the model's distribution exactly (``spec/verify.py``);
 - otherwise (greedy, n-gram drafts, or no drafts at all): the model's own tokens up to the first
   draft it disagrees with (``accept_point_mass``).
@@ -64,9 +64,8 @@ class Verification:
             emitted = self.typical.accept(sampler.probabilities(logits, rows), drafts, token_ids[-1])
             result.token_ids = emitted
             self._gather_logprobs(result, scheduled, logits[:len(emitted)], emitted)
-        elif scheduled.request.draft_probs is not None and drafts:
-            emitted = self._rejection_sample(sampler, logits, rows, drafts,
-                                             scheduled.request.draft_probs)
+        elif (draft_state := scheduled.request.drafts) is not None and draft_state.probs is not None:
+            emitted = self._rejection_sample(sampler, logits, rows, drafts, draft_state.probs)
             result.token_ids = emitted
             self._gather_logprobs(result, scheduled, logits[:len(emitted)], emitted)
         else:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from servelm.config import EngineConfig
+from servelm.engine.frontdoor import EngineClient
 from servelm.server.observe import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class MetricsPusher:
             self._handler = _basic_auth(user, password)
         self._failing = False
 
-    async def push_once(self, engine: Any) -> None:
+    async def push_once(self, engine: EngineClient | None) -> None:
         """Refresh the engine gauges from ``engine`` (when given and alive), then push."""
         from prometheus_client import push_to_gateway
 
@@ -60,13 +61,13 @@ class MetricsPusher:
                                 registry=self.metrics.registry, **kwargs)
         self.num_pushes += 1
 
-    async def run(self, get_engine: Callable[[], Any]) -> None:
+    async def run(self, get_engine: Callable[[], EngineClient | None]) -> None:
         """Push every interval until cancelled."""
         while True:
             await asyncio.sleep(self.interval_s)
             await self.try_push(get_engine())
 
-    async def try_push(self, engine: Any) -> bool:
+    async def try_push(self, engine: EngineClient | None) -> bool:
         try:
             await self.push_once(engine)
         except Exception as error:

@@ -1,6 +1,6 @@
 """The scheduler's part in disaggregation, on the CPU with exact block ids: a decode request
 awaiting K/V is never admitted, ``reserve_remote`` shares its cached prefix and refuses without
-room, ``admit_remote`` runs it; a prefill request's blocks are parked, not freed, when it
+room, ``start_arrived`` runs it; a prefill request's blocks are parked, not freed, when it
 finishes normally (and freed when aborted)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from servelm.cache.block_pool import BlockPool
 from servelm.cache.radix_tree import RadixTree
 from servelm.config import SchedulerConfig
 from servelm.engine.request import FinishReason, Request, RequestStatus, TransferState
+from servelm.engine.disaggregation import reserve_remote, start_arrived
 from servelm.engine.kv_manager import KVManager
 from servelm.engine.scheduler import Scheduler
 from servelm.sampling.params import SamplingParams
@@ -31,9 +32,9 @@ def test_awaiting_request_is_skipped_then_reserved_and_admitted() -> None:
     waiting.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(waiting)
     assert scheduler.schedule().is_empty  # never computed here
-    assert scheduler.reserve_remote(waiting, reserve_tokens=0)
+    assert reserve_remote(scheduler, waiting, reserve_tokens=0)
     assert waiting.block_ids == [0, 1, 2] and waiting.num_computed_tokens == 0
-    scheduler.admit_remote(waiting)
+    start_arrived(scheduler, waiting)
     assert waiting.status is RequestStatus.RUNNING and not waiting.is_awaiting_kv
     assert scheduler.running == [waiting] and not scheduler.waiting
 
@@ -48,9 +49,9 @@ def test_reserve_shares_the_cached_prefix_and_refuses_without_headroom() -> None
     late.transfer = TransferState(is_awaiting_kv=True)
     scheduler.add_request(late)
     # 1 new block needed, 4 free: refused while 16 tokens (4 blocks) per request must stay free
-    assert not scheduler.reserve_remote(late, reserve_tokens=16)
+    assert not reserve_remote(scheduler, late, reserve_tokens=16)
     assert late.block_ids == [] and scheduler.kv.block_pool.num_used_blocks == 2
-    assert scheduler.reserve_remote(late, reserve_tokens=8)
+    assert reserve_remote(scheduler, late, reserve_tokens=8)
     assert late.block_ids == [0, 1, 2] and late.num_computed_tokens == 8
     assert late.num_cached_tokens == 8
     scheduler.finish(late, FinishReason.ABORT)  # aborted while its K/V travels: all freed

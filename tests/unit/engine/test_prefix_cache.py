@@ -7,6 +7,7 @@ import pytest
 
 from servelm.config import CacheConfig, EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
+from servelm.engine.request import LoRAState
 from servelm.sampling.params import SamplingParams
 
 from .fake_runner import FakeRunner
@@ -139,7 +140,7 @@ def test_adapters_do_not_share_cached_blocks() -> None:
     engine, _ = make()
     run_all(engine, {"a": (question(0), greedy(2))})
     engine.add_request("b", question(0), greedy(2))
-    engine.scheduler.requests["b"].adapter_id = "lora-1"
+    engine.scheduler.requests["b"].lora = LoRAState("lora-1")
     engine.step()
     assert engine.scheduler.requests["b"].num_cached_tokens == 0
 

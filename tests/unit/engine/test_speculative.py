@@ -233,4 +233,4 @@ def test_rejected_drafts_blocks_are_freed_after_each_step():
         engine.step()
         for request in engine.scheduler.running:
             assert len(request.block_ids) == -(-request.num_computed_tokens // 4)
-            assert not request.draft_token_ids
+            assert request.drafts is None

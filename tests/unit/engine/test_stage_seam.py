@@ -11,7 +11,8 @@ from servelm.engine.engine import LLMEngine
 from servelm.engine.outputs import RequestOutput
 from servelm.engine.request import FinishReason, Request
 from servelm.engine.scheduler import Scheduler, SchedulerOutput, StepResult
-from servelm.engine.stage import Hooks, Stage, StepCore
+from servelm.engine.frontdoor import SubmitRequest
+from servelm.engine.stage import Hooks, Refusal, Stage, StepCore
 from servelm.sampling.params import SamplingParams
 
 from .fake_runner import FakeRunner
@@ -111,6 +112,41 @@ def test_a_stage_defined_in_a_test_runs_in_the_step() -> None:
     assert engine.abort_request("unknown") is None
     engine.shutdown()
     assert stage.is_closed
+
+
+class Gate(Stage):
+    """Admission hooks of a feature the engine does not know: prompts starting with token 0 are
+    refused (422); requests of group "mine" are taken (this stage serves them, nothing queues)."""
+
+    def __init__(self) -> None:
+        self.checked: list[str] = []
+        self.taken: list[str] = []
+
+    def check(self, request: Request, submission: SubmitRequest) -> Refusal | None:
+        self.checked.append(request.request_id)
+        return Refusal("no zeros here", 422) if request.prompt_token_ids[0] == 0 else None
+
+    def on_add(self, request: Request, submission: SubmitRequest) -> bool:
+        if request.group != "mine":
+            return False
+        self.taken.append(request.request_id)
+        return True
+
+
+def test_a_stage_defined_in_a_test_refuses_and_takes_requests_at_admission() -> None:
+    gate = Gate()
+    engine = LLMEngine(EngineConfig(), runner=FakeRunner(num_blocks=64, block_size=4),
+                       eos_token_ids=[EOS], context_length=512, extra_stages=[lambda engine: gate])
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    refused = engine.add_request("zero", [0, 5, 6], params)
+    assert refused is not None and refused.finish_reason == "error"
+    assert refused.error == "no zeros here" and refused.error_status == 422
+    assert engine.add_request("taken", [5, 6], params, group="mine") is None
+    assert gate.taken == ["taken"] and not engine.has_unfinished()  # not queued: the stage has it
+    assert engine.add_embedding_request("embed", [5, 6]) is not None  # the core's own check first
+    assert gate.checked == ["zero", "taken"]
+    assert engine.add_request("queued", [5, 6], params) is None
+    assert list(engine.scheduler.requests) == ["queued"]
 
 
 def test_only_overridden_hooks_are_called() -> None:

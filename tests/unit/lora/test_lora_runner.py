@@ -92,12 +92,24 @@ def test_engine_mixed_adapters_equal_peft_and_no_cross_adapter_prefix(tmp_path: 
             out = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False,
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         expected[slot] = out[0, len(prompt):].tolist()
-    engine = LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128)
+    from servelm.engine.frontdoor import SubmitRequest
+    from servelm.engine.request import LoRAState, Request
+    from servelm.engine.stage import Refusal, Stage
+
+    class SlotsByRequestId(Stage):
+        """The runner's slots given directly (request "<round>-<slot>"), as the LoRA stage would."""
+
+        def check(self, request: Request, submission: SubmitRequest) -> Refusal | None:
+            slot = int(request.request_id.rsplit("-", 1)[1])
+            request.lora = LoRAState(str(slot), slot) if slot else None
+            return None
+
+    engine = LLMEngine(config, runner=runner, eos_token_ids=[], context_length=128,
+                       extra_stages=[lambda engine: SlotsByRequestId()])
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for round_ in range(2):  # the second round may hit the prefix cache, per adapter only
         for slot in (0, 1, 2):
-            engine.add_request(f"{round_}-{slot}", prompt, params, adapter_id=str(slot) if slot else None,
-                               lora_slot=slot)
+            engine.add_request(f"{round_}-{slot}", prompt, params)
         outputs = drain(engine)
         for slot in (0, 1, 2):
             assert outputs[f"{round_}-{slot}"] == expected[slot], (round_, slot)

@@ -10,7 +10,8 @@ import torch
 
 from servelm.cache.block_pool import BlockPool
 from servelm.config import LoRAConfig, SchedulerConfig
-from servelm.engine.request import Request
+from servelm.engine.lora_stage import AdapterSlots
+from servelm.engine.request import LoRAState, Request
 from servelm.engine.kv_manager import KVManager
 from servelm.engine.scheduler import Scheduler
 from servelm.lora.adapter import BaseShapes, LoRAAdapterError
@@ -138,11 +139,18 @@ def test_config_parses_both_dialects() -> None:
 def test_scheduler_defers_a_further_adapter() -> None:
     """--max-loras-per-batch 2: requests for a third adapter wait until one adapter has no running
     request; the base model does not count; the plan is grouped by slot."""
-    scheduler = Scheduler(SchedulerConfig(), KVManager(BlockPool(64), 4), max_adapters=2)
+    slots = {"x": 1, "y": 2, "z": 3}
+
+    class FixedSlots:  # the manager's part: each adapter installed in its own slot
+        def acquire(self, adapter_id: str, running: set[str]) -> int:
+            return slots[adapter_id]
+
+    scheduler = Scheduler(SchedulerConfig(), KVManager(BlockPool(64), 4),
+                          adapter_slot=AdapterSlots(FixedSlots(), max_adapters=2))  # type: ignore[arg-type]
 
     def add(name: str, adapter: str | None, slot: int, max_tokens: int) -> Request:
         request = Request(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens), [0], 512,
-                          adapter_id=adapter, lora_slot=slot)
+                          lora=LoRAState(adapter, slot) if adapter is not None else None)
         scheduler.add_request(request)
         return request
 
