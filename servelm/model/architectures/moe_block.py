@@ -58,10 +58,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
         """``lora`` reaches the shared expert only (an adapter on the routed experts is refused when
-        it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows, for
-        GGUF routes) too: the experts and the router are plain float weights."""
+        it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows) reaches
+        the GGUF routes of the shared and routed experts; the router is a plain float weight."""
         routing = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, routing)
+        out = self.experts(x, routing, rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora, rows)
         return out
