@@ -6,7 +6,9 @@ own random init, seed 0) with Qwen2.5's real tokenizer copied beside it: 16 expe
 (Qwen3-30B-A3B's proportions scaled down: 128 experts top-8, hidden 2048, expert FFN 768). Both
 servers take the directory as shipped (their default flags) and are measured by compare_peers.py's
 client and columns (prefill, 1, 8 and 32 streams), alternating servelm and vLLM for ``--rounds``
-rounds on this shared machine, so each ratio compares neighbouring runs.
+rounds on this shared machine, so each ratio compares neighbouring runs. ``--gguf`` adds servelm on
+the same weights written as a Q8_0 GGUF (llama.cpp's layout, tests/unit/model/test_gguf_moe.py's
+writer), served at that precision by the GGUF block kernels.
 
     .venv/bin/python benchmarks/moe_peers.py [--rounds 2] [--output-len 64] [--model-dir DIR]
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.compare_peers import find_peers, run_peer  # noqa: E402
+from benchmarks.compare_peers import Peer, find_peers, measure_peers, print_table  # noqa: E402
 
 TOKENIZER_DIR = Path("/work/peers/hf-qwen2.5-coder-0.5b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -45,6 +47,25 @@ def write_model(path: Path, tokenizer_dir: Path) -> None:
         shutil.copy(tokenizer_dir / name, path / name)
 
 
+def write_gguf(model_dir: Path) -> Path:
+    """The model's Q8_0 GGUF beside its directory (written once)."""
+    path = model_dir.with_name(model_dir.name + "-q8_0.gguf")
+    if not path.exists():
+        import transformers
+
+        from tests.unit.model.test_gguf_moe import write_moe_gguf
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        write_moe_gguf(path, model, "qwen3_moe", expert_types=("Q8_0", "Q8_0", "Q8_0"))
+    return path
+
+
+def gguf_peer(path: Path, args: argparse.Namespace) -> Peer:
+    return Peer(f"servelm serve {path.name} (Q8_0 GGUF)", [
+        sys.executable, "-m", "servelm", "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
+        "--num-threads", str(args.threads), "--tokenizer", args.hf_dir, "--served-model-name", args.model,
+        *args.servelm_args.split()], {}, args.startup_s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", default="/tmp/moe-peers/qwen3-moe-16e-top4")
@@ -55,6 +76,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--port", type=int, default=18433)
     parser.add_argument("--servelm-args", default="", help="extra servelm flags (default: none)")
+    parser.add_argument("--startup-s", type=float, default=1800,
+                        help="how long a server may take to start (vLLM compiles its graphs on a first start)")
+    parser.add_argument("--gguf", action="store_true", help="also servelm on the weights as a Q8_0 GGUF")
     parser.add_argument("--log-dir", default="/tmp/moe_peers")
     args = parser.parse_args()
     model_dir = Path(args.model_dir)
@@ -65,26 +89,15 @@ def main() -> None:
     peers, skipped = find_peers(args, model_dir, args.port)
     for message in skipped:
         print(f"skipped {message}", flush=True)
+    for peer in peers:
+        peer.startup_s = args.startup_s
+    if args.gguf:
+        peers.append(gguf_peer(write_gguf(model_dir), args))
     print(f"{model_dir}: {MOE_CONFIG}; {args.threads} threads, {os.cpu_count()} cpus", flush=True)
     rows = []
     for round_index in range(args.rounds):
-        for peer in peers:
-            load = os.getloadavg()
-            print(f"round {round_index + 1}: {peer.name} (load average {load[0]:.2f}) ...", flush=True)
-            try:
-                result = run_peer(peer, args.port, args, log_dir)
-            except Exception as error:   # one peer failing does not stop the others
-                print(f"  {peer.name} failed: {error} (log in {log_dir})", flush=True)
-                continue
-            rows.append([f"{peer.name.split()[0]} (round {round_index + 1}, load {load[0]:.1f})",
-                         *(f"{value:.1f}" for value in result.values())])
-            print(f"  {result}", flush=True)
-    print("| server | 1 stream tok/s | prefill tok/s | 8 streams tok/s | 32 streams tok/s |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print(f"load average after: {os.getloadavg()}  (shared machine: compare neighbouring runs)")
-
+        rows += measure_peers(peers, args, log_dir, f" (round {round_index + 1})")
+    print_table(rows, "compare neighbouring runs")
 
 if __name__ == "__main__":
     main()

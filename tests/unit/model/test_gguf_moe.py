@@ -64,8 +64,10 @@ def _encoded(values: np.ndarray, kind: str, seed: int) -> tuple[np.ndarray, np.n
     return raw.reshape(rows, -1), dequantize_raw(raw, kind, rows, cols).numpy()
 
 
-def write_moe_gguf(path: Path, model: Any, arch: str) -> dict[str, torch.Tensor]:
-    """Write ``model`` as a llama.cpp GGUF of ``arch``; returns its in-memory state dict with each
+def write_moe_gguf(path: Path, model: Any, arch: str,
+                   expert_types: tuple[str, str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Write ``model`` as a llama.cpp GGUF of ``arch`` (experts in ``expert_types``, default
+    ``EXPERT_TYPES[arch]``; the other linears Q8_0); returns its in-memory state dict with each
     weight as the file holds it (the transformers reference's weights)."""
     import gguf
     config = model.config
@@ -120,7 +122,7 @@ def write_moe_gguf(path: Path, model: Any, arch: str) -> dict[str, torch.Tensor]
                 put(f"blk.{layer}.{ours}.weight", f"{prefix}.mlp.{hf}.weight", "Q8_0")
             continue
         put(f"blk.{layer}.ffn_gate_inp.weight", f"{prefix}.mlp.gate.weight")
-        _put_experts(writer, state, f"{prefix}.mlp.experts", layer, EXPERT_TYPES[arch], seeds)
+        _put_experts(writer, state, f"{prefix}.mlp.experts", layer, expert_types or EXPERT_TYPES[arch], seeds)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
