@@ -192,21 +192,30 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, flags: {' '.join(flags)}; load average {os.getloadavg()}", flush=True)
+    print_table(measure_peers(peers, args, log_dir), "compare within one run")
+
+
+def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path, label: str = "") -> list[list[str]]:
+    """One table row per peer that ran (its name, ``label`` appended, then its columns), one after another."""
     rows = []
     for peer in peers:
-        print(f"running {peer.name} ...", flush=True)
+        print(f"running {peer.name}{label} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
         try:
             result = run_peer(peer, args.port, args, log_dir)
         except Exception as error:   # one peer failing does not stop the others
             print(f"  {peer.name} failed: {error} (log in {log_dir})", flush=True)
             continue
-        rows.append([peer.name, *(f"{value:.1f}" for value in result.values())])
+        rows.append([peer.name + label, *(f"{value:.1f}" for value in result.values())])
         print(f"  {result}", flush=True)
+    return rows
+
+
+def print_table(rows: list[list[str]], note: str) -> None:
     print("| server | 1 stream tok/s | prefill tok/s | 8 streams tok/s | 32 streams tok/s |")
     print("|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"load average after: {os.getloadavg()}  (shared machine: compare within one run)")
+    print(f"load average after: {os.getloadavg()}  (shared machine: {note})")
 
 
 if __name__ == "__main__":

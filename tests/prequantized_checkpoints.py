@@ -40,11 +40,14 @@ QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def make_quant_hf_model(arch: str, hidden: int = 64, intermediate: int = 128, seed: int = 0) -> Any:
-    """A tiny float32 transformers model (``make_tiny_config(arch)`` with these widths), norms and
-    biases perturbed as in tests.tiny_models."""
+def make_quant_hf_model(arch: str, hidden: int = 64, intermediate: int = 128, seed: int = 0,
+                        **fields: Any) -> Any:
+    """A tiny float32 transformers model (``make_tiny_config(arch)`` with these widths and config
+    ``fields``), norms and biases perturbed as in tests.tiny_models."""
     config = make_tiny_config(arch)
     config.hidden_size, config.intermediate_size = hidden, intermediate
+    for name, value in fields.items():
+        setattr(config, name, value)
     if hasattr(config, "head_dim") and arch not in ("qwen3", "gemma3"):
         config.head_dim = hidden // config.num_attention_heads
     config._attn_implementation = "eager"

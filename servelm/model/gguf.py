@@ -12,6 +12,13 @@ result equals what ``transformers`` loads from the same file (our parity referen
 - Gemma: every RMSNorm weight is stored as ``w + 1`` (HF's Gemma norm multiplies by ``1 + w``).
 - A file without ``output.weight`` has a tied head: the config says ``tie_word_embeddings=True``
   and no ``lm_head.weight`` is yielded, exactly like a tied HF safetensors checkpoint.
+- Mixture of experts (Mixtral: ``llama`` with ``llama.expert_count``; ``qwen3moe``): the router is
+  ``ffn_gate_inp`` and each projection's experts are one 3-D tensor ``ffn_{gate,up,down}_exps``
+  ``[E, rows, cols]``, yielded as the per-expert tensors of an HF checkpoint
+  (``mlp.experts.<e>.gate_proj.weight``; ``expert_tensor_names``). llama.cpp renormalises Qwen3-MoE's
+  top-k weights whatever the original config said (``norm_topk_prob=True``, as transformers'
+  GGUF loader does too), and a Qwen3-MoE layer without ``ffn_gate_inp`` is a dense MLP
+  (``mlp_only_layers``).
 
 Tensors are dequantized one at a time (float32), so peak memory is one tensor beyond the model.
 """
@@ -30,13 +37,15 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 
 # llama.cpp architecture -> transformers model_type (Gemma 3 GGUFs hold the text backbone only).
-_MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "deepseek2", "llama4", "gpt-oss")
-"""GGUF architectures of MoE models, refused with their own reason (a Mixtral GGUF is "llama" with
-an ``expert_count``)."""
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_MOE_ARCHITECTURES = ("qwen2moe", "olmoe", "mixtral", "deepseek2", "llama4", "gpt-oss")
+"""GGUF architectures of MoE models not loaded yet, refused with their own reason."""
+_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3moe"}
+"""Architectures whose files may hold experts (``<arch>.expert_count``) -> the family they are then."""
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+                "mixtral": "mixtral", "qwen3moe": "qwen3_moe"}
 
 # GGUF metadata key (after "<arch>.") -> config field, per architecture.
 _COMMON_KEYS = {
@@ -56,6 +65,11 @@ _ARCH_KEYS = {
     "qwen3": {**_COMMON_KEYS, "attention.key_length": "head_dim"},
     "gemma3": {**_COMMON_KEYS, "attention.key_length": "head_dim",
                "attention.sliding_window": "sliding_window"},
+    "mixtral": {**_COMMON_KEYS, "rope.dimension_count": "head_dim", "expert_count": "num_local_experts",
+                "expert_used_count": "num_experts_per_tok"},
+    "qwen3moe": {**_COMMON_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
+                 "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size"},
 }
 _TOKEN_ID_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
@@ -83,7 +97,10 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+"""A layer's stacked expert tensors ``[E, rows, cols]`` -> the per-expert HF projection."""
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
 # Tensors llama.cpp adds that have no HF parameter (recomputed from the config).
 _IGNORED = {"rope_freqs.weight"}
@@ -110,11 +127,20 @@ def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
     if match := _LAYER_RE.match(gguf_name):
         layer, part, suffix = match.groups()
         names = _GEMMA_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+        if part in _EXPERT_NAMES and suffix == "weight":
+            return f"model.layers.{layer}.mlp.experts.{_EXPERT_NAMES[part]}.weight"
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{suffix}"
     elif (match := _GLOBAL_RE.match(gguf_name)) and match.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
     raise GGUFError(f"unknown GGUF tensor {gguf_name!r} for architecture {architecture!r}")
+
+
+def expert_tensor_names(stack_name: str, num_experts: int) -> list[str]:
+    """The per-expert HF names of a stacked expert tensor's HF name (``gguf_to_hf_name`` of
+    ``ffn_*_exps``): ``...mlp.experts.gate_proj.weight`` -> ``...mlp.experts.<e>.gate_proj.weight``."""
+    stem, _, projection = stack_name.rpartition(".experts.")
+    return [f"{stem}.experts.{expert}.{projection}" for expert in range(num_experts)]
 
 
 def reverse_llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -178,9 +204,13 @@ class GGUFFile:
         except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
             raise GGUFError(f"cannot read GGUF file {self.path}: {e}") from e
         self.architecture = str(self.fields.get("general.architecture"))
-        if self.architecture in _MOE_ARCHITECTURES or self.fields.get(f"{self.architecture}.expert_count"):
+        has_experts = bool(self.fields.get(f"{self.architecture}.expert_count"))
+        if self.architecture in _MOE_ARCHITECTURES or has_experts and self.architecture not in _MOE_FAMILIES:
             raise GGUFError(f"{self.path.name}: a mixture-of-experts GGUF ({self.architecture!r} with experts) "
-                            "does not load yet (issue 33); its Hugging Face safetensors directory does")
+                            "does not load yet (Mixtral and Qwen3-MoE GGUFs do); its Hugging Face "
+                            "safetensors directory does")
+        self.family = _MOE_FAMILIES[self.architecture] if has_experts else self.architecture
+        """The model family: the architecture, or the MoE family of one with experts (Mixtral)."""
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"{self.path.name}: GGUF architecture {self.architecture!r} is not "
                             f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -255,7 +285,7 @@ class GGUFFile:
         """The transformers config fields this file defines (same values transformers derives)."""
         arch = self.architecture
         values: dict[str, Any] = {}
-        for key, name in _ARCH_KEYS[arch].items():
+        for key, name in _ARCH_KEYS[self.family].items():
             value = self.metadata(f"{arch}.{key}")
             if value is not None:
                 values[name] = value
@@ -269,12 +299,16 @@ class GGUFFile:
                 raise GGUFError(f"{self.path.name}: no vocab_size and no tokenizer.ggml.tokens")
             values["vocab_size"] = tokens.count if isinstance(tokens, _StringArray) else len(tokens)
         values["tie_word_embeddings"] = "output.weight" not in self.tensor_names
+        if self.family == "qwen3moe":   # llama.cpp's Qwen3-MoE always renormalises the top-k
+            values["norm_topk_prob"] = True
+            values["mlp_only_layers"] = [layer for layer in range(values["num_hidden_layers"])
+                                         if f"blk.{layer}.ffn_gate_inp.weight" not in self.tensor_names]
         return values
 
     def hf_config(self, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
         """A transformers config for this file, with ``overrides`` applied before construction."""
         values = {**self.config_dict(), **(overrides or {})}
-        model_type = _MODEL_TYPES[self.architecture]
+        model_type = _MODEL_TYPES[self.family]
         config = CONFIG_MAPPING[model_type](**values)
         config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         return config
@@ -283,12 +317,18 @@ class GGUFFile:
         """HF-named float32 tensors, dequantized one at a time, in file order; the HF names in
         ``skip`` are neither read nor dequantized (those served in their own blocks).
 
-        The Q/K un-permutation uses the file's own head counts, never overridden ones.
+        The Q/K un-permutation uses the file's own head counts, never overridden ones. A stacked
+        expert tensor comes out as its experts' tensors (skipped when its first expert's name is).
         """
         config = self.config_dict()
         for info in self.tensor_infos:
             name = gguf_to_hf_name(info.name, self.architecture)
             if name is None or name in skip:
+                continue
+            if len(info.shape) == 3:
+                names = expert_tensor_names(name, info.shape[0])
+                if names[0] not in skip:
+                    yield from zip(names, self.dequantize(info).unbind(0))
                 continue
             yield name, self._undo_conversion(info.name, self.dequantize(info), config)
 

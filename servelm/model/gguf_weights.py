@@ -29,11 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.gguf import GGUFFile, gguf_to_hf_name, reverse_llama_permute
+from servelm.model.gguf import GGUFFile, expert_tensor_names, gguf_to_hf_name, reverse_llama_permute
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
@@ -41,6 +42,7 @@ from servelm.model.layers import gguf_i8gemm, gguf_rows
 from servelm.model.layers.gguf_linear import BlockRows, GGUFBlockLinearMethod
 from servelm.model.layers.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
 from servelm.model.layers.linear import LinearBase
+from servelm.model.layers.moe import FusedMoE
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
 from servelm.model.routes import STARTUP_BUDGET_S, ShapeSpec, build_table, format_report, route_summary
 
@@ -114,22 +116,35 @@ def read_block_weights(path: str | Path) -> tuple[dict[str, BlockWeight], dict[s
     others: dict[str, str] = {}
     for info in gguf.tensor_infos:
         name = gguf_to_hf_name(info.name, gguf.architecture)
-        if name is None or len(info.shape) != 2:
+        if name is None or len(info.shape) not in (2, 3):
             continue
         kind = GGMLQuantizationType(info.ggml_type).name
-        try:
-            raw = gguf._blob[info.offset:info.offset + info.num_bytes]
-            weight = repack(raw, (info.shape[0], info.shape[1]), kind)
-        except ValueError:
-            others[name] = kind
+        raw = gguf._blob[info.offset:info.offset + info.num_bytes]
+        if len(info.shape) == 3:   # stacked experts: each expert's rows are a contiguous slice
+            names = expert_tensor_names(name, info.shape[0])
+            for expert_name, expert_raw in zip(names, np.split(raw, info.shape[0])):
+                _repack_into(blocks, others, expert_name, expert_raw, info.shape[1:], kind)
+            continue
+        weight = _repack_into(blocks, others, name, raw, info.shape, kind)
+        if weight is None:
             continue
         if gguf.architecture == "llama" and (".attn_q." in info.name or ".attn_k." in info.name):
             heads = config["num_attention_heads"]
             if ".attn_k." in info.name:
                 heads = config.get("num_key_value_heads", heads)
-            weight = weight.permute_rows(reverse_llama_permute(torch.arange(info.shape[0]), heads))
-        blocks[name] = weight
+            blocks[name] = weight.permute_rows(reverse_llama_permute(torch.arange(info.shape[0]), heads))
     return blocks, others
+
+
+def _repack_into(blocks: dict[str, BlockWeight], others: dict[str, str], name: str, raw: np.ndarray,
+                 shape: tuple[int, ...], kind: str) -> BlockWeight | None:
+    """Repack one 2-D tensor's bytes into ``blocks[name]``; a type without a repack goes to ``others``."""
+    try:
+        blocks[name] = repack(raw, (shape[0], shape[1]), kind)
+    except ValueError:
+        others[name] = kind
+        return None
+    return blocks[name]
 
 
 def _checkpoint_names(module_name: str) -> list[str]:
@@ -173,6 +188,19 @@ def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterato
         if isinstance(module, LMHead) and module.is_tied:
             names = [names[0].replace("lm_head.", "model.embed_tokens.")]
         yield module_name, module, names
+
+
+def _split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> list[FusedMoE]:
+    """Split the experts of every MoE layer whose expert weights all have blocks into per-expert
+    linears (``FusedMoE.split_experts``: then served like any other linear); returns those layers."""
+    split = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and all(
+                f"{name}.{expert}.{projection}.weight" in blocks for expert in range(module.num_experts)
+                for projection in ("gate_proj", "up_proj", "down_proj")):
+            module.split_experts()
+            split.append(module)
+    return split
 
 
 def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[str, BlockWeight],
@@ -226,6 +254,7 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
     i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
+    split = _split_block_experts(model, blocks)
     started = time.perf_counter()
     route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
     route_seconds = time.perf_counter() - started
@@ -265,6 +294,8 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
+    for moe in split:
+        moe.drop_stacked()
     routes_by_shape: dict[LinearShape, LayerRoutes] = {
         routes.shape: routes for module in model.modules()
         if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}

@@ -245,7 +245,7 @@ class DeepseekMoE(RoutedExpertsBlock):
                                if num_shared else None)
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
-        out = self.run_experts(x, self.gate(x))
+        out = self.run_experts(x, self.gate(x), rows)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, lora, rows)
         return out

@@ -52,10 +52,10 @@ class RoutedExpertsBlock(nn.Module):
         """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
         self.last_expert_ids: torch.Tensor | None = None
 
-    def run_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def run_experts(self, x: torch.Tensor, routing: Routing, rows: Any = None) -> torch.Tensor:
         if self.is_recording:
             self.last_expert_ids = routing.expert_ids
-        return self.experts(x, routing)
+        return self.experts(x, routing, rows)
 
 
 class SparseMoeBlock(RoutedExpertsBlock):
@@ -80,9 +80,9 @@ class SparseMoeBlock(RoutedExpertsBlock):
 
     def forward(self, x: torch.Tensor, lora: Sequence[LoRAGroup] | None = None, rows: Any = None) -> torch.Tensor:
         """``lora`` reaches the shared expert only (an adapter on the routed experts is refused when
-        it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows, for
-        GGUF routes) too: the experts and the router are plain float weights."""
-        out = self.run_experts(x, route(self.gate(x), self.top_k, self.renormalize))
+        it is loaded, as the model has no such layer); ``rows`` (the pass's generation rows) reaches
+        the GGUF routes of the shared and routed experts; the router is a plain float weight."""
+        out = self.run_experts(x, route(self.gate(x), self.top_k, self.renormalize), rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, lora, rows)
         return out

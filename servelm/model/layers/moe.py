@@ -18,6 +18,11 @@ Invariants:
   top-k from the same hidden states), so no rank exchanges tokens.
 - Routing is computed in float32 (softmax over all experts, top-k, then optionally renormalised
   over the chosen k), as transformers does; the weights reach the experts in the activation dtype.
+- A per-layer weight format (a GGUF file's blocks) replaces the stacked weights through
+  ``split_experts``: each expert gets its own two linear layers (children ``"0"``, ``"1"``, ...,
+  so their checkpoint names are the per-expert ones), whose weights a LinearMethod then replaces
+  (servelm/model/gguf_weights.py), and ``drop_stacked`` frees the stacks. The routing, grouping and
+  combining are the same for both.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.layers.activation import ActAndMul
-from servelm.model.layers.linear import dense_linear
+from servelm.model.layers.gguf_routes import GENERATION_ONLY, PassRows
+from servelm.model.layers.linear import LinearBase, dense_linear
 
 _CHECKPOINT_SHARDS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                       "down_proj": "down", "w2": "down"}
@@ -117,6 +123,26 @@ class ExpertGroups:
         return [end - start for start, end in zip(self.offsets, self.offsets[1:])]
 
 
+class ExpertLinears(nn.Module):
+    """One expert's ``gate_up_proj`` ``[2 * I, H]`` and ``down_proj`` ``[H, I]`` as linear layers
+    whose weights start as views of the stacked ones (``FusedMoE.split_experts``)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj = LinearBase(gate_up.shape[1], gate_up.shape[0], bias=False, dtype=gate_up.dtype)
+        self.gate_up_proj.weight = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = LinearBase(down.shape[1], down.shape[0], bias=False, dtype=down.dtype)
+        self.down_proj.weight = nn.Parameter(down, requires_grad=False)
+
+
+def expert_rows(rows: PassRows | None) -> PassRows | None:
+    """The row facts an expert's linear gets from its pass's (``rows``): an expert's rows are a
+    subset of the pass's, so a pass with any generation row hands them all on as generation rows
+    (no int8-rounded activations for them), a prompt-only pass as prompt rows (None)."""
+    return None if rows is None or not (rows.generation_only or rows.generation_rows is not None) \
+        else GENERATION_ONLY
+
+
 class FusedMoE(nn.Module):
     """``num_experts`` gated MLPs ``hidden -> intermediate -> hidden`` with stacked weights (this
     rank's intermediate columns); ``forward(x, routing)`` gives each token's weighted expert sum."""
@@ -137,23 +163,49 @@ class FusedMoE(nn.Module):
         self.act = ActAndMul(activation)
         self.loaded_parts: set[tuple[int, str]] = set()
         """(expert, "gate" | "up" | "down") loaded so far: ``missing_parts`` names the rest."""
+        self.expert_layers: list[ExpertLinears] | None = None
+        """Each expert's own linear layers once ``split_experts`` made them, else None (the stacks)."""
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``[T, H]``: for each token, the sum over its experts of weight * expert(x)."""
+    def split_experts(self) -> None:
+        """Give each expert its own linear layers (children ``"<e>"``), views of the stacked weights,
+        for a LinearMethod to replace; ``forward`` runs them from now on."""
+        self.expert_layers = [ExpertLinears(self.gate_up_proj.data[e], self.down_proj.data[e])
+                              for e in range(self.num_experts)]
+        for expert, layers in enumerate(self.expert_layers):
+            self.add_module(str(expert), layers)
+
+    def drop_stacked(self) -> None:
+        """Free the stacked weights once every expert's layers hold their own (``split_experts``)."""
+        assert self.expert_layers is not None, "drop_stacked before split_experts"
+        for name in ("gate_up_proj", "down_proj"):
+            delattr(self, name)
+            self.register_parameter(name, None)
+        self.loaded_parts.update((e, part) for e in range(self.num_experts) for part in ("gate", "up", "down"))
+
+    def expert_mlp(self, expert: int, x: torch.Tensor, rows: PassRows | None = None) -> torch.Tensor:
+        """Expert ``expert``'s gated MLP of rows ``x`` [n, H] -> [n, H] (``rows``: ``expert_rows``)."""
+        if self.expert_layers is None:
+            return dense_linear(self.act(dense_linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
+        layers = self.expert_layers[expert]
+        return layers.down_proj(self.act(layers.gate_up_proj(x, rows=rows)), rows=rows)
+
+    def forward(self, x: torch.Tensor, routing: Routing, rows: PassRows | None = None) -> torch.Tensor:
+        """``[T, H]``: for each token, the sum over its experts of weight * expert(x). ``rows``: the
+        pass's row facts (for the GGUF routes of split experts)."""
         num_tokens, top_k = routing.expert_ids.shape
         out = torch.zeros_like(x)
         if num_tokens == 0:
             return out
         groups = ExpertGroups.build(routing.expert_ids, self.num_experts)
-        rows = x.index_select(0, groups.token_rows)        # [T * k, H] sorted by expert
-        expert_out = torch.empty_like(rows)                # [T * k, H]
+        sorted_rows = x.index_select(0, groups.token_rows)  # [T * k, H] sorted by expert
+        expert_out = torch.empty_like(sorted_rows)          # [T * k, H]
         offsets = groups.offsets
+        facts = expert_rows(rows)
         for expert in range(self.num_experts):
             start, end = offsets[expert], offsets[expert + 1]
             if start == end:
                 continue
-            gate_up = dense_linear(rows[start:end], self.gate_up_proj[expert])  # [n, 2 * I_local]
-            expert_out[start:end] = dense_linear(self.act(gate_up), self.down_proj[expert])
+            expert_out[start:end] = self.expert_mlp(expert, sorted_rows[start:end], facts)
         weights = routing.weights.reshape(-1).index_select(0, groups.order).to(x.dtype)  # [T * k]
         expert_out.mul_(weights.unsqueeze(1))
         out.index_add_(0, groups.token_rows, expert_out)

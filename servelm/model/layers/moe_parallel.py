@@ -135,8 +135,9 @@ class ExpertParallelMoE(FusedMoE):
         self.loaded_logical: set[tuple[int, str]] = set()
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``[T, H]``, equal on every rank: each token's weighted sum over its experts."""
+    def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
+        """``[T, H]``, equal on every rank: each token's weighted sum over its experts (``rows``,
+        the pass's facts for GGUF routes, has no use here: EP with a GGUF file is refused)."""
         num_tokens, top_k = routing.expert_ids.shape
         mine = self.ep.split(num_tokens)
         rows = slice(mine.start, mine.start + mine.size)
