@@ -15,7 +15,7 @@ scale (some also an offset), so its dequantized weight is exactly
     Q6_K   16  -32..31    d * sc[j]        -
 
 Scales and offsets come from the block headers (``gguf`` parses the K-quant 6-bit scales). The
-codes of Q8_0, Q4_0 and Q4_1 are the stored bytes (or nibbles) themselves; those of the other types
+codes of Q8_0, Q4_0, Q4_1 and Q4_K are the stored bytes (or nibbles) themselves; those of the other types
 come from the ``gguf`` package's own float32 dequantization divided by the scales, and ``repack``
 checks that they are integers and rebuild the dequantized tensor exactly (else it raises). Other types
 (Q2_K, Q3_K, IQ*, float) have no repack here: those tensors stay dequantized.
@@ -165,7 +165,7 @@ def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
                        parts[0].block, kind)
 
 
-_WHOLE_ARRAY_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_WHOLE_ARRAY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 """Types whose int8 codes are their bytes (or nibbles) as stored: ``dequantize_raw`` and ``repack``
 read them over the whole array at once. The ``gguf`` package's numpy code works a few rows at a
 time and ``repack`` then divided its floats back into codes: together several seconds of every
@@ -173,13 +173,15 @@ start-up of a Q4_1 model, for the same values bit for bit."""
 
 
 def _stored_codes(blocks: np.ndarray, kind: str) -> np.ndarray:
-    """The int8 codes [num_blocks, 32] of ``blocks`` [num_blocks, block_bytes] of a
-    ``_WHOLE_ARRAY_TYPES`` type; the 32 inputs of a 4-bit block are its low nibbles, then its high ones."""
-    head = 4 if kind == "Q4_1" else 2       # f16 d (and f16 m)
+    """The int8 codes [num_blocks, inputs per block] of ``blocks`` [num_blocks, block_bytes] of a
+    ``_WHOLE_ARRAY_TYPES`` type. 4-bit codes: each 32 bytes hold 64 inputs, the low nibbles the
+    first 32, the high nibbles the next (one such group in Q4_0/Q4_1, four in Q4_K)."""
+    head = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q4_K": 16}[kind]   # f16 d (m, dmin; Q4_K's 6-bit scales)
     quants = blocks[:, head:]
     if kind == "Q8_0":
         return np.ascontiguousarray(quants).view(np.int8)
-    codes = np.concatenate([quants & 15, quants >> 4], axis=1).view(np.int8)
+    groups = quants.reshape(len(quants), -1, 1, min(32, quants.shape[1]))
+    codes = np.concatenate([groups & 15, groups >> 4], axis=2).reshape(len(quants), -1).view(np.int8)
     return codes - 8 if kind == "Q4_0" else codes
 
 
@@ -194,7 +196,7 @@ def dequantize_raw(raw: np.ndarray, kind: str) -> np.ndarray:
         return dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32, copy=False).reshape(-1)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
     scales, offsets = _headers(kind, blocks)
-    values = _stored_codes(blocks, kind).astype(np.float32) * scales.reshape(-1, 1)
+    values = _stored_codes(blocks, kind).reshape(scales.size, -1).astype(np.float32) * scales.reshape(-1, 1)
     if offsets is not None:
         values += offsets.reshape(-1, 1)
     return values.reshape(-1)

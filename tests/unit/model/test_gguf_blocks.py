@@ -64,9 +64,9 @@ def test_repack_is_lossless(kind: str) -> None:
     assert torch.equal(fused.dequantize(), torch.cat([weight.dequantize(), other.dequantize()]))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_own_decoding_is_the_gguf_packages(kind: str) -> None:
-    """The whole-array decoding (Q8_0, Q4_0, Q4_1; gguf's own code for the rest) gives the gguf
+    """The whole-array decoding (Q8_0, Q4_0, Q4_1, Q4_K; gguf's own code for the rest) gives the gguf
     package's float32 values bit for bit, at each sign of the scale."""
     raw = random_raw(kind, 6, 256).reshape(6, -1)
     raw[::2, 1] |= 0x80   # the fp16 d of every other row's first block negative
