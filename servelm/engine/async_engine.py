@@ -129,6 +129,7 @@ class AsyncEngine:
         socket_dir = tempfile.mkdtemp(prefix="servelm-")
         sync_context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
         replicas: list[_Replica] = []
+        tokenizer: asyncio.Future[Any] | None = None
         try:
             for index in range(num_replicas):
                 input_address = f"ipc://{socket_dir}/input{index}"
@@ -146,9 +147,15 @@ class AsyncEngine:
                     daemon=True)
                 replicas.append(_Replica(index, process, push, pull))
                 process.start()
+            # the front end's tokenizer loads while the engines load their models (seconds of
+            # every start-up); a GGUF tokenizer both convert at once is cached by whichever ends first
+            tokenizer = asyncio.ensure_future(asyncio.to_thread(cls._load_tokenizer, config))
             readies = await asyncio.gather(*(cls._wait_ready(replica.process, replica.pull)
                                              for replica in replicas))
+            loaded_tokenizer = await tokenizer
         except BaseException:
+            if tokenizer is not None:   # its thread runs on; its outcome is not wanted
+                tokenizer.add_done_callback(lambda done: done.cancelled() or done.exception())
             for replica in replicas:
                 if replica.process.is_alive():
                     replica.process.kill()
@@ -160,7 +167,7 @@ class AsyncEngine:
         if num_replicas > 1:
             model_info = dataclasses.replace(model_info, data_parallel_size=num_replicas)
         engine = cls(config, replicas, socket_dir, model_info, list(readies[0].lora_adapters))
-        engine.tokenizer = await asyncio.to_thread(engine._load_tokenizer)
+        engine.tokenizer = loaded_tokenizer
         engine._tasks = [task for replica in replicas for task in (
             asyncio.create_task(engine._route_outputs(replica)),
             asyncio.create_task(engine._watch_process(replica)))]
@@ -230,14 +237,15 @@ class AsyncEngine:
             elif not process.is_alive():
                 raise RuntimeError(f"engine process exited during start-up (exit code {process.exitcode})")
 
-    def _load_tokenizer(self) -> Any:
-        """The front end's own tokenizer (the engine process has already cached conversions)."""
-        if self.config.model.skip_tokenizer_init:
+    @staticmethod
+    def _load_tokenizer(config: EngineConfig) -> Any:
+        """The front end's own tokenizer."""
+        if config.model.skip_tokenizer_init:
             return None
         from servelm.model.source import resolve_model_source
         from servelm.model.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.config.model, resolve_model_source(self.config.model))
+        return load_tokenizer(config.model, resolve_model_source(config.model))
 
     # -- background tasks -------------------------------------------------------------------
     async def _route_outputs(self, replica: _Replica) -> None:

@@ -335,7 +335,8 @@ class GGUFFile:
     def dequantize(self, info: TensorInfo) -> torch.Tensor:
         """One tensor as float32 [*shape], copied out of the memory map."""
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
+
+        from servelm.model.layers.gguf_blocks import dequantize_raw
         raw = self._blob[info.offset:info.offset + info.num_bytes]
         ggml_type = GGMLQuantizationType(info.ggml_type)
         if ggml_type in _PLAIN_DTYPES:
@@ -343,7 +344,7 @@ class GGUFFile:
         elif ggml_type == GGMLQuantizationType.BF16:
             values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
-            values = dequantize(raw.reshape(*info.shape[:-1], -1), ggml_type)
+            values = dequantize_raw(raw.reshape(*info.shape[:-1], -1), ggml_type.name)
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(info.shape))
 
     def _undo_conversion(self, gguf_name: str, weight: torch.Tensor, config: dict[str, Any]

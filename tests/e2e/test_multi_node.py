@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.engine_drive import reference_greedy
+from tests.engine_drive import PARITY_PROMPTS, reference_greedy
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import REPO, ServerProcess, free_port, is_running, stream_and_kill, wait_until_gone
@@ -80,10 +80,10 @@ def generate_tokens(server: ServerProcess, prompt: list[int], max_tokens: int) -
 def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
     """SmolLM2-135M, TP=2 across two loopback nodes: greedy tokens equal the TP=1 engine's; the
     layout shows both nodes; node 1 exits cleanly (0, no rank left) when node 0 stops."""
-    model, num_new_tokens = "smollm2-135m", 12
-    prompts, expected = reference_greedy(("The capital of France is", "def quicksort(items):"),
-                                         num_new_tokens, model=model, dtype="float32",
-                                         num_threads=1, max_total_tokens=1024)
+    model, num_new_tokens = "smollm2-135m", 16
+    # the reference of the tensor- and pipeline-parallel parity tests: loaded once per run
+    prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
+                                         num_threads=1, max_total_tokens=2048)
     init_port = free_port()
     extra = ("--max-total-tokens", "1024", "--enable-metrics")
     with NodeProcess(node_args(model, 1, init_port, *extra), tmp_path / "node1.log") as node1:

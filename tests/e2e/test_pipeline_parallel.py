@@ -20,7 +20,7 @@ from servelm.config import EngineConfig
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
-from tests.engine_drive import greedy
+from tests.engine_drive import PARITY_PROMPTS, greedy, reference_greedy
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import ServerProcess, check_killed_rank_ends_the_server
@@ -76,13 +76,8 @@ def test_tp2_x_pp2_engine_matches_tp1(tmp_path: Path) -> None:
 def check_server_parity(model: str, num_new_tokens: int, parallel_flags: list[str]) -> dict[str, Any]:
     """The server's greedy tokens with ``parallel_flags`` equal the in-process PP=1 engine's; returns
     /get_server_info's parallel layout."""
-    engine = LLMEngine(EngineConfig.from_flat(dict(model=model, dtype="float32", num_threads=1,
-                                                   max_total_tokens=2048)))
-    prompts = [engine.tokenizer.encode(text) for text in
-               ("The capital of France is", "def quicksort(items):")]
-    params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
-    expected = greedy(engine, prompts, params)
-    engine.shutdown()
+    prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
+                                         num_threads=1, max_total_tokens=2048)
     with ServerProcess([model, *parallel_flags, "--dtype", "float32", "--num-threads", "1",
                         "--max-total-tokens", "2048"]) as server:
         got = [completion_tokens(server, prompt, num_new_tokens) for prompt in prompts]

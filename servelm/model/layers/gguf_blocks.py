@@ -14,9 +14,10 @@ scale (some also an offset), so its dequantized weight is exactly
     Q5_K   32  0..31      d * sc[j]        -dmin * m[j]
     Q6_K   16  -32..31    d * sc[j]        -
 
-Scales and offsets come from the block headers (``gguf`` parses the K-quant 6-bit scales), the
-codes from the ``gguf`` package's own float32 dequantization divided by them; ``repack`` checks that
-the codes are integers and rebuild the dequantized tensor exactly (else it raises). Other types
+Scales and offsets come from the block headers (``gguf`` parses the K-quant 6-bit scales). The
+codes of Q8_0, Q4_0, Q4_1 and Q4_K are the stored bytes (or nibbles) themselves; those of the other types
+come from the ``gguf`` package's own float32 dequantization divided by the scales, and ``repack``
+checks that they are integers and rebuild the dequantized tensor exactly (else it raises). Other types
 (Q2_K, Q3_K, IQ*, float) have no repack here: those tensors stay dequantized.
 
 Invariants: ``codes`` is int8 ``[N, K]``; ``scales`` (and ``offsets``) float32 ``[N, K // block]``.
@@ -164,19 +165,61 @@ def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
                        parts[0].block, kind)
 
 
+_WHOLE_ARRAY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+"""Types whose int8 codes are their bytes (or nibbles) as stored: ``dequantize_raw`` and ``repack``
+read them over the whole array at once. The ``gguf`` package's numpy code works a few rows at a
+time and ``repack`` then divided its floats back into codes: together several seconds of every
+start-up of a Q4_1 model, for the same values bit for bit."""
+
+
+def _stored_codes(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """The int8 codes [num_blocks, inputs per block] of ``blocks`` [num_blocks, block_bytes] of a
+    ``_WHOLE_ARRAY_TYPES`` type. 4-bit codes: each 32 bytes hold 64 inputs, the low nibbles the
+    first 32, the high nibbles the next (one such group in Q4_0/Q4_1, four in Q4_K)."""
+    head = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q4_K": 16}[kind]   # f16 d (m, dmin; Q4_K's 6-bit scales)
+    quants = blocks[:, head:]
+    if kind == "Q8_0":
+        return np.ascontiguousarray(quants).view(np.int8)
+    groups = quants.reshape(len(quants), -1, 1, min(32, quants.shape[1]))
+    codes = np.concatenate([groups & 15, groups >> 4], axis=2).reshape(len(quants), -1).view(np.int8)
+    return codes - 8 if kind == "Q4_0" else codes
+
+
+def dequantize_raw(raw: np.ndarray, kind: str) -> np.ndarray:
+    """GGUF bytes of type ``kind`` (uint8, whole blocks) -> their float32 values, flat."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if kind not in _WHOLE_ARRAY_TYPES:
+        from gguf.quants import dequantize
+
+        return dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32, copy=False).reshape(-1)
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
+    scales, offsets = _headers(kind, blocks)
+    values = _stored_codes(blocks, kind).reshape(scales.size, -1).astype(np.float32) * scales.reshape(-1, 1)
+    if offsets is not None:
+        values += offsets.reshape(-1, 1)
+    return values.reshape(-1)
+
+
 def _repack_rows(raw: np.ndarray, cols: int, kind: str) -> BlockWeight:
     """``repack`` of ``raw`` [rows, bytes per row]."""
     from gguf import GGMLQuantizationType
     from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
 
     rows = raw.shape[0]
     ggml_type = GGMLQuantizationType[kind]
     _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     block = REPACKABLE[kind]
-    values = dequantize(raw, ggml_type).reshape(rows, cols).astype(np.float32)
-    scales, offsets = _headers(kind, np.ascontiguousarray(raw).reshape(-1, block_bytes))
+    blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
+    scales, offsets = _headers(kind, blocks)
     scales = scales.reshape(rows, cols // block)
+    if kind in _WHOLE_ARRAY_TYPES:  # codes as stored: dequantize() computes gguf's values exactly
+        return BlockWeight(torch.from_numpy(_stored_codes(blocks, kind).reshape(rows, cols)),
+                           torch.from_numpy(np.ascontiguousarray(scales)),
+                           None if offsets is None else torch.from_numpy(offsets.reshape(rows, cols // block)),
+                           block, kind)
+    values = dequantize_raw(raw, kind).reshape(rows, cols)
     grouped = values.reshape(rows, cols // block, block)
     shifted = grouped - offsets.reshape(rows, cols // block, 1) if offsets is not None else grouped
     safe = np.where(scales == 0, 1.0, scales)[..., None]

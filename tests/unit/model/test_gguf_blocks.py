@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.gguf import GGUFFile, llama_permute
 from servelm.model.gguf_weights import apply_gguf_blocks, gguf_model_dtype, load_gguf_model, resolve_quantization
+from servelm.model.layers import gguf_blocks
 from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
@@ -61,6 +62,17 @@ def test_repack_is_lossless(kind: str) -> None:
     other = repack(random_raw("Q6_K", 4, cols, seed=1), (4, cols), "Q6_K")
     fused = concat_rows([weight, other])
     assert torch.equal(fused.dequantize(), torch.cat([weight.dequantize(), other.dequantize()]))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_own_decoding_is_the_gguf_packages(kind: str) -> None:
+    """The whole-array decoding (Q8_0, Q4_0, Q4_1, Q4_K; gguf's own code for the rest) gives the gguf
+    package's float32 values bit for bit, at each sign of the scale."""
+    raw = random_raw(kind, 6, 256).reshape(6, -1)
+    raw[::2, 1] |= 0x80   # the fp16 d of every other row's first block negative
+    got = gguf_blocks.dequantize_raw(raw, kind).reshape(6, 256)
+    assert got.dtype == np.float32
+    assert torch.equal(torch.from_numpy(got), dequantize_raw(raw.reshape(-1), kind, 6, 256))
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
