@@ -363,8 +363,6 @@ class LLMEngine:
             return "this model does not take images (it is not a vision-language model)"
         if request.pooling is not None:
             return "embedding requests take text only"
-        if self.config.parallel.pipeline_parallel_size > 1:
-            return "images need --pipeline-parallel-size 1"
         previous_end = 0
         for span in request.mm_inputs.images:
             if span.offset < previous_end or span.length <= 0 or span.offset + span.length > request.num_prompt_tokens:

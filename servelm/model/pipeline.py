@@ -5,7 +5,10 @@ Every rank of every stage receives the whole step's BatchPlan and cuts it the sa
 micro-batch a stage receives the previous stage's hidden states ``[num_tokens, hidden]`` (the first
 stage embeds instead), runs its layers, and starts sending the result on without waiting for it to
 arrive, so stage s works on micro-batch m + 1 while stage s + 1 works on m (GPipe-style overlap
-within one engine step). The last stage computes the logits of every micro-batch and returns them
+within one engine step). Images (vision-language models): the first stage encodes them and puts
+their rows in place of the placeholders' embeddings (``attach_images``); every stage builds its
+batch with the image block mask (``bidirectional_images``) and the M-RoPE positions, both read from
+the plan every rank receives. The last stage computes the logits of every micro-batch and returns them
 concatenated; the others return an empty tensor.
 
 Invariants:
@@ -20,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,7 +52,8 @@ class PipelineStage:
 
     def __init__(self, model: nn.Module, parallel: ParallelContext, block_size: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, attention: Any, vocab_size: int,
-                 max_micro_batch_sequences: int | None) -> None:
+                 max_micro_batch_sequences: int | None, bidirectional_images: bool,
+                 attach_images: Callable[[ForwardBatch], None]) -> None:
         self.model = model
         self.parallel = parallel
         self.block_size = block_size
@@ -59,6 +63,10 @@ class PipelineStage:
         self.attention = attention
         self.vocab_size = vocab_size
         self.max_micro_batch_sequences = max_micro_batch_sequences
+        self.bidirectional_images = bidirectional_images
+        """Image placeholder rows attend to their whole image (Gemma 3): on every stage's layers."""
+        self.attach_images = attach_images
+        """Encodes a batch's images into ``mm_rows``/``mm_embeds`` (the first stage's tower)."""
         self._next_tag = 0
 
     def execute(self, plan: BatchPlan, kv_cache: KVCache) -> torch.Tensor:
@@ -69,8 +77,11 @@ class PipelineStage:
         for micro in split_micro_batches(plan, parallel.pp_size, self.max_micro_batch_sequences):
             tag = self._next_tag
             self._next_tag = (self._next_tag + 1) % _TAG_MODULO
-            batch = ForwardBatch.build(micro, self.block_size, self.device, kv_cache, self.attention)
+            batch = ForwardBatch.build(micro, self.block_size, self.device, kv_cache, self.attention,
+                                       bidirectional_images=self.bidirectional_images)
             hidden = None
+            if parallel.is_first_stage and batch.image_rows:
+                self.attach_images(batch)
             if not parallel.is_first_stage:
                 hidden = torch.empty(micro.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
                 parallel.recv_from_previous_stage(hidden, tag)

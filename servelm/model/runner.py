@@ -230,7 +230,8 @@ class ModelRunner:
             self.attention.prefill_routing = prefill_routes.build_routing(self._prefill_shapes)
         self._stage = PipelineStage(self.model, self.parallel, self.block_size, self.hidden_size,
                                     self.residual_dtype, self.device, self.attention, self.vocab_size,
-                                    config.parallel.pp_max_micro_batch_size)
+                                    config.parallel.pp_max_micro_batch_size,
+                                    self.bidirectional_images, self._attach_images)
         """This rank's part of a pipeline step (used at pp > 1 only)."""
         self.encoder_cache = EncoderCache(capacity_items=config.multimodal.encoder_cache_capacity)
         """A vision-language model's encoded images by digest (servelm.multimodal.encoder_cache)."""

@@ -1,6 +1,7 @@
-"""Images with tensor parallelism and prefill/decode disaggregation, on tiny random VLMs (float32):
---tp-size 2 (rank 1 a real process, gloo collectives) gives the one-rank engine's greedy tokens
-with 0, 1 and 2 images in one batch (Gemma 3: the image block mask on every rank's heads); a
+"""Images with tensor and pipeline parallelism and prefill/decode disaggregation, on tiny random
+VLMs (float32): --tp-size 2 (rank 1 a real process, gloo collectives) and --pp-size 2 (the first
+stage a real process) give the one-rank engine's greedy tokens with 0, 1 and 2 images in one
+batch (Gemma 3: the image block mask on every rank's heads and stage's layers); a
 prefill and a decode engine (K/V over real zmq sockets) give one engine's greedy tokens for
 requests with images, the decode side's prefix cache keyed by the image (same text with another
 image: its blocks are pulled, not shared), and Qwen2-VL's M-RoPE offsets carried into decode on
@@ -27,7 +28,7 @@ from tests.tiny_models import (TINY_QWEN2_VL_END, TINY_QWEN2_VL_IMAGE, TINY_QWEN
                                TINY_VLM_BOI, TINY_VLM_NEWLINES, make_tiny_qwen2_vl_dir, make_tiny_vlm_dir,
                                random_image)
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 TEXT = [21, 22, 23, 24, 25, 26, 27]
 
 
@@ -56,15 +57,21 @@ def engine(path: Path, **sections: Any) -> LLMEngine:
                                   runtime=RuntimeConfig(num_threads=1), **sections))
 
 
-def greedy(target: LLMEngine, batch: dict[str, MultimodalInputs]) -> dict[str, list[int]]:
+def scored(target: LLMEngine, batch: dict[str, MultimodalInputs]) -> dict[str, list[tuple[int, float]]]:
+    """Each request's greedy (token, logprob) pairs."""
     for request_id, inputs in batch.items():
         assert target.add_request(request_id, inputs.prompt_token_ids, PARAMS, mm_inputs=inputs) is None
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in batch}
+    steps: dict[str, list[tuple[int, float]]] = {request_id: [] for request_id in batch}
     while target.has_unfinished():
         for output in target.step():
             assert output.error is None, output.error
-            tokens[output.request_id].extend(output.new_token_ids)
-    return tokens
+            assert output.logprobs is not None
+            steps[output.request_id].extend((entry.token_id, entry.logprob) for entry in output.logprobs)
+    return steps
+
+
+def greedy(target: LLMEngine, batch: dict[str, MultimodalInputs]) -> dict[str, list[int]]:
+    return {request_id: [token for token, _ in pairs] for request_id, pairs in scored(target, batch).items()}
 
 
 def one_engine(path: Path, batch: dict[str, MultimodalInputs]) -> dict[str, list[int]]:
@@ -87,6 +94,29 @@ def test_tp2_images_equal_one_rank(tmp_path: Path) -> None:
         assert greedy(tp2, batch) == expected
     finally:
         tp2.shutdown()
+
+
+@pytest.mark.slow   # a stage process and two engines: ~16 s each on the loaded 2-core build machine
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+def test_pp2_images_equal_one_stage(tmp_path: Path, family: str) -> None:
+    """--pp-size 2 (the first stage a real process: it encodes the images; the engine's last stage
+    gets hidden states, the image block mask and Qwen2-VL's M-RoPE positions from the plan)."""
+    path, processor, marker = vlm(tmp_path, family)
+    batch = requests(processor, marker)
+    single = engine(path)
+    try:
+        expected = scored(single, batch)
+    finally:
+        single.shutdown()
+    pp2 = engine(path, parallel=ParallelConfig(pipeline_parallel_size=2))
+    try:
+        got = scored(pp2, batch)
+    finally:
+        pp2.shutdown()
+    for request_id, pairs in expected.items():
+        assert [token for token, _ in got[request_id]] == [token for token, _ in pairs], request_id
+        assert [logprob for _, logprob in got[request_id]] == pytest.approx([logprob for _, logprob in pairs],
+                                                                            abs=1e-4), request_id
 
 
 def disaggregated(path: Path, batch: dict[str, MultimodalInputs]) -> tuple[dict[str, list[int]], dict[str, int]]:

@@ -61,12 +61,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def __init__(self, hf_config: Any, parallel: ParallelContext | None = None) -> None:
         super().__init__(hf_config, parallel)
-        if self.parallel.pp_size > 1:
-            raise ValueError("Gemma 3 with images runs with --pipeline-parallel-size 1 (the vision tower "
-                             "feeds the first stage's embeddings)")
+        self.mm_tokens_per_image = int(hf_config.mm_tokens_per_image)
+        if not self.parallel.is_first_stage:   # the tower feeds the first stage's embeddings only
+            return
         self.vision_tower = SiglipVisionTower(hf_config.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(hf_config)
-        self.mm_tokens_per_image = int(hf_config.mm_tokens_per_image)
         for module in (self.vision_tower, self.multi_modal_projector):
             module.requires_grad_(False)   # as the text model's parameters: inference only
 
@@ -79,6 +78,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
     def _vision_weight_name(self, name: str) -> str | None:
+        if not self.parallel.is_first_stage:
+            return None
         name = name.removeprefix("model.")
         if name.startswith("vision_tower."):
             return SiglipVisionTower.checkpoint_name(name)

@@ -86,9 +86,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         text = copy.deepcopy(hf_config.get_text_config())
         text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         super().__init__(text, parallel)
-        if self.parallel.pp_size > 1:
-            raise ValueError(f"{type(self).__name__} runs with --pipeline-parallel-size 1 (the vision tower "
-                             "feeds the first stage's embeddings)")
+        if not self.parallel.is_first_stage:   # the tower feeds the first stage's embeddings only
+            return
         self.vision_model = Idefics3VisionTower(hf_config.vision_config)
         self.connector = Idefics3Connector(hf_config)
         for module in (self.vision_model, self.connector):
@@ -107,6 +106,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                     name = "model." + name.removeprefix("model.text_model.")
                 elif name.startswith(("model.vision_model.", "model.connector.")):
                     name = name.removeprefix("model.")
+                if name.startswith(("vision_model.", "connector.")) and not self.parallel.is_first_stage:
+                    continue   # the tower lives on the first stage
                 yield name, tensor
         return super().load_weights(renamed())
 

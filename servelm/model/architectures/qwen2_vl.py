@@ -232,11 +232,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         if getattr(text, "use_sliding_window", False):
             raise NotImplementedError(f"{type(self).__name__} with use_sliding_window is not supported")
         super().__init__(text, parallel)
-        if self.parallel.pp_size > 1:
-            raise ValueError(f"{type(self).__name__} runs with --pipeline-parallel-size 1 (the vision tower "
-                             "feeds the first stage's embeddings)")
-        self.visual = self.vision_tower_class(hf_config.vision_config)
-        self.visual.requires_grad_(False)
+        if self.parallel.is_first_stage:   # the tower feeds the first stage's embeddings only
+            self.visual = self.vision_tower_class(hf_config.vision_config)
+            self.visual.requires_grad_(False)
 
     def build_attention(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
         return Qwen2VLAttention(hf_config, layer_id, True, False, False, parallel)
@@ -253,5 +251,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                     name = "model." + name.removeprefix("model.language_model.")
                 elif name.startswith("model.visual."):
                     name = name.removeprefix("model.")
+                if name.startswith("visual.") and not self.parallel.is_first_stage:
+                    continue   # the tower lives on the first stage
                 yield name, tensor
         return super().load_weights(renamed())
