@@ -133,7 +133,8 @@ def test_a_copying_mtp_layer_is_accepted(models, topk):
     stats = engine.stats()
     print(f"copying MTP layer (topk {topk}): acceptance {stats['spec_acceptance_rate']:.3f}, "
           f"accept length {stats['spec_accept_length']:.2f}")
-    assert stats["spec_accept_length"] > 3.5 if topk is None else 2.5, stats
+    least = 3.5 if topk is None else 2.5   # a chain of 3: up to 4 tokens a pass; a tree's rate is lower
+    assert stats["spec_accept_length"] > least, stats
 
 
 @pytest.mark.slow
