@@ -503,9 +503,11 @@ ALREADY_BEHAVIOUR: tuple[AlreadyBehaviour, ...] = (
                      "adapters that add tokens (embedding or LM-head LoRA) are refused at load, so "
                      "no extra vocabulary is reserved", values=("0",), bad_value="256"),
     AlreadyBehaviour(("--mtp_mode",),
-                     "no model servelm loads has multi-token-prediction layers (DeepSeek-V3 MTP), "
-                     "so only None is accepted; --mtp_draft_model_dir alone runs that model as a "
-                     "separate draft (STANDALONE)", values=("None",), bad_value="deepseekv3"),
+                     "a model's own multi-token-prediction layer (DeepSeek-V3 MTP) drafts with "
+                     "--speculative-algorithm NEXTN, read from --model's checkpoint, not from a "
+                     "--mtp_draft_model_dir of extracted MTP weights, so only None is accepted; "
+                     "--mtp_draft_model_dir alone runs that model as a separate draft (STANDALONE)",
+                     values=("None",), bad_value="deepseekv3"),
     AlreadyBehaviour(("--speculative-accept-threshold-single", "--speculative-accept-threshold-acc"),
                      "verification is exact: a draft token is kept only as the model's own sample "
                      "(a threshold below 1 would trade the model's distribution for speed)",

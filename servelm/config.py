@@ -1242,15 +1242,11 @@ TYPICAL_POSTERIOR_THRESHOLD = 0.09
 TYPICAL_POSTERIOR_ALPHA = 0.3
 """vLLM's default delta of typical acceptance."""
 
-SPECULATIVE_NOT_BUILT = {
-    "NEXTN": "NEXTN drafts with a model's own multi-token-prediction layers (DeepSeek-V3 MTP), "
-             "and no architecture servelm loads has them (DeepSeek-V3 is the open issue 33)",
-}
-"""--speculative-algorithm values refused in this build, with the reason (NGRAM, STANDALONE,
-EAGLE and EAGLE3 are built)."""
-
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 """Algorithms whose --speculative-draft-model-path is a draft head over the model's hidden states."""
+HEAD_ALGORITHMS = (*EAGLE_ALGORITHMS, "NEXTN")
+"""Algorithms whose draft is a head over the model's hidden states (the EAGLE proposer): a head
+checkpoint's, or the model's own multi-token-prediction layer (NEXTN)."""
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 """Drafts per step when neither --num-speculative-tokens nor --speculative-num-steps is given."""
@@ -1275,7 +1271,9 @@ class SpeculativeConfig:
         "model with the same tokenizer drafts (--speculative-draft-model-path; implied when only a "
         "draft model is given). EAGLE / EAGLE3: a draft head in the EAGLE-1 / EAGLE-3 checkpoint "
         "format (--speculative-draft-model-path) reads the model's hidden states and drafts a chain "
-        "(topk 1). NEXTN is refused in this build.",
+        "(topk 1). NEXTN: the model's own multi-token-prediction layer (DeepSeek-V3/R1's MTP, read "
+        "from --model's checkpoint) drafts like an EAGLE head, applied again for each of "
+        "--speculative-num-steps drafts; a model without one is refused at start-up.",
         choices=["NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
     num_speculative_tokens: int | None = opt(
         None, "Most draft tokens verified per request per step (k; the step computes k + 1 "
@@ -1307,7 +1305,7 @@ class SpeculativeConfig:
         "and its weights), trained for this model. vLLM's --speculative-model also takes [ngram] "
         "here (prompt lookup).")
     speculative_eagle_topk: int | None = opt(
-        None, "EAGLE / EAGLE3: drafts kept per head step. 1 (or unset): a chain of drafts. K > 1: a "
+        None, "EAGLE / EAGLE3 / NEXTN: drafts kept per head step. 1 (or unset): a chain of drafts. K > 1: a "
         "tree: each of --speculative-num-steps head steps expands the K best frontier nodes into "
         "their K best children, and the --num-speculative-tokens (SGLang: --speculative-num-draft-"
         "tokens N, i.e. N - 1) candidates of best cumulative head log-probability are verified in "
@@ -1344,11 +1342,6 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         self._resolve_draft_model()
-        algorithm = self.speculative_algorithm
-        if algorithm is not None and algorithm in SPECULATIVE_NOT_BUILT:
-            raise ValueError(f"--speculative-algorithm {algorithm} is not supported: "
-                             f"{SPECULATIVE_NOT_BUILT[algorithm]}; NGRAM, STANDALONE, EAGLE and "
-                             f"EAGLE3 are")
         self._check_eagle()
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"--num-speculative-tokens must be at least 1, got "
@@ -1378,6 +1371,10 @@ class SpeculativeConfig:
         (so --dry-run prints the algorithm it runs)."""
         path = self.speculative_draft_model_path
         algorithm = self.speculative_algorithm
+        if algorithm == "NEXTN" and path is not None:
+            raise ValueError("--speculative-algorithm NEXTN drafts with the MTP layer in --model's own "
+                             f"checkpoint; --speculative-draft-model-path {path!r} would not be read: "
+                             "leave it out")
         if algorithm in EAGLE_ALGORITHMS:
             if path is None or path.strip().lower() in (NGRAM_MODEL, "ngram"):
                 raise ValueError(f"--speculative-algorithm {algorithm} needs its head checkpoint: "
@@ -1402,11 +1399,11 @@ class SpeculativeConfig:
                              f"contradicts --speculative-algorithm {algorithm}")
 
     def _check_eagle(self) -> None:
-        is_eagle = self.speculative_algorithm in EAGLE_ALGORITHMS
+        is_head = self.speculative_algorithm in HEAD_ALGORITHMS
         topk = self.speculative_eagle_topk
         if topk is not None:
-            if not is_eagle:
-                raise ValueError(f"--speculative-eagle-topk applies to EAGLE / EAGLE3 heads, not "
+            if not is_head:
+                raise ValueError(f"--speculative-eagle-topk applies to EAGLE / EAGLE3 / NEXTN heads, not "
                                  f"--speculative-algorithm {self.speculative_algorithm}")
             if topk < 1:
                 raise ValueError(f"--speculative-eagle-topk must be at least 1, got {topk}")

@@ -50,14 +50,15 @@ class DraftModelRunner:
 def check_draft_supported(config: EngineConfig) -> None:
     """Refuse the set-ups a draft model does not run with (before anything loads)."""
     parallel = config.parallel
+    draft = ("--speculative-draft-model-path" if config.speculative.speculative_algorithm == "STANDALONE"
+             else f"--speculative-algorithm {config.speculative.speculative_algorithm}")
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ValueError("--speculative-draft-model-path cannot be combined with --tp-size or "
+        raise ValueError(f"{draft} cannot be combined with --tp-size or "
                          "--pp-size > 1: the draft would run on one rank beside the sharded model "
                          "and every rank would wait for its k forwards each step; use NGRAM, or "
                          "--dp-size for more throughput")
     if config.model.is_embed_task:
-        raise ValueError("--speculative-draft-model-path serves generation; it cannot be combined "
-                         "with --task embed")
+        raise ValueError(f"{draft} serves generation; it cannot be combined with --task embed")
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:

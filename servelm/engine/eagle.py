@@ -1,6 +1,7 @@
-"""Start-up and step glue of EAGLE / EAGLE-3 speculation: read the head checkpoint before the model's
-pool is sized, attach the head to the loaded model, and hand the model's features of each step's
-accepted tokens to the proposer.
+"""Start-up and step glue of EAGLE / EAGLE-3 speculation (and NEXTN, whose head is the model's own
+MTP layer, ``model/mtp.py``): read the head checkpoint before the model's pool is sized, attach
+the head to the loaded model, and hand the model's features of each step's accepted tokens to the
+proposer.
 
 Start-up. ``prepare_eagle_head`` reads the head's config.json (its format checked against
 --speculative-algorithm and the model) so the engine can split the KV budget as for a draft
@@ -28,7 +29,7 @@ from servelm.cache.block_pool import BlockPool
 from servelm.config import EngineConfig
 from servelm.engine.draft_model import check_draft_supported
 from servelm.engine.scheduler import SchedulerOutput, StepResult
-from servelm.model.eagle import EagleHeadRunner, HiddenCapture
+from servelm.model.eagle import DraftHeadRunner, EagleHeadRunner, HiddenCapture
 from servelm.model.runner import ModelRunner
 from servelm.spec.eagle import EagleProposer
 
@@ -52,12 +53,17 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def prepare_eagle_head(config: EngineConfig, source: Any) -> EagleHeadRunner:
-    """The head, weights not loaded yet, for sizing the pools (checks the format first)."""
+def prepare_eagle_head(config: EngineConfig, source: Any) -> DraftHeadRunner:
+    """The head, weights not loaded yet, for sizing the pools (checks the format first): an EAGLE
+    checkpoint's, or for NEXTN the model's own multi-token-prediction layer (``model/mtp.py``)."""
     check_draft_supported(config)
     speculative = config.speculative
     path = speculative.speculative_draft_model_path
     algorithm = speculative.speculative_algorithm
+    if algorithm == "NEXTN":
+        from servelm.model.mtp import MtpHeadRunner
+
+        return MtpHeadRunner(source, config.cache.page_size)
     assert path is not None and algorithm is not None, "SpeculativeConfig requires the head path"
     vocab_size = source.hf_config.get_text_config().vocab_size
     token_map = (load_token_map(speculative.speculative_token_map, vocab_size)
@@ -65,11 +71,11 @@ def prepare_eagle_head(config: EngineConfig, source: Any) -> EagleHeadRunner:
     return EagleHeadRunner(path, algorithm, source.hf_config, config.cache.page_size, token_map)
 
 
-def attach_eagle_head(config: EngineConfig, head: EagleHeadRunner, runner: ModelRunner) -> EagleProposer:
+def attach_eagle_head(config: EngineConfig, head: DraftHeadRunner, runner: ModelRunner) -> EagleProposer:
     """Load the head beside ``runner``'s model, hook the features it reads, and build the proposer
     over the head's pool (sized by the engine)."""
     if runner.task != "generate":
-        raise ValueError("--speculative-algorithm EAGLE/EAGLE3 serves generation; it cannot be "
+        raise ValueError(f"--speculative-algorithm {head.algorithm} serves generation; it cannot be "
                          "combined with --task embed")
     head.attach(runner.model, runner.attention, runner.device, runner.dtype, runner.kv_dtype)
     capture = HiddenCapture(runner.model, head.layer_ids)

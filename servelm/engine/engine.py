@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from servelm.cache.block_pool import BlockPool
 from servelm.cache.hicache import HiCacheController
 from servelm.cache.radix_tree import RadixTree
-from servelm.config import EAGLE_ALGORITHMS, EngineConfig
+from servelm.config import HEAD_ALGORITHMS, EngineConfig
 from servelm.constrained.grammar import check_backend_available
 from servelm.disagg.spec import KVTransfer
 from servelm.distributed.errors import RankFailedError
@@ -53,7 +53,7 @@ from servelm.sampling.sampler import request_seed
 from servelm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
-    from servelm.model.eagle import EagleHeadRunner
+    from servelm.model.eagle import DraftHeadRunner
     from servelm.model.expert_load import ExpertLoad
     from servelm.model.runner import ModelRunner
 
@@ -186,7 +186,7 @@ class LLMEngine:
 
             draft, draft_tokenizer = load_draft_runner(config)
         eagle_head = None
-        if config.speculative.speculative_algorithm in EAGLE_ALGORITHMS:
+        if config.speculative.speculative_algorithm in HEAD_ALGORITHMS:
             from servelm.engine.eagle import prepare_eagle_head
 
             eagle_head = prepare_eagle_head(config, source)
@@ -219,7 +219,7 @@ class LLMEngine:
 
     @staticmethod
     def _start_runner(config: EngineConfig, source: Any,
-                      draft: ModelRunner | EagleHeadRunner | None = None) -> Runner:
+                      draft: ModelRunner | DraftHeadRunner | None = None) -> Runner:
         """The model side: in-process at tp 1 (no extra process or copy), else one worker per rank.
         The engine sizes the KV pool: the minimum of what every rank can hold (less a STANDALONE
         ``draft``'s share, whose pool is sized here too: ``engine.draft_model.split_kv_blocks``)."""

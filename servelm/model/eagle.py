@@ -303,110 +303,55 @@ def load_head_weights(head: EagleHead, config: Any, tensors: dict[str, torch.Ten
         load_named_weights(head, ((n, t) for n, t in tensors.items() if n in expected))
 
 
-class EagleHeadRunner:
-    """The head beside a loaded target model: its weights, its KV pool and one batched forward.
+class DraftHeadRunner:
+    """A draft head beside a loaded target model (an EAGLE checkpoint's head, DeepSeek's MTP layer
+    in ``model/mtp.py``): its KV pool and one batched forward.
 
-    Built in two steps so the engine can size both pools first: ``EagleHeadRunner(path,
-    algorithm, target_config, block_size)`` reads only config.json (``kv_bytes_per_token``);
-    ``init_kv_cache`` records the pool size; ``attach(target_model, ...)`` loads the weights next
-    to the target's (sharing its embedding and, for EAGLE, its LM head) and allocates the pool."""
+    Built in two steps so the engine can size both pools first: the constructor reads only
+    configs (``kv_bytes_per_token``); ``init_kv_cache`` records the pool size; ``attach(target_model,
+    ...)`` (the subclass's) loads the weights next to the target's and allocates the pool. ``head``
+    is called as ``head(batch, embeds, features, is_target_feature) -> (for_logits,
+    next_feature)`` and has ``embed_tokens`` (None: the target's)."""
 
-    def __init__(self, path: str, algorithm: str, target_config: Any, block_size: int,
-                 token_map: torch.Tensor | None = None) -> None:
-        self.path = path
+    def __init__(self, algorithm: str, target_config: Any, block_size: int) -> None:
         self.algorithm = algorithm
-        self.config = read_head_config(path)
-        check_head_config(path, algorithm, self.config, target_config)
         self.is_eagle3 = algorithm == "EAGLE3"
         text_config = target_config.get_text_config()
         self.target_hidden_size: int = text_config.hidden_size
         self.vocab_size: int = text_config.vocab_size
         """The target's vocabulary (drafts are target token ids)."""
         self.block_size = block_size
-        self.num_layers = 1 if self.is_eagle3 else int(self.config.num_hidden_layers)
-        self.num_kv_heads = int(getattr(self.config, "num_key_value_heads", None)
-                                or self.config.num_attention_heads)
-        self.kv_bytes_per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads,
-                                                          head_dim_of(self.config), torch.float32)
-        """For sizing the pools before the model's dtype is known: float32, an upper bound."""
-        self.layer_ids = (eagle3_layer_ids(text_config.num_hidden_layers, self.config)
-                          if self.is_eagle3 else None)
+        self.layer_ids: list[int] | None = None
         """Target layers the features come from (None: the last hidden state)."""
-        if token_map is not None and self.is_eagle3:
-            raise ValueError("--speculative-token-map is for EAGLE heads; an EAGLE-3 head carries its "
-                             "own reduced vocabulary (d2t)")
-        self.token_map = token_map
         self.num_blocks = 0
-        self.head: EagleHead | None = None
+        self.head: nn.Module | None = None
         self.kv_cache: KVCache | None = None
         self.draft_to_target: torch.Tensor | None = None
         """``[draft_vocab]`` target id of each logits column (None: the target's own vocabulary)."""
         self._target: nn.Module | None = None
         self._token_map_weight: torch.Tensor | None = None
+        self.attention: Any = None
+        self.device = torch.device("cpu")
+
+    kv_bytes_per_token: int
+    """The head's pool bytes per token, set by the subclass from configs only: float32, an upper
+    bound (the pools are sized before the model's dtype is known)."""
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
     def attach(self, target: nn.Module, attention: Any, device: torch.device, dtype: torch.dtype,
                kv_dtype: torch.dtype) -> None:
-        tensors = read_head_tensors(self.path)
-        has_embedding = "embed_tokens.weight" in tensors
-        with torch.device(device):
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                head = EagleHead(self.config, self.is_eagle3, self.target_hidden_size,
-                                 "fc.bias" in tensors, has_embedding, self.vocab_size)
-            finally:
-                torch.set_default_dtype(default)
-        mapping = self._take_vocab_map(tensors)
-        load_head_weights(head, self.config, tensors, self.path)
+        """Load the head beside ``target`` (sharing what it shares) and allocate its pool."""
+        raise NotImplementedError
+
+    def _place(self, head: nn.Module, target: nn.Module, attention: Any, device: torch.device) -> None:
+        """Keep the loaded ``head`` beside ``target``."""
         self.head = head.eval()
         self._target = target
         self.attention = attention
         self.device = device
-        if mapping is not None:
-            self.draft_to_target = mapping.to(device)
-        if self.token_map is not None:
-            self.draft_to_target = self.token_map.to(device)
-            lm_head = getattr(target, "lm_head", None)
-            if lm_head is not None and getattr(lm_head, "linear_method", None) is None \
-                    and getattr(lm_head, "final_softcap", None) is None:
-                self._token_map_weight = lm_head.weight[self.draft_to_target].contiguous()
         assert self.num_blocks > 0, "init_kv_cache before attach"
-        self.kv_cache = KVCache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                head_dim_of(self.config), kv_dtype, device)
-        logger.info("%s head %s: %d layer(s), %s vocabulary, KV pool %d tokens (%.1f MiB)",
-                    self.algorithm, self.path, self.num_layers,
-                    f"{len(self.draft_to_target)}-token draft" if self.draft_to_target is not None
-                    else "the model's", self.num_blocks * self.block_size, self.kv_cache.nbytes / 2 ** 20)
-
-    def _take_vocab_map(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """EAGLE-3: pop ``d2t`` (and ``t2d``) and return the target id of each draft token."""
-        d2t = tensors.pop("d2t", None)
-        t2d = tensors.pop("t2d", None)
-        if not self.is_eagle3:
-            if d2t is not None or t2d is not None:
-                raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t/t2d belong to "
-                                 "EAGLE-3 heads (--speculative-algorithm EAGLE3)")
-            return None
-        draft_vocab = self.config.draft_vocab_size
-        if d2t is None:
-            if draft_vocab != self.vocab_size:
-                raise ValueError(f"--speculative-draft-model-path {self.path!r}: a draft vocabulary of "
-                                 f"{draft_vocab} tokens needs the d2t tensor")
-            return None
-        if tuple(d2t.shape) != (draft_vocab,):
-            raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t has shape "
-                             f"{tuple(d2t.shape)}, the draft vocabulary is {draft_vocab}")
-        target_ids = torch.arange(draft_vocab, dtype=torch.int64) + d2t.to(torch.int64)
-        if int(target_ids.min()) < 0 or int(target_ids.max()) >= self.vocab_size:
-            raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t maps draft tokens "
-                             f"outside the model's {self.vocab_size}-token vocabulary")
-        if t2d is not None and int(t2d.to(torch.int64).sum()) != draft_vocab:
-            raise ValueError(f"--speculative-draft-model-path {self.path!r}: t2d marks "
-                             f"{int(t2d.to(torch.int64).sum())} tokens, d2t {draft_vocab}")
-        return target_ids
 
     @torch.inference_mode()
     def forward(self, sequences: list[Any], features: torch.Tensor,
@@ -441,3 +386,85 @@ class EagleHeadRunner:
             if self.draft_to_target is not None:
                 logits = logits.index_select(-1, self.draft_to_target)
         return logits.float(), next_feature.index_select(0, last)
+
+
+class EagleHeadRunner(DraftHeadRunner):
+    """An EAGLE / EAGLE-3 checkpoint's head: ``EagleHeadRunner(path, algorithm, target_config,
+    block_size)`` reads only config.json; ``attach`` loads the weights (sharing the target's
+    embedding and, for EAGLE, its LM head)."""
+
+    def __init__(self, path: str, algorithm: str, target_config: Any, block_size: int,
+                 token_map: torch.Tensor | None = None) -> None:
+        super().__init__(algorithm, target_config, block_size)
+        self.path = path
+        self.config = read_head_config(path)
+        check_head_config(path, algorithm, self.config, target_config)
+        text_config = target_config.get_text_config()
+        self.num_layers = 1 if self.is_eagle3 else int(self.config.num_hidden_layers)
+        self.num_kv_heads = int(getattr(self.config, "num_key_value_heads", None)
+                                or self.config.num_attention_heads)
+        self.kv_bytes_per_token = KVCache.bytes_per_token(self.num_layers, self.num_kv_heads,
+                                                          head_dim_of(self.config), torch.float32)
+        self.layer_ids = (eagle3_layer_ids(text_config.num_hidden_layers, self.config)
+                          if self.is_eagle3 else None)
+        if token_map is not None and self.is_eagle3:
+            raise ValueError("--speculative-token-map is for EAGLE heads; an EAGLE-3 head carries its "
+                             "own reduced vocabulary (d2t)")
+        self.token_map = token_map
+
+    def attach(self, target: nn.Module, attention: Any, device: torch.device, dtype: torch.dtype,
+               kv_dtype: torch.dtype) -> None:
+        tensors = read_head_tensors(self.path)
+        has_embedding = "embed_tokens.weight" in tensors
+        with torch.device(device):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                head = EagleHead(self.config, self.is_eagle3, self.target_hidden_size,
+                                 "fc.bias" in tensors, has_embedding, self.vocab_size)
+            finally:
+                torch.set_default_dtype(default)
+        mapping = self._take_vocab_map(tensors)
+        load_head_weights(head, self.config, tensors, self.path)
+        self._place(head, target, attention, device)
+        if mapping is not None:
+            self.draft_to_target = mapping.to(device)
+        if self.token_map is not None:
+            self.draft_to_target = self.token_map.to(device)
+            lm_head = getattr(target, "lm_head", None)
+            if lm_head is not None and getattr(lm_head, "linear_method", None) is None \
+                    and getattr(lm_head, "final_softcap", None) is None:
+                self._token_map_weight = lm_head.weight[self.draft_to_target].contiguous()
+        self.kv_cache = KVCache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                head_dim_of(self.config), kv_dtype, device)
+        logger.info("%s head %s: %d layer(s), %s vocabulary, KV pool %d tokens (%.1f MiB)",
+                    self.algorithm, self.path, self.num_layers,
+                    f"{len(self.draft_to_target)}-token draft" if self.draft_to_target is not None
+                    else "the model's", self.num_blocks * self.block_size, self.kv_cache.nbytes / 2 ** 20)
+
+    def _take_vocab_map(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """EAGLE-3: pop ``d2t`` (and ``t2d``) and return the target id of each draft token."""
+        d2t = tensors.pop("d2t", None)
+        t2d = tensors.pop("t2d", None)
+        if not self.is_eagle3:
+            if d2t is not None or t2d is not None:
+                raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t/t2d belong to "
+                                 "EAGLE-3 heads (--speculative-algorithm EAGLE3)")
+            return None
+        draft_vocab = self.config.draft_vocab_size
+        if d2t is None:
+            if draft_vocab != self.vocab_size:
+                raise ValueError(f"--speculative-draft-model-path {self.path!r}: a draft vocabulary of "
+                                 f"{draft_vocab} tokens needs the d2t tensor")
+            return None
+        if tuple(d2t.shape) != (draft_vocab,):
+            raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t has shape "
+                             f"{tuple(d2t.shape)}, the draft vocabulary is {draft_vocab}")
+        target_ids = torch.arange(draft_vocab, dtype=torch.int64) + d2t.to(torch.int64)
+        if int(target_ids.min()) < 0 or int(target_ids.max()) >= self.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {self.path!r}: d2t maps draft tokens "
+                             f"outside the model's {self.vocab_size}-token vocabulary")
+        if t2d is not None and int(t2d.to(torch.int64).sum()) != draft_vocab:
+            raise ValueError(f"--speculative-draft-model-path {self.path!r}: t2d marks "
+                             f"{int(t2d.to(torch.int64).sum())} tokens, d2t {draft_vocab}")
+        return target_ids

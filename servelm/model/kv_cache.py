@@ -174,6 +174,12 @@ class LatentKVCache(KVCache):
         return latent, latent[..., :self.v_head_dim]
 
 
+def pool_class(latent: bool) -> type[KVCache]:
+    """The pool for a model's attention layers: latent rows (``Attention.latent``, MLA) or per-head
+    K and V."""
+    return LatentKVCache if latent else KVCache
+
+
 def _pairs_as_words(x: torch.Tensor) -> bool:
     """Whether 2-byte ``x`` can be viewed as int32 words (even last dim of stride 1, even strides)."""
     return (x.shape[-1] % 2 == 0 and x.stride(-1) == 1

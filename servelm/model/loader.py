@@ -106,7 +106,8 @@ def resolve_residual_dtype(name: str, dtype: torch.dtype, device: torch.device) 
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside create their parameters in ``dtype``."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -128,7 +129,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device,
     if is_encoder and parallel.pp_size > 1:
         raise ValueError(f"--pipeline-parallel-size {parallel.pp_size}: encoder (embedding) models run "
                          "on one rank; use --pipeline-parallel-size 1")
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = model_class(hf_config) if is_encoder else model_class(hf_config, parallel)
     return model.eval()
 

@@ -41,7 +41,7 @@ from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         resolve_quantization)
-from servelm.model.kv_cache import KVCache, LatentKVCache
+from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.quantization import quantize_model
@@ -214,7 +214,7 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
         self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else DTYPES[config.lora.lora_dtype]
         """Dtype of installed adapters' weights and their deltas (--lora-dtype)."""
-        self._pool_class = LatentKVCache if first.latent else KVCache
+        self._pool_class = pool_class(first.latent)
         """The pool's kind: MLA models' latent rows, else per-head K and V."""
         self.kv_bytes_per_token = self._pool_class.bytes_per_token(
             len(self._attention_layers), first.num_kv_heads, first.head_dim, self.kv_dtype, first.v_head_dim)

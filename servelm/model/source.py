@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -57,6 +58,9 @@ class ModelSource:
     description: str              # e.g. "qwen2.5-coder-0.5b (GGUF Q4_K_M, /path/file.gguf)"
     model_path: str = ""          # the local file or directory the model came from
     gguf_path: str | None = None  # set when the weights are a GGUF file
+    select_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]] | None = None
+    """The HF-named tensors whose names pass a test, reading only those from safetensors (a
+    model's multi-token-prediction layer, model/mtp.py); None where ``weights`` is None or GGUF."""
 
 
 def resolve_model_source(config: ModelConfig, hub_cache_dir: str | Path | None = None) -> ModelSource:
@@ -208,15 +212,17 @@ def _hf_dir_source(config: ModelConfig, path: Path, label: str, overrides: dict[
         raise ModelSourceError(f"--load-format gguf, but {path} is a Hugging Face directory")
     hf_config = _hf_dir_config(path, overrides)
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    select_weights: Callable[[Callable[[str], bool]], Iterator[tuple[str, torch.Tensor]]] | None = None
     weight_format = "dummy weights"
     if config.load_format != "dummy":
         files, weight_format = _weight_files(path, config.load_format)
-        weights = (lambda: _iter_safetensors(files)) if weight_format == "safetensors" else \
-            (lambda: _iter_torch_bins(files))
+        read = _iter_safetensors if weight_format == "safetensors" else _iter_torch_bins
+        weights = select_weights = functools.partial(read, files)
         weight_format = f"{weight_format}, {len(files)} file{'s' if len(files) > 1 else ''}"
     return ModelSource(
         hf_config=hf_config,
         weights=weights,
+        select_weights=select_weights,
         tokenizer_path=str(path),
         eos_token_ids=_dir_eos_ids(path, hf_config),
         context_length=_sentence_transformers_limit(config, path, _context_length(config, hf_config, label)),
@@ -319,18 +325,25 @@ def _weight_files(path: Path, load_format: str) -> tuple[list[Path], str]:
                            "weights")
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _keep_all(name: str) -> bool:
+    return True
+
+
+def _iter_safetensors(files: list[Path], keep: Callable[[str], bool] = _keep_all
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep(name):
+                    yield name, f.get_tensor(name)
 
 
-def _iter_torch_bins(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_torch_bins(files: list[Path], keep: Callable[[str], bool] = _keep_all
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        yield from state.items()
+        yield from ((name, tensor) for name, tensor in state.items() if keep(name))
         del state
 
 

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.architectures.common import GatedMLP
-from servelm.model.architectures.llama import LlamaForCausalLM
+from servelm.model.architectures.common import GatedMLP, load_named_weights
+from servelm.model.architectures.llama import LlamaDecoderLayer, LlamaForCausalLM
 from servelm.model.architectures.moe_block import RoutedExpertsBlock
 from servelm.model.attention import Attention, LatentAttention
 from servelm.model.forward_batch import ForwardBatch
@@ -251,14 +251,24 @@ class DeepseekMoE(RoutedExpertsBlock):
         return out
 
 
+def deepseek_attention(hf_config: Any, layer_id: int, parallel: ParallelContext) -> _DeepseekAttention:
+    """Layer ``layer_id``'s attention: latent, or expanded under ``--disable-mla``."""
+    if getattr(hf_config, DISABLE_MLA, False):
+        return DeepseekExpandedAttention(hf_config, layer_id, parallel)
+    return DeepseekLatentAttention(hf_config, layer_id, parallel)
+
+
+def our_name(checkpoint_name: str) -> str:
+    """A checkpoint tensor's name in our modules (``q_proj`` is ``q_head_proj``: see _DeepseekAttention)."""
+    return checkpoint_name.replace(".self_attn.q_proj.", ".self_attn.q_head_proj.")
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     has_correction_bias = False
     """V3's router (sigmoid, bias-corrected grouped top-k) instead of V2's softmax one."""
 
     def build_attention(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
-        if getattr(hf_config, DISABLE_MLA, False):
-            return DeepseekExpandedAttention(hf_config, layer_id, parallel)
-        return DeepseekLatentAttention(hf_config, layer_id, parallel)
+        return deepseek_attention(hf_config, layer_id, parallel)
 
     def build_mlp(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
         if layer_id < int(getattr(hf_config, "first_k_dense_replace", 0) or 0):
@@ -267,15 +277,79 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint layers past ``num_hidden_layers`` (V3's multi-token-prediction layer) are
-        skipped: no draft uses them yet."""
+        skipped: ``DeepseekMtpLayer`` loads them as the NEXTN draft (model/mtp.py)."""
         num_layers = self.hf_config.num_hidden_layers
         return super().load_weights(
-            (name.replace(".self_attn.q_proj.", ".self_attn.q_head_proj."), tensor) for name, tensor in weights
-            if not _is_layer_at_or_after(name, num_layers))
+            (our_name(name), tensor) for name, tensor in weights if not _is_layer_at_or_after(name, num_layers))
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     has_correction_bias = True
+
+
+def mtp_layer_prefix(hf_config: Any) -> str | None:
+    """The checkpoint prefix of the multi-token-prediction layer NEXTN drafts with (the first, as
+    SGLang and vLLM use it: ``model.layers.{num_hidden_layers}.``); None where the config has none."""
+    if not has_latent_attention(hf_config) or not int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        return None
+    return f"model.layers.{hf_config.num_hidden_layers}."
+
+
+class _SharedHead(nn.Module):
+    """The MTP layer's ``shared_head``: its norm before the LM head (the head is the model's)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class DeepseekMtpLayer(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module as a draft head (``model/mtp.py``). Its entry at
+    position p reads the token at p + 1 and a feature of position p (the model's last hidden state,
+    after its final norm; in a chain, this module's own output of the entry before):
+
+        h = layer(eh_proj([enorm(embed(token)); hnorm(feature)]))
+
+    ``layer`` is a decoder layer built as the model's (MLA, the experts with the model's router);
+    the logits are the model's LM head over ``shared_head.norm(h)``, and ``h`` is the feature of the
+    next chained step (the paper's h_i^k). The embedding and LM head are the model's (the checkpoint
+    stores copies). Parameter names are the checkpoint's after its ``model.layers.{L}.`` prefix,
+    the decoder layer's under ``layer.``."""
+
+    OWN_PARTS = ("enorm", "hnorm", "eh_proj", "shared_head")
+    """Checkpoint names (after the prefix) that are this module's own; the rest are the layer's."""
+
+    def __init__(self, hf_config: Any, model: DeepseekV2ForCausalLM) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        single = ParallelContext.single()
+        self.embed_tokens: nn.Module | None = None
+        """None: the model's embedding (``model.eagle.DraftHeadRunner``)."""
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = ColumnParallelLinear(2 * hidden, hidden, parallel=single)
+        # its pool holds this one layer (index 0); the MLP is the one layer num_hidden_layers gets
+        self.layer = LlamaDecoderLayer(hf_config, model.build_attention(hf_config, 0, single),
+                                       model.build_mlp(hf_config, hf_config.num_hidden_layers, single))
+        self.shared_head = _SharedHead(hidden, eps)
+
+    def forward(self, batch: ForwardBatch, embeds: torch.Tensor, features: torch.Tensor,
+                is_target_feature: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(for the logits, the next step's feature), both ``[num_tokens, hidden]``; the model's
+        features and this module's own go through the same ``hnorm``."""
+        hidden = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(features)), dim=-1))
+        hidden = self.layer(hidden, batch)
+        return self.shared_head.norm(hidden), hidden
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str) -> set[str]:
+        """The checkpoint's ``prefix`` tensors (other names are not passed in); the copies of the
+        embedding and LM head are skipped."""
+        def rename(name: str) -> str | None:
+            local = our_name(name)[len(prefix):]
+            if local.startswith(("embed_tokens.", "shared_head.head.")):
+                return None
+            return local if local.split(".", 1)[0] in self.OWN_PARTS else f"layer.{local}"
+        return load_named_weights(self, weights, rename)
 
 
 def _is_layer_at_or_after(name: str, num_layers: int) -> bool:
