@@ -142,14 +142,15 @@ def perplexity(engine: LLMEngine, token_ids: list[int]) -> float:
     return float(torch.exp(nll))
 
 
-def decode_tok_s(engine: LLMEngine, prompt: list[int], max_tokens: int = 33) -> float:
-    """Single-stream greedy decode rate, prefill excluded: ``(n - 1) / (t(n) - t(1))``."""
+def decode_tok_s(engine: LLMEngine, prompt: list[int], max_tokens: int = 33, streams: int = 1) -> float:
+    """Greedy decode rate of ``streams`` copies of ``prompt`` decoded together, prefill excluded:
+    ``streams * (n - 1) / (t(n) - t(1))``."""
     def run(tokens: int) -> float:
         start = time.perf_counter()
-        greedy(engine, [prompt], tokens)
+        greedy(engine, [prompt] * streams, tokens)
         return time.perf_counter() - start
     run(4)   # warm up
-    return (max_tokens - 1) / (run(max_tokens) - run(1))
+    return streams * (max_tokens - 1) / (run(max_tokens) - run(1))
 
 
 def build_engine(model: str, mode: str, kv_dtype: str, num_threads: int | None) -> tuple[LLMEngine, int]:

@@ -21,11 +21,11 @@ from typing import Any
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
-PREQUANTIZED_FLAG_VALUES = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tensors", "gptq_marlin", "awq_marlin")
+PREQUANTIZED_FLAG_VALUES = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tensors", "bitsandbytes", "gptq_marlin",
+                            "awq_marlin")
 """``--quantization`` values naming a pre-quantized checkpoint's format (servelm/model/prequantized.py)."""
 
 REFUSED_QUANTIZATION = {
-    "bitsandbytes": "bitsandbytes checkpoints (8-bit, nf4/fp4) are not supported yet",
     "hqq": "HQQ checkpoints are not supported",
     "experts_int8": "experts_int8 quantizes MoE experts on CUDA at load; on CPU use --quantization int8wo",
     "modelopt": "NVIDIA ModelOpt checkpoints are not supported",
@@ -120,7 +120,8 @@ class ModelConfig:
     tokenizer_mode: str = opt("auto", "auto: fast tokenizer when available; slow: always the slow one.",
                               choices=["auto", "slow"])
     skip_tokenizer_init: bool = opt(False, "Load no tokenizer: requests give input_ids and get token ids back.")
-    load_format: str = opt("auto", "Weight format: auto detects safetensors/pt/gguf; dummy makes random weights.",
+    load_format: str = opt("auto", "Weight format: auto detects safetensors/pt/gguf; dummy makes random weights; "
+                           "bitsandbytes: a bitsandbytes checkpoint (int8, nf4/fp4; auto detects it too).",
                            choices=["auto", "safetensors", "pt", "gguf", "dummy", "bitsandbytes"])
     dtype: str = opt("auto", "Weight and activation dtype. auto: float32 on CPU (fast, exact), the "
                      "checkpoint's dtype on CUDA.",
@@ -171,7 +172,7 @@ class ModelConfig:
                             "with a scale and zero per group of inputs (8x less weight memory than float32; "
                             "smaller groups are more accurate). none: the model dtype (a GGUF file dequantized). "
                             "A pre-quantized checkpoint (config.json quantization_config: gptq, awq, fp8, "
-                            "fbgemm_fp8, compressed-tensors) is detected under auto; naming its format "
+                            "fbgemm_fp8, compressed-tensors, bitsandbytes) is detected under auto; naming its format "
                             "(gptq_marlin/awq_marlin: the same formats) must agree with the checkpoint. Its "
                             "weights are dequantized exactly at load; GPTQ/AWQ/compressed-tensors integer codes "
                             "then run on the GGUF block kernels (--tp-size 1, --dtype auto).",
@@ -1813,10 +1814,6 @@ class EngineConfig:
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
 
     def __post_init__(self) -> None:
-        if self.model.load_format == "bitsandbytes":
-            raise ValueError("--load-format bitsandbytes is not supported yet: bitsandbytes checkpoints "
-                             "(8-bit, nf4/fp4) do not load; GPTQ, AWQ, FP8 and compressed-tensors ones do "
-                             "(--load-format auto)")
         if self.model.quantization in REFUSED_QUANTIZATION:
             raise ValueError(f"--quantization {self.model.quantization} is not supported: "
                              f"{REFUSED_QUANTIZATION[self.model.quantization]}")

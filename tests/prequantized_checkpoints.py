@@ -20,6 +20,9 @@ neither format without them), so these writers pack the tensors as the formats d
 
 Each writer also returns the dequantized float32 weights computed here from the codes it chose
 (not from the packed bytes), the reference the tests hold servelm to.
+
+bitsandbytes checkpoints are made by the library itself (``write_bitsandbytes``: transformers with
+BitsAndBytesConfig on bitsandbytes' CPU backend) and its dequantized model is the reference.
 """
 
 from __future__ import annotations
@@ -276,3 +279,77 @@ def write_ct_pack_quantized(path: Path, model: Any, bits: int = 4, group: int = 
                                       "output_activations": None, "format": "pack-quantized"}},
         "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {}})
     return reference
+
+
+def write_bitsandbytes(path: Path, model: Any, kind: str, double_quant: bool = False) -> None:
+    """A bitsandbytes checkpoint made by transformers + bitsandbytes themselves (its CPU backend):
+    ``model`` (or the float32 directory it names) loaded with ``BitsAndBytesConfig`` (``kind`` int8,
+    nf4 or fp4; ``double_quant``: 4-bit absmax quantized again) and saved as transformers saves it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    source = model if isinstance(model, Path) else path.with_name(path.name + "-float32")
+    if not isinstance(model, Path):
+        model.save_pretrained(source)
+    config = (BitsAndBytesConfig(load_in_8bit=True) if kind == "int8" else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double_quant,
+                                 bnb_4bit_compute_dtype=torch.float32))
+    quantized = AutoModelForCausalLM.from_pretrained(str(source), quantization_config=config, dtype=torch.float32,
+                                                     device_map="cpu")
+    quantized.save_pretrained(path)
+
+
+def bitsandbytes_reference(path: Path) -> Any:
+    """The library's dequantized model: transformers loads the bitsandbytes checkpoint and
+    ``dequantize()``s it (bitsandbytes' own dequantization) to float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device_map="cpu")
+    return model.dequantize(dtype=torch.float32).eval()
+
+
+def write_ct_with_library(path: Path, model: Any, weights: dict[str, Any], fmt: str,
+                          activations: dict[str, Any] | None = None) -> None:
+    """A compressed-tensors checkpoint made by the library itself: its quantization config applied to
+    the model, min/max scales from its own ``calculate_qparams`` (llm-compressor's minmax observer
+    without calibration data), compressed by its ``ModelCompressor`` and saved with its config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 QuantizationStatus, apply_quantization_config)
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    model = copy.deepcopy(model)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=QuantizationArgs(**activations) if activations else None)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            module_scheme = getattr(module, "quantization_scheme", None)
+            if module_scheme is None or module_scheme.weights is None:
+                continue
+            args, weight = module_scheme.weights, module.weight
+            if args.strategy == "group":
+                grouped = weight.unflatten(-1, (weight.shape[1] // args.group_size, args.group_size))
+                low, high = grouped.amin(-1), grouped.amax(-1)
+            elif args.strategy == "channel":
+                low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+            else:
+                low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+            scale, zero_point = calculate_qparams(low, high, args)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
+            if activations and hasattr(module, "input_scale"):
+                module.input_scale.fill_(0.05)
+            module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    path.mkdir(parents=True)
+    model.config.save_pretrained(path)
+    config_json = json.loads((path / "config.json").read_text())
+    config_json.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config_json))
+    compressor.update_config(str(path))
+    tied = model.config.tie_word_embeddings
+    save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}, str(path / "model.safetensors"))

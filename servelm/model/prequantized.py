@@ -1,4 +1,4 @@
-"""Pre-quantized Hugging Face checkpoints: GPTQ, AWQ, FP8 and compressed-tensors.
+"""Pre-quantized Hugging Face checkpoints: GPTQ, AWQ, FP8, compressed-tensors and bitsandbytes.
 
 The format is read from config.json's ``quantization_config`` (``detect``); ``--quantization``, when
 given, must name the same format (``resolve``), and a scheme this module cannot reproduce exactly is
@@ -8,7 +8,9 @@ Loading (``dequantizing_weights``) wraps the checkpoint's tensor stream: the ten
 quantized module (GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``, AWQ ``qweight``/``qzeros``/
 ``scales``, FP8 ``weight`` + ``weight_scale_inv``/``weight_scale``, compressed-tensors
 ``weight_packed``/``weight_scale``/``weight_zero_point``/``weight_shape``/``weight_g_idx`` or an
-int8/fp8 ``weight`` + ``weight_scale``) are gathered and replaced by one float32 ``<module>.weight``,
+int8/fp8 ``weight`` + ``weight_scale``, bitsandbytes int8 ``weight`` + ``SCB`` or 4-bit ``weight`` +
+``weight.absmax``/``weight.quant_map``/``weight.nested_*``/``weight.quant_state.bitsandbytes__<type>``)
+are gathered and replaced by one float32 ``<module>.weight``,
 dequantized exactly as the format's own library does it in float32:
 
     GPTQ    w[n, k] = (q[k, n] - z[g(k), n]) * s[g(k), n]   z = stored + 1 (the v1 checkpoint
@@ -19,6 +21,11 @@ dequantized exactly as the format's own library does it in float32:
     CT int  w[n, k] = (q[n, k] - zp[n, g(k)]) * s[n, g(k)], q signed (unsigned code - 2^(b-1)),
             densely bit-packed little-endian into int32 along the input (zero points along the
             output); CT float: as FP8.
+    bnb 8   w[n, k] = q[n, k] * SCB[n] / 127 (LLM.int8 row-wise absmax)
+    bnb 4   w.flat[i] = quant_map[c(i)] * absmax[i // blocksize], c(i) the high nibble of byte i/2
+            for even i, the low one for odd i (nf4/fp4: a 16-entry table); with double quant
+            absmax = nested_quant_map[absmax_code] * nested_absmax[j // nested_blocksize] + offset;
+            the result cast to the quant_state's dtype, as bitsandbytes returns it.
 
 Everything downstream (tensor parallel sharding, fused QKV and gate_up, LoRA, the flat decode paths)
 then sees an ordinary float checkpoint. The integer formats (GPTQ, AWQ, CT int with whole groups)
@@ -27,7 +34,9 @@ group split to 32-input blocks): where ``serve_blocks`` allows (tp 1, CPU, --dty
 kernel built), ``apply_block_weights`` replaces the float weights by them and the GGUF block routes
 (AVX2 or AVX512-VNNI kernel, measured route table) run them at the checkpoint's own precision; the
 float weight each replaces was built from the same codes, and is checked against them. FP8 has no
-integer codes: it always runs dequantized (to --dtype) -- this CPU path has no FP8 GEMM.
+integer codes: it always runs dequantized (to --dtype) -- this CPU path has no FP8 GEMM; neither has
+bitsandbytes 4-bit (table values, not integers); bitsandbytes int8 (one group per row) runs on the
+block routes.
 
 Invariants:
 - The emitted float weight is ``BlockWeight.dequantize()`` where there is a block weight, so a
@@ -39,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -52,7 +62,7 @@ from servelm.model.layers.gguf_blocks import BlockWeight
 
 logger = logging.getLogger(__name__)
 
-PREQUANTIZED_METHODS = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tensors")
+PREQUANTIZED_METHODS = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tensors", "bitsandbytes")
 """``--quantization`` values that name a pre-quantized checkpoint's format."""
 
 FLAG_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
@@ -69,6 +79,9 @@ _AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "dense")
 _CT_DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
 _FP8_DROPPED = ("input_scale", "activation_scale", "input_scale_ub")
+_BNB_4BIT_PARTS = ("weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
+                   "weight.quant_state.bitsandbytes__nf4", "weight.quant_state.bitsandbytes__fp4")
+_BNB_INT8_SCALE = 1 / 127
 
 
 class UnsupportedQuantization(ValueError):
@@ -93,7 +106,7 @@ class QuantSpec:
     @property
     def integer(self) -> bool:
         """Whether the format stores integer codes (served on the block routes where allowed)."""
-        return self.method in ("gptq", "awq", "compressed-tensors")
+        return self.method in ("gptq", "awq", "compressed-tensors") or (self.method, self.bits) == ("bitsandbytes", 8)
 
 
 def quantization_config(hf_config: Any) -> dict[str, Any] | None:
@@ -130,11 +143,9 @@ def detect(hf_config: Any) -> QuantSpec | None:
     if method == "compressed-tensors":
         return _detect_compressed_tensors(config)
     if method == "bitsandbytes":
-        kind = config.get("bnb_4bit_quant_type", "nf4") if config.get("load_in_4bit") else "int8"
-        raise UnsupportedQuantization(f"quantization_config quant_method 'bitsandbytes' ({kind}): bitsandbytes "
-                                      "checkpoints are not supported yet")
+        return _detect_bitsandbytes(config)
     raise UnsupportedQuantization(f"quantization_config quant_method {config.get('quant_method')!r} is not "
-                                  f"supported (supported: gptq, awq, fp8, fbgemm_fp8, compressed-tensors)")
+                                  f"supported (supported: {', '.join(PREQUANTIZED_METHODS)})")
 
 
 def _bits_and_group(config: dict[str, Any], name: str, allowed_bits: tuple[int, ...]) -> tuple[int, int]:
@@ -184,6 +195,21 @@ def _detect_fp8(config: dict[str, Any], method: str) -> QuantSpec:
                                                   "per-channel scales" if method == "fbgemm_fp8"
                                                   else "per-tensor scales")))
     return spec
+
+
+def _detect_bitsandbytes(config: dict[str, Any]) -> QuantSpec:
+    if config.get("load_in_4bit"):
+        kind = str(config.get("bnb_4bit_quant_type", "fp4"))
+        storage = str(config.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
+        if kind not in ("nf4", "fp4"):
+            raise UnsupportedQuantization(f"bitsandbytes 4-bit quant type {kind!r} is not supported (nf4, fp4)")
+        if storage != "uint8":
+            raise UnsupportedQuantization(f"bitsandbytes 4-bit quant storage {storage!r} is not supported (uint8)")
+        double = ", double quant" if config.get("bnb_4bit_use_double_quant") else ""
+        return QuantSpec("bitsandbytes", 4, description=f"bitsandbytes {kind}{double}")
+    if config.get("load_in_8bit"):
+        return QuantSpec("bitsandbytes", 8, -1, description="bitsandbytes int8 (LLM.int8 row-wise absmax)")
+    raise UnsupportedQuantization("bitsandbytes quantization_config with neither load_in_4bit nor load_in_8bit")
 
 
 def _detect_compressed_tensors(config: dict[str, Any]) -> QuantSpec:
@@ -241,18 +267,30 @@ def _detect_compressed_tensors(config: dict[str, Any]) -> QuantSpec:
     return spec
 
 
-def resolve(flag: str, spec: QuantSpec | None) -> tuple[str, str]:
+_NO_QUANTIZING_AT_LOAD = {
+    "fp8": "FP8 quantization at load needs an FP8 GEMM, which this CPU path lacks",
+    "fbgemm_fp8": "FP8 quantization at load needs an FP8 GEMM, which this CPU path lacks",
+    "bitsandbytes": "servelm does not quantize with bitsandbytes at load",
+}
+
+
+def resolve(flag: str, spec: QuantSpec | None, load_format: str = "auto") -> tuple[str, str]:
     """(--quantization to apply, why) for ``flag`` and the checkpoint's ``spec``.
 
     A pre-quantized checkpoint runs in its own format (``auto``, or the format's own name); any other
-    flag value is an error naming both. A format name without a pre-quantized checkpoint is an error."""
+    flag value is an error naming both. A format name without a pre-quantized checkpoint is an error,
+    and so is ``--load-format bitsandbytes`` without a bitsandbytes checkpoint."""
     named = FLAG_ALIASES.get(flag, flag)
     if named in REFUSED_FLAG_VALUES:
         raise ValueError(f"--quantization {flag}: {REFUSED_FLAG_VALUES[named]}")
+    if load_format == "bitsandbytes" and (spec is None or spec.method != "bitsandbytes"):
+        raise ValueError("--load-format bitsandbytes loads a bitsandbytes checkpoint (config.json "
+                         "quantization_config with load_in_8bit or load_in_4bit); this model has "
+                         f"{spec.description if spec else 'none'} ({_NO_QUANTIZING_AT_LOAD['bitsandbytes']}; "
+                         "drop --load-format, or quantize at load with int8wo or int4wo-<group>)")
     if spec is None:
         if named in PREQUANTIZED_METHODS:
-            hint = ("FP8 quantization at load needs an FP8 GEMM, which this CPU path lacks"
-                    if named in ("fp8", "fbgemm_fp8") else "servelm does not run GPTQ/AWQ calibration")
+            hint = _NO_QUANTIZING_AT_LOAD.get(named, "servelm does not run GPTQ/AWQ calibration")
             raise ValueError(f"--quantization {flag} loads a pre-quantized checkpoint (config.json "
                              f"quantization_config with quant_method {named!r}); this model has none ({hint}; "
                              "to quantize at load use w8a8_int8, int8wo or int4wo-<group>)")
@@ -465,6 +503,40 @@ def _compressed_tensors(parts: dict[str, torch.Tensor], spec: QuantSpec, name: s
     return _dequantize_columns(codes, zeros2, scale2, groups), None
 
 
+def _bnb_quant_state(parts: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The JSON of a 4-bit module's ``weight.quant_state.bitsandbytes__<type>`` tensor (its type,
+    blocksize, dtype, shape and nested settings), or None before it arrived."""
+    packed = next((value for key, value in parts.items() if key.startswith("weight.quant_state.")), None)
+    if packed is None:
+        return None
+    state: dict[str, Any] = json.loads(bytes(packed.to(torch.uint8).tolist()).decode("utf-8"))
+    return state
+
+
+def _bitsandbytes(parts: dict[str, torch.Tensor], spec: QuantSpec, name: str,
+                  report: LoadReport | None = None) -> tuple[torch.Tensor, BlockWeight | None]:
+    weight = parts["weight"]
+    if weight.dtype == torch.int8:   # LLM.int8: a scale per output row
+        scales = (parts["SCB"].float() * _BNB_INT8_SCALE).reshape(-1, 1)
+        block = BlockWeight(weight.contiguous(), scales.contiguous(), None, weight.shape[1], "bnb-int8")
+        return block.dequantize(), block
+    state = _bnb_quant_state(parts)
+    assert state is not None
+    absmax = parts["weight.absmax"]
+    if "nested_blocksize" in state:
+        positions = torch.arange(absmax.numel()) // int(state["nested_blocksize"])
+        absmax = (parts["weight.nested_quant_map"].float()[absmax.to(torch.int64)]
+                  * parts["weight.nested_absmax"].float()[positions])
+        absmax = absmax + torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
+    shape = [int(size) for size in state["shape"]]
+    count = math.prod(shape)
+    packed = weight.reshape(-1).to(torch.int32)
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:count]
+    values = parts["weight.quant_map"].float()[codes.to(torch.int64)]
+    values = values * absmax.float()[torch.arange(count) // int(state["blocksize"])]
+    return values.reshape(shape).to(getattr(torch, str(state["dtype"]))).float(), None
+
+
 _REQUIRED = {
     "gptq": ("qweight", "qzeros", "scales"),
     "awq": ("qweight", "qzeros", "scales"),
@@ -476,17 +548,21 @@ _PARTS = {
     "fbgemm_fp8": ("weight", "weight_scale"),
     "compressed-tensors": ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
                            "weight_g_idx"),
+    "bitsandbytes": ("weight", "SCB", *_BNB_4BIT_PARTS),
 }
 _DROPPED = {"fp8": _FP8_DROPPED, "fbgemm_fp8": _FP8_DROPPED, "compressed-tensors": _CT_DROPPED,
-            "gptq": (), "awq": ()}
+            "gptq": (), "awq": (), "bitsandbytes": ("weight_format",)}
 _DEQUANTIZE: dict[str, Callable[..., tuple[torch.Tensor, BlockWeight | None]]] = {
-    "gptq": _gptq, "awq": _awq, "fp8": _fp8, "fbgemm_fp8": _fp8, "compressed-tensors": _compressed_tensors}
+    "gptq": _gptq, "awq": _awq, "fp8": _fp8, "fbgemm_fp8": _fp8, "compressed-tensors": _compressed_tensors,
+    "bitsandbytes": _bitsandbytes}
 
 
 def _status(parts: dict[str, torch.Tensor], spec: QuantSpec) -> str:
     """``ready`` (every expected part), ``enough`` (the minimum; optional parts may still come),
     ``wait`` or ``plain`` (a float weight of a non-quantized module: pass it through)."""
     method = spec.method
+    if method == "bitsandbytes":
+        return _bnb_status(parts)
     if method in _REQUIRED:
         if not all(part in parts for part in _REQUIRED[method]):
             return "wait"
@@ -504,6 +580,30 @@ def _status(parts: dict[str, torch.Tensor], spec: QuantSpec) -> str:
     optional = (spec.needs_zero_point and "weight_zero_point" not in parts) or (
         spec.needs_g_idx and "weight_g_idx" not in parts)
     return "enough" if optional else "ready"
+
+
+def _bnb_status(parts: dict[str, torch.Tensor]) -> str:
+    weight = parts.get("weight")
+    if weight is not None and weight.is_floating_point():
+        return "plain"
+    if weight is None:
+        return "wait"
+    if weight.dtype == torch.int8:
+        return "ready" if "SCB" in parts else "wait"
+    state = _bnb_quant_state(parts)
+    needed = {"weight.absmax", "weight.quant_map"} | (
+        {"weight.nested_absmax", "weight.nested_quant_map"} if state and "nested_blocksize" in state else set())
+    return "ready" if state is not None and needed <= set(parts) else "wait"
+
+
+def _split_name(name: str, parts: tuple[str, ...]) -> tuple[str, str]:
+    """(module prefix, part) of a checkpoint tensor name: the part is the longest of ``parts`` the
+    name ends with (bitsandbytes' parts have dots: ``weight.absmax``), else the last component."""
+    for part in parts:
+        if name.endswith("." + part):
+            return name[:-len(part) - 1], part
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf
 
 
 @dataclass
@@ -525,7 +625,7 @@ def dequantizing_weights(weights: Callable[[], Iterator[tuple[str, torch.Tensor]
                          report: LoadReport | None = None) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
     """``weights`` with each quantized module's tensors replaced by its float32 ``<module>.weight``
     (see the module docstring); ``report`` collects the block weights."""
-    parts_of = _PARTS[spec.method]
+    parts_of = tuple(sorted(_PARTS[spec.method], key=len, reverse=True))
     dropped = _DROPPED[spec.method]
     dequantize = _DEQUANTIZE[spec.method]
     report = report if report is not None else LoadReport()
@@ -548,7 +648,7 @@ def dequantizing_weights(weights: Callable[[], Iterator[tuple[str, torch.Tensor]
         pending: dict[str, dict[str, torch.Tensor]] = {}
         emitted: set[str] = set()
         for name, tensor in weights():
-            prefix, _, leaf = name.rpartition(".")
+            prefix, leaf = _split_name(name, parts_of)
             if leaf in dropped:
                 report.dropped += 1
                 continue
@@ -588,6 +688,9 @@ def serve_blocks(flag: str, dtype: str, tp_size: int, pp_size: int, device: torc
 
     if flag == "none":
         return False, "--quantization none: the dequantized weights serve"
+    if spec.method == "bitsandbytes" and not spec.integer:
+        return False, ("bitsandbytes 4-bit holds table values (nf4/fp4), not integer codes: dequantized to "
+                       "the model dtype at load")
     if not spec.integer:
         return False, (f"{spec.method}: dequantized to the model dtype at load (no FP8 GEMM on this CPU "
                        "path; AVX512-FP16/AMX-FP8 routes are not built)")

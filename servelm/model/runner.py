@@ -138,8 +138,9 @@ class ModelRunner:
                 self.thread_governor = ThreadGovernor(threads)
         self.device = device or resolve_device(config.model.device)
         self.prequantized = detect_prequantized(source.hf_config)
-        """The checkpoint's own quantization (GPTQ, AWQ, FP8, compressed-tensors), or None."""
-        flag, quantization_reason = resolve_prequantized(config.model.quantization, self.prequantized)
+        """The checkpoint's own quantization (GPTQ, AWQ, FP8, compressed-tensors, bitsandbytes), or None."""
+        flag, quantization_reason = resolve_prequantized(config.model.quantization, self.prequantized,
+                                                          config.model.load_format)
         if self.prequantized is not None:
             self.quantization = self.prequantized.method
         else:

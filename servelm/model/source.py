@@ -310,7 +310,7 @@ def _weight_files(path: Path, load_format: str) -> tuple[list[Path], str]:
         "safetensors": ("model.safetensors.index.json", "*.safetensors"),
         "pt": ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
     }
-    formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    formats = ["safetensors", "pt"] if load_format in ("auto", "bitsandbytes") else [load_format]
     for weight_format in formats:
         index_name, pattern = candidates[weight_format]
         index = path / index_name

@@ -207,7 +207,8 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith("servelm: --worker-cls is not supported: rank processes run servelm's "
                           "own worker")
     assert "--quantization hqq is not supported: HQQ checkpoints" in fail_message(["--quantization", "hqq"], capsys)
-    assert "--load-format bitsandbytes is not supported yet" in fail_message(["--load-format", "bitsandbytes"], capsys)
+    # a bitsandbytes checkpoint loads; any other is refused when the model is read (prequantized.resolve)
+    assert cli_args.parse_args(["m", "--load-format", "bitsandbytes"]).model.load_format == "bitsandbytes"
     assert "--quantization-param-path is not supported yet" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
     assert "choose from int8dq, int8wo" in fail_message(["--torchao-config", "fp8wo"], capsys)

@@ -25,8 +25,8 @@ from servelm.model.prequantized import UnsupportedQuantization, detect, resolve,
 from servelm.model.runner import ModelRunner
 from servelm.model.source import resolve_model_source
 from tests.prequantized_checkpoints import (make_quant_hf_model, pack_along_cols, pack_along_rows, pack_dense_bits,
-                                            reference_model, write_awq, write_ct_pack_quantized, write_fp8,
-                                            write_gptq)
+                                            reference_model, write_awq, write_ct_pack_quantized, write_ct_with_library,
+                                            write_fp8, write_gptq)
 
 from .conftest import BLOCK_SIZE, POOL_TOKENS, BlockAllocator, prompts_for
 
@@ -94,8 +94,9 @@ def test_detect_reads_each_format() -> None:
     ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3-bit"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "'bitsandbytes' (nf4)"),
-    ({"load_in_8bit": True}, "'bitsandbytes' (int8)"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+     "quant storage 'bfloat16'"),
+    ({"quant_method": "bitsandbytes"}, "neither load_in_4bit nor load_in_8bit"),
     ({"quant_method": "hqq"}, "quant_method 'hqq'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
@@ -126,8 +127,22 @@ def test_the_flag_must_agree_with_the_checkpoint() -> None:
 def test_refused_flag_values_fail_at_start_up() -> None:
     with pytest.raises(ValueError, match="--quantization hqq is not supported: HQQ"):
         EngineConfig(model=ModelConfig(quantization="hqq"))
-    with pytest.raises(ValueError, match="--load-format bitsandbytes is not supported yet"):
-        EngineConfig(model=ModelConfig(load_format="bitsandbytes"))
+
+
+
+def test_load_format_bitsandbytes_needs_a_bitsandbytes_checkpoint() -> None:
+    nf4 = detect(quant_config(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True))
+    assert nf4 is not None and (nf4.method, nf4.bits, nf4.description) == ("bitsandbytes", 4,
+                                                                            "bitsandbytes nf4, double quant")
+    assert resolve("bitsandbytes", nf4, "bitsandbytes")[0] == "bitsandbytes"
+    assert resolve("auto", nf4, "bitsandbytes")[0] == "bitsandbytes"
+    with pytest.raises(ValueError, match="--load-format bitsandbytes loads a bitsandbytes checkpoint .* this "
+                                         "model has none .*does not quantize with bitsandbytes at load"):
+        resolve("auto", None, "bitsandbytes")
+    with pytest.raises(ValueError, match="this model has GPTQ int4"):
+        resolve("auto", detect(quant_config(quant_method="gptq", bits=4, group_size=32)), "bitsandbytes")
+    with pytest.raises(ValueError, match="--quantization bitsandbytes loads a pre-quantized checkpoint"):
+        resolve("bitsandbytes", None)
 
 
 # --- bit unpacking -----------------------------------------------------------------------------------
@@ -206,19 +221,24 @@ def test_awq_column_order_matters(tmp_path: Path) -> None:
     assert not torch.equal(plain.t(), weight)
 
 
-def test_gptq_tensor_parallel_2_matches_tp1(tmp_path: Path) -> None:
-    """At --tp-size 2 each rank loads its shard of the exactly dequantized weights (group 32 of
-    input 64/128: row-parallel shards split on group boundaries, but the float weights split anywhere)."""
+@pytest.mark.parametrize("kind", [pytest.param("gptq", marks=SLOW), pytest.param("gptq-desc-act", marks=SLOW), "awq"])
+def test_tensor_parallel_2_matches_tp1(tmp_path: Path, kind: str) -> None:
+    """At --tp-size 2 each rank loads its shard of the exactly dequantized weights, so a shard need not
+    split on a group boundary: GPTQ group 32 (o_proj's 64 inputs split into 32 per rank: on a
+    boundary), desc_act (groups scattered over the inputs: no boundary to split on) and AWQ group 128
+    (128 inputs split into 64: inside a group) all give the TP=1 logits."""
     from tests.unit.distributed.test_parallel import run_ranks
 
-    model = make_quant_hf_model("qwen2")
-    write_gptq(tmp_path / "gptq", model, 4, 32, sym=False)
+    if kind == "awq":
+        write_awq(tmp_path / "ckpt", make_quant_hf_model("qwen2", hidden=128, intermediate=256), group=128)
+    else:
+        write_gptq(tmp_path / "ckpt", make_quant_hf_model("qwen2"), 4, 32, sym=False, desc_act=kind != "gptq")
     prompts = prompts_for("qwen2", 320)
     plan = lambda: BatchPlan([BlockAllocator(64).plan(i, p, num_logits=len(p))  # noqa: E731
                               for i, p in enumerate(prompts)])
 
     def work(parallel: Any) -> torch.Tensor:
-        return make_quant_runner(tmp_path / "gptq", parallel=parallel).execute(plan())
+        return make_quant_runner(tmp_path / "ckpt", parallel=parallel).execute(plan())
 
     expected = work(None)
     for logits in run_ranks(2, work):
@@ -289,58 +309,6 @@ def test_compressed_tensors_pack_quantized_layout(tmp_path: Path, arch: str, bit
     assert_parity(runner, reference, arch)
 
 
-def write_ct_with_library(path: Path, model: Any, weights: dict[str, Any], fmt: str,
-                          activations: dict[str, Any] | None = None) -> None:
-    """A compressed-tensors checkpoint made by the library itself: its quantization config applied to
-    the model, min/max scales from its own ``calculate_qparams`` (llm-compressor's minmax observer
-    without calibration data), compressed by its ``ModelCompressor`` and saved with its config."""
-    import copy
-    import json
-
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 QuantizationStatus, apply_quantization_config)
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-    from safetensors.torch import save_file
-
-    model = copy.deepcopy(model)
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
-                                input_activations=QuantizationArgs(**activations) if activations else None)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    apply_quantization_config(model, config)
-    with torch.no_grad():
-        for module in model.modules():
-            module_scheme = getattr(module, "quantization_scheme", None)
-            if module_scheme is None or module_scheme.weights is None:
-                continue
-            args, weight = module_scheme.weights, module.weight
-            if args.strategy == "group":
-                grouped = weight.unflatten(-1, (weight.shape[1] // args.group_size, args.group_size))
-                low, high = grouped.amin(-1), grouped.amax(-1)
-            elif args.strategy == "channel":
-                low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-            else:
-                low, high = weight.amin().reshape(1), weight.amax().reshape(1)
-            scale, zero_point = calculate_qparams(low, high, args)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
-            if activations and hasattr(module, "input_scale"):
-                module.input_scale.fill_(0.05)
-            module.quantization_status = QuantizationStatus.FROZEN
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
-    compressor.compress_model(model)
-    path.mkdir(parents=True)
-    model.config.save_pretrained(path)
-    config_json = json.loads((path / "config.json").read_text())
-    config_json.pop("quantization_config", None)
-    (path / "config.json").write_text(json.dumps(config_json))
-    compressor.update_config(str(path))
-    tied = model.config.tie_word_embeddings
-    save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}, str(path / "model.safetensors"))
-
-
 def ct_reference(path: Path) -> Any:
     """transformers' loading of the checkpoint through compressed-tensors, decompressed (run_compressed
     False): the library's own dequantized model, in float32."""
@@ -389,6 +357,57 @@ def test_compressed_tensors_made_by_the_library(tmp_path: Path, arch: str, weigh
     assert_parity(runner, reference, arch)
 
 
+# --- bitsandbytes ------------------------------------------------------------------------------------
+
+BNB_CASES = [("llama", "int8", False), ("qwen2", "nf4", True), pytest.param("llama", "fp4", False, marks=SLOW),
+             pytest.param("qwen2", "fp4", True, marks=SLOW), pytest.param("llama", "nf4", False, marks=SLOW)]
+
+
+@pytest.mark.parametrize(("arch", "kind", "double_quant"), BNB_CASES)
+def test_bitsandbytes_made_by_the_library(tmp_path: Path, arch: str, kind: str, double_quant: bool) -> None:
+    """LLM.int8 (``SCB``) and 4-bit nf4/fp4 (``quant_state``, with and without double quant)
+    checkpoints saved by transformers + bitsandbytes (its CPU backend): servelm's logits and greedy
+    tokens equal the library's dequantized model's in float32."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")
+    from tests.prequantized_checkpoints import bitsandbytes_reference, write_bitsandbytes
+    model = make_quant_hf_model(arch)
+    write_bitsandbytes(tmp_path / "bnb", model, kind, double_quant)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "bnb" / "model.safetensors"), framework="pt") as f:
+        names = [name.removeprefix("model.layers.0.mlp.up_proj.") for name in f.keys()
+                 if name.startswith("model.layers.0.mlp.up_proj.")]
+    expected_parts = {"weight", "SCB"} if kind == "int8" else (
+        {"weight", "weight.absmax", "weight.quant_map", f"weight.quant_state.bitsandbytes__{kind}"}
+        | ({"weight.nested_absmax", "weight.nested_quant_map"} if double_quant else set()))
+    assert expected_parts <= set(names), names
+    reference = bitsandbytes_reference(tmp_path / "bnb")
+    assert not torch.equal(reference.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+    runner = make_quant_runner(tmp_path / "bnb")
+    assert runner.quantization == "bitsandbytes"
+    assert_parity(runner, reference, arch)
+
+
+@pytest.mark.slow   # 8 s on 2 loaded Zen 3 cores; the GPTQ block-route test covers the route
+def test_bitsandbytes_int8_codes_run_on_the_block_routes(tmp_path: Path) -> None:
+    """--dtype auto at tp 1: LLM.int8's row-wise codes are one group per row, split to 32-input blocks
+    for the GGUF block kernel; the logits stay within its 16-bit activation rounding."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")
+    from servelm.model.layers.gguf_kernel import load_kernel
+    from tests.prequantized_checkpoints import bitsandbytes_reference, write_bitsandbytes
+    if load_kernel() is None:
+        pytest.skip("no GGUF block kernel on this machine")
+    write_bitsandbytes(tmp_path / "bnb", make_quant_hf_model("llama"), "int8")
+    runner = make_quant_runner(tmp_path / "bnb", dtype="auto", quantization="bitsandbytes")
+    served = [name for name, module in runner.model.named_modules() if hasattr(module, "gguf_weight")]
+    assert len(served) == 8   # qkv, o, gate_up, down in 2 layers
+    prompts = prompts_for("llama", runner.vocab_size)
+    logits, _ = logits_and_greedy(runner, prompts)
+    expected, _ = reference_logits_and_greedy(bitsandbytes_reference(tmp_path / "bnb"), prompts)
+    assert (logits - expected).norm() <= 1e-3 * expected.norm()
+
+
 @pytest.mark.slow   # 22 s on 2 Zen 3 cores (the engine's start-up)
 def test_engine_serves_a_gptq_checkpoint_with_prefix_caching(tmp_path: Path) -> None:
     """The whole engine on a desc_act GPTQ directory: requests sharing a prefix (the second wave hits
@@ -412,3 +431,74 @@ def test_engine_serves_a_gptq_checkpoint_with_prefix_caching(tmp_path: Path) -> 
         engine.shutdown()
     _, expected = reference_logits_and_greedy(reference, prompts)
     assert first + rest == expected
+
+
+# --- with LoRA and speculative decoding --------------------------------------------------------------
+
+def quant_engine(path: Path, **sections: Any) -> Any:
+    from servelm.engine.engine import LLMEngine
+    config = EngineConfig(model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+                          cache=CacheConfig(max_total_tokens=512, page_size=BLOCK_SIZE), **sections)
+    return LLMEngine(config)
+
+
+LORA_PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [30, 31, 32, 33, 34, 35]]
+
+
+@pytest.mark.slow   # 23 s on 2 loaded Zen 3 cores (an engine and peft)
+def test_lora_adapter_on_a_gptq_base_equals_peft_on_the_dequantized_model(tmp_path: Path) -> None:
+    """A PEFT adapter over a desc_act GPTQ base: the engine's greedy tokens with and without it equal
+    transformers + peft on the dequantized reference (float32)."""
+    import copy
+
+    from servelm.config import LoRAConfig
+    from servelm.sampling.params import SamplingParams
+    from tests.engine_drive import drain
+    peft = pytest.importorskip("peft")
+    model = make_quant_hf_model("llama")
+    reference = reference_model(model, write_gptq(tmp_path / "gptq", model, 4, 32, sym=False, desc_act=True))
+    torch.manual_seed(3)
+    adapted = peft.get_peft_model(copy.deepcopy(reference), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])).eval()
+    adapted.save_pretrained(tmp_path / "adapter")
+    engine = quant_engine(tmp_path / "gptq", lora=LoRAConfig(lora_paths=[f"a={tmp_path / 'adapter'}"]))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+        for index, prompt in enumerate(LORA_PROMPTS):
+            engine.add_request(f"base{index}", prompt, params)
+            engine.add_request(f"lora{index}", prompt, params, lora_name="a")
+        outputs = drain(engine)
+    finally:
+        engine.shutdown()
+    for index, prompt in enumerate(LORA_PROMPTS):
+        for name, hf_model in (("base", reference), ("lora", adapted)):
+            with torch.no_grad():
+                expected = hf_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS,
+                                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            assert outputs[f"{name}{index}"] == expected[0, len(prompt):].tolist(), (name, index)
+    assert outputs["base0"] != outputs["lora0"]
+
+
+@pytest.mark.slow   # two engines
+def test_a_gptq_draft_speculates_for_its_float_target(tmp_path: Path) -> None:
+    """STANDALONE speculative decoding with a GPTQ int8 copy of the target as the draft: greedy
+    output identical to plain decoding, and the quantized draft's proposals mostly accepted."""
+    from servelm.config import SpeculativeConfig
+    from servelm.sampling.params import SamplingParams
+    from tests.engine_drive import greedy
+    model = make_quant_hf_model("qwen2")
+    model.save_pretrained(tmp_path / "target")
+    write_gptq(tmp_path / "draft", model, 8, 32, sym=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * NUM_NEW_TOKENS + 1, ignore_eos=True)
+    outputs, stats = [], []
+    for draft in (None, tmp_path / "draft"):
+        engine = quant_engine(tmp_path / "target", speculative=SpeculativeConfig(
+            speculative_draft_model_path=None if draft is None else str(draft), num_speculative_tokens=4))
+        try:
+            outputs.append(greedy(engine, LORA_PROMPTS, params))
+            stats.append(engine.stats())
+        finally:
+            engine.shutdown()
+    assert outputs[1] == outputs[0]
+    assert stats[1]["spec_acceptance_rate"] > 0.5, stats[1]
