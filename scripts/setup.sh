@@ -13,6 +13,9 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Optional: the nixl and mooncake K/V transfer backends (their tests skip without them; mooncake
 # also needs Debian's libibverbs1, which .ci/run installs).
 "${pip[@]}" -e ".[nixl,mooncake]" || echo "note: nixl/mooncake not installed; their tests will be skipped"
+# Optional: the quantization libraries whose checkpoints the pre-quantized tests make and hold
+# servelm to (compressed-tensors, bitsandbytes' CPU backend); their tests skip without them.
+"${pip[@]}" -e ".[quant-test]" || echo "note: compressed-tensors/bitsandbytes not installed; their tests will be skipped"
 bash scripts/install_models.sh
 # The C++ kernels this CPU can run, compiled now (in parallel) rather than inside the first start-up.
 .venv/bin/servelm build-kernels || echo "note: some kernels did not build; serving uses the torch paths in their place"
