@@ -75,6 +75,10 @@ class ServingContext:
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
+        self._token_texts: dict[int, str] = {}
+        """Token id -> its text in logprobs (``token_text``): an echo with logprobs shows ~6 tokens
+        per prompt position, and a tokenizer's decode of one id costs tens of microseconds of the
+        event loop every response waits on."""
         info = engine.model_info
         self.served_model_name = config.model.name
         self.context_length = info.context_length
@@ -229,7 +233,10 @@ class ServingContext:
         """Readable text of one token, as shown in logprobs."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return text
 
     # -- prompts ------------------------------------------------------------------------------
     def fit_prompt(self, token_ids: list[int], text: str | None, max_tokens: int | None,
