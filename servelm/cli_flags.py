@@ -654,14 +654,17 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: prompt adapters (soft prompts) are not planned",
               ("--enable-prompt-adapter", "--prompt-adapters", "--max-prompt-adapters",
                "--max-prompt-adapter-token")),
-    Rejection("not supported yet: per-layer FP8 KV-cache scaling factors from a file (--kv-cache-dtype fp8 "
-              "stores the values themselves, unscaled)", ("--quantization-param-path",)),
+    Rejection("not supported: servelm's fp8 K/V cache (--kv-cache-dtype fp8_e4m3/fp8_e5m2) stores K and V "
+              "unscaled, rounded to fp8 as they are, so a file of per-layer scaling factors has nothing to "
+              "scale (drop the flag)", ("--quantization-param-path",)),
     Rejection("not supported: NVIDIA ModelOpt quantization and its checkpoints (CUDA formats); pre-quantized "
               "GPTQ, AWQ, FP8 and compressed-tensors checkpoints load by path (their config.json "
               "quantization_config), and --quantization w8a8_int8/int8wo/int4wo-<group> quantize at load",
               ("--modelopt-quant", "--modelopt-checkpoint-restore-path", "--modelopt-checkpoint-save-path")),
-    Rejection("not supported yet: LightLLM's quantization config files (--quant_cfg); --quant_type and "
-              "pre-quantized checkpoints load without them", ("--quant_cfg",)),
+    Rejection("not supported: LightLLM's --quant_cfg files assign LightLLM's own kernels layer by layer; "
+              "servelm quantizes every linear with --quant_type/--quantization, and a pre-quantized "
+              "checkpoint's config.json quantization_config says how its layers are stored",
+              ("--quant_cfg",)),
     Rejection("not supported: custom logits processors and first-token constraints (use a grammar: "
               "response_format, json_schema, regex, ebnf)",
               ("--first_token_constraint_mode", "--logits-processor-pattern")),

@@ -209,8 +209,10 @@ def test_rejected_flag_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--quantization hqq is not supported: HQQ checkpoints" in fail_message(["--quantization", "hqq"], capsys)
     # a bitsandbytes checkpoint loads; any other is refused when the model is read (prequantized.resolve)
     assert cli_args.parse_args(["m", "--load-format", "bitsandbytes"]).model.load_format == "bitsandbytes"
-    assert "--quantization-param-path is not supported yet" in fail_message(
+    assert "--quantization-param-path is not supported: servelm's fp8 K/V cache" in fail_message(
         ["--quantization-param-path", "x.json"], capsys)
+    assert "--quant_cfg is not supported: LightLLM's --quant_cfg files" in fail_message(
+        ["--quant_cfg", "x.yaml"], capsys)
     assert "choose from int8dq, int8wo" in fail_message(["--torchao-config", "fp8wo"], capsys)
     assert "got 'ao-int4wo-100'" in fail_message(["--quant_type", "ao-int4wo-100"], capsys)
 
