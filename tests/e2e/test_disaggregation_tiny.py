@@ -137,19 +137,31 @@ def test_greedy_identical_to_colocated_and_only_missing_blocks_sent(model_path, 
     check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype, backend)
 
 
-def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_reference(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_reference(tmp_path, dtype):
     """Issue 34: a pre-quantized checkpoint (desc_act asymmetric GPTQ int4, tests/prequantized_checkpoints)
     served prefill -> decode gives the co-located engine's greedy tokens with the decode side's
-    prefix-cache hits, and both equal the dequantized reference (transformers, float32)."""
+    prefix-cache hits. float32: the weights dequantized exactly, and the tokens equal the dequantized
+    reference (transformers). auto: the integer codes run on the GGUF block routes (16-bit activation
+    rounding, so compared with the co-located engine only)."""
     from tests.prequantized_checkpoints import make_quant_hf_model, reference_model, write_gptq
     model = make_quant_hf_model("qwen2")
     reference = reference_model(model, write_gptq(tmp_path, model, 4, 32, sym=False, desc_act=True))
-    token_lists, outputs = check_greedy_identical_and_only_missing_blocks_sent(tmp_path, "auto", "zmq")
-    with torch.no_grad():
-        expected = [reference.generate(torch.tensor([tokens]), max_new_tokens=PARAMS.max_tokens, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
-                    for tokens in token_lists]
-    assert outputs == expected
+    if dtype == "auto":
+        from servelm.model.layers.gguf_kernel import load_kernel
+        if load_kernel() is None:
+            pytest.skip("no GGUF block kernel on this machine")
+        engine = make_engine(tmp_path, dtype=dtype)
+        served = [name for name, module in engine.runner.model.named_modules() if hasattr(module, "gguf_weight")]
+        engine.shutdown()
+        assert served, "the GPTQ codes did not reach the block routes"
+    token_lists, outputs = check_greedy_identical_and_only_missing_blocks_sent(tmp_path, "auto", "zmq", dtype)
+    if dtype == "float32":
+        with torch.no_grad():
+            expected = [reference.generate(torch.tensor([tokens]), max_new_tokens=PARAMS.max_tokens,
+                                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+                        for tokens in token_lists]
+        assert outputs == expected
 
 
 def test_decode_times_out_without_prefill_server_and_frees_its_blocks(model_path):
