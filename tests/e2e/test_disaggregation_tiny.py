@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from servelm.config import (CacheConfig, DisaggregationConfig, EngineConfig, ModelConfig,
                             SchedulerConfig)
@@ -30,9 +31,9 @@ def model_path(tmp_path_factory):
 
 
 def make_engine(path, mode: str = "null", port: int = 8998, kv_dtype: str = "auto",
-                backend: str = "zmq", timeout_s: float = 10.0) -> LLMEngine:
+                backend: str = "zmq", timeout_s: float = 10.0, dtype: str = "float32") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="float32"),
+        model=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype=dtype),
         cache=CacheConfig(max_total_tokens=2048, page_size=8, kv_cache_dtype=kv_dtype),
         scheduler=SchedulerConfig(chunked_prefill_size=64, max_prefill_tokens=256),
         disaggregation=DisaggregationConfig(disaggregation_mode=mode, disaggregation_bootstrap_port=port,
@@ -93,17 +94,20 @@ def assert_idle(*engines: LLMEngine) -> None:
         assert stats.get("disaggregation_num_parked_blocks", 0) == 0, stats
 
 
-def check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype: str, backend: str) -> None:
+def check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype: str, backend: str,
+                                                        dtype: str = "float32"
+                                                        ) -> tuple[list[list[int]], list[list[int]]]:
     """A prefill and a decode engine over ``backend`` give the co-located engine's greedy tokens,
     the K/V of only the blocks the decode side's prefix cache lacks cross, and both end idle (no
-    parked or held block). Shared by this file's two-sided backends and the one-sided ones."""
-    reference = make_engine(model_path, kv_dtype=kv_dtype)
+    parked or held block). Shared by this file's two-sided backends and the one-sided ones.
+    Returns the prompts and their greedy tokens."""
+    reference = make_engine(model_path, kv_dtype=kv_dtype, dtype=dtype)
     token_lists = prompts(reference.runner.vocab_size)
     expected = greedy(reference, token_lists, PARAMS)
     reference.shutdown()
     port = free_port()
-    prefill = make_engine(model_path, "prefill", port, kv_dtype, backend)
-    decode = make_engine(model_path, "decode", kv_dtype=kv_dtype, backend=backend)
+    prefill = make_engine(model_path, "prefill", port, kv_dtype, backend, dtype=dtype)
+    decode = make_engine(model_path, "decode", kv_dtype=kv_dtype, backend=backend, dtype=dtype)
     try:
         # the first request alone: the decode side then holds the shared 29-token prefix (3 blocks)
         first = run_pair(prefill, decode, [("a0", token_lists[0])], port)
@@ -125,11 +129,39 @@ def check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype: st
     finally:
         prefill.shutdown()
         decode.shutdown()
+    return token_lists, expected
 
 
 @pytest.mark.parametrize("kv_dtype, backend", [("auto", "zmq"), ("fp8_e4m3", "zmq"), ("auto", "shm")])
 def test_greedy_identical_to_colocated_and_only_missing_blocks_sent(model_path, kv_dtype, backend):
     check_greedy_identical_and_only_missing_blocks_sent(model_path, kv_dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_reference(tmp_path, dtype):
+    """Issue 34: a pre-quantized checkpoint (desc_act asymmetric GPTQ int4, tests/prequantized_checkpoints)
+    served prefill -> decode gives the co-located engine's greedy tokens with the decode side's
+    prefix-cache hits. float32: the weights dequantized exactly, and the tokens equal the dequantized
+    reference (transformers). auto: the integer codes run on the GGUF block routes (16-bit activation
+    rounding, so compared with the co-located engine only)."""
+    from tests.prequantized_checkpoints import make_quant_hf_model, reference_model, write_gptq
+    model = make_quant_hf_model("qwen2")
+    reference = reference_model(model, write_gptq(tmp_path, model, 4, 32, sym=False, desc_act=True))
+    if dtype == "auto":
+        from servelm.model.layers.gguf_kernel import load_kernel
+        if load_kernel() is None:
+            pytest.skip("no GGUF block kernel on this machine")
+        engine = make_engine(tmp_path, dtype=dtype)
+        served = [name for name, module in engine.runner.model.named_modules() if hasattr(module, "gguf_weight")]
+        engine.shutdown()
+        assert served, "the GPTQ codes did not reach the block routes"
+    token_lists, outputs = check_greedy_identical_and_only_missing_blocks_sent(tmp_path, "auto", "zmq", dtype)
+    if dtype == "float32":
+        with torch.no_grad():
+            expected = [reference.generate(torch.tensor([tokens]), max_new_tokens=PARAMS.max_tokens,
+                                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(tokens):].tolist()
+                        for tokens in token_lists]
+        assert outputs == expected
 
 
 def test_decode_times_out_without_prefill_server_and_frees_its_blocks(model_path):
