@@ -37,8 +37,12 @@ FUSED_TARGETS: dict[str, tuple[str, int | str | None]] = {
 }
 """HF projection -> (our layer attribute, shard id inside it; None when the layer is not fused)."""
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?"
+                  r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.[^.]+)?\.weight$")
+"""A PEFT tensor key of a text model's projection: ``model.layers.N`` of a causal LM, or the text
+model of a vision-language model (``model.language_model.layers.N``; ``language_model.model.layers.N``
+in older transformers layouts)."""
 
 
 class LoRAAdapterError(ValueError):
@@ -175,6 +179,9 @@ def load_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int) -
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
+            if "vision" in key or "multi_modal_projector" in key:
+                raise LoRAAdapterError(f"{where}: targets the vision tower or projector ({key}); LoRA "
+                                       "applies to the text model of a vision-language model only")
             if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
                 raise LoRAAdapterError(f"{where}: targets the embeddings or LM head ({key}); only "
                                        f"{', '.join(SUPPORTED_TARGETS)} are supported")

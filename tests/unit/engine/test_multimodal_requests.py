@@ -4,6 +4,7 @@ a repeated image, and chunked prefill never cuts an image."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import torch
 
 pytest.importorskip("PIL")
 
-from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig  # noqa: E402
+from servelm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, RuntimeConfig,  # noqa: E402
+                            SchedulerConfig, SpeculativeConfig)
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.multimodal.inputs import MultimodalInputs  # noqa: E402
 from servelm.multimodal.processor import get_processor, image_item  # noqa: E402
@@ -46,14 +48,20 @@ def processor(model_dir: Path) -> Any:
     return processor
 
 
-def make(model_dir: Path, **scheduler: Any) -> LLMEngine:
-    config = EngineConfig(model=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32"),
-                          cache=CacheConfig(max_total_tokens=1024, page_size=BLOCK),
-                          scheduler=SchedulerConfig(**scheduler), runtime=RuntimeConfig(num_threads=1))
+def make(model_dir: Path, max_total_tokens: int = 1024, with_tokenizer: bool = False,
+         speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None,
+         **scheduler: Any) -> LLMEngine:
+    config = EngineConfig(model=ModelConfig(model=str(model_dir), skip_tokenizer_init=not with_tokenizer,
+                                            dtype="float32"),
+                          cache=CacheConfig(max_total_tokens=max_total_tokens, page_size=BLOCK),
+                          scheduler=SchedulerConfig(**scheduler), runtime=RuntimeConfig(num_threads=1),
+                          speculative=speculative or SpeculativeConfig(), lora=lora or LoRAConfig())
     return LLMEngine(config)
 
 
-def reference_greedy(model: Any, inputs: MultimodalInputs, num_tokens: int = MAX_TOKENS) -> list[int]:
+def reference_greedy(model: Any, inputs: MultimodalInputs, num_tokens: int = MAX_TOKENS,
+                     allowed: list[int] | None = None) -> list[int]:
+    """transformers' greedy tokens (the argmax over ``allowed`` ids when given)."""
     ids = list(inputs.prompt_token_ids)
     pixels = torch.stack([span.pixel_values for span in inputs.images]) if inputs.images else None
     out: list[int] = []
@@ -62,15 +70,17 @@ def reference_greedy(model: Any, inputs: MultimodalInputs, num_tokens: int = MAX
             tensor = torch.tensor([ids + out])
             logits = model(input_ids=tensor, pixel_values=pixels,
                            token_type_ids=(tensor == TINY_VLM_IMAGE).long()).logits[0, -1]
-            out.append(int(logits.argmax()))
+            out.append(int(logits.argmax()) if allowed is None else allowed[int(logits[allowed].argmax())])
     return out
 
 
-def run(engine: LLMEngine, requests: dict[str, MultimodalInputs]) -> tuple[dict[str, list[int]], dict[str, int]]:
+def run(engine: LLMEngine, requests: dict[str, MultimodalInputs], params: SamplingParams = PARAMS,
+        lora_name: str | None = None) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Add, drain; tokens and cached prompt tokens per request."""
     cached: dict[str, int] = {}
     for request_id, inputs in requests.items():
-        assert engine.add_request(request_id, inputs.prompt_token_ids, PARAMS, mm_inputs=inputs) is None
+        assert engine.add_request(request_id, inputs.prompt_token_ids, params, mm_inputs=inputs,
+                                  lora_name=lora_name) is None
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for output in engine.step():
@@ -231,3 +241,89 @@ def test_smolvlm_frames_through_the_engine_equal_transformers(tmp_path: Path) ->
     again, cached = run(engine, {"again": processor.process(two.prompt_token_ids, [wide, square])})
     last = two.images[-1]
     assert again["again"] == tokens["two"] and cached["again"] > last.offset + last.length - BLOCK
+
+
+# -- the other features with an image in the prompt (issue 32) -----------------------------------------
+
+def three_image_prompts(processor: Any) -> dict[str, MultimodalInputs]:
+    return {f"r{i}": processor.process(TEXT + [TINY_VLM_BOI, 30 + i, 31], [image_item(random_image(20 + i))])
+            for i in range(3)}
+
+
+def test_preempted_requests_with_images_equal_transformers(model_dir: Path, reference_model: Any,
+                                                           processor: Any) -> None:
+    """14 blocks of 4 for three 29-token prompts that grow by 5: admitted without a reserve, the
+    running ones run out of blocks in decode and are preempted; recomputed, their tokens are
+    transformers' (the image's K/V recomputed from the encoder cache or the tower again)."""
+    engine = make(model_dir, max_total_tokens=56, schedule_conservativeness=0.0)
+    requests = three_image_prompts(processor)
+    tokens, _ = run(engine, requests)
+    assert engine.scheduler.num_preemptions > 0
+    for request_id, inputs in requests.items():
+        assert tokens[request_id] == reference_greedy(reference_model, inputs), request_id
+    assert engine.stats()["num_used_blocks"] == 0
+
+
+def test_ngram_drafts_with_images_are_verified_to_plain_greedy(model_dir: Path, reference_model: Any,
+                                                               processor: Any) -> None:
+    """The prompt repeats its text after the image: n-gram drafts copy from the prompt (its image
+    placeholders included) and the verify pass keeps greedy tokens equal to transformers'."""
+    inputs = processor.process(TEXT + [TINY_VLM_BOI] + TEXT, [image_item(random_image(3))])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = make(model_dir, speculative=SpeculativeConfig(speculative_algorithm="NGRAM"))
+    tokens, _ = run(engine, {"a": inputs}, params)
+    assert tokens["a"] == reference_greedy(reference_model, inputs, 12)
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_verify_passes"] > 0
+
+
+def test_a_grammar_constrains_the_output_of_a_request_with_an_image(
+        model_dir: Path, reference_model: Any, processor: Any, tmp_path: Path) -> None:
+    """Regex [a-h]{5} (a real tokenizer beside the model): the tokens are transformers' argmax over
+    the eight letters at each step, where the free greedy output is other tokens."""
+    from transformers import AutoTokenizer
+
+    from servelm.sampling.params import StructuredSpec
+    from tests.tiny_models import write_tiny_vlm_tokenizer
+    path = tmp_path / "with-tokenizer"
+    shutil.copytree(model_dir, path)
+    write_tiny_vlm_tokenizer(path)
+    letters = AutoTokenizer.from_pretrained(str(path)).convert_tokens_to_ids(list("abcdefgh"))
+    inputs = three_image_prompts(processor)["r0"]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured=StructuredSpec("regex", "[a-h]{5}"))
+    tokens, _ = run(make(path, with_tokenizer=True), {"g": inputs}, params)
+    assert tokens["g"] == reference_greedy(reference_model, inputs, allowed=letters)
+    assert set(reference_greedy(reference_model, inputs)).isdisjoint(letters)   # it did constrain
+
+
+def test_lora_on_the_text_model_with_images_equals_peft(model_dir: Path, reference_model: Any,
+                                                        processor: Any, tmp_path: Path) -> None:
+    """A PEFT adapter on the text model's projections of the VLM (keys under language_model):
+    requests with an image and the adapter equal peft's greedy tokens, those without it the base
+    model's (which differ) in the same batch. An adapter on the vision tower is refused."""
+    peft = pytest.importorskip("peft")
+    from transformers import Gemma3ForConditionalGeneration
+
+    from servelm.lora.adapter import BaseShapes, LoRAAdapterError, load_adapter
+
+    def adapter(name: str, targets: str) -> Any:
+        torch.manual_seed(5)
+        base = Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                              attn_implementation="eager")
+        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=64,
+                                                          target_modules=targets)).eval()
+        model.save_pretrained(tmp_path / name)
+        return model
+
+    tuned = adapter("text", r".*language_model.*\.(q_proj|v_proj|up_proj)")
+    engine = make(model_dir, lora=LoRAConfig(lora_paths=[f"text={tmp_path / 'text'}"]))
+    requests = three_image_prompts(processor)
+    with_adapter, _ = run(engine, {"r0": requests["r0"]}, lora_name="text")
+    assert with_adapter["r0"] == reference_greedy(tuned, requests["r0"])
+    base, _ = run(engine, {"r0": requests["r0"]})
+    assert base["r0"] == reference_greedy(reference_model, requests["r0"]) != with_adapter["r0"]
+
+    adapter("vision", r".*vision_tower.*\.q_proj")
+    with pytest.raises(LoRAAdapterError, match="vision tower"):
+        load_adapter("vision", tmp_path / "vision", BaseShapes.from_hf_config(reference_model.config), 16)
