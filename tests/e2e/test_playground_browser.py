@@ -3,19 +3,24 @@ install`), against a real server on SmolLM2-135M with an API key.
 
 The test types a prompt and sees text stream in, stops a generation, edits a message, gets valid
 JSON from JSON mode, hovers a token's probabilities in the completion tab, and writes the
-screenshot the README shows (docs/playground.png).
+screenshot the README shows (docs/playground.png). A second one attaches an image on a tiny
+vision-language model.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.tiny_models import TINY_VLM_IMAGE_TOKENS, make_tiny_vlm_dir, random_image, write_tiny_vlm_tokenizer
+
 from .conftest import KEYED_API_KEY as API_KEY
-from .server_process import REPO
+from .server_process import REPO, ServerProcess
 
 SCREENSHOT = REPO / "docs" / "playground.png"
 STREAM_TIMEOUT_MS = 120_000
@@ -121,3 +126,48 @@ def test_playground_in_chromium(browser, server) -> None:
     assert tooltip.is_visible() and "p = " in tooltip.text_content()
     assert page_errors == []
     page.close()
+
+
+def test_playground_sends_an_attached_image_and_shows_it(browser, tmp_path) -> None:
+    """Issue 32: on a tiny random vision-language model (tests/tiny_models.py), an image picked with
+    the Image button shows in the attachment strip, goes to /v1/chat/completions as an image_url
+    content part carrying the file's bytes, is shown in the user's message, and the server answers
+    (200, its prompt counting the image tokens); a text-only reply to the same words counts fewer."""
+    path = make_tiny_vlm_dir(tmp_path / "vlm")
+    write_tiny_vlm_tokenizer(path)
+    picture = tmp_path / "picture.png"
+    random_image(3).save(picture, format="PNG")
+    args = [str(path), "--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "2048"]
+    with ServerProcess(args) as vlm_server:
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page_errors: list[str] = []
+        page.on("pageerror", lambda error: page_errors.append(str(error)))
+        bodies: list[dict] = []
+        page.on("request", lambda request: bodies.append(json.loads(request.post_data))
+                if request.url.endswith("/v1/chat/completions") else None)
+        page.goto(f"{vlm_server.base_url}/")
+        page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "4")
+        page.set_input_files("#image-input", str(picture))
+        page.wait_for_selector("#attachments:not([hidden]) img")
+        with page.expect_response(lambda response: response.url.endswith("/v1/chat/completions")) as answer:
+            _send(page, "What is in the picture?")
+        assert answer.value.status == 200
+        _wait_idle(page)
+        shown = page.locator(".message.user img.attached")
+        assert shown.count() == 1
+        sent = base64.b64encode(picture.read_bytes()).decode()
+        assert shown.first.get_attribute("src") == f"data:image/png;base64,{sent}"
+        parts = bodies[-1]["messages"][-1]["content"]
+        assert [part["type"] for part in parts] == ["image_url", "text"]
+        assert parts[0]["image_url"]["url"] == f"data:image/png;base64,{sent}"
+        assert page.locator("#attachments").is_hidden()   # sent: the strip is empty again
+        usage = httpx.post(f"{vlm_server.base_url}/v1/chat/completions", timeout=60, json={
+            **{k: v for k, v in bodies[-1].items() if k not in ("stream", "stream_options")},
+            "stream": False}).json()["usage"]
+        text_only = httpx.post(f"{vlm_server.base_url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "What is in the picture?"}], "max_tokens": 4}).json()["usage"]
+        assert usage["prompt_tokens"] >= text_only["prompt_tokens"] + TINY_VLM_IMAGE_TOKENS
+        assert page_errors == []
+        page.close()
