@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import Any
@@ -51,6 +52,7 @@ def run_node(config: EngineConfig) -> int:
     logger.info("node %d of %d: waiting up to %g s for node 0 at %s", node, parallel.nnodes,
                 parallel.dist_timeout, address)
     try:
+        _wait_for_listener(host, port, time.monotonic() + parallel.dist_timeout)
         store = dist.TCPStore(host, port, None, False,  # type: ignore[attr-defined]
                               timeout=datetime.timedelta(seconds=parallel.dist_timeout))
         layout = NodeLayout.from_json(store.get(LAYOUT_KEY))
@@ -73,6 +75,24 @@ def run_node(config: EngineConfig) -> int:
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+PROBE_INTERVAL_S = 0.2
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Until node 0's store accepts connections (RuntimeError at ``deadline``). torch's TCPStore
+    client retries with a growing, jittered back-off, so a node started well before node 0 could
+    sleep through a node 0 that lives only seconds (a short --dist-timeout, a layout it must
+    refuse); a plain TCP probe every PROBE_INTERVAL_S does not."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"nothing listens at {host}:{port} ({error})") from error
+            time.sleep(PROBE_INTERVAL_S)
 
 
 def check_layout(layout: NodeLayout, config: EngineConfig) -> None:
