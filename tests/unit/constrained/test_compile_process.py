@@ -53,8 +53,16 @@ def _wait(compiler: GrammarCompiler, job, timeout_s: float = 300.0):  # type: ig
 
 
 def _compile_children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children()
-            if "compile_process" in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE]
+    """This process's live compile children (another test's child may be a zombie or gone by the
+    time it is read: psutil raises for those, so they are skipped)."""
+    children = []
+    for child in psutil.Process().children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "compile_process" in " ".join(child.cmdline()):
+                children.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return children
 
 
 def test_a_timed_out_compile_is_stopped_at_the_deadline(tokenizer, backend, request):
