@@ -24,7 +24,6 @@ priority. Urgent means larger ``priority`` values unless low values come first (
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Sequence

@@ -52,9 +52,10 @@ def run_node(config: EngineConfig) -> int:
     logger.info("node %d of %d: waiting up to %g s for node 0 at %s", node, parallel.nnodes,
                 parallel.dist_timeout, address)
     try:
-        _wait_for_listener(host, port, time.monotonic() + parallel.dist_timeout)
+        deadline = time.monotonic() + parallel.dist_timeout
+        _wait_for_listener(host, port, deadline)
         store = dist.TCPStore(host, port, None, False,  # type: ignore[attr-defined]
-                              timeout=datetime.timedelta(seconds=parallel.dist_timeout))
+                              timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
         layout = NodeLayout.from_json(store.get(LAYOUT_KEY))
     except RuntimeError as error:
         raise NodeError(f"node {node}: node 0's rendezvous at {address} did not answer within "
