@@ -236,6 +236,10 @@ class FairShares:
         self.clock = clock
         self._light_seen_s: dict[str, float] = {}
         """Light group -> when it last had work (within the grace)."""
+        self._heavy: set[str] = set()
+        """Groups found heavy that still have work: they stay heavy to their last token, or the
+        step in which their work left falls under the thresholds would compute all of it at once
+        (up to a whole chunk with prompt logprobs: the long step a normal user waited for)."""
 
     def for_step(self, running: Sequence[Request], waiting: Sequence[Request]) -> GroupShares | None:
         """The step's shares; None while fairness is off (``total_work`` 0), without a heavy group,
@@ -244,6 +248,9 @@ class FairShares:
         if self.total_work <= 0:
             return None
         heavy, light = group_weights(running, waiting)
+        heavy |= self._heavy & light
+        light -= heavy
+        self._heavy = heavy
         now = self.clock()
         self._light_seen_s = {group: seen for group, seen in self._light_seen_s.items()
                               if now - seen <= LIGHT_GRACE_S and group not in heavy}

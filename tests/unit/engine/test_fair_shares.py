@@ -82,6 +82,23 @@ def test_a_heavy_prompt_beside_a_decode_moves_at_its_share():
     assert grace and max(grace) * 2 <= 32  # ... after the grace a normal user's next request gets
 
 
+def test_a_heavy_prompt_stays_at_its_share_to_its_last_token():
+    """A heavy prompt whose work left falls under the heavy threshold (here after ~50 of its 300
+    prompt-logprob tokens) is still bounded: before, the step in which it turned light computed the
+    rest of it at once, a step many times a shared one that the decoding user waited for."""
+    engine, steps, runner = make_engine()
+    assert engine.add_request("user", prompt(16), params(200)) is None
+    first = engine.step()
+    assert engine.add_request("heavy", prompt(300, 1), params(2, prompt_logprobs=5)) is None
+    tokens = drain(engine)
+    tokens["user"] = first[0].new_token_ids + tokens["user"]
+    shared = [step for step in steps[1:] if "user" in step and "heavy" in step]
+    assert len(shared) >= 300 // 16
+    assert all(0 < step["heavy"] * 2 <= 32 for step in shared), [s["heavy"] for s in shared]
+    assert tokens["heavy"] == runner.reference(prompt(300, 1), 2)
+    assert tokens["user"] == runner.reference(prompt(16), 200)
+
+
 def test_a_normal_users_next_request_finds_the_heavy_one_at_its_share():
     """Between a normal user's requests (a round trip) the heavy request keeps to its share, so the
     user's next request does not wait for a full-budget heavy step; long after, it runs full."""
