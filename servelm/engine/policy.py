@@ -200,10 +200,12 @@ class GroupShares:
 
 
 LIGHT_GRACE_S = 1.0
-"""How long after a light group last had work the heavy groups keep to their shares. A normal
-user's next request follows its last one within a round trip; without this, every such gap let the
-heavy groups take a full-budget step (several 512-token chunks with prompt logprobs: seconds on two
-cores) that the user's next request then waited for."""
+"""How long after a light group's last work ended (the end of the last step that computed for it)
+the heavy groups keep to their shares. A normal user's next request follows its last one within a
+round trip; without this, every such gap let the heavy groups take a full-budget step (several
+512-token chunks with prompt logprobs: seconds on two cores) that the user's next request then
+waited for. Counted from the step's end, not its start: a shared step slower than the grace (a
+loaded machine, a deep context) must not end the grace by itself."""
 
 
 def group_weights(running: Sequence[Request], waiting: Sequence[Request]) -> tuple[set[str], set[str]]:
@@ -235,7 +237,9 @@ class FairShares:
         self.max_sequences = max_sequences
         self.clock = clock
         self._light_seen_s: dict[str, float] = {}
-        """Light group -> when it last had work (within the grace)."""
+        """Light group -> when its last work ended (within the grace)."""
+        self._light_last_step: set[str] = set()
+        """The light groups with work in the previous step: busy until that step ended (now)."""
         self._heavy: set[str] = set()
         """Groups found heavy that still have work: they stay heavy to their last token, or the
         step in which their work left falls under the thresholds would compute all of it at once
@@ -252,9 +256,11 @@ class FairShares:
         light -= heavy
         self._heavy = heavy
         now = self.clock()
+        self._light_seen_s.update(dict.fromkeys(self._light_last_step, now))
         self._light_seen_s = {group: seen for group, seen in self._light_seen_s.items()
                               if now - seen <= LIGHT_GRACE_S and group not in heavy}
         self._light_seen_s.update(dict.fromkeys(light, now))
+        self._light_last_step = light
         if not heavy or not self._light_seen_s:
             return None
         return GroupShares(heavy, self.total_work, self.max_sequences)

@@ -108,9 +108,24 @@ def test_a_normal_users_next_request_finds_the_heavy_one_at_its_share():
         assert engine.add_request("user", prompt(16), params(1)) is None
         engine.step()  # the user's prompt and its one token; the heavy one at its share
         assert steps[0]["user"] == 16 and steps[0]["heavy"] * 2 <= 32
-        engine.step()  # the user's next request has not arrived yet
-        assert "user" not in steps[1]
-        assert (steps[1]["heavy"] * 2 <= 32) is bounded, (gap_s, steps[1])
+        engine.step()  # the user's last step has just ended: its next request is on its way
+        assert "user" not in steps[1] and steps[1]["heavy"] * 2 <= 32, steps[1]
+        engine.step()  # one step later (gap_s): the user has not come back
+        assert "user" not in steps[2]
+        assert (steps[2]["heavy"] * 2 <= 32) is bounded, (gap_s, steps[2])
+
+
+def test_a_shared_step_slower_than_the_grace_does_not_end_it():
+    """The grace counts from the end of the user's last step: a step that alone takes longer than
+    the grace (a loaded machine) still leaves the next one bounded."""
+    engine, steps, _ = make_engine(step_s=LIGHT_GRACE_S * 2)
+    assert engine.add_request("heavy", prompt(2000, 1), params(1, prompt_logprobs=1)) is None
+    assert engine.add_request("user", prompt(16), params(2)) is None
+    engine.step()
+    engine.step()  # the user's second token: it is done
+    assert steps[1]["user"] == 1
+    engine.step()  # started the moment the user's last step ended
+    assert "user" not in steps[2] and steps[2]["heavy"] * 2 <= 32, steps[2]
 
 
 def test_a_light_arrival_is_not_bounded_and_fairness_can_be_turned_off():
