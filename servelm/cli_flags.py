@@ -829,6 +829,8 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("expert_parallel_size", "tensor_parallel_size"),
     ("enable_expert_parallel", "tensor_parallel_size"),
     ("ep_num_redundant_experts", "expert_parallel_size"),
+    ("enable_dp_attention", "tensor_parallel_size"),
+    ("enable_dp_lm_head", "enable_dp_attention"),
     ("enable_eplb", "expert_parallel_size"),
     ("eplb_rebalance_num_iterations", "enable_eplb"),
     ("eplb_min_rebalancing_utilization_threshold", "enable_eplb"),
