@@ -45,3 +45,12 @@ def test_dp_attention_matches_one_process(tmp_path, arch: str, dp_lm_head: bool)
     assert got == expected, arch
     assert cached > 0, "no prefix-cache hit"
     assert sorted(set(ranks.rank_of_first_block.values())) == [0, 1], "both ranks ran requests"
+
+
+@pytest.mark.slow
+def test_a_model_without_experts_is_refused(tmp_path) -> None:
+    model = str(make_tiny_model_dir(tmp_path, "llama"))
+    flags = dict(model=model, dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
+                 max_total_tokens=256, tensor_parallel_size=2, enable_dp_attention=True)
+    with pytest.raises(Exception, match="has no mixture-of-experts layer"):
+        LLMEngine(EngineConfig.from_flat(flags))
