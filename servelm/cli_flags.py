@@ -601,12 +601,13 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: LightLLM's config server (servelm's prefill and decode servers "
               "register with one PD master: --pd_master_ip/--pd_master_port)",
               ("--config_server_host", "--config_server_port")),
-    Rejection("not supported: DP attention and its tuning (data parallelism here is whole engine "
-              "replicas: --dp-size with --load-balance-method)",
-              ("--load-watch-interval", "--prefill-round-robin-balance", "--enable-dp-lm-head")),
-    Rejection(f"{NOT_BUILT_YET}: DP attention (attention data-parallel, MoE layers expert-parallel) is "
-              "planned with DeepSeek's MLA and expert parallelism (issue 33); data parallelism here "
-              "is whole engine replicas (--dp-size)", ("--enable-dp-attention",)),
+    Rejection("not needed: SGLang's data-parallel controller polls its DP ranks' load this often; "
+              "servelm's --enable-dp-attention has one scheduler, which places each new request on the "
+              "rank with the fewest sequences in the step that first computes it (no load to poll), "
+              "and --dp-size replicas are chosen by --load-balance-method", ("--load-watch-interval",)),
+    Rejection("not supported: it makes a PD prefill server assign DP-attention ranks round robin so "
+              "the decode server can predict them; servelm refuses --disaggregation-mode with "
+              "--enable-dp-attention", ("--prefill-round-robin-balance",)),
     Rejection("not supported: CUDA-only communication kernels (NVLS, symmetric memory, MSCCL++, "
               "FlashInfer's fused all-reduce, custom all-gather); servelm's collectives are plain "
               "torch.distributed groups (gloo and shared memory on CPU, NCCL on CUDA) with no "
@@ -828,6 +829,8 @@ NEEDS: tuple[tuple[str, str], ...] = (
     ("expert_parallel_size", "tensor_parallel_size"),
     ("enable_expert_parallel", "tensor_parallel_size"),
     ("ep_num_redundant_experts", "expert_parallel_size"),
+    ("enable_dp_attention", "tensor_parallel_size"),
+    ("enable_dp_lm_head", "enable_dp_attention"),
     ("enable_eplb", "expert_parallel_size"),
     ("eplb_rebalance_num_iterations", "enable_eplb"),
     ("eplb_min_rebalancing_utilization_threshold", "enable_eplb"),

@@ -510,8 +510,10 @@ class ParallelConfig:
 
     expert_parallel_size: int = opt(
         1, "Expert-parallel degree of MoE layers: 1 (every tensor-parallel rank holds a slice of "
-        "every expert) or --tp-size (each rank holds whole experts, E / N of them, and tokens go "
-        "to the rank holding their expert and back by all-to-all; attention stays tensor-parallel).")
+        "every expert), --tp-size (each rank holds whole experts, E / N of them, and tokens go "
+        "to the rank holding their expert and back by all-to-all; attention stays tensor-parallel), "
+        "or a divisor of --tp-size between (N groups of --tp-size / N ranks: a group holds E / N "
+        "experts, each split over its ranks by intermediate columns; one all-reduce sums the parts).")
     enable_expert_parallel: bool = opt(
         False, "Expert parallelism over all tensor-parallel ranks: --ep-size set to --tp-size.")
     ep_num_redundant_experts: int = opt(
@@ -519,6 +521,17 @@ class ParallelConfig:
         "expert (rows of a replicated expert are spread over its replicas); experts plus these "
         "must divide by --ep-size. They start as replicas of the first experts; --enable-eplb "
         "moves them to the measured busiest.")
+    enable_dp_attention: bool = opt(
+        False, "DP attention for mixture-of-experts models (SGLang's): each tensor-parallel rank "
+        "runs the attention and dense layers, whole, for its own share of the requests (its KV pool "
+        "holds only theirs), and the MoE layers run expert-parallel over all ranks (each rank's "
+        "tokens go to their experts' ranks and back). A request's rank is chosen when its first "
+        "token is computed (the rank with the fewest sequences in that step) and kept for its life. "
+        "The data-parallel size is --tp-size (--dp-size may repeat it).")
+    enable_dp_lm_head: bool = opt(
+        False, "With --enable-dp-attention: each rank computes the LM head over its own requests' "
+        "rows (a copy of the whole head on every rank) and the logits are gathered; without it the "
+        "rows' hidden states are gathered and rank 0 computes every row's logits.")
     enable_eplb: bool = opt(
         False, "Expert load balancing: count each MoE layer's routed rows per expert and every "
         "--eplb-rebalance-num-iterations forward passes re-place the experts (and their redundant "
@@ -555,6 +568,7 @@ class ParallelConfig:
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError(f"--pp-max-micro-batch-size must be at least 1, got {self.pp_max_micro_batch_size}")
         self._check_nodes()
+        self._check_dp_attention()
         self._check_experts()
         if self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
@@ -565,11 +579,14 @@ class ParallelConfig:
         if self.enable_expert_parallel and ep not in (1, tp):
             raise ValueError(f"--enable-expert-parallel sets --ep-size to --tp-size {tp}; "
                              f"--ep-size {ep} contradicts it")
-        if ep not in (1, tp):
-            raise ValueError(f"--ep-size {ep} must be 1 or --tp-size {tp}: experts are sharded over "
-                             "the tensor-parallel ranks (attention TP, experts EP); an expert-parallel "
-                             "group smaller than the tensor-parallel one (experts split both ways) is "
-                             "not built yet (issue 33)")
+        if ep < 1 or tp % ep:
+            raise ValueError(f"--ep-size {ep} must divide --tp-size {tp}: experts are sharded over "
+                             f"the tensor-parallel ranks, in groups of --tp-size / --ep-size ranks that "
+                             "split each expert's intermediate columns (attention TP, experts EP)")
+        if 1 < ep < tp and (self.ep_num_redundant_experts or self.enable_eplb):
+            raise ValueError(f"--ep-num-redundant-experts and --enable-eplb place whole experts on ranks: "
+                             f"they need --ep-size equal to --tp-size {tp} (with --ep-size {ep} each expert "
+                             "is split over a group of ranks)")
         if self.ep_num_redundant_experts < 0:
             raise ValueError(f"--ep-num-redundant-experts must be at least 0, got {self.ep_num_redundant_experts}")
         if self.ep_size == 1 and (self.ep_num_redundant_experts or self.enable_eplb):
@@ -585,8 +602,39 @@ class ParallelConfig:
 
     @property
     def ep_size(self) -> int:
-        """The expert-parallel degree (--ep-size, or --tp-size with --enable-expert-parallel)."""
-        return self.tensor_parallel_size if self.enable_expert_parallel else self.expert_parallel_size
+        """The expert-parallel degree (--ep-size, or --tp-size with --enable-expert-parallel or
+        --enable-dp-attention)."""
+        if self.enable_expert_parallel or self.enable_dp_attention:
+            return self.tensor_parallel_size
+        return self.expert_parallel_size
+
+    def _check_dp_attention(self) -> None:
+        """--enable-dp-attention: the attention ranks are the tensor-parallel ranks of one node;
+        SGLang's ``--dp-size N`` beside it names that size (one engine, not N replicas)."""
+        tp = self.tensor_parallel_size
+        if not self.enable_dp_attention:
+            if self.enable_dp_lm_head:
+                raise ValueError("--enable-dp-lm-head computes the LM head per DP-attention rank: it "
+                                 "needs --enable-dp-attention")
+            return
+        if tp == 1:
+            raise ValueError("--enable-dp-attention needs --tp-size > 1: its attention ranks are the "
+                             "tensor-parallel ranks (the data-parallel size is --tp-size)")
+        if self.data_parallel_size == tp:   # SGLang's spelling: --tp N --dp N --enable-dp-attention
+            object.__setattr__(self, "data_parallel_size", 1)
+        elif self.data_parallel_size != 1:
+            raise ValueError(f"--dp-size {self.data_parallel_size} with --enable-dp-attention: the "
+                             f"attention data-parallel size is --tp-size {tp} (leave --dp-size out or "
+                             f"set it to {tp}); engine replicas of a DP-attention engine are not built")
+        if self.expert_parallel_size not in (1, tp):
+            raise ValueError(f"--enable-dp-attention runs the experts expert-parallel over all --tp-size "
+                             f"{tp} ranks; --ep-size {self.expert_parallel_size} contradicts it")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-dp-attention cannot be combined with --pp-size > 1: a pipeline "
+                             "stage would pass on hidden states of rows its next stage's rank does not own")
+        if self.nnodes > 1 or self.distributed_executor_backend != "mp":
+            raise ValueError("--enable-dp-attention is built and tested on one node with the mp "
+                             "executor only (no --nnodes, no ray) in this build")
 
     def _check_nodes(self) -> None:
         """The multi-node and executor flags (--nnodes, --node-rank, --dist-init-addr, ray)."""
@@ -1827,6 +1875,7 @@ class EngineConfig:
         self._check_lora()
         self._check_hicache()
         self._check_disaggregation()
+        self._check_dp_attention()
         if self.runtime.enable_deterministic_inference:
             if self.speculative.is_enabled:
                 raise ValueError("--enable-deterministic-inference runs one token per forward pass; "
@@ -1879,6 +1928,30 @@ class EngineConfig:
         if self.speculative.is_enabled and mode == "prefill":
             raise ValueError("--speculative-algorithm on a prefill server drafts nothing (it "
                              "samples one token per request); give it to the decode server")
+
+    def _check_dp_attention(self) -> None:
+        """What --enable-dp-attention runs without: each rank's forward covers only its own
+        requests' rows, and rank 0 sees only its own rows' routing."""
+        if not self.parallel.enable_dp_attention:
+            return
+        others = {
+            "--speculative-algorithm": (self.speculative.is_enabled, "a draft and its verify pass "
+                                        "would need the same split of the requests over the ranks"),
+            "--disaggregation-mode": (self.disaggregation.is_enabled, "a K/V transfer reads and "
+                                      "writes the engine process's pool, which holds rank 0's requests only"),
+            "--enable-lora": (self.lora.is_enabled, "adapters are installed as tensor-parallel shards, "
+                              "and DP attention's layers are whole on every rank"),
+            "--task embed": (self.model.is_embed_task, "DP attention serves generation"),
+            "--enable-eplb, --expert-distribution-recorder-mode, --enable-expert-distribution-metrics": (
+                self.parallel.enable_eplb or self.observability.expert_distribution_recorder_mode is not None
+                or self.observability.enable_expert_distribution_metrics,
+                "rank 0 sees only its own requests' routing, so its counts are not the engine's"),
+            "--debug-tensor-dump-output-folder": (self.observability.debug_tensor_dump_output_folder is not None,
+                                                  "a rank's pass holds only its own requests' rows"),
+        }
+        for flag, (is_set, reason) in others.items():
+            if is_set:
+                raise ValueError(f"--enable-dp-attention cannot be combined with {flag}: {reason}")
 
     def _check_torch_compile(self) -> None:
         """What --enable-torch-compile cannot do: it compiles the in-process runner's decode steps."""

@@ -52,6 +52,13 @@ class HeadShard:
     """KV heads (indices into the model's KV heads); replicated ranks share the same range."""
 
 
+def even_split(size: int, parts: int, index: int) -> Shard:
+    """Part ``index`` of ``range(size)`` cut into ``parts`` contiguous parts whose lengths differ by
+    at most one (the first ``size % parts`` hold one more)."""
+    base, extra = divmod(size, parts)
+    return Shard(index * base + min(index, extra), base + (1 if index < extra else 0))
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """Ranks, sizes and the process groups of one rank (data parallel replicas are whole engines)."""
@@ -69,17 +76,22 @@ class ParallelContext:
     pp_group: Any = field(default=None, compare=False, repr=False)
     """The pipeline ProcessGroup of this tp rank's stages, group rank = pp_rank (None at pp 1)."""
     ep_size: int = 1
-    """Expert-parallel degree: 1 (every rank holds a slice of every expert) or tp_size (each rank
-    holds whole experts; MoE layers exchange tokens over ``group``)."""
+    """Expert-parallel degree: 1 (every rank holds a slice of every expert), tp_size (each rank
+    holds whole experts; MoE layers exchange tokens over ``group``) or a divisor of tp_size between
+    (groups of tp / ep ranks each hold a group of experts, split by their intermediate columns)."""
     num_redundant_experts: int = 0
     """Extra expert slots per MoE layer (replicas of the busiest experts, --ep-num-redundant-experts)."""
+    expert_ranks: Any = field(default=None, compare=False, repr=False)
+    """DP attention (--enable-dp-attention): the context of a model whose layers are whole on this
+    rank (tp 1) but whose routed experts are expert-parallel over ``expert_ranks`` (a
+    ParallelContext of every rank, ep = tp), each rank bringing its own tokens. None: no DP attention."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, f"tp rank {self.tp_rank} outside [0, {self.tp_size})"
         assert 0 <= self.pp_rank < self.pp_size, f"pp rank {self.pp_rank} outside [0, {self.pp_size})"
         assert self.tp_size == 1 or self.group is not None, "tp_size > 1 needs a process group"
         assert self.pp_size == 1 or self.pp_group is not None, "pp_size > 1 needs a process group"
-        assert self.ep_size in (1, self.tp_size), f"ep size {self.ep_size} is neither 1 nor tp size {self.tp_size}"
+        assert self.tp_size % self.ep_size == 0, f"ep size {self.ep_size} does not divide tp size {self.tp_size}"
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -115,10 +127,7 @@ class ParallelContext:
     def split(self, size: int, rank: int | None = None) -> Shard:
         """This rank's (or tp rank ``rank``'s) part of ``size`` (contiguous; sizes differ by at most
         one across ranks)."""
-        rank = self.tp_rank if rank is None else rank
-        base, extra = divmod(size, self.tp_size)
-        start = rank * base + min(rank, extra)
-        return Shard(start, base + (1 if rank < extra else 0))
+        return even_split(size, self.tp_size, self.tp_rank if rank is None else rank)
 
     def padded_split(self, size: int) -> Shard:
         """This rank's part of ``size`` rounded up to a multiple of tp_size (equal parts, so they
@@ -169,14 +178,19 @@ class ParallelContext:
     def all_gather_rows(self, tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Every rank's ``split(num_rows)`` rows of ``tensor`` (``[rows, ...]``) concatenated in rank
         order: the ``num_rows`` rows whole. The parts travel padded to equal length."""
-        if self.tp_size == 1:
+        return self.all_gather_counted(tensor, [self.split(num_rows, rank).size for rank in range(self.tp_size)])
+
+    def all_gather_counted(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's ``tensor`` (rank r's has ``counts[r]`` rows, known to every rank)
+        concatenated in rank order; the parts travel padded to the longest (nothing travels when
+        every count is 0)."""
+        if self.tp_size == 1 or not any(counts):
             return tensor
-        part = self.padded_split(num_rows).size
-        padded = tensor.new_zeros((part, *tensor.shape[1:]))
+        padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
         padded[:tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in range(self.tp_size)]
         self.group.allgather([parts], [padded]).wait()
-        return torch.cat([whole[:self.split(num_rows, rank).size] for rank, whole in enumerate(parts)])
+        return torch.cat([whole[:count] for count, whole in zip(counts, parts)])
 
     def all_to_all_rows(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Send rows ``sum(send_counts[:r]) ..`` of ``tensor`` to rank r; returns the rows every rank

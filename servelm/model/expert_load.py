@@ -187,6 +187,9 @@ def build_expert_load(model: torch.nn.Module, parallel: ParallelContext, config:
         wanted.append("--ep-size")
     if wanted and not blocks:
         raise ValueError(f"{', '.join(wanted)}: {type(model).__name__} has no mixture-of-experts layer")
+    if 1 < parallel.ep_size < parallel.tp_size and wanted != ["--ep-size"]:
+        raise ValueError(f"{', '.join(wanted)} with --ep-size smaller than --tp-size is not built yet "
+                         "(issue 33): the counts per expert-parallel rank assume whole experts per rank")
     if wanted and parallel.pp_size > 1 and wanted != ["--ep-size"]:
         raise ValueError(f"{', '.join(wanted)} with --pp-size > 1 is not built yet (issue 33): the "
                          "engine process holds the last stage's MoE layers only")

@@ -35,8 +35,10 @@ import torch
 from servelm.config import CacheConfig, EngineConfig
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import set_residual_dtype
+from servelm.model.architectures.moe_block import RoutedExpertsBlock
 from servelm.model.attention import Attention, LatentAttention, get_attention_backend, prefill_routes
 from servelm.model.compile import compile_decode_layers, warm_up
+from servelm.model.dp_attention import AttentionRanks, rank_share, run_idle_experts
 from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
@@ -129,6 +131,12 @@ class ModelRunner:
         configure_onednn_cache(config.runtime.onednn_primitive_cache_capacity)  # before any op
         self.parallel = dataclasses.replace(parallel or ParallelContext.single(), ep_size=config.parallel.ep_size,
                                             num_redundant_experts=config.parallel.ep_num_redundant_experts)
+        self.attention_ranks: AttentionRanks | None = (AttentionRanks(self.parallel.tp_size)
+                                                       if config.parallel.enable_dp_attention else None)
+        """--enable-dp-attention: each sequence's rank (model/dp_attention.py); None: no DP attention."""
+        model_parallel = (dataclasses.replace(ParallelContext.single(), expert_ranks=self.parallel)
+                          if self.attention_ranks is not None else self.parallel)
+        """What the model is built for: under DP attention every layer whole except the routed experts."""
         if self.parallel.tp_size == 1 and self.parallel.pp_size == 1:  # a rank's threads are placed by its launcher (distributed/)
             threads = configure_engine_threads(config.runtime.num_threads)
             log_openmp_wait_policy(config.runtime.omp_wait_policy)
@@ -173,7 +181,7 @@ class ModelRunner:
             if self.prequantized is not None and weights is not None:
                 weights = dequantizing_weights(weights, self.prequantized, load_report)
             self.model = load_model(source.hf_config, weights, self.dtype, self.device,
-                                    config.model.seed, self.parallel)
+                                    config.model.seed, model_parallel)
         if self.quantization in GGUF_MODES:
             if source.weights is None:   # --load-format dummy
                 apply_gguf_blocks(self.model, source.gguf_path, GGUF_MODES[self.quantization], check=False)
@@ -195,6 +203,11 @@ class ModelRunner:
                             residual_reason)
         if config.model.enable_fp32_lm_head and self.dtype != torch.float32:
             self._set_fp32_lm_head()
+        self._moe_blocks = [m for m in self.model.modules() if isinstance(m, RoutedExpertsBlock)]
+        """The MoE blocks in layer order (a DP-attention rank with no rows still calls their experts)."""
+        if self.attention_ranks is not None and not self._moe_blocks:
+            raise ValueError(f"--enable-dp-attention: {type(self.model).__name__} has no mixture-of-experts "
+                             "layer, so nothing would run across the ranks (use --dp-size for replicas)")
         self.expert_load = build_expert_load(self.model, self.parallel, config)
         """MoE routing counts: the recorder, /metrics' totals and EPLB (None where no flag asks)."""
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
@@ -419,6 +432,8 @@ class ModelRunner:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
         if self.parallel.pp_size > 1:
             return self._stage.execute(plan, self.kv_cache)
+        if self.attention_ranks is not None:
+            return self._execute_dp_attention(plan)
         if self.thread_governor is not None:
             self.thread_governor.step()
         batch = ForwardBatch.build(plan, self.block_size, self.device, self.kv_cache, self.attention,
@@ -441,6 +456,28 @@ class ModelRunner:
         if self.tensor_dumper is not None:
             self.tensor_dumper.end(logits)
         return logits
+
+    def _execute_dp_attention(self, plan: BatchPlan) -> torch.Tensor:
+        """This rank's sequences of ``plan`` (model/dp_attention.py); rank 0 returns the whole
+        plan's logits, the other ranks an empty tensor."""
+        assert self.attention_ranks is not None
+        parallel = self.parallel
+        share = rank_share(plan, self.attention_ranks.assign(plan), parallel.tp_rank, parallel.tp_size)
+        dp_lm_head = self.config.parallel.enable_dp_lm_head
+        if share.plan.sequences:
+            batch = ForwardBatch.build(share.plan, self.block_size, self.device, self.kv_cache, self.attention)
+            rows = self.model(batch).index_select(0, batch.logits_indices)
+            if dp_lm_head:
+                rows = self.model.compute_logits(rows, batch.head_rows).float()
+        else:
+            run_idle_experts(self._moe_blocks, self.hidden_size, self.dtype, self.device)
+            rows = (torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device) if dp_lm_head
+                    else torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device))
+        gathered = parallel.all_gather_counted(rows, share.logits_counts)
+        if not parallel.is_driver:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        rows = gathered.index_select(0, share.plan_rows.to(self.device))
+        return rows if dp_lm_head else self.model.compute_logits(rows).float()
 
     @property
     def takes_images(self) -> bool:

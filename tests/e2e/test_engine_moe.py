@@ -132,3 +132,19 @@ def test_expert_distribution_recorder_in_process(tmp_path):
     rows = [token for one_pass in dump["passes"] for token in one_pass[0]]
     assert len(rows) == 5 + 3 + 2 + 2 and all(len(set(experts)) == 2 for experts in rows)
     assert "--expert-distribution-recorder-mode" in expert_distribution_call(None, "start")["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_ep2_inside_tp4_matches_one_process(tmp_path, arch):
+    """--tp 4 --ep-size 2: attention over four ranks, the experts in two groups of two ranks, each
+    group's ranks splitting its experts' intermediate columns: greedy tokens equal one process's."""
+    from tests.e2e.test_tensor_parallel import run_engine
+
+    model = str(make_tiny_model_dir(tmp_path, arch))
+    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+    flags = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+    expected, _ = run_engine(model, 1, prompts, **flags)
+    got, layout = run_engine(model, 4, prompts, expert_parallel_size=2, **flags)
+    assert got == expected
+    assert layout["tp_size"] == 4 and layout["ep_size"] == 2

@@ -19,7 +19,7 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.model.architectures.common import GatedMLP
 from servelm.model.layers.linear import LoRAGroup
 from servelm.model.layers.moe import FusedMoE, Routing, route
-from servelm.model.layers.moe_parallel import ExpertParallelMoE
+from servelm.model.layers.moe_parallel import ExpertGroupMoE, ExpertParallelMoE
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -46,8 +46,14 @@ class RoutedExpertsBlock(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         """Routed (logical) experts: the router's outputs."""
-        experts = ExpertParallelMoE if parallel.ep_size > 1 else FusedMoE
-        self.experts = experts(num_experts, hidden, intermediate_size, activation, parallel=parallel)
+        self.experts: FusedMoE
+        if parallel.expert_ranks is not None:   # DP attention: this rank's tokens, experts over all ranks
+            self.experts = ExpertParallelMoE(num_experts, hidden, intermediate_size, activation,
+                                             parallel=parallel.expert_ranks, local_tokens=True)
+        else:
+            experts = (FusedMoE if parallel.ep_size == 1 else ExpertParallelMoE if parallel.ep_size == parallel.tp_size
+                       else ExpertGroupMoE)
+            self.experts = experts(num_experts, hidden, intermediate_size, activation, parallel=parallel)
         self.is_recording = False
         """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
         self.last_expert_ids: torch.Tensor | None = None

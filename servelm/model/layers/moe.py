@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from servelm.distributed.parallel import ParallelContext
+from servelm.distributed.parallel import ParallelContext, Shard
 from servelm.model.layers.activation import ActAndMul
 from servelm.model.layers.gguf_routes import GENERATION_ONLY, PassRows
 from servelm.model.layers.linear import LinearBase, dense_linear
@@ -148,12 +148,14 @@ class FusedMoE(nn.Module):
     rank's intermediate columns); ``forward(x, routing)`` gives each token's weighted expert sum."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
-                 *, parallel: ParallelContext | None = None, dtype: torch.dtype | None = None) -> None:
+                 *, parallel: ParallelContext | None = None, dtype: torch.dtype | None = None,
+                 intermediate_shard: Shard | None = None) -> None:
+        """``intermediate_shard``: this rank's intermediate columns (None: its ``split`` of them)."""
         super().__init__()
         self.parallel = parallel or ParallelContext.single()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.intermediate_shard = self.parallel.split(intermediate_size)
+        self.intermediate_shard = intermediate_shard or self.parallel.split(intermediate_size)
         self.full_intermediate_size = intermediate_size
         local = self.intermediate_shard.size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype),

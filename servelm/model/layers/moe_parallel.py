@@ -1,5 +1,6 @@
 """Expert parallelism: whole experts sharded over the tensor-parallel ranks, tokens dispatched to the
 rank holding their expert and combined back with all-to-all; and the placement EPLB rebalances.
+(An expert-parallel group smaller than the tensor-parallel one: ``ExpertGroupMoE``, at the end.)
 
 A MoE layer has ``E`` logical experts (the checkpoint's) and ``E + R`` physical slots (``R``
 redundant: extra replicas of busy experts). ``ExpertPlacement`` says which logical expert each slot
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.distributed.parallel import ParallelContext
+from servelm.distributed.parallel import ParallelContext, even_split
 from servelm.model.layers.moe import FusedMoE, Routing
 
 
@@ -119,13 +120,20 @@ def rebalance(load: list[float], num_redundant: int, num_ranks: int) -> ExpertPl
     return ExpertPlacement(tuple(e for rank_experts in ranks for e in sorted(rank_experts)), num_logical, num_ranks)
 
 
+def missing_logical_parts(num_logical: int, loaded: set[tuple[int, str]]) -> list[str]:
+    """The (logical expert, part) weights no checkpoint tensor has filled, named."""
+    return [f"expert {expert} {part}" for expert in range(num_logical)
+            for part in ("gate", "up", "down") if (expert, part) not in loaded]
+
+
 class ExpertParallelMoE(FusedMoE):
     """The routed experts of one MoE layer under expert parallelism: this rank's ``S`` slots (whole
     experts, stacked as FusedMoE stacks them), loaded from the checkpoint by logical expert id, and
     ``forward(x, routing)`` with the all-to-all dispatch and combine (module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
-                 *, parallel: ParallelContext, dtype: torch.dtype | None = None) -> None:
+                 *, parallel: ParallelContext, dtype: torch.dtype | None = None,
+                 local_tokens: bool = False) -> None:
         placement = ExpertPlacement.initial(num_experts, parallel.num_redundant_experts, parallel.ep_size)
         super().__init__(placement.slots_per_rank, hidden_size, intermediate_size, activation,
                          parallel=ParallelContext.single(), dtype=dtype)
@@ -133,11 +141,18 @@ class ExpertParallelMoE(FusedMoE):
         self.num_logical = num_experts
         self.placement = placement
         self.loaded_logical: set[tuple[int, str]] = set()
+        self.local_tokens = local_tokens
+        """DP attention: each rank's ``x`` is its own tokens (no split, no gather; a rank with no
+        tokens still calls ``forward`` with none, to meet the others in the all-to-alls)."""
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
-        """``[T, H]``, equal on every rank: each token's weighted sum over its experts (``rows``,
+        """``[T, H]``: each token's weighted sum over its experts, equal on every rank (with
+        ``local_tokens``: this rank's tokens' only; the replica choice then counts pairs from 0 on
+        every rank, which changes which replica computes a row, not its value) (``rows``,
         the pass's facts for GGUF routes, has no use here: EP with a GGUF file is refused)."""
+        if self.local_tokens:
+            return self.dispatch_and_combine(x, routing, 0)
         num_tokens, top_k = routing.expert_ids.shape
         mine = self.ep.split(num_tokens)
         rows = slice(mine.start, mine.start + mine.size)
@@ -199,8 +214,7 @@ class ExpertParallelMoE(FusedMoE):
         self.loaded_logical.add((expert, part))
 
     def missing_parts(self) -> list[str]:
-        return [f"expert {expert} {part}" for expert in range(self.num_logical)
-                for part in ("gate", "up", "down") if (expert, part) not in self.loaded_logical]
+        return missing_logical_parts(self.num_logical, self.loaded_logical)
 
     # -- rebalancing ---------------------------------------------------------------------------
     def apply_placement(self, placement: ExpertPlacement) -> None:
@@ -234,3 +248,60 @@ class ExpertParallelMoE(FusedMoE):
         return (f"experts={self.num_logical}, slots={self.placement.rank_experts(self.ep.tp_rank)}, "
                 f"ep={self.ep.tp_rank}/{self.ep.ep_size}, hidden={self.hidden_size}, "
                 f"intermediate={self.full_intermediate_size}")
+
+
+class ExpertGroupMoE(FusedMoE):
+    """The routed experts under an expert-parallel group smaller than the tensor-parallel one
+    (``--ep-size`` dividing ``--tp-size``; SGLang's moe_tp_size = tp / ep): the experts are cut
+    into ``ep`` contiguous groups, and each group's ``tp / ep`` ranks split its experts'
+    intermediate columns. Tokens are replicated (attention TP): rank r computes the (token,
+    expert) rows of its group's experts with its columns, and one all-reduce over the whole
+    tensor-parallel group sums the groups' and the column slices' parts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
+                 *, parallel: ParallelContext, dtype: torch.dtype | None = None) -> None:
+        if num_experts % parallel.ep_size:
+            raise ValueError(f"--ep-size {parallel.ep_size} must divide the model's {num_experts} experts "
+                             "(each expert-parallel group holds as many)")
+        moe_tp = parallel.tp_size // parallel.ep_size
+        group, column_rank = divmod(parallel.tp_rank, moe_tp)
+        per_group = num_experts // parallel.ep_size
+        super().__init__(per_group, hidden_size, intermediate_size, activation, parallel=ParallelContext.single(),
+                         dtype=dtype, intermediate_shard=even_split(intermediate_size, moe_tp, column_rank))
+        self.tp = parallel
+        self.num_logical = num_experts
+        self.first_expert = group * per_group
+        self.loaded_logical: set[tuple[int, str]] = set()
+
+    def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
+        """``[T, H]`` on every rank: each token's weighted sum over its experts (``rows``: unused,
+        a GGUF file with --ep-size is refused)."""
+        local = routing.expert_ids - self.first_expert
+        pairs = torch.nonzero(((local >= 0) & (local < self.num_experts)).reshape(-1)).flatten()
+        tokens = torch.div(pairs, routing.expert_ids.shape[1], rounding_mode="floor")
+        picked = Routing(routing.weights.reshape(-1)[pairs].unsqueeze(1), local.reshape(-1)[pairs].unsqueeze(1))
+        out = torch.zeros_like(x)
+        out.index_add_(0, tokens, super().forward(x.index_select(0, tokens), picked))
+        return self.tp.all_reduce(out)
+
+    def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
+                      shard_id: tuple[int, str] | None = None) -> None:
+        """FusedMoE's, for this group's experts only (by logical expert id; the fused ``[E, ...]``
+        stack is cut to the group's experts)."""
+        mine = range(self.first_expert, self.first_expert + self.num_experts)
+        if shard_id is None:
+            if loaded.shape[0] != self.num_logical:
+                raise ValueError(f"expert stack of {loaded.shape[0]} experts, the config has {self.num_logical}")
+            super().weight_loader(param, loaded[mine.start:mine.stop])
+            parts = ("down",) if param is self.down_proj else ("gate", "up")
+            self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in parts)
+            return
+        expert, part = shard_id
+        if not 0 <= expert < self.num_logical:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_logical}")
+        if expert in mine:
+            super().weight_loader(param, loaded, (expert - self.first_expert, part))
+        self.loaded_logical.add((expert, part))
+
+    def missing_parts(self) -> list[str]:
+        return missing_logical_parts(self.num_logical, self.loaded_logical)

@@ -10,7 +10,7 @@ import torch
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.layers.moe import FusedMoE, route
-from servelm.model.layers.moe_parallel import ExpertParallelMoE, ExpertPlacement, rebalance
+from servelm.model.layers.moe_parallel import ExpertGroupMoE, ExpertParallelMoE, ExpertPlacement, rebalance
 from tests.unit.distributed.test_parallel import run_ranks
 from tests.unit.model.test_moe_layer import E, H, I, K, full_weights
 
@@ -114,3 +114,32 @@ def test_placement_rules() -> None:
             assert "--ep-num-redundant-experts" in str(error)
         else:
             raise AssertionError(bad)
+
+
+def test_expert_groups_smaller_than_tp_equal_one_process() -> None:
+    """--tp 4 --ep 2: two groups of two ranks; a group holds half the experts, each of its ranks half
+    their intermediate columns; after the all-reduce every rank has one process's output (ranks 0
+    and 3 load per-expert tensors, 1 and 2 the fused stacks)."""
+    x, logits = skewed_routing(NUM_TOKENS, 3)
+    expected = single_process(x, logits)
+    routing = route(logits, K, True)
+
+    def work(parallel: ParallelContext) -> tuple[torch.Tensor, tuple[int, ...]]:
+        layer = ExpertGroupMoE(E, H, I, "silu", parallel=dataclasses.replace(parallel, ep_size=2))
+        gate_up, down = full_weights()
+        if parallel.tp_rank in (0, 3):
+            for e in range(E):
+                gate, up = gate_up[e].chunk(2)
+                for part, tensor in (("gate", gate), ("up", up)):
+                    layer.weight_loader(layer.gate_up_proj, tensor, (e, part))
+                layer.weight_loader(layer.down_proj, down[e], (e, "down"))
+        else:
+            layer.weight_loader(layer.gate_up_proj, gate_up)
+            layer.weight_loader(layer.down_proj, down)
+        assert layer.missing_parts() == []
+        return layer(x, routing), (layer.first_expert, *layer.gate_up_proj.shape)
+
+    ranks = run_ranks(4, work)
+    for out, _ in ranks:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert [shape for _, shape in ranks] == [(0, E // 2, I, H)] * 2 + [(E // 2, E // 2, I, H)] * 2
