@@ -85,6 +85,16 @@ def test_experts_int8_with_eplb_is_refused() -> None:
                      parallel=ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, enable_eplb=True))
 
 
+def test_a_dense_draft_of_an_experts_int8_model_loads_as_it_is() -> None:
+    """experts_int8 names the model's experts; the draft model (often dense) is not refused for it."""
+    from servelm.config import SpeculativeConfig
+    from servelm.engine.draft_model import draft_engine_config
+
+    config = EngineConfig(model=ModelConfig(quantization="experts_int8"),
+                          speculative=SpeculativeConfig(speculative_draft_model_path="draft", num_speculative_tokens=4))
+    assert draft_engine_config(config).model.quantization == "auto"
+
+
 @SLOW
 def test_expert_parallel_2_holds_the_same_int8_experts(tiny_moe: tuple[Path, Any]) -> None:
     """--ep-size 2 --tp-size 2: each rank quantizes the whole experts it holds, so the experts are the
