@@ -1,10 +1,13 @@
 """The fused MoE layer (servelm.model.layers.moe.FusedMoE: rows sorted by expert, a GEMM pair per
 expert with rows) against transformers' per-expert loop (one-hot mask, a torch.where per expert)
-on one realistic layer shape: 16 experts, top-2, hidden 1024, intermediate 512, float32.
+on one realistic layer shape: 16 experts, top-2, hidden 1024, intermediate 512, float32; and the
+same layer with ``--quantization experts_int8``'s experts (int8 per output channel, bf16 activations
+into torch's int8 kernel).
 
     python benchmarks/moe_bench.py [--threads N] [--repeats R]
 
-Prints the median ms per layer call at 1, 8, 32 and 512 tokens and the ratio.
+Prints the median ms per layer call at 1, 8, 32 and 512 tokens, the loop's ratio to the fused float32
+layer, the experts_int8 layer's speed-up over it and its output's error relative to it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from servelm.model.layers.moe import FusedMoE, route
+from servelm.model.layers.quantization import quantize_experts
 
 EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 16, 2, 1024, 512
 
@@ -55,11 +59,14 @@ def main() -> None:
     layer = FusedMoE(EXPERTS, HIDDEN, INTERMEDIATE, "silu")
     gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.02
     down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.02
-    layer.weight_loader(layer.gate_up_proj, gate_up)
-    layer.weight_loader(layer.down_proj, down)
+    int8_layer = FusedMoE(EXPERTS, HIDDEN, INTERMEDIATE, "silu")
+    for target in (layer, int8_layer):
+        target.weight_loader(target.gate_up_proj, gate_up)
+        target.weight_loader(target.down_proj, down)
+    quantize_experts(int8_layer)
     router = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.02
     print(f"threads {args.threads}; {EXPERTS} experts, top-{TOP_K}, hidden {HIDDEN}, intermediate {INTERMEDIATE}")
-    print("tokens  fused_ms  loop_ms  loop/fused")
+    print("tokens  fused_ms  loop_ms  loop/fused  int8_ms  fused/int8  int8_rel_err")
     with torch.inference_mode():
         for tokens in (1, 8, 32, 512):
             x = torch.randn(tokens, HIDDEN, generator=generator)
@@ -69,7 +76,11 @@ def main() -> None:
                                        atol=1e-4, rtol=1e-4)
             fused = median_ms(lambda: layer(x, routing), args.repeats)
             loop = median_ms(lambda: loop_reference(x, gate_up, down, weights, routing.expert_ids), args.repeats)
-            print(f"{tokens:6d}  {fused:8.3f}  {loop:7.3f}  {loop / fused:9.2f}")
+            int8 = median_ms(lambda: int8_layer(x, routing), args.repeats)
+            exact = layer(x, routing)
+            error = ((int8_layer(x, routing) - exact).norm() / exact.norm()).item()
+            print(f"{tokens:6d}  {fused:8.3f}  {loop:7.3f}  {loop / fused:9.2f}  {int8:7.3f}  {fused / int8:10.2f}"
+                  f"  {error:12.2e}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ PREQUANTIZED_FLAG_VALUES = ("gptq", "awq", "fp8", "fbgemm_fp8", "compressed-tens
 
 REFUSED_QUANTIZATION = {
     "hqq": "HQQ checkpoints are not supported",
-    "experts_int8": "experts_int8 quantizes MoE experts on CUDA at load; on CPU use --quantization int8wo",
     "modelopt": "NVIDIA ModelOpt checkpoints are not supported",
     "modelopt_fp4": "NVIDIA ModelOpt FP4 checkpoints are not supported (no FP4 path on CPU)",
     "gptq_marlin_24": "2:4 sparse GPTQ (Marlin 24) is a CUDA-only sparse format",
@@ -175,9 +174,10 @@ class ModelConfig:
                             "fbgemm_fp8, compressed-tensors, bitsandbytes) is detected under auto; naming its format "
                             "(gptq_marlin/awq_marlin: the same formats) must agree with the checkpoint. Its "
                             "weights are dequantized exactly at load; GPTQ/AWQ/compressed-tensors integer codes "
-                            "then run on the GGUF block kernels (--tp-size 1, --dtype auto).",
+                            "then run on the GGUF block kernels (--tp-size 1, --dtype auto). experts_int8: int8wo on "
+                            "the routed experts of a mixture-of-experts model only (the rest as loaded).",
                             choices=["auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", "int4wo-32", "int4wo-64", "int4wo-128",
-                                     "int4wo-256", *PREQUANTIZED_FLAG_VALUES, *REFUSED_QUANTIZATION])
+                                     "int4wo-256", "experts_int8", *PREQUANTIZED_FLAG_VALUES, *REFUSED_QUANTIZATION])
     task: str = opt(
         "auto", "What the model serves: generate (completions and chat) or embed (/v1/embeddings: "
         "one pooled vector per input). auto: embed for encoder-only models (BERT), generate for "
@@ -1871,6 +1871,9 @@ class EngineConfig:
                 f"{self.model.quantization}: inductor's fused norms and activation scaling differ "
                 "from eager in the last bit, the int8 rounding of the activations turns that into "
                 "different greedy outputs, and w8a8_int8 measured slower compiled; use one or the other")
+        if self.model.quantization == "experts_int8" and self.parallel.enable_eplb:
+            raise ValueError("--quantization experts_int8 cannot be combined with --enable-eplb: rebalancing moves "
+                             "float expert stacks between ranks, and experts_int8 replaces them by int8 weights")
         self._check_torch_compile()
         self._check_lora()
         self._check_hicache()

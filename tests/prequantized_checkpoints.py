@@ -65,14 +65,53 @@ def make_quant_hf_model(arch: str, hidden: int = 64, intermediate: int = 128, se
     return model.eval()
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_PUBLISHED_EXPERTS = {"mixtral": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}}
+"""How a family's published checkpoints name an expert's projections (transformers' per-expert names
+otherwise)."""
+
+
+def expert_weights(model: Any, layer: int) -> dict[str, torch.Tensor]:
+    """``model.layers.<layer>.mlp.experts.<e>.<gate_proj|up_proj|down_proj>`` -> float weight [N, K]
+    of each expert of a layer whose experts transformers (>= 5) stacks (``gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]); empty for a dense layer."""
+    experts = getattr(model.model.layers[layer].mlp, "experts", None)
+    if experts is None:
+        return {}
+    out = {}
+    for expert, (gate_up, down) in enumerate(zip(experts.gate_up_proj.detach().float(),
+                                                 experts.down_proj.detach().float())):
+        gate, up = gate_up.chunk(2, dim=0)
+        for projection, weight in zip(EXPERT_PROJECTIONS, (gate, up, down)):
+            out[f"model.layers.{layer}.mlp.experts.{expert}.{projection}"] = weight.contiguous()
+    return out
+
+
 def quantized_linears(model: Any) -> dict[str, torch.Tensor]:
-    """HF module name -> float weight [N, K] of every decoder linear."""
+    """HF module name -> float weight [N, K] of every decoder linear, each MoE expert's projections
+    included (transformers' per-expert names; the router stays float, as quantizers leave it)."""
     out = {}
     for layer in range(model.config.num_hidden_layers):
         for leaf in QUANTIZED_LINEARS:
             name = f"model.layers.{layer}.{leaf}"
+            if leaf.startswith("mlp.") and not hasattr(model.get_submodule(f"model.layers.{layer}.mlp"), leaf[4:]):
+                continue   # an MoE layer
             out[name] = model.get_submodule(name).weight.detach().float()
+        out.update(expert_weights(model, layer))
     return out
+
+
+def published_name(model_type: str, name: str) -> str:
+    """A tensor's name as the family's published checkpoints spell it: Mixtral's MoE block is
+    ``block_sparse_moe`` and its experts' projections ``w1`` / ``w3`` / ``w2``."""
+    projections = _PUBLISHED_EXPERTS.get(model_type)
+    if projections is None:
+        return name
+    stem, sep, rest = name.replace(".mlp.", ".block_sparse_moe.").partition(".experts.")
+    fields = rest.split(".")
+    if not sep or len(fields) < 2 or fields[1] not in projections:
+        return stem + sep + rest
+    return ".".join([f"{stem}.experts.{fields[0]}", projections[fields[1]], *fields[2:]])
 
 
 def _wrap_int32(words: torch.Tensor) -> torch.Tensor:
@@ -148,22 +187,43 @@ def _save(path: Path, model: Any, tensors: dict[str, torch.Tensor], quantization
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path / "model.safetensors"))
+    _save_tensors(path, model, tensors)
+
+
+def _save_tensors(path: Path, model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """``model.safetensors`` with the tensors under the family's published names."""
+    save_file({published_name(model.config.model_type, name): tensor.contiguous() for name, tensor in tensors.items()},
+              str(path / "model.safetensors"))
+
+
+_EXPERT_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def _float_state(model: Any, skip: set[str]) -> dict[str, torch.Tensor]:
+    """The model's tensors but the quantized linears' weights (``skip``), MoE expert stacks (written
+    per expert) and a tied head."""
     tied = getattr(model.config, "tie_word_embeddings", False)
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
             if (name.rsplit(".", 1)[0] not in skip or not name.endswith(".weight"))
-            and not (tied and name == "lm_head.weight")}
+            and not name.endswith(_EXPERT_STACKS) and not (tied and name == "lm_head.weight")}
 
 
 def reference_model(model: Any, weights: dict[str, torch.Tensor]) -> Any:
-    """A copy of ``model`` whose linears hold ``weights`` (the dequantized reference)."""
+    """A copy of ``model`` whose linears hold ``weights`` (the dequantized reference); an expert's
+    projection (``...mlp.experts.<e>.<gate_proj|up_proj|down_proj>``) goes to its rows of the stacks."""
     reference = copy.deepcopy(model)
     with torch.no_grad():
         for name, weight in weights.items():
-            reference.get_submodule(name).weight.copy_(weight)
+            stem, sep, rest = name.partition(".experts.")
+            if not sep:
+                reference.get_submodule(name).weight.copy_(weight)
+                continue
+            expert, projection = rest.split(".")
+            experts = reference.get_submodule(f"{stem}.experts")
+            if projection == "down_proj":
+                experts.down_proj[int(expert)].copy_(weight)
+            else:
+                experts.gate_up_proj[int(expert)].chunk(2, dim=0)[EXPERT_PROJECTIONS.index(projection)].copy_(weight)
     return reference.eval()
 
 
@@ -307,17 +367,41 @@ def bitsandbytes_reference(path: Path) -> Any:
     return model.dequantize(dtype=torch.float32).eval()
 
 
+def unfused_experts(model: Any) -> Any:
+    """A copy of ``model`` whose stacked MoE experts are per-expert ``nn.Linear`` layers
+    (``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``), as llm-compressor unfuses them for
+    its quantizers, which target Linear layers (only its state dict is used, never its forward)."""
+    model = copy.deepcopy(model)
+    for layer in range(model.config.num_hidden_layers):
+        weights = expert_weights(model, layer)
+        experts = torch.nn.ModuleList()
+        for expert in range(len(weights) // len(EXPERT_PROJECTIONS)):
+            module = torch.nn.Module()
+            for projection in EXPERT_PROJECTIONS:
+                weight = weights[f"model.layers.{layer}.mlp.experts.{expert}.{projection}"]
+                linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+                linear.weight.data.copy_(weight)
+                setattr(module, projection, linear)
+            experts.append(module)
+        if weights:
+            model.model.layers[layer].mlp.experts = experts
+    return model
+
+
 def write_ct_with_library(path: Path, model: Any, weights: dict[str, Any], fmt: str,
-                          activations: dict[str, Any] | None = None) -> None:
+                          activations: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """A compressed-tensors checkpoint made by the library itself: its quantization config applied to
-    the model, min/max scales from its own ``calculate_qparams`` (llm-compressor's minmax observer
-    without calibration data), compressed by its ``ModelCompressor`` and saved with its config."""
+    the model (MoE experts unfused into Linear layers first: ``unfused_experts``), min/max scales
+    from its own ``calculate_qparams`` (llm-compressor's minmax observer without calibration data),
+    compressed by its ``ModelCompressor`` and saved with its config. Returns the library's own
+    decompression of what it wrote (``ModelCompressor.decompress_model``): HF module name (experts
+    per expert) -> float32 weight, the reference for ``reference_model``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  QuantizationStatus, apply_quantization_config)
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-    model = copy.deepcopy(model)
+    model = unfused_experts(model)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                                 input_activations=QuantizationArgs(**activations) if activations else None)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
@@ -351,5 +435,8 @@ def write_ct_with_library(path: Path, model: Any, weights: dict[str, Any], fmt: 
     (path / "config.json").write_text(json.dumps(config_json))
     compressor.update_config(str(path))
     tied = model.config.tie_word_embeddings
-    save_file({name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}, str(path / "model.safetensors"))
+    _save_tensors(path, model, {name: tensor.detach() for name, tensor in model.state_dict().items()
+                                if not (tied and name == "lm_head.weight")})
+    quantized = [name for name, module in model.named_modules() if getattr(module, "quantization_scheme", None)]
+    compressor.decompress_model(model)
+    return {name: model.get_submodule(name).weight.detach().float().clone() for name in quantized}

@@ -64,12 +64,14 @@ def check_draft_supported(config: EngineConfig) -> None:
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     """The config the draft's ModelRunner is built from: the model's, with the draft's path and
     none of the model-only options (tokenizer, overrides, context length, torch.compile, the MoE
-    expert placement and recording: the draft runs whole on the engine's rank)."""
+    expert placement and recording: the draft runs whole on the engine's rank; experts_int8, which
+    names the model's experts: the draft, often a dense model, loads as it is)."""
     path = config.speculative.speculative_draft_model_path
     assert path is not None, "STANDALONE has a draft path (SpeculativeConfig)"
+    quantization = "auto" if config.model.quantization == "experts_int8" else config.model.quantization
     model = dataclasses.replace(config.model, model=path, tokenizer=None, hf_overrides=None,
                                 context_length=None, served_model_name=None, revision=None,
-                                download_dir=None)
+                                download_dir=None, quantization=quantization)
     runtime = dataclasses.replace(config.runtime, enable_torch_compile=False)
     parallel = dataclasses.replace(config.parallel, expert_parallel_size=1, enable_expert_parallel=False,
                                    ep_num_redundant_experts=0, enable_eplb=False)

@@ -190,7 +190,7 @@ def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterato
         yield module_name, module, names
 
 
-def _split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> list[FusedMoE]:
+def split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> list[FusedMoE]:
     """Split the experts of every MoE layer whose expert weights all have blocks into per-expert
     linears (``FusedMoE.split_experts``: then served like any other linear); returns those layers."""
     split = []
@@ -254,7 +254,7 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
     i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
-    split = _split_block_experts(model, blocks)
+    split = split_block_experts(model, blocks)
     started = time.perf_counter()
     route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
     route_seconds = time.perf_counter() - started

@@ -59,6 +59,7 @@ import torch
 
 from servelm.config import REFUSED_QUANTIZATION
 from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.moe import canonical_expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -743,22 +744,34 @@ class PermutedInputMethod:
         return self.inner.apply(layer, x.index_select(-1, self.order), bias, rows)
 
 
+def model_weight_name(model: Any, name: str) -> str:
+    """The name the block routes know checkpoint weight ``name`` by: the model's own rename where it
+    has one (Mixtral's ``block_sparse_moe`` -> ``mlp``), an expert's projection as transformers
+    names it (``w1`` -> ``gate_proj``)."""
+    rename = getattr(model, "weight_name", None)
+    return canonical_expert_name(rename(name) if rename is not None else name)
+
+
 def apply_prequantized_blocks(model: Any, report: LoadReport, label: str) -> dict[str, Any] | None:
     """Serve ``report``'s block weights on the GGUF block routes (``apply_block_weights``, which checks
     each against the loaded float weight). A layer whose block weight has its inputs reordered
     (desc_act) first gets its float weight's columns in that order and, after, a
-    ``PermutedInputMethod``; a fused layer whose shards' orders differ keeps its float weight."""
-    from servelm.model.gguf_weights import apply_block_weights
+    ``PermutedInputMethod``; a fused layer whose shards' orders differ keeps its float weight.
+    Checkpoint names are matched as ``model_weight_name`` gives them; MoE layers whose experts all
+    have block weights are split into per-expert linears first (``split_block_experts``)."""
+    from servelm.model.gguf_weights import apply_block_weights, split_block_experts
     from servelm.model.layers.linear import LinearBase
 
-    served, others = kernel_blocks(report.blocks)
+    served, others = kernel_blocks({model_weight_name(model, name): block for name, block in report.blocks.items()})
+    input_orders = {model_weight_name(model, name): order for name, order in report.orders.items()}
+    split_block_experts(model, served)   # experts' own linears first: their input orders apply to them
     permuted: dict[str, tuple[Any, torch.Tensor]] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, LinearBase) or module.weight is None:
             continue
         prefix, _, leaf = module_name.rpartition(".")
         names = [f"{prefix}.{shard}.weight" for shard in _FUSED_SHARDS.get(leaf, ())] or [f"{module_name}.weight"]
-        orders = [report.orders.get(name) for name in names]
+        orders = [input_orders.get(name) for name in names]
         if all(order is None for order in orders):
             continue
         first = orders[0]

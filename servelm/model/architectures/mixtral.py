@@ -24,6 +24,10 @@ class MixtralForCausalLM(MistralForCausalLM):
     def build_mlp(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
         return SparseMoeBlock(hf_config, hf_config.intermediate_size, renormalize=True, parallel=parallel)
 
+    @staticmethod
+    def weight_name(name: str) -> str:
+        """A checkpoint tensor's name as this model holds it (``block_sparse_moe`` -> ``mlp``)."""
+        return name.replace(".block_sparse_moe.", ".mlp.")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), tensor)
-                                    for name, tensor in weights)
+        return super().load_weights((self.weight_name(name), tensor) for name, tensor in weights)

@@ -18,7 +18,8 @@ Invariants:
   top-k from the same hidden states), so no rank exchanges tokens.
 - Routing is computed in float32 (softmax over all experts, top-k, then optionally renormalised
   over the chosen k), as transformers does; the weights reach the experts in the activation dtype.
-- A per-layer weight format (a GGUF file's blocks) replaces the stacked weights through
+- A per-layer weight format (a GGUF file's blocks, a pre-quantized checkpoint's integer codes,
+  ``experts_int8``'s int8 weights) replaces the stacked weights through
   ``split_experts``: each expert gets its own two linear layers (children ``"0"``, ``"1"``, ...,
   so their checkpoint names are the per-expert ones), whose weights a LinearMethod then replaces
   (servelm/model/gguf_weights.py), and ``drop_stacked`` frees the stacks. The routing, grouping and
@@ -40,6 +41,19 @@ from servelm.model.layers.linear import LinearBase, dense_linear
 _CHECKPOINT_SHARDS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                       "down_proj": "down", "w2": "down"}
 """A per-expert checkpoint tensor's projection name -> its part of the stacked weights."""
+_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+"""A part of the stacked weights -> the per-expert projection name transformers gives it."""
+
+
+def canonical_expert_name(name: str) -> str:
+    """A per-expert checkpoint tensor's name with its projection as transformers names it
+    (Mixtral's ``experts.<e>.w1`` / ``w3`` / ``w2`` -> ``gate_proj`` / ``up_proj`` / ``down_proj``:
+    the names ``split_experts``' layers answer to); any other name unchanged."""
+    stem, sep, rest = name.partition(".experts.")
+    fields = rest.split(".")
+    if not sep or len(fields) != 3 or not fields[0].isdigit() or fields[1] not in _CHECKPOINT_SHARDS:
+        return name
+    return f"{stem}.experts.{fields[0]}.{_PROJECTIONS[_CHECKPOINT_SHARDS[fields[1]]]}.{fields[2]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +184,10 @@ class FusedMoE(nn.Module):
 
     def split_experts(self) -> None:
         """Give each expert its own linear layers (children ``"<e>"``), views of the stacked weights,
-        for a LinearMethod to replace; ``forward`` runs them from now on."""
+        for a LinearMethod to replace; ``forward`` runs them from now on. Once only: a second call
+        keeps the layers the first made."""
+        if self.expert_layers is not None:
+            return
         self.expert_layers = [ExpertLinears(self.gate_up_proj.data[e], self.down_proj.data[e])
                               for e in range(self.num_experts)]
         for expert, layers in enumerate(self.expert_layers):

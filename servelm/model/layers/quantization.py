@@ -1,7 +1,8 @@
 """Requantization of a loaded model (``--quantization``) and the W8A8 dynamic int8 method.
 
 Modes (``QUANTIZATION_METHODS``): ``w8a8_int8`` (this file), ``int8wo`` and ``int4wo-<group>``
-(weight-only, servelm/model/layers/weight_only.py). The model is built and loaded in float32 as
+(weight-only, servelm/model/layers/weight_only.py), and ``experts_int8`` (vLLM's name: int8wo on the
+routed experts of a mixture-of-experts model only, ``quantize_experts``). The model is built and loaded in float32 as
 usual (HF, GGUF -- dequantized at load -- or dummy weights) and then ``quantize_model`` requantizes
 it in place, so every checkpoint format gets the same treatment.
 
@@ -46,12 +47,14 @@ from torch import nn
 
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.linear import LinearBase
+from servelm.model.layers.moe import FusedMoE
 from servelm.model.layers.weight_only import (INT4_GROUP_SIZES, Int4Rows, Int4WeightOnlyLinearMethod,
                                               Int8Rows, Int8WeightOnlyLinearMethod)
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", *(f"int4wo-{group}" for group in INT4_GROUP_SIZES))
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", *(f"int4wo-{group}" for group in INT4_GROUP_SIZES),
+                        "experts_int8")
 """Every ``--quantization`` value (ModelConfig's choices list the same names). ``auto`` and ``gguf``
 are resolved before ``quantize_model`` (servelm/model/gguf_weights.py)."""
 
@@ -153,6 +156,33 @@ def _per_token_int_mm(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: tor
 LinearMethodWithProcess = Int8DynamicLinearMethod | Int8WeightOnlyLinearMethod | Int4WeightOnlyLinearMethod
 
 
+def quantize_experts(model: nn.Module) -> int:
+    """``experts_int8``: every routed expert's gate_up and down projections become int8 weights with
+    one scale per output channel (``int8wo``'s method, on each expert's own linears:
+    ``FusedMoE.split_experts``); routers, shared experts, attention, head and embedding stay as
+    loaded. Returns the bytes of the experts' weights after. Raises ValueError for a model with no
+    MoE layer (the flag would change nothing)."""
+    layers = [module for module in model.modules() if isinstance(module, FusedMoE)]
+    if not layers:
+        raise ValueError(f"--quantization experts_int8 quantizes the routed experts of a mixture-of-experts "
+                         f"model; {type(model).__name__} has no MoE layer (--quantization int8wo quantizes "
+                         "every linear)")
+    method = Int8WeightOnlyLinearMethod()
+    float_bytes = stored = 0
+    with torch.no_grad():
+        for moe in layers:
+            float_bytes += moe.gate_up_proj.nbytes + moe.down_proj.nbytes
+            moe.split_experts()
+            assert moe.expert_layers is not None
+            for expert in moe.expert_layers:
+                stored += method.process(expert.gate_up_proj) + method.process(expert.down_proj)
+            moe.drop_stacked()
+    logger.info("quantization experts_int8: %d MoE layers' experts int8 per output channel (%.1f MiB, "
+                "%.1f MiB before); every other weight as loaded", len(layers), stored / 2 ** 20,
+                float_bytes / 2 ** 20)
+    return stored
+
+
 def make_linear_method(name: str) -> LinearMethodWithProcess | None:
     """``--quantization`` value -> the method that requantizes a loaded layer (None for ``none``)."""
     if name == "none":
@@ -212,6 +242,8 @@ def quantize_model(model: nn.Module, method: str, *, head: str | None = None,
     keeping it float; ``embedding`` (default: ``default_embedding(method)``) is ``none``, ``int8`` or
     ``int4-<group>``. The two overrides exist to measure mixed precision (benchmarks/quant_quality.py).
     """
+    if method == "experts_int8":
+        return quantize_experts(model)
     head_name = method if head is None else head
     linear = make_linear_method(method)
     head_method = make_linear_method(head_name)
