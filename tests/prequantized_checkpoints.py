@@ -36,7 +36,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tests.tiny_models import make_tiny_config
+from tests.tiny_models import TINY_MLA_ARCHS, make_tiny_config, perturb_norms_and_biases
 
 QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -51,17 +51,12 @@ def make_quant_hf_model(arch: str, hidden: int = 64, intermediate: int = 128, se
     config.hidden_size, config.intermediate_size = hidden, intermediate
     for name, value in fields.items():
         setattr(config, name, value)
-    if hasattr(config, "head_dim") and arch not in ("qwen3", "gemma3"):
+    if hasattr(config, "head_dim") and arch not in ("qwen3", "gemma3") + TINY_MLA_ARCHS:
         config.head_dim = hidden // config.num_attention_heads
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+    perturb_norms_and_biases(model, 1.0)
     return model.eval()
 
 

@@ -119,8 +119,13 @@ def make_tiny_hf_model(arch: str, seed: int | None = None) -> Any:
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # HF inits norms at identity and biases at 0; perturb them so loading them is actually tested.
-    norm_mean = 0.0 if arch.startswith("gemma3") else 1.0  # Gemma norms scale by (1 + w)
+    perturb_norms_and_biases(model, 0.0 if arch.startswith("gemma3") else 1.0)  # Gemma norms scale by (1 + w)
+    return model.eval()
+
+
+def perturb_norms_and_biases(model: Any, norm_mean: float) -> None:
+    """HF inits norms at identity and biases (DeepSeek-V3's routing bias too) at 0; perturb them so
+    loading them is actually tested."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -130,7 +135,6 @@ def make_tiny_hf_model(arch: str, seed: int | None = None) -> Any:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero at init
                 buffer.normal_(0.0, 0.1)
-    return model.eval()
 
 
 def make_tiny_model_dir(tmp_path: str | Path, arch: str, seed: int | None = None) -> Path:

@@ -67,10 +67,11 @@ def build_hicache(config: EngineConfig, runner: Any, tree: RadixTree | None,
     if not isinstance(kv, KVCache) or tree is None:
         raise ValueError("--enable-hierarchical-cache needs the in-process model runner and the "
                          "prefix cache")
-    if len(kv.v_caches) != len(kv.k_caches) or kv.v_head_dim != kv.head_dim:
+    if kv.v_caches and kv.v_head_dim != kv.head_dim:
         raise ValueError("--enable-hierarchical-cache: the host tier copies K and V blocks of one shape; "
-                         "this model's pool holds DeepSeek's latent rows (or K and V of different widths), "
-                         "which it does not copy yet")
+                         f"this model's pool holds K {kv.head_dim} and V {kv.v_head_dim} values wide per head "
+                         "(DeepSeek under --disable-mla), which it does not copy yet; the latent pool "
+                         "(without --disable-mla) has a host tier")
     per_block = HostKVTier.bytes_per_block(kv, hicache.hicache_host_dtype)
     if hicache.hicache_size > 0:
         num_slots = int(hicache.hicache_size * 1e9) // per_block

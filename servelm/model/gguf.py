@@ -17,8 +17,21 @@ result equals what ``transformers`` loads from the same file (our parity referen
   ``[E, rows, cols]``, yielded as the per-expert tensors of an HF checkpoint
   (``mlp.experts.<e>.gate_proj.weight``; ``expert_tensor_names``). llama.cpp renormalises Qwen3-MoE's
   top-k weights whatever the original config said (``norm_topk_prob=True``, as transformers'
-  GGUF loader does too), and a Qwen3-MoE layer without ``ffn_gate_inp`` is a dense MLP
+  GGUF loader does too), and a Qwen3-MoE or Qwen2-MoE layer without ``ffn_gate_inp`` is a dense MLP
   (``mlp_only_layers``).
+- Qwen2-MoE (``qwen2moe``): the shared expert is ``ffn_{gate,up,down}_shexp`` and its gate
+  ``ffn_gate_inp_shexp``; OLMoE (``olmoe``): whole-projection ``attn_q_norm``/``attn_k_norm``. llama.cpp
+  runs both without renormalising the top-k and OLMoE without clipping q/k/v, so the config says
+  ``norm_topk_prob=False`` (and ``clip_qkv=None``) whatever the original did.
+- DeepSeek-V2/V3 (``deepseek2``, converted as MQA over the latent): ``attn_kv_a_mqa``,
+  ``attn_kv_a_norm``, ``attn_q_a``/``attn_q_a_norm``/``attn_q_b`` (or ``attn_q``), shared experts
+  ``ffn_*_shexp``, V3's routing bias ``exp_probs_b.bias``, dense leading layers
+  (``leading_dense_block_count``). ``kv_b_proj`` is stored split for the absorbed form: ``attn_k_b``
+  ``[H, kv_lora_rank, nope]`` (transposed) and ``attn_v_b`` ``[H, v, kv_lora_rank]``; ``join_kv_b``
+  rebuilds it (older files hold ``attn_kv_b`` whole). A sigmoid gating function (or a routing bias)
+  makes the file V3, else V2 (group-limited where it has expert groups). The file keeps one YaRN
+  mscale (``yarn_log_multiplier`` = 0.1 x ``mscale_all_dim``), so ``mscale`` = ``mscale_all_dim``,
+  as in every released DeepSeek config.
 
 Tensors are dequantized one at a time (float32), so peak memory is one tensor beyond the model.
 """
@@ -37,15 +50,19 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", "olmoe", "deepseek2")
 
 # llama.cpp architecture -> transformers model_type (Gemma 3 GGUFs hold the text backbone only).
-_MOE_ARCHITECTURES = ("qwen2moe", "olmoe", "mixtral", "deepseek2", "llama4", "gpt-oss")
+_MOE_ARCHITECTURES = ("mixtral", "llama4", "gpt-oss")
 """GGUF architectures of MoE models not loaded yet, refused with their own reason."""
-_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3moe"}
+_MOE_FAMILIES = {"llama": "mixtral", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe",
+                 "deepseek2": "deepseek2"}
 """Architectures whose files may hold experts (``<arch>.expert_count``) -> the family they are then."""
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-                "mixtral": "mixtral", "qwen3moe": "qwen3_moe"}
+                "mixtral": "mixtral", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "olmoe": "olmoe",
+                "deepseek2": "deepseek_v2"}
+_SIGMOID_GATING = 2
+"""``<arch>.expert_gating_func`` of sigmoid scores (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)."""
 
 # GGUF metadata key (after "<arch>.") -> config field, per architecture.
 _COMMON_KEYS = {
@@ -70,6 +87,19 @@ _ARCH_KEYS = {
     "qwen3moe": {**_COMMON_KEYS, "attention.key_length": "head_dim", "expert_count": "num_experts",
                  "expert_used_count": "num_experts_per_tok",
                  "expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {**_COMMON_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "olmoe": {**_COMMON_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"},
+    # head_count_kv is 1 (MQA over the latent): the HF config's KV heads are the query heads
+    "deepseek2": {**{key: name for key, name in _COMMON_KEYS.items() if key != "attention.head_count_kv"},
+                  "expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+                  "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+                  "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+                  "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
+                  "leading_dense_block_count": "first_k_dense_replace", "attention.q_lora_rank": "q_lora_rank",
+                  "attention.kv_lora_rank": "kv_lora_rank", "attention.value_length_mla": "v_head_dim",
+                  "rope.dimension_count": "qk_rope_head_dim"},
 }
 _TOKEN_ID_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
@@ -98,10 +128,31 @@ _LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 """A layer's stacked expert tensors ``[E, rows, cols]`` -> the per-expert HF projection."""
+_KV_B_HALVES = ("attn_k_b", "attn_v_b")
+"""DeepSeek's ``kv_b_proj`` as current llama.cpp stores it, in two 3-D halves (``join_kv_b``)."""
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+_DEEPSEEK_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    **{half: "self_attn.kv_b_proj" for half in _KV_B_HALVES},
+    "exp_probs_b": "mlp.gate.e_score_correction",   # its ".bias" is HF's "_bias" (gguf_to_hf_name)
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA_LAYER_NAMES, "deepseek2": _DEEPSEEK_LAYER_NAMES}
 # Tensors llama.cpp adds that have no HF parameter (recomputed from the config).
 _IGNORED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
@@ -126,14 +177,39 @@ def gguf_to_hf_name(gguf_name: str, architecture: str) -> str | None:
         return None
     if match := _LAYER_RE.match(gguf_name):
         layer, part, suffix = match.groups()
-        names = _GEMMA_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+        names = _LAYER_NAMES_BY_ARCH.get(architecture, _LAYER_NAMES)
         if part in _EXPERT_NAMES and suffix == "weight":
             return f"model.layers.{layer}.mlp.experts.{_EXPERT_NAMES[part]}.weight"
         if part in names:
-            return f"model.layers.{layer}.{names[part]}.{suffix}"
+            return f"model.layers.{layer}.{names[part]}.{suffix}".replace(".e_score_correction.bias",
+                                                                           ".e_score_correction_bias")
     elif (match := _GLOBAL_RE.match(gguf_name)) and match.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
     raise GGUFError(f"unknown GGUF tensor {gguf_name!r} for architecture {architecture!r}")
+
+
+def layer_part(gguf_name: str) -> str | None:
+    """The per-layer part of a tensor name (``blk.3.ffn_up_exps.weight`` -> ``ffn_up_exps``); None
+    for a global tensor."""
+    match = _LAYER_RE.match(gguf_name)
+    return match.group(2) if match else None
+
+
+def is_expert_stack(gguf_name: str) -> bool:
+    """Whether the tensor is a layer's experts stacked ``[E, rows, cols]``."""
+    return layer_part(gguf_name) in _EXPERT_NAMES
+
+
+def is_kv_b_half(gguf_name: str) -> bool:
+    """Whether the tensor is one of DeepSeek's two ``kv_b_proj`` halves (``join_kv_b``)."""
+    return layer_part(gguf_name) in _KV_B_HALVES
+
+
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """HF's ``kv_b_proj`` ``[H * (nope + v), kv_lora_rank]`` (per head: its no-rope key rows, then
+    its value rows) from llama.cpp's ``attn_k_b`` ``[H, kv_lora_rank, nope]`` and ``attn_v_b``
+    ``[H, v, kv_lora_rank]``."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1]).contiguous()
 
 
 def expert_tensor_names(stack_name: str, num_experts: int) -> list[str]:
@@ -207,8 +283,8 @@ class GGUFFile:
         has_experts = bool(self.fields.get(f"{self.architecture}.expert_count"))
         if self.architecture in _MOE_ARCHITECTURES or has_experts and self.architecture not in _MOE_FAMILIES:
             raise GGUFError(f"{self.path.name}: a mixture-of-experts GGUF ({self.architecture!r} with experts) "
-                            "does not load yet (Mixtral and Qwen3-MoE GGUFs do); its Hugging Face "
-                            "safetensors directory does")
+                            "does not load yet (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and DeepSeek-V2/V3 "
+                            "GGUFs do); its Hugging Face safetensors directory does")
         self.family = _MOE_FAMILIES[self.architecture] if has_experts else self.architecture
         """The model family: the architecture, or the MoE family of one with experts (Mixtral)."""
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -299,16 +375,52 @@ class GGUFFile:
                 raise GGUFError(f"{self.path.name}: no vocab_size and no tokenizer.ggml.tokens")
             values["vocab_size"] = tokens.count if isinstance(tokens, _StringArray) else len(tokens)
         values["tie_word_embeddings"] = "output.weight" not in self.tensor_names
-        if self.family == "qwen3moe":   # llama.cpp's Qwen3-MoE always renormalises the top-k
-            values["norm_topk_prob"] = True
+        if self.family in ("qwen3moe", "qwen2moe"):
             values["mlp_only_layers"] = [layer for layer in range(values["num_hidden_layers"])
                                          if f"blk.{layer}.ffn_gate_inp.weight" not in self.tensor_names]
+        # llama.cpp always renormalises Qwen3-MoE's top-k, never Qwen2-MoE's or OLMoE's
+        values.update(_FIXED_FIELDS.get(self.family, {}))
+        if self.family == "qwen2moe":
+            values["qkv_bias"] = "blk.0.attn_q.bias" in self.tensor_names
+        if self.family == "deepseek2":
+            values.update(self._deepseek_fields(values))
         return values
+
+    def _deepseek_fields(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The DeepSeek config fields the metadata gives only indirectly (see the module docstring)."""
+        arch = self.architecture
+        rope_dim = values["qk_rope_head_dim"]
+        qk_dim = self.metadata(f"{arch}.attention.key_length_mla") or self.metadata(f"{arch}.attention.key_length")
+        v3 = (self.metadata(f"{arch}.expert_gating_func") == _SIGMOID_GATING
+              or any(name.endswith(".exp_probs_b.bias") for name in self.tensor_names))
+        fields: dict[str, Any] = {name: value for name, value in _DEEPSEEK_ABSENT.items() if name not in values}
+        fields.update({"num_key_value_heads": values["num_attention_heads"], "qk_nope_head_dim": qk_dim - rope_dim,
+                       "v_head_dim": values.get("v_head_dim") or self.metadata(f"{arch}.attention.value_length"),
+                       "rope_parameters": self._deepseek_rope(values.pop("rope_theta", 10000.0))})
+        if v3:
+            fields.update(model_type="deepseek_v3", topk_method="noaux_tc", rope_interleave=True)
+        else:
+            grouped = int(values.get("n_group") or 1) > 1
+            fields.update(model_type="deepseek_v2", topk_method="group_limited_greedy" if grouped else "greedy")
+        return fields
+
+    def _deepseek_rope(self, theta: float) -> dict[str, Any]:
+        arch = self.architecture
+        if self.metadata(f"{arch}.rope.scaling.type") != "yarn":
+            return {"rope_type": "default", "rope_theta": theta}
+        mscale = round((self.metadata(f"{arch}.rope.scaling.yarn_log_multiplier") or 0.0) / 0.1, 6)
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": self.metadata(f"{arch}.rope.scaling.factor"),
+                  "original_max_position_embeddings": self.metadata(f"{arch}.rope.scaling.original_context_length"),
+                  "mscale": mscale, "mscale_all_dim": mscale}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := self.metadata(f"{arch}.rope.scaling.{key}")) is not None:
+                params[name] = value
+        return params
 
     def hf_config(self, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
         """A transformers config for this file, with ``overrides`` applied before construction."""
         values = {**self.config_dict(), **(overrides or {})}
-        model_type = _MODEL_TYPES[self.family]
+        model_type = values.pop("model_type", _MODEL_TYPES[self.family])
         config = CONFIG_MAPPING[model_type](**values)
         config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
         return config
@@ -321,14 +433,21 @@ class GGUFFile:
         expert tensor comes out as its experts' tensors (skipped when its first expert's name is).
         """
         config = self.config_dict()
+        halves: dict[str, dict[str, torch.Tensor]] = {}
         for info in self.tensor_infos:
             name = gguf_to_hf_name(info.name, self.architecture)
             if name is None or name in skip:
                 continue
-            if len(info.shape) == 3:
+            if is_expert_stack(info.name):
                 names = expert_tensor_names(name, info.shape[0])
                 if names[0] not in skip:
                     yield from zip(names, self.dequantize(info).unbind(0))
+                continue
+            if is_kv_b_half(info.name):   # yielded whole once both halves are read
+                pending = halves.setdefault(name, {})
+                pending[str(layer_part(info.name))] = self.dequantize(info)
+                if len(pending) == len(_KV_B_HALVES):
+                    yield name, join_kv_b(*(pending.pop(half) for half in _KV_B_HALVES))
                 continue
             yield name, self._undo_conversion(info.name, self.dequantize(info), config)
 
@@ -359,6 +478,17 @@ class GGUFFile:
             return weight - 1.0
         return weight
 
+
+_FIXED_FIELDS: dict[str, dict[str, Any]] = {
+    "qwen3moe": {"norm_topk_prob": True},
+    "qwen2moe": {"norm_topk_prob": False},
+    "olmoe": {"norm_topk_prob": False, "clip_qkv": None},
+}
+"""Config fields a family's GGUF always has: what llama.cpp computes for it whatever the original
+config said (see the module docstring)."""
+_DEEPSEEK_ABSENT = {"q_lora_rank": None, "norm_topk_prob": False, "routed_scaling_factor": 1.0, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 0, "n_shared_experts": 0}
+"""What a DeepSeek file without the metadata key means to llama.cpp (transformers' defaults differ)."""
 
 _PLAIN_DTYPES: dict[Any, Any] = {}
 

@@ -17,7 +17,9 @@ Invariants:
   is the float loader's, checked layer by layer against it in tests/unit/model/test_gguf_blocks.py.
 - A tensor whose GGUF type has no repack (Q2_K, Q3_K, IQ*, float) keeps its float weight (logged).
 - Tensor parallelism is not supported (each rank would need its slice of the blocks): ``auto``
-  dequantizes at tp > 1, ``gguf`` is refused there.
+  dequantizes at tp > 1, ``gguf`` is refused there. Under expert parallelism (``--ep-size`` = tp) a
+  rank holds whole experts, so their blocks are served as they are (``experts_only``: the
+  tensor-parallel rest is dequantized), without redundant slots or EPLB (they move float stacks).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.gguf import GGUFFile, expert_tensor_names, gguf_to_hf_name, reverse_llama_permute
+from servelm.model.gguf import (GGUFFile, expert_tensor_names, gguf_to_hf_name, is_expert_stack, is_kv_b_half,
+                                reverse_llama_permute)
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
@@ -65,9 +68,10 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
         if gguf_path is None:
             raise ValueError(f"--quantization {quantization} serves a GGUF file's own blocks; this model "
                              "is not a GGUF file")
-        if parallel.tp_size > 1:
-            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only; use --quantization "
-                             "none (dequantized weights) with tensor parallelism")
+        if parallel.tp_size > 1 and parallel.ep_size != parallel.tp_size:
+            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only, or with --ep-size equal to "
+                             "--tp-size (whole experts' blocks per rank; blocks are never split in columns); use "
+                             "--quantization none (dequantized weights) with tensor parallelism")
         return quantization, f"--quantization {quantization}"
     if quantization != "auto":
         return quantization, f"--quantization {quantization}"
@@ -75,14 +79,18 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
         return "none", "auto: not a GGUF file, weights in the model dtype"
     if dtype != "auto":
         return "none", f"auto: --dtype {dtype} asks for the weights in that dtype, so the GGUF is dequantized"
-    if parallel.tp_size > 1:
-        return "none", "auto: GGUF blocks are served at --tp-size 1 only, so the weights are dequantized"
+    if parallel.tp_size > 1 and parallel.ep_size != parallel.tp_size:
+        return "none", ("auto: GGUF blocks are served at --tp-size 1 only, or as whole experts per rank with "
+                        "--ep-size equal to --tp-size, so the weights are dequantized")
     if device.type != "cpu":
         return "none", "auto: GGUF block kernels are CPU kernels, so the weights are dequantized on " + device.type
     if compile_enabled:
         return "none", "auto: --enable-torch-compile compiles dequantized weights"
     if load_kernel() is None:  # without it every call would dequantize: slower than doing it once
         return "none", f"auto: the GGUF block kernel is unavailable ({kernel_status()}), so the weights are dequantized"
+    if parallel.tp_size > 1:
+        return "gguf", ("auto: under --ep-size each rank serves its whole experts in the file's blocks; the "
+                        "tensor-parallel rest is dequantized (--quantization none dequantizes all)")
     return "gguf", "auto: a GGUF file is served in its own quantized blocks (--quantization none dequantizes)"
 
 
@@ -106,8 +114,10 @@ def gguf_model_dtype(dtype: str, device: torch.device,
                     "has no native bf16 GEMM)")
 
 
-def read_block_weights(path: str | Path) -> tuple[dict[str, BlockWeight], dict[str, str]]:
-    """(HF name -> BlockWeight for every repackable 2-D tensor, HF name -> GGUF type of the others)."""
+def read_block_weights(path: str | Path, experts_only: bool = False
+                       ) -> tuple[dict[str, BlockWeight], dict[str, str]]:
+    """(HF name -> BlockWeight for every repackable 2-D tensor, HF name -> GGUF type of the others);
+    ``experts_only``: the routed experts' tensors only (a tensor-parallel model under --ep-size)."""
     from gguf import GGMLQuantizationType
 
     gguf = GGUFFile.open(path)
@@ -116,11 +126,13 @@ def read_block_weights(path: str | Path) -> tuple[dict[str, BlockWeight], dict[s
     others: dict[str, str] = {}
     for info in gguf.tensor_infos:
         name = gguf_to_hf_name(info.name, gguf.architecture)
-        if name is None or len(info.shape) not in (2, 3):
+        # DeepSeek's kv_b halves: its weight stays float (latent attention reads it per head)
+        if name is None or len(info.shape) not in (2, 3) or is_kv_b_half(info.name) \
+                or experts_only and not is_expert_stack(info.name):
             continue
         kind = GGMLQuantizationType(info.ggml_type).name
         raw = gguf._blob[info.offset:info.offset + info.num_bytes]
-        if len(info.shape) == 3:   # stacked experts: each expert's rows are a contiguous slice
+        if is_expert_stack(info.name):   # stacked experts: each expert's rows are a contiguous slice
             names = expert_tensor_names(name, info.shape[0])
             for expert_name, expert_raw in zip(names, np.split(raw, info.shape[0])):
                 _repack_into(blocks, others, expert_name, expert_raw, info.shape[1:], kind)
@@ -147,11 +159,13 @@ def _repack_into(blocks: dict[str, BlockWeight], others: dict[str, str], name: s
     return blocks[name]
 
 
-def _checkpoint_names(module_name: str) -> list[str]:
+def _checkpoint_names(module_name: str, leaves: dict[str, str]) -> list[str]:
+    """The checkpoint tensors a module's weight is made of; ``leaves``: the model's own module names
+    for checkpoint ones (``checkpoint_leaves``, e.g. DeepSeek's ``q_head_proj`` for ``q_proj``)."""
     prefix, _, leaf = module_name.rpartition(".")
     shards = _FUSED_SHARDS.get(leaf)
     if shards is None:
-        return [f"{module_name}.weight"]
+        return [f"{prefix}.{leaves.get(leaf, leaf)}.weight" if prefix else f"{module_name}.weight"]
     return [f"{prefix}.{shard}.weight" for shard in shards]
 
 
@@ -173,7 +187,8 @@ def load_gguf_model(hf_config: Any, path: str | Path, dtype: torch.dtype, device
     """The model of GGUF file ``path`` with its blocks in place (see the module docstring): built,
     blocks applied, then only the tensors left as float weights read and dequantized."""
     model = build_model(hf_config, dtype, device, parallel)
-    summary = apply_gguf_blocks(model, path, activations, check=False)
+    summary = apply_gguf_blocks(model, path, activations, check=False,
+                                experts_only=parallel is not None and parallel.tp_size > 1)
     with torch.no_grad():
         model.load_weights(GGUFFile.open(path).tensors(skip=summary["checkpoint_names"]))
     return model
@@ -181,10 +196,11 @@ def load_gguf_model(hf_config: Any, path: str | Path, dtype: torch.dtype, device
 
 def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterator[tuple[str, nn.Module, list[str]]]:
     """(name, module, checkpoint names) of every linear, head and embedding with a float weight."""
+    leaves: dict[str, str] = getattr(model, "checkpoint_leaves", {})
     for module_name, module in model.named_modules():
         if not isinstance(module, (LinearBase, LMHead, VocabEmbedding)) or module.weight is None:
             continue
-        names = _checkpoint_names(module_name)
+        names = _checkpoint_names(module_name, leaves)
         if isinstance(module, LMHead) and module.is_tied:
             names = [names[0].replace("lm_head.", "model.embed_tokens.")]
         yield module_name, module, names
@@ -196,11 +212,19 @@ def split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> lis
     split = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and all(
-                f"{name}.{expert}.{projection}.weight" in blocks for expert in range(module.num_experts)
+                f"{name}.{expert}.{projection}.weight" in blocks for expert in module.checkpoint_experts
                 for projection in ("gate_proj", "up_proj", "down_proj")):
             module.split_experts()
             split.append(module)
     return split
+
+
+def _expert_names(model: nn.Module, split: list[FusedMoE]) -> set[str]:
+    """Every checkpoint expert tensor of the split layers, this rank's or not (a rank under
+    --ep-size reads none of the others': they are other ranks' blocks)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return {f"{names[id(moe)]}.{expert}.{projection}.weight" for moe in split
+            for expert in range(moe.num_checkpoint_experts) for projection in ("gate_proj", "up_proj", "down_proj")}
 
 
 def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[str, BlockWeight],
@@ -227,15 +251,16 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
 
 def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
                       check: bool = True, route_budget_s: float | None = STARTUP_BUDGET_S,
-                      fresh_routes: bool = False) -> dict[str, Any]:
+                      fresh_routes: bool = False, experts_only: bool = False) -> dict[str, Any]:
     """Replace ``model``'s float linear, head and embedding weights by the file's blocks; logs and
     returns a summary (kinds per role, bytes before and after, the kernel's status, and
     ``checkpoint_names``: the HF tensors now served in blocks). ``activations``:
     ``GGUFBlockLinearMethod.activations``. ``check``: compare each block weight with the float
     weight it replaces (only when that was loaded; ``load_gguf_model`` applies blocks first).
     ``route_budget_s``: seconds the route table's missing cells may take (model/routes.py; None: no limit);
-    ``fresh_routes``: measure every cell again (``servelm tune``)."""
-    blocks, others = read_block_weights(path)
+    ``fresh_routes``: measure every cell again (``servelm tune``); ``experts_only``: only the routed
+    experts get blocks (``read_block_weights``)."""
+    blocks, others = read_block_weights(path, experts_only)
     return apply_block_weights(model, blocks, others, activations, check, route_budget_s, fresh_routes)
 
 
@@ -296,6 +321,7 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                     kinds[weight.kind] += 1
     for moe in split:
         moe.drop_stacked()
+    replaced |= _expert_names(model, split)
     routes_by_shape: dict[LinearShape, LayerRoutes] = {
         routes.shape: routes for module in model.modules()
         if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}

@@ -1,14 +1,16 @@
 """The host tier's K/V buffer and the block copies between it, the device pool and the bytes the
 storage tier keeps (the tensor side of servelm.cache.hicache).
 
-Host layout, one block = every layer's K and V for ``block_size`` tokens::
+Host layout, one block = every layer's planes for ``block_size`` tokens, a plane being K and V
+(``planes`` 2) or, for a latent pool (DeepSeek's MLA, ``LatentKVCache``), the one latent row per
+token (``planes`` 1: V is a view of it, so the host tier stores exactly the latent rows)::
 
-    page_first:  data[slot, layer, k|v, token, head, dim]   (a block is contiguous)
-    layer_first: data[layer, k|v, slot, token, head, dim]   (a layer is contiguous, as on device)
+    page_first:  data[slot, layer, plane, token, head, dim]   (a block is contiguous)
+    layer_first: data[layer, plane, slot, token, head, dim]   (a layer is contiguous, as on device)
 
 Invariants:
 - ``host_dtype="auto"`` (the default) stores the pool's own dtype: a block comes back bit for bit.
-  ``"int8"`` (asked for) stores int8 with one float32 scale per (block, layer, k|v, head): the
+  ``"int8"`` (asked for) stores int8 with one float32 scale per (block, layer, plane, head): the
   absolute maximum over the block's tokens and head_dim maps to 127, so a value is off by at most
   half a step (scale / 2) after ``from_host``.
   A pool that already stores one byte per value (fp8 KV) is kept as is.
@@ -26,6 +28,18 @@ HOST_DTYPES = ("auto", "int8")
 MEM_LAYOUTS = ("layer_first", "page_first")
 
 
+def planes(kv: KVCache) -> int:
+    """Tensors per layer the pool stores: K and V, or a latent pool's one row (no ``v_caches``)."""
+    return 2 if kv.v_caches else 1
+
+
+def layer_planes(kv: KVCache) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's stored tensors: ``(k, v)``, or ``(latent,)`` for a latent pool."""
+    if not kv.v_caches:
+        return [(k,) for k in kv.k_caches]
+    return list(zip(kv.k_caches, kv.v_caches, strict=True))
+
+
 class HostKVTier:
     """A host buffer of ``num_slots`` blocks beside ``kv`` (implements hicache's BlockMover)."""
 
@@ -36,21 +50,22 @@ class HostKVTier:
         self.layout = layout
         self.is_quantized = host_dtype == "int8" and kv.dtype.itemsize > 1
         self._raw_dtype = torch.uint8 if kv.dtype.itemsize == 1 and kv.dtype.is_floating_point else kv.dtype
+        self.planes = planes(kv)
         block = (kv.block_size, kv.num_kv_heads, kv.head_dim)
         store = torch.int8 if self.is_quantized else self._raw_dtype
-        shape = ((num_slots, kv.num_layers, 2, *block) if layout == "page_first"
-                 else (kv.num_layers, 2, num_slots, *block))
+        shape = ((num_slots, kv.num_layers, self.planes, *block) if layout == "page_first"
+                 else (kv.num_layers, self.planes, num_slots, *block))
         self.data = torch.zeros(shape, dtype=store)
-        self.scales = (torch.ones((num_slots, kv.num_layers, 2, kv.num_kv_heads), dtype=torch.float32)
+        self.scales = (torch.ones((num_slots, kv.num_layers, self.planes, kv.num_kv_heads), dtype=torch.float32)
                        if self.is_quantized else None)
-        self._block_numel = kv.num_layers * 2 * kv.block_size * kv.num_kv_heads * kv.head_dim
+        self._block_numel = kv.num_layers * self.planes * kv.block_size * kv.num_kv_heads * kv.head_dim
 
     @staticmethod
     def bytes_per_block(kv: KVCache, host_dtype: str) -> int:
         """Host bytes per block (data and scales): sizes the tier from --hicache-size."""
-        numel = kv.num_layers * 2 * kv.block_size * kv.num_kv_heads * kv.head_dim
+        numel = kv.num_layers * planes(kv) * kv.block_size * kv.num_kv_heads * kv.head_dim
         if host_dtype == "int8" and kv.dtype.itemsize > 1:
-            return numel + kv.num_layers * 2 * kv.num_kv_heads * 4
+            return numel + kv.num_layers * planes(kv) * kv.num_kv_heads * 4
         return numel * kv.dtype.itemsize
 
     @property
@@ -68,19 +83,18 @@ class HostKVTier:
 
     # -- device block <-> one tensor ---------------------------------------------------------
     def _gather(self, block_id: int) -> torch.Tensor:
-        """The block's K/V ``[layers, 2, block_size, heads, dim]`` in the pool's raw dtype."""
+        """The block's planes ``[layers, planes, block_size, heads, dim]`` in the pool's raw dtype."""
         start = block_id * self.kv.block_size
         end = start + self.kv.block_size
-        rows = [torch.stack((k[start:end], v[start:end]))
-                for k, v in zip(self.kv.k_caches, self.kv.v_caches, strict=True)]
+        rows = [torch.stack([plane[start:end] for plane in layer]) for layer in layer_planes(self.kv)]
         return torch.stack(rows).view(self._raw_dtype)
 
     def _scatter(self, block_id: int, block: torch.Tensor) -> None:
         start = block_id * self.kv.block_size
         end = start + self.kv.block_size
-        for layer, (k, v) in enumerate(zip(self.kv.k_caches, self.kv.v_caches, strict=True)):
-            k.view(self._raw_dtype)[start:end].copy_(block[layer, 0])
-            v.view(self._raw_dtype)[start:end].copy_(block[layer, 1])
+        for layer, stored in enumerate(layer_planes(self.kv)):
+            for plane, cache in enumerate(stored):
+                cache.view(self._raw_dtype)[start:end].copy_(block[layer, plane])
 
     def _slot(self, slot: int) -> torch.Tensor:
         return self.data[slot] if self.layout == "page_first" else self.data[:, :, slot]
@@ -92,7 +106,7 @@ class HostKVTier:
             self._slot(slot).copy_(block)
             return
         values = block.float()
-        # [layers, 2, 1, heads, 1]: absmax over the block's tokens and head_dim
+        # [layers, planes, 1, heads, 1]: absmax over the block's tokens and head_dim
         scale = values.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-8) / 127.0
         self._slot(slot).copy_(torch.round(values / scale).clamp_(-127, 127).to(torch.int8))
         self.scales[slot].copy_(scale.view(self.scales.shape[1:]))
@@ -102,7 +116,7 @@ class HostKVTier:
         if self.scales is None:
             self._scatter(block_id, stored)
             return
-        scale = self.scales[slot].view(self.kv.num_layers, 2, 1, self.kv.num_kv_heads, 1)
+        scale = self.scales[slot].view(self.kv.num_layers, self.planes, 1, self.kv.num_kv_heads, 1)
         self._scatter(block_id, (stored.float() * scale).to(self.kv.dtype))
 
     def read_exact(self, block_id: int) -> bytes:
@@ -110,5 +124,5 @@ class HostKVTier:
 
     def write_exact(self, block_id: int, payload: bytes) -> None:
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self._raw_dtype)
-        shape = (self.kv.num_layers, 2, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
+        shape = (self.kv.num_layers, self.planes, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
         self._scatter(block_id, raw.view(shape))

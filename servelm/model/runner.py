@@ -156,9 +156,17 @@ class ModelRunner:
                 flag, getattr(source, "gguf_path", None), self.parallel, self.device,
                 config.runtime.enable_torch_compile, config.model.dtype)
         """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
-        if self.parallel.ep_size > 1 and self.quantization in GGUF_MODES:
-            raise ValueError("--ep-size > 1 with a GGUF file is not built yet (issue 33): expert parallelism "
-                             "moves and loads float expert stacks, not GGUF blocks")
+        if self.attention_ranks is not None and self.quantization in GGUF_MODES:
+            if flag != "auto":
+                raise ValueError(f"--quantization {flag} with --enable-dp-attention is not built: DP attention "
+                                 "runs on float weights; use --quantization none (dequantized)")
+            self.quantization, quantization_reason = "none", ("auto: DP attention runs on float weights, so "
+                                                              "the GGUF is dequantized")
+        if self.parallel.ep_size > 1 and self.quantization in GGUF_MODES and (
+                self.parallel.num_redundant_experts or config.parallel.enable_eplb):
+            raise ValueError("--ep-num-redundant-experts / --enable-eplb with a GGUF file's blocks: EPLB copies "
+                             "and moves float expert stacks, not GGUF blocks; use --quantization none "
+                             "(dequantized experts) for EPLB")
         self.dtype = (gguf_model_dtype(config.model.dtype, self.device)[0] if self.quantization in GGUF_MODES
                       else resolve_dtype(config.model.dtype, source.hf_config, self.device))
         self.hf_config = source.hf_config

@@ -258,14 +258,22 @@ def deepseek_attention(hf_config: Any, layer_id: int, parallel: ParallelContext)
     return DeepseekLatentAttention(hf_config, layer_id, parallel)
 
 
+CHECKPOINT_LEAVES = {"q_head_proj": "q_proj"}
+"""Our module -> the checkpoint's (``q_proj`` is ``q_head_proj``: see _DeepseekAttention)."""
+
+
 def our_name(checkpoint_name: str) -> str:
-    """A checkpoint tensor's name in our modules (``q_proj`` is ``q_head_proj``: see _DeepseekAttention)."""
-    return checkpoint_name.replace(".self_attn.q_proj.", ".self_attn.q_head_proj.")
+    """A checkpoint tensor's name in our modules (``CHECKPOINT_LEAVES``)."""
+    for ours, theirs in CHECKPOINT_LEAVES.items():
+        checkpoint_name = checkpoint_name.replace(f".self_attn.{theirs}.", f".self_attn.{ours}.")
+    return checkpoint_name
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     has_correction_bias = False
     """V3's router (sigmoid, bias-corrected grouped top-k) instead of V2's softmax one."""
+    checkpoint_leaves = CHECKPOINT_LEAVES
+    """Module names that differ from the checkpoint's (the GGUF blocks find their tensors by it)."""
 
     def build_attention(self, hf_config: Any, layer_id: int, parallel: ParallelContext) -> nn.Module:
         return deepseek_attention(hf_config, layer_id, parallel)

@@ -183,15 +183,25 @@ class FusedMoE(nn.Module):
         """Each expert's own linear layers once ``split_experts`` made them, else None (the stacks)."""
 
     def split_experts(self) -> None:
-        """Give each expert its own linear layers (children ``"<e>"``), views of the stacked weights,
-        for a LinearMethod to replace; ``forward`` runs them from now on. Once only: a second call
-        keeps the layers the first made."""
+        """Give each expert its own linear layers (children ``"<e>"``, ``e`` its checkpoint id), views
+        of the stacked weights, for a LinearMethod to replace; ``forward`` runs them from now on.
+        Once only: a second call keeps the layers the first made."""
         if self.expert_layers is not None:
             return
         self.expert_layers = [ExpertLinears(self.gate_up_proj.data[e], self.down_proj.data[e])
                               for e in range(self.num_experts)]
-        for expert, layers in enumerate(self.expert_layers):
+        for expert, layers in zip(self.checkpoint_experts, self.expert_layers, strict=True):
             self.add_module(str(expert), layers)
+
+    @property
+    def checkpoint_experts(self) -> tuple[int, ...]:
+        """The checkpoint's expert id of each stacked slot (the child name ``split_experts`` gives it)."""
+        return tuple(range(self.num_experts))
+
+    @property
+    def num_checkpoint_experts(self) -> int:
+        """The checkpoint's experts of this layer (this module may hold some of them)."""
+        return self.num_experts
 
     def drop_stacked(self) -> None:
         """Free the stacked weights once every expert's layers hold their own (``split_experts``)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.distributed.parallel import ParallelContext, even_split
+from servelm.model.layers.gguf_routes import PassRows
 from servelm.model.layers.moe import FusedMoE, Routing
 
 
@@ -146,21 +147,22 @@ class ExpertParallelMoE(FusedMoE):
         tokens still calls ``forward`` with none, to meet the others in the all-to-alls)."""
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Routing, rows: PassRows | None = None) -> torch.Tensor:
         """``[T, H]``: each token's weighted sum over its experts, equal on every rank (with
         ``local_tokens``: this rank's tokens' only; the replica choice then counts pairs from 0 on
-        every rank, which changes which replica computes a row, not its value) (``rows``,
-        the pass's facts for GGUF routes, has no use here: EP with a GGUF file is refused)."""
+        every rank, which changes which replica computes a row, not its value) (``rows``: the
+        pass's facts, for the GGUF routes of experts in their blocks)."""
         if self.local_tokens:
-            return self.dispatch_and_combine(x, routing, 0)
+            return self.dispatch_and_combine(x, routing, 0, rows)
         num_tokens, top_k = routing.expert_ids.shape
         mine = self.ep.split(num_tokens)
-        rows = slice(mine.start, mine.start + mine.size)
-        local = Routing(routing.weights[rows], routing.expert_ids[rows])
-        out = self.dispatch_and_combine(x[rows], local, mine.start * top_k)
+        taken = slice(mine.start, mine.start + mine.size)
+        local = Routing(routing.weights[taken], routing.expert_ids[taken])
+        out = self.dispatch_and_combine(x[taken], local, mine.start * top_k, rows)
         return self.ep.all_gather_rows(out, num_tokens)
 
-    def dispatch_and_combine(self, x: torch.Tensor, routing: Routing, first_pair: int) -> torch.Tensor:
+    def dispatch_and_combine(self, x: torch.Tensor, routing: Routing, first_pair: int,
+                             rows: PassRows | None = None) -> torch.Tensor:
         """``[t, H]`` for this rank's ``t`` tokens: their rows sent to the ranks holding their
         experts, computed there, sent back and summed per token (``first_pair``: the global pair
         index of this rank's first row, for the replica choice)."""
@@ -175,17 +177,30 @@ class ExpertParallelMoE(FusedMoE):
         received_rows = self.ep.all_to_all_rows(
             x.index_select(0, torch.div(order, top_k, rounding_mode="floor")), sent, recv_counts)
         received_slots = self.ep.all_to_all_rows(physical.index_select(0, order) % slots, sent, recv_counts)
-        computed = self.compute_rows(received_rows, received_slots)
+        computed = self.compute_rows(received_rows, received_slots, rows)
         returned = self.ep.all_to_all_rows(computed, recv_counts, sent)  # [t * k, H] in ``order``
         pair_out = torch.empty_like(returned)
         pair_out[order] = returned
         weights = routing.weights.to(x.dtype).unsqueeze(-1)             # [t, k, 1]
         return (pair_out.view(num_tokens, top_k, x.shape[1]) * weights).sum(dim=1)
 
-    def compute_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def compute_rows(self, x: torch.Tensor, slots: torch.Tensor, rows: PassRows | None = None) -> torch.Tensor:
         """``[n, H]``: row i through local slot ``slots[i]``'s expert (unweighted)."""
-        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        return super().forward(rows, Routing(ones, slots.unsqueeze(1)))
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return super().forward(x, Routing(ones, slots.unsqueeze(1)), rows)
+
+    @property
+    def checkpoint_experts(self) -> tuple[int, ...]:
+        return self.placement.rank_experts(self.ep.tp_rank)
+
+    @property
+    def num_checkpoint_experts(self) -> int:
+        return self.num_logical
+
+    def drop_stacked(self) -> None:
+        """As FusedMoE's: the other ranks' experts are theirs to serve, so nothing is missing."""
+        super().drop_stacked()
+        self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in ("gate", "up", "down"))
 
     # -- loading -------------------------------------------------------------------------------
     def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
@@ -275,7 +290,7 @@ class ExpertGroupMoE(FusedMoE):
 
     def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
         """``[T, H]`` on every rank: each token's weighted sum over its experts (``rows``: unused,
-        a GGUF file with --ep-size is refused)."""
+        a GGUF file is dequantized when --ep-size is smaller than --tp-size)."""
         local = routing.expert_ids - self.first_expert
         pairs = torch.nonzero(((local >= 0) & (local < self.num_experts)).reshape(-1)).flatten()
         tokens = torch.div(pairs, routing.expert_ids.shape[1], rounding_mode="floor")

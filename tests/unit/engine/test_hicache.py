@@ -14,7 +14,7 @@ import torch
 
 from servelm.config import CacheConfig, EngineConfig, HiCacheConfig, ModelConfig, RuntimeConfig
 from servelm.engine.engine import LLMEngine
-from servelm.model.kv_cache import KVCache
+from servelm.model.kv_cache import KVCache, LatentKVCache
 from servelm.model.kv_tiers import HostKVTier
 from servelm.sampling.params import SamplingParams
 from tests.engine_drive import greedy
@@ -123,6 +123,44 @@ def test_default_host_tier_is_lossless(model_dir: Path) -> None:
     assert tokens[:8] == reference[:8]  # the first round never reads the host tier
     assert tokens[8:] != reference[8:]  # what the default avoids (the tokens may still agree)
     lossy.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_latent_block_round_trips_through_the_host_tier(layout: str) -> None:
+    """A latent pool (one row per token and layer, V a view of it): the host tier holds its rows
+    alone, comes back bit for bit, and sizes itself by them (half a K/V pool's bytes per block)."""
+    kv = LatentKVCache(2, 4, BLOCK, 1, 40, torch.float32, torch.device("cpu"), v_head_dim=32)
+    for latent in kv.k_caches:
+        latent.copy_(torch.randn(latent.shape, generator=torch.Generator().manual_seed(latent.numel())))
+    host = HostKVTier(kv, 2, "auto", layout)
+    assert host.planes == 1 and host.exact_nbytes == 2 * BLOCK * 40 * 4
+    assert HostKVTier.bytes_per_block(kv, "auto") * 2 == HostKVTier.bytes_per_block(
+        KVCache(2, 4, BLOCK, 1, 40, torch.float32, torch.device("cpu")), "auto")
+    original = [latent[BLOCK:2 * BLOCK].clone() for latent in kv.k_caches]
+    host.to_host(1, 1)
+    for latent in kv.k_caches:
+        latent.zero_()
+    host.from_host(1, 1)
+    assert all(torch.equal(latent[BLOCK:2 * BLOCK], rows) for latent, rows in zip(kv.k_caches, original))
+    assert all(torch.equal(kv.layer(layer)[1], kv.layer(layer)[0][..., :32]) for layer in range(2))
+
+
+@pytest.mark.slow
+def test_latent_pool_host_tier_is_lossless(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSeek's latent pool (MLA): the host tier stores exactly the latent rows (one plane of
+    kv_lora_rank + rope values per token and layer, no V), and the second round, served from it,
+    gives every token and logprob of a pool that never evicted."""
+    mla_dir = make_tiny_model_dir(tmp_path_factory.mktemp("hicache-mla"), "deepseek_v3")
+    prompts = working_set(num_prefixes=3)   # 12 blocks over a pool of 8: each comes back from the host
+    reference = run_with_logprobs(make(mla_dir, pool_tokens=4096), prompts)
+    tiered = make(mla_dir, hicache_ratio=8.0)
+    assert isinstance(tiered.hicache.mover, HostKVTier)  # type: ignore[union-attr]
+    host, kv = tiered.hicache.mover, tiered.hicache.mover.kv  # type: ignore[union-attr]
+    assert isinstance(kv, LatentKVCache) and not kv.v_caches
+    assert host.planes == 1 and host.data.shape[-3:] == (BLOCK, 1, 32 + 8)  # kv_lora_rank + rope
+    assert run_with_logprobs(tiered, prompts) == reference
+    assert tiered.stats()["hicache_host_hit_tokens"] == 3 * 4 * BLOCK
+    tiered.shutdown()
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -160,6 +160,10 @@ def test_resolve_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_quantization("gguf_a8", "/m.gguf", single, cpu, False)[0] == "gguf_a8"
     with pytest.raises(ValueError, match="--tp-size 1 only"):
         resolve_quantization("gguf", "/m.gguf", ParallelContext(tp_size=2, group=object()), cpu, False)
+    experts = ParallelContext(tp_size=2, group=object(), ep_size=2)   # --ep-size: whole experts per rank
+    mode, reason = resolve_quantization("auto", "/m.gguf", experts, cpu, False)
+    assert mode == "gguf" and "whole experts" in reason
+    assert resolve_quantization("gguf", "/m.gguf", experts, cpu, False)[0] == "gguf"
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", None, single, cpu, False)
 
