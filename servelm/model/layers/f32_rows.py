@@ -129,7 +129,8 @@ def build_routes(shapes: Iterable[DenseShape], budget_s: float | None = STARTUP_
     kernel = kernel if kernel is not None else load_kernel()
     if kernel is None or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return {}, f"oneDNN everywhere ({kernel_status() if kernel is None else 'no oneDNN linear to time'})"
-    shapes = sorted(set(shapes), key=lambda shape: (shape.out_features, shape.in_features))
+    # the largest weights first: where a budget runs out, the cells left are the cheapest ones
+    shapes = sorted(set(shapes), key=lambda shape: (-shape.out_features * shape.in_features, shape.name))
     started = time.perf_counter()
     deadline = float("inf") if budget_s is None else started + budget_s
     table = RouteTable(table_key(shapes, kernel)) if fresh else RouteTable.load(table_key(shapes, kernel), cache_dir)
