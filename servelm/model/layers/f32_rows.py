@@ -73,11 +73,13 @@ class DenseRoutes:
         return rows <= MAX_ROWS and row_class(rows) in self.kernel_classes
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernel.linear(x, weight, bias)
+        out: torch.Tensor = self.kernel.linear(x, weight, bias)
+        return out
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
 
 
 class _Synthetic:
@@ -92,7 +94,8 @@ class _Synthetic:
         return self.weights[self.next]
 
     def run_kernel(self) -> torch.Tensor:
-        return self.kernel.linear(self.x, self._weight(), None)
+        out: torch.Tensor = self.kernel.linear(self.x, self._weight(), None)
+        return out
 
     def run_onednn(self) -> torch.Tensor:
         return onednn(self.x, self._weight())
@@ -169,27 +172,34 @@ def route_lines(routes: dict[DenseShape, DenseRoutes]) -> str:
 
 
 def _float32_cpu(weight: Any) -> bool:
-    return isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+    """A 2-D float32 weight on the CPU."""
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu" \
+        and weight.dim() == 2
 
 
-def dense_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, DenseShape]]:
+def _shape(weight: Any) -> DenseShape:
+    """A weight's (or an expert stack's one expert's) ``[out, in]``."""
+    return DenseShape(int(weight.shape[-2]), int(weight.shape[-1]))
+
+
+def dense_weights(model: torch.nn.Module) -> list[tuple[Any, str, DenseShape]]:
     """The model's float32 CPU weights that ``dense_linear`` computes with oneDNN: (module, which,
     shape) for unquantized linears (``which`` "linear"), the LM head ("head") and stacked MoE experts
     ("gate_up" / "down", one expert's shape)."""
     from servelm.model.layers.embedding import LMHead
     from servelm.model.layers.linear import LinearBase, UnquantizedLinearMethod
     from servelm.model.layers.moe import FusedMoE
-    found: list[tuple[torch.nn.Module, str, DenseShape]] = []
+    found: list[tuple[Any, str, DenseShape]] = []
     for module in model.modules():
         if isinstance(module, LinearBase) and type(module.linear_method) is UnquantizedLinearMethod \
-                and _float32_cpu(module.weight) and module.weight.dim() == 2:
-            found.append((module, "linear", DenseShape(*module.weight.shape)))
+                and _float32_cpu(module.weight):
+            found.append((module, "linear", _shape(module.weight)))
         elif isinstance(module, LMHead) and module.linear_method is None and module.fp32_weight is None \
                 and _float32_cpu(module.weight):
-            found.append((module, "head", DenseShape(*module.weight.shape)))
-        elif isinstance(module, FusedMoE) and module.expert_layers is None and _float32_cpu(module.gate_up_proj):
-            found.append((module, "gate_up", DenseShape(*module.gate_up_proj.shape[1:])))
-            found.append((module, "down", DenseShape(*module.down_proj.shape[1:])))
+            found.append((module, "head", _shape(module.weight)))
+        elif isinstance(module, FusedMoE) and module.expert_layers is None and _float32_cpu(module.gate_up_proj[0]):
+            found.append((module, "gate_up", _shape(module.gate_up_proj)))
+            found.append((module, "down", _shape(module.down_proj)))
     return found
 
 
