@@ -46,6 +46,7 @@ from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_mode
 from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
+from servelm.model.layers.f32_rows import apply_dense_routes
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.prequantized import (LoadReport, QuantSpec, apply_prequantized_blocks, dequantizing_weights,
                                        serve_blocks)
@@ -216,6 +217,8 @@ class ModelRunner:
         if self.attention_ranks is not None and not self._moe_blocks:
             raise ValueError(f"--enable-dp-attention: {type(self.model).__name__} has no mixture-of-experts "
                              "layer, so nothing would run across the ranks (use --dp-size for replicas)")
+        self.dense_routes = apply_dense_routes(self.model) if self.device.type == "cpu" else None
+        """Float32 dense weights' few-rows kernel vs oneDNN per row class (layers/f32_rows.py), or None."""
         self.expert_load = build_expert_load(self.model, self.parallel, config)
         """MoE routing counts: the recorder, /metrics' totals and EPLB (None where no flag asks)."""
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
@@ -383,6 +386,8 @@ class ModelRunner:
         report = next((report for module in self.model.modules()
                        if (report := getattr(getattr(module, "linear_method", None), "route_report", None))
                        is not None), None)
+        if self.dense_routes is not None:
+            report = {**(report or {}), "float32_dense": self.dense_routes}
         routing = getattr(self.attention, "prefill_routing", None)
         if routing is None or not self._prefill_shapes:
             return report

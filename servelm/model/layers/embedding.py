@@ -84,6 +84,8 @@ class LMHead(nn.Module):
         self.linear_method: Any = None
         """Set by quantization (servelm.model.layers.quantization): computes the logits from its own
         copy of the weight; the (tied) float weight then serves only the embedding lookup."""
+        self.dense_routes: Any = None
+        """A float32 head's measured routes (layers/f32_rows.py ``DenseRoutes``), else None: oneDNN."""
         self.fp32_weight: torch.Tensor | None = None
         """Set by --enable-fp32-lm-head on a 16-bit model: a float32 copy of ``weight``; the logits
         are then computed in float32 from float32 hidden states."""
@@ -96,7 +98,7 @@ class LMHead(nn.Module):
         elif self.fp32_weight is not None:
             logits = F.linear(hidden.float(), self.fp32_weight)
         else:
-            logits = dense_linear(hidden, self.weight)
+            logits = dense_linear(hidden, self.weight, None, self.dense_routes)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if self.parallel.tp_size > 1:

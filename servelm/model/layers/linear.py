@@ -23,13 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from servelm.distributed.parallel import HeadShard, ParallelContext, Shard
+
+if TYPE_CHECKING:
+    from servelm.model.layers.f32_rows import DenseRoutes
 
 
 def _has_onednn_linear() -> bool:
@@ -39,8 +42,11 @@ def _has_onednn_linear() -> bool:
 _ONEDNN_LINEAR = _has_onednn_linear()
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``; float32 on CPU goes through oneDNN instead of ``F.linear``.
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 routes: DenseRoutes | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``; float32 on CPU goes through oneDNN instead of ``F.linear``, or through
+    the few-rows kernel where ``routes`` (the weight's measured routes, layers/f32_rows.py) say it
+    wins at this many rows.
 
     ``F.linear`` on CPU calls MKL's sgemm, which takes a slow code path on AMD CPUs (the dev box
     is an AMD EPYC with AVX-512). oneDNN's linear on the same plain weights, Gemma 3 270M shapes,
@@ -53,6 +59,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and x.is_contiguous() and weight.is_contiguous()):
         if torch.compiler.is_compiling():  # inductor lowers the mkldnn op only for frozen weights
             return _onednn_linear(x, weight, bias)
+        if routes is not None and routes.takes_kernel(x.shape[0]):
+            return routes.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -91,7 +99,7 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               rows: Any = None) -> torch.Tensor:
-        return dense_linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias, layer.dense_routes)
 
 
 _MAX_LORA_STACKS = 4
@@ -132,6 +140,8 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
         else:
             self.register_parameter("bias", None)
+        self.dense_routes: DenseRoutes | None = None
+        """A float32 weight's measured routes (layers/f32_rows.py ``apply_dense_routes``), else None: oneDNN."""
         self.lora: dict[int, list[_LoRAPiece]] = {}
         """Adapter slot -> low-rank deltas on this layer (several for a fused layer's shards)."""
         self.lora_fused: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -179,6 +180,8 @@ class FusedMoE(nn.Module):
         self.act = ActAndMul(activation)
         self.loaded_parts: set[tuple[int, str]] = set()
         """(expert, "gate" | "up" | "down") loaded so far: ``missing_parts`` names the rest."""
+        self.dense_routes: tuple[Any, Any] = (None, None)
+        """float32 stacks' measured routes for gate_up and down (layers/f32_rows.py ``DenseRoutes``)."""
         self.expert_layers: list[ExpertLinears] | None = None
         """Each expert's own linear layers once ``split_experts`` made them, else None (the stacks)."""
 
@@ -214,7 +217,9 @@ class FusedMoE(nn.Module):
     def expert_mlp(self, expert: int, x: torch.Tensor, rows: PassRows | None = None) -> torch.Tensor:
         """Expert ``expert``'s gated MLP of rows ``x`` [n, H] -> [n, H] (``rows``: ``expert_rows``)."""
         if self.expert_layers is None:
-            return dense_linear(self.act(dense_linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
+            gate_up, down = self.dense_routes
+            return dense_linear(self.act(dense_linear(x, self.gate_up_proj[expert], None, gate_up)),
+                                self.down_proj[expert], None, down)
         layers = self.expert_layers[expert]
         return layers.down_proj(self.act(layers.gate_up_proj(x, rows=rows)), rows=rows)
 
