@@ -152,9 +152,9 @@ def server_rates(server: str, name: str, path: str, args: argparse.Namespace) ->
 
 
 def last_error(log: Path) -> str:
-    """The last line of a server log that names an error (vLLM's refusal), shortened."""
+    """The last line of a server log that raises an error (vLLM's refusal; not its warnings), shortened."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-             if "Error" in line or "not supported" in line.lower()] if log.exists() else []
+             if ("Error:" in line or "Exception:" in line) and "WARNING" not in line] if log.exists() else []
     return lines[-1][-300:].replace("|", "/") if lines else ""
 
 
