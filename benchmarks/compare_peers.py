@@ -79,19 +79,29 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
             skipped.append(f"vLLM: --hf-dir {hf_dir} is not a Hugging Face directory (write it with "
                            f"../shared/tools/gguf_to_hf.py {gguf} DIR)")
         else:
-            preload = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                                           str(venv / "lib/libiomp5.so")) if Path(p).exists())
-            peers.append(Peer("vLLM CPU (as shipped)", [
-                str(venv / "bin/vllm"), "serve", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
-                "--served-model-name", args.model, "--max-model-len", "4096"],
-                {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                 "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **({"LD_PRELOAD": preload} if preload else {})},
-                600))
+            peers.append(vllm_peer(venv, hf_dir, args.model, port, args.threads))
     if "servelm" in wanted:
-        peers.append(Peer(f"servelm {' '.join(['serve', args.model, *args.servelm_args.split()])}", [
-            sys.executable, "-m", "servelm", "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-            "--num-threads", threads, *args.servelm_args.split()], {}, 600))
+        peers.append(servelm_peer(args.model, port, args.threads, args.servelm_args.split()))
     return peers, skipped
+
+
+def servelm_peer(model: str, port: int, threads: int, extra: list[str]) -> Peer:
+    """``servelm serve MODEL`` with the default flags plus ``extra``."""
+    return Peer(f"servelm {' '.join(['serve', model, *extra])}", [
+        sys.executable, "-m", "servelm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+        "--num-threads", str(threads), *extra], {}, 600)
+
+
+def vllm_peer(venv: Path, hf_dir: Path, model: str, port: int, threads: int, startup_s: float = 600) -> Peer:
+    """vLLM's CPU build serving ``hf_dir`` as ``model``, as shipped (its own dtype and kernels)."""
+    preload = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                                   str(venv / "lib/libiomp5.so")) if Path(p).exists())
+    return Peer("vLLM CPU (as shipped)", [
+        str(venv / "bin/vllm"), "serve", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", model, "--max-model-len", "4096"],
+        {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+         "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **({"LD_PRELOAD": preload} if preload else {})},
+        startup_s)
 
 
 async def _stream(client: object, base_url: str, model: str, prompts: list[list[int]],
@@ -105,24 +115,33 @@ async def _stream(client: object, base_url: str, model: str, prompts: list[list[
     return time.perf_counter() - start, list(timings)
 
 
-async def measure(base_url: str, model: str, output_len: int) -> dict[str, float]:
-    """The four columns for the server at ``base_url``."""
+async def measure(base_url: str, model: str, output_len: int,
+                  counts: tuple[int, ...] | None = None) -> dict[str, float]:
+    """The four columns for the server at ``base_url`` (only ``stream_rates`` of ``counts`` where given)."""
     import httpx
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=None)) as client:
         await _stream(client, base_url, model, _prompts(1, 16, 9), 8)   # warm-up
-        row: dict[str, float] = {}
-        wall, timings = await _stream(client, base_url, model, _prompts(1, 16, 1), output_len)
-        row["1 stream tok/s"] = _tokens(timings, output_len) / wall
+        if counts:
+            return await stream_rates(client, base_url, model, output_len, counts)
+        row = await stream_rates(client, base_url, model, output_len, (1,))
         _, timings = await _stream(client, base_url, model, _prompts(1, PREFILL_TOKENS, 2), 1)
         row["prefill tok/s"] = PREFILL_TOKENS / timings[0].ttft_s if timings[0].ttft_s else float("nan")
-        for streams in (8, 32):
-            wall, timings = await _stream(client, base_url, model,
-                                          _prompts(streams, STREAM_PROMPT_TOKENS, 3), output_len)
-            row[f"{streams} streams tok/s"] = _tokens(timings, output_len) / wall
+        return row | await stream_rates(client, base_url, model, output_len, (8, 32))
+
+
+async def stream_rates(client: object, base_url: str, model: str, output_len: int,
+                       counts: tuple[int, ...]) -> dict[str, float]:
+    """Output tok/s (all streams' tokens / wall time) of each stream count in ``counts``: one stream
+    of a 16-token prompt, or that many concurrent 128-token prompts; ``output_len`` tokens each."""
+    row: dict[str, float] = {}
+    for streams in counts:
+        prompts = _prompts(1, 16, 1) if streams == 1 else _prompts(streams, STREAM_PROMPT_TOKENS, 3)
+        wall, timings = await _stream(client, base_url, model, prompts, output_len)
         errors = [t.error for t in timings if t.error]
         if errors:
             raise RuntimeError(f"{len(errors)} failed requests, first: {errors[0]}")
-        return row
+        row[f"{streams} stream{'s' if streams > 1 else ''} tok/s"] = _tokens(timings, output_len) / wall
+    return row
 
 
 def _tokens(timings: list, output_len: int) -> int:
@@ -158,14 +177,17 @@ def stop_group(process: subprocess.Popen, timeout_s: float) -> None:
         process.wait()
 
 
-def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
+def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path,
+             counts: tuple[int, ...] | None = None, log_name: str = "") -> dict[str, float]:
+    """Start ``peer``, measure it (``measure``'s columns, or its stream ``counts``), stop it; its
+    output goes to ``log_dir/<log_name or its first word>.log``."""
     base_url = f"http://127.0.0.1:{port}"
-    log = (log_dir / f"{peer.name.split()[0]}.log").open("w")
+    log = (log_dir / f"{log_name or peer.name.split()[0]}.log").open("w")
     process = subprocess.Popen(peer.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                env={**os.environ, **peer.env})
     try:
         wait_ready(base_url, process, peer.startup_s)
-        return asyncio.run(measure(base_url, args.model, args.output_len))
+        return asyncio.run(measure(base_url, args.model, args.output_len, counts))
     finally:
         stop_group(process, 30)
         log.close()

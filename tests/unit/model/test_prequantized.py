@@ -7,11 +7,13 @@ reference is the formats' documented dequantization of the codes the writer chos
 transformers model. FP8 block-wise checkpoints are read by transformers itself (its FP8 loader
 dequantizes on CPU) as the reference. compressed-tensors checkpoints are made by the
 compressed-tensors library where it is installed (``quant-test`` extra), and in the published layout
-otherwise.
+otherwise; tests/fixtures/llmc holds small checkpoints written by llm-compressor's own ``oneshot``, its
+reference logits beside them, so the default run checks that layout without llm-compressor installed.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +357,29 @@ def test_compressed_tensors_made_by_the_library(tmp_path: Path, arch: str, weigh
     runner = make_quant_runner(tmp_path / "ct")
     assert runner.quantization == "compressed-tensors"
     assert_parity(runner, reference, arch)
+
+
+LLMC_FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "llmc"
+"""Checkpoints written by llm-compressor's own ``oneshot`` (scripts/make_llmc_fixtures.py, in a venv
+of its own: its wheel pins an older transformers), each with the library's reference beside it."""
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in LLMC_FIXTURES.iterdir()))
+def test_checkpoints_written_by_llm_compressor_match_its_reference(name: str) -> None:
+    """W8A8 int8, W4A16 (round-to-nearest and GPTQ, group 128, pack-quantized) and FP8_DYNAMIC, as
+    llm-compressor saved them (bfloat16 model, its tensor names, dtypes and config): servelm's
+    logits in float32 equal those of transformers + compressed-tensors' decompressed model (saved
+    by the script, activation quantization off on both sides), and so do the greedy tokens."""
+    from safetensors.torch import load_file
+
+    path = LLMC_FIXTURES / name
+    meta = json.loads((path / "reference.json").read_text())
+    expected = load_file(str(path / "reference.safetensors"))
+    runner = make_quant_runner(path / "checkpoint")
+    assert runner.quantization == "compressed-tensors"
+    logits, greedy = logits_and_greedy(runner, meta["prompts"])
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
+    assert greedy == expected["greedy"].tolist()
 
 
 # --- bitsandbytes ------------------------------------------------------------------------------------
