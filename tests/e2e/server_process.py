@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,21 @@ class ServerProcess:
                 self.process.wait()
         self._log.close()
 
+
+
+@contextlib.contextmanager
+def running_together(*servers: ServerProcess) -> Iterator[tuple[ServerProcess, ...]]:
+    """Start ``servers`` at once and stop them all on the way out (also when one fails to start).
+    A start-up is mostly one core's imports and model load, so on a 2-core CI box two starts side
+    by side take little longer than one."""
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.__exit__, None, None, None)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            futures = [pool.submit(server.__enter__) for server in servers]
+        for future in futures:
+            future.result()  # the first start-up error, after every start has ended
+        yield servers
 
 def is_running(pid: int) -> bool:
     """The process exists and is not a zombie."""

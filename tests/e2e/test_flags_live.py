@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, running_together
 
 MODEL = "smollm2-135m"
 ARGS = [MODEL, "--num-threads", "1", "--max-total-tokens", "4096", "--context-length", "512",
@@ -28,11 +28,12 @@ def sample_texts(server: ServerProcess) -> list[str]:
 
 
 def test_same_seed_same_samples_across_server_starts() -> None:
-    with ServerProcess([*ARGS, "--seed", "11"]) as first:
+    """Two starts side by side (--seed and its alias), each asked the prompts in the same order."""
+    with running_together(ServerProcess([*ARGS, "--seed", "11"]),
+                          ServerProcess([*ARGS, "--random-seed", "11"])) as (first, second):
         models = httpx.get(f"{first.base_url}/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == ["smol", "smollm2"]
         texts = sample_texts(first)
-    with ServerProcess([*ARGS, "--random-seed", "11"]) as second:
         assert sample_texts(second) == texts
     assert texts[0] != texts[2], "the same prompt later in the order must draw differently"
     assert len(set(texts)) == 3

@@ -5,15 +5,13 @@ SmolLM2-135M runs in the default suite; the bigger models are marked slow (`pyte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from servelm.config import CacheConfig, EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
-from tests.engine_drive import greedy
-from tests.reference import load_reference_model, transformers_greedy
+from tests.engine_drive import greedy, reference_greedy
+from tests.reference import packaged_reference_model, transformers_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -23,27 +21,17 @@ PROMPTS = [
 NUM_NEW_TOKENS = 32
 
 
-def packaged_path(name: str) -> Path:
-    from servelm.model.packaged import packaged_model_path
-
-    return Path(packaged_model_path(name))
+def float32_greedy(name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy tokens) of ``name``'s float32 engine on PROMPTS: one engine per run,
+    shared by the transformers parity and the GGUF-blocks agreement below (engine_drive memoizes)."""
+    return reference_greedy(PROMPTS, NUM_NEW_TOKENS, model=name, dtype="float32", max_total_tokens=4096)
 
 
 def check_parity(name: str) -> None:
-    engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=name, dtype="float32"),
-        cache=CacheConfig(max_total_tokens=4096),
-    ))
-    token_lists = [engine.tokenizer.encode(prompt) for prompt in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    ours = greedy(engine, token_lists, params)
-    gguf = packaged_path(name)
-    reference = transformers_greedy(load_reference_model(gguf.parent, gguf.name), token_lists,
-                                    NUM_NEW_TOKENS)
+    token_lists, ours = float32_greedy(name)
+    reference = transformers_greedy(packaged_reference_model(name), token_lists, NUM_NEW_TOKENS)
     for index, expected in enumerate(reference):
-        assert ours[index] == expected, (
-            f"{name} prompt {index}: {engine.tokenizer.decode(ours[index])!r} != "
-            f"{engine.tokenizer.decode(expected)!r}")
+        assert ours[index] == expected, f"{name} prompt {index}: {ours[index]} != {expected}"
 
 
 def test_smollm2_greedy_matches_transformers():
@@ -67,15 +55,16 @@ def test_smollm2_gguf_blocks_agree_with_float32():
     and in prefill above 16 rows running on bf16-dequantized weights, so tokens may part late: at
     least 2 of the 3 prompts must be identical over 32 tokens (3 of 3 measured, and 8 of 8 on
     benchmarks/quant_quality.py's prompts), and every output's first 8 tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = []
-    for flags in ({"dtype": "float32"}, {}):
-        engine = LLMEngine(EngineConfig(model=ModelConfig(model="smollm2-135m", **flags),
-                                        cache=CacheConfig(max_total_tokens=4096)))
-        outputs.append(greedy(engine, [engine.tokenizer.encode(p) for p in PROMPTS], params))
+    token_lists, reference = float32_greedy("smollm2-135m")
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model="smollm2-135m"),
+                                    cache=CacheConfig(max_total_tokens=4096)))
+    try:
+        assert [engine.tokenizer.encode(p) for p in PROMPTS] == token_lists
+        ours = greedy(engine, token_lists, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                                          ignore_eos=True))
         quantization = engine.runner.quantization
+    finally:
         engine.shutdown()
     assert quantization == "gguf"
-    reference, ours = outputs
     assert sum(a == b for a, b in zip(ours, reference)) >= 2, (ours, reference)
     assert all(a[:8] == b[:8] for a, b in zip(ours, reference))

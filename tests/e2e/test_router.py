@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from .router_process import RouterProcess
-from .server_process import ServerProcess, free_port
+from .server_process import ServerProcess, free_port, running_together
 
 MODEL = "smollm2-135m"
 WORKER_ARGS = [MODEL, "--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "2048",
@@ -25,8 +25,8 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def workers():
-    with ServerProcess(WORKER_ARGS) as first, ServerProcess(WORKER_ARGS) as second:
-        yield first, second
+    with running_together(ServerProcess(WORKER_ARGS), ServerProcess(WORKER_ARGS)) as both:
+        yield both
 
 
 def post(base_url: str, path: str, body: dict) -> httpx.Response:
