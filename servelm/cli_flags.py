@@ -684,8 +684,6 @@ REJECTIONS: tuple[Rejection, ...] = (
     Rejection("not supported: EPLB moves every MoE layer's experts in the same forward pass (a "
               "rebalance is a few broadcasts of the moved experts over the tensor-parallel group); "
               "there is no per-chunk schedule to set", ("--eplb-rebalance-layers-per-chunk",)),
-    Rejection(f"{NOT_BUILT_YET}: a separate tensor-parallel size for the dense MLP layers of MoE models "
-              "(issue 33); every layer is split by --tp-size", ("--moe-dense-tp-size",)),
     Rejection("not supported: CUDA-only MoE kernels and transports (DeepEP, FlashInfer, Triton, "
               "Mooncake RDMA); servelm runs MoE layers through its own fused CPU path",
               ("--enable-deepep-moe", "--enable-flashinfer-cutlass-moe", "--enable-flashinfer-cutedsl-moe",

@@ -528,6 +528,11 @@ class ParallelConfig:
         "tokens go to their experts' ranks and back). A request's rank is chosen when its first "
         "token is computed (the rank with the fewest sequences in that step) and kept for its life. "
         "The data-parallel size is --tp-size (--dp-size may repeat it).")
+    moe_dense_tp_size: int | None = opt(
+        None, "SGLang's tensor-parallel size for the dense MLP layers of a MoE model. Those layers are "
+        "split over --tp-size like attention, or whole on every rank under --enable-dp-attention: "
+        "--moe-dense-tp-size may name that size (--tp-size, or 1 with --enable-dp-attention); another "
+        "size is refused at start-up.")
     enable_dp_lm_head: bool = opt(
         False, "With --enable-dp-attention: each rank computes the LM head over its own requests' "
         "rows (a copy of the whole head on every rank) and the logits are gathered; without it the "
@@ -612,6 +617,12 @@ class ParallelConfig:
         """--enable-dp-attention: the attention ranks are the tensor-parallel ranks of one node;
         SGLang's ``--dp-size N`` beside it names that size (one engine, not N replicas)."""
         tp = self.tensor_parallel_size
+        dense_tp = 1 if self.enable_dp_attention else tp
+        if self.moe_dense_tp_size is not None and self.moe_dense_tp_size != dense_tp:
+            raise ValueError(f"--moe-dense-tp-size {self.moe_dense_tp_size}: a MoE model's dense MLP layers "
+                             f"run split over --tp-size {tp} like its attention, or whole on every rank "
+                             "(--moe-dense-tp-size 1) with --enable-dp-attention; a size of their own "
+                             "(a separate process group for them) is not built here")
         if not self.enable_dp_attention:
             if self.enable_dp_lm_head:
                 raise ValueError("--enable-dp-lm-head computes the LM head per DP-attention rank: it "

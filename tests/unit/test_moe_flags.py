@@ -29,6 +29,12 @@ def test_dp_attention_is_sized_by_tp() -> None:
         assert parallel.data_parallel_size == 1 and parallel.ep_size == 2, argv
 
 
+def test_moe_dense_tp_size_names_the_size_the_dense_layers_run_at() -> None:
+    assert cli_args.parse_args(["--tp", "2", "--moe-dense-tp-size", "2"]).parallel.moe_dense_tp_size == 2
+    dp = cli_args.parse_args(["--tp", "2", "--enable-dp-attention", "--moe-dense-tp-size", "1"]).parallel
+    assert dp.moe_dense_tp_size == 1 and dp.enable_dp_attention
+
+
 def test_disable_mla_is_a_flag_of_its_own() -> None:
     assert cli_args.parse_args(["--disable-mla"]).model.disable_mla
     assert not EngineConfig().model.disable_mla
@@ -71,7 +77,8 @@ def test_expert_parallel_spellings_set_the_same_size() -> None:
     (["--moe-a2a-backend", "deepep"], "CUDA/RDMA"),
     (["--ep-dispatch-algorithm", "dynamic"], "round robin"),
     (["--eplb-rebalance-layers-per-chunk", "1"], "same forward pass"),
-    (["--moe-dense-tp-size", "1"], "issue 33"),
+    (["--tp", "2", "--moe-dense-tp-size", "1"], "with --enable-dp-attention"),
+    (["--tp", "4", "--moe-dense-tp-size", "2", "--enable-dp-attention"], "is not built here"),
     (["--enable-dp-attention"], "needs --tp-size > 1"),
     (["--tp", "2", "--dp", "3", "--enable-dp-attention"], "data-parallel size is --tp-size 2"),
     (["--tp", "2", "--pp-size", "2", "--enable-dp-attention"], "--pp-size"),
