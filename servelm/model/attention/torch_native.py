@@ -49,6 +49,30 @@ from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import DraftTree, ForwardBatch
 
 
+BUCKET_RATIO = 2
+BUCKET_MIN_COLUMNS = 256
+"""SDPA and the GEMM tiles read a group's K/V gathered and padded to its longest context, so one
+long sequence beside short ones made each of them pay its length (a 4,000-token prompt advancing a
+token per step beside seven short decodes: 8 x 4,000 columns gathered per layer). A sequence whose
+context is over ``BUCKET_RATIO`` x the shortest of its group and ``BUCKET_MIN_COLUMNS`` longer
+starts a group of its own (one more attention call per layer). Decode groups on the paged decode
+kernel are not cut: it reads each sequence's own span."""
+
+
+def context_buckets(members: list[int], context_lens: list[int]) -> list[list[int]]:
+    """``members`` (sequence indexes) cut into groups of similar context length (``BUCKET_RATIO``);
+    one group in the given order when no cut is needed."""
+    ordered = sorted(members, key=lambda i: context_lens[i])
+    buckets: list[list[int]] = [[]]
+    for index in ordered:
+        first = buckets[-1][0] if buckets[-1] else None
+        if first is not None and (context_lens[index] > BUCKET_RATIO * context_lens[first]
+                                  and context_lens[index] - context_lens[first] > BUCKET_MIN_COLUMNS):
+            buckets.append([])
+        buckets[-1].append(index)
+    return buckets if len(buckets) > 1 else [members]
+
+
 @dataclass
 class _KVView:
     """The context columns one group reads for one attention span."""
@@ -297,15 +321,19 @@ class TorchNativeAttention:
             decodes = [i for i, n in enumerate(batch.query_lens) if n == 1 and trees[i] is None]
             others = [i for i, n in enumerate(batch.query_lens) if n != 1 or trees[i] is not None]
         table = batch.block_table.cpu()
-        groups = [self._group(batch, table, members, query_starts, total, device)
-                  for members in (decodes, others) if members]
+        context_lens = [start + n for start, n in zip(batch.start_positions, batch.query_lens)]
+        decode_kernel = device.type == "cpu" and paged_decode.load_kernel() is not None
+        member_lists = ([decodes] if decodes and decode_kernel else   # the kernel reads spans: no padding
+                        context_buckets(decodes, context_lens) if decodes else [])
+        member_lists += context_buckets(others, context_lens) if others else []
+        groups = [self._group(batch, table, members, query_starts, total, device) for members in member_lists]
         if trees is not None:
-            for group, members in zip(groups, [m for m in (decodes, others) if m]):
+            for group, members in zip(groups, member_lists):
                 if any(trees[i] is not None for i in members):
                     group.trees = [trees[i] for i in members]
         images = batch.images
         if images is not None:
-            for group, members in zip(groups, [m for m in (decodes, others) if m]):
+            for group, members in zip(groups, member_lists):
                 if group.max_query > 1 and any(images[i] for i in members):
                     group.images = [images[i] for i in members]
         return TorchNativeMetadata(groups=groups)

@@ -50,3 +50,21 @@ def test_decode_window_longer_than_every_context_shares_the_full_view() -> None:
     assert torch.equal(decodes._build_view(31).mask, built[1])
     (prefill,) = build(BatchPlan([SequencePlan([1, 2, 3], 4, blocks)])).attn_metadata.groups
     assert prefill.view(64) is not prefill.view(None)   # multi-token groups keep their own (tiles)
+
+
+def test_a_long_context_gets_a_group_of_its_own_so_short_ones_are_not_padded_to_it() -> None:
+    from servelm.model.attention import paged_decode
+    from servelm.model.attention.torch_native import context_buckets
+    assert context_buckets([0, 1, 2], [5, 900, 7]) == [[0, 2], [1]]
+    assert context_buckets([0, 1], [300, 500]) == [[0, 1]]          # within 2x: one group, given order
+    assert context_buckets([1, 0], [40, 200]) == [[1, 0]]           # 5x but only 160 columns apart
+    blocks = list(range(300))
+    batch = build(BatchPlan([SequencePlan([1], 4, blocks[:2]), SequencePlan([2], 900, blocks[:226]),
+                             SequencePlan([3], 6, blocks[:2]), SequencePlan([4, 5], 3, blocks[:2]),
+                             SequencePlan([6, 7], 800, blocks[:201])]))
+    groups = batch.attn_metadata.groups
+    columns = sorted(group.view(None).num_columns for group in groups)
+    if paged_decode.load_kernel() is None:     # SDPA pads a decode group's K/V to its longest context
+        assert columns == [5, 7, 802, 901]
+    else:                                      # the kernel reads each decode's own span
+        assert columns == [5, 802, 901]
