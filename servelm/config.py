@@ -623,6 +623,7 @@ class ParallelConfig:
                              f"run split over --tp-size {tp} like its attention, or whole on every rank "
                              "(--moe-dense-tp-size 1) with --enable-dp-attention; a size of their own "
                              "(a separate process group for them) is not built here")
+        object.__setattr__(self, "moe_dense_tp_size", None)   # named what runs anyway: the default
         if not self.enable_dp_attention:
             if self.enable_dp_lm_head:
                 raise ValueError("--enable-dp-lm-head computes the LM head per DP-attention rank: it "

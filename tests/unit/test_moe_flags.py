@@ -30,9 +30,8 @@ def test_dp_attention_is_sized_by_tp() -> None:
 
 
 def test_moe_dense_tp_size_names_the_size_the_dense_layers_run_at() -> None:
-    assert cli_args.parse_args(["--tp", "2", "--moe-dense-tp-size", "2"]).parallel.moe_dense_tp_size == 2
-    dp = cli_args.parse_args(["--tp", "2", "--enable-dp-attention", "--moe-dense-tp-size", "1"]).parallel
-    assert dp.moe_dense_tp_size == 1 and dp.enable_dp_attention
+    for argv, size in ((["--tp", "2"], "2"), (["--tp", "2", "--enable-dp-attention"], "1")):
+        assert cli_args.parse_args(argv + ["--moe-dense-tp-size", size]) == cli_args.parse_args(argv), argv
 
 
 def test_disable_mla_is_a_flag_of_its_own() -> None:

@@ -42,6 +42,7 @@ PARSER_OPTIONS = set(cli_flags.PARSER_OPTIONS)
 # Fields whose other values this build refuses (naming the flag), with the one value it accepts.
 REFUSED_FIELDS: dict[str, str] = {
     "hicache_io_backend": "direct",
+    "moe_dense_tp_size": "1",   # the size the dense layers run at (--tp-size, 1 by default)
     # a decode server is one engine (dp: the router's), a prefill server one pipeline stage
     "disaggregation_decode_dp": "1", "disaggregation_prefill_pp": "1"}
 DEFAULT = EngineConfig()
