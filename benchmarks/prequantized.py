@@ -141,7 +141,7 @@ def server_rates(server: str, name: str, path: str, args: argparse.Namespace) ->
         venv = Path(os.environ.get("VLLM_VENV", "~/.cache/vllm-cpu-venv")).expanduser()
         peer = vllm_peer(venv, Path(path), name, args.port, args.num_threads or 2, args.startup_s)
     else:
-        peer = servelm_peer(path, args.port, args.num_threads or 2, ["--served-model-name", name])
+        peer = servelm_peer(str(path), args.port, args.num_threads or 2, ["--served-model-name", name])
     args.model = name
     log_name = f"{server}-{name}"
     try:
