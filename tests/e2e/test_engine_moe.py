@@ -10,7 +10,6 @@ import pytest
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.engine.expert_stage import expert_distribution_call
-from servelm.sampling.params import SamplingParams
 from tests.e2e.test_prefix_cache_tiny import run as run_greedy
 from tests.reference import load_reference_model, transformers_greedy
 from tests.tiny_models import TINY_MOE_ARCHS, make_tiny_model_dir
