@@ -41,6 +41,10 @@ TIMING_BUDGET_S = 0.05
 """Seconds one cell's interleaved rounds may take after their first three (model/timing.py)."""
 MEASURE_MAX_OUTPUTS = 16384
 """Outputs a shape is timed on (an LM head's 150k are cut to this: both routes' times grow linearly in N)."""
+MIN_WEIGHT_BYTES = 1 << 20
+"""Weights smaller than this keep oneDNN unmeasured: they sit in cache, a call is its overhead, and
+timing them at every start of a tiny model (the test suite's) is noise that cost seconds per start
+and could pick different routes on different tensor-parallel ranks."""
 MEASURE_MIN_BYTES = 96 << 20
 """Weight bytes a measurement cycles through at most (copies of a small shape): more than the
 last-level cache, as in serving a model that size, where a step reads every layer's weights once."""
@@ -200,7 +204,8 @@ def dense_weights(model: torch.nn.Module) -> list[tuple[Any, str, DenseShape]]:
         elif isinstance(module, FusedMoE) and module.expert_layers is None and _float32_cpu(module.gate_up_proj[0]):
             found.append((module, "gate_up", _shape(module.gate_up_proj)))
             found.append((module, "down", _shape(module.down_proj)))
-    return found
+    return [(module, which, shape) for module, which, shape in found
+            if 4 * shape.out_features * shape.in_features >= MIN_WEIGHT_BYTES]
 
 
 def apply_dense_routes(model: torch.nn.Module, budget_s: float | None = STARTUP_BUDGET_S,

@@ -89,9 +89,12 @@ def test_apply_gives_each_float32_weight_its_routes(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(timing, "time_candidates", _fake_time(set(ROW_CLASSES), []))
     import servelm.model.routes as routes_module
     monkeypatch.setattr(routes_module, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(f32_rows, "MIN_WEIGHT_BYTES", 0)   # tiny weights keep oneDNN unmeasured
     model = nn.ModuleDict({"linear": LinearBase(24, 40, bias=False), "moe": FusedMoE(4, 24, 20, "silu"),
                            "bf16": LinearBase(24, 40, bias=False, dtype=torch.bfloat16)})
     summary = f32_rows.apply_dense_routes(model)
     assert summary is not None and set(summary["routes"]) == {"f32 24x40", "f32 20x24"}
     assert model["linear"].dense_routes is not None and model["bf16"].dense_routes is None
     assert all(r is not None and r.kernel_classes == set(ROW_CLASSES) for r in model["moe"].dense_routes)
+    monkeypatch.setattr(f32_rows, "MIN_WEIGHT_BYTES", 1 << 20)
+    assert f32_rows.apply_dense_routes(nn.ModuleDict({"linear": LinearBase(24, 40, bias=False)})) is None
