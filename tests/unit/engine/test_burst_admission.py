@@ -146,9 +146,9 @@ def test_a_long_prompt_beside_a_decode_moves_at_the_fair_share() -> None:
     drain(engine)
     for step in steps[1:8]:                          # the decode streams beside it, steps stay short
         assert step[0] == 1 and 30 <= step[1] <= 32, steps
-    for step in steps[8:11]:                         # within the grace: still short
+    for step in steps[8:12]:                         # within the grace (from the decode's last step's end)
         assert len(step) == 1 and 24 <= step[0] <= 32, steps  # fewer deeper in its context
-    assert steps[11] == [1019 - sum(step[-1] for step in steps[1:11])]  # then alone: the rest at once
+    assert steps[12] == [1019 - sum(step[-1] for step in steps[1:12])]  # then alone: the rest at once
 
 
 def test_two_long_prompts_queued_together_are_chunked() -> None:
