@@ -61,7 +61,9 @@ kernel are not cut: it reads each sequence's own span."""
 
 def context_buckets(members: list[int], context_lens: list[int]) -> list[list[int]]:
     """``members`` (sequence indexes) cut into groups of similar context length (``BUCKET_RATIO``);
-    one group in the given order when no cut is needed."""
+    one group in the given order when no cut is needed, none when ``members`` is empty."""
+    if not members:
+        return []
     ordered = sorted(members, key=lambda i: context_lens[i])
     buckets: list[list[int]] = [[]]
     for index in ordered:
@@ -323,9 +325,8 @@ class TorchNativeAttention:
         table = batch.block_table.cpu()
         context_lens = [start + n for start, n in zip(batch.start_positions, batch.query_lens)]
         decode_kernel = device.type == "cpu" and paged_decode.load_kernel() is not None
-        member_lists = ([decodes] if decodes and decode_kernel else   # the kernel reads spans: no padding
-                        context_buckets(decodes, context_lens) if decodes else [])
-        member_lists += context_buckets(others, context_lens) if others else []
+        decode_lists = [decodes] if decodes and decode_kernel else context_buckets(decodes, context_lens)
+        member_lists = decode_lists + context_buckets(others, context_lens)   # the kernel reads spans: no padding
         groups = [self._group(batch, table, members, query_starts, total, device) for members in member_lists]
         if trees is not None:
             for group, members in zip(groups, member_lists):
