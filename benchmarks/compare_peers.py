@@ -211,7 +211,7 @@ def main() -> None:
     peers, skipped = find_peers(args, gguf, args.port)
     for message in skipped:
         print(f"skipped {message}", flush=True)
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma", "f16c")))
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, flags: {' '.join(flags)}; load average {os.getloadavg()}", flush=True)
     print_table(measure_peers(peers, args, log_dir), "compare within one run")
