@@ -372,7 +372,9 @@ class SchedulerConfig:
         "double and one deep in a long context more; or more than 4 sequences: n, beams, prompt "
         "lists) and a normal one both have work (and for 1 s after a normal one's last work, so the "
         "user's next request does not wait for a full heavy step), the heavy ones together compute at "
-        "most this many tokens per step (prompt tokens and decode rows), in equal shares; normal "
+        "most this many tokens per step (prompt tokens and decode rows), in equal shares; fewer while "
+        "such a shared step costs more than twice a step of the normal work alone (measured as it "
+        "serves), down to 1 token per step with the heavy requests taking turns; normal "
         "requests are not bounded. Keeps a normal user's latency within a small multiple of its latency alone beside "
         "heavy requests (SmolLM2-135M on 2 CPU cores: benchmarks/RESULTS.md, issue 35). 0 turns it "
         "off (throughput first, for batch jobs; the offline Engine class defaults to 0).")

@@ -171,12 +171,18 @@ class GroupShares:
     what they are alone, whatever heavy requests run beside it, and each heavy one moves at its
     share (at least one token of one sequence per step)."""
 
-    def __init__(self, heavy: set[str], total_work: float, max_sequences: int) -> None:
+    def __init__(self, heavy: set[str], total_work: float, max_sequences: int,
+                 turn: Sequence[str] | None = None) -> None:
         self.max_sequences = max_sequences
-        self.work_left: dict[str, float] = {group: total_work / len(heavy) for group in heavy}
+        served = list(turn) if turn is not None else sorted(heavy)
+        self.work_left: dict[str, float] = {group: 0.0 for group in heavy}
         """Heavy group -> work it may still compute this step (light groups: no bound)."""
+        self.work_left.update({group: total_work / len(served) for group in served})
         self._sequences: dict[str, int] = {}
-        self._has_moved: set[str] = set()
+        self._has_moved: set[str] = set(heavy) - set(served)
+        """Groups that moved this step, or may not (not their turn): no minimum token for them."""
+        self.light_tokens = 0
+        """Tokens the light groups took this step (the controller's reference is a step of as many)."""
 
     def take(self, request: Request, num_tokens: int) -> int:
         """How many of ``num_tokens`` the request may compute this step (0: its group has had
@@ -195,8 +201,58 @@ class GroupShares:
             num_tokens = granted
             self.work_left[group] = left - granted * weight
             self._has_moved.add(group)
+        else:
+            self.light_tokens += num_tokens
         self._sequences[group] = self._sequences.get(group, 0) + 1
         return num_tokens
+
+
+SHARED_STEP_RATIO = 2.0
+"""What a shared step may cost against a step of only the light groups' tokens. The heavy groups'
+tokens per step follow it (``StepBudget``): what a token costs differs by CPU, model, context depth
+and kernel (a few decode rows cost about one on a memory-bound machine, several times one where the
+GEMM is compute-bound at few rows, as AVX2's int16 block kernel is), so it is measured, not assumed."""
+
+
+class StepBudget:
+    """The heavy groups' work per shared step, adapted to the measured cost of shared steps: an
+    additive increase while a shared step costs under ``SHARED_STEP_RATIO`` times a light-only step
+    of as many light tokens (the reference: a running mean per power-of-two token count), a
+    multiplicative decrease above it; between 1 and the configured --fair-step-tokens. Without a
+    reference yet (no light-only step seen at that size) it stays where it is."""
+
+    DECREASE = 0.7
+    INCREASE = 1.0
+    MEAN_WEIGHT = 0.2
+    """Weight of a new light-only step in its running mean."""
+
+    def __init__(self, most: float) -> None:
+        self.most = most
+        self.work = most
+        self.light_step_s: dict[int, float] = {}
+        """Power-of-two token count -> running mean of a light-only step's seconds."""
+
+    @staticmethod
+    def size_class(tokens: int) -> int:
+        return 1 << max(0, tokens - 1).bit_length()
+
+    def observe(self, seconds: float, light_tokens: int, shared: bool) -> None:
+        """One finished step: its seconds, the light groups' tokens in it, whether heavy groups
+        were held to shares in it."""
+        if seconds <= 0 or light_tokens <= 0:
+            return
+        size = self.size_class(light_tokens)
+        if not shared:
+            mean = self.light_step_s.get(size)
+            self.light_step_s[size] = seconds if mean is None else mean + self.MEAN_WEIGHT * (seconds - mean)
+            return
+        reference = self.light_step_s.get(size)
+        if reference is None:
+            return
+        if seconds > SHARED_STEP_RATIO * reference:
+            self.work = max(1.0, self.work * self.DECREASE)
+        else:
+            self.work = min(self.most, self.work + self.INCREASE)
 
 
 LIGHT_GRACE_S = 1.0
@@ -229,13 +285,22 @@ def group_weights(running: Sequence[Request], waiting: Sequence[Request]) -> tup
 
 class FairShares:
     """--fair-step-tokens over time: each step's ``GroupShares``, kept for ``LIGHT_GRACE_S`` after
-    another group's last light work (``clock``: seconds, monotonic)."""
+    another group's last light work (``clock``: seconds, monotonic). The heavy groups' work per
+    step follows the measured cost of shared steps (``StepBudget``, at most ``total_work``); when
+    it is less than one token per heavy group, the heavy groups take their turns (a few per step,
+    in rotation), so a deep context is read for a larger share every few steps rather than for a
+    token or two every step."""
 
     def __init__(self, total_work: int, max_sequences: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.total_work = total_work
         self.max_sequences = max_sequences
         self.clock = clock
+        self.budget = StepBudget(total_work)
+        self._turn = 0
+        """Where the next step's turn starts in the sorted heavy groups."""
+        self._step: tuple[float, GroupShares | None] | None = None
+        """The step in progress: when its schedule began, and its shares (None: light work only)."""
         self._light_seen_s: dict[str, float] = {}
         """Light group -> when its last work ended (within the grace)."""
         self._light_last_step: set[str] = set()
@@ -261,6 +326,27 @@ class FairShares:
                               if now - seen <= LIGHT_GRACE_S and group not in heavy}
         self._light_seen_s.update(dict.fromkeys(light, now))
         self._light_last_step = light
-        if not heavy or not self._light_seen_s:
+        if not heavy:
+            self._step = (now, None) if light else None
             return None
-        return GroupShares(heavy, self.total_work, self.max_sequences)
+        if not self._light_seen_s:
+            self._step = None
+            return None
+        ordered = sorted(heavy)
+        served = min(len(ordered), max(1, int(self.budget.work)))
+        start = self._turn % len(ordered)
+        self._turn = start + served
+        shares = GroupShares(heavy, self.budget.work, self.max_sequences,
+                             turn=[ordered[(start + i) % len(ordered)] for i in range(served)])
+        self._step = (now, shares)
+        return shares
+
+    def step_done(self, num_tokens: int) -> None:
+        """The step scheduled by the last ``for_step`` ended (``num_tokens``: all it computed): its
+        time goes to the budget's reference (light work only) or to its control (shared)."""
+        if self._step is None:
+            return
+        started, shares = self._step
+        self._step = None
+        light_tokens = num_tokens if shares is None else shares.light_tokens
+        self.budget.observe(self.clock() - started, light_tokens, shares is not None)

@@ -389,6 +389,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, results: list[StepResult]) -> list[Request]:
         """Apply the model's results; returns the requests that got new tokens or finished."""
         touched: list[Request] = list(output.finished)
+        self.fair_shares.step_done(sum(scheduled.num_tokens for scheduled in output.scheduled))
         for scheduled, result in zip(output.scheduled, results, strict=True):
             request = scheduled.request
             if request.is_finished:

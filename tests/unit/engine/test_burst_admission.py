@@ -7,7 +7,6 @@ fails here."""
 
 from __future__ import annotations
 
-import itertools
 
 from servelm.config import EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
@@ -138,8 +137,15 @@ def test_a_long_prompt_beside_a_decode_moves_at_the_fair_share() -> None:
     (32 here) a step (fewer deep in its context) until the decode is done and LIGHT_GRACE_S more
     (the user's next request may be on its way; each step here takes 0.3 s) (issue 35)."""
     engine, steps = make_chunking_engine(fair_step_tokens=32)
-    times = itertools.count(0.0, 0.3)
-    engine.scheduler.fair_shares.clock = lambda: next(times)
+    now = [0.0]
+    engine.scheduler.fair_shares.clock = lambda: now[0]
+    schedule = engine.scheduler.schedule
+
+    def timed_schedule():
+        now[0] += 0.3
+        return schedule()
+
+    engine.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
     assert engine.add_request("first", long_prompt(16), params(8)) is None
     engine.step()
     assert engine.add_request("long", long_prompt(1019, 1), params(1)) is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from servelm.config import EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
-from servelm.engine.policy import LIGHT_GRACE_S, FairShares
+from servelm.engine.policy import LIGHT_GRACE_S, FairShares, StepBudget
 from servelm.engine.request import Request
 from servelm.engine.scheduler import SchedulerOutput
 from servelm.sampling.params import SamplingParams
@@ -210,3 +210,65 @@ def test_shares_split_the_step_among_heavy_groups_only():
     assert shares.take(heavy_a, 512) == 0  # its share of the step is used
     assert shares.take(request("c", 10), 1) == 1 and shares.take(request("c", 10), 1) == 0  # 2 rows
     assert for_step([heavy_a, light], total_work=0) is None  # --fair-step-tokens 0: off
+
+
+def test_the_heavy_budget_follows_the_measured_cost_of_shared_steps():
+    """Light-only steps set the reference; a shared step over SHARED_STEP_RATIO times it cuts the
+    heavy groups' work, a cheaper one lets it grow back, never past --fair-step-tokens nor under 1."""
+    budget = StepBudget(8)
+    budget.observe(0.5, 2, shared=True)
+    assert budget.work == 8  # no reference yet for 2 light tokens: unchanged
+    budget.observe(0.010, 2, shared=False)
+    budget.observe(0.050, 2, shared=True)  # 5x a light-only step of 2 tokens
+    assert budget.work == 8 * StepBudget.DECREASE
+    for _ in range(20):
+        budget.observe(0.050, 2, shared=True)
+    assert budget.work == 1.0
+    budget.observe(0.015, 2, shared=True)  # 1.5x: grows back, one token at a time
+    assert budget.work == 2.0
+    budget.observe(0.050, 30, shared=True)  # 30 light tokens: another size class, no reference
+    assert budget.work == 2.0
+    for _ in range(20):
+        budget.observe(0.012, 2, shared=True)
+    assert budget.work == 8
+
+
+def test_heavy_groups_take_turns_when_the_budget_is_under_one_token_each():
+    def request(group: str) -> Request:
+        return Request(f"{group}-r", prompt(1000), params(1), [96], 4096, group=group)
+
+    shares = FairShares(8, 16, clock=lambda: 0.0)
+    shares.budget.work = 2.0
+    heavy = [request(group) for group in "abcde"]
+    light = request("z")
+    light.prompt_token_ids = light.prompt_token_ids[:40]
+    turns = []
+    for _ in range(5):
+        step = shares.for_step([], [*heavy, light])
+        assert step is not None and step.take(light, 40) == 40
+        turns.append([h.group for h in heavy if step.take(h, 512) > 0])
+        shares.step_done(40)
+    assert all(len(turn) == 2 for turn in turns), turns
+    assert sorted(sum(turns, [])) == sorted("abcde" * 2), turns  # every group twice in 5 steps
+
+
+def test_a_slow_shared_step_cuts_the_heavy_tokens_of_the_next():
+    """In the engine: shared steps that cost more than twice a light-only one (here, a clock that
+    charges each heavy token) shrink the heavy request's tokens per step."""
+    engine, steps, _ = make_engine(step_s=0.0, fair_step_tokens=32)
+    clock = engine.scheduler.fair_shares.clock
+    update = engine.scheduler.update
+
+    def charged_update(output, results):
+        clock.now += 0.01 + 0.01 * sum(s.num_tokens for s in output.scheduled if s.request.request_id == "heavy")
+        return update(output, results)
+
+    engine.scheduler.update = charged_update  # type: ignore[method-assign]
+    assert engine.add_request("user", prompt(16), params(40)) is None
+    for _ in range(3):
+        engine.step()  # light-only: the reference for 1 token is 0.01 s
+    assert engine.add_request("heavy", prompt(2000, 1), params(1)) is None
+    for _ in range(12):
+        engine.step()
+    heavy = [step.get("heavy", 0) for step in steps[3:]]
+    assert heavy[0] == 32 and max(heavy[-4:]) <= 2, heavy
