@@ -95,7 +95,7 @@ def traced_engine_process(*args: Any, **kwargs: Any) -> None:
 def serve(argv: list[str]) -> None:
     """``servelm serve ARGV`` with the front end's adds recorded and the engine process traced."""
     from servelm.cli import main
-    from servelm.engine import async_engine
+    from servelm.engine import async_engine, launch
 
     send = async_engine.AsyncEngine._send
 
@@ -107,7 +107,7 @@ def serve(argv: list[str]) -> None:
                     request_id=message[1])
 
     async_engine.AsyncEngine._send = traced_send  # type: ignore[method-assign]
-    async_engine.run_engine_process = traced_engine_process  # type: ignore[assignment]
+    launch.ENGINE_ENTRY = f"{traced_engine_process.__module__}:{traced_engine_process.__name__}"
     profile = os.environ.get(PROFILE_ENV)
     if not profile:
         main(["serve", *argv])

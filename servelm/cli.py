@@ -48,16 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve(config: EngineConfig) -> None:
     """Runs the server until it is stopped."""
+    from servelm.engine.launch import EngineLaunch
     from servelm.logging_utils import configure_logging
-    from servelm.model.threads import configure_front_end_threads
-    from servelm.server.app import run_server  # deferred: the CLI must not import the server stack
+    from servelm.model.threads import configure_front_end_threads, export_front_end_environment
 
     configure_logging(config.server.log_level)
     if config.parallel.node_rank > 0:
         serve_worker_node(config)
         return
-    configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
-    run_server(config)
+    export_front_end_environment()  # before the engine processes start: they inherit it
+    # The engine processes import torch and the engine while this one imports the server stack
+    # and checks the model (servelm.engine.launch): seconds of every start-up.
+    with EngineLaunch.begin(config) as launch:
+        from servelm.server.app import run_server  # deferred: the CLI must not import the server stack
+
+        configure_front_end_threads()  # the cores belong to the engine process (README, Threads)
+        run_server(config, launch)
 
 
 def serve_worker_node(config: EngineConfig) -> None:

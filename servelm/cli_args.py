@@ -412,13 +412,13 @@ _JSON_WHITESPACE_SAMPLES = ("", " ", "\n", "\t", "  \n\t  \n")
 
 
 def _check_environment(config: EngineConfig) -> None:
-    """Start-up checks that need more than the config: the grammar backend's package, and a
-    whitespace pattern the backend can honour. Loads no model."""
-    from servelm.constrained.grammar import check_backend_available
+    """Start-up checks that need more than the config: the grammar backend's package (installed;
+    the engine imports it), and a whitespace pattern the backend can honour. Loads no model."""
+    from servelm.constrained.grammar import check_backend_installed
 
     structured = config.structured
     try:
-        check_backend_available(structured.grammar_backend)
+        check_backend_installed(structured.grammar_backend)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if config.observability.tracing:

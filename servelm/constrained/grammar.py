@@ -19,11 +19,13 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # the CLI checks the backend's package at start-up, before torch is loaded
+    import torch
 
 GRAMMAR_KINDS = ("json", "json_object", "regex", "ebnf", "choice")
 BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
@@ -95,6 +97,8 @@ def apply_packed_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=vocab_size)
         return
+    import torch
+
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(logits.device, non_blocking=True)
     allowed = ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1)[:, :vocab_size]
@@ -155,8 +159,10 @@ _BACKEND_PACKAGES = {"xgrammar": "xgrammar", "llguidance": "llguidance"}
 """The package each available backend imports (checked at start-up)."""
 
 
-def check_backend_available(name: str) -> None:
-    """Raise ValueError at start-up when ``name`` cannot be used in this build."""
+def check_backend_installed(name: str) -> None:
+    """Raise ValueError when ``name`` cannot be used in this build or its package is not installed.
+    Imports nothing (the CLI's check: xgrammar's import alone loads torch and transformers);
+    ``check_backend_available`` also imports the package."""
     if name == "none":
         return
     if name not in BACKEND_FACTORIES:
@@ -164,11 +170,24 @@ def check_backend_available(name: str) -> None:
     if name not in _BACKEND_PACKAGES:
         BACKEND_FACTORIES[name]()
     package = _BACKEND_PACKAGES[name]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(_missing_package(name, "not installed"))
+
+
+def check_backend_available(name: str) -> None:
+    """Raise ValueError at start-up when ``name`` cannot be used in this build."""
+    check_backend_installed(name)
+    if name == "none":
+        return
     try:
-        __import__(package)
+        importlib.import_module(_BACKEND_PACKAGES[name])
     except ImportError as error:
-        raise ValueError(f"--grammar-backend {name} needs the {package} package "
-                         f"(pip install {package}): {error}") from None
+        raise ValueError(_missing_package(name, str(error))) from None
+
+
+def _missing_package(name: str, reason: str) -> str:
+    package = _BACKEND_PACKAGES[name]
+    return f"--grammar-backend {name} needs the {package} package (pip install {package}): {reason}"
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],

@@ -28,7 +28,6 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -44,15 +43,14 @@ from servelm.config import EngineConfig
 from servelm.disagg.spec import KVTransfer
 from servelm.engine.balancer import LoadBalancer
 from servelm.engine.crash_dump import CrashRecorder
-from servelm.engine.engine_process import run_engine_process
 from servelm.engine.frontdoor import (PROTOCOL_VERSION, AbortRequest, CallResult, EngineCall,
                                       EngineFailed, EngineReady, ExpertDistributionCall, FlushCacheCall, FrontMessage,
                                       LoadLoRACall, ModelInfo, Shutdown, StatsCall, StepOutputs,
                                       SubmitRequest, UnloadLoRACall)
+from servelm.engine.launch import EngineLaunch
 from servelm.engine.monitor import acceptance_figures
 from servelm.engine.outputs import RequestOutput, merge_outputs
 from servelm.errors import InvalidRequestError
-from servelm.model.threads import export_openmp_wait_policy
 from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
@@ -119,19 +117,19 @@ class AsyncEngine:
         self._crash_recorder = CrashRecorder(folder) if folder else None
 
     @classmethod
-    async def start(cls, config: EngineConfig) -> AsyncEngine:
-        """Spawn the engine process (one per data-parallel replica) and wait until every model
-        is loaded."""
+    async def start(cls, config: EngineConfig, launch: EngineLaunch | None = None) -> AsyncEngine:
+        """Send each engine process (one per data-parallel replica) its job and wait until every
+        model is loaded. ``launch``: the processes, started early (the CLI starts them before its
+        own imports); by default they are started here."""
 
-        num_replicas = config.parallel.data_parallel_size
-        slices = cls._cpu_slices(num_replicas)
-        export_openmp_wait_policy(config.runtime.omp_wait_policy)  # read by the engine processes
+        launch = launch if launch is not None else EngineLaunch.begin(config)
+        replica_config = cls._replica_config(config, launch.cpu_slices)
         socket_dir = tempfile.mkdtemp(prefix="servelm-")
         sync_context: zmq.Context[zmq.Socket[Any]] = zmq.Context.instance()
         replicas: list[_Replica] = []
         tokenizer: asyncio.Future[Any] | None = None
         try:
-            for index in range(num_replicas):
+            for index, process in enumerate(launch.processes):
                 input_address = f"ipc://{socket_dir}/input{index}"
                 output_address = f"ipc://{socket_dir}/output{index}"
                 push = sync_context.socket(zmq.PUSH)
@@ -139,14 +137,8 @@ class AsyncEngine:
                 push.bind(input_address)
                 pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
                 pull.bind(output_address)
-                process = multiprocessing.get_context("spawn").Process(
-                    target=run_engine_process,
-                    args=(cls._replica_config(config, slices), input_address, output_address,
-                          os.getpid(), slices[index] if slices is not None else None),
-                    name=f"servelm-engine-{index}" if num_replicas > 1 else "servelm-engine",
-                    daemon=True)
                 replicas.append(_Replica(index, process, push, pull))
-                process.start()
+                launch.send(index, replica_config, input_address, output_address)
             # the front end's tokenizer loads while the engines load their models (seconds of
             # every start-up); a GGUF tokenizer both convert at once is cached by whichever ends first
             tokenizer = asyncio.ensure_future(asyncio.to_thread(cls._load_tokenizer, config))
@@ -156,6 +148,7 @@ class AsyncEngine:
         except BaseException:
             if tokenizer is not None:   # its thread runs on; its outcome is not wanted
                 tokenizer.add_done_callback(lambda done: done.cancelled() or done.exception())
+            launch.close()
             for replica in replicas:
                 if replica.process.is_alive():
                     replica.process.kill()
@@ -163,6 +156,7 @@ class AsyncEngine:
                 replica.pull.close(linger=0)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
+        num_replicas = len(replicas)
         model_info = readies[0].model_info
         if num_replicas > 1:
             model_info = dataclasses.replace(model_info, data_parallel_size=num_replicas)
@@ -173,13 +167,6 @@ class AsyncEngine:
             asyncio.create_task(engine._watch_process(replica)))]
         await engine.get_server_info()  # so a later busy engine is answered from known figures
         return engine
-
-    @staticmethod
-    def _cpu_slices(num_replicas: int) -> list[list[int]] | None:
-        """Each replica's CPUs (the TP ranks' code cuts the node the same way); None at dp 1."""
-        from servelm.model.threads import rank_cpu_slices
-
-        return rank_cpu_slices(num_replicas) if num_replicas > 1 else None
 
     @staticmethod
     def _replica_config(config: EngineConfig, slices: list[list[int]] | None) -> EngineConfig:
@@ -197,7 +184,8 @@ class AsyncEngine:
 
     @staticmethod
     def check_model(config: EngineConfig) -> None:
-        """Fail fast, before any process starts, when the model cannot be found or read.
+        """Fail fast, before any engine process is sent its job, when the model cannot be found or
+        read.
 
         Raises ValueError with a message for the user (unknown path, hub id, bad packaged model,
         a --lora-paths adapter that cannot be served).
@@ -209,7 +197,7 @@ class AsyncEngine:
             source = resolve_model_source(config.model)
         except PackagedModelError as error:
             raise ValueError(str(error)) from error
-        if config.lora.is_enabled:  # a bad --lora-paths adapter: one line, before any process
+        if config.lora.is_enabled:  # a bad --lora-paths adapter: one line, before any model loads
             from servelm.lora.adapter import BaseShapes, LoRAAdapterError
             from servelm.lora.manager import read_adapter
 

@@ -1,6 +1,11 @@
-"""The engine process's entry point: load the model, then step, draining the front end's socket
+"""The engine process's job: load the model, then step, draining the front end's socket
 between steps (frontdoor.py's messages: submit, abort, the calls, shutdown). One per data-parallel
-replica; async_engine.py is the other end of its sockets."""
+replica; async_engine.py is the other end of its sockets.
+
+The process was started by launch.py (which made it die with the front end and pinned a
+data-parallel replica to its CPUs); importing this module is its import work before the job
+arrives, so the engine's imports stay at the top.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +13,26 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from servelm.config import EngineConfig
+from servelm.engine.engine import LLMEngine
 from servelm.engine.frontdoor import (AbortRequest, CallResult, EngineFailed, EngineReady,
                                       ExpertDistributionCall, FlushCacheCall, FrontMessage, LoadLoRACall, ModelInfo,
                                       Shutdown, StatsCall, StepOutputs, SubmitRequest,
                                       UnloadLoRACall)
-
-if TYPE_CHECKING:
-    from servelm.engine.engine import LLMEngine
+from servelm.engine.heap import IdleTrim
+from servelm.engine.monitor import StatsLogger, Watchdog
+from servelm.engine.warmup import warm_up_for_serving
+from servelm.logging_utils import configure_logging, watch_gc
 
 logger = logging.getLogger(__name__)
 
 
-def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
-                       parent_pid: int | None = None, cpus: list[int] | None = None) -> None:
-    """Entry point of the engine process: load the model, then step until told to stop.
-
-    ``parent_pid`` is the front end's pid, read before the spawn: this process dies with it
-    (even when the front end is SIGKILLed and runs no cleanup), so the KV pool is never orphaned.
-    """
-    from servelm.distributed.lifetime import die_with_parent
-
-    die_with_parent(parent_pid)
-    if cpus is not None:  # a data-parallel replica: its slice of the node (its TP ranks split it)
-        os.sched_setaffinity(0, cpus)
-    from servelm.engine.engine import LLMEngine
-    from servelm.engine.heap import IdleTrim
-    from servelm.engine.monitor import StatsLogger, Watchdog
-    from servelm.engine.warmup import warm_up_for_serving
-    from servelm.logging_utils import configure_logging, watch_gc
-
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """The engine process's job: load the model, then step until told to stop."""
     # Ctrl-C and SIGTERM are the front end's to handle: it drains requests, then sends "shutdown".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -53,7 +44,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(output_address)
-    parent_pid = os.getppid()  # after die_with_parent: still the front end
+    parent_pid = os.getppid()  # launch.py's die_with_parent ran: still the front end
     try:
         start_s = time.monotonic()
         engine = LLMEngine(config)

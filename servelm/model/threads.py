@@ -28,7 +28,6 @@ import os
 import time
 
 import psutil
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +57,8 @@ def default_num_threads() -> int:
 
 def set_torch_threads(num_threads: int) -> None:
     """``num_threads`` intra-op threads and one inter-op thread for this process."""
+    import torch  # here, not at the top: the CLI uses this module before torch is loaded
+
     torch.set_num_threads(num_threads)
     if torch.get_num_interop_threads() != 1:
         try:
@@ -70,6 +71,8 @@ def configure_engine_threads(num_threads: int | None) -> int:
     """Set torch's threads for the engine process and log the choice; returns the thread count."""
     chosen = num_threads if num_threads is not None else default_num_threads()
     set_torch_threads(chosen)
+    import torch
+
     reason = "--num-threads" if num_threads is not None else (
         f"physical cores available to the process ({available_cpus()} CPUs in its affinity)")
     logger.info("torch uses %d threads (%s), %d inter-op", torch.get_num_threads(), reason,
@@ -150,6 +153,8 @@ class ThreadGovernor:
             logger.info("torch threads %d -> %d: other processes use %.1f of this process's %d "
                         "cores (--disable-adaptive-threads keeps them fixed)", self.current, wanted,
                         others, self.physical_cores)
+            import torch
+
             torch.set_num_threads(wanted)
             self.current, self._pending = wanted, None
         return self.current
@@ -190,10 +195,18 @@ def log_openmp_wait_policy(policy: str) -> None:
                        "(in-process engine); export OMP_WAIT_POLICY before starting python")
 
 
-def configure_front_end_threads() -> None:
-    """One torch thread and one tokenizer thread for the HTTP process (call before any tokenizing)."""
+def export_front_end_environment() -> None:
+    """The tokenizer library's one-thread settings, into this process's environment (the engine
+    processes started after this call inherit them too); a value the user set is kept."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def configure_front_end_threads() -> None:
+    """One torch thread and one tokenizer thread for the HTTP process (call before any tokenizing)."""
+    import torch
+
+    export_front_end_environment()
     torch.set_num_threads(1)
 
 

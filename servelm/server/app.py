@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from servelm.config import EngineConfig
 from servelm.engine.frontdoor import EngineClient
+from servelm.engine.launch import EngineLaunch
 from servelm.logging_utils import watch_gc
 from servelm.server import clients, embeddings, native, tgi
 from servelm.server.chat import load_chat_template
@@ -320,12 +321,13 @@ def build_app(engine: EngineClient, config: EngineConfig,
     return app
 
 
-def run_server(config: EngineConfig) -> None:
-    """Start the engine, serve HTTP on config.server.host:port until stopped, then shut down."""
+def run_server(config: EngineConfig, launch: EngineLaunch | None = None) -> None:
+    """Start the engine, serve HTTP on config.server.host:port until stopped, then shut down.
+    ``launch``: the engine processes, when the caller started them early (servelm.engine.launch)."""
     import uvicorn
 
     from servelm.engine.async_engine import AsyncEngine
-    # A model that cannot be read fails here, with one line, before any process starts (a bad
+    # A model that cannot be read fails here, with one line, before any model loads (a bad
     # --chat-template was refused when the config was built, --ssl-keyfile alone when it was parsed).
     try:
         load_chat_template(config.server.chat_template)
@@ -346,7 +348,7 @@ def run_server(config: EngineConfig) -> None:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         install_repeat_filter()  # after uvicorn has configured its loggers
-        engine = await AsyncEngine.start(config)
+        engine = await AsyncEngine.start(config, launch)
         watcher = asyncio.create_task(exit_when_engine_dies(engine, server))
         registration = asyncio.create_task(register_when_serving(config, server, engine_death))
         pusher: MetricsPusher | None = app.state.pusher

@@ -308,7 +308,7 @@ def test_offline_engine_with_two_replicas_carries_the_adapter(lora_server: LoRAS
 
 
 def test_bad_startup_adapter_stops_the_server_with_the_reason(lora_server: LoRAServer) -> None:
-    """A --lora-paths adapter that cannot be served stops `servelm serve` before any process starts,
+    """A --lora-paths adapter that cannot be served stops `servelm serve` before any model loads,
     with one line naming the reason."""
     import subprocess
     import sys

@@ -13,6 +13,7 @@ import pytest
 
 from servelm import cli, cli_args, cli_flags, launch_server
 from servelm.config import EngineConfig, opt
+from servelm.engine.launch import EngineLaunch
 
 
 def fail_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -26,11 +27,12 @@ def fail_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[EngineConfig]:
-    """Replaces servelm.server.app.run_server with a recorder."""
+    """Replaces servelm.server.app.run_server with a recorder, and starts no engine process."""
     calls: list[EngineConfig] = []
     fake = types.ModuleType("servelm.server.app")
-    fake.run_server = calls.append  # type: ignore[attr-defined]
+    fake.run_server = lambda config, launch: calls.append(config)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "servelm.server.app", fake)
+    monkeypatch.setattr(EngineLaunch, "begin", classmethod(lambda cls, config: cls(None)))
     return calls
 
 

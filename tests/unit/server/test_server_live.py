@@ -31,7 +31,7 @@ _CHILD = textwrap.dedent("""
         async def shutdown(self):
             marker.write_text("aborted=" + ",".join(self.aborted))
 
-    async def start(cls, config):
+    async def start(cls, config, launch=None):
         marker.write_text("started")
         return LiveFake(build_tokenizer(Path({tok_dir!r}), CHATML), )
 

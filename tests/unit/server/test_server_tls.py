@@ -24,7 +24,7 @@ _CHILD = textwrap.dedent("""
     from servelm.engine import async_engine
     from servelm.server.app import run_server
 
-    async def start(cls, config):
+    async def start(cls, config, launch=None):
         return FakeEngine(build_tokenizer(Path({tok_dir!r}), CHATML))
 
     async_engine.AsyncEngine.start = classmethod(start)
