@@ -386,15 +386,12 @@ def test_llama_cpp_converter_files_load(arch: str, tmp_path: Path) -> None:
     assert greedy == expected_greedy
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> None:
-    """``--tp-size 2 --ep-size 2`` on a MoE GGUF: each rank holds its 2 of the 4 experts whole, in the
-    file's blocks (no float stack left; the tensor-parallel attention dequantized), and the greedy
-    tokens, chunked, equal one process's serving the whole file in its blocks."""
+def _one_process_then_parallel(arch: str, tmp_path: Path, **parallel: Any) -> tuple[list[list[int]], Any, list[list[int]]]:
+    """A tiny MoE GGUF of ``arch``: one process's greedy tokens (the whole file in its blocks) of
+    three prompts, chunked; then a ``--tp-size 2`` engine with ``parallel`` flags (the caller
+    shuts it down), and the prompts."""
     from servelm.config import EngineConfig
     from servelm.engine.engine import LLMEngine
-    from servelm.model.layers.moe_parallel import ExpertParallelMoE
     from tests.e2e.test_tensor_parallel import PARAMS
     from tests.engine_drive import greedy
 
@@ -407,7 +404,20 @@ def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> No
     assert single.runner.quantization == "gguf"
     expected = greedy(single, prompts, PARAMS)
     single.shutdown()
-    engine = LLMEngine(EngineConfig.from_flat(dict(flags, tensor_parallel_size=2, expert_parallel_size=2)))
+    return expected, LLMEngine(EngineConfig.from_flat(dict(flags, tensor_parallel_size=2, **parallel))), prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> None:
+    """``--tp-size 2 --ep-size 2`` on a MoE GGUF: each rank holds its 2 of the 4 experts whole, in the
+    file's blocks (no float stack left; the tensor-parallel attention dequantized), and the greedy
+    tokens, chunked, equal one process's serving the whole file in its blocks."""
+    from servelm.model.layers.moe_parallel import ExpertParallelMoE
+    from tests.e2e.test_tensor_parallel import PARAMS
+    from tests.engine_drive import greedy
+
+    expected, engine, prompts = _one_process_then_parallel(arch, tmp_path, expert_parallel_size=2)
     try:
         rank0 = engine.runner.runner
         assert rank0.quantization == "gguf"
@@ -453,20 +463,10 @@ def test_tp2_serves_each_ranks_expert_columns_in_blocks(arch: str, tmp_path: Pat
     Q4_K and Q6_K blocks): every rank serves its experts' intermediate columns in the file's blocks
     (no float stack left; the tensor-parallel rest dequantized), and the greedy tokens, chunked,
     equal one process's serving the whole file in its blocks."""
-    from servelm.config import EngineConfig
-    from servelm.engine.engine import LLMEngine
     from tests.e2e.test_tensor_parallel import PARAMS
     from tests.engine_drive import greedy
 
-    path = tmp_path / f"tiny-{arch}.gguf"
-    write_moe_gguf(path, _moe_model(arch), arch)
-    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
-    flags = dict(model=str(path), device="cpu", num_threads=1, skip_tokenizer_init=True, max_total_tokens=1024,
-                 page_size=4, chunked_prefill_size=8)
-    single = LLMEngine(EngineConfig.from_flat(flags))
-    expected = greedy(single, prompts, PARAMS)
-    single.shutdown()
-    engine = LLMEngine(EngineConfig.from_flat(dict(flags, tensor_parallel_size=2)))
+    expected, engine, prompts = _one_process_then_parallel(arch, tmp_path)
     try:
         rank0 = engine.runner.runner
         assert rank0.quantization == "gguf"
