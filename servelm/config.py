@@ -527,9 +527,10 @@ class ParallelConfig:
         False, "DP attention for mixture-of-experts models (SGLang's): each tensor-parallel rank "
         "runs the attention and dense layers, whole, for its own share of the requests (its KV pool "
         "holds only theirs), and the MoE layers run expert-parallel over all ranks (each rank's "
-        "tokens go to their experts' ranks and back). A request's rank is chosen when its first "
-        "token is computed (the rank with the fewest sequences in that step) and kept for its life. "
-        "The data-parallel size is --tp-size (--dp-size may repeat it).")
+        "tokens go to their experts' ranks and back). A request's rank is chosen when it first takes "
+        "KV blocks (the rank with the most free blocks; a prefix-cache hit: the rank holding it) and "
+        "kept for its life. The pool size (--max-total-tokens, or each rank's memory) is divided "
+        "among the ranks. The data-parallel size is --tp-size (--dp-size may repeat it).")
     moe_dense_tp_size: int | None = opt(
         None, "SGLang's tensor-parallel size for the dense MLP layers of a MoE model. Those layers are "
         "split over --tp-size like attention, or whole on every rank under --enable-dp-attention: "
@@ -614,6 +615,12 @@ class ParallelConfig:
         if self.enable_expert_parallel or self.enable_dp_attention:
             return self.tensor_parallel_size
         return self.expert_parallel_size
+
+    @property
+    def attention_dp_size(self) -> int:
+        """Ranks holding KV pools of their own requests: --tp-size under --enable-dp-attention (the
+        engine's block ids are cut into that many partitions, one a rank), else 1."""
+        return self.tensor_parallel_size if self.enable_dp_attention else 1
 
     def _check_dp_attention(self) -> None:
         """--enable-dp-attention: the attention ranks are the tensor-parallel ranks of one node;

@@ -5,18 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from servelm.config import EngineConfig
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
 
 
-def drain(engine: LLMEngine, tokens: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+def drain(engine: LLMEngine, tokens: dict[str, list[int]] | None = None,
+          logprobs: dict[str, list[list[float]]] | None = None) -> dict[str, list[int]]:
     """Step until no request is unfinished; every request's new token ids, appended to
-    ``tokens`` when given (so several calls can collect into one dict)."""
+    ``tokens`` when given (so several calls can collect into one dict). ``logprobs``: also
+    collect each new token's logprob followed by its top alternatives' (requests asking for them)."""
     collected: dict[str, list[int]] = {} if tokens is None else tokens
     while engine.has_unfinished():
         for output in engine.step():
             collected.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(output.request_id, []).extend(
+                    [entry.logprob, *(value for _, value in entry.top)] for entry in output.logprobs or [])
     return collected
 
 
@@ -26,6 +33,28 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) 
         assert engine.add_request(str(index), prompt, params) is None
     tokens = drain(engine)
     return [tokens[str(index)] for index in range(len(prompts))]
+
+
+def greedy_logprobs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, num_top: int = 4
+                    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """``greedy`` with ``max_tokens`` (ignore_eos) and logprobs: each prompt's tokens, and its
+    ``[tokens, 1 + num_top]`` float64 logprobs (the chosen token's, then the top ``num_top``)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=num_top)
+    for index, prompt in enumerate(prompts):
+        assert engine.add_request(str(index), prompt, params) is None
+    values: dict[str, list[list[float]]] = {}
+    tokens = drain(engine, logprobs=values)
+    keys = [str(index) for index in range(len(prompts))]
+    return [tokens[key] for key in keys], [torch.tensor(values[key], dtype=torch.float64) for key in keys]
+
+
+def assert_greedy_parity(got: tuple[list[list[int]], list[torch.Tensor]],
+                         expected: tuple[list[list[int]], list[torch.Tensor]], atol: float = 1e-4) -> None:
+    """Two ``greedy_logprobs`` results: the same tokens, and logprobs within ``atol`` (float32
+    logits computed in another order: a parallel layout against one process)."""
+    assert got[0] == expected[0]
+    for got_values, expected_values in zip(got[1], expected[1], strict=True):
+        torch.testing.assert_close(got_values, expected_values, atol=atol, rtol=0)
 
 
 PARITY_PROMPTS = ("The capital of France is", "def quicksort(items):")

@@ -95,6 +95,11 @@ class RadixTree:
         """Tokens of ``token_ids`` that are cached; changes nothing (for scheduling policies)."""
         return sum(n for _, n in self._walk(token_ids, adapter_id)) * self.block_size
 
+    def first_cached_block(self, token_ids: Sequence[int], adapter_id: str | None = None) -> int | None:
+        """The first block of the cached path of ``token_ids`` (None: not even one block cached)."""
+        first = next(self._walk(token_ids, adapter_id), None)
+        return None if first is None else first[0].block_ids[0]
+
     def path(self, token_ids: Sequence[int], adapter_id: str | None = None) -> list[object]:
         """The nodes (opaque handles) on the cached path of ``token_ids``, starting with the
         adapter's root; a node matched in part counts. Changes nothing but may create the root."""
@@ -169,18 +174,21 @@ class RadixTree:
         return upper
 
     # -- eviction ---------------------------------------------------------------------------
-    def _is_evictable(self, node: _Node) -> bool:
+    def _is_evictable(self, node: _Node, partition: int | None = None) -> bool:
         return (node.parent is not None and not node.children
-                and all(self.block_pool.ref_count(b) == 1 for b in node.block_ids))
+                and all(self.block_pool.ref_count(b) == 1 for b in node.block_ids)
+                and (partition is None or self.block_pool.partition_of(node.block_ids[0]) == partition))
 
     def _order(self, node: _Node) -> tuple[int, int]:
         if self.eviction_policy == "lfu":
             return (node.num_hits, node.last_access)
         return (node.last_access, node.num_hits)
 
-    def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` cached blocks nobody else holds; returns how many were freed."""
-        heap = [(self._order(n), id(n), n) for n in self._nodes() if self._is_evictable(n)]
+    def evict(self, num_blocks: int, partition: int | None = None) -> int:
+        """Free up to ``num_blocks`` cached blocks nobody else holds (of the pool's ``partition``
+        only, when given: a node's blocks are one request's, so all in one partition); returns
+        how many were freed."""
+        heap = [(self._order(n), id(n), n) for n in self._nodes() if self._is_evictable(n, partition)]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_blocks:
@@ -201,7 +209,7 @@ class RadixTree:
             parent = node.parent
             assert parent is not None
             del parent.children[node.token_ids[:self.block_size]]
-            if self._is_evictable(parent):
+            if self._is_evictable(parent, partition):
                 heapq.heappush(heap, (self._order(parent), id(parent), parent))
         return freed
 

@@ -88,7 +88,7 @@ class LLMEngine:
         self.context_length = context_length
         self.task: str = runner.task
         """generate or embed (servelm.model.pooling.resolve_task); requests of the other are refused."""
-        self.block_pool = BlockPool(runner.num_blocks)
+        self.block_pool = BlockPool(runner.num_blocks, config.parallel.attention_dp_size)
         self.prefix_cache = None if config.cache.disable_radix_cache else RadixTree(
             self.block_pool, runner.block_size, config.cache.radix_eviction_policy)
         self.lora = self._make_lora_manager(runner)
@@ -147,7 +147,7 @@ class LLMEngine:
             "is_generation": self.task == "generate",
             # the GGUF linears' measured routes (model/routes.py); None off GGUF blocks or on rank workers
             "routes": getattr(runner, "routes_summary", lambda: None)(),
-            # what a token costs in the pool (latent rows for MLA models); None on rank workers
+            # what a token costs in the pool (latent rows for MLA models), DP attention's per-rank pool
             "kv_pool": getattr(runner, "kv_pool_layout", lambda: None)(),
         })
         if self.lora is not None:
@@ -397,7 +397,7 @@ class LLMEngine:
             return (f"prompt has {request.num_prompt_tokens} tokens; the context length is "
                     f"{self.context_length}")
         max_tokens = request.params.max_tokens
-        pool_tokens = self.block_pool.num_blocks * self.runner.block_size
+        pool_tokens = self.kv.pool_capacity_tokens
         if max_tokens is not None and request.num_prompt_tokens + max_tokens - 1 > pool_tokens:
             return (f"prompt ({request.num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs "
                     f"more KV cache than the pool holds ({pool_tokens} tokens)")

@@ -16,6 +16,11 @@ Invariants:
   from ``num_computed_tokens`` on, and a fork copies the parent's partial last block before
   either writes into it (``pending_block_copies``, made by the next forward).
 - When the pool is short, cached blocks nobody holds are evicted before any allocation fails.
+- A partitioned pool (DP attention: each rank's pool holds one partition; cache/block_pool.py):
+  all of a request's blocks lie in one partition, the one of its first block. A request holding
+  none takes the partition with the most free blocks, a fork's copy comes from the parent's. Every
+  cached path lies in one partition (a request extends only a path of its own partition), so a
+  prefix hit shares blocks of one partition and a partition's eviction frees whole subtrees.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class KVManager:
     # -- figures ----------------------------------------------------------------------------
     @property
     def pool_capacity_tokens(self) -> int:
-        return self.block_pool.num_blocks * self.block_size
+        """Tokens one request can ever hold: the pool, or under DP attention one rank's partition."""
+        return self.block_pool.partition_size * self.block_size
 
     def num_evictable_blocks(self) -> int:
         return self.prefix_cache.num_evictable_blocks() if self.prefix_cache is not None else 0
@@ -72,7 +78,7 @@ class KVManager:
         return cdiv(num_tokens, self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.block_pool.num_blocks
+        return cdiv(num_tokens, self.block_size) <= self.block_pool.partition_size
 
     # -- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> None:
@@ -146,9 +152,21 @@ class KVManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full > request.num_inserted_blocks:
-            self.prefix_cache.insert(request.cache_slice(0, num_full * self.block_size),
-                                     request.block_ids[:num_full], request.adapter_id)
+            token_ids = request.cache_slice(0, num_full * self.block_size)
+            if self._may_extend_cached_path(token_ids, request):
+                self.prefix_cache.insert(token_ids, request.block_ids[:num_full], request.adapter_id)
             request.num_inserted_blocks = num_full
+
+    def _may_extend_cached_path(self, token_ids: list[int], request: Request) -> bool:
+        """Whether the request's blocks may continue the cached path of ``token_ids``: always, but
+        in a partitioned pool only one of the same partition (a request that computed another
+        partition's cached prefix afresh keeps its blocks out of the cache)."""
+        pool = self.block_pool
+        if pool.num_partitions == 1:
+            return True
+        assert self.prefix_cache is not None
+        first = self.prefix_cache.first_cached_block(token_ids, request.adapter_id)
+        return first is None or pool.partition_of(first) == self._partition(request)
 
     def flush(self) -> None:
         if self.prefix_cache is not None:
@@ -161,17 +179,32 @@ class KVManager:
         missing = cdiv(num_tokens, self.block_size) - len(request.block_ids)
         if missing <= 0:
             return True
-        new_blocks = self._allocate(missing)
+        new_blocks = self._allocate(missing, self._partition(request))
         if new_blocks is None:
             return False
         request.block_ids.extend(new_blocks)
         return True
 
-    def _allocate(self, num_blocks: int) -> list[int] | None:
-        new_blocks = self.block_pool.allocate(num_blocks)
+    def _partition(self, request: Request) -> int:
+        """The pool partition of the request's blocks (the roomiest for one holding none)."""
+        if request.block_ids:
+            return self.block_pool.partition_of(request.block_ids[0])
+        return self.block_pool.roomiest_partition()
+
+    def same_pool(self, request: Request, other: Request) -> bool:
+        """Whether freeing ``request``'s blocks can make room for ``other``'s (one partition, or
+        the same one; a request holding no blocks can take any)."""
+        if self.block_pool.num_partitions == 1 or not request.block_ids or not other.block_ids:
+            return True
+        return self._partition(request) == self._partition(other)
+
+    def _allocate(self, num_blocks: int, partition: int) -> list[int] | None:
+        pool = self.block_pool
+        new_blocks = pool.allocate(num_blocks, partition)
         if new_blocks is None and self.prefix_cache is not None:
-            self.prefix_cache.evict(num_blocks - self.block_pool.num_free_blocks)
-            new_blocks = self.block_pool.allocate(num_blocks)
+            self.prefix_cache.evict(num_blocks - pool.num_free_in(partition),
+                                    partition if pool.num_partitions > 1 else None)
+            new_blocks = pool.allocate(num_blocks, partition)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -272,7 +305,7 @@ class KVManager:
         child.num_computed_tokens = num_full * self.block_size
         if num_computed_tokens == child.num_computed_tokens:
             return False
-        copy = self._allocate(1)
+        copy = self._allocate(1, self._partition(parent))
         if copy is None:
             return False  # no block free: recompute the tail instead
         child.block_ids.append(copy[0])

@@ -355,8 +355,8 @@ class Scheduler:
 
         Returns False when ``request`` itself had to go (preempted, or failed when alone).
         """
-        while True:
-            victim = self.running[-1]
+        while True:   # the newest whose blocks share the request's pool (DP attention: its rank's)
+            victim = next((other for other in reversed(self.running) if self.kv.same_pool(other, request)), request)
             if victim is request and len(self.running) == 1 and not self.waiting:
                 self.finish(request, FinishReason.ERROR, error=(
                     f"KV pool exhausted: request reached {request.num_tokens} tokens and the pool "

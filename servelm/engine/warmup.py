@@ -51,7 +51,7 @@ def warm_up(engine: LLMEngine) -> float | None:
     config = engine.config
     chunk = config.scheduler.max_chunk_tokens or DEFAULT_CHUNK_TOKENS
     chunk = min(chunk, (engine.context_length - 1) // 2,
-                runner.num_blocks * runner.block_size // 2 - runner.block_size)
+                engine.block_pool.partition_size * runner.block_size // 2 - runner.block_size)
     if chunk < 1:
         return None
     num_blocks = -(-(2 * chunk + 1) // runner.block_size)

@@ -10,23 +10,22 @@ as hidden states (rank 0 computes the LM head) or, with --enable-dp-lm-head, as 
 computes its own rows').
 
 Invariants:
-- The assignment is a pure function of the plans seen so far, in order; every rank sees the same
-  plans in the same order, so every rank computes the same assignment without exchanging it.
-- A sequence keeps its rank for its life: its rank is recorded under its first KV block, which a
-  sequence holds from its first token to its end. A sequence whose pass starts at position 0 is
-  new (its first block is fresh) and goes to the rank with the fewest sequences in this pass (then
-  the fewest tokens, then the lowest rank); any other looks its rank up.
-- A prefix-cache hit shares its cached blocks from the first one on (the cache matches prefixes),
-  so the sharing sequence lands on the rank whose pool wrote those blocks. Block copies (beam
-  forks) run on every rank. Each rank's pool has the engine's block ids and holds K/V only in its
-  own sequences' blocks.
+- Each rank's KV pool holds ``blocks_per_rank`` blocks: partition ``r`` of the engine's block ids
+  (``r * blocks_per_rank`` up to the next partition; cache/block_pool.py). The scheduler gives all
+  of a sequence's blocks from one partition (engine/kv_manager.py), so a sequence runs on the rank
+  of its first block, for its life, and every rank computes the same assignment from the plan alone.
+- A rank's plan names its own pool's blocks: the engine's ids less its partition's first.
+- A prefix-cache hit shares blocks of one partition only (the kv manager cuts a cached path where it
+  changes partition), so the sharing sequence lands on the rank whose pool wrote them. A block copy
+  (a beam fork) stays in its partition and runs on that rank.
 - A rank with no sequence in a pass still calls every MoE layer, with no rows, in layer order: the
   other ranks' rows for its experts arrive in the all-to-alls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -36,38 +35,32 @@ from servelm.model.layers.moe import Routing
 
 @dataclass
 class AttentionRanks:
-    """The rank of every live sequence, by its first KV block (see the module invariants)."""
+    """Which rank runs each sequence: the rank whose pool partition holds its blocks."""
 
     num_ranks: int
-    rank_of_first_block: dict[int, int] = field(default_factory=dict)
+    blocks_per_rank: int = 0
+    """Blocks of each rank's pool (set when the pool is sized: ``ModelRunner.init_kv_cache``)."""
+
+    def rank_of(self, block_ids: list[int]) -> int:
+        rank = block_ids[0] // self.blocks_per_rank
+        assert all(block // self.blocks_per_rank == rank for block in block_ids), (
+            f"a sequence's blocks {block_ids} span the pools of several ranks ({self.blocks_per_rank} a rank)")
+        return rank
 
     def assign(self, plan: BatchPlan) -> list[int]:
-        """Each of the plan's sequences' rank, in plan order (new ones placed and recorded)."""
-        ranks = [self._known_rank(sequence) for sequence in plan.sequences]
-        num_sequences, num_tokens = [0] * self.num_ranks, [0] * self.num_ranks
-        for sequence, rank in zip(plan.sequences, ranks):
-            if rank is not None:
-                num_sequences[rank] += 1
-                num_tokens[rank] += len(sequence.token_ids)
-        placed: list[int] = []
-        for sequence, known in zip(plan.sequences, ranks):
-            rank = known
-            if rank is None:
-                rank = min(range(self.num_ranks), key=lambda r: (num_sequences[r], num_tokens[r], r))
-                num_sequences[rank] += 1
-                num_tokens[rank] += len(sequence.token_ids)
-                self.rank_of_first_block[sequence.block_ids[0]] = rank
-            placed.append(rank)
-        return placed
+        """Each of the plan's sequences' rank, in plan order."""
+        return [self.rank_of(sequence.block_ids) for sequence in plan.sequences]
 
-    def _known_rank(self, sequence: SequencePlan) -> int | None:
-        """The rank of a sequence that began in an earlier pass; None for a new one."""
-        if sequence.start_position == 0:
-            return None
-        rank = self.rank_of_first_block.get(sequence.block_ids[0])
-        assert rank is not None, (f"a sequence at position {sequence.start_position} whose first block "
-                                  f"{sequence.block_ids[0]} no earlier pass computed")
-        return rank
+    def local(self, sequence: SequencePlan, rank: int) -> SequencePlan:
+        """``sequence`` (of ``rank``) naming the blocks of its rank's pool."""
+        first = rank * self.blocks_per_rank
+        return dataclasses.replace(sequence, block_ids=[block - first for block in sequence.block_ids])
+
+    def own_copies(self, copies: list[tuple[int, int]], rank: int) -> list[tuple[int, int]]:
+        """The (source, destination) block copies within ``rank``'s pool, in its own ids."""
+        first = rank * self.blocks_per_rank
+        return [(source - first, destination - first) for source, destination in copies
+                if self.rank_of([source, destination]) == rank]
 
 
 @dataclass(frozen=True)
@@ -75,7 +68,7 @@ class RankShare:
     """One rank's part of a plan under DP attention."""
 
     plan: BatchPlan
-    """This rank's sequences (the whole plan's block copies were applied on every rank before)."""
+    """This rank's sequences, naming its own pool's blocks (its block copies were made before)."""
     logits_counts: list[int]
     """Logits rows each rank contributes, in rank order."""
     plan_rows: torch.Tensor
@@ -83,8 +76,10 @@ class RankShare:
     the rows gathered in rank order."""
 
 
-def rank_share(plan: BatchPlan, ranks: list[int], rank: int, num_ranks: int) -> RankShare:
-    """``rank``'s share of ``plan`` whose sequences run on ``ranks``."""
+def rank_share(plan: BatchPlan, attention_ranks: AttentionRanks, rank: int) -> RankShare:
+    """``rank``'s share of ``plan``: its sequences, naming its own pool's blocks."""
+    num_ranks = attention_ranks.num_ranks
+    ranks = attention_ranks.assign(plan)
     counts = [0] * num_ranks
     rank_rows: list[list[int]] = [[] for _ in range(num_ranks)]   # per rank, its rows' plan rows
     plan_row = 0
@@ -95,7 +90,7 @@ def rank_share(plan: BatchPlan, ranks: list[int], rank: int, num_ranks: int) -> 
     gathered_order = [row for rows in rank_rows for row in rows]   # gathered index -> plan row
     plan_rows = torch.empty(len(gathered_order), dtype=torch.int64)
     plan_rows[torch.tensor(gathered_order, dtype=torch.int64)] = torch.arange(len(gathered_order))
-    mine = BatchPlan([s for s, owner in zip(plan.sequences, ranks) if owner == rank])
+    mine = BatchPlan([attention_ranks.local(s, rank) for s, owner in zip(plan.sequences, ranks) if owner == rank])
     return RankShare(mine, counts, plan_rows)
 
 

@@ -16,10 +16,13 @@ Invariants:
   gguf's own dequantization of the same bytes; the row order (fused shards, llama's Q/K permutation)
   is the float loader's, checked layer by layer against it in tests/unit/model/test_gguf_blocks.py.
 - A tensor whose GGUF type has no repack (Q2_K, Q3_K, IQ*, float) keeps its float weight (logged).
-- Tensor parallelism is not supported (each rank would need its slice of the blocks): ``auto``
-  dequantizes at tp > 1, ``gguf`` is refused there. Under expert parallelism (``--ep-size`` = tp) a
-  rank holds whole experts, so their blocks are served as they are (``experts_only``: the
-  tensor-parallel rest is dequantized), without redundant slots or EPLB (they move float stacks).
+- At tp > 1 only a MoE model's routed experts keep blocks (``experts_only``: the tensor-parallel
+  rest is dequantized; a model without experts is dequantized by ``auto``, refused by ``gguf``).
+  Under expert parallelism (``--ep-size`` = tp) a rank holds whole experts, served as they are,
+  without redundant slots or EPLB (they move float stacks). Otherwise a rank holds some
+  intermediate columns of its experts: gate/up blocks narrowed by output rows, down by inputs
+  along whole blocks; a layer whose down shard would cut blocks is dequantized
+  (``shard_expert_blocks``, logged per rank).
 """
 
 from __future__ import annotations
@@ -59,18 +62,21 @@ _FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 
 
 def resolve_quantization(quantization: str, gguf_path: str | None, parallel: ParallelContext,
-                         device: torch.device, compile_enabled: bool, dtype: str = "auto") -> tuple[str, str]:
+                         device: torch.device, compile_enabled: bool, dtype: str = "auto", *,
+                         has_experts: bool = False) -> tuple[str, str]:
     """(``--quantization`` to apply, why) where ``auto`` becomes ``gguf`` or ``none``.
 
     ``auto`` keeps a GGUF file's blocks only with ``--dtype auto``: a named ``--dtype`` asks for the
-    model in that dtype, i.e. dequantized (the parity tests against transformers rely on it)."""
+    model in that dtype, i.e. dequantized (the parity tests against transformers rely on it). At
+    tp > 1 only a MoE model's routed experts (``has_experts``) keep blocks."""
     if quantization in GGUF_MODES:
         if gguf_path is None:
             raise ValueError(f"--quantization {quantization} serves a GGUF file's own blocks; this model "
                              "is not a GGUF file")
-        if parallel.tp_size > 1 and parallel.ep_size != parallel.tp_size:
-            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only, or with --ep-size equal to "
-                             "--tp-size (whole experts' blocks per rank; blocks are never split in columns); use "
+        if parallel.tp_size > 1 and not has_experts:
+            raise ValueError(f"--quantization {quantization} runs at --tp-size 1 only, or on a mixture-of-experts "
+                             "model's routed experts (blocks are split by output rows and along whole input "
+                             "blocks, which the other layers' tensor-parallel shards do not keep); use "
                              "--quantization none (dequantized weights) with tensor parallelism")
         return quantization, f"--quantization {quantization}"
     if quantization != "auto":
@@ -79,9 +85,9 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
         return "none", "auto: not a GGUF file, weights in the model dtype"
     if dtype != "auto":
         return "none", f"auto: --dtype {dtype} asks for the weights in that dtype, so the GGUF is dequantized"
-    if parallel.tp_size > 1 and parallel.ep_size != parallel.tp_size:
-        return "none", ("auto: GGUF blocks are served at --tp-size 1 only, or as whole experts per rank with "
-                        "--ep-size equal to --tp-size, so the weights are dequantized")
+    if parallel.tp_size > 1 and not has_experts:
+        return "none", ("auto: GGUF blocks are served at --tp-size 1 only, or in a mixture-of-experts model's "
+                        "routed experts, so the weights are dequantized")
     if device.type != "cpu":
         return "none", "auto: GGUF block kernels are CPU kernels, so the weights are dequantized on " + device.type
     if compile_enabled:
@@ -89,9 +95,16 @@ def resolve_quantization(quantization: str, gguf_path: str | None, parallel: Par
     if load_kernel() is None:  # without it every call would dequantize: slower than doing it once
         return "none", f"auto: the GGUF block kernel is unavailable ({kernel_status()}), so the weights are dequantized"
     if parallel.tp_size > 1:
-        return "gguf", ("auto: under --ep-size each rank serves its whole experts in the file's blocks; the "
-                        "tensor-parallel rest is dequantized (--quantization none dequantizes all)")
+        return "gguf", ("auto: each rank serves its experts (whole under --ep-size, else its intermediate "
+                        "columns where they keep whole blocks) in the file's blocks; the tensor-parallel rest is "
+                        "dequantized (--quantization none dequantizes all)")
     return "gguf", "auto: a GGUF file is served in its own quantized blocks (--quantization none dequantizes)"
+
+
+def has_routed_experts(hf_config: Any) -> bool:
+    """Whether a config has routed experts (Qwen-MoE/OLMoE ``num_experts``, Mixtral's
+    ``num_local_experts``, DeepSeek's ``n_routed_experts``)."""
+    return any(getattr(hf_config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def gguf_model_dtype(dtype: str, device: torch.device,
@@ -208,15 +221,44 @@ def _served_modules(model: nn.Module, blocks: dict[str, BlockWeight]) -> Iterato
 
 def split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> list[FusedMoE]:
     """Split the experts of every MoE layer whose expert weights all have blocks into per-expert
-    linears (``FusedMoE.split_experts``: then served like any other linear); returns those layers."""
+    linears (``FusedMoE.split_experts``: then served like any other linear); returns those layers.
+    A layer holding some intermediate columns of its experts (tensor parallelism) first narrows
+    their blocks to them (``shard_expert_blocks``), or, where that would cut blocks, leaves them out."""
     split = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and all(
                 f"{name}.{expert}.{projection}.weight" in blocks for expert in module.checkpoint_experts
-                for projection in ("gate_proj", "up_proj", "down_proj")):
+                for projection in ("gate_proj", "up_proj", "down_proj")) and shard_expert_blocks(name, module, blocks):
             module.split_experts()
             split.append(module)
     return split
+
+
+def shard_expert_blocks(name: str, module: FusedMoE, blocks: dict[str, BlockWeight]) -> bool:
+    """Narrow layer ``name``'s expert blocks to the rank's intermediate columns (``module``'s
+    ``intermediate_shard``): gate and up to those rows (whole blocks always), down to those inputs,
+    whole blocks only where the shard's start and size are multiples of its block (Q8_0, Q4_K: 32
+    inputs a scale; Q6_K: 16). Where they are not, the layer's expert blocks are dropped from
+    ``blocks`` (the layer loads dequantized) and False is returned; the route is logged either way."""
+    shard, full = module.intermediate_shard, module.full_intermediate_size
+    if shard.size == full:
+        return True
+    names = {(expert, projection): f"{name}.{expert}.{projection}.weight" for expert in module.checkpoint_experts
+             for projection in ("gate_proj", "up_proj", "down_proj")}
+    down = blocks[names[module.checkpoint_experts[0], "down_proj"]]
+    where = f"{name}: experts' intermediate columns {shard.start}..{shard.start + shard.size} of {full}"
+    try:
+        narrowed = {key: blocks[n].narrow(1 if key[1] == "down_proj" else 0, shard.start, shard.size)
+                    for key, n in names.items()}
+    except ValueError as error:
+        for n in names.values():
+            del blocks[n]
+        logger.info("%s: dequantized (down_proj's %s)", where, error)
+        return False
+    blocks.update({names[key]: weight for key, weight in narrowed.items()})
+    logger.info("%s: the file's blocks kept (gate/up rows; down_proj inputs along whole %s blocks of %d)",
+                where, down.kind, down.block)
+    return True
 
 
 def _expert_names(model: nn.Module, split: list[FusedMoE]) -> set[str]:

@@ -42,7 +42,7 @@ from servelm.model.dp_attention import AttentionRanks, rank_share, run_idle_expe
 from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
-                                        resolve_quantization)
+                                        has_routed_experts, resolve_quantization)
 from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
@@ -155,7 +155,8 @@ class ModelRunner:
         else:
             self.quantization, quantization_reason = resolve_quantization(
                 flag, getattr(source, "gguf_path", None), self.parallel, self.device,
-                config.runtime.enable_torch_compile, config.model.dtype)
+                config.runtime.enable_torch_compile, config.model.dtype,
+                has_experts=has_routed_experts(source.hf_config.get_text_config()))
         """``--quantization`` with ``auto`` resolved: gguf (the file's own blocks) or a requantization."""
         if self.attention_ranks is not None and self.quantization in GGUF_MODES:
             if flag != "auto":
@@ -278,6 +279,10 @@ class ModelRunner:
         at once (the TP ranks of one CPU host), each taking its share."""
         num_blocks = kv_pool_blocks(self.config.cache, self.kv_bytes_per_token * ranks_sharing_memory,
                                     self.device, self._demand_tokens)
+        ranks = self.config.parallel.attention_dp_size
+        if ranks > 1:   # DP attention: a rank's pool holds its requests only, 1/ranks of the engine's ids
+            per_rank = num_blocks // ranks if self.config.cache.max_total_tokens is not None else num_blocks
+            return per_rank * ranks
         if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
             scheduler = self.config.scheduler
             step_blocks = -(-scheduler.max_prefill_tokens // self.block_size)
@@ -285,11 +290,16 @@ class ModelRunner:
         return num_blocks
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV pool with the block count the engine chose (once)."""
+        """Allocate the KV pool with the block count the engine chose (once); under DP attention
+        this rank's pool holds its partition, ``num_blocks / ranks`` of them."""
         assert self.kv_cache is None, "the KV pool is sized once"
         first = self._attention_layers[0]
         self.num_blocks = num_blocks
-        self.kv_cache = self._pool_class(len(self._attention_layers), num_blocks, self.block_size,
+        pool_blocks = num_blocks
+        if self.attention_ranks is not None:
+            assert num_blocks % self.attention_ranks.num_ranks == 0, "equal partitions (kv_capacity_blocks)"
+            pool_blocks = self.attention_ranks.blocks_per_rank = num_blocks // self.attention_ranks.num_ranks
+        self.kv_cache = self._pool_class(len(self._attention_layers), pool_blocks, self.block_size,
                                          first.num_kv_heads, first.head_dim, self.kv_dtype, self.device,
                                          first_layer=min(layer.layer_id for layer in self._attention_layers),
                                          v_head_dim=first.v_head_dim)
@@ -306,9 +316,14 @@ class ModelRunner:
                     f", pp stage {self.parallel.pp_rank}/{self.parallel.pp_size} (layers "
                     f"{self._attention_layers[0].layer_id}..{self._attention_layers[-1].layer_id})"
                     if self.parallel.pp_size > 1 else "",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                    pool_blocks, self.block_size, pool_blocks * self.block_size,
                     self.kv_cache_bytes / 2 ** 20, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_bytes_per_token)
+        if self.attention_ranks is not None:
+            logger.info("DP attention: this rank's pool holds its own requests' K/V, partition %d of %d "
+                        "(blocks %d..%d of the engine's %d: the pool size divided among the ranks)",
+                        self.parallel.tp_rank, self.attention_ranks.num_ranks, self.parallel.tp_rank * pool_blocks,
+                        (self.parallel.tp_rank + 1) * pool_blocks - 1, num_blocks)
         if first.latent:
             logger.info("KV pool holds the latent (multi-head latent attention): %s",
                         self.kv_pool_layout()["note"])
@@ -324,6 +339,10 @@ class ModelRunner:
         first, num_layers = self._attention_layers[0], len(self._attention_layers)
         layout: dict[str, Any] = {"kind": "latent" if first.latent else "per_head",
                                   "bytes_per_token": self.kv_bytes_per_token}
+        if self.attention_ranks is not None:
+            ranks = self.attention_ranks
+            layout["dp_attention"] = {"ranks": ranks.num_ranks, "blocks_per_rank": ranks.blocks_per_rank,
+                                      "tokens_per_rank": ranks.blocks_per_rank * self.block_size}
         if isinstance(first, LatentAttention):
             k_width, v_width = first.expanded_dims
             expanded = KVCache.bytes_per_token(num_layers, first.num_heads, k_width, self.kv_dtype, v_width)
@@ -435,8 +454,10 @@ class ModelRunner:
         """Run one forward pass; float32 logits ``[plan.num_logits, vocab_size]`` in plan order."""
         assert self.task == "generate", "an embedding model has no logits"
         assert self.kv_cache is not None, "init_kv_cache first"
-        if plan.block_copies:  # before any write of this step (beam forks: engine/beam.py)
-            self.kv_cache.copy_blocks(plan.block_copies)
+        block_copies = (plan.block_copies if self.attention_ranks is None
+                        else self.attention_ranks.own_copies(plan.block_copies, self.parallel.tp_rank))
+        if block_copies:  # before any write of this step (beam forks: engine/beam.py)
+            self.kv_cache.copy_blocks(block_copies)
         if plan.slot_copies:  # a verified draft tree's accepted path (spec/tree.py)
             self.kv_cache.copy_slots(plan.slot_copies)
         if not plan.sequences:
@@ -475,7 +496,7 @@ class ModelRunner:
         plan's logits, the other ranks an empty tensor."""
         assert self.attention_ranks is not None
         parallel = self.parallel
-        share = rank_share(plan, self.attention_ranks.assign(plan), parallel.tp_rank, parallel.tp_size)
+        share = rank_share(plan, self.attention_ranks, parallel.tp_rank)
         dp_lm_head = self.config.parallel.enable_dp_lm_head
         if share.plan.sequences:
             batch = ForwardBatch.build(share.plan, self.block_size, self.device, self.kv_cache, self.attention)

@@ -84,6 +84,8 @@ class InitKVCache:
 @dataclass(frozen=True)
 class KVCacheReady:
     rank: int
+    pool_blocks: int = 0
+    """Blocks the rank's pool holds: the engine's count, or under DP attention its partition."""
 
 
 @dataclass(frozen=True)

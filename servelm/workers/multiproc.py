@@ -113,6 +113,8 @@ class MultiprocExecutor:
         """The base model's HF config (the LoRA registry checks adapters against it)."""
         self._workers: dict[int, subprocess.Popen[bytes]] = {}
         self._loaded: dict[int, WorkerLoaded] = {}
+        self._pool_blocks: dict[int, int] = {}
+        """Each worker's KV pool blocks (the engine's, or its DP-attention partition), once sized."""
         self._hellos: dict[int, WorkerHello] = {}
         self._remote: RemoteRanks | None = None
         """The ranks on other nodes (None: all ranks are on this node)."""
@@ -315,6 +317,10 @@ class MultiprocExecutor:
     def device(self) -> torch.device:
         return self.runner.device
 
+    def kv_pool_layout(self) -> dict[str, Any]:
+        """Rank 0's pool layout (every rank's is the same): /get_server_info's ``kv_pool``."""
+        return self.runner.kv_pool_layout()
+
     def rank_kv_capacity_blocks(self) -> list[int]:
         own = self.runner.kv_capacity_blocks(ranks_sharing_memory(self.local_size, self.runner.device))
         return [own] + [self._loaded[rank].kv_capacity_blocks for rank in sorted(self._loaded)]
@@ -322,7 +328,8 @@ class MultiprocExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self._broadcast(InitKVCache(num_blocks))
         self.runner.init_kv_cache(num_blocks)
-        self._wait(KVCacheReady, "allocate its KV pool")
+        ready = self._wait(KVCacheReady, "allocate its KV pool")
+        self._pool_blocks = {reply.rank: reply.pool_blocks for reply in ready}
 
     def execute(self, plan: BatchPlan) -> torch.Tensor:
         self._broadcast(ExecuteStep(plan))
@@ -378,7 +385,8 @@ class MultiprocExecutor:
         ranks = [{"rank": 0, "node": 0, "host": os.uname().nodename, "pid": os.getpid(),
                   "tp_rank": self.parallel.tp_rank, "pp_rank": self.parallel.pp_rank,
                   "device": str(self.runner.device), "num_kv_heads": self.runner.num_kv_heads,
-                  "num_threads": self._threads[0], "cpus": self._cpus[0]}]
+                  "num_threads": self._threads[0], "cpus": self._cpus[0],
+                  "kv_pool_blocks": self.runner.kv_cache.num_blocks if self.runner.kv_cache is not None else 0}]
         for rank, loaded in sorted(self._loaded.items()):
             hello = self._hellos[rank]
             ranks.append({"rank": rank, "node": self._node_of(rank), "host": hello.host,
@@ -387,7 +395,7 @@ class MultiprocExecutor:
                           "pp_rank": rank_layout(rank, self.tp_size, self.pp_size)[1],
                           "device": str(self._devices[rank]),
                           "num_kv_heads": loaded.num_kv_heads, "num_threads": loaded.num_threads,
-                          "cpus": loaded.cpus})
+                          "cpus": loaded.cpus, "kv_pool_blocks": self._pool_blocks.get(rank, 0)})
         all_reduce = ("shared memory (up to 4 MiB), else gloo" if self._shm_path
                       else self.parallel.group.name() if self.parallel.group is not None else "none")
         return {**self.runner.parallel.describe(), "executor": self.executor_name, "nnodes": self.nnodes,

@@ -110,7 +110,8 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
                 runner.execute(command.plan)
         elif isinstance(command, InitKVCache):
             runner.init_kv_cache(command.num_blocks)
-            replies.send_pyobj(KVCacheReady(init.rank))
+            assert runner.kv_cache is not None
+            replies.send_pyobj(KVCacheReady(init.rank, runner.kv_cache.num_blocks))
         elif isinstance(command, SetLoRA):
             runner.set_lora(command.slot, command.entries)
         elif isinstance(command, RemoveLoRA):

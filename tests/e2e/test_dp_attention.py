@@ -18,33 +18,59 @@ from tests.tiny_models import TINY_VOCAB_SIZE, make_tiny_model_dir
 NUM_NEW_TOKENS = 12
 
 
-def generate(flags: dict[str, Any], token_lists: list[list[int]]) -> tuple[list[list[int]], int, Any]:
+def generate(flags: dict[str, Any], token_lists: list[list[int]]) -> tuple[list[list[int]], int, dict[str, Any]]:
     """A first request alone (one rank idle in its passes, and it fills the prefix cache), then the
-    rest together from its prefix; (their tokens, cached prompt tokens, rank 0's runner's
-    assignment or None)."""
+    rest together from its prefix; (their tokens, cached prompt tokens, the engine's stats after,
+    with ``cached_partitions``: the pool partitions (ranks) whose blocks the prefix cache holds)."""
     engine = LLMEngine(EngineConfig.from_flat(flags))
     try:
         first, _ = run(engine, token_lists[:1], NUM_NEW_TOKENS)
         rest, cached = run(engine, token_lists[1:], NUM_NEW_TOKENS)
-        runner = getattr(engine.runner, "runner", engine.runner)
-        return first + rest, cached, runner.attention_ranks
+        stats = engine.stats()
+        assert stats["num_used_blocks"] == 0
+        pool = engine.block_pool
+        stats["cached_partitions"] = sorted(
+            {pool.partition_of(block) for block in range(pool.num_blocks) if pool.ref_count(block)})
+        return first + rest, cached, stats
     finally:
         engine.shutdown()
 
 
+FLAGS = dict(dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True, max_total_tokens=1024,
+             page_size=4, chunked_prefill_size=8)
+TOKEN_LISTS = shared_prefix_prompts(TINY_VOCAB_SIZE) + [[300, 12, 99], list(range(7, 30))]
+"""Five prompts sharing a 29-token prefix (the first alone fills the cache), and two of their own."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, dp_lm_head", [("deepseek_v3", False), ("deepseek_v2", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("arch, dp_lm_head", [("deepseek_v3", False), ("deepseek_v2", True), ("qwen3_moe", False),
+                                              ("mixtral", True), ("qwen2_moe", False), ("olmoe", False)])
 def test_dp_attention_matches_one_process(tmp_path, arch: str, dp_lm_head: bool) -> None:
     model = str(make_tiny_model_dir(tmp_path, arch))
-    flags = dict(model=model, dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
-                 max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
-    token_lists = shared_prefix_prompts(TINY_VOCAB_SIZE) + [[300, 12, 99], list(range(7, 30))]
-    expected, _, _ = generate(flags, token_lists)
-    got, cached, ranks = generate(dict(flags, tensor_parallel_size=2, enable_dp_attention=True,
-                                       enable_dp_lm_head=dp_lm_head), token_lists)
+    expected, _, _ = generate(dict(FLAGS, model=model), TOKEN_LISTS)
+    got, cached, stats = generate(dict(FLAGS, model=model, tensor_parallel_size=2, enable_dp_attention=True,
+                                       enable_dp_lm_head=dp_lm_head), TOKEN_LISTS)
     assert got == expected, arch
     assert cached > 0, "no prefix-cache hit"
-    assert sorted(set(ranks.rank_of_first_block.values())) == [0, 1], "both ranks ran requests"
+    assert stats["cached_partitions"] == [0, 1], "both ranks ran requests"
+
+
+@pytest.mark.slow
+def test_each_rank_pool_holds_its_share_and_a_full_one_makes_requests_wait(tmp_path) -> None:
+    """--max-total-tokens 128 over 2 DP-attention ranks: each rank's pool holds 64 tokens (16
+    blocks of 4), reported per rank and in the engine's kv_pool; the four requests sharing the
+    cached prefix all land on its rank, whose pool cannot hold them at once (the prefix's 7 blocks
+    and 3-4 of each), so requests wait or are preempted (more steps than with a roomy pool), never
+    fail, and every token equals one process's with a roomy pool."""
+    model = str(make_tiny_model_dir(tmp_path, "qwen3_moe"))
+    expected, _, roomy = generate(dict(FLAGS, model=model), TOKEN_LISTS)
+    got, cached, stats = generate(dict(FLAGS, model=model, max_total_tokens=128, tensor_parallel_size=2,
+                                       enable_dp_attention=True), TOKEN_LISTS)
+    assert got == expected
+    assert stats["kv_pool"]["dp_attention"] == {"ranks": 2, "blocks_per_rank": 16, "tokens_per_rank": 64}
+    assert [rank["kv_pool_blocks"] for rank in stats["parallel"]["ranks"]] == [16, 16]
+    assert stats["kv_pool_tokens"] == 128 and cached > 0
+    assert stats["num_steps"] > roomy["num_steps"], (stats["num_steps"], roomy["num_steps"], stats["num_preemptions"])
 
 
 @pytest.mark.slow

@@ -5,14 +5,17 @@ requests sharing a prefix, and equal the same engine with the cache off."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+import torch
 from servelm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.engine.expert_stage import expert_distribution_call
 from tests.e2e.test_prefix_cache_tiny import run as run_greedy
+from tests.engine_drive import assert_greedy_parity, greedy_logprobs
 from tests.reference import load_reference_model, transformers_greedy
-from tests.tiny_models import TINY_MOE_ARCHS, make_tiny_model_dir
+from tests.tiny_models import TINY_MLA_ARCHS, TINY_MOE_ARCHS, make_tiny_model_dir
 
 NUM_NEW_TOKENS = 16
 
@@ -79,32 +82,48 @@ def test_tp2_engine_matches_tp1(tmp_path, arch):
     assert layout["tp_size"] == 2 and [r["rank"] for r in layout["ranks"]] == [0, 1]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
-def test_ep2_engine_matches_one_process_across_rebalances(tmp_path, arch):
-    """--tp 2 --ep-size 2 on Mixtral (8 experts and 2 redundant slots: 5 whole experts a rank,
-    attention tensor-parallel) and DeepSeek-V3 (its grouped router, shared experts and latent pool),
-    EPLB re-placing the experts every 3 passes: greedy tokens equal one process's, chunked, and the
-    experts did move."""
-    from tests.e2e.test_tensor_parallel import PARAMS
-    from tests.engine_drive import greedy
+SPARSE_LAYERS = {"mixtral": [0, 1], "olmoe": [0, 1], "qwen3_moe": [0, 2], "qwen2_moe": [1],
+                 "deepseek_v2": [1, 2], "deepseek_v3": [1, 2]}
+"""The tiny models' MoE layers (qwen3_moe's layer 1 is dense, qwen2_moe sparse every 2nd layer,
+DeepSeek's layer 0 dense)."""
+PARALLEL_PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
+PARALLEL_FLAGS = dict(dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
+                      max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
+"""The parallel layouts' parity runs: three prompts, the long one chunked (prefill chunks and
+decodes share steps), float32."""
 
+
+def parallel_greedy(model: str, **flags: Any) -> tuple[tuple[list[list[int]], list[torch.Tensor]], dict[str, Any]]:
+    """PARALLEL_PROMPTS' greedy tokens and logprobs on an engine with ``flags`` over PARALLEL_FLAGS,
+    and its parallel layout."""
+    engine = LLMEngine(EngineConfig.from_flat(dict(PARALLEL_FLAGS, model=model, **flags)))
+    try:
+        return greedy_logprobs(engine, PARALLEL_PROMPTS, NUM_NEW_TOKENS), engine.stats()["parallel"]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", *(pytest.param(arch, marks=pytest.mark.slow) for arch in (
+    "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v2", "deepseek_v3"))])
+def test_ep2_engine_matches_one_process_across_rebalances(tmp_path, arch):
+    """--tp 2 --ep-size 2 (8 experts and 2 redundant slots: 5 whole experts a rank, attention
+    tensor-parallel; Qwen2-MoE's gated shared expert and DeepSeek's shared experts split by
+    columns, OLMoE's whole-projection q/k norms summed over the ranks, DeepSeek's grouped routers
+    and latent pool), EPLB re-placing the experts every 3 passes: greedy tokens equal one
+    process's and logprobs within 1e-4, chunked, and the experts did move."""
     model = str(make_tiny_model_dir(tmp_path, arch))
-    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
-    flags = dict(model=model, dtype="float32", device="cpu", num_threads=1, skip_tokenizer_init=True,
-                 max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
-    single = LLMEngine(EngineConfig.from_flat(flags))
-    expected = greedy(single, prompts, PARAMS)
-    single.shutdown()
+    expected, _ = parallel_greedy(model)
     engine = LLMEngine(EngineConfig.from_flat(dict(
-        flags, tensor_parallel_size=2, expert_parallel_size=2, ep_num_redundant_experts=2, enable_eplb=True,
-        eplb_rebalance_num_iterations=3, enable_metrics=True, enable_expert_distribution_metrics=True)))
+        PARALLEL_FLAGS, model=model, tensor_parallel_size=2, expert_parallel_size=2, ep_num_redundant_experts=2,
+        enable_eplb=True, eplb_rebalance_num_iterations=3, enable_metrics=True,
+        enable_expert_distribution_metrics=True)))
     try:
         initial = engine.expert_load.placements()
         assert initial[0] == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1)
-        assert greedy(engine, prompts, PARAMS) == expected
+        assert_greedy_parity(greedy_logprobs(engine, PARALLEL_PROMPTS, NUM_NEW_TOKENS), expected)
         moe = engine.stats()["moe"]
         assert moe["eplb_rebalances"] >= 3 and engine.expert_load.placements() != initial
-        assert moe["layers"] == ([0, 1] if arch == "mixtral" else [1, 2])  # DeepSeek's layer 0 is dense
+        assert moe["layers"] == SPARSE_LAYERS[arch]
         assert sum(moe["expert_rows"][0]) == sum(map(sum, moe["ep_rank_rows"][:1]))
         assert engine.stats()["parallel"]["ep_size"] == 2
     finally:
@@ -134,16 +153,14 @@ def test_expert_distribution_recorder_in_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", TINY_MOE_ARCHS + TINY_MLA_ARCHS)
 def test_ep2_inside_tp4_matches_one_process(tmp_path, arch):
-    """--tp 4 --ep-size 2: attention over four ranks, the experts in two groups of two ranks, each
-    group's ranks splitting its experts' intermediate columns: greedy tokens equal one process's."""
-    from tests.e2e.test_tensor_parallel import run_engine
-
+    """--tp 4 --ep-size 2: attention over four ranks (2 KV heads: each on two ranks; DeepSeek: one
+    query head a rank over the whole latent), the experts in two groups of two ranks, each group's
+    ranks splitting its experts' intermediate columns: greedy tokens equal one process's and
+    logprobs within 1e-4."""
     model = str(make_tiny_model_dir(tmp_path, arch))
-    prompts = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
-    flags = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
-    expected, _ = run_engine(model, 1, prompts, **flags)
-    got, layout = run_engine(model, 4, prompts, expert_parallel_size=2, **flags)
-    assert got == expected
+    expected, _ = parallel_greedy(model)
+    got, layout = parallel_greedy(model, tensor_parallel_size=4, expert_parallel_size=2)
+    assert_greedy_parity(got, expected)
     assert layout["tp_size"] == 4 and layout["ep_size"] == 2

@@ -82,6 +82,20 @@ class BlockWeight:
                            None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1),
                            block, self.kind)
 
+    def narrow(self, dim: int, start: int, size: int) -> BlockWeight:
+        """Outputs (``dim`` 0) or inputs (``dim`` 1) ``start .. start + size``: the same codes,
+        scales and offsets. Inputs only along whole blocks (ValueError otherwise)."""
+        if dim == 0:
+            cut = slice(start, start + size)
+            return BlockWeight(self.codes[cut].contiguous(), self.scales[cut].contiguous(),
+                               None if self.offsets is None else self.offsets[cut].contiguous(), self.block, self.kind)
+        if start % self.block or size % self.block:
+            raise ValueError(f"inputs {start}..{start + size} cut {self.kind}'s blocks of {self.block}")
+        blocks = slice(start // self.block, (start + size) // self.block)
+        return BlockWeight(self.codes[:, start:start + size].contiguous(), self.scales[:, blocks].contiguous(),
+                           None if self.offsets is None else self.offsets[:, blocks].contiguous(),
+                           self.block, self.kind)
+
     def permute_rows(self, order: torch.Tensor) -> BlockWeight:
         return BlockWeight(self.codes[order].contiguous(), self.scales[order].contiguous(),
                            None if self.offsets is None else self.offsets[order].contiguous(),

@@ -25,3 +25,16 @@ def test_ref_counts_share_and_free_at_zero():
     assert pool.num_free_blocks == 2
     with pytest.raises(AssertionError):
         pool.release(blocks)
+
+
+def test_partitions_allocate_and_free_within_their_own_ids():
+    """DP attention's pool: 2 partitions of 3 blocks (rank 0's ids 0-2, rank 1's 3-5)."""
+    pool = BlockPool(6, num_partitions=2)
+    assert pool.allocate(2, partition=1) == [3, 4]
+    assert pool.roomiest_partition() == 0 and pool.num_free_in(1) == 1
+    assert pool.allocate(2, partition=1) is None   # 3 free blocks in all, one in partition 1
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.roomiest_partition() == 1
+    pool.release([4, 1])
+    assert pool.num_free_in(0) == 1 and pool.num_free_in(1) == 2 and pool.num_free_blocks == 3
+    assert pool.allocate(2, partition=1) == [5, 4] and pool.partition_of(4) == 1

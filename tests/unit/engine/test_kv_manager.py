@@ -138,3 +138,34 @@ def test_an_accepted_tree_path_queues_its_slot_copies() -> None:
     kv.move_accepted_path(a, 3, [1, 3])  # root at position 3; drafts 1 and 3 accepted
     assert kv.take_slot_copies() == [(5, 4), (7, 5)]
     assert kv.pending_slot_copies == []
+
+
+
+def test_a_partitioned_pool_keeps_each_request_and_cached_path_in_one_partition() -> None:
+    """DP attention (2 ranks of 6 blocks: ids 0-5 and 6-11): a new request takes the roomiest
+    partition and grows there; a request that computed another partition's cached prefix afresh
+    does not extend that path (else a later hit would share blocks of both ranks' pools); a full
+    partition evicts its own cached blocks only (the other's are older here); preempting the other
+    partition's requests frees nothing for a request (``same_pool``)."""
+    pool = BlockPool(12, num_partitions=2)
+    kv = KVManager(pool, 4, RadixTree(pool, 4, "lru"))
+    b = request("b", [50] * 5)
+    compute(kv, b, 5)
+    a = request("a", list(range(1, 9)) + [30] * 4)
+    compute(kv, a, 12)
+    c = request("c", list(range(1, 9)) + [70] * 4)
+    compute(kv, c, 12)                                   # its prompt's first 8 tokens are cached in a's partition
+    assert (b.block_ids, a.block_ids, c.block_ids) == ([0, 1], [6, 7, 8], [2, 3, 4])
+    assert not kv.same_pool(a, b) and kv.same_pool(b, c) and kv.same_pool(a, request("new", [1]))
+    d = request("d", list(range(1, 9)) + [70] * 4 + [1])
+    kv.match_prefix(d)
+    assert d.block_ids == [6, 7] and d.num_computed_tokens == 8   # not c's block 4 after them
+    kv.unmatch(d)
+    f = request("f", [50] * 5)
+    kv.match_prefix(f)                                   # b's cached block is now the newest used
+    kv.unmatch(f)
+    for done in (b, a, c):
+        kv.free(done)
+    e = request("e", [90] * 24)
+    assert kv.grow(e, 24) and e.block_ids == [5, 1, 2, 3, 4, 0]   # partition 0's free, then its cached block
+    assert pool.ref_count(8) == 1 and pool.num_free_in(1) == 3     # partition 1's older cache kept

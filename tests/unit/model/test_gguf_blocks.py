@@ -158,12 +158,15 @@ def test_resolve_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_quantization("auto", "/m.gguf", single, cpu, False, "float32")[0] == "none"
     assert resolve_quantization("gguf", "/m.gguf", single, cpu, False, "float32")[0] == "gguf"
     assert resolve_quantization("gguf_a8", "/m.gguf", single, cpu, False)[0] == "gguf_a8"
+    tp2 = ParallelContext(tp_size=2, group=object())
     with pytest.raises(ValueError, match="--tp-size 1 only"):
-        resolve_quantization("gguf", "/m.gguf", ParallelContext(tp_size=2, group=object()), cpu, False)
+        resolve_quantization("gguf", "/m.gguf", tp2, cpu, False)
+    assert resolve_quantization("auto", "/m.gguf", tp2, cpu, False)[0] == "none"   # no experts: all dequantized
     experts = ParallelContext(tp_size=2, group=object(), ep_size=2)   # --ep-size: whole experts per rank
-    mode, reason = resolve_quantization("auto", "/m.gguf", experts, cpu, False)
-    assert mode == "gguf" and "whole experts" in reason
-    assert resolve_quantization("gguf", "/m.gguf", experts, cpu, False)[0] == "gguf"
+    for parallel in (experts, tp2):   # at ep 1 the experts' intermediate columns, where they keep whole blocks
+        mode, reason = resolve_quantization("auto", "/m.gguf", parallel, cpu, False, has_experts=True)
+        assert mode == "gguf" and "whole under --ep-size" in reason
+        assert resolve_quantization("gguf", "/m.gguf", parallel, cpu, False, has_experts=True)[0] == "gguf"
     with pytest.raises(ValueError, match="not a GGUF file"):
         resolve_quantization("gguf", None, single, cpu, False)
 

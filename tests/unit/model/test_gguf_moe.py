@@ -386,15 +386,12 @@ def test_llama_cpp_converter_files_load(arch: str, tmp_path: Path) -> None:
     assert greedy == expected_greedy
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> None:
-    """``--tp-size 2 --ep-size 2`` on a MoE GGUF: each rank holds its 2 of the 4 experts whole, in the
-    file's blocks (no float stack left; the tensor-parallel attention dequantized), and the greedy
-    tokens, chunked, equal one process's serving the whole file in its blocks."""
+def _one_process_then_parallel(arch: str, tmp_path: Path, **parallel: Any) -> tuple[list[list[int]], Any, list[list[int]]]:
+    """A tiny MoE GGUF of ``arch``: one process's greedy tokens (the whole file in its blocks) of
+    three prompts, chunked; then a ``--tp-size 2`` engine with ``parallel`` flags (the caller
+    shuts it down), and the prompts."""
     from servelm.config import EngineConfig
     from servelm.engine.engine import LLMEngine
-    from servelm.model.layers.moe_parallel import ExpertParallelMoE
     from tests.e2e.test_tensor_parallel import PARAMS
     from tests.engine_drive import greedy
 
@@ -407,13 +404,76 @@ def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> No
     assert single.runner.quantization == "gguf"
     expected = greedy(single, prompts, PARAMS)
     single.shutdown()
-    engine = LLMEngine(EngineConfig.from_flat(dict(flags, tensor_parallel_size=2, expert_parallel_size=2)))
+    return expected, LLMEngine(EngineConfig.from_flat(dict(flags, tensor_parallel_size=2, **parallel))), prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_ep2_tp2_serves_whole_experts_in_blocks(arch: str, tmp_path: Path) -> None:
+    """``--tp-size 2 --ep-size 2`` on a MoE GGUF: each rank holds its 2 of the 4 experts whole, in the
+    file's blocks (no float stack left; the tensor-parallel attention dequantized), and the greedy
+    tokens, chunked, equal one process's serving the whole file in its blocks."""
+    from servelm.model.layers.moe_parallel import ExpertParallelMoE
+    from tests.e2e.test_tensor_parallel import PARAMS
+    from tests.engine_drive import greedy
+
+    expected, engine, prompts = _one_process_then_parallel(arch, tmp_path, expert_parallel_size=2)
     try:
         rank0 = engine.runner.runner
         assert rank0.quantization == "gguf"
         moes = [m for m in rank0.model.modules() if isinstance(m, ExpertParallelMoE)]
         assert moes and all(m.gate_up_proj is None and m.expert_layers is not None for m in moes)
         assert all([name for name, _ in m.named_children() if name.isdigit()] == ["0", "1"] for m in moes)
+        assert greedy(engine, prompts, PARAMS) == expected
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("block, kept", [(32, True), (64, False)])
+def test_a_tensor_parallel_rank_narrows_its_experts_blocks_or_dequantizes(block: int, kept: bool) -> None:
+    """Rank 1 of 2 holds intermediate columns 32..64 of each expert: gate and up blocks are cut to
+    those rows, down's to those inputs, codes and scales as they are; a down whose blocks (64
+    inputs) the shard would cut leaves the layer's blocks out (it loads dequantized)."""
+    from servelm.distributed.parallel import ParallelContext
+    from servelm.model.gguf_weights import split_block_experts
+    from tests.tiny_models import random_block_weight
+
+    moe = FusedMoE(2, 64, 64, "silu", parallel=ParallelContext(tp_rank=1, tp_size=2, group=object()))
+    model = torch.nn.Module()
+    model.experts = moe
+    shapes = {"gate_proj": (64, 64), "up_proj": (64, 64), "down_proj": (64, 64)}
+    blocks = {f"experts.{e}.{p}.weight": random_block_weight(*shape, block, offsets=True, seed=10 * e + i)
+              for e in range(2) for i, (p, shape) in enumerate(shapes.items())}
+    whole = {name: weight.dequantize() for name, weight in blocks.items()}
+    split = split_block_experts(model, blocks)
+    if not kept:
+        assert split == [] and blocks == {} and moe.expert_layers is None
+        return
+    assert split == [moe] and moe.expert_layers is not None
+    for name, weight in blocks.items():
+        expected = whole[name][:, 32:] if "down_proj" in name else whole[name][32:]
+        assert tuple(weight.codes.shape) == ((64, 32) if "down_proj" in name else (32, 64))
+        assert torch.equal(weight.dequantize(), expected), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_tp2_serves_each_ranks_expert_columns_in_blocks(arch: str, tmp_path: Path) -> None:
+    """``--tp-size 2`` on a MoE GGUF (expert FFN 256: each rank's 128 down inputs are whole Q8_0,
+    Q4_K and Q6_K blocks): every rank serves its experts' intermediate columns in the file's blocks
+    (no float stack left; the tensor-parallel rest dequantized), and the greedy tokens, chunked,
+    equal one process's serving the whole file in its blocks."""
+    from tests.e2e.test_tensor_parallel import PARAMS
+    from tests.engine_drive import greedy
+
+    expected, engine, prompts = _one_process_then_parallel(arch, tmp_path)
+    try:
+        rank0 = engine.runner.runner
+        assert rank0.quantization == "gguf"
+        moes = [m for m in rank0.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.gate_up_proj is None and m.expert_layers is not None for m in moes)
+        down = moes[0].expert_layers[0].down_proj
+        assert down.gguf_weight.codes.shape[1] == down.input_size == EXPERT_FFN // 2
         assert greedy(engine, prompts, PARAMS) == expected
     finally:
         engine.shutdown()
