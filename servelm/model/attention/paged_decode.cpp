@@ -31,26 +31,31 @@ constexpr int64_t kPrefetchColumns = 16;
 // A task's fixed work (softmax setup, the output's stores) in columns, for the thread split.
 constexpr int64_t kTaskColumns = 8;
 
+// The vector layer: F (kLanes float32 lanes) and the few operations the kernel uses. The ones both
+// widths spell alike (_mm512_add_ps, _mm256_add_ps) are written once, for the prefix P.
+#define SERVELM_VEC_COMMON(P, VECTOR, LANES, ISA)                     \
+  using F = VECTOR;                                                   \
+  constexpr int kLanes = LANES;                                       \
+  constexpr const char* kIsa = ISA;                                   \
+  inline F zero() { return P##_setzero_ps(); }                        \
+  inline F set1(float x) { return P##_set1_ps(x); }                   \
+  inline F load(const float* x) { return P##_loadu_ps(x); }           \
+  inline void store(float* x, F v) { P##_storeu_ps(x, v); }           \
+  inline F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }     \
+  inline F fnmadd(F a, F b, F c) { return P##_fnmadd_ps(a, b, c); }   \
+  inline F mul(F a, F b) { return P##_mul_ps(a, b); }                 \
+  inline F add(F a, F b) { return P##_add_ps(a, b); }                 \
+  inline F sub(F a, F b) { return P##_sub_ps(a, b); }                 \
+  inline F max(F a, F b) { return P##_max_ps(a, b); }
+
 namespace vec {
 #if defined(__AVX512F__)
-using F = __m512;
-constexpr int kLanes = 16;
-constexpr const char* kIsa = "avx512";
-inline F zero() { return _mm512_setzero_ps(); }
-inline F set1(float x) { return _mm512_set1_ps(x); }
-inline F load(const float* x) { return _mm512_loadu_ps(x); }
+SERVELM_VEC_COMMON(_mm512, __m512, 16, "avx512")
 // bf16 is float32's top half: widened exactly.
 inline F load(const uint16_t* x) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-inline void store(float* x, F v) { _mm512_storeu_ps(x, v); }
-inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-inline F add(F a, F b) { return _mm512_add_ps(a, b); }
-inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-inline F max(F a, F b) { return _mm512_max_ps(a, b); }
 inline float sum(F v) { return _mm512_reduce_add_ps(v); }
 inline float max_lane(F v) { return _mm512_reduce_max_ps(v); }
 inline F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -63,23 +68,11 @@ inline F load_tail(const float* x, Tail t, float fill) { return _mm512_mask_load
 inline void store_tail(float* x, Tail t, F v) { _mm512_mask_storeu_ps(x, t, v); }
 inline F keep_tail(Tail t, F v) { return _mm512_maskz_mov_ps(t, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-using F = __m256;
-constexpr int kLanes = 8;
-constexpr const char* kIsa = "avx2";
-inline F zero() { return _mm256_setzero_ps(); }
-inline F set1(float x) { return _mm256_set1_ps(x); }
-inline F load(const float* x) { return _mm256_loadu_ps(x); }
+SERVELM_VEC_COMMON(_mm256, __m256, 8, "avx2")
 inline F load(const uint16_t* x) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
-inline void store(float* x, F v) { _mm256_storeu_ps(x, v); }
-inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-inline F add(F a, F b) { return _mm256_add_ps(a, b); }
-inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-inline F max(F a, F b) { return _mm256_max_ps(a, b); }
 inline float sum(F v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -97,7 +90,7 @@ inline F pow2(F n) {   // 2^n for integral n in [-126, 127]: the exponent field
 // p * 2^n for p in [0.5, 2] and integral n in [-149, 0] (exp's range here), rounded once as scalef:
 // p * 2^max(n, -100) is exact (a normal number), then * 2^(n - that) rounds only into the subnormals.
 inline F scale2(F p, F n) {
-  const F high = _mm256_max_ps(n, set1(-100.0f));
+  const F high = max(n, set1(-100.0f));
   return mul(mul(p, pow2(high)), pow2(sub(n, high)));
 }
 using Tail = __m256i;
