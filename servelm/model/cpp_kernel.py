@@ -173,6 +173,44 @@ class CppKernel:
         return module, f"{'loaded from' if after == before else 'built in'} {build_dir}"
 
 
+class KernelBuilds:
+    """Builds of one kernel for different instruction sets (an AVX-512 and an AVX2 build, ...),
+    preferred first: a CPU takes the first build whose instructions it has and that builds.
+
+    ``flags`` replaces the CPU's flags in the choice (tests force the AVX2 build on an AVX-512 machine,
+    or no x86 build at all, with it); a build still needs the real CPU's instructions."""
+
+    def __init__(self, *kernels: CppKernel) -> None:
+        self.kernels = kernels
+
+    def candidates(self, flags: set[str] | None = None) -> list[CppKernel]:
+        """The builds whose instructions this CPU (or ``flags``) has, preferred first."""
+        return [kernel for kernel in self.kernels if not kernel.missing_cpu_flags(flags)]
+
+    def load(self, flags: set[str] | None = None) -> ModuleType | None:
+        """The first of ``candidates(flags)`` that builds (or is cached), or None."""
+        for kernel in self.candidates(flags):
+            module = kernel.load()
+            if module is not None:
+                return module
+        return None
+
+    def status(self, flags: set[str] | None = None) -> str:
+        """Which build runs and why, or why none does."""
+        chosen = self.candidates(flags)
+        for kernel in chosen:
+            if kernel.load() is not None:
+                return f"{kernel.description}: {kernel.status()}"
+        if chosen:
+            return "; ".join(f"{kernel.description}: {kernel.status()}" for kernel in chosen)
+        return "this CPU lacks " + " and ".join(", ".join(kernel.missing_cpu_flags(flags)) for kernel in self.kernels)
+
+    def missing_cpu_flags(self, flags: set[str] | None = None) -> list[str]:
+        """[] where some build's instructions are all present, else the last (most portable) build's
+        missing flags."""
+        return [] if self.candidates(flags) else self.kernels[-1].missing_cpu_flags(flags)
+
+
 @contextmanager
 def _build_lock(build_dir: Path) -> Iterator[None]:
     """Hold ``build_dir``'s build lock: an ``flock``, which the kernel releases when its holder dies.

@@ -3,15 +3,20 @@
 // The torch path gathers every context row into a padded copy (index_select) and SDPA reads the
 // copy again; here each K and V row is read once, from the pool, for all query heads sharing its
 // KV head. One task per (sequence, KV head); float32 arithmetic over a float32 or bfloat16 pool
-// (bf16 rows widened in registers), D a multiple of 16 (AVX-512).
+// (bf16 rows widened in registers), D a multiple of the vector's lanes.
 //
-// Compiled at run time by servelm/model/attention/paged_decode.py with -mavx512f; the Python side
-// checks the CPU flag and the shapes before it calls this.
+// One source, two builds (servelm/model/attention/paged_decode.py compiles it at run time and picks
+// the build by the CPU's flags): with -mavx512f the vectors are 16 lanes (zmm, 32 registers), with
+// -mavx2 -mfma (no AVX-512: AMD Zen 1-3, most desktops and laptops) 8 lanes (ymm, 16 registers).
+// The kernel below is written once over the small vector layer ``vec`` (kLanes lanes); only that
+// layer and the register tiles' sizes differ. The two builds compute the same floats up to the order
+// of their horizontal sums (16 lanes vs 8); the Python side checks the flags and the shapes first.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -26,67 +31,137 @@ constexpr int64_t kPrefetchColumns = 16;
 // A task's fixed work (softmax setup, the output's stores) in columns, for the thread split.
 constexpr int64_t kTaskColumns = 8;
 
-// 16 pool values as float32: float rows as they are, bf16 rows widened (bf16 is float32's top half).
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const uint16_t* x) {
+// The vector layer: F (kLanes float32 lanes) and the few operations the kernel uses. The ones both
+// widths spell alike (_mm512_add_ps, _mm256_add_ps) are written once, for the prefix P.
+#define SERVELM_VEC_COMMON(P, VECTOR, LANES, ISA)                     \
+  using F = VECTOR;                                                   \
+  constexpr int kLanes = LANES;                                       \
+  constexpr const char* kIsa = ISA;                                   \
+  inline F zero() { return P##_setzero_ps(); }                        \
+  inline F set1(float x) { return P##_set1_ps(x); }                   \
+  inline F load(const float* x) { return P##_loadu_ps(x); }           \
+  inline void store(float* x, F v) { P##_storeu_ps(x, v); }           \
+  inline F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }     \
+  inline F fnmadd(F a, F b, F c) { return P##_fnmadd_ps(a, b, c); }   \
+  inline F mul(F a, F b) { return P##_mul_ps(a, b); }                 \
+  inline F add(F a, F b) { return P##_add_ps(a, b); }                 \
+  inline F sub(F a, F b) { return P##_sub_ps(a, b); }                 \
+  inline F max(F a, F b) { return P##_max_ps(a, b); }
+
+namespace vec {
+#if defined(__AVX512F__)
+SERVELM_VEC_COMMON(_mm512, __m512, 16, "avx512")
+// bf16 is float32's top half: widened exactly.
+inline F load(const uint16_t* x) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+inline float sum(F v) { return _mm512_reduce_add_ps(v); }
+inline float max_lane(F v) { return _mm512_reduce_max_ps(v); }
+inline F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n, n integral, rounded once.
+inline F scale2(F p, F n) { return _mm512_scalef_ps(p, n); }
+// Lanes [0, count) of a tail (count < kLanes): their mask, a load (the others `fill`), a store.
+using Tail = __mmask16;
+inline Tail tail(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
+inline F load_tail(const float* x, Tail t, float fill) { return _mm512_mask_loadu_ps(set1(fill), t, x); }
+inline void store_tail(float* x, Tail t, F v) { _mm512_mask_storeu_ps(x, t, v); }
+inline F keep_tail(Tail t, F v) { return _mm512_maskz_mov_ps(t, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+SERVELM_VEC_COMMON(_mm256, __m256, 8, "avx2")
+inline F load(const uint16_t* x) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline float sum(F v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float max_lane(F v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline F pow2(F n) {   // 2^n for integral n in [-126, 127]: the exponent field
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// p * 2^n for p in [0.5, 2] and integral n in [-149, 0] (exp's range here), rounded once as scalef:
+// p * 2^max(n, -100) is exact (a normal number), then * 2^(n - that) rounds only into the subnormals.
+inline F scale2(F p, F n) {
+  const F high = max(n, set1(-100.0f));
+  return mul(mul(p, pow2(high)), pow2(sub(n, high)));
+}
+using Tail = __m256i;
+inline Tail tail(int64_t count) {
+  static const int32_t ones_then_zeros[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ones_then_zeros + 8 - count));
+}
+inline F load_tail(const float* x, Tail t, float fill) {
+  return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(x, t), _mm256_castsi256_ps(t));
+}
+inline void store_tail(float* x, Tail t, F v) { _mm256_maskstore_ps(x, t, v); }
+inline F keep_tail(Tail t, F v) { return _mm256_and_ps(_mm256_castsi256_ps(t), v); }
+#else
+#error "paged_decode.cpp needs AVX-512F, or AVX2 and FMA"
+#endif
+}  // namespace vec
 
-// exp of 16 lanes (x <= 0 here: scores minus their maximum), Cephes' expf polynomial: x = n ln2 + r,
-// |r| <= ln2 / 2, e^r to ~1 ulp, times 2^n by scalef. std::exp per score (scalar, a call each) was a
-// quarter of the kernel's time at 32 streams x 164 columns; both arrangements use this one.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));   // below: 0 after scalef, as expf gives
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+using vec::kLanes;
+
+// exp of kLanes lanes (x <= 0 here: scores minus their maximum), Cephes' expf polynomial: x = n ln2 + r,
+// |r| <= ln2 / 2, e^r to ~1 ulp, times 2^n (scale2). std::exp per score (scalar, a call each) was a
+// quarter of the kernel's time at 32 streams x 164 columns; both arrangements use this one. Each lane's
+// value is the same in both builds.
+inline vec::F exp_lanes(vec::F x) {
+  x = vec::max(x, vec::set1(-103.0f));   // below: 0 after scale2, as expf gives
+  const vec::F n = vec::round(vec::mul(x, vec::set1(1.44269504088896341f)));
+  vec::F r = vec::fnmadd(n, vec::set1(0.693359375f), x);
+  r = vec::fnmadd(n, vec::set1(-2.12194440e-4f), r);
+  vec::F p = vec::set1(1.9875691500e-4f);
+  p = vec::fmadd(p, r, vec::set1(1.3981999507e-3f));
+  p = vec::fmadd(p, r, vec::set1(8.3334519073e-3f));
+  p = vec::fmadd(p, r, vec::set1(4.1665795894e-2f));
+  p = vec::fmadd(p, r, vec::set1(1.6666665459e-1f));
+  p = vec::fmadd(p, r, vec::set1(5.0000001201e-1f));
+  p = vec::fmadd(vec::mul(p, r), r, vec::add(r, vec::set1(1.0f)));
+  return vec::scale2(p, n);
 }
 
-// s[0..n) <- exp(s - max s), 16 lanes at a time (the tail masked); returns 1 / their sum.
+// s[0..n) <- exp(s - max s), kLanes at a time (the tail masked); returns 1 / their sum.
 inline float softmax_row(float* s, int64_t n) {
-  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  vec::F vm = vec::set1(-std::numeric_limits<float>::infinity());
   int64_t c = 0;
-  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - c)) - 1u);
-  vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, tail, s + c));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-  __m512 sum = _mm512_setzero_ps();
-  for (c = 0; c + 16 <= n; c += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), m));
-    _mm512_storeu_ps(s + c, e);
-    sum = _mm512_add_ps(sum, e);
+  for (; c + kLanes <= n; c += kLanes) vm = vec::max(vm, vec::load(s + c));
+  const vec::Tail tail = vec::tail(n - c);
+  if (c < n) vm = vec::max(vm, vec::load_tail(s + c, tail, -std::numeric_limits<float>::infinity()));
+  const vec::F m = vec::set1(vec::max_lane(vm));
+  vec::F sum = vec::zero();
+  for (c = 0; c + kLanes <= n; c += kLanes) {
+    const vec::F e = exp_lanes(vec::sub(vec::load(s + c), m));
+    vec::store(s + c, e);
+    sum = vec::add(sum, e);
   }
   if (c < n) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + c), m));
-    _mm512_mask_storeu_ps(s + c, tail, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    const vec::F e = exp_lanes(vec::sub(vec::load_tail(s + c, tail, 0.0f), m));
+    vec::store_tail(s + c, tail, e);
+    sum = vec::add(sum, vec::keep_tail(tail, e));
   }
-  return 1.0f / _mm512_reduce_add_ps(sum);
+  return 1.0f / vec::sum(sum);
 }
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), load16(b + j), acc);
-  return _mm512_reduce_add_ps(acc);
+  vec::F acc = vec::zero();
+  for (int64_t j = 0; j < d; j += kLanes) acc = vec::fmadd(vec::load(a + j), vec::load(b + j), acc);
+  return vec::sum(acc);
 }
 
 template <typename T>
 inline void axpy(float alpha, const T* x, float* y, int64_t d) {
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int64_t j = 0; j < d; j += 16) {
-    _mm512_storeu_ps(y + j, _mm512_fmadd_ps(a, load16(x + j), _mm512_loadu_ps(y + j)));
-  }
+  const vec::F a = vec::set1(alpha);
+  for (int64_t j = 0; j < d; j += kLanes) vec::store(y + j, vec::fmadd(a, vec::load(x + j), vec::load(y + j)));
 }
 
 template <typename T>
@@ -113,9 +188,9 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + c], v_row, o0 + g * d, d);
       }
       for (int64_t g = 0; g < group; ++g) {
-        const __m512 f = _mm512_set1_ps(inv_sum[g]);
+        const vec::F f = vec::set1(inv_sum[g]);
         float* o = o0 + g * d;
-        for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(f, _mm512_loadu_ps(o + j)));
+        for (int64_t j = 0; j < d; j += kLanes) vec::store(o + j, vec::mul(f, vec::load(o + j)));
       }
     }
   });
@@ -123,21 +198,31 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int
 
 
 // The tiled kernel: the same arithmetic in the same order, so its output equals run()'s bit for
-// bit (each score is one accumulator over d, 16 lanes at a time, then one horizontal sum; each
+// bit (each score is one accumulator over d, kLanes lanes at a time, then one horizontal sum; each
 // output element one fma chain over the columns in order, then one multiply by 1/sum), with the
 // work arranged for the core instead of for the reader:
 //   scores: T columns x G heads at once, G*T independent accumulators (run() has one dependent
 //     fma chain per score, 4-cycle latency each, and re-widens each K row for every head);
-//   values: G heads x W 16-lane pieces of the output kept in registers over all columns (run()
+//   values: G heads x W kLanes-lane pieces of the output kept in registers over all columns (run()
 //     loads and stores the output row for every column).
-// G and T, W are compile-time so the accumulators stay in registers (G*T and G*W <= 24 of the 32).
+// G and T, W are compile-time so the accumulators stay in registers: G*T (+ T rows + q) and G*W
+// (+ W rows + a score) within the 32 zmm registers (AVX-512: G*T, G*W <= 24) or the 16 ymm (AVX2:
+// at most 15, fewer columns and pieces per pass as G grows).
+#if defined(__AVX512F__)
+constexpr int score_columns(int g) { return g <= 6 ? 4 : 3; }
+constexpr int value_pieces(int g) { return g <= 6 ? 4 : 2; }
+#else
+constexpr int score_columns(int g) { return g <= 2 ? 4 : (g == 3 ? 3 : (g <= 6 ? 2 : 1)); }
+constexpr int value_pieces(int g) { return g <= 2 ? 4 : (g == 3 ? 3 : (g <= 6 ? 2 : 1)); }
+#endif
+
 template <typename T, int G, int TC>
 inline void scores_tile(const float* q0, const T* kp, const int64_t* row_slots, int64_t c0,
                         int64_t n_stride, int64_t num_kv_heads, int64_t h, int64_t d, float fscale,
                         float* scores) {
-  __m512 acc[G][TC];
+  vec::F acc[G][TC];
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < TC; ++t) acc[g][t] = _mm512_setzero_ps();
+    for (int t = 0; t < TC; ++t) acc[g][t] = vec::zero();
   const T* rows[TC];
   for (int t = 0; t < TC; ++t) rows[t] = kp + (row_slots[c0 + t] * num_kv_heads + h) * d;
   // The next tile's rows (slots are scattered over the pool's blocks): fetched while this one runs.
@@ -146,42 +231,42 @@ inline void scores_tile(const float* q0, const T* kp, const int64_t* row_slots, 
     for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64)
       _mm_prefetch(row + byte, _MM_HINT_T0);
   }
-  for (int64_t j = 0; j < d; j += 16) {
-    __m512 k[TC];
-    for (int t = 0; t < TC; ++t) k[t] = load16(rows[t] + j);
+  for (int64_t j = 0; j < d; j += kLanes) {
+    vec::F k[TC];
+    for (int t = 0; t < TC; ++t) k[t] = vec::load(rows[t] + j);
     for (int g = 0; g < G; ++g) {
-      const __m512 qv = _mm512_loadu_ps(q0 + g * d + j);
-      for (int t = 0; t < TC; ++t) acc[g][t] = _mm512_fmadd_ps(qv, k[t], acc[g][t]);
+      const vec::F qv = vec::load(q0 + g * d + j);
+      for (int t = 0; t < TC; ++t) acc[g][t] = vec::fmadd(qv, k[t], acc[g][t]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int t = 0; t < TC; ++t) scores[g * n_stride + c0 + t] = _mm512_reduce_add_ps(acc[g][t]) * fscale;
+    for (int t = 0; t < TC; ++t) scores[g * n_stride + c0 + t] = vec::sum(acc[g][t]) * fscale;
 }
 
 template <typename T, int G, int W>
 inline void values_piece(const float* scores, const float* inv_sum, const T* vp,
                          const int64_t* row_slots, int64_t n, int64_t num_kv_heads, int64_t h,
                          int64_t d, int64_t j0, float* o0) {
-  __m512 acc[G][W];
+  vec::F acc[G][W];
   for (int g = 0; g < G; ++g)
-    for (int w = 0; w < W; ++w) acc[g][w] = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) acc[g][w] = vec::zero();
   for (int64_t c = 0; c < n; ++c) {
     const T* v_row = vp + (row_slots[c] * num_kv_heads + h) * d + j0;
     if (c + kPrefetchColumns < n) {  // a later row, as in scores_tile: whole on the first piece's pass
       const char* ahead = reinterpret_cast<const char*>(vp + (row_slots[c + kPrefetchColumns] * num_kv_heads + h) * d + j0);
-      const int64_t bytes = j0 == 0 ? d * static_cast<int64_t>(sizeof(T)) : 16 * W * static_cast<int64_t>(sizeof(T));
+      const int64_t bytes = j0 == 0 ? d * static_cast<int64_t>(sizeof(T)) : kLanes * W * static_cast<int64_t>(sizeof(T));
       for (int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
     }
-    __m512 v[W];
-    for (int w = 0; w < W; ++w) v[w] = load16(v_row + 16 * w);
+    vec::F v[W];
+    for (int w = 0; w < W; ++w) v[w] = vec::load(v_row + kLanes * w);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + c]);
-      for (int w = 0; w < W; ++w) acc[g][w] = _mm512_fmadd_ps(p, v[w], acc[g][w]);
+      const vec::F p = vec::set1(scores[g * n + c]);
+      for (int w = 0; w < W; ++w) acc[g][w] = vec::fmadd(p, v[w], acc[g][w]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 f = _mm512_set1_ps(inv_sum[g]);
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(o0 + g * d + j0 + 16 * w, _mm512_mul_ps(f, acc[g][w]));
+    const vec::F f = vec::set1(inv_sum[g]);
+    for (int w = 0; w < W; ++w) vec::store(o0 + g * d + j0 + kLanes * w, vec::mul(f, acc[g][w]));
   }
 }
 
@@ -190,15 +275,15 @@ template <typename T, int G>
 void attend_heads(const float* q0, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
                   int64_t num_kv_heads, int64_t h, int64_t d, float fscale, float* scores,
                   float* inv_sum, float* o0) {
-  constexpr int TC = G <= 4 ? 4 : (G <= 6 ? 4 : 3);
+  constexpr int TC = score_columns(G);
   int64_t c = 0;
   for (; c + TC <= n; c += TC) scores_tile<T, G, TC>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
   for (; c < n; ++c) scores_tile<T, G, 1>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
   for (int g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores + g * n, n);   // as run() computes it
-  constexpr int W = G <= 6 ? 4 : 2;
+  constexpr int W = value_pieces(G);
   int64_t j = 0;
-  for (; j + 16 * W <= d; j += 16 * W) values_piece<T, G, W>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0);
-  for (; j < d; j += 16) values_piece<T, G, 1>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0);
+  for (; j + kLanes * W <= d; j += kLanes * W) values_piece<T, G, W>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0);
+  for (; j < d; j += kLanes) values_piece<T, G, 1>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0);
 }
 
 template <typename T>
@@ -270,7 +355,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               slots.is_contiguous() && spans.is_contiguous(), "contiguous inputs");
   const int64_t b = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), columns = slots.size(1);
-  TORCH_CHECK(d % 16 == 0 && k_cache.size(2) == d && v_cache.size(2) == d, "head_dim % 16");
+  TORCH_CHECK(d % kLanes == 0 && k_cache.size(2) == d && v_cache.size(2) == d, "head_dim a multiple of the lanes");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads a multiple of KV heads");
   auto out = tiled ? torch::empty_like(q) : torch::zeros_like(q);
   const float fscale = static_cast<float>(scale);
@@ -295,5 +380,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool (AVX-512)");
+  m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
+  m.attr("ISA") = vec::kIsa;
+  m.attr("LANES") = kLanes;
 }

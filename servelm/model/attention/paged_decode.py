@@ -5,12 +5,17 @@ The torch path of a decode group gathers every context row of every sequence int
 reads the copy again. The kernel reads each K and V row once from the pool, for all query heads
 sharing its KV head, one task per (sequence, KV head) across torch's threads.
 
-``load_kernel()`` returns the compiled module or None (``kernel_status()`` says why: no AVX-512F in
-/proc/cpuinfo, no compiler or ninja, a failed build); the backend then keeps the gather + SDPA
-path. The build is cached like every ``CppKernel``'s, so only the first start on a machine compiles
-it (about a minute on 2 cores).
+One source, two builds, picked by the CPU's flags (read from /proc/cpuinfo, never assumed): 16-lane
+AVX-512F (``KERNEL``) where the CPU has it, else 8-lane AVX2 + FMA (``AVX2_KERNEL``: AMD Zen 1-3, most
+desktops and laptops). ``load_kernel()`` returns the build this CPU takes, or None
+(``kernel_status()`` says why: neither instruction set in /proc/cpuinfo, no compiler or ninja, a
+failed build); the backend then keeps the gather + SDPA path. ``load_kernel(flags)``, and
+``supports``/``attend``'s ``kernel``, choose another build (tests run the AVX2 build on AVX-512
+machines too). The builds are cached like every ``CppKernel``'s, so only the first start on a machine
+compiles them (about a minute on 2 cores).
 ``supports`` limits it to what it computes: a float32 or bfloat16 pool (bf16 rows are widened in
-registers, arithmetic in float32; q of either dtype), head_dim a multiple of 16, CPU.
+registers, arithmetic in float32; q of either dtype), head_dim a multiple of the build's lanes (16,
+AVX2: 8), CPU.
 
 Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
 keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers and prefetches
@@ -21,19 +26,40 @@ per column) stays as its reference: 32 streams x 133 columns of Gemma 3 270M's b
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
-from servelm.model.cpp_kernel import CppKernel
+from servelm.model.cpp_kernel import CppKernel, KernelBuilds
 
 KERNEL = CppKernel.beside(__file__, "paged_decode.cpp", "paged_decode", "paged decode attention kernel (AVX-512)",
                           ("avx512f",))
-load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
+AVX2_KERNEL = CppKernel.beside(__file__, "paged_decode.cpp", "paged_decode_avx2",
+                               "paged decode attention kernel (AVX2+FMA)", ("avx2", "fma"))
+KERNELS = (KERNEL, AVX2_KERNEL)
+"""Every build, preferred first."""
+BUILDS = KernelBuilds(*KERNELS)
+kernel_status, missing_cpu_flags = BUILDS.status, BUILDS.missing_cpu_flags
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether ``attend`` computes this layer's decodes: CPU, float32/bf16 q and pool, D % 16 == 0."""
+@functools.cache
+def _own_build() -> ModuleType | None:
+    return BUILDS.load()
+
+
+def load_kernel(flags: set[str] | None = None) -> ModuleType | None:
+    """The build this CPU takes (kept for the process: ``supports`` asks on every layer), or the
+    build a CPU with ``flags`` would take; None where none does."""
+    return _own_build() if flags is None else BUILDS.load(flags)
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, kernel: ModuleType | None = None) -> bool:
+    """Whether ``attend`` computes this layer's decodes on ``kernel`` (None: ``load_kernel()``):
+    CPU, float32/bf16 q and pool, D a multiple of the build's lanes."""
+    module = kernel if kernel is not None else load_kernel()
     return (q.device.type == "cpu" and q.dtype in _DTYPES and k_cache.dtype in _DTYPES
-            and q.shape[-1] % 16 == 0 and load_kernel() is not None)
+            and module is not None and q.shape[-1] % module.LANES == 0)
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -43,11 +69,11 @@ TILED = True
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-           spans: torch.Tensor, scale: float) -> torch.Tensor:
+           spans: torch.Tensor, scale: float, kernel: ModuleType | None = None) -> torch.Tensor:
     """q ``[b, H, D]``; pools ``[slots, Hkv, D]``; ``slots`` ``[b, columns]`` int64 (column c of
     sequence i), ``spans`` ``[b]`` valid columns (every one visible to the query) -> ``[b, H, D]``
-    in q's dtype."""
-    module = load_kernel()
+    in q's dtype, on ``kernel`` (None: ``load_kernel()``)."""
+    module = kernel if kernel is not None else load_kernel()
     assert module is not None
     return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale,
                                    TILED).to(q.dtype)

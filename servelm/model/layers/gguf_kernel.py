@@ -13,9 +13,7 @@ CPU's instructions. Builds are cached like every ``CppKernel``'s.
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from servelm.model.cpp_kernel import CppKernel, isa_flags
+from servelm.model.cpp_kernel import CppKernel, KernelBuilds, isa_flags
 
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 """Also the LM-head screen's (lm_head_screen.py), which runs beside this kernel."""
@@ -28,33 +26,6 @@ AVX2_KERNEL = CppKernel.beside(__file__, "gguf_kernel_avx2.cpp", "gguf_block_avx
                                AVX2_FLAGS)
 KERNELS = (KERNEL, AVX2_KERNEL)
 """Every build, preferred first."""
-
-
-def candidates(flags: set[str] | None = None) -> list[CppKernel]:
-    """The builds whose instructions this CPU (or ``flags``) has, preferred first."""
-    return [kernel for kernel in KERNELS if not kernel.missing_cpu_flags(flags)]
-
-
-def load_kernel(flags: set[str] | None = None) -> ModuleType | None:
-    """The first of ``candidates(flags)`` that builds (or is cached), or None."""
-    for kernel in candidates(flags):
-        module = kernel.load()
-        if module is not None:
-            return module
-    return None
-
-
-def kernel_status(flags: set[str] | None = None) -> str:
-    """Which build runs and why, or why none does."""
-    chosen = candidates(flags)
-    for kernel in chosen:
-        if kernel.load() is not None:
-            return f"{kernel.description}: {kernel.status()}"
-    if chosen:
-        return "; ".join(f"{kernel.description}: {kernel.status()}" for kernel in chosen)
-    return "this CPU lacks " + " and ".join(", ".join(kernel.missing_cpu_flags(flags)) for kernel in KERNELS)
-
-
-def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
-    """[] where some build's instructions are all present, else the AVX2 build's missing flags."""
-    return [] if candidates(flags) else AVX2_KERNEL.missing_cpu_flags(flags)
+BUILDS = KernelBuilds(*KERNELS)
+candidates, load_kernel, kernel_status, missing_cpu_flags = (BUILDS.candidates, BUILDS.load, BUILDS.status,
+                                                             BUILDS.missing_cpu_flags)

@@ -1,45 +1,114 @@
-"""The paged decode attention kernel against gather + SDPA, on a pool laid out in blocks."""
+"""The paged decode attention kernel against gather + SDPA, on a pool laid out in blocks.
+
+Every kernel test runs on each build this CPU can run (``kernel``: the AVX-512 build and the AVX2
+build, which an AVX-512 machine runs too), so CI on any x86 CPU with AVX2 tests the AVX2 build."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from servelm.model.attention import paged_decode
+from servelm.model.cpp_kernel import CppKernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 2), (2, 2)])
-def test_kernel_matches_sdpa(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-    if paged_decode.load_kernel() is None:
-        pytest.skip(paged_decode.kernel_status())
-    torch.manual_seed(0)
-    b, head_dim, block_size, columns = 5, 32, 4, 12
+@pytest.fixture(scope="module", params=paged_decode.KERNELS, ids=lambda build: build.name)
+def kernel(request: pytest.FixtureRequest) -> ModuleType:
+    build: CppKernel = request.param
+    if build.missing_cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(build.missing_cpu_flags())}")
+    module = build.load()
+    if module is None:
+        pytest.skip(build.status())
+    return module
+
+
+def pool_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, spans: list[int],
+              columns: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, K and V pools of 64 blocks of 4 slots, and each sequence's slots scattered over them."""
+    torch.manual_seed(seed)
+    b, block_size = len(spans), 4
     k_pool = torch.randn(64 * block_size, num_kv_heads, head_dim).to(dtype)
     v_pool = torch.randn_like(k_pool)
-    blocks = torch.randperm(64)[:b * columns // block_size].view(b, -1)
-    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(b, columns)
-    spans = torch.tensor([12, 1, 7, 12, 3])
+    slots = torch.randperm(64 * block_size)[:b * columns].view(b, columns)
     q = torch.randn(b, num_heads, head_dim).to(dtype)
-    out = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.3)
-    assert out.dtype == dtype
-    q, k_pool, v_pool = q.float(), k_pool.float(), v_pool.float()   # the reference in float32
+    return q, k_pool, v_pool, slots, torch.tensor(spans)
+
+
+def gathered_sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                  spans: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch path's arithmetic in float32: the context gathered and padded, SDPA with GQA folded."""
+    q, k_pool, v_pool = q.float(), k_pool.float(), v_pool.float()
+    (b, columns), (num_heads, head_dim), num_kv_heads = slots.shape, q.shape[1:], k_pool.shape[1]
     k = k_pool[slots.flatten()].view(b, columns, num_kv_heads, head_dim).transpose(1, 2)
     v = v_pool[slots.flatten()].view(b, columns, num_kv_heads, head_dim).transpose(1, 2)
     mask = (torch.arange(columns)[None, :] < spans[:, None])[:, None, None, :]
     group = num_heads // num_kv_heads
-    expected = F.scaled_dot_product_attention(q.view(b, num_kv_heads, group, head_dim), k, v,
-                                              attn_mask=mask, scale=0.3).reshape(b, num_heads, head_dim)
+    return F.scaled_dot_product_attention(q.view(b, num_kv_heads, group, head_dim), k, v,
+                                          attn_mask=mask, scale=scale).reshape(b, num_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 1, 32), (6, 2, 32), (2, 2, 32), (14, 2, 64),
+                                                             (7, 1, 128)])
+def test_kernel_matches_sdpa(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             kernel: ModuleType) -> None:
+    """Mixed spans (1 to the whole padded width), GQA groups of 1-7 heads, both pool dtypes."""
+    q, k_pool, v_pool, slots, spans = pool_case(num_heads, num_kv_heads, head_dim, dtype,
+                                                [12, 1, 7, 12, 3, 9], 12, 0)
+    out = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.3, kernel)
+    assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2   # bf16: the output's rounding
-    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(out.float(), gathered_sdpa(q, k_pool, v_pool, slots, spans, 0.3),
+                               atol=tolerance, rtol=tolerance)
 
 
-def test_supports_only_float32_multiples_of_16() -> None:
+def test_the_avx2_build_takes_head_dims_of_8_lanes() -> None:
+    """head_dim 24 (8-lane multiples, not 16): the AVX2 build computes it, the AVX-512 build refuses."""
+    avx2 = paged_decode.load_kernel({"avx2", "fma"})
+    if avx2 is None:
+        pytest.skip(paged_decode.kernel_status({"avx2", "fma"}))
+    assert avx2.ISA == "avx2" and avx2.LANES == 8
+    q, k_pool, v_pool, slots, spans = pool_case(6, 2, 24, torch.float32, [5, 17, 1], 17, 2)
+    assert paged_decode.supports(q, k_pool, avx2)
+    out = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.2, avx2)
+    torch.testing.assert_close(out, gathered_sdpa(q, k_pool, v_pool, slots, spans, 0.2), atol=1e-5, rtol=1e-5)
+    wide = paged_decode.load_kernel({"avx512f"})
+    if wide is not None:
+        assert wide.LANES == 16 and not paged_decode.supports(q, k_pool, wide)
+
+
+def test_the_builds_agree_up_to_float32_rounding() -> None:
+    """On an AVX-512 CPU: the 8-lane build's floats are the 16-lane build's up to its sums' order."""
+    builds = [build.load() for build in paged_decode.KERNELS if not build.missing_cpu_flags()]
+    if len(builds) < 2 or None in builds:
+        pytest.skip("needs both builds (an AVX-512 CPU)")
+    for dtype in (torch.float32, torch.bfloat16):
+        case = pool_case(14, 2, 64, dtype, [40, 1, 23, 64, 17], 64, 3)
+        wide, narrow = (paged_decode.attend(*case, 0.125, module) for module in builds)
+        torch.testing.assert_close(narrow.float(), wide.float(), atol=2e-6, rtol=2e-6)
+
+
+def test_the_build_follows_the_cpu_flags() -> None:
+    """AVX-512F picks the 16-lane build, AVX2 + FMA alone the 8-lane one (compiled without any AVX-512
+    flag), neither no build: the backend keeps the torch path."""
+    avx2 = {"avx2", "fma"}
+    assert paged_decode.BUILDS.candidates(avx2 | {"avx512f"}) == [paged_decode.KERNEL, paged_decode.AVX2_KERNEL]
+    assert paged_decode.BUILDS.candidates(avx2) == [paged_decode.AVX2_KERNEL]
+    assert not any("avx512" in flag for flag in paged_decode.AVX2_KERNEL.compile_flags)
+    assert paged_decode.BUILDS.candidates({"avx2"}) == [] and paged_decode.load_kernel({"avx2"}) is None
+    assert paged_decode.missing_cpu_flags({"avx2"}) == ["fma"]
+    assert paged_decode.kernel_status(set()).startswith("this CPU lacks avx512f and avx2, fma")
+
+
+def test_supports_only_float32_or_bf16_and_whole_vectors() -> None:
     pool = torch.zeros(8, 1, 32)
     assert not paged_decode.supports(torch.zeros(1, 2, 32, dtype=torch.float16), pool)
     assert not paged_decode.supports(torch.zeros(1, 2, 32), pool.to(torch.float8_e4m3fn))
-    assert not paged_decode.supports(torch.zeros(1, 2, 24), torch.zeros(8, 1, 24))
+    assert not paged_decode.supports(torch.zeros(1, 2, 12), torch.zeros(8, 1, 12))
     assert paged_decode.supports(torch.zeros(1, 2, 32), pool) == (paged_decode.load_kernel() is not None)
 
 
@@ -47,19 +116,72 @@ def test_supports_only_float32_multiples_of_16() -> None:
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
     (4, 1, 256), (14, 2, 64), (9, 3, 64), (16, 1, 32), (12, 2, 128), (7, 7, 16)])
 def test_tiled_kernel_equals_plain_bit_for_bit(num_heads: int, num_kv_heads: int, head_dim: int,
-                                               dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+                                               dtype: torch.dtype, kernel: ModuleType,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Every head-group size (1-8 per chunk, 16 in two chunks), D not a multiple of 64, spans
     that leave a partial tile of columns: the tiled arrangement computes the same floats."""
-    if paged_decode.load_kernel() is None:
-        pytest.skip(paged_decode.kernel_status())
-    torch.manual_seed(1)
-    b, block_size, columns = 6, 4, 23
-    k_pool = torch.randn(64 * block_size, num_kv_heads, head_dim).to(dtype)
-    v_pool = torch.randn_like(k_pool)
-    slots = torch.randperm(64 * block_size)[:b * columns].view(b, columns)
-    spans = torch.tensor([23, 1, 2, 3, 5, 22])
-    q = torch.randn(b, num_heads, head_dim)
-    tiled = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125)
+    q, k_pool, v_pool, slots, spans = pool_case(num_heads, num_kv_heads, head_dim, dtype,
+                                                [23, 1, 2, 3, 5, 22], 23, 1)
+    q = q.float()
+    tiled = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125, kernel)
     monkeypatch.setattr(paged_decode, "TILED", False)
-    plain = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125)
+    plain = paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125, kernel)
     assert torch.equal(tiled, plain)
+
+
+class CountingBuild:
+    """A build whose ``decode_attention`` calls are counted (its ISA and lanes as they are)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module, self.ISA, self.LANES, self.calls = module, module.ISA, module.LANES, 0
+
+    def decode_attention(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.module.decode_attention(*args)
+        return out
+
+
+@pytest.fixture
+def forced_avx2(monkeypatch: pytest.MonkeyPatch) -> CountingBuild:
+    """The AVX2 build as the one this CPU takes (also on an AVX-512 CPU), its calls counted."""
+    module = paged_decode.load_kernel({"avx2", "fma"})
+    if module is None:
+        pytest.skip(paged_decode.kernel_status({"avx2", "fma"}))
+    build = CountingBuild(module)
+    monkeypatch.setattr(paged_decode, "load_kernel", lambda flags=None: build if flags is None else module)
+    return build
+
+
+def test_the_module_path_decodes_on_the_avx2_build(forced_avx2: CountingBuild,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 tiny Llama (GQA 4/2, head_dim 16) through torch_native: every decode step's every
+    layer takes the kernel, and the logits equal the gather + SDPA path's within float32 tolerance."""
+    from tests.tiny_models import make_tiny_hf_model
+    from tests.unit.model.conftest import make_runner, make_source, prompts_for
+    from tests.unit.model.test_flat_decode import STEPS, runner_decode_logits
+
+    hf_model = make_tiny_hf_model("llama")
+    prompts = prompts_for("llama", hf_model.config.vocab_size)[:3]
+    prompts[1] = prompts[1] * 5                      # mixed context lengths in one decode group
+    on_kernel = runner_decode_logits(make_runner(make_source(hf_model)), prompts)
+    assert forced_avx2.calls == STEPS * hf_model.config.num_hidden_layers
+    monkeypatch.setattr(paged_decode, "load_kernel", lambda flags=None: None)
+    on_torch = runner_decode_logits(make_runner(make_source(hf_model)), prompts)
+    for step, (kernel_logits, torch_logits) in enumerate(zip(on_kernel, on_torch)):
+        torch.testing.assert_close(kernel_logits, torch_logits, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_the_flat_decode_path_takes_the_avx2_build(forced_avx2: CountingBuild,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 tiny Qwen2 on block weights through the flat decode plan: its attention is the AVX2
+    build's, bit-identical to the module path's (which takes the same build)."""
+    from servelm.model.architectures.llama_decode import LlamaDecodePlan
+    from servelm.model.layers import fused, gguf_kernel
+    from tests.tiny_models import make_tiny_hf_model
+    from tests.unit.model.test_flat_decode import check_flat_against_modules, decode_logits
+
+    if gguf_kernel.load_kernel() is None or fused.load_kernel() is None:
+        pytest.skip("the flat decode path needs the GGUF block kernel and the fused ops")
+    hf_model = make_tiny_hf_model("qwen2")
+    check_flat_against_modules(LlamaDecodePlan, 3, lambda: decode_logits(hf_model, "qwen2", 3), monkeypatch)
+    assert forced_avx2.calls > 0
