@@ -217,7 +217,7 @@ def _gguf_defaults() -> Iterator[None]:
                                        method.activations, method.dense_dtype == torch.bfloat16)
         saved.append((module, routes, module.__dict__["gguf_decode_args"]))
         module.__dict__["gguf_routes"] = constant
-        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant)
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant, _ENGINE.runner.dtype)
     plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
     try:
         yield
