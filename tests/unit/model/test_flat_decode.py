@@ -87,10 +87,16 @@ def runner_decode_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Te
     return steps
 
 
-@pytest.mark.parametrize("dtype,residual_dtype,blocks", [("bfloat16", "float32", True), ("bfloat16", "model", True),
-                                                         ("float32", "auto", True), ("float32", "auto", False)])
+ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "mistral"]
+CASES = [(arch, *case) for arch in ARCHS for case in [("bfloat16", "float32", True), ("bfloat16", "model", True),
+                                                      ("float32", "auto", True)]]
+CASES += [(arch, "float32", "auto", False) for arch in ("gemma3", "qwen2")]   # dense weights: both plans, a bias
+"""(arch, model dtype, residual dtype, block weights): bf16 on blocks with either residual stream, float32
+on blocks, float32 on dense weights (one family per plan: the dense call is the same for every family)."""
+
+
+@pytest.mark.parametrize("arch,dtype,residual_dtype,blocks", CASES)
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3", "mistral"])
 def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, dtype: str, residual_dtype: str,
                                                      blocks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 model with the residual stream in float32 (the CPU default) and in bf16 (``--residual-dtype
