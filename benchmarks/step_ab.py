@@ -217,7 +217,7 @@ def _gguf_defaults() -> Iterator[None]:
                                        method.activations, method.dense_dtype == torch.bfloat16)
         saved.append((module, routes, module.__dict__["gguf_decode_args"]))
         module.__dict__["gguf_routes"] = constant
-        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant)
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant, _ENGINE.runner.dtype)
     plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
     try:
         yield
@@ -242,11 +242,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
     parser.add_argument("--dtype", default="auto", help="--dtype of the engine (auto: the default)")
+    parser.add_argument("--quantization", default="auto", help="--quantization of the engine (none: a GGUF "
+                        "dequantized, dense weights)")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     global _ENGINE
     engine = _ENGINE = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
-                                                         "dtype": args.dtype,
+                                                         "dtype": args.dtype, "quantization": args.quantization,
                                                          "disable_radix_cache": args.phase == "greedy"}))
     vocab_size = min(50000, engine.runner.vocab_size)
     times: dict[str, list[float]] = {"with": [], "without": []}

@@ -1,21 +1,27 @@
-"""What every flat decode path shares (gemma3_decode.py, llama_decode.py): a decode step of a few bf16
-rows through the same kernels as the layer modules, without the ~14 module calls per layer.
+"""What every flat decode path shares (gemma3_decode.py, llama_decode.py): a decode step of a few rows
+(a bf16 model's, or a float32 model's where the CPU has no native bf16 GEMM) through the same kernels
+as the layer modules, without the ~14 module calls per layer.
 
 A decode step of one row spends a few microseconds of Python per module call (nn.Module dispatch,
 attribute lookups, each op's own "does the fused path apply" checks) around a few microseconds of
 work. A family's plan (``FlatDecodePlan`` subclass) checks once per model that every layer can take
-the flat path (``kernel_call``: GGUF block weights on the block kernel, one tensor-parallel rank; the
-fused ops' kernel) and holds each layer's weights and kernel arguments; ``applies`` checks once per
-forward that the batch can (bf16, at most ``max_rows`` rows, no LoRA, no forward hooks on a layer, the fused
-ops on); ``run`` then calls, per layer, the kernels the modules would call, in the same order, with
-a ``DecodeStep`` giving the per-step parts: cos/sin once per rope, and attention. For an all-decode
+the flat path (``kernel_call``: GGUF block weights on the block kernel, or float32 dense weights on
+their measured routes; one tensor-parallel rank; the fused ops' kernel; every weight in the model's
+dtype, the plan's ``dtype``) and holds each layer's weights and kernel arguments; ``applies`` checks
+once per forward that the batch can (the residual stream float32 or ``dtype``, at most ``max_rows``
+rows, no LoRA, no forward hooks on a layer, the fused ops on); ``run`` then calls, per layer, the
+kernels the modules would call, in the same order, with a ``DecodeStep`` giving the per-step parts:
+cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
 batch's slots, the paged decode kernel over the group's views, built once per step and window);
 otherwise the backend is called. The results are bit-identical to the module path (the same kernels
 on the same tensors); only the Python around them is gone.
 
-Invariant: a layer's plan reads only weights fixed at load (norm weights, BlockWeight tensors), so it
-is built once; anything decided per batch (LoRA, rows, dtype) is checked in ``applies`` every forward.
+Invariant: a layer's plan reads only weights fixed at load (norm weights, BlockWeight tensors, dense
+weights), so it is built once; anything decided per batch (LoRA, rows, dtype) is checked in ``applies``
+every forward.
+A float32 plan rounds nothing (its calls' ``round_out`` is False, cos/sin and K/V are float32), as the
+modules compute float32 rows.
 """
 
 from __future__ import annotations
@@ -31,17 +37,16 @@ from torch import nn
 from servelm.model.attention import paged_decode
 from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, decode_rows
+from servelm.model.layers.f32_rows import MAX_ROWS as F32_DENSE_ROWS
+from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, PreparedCall, decode_rows
+from servelm.model.layers.linear import UnquantizedLinearMethod, dense_linear
 
 if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
 
-_RESIDUAL_DTYPES = (torch.bfloat16, torch.float32)
-"""The residual stream's dtypes a plan runs on (``--residual-dtype``): its norms take either in and give
-bf16 out (their weights' dtype), the post-norm adds keep the stream's dtype."""
-
-KernelCall = tuple[Any, ...]
-"""A linear's prepared block-kernel call: (kernel, codes, scales, offsets, block)."""
+KernelCall = PreparedCall
+"""A linear's prepared kernel call: (kernel, codes, scales, offsets, block), called with x, those,
+``round_out`` [, bias]."""
 
 
 @dataclass(slots=True)
@@ -75,22 +80,54 @@ class LayerPlan:
 
 
 def kernel_call(linear: Any, allow_bias: bool = False) -> KernelCall | None:
-    """The linear's prepared kernel call (GGUFBlockLinearMethod's ``gguf_decode_args``), or None
-    where it has another path (another method, tensor parallel, a bias unless ``allow_bias``)."""
-    if not isinstance(getattr(linear, "linear_method", None), GGUFBlockLinearMethod):
-        return None
-    if linear.bias is not None and not (allow_bias and linear.bias.dtype == torch.bfloat16):
-        return None
+    """The linear's prepared kernel call (GGUFBlockLinearMethod's ``gguf_decode_args``, or a float32
+    dense weight's ``dense_call``), or None where it has another path (another method, tensor
+    parallel, a bias unless ``allow_bias``, a bias in another dtype than the call's rows)."""
+    method = getattr(linear, "linear_method", None)
     parallel = getattr(linear, "parallel", None)
     if parallel is not None and parallel.tp_size != 1:
         return None
-    call = linear.__dict__.get("gguf_decode_args")
-    return call if call else None
+    if isinstance(method, GGUFBlockLinearMethod):
+        call = linear.__dict__.get("gguf_decode_args")
+    elif type(method) is UnquantizedLinearMethod:
+        call = dense_call(linear)
+    else:
+        return None
+    if not isinstance(call, PreparedCall):
+        return None
+    if linear.bias is not None and not (allow_bias and linear.bias.dtype == call.dtype):
+        return None
+    return call
 
 
-def norms_fuse(norms: Sequence[Any]) -> bool:
-    """Whether these RMSNorms all run the fused call on bf16 rows with one eps (the plan passes one)."""
-    return all(norm.weight.dtype == torch.bfloat16 and norm.eps == norms[0].eps for norm in norms)
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor, linear: Any, _offsets: None, _block: int,
+                  _round_out: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A float32 dense linear in the prepared-call form: the module path's own ``dense_linear`` with the
+    layer's measured routes (oneDNN or the few-rows kernel per row class, layers/f32_rows.py), read at
+    each call (they are measured after the model is built)."""
+    return dense_linear(x, weight, bias, linear.dense_routes)
+
+
+def dense_call(linear: Any) -> PreparedCall | None:
+    """A float32 dense linear's prepared call (``_dense_linear``) for up to ``F32_DENSE_ROWS`` rows of
+    any kind (the same function as ``UnquantizedLinearMethod.apply``: no rows of its own), else None."""
+    weight = linear.weight
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return PreparedCall.of((_dense_linear, weight, linear, None, 0), torch.float32, F32_DENSE_ROWS, F32_DENSE_ROWS,
+                           takes_bias=True)
+
+
+def call_dtype(calls: Sequence[KernelCall]) -> torch.dtype | None:
+    """The rows' dtype that all of a layer's prepared calls take, or None where they differ."""
+    dtypes = {call.dtype for call in calls}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def norms_fuse(norms: Sequence[Any], dtype: torch.dtype | None) -> bool:
+    """Whether these RMSNorms all run the fused call with ``dtype`` weights (the model's) and one eps
+    (the plan passes one)."""
+    return dtype is not None and all(norm.weight.dtype == dtype and norm.eps == norms[0].eps for norm in norms)
 
 
 class DecodeStep:
@@ -100,27 +137,30 @@ class DecodeStep:
     the batch's rope cache); ``attend`` writes K/V and runs the paged decode kernel where the whole
     batch is one decode group that TorchNativeAttention would send there, else calls the backend."""
 
-    __slots__ = ("ops", "batch", "num_tokens", "group", "rotations", "windows")
+    __slots__ = ("ops", "batch", "num_tokens", "dtype", "group", "rotations", "windows")
 
-    def __init__(self, batch: ForwardBatch, num_tokens: int, first_attention: Any, head_dim: int) -> None:
+    def __init__(self, batch: ForwardBatch, num_tokens: int, first_attention: Any, head_dim: int,
+                 dtype: torch.dtype) -> None:
         ops = fused.load_kernel()   # the fused ops' own calls: 2-D rows need none of the wrappers' reshapes
         assert ops is not None
         self.ops: ModuleType = ops
         self.batch = batch
         self.num_tokens = num_tokens
-        self.group = _paged_decode_group(batch, first_attention, head_dim)
+        self.dtype = dtype
+        """The q/k/v rows' dtype (the model's): cos/sin's and the pool's for the paged decode."""
+        self.group = _paged_decode_group(batch, first_attention, head_dim, dtype)
         self.rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}   # rope key -> cos, sin [T, D]
         self.windows: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}   # -> slots [T, C], spans
 
     def rotation(self, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, D]`` in bf16 for ``rotary`` (a RotaryEmbedding)."""
-        key = (rotary.cache_key, torch.bfloat16)
+        """cos, sin ``[T, D]`` in the rows' dtype for ``rotary`` (a RotaryEmbedding)."""
+        key = (rotary.cache_key, self.dtype)
         rotation = self.rotations.get(key)
         if rotation is None:
             rope_cache = self.batch.rope_cache
             cos_sin = rope_cache.get(key) if rope_cache is not None else None
             if cos_sin is None:
-                cos_sin = rotary.cos_sin(self.batch.positions, torch.bfloat16)
+                cos_sin = rotary.cos_sin(self.batch.positions, self.dtype)
                 if rope_cache is not None:
                     rope_cache[key] = cos_sin
             cos, sin = cos_sin
@@ -156,14 +196,23 @@ class FlatDecodePlan:
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
         calls = [call for plan in self.layers or () for call in (plan.qkv_call, plan.o_call, plan.gate_up_call,
                                                                    plan.down_call)]
+        dtype = call_dtype(calls)
+        if dtype is None:   # no layers, or layers in different dtypes
+            self.layers, calls = None, []
+        self.dtype = dtype or torch.bfloat16
+        """The model's dtype: every prepared call's rows, the norms' weights, q/k/v and cos/sin."""
+        self.rounds = self.dtype == torch.bfloat16
+        """Whether the calls round their outputs to bf16 (``round_out``): a bf16 model's rows."""
         self.generation_rows = min((decode_rows(call, True) for call in calls), default=0)
         """Most rows of a generation-only pass every layer's prepared calls take (``decode_rows``: how far
         each layer's 1-row route reaches in its route table)."""
         self.prompt_rows = min((decode_rows(call, False) for call in calls), default=0)
         """The same for a pass with prompt rows (which may take the int8 GEMM sooner)."""
-        self.round_updates = not (layers and getattr(layers[0].self_attn.o_proj, "float_residual_output", False))
-        """Whether the o and down projections round their outputs to bf16 (False: they join a float32
-        residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on the module path)."""
+        self.round_updates = self.rounds and not (layers and getattr(layers[0].self_attn.o_proj,
+                                                                     "float_residual_output", False))
+        """Whether the o and down projections round their outputs to bf16 (False: a float32 model's, or
+        they join a float32 residual stream unrounded, as ``GGUFBlockLinearMethod.apply`` gives them on
+        the module path)."""
         probe: list[nn.Module] = [layers[0].self_attn.qkv_proj] if self.layers else []   # no plan: no probe
         self._hooks: list[dict[int, Any]] = [hooks for module in (*layers, *probe)
                                              for hooks in (module._forward_pre_hooks, module._forward_hooks)]
@@ -185,7 +234,7 @@ class FlatDecodePlan:
         return self.generation_rows if rows is not None and rows.generation_only else self.prompt_rows
 
     def applies(self, hidden: torch.Tensor, batch: ForwardBatch) -> bool:
-        return (self.layers is not None and hidden.dtype in _RESIDUAL_DTYPES and hidden.dim() == 2
+        return (self.layers is not None and hidden.dtype in (torch.float32, self.dtype) and hidden.dim() == 2
                 and not any(self._hooks)
                 and hidden.shape[0] <= self.max_rows(batch) and hidden.is_contiguous() and not batch.lora
                 and fused.applies(hidden))
@@ -194,7 +243,7 @@ class FlatDecodePlan:
         """The forward's ``DecodeStep`` (``applies`` checked by the caller)."""
         assert self.layers is not None
         first = self.layers[0]
-        return DecodeStep(batch, hidden.shape[0], first.attention, first.head_dim)
+        return DecodeStep(batch, hidden.shape[0], first.attention, first.head_dim, self.dtype)
 
 
 def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor,
@@ -208,28 +257,29 @@ def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor
     plan: FlatDecodePlan | None = model.__dict__.get("decode_plan")
     if plan is None:
         plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])
-    if plan.applies(hidden, batch):   # a few bf16 rows on block weights: the same kernels, less Python
+    if plan.applies(hidden, batch):   # a few rows on block weights: the same kernels, less Python
         return plan.run(hidden, batch)
     for index in model.held_layers:
         hidden = model.layers[index](hidden, batch)
     return hidden
 
 
-def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int) -> Any | None:
+def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int, dtype: torch.dtype) -> Any | None:
     """The batch's one attention group where every row of the batch is a decode that
-    TorchNativeAttention would send to the paged decode kernel as one identity group (a bf16 pool,
+    TorchNativeAttention would send to the paged decode kernel as one identity group (a pool in the
+    rows' ``dtype``,
     no draft trees, causal layers): ``attend`` then writes K/V and calls ``paged_decode.attend`` itself
     with the group's own views (the same slots and spans); None where the backend must decide."""
     metadata = batch.attn_metadata
     if (type(batch.attention) is not TorchNativeAttention or not isinstance(metadata, TorchNativeMetadata)
             or batch.trees is not None or len(metadata.groups) != 1 or batch.kv_cache is None
-            or batch.kv_cache.dtype != torch.bfloat16 or not attention.is_causal):
+            or batch.kv_cache.dtype != dtype or not attention.is_causal):
         return None
     group = metadata.groups[0]
     if not group.is_identity or group.max_query != 1 or group.trees is not None:
         return None
     k_cache, v_cache = batch.kv_cache.layer(attention.layer_id)
-    q_like = torch.empty(0, head_dim, dtype=torch.bfloat16)
+    q_like = torch.empty(0, head_dim, dtype=dtype)
     if v_cache.shape[-1] != head_dim or not paged_decode.supports(q_like, k_cache):
         return None
     return group

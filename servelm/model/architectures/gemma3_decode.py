@@ -1,4 +1,4 @@
-"""Gemma 3's decoder layers for a decode step of a few bf16 rows, as flat calls instead of modules.
+"""Gemma 3's decoder layers for a decode step of a few rows, as flat calls instead of modules.
 
 A decode step of Gemma 3 270M runs 18 layers of ~14 module calls each: ~3 ms of Python in a 12 ms
 step. ``DecodePlan`` (flat_decode.py's ``FlatDecodePlan``: the checks, the per-step rope and attention
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
 
 if TYPE_CHECKING:
@@ -37,13 +37,15 @@ class DecodePlan(FlatDecodePlan):
     def layer_plan(self, layer: Gemma3DecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
         calls = [kernel_call(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if (any(call is None for call in calls) or mlp.act.activation not in fused.ACTIVATION_KINDS
-                or not norms_fuse([layer.input_layernorm, layer.post_attention_layernorm,
-                                   layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm])
-                or not norms_fuse([attn.q_norm, attn.k_norm])):
+        if any(call is None for call in calls) or mlp.act.activation not in fused.ACTIVATION_KINDS:
             return None
         qkv_call, o_call, gate_up_call, down_call = calls
         assert qkv_call is not None and o_call is not None and gate_up_call is not None and down_call is not None
+        dtype = call_dtype([qkv_call, o_call, gate_up_call, down_call])
+        if (not norms_fuse([layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                            layer.post_feedforward_layernorm], dtype)
+                or not norms_fuse([attn.q_norm, attn.k_norm], dtype)):
+            return None
         return _LayerPlan(
             input_norm=layer.input_layernorm.weight, qkv_call=qkv_call, split_sizes=list(attn.qkv_proj.output_sizes),
             num_heads=attn.qkv_proj.num_heads, num_kv_heads=attn.qkv_proj.num_kv_heads,
@@ -58,12 +60,12 @@ class DecodePlan(FlatDecodePlan):
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         step = self.step(hidden, batch)
         ops = step.ops
-        round_updates = self.round_updates
+        rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
         for plan in self.layers or ():
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
-                         True)
+                         rounds)
             q, k, v = plan.heads(qkv)
             cos, sin = step.rotation(plan.rotary)
             ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, True)
@@ -73,7 +75,7 @@ class DecodePlan(FlatDecodePlan):
                                   plan.eps, True, hidden)
             kernel, codes, scales, offsets, block = plan.gate_up_call
             gate_up = kernel(ops.rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True, None), codes, scales,
-                             offsets, block, True)
+                             offsets, block, rounds)
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)

@@ -1,5 +1,5 @@
 """The Llama family's decoder layers (Llama, Mistral, SmolLM2, Qwen2, Qwen3) for a decode step of a
-few bf16 rows, as flat calls instead of modules.
+few rows (bf16, or float32 on a CPU without a native bf16 GEMM), as flat calls instead of modules.
 
 Qwen2.5-Coder 0.5B runs 24 layers of ~12 module calls each per decode step. ``LlamaDecodePlan``
 (flat_decode.py's ``FlatDecodePlan``: the checks, the per-step rope and attention it shares with
@@ -7,7 +7,8 @@ Gemma 3) holds each layer's weights and kernel arguments, and ``run`` calls, per
 kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the QKV block kernel,
 RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
 down, and the residual add, which the fused add + RMSNorm takes together with the next layer's input
-norm (it rounds the sum to bf16 before norming it, as torch's add then the norm: one call, not two). A QKV bias (Qwen2): one row takes the block kernel with the
+norm (it rounds the sum to the stream's dtype before norming it, as torch's add then the norm: one call,
+not two). A QKV bias (Qwen2): one row takes the block kernel with the
 bias added in the kernel (as GGUFBlockLinearMethod.apply's decode call), more rows take apply (the
 module path's own routing: the rows kernel from 2 rows); the other projections must be bias-free.
 Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
 from servelm.model.layers.gguf_linear import decode_takes_bias
 
@@ -58,13 +59,14 @@ class LlamaDecodePlan(FlatDecodePlan):
         qkv_call = kernel_call(attn.qkv_proj, allow_bias=True)
         calls = [kernel_call(linear) for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         head_norms = [attn.q_norm, attn.k_norm] if attn.has_qk_norm else []
-        if (qkv_call is None or any(call is None for call in calls)
-                or mlp.act.activation not in fused.ACTIVATION_KINDS
-                or not norms_fuse([layer.input_layernorm, layer.post_attention_layernorm])
-                or (head_norms and not norms_fuse(head_norms))):
+        if qkv_call is None or any(call is None for call in calls) or mlp.act.activation not in fused.ACTIVATION_KINDS:
             return None
         o_call, gate_up_call, down_call = calls
         assert o_call is not None and gate_up_call is not None and down_call is not None
+        dtype = call_dtype([qkv_call, o_call, gate_up_call, down_call])
+        if (not norms_fuse([layer.input_layernorm, layer.post_attention_layernorm], dtype)
+                or (head_norms and not norms_fuse(head_norms, dtype))):
+            return None
         qkv = attn.qkv_proj
         return _LayerPlan(
             input_norm=layer.input_layernorm.weight, qkv_call=qkv_call,
@@ -82,7 +84,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
         step = self.step(hidden, batch)
         ops = step.ops
-        round_updates = self.round_updates
+        rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
@@ -90,10 +92,10 @@ class LlamaDecodePlan(FlatDecodePlan):
             biased = plan.qkv_biased
             if biased is None:
                 kernel, codes, scales, offsets, block = plan.qkv_call
-                qkv = kernel(normed, codes, scales, offsets, block, True)
+                qkv = kernel(normed, codes, scales, offsets, block, rounds)
             elif step.num_tokens == 1 and plan.qkv_call_takes_bias:   # as GGUFBlockLinearMethod.apply's decode call
                 kernel, codes, scales, offsets, block = plan.qkv_call
-                qkv = kernel(normed, codes, scales, offsets, block, True, plan.qkv_bias)
+                qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
             else:
                 qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias, step.batch.rows)
             q, k, v = plan.heads(qkv)
@@ -104,11 +106,11 @@ class LlamaDecodePlan(FlatDecodePlan):
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
             kernel, codes, scales, offsets, block = plan.gate_up_call
-            gate_up = kernel(normed, codes, scales, offsets, block, True)
+            gate_up = kernel(normed, codes, scales, offsets, block, rounds)
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             if plan.next_input_norm is None:
                 hidden = hidden + down
-            else:   # the residual add with the next layer's input norm: the sum rounded to bf16, then normed
+            else:   # the residual add with the next layer's input norm: the sum in the stream's dtype, then normed
                 normed, hidden = ops.add_rms_norm(down, hidden, plan.next_input_norm, plan.next_eps, False)
         return hidden

@@ -25,7 +25,8 @@ Invariants:
 - Prefill and decode take the same path, so a prompt's tokens are computed as a decode step would
   compute them (same rounding points, same approximated exp).
 - The kernel is plain C++ that needs no CPU feature (AVX-512 flags are added where /proc/cpuinfo
-  has them); ``load_kernel`` returns None without a compiler or ninja, and everything runs as before.
+  has them, else AVX2's: the same floats, vectorized); ``load_kernel`` returns None without a
+  compiler or ninja, and everything runs as before.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def _compile_flags(cpu: set[str]) -> list[str]:
         flags += isa_flags(_AVX512)
         if "avx512_bf16" in cpu and "fma" in cpu:
             flags += ["-mavx512bf16", "-mfma"]   # one-instruction bf16 rounding; GELU-tanh's FMA path
+    elif "avx2" in cpu:
+        # 8 lanes for the compiler's vectorizer (and SSE4.1's floor: exp_poly's loops vectorize); the
+        # same float operations in the same order (no FMA contraction), so the same results
+        flags += isa_flags(("avx2",))
     return flags
 
 

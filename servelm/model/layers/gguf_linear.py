@@ -19,8 +19,9 @@ Which route each row count takes is resolved once per layer shape at load (``Lay
 ranking: measured on this machine (servelm/model/routes.py) or, without a measurement, earlier
 sessions' Zen 5 constants (``default_ranking``); the quality rules filter it. The copies a layer
 keeps are those its model dtype's routes use. A layer's prepared decode call (``gguf_decode_args``,
-a ``PreparedCall``) is its 1-row bf16 route's kernel where that is ``block`` or ``rows``, with how
-many rows it reaches; the flat decode paths (architectures/*_decode.py) call it directly.
+a ``PreparedCall``) is its 1-row route's kernel for rows in the model's dtype (bf16, or float32 on a
+CPU without a native bf16 GEMM) where that is ``block`` or ``rows`` (bf16 only), with how many rows it
+reaches; the flat decode paths (architectures/*_decode.py) call it directly.
 
 The pass's facts (which rows are generation rows) come with each call as a ``PassRows`` from the
 forward batch. In a mixed pass whose route at its row count is not the one a pass of only its
@@ -52,7 +53,12 @@ __all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_SKIPPED", "KERN
 
 class PreparedCall(tuple):  # type: ignore[type-arg]
     """``(kernel, codes, scales, offsets, block)``: a layer's decode call, prepared once at load, with
-    how far it reaches (from its ``LayerRoutes``)."""
+    how far it reaches (from its ``LayerRoutes``). Called as ``kernel(x, codes, scales, offsets, block,
+    round_out[, bias])``: x [M, K] in ``dtype``; ``round_out`` (bf16 only) rounds the result to bf16,
+    else it is float32."""
+
+    dtype: torch.dtype
+    """The rows' dtype it takes (the model's): bf16, or float32 (the block kernel only)."""
 
     generation_rows: int
     """Calls of 1..n generation rows (a decode pass) take this kernel."""
@@ -62,10 +68,17 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
     """Whether it takes a bias as its last argument (the block kernel, one row; not ``rows_gemm``)."""
 
     @classmethod
-    def of(cls, args: tuple[object, ...], generation_rows: int, prompt_rows: int, takes_bias: bool) -> PreparedCall:
+    def of(cls, args: tuple[object, ...], dtype: torch.dtype, generation_rows: int, prompt_rows: int,
+           takes_bias: bool) -> PreparedCall:
         call = cls(args)
-        call.generation_rows, call.prompt_rows, call.takes_bias = generation_rows, prompt_rows, takes_bias
+        call.dtype, call.generation_rows, call.prompt_rows, call.takes_bias = (dtype, generation_rows, prompt_rows,
+                                                                               takes_bias)
         return call
+
+    @property
+    def rounds(self) -> bool:
+        """Whether its outputs may be rounded to bf16 (``round_out``): a bf16 model's rows."""
+        return self.dtype == torch.bfloat16
 
 
 def decode_rows(call: tuple[object, ...], generation_only: bool = True) -> int:
@@ -157,7 +170,7 @@ class GGUFBlockLinearMethod:
                              if Route.ROWS in routes.held else None)
         layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in routes.held else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in routes.held else None
-        layer.gguf_decode_args = self._decode_args(layer, routes)
+        layer.gguf_decode_args = self._decode_args(layer, routes, dtype)
         if old is not None:
             del layer.weight
             layer.register_parameter("weight", None)
@@ -184,17 +197,18 @@ class GGUFBlockLinearMethod:
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state["gguf_decode_args"]
         unrounded = state.get("float_residual_output", False)
-        if (decode and x.dtype == torch.bfloat16 and x.dim() == 2
+        if (decode and x.dtype == decode.dtype and x.dim() == 2
                 and x.shape[0] <= (decode.generation_rows if rows is not None and rows.generation_only
                                    else decode.prompt_rows)
                 and (bias is None or x.shape[0] == 1 and decode.takes_bias)
                 and x.is_contiguous() and x.device.type == "cpu"):
             kernel, codes, scales, offsets, block = decode
+            round_out = decode.rounds and not unrounded
             if bias is None:   # rounded to bf16 by the kernel, or float32
-                return kernel(x, codes, scales, offsets, block, not unrounded)
-            # one row of a biased layer on the block kernel: the bias added in float32 before the bf16
-            # rounding, as ``_run`` does it
-            return kernel(x, codes, scales, offsets, block, not unrounded, bias)
+                return kernel(x, codes, scales, offsets, block, round_out)
+            # one row of a biased layer on the block kernel: the bias added in float32 before any bf16
+            # rounding, as ``run_route``'s ``out + bias`` does it
+            return kernel(x, codes, scales, offsets, block, round_out, bias)
         routes: LayerRoutes = state["gguf_routes"]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -235,22 +249,26 @@ class GGUFBlockLinearMethod:
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
 
-    def _decode_args(self, layer: nn.Module, routes: LayerRoutes) -> tuple[object, ...]:
-        """The kernel and its weight arguments of the layer's 1-row bf16 generation route where that
-        is a kernel (a ``PreparedCall``), else (); never the LM head (float32 logits go through apply)."""
+    def _decode_args(self, layer: nn.Module, routes: LayerRoutes, model_dtype: torch.dtype) -> tuple[object, ...]:
+        """The kernel and its weight arguments of the layer's 1-row generation route for rows in
+        ``model_dtype`` where that is a kernel taking them (a ``PreparedCall``: the block kernel, or
+        the rows kernel for bf16 rows), else (); never the LM head (float32 logits go through apply)."""
         weight: BlockWeight = layer.gguf_weight
-        route = routes.pick(1, True, False)
-        if routes.shape.is_head or route not in ROW_INDEPENDENT:
+        x_bf16 = model_dtype == torch.bfloat16
+        if not x_bf16 and model_dtype != torch.float32:
             return ()
-        reach = (routes.same_route_rows(True, prompt_too=False), routes.same_route_rows(True, prompt_too=True))
+        route = routes.pick(1, x_bf16, False)
+        if routes.shape.is_head or route not in ROW_INDEPENDENT or (route is Route.ROWS and not x_bf16):
+            return ()
+        reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
         if route is Route.ROWS:
             codes, scales, offsets = layer.gguf_packed
             if weight.codes.shape[0] != codes.shape[0] * codes.shape[2] * 16:   # padded outputs: via apply
                 return ()
             return PreparedCall.of((self.rows_kernel.rows_gemm, codes, scales, offsets, weight.block),  # type: ignore[attr-defined]
-                                   *reach, takes_bias=False)
+                                   model_dtype, *reach, takes_bias=False)
         return PreparedCall.of((getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales,
-                                weight.offsets, weight.block), *reach, takes_bias=True)
+                                weight.offsets, weight.block), model_dtype, *reach, takes_bias=True)
 
 
 class BlockRows:

@@ -1,6 +1,6 @@
 """The flat decode paths (servelm.model.architectures.flat_decode: gemma3_decode, llama_decode) against
-the layer modules: a tiny bf16 model of each family on GGUF-style block weights (Q8_0: int8 codes, a
-scale per 32 inputs) decodes the same prompts through both, and every step's logits must be
+the layer modules: a tiny bf16 or float32 model of each family on GGUF-style block weights (Q8_0: int8
+codes, a scale per 32 inputs) decodes the same prompts through both, and every step's logits must be
 bit-identical; the flat path must really run. Qwen2's QKV bias, Qwen3's q/k norms, Llama 3's rope
 scaling and a Mistral sliding window each take their own branch. The real Qwen2.5-Coder 0.5B GGUF
 (the default model) is checked the same way (slow). EAGLE heads' feature capture (``HiddenCapture``'s
@@ -53,19 +53,23 @@ def tiny_mistral() -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def block_runner(hf_model: Any, residual_dtype: str = "auto") -> Any:
-    """A bf16 runner over ``hf_model`` with its layers' linears on Q8_0-style block weights."""
-    runner = make_runner(make_source(hf_model), dtype="bfloat16", residual_dtype=residual_dtype)
-    method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16)
+def block_runner(hf_model: Any, residual_dtype: str = "auto", dtype: str = "bfloat16", blocks: bool = True) -> Any:
+    """A runner in ``dtype`` over ``hf_model`` with its layers' linears on Q8_0-style block weights
+    (float32: a CPU without a native bf16 GEMM, the dense copies float32), or dense (``blocks`` False)."""
+    runner = make_runner(make_source(hf_model), dtype=dtype, residual_dtype=residual_dtype)
+    if not blocks:
+        return runner
+    method = GGUFBlockLinearMethod(load_kernel(), getattr(torch, dtype))
     for name, module in runner.model.named_modules():
         if isinstance(module, LinearBase) and ".layers." in name:
             method.process(module, q8_blocks(module.weight))
     return runner
 
 
-def decode_logits(hf_model: Any, arch: str, rows: int, residual_dtype: str = "auto") -> list[torch.Tensor]:
+def decode_logits(hf_model: Any, arch: str, rows: int, residual_dtype: str = "auto",
+                  dtype: str = "bfloat16", blocks: bool = True) -> list[torch.Tensor]:
     """Prefill ``rows`` prompts, then ``STEPS`` decode steps of them all: each step's logits."""
-    runner = block_runner(hf_model, residual_dtype)
+    runner = block_runner(hf_model, residual_dtype, dtype, blocks)
     prompts = prompts_for(arch, runner.vocab_size)[:rows]
     if arch == "mistral":   # past the window
         prompts = [prompt * 3 for prompt in prompts]
@@ -83,21 +87,31 @@ def runner_decode_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Te
     return steps
 
 
-@pytest.mark.parametrize("residual_dtype", ["float32", "model"])
+ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "mistral"]
+CASES = [(arch, *case) for arch in ARCHS for case in [("bfloat16", "float32", True), ("bfloat16", "model", True),
+                                                      ("float32", "auto", True)]]
+CASES += [(arch, "float32", "auto", False) for arch in ("gemma3", "qwen2")]   # dense weights: both plans, a bias
+"""(arch, model dtype, residual dtype, block weights): bf16 on blocks with either residual stream, float32
+on blocks, float32 on dense weights (one family per plan: the dense call is the same for every family)."""
+
+
+@pytest.mark.parametrize("arch,dtype,residual_dtype,blocks", CASES)
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3", "mistral"])
-def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, residual_dtype: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the residual stream in float32 (the CPU default) and in bf16 (``--residual-dtype model``)."""
+def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, dtype: str, residual_dtype: str,
+                                                     blocks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model with the residual stream in float32 (the CPU default) and in bf16 (``--residual-dtype
+    model``); a float32 model (the default where the CPU has no native bf16 GEMM: no rounding anywhere)
+    on block weights and on dense weights (``dense_linear``'s routes)."""
     hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
     plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
     hidden_dtypes = []
     original_run = plan_class.run
     monkeypatch.setattr(plan_class, "run", lambda self, hidden, batch: (
-        hidden_dtypes.append(hidden.dtype), original_run(self, hidden, batch))[1])
-    check_flat_against_modules(plan_class, rows, lambda: decode_logits(hf_model, arch, rows, residual_dtype),
-                               monkeypatch)
-    assert set(hidden_dtypes) == {torch.float32 if residual_dtype == "float32" else torch.bfloat16}
+        hidden_dtypes.append((hidden.dtype, self.dtype)), original_run(self, hidden, batch))[1])
+    check_flat_against_modules(plan_class, rows,
+                               lambda: decode_logits(hf_model, arch, rows, residual_dtype, dtype, blocks), monkeypatch)
+    stream = torch.bfloat16 if residual_dtype == "model" else torch.float32
+    assert set(hidden_dtypes) == {(stream, getattr(torch, dtype))}
 
 
 def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,8 +190,8 @@ def test_eagle_capture_sees_the_flat_steps(arch: str, algorithm: str, monkeypatc
 
 @pytest.mark.slow
 def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model as served by default (its GGUF blocks, bf16 where the CPU has AVX512-BF16):
-    1 row (the QKV bias inside the kernel) and 3 rows (the biased QKV through apply)."""
+    """The default model as served by default (its GGUF blocks, bf16 where the CPU has a native bf16 GEMM,
+    else float32): 1 row (the QKV bias inside the kernel) and 3 rows (the biased QKV through apply)."""
     from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig
     from servelm.engine.engine import LLMEngine
 
@@ -186,9 +200,8 @@ def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.Monkey
                                     runtime=RuntimeConfig(num_threads=1)))
     runner: Any = engine.runner
     model = runner.model.model
-    if (LlamaDecodePlan([model.layers[i] for i in model.held_layers]).layers is None
-            or model.norm.weight.dtype != torch.bfloat16):
-        pytest.skip("the default Qwen model is not served on GGUF block weights in bf16 here")
+    if LlamaDecodePlan([model.layers[i] for i in model.held_layers]).layers is None:
+        pytest.skip("the default Qwen model is not served on GGUF block weights here")
     prompts = [engine.tokenizer.encode(text) for text in ("def quicksort(items):", "The capital of France is",
                                                           "import numpy as np\n")]
     for rows in (1, 3):

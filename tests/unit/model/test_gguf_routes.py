@@ -249,6 +249,27 @@ def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
     assert torch.equal(method.apply(layer, nine, None), method.run_route(Route.DENSE, layer, nine, None, False))
 
 
+def test_a_float32_models_prepared_call_takes_float32_rows() -> None:
+    """A float32 model (a CPU without a native bf16 GEMM): its prepared decode call is its 1-row float32
+    route's block kernel, reaching as far as that route, unrounded (``round_out`` False), and ``apply``
+    takes it for float32 rows with what routing gives (a bias added in float32)."""
+    method = torch_method(lambda shape, x_bf16, rows: complete([Route.BLOCK] if rows <= 8 else [Route.DENSE]),
+                          dense_dtype=torch.float32)
+    layer = nn.Module()
+    method.process(layer, block_weight(64, 128, True), model_dtype=torch.float32)
+    call = layer.gguf_decode_args
+    assert call.dtype == torch.float32 and not call.rounds and call.takes_bias
+    assert call.generation_rows == call.prompt_rows == 8
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 8):
+        routed = method.run_route(Route.BLOCK, layer, x[:rows], None, False)
+        assert routed.dtype == torch.float32
+        assert torch.equal(method.apply(layer, x[:rows], None, GENERATION_ONLY), routed)
+        assert torch.equal(call[0](x[:rows], *call[1:], False), routed)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(method.apply(layer, x[:1], bias), method.run_route(Route.BLOCK, layer, x[:1], bias, False))
+
+
 def test_a_forced_route_comes_first_where_the_rules_allow_it(tmp_path, monkeypatch) -> None:
     """``routes.forced_route`` (benchmarks/quant_quality.py ``gguf+route=R``): the measured table's
     ranking gives way to the forced route; the rules still keep generation rows off int8."""
