@@ -327,7 +327,8 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
     model = engine.runner.model
     captured: list[torch.Tensor] = []
     compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: (captured.append(hidden.detach().clone()), compute_logits(hidden))[1]
+    model.compute_logits = lambda hidden, *rest: (captured.append(hidden.detach().clone()),
+                                                   compute_logits(hidden, *rest))[1]
     try:
         run(engine, [(engine.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
                      for p in PROMPTS], False)
