@@ -75,8 +75,13 @@ using IVec = __m256i;
 constexpr const char* kIsa = "avx2";
 #endif
 constexpr int64_t kBlockBytes = kTile * kBlock * 5 / 8;   // a tile's 5-bit codes of one 32-input block
+#ifdef SCREEN_AVX512
 constexpr int kMaxRows = 8;            // activation rows per register block (a pass over a tile's
                                        // weights; more rows per pass spill)
+#else
+constexpr int kMaxRows = 4;            // AVX2's 16 registers: 3 accumulators per row
+constexpr int kPrefetchBytes = 4096;   // how far ahead of a block the stream is prefetched
+#endif
 
 // Rows in the register block starting at r0 when ``rows`` are split into as few blocks as
 // possible, of sizes that differ by at most one: each block re-reads and re-unpacks the tile's
@@ -247,6 +252,8 @@ void block_dots(const int8_t* const* xh, const int8_t* const* xl, const uint8_t*
   const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
+  for (int line = 0; line < kBlockBytes; line += 64)   // the stream ahead (as the block kernel's)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
   for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
   for (int half = 0; half < 2; ++half) {   // 16 inputs: 4 steps of 4, summed exactly in int16
     __m256i sh[ROWS], sl[ROWS];
@@ -317,8 +324,9 @@ void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int
 }
 
 using TileFn = void (*)(const Activations&, const uint8_t*, const float*, int64_t, Vec*, Vec*);
-constexpr TileFn kTileFns[kMaxRows] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
-                                        screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+constexpr TileFn kTileFns[8] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
+                                screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+static_assert(kMaxRows <= 8, "a tile function per register block size");
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
