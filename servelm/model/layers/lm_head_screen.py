@@ -25,6 +25,11 @@ and for such rows, all of a step's at once:
    logits row holding them at their token ids and ``-inf`` elsewhere, so the sampler's
    ``argmax`` (ties to the lowest id) picks exactly the token the full head would give.
 
+Two builds of lm_head_screen.cpp: AVX512-VNNI (``KERNEL``) and AVX2+FMA (``AVX2_KERNEL``: tiles of
+8 rows, vpmaddubsw for VNNI's product, the same exact integer dots); ``build_screen`` takes the one
+with the instructions of the head's block kernel (``screen_build_for``) and logs which. The bound
+holds for both builds against both exact kernels (``rounding_margin``).
+
 A row whose candidate set exceeds ``max_candidates`` (a bound too loose for that hidden state)
 takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, only for the plan's
 ``argmax_rows``, only at tp 1 and pp 1 on an unsharded Q8_0 head without softcapping
