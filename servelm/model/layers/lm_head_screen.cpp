@@ -137,14 +137,21 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// The float vector operations both builds share (SIMD(name): the build's intrinsic).
 #ifdef SCREEN_AVX512
-inline Vec vset1(float v) { return _mm512_set1_ps(v); }
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vfnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
-inline Vec vcvt(IVec v) { return _mm512_cvtepi32_ps(v); }
+#define SIMD(name) _mm512_##name
+#else
+#define SIMD(name) _mm256_##name
+#endif
+inline Vec vset1(float v) { return SIMD(set1_ps)(v); }
+inline Vec vzero() { return SIMD(setzero_ps)(); }
+inline Vec vload(const float* p) { return SIMD(loadu_ps)(p); }
+inline Vec vmul(Vec a, Vec b) { return SIMD(mul_ps)(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return SIMD(fmadd_ps)(a, b, c); }
+inline Vec vfnmadd(Vec a, Vec b, Vec c) { return SIMD(fnmadd_ps)(a, b, c); }
+inline Vec vcvt(IVec v) { return SIMD(cvtepi32_ps)(v); }
+
+#ifdef SCREEN_AVX512
 inline __mmask16 lane_mask(int valid) { return static_cast<__mmask16>((1u << valid) - 1); }
 inline void store_valid(float* p, Vec v, int valid) { _mm512_mask_storeu_ps(p, lane_mask(valid), v); }
 inline float max_valid(Vec v, int valid) { return _mm512_mask_reduce_max_ps(lane_mask(valid), v); }
@@ -206,14 +213,6 @@ void pack_block(const int8_t* c, int64_t k, int64_t rows, int64_t i0, uint8_t* o
   }
 }
 #else
-inline Vec vset1(float v) { return _mm256_set1_ps(v); }
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vfnmadd(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
-inline Vec vcvt(IVec v) { return _mm256_cvtepi32_ps(v); }
-
 inline void store_valid(float* p, Vec v, int valid) {
   if (valid == kTile) {
     _mm256_storeu_ps(p, v);
