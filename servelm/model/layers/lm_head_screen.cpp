@@ -271,7 +271,8 @@ void block_dots(const int8_t* const* xh, const int8_t* const* xl, const uint8_t*
       }
     }
     for (int r = 0; r < ROWS; ++r)
-      dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(sh[r], by256), _mm256_madd_epi16(sl[r], by1)));
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(sh[r], by256),
+                                                         _mm256_madd_epi16(sl[r], by1)));
   }
 }
 

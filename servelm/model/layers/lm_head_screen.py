@@ -134,6 +134,9 @@ class LMHeadScreen:
         (T = ``screen_kernel.TILE``: 16 in the AVX-512 build, 8 in the AVX2 one; lm_head_screen.cpp)."""
         self.tiled_scales = screen_kernel.pack_scales(weight.scales)
         """[ceil(vocab / T), hidden / 32, T] float32: the Q8_0 scales in the same tiles."""
+        self.max_rows = MAX_SCREEN_ROWS_AVX2 if getattr(screen_kernel, "ISA", "") == "avx2" else MAX_SCREEN_ROWS
+        """Most argmax rows in a step this build takes (``screen_logits_or_none``; never above
+        MAX_SCREEN_ROWS, which benchmarks/step_ab.py sets to 0 to turn the screen off)."""
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
@@ -249,6 +252,13 @@ inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``MAX_SCREEN_ROWS``) caps the step's logits rows as well, and the head's route for them must be a row-by-row kernel."""
 
+MAX_SCREEN_ROWS_AVX2 = 2
+"""``MAX_SCREEN_ROWS`` of the AVX2 build (no VNNI: two vpmaddubsw per 4 inputs and row against the
+int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3, 1 thread,
+thread clock, a random 151,936 x 896 Q8_0 head (benchmarks/RESULTS.md "The exact greedy LM-head
+screen, AVX2 build"): screen 10.4 / 16.5 / 25.7 / 29.5 ms at 1 / 2 / 3 / 4 rows, full head 16.2 /
+19.4 / 23.3 / 28.6."""
+
 MAX_SCREEN_ROWS_GEMM = 4
 """The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a
 CPU with AVX512-BF16; its ``rows`` route), never above ``MAX_SCREEN_ROWS``. Same benchmark (noisy,
@@ -275,10 +285,12 @@ def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: tor
 def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
                           argmax_rows: list[int]) -> torch.Tensor | None:
     """``screen.logits`` where the step suits it, else None (the caller runs the full head): some
-    argmax rows, at most MAX_SCREEN_ROWS of them, and no more logits rows than the head's kernel
-    takes (above, the full head runs its dense GEMM, whose logits round differently: the screen's
-    argmax is the int16 kernel's, and the rows split off must be the rows the full head gives)."""
-    if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
+    argmax rows, at most ``screen.max_rows`` (and MAX_SCREEN_ROWS) of them, and no more logits rows
+    than the head's kernel takes (above, the full head runs its dense GEMM, whose logits round
+    differently: the screen's argmax is the int16 kernel's, and the rows split off must be the rows
+    the full head gives)."""
+    if (screen is None or not screen.is_enabled or not argmax_rows
+            or len(argmax_rows) > min(screen.max_rows, MAX_SCREEN_ROWS)):
         return None
     head = model.lm_head
     # the full head's route for these rows (its logits rows are generation rows): a row-by-row kernel
