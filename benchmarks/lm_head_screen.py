@@ -72,7 +72,8 @@ def main() -> None:
         return
     captured: list[torch.Tensor] = []
     compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: (captured.append(hidden.detach().clone()), compute_logits(hidden))[1]
+    model.compute_logits = lambda hidden, *rest: (captured.append(hidden.detach().clone()),
+                                                   compute_logits(hidden, *rest))[1]
     for index, prompt in enumerate(PROMPTS):
         engine.add_request(str(index), engine.tokenizer.encode(prompt),
                            SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True))
@@ -106,7 +107,7 @@ def main() -> None:
                                  args.repeats, clock)
             screen_ms = median_ms(lambda: screen.logits(head, x, list(range(m))), args.repeats, clock)
             candidates_ms = median_ms(lambda: screen.screen_kernel.screen_candidates(
-                x, screen.packed, screen.tiled_scales, weight.codes.shape[0], 3.505, screen.max_candidates),
+                x, screen.packed, screen.tiled_scales, weight.codes.shape[0], screen.code_error, screen.max_candidates),
                 args.repeats, clock)
             print(f"RESULT M={m}: full head int16 kernel {kernel_ms:.2f} ms, "
                   f"{'routed (' + str(rows.dtype)[6:] + ' rows)' if head.gguf_dense is None else 'dense copy'} "

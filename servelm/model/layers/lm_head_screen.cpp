@@ -24,6 +24,31 @@
 //   screen S = sum_b d_b dx_b (8 u_b . q_b - 124.5 Q_b)           (c' = 8 u - 124.5)
 //   |T - S| <= 3.5 sum_b d_b dx_b A_b = 3.5 D
 // The kernel returns S and D per row; the caller adds a float-rounding margin proportional to D.
+//
+// Two builds of this one source (lm_head_screen.py picks the one beside the head's block kernel):
+// compiled with AVX512-VNNI, the layout above; compiled with AVX2 + FMA only (no __AVX512VNNI__),
+// tiles of 8 vocabulary rows (one 32-bit lane of a 256-bit register each) and per tile and 32-input
+// block 160 bytes: 4 x 32 nibble bytes, register m byte 4 r + j holding u >> 1 of row r at input
+// 8 m + j (low nibble) and 8 m + 4 + j (high nibble), then 32 bytes of u & 1, byte 4 r + j bit s for
+// input 4 s + j (s = 0..7: one shift and one AND per 4 inputs, where the AVX-512 layout's 64-bit
+// masks need a masked add AVX2 lacks). Still 5 bits per weight. AVX2 has no VNNI: u . q is
+// vpmaddubsw (u unsigned, a signed byte of q: pairs |2 * 31 * 128| = 7936, never saturated) summed
+// in int16 over 4 steps of 4 inputs (4 * 7936 = 31744 < 32767: exact), widened by vpmaddwd (x 256
+// for the high bytes, x 1 for the low ones) twice per block: the same exact integer u . q.
+//
+// The float rounding margin (lm_head_screen.py rounding_margin), for either build and either exact
+// kernel (gguf_kernel.cpp on AVX-512, gguf_kernel_avx2.cpp's block_linear_a16 on AVX2), with
+// u = 2^-24, nb = K / 32 blocks and D* the exact value of D:
+//   exact kernel: the block's int32 lanes are exact (AVX2: 4 products of |q| <= 32512, |c| <= 127,
+//     under 2^24, so the float conversion is exact too; AVX-512 alike), scaled by fl(d dx) (1
+//     rounding) and summed by nb fmas per lane, then a horizontal sum (3-4 roundings): error
+//     <= (nb + 5) u sum |d dx c q| <= (nb + 5) u 127 D*;
+//   screen: fl(u . q) and fl(8 dx) x it (2 roundings), nb fmas into S (terms |8 u q| <= 248 |q|), the
+//     offset's nb fmas of fl(dx Q) (Q exact in float, |Q| <= 32 * 32512 < 2^24), one fnmadd: error
+//     <= (nb + 3) u (248 + 124.5) D*; D itself is low by at most (nb + 1) u D*, and S +- e D is one
+//     fma rounding of |S| + e D <= ~377 D*.
+//   Together |T - S| <= 3.5 D* + (504 nb + 2004) u D*: a margin of twice (504 nb + 2004) u, at least
+//   5e-3 (K = 896: 9.6e-4 needed), covers both.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -37,11 +62,26 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SCREEN_AVX512 1
 constexpr int64_t kTile = 16;          // vocabulary rows per tile (one 32-bit lane each)
-constexpr int64_t kGroup = 8;          // inputs per packed group
-constexpr int64_t kGroupBytes = 80;    // 64 nibble bytes + two 8-byte bit masks
+using Vec = __m512;                    // one float per vocabulary row of a tile
+using IVec = __m512i;
+constexpr const char* kIsa = "avx512_vnni";
+#else
+constexpr int64_t kTile = 8;
+using Vec = __m256;
+using IVec = __m256i;
+constexpr const char* kIsa = "avx2";
+#endif
+constexpr int64_t kBlockBytes = kTile * kBlock * 5 / 8;   // a tile's 5-bit codes of one 32-input block
+#ifdef SCREEN_AVX512
 constexpr int kMaxRows = 8;            // activation rows per register block (a pass over a tile's
                                        // weights; more rows per pass spill)
+#else
+constexpr int kMaxRows = 4;            // AVX2's 16 registers: 3 accumulators per row
+constexpr int kPrefetchBytes = 4096;   // how far ahead of a block the stream is prefetched
+#endif
 
 // Rows in the register block starting at r0 when ``rows`` are split into as few blocks as
 // possible, of sizes that differ by at most one: each block re-reads and re-unpacks the tile's
@@ -97,95 +137,226 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// ROWS activation rows (from r0) against one tile of 16 vocabulary rows: s[r] = S, d[r] = D of
-// the tile's rows (see the top).
+// The float vector operations both builds share (SIMD(name): the build's intrinsic).
+#ifdef SCREEN_AVX512
+#define SIMD(name) _mm512_##name
+#else
+#define SIMD(name) _mm256_##name
+#endif
+inline Vec vset1(float v) { return SIMD(set1_ps)(v); }
+inline Vec vzero() { return SIMD(setzero_ps)(); }
+inline Vec vload(const float* p) { return SIMD(loadu_ps)(p); }
+inline Vec vmul(Vec a, Vec b) { return SIMD(mul_ps)(a, b); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return SIMD(fmadd_ps)(a, b, c); }
+inline Vec vfnmadd(Vec a, Vec b, Vec c) { return SIMD(fnmadd_ps)(a, b, c); }
+inline Vec vcvt(IVec v) { return SIMD(cvtepi32_ps)(v); }
+
+#ifdef SCREEN_AVX512
+inline __mmask16 lane_mask(int valid) { return static_cast<__mmask16>((1u << valid) - 1); }
+inline void store_valid(float* p, Vec v, int valid) { _mm512_mask_storeu_ps(p, lane_mask(valid), v); }
+inline float max_valid(Vec v, int valid) { return _mm512_mask_reduce_max_ps(lane_mask(valid), v); }
+
+// Appends the ids (from j0) and upper bounds of the valid lanes whose upper bound is >= lower.
+inline int append_hits(Vec upper, float lower, int valid, int32_t j0, int32_t* ids, float* ups) {
+  const __mmask16 hit = _mm512_mask_cmp_ps_mask(lane_mask(valid), upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
+  const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(j0),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_mask_compressstoreu_epi32(ids, hit, index);
+  _mm512_mask_compressstoreu_ps(ups, hit, upper);
+  return __builtin_popcount(hit);
+}
+
+// One tile's block (16 rows x 32 inputs, 320 bytes at p, inputs from i0) against ROWS activation
+// rows: dot[r] = u . q per vocabulary row, exact int32.
 template <int ROWS>
-void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int64_t r0, __m512* s_out,
-                 __m512* d_out) {
-  const int64_t k = acts.k, nb = acts.nb;
+void block_dots(const int8_t* const* xh, const int8_t* const* xl, const uint8_t* p, int64_t i0, IVec* dot) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i one = _mm512_set1_epi8(1);
-  __m512 s[ROWS];
-  const int8_t* xh[ROWS];
-  const int8_t* xl[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    s[r] = _mm512_setzero_ps();
-    xh[r] = acts.high.data() + (r0 + r) * k;
-    xl[r] = acts.low.data() + (r0 + r) * k;
+  __m512i ah[ROWS], al[ROWS];
+  for (int r = 0; r < ROWS; ++r) ah[r] = al[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < kBlock / 8; ++g) {
+    const uint8_t* pg = p + g * 80;
+    const __m512i packed = _mm512_loadu_si512(pg);
+    uint64_t bits[2];
+    std::memcpy(bits, pg + 64, 16);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i h = _mm512_and_si512(half == 0 ? packed : _mm512_srli_epi16(packed, 4), nibble);
+      const __m512i twice = _mm512_add_epi8(h, h);
+      const __m512i u = _mm512_mask_add_epi8(twice, static_cast<__mmask64>(bits[half]), twice, one);
+      const int64_t i = i0 + g * 8 + 4 * half;
+      for (int r = 0; r < ROWS; ++r) {
+        ah[r] = _mm512_dpbusd_epi32(ah[r], u, _mm512_set1_epi32(load4(xh[r] + i)));
+        al[r] = _mm512_dpbusd_epi32(al[r], u, _mm512_set1_epi32(load4(xl[r] + i)));
+      }
+    }
   }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i ah[ROWS], al[ROWS];
-    for (int r = 0; r < ROWS; ++r) ah[r] = al[r] = _mm512_setzero_si512();
-    for (int64_t g = 0; g < kBlock / kGroup; ++g) {
-      const uint8_t* p = w + (b * (kBlock / kGroup) + g) * kGroupBytes;
-      const __m512i packed = _mm512_loadu_si512(p);
-      uint64_t bits[2];
-      std::memcpy(bits, p + 64, 16);
-      const int64_t i0 = b * kBlock + g * kGroup;
+  for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]);
+}
+
+// Packs one tile's block (``rows`` valid vocabulary rows from c, row stride k, inputs from i0) into
+// out (kBlockBytes, zeroed).
+void pack_block(const int8_t* c, int64_t k, int64_t rows, int64_t i0, uint8_t* out) {
+  for (int64_t g = 0; g < kBlock / 8; ++g) {
+    uint8_t* os = out + g * 80;
+    uint64_t bits[2] = {0, 0};
+    for (int64_t r = 0; r < rows; ++r) {
       for (int half = 0; half < 2; ++half) {
-        const __m512i h = _mm512_and_si512(half == 0 ? packed : _mm512_srli_epi16(packed, 4), nibble);
-        const __m512i twice = _mm512_add_epi8(h, h);
-        const __m512i u = _mm512_mask_add_epi8(twice, static_cast<__mmask64>(bits[half]), twice, one);
-        const int64_t i = i0 + 4 * half;
-        for (int r = 0; r < ROWS; ++r) {
-          ah[r] = _mm512_dpbusd_epi32(ah[r], u, _mm512_set1_epi32(load4(xh[r] + i)));
-          al[r] = _mm512_dpbusd_epi32(al[r], u, _mm512_set1_epi32(load4(xl[r] + i)));
+        for (int j = 0; j < 4; ++j) {
+          const int u = (static_cast<int>(c[r * k + i0 + g * 8 + 4 * half + j]) >> 3) + 16;   // floor(c / 8) + 16
+          const int lane = static_cast<int>(4 * r + j);
+          os[lane] = static_cast<uint8_t>(os[lane] | (((u >> 1) & 0x0F) << (4 * half)));
+          if (u & 1) bits[half] |= (uint64_t{1} << lane);
         }
       }
     }
-    const __m512 scale = _mm512_loadu_ps(ws + b * kTile);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]);   // u . q, exact
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(acts.dx8[(r0 + r) * nb + b]));
-      s[r] = _mm512_fmadd_ps(t, scale, s[r]);
+    std::memcpy(os + 64, bits, 16);
+  }
+}
+#else
+inline void store_valid(float* p, Vec v, int valid) {
+  if (valid == kTile) {
+    _mm256_storeu_ps(p, v);
+    return;
+  }
+  alignas(32) float lanes[kTile];
+  _mm256_store_ps(lanes, v);
+  std::memcpy(p, lanes, valid * sizeof(float));
+}
+
+inline float max_valid(Vec v, int valid) {
+  alignas(32) float lanes[kTile];
+  _mm256_store_ps(lanes, v);
+  float best = lanes[0];
+  for (int i = 1; i < valid; ++i) best = std::max(best, lanes[i]);
+  return best;
+}
+
+inline int append_hits(Vec upper, float lower, int valid, int32_t j0, int32_t* ids, float* ups) {
+  unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(upper, _mm256_set1_ps(lower), _CMP_GE_OQ)))
+                 & ((1u << valid) - 1);
+  if (hit == 0) return 0;
+  alignas(32) float lanes[kTile];
+  _mm256_store_ps(lanes, upper);
+  int count = 0;
+  for (; hit != 0; hit &= hit - 1, ++count) {
+    const int lane = __builtin_ctz(hit);
+    ids[count] = j0 + lane;
+    ups[count] = lanes[lane];
+  }
+  return count;
+}
+
+template <int ROWS>
+void block_dots(const int8_t* const* xh, const int8_t* const* xl, const uint8_t* p, int64_t i0, IVec* dot) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
+  for (int line = 0; line < kBlockBytes; line += 64)   // the stream ahead (as the block kernel's)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+  for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+  for (int half = 0; half < 2; ++half) {   // 16 inputs: 4 steps of 4, summed exactly in int16
+    __m256i sh[ROWS], sl[ROWS];
+    for (int r = 0; r < ROWS; ++r) sh[r] = sl[r] = _mm256_setzero_si256();
+    for (int m = 2 * half; m < 2 * half + 2; ++m) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * m));
+      for (int high = 0; high < 2; ++high) {
+        const int step = 2 * m + high;
+        const __m256i h = _mm256_and_si256(high == 0 ? packed : _mm256_srli_epi16(packed, 4), nibble);
+        const __m256i u = _mm256_add_epi8(_mm256_add_epi8(h, h), _mm256_and_si256(_mm256_srli_epi16(bits, step), one));
+        const int64_t i = i0 + 4 * step;
+        for (int r = 0; r < ROWS; ++r) {
+          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xh[r] + i))));
+          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xl[r] + i))));
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      dot[r] = _mm256_add_epi32(dot[r], _mm256_add_epi32(_mm256_madd_epi16(sh[r], by256),
+                                                         _mm256_madd_epi16(sl[r], by1)));
+  }
+}
+
+void pack_block(const int8_t* c, int64_t k, int64_t rows, int64_t i0, uint8_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < kBlock; ++i) {
+      const int u = (static_cast<int>(c[r * k + i0 + i]) >> 3) + 16;   // floor(c / 8) + 16
+      const int step = i / 4, lane = static_cast<int>(4 * r + i % 4);
+      uint8_t& nibbles = out[32 * (step / 2) + lane];
+      nibbles = static_cast<uint8_t>(nibbles | (((u >> 1) & 0x0F) << (4 * (step % 2))));
+      if (u & 1) out[128 + lane] = static_cast<uint8_t>(out[128 + lane] | (1 << step));
     }
   }
+}
+#endif
+
+// ROWS activation rows (from r0) against one tile of kTile vocabulary rows: s[r] = S, d[r] = D of
+// the tile's rows (see the top).
+template <int ROWS>
+void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int64_t r0, Vec* s_out, Vec* d_out) {
+  const int64_t k = acts.k, nb = acts.nb;
+  Vec s[ROWS];
+  const int8_t* xh[ROWS];
+  const int8_t* xl[ROWS];
   for (int r = 0; r < ROWS; ++r) {
-    __m512 offset = _mm512_setzero_ps(), bound = _mm512_setzero_ps();
+    s[r] = vzero();
+    xh[r] = acts.high.data() + (r0 + r) * k;
+    xl[r] = acts.low.data() + (r0 + r) * k;
+  }
+  IVec dot[ROWS];
+  for (int64_t b = 0; b < nb; ++b) {
+    block_dots<ROWS>(xh, xl, w + b * kBlockBytes, b * kBlock, dot);
+    const Vec scale = vload(ws + b * kTile);
+    for (int r = 0; r < ROWS; ++r)
+      s[r] = vfmadd(vmul(vcvt(dot[r]), vset1(acts.dx8[(r0 + r) * nb + b])), scale, s[r]);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    Vec offset = vzero(), bound = vzero();
     const float* ot = acts.offset_terms.data() + (r0 + r) * nb;
     const float* at = acts.abs_terms.data() + (r0 + r) * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512 scale = _mm512_loadu_ps(ws + b * kTile);
-      offset = _mm512_fmadd_ps(scale, _mm512_set1_ps(ot[b]), offset);
-      bound = _mm512_fmadd_ps(scale, _mm512_set1_ps(at[b]), bound);
+      const Vec scale = vload(ws + b * kTile);
+      offset = vfmadd(scale, vset1(ot[b]), offset);
+      bound = vfmadd(scale, vset1(at[b]), bound);
     }
-    s_out[r] = _mm512_fnmadd_ps(_mm512_set1_ps(124.5f), offset, s[r]);
+    s_out[r] = vfnmadd(vset1(124.5f), offset, s[r]);
     d_out[r] = bound;
   }
 }
 
-using TileFn = void (*)(const Activations&, const uint8_t*, const float*, int64_t, __m512*, __m512*);
-constexpr TileFn kTileFns[kMaxRows] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
-                                        screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+using TileFn = void (*)(const Activations&, const uint8_t*, const float*, int64_t, Vec*, Vec*);
+constexpr TileFn kTileFns[8] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
+                                screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+static_assert(kMaxRows <= 8, "a tile function per register block size");
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t k = x.size(1), tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(k % kBlock == 0 && packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2
-              && packed.size(0) == tiles && packed.size(1) == k / kGroup * kGroupBytes,
-              "packed: uint8 [ceil(N / 16), K / 8 * 80] (pack_screen)");
+              && packed.size(0) == tiles && packed.size(1) == k / kBlock * kBlockBytes,
+              "packed: uint8 [ceil(N / TILE), K / 32 * TILE * 20] (pack_screen, TILE = ", kTile, ")");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3
               && scales.size(0) == tiles && scales.size(1) == k / kBlock && scales.size(2) == kTile,
-              "scales: float32 [ceil(N / 16), K / 32, 16] (pack_scales)");
+              "scales: float32 [ceil(N / TILE), K / 32, TILE] (pack_scales, TILE = ", kTile, ")");
 }
+
+inline int valid_rows(int64_t n, int64_t j0) { return static_cast<int>(std::min<int64_t>(kTile, n - j0)); }
 
 // S and D [M, N] of every vocabulary row, parallel over tiles.
 void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const float* sc, int64_t n,
                 float* so, float* dout) {
   const int64_t tiles = (n + kTile - 1) / kTile, k = acts.k;
-  const int64_t tile_bytes = k / kGroup * kGroupBytes, tile_scales = acts.nb * kTile;
+  const int64_t tile_bytes = k / kBlock * kBlockBytes, tile_scales = acts.nb * kTile;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    __m512 s[kMaxRows], d[kMaxRows];
+    Vec s[kMaxRows], d[kMaxRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * kTile;
-      const __mmask16 valid = n - j0 >= kTile ? static_cast<__mmask16>(0xFFFF)
-                                              : static_cast<__mmask16>((1u << (n - j0)) - 1);
+      const int valid = valid_rows(n, j0);
       for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
         block = block_rows(rows, r0);
         kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
         for (int r = 0; r < block; ++r) {
-          _mm512_mask_storeu_ps(so + (r0 + r) * n + j0, valid, s[r]);
-          _mm512_mask_storeu_ps(dout + (r0 + r) * n + j0, valid, d[r]);
+          store_valid(so + (r0 + r) * n + j0, s[r], valid);
+          store_valid(dout + (r0 + r) * n + j0, d[r], valid);
         }
       }
     }
@@ -194,34 +365,19 @@ void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const f
 
 }  // namespace
 
-// Packs Q8_0 codes [N, K] (int8, |c| <= 127) into the screen's [ceil(N / 16), K / 8 * 80] uint8 tiles.
+// Packs Q8_0 codes [N, K] (int8, |c| <= 127) into the screen's [ceil(N / TILE), K / 32 * TILE * 20] uint8 tiles.
 torch::Tensor pack_screen(torch::Tensor codes) {
   TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
   const int64_t n = codes.size(0), k = codes.size(1), tiles = (n + kTile - 1) / kTile;
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
-  const int64_t tile_bytes = k / kGroup * kGroupBytes;
+  const int64_t tile_bytes = k / kBlock * kBlockBytes;
   auto out = torch::zeros({tiles, tile_bytes}, codes.options().dtype(torch::kUInt8));
   const int8_t* c = codes.data_ptr<int8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t g = 0; g < k / kGroup; ++g) {
-        uint8_t* os = o + t * tile_bytes + g * kGroupBytes;
-        uint64_t bits[2] = {0, 0};
-        for (int64_t r = 0; r < kTile && t * kTile + r < n; ++r) {
-          const int8_t* cs = c + (t * kTile + r) * k + g * kGroup;
-          for (int half = 0; half < 2; ++half) {
-            for (int j = 0; j < 4; ++j) {
-              const int u = (static_cast<int>(cs[4 * half + j]) >> 3) + 16;   // arithmetic shift: floor(c / 8)
-              const int lane = static_cast<int>(4 * r + j);
-              os[lane] = static_cast<uint8_t>(os[lane] | (((u >> 1) & 0x0F) << (4 * half)));
-              if (u & 1) bits[half] |= (uint64_t{1} << lane);
-            }
-          }
-        }
-        std::memcpy(os + 64, bits, 16);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < k / kBlock; ++b)
+        pack_block(c + t * kTile * k, k, valid_rows(n, t * kTile), b * kBlock, o + t * tile_bytes + b * kBlockBytes);
   });
   return out;
 }
@@ -270,7 +426,7 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
   const float e = static_cast<float>(code_error);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
-  const int64_t tile_bytes = k / kGroup * kGroupBytes, tile_scales = acts.nb * kTile;
+  const int64_t tile_bytes = k / kBlock * kBlockBytes, tile_scales = acts.nb * kTile;
   struct Chunk {
     int64_t begin;
     std::vector<float> lower;                  // per row: the largest lower bound in the chunk
@@ -286,35 +442,26 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
     for (auto& v : chunk.ids) v.resize(16 * 64);
     for (auto& v : chunk.upper) v.resize(16 * 64);
     std::vector<int64_t> used(rows, 0);
-    const __m512 ev = _mm512_set1_ps(e);
-    __m512 s[kMaxRows], d[kMaxRows];
+    const Vec ev = vset1(e);
+    Vec s[kMaxRows], d[kMaxRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = t * kTile;
-      const __mmask16 valid = n - j0 >= kTile ? static_cast<__mmask16>(0xFFFF)
-                                              : static_cast<__mmask16>((1u << (n - j0)) - 1);
-      const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j0)),
-                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const int valid = valid_rows(n, j0);
       for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
         block = block_rows(rows, r0);
         kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
         for (int i = 0; i < block; ++i) {
           const int64_t r = r0 + i;
-          const __m512 lower = _mm512_fnmadd_ps(ev, d[i], s[i]);
-          const float tile_max = _mm512_mask_reduce_max_ps(valid, lower);
+          const float tile_max = max_valid(vfnmadd(ev, d[i], s[i]), valid);
           if (tile_max > chunk.lower[r]) chunk.lower[r] = tile_max;
-          const __m512 upper = _mm512_fmadd_ps(ev, d[i], s[i]);
-          const __mmask16 hit = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(chunk.lower[r]), _CMP_GE_OQ);
-          if (hit) {
-            auto& ids = chunk.ids[r];
-            auto& ups = chunk.upper[r];
-            if (used[r] + 16 > static_cast<int64_t>(ids.size())) {
-              ids.resize(ids.size() * 2);
-              ups.resize(ups.size() * 2);
-            }
-            _mm512_mask_compressstoreu_epi32(ids.data() + used[r], hit, index);
-            _mm512_mask_compressstoreu_ps(ups.data() + used[r], hit, upper);
-            used[r] += __builtin_popcount(hit);
+          auto& ids = chunk.ids[r];
+          auto& ups = chunk.upper[r];
+          if (used[r] + kTile > static_cast<int64_t>(ids.size())) {
+            ids.resize(ids.size() * 2);
+            ups.resize(ups.size() * 2);
           }
+          used[r] += append_hits(vfmadd(ev, d[i], s[i]), chunk.lower[r], valid, static_cast<int32_t>(j0),
+                                 ids.data() + used[r], ups.data() + used[r]);
         }
       }
     }
@@ -351,4 +498,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_screen", &pack_screen, "Q8_0 codes [N, K] int8 -> the screen's packed 5-bit tiles");
   m.def("pack_scales", &pack_scales, "Q8_0 scales [N, K / 32] -> the screen's tiled copy");
   m.def("screen_logits", &screen_logits, "(approximate logits S, bound factor D) of every row, [M, N] each");
+  m.attr("ISA") = kIsa;
+  m.attr("TILE") = kTile;
 }

@@ -25,6 +25,11 @@ and for such rows, all of a step's at once:
    logits row holding them at their token ids and ``-inf`` elsewhere, so the sampler's
    ``argmax`` (ties to the lowest id) picks exactly the token the full head would give.
 
+Two builds of lm_head_screen.cpp: AVX512-VNNI (``KERNEL``) and AVX2+FMA (``AVX2_KERNEL``: tiles of
+8 rows, vpmaddubsw for VNNI's product, the same exact integer dots); ``build_screen`` takes the one
+with the instructions of the head's block kernel (``screen_build_for``) and logs which. The bound
+holds for both builds against both exact kernels (``rounding_margin``).
+
 A row whose candidate set exceeds ``max_candidates`` (a bound too loose for that hidden state)
 takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, only for the plan's
 ``argmax_rows``, only at tp 1 and pp 1 on an unsharded Q8_0 head without softcapping
@@ -43,19 +48,35 @@ from torch import nn
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.layers.gguf_routes import Route
 from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import REQUIRED_FLAGS, load_kernel
+from servelm.model.layers.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
 
 logger = logging.getLogger(__name__)
 
 KERNEL = CppKernel.beside(__file__, "lm_head_screen.cpp", "lm_head_screen", "LM-head screen kernel (AVX512-VNNI)",
                           REQUIRED_FLAGS)
+AVX2_KERNEL = CppKernel.beside(__file__, "lm_head_screen.cpp", "lm_head_screen_avx2",
+                               "LM-head screen kernel (AVX2+FMA)", AVX2_FLAGS)
+"""The same source compiled without AVX-512: tiles of 8 rows, vpmaddubsw for VNNI (lm_head_screen.cpp)."""
+KERNELS = (KERNEL, AVX2_KERNEL)
+
+
+def screen_build_for(kernel: ModuleType) -> CppKernel:
+    """The screen's build beside the head's block kernel ``kernel`` (same instructions: the AVX2
+    block kernel's module says ``ISA = "avx2"``)."""
+    return AVX2_KERNEL if getattr(kernel, "ISA", "") == "avx2" else KERNEL
 
 CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
 ROUNDING_MARGIN = 5e-3
-"""Added to CODE_ERROR for float32 rounding: both kernels sum at most ~500 * D in absolute terms
-(|c| <= 127, |8 u - 124.5| <= 124.5) with a relative error under ~20 float32 epsilons (1.2e-6):
-6e-4 * D, here 8x over."""
+"""The least margin added to CODE_ERROR for float32 rounding (``rounding_margin``)."""
+
+
+def rounding_margin(hidden: int) -> float:
+    """The float32 rounding margin (in units of D) for a head of ``hidden`` inputs: twice the
+    (504 nb + 2004) float32 unit roundoffs that the exact kernel's and the screen's summations over
+    nb = hidden / 32 blocks can err by together (derivation at the top of lm_head_screen.cpp), at
+    least ROUNDING_MARGIN (hidden 896: 9.6e-4 needed, 5e-3 used; above hidden ~2500 it grows)."""
+    return max(ROUNDING_MARGIN, 2 * (504 * (hidden // 32) + 2004) * 2.0 ** -24)
 WINDOW_ROWS = 64
 """The screen watches its last this many rows: when more than MAX_FALLBACK_SHARE of them took the
 full head, it turns itself off for good (logged): on a model whose hidden states make the bound
@@ -106,11 +127,16 @@ class LMHeadScreen:
         self.kernel = kernel
         self.screen_kernel = screen_kernel
         self.max_candidates = max_candidates
+        self.code_error = CODE_ERROR + rounding_margin(weight.codes.shape[1])
+        """The bound's factor of D: the code error and the float32 rounding margin."""
         self.packed = screen_kernel.pack_screen(weight.codes)
-        """[ceil(vocab / 16), hidden / 8 * 80] uint8: the 5-bit codes in tiles of 16 vocabulary rows
-        (lm_head_screen.cpp)."""
+        """[ceil(vocab / T), hidden / 32 * T * 20] uint8: the 5-bit codes in tiles of T vocabulary rows
+        (T = ``screen_kernel.TILE``: 16 in the AVX-512 build, 8 in the AVX2 one; lm_head_screen.cpp)."""
         self.tiled_scales = screen_kernel.pack_scales(weight.scales)
-        """[ceil(vocab / 16), hidden / 32, 16] float32: the Q8_0 scales in the same tiles."""
+        """[ceil(vocab / T), hidden / 32, T] float32: the Q8_0 scales in the same tiles."""
+        self.max_rows = MAX_SCREEN_ROWS_AVX2 if getattr(screen_kernel, "ISA", "") == "avx2" else MAX_SCREEN_ROWS
+        """Most argmax rows in a step this build takes (``screen_logits_or_none``; never above
+        MAX_SCREEN_ROWS, which benchmarks/step_ab.py sets to 0 to turn the screen off)."""
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
@@ -133,7 +159,7 @@ class LMHeadScreen:
         logit of every row lies within approximate +- bound."""
         approx, factor = self.screen_kernel.screen_logits(hidden.float().contiguous(), self.packed,
                                                           self.tiled_scales, self.weight.codes.shape[0])
-        return approx, factor.mul_(CODE_ERROR + ROUNDING_MARGIN)
+        return approx, factor.mul_(self.code_error)
 
     def exact(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The full head's logits ``[m, len(rows)]`` of vocabulary ``rows`` only (same kernel)."""
@@ -153,7 +179,7 @@ class LMHeadScreen:
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
         x = hidden[screened].float().contiguous()
         counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
-            x, self.packed, self.tiled_scales, vocab, CODE_ERROR + ROUNDING_MARGIN, self.max_candidates)
+            x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
         finite: list[bool] = torch.isfinite(x).all(dim=1).tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
@@ -196,18 +222,23 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
         return None, "off (the LM head is not a GGUF block weight on CPU)"
     routes = getattr(head, "gguf_routes", None)
     if activations != "int16" or routes is None or Route.BLOCK not in routes.held:
-        return None, "off (the head does not run the int16 VNNI kernel: --quantization gguf only)"
+        return None, "off (the head does not run the int16 block kernel: --quantization gguf only)"
     if weight.block != 32 or weight.offsets is not None or int(weight.codes.min()) < -127:
         return None, "off (the LM head is not Q8_0)"
     if getattr(head, "final_softcap", None) is not None:
         return None, "off (logit softcapping could tie rows the screen separates)"
     if weight.codes.shape[1] % 32:
         return None, "off (hidden size not a multiple of 32)"
-    kernel, screen_kernel = load_kernel(), KERNEL.load()
-    if kernel is None or screen_kernel is None:
-        return None, f"off ({KERNEL.status()})"
+    kernel = getattr(method, "kernel", None)
+    if kernel is None:
+        return None, "off (the head has no block kernel)"
+    build = screen_build_for(kernel)
+    screen_kernel = build.load()
+    if screen_kernel is None:
+        return None, f"off ({build.description}: {build.status()})"
     screen = LMHeadScreen(weight, kernel, screen_kernel)
-    return screen, (f"on: greedy rows read a 5-bit copy of the Q8_0 head ({screen.nbytes / 2 ** 20:.0f} MiB) "
+    return screen, (f"on ({build.description}): greedy rows read a 5-bit copy of the Q8_0 head "
+                    f"({screen.nbytes / 2 ** 20:.0f} MiB) "
                     "and compute exactly only the rows that can be the argmax; --disable-lm-head-screen "
                     "turns it off")
 
@@ -220,6 +251,13 @@ reads the 5-bit copy once per call, so it takes 4.9 ms at one row against the fu
 inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it loses to the
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``MAX_SCREEN_ROWS``) caps the step's logits rows as well, and the head's route for them must be a row-by-row kernel."""
+
+MAX_SCREEN_ROWS_AVX2 = 2
+"""``MAX_SCREEN_ROWS`` of the AVX2 build (no VNNI: two vpmaddubsw per 4 inputs and row against the
+int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3, 1 thread,
+thread clock, a random 151,936 x 896 Q8_0 head (benchmarks/RESULTS.md "The exact greedy LM-head
+screen, AVX2 build"): screen 10.4 / 16.5 / 25.7 / 29.5 ms at 1 / 2 / 3 / 4 rows, full head 16.2 /
+19.4 / 23.3 / 28.6."""
 
 MAX_SCREEN_ROWS_GEMM = 4
 """The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a
@@ -247,10 +285,12 @@ def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: tor
 def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
                           argmax_rows: list[int]) -> torch.Tensor | None:
     """``screen.logits`` where the step suits it, else None (the caller runs the full head): some
-    argmax rows, at most MAX_SCREEN_ROWS of them, and no more logits rows than the head's kernel
-    takes (above, the full head runs its dense GEMM, whose logits round differently: the screen's
-    argmax is the int16 kernel's, and the rows split off must be the rows the full head gives)."""
-    if screen is None or not screen.is_enabled or not argmax_rows or len(argmax_rows) > MAX_SCREEN_ROWS:
+    argmax rows, at most ``screen.max_rows`` (and MAX_SCREEN_ROWS) of them, and no more logits rows
+    than the head's kernel takes (above, the full head runs its dense GEMM, whose logits round
+    differently: the screen's argmax is the int16 kernel's, and the rows split off must be the rows
+    the full head gives)."""
+    if (screen is None or not screen.is_enabled or not argmax_rows
+            or len(argmax_rows) > min(screen.max_rows, MAX_SCREEN_ROWS)):
         return None
     head = model.lm_head
     # the full head's route for these rows (its logits rows are generation rows): a row-by-row kernel

@@ -12,6 +12,7 @@ logprobs) gives the same tokens and logprobs either way.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -21,39 +22,52 @@ from servelm.distributed.parallel import ParallelContext
 from servelm.engine.engine import LLMEngine
 from servelm.model.layers.embedding import LMHead
 from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import load_kernel
+from servelm.model.layers import gguf_kernel
 from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
 from servelm.engine.executor import argmax_rows
 from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.layers import lm_head_screen
-from servelm.model.layers.lm_head_screen import KERNEL, WINDOW_ROWS, LMHeadScreen, build_screen
+from servelm.model.layers.lm_head_screen import WINDOW_ROWS, LMHeadScreen, build_screen, screen_build_for
 from servelm.sampling.params import SamplingParams
 
-pytestmark = pytest.mark.skipif(load_kernel() is None or KERNEL.load() is None,
-                                reason="needs the AVX512-VNNI kernels")
+BUILDS = [pytest.param((block, screen), id=screen.name) for block, screen in
+          [(gguf_kernel.KERNEL, lm_head_screen.KERNEL), (gguf_kernel.AVX2_KERNEL, lm_head_screen.AVX2_KERNEL)]
+          if not screen.missing_cpu_flags()]
+"""Every build pair (the head's block kernel, the screen beside it) this CPU runs: on an AVX-512
+machine the AVX2 pair is forced too, as on an AVX2-only one it is the one that runs."""
+Kernels = tuple[ModuleType, ModuleType]
+
+pytestmark = pytest.mark.skipif(not BUILDS, reason="needs AVX2+FMA or AVX512-VNNI")
 
 
-def q8_head(vocab: int, hidden: int, seed: int = 0) -> tuple[LMHead, BlockWeight]:
+@pytest.fixture(params=BUILDS)
+def kernels(request: pytest.FixtureRequest) -> Kernels:
+    block, screen = request.param
+    block_module, screen_module = block.load(), screen.load()
+    if block_module is None or screen_module is None:
+        pytest.skip(f"{block.status()}; {screen.status()}")
+    return block_module, screen_module
+
+
+def q8_head(kernels: Kernels, vocab: int, hidden: int, seed: int = 0) -> tuple[LMHead, BlockWeight]:
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (vocab, hidden), dtype=torch.int8, generator=generator)
     scales = torch.rand(vocab, hidden // 32, generator=generator) * 0.02 + 1e-4
     weight = BlockWeight(codes, scales, None, 32, "Q8_0")
     head = LMHead(vocab, hidden)
-    GGUFBlockLinearMethod(load_kernel(), torch.float32).process(head, weight, float_output=True)
+    GGUFBlockLinearMethod(kernels[0], torch.float32).process(head, weight, float_output=True)
     return head, weight
 
 
-def screen_for(weight: BlockWeight, max_candidates: int = 4096) -> LMHeadScreen:
-    kernel, screen_kernel = load_kernel(), KERNEL.load()
-    assert kernel is not None and screen_kernel is not None
-    return LMHeadScreen(weight, kernel, screen_kernel, max_candidates)
+def screen_for(kernels: Kernels, weight: BlockWeight, max_candidates: int = 4096) -> LMHeadScreen:
+    return LMHeadScreen(weight, kernels[0], kernels[1], max_candidates)
 
 
-def test_bound_holds_for_random_and_adversarial_vectors() -> None:
-    head, weight = q8_head(3000, 256)
-    screen = screen_for(weight)
+def test_bound_holds_for_random_and_adversarial_vectors(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 3000, 256)
+    screen = screen_for(kernels, weight)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(24, 256, generator=generator) * torch.rand(24, 256, generator=generator).pow(4) * 50
     # adversarial: each vector's signs follow one row's screen error (c - c'), every input near full size
@@ -69,9 +83,30 @@ def test_bound_holds_for_random_and_adversarial_vectors() -> None:
     assert ratio.min() > 0.5
 
 
-def test_a_gathered_row_is_bit_identical_to_the_full_head() -> None:
-    head, weight = q8_head(500, 128)
-    screen = screen_for(weight)
+def test_the_bound_is_tight_cut_by_one_percent_it_loses_the_argmax(kernels: Kernels) -> None:
+    """Token 0's codes all 7 (its screen code 3.5 below), token 1's all 8 (3.5 above), token 1's
+    scale a hair under 7/8 of token 0's: token 0 wins by 1e-4 of its logit, the screen's
+    approximations rank them the other way by ~6.5 D, and only a code error of (nearly) 3.5 keeps
+    token 0 a candidate."""
+    hidden, vocab = 128, 37
+    codes = torch.zeros(vocab, hidden, dtype=torch.int8)
+    codes[0], codes[1] = 7, 8
+    scales = torch.full((vocab, hidden // 32), 0.01)
+    scales[1] = 0.01 * 7 / 8 * (1 - 1e-4)
+    weight = BlockWeight(codes, scales, None, 32, "Q8_0")
+    head = LMHead(vocab, hidden)
+    GGUFBlockLinearMethod(kernels[0], torch.float32).process(head, weight, float_output=True)
+    screen = screen_for(kernels, weight)
+    x = torch.ones(1, hidden)
+    assert head(x).argmax() == 0
+    assert screen.logits(head, x, [0]).argmax() == 0
+    screen.code_error = 0.99 * lm_head_screen.CODE_ERROR
+    assert screen.logits(head, x, [0]).argmax() == 1   # a cut bound drops the true argmax
+
+
+def test_a_gathered_row_is_bit_identical_to_the_full_head(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 500, 128)
+    screen = screen_for(kernels, weight)
     x = torch.randn(7, 128)
     full = head(x)   # 7 rows: the kernel's tiles of 4 and 3
     rows = torch.tensor([0, 3, 77, 250, 499])
@@ -79,15 +114,15 @@ def test_a_gathered_row_is_bit_identical_to_the_full_head() -> None:
         assert torch.equal(screen.exact(x[:m], rows), full[:m, rows])
 
 
-def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id() -> None:
-    head, weight = q8_head(2000, 128, seed=2)
+def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 2000, 128, seed=2)
     # an exact tie: token 1500 is token 900's row repeated; a near-tie: token 901 is 900 with one code moved
     weight.codes[1500] = weight.codes[900]
     weight.scales[1500] = weight.scales[900]
     weight.codes[901] = weight.codes[900]
     weight.scales[901] = weight.scales[900]
     weight.codes[901, 5] += 1 if weight.codes[901, 5] < 127 else -1
-    screen = screen_for(weight)
+    screen = screen_for(kernels, weight)
     row900 = weight.dequantize()[900]
     x = torch.cat([torch.randn(5, 128), (row900 * 40).unsqueeze(0), (row900 * 40 + 0.01).unsqueeze(0)])
     full = head(x)
@@ -100,9 +135,9 @@ def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id() -> None:
     assert screen.stats.rows == len(x) and screen.stats.fallbacks == 0
 
 
-def test_too_many_candidates_fall_back_to_the_full_head() -> None:
-    head, weight = q8_head(1000, 128, seed=3)
-    screen = screen_for(weight, max_candidates=0)   # every row has at least one candidate
+def test_too_many_candidates_fall_back_to_the_full_head(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 1000, 128, seed=3)
+    screen = screen_for(kernels, weight, max_candidates=0)   # every row has at least one candidate
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     logits = screen.logits(head, x, [0, 2])
     assert torch.equal(logits, head(x))
@@ -113,9 +148,9 @@ def test_too_many_candidates_fall_back_to_the_full_head() -> None:
     assert screen.stats.rows >= WINDOW_ROWS
 
 
-def test_rows_that_are_not_argmax_rows_get_the_full_head() -> None:
-    head, weight = q8_head(1000, 128, seed=4)
-    screen = screen_for(weight)
+def test_rows_that_are_not_argmax_rows_get_the_full_head(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 1000, 128, seed=4)
+    screen = screen_for(kernels, weight)
     x = torch.randn(4, 128)
     logits = screen.logits(head, x, [1, 3])
     full = head(x)
@@ -123,12 +158,15 @@ def test_rows_that_are_not_argmax_rows_get_the_full_head() -> None:
     assert torch.isinf(logits[[1, 3]]).sum() > 0
 
 
-def test_built_only_where_exact() -> None:
-    head, weight = q8_head(100, 128)
+def test_built_only_where_exact(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 100, 128)
     model = torch.nn.Module()
     model.lm_head = head
     cpu = torch.device("cpu")
-    assert build_screen(model, "int16", disabled=False, tp_size=1, pp_size=1, device=cpu)[0] is not None
+    screen, reason = build_screen(model, "int16", disabled=False, tp_size=1, pp_size=1, device=cpu)
+    # the screen build beside the head's block kernel (the same instructions), named in the log line
+    assert screen is not None and screen.screen_kernel is kernels[1]
+    assert screen_build_for(kernels[0]).description in reason
     assert "disable-lm-head-screen" in build_screen(model, "int16", disabled=True, tp_size=1, pp_size=1,
                                                     device=cpu)[1]
     assert build_screen(model, "int16", disabled=False, tp_size=2, pp_size=1, device=cpu)[0] is None
@@ -162,14 +200,14 @@ def near_tie_rows(weight: BlockWeight, m: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16, 33])
-def test_many_rows_screened_at_once_give_each_rows_exact_argmax(m: int) -> None:
+def test_many_rows_screened_at_once_give_each_rows_exact_argmax(kernels: Kernels, m: int) -> None:
     """The row-blocked kernel (register blocks of 4 rows, a vocabulary not a multiple of its tiles
     of 16): each row's argmax is the int16 kernel's on that row, and its candidates carry that
     kernel's logits."""
-    head, weight = q8_head(2999, 192, seed=10 + m)
+    head, weight = q8_head(kernels, 2999, 192, seed=10 + m)
     weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
     weight.scales[1500] = weight.scales[900]
-    screen = screen_for(weight)
+    screen = screen_for(kernels, weight)
     x = near_tie_rows(weight, m, seed=m)
     x[0] = weight.dequantize()[900] * 40
     full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
@@ -182,9 +220,9 @@ def test_many_rows_screened_at_once_give_each_rows_exact_argmax(m: int) -> None:
     assert ((full - approx).abs() <= bound).all()
 
 
-def test_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads() -> None:
-    head, weight = q8_head(5003, 256, seed=6)
-    screen = screen_for(weight)
+def test_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 5003, 256, seed=6)
+    screen = screen_for(kernels, weight)
     x = near_tie_rows(weight, 11, seed=3)
     kernel = screen.screen_kernel
     threads = torch.get_num_threads()
@@ -289,7 +327,8 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
     model = engine.runner.model
     captured: list[torch.Tensor] = []
     compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden: (captured.append(hidden.detach().clone()), compute_logits(hidden))[1]
+    model.compute_logits = lambda hidden, *rest: (captured.append(hidden.detach().clone()),
+                                                   compute_logits(hidden, *rest))[1]
     try:
         run(engine, [(engine.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
                      for p in PROMPTS], False)
@@ -323,6 +362,7 @@ def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, a
     try:
         screen = spec.runner.lm_head_screen
         assert screen is not None
+        screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 2 rows
         text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
@@ -348,9 +388,9 @@ def test_long_greedy_outputs_are_the_same_with_and_without_the_screen(engine: LL
     assert run(engine, requests, True, one_at_a_time=True) == run(engine, requests, False, one_at_a_time=True)
 
 
-def test_the_kernels_candidates_are_the_bounds_candidates() -> None:
-    head, weight = q8_head(3000, 256, seed=5)
-    screen = screen_for(weight)
+def test_the_kernels_candidates_are_the_bounds_candidates(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 3000, 256, seed=5)
+    screen = screen_for(kernels, weight)
     x = torch.randn(3, 256) * 3
     approx, bound = screen.bounds(x)
     counts, *ids = screen.screen_kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 3000, 3.505, 4096)
