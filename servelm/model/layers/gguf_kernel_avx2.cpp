@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -99,6 +100,52 @@ inline __m256i load_codes16(const int8_t* w) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
+// Where a weight row's codes come from, 32 at a time (step c: inputs 32c .. 32c + 31), as two
+// vectors of 16 codes sign-extended to int16 (w0: the first 16, w1: the next 16).
+//
+// ByteCodes: the int8 codes as stored (1 byte per weight).
+struct ByteCodes {
+  static constexpr int64_t kStepBytes = 32;
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(row) + c * 32;
+    w0 = load_codes16(w);
+    w1 = load_codes16(w + 16);
+  }
+};
+
+// PackedCodes<BITS, CENTERED>: the codes at their own bit width (4, 5 or 6; gguf_blocks.PackedCodes
+// writes them), 4 * BITS bytes per 32 inputs: 16 bytes of nibbles (byte j: the low 4 bits of code j
+// in its low nibble, of code j + 16 in its high one), then for BITS = 5 four bytes holding bit 4 of
+// code i at byte i % 4, bit i / 4, for BITS = 6 eight bytes holding bits 4-5 of code i at byte i % 8,
+// bits 2 (i / 8) and up. The stored value u is the code (CENTERED false: codes 0 .. 2^BITS - 1) or
+// code + 2^(BITS - 1) (CENTERED: signed codes). Lossless: the same int8 codes, so the same products.
+template <int BITS, bool CENTERED>
+struct PackedCodes {
+  static_assert(BITS >= 4 && BITS <= 6, "4, 5 or 6 bits");
+  static constexpr int64_t kStepBytes = 4 * BITS;
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+    const uint8_t* p = row + c * kStepBytes;
+    const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(nibbles, low4)),
+                                        _mm_and_si128(_mm_srli_epi16(nibbles, 4), low4), 1);
+    if constexpr (BITS == 5) {   // lane l (bytes 4l .. 4l + 3) shifted right by l: bit l of each byte
+      int32_t plane;
+      std::memcpy(&plane, p + 16, sizeof(plane));
+      const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(plane), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(1)), 4));
+    } else if constexpr (BITS == 6) {   // lane L (bytes 8L .. 8L + 7) shifted right by 2L
+      int64_t plane;
+      std::memcpy(&plane, p + 16, sizeof(plane));
+      const __m256i high = _mm256_srlv_epi64(_mm256_set1_epi64x(plane), _mm256_setr_epi64x(0, 2, 4, 6));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4));
+    }
+    if constexpr (CENTERED) u = _mm256_sub_epi8(u, _mm256_set1_epi8(1 << (BITS - 1)));
+    w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(u));
+    w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u, 1));
+  }
+};
+
 // Rounded activations (both integer formats): q = round(x / d) per row and kActBlock inputs with
 // d = amax / qmax, stored as int16 [rows, k], and d per block [rows, k / 32]. The arithmetic is the
 // VNNI kernel's (d, 1 / d or 0, round to nearest even of x * (1 / d)), so q is the same integer.
@@ -148,8 +195,8 @@ struct IntActivations {
 
   // ROWS activation rows (from r0) against one weight row; per 32 inputs: two vpmaddwd of 16 codes
   // each, their int32 lanes (B = 32: added; B = 16: each its own block) scaled into a float accumulator.
-  template <int ROWS>
-  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+  template <int ROWS, class Codes>
+  void dot(const uint8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
     const int16_t* xq[ROWS];
     const float* xs[ROWS];
     __m256 acc[ROWS];
@@ -160,9 +207,9 @@ struct IntActivations {
     }
     const int64_t steps = k / kActBlock;
     for (int64_t c = 0; c < steps; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * kActBlock) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256i w0 = load_codes16(w + c * kActBlock);
-      const __m256i w1 = load_codes16(w + c * kActBlock + 16);
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i w0, w1;
+      Codes::load(w, c, w0, w1);
       if (block == 32) {
         const float ws = w_scales[c];
         for (int r = 0; r < ROWS; ++r) {
@@ -201,8 +248,10 @@ struct FloatActivations {
 
   FloatActivations(const float* x_, int64_t /*rows*/, int64_t k_) : x(x_), k(k_) {}
 
-  template <int ROWS>
-  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+  template <int ROWS, class Codes>
+  void dot(const uint8_t* w_bytes, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+    static_assert(std::is_same<Codes, ByteCodes>::value, "float activations read the int8 codes");
+    const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
     const float* xr[ROWS];
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -228,17 +277,21 @@ struct FloatActivations {
 
 // y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
-template <class Activations>
+// ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes).
+template <class Activations, class Codes = ByteCodes>
 torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                 const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
                                 const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
-  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
+  constexpr bool kBytes = std::is_same<Codes, ByteCodes>::value;
+  TORCH_CHECK(codes.dtype() == (kBytes ? torch::kInt8 : torch::kUInt8) && codes.dim() == 2 && codes.is_contiguous(),
+              kBytes ? "codes: int8 [N, K]" : "packed codes: uint8 [N, K * bits / 8]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(codes.size(1) == k && k % Activations::kKMultiple == 0,
-              "K must match and be a multiple of ", Activations::kKMultiple);
+  const int64_t row_bytes = k / 32 * Codes::kStepBytes;
+  TORCH_CHECK(codes.size(1) == row_bytes && k % Activations::kKMultiple == 0,
+              "K must match the codes and be a multiple of ", Activations::kKMultiple);
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2
               && scales.size(0) == n && scales.size(1) == k / block, "scales: float32 [N, K / block]");
   const bool has_offsets = offsets.has_value() && offsets->defined();
@@ -256,7 +309,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const float* xp = float_rows(x, rows * k);
   const Activations acts(xp, rows, k);
   const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
-  const int8_t* w = codes.data_ptr<int8_t>();
+  const uint8_t* w = static_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
   const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
@@ -265,7 +318,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   float* y = bf16_out ? nullptr : out.data_ptr<float>();
   c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = k / block;
-  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / k);
+  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
@@ -273,13 +326,13 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
         for (int64_t j = n0; j < n1; ++j) {
-          const int8_t* wr = w + j * k;
+          const uint8_t* wr = w + j * row_bytes;
           const float* sr = s + j * nb;
           switch (tile) {
-            case 4: acts.template dot<4>(wr, sr, block, r0, dots); break;
-            case 3: acts.template dot<3>(wr, sr, block, r0, dots); break;
-            case 2: acts.template dot<2>(wr, sr, block, r0, dots); break;
-            default: acts.template dot<1>(wr, sr, block, r0, dots); break;
+            case 4: acts.template dot<4, Codes>(wr, sr, block, r0, dots); break;
+            case 3: acts.template dot<3, Codes>(wr, sr, block, r0, dots); break;
+            case 2: acts.template dot<2, Codes>(wr, sr, block, r0, dots); break;
+            default: acts.template dot<1, Codes>(wr, sr, block, r0, dots); break;
           }
           for (int t = 0; t < tile; ++t) {
             float value = dots[t];
@@ -319,6 +372,23 @@ torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Te
   return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out, bias);
 }
 
+// The packed codes' functions: the bit width follows from the codes' row bytes (K * bits / 8).
+template <class Activations, bool CENTERED>
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                            c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) % 32 == 0,
+              "x [M, K], K a multiple of 32; packed [N, bytes]");
+  const int64_t k = x.size(1), bits = packed.size(1) * 8 / std::max<int64_t>(k, 1);
+  TORCH_CHECK(packed.size(1) * 8 == k * bits && bits >= 4 && bits <= 6, "packed codes: ", packed.size(1),
+              " bytes per row is not 4, 5 or 6 bits for K = ", k);
+  switch (bits) {
+    case 4: return block_linear_impl<Activations, PackedCodes<4, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+    case 5: return block_linear_impl<Activations, PackedCodes<5, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+    default: return block_linear_impl<Activations, PackedCodes<6, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+  }
+}
+
 #define BLOCK_LINEAR_ARGS py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
                           py::arg("bf16_out") = false, py::arg("bias") = py::none()
 
@@ -331,4 +401,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear_float", &block_linear_float,
         "float activations (weights dequantized in registers; no activation rounding; AVX2 + FMA)",
         BLOCK_LINEAR_ARGS);
+#define PACKED_ARGS py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
+                    py::arg("bf16_out") = false, py::arg("bias") = py::none()
+  m.def("packed_a16", &packed_linear<Int16Activations, false>,
+        "block_linear_a16 on codes packed at their bit width (gguf_blocks.PackedCodes)", PACKED_ARGS);
+  m.def("packed_a16_centered", &packed_linear<Int16Activations, true>,
+        "packed_a16 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
+  m.def("packed_a8", &packed_linear<Int8Activations, false>, "block_linear on codes packed at their bit width",
+        PACKED_ARGS);
+  m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,
+        "packed_a8 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
 }
