@@ -46,10 +46,10 @@ PACKED_BITS = (4, 5, 6)
 @dataclass(frozen=True)
 class PackedCodes:
     """A weight's int8 codes at their own bit width, 4 * ``bits`` bytes per 32 inputs of a row (the
-    layout the AVX2 kernel's ``packed_*`` functions read, gguf_kernel_avx2.cpp ``PackedCodes``):
-    16 bytes of nibbles (byte j: code j's low 4 bits, code j + 16's in the high nibble), then bit 4
-    of code i at byte i % 4, bit i // 4 (5 bits: 4 bytes), or bits 4-5 of code i at byte i % 8, bits
-    2 (i // 8) and 2 (i // 8) + 1 (6 bits: 8 bytes). Stored is u = code (``centered`` False) or
+    layout the AVX2 kernel's ``packed_*`` functions read; gguf_kernel_avx2.cpp ``PackedCodes``):
+    16 bytes of nibbles (byte j: code j's low 4 bits, code j + 16's in the high nibble), then (5 and
+    6 bits) the high bits of the 32 codes as one little-endian integer of 4 or 8 bytes, at the bit
+    positions ``_plane_positions`` gives. Stored is u = code (``centered`` False) or
     code + 2^(bits - 1) (``centered``: signed codes). Lossless: ``unpack`` gives the codes back.
 
     The narrowest width the codes' range fits (any GGUF type's: Q4_0/Q4_1/Q4_K 4 bits, Q5_* 5, Q6_K
@@ -85,30 +85,44 @@ class PackedCodes:
         data = self.data if rows is None else self.data[rows]
         n = data.shape[0]
         steps = data.view(n, -1, 4 * self.bits)
-        nibbles = steps[..., :16]
+        nibbles = steps[..., :16].to(torch.int16)
         u = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)   # [n, K / 32, 32]
         if self.bits > 4:
-            plane = steps[..., 16:]                            # [n, K / 32, 4 or 8]
-            shifts = torch.arange(0, 8, self.bits - 4, dtype=torch.uint8)[:, None]   # 8 shifts by 1 or 4 by 2
-            high = (plane[..., None, :] >> shifts) & ((1 << (self.bits - 4)) - 1)
-            u = u | (high.reshape(u.shape) << 4)
-        codes = u.to(torch.int16) - ((1 << (self.bits - 1)) if self.centered else 0)
+            plane = _plane_integer(steps[..., 16:])            # [n, K / 32] int64
+            u = u | (((plane[..., None] >> _plane_positions(self.bits)) & ((1 << (self.bits - 4)) - 1)) << 4).to(torch.int16)
+        codes = u - ((1 << (self.bits - 1)) if self.centered else 0)
         return codes.to(torch.int8).reshape(n, -1)
+
+
+def _plane_positions(bits: int) -> torch.Tensor:
+    """[32] int64: where code i's high bits (bit 4, or bits 4-5) start in a 5- or 6-bit step's plane
+    integer: with i' = i % 16 and h = i // 16, 16 (i' % 2) + 8 h + i' // 2 for 5 bits,
+    16 (i' % 4) + 8 h + 2 (i' // 4) for 6 (the kernel's variable shifts per 32/64-bit lane)."""
+    i = torch.arange(32)
+    low, h = i % 16, i // 16
+    if bits == 5:
+        return 16 * (low % 2) + 8 * h + low // 2
+    return 16 * (low % 4) + 8 * h + 2 * (low // 4)
+
+
+def _plane_integer(plane: torch.Tensor) -> torch.Tensor:
+    """[..., 4 or 8] uint8 little-endian bytes -> [...] int64."""
+    value = torch.zeros(plane.shape[:-1], dtype=torch.int64)
+    for byte in range(plane.shape[-1]):
+        value |= plane[..., byte].to(torch.int64) << (8 * byte)
+    return value
 
 
 def _pack_rows(codes: torch.Tensor, bits: int, bias: int) -> torch.Tensor:
     """``PackedCodes``' bytes of ``codes`` [n, K] int8 (each code + ``bias`` in 0 .. 2^bits - 1)."""
     n, k = codes.shape
-    u = (codes.to(torch.int16) + bias).to(torch.uint8).view(n, k // 32, 32)
-    parts = [(u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)]
+    u = (codes.to(torch.int16) + bias).view(n, k // 32, 32)
+    parts = [((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).to(torch.uint8)]
     if bits > 4:
-        width = bits - 4   # plane bits per code; 8 // width codes share a byte
-        lanes = 8 // width
-        high = ((u >> 4) & ((1 << width) - 1)).view(n, k // 32, lanes, 32 // lanes)
-        plane = torch.zeros(n, k // 32, 32 // lanes, dtype=torch.uint8)
-        for lane in range(lanes):
-            plane |= high[..., lane, :] << (lane * width)
-        parts.append(plane)
+        high = (u >> 4).to(torch.int64)   # [n, K / 32, 32], each below 2^(bits - 4)
+        plane = (high << _plane_positions(bits)).sum(-1)   # distinct bit positions: the sum is an OR
+        width = 4 * (bits - 4)   # plane bytes: 4 or 8
+        parts.append(torch.stack([((plane >> (8 * byte)) & 255).to(torch.uint8) for byte in range(width)], dim=-1))
     return torch.cat(parts, dim=-1).reshape(n, k * bits // 8)
 
 

@@ -115,34 +115,45 @@ struct ByteCodes {
 
 // PackedCodes<BITS, CENTERED>: the codes at their own bit width (4, 5 or 6; gguf_blocks.PackedCodes
 // writes them), 4 * BITS bytes per 32 inputs: 16 bytes of nibbles (byte j: the low 4 bits of code j
-// in its low nibble, of code j + 16 in its high one), then for BITS = 5 four bytes holding bit 4 of
-// code i at byte i % 4, bit i / 4, for BITS = 6 eight bytes holding bits 4-5 of code i at byte i % 8,
-// bits 2 (i / 8) and up. The stored value u is the code (CENTERED false: codes 0 .. 2^BITS - 1) or
-// code + 2^(BITS - 1) (CENTERED: signed codes). Lossless: the same int8 codes, so the same products.
+// in its low nibble, of code j + 16 in its high one), then for BITS = 5 and 6 a plane of the codes'
+// high bits (4 or 8 bytes, read as one little-endian integer P) laid out for 16-bit lanes: with
+// i' = i % 16 and h = i / 16 (which vector of 16 codes), bit 4 of code i is P's bit
+// 16 (i' % 2) + 8 h + i' / 2 (5 bits), bits 4-5 of code i are P's bits from 16 (i' % 4) + 8 h + 2 (i' / 4)
+// (6 bits): one variable shift of P per 32- or 64-bit lane brings every code's high bits to bit 0
+// (first 16 codes) and bit 8 (next 16) of its own 16-bit lane. The stored value u is the code
+// (CENTERED false: codes 0 .. 2^BITS - 1) or code + 2^(BITS - 1) (CENTERED: signed codes). Lossless:
+// the same int16 codes as ByteCodes gives, so the same products.
 template <int BITS, bool CENTERED>
 struct PackedCodes {
   static_assert(BITS >= 4 && BITS <= 6, "4, 5 or 6 bits");
   static constexpr int64_t kStepBytes = 4 * BITS;
   static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
     const uint8_t* p = row + c * kStepBytes;
-    const __m128i nibbles = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m256i u = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(nibbles, low4)),
-                                        _mm_and_si128(_mm_srli_epi16(nibbles, 4), low4), 1);
-    if constexpr (BITS == 5) {   // lane l (bytes 4l .. 4l + 3) shifted right by l: bit l of each byte
-      int32_t plane;
-      std::memcpy(&plane, p + 16, sizeof(plane));
-      const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(plane), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(1)), 4));
-    } else if constexpr (BITS == 6) {   // lane L (bytes 8L .. 8L + 7) shifted right by 2L
-      int64_t plane;
-      std::memcpy(&plane, p + 16, sizeof(plane));
-      const __m256i high = _mm256_srlv_epi64(_mm256_set1_epi64x(plane), _mm256_setr_epi64x(0, 2, 4, 6));
-      u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(3)), 4));
+    // 16-bit lane j: code j | code j + 16 << 4
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256i lo = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+    __m256i hi = _mm256_srli_epi16(words, 4);
+    if constexpr (BITS > 4) {
+      constexpr int kMask = BITS == 5 ? 1 : 3;
+      __m256i high;
+      if constexpr (BITS == 5) {
+        int32_t plane;
+        std::memcpy(&plane, p + 16, sizeof(plane));
+        high = _mm256_srlv_epi32(_mm256_set1_epi32(plane), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      } else {
+        int64_t plane;
+        std::memcpy(&plane, p + 16, sizeof(plane));
+        high = _mm256_srlv_epi64(_mm256_set1_epi64x(plane), _mm256_setr_epi64x(0, 2, 4, 6));
+      }
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi16(kMask)), 4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(high, 4), _mm256_set1_epi16(kMask << 4)));
     }
-    if constexpr (CENTERED) u = _mm256_sub_epi8(u, _mm256_set1_epi8(1 << (BITS - 1)));
-    w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(u));
-    w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(u, 1));
+    if constexpr (CENTERED) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(1 << (BITS - 1)));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(1 << (BITS - 1)));
+    }
+    w0 = lo;
+    w1 = hi;
   }
 };
 
@@ -207,7 +218,8 @@ struct IntActivations {
     }
     const int64_t steps = k / kActBlock;
     for (int64_t c = 0; c < steps; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+      if (((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)   // once per cache line
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
       __m256i w0, w1;
       Codes::load(w, c, w0, w1);
       if (block == 32) {
