@@ -1,8 +1,7 @@
 """One decode row (and a few) through the GGUF block kernel this CPU builds, against the dense float32
 F.linear a CPU without a native bf16 GEMM would run on the dequantized weight (issue 30 section 4).
 
-Qwen2.5-Coder-0.5B's shapes with random codes of its GGUF types (Q4_K: 4-bit codes with offsets per
-32; Q6_K: signed 6-bit codes per 16); each case is timed in interleaved rounds (every route once per
+Qwen2.5-Coder-0.5B's shapes with random codes of its GGUF types (``SHAPES``, ``CODE_RANGES``); each case is timed in interleaved rounds (every route once per
 round) and the median per call is printed, in ms, for each thread count. Routes: ``dense f32``, the
 kernel's functions on the int8 codes (``block_linear_a16``, ``block_linear``, ``block_linear_float``)
 and, where the build has them (AVX2), on the codes packed at their bit width (``packed_a16``,
@@ -33,22 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.layers import gguf_kernel  # noqa: E402
 from servelm.model.layers.gguf_blocks import BlockWeight, PackedCodes  # noqa: E402
 
-SHAPES = {"qkv 1152x896": (1152, 896, "Q4_K"), "o 896x896": (896, 896, "Q4_K"),
-          "gate_up 9728x896": (9728, 896, "Q4_K"), "down 896x4864": (896, 4864, "Q6_K"),
-          "head 151936x896": (151936, 896, "Q6_K")}
+SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
+          "gate_up 9728x896": (9728, 896, "Q5_0"), "down 896x4864": (896, 4864, "Q6_K"),
+          "down 896x4864 Q4_K": (896, 4864, "Q4_K"), "head 151936x896": (151936, 896, "Q8_0")}
+"""Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
+V), Q6_K or Q4_K down, a Q8_0 head."""
 ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8")
 L3_BYTES = 32 << 20
 """This machine's L3 (lscpu: 32 MiB); --cold cycles through copies of at least twice that."""
 
 
+CODE_RANGES = {"Q5_0": (-16, 16, 32, False), "Q6_K": (-32, 32, 16, False), "Q4_K": (0, 16, 32, True),
+               "Q8_0": (-128, 128, 32, False)}
+"""kind -> (lowest code, highest + 1, block, has offsets)."""
+
+
 def weight(n: int, k: int, kind: str, seed: int) -> BlockWeight:
+    low, high, block, has_offsets = CODE_RANGES[kind]
     g = torch.Generator().manual_seed(seed)
-    if kind == "Q6_K":
-        codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
-        return BlockWeight(codes, torch.rand(n, k // 16, generator=g) * 1e-2, None, 16, kind)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int8, generator=g)
-    return BlockWeight(codes, torch.rand(n, k // 32, generator=g) * 1e-2, -torch.rand(n, k // 32, generator=g) * 1e-2,
-                       32, kind)
+    codes = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
+    offsets = -torch.rand(n, k // block, generator=g) * 1e-2 if has_offsets else None
+    return BlockWeight(codes, torch.rand(n, k // block, generator=g) * 1e-2, offsets, block, kind)
 
 
 def route_call(kernel: object, route: str, w: BlockWeight, packed: PackedCodes | None,
