@@ -249,25 +249,24 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
     return source, model_dtype
 
 
-def _drop_packed_codes(weights: Iterable[BlockWeight]) -> str:
-    """Free the int8 codes of every weight that holds them packed (the block route then reads the
-    packed bytes, the embedding unpacks its rows; the other copies were made at load); what runs
-    packed and the bytes, for the start-up log."""
-    by_kind: dict[str, tuple[int, int]] = {}
-    freed = held = 0
+def _packed_note(weights: Iterable[BlockWeight]) -> str:
+    """Which weights hold their codes packed (their int8 codes dropped once their copies were made:
+    the block route reads the packed bytes, the embedding unpacks its rows) and the bytes, for the
+    start-up log."""
+    by_kind: dict[str, int] = {}
+    held = int8_bytes = 0
     for weight in weights:
         if weight.packed is None:
             continue
         key = f"{weight.kind} {weight.packed.bits}-bit"
-        count, nbytes = by_kind.get(key, (0, 0))
-        by_kind[key] = (count + 1, nbytes + weight.packed.data.nbytes)
+        by_kind[key] = by_kind.get(key, 0) + 1
         held += weight.packed.data.nbytes
-        freed += weight.drop_codes()
+        int8_bytes += weight.shape[0] * weight.shape[1]
     if not by_kind:
         return "codes as int8 bytes"
-    kinds = ", ".join(f"{key} x{count}" for key, (count, _) in sorted(by_kind.items()))
+    kinds = ", ".join(f"{key} x{count}" for key, count in sorted(by_kind.items()))
     return (f"codes packed at their bit width: {kinds}; {held / 2 ** 20:.1f} MiB packed in place of "
-            f"{freed / 2 ** 20:.1f} MiB of int8 codes")
+            f"{int8_bytes / 2 ** 20:.1f} MiB of int8 codes")
 
 
 def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
@@ -327,8 +326,9 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                 replaced.update(names)
                 float_bytes += module.weight.numel() * 4
             if isinstance(module, VocabEmbedding):
-                if method.packs:   # rows unpacked per lookup: the int8 codes need not stay
+                if method.packs:   # rows unpacked per lookup
                     weight.with_packed()
+                weight.drop_codes()
                 module.quantized_rows = BlockRows(weight, module.weight.dtype)
                 del module.weight
                 module.register_parameter("weight", None)
@@ -337,11 +337,12 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                 dense_bytes += method.process(
                     module, weight, float_output=isinstance(module, LMHead),
                     int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
+                weight.drop_codes()   # its copies are made; a module sharing it unpacks what it needs
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
-    packed_note = _drop_packed_codes(by_weight.values())
+    packed_note = _packed_note(by_weight.values())
     stored = sum(weight.nbytes for weight in by_weight.values())
     for moe in split:
         moe.drop_stacked()
