@@ -287,6 +287,33 @@ struct FloatActivations {
   }
 };
 
+// ROWS = tile activation rows (1-4) against one weight row.
+template <class Codes, class Activations>
+inline void dot_tile(const Activations& acts, const uint8_t* wr, const float* sr, int64_t block, int64_t r0, int tile,
+                     float* dots) {
+  switch (tile) {
+    case 4: acts.template dot<4, Codes>(wr, sr, block, r0, dots); break;
+    case 3: acts.template dot<3, Codes>(wr, sr, block, r0, dots); break;
+    case 2: acts.template dot<2, Codes>(wr, sr, block, r0, dots); break;
+    default: acts.template dot<1, Codes>(wr, sr, block, r0, dots); break;
+  }
+}
+
+// Weight rows n0 .. n1 - 1 of packed codes as int8 codes [n1 - n0, k] in a per-thread buffer.
+template <class Codes>
+const int8_t* unpack_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t k) {
+  int8_t* out = scratch<int8_t>(0, (n1 - n0) * k);
+  for (int64_t j = n0; j < n1; ++j)
+    for (int64_t c = 0; c < k / 32; ++c) {
+      __m256i w0, w1;
+      Codes::load(w + j * row_bytes, c, w0, w1);
+      // packs interleaves per 128-bit lane: [w0 0-7, w1 0-7, w0 8-15, w1 8-15] -> reorder the quarters
+      const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(w0, w1), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (j - n0) * k + c * 32), bytes);
+    }
+  return out;
+}
+
 // y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
 // ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes).
@@ -335,16 +362,17 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
     float dots[kRowTile];
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
+      // packed codes read by more than one row tile: unpacked once into int8 bytes (L1), not per tile
+      const int8_t* unpacked = kBytes || rows <= kRowTile ? nullptr : unpack_rows<Codes>(w, row_bytes, n0, n1, k);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
         for (int64_t j = n0; j < n1; ++j) {
-          const uint8_t* wr = w + j * row_bytes;
           const float* sr = s + j * nb;
-          switch (tile) {
-            case 4: acts.template dot<4, Codes>(wr, sr, block, r0, dots); break;
-            case 3: acts.template dot<3, Codes>(wr, sr, block, r0, dots); break;
-            case 2: acts.template dot<2, Codes>(wr, sr, block, r0, dots); break;
-            default: acts.template dot<1, Codes>(wr, sr, block, r0, dots); break;
+          if (unpacked != nullptr) {
+            dot_tile<ByteCodes>(acts, reinterpret_cast<const uint8_t*>(unpacked + (j - n0) * k), sr, block, r0,
+                                tile, dots);
+          } else {
+            dot_tile<Codes>(acts, w + j * row_bytes, sr, block, r0, tile, dots);
           }
           for (int t = 0; t < tile; ++t) {
             float value = dots[t];
