@@ -218,7 +218,8 @@ struct IntActivations {
     }
     const int64_t steps = k / kActBlock;
     for (int64_t c = 0; c < steps; ++c) {
-      if (((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)   // once per cache line
+      // bytes: every step, as before; packed steps (16-24 bytes): once per cache line
+      if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)
         _mm_prefetch(reinterpret_cast<const char*>(w + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
       __m256i w0, w1;
       Codes::load(w, c, w0, w1);
