@@ -242,7 +242,46 @@ struct IntActivations {
     }
     for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
   }
+
+  template <class Codes>
+  void dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block, int64_t r0,
+                float* out) const;
 };
+
+// (IntActivations::dot_pair, defined after the struct: one activation row against weight rows a and
+// b, two independent accumulator chains, each row's arithmetic and order exactly dot<1>'s.)
+template <class Codes>
+void IntActivations::dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block,
+                              int64_t r0, float* out) const {
+  const int16_t* xq = codes + r0 * k;
+  const float* xs = block_scales + r0 * (k / kActBlock);
+  __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+  const int64_t steps = k / kActBlock;
+  for (int64_t c = 0; c < steps; ++c) {
+    if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(wa + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    __m256i a0, a1, b0, b1;
+    Codes::load(wa, c, a0, a1);
+    Codes::load(wb, c, b0, b1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
+    if (block == 32) {
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1))),
+                              _mm256_set1_ps(sa[c] * xs[c]), acc_a);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(b0, x0), _mm256_madd_epi16(b1, x1))),
+                              _mm256_set1_ps(sb[c] * xs[c]), acc_b);
+    } else {
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, x0)), _mm256_set1_ps(sa[2 * c] * xs[c]), acc_a);
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, x1)), _mm256_set1_ps(sa[2 * c + 1] * xs[c]), acc_a);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b0, x0)), _mm256_set1_ps(sb[2 * c] * xs[c]), acc_b);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b1, x1)), _mm256_set1_ps(sb[2 * c + 1] * xs[c]), acc_b);
+    }
+  }
+  out[0] = hsum(acc_a);
+  out[1] = hsum(acc_b);
+}
 
 struct Int16Activations : IntActivations {
   Int16Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 32512.f) {}
@@ -367,25 +406,34 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
       const int8_t* unpacked = kBytes || rows <= kRowTile ? nullptr : unpack_rows<Codes>(w, row_bytes, n0, n1, k);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+        auto finish = [&](int64_t j, int t, float value) {
+          if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+          if (bias32 != nullptr) value += bias32[j];
+          if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
+          if (y16 != nullptr) {
+            y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
+          } else {
+            y[(r0 + t) * n + j] = value;
+          }
+        };
         for (int64_t j = n0; j < n1; ++j) {
           const float* sr = s + j * nb;
+          if constexpr (std::is_base_of<IntActivations, Activations>::value) {
+            if (tile == 1 && unpacked == nullptr && j + 1 < n1) {   // one row: two weight rows at once
+              acts.template dot_pair<Codes>(w + j * row_bytes, w + (j + 1) * row_bytes, sr, sr + nb, block, r0, dots);
+              finish(j, 0, dots[0]);
+              finish(j + 1, 0, dots[1]);
+              ++j;
+              continue;
+            }
+          }
           if (unpacked != nullptr) {
             dot_tile<ByteCodes>(acts, reinterpret_cast<const uint8_t*>(unpacked + (j - n0) * k), sr, block, r0,
                                 tile, dots);
           } else {
             dot_tile<Codes>(acts, w + j * row_bytes, sr, block, r0, tile, dots);
           }
-          for (int t = 0; t < tile; ++t) {
-            float value = dots[t];
-            if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
-            if (bias32 != nullptr) value += bias32[j];
-            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
-            if (y16 != nullptr) {
-              y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
-            } else {
-              y[(r0 + t) * n + j] = value;
-            }
-          }
+          for (int t = 0; t < tile; ++t) finish(j, t, dots[t]);
         }
       }
     }
