@@ -167,6 +167,10 @@ def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> N
                         out = getattr(avx2, name + suffix)(x, packed.data, weight.scales, weight.offsets,
                                                            weight.block, bf16_out, bias)
                         assert torch.equal(out, expected), (rows, x.dtype, bias is None, name, bf16_out)
+                        # one row (two weight rows per pass) as that row of a many-row call (row tiles)
+                        alone = getattr(avx2, name + suffix)(x[-1:].contiguous(), packed.data, weight.scales,
+                                                             weight.offsets, weight.block, bf16_out, bias)
+                        assert torch.equal(alone, out[-1:])
 
 
 def test_packed_kernel_refuses_codes_of_another_width(avx2: object) -> None:
