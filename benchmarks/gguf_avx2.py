@@ -1,11 +1,19 @@
 """One decode row (and a few) through the GGUF block kernel this CPU builds, against the dense float32
 F.linear a CPU without a native bf16 GEMM would run on the dequantized weight (issue 30 section 4).
 
-Qwen2.5-Coder-0.5B's shapes (Q4_K/Q6_K-like blocks of random codes); each case is timed in
-interleaved rounds (every route once per round) and the median per call is printed, in ms, for each
-thread count. The machine may be shared: read the ratios, not the absolute times.
+Qwen2.5-Coder-0.5B's shapes with random codes of its GGUF types (``SHAPES``, ``CODE_RANGES``); each case is timed in interleaved rounds (every route once per
+round) and the median per call is printed, in ms, for each thread count. Routes: ``dense f32``, the
+kernel's functions on the int8 codes (``block_linear_a16``, ``block_linear``, ``block_linear_float``)
+and, where the build has them (AVX2), on the codes packed at their bit width (``packed_a16``,
+``packed_a8``: gguf_blocks.PackedCodes).
 
-    python benchmarks/gguf_avx2.py --threads 1 2 --rows 1 4 16
+``--cold`` runs each call on the next of enough copies of the weight to exceed the L3 cache (as
+serving does: every layer's weight is read once per step, so none is in cache when its turn comes);
+without it one weight is rerun and, where it fits the L3, read from cache. ``--clock thread`` reads
+the calling thread's CPU time (1 thread only: the OpenMP workers' time is not counted) on a loaded
+machine. The machine may be shared: read the ratios, not the absolute times.
+
+    python benchmarks/gguf_avx2.py --threads 1 2 --rows 1 4 16 --cold
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,16 +30,43 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.layers import gguf_kernel  # noqa: E402
-from servelm.model.layers.gguf_blocks import BlockWeight  # noqa: E402
+from servelm.model.layers.gguf_blocks import BlockWeight, PackedCodes  # noqa: E402
 
-SHAPES = {"qkv 1152x896": (1152, 896, 32), "o 896x896": (896, 896, 32), "gate_up 9728x896": (9728, 896, 32),
-          "down 896x4864 (Q6_K)": (896, 4864, 16), "head 151936x896": (151936, 896, 32)}
+SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
+          "gate_up 9728x896": (9728, 896, "Q5_0"), "down 896x4864": (896, 4864, "Q6_K"),
+          "down 896x4864 Q4_K": (896, 4864, "Q4_K"), "head 151936x896": (151936, 896, "Q8_0")}
+"""Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
+V), Q6_K or Q4_K down, a Q8_0 head."""
+ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8")
+L3_BYTES = 32 << 20
+"""This machine's L3 (lscpu: 32 MiB); --cold cycles through copies of at least twice that."""
 
 
-def weight(n: int, k: int, block: int) -> BlockWeight:
-    g = torch.Generator().manual_seed(n + k)
-    codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
-    return BlockWeight(codes, torch.rand(n, k // block, generator=g) * 1e-2, None, block, "bench")
+CODE_RANGES = {"Q5_0": (-16, 16, 32, False), "Q6_K": (-32, 32, 16, False), "Q4_K": (0, 16, 32, True),
+               "Q8_0": (-128, 128, 32, False)}
+"""kind -> (lowest code, highest + 1, block, has offsets)."""
+
+
+def weight(n: int, k: int, kind: str, seed: int) -> BlockWeight:
+    low, high, block, has_offsets = CODE_RANGES[kind]
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
+    offsets = -torch.rand(n, k // block, generator=g) * 1e-2 if has_offsets else None
+    return BlockWeight(codes, torch.rand(n, k // block, generator=g) * 1e-2, offsets, block, kind)
+
+
+def route_call(kernel: object, route: str, w: BlockWeight, packed: PackedCodes | None,
+               dense: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """One call of ``route`` on this copy of the weight, or None where it does not run here."""
+    if route == "dense f32":
+        return None if dense is None else (lambda x: F.linear(x, dense))
+    if route.startswith("packed"):
+        if packed is None or not hasattr(kernel, route):
+            return None
+        f = getattr(kernel, route + ("_centered" if packed.centered else ""))
+        return lambda x: f(x, packed.data, w.scales, w.offsets, w.block)
+    f = getattr(kernel, route)
+    return lambda x: f(x, w.codes, w.scales, w.offsets, w.block)
 
 
 def main() -> None:
@@ -39,33 +75,47 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
+    parser.add_argument("--cold", action="store_true", help="cycle through copies exceeding the L3")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = parser.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     kernel = gguf_kernel.load_kernel()
-    print(f"kernel: {gguf_kernel.kernel_status()}")
+    print(f"kernel: {gguf_kernel.kernel_status()}; {'cold (copies > L3)' if args.cold else 'one weight'}, "
+          f"{args.clock} clock")
+    assert kernel is not None or args.routes == ["dense f32"], "no kernel builds here"
     for name in args.shapes:
-        n, k, block = SHAPES[name]
-        w = weight(n, k, block)
-        dense = w.dequantize()
+        n, k, kind = SHAPES[name]
+        w = weight(n, k, kind, n + k)
+        # --cold: copies of the int8 form exceeding twice the L3 (more than the packed form needs)
+        copies_needed = (1 + (2 * L3_BYTES) // max(1, w.nbytes)) if args.cold else 1
+        weights = [w] + [weight(n, k, kind, n + k + i) for i in range(1, copies_needed)]
+        packed = [PackedCodes.of(copy.codes) for copy in weights]
+        dense_copies = (1 + (2 * L3_BYTES) // (n * k * 4)) if args.cold else 1
+        dense = ([copy.dequantize() for copy in weights[:dense_copies]] if "dense f32" in args.routes else [])
         for threads in args.threads:
             torch.set_num_threads(threads)
             for rows in args.rows:
                 x = torch.randn(rows, k)
-                routes = {"dense f32": lambda: F.linear(x, dense)}
-                if kernel is not None:
-                    for fn in ("block_linear_a16", "block_linear", "block_linear_float"):
-                        routes[fn] = (lambda f=getattr(kernel, fn): f(x, w.codes, w.scales, w.offsets, w.block))
-                times: dict[str, list[float]] = {route: [] for route in routes}
-                reps = max(1, int(2e8 // (n * k)))
+                calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+                for route in args.routes:
+                    runs = [route_call(kernel, route, copy, pack, dense[i] if i < len(dense) else None)
+                            for i, (copy, pack) in enumerate(zip(weights, packed))]
+                    present = [run for run in runs if run is not None]
+                    if present:
+                        calls[route] = present
+                times: dict[str, list[float]] = {route: [] for route in calls}
+                reps = max(2 * max(len(runs) for runs in calls.values()), int(2e8 // (n * k)))
                 for _ in range(args.rounds):
-                    for route, run in routes.items():
-                        start = time.perf_counter()
-                        for _ in range(reps):
-                            run()
-                        times[route].append((time.perf_counter() - start) / reps * 1e3)
+                    for route, runs in calls.items():
+                        start = clock()
+                        for i in range(reps):
+                            runs[i % len(runs)](x)
+                        times[route].append((clock() - start) / reps * 1e3)
                 medians = {route: statistics.median(t) for route, t in times.items()}
-                base = medians["dense f32"]
+                base = medians.get("dense f32") or next(iter(medians.values()))
                 cells = "  ".join(f"{route} {ms:.3f} ({ms / base:.2f}x)" for route, ms in medians.items())
-                print(f"{name:22s} M={rows:2d} t={threads}: {cells}", flush=True)
+                print(f"{name:18s} M={rows:2d} t={threads}: {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from servelm.engine.disaggregation import CO_LOCATED, Disaggregation
 from servelm.engine.executor import Executor, NaNLogitsError, Runner
 from servelm.engine.expert_stage import ExpertLoadStage, expert_distribution_call
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
-from servelm.engine.heap import keep_large_buffers
+from servelm.engine.heap import keep_large_buffers, release_free_memory
 from servelm.engine.hicache import HiCacheStage, build_hicache
 from servelm.engine.kv_manager import KVManager
 from servelm.engine.frontdoor import SubmitRequest
@@ -81,6 +81,7 @@ class LLMEngine:
         """STANDALONE: the draft model's proposer, built by ``_load`` beside the model."""
         if runner is None:
             runner, tokenizer, eos_token_ids, context_length = self._load(config)
+            release_free_memory()   # the load's freed buffers (e.g. GGUF int8 codes dropped once packed)
         assert eos_token_ids is not None and context_length is not None
         self.runner = runner
         self.tokenizer = tokenizer

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +291,26 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
     return source, model_dtype
 
 
+def _packed_note(weights: Iterable[BlockWeight]) -> str:
+    """Which weights hold their codes packed (their int8 codes dropped once their copies were made:
+    the block route reads the packed bytes, the embedding unpacks its rows) and the bytes, for the
+    start-up log."""
+    by_kind: dict[str, int] = {}
+    held = int8_bytes = 0
+    for weight in weights:
+        if weight.packed is None:
+            continue
+        key = f"{weight.kind} {weight.packed.bits}-bit"
+        by_kind[key] = by_kind.get(key, 0) + 1
+        held += weight.packed.data.nbytes
+        int8_bytes += weight.shape[0] * weight.shape[1]
+    if not by_kind:
+        return "codes as int8 bytes"
+    kinds = ", ".join(f"{key} x{count}" for key, count in sorted(by_kind.items()))
+    return (f"codes packed at their bit width: {kinds}; {held / 2 ** 20:.1f} MiB packed in place of "
+            f"{int8_bytes / 2 ** 20:.1f} MiB of int8 codes")
+
+
 def apply_gguf_blocks(model: nn.Module, path: str | Path, activations: str = "int16",
                       check: bool = True, route_budget_s: float | None = STARTUP_BUDGET_S,
                       fresh_routes: bool = False, experts_only: bool = False) -> dict[str, Any]:
@@ -327,7 +347,7 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     route_seconds = time.perf_counter() - started
     kinds: Counter[str] = Counter()
     kept_float: list[str] = []
-    float_bytes = stored = dense_bytes = 0
+    float_bytes = dense_bytes = 0
     by_weight: dict[int, BlockWeight] = {}
     replaced: set[str] = set()
     head_kind = embedding_kind = "float"
@@ -347,8 +367,10 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                 by_weight[id(module.weight)] = weight
                 replaced.update(names)
                 float_bytes += module.weight.numel() * 4
-                stored += weight.nbytes
             if isinstance(module, VocabEmbedding):
+                if method.packs:   # rows unpacked per lookup
+                    weight.with_packed()
+                weight.drop_codes()
                 module.quantized_rows = BlockRows(weight, module.weight.dtype)
                 del module.weight
                 module.register_parameter("weight", None)
@@ -357,10 +379,13 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                 dense_bytes += method.process(
                     module, weight, float_output=isinstance(module, LMHead),
                     int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
+                weight.drop_codes()   # its copies are made; a module sharing it unpacks what it needs
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
                 else:
                     kinds[weight.kind] += 1
+    packed_note = _packed_note(by_weight.values())
+    stored = sum(weight.nbytes for weight in by_weight.values())
     for moe in split:
         moe.drop_stacked()
     replaced |= _expert_names(model, split)
@@ -376,10 +401,11 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,
                "kernel": kernel_status(), "activations": activations,
-               "routes": method.route_report}
+               "routes": method.route_report, "packed": packed_note}
     logger.info("%s weights served in their own blocks: linears %s, LM head %s, embedding %s; "
-                "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); block kernel: %s%s; %s",
+                "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); %s; block kernel: %s%s; %s",
                 label, ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
                 head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
-                kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "", kernel_note)
+                packed_note, kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "",
+                kernel_note)
     return summary

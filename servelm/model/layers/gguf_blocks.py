@@ -39,32 +39,163 @@ once, for a peak of several times the finished model at start-up."""
 REPACKABLE = {"Q8_0": 32, "Q4_0": 32, "Q5_0": 32, "Q4_1": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 
 
+PACKED_BITS = (4, 5, 6)
+"""Bit widths ``PackedCodes`` stores codes at (wider codes, Q8_0's, stay int8 bytes)."""
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """A weight's int8 codes at their own bit width, 4 * ``bits`` bytes per 32 inputs of a row (the
+    layout the AVX2 kernel's ``packed_*`` functions read; gguf_kernel_avx2.cpp ``PackedCodes``):
+    16 bytes of nibbles (byte j: code j's low 4 bits, code j + 16's in the high nibble), then (5 and
+    6 bits) the high bits of the 32 codes as one little-endian integer of 4 or 8 bytes, at the bit
+    positions ``_plane_positions`` gives. Stored is u = code (``centered`` False) or
+    code + 2^(bits - 1) (``centered``: signed codes). Lossless: ``unpack`` gives the codes back.
+
+    The narrowest width the codes' range fits (any GGUF type's: Q4_0/Q4_1/Q4_K 4 bits, Q5_* 5, Q6_K
+    6, a fused Q4_K+Q6_K weight 6): ``of`` reads the codes, not the type names."""
+
+    data: torch.Tensor   # [N, K * bits / 8] uint8
+    bits: int
+    centered: bool
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1] * 8 // self.bits
+
+    @classmethod
+    def of(cls, codes: torch.Tensor) -> PackedCodes | None:
+        """``codes`` [N, K] int8 packed at the narrowest of ``PACKED_BITS`` that holds them, or None
+        (wider codes, K not a multiple of 32, no rows)."""
+        n, k = codes.shape
+        if n == 0 or k == 0 or k % 32:
+            return None
+        low, high = int(codes.min()), int(codes.max())
+        for bits in PACKED_BITS:
+            for centered in (False, True):
+                bias = 1 << (bits - 1) if centered else 0
+                if low + bias >= 0 and high + bias < 1 << bits:
+                    data = torch.cat([_pack_rows(codes[start:start + REPACK_ROWS], bits, bias)
+                                      for start in range(0, n, REPACK_ROWS)])
+                    return cls(data, bits, centered)
+        return None
+
+    def unpack(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """The int8 codes [N, K] (or those of ``rows``: indices or a slice)."""
+        data = self.data if rows is None else self.data[rows]
+        n = data.shape[0]
+        steps = data.view(n, -1, 4 * self.bits)
+        nibbles = steps[..., :16].to(torch.int16)
+        u = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)   # [n, K / 32, 32]
+        if self.bits > 4:
+            plane = _plane_integer(steps[..., 16:])            # [n, K / 32] int64
+            u = u | (((plane[..., None] >> _plane_positions(self.bits)) & ((1 << (self.bits - 4)) - 1)) << 4).to(torch.int16)
+        codes = u - ((1 << (self.bits - 1)) if self.centered else 0)
+        return codes.to(torch.int8).reshape(n, -1)
+
+
+def _plane_positions(bits: int) -> torch.Tensor:
+    """[32] int64: where code i's high bits (bit 4, or bits 4-5) start in a 5- or 6-bit step's plane
+    integer: with i' = i % 16 and h = i // 16, 16 (i' % 2) + 8 h + i' // 2 for 5 bits,
+    16 (i' % 4) + 8 h + 2 (i' // 4) for 6 (the kernel's variable shifts per 32/64-bit lane)."""
+    i = torch.arange(32)
+    low, h = i % 16, i // 16
+    if bits == 5:
+        return 16 * (low % 2) + 8 * h + low // 2
+    return 16 * (low % 4) + 8 * h + 2 * (low // 4)
+
+
+def _plane_integer(plane: torch.Tensor) -> torch.Tensor:
+    """[..., 4 or 8] uint8 little-endian bytes -> [...] int64."""
+    value = torch.zeros(plane.shape[:-1], dtype=torch.int64)
+    for byte in range(plane.shape[-1]):
+        value |= plane[..., byte].to(torch.int64) << (8 * byte)
+    return value
+
+
+def _pack_rows(codes: torch.Tensor, bits: int, bias: int) -> torch.Tensor:
+    """``PackedCodes``' bytes of ``codes`` [n, K] int8 (each code + ``bias`` in 0 .. 2^bits - 1)."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + bias).view(n, k // 32, 32)
+    parts = [((u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)).to(torch.uint8)]
+    if bits > 4:
+        high = (u >> 4).to(torch.int64)   # [n, K / 32, 32], each below 2^(bits - 4)
+        plane = (high << _plane_positions(bits)).sum(-1)   # distinct bit positions: the sum is an OR
+        width = 4 * (bits - 4)   # plane bytes: 4 or 8
+        parts.append(torch.stack([((plane >> (8 * byte)) & 255).to(torch.uint8) for byte in range(width)], dim=-1))
+    return torch.cat(parts, dim=-1).reshape(n, k * bits // 8)
+
+
 @dataclass
 class BlockWeight:
-    """One weight as int8 codes plus a float32 scale (and offset) per ``block`` inputs of a row."""
+    """One weight as int8 codes plus a float32 scale (and offset) per ``block`` inputs of a row.
 
-    codes: torch.Tensor            # [N, K] int8
+    The codes live in ``stored_codes`` (int8), in ``packed`` (their bit width), or both; ``drop_codes``
+    frees the int8 copy where ``packed`` holds them, and ``codes`` then unpacks them (a new tensor per
+    read: for load-time work, checks and tools, never a decode step)."""
+
+    stored_codes: torch.Tensor | None   # [N, K] int8, or None once dropped
     scales: torch.Tensor           # [N, K // block] float32
     offsets: torch.Tensor | None   # [N, K // block] float32, or None (symmetric types)
     block: int
     kind: str                      # the GGUF type(s) it came from, e.g. "Q8_0" or "Q5_0+Q8_0"
+    packed: PackedCodes | None = None
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """[N, K] int8."""
+        if self.stored_codes is not None:
+            return self.stored_codes
+        assert self.packed is not None, "a block weight holds its codes in one form at least"
+        return self.packed.unpack()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight."""
+        scales_rows = self.scales.shape[0]
+        if self.stored_codes is not None:
+            return scales_rows, self.stored_codes.shape[1]
+        assert self.packed is not None
+        return scales_rows, self.packed.in_features
+
+    def row_codes(self, ids: torch.Tensor | slice) -> torch.Tensor:
+        """The int8 codes [len(ids), K] of rows ``ids`` (unpacked from ``packed`` where dropped)."""
+        if self.stored_codes is not None:
+            return self.stored_codes[ids]
+        assert self.packed is not None
+        return self.packed.unpack(ids)
+
+    def with_packed(self) -> PackedCodes | None:
+        """``packed``, made (once) from the codes where they fit ``PACKED_BITS``."""
+        if self.packed is None:
+            self.packed = PackedCodes.of(self.codes)
+        return self.packed
+
+    def drop_codes(self) -> int:
+        """Free the int8 codes where ``packed`` holds them; the bytes freed."""
+        if self.packed is None or self.stored_codes is None:
+            return 0
+        freed = self.stored_codes.nbytes
+        self.stored_codes = None
+        return freed
 
     @property
     def nbytes(self) -> int:
-        return (self.codes.nbytes + self.scales.nbytes
+        return ((self.stored_codes.nbytes if self.stored_codes is not None else 0)
+                + (self.packed.data.nbytes if self.packed is not None else 0) + self.scales.nbytes
                 + (self.offsets.nbytes if self.offsets is not None else 0))
 
     def dequantize(self, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``; the whole
         weight in another dtype is built ``REPACK_ROWS`` rows at a time (no float32 copy of a
         262k-row LM head alive at start-up)."""
-        if rows is None and dtype != torch.float32 and self.codes.shape[0] > REPACK_ROWS:
-            out = torch.empty(self.codes.shape, dtype=dtype)
-            for start in range(0, self.codes.shape[0], REPACK_ROWS):
+        if rows is None and (dtype != torch.float32 or self.stored_codes is None) and self.shape[0] > REPACK_ROWS:
+            out = torch.empty(self.shape, dtype=dtype)
+            for start in range(0, self.shape[0], REPACK_ROWS):
                 part = slice(start, start + REPACK_ROWS)
                 out[part] = self.dequantize(part, dtype)
             return out
-        codes = self.codes if rows is None else self.codes[rows]
+        codes = self.codes if rows is None else self.row_codes(rows)
         scales = self.scales if rows is None else self.scales[rows]
         n, k = codes.shape
         values = codes.view(n, k // self.block, self.block).float().mul_(scales[..., None])
@@ -78,9 +209,9 @@ class BlockWeight:
             return self
         assert self.block % block == 0, (self.block, block)
         repeat = self.block // block
-        return BlockWeight(self.codes, self.scales.repeat_interleave(repeat, dim=1),
+        return BlockWeight(self.stored_codes, self.scales.repeat_interleave(repeat, dim=1),
                            None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1),
-                           block, self.kind)
+                           block, self.kind, self.packed)
 
     def narrow(self, dim: int, start: int, size: int) -> BlockWeight:
         """Outputs (``dim`` 0) or inputs (``dim`` 1) ``start .. start + size``: the same codes,

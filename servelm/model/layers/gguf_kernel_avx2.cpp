@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -99,6 +100,63 @@ inline __m256i load_codes16(const int8_t* w) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
+// Where a weight row's codes come from, 32 at a time (step c: inputs 32c .. 32c + 31), as two
+// vectors of 16 codes sign-extended to int16 (w0: the first 16, w1: the next 16).
+//
+// ByteCodes: the int8 codes as stored (1 byte per weight).
+struct ByteCodes {
+  static constexpr int64_t kStepBytes = 32;
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(row) + c * 32;
+    w0 = load_codes16(w);
+    w1 = load_codes16(w + 16);
+  }
+};
+
+// PackedCodes<BITS, CENTERED>: the codes at their own bit width (4, 5 or 6; gguf_blocks.PackedCodes
+// writes them), 4 * BITS bytes per 32 inputs: 16 bytes of nibbles (byte j: the low 4 bits of code j
+// in its low nibble, of code j + 16 in its high one), then for BITS = 5 and 6 a plane of the codes'
+// high bits (4 or 8 bytes, read as one little-endian integer P) laid out for 16-bit lanes: with
+// i' = i % 16 and h = i / 16 (which vector of 16 codes), bit 4 of code i is P's bit
+// 16 (i' % 2) + 8 h + i' / 2 (5 bits), bits 4-5 of code i are P's bits from 16 (i' % 4) + 8 h + 2 (i' / 4)
+// (6 bits): one variable shift of P per 32- or 64-bit lane brings every code's high bits to bit 0
+// (first 16 codes) and bit 8 (next 16) of its own 16-bit lane. The stored value u is the code
+// (CENTERED false: codes 0 .. 2^BITS - 1) or code + 2^(BITS - 1) (CENTERED: signed codes). Lossless:
+// the same int16 codes as ByteCodes gives, so the same products.
+template <int BITS, bool CENTERED>
+struct PackedCodes {
+  static_assert(BITS >= 4 && BITS <= 6, "4, 5 or 6 bits");
+  static constexpr int64_t kStepBytes = 4 * BITS;
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+    const uint8_t* p = row + c * kStepBytes;
+    // 16-bit lane j: code j | code j + 16 << 4
+    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256i lo = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+    __m256i hi = _mm256_srli_epi16(words, 4);
+    if constexpr (BITS > 4) {
+      constexpr int kMask = BITS == 5 ? 1 : 3;
+      __m256i high;
+      if constexpr (BITS == 5) {
+        int32_t plane;
+        std::memcpy(&plane, p + 16, sizeof(plane));
+        high = _mm256_srlv_epi32(_mm256_set1_epi32(plane), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      } else {
+        int64_t plane;
+        std::memcpy(&plane, p + 16, sizeof(plane));
+        high = _mm256_srlv_epi64(_mm256_set1_epi64x(plane), _mm256_setr_epi64x(0, 2, 4, 6));
+      }
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi16(kMask)), 4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(high, 4), _mm256_set1_epi16(kMask << 4)));
+    }
+    if constexpr (CENTERED) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(1 << (BITS - 1)));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(1 << (BITS - 1)));
+    }
+    w0 = lo;
+    w1 = hi;
+  }
+};
+
 // Rounded activations (both integer formats): q = round(x / d) per row and kActBlock inputs with
 // d = amax / qmax, stored as int16 [rows, k], and d per block [rows, k / 32]. The arithmetic is the
 // VNNI kernel's (d, 1 / d or 0, round to nearest even of x * (1 / d)), so q is the same integer.
@@ -148,8 +206,8 @@ struct IntActivations {
 
   // ROWS activation rows (from r0) against one weight row; per 32 inputs: two vpmaddwd of 16 codes
   // each, their int32 lanes (B = 32: added; B = 16: each its own block) scaled into a float accumulator.
-  template <int ROWS>
-  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+  template <int ROWS, class Codes>
+  void dot(const uint8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
     const int16_t* xq[ROWS];
     const float* xs[ROWS];
     __m256 acc[ROWS];
@@ -160,9 +218,11 @@ struct IntActivations {
     }
     const int64_t steps = k / kActBlock;
     for (int64_t c = 0; c < steps; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * kActBlock) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256i w0 = load_codes16(w + c * kActBlock);
-      const __m256i w1 = load_codes16(w + c * kActBlock + 16);
+      // bytes: every step, as before; packed steps (16-24 bytes): once per cache line
+      if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i w0, w1;
+      Codes::load(w, c, w0, w1);
       if (block == 32) {
         const float ws = w_scales[c];
         for (int r = 0; r < ROWS; ++r) {
@@ -182,7 +242,46 @@ struct IntActivations {
     }
     for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
   }
+
+  template <class Codes>
+  void dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block, int64_t r0,
+                float* out) const;
 };
+
+// (IntActivations::dot_pair, defined after the struct: one activation row against weight rows a and
+// b, two independent accumulator chains, each row's arithmetic and order exactly dot<1>'s.)
+template <class Codes>
+void IntActivations::dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block,
+                              int64_t r0, float* out) const {
+  const int16_t* xq = codes + r0 * k;
+  const float* xs = block_scales + r0 * (k / kActBlock);
+  __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+  const int64_t steps = k / kActBlock;
+  for (int64_t c = 0; c < steps; ++c) {
+    if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes) {
+      _mm_prefetch(reinterpret_cast<const char*>(wa + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    __m256i a0, a1, b0, b1;
+    Codes::load(wa, c, a0, a1);
+    Codes::load(wb, c, b0, b1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
+    if (block == 32) {
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1))),
+                              _mm256_set1_ps(sa[c] * xs[c]), acc_a);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(b0, x0), _mm256_madd_epi16(b1, x1))),
+                              _mm256_set1_ps(sb[c] * xs[c]), acc_b);
+    } else {
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, x0)), _mm256_set1_ps(sa[2 * c] * xs[c]), acc_a);
+      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, x1)), _mm256_set1_ps(sa[2 * c + 1] * xs[c]), acc_a);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b0, x0)), _mm256_set1_ps(sb[2 * c] * xs[c]), acc_b);
+      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b1, x1)), _mm256_set1_ps(sb[2 * c + 1] * xs[c]), acc_b);
+    }
+  }
+  out[0] = hsum(acc_a);
+  out[1] = hsum(acc_b);
+}
 
 struct Int16Activations : IntActivations {
   Int16Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 32512.f) {}
@@ -201,8 +300,10 @@ struct FloatActivations {
 
   FloatActivations(const float* x_, int64_t /*rows*/, int64_t k_) : x(x_), k(k_) {}
 
-  template <int ROWS>
-  void dot(const int8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+  template <int ROWS, class Codes>
+  void dot(const uint8_t* w_bytes, const float* w_scales, int64_t block, int64_t r0, float* out) const {
+    static_assert(std::is_same<Codes, ByteCodes>::value, "float activations read the int8 codes");
+    const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
     const float* xr[ROWS];
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -226,19 +327,50 @@ struct FloatActivations {
   }
 };
 
+// ROWS = tile activation rows (1-4) against one weight row.
+template <class Codes, class Activations>
+inline void dot_tile(const Activations& acts, const uint8_t* wr, const float* sr, int64_t block, int64_t r0, int tile,
+                     float* dots) {
+  switch (tile) {
+    case 4: acts.template dot<4, Codes>(wr, sr, block, r0, dots); break;
+    case 3: acts.template dot<3, Codes>(wr, sr, block, r0, dots); break;
+    case 2: acts.template dot<2, Codes>(wr, sr, block, r0, dots); break;
+    default: acts.template dot<1, Codes>(wr, sr, block, r0, dots); break;
+  }
+}
+
+// Weight rows n0 .. n1 - 1 of packed codes as int8 codes [n1 - n0, k] in a per-thread buffer.
+template <class Codes>
+const int8_t* unpack_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t k) {
+  int8_t* out = scratch<int8_t>(0, (n1 - n0) * k);
+  for (int64_t j = n0; j < n1; ++j)
+    for (int64_t c = 0; c < k / 32; ++c) {
+      __m256i w0, w1;
+      Codes::load(w + j * row_bytes, c, w0, w1);
+      // packs interleaves per 128-bit lane: [w0 0-7, w1 0-7, w0 8-15, w1 8-15] -> reorder the quarters
+      const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(w0, w1), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (j - n0) * k + c * 32), bytes);
+    }
+  return out;
+}
+
 // y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
-template <class Activations>
+// ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes).
+template <class Activations, class Codes = ByteCodes>
 torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                                 const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
                                 const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
-  TORCH_CHECK(codes.dtype() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: int8 [N, K]");
+  constexpr bool kBytes = std::is_same<Codes, ByteCodes>::value;
+  TORCH_CHECK(codes.dtype() == (kBytes ? torch::kInt8 : torch::kUInt8) && codes.dim() == 2 && codes.is_contiguous(),
+              kBytes ? "codes: int8 [N, K]" : "packed codes: uint8 [N, K * bits / 8]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(codes.size(1) == k && k % Activations::kKMultiple == 0,
-              "K must match and be a multiple of ", Activations::kKMultiple);
+  const int64_t row_bytes = k / 32 * Codes::kStepBytes;
+  TORCH_CHECK(codes.size(1) == row_bytes && k % Activations::kKMultiple == 0,
+              "K must match the codes and be a multiple of ", Activations::kKMultiple);
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2
               && scales.size(0) == n && scales.size(1) == k / block, "scales: float32 [N, K / block]");
   const bool has_offsets = offsets.has_value() && offsets->defined();
@@ -256,7 +388,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const float* xp = float_rows(x, rows * k);
   const Activations acts(xp, rows, k);
   const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
-  const int8_t* w = codes.data_ptr<int8_t>();
+  const uint8_t* w = static_cast<const uint8_t*>(codes.data_ptr());
   const float* s = scales.data_ptr<float>();
   const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
   const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
@@ -265,33 +397,43 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   float* y = bf16_out ? nullptr : out.data_ptr<float>();
   c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = k / block;
-  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / k);
+  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
+      // packed codes read by more than one row tile: unpacked once into int8 bytes (L1), not per tile
+      const int8_t* unpacked = kBytes || rows <= kRowTile ? nullptr : unpack_rows<Codes>(w, row_bytes, n0, n1, k);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-        for (int64_t j = n0; j < n1; ++j) {
-          const int8_t* wr = w + j * k;
-          const float* sr = s + j * nb;
-          switch (tile) {
-            case 4: acts.template dot<4>(wr, sr, block, r0, dots); break;
-            case 3: acts.template dot<3>(wr, sr, block, r0, dots); break;
-            case 2: acts.template dot<2>(wr, sr, block, r0, dots); break;
-            default: acts.template dot<1>(wr, sr, block, r0, dots); break;
+        auto finish = [&](int64_t j, int t, float value) {
+          if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+          if (bias32 != nullptr) value += bias32[j];
+          if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
+          if (y16 != nullptr) {
+            y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
+          } else {
+            y[(r0 + t) * n + j] = value;
           }
-          for (int t = 0; t < tile; ++t) {
-            float value = dots[t];
-            if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
-            if (bias32 != nullptr) value += bias32[j];
-            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
-            if (y16 != nullptr) {
-              y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
-            } else {
-              y[(r0 + t) * n + j] = value;
+        };
+        for (int64_t j = n0; j < n1; ++j) {
+          const float* sr = s + j * nb;
+          if constexpr (std::is_base_of<IntActivations, Activations>::value) {
+            if (tile == 1 && unpacked == nullptr && j + 1 < n1) {   // one row: two weight rows at once
+              acts.template dot_pair<Codes>(w + j * row_bytes, w + (j + 1) * row_bytes, sr, sr + nb, block, r0, dots);
+              finish(j, 0, dots[0]);
+              finish(j + 1, 0, dots[1]);
+              ++j;
+              continue;
             }
           }
+          if (unpacked != nullptr) {
+            dot_tile<ByteCodes>(acts, reinterpret_cast<const uint8_t*>(unpacked + (j - n0) * k), sr, block, r0,
+                                tile, dots);
+          } else {
+            dot_tile<Codes>(acts, w + j * row_bytes, sr, block, r0, tile, dots);
+          }
+          for (int t = 0; t < tile; ++t) finish(j, t, dots[t]);
         }
       }
     }
@@ -319,6 +461,23 @@ torch::Tensor block_linear_float(torch::Tensor x, torch::Tensor codes, torch::Te
   return block_linear_impl<FloatActivations>(x, codes, scales, offsets, block, bf16_out, bias);
 }
 
+// The packed codes' functions: the bit width follows from the codes' row bytes (K * bits / 8).
+template <class Activations, bool CENTERED>
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                            c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) % 32 == 0,
+              "x [M, K], K a multiple of 32; packed [N, bytes]");
+  const int64_t k = x.size(1), bits = packed.size(1) * 8 / std::max<int64_t>(k, 1);
+  TORCH_CHECK(packed.size(1) * 8 == k * bits && bits >= 4 && bits <= 6, "packed codes: ", packed.size(1),
+              " bytes per row is not 4, 5 or 6 bits for K = ", k);
+  switch (bits) {
+    case 4: return block_linear_impl<Activations, PackedCodes<4, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+    case 5: return block_linear_impl<Activations, PackedCodes<5, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+    default: return block_linear_impl<Activations, PackedCodes<6, CENTERED>>(x, packed, scales, offsets, block, bf16_out, bias);
+  }
+}
+
 #define BLOCK_LINEAR_ARGS py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
                           py::arg("bf16_out") = false, py::arg("bias") = py::none()
 
@@ -331,4 +490,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear_float", &block_linear_float,
         "float activations (weights dequantized in registers; no activation rounding; AVX2 + FMA)",
         BLOCK_LINEAR_ARGS);
+#define PACKED_ARGS py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("offsets"), py::arg("block"), \
+                    py::arg("bf16_out") = false, py::arg("bias") = py::none()
+  m.def("packed_a16", &packed_linear<Int16Activations, false>,
+        "block_linear_a16 on codes packed at their bit width (gguf_blocks.PackedCodes)", PACKED_ARGS);
+  m.def("packed_a16_centered", &packed_linear<Int16Activations, true>,
+        "packed_a16 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
+  m.def("packed_a8", &packed_linear<Int8Activations, false>, "block_linear on codes packed at their bit width",
+        PACKED_ARGS);
+  m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,
+        "packed_a8 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
 }

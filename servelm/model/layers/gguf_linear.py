@@ -7,7 +7,9 @@ one of the routes of gguf_routes.py:
 - ``block``: the block kernel (gguf_kernel.cpp, or any build with its API). ``activations="int16"``
   (``--quantization gguf``, the default for GGUF files): activations rounded to 16 bits per 32 inputs
   (2e-5 relative error per layer); ``"int8"`` (``--quantization gguf_a8``): to int8 per 32 inputs as
-  llama.cpp does (5e-3); ``"float"``: unrounded (the exactness reference).
+  llama.cpp does (5e-3); ``"float"``: unrounded (the exactness reference). The AVX2 build reads the
+  codes packed at their own bit width (``PackedCodes``: 4-6 bits per weight instead of 8, the same
+  products bit for bit) for rounded activations; the int8 codes are then dropped after load.
 - ``rows``: the rows kernel's GEMM (gguf_rows.cpp ``rows_gemm``, AVX512-BF16) on a copy of the codes
   packed at load (1 byte per weight), bf16 activations unrounded, scales applied in float32.
 - ``int8``: the int8 GEMM (gguf_i8gemm.cpp) on its own copy, activations rounded to int8 per block:
@@ -36,6 +38,8 @@ identical outputs on Qwen2.5-Coder 0.5B) and on a layer marked ``float_residual_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -55,7 +59,8 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
     """``(kernel, codes, scales, offsets, block)``: a layer's decode call, prepared once at load, with
     how far it reaches (from its ``LayerRoutes``). Called as ``kernel(x, codes, scales, offsets, block,
     round_out[, bias])``: x [M, K] in ``dtype``; ``round_out`` (bf16 only) rounds the result to bf16,
-    else it is float32."""
+    else it is float32. ``codes`` is what ``kernel`` reads: the int8 codes, the rows kernel's copy, or
+    the ``PackedCodes`` bytes (the AVX2 build's ``packed_*`` functions)."""
 
     dtype: torch.dtype
     """The rows' dtype it takes (the model's): bf16, or float32 (the block kernel only)."""
@@ -95,6 +100,10 @@ def decode_takes_bias(call: tuple[object, ...]) -> bool:
 
 ACTIVATION_MODES = ("int16", "int8", "float")
 _KERNELS = {"int16": "block_linear_a16", "int8": "block_linear", "float": "block_linear_float"}
+_PACKED_KERNELS = {("int16", False): "packed_a16", ("int16", True): "packed_a16_centered",
+                   ("int8", False): "packed_a8", ("int8", True): "packed_a8_centered"}
+"""The block kernel's functions on ``PackedCodes`` (by activation mode and ``centered``): the AVX2
+build's; a build without them (AVX-512) reads the int8 codes."""
 
 
 class GGUFBlockLinearMethod:
@@ -118,6 +127,9 @@ class GGUFBlockLinearMethod:
         self.activations = activations
         """How the block kernel takes activations: ``int16`` rounds them to 16 bits per 32 inputs,
         ``int8`` to 8 bits as llama.cpp does, ``float`` multiplies them unrounded."""
+        self.packs = kernel is not None and hasattr(kernel, _PACKED_KERNELS.get((activations, False), ""))
+        """Whether the block route reads the codes packed at their bit width (``PackedCodes``; the AVX2
+        build, rounded activations): ``process`` packs each weight whose codes fit."""
         self.ranking: Ranking = ranking or self.default_ranking
         """(shape, x is bf16, rows) -> routes fastest first: measured (model/routes.py) or the defaults."""
         self._resolved: dict[tuple[LinearShape, bool], LayerRoutes] = {}
@@ -128,7 +140,7 @@ class GGUFBlockLinearMethod:
 
     def shape(self, weight: BlockWeight, float_output: bool = False, int8_rows: bool = True) -> LinearShape:
         """The route table's key for a layer with ``weight`` (``process``'s arguments)."""
-        return LinearShape(weight.codes.shape[1], weight.codes.shape[0], weight.kind, float_output,
+        return LinearShape(weight.shape[1], weight.shape[0], weight.kind, float_output,
                            int8_rows and not float_output and self.activations != "float")
 
     def available(self, shape: LinearShape, block: int) -> frozenset[Route]:
@@ -165,6 +177,8 @@ class GGUFBlockLinearMethod:
         routes = self.routes(self.shape(weight, float_output, int8_rows), weight.block, dtype)
         layer.gguf_weight = weight
         layer.gguf_routes = routes
+        if self.packs and Route.BLOCK in routes.held:
+            weight.with_packed()
         layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
                                   self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
                              if Route.ROWS in routes.held else None)
@@ -183,6 +197,8 @@ class GGUFBlockLinearMethod:
         that ``run_route`` can force each (route timing, tests)."""
         available = self.available(shape, weight.block)
         layer.gguf_weight = weight
+        if self.packs and Route.BLOCK in available:
+            weight.with_packed()
         layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
                                   self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
                              if Route.ROWS in available else None)
@@ -232,22 +248,29 @@ class GGUFBlockLinearMethod:
         is_bf16 = x2.dtype == torch.bfloat16
         bf16_out = is_bf16 and bias is None and not float_out
         if route is Route.BLOCK:
-            kernel = getattr(self.kernel, _KERNELS[self.activations])
-            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), weight.codes, weight.scales,
+            kernel, codes = self.block_call(weight)
+            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, weight.scales,
                          weight.offsets, weight.block, bf16_out)
         elif route is Route.ROWS:   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), *layer.gguf_packed, weight.block, bf16_out,
-                weight.codes.shape[0])
+                weight.shape[0])
         elif route is Route.INT8:
             out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
                 x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
-                bf16_out, weight.codes.shape[0])
+                bf16_out, weight.shape[0])
         else:   # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
         if bias is not None:   # type promotion: float32 whenever either side is
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
+
+    def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
+        """The block route's kernel function and the codes it reads: the packed codes where the
+        weight has them (``process`` packed it), else the int8 codes."""
+        if weight.packed is not None and self.packs:
+            return getattr(self.kernel, _PACKED_KERNELS[self.activations, weight.packed.centered]), weight.packed.data
+        return getattr(self.kernel, _KERNELS[self.activations]), weight.codes
 
     def _decode_args(self, layer: nn.Module, routes: LayerRoutes, model_dtype: torch.dtype) -> tuple[object, ...]:
         """The kernel and its weight arguments of the layer's 1-row generation route for rows in
@@ -263,12 +286,13 @@ class GGUFBlockLinearMethod:
         reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
         if route is Route.ROWS:
             codes, scales, offsets = layer.gguf_packed
-            if weight.codes.shape[0] != codes.shape[0] * codes.shape[2] * 16:   # padded outputs: via apply
+            if weight.shape[0] != codes.shape[0] * codes.shape[2] * 16:   # padded outputs: via apply
                 return ()
             return PreparedCall.of((self.rows_kernel.rows_gemm, codes, scales, offsets, weight.block),  # type: ignore[attr-defined]
                                    model_dtype, *reach, takes_bias=False)
-        return PreparedCall.of((getattr(self.kernel, _KERNELS[self.activations]), weight.codes, weight.scales,
-                                weight.offsets, weight.block), model_dtype, *reach, takes_bias=True)
+        kernel, codes = self.block_call(weight)
+        return PreparedCall.of((kernel, codes, weight.scales, weight.offsets, weight.block), model_dtype, *reach,
+                               takes_bias=True)
 
 
 class BlockRows:
@@ -281,7 +305,7 @@ class BlockRows:
         """``[T]`` ids -> ``[T, hidden]`` rows in the dtype of the float weight they replace."""
         w = self.weight
         ids = input_ids.reshape(-1)
-        codes = w.codes[ids]
+        codes = w.row_codes(ids)
         values = codes.view(len(ids), -1, w.block).float().mul_(w.scales[ids][..., None])
         if w.offsets is not None:
             values.add_(w.offsets[ids][..., None])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from servelm.model.layers import gguf_kernel
-from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, repack
+from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
 from tests.unit.model.test_gguf_blocks import random_raw
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -115,6 +115,74 @@ def test_avx2_kernel_refuses_bad_arguments(avx2: object) -> None:
         avx2.block_linear_a16(torch.randn(1, 64), weight.codes, weight.scales, None, 8)
 
 
+PACKED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": None}
+
+
+@pytest.mark.parametrize("kind", sorted(REPACKABLE))
+def test_packed_codes_are_lossless(kind: str) -> None:
+    """Each type's codes pack at their own width (Q8_0's stay bytes) and unpack to the same codes,
+    whole or by rows; a fused weight packs at its widest part's width."""
+    n, k = 6, 512
+    weight = repack(random_raw(kind, n, k, seed=2), (n, k), kind)
+    packed = PackedCodes.of(weight.codes)
+    assert (packed.bits if packed is not None else None) == PACKED_BITS[kind]
+    if packed is None:
+        return
+    assert packed.data.dtype == torch.uint8 and packed.data.shape == (n, k * packed.bits // 8)
+    assert packed.centered == (int(weight.codes.min()) < 0)
+    assert torch.equal(packed.unpack(), weight.codes)
+    assert torch.equal(packed.unpack(torch.tensor([4, 1])), weight.codes[[4, 1]])
+    dropped = BlockWeight(weight.codes.clone(), weight.scales, weight.offsets, weight.block, kind, packed)
+    assert dropped.drop_codes() == n * k and dropped.stored_codes is None
+    assert dropped.shape == (n, k) and torch.equal(dropped.dequantize(), weight.dequantize())
+
+
+def test_fused_weight_packs_at_its_widest_width() -> None:
+    parts = [repack(random_raw(kind, 4, 256, seed=1), (4, 256), kind) for kind in ("Q4_K", "Q6_K")]
+    fused = concat_rows(parts)
+    packed = PackedCodes.of(fused.codes)
+    assert packed is not None and packed.bits == 6 and packed.centered
+    assert torch.equal(packed.unpack(), fused.codes)
+
+
+@pytest.mark.parametrize("kind", sorted(kind for kind, bits in PACKED_BITS.items() if bits))
+def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> None:
+    """The packed functions compute the int8-code functions' outputs bit for bit: both activation
+    roundings, 1, 3 and 16 rows, float32 and bf16 rows, with and without a bias, float32 and bf16
+    out; 300 outputs split over threads."""
+    n, k = 300, 512
+    weight = repack(random_raw(kind, n, k, seed=5), (n, k), kind)
+    packed = PackedCodes.of(weight.codes)
+    assert packed is not None
+    suffix = "_centered" if packed.centered else ""
+    generator = torch.Generator().manual_seed(11)
+    for rows in (1, 3, 16):
+        x32 = torch.randn(rows, k, generator=generator)
+        for x in (x32, x32.bfloat16()):
+            for bias in (None, torch.randn(n, generator=generator)):
+                for plain, name in (("block_linear_a16", "packed_a16"), ("block_linear", "packed_a8")):
+                    for bf16_out in (False, True):
+                        expected = getattr(avx2, plain)(x, weight.codes, weight.scales, weight.offsets,
+                                                        weight.block, bf16_out, bias)
+                        out = getattr(avx2, name + suffix)(x, packed.data, weight.scales, weight.offsets,
+                                                           weight.block, bf16_out, bias)
+                        assert torch.equal(out, expected), (rows, x.dtype, bias is None, name, bf16_out)
+                        # one row (two weight rows per pass) as that row of a many-row call (row tiles)
+                        alone = getattr(avx2, name + suffix)(x[-1:].contiguous(), packed.data, weight.scales,
+                                                             weight.offsets, weight.block, bf16_out, bias)
+                        assert torch.equal(alone, out[-1:])
+
+
+def test_packed_kernel_refuses_codes_of_another_width(avx2: object) -> None:
+    weight = repack(random_raw("Q4_0", 4, 256), (4, 256), "Q4_0")
+    packed = PackedCodes.of(weight.codes)
+    assert packed is not None
+    with pytest.raises(RuntimeError, match="not 4, 5 or 6 bits"):
+        avx2.packed_a16_centered(torch.randn(1, 256), packed.data[:, :100].contiguous(), weight.scales, None, 32)
+    with pytest.raises(RuntimeError, match="uint8"):
+        avx2.packed_a16_centered(torch.randn(1, 256), packed.data.view(torch.int8), weight.scales, None, 32)
+
+
 def test_avx2_equals_avx512_where_both_build(avx2: object) -> None:
     """Where the CPU has AVX512-VNNI too, both builds compute the same integers: equal to float32
     summation order."""
@@ -152,7 +220,16 @@ KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.p
                   "servelm.model.layers.gguf_i8gemm")
 
 
-def greedy(model_path: Path, quantization: str = "auto") -> tuple[list[int], object]:
+def packed_layers(model: torch.nn.Module) -> dict[str, tuple[str, int, bool]]:
+    """name -> (GGUF kind, bits, int8 codes dropped) of every layer whose block route reads packed codes."""
+    return {name: (module.gguf_weight.kind, module.gguf_weight.packed.bits, module.gguf_weight.stored_codes is None)
+            for name, module in model.named_modules()
+            if getattr(module, "gguf_weight", None) is not None and module.gguf_weight.packed is not None}
+
+
+def greedy(model_path: Path, quantization: str = "auto", layers: dict[str, object] | None = None
+           ) -> tuple[list[int], object]:
+    """Greedy tokens of a short request and the LM head's method; ``layers`` gets ``packed_layers``."""
     from servelm.config import EngineConfig
     from servelm.engine.engine import LLMEngine
     from servelm.sampling.params import SamplingParams
@@ -166,6 +243,8 @@ def greedy(model_path: Path, quantization: str = "auto") -> tuple[list[int], obj
         while engine.has_unfinished():
             for output in engine.step():
                 tokens.extend(output.new_token_ids)
+        if layers is not None:
+            layers.update(packed_layers(engine.runner.model))
         return tokens, engine.runner.model.lm_head.__dict__.get("linear_method")
     finally:
         engine.shutdown()
@@ -208,7 +287,10 @@ def test_avx2_cpu_serves_the_gguf_blocks_on_the_avx2_build(avx2: object, tmp_pat
     write_quantized_llama(path)
     expected, _ = greedy(path, "none")
     monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: AVX2 | {"sse4_2", "avx"})
-    tokens, method = greedy(path)
+    packed: dict[str, object] = {}
+    tokens, method = greedy(path, layers=packed)
     assert method is not None and getattr(method.kernel, "ISA", "") == "avx2"
     assert method.dense_dtype == torch.float32 and method.rows_kernel is None and method.i8_kernel is None
+    # the block route reads packed codes (Q8_0's stay bytes), the int8 copies dropped
+    assert method.packs and {kinds for kinds in packed.values()} == {("Q4_0", 4, True), ("Q5_0+Q4_1", 5, True)}
     assert tokens == expected
