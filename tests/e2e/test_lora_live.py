@@ -320,4 +320,4 @@ def test_bad_startup_adapter_stops_the_server_with_the_reason(lora_server: LoRAS
                              f"big={path}", "--max-lora-rank", str(MAX_RANK), "--port", "1"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    assert f"servelm: --lora-paths: LoRA adapter 'big'" in result.stderr and reason in result.stderr
+    assert "servelm: --lora-paths: LoRA adapter 'big'" in result.stderr and reason in result.stderr

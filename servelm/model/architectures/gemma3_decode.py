@@ -11,7 +11,7 @@ act * up. Bit-identical to the module path (tests/unit/model/test_flat_decode.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
