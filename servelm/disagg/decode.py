@@ -247,7 +247,8 @@ class DecodeClient:
         except (ValueError, KeyError, RuntimeError, OSError, TypeError) as error:
             return Arrival(key, error=f"the K/V from the prefill server could not be read: {error}")
         self.num_transfers += 1
-        num_bytes = 2 * int(torch.Size(transport.shape(self.cache, num_blocks)).numel())
+        sides = 2 if self.cache.v_caches else 1   # a latent pool (MLA) holds no V of its own
+        num_bytes = sides * int(torch.Size(transport.shape(self.cache, num_blocks)).numel())
         self.num_bytes_received += num_bytes
         self.receive_time_s += time.perf_counter() - start_s
         return Arrival(key, int(message["first_token"]), transfer.decode_logprob(message.get("logprob")),

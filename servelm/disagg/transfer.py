@@ -116,11 +116,15 @@ def read_shm(path: str, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torc
     with open(path, "rb") as file:
         data = file.read()
     os.remove(path)
-    both = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(2, *shape)
-    return both[0], both[1]
+    k_bytes = shape[0] * shape[1] * shape[2]
+    return frames_to_blocks([data[:k_bytes], data[k_bytes:]], shape)
 
 
 def frames_to_blocks(frames: list[bytes], shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V blocks ``shape`` (uint8 bytes) from their two frames; an empty V frame is a latent
+    pool's (multi-head latent attention keeps V inside K's rows: ``LatentKVCache``)."""
     k = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8).view(shape)
+    if not frames[1]:
+        return k, k.new_empty(shape[0], shape[1], 0)
     v = torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8).view(shape)
     return k, v

@@ -164,6 +164,14 @@ def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_referenc
         assert outputs == expected
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_moe_model_over_pd_equals_colocated(tmp_path, arch):
+    """Issue 33: a mixture-of-experts model (DeepSeek-V3: its latent K/V pool, not per-head K/V)
+    served prefill -> decode gives the co-located engine's greedy tokens, with the decode side's
+    prefix-cache hits sending only the missing blocks."""
+    check_greedy_identical_and_only_missing_blocks_sent(make_tiny_model_dir(tmp_path, arch), "auto", "zmq")
+
+
 def test_decode_times_out_without_prefill_server_and_frees_its_blocks(model_path):
     decode = make_engine(model_path, "decode", timeout_s=0.5)
     try:
