@@ -217,9 +217,7 @@ class BlockWeight:
         """Outputs (``dim`` 0) or inputs (``dim`` 1) ``start .. start + size``: the same codes,
         scales and offsets. Inputs only along whole blocks (ValueError otherwise)."""
         if dim == 0:
-            cut = slice(start, start + size)
-            return BlockWeight(self.codes[cut].contiguous(), self.scales[cut].contiguous(),
-                               None if self.offsets is None else self.offsets[cut].contiguous(), self.block, self.kind)
+            return self._rows(slice(start, start + size))
         if start % self.block or size % self.block:
             raise ValueError(f"inputs {start}..{start + size} cut {self.kind}'s blocks of {self.block}")
         blocks = slice(start // self.block, (start + size) // self.block)
@@ -228,8 +226,13 @@ class BlockWeight:
                            self.block, self.kind)
 
     def permute_rows(self, order: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.codes[order].contiguous(), self.scales[order].contiguous(),
-                           None if self.offsets is None else self.offsets[order].contiguous(),
+        return self._rows(order)
+
+    def _rows(self, ids: torch.Tensor | slice) -> BlockWeight:
+        """Rows ``ids`` (indices or a slice) as a weight of their own, in int8 codes (only those rows
+        unpacked where the int8 copy was dropped)."""
+        return BlockWeight(self.row_codes(ids).contiguous(), self.scales[ids].contiguous(),
+                           None if self.offsets is None else self.offsets[ids].contiguous(),
                            self.block, self.kind)
 
 
