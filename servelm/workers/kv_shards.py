@@ -71,6 +71,12 @@ class ShardedKV:
         covered = {head for start, size in self.head_ranges for head in range(start, start + size)}
         assert covered == set(range(self.num_kv_heads)), f"ranks hold KV heads {self.head_ranges}"
 
+    @property
+    def v_caches(self) -> list[torch.Tensor]:
+        """Rank 0's V tensors: empty for a latent pool (MLA), which stores no V of its own, so
+        a transfer counts its bytes as ``KVCache``'s layout says."""
+        return self.cache.v_caches
+
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         shares = [self.cache.read_blocks(block_ids), *self.executor.read_kv_blocks(block_ids)]
         num_layers, num_blocks = shares[0][0].shape[:2]
