@@ -12,9 +12,11 @@ lock in the build directory and then loads the finished build, so nothing builds
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for builder in _builders:  # long finished in a full run; a short run waits for its build
         builder.wait()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_tls_context_for_plain_httpx_calls() -> Iterator[None]:
+    """The tests' top-level httpx calls (``httpx.get``, ``post``, ``stream``) each build a client,
+    and its transport a TLS context that parses the CA bundle: 20-35 ms of CPU per request, taken
+    from the servers under test on a 2-core box. The tests speak plain HTTP to loopback, so calls
+    with httpx's default verification share one context; any other (a test's own CA, a client
+    certificate) still gets its own."""
+    try:
+        from httpx._transports import default as transport
+    except ImportError:   # another httpx layout: its own contexts, only slower
+        yield
+        return
+    build = transport.create_ssl_context
+    shared = functools.cache(lambda trust_env: build(verify=True, cert=None, trust_env=trust_env))
+
+    def create(verify: object = True, cert: object = None, trust_env: bool = True) -> object:
+        return shared(trust_env) if verify is True and cert is None else build(verify=verify, cert=cert,
+                                                                                   trust_env=trust_env)
+
+    transport.create_ssl_context = create
+    yield
+    transport.create_ssl_context = build
+

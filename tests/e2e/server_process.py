@@ -54,15 +54,18 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        # one client for every probe: a top-level httpx.get builds a TLS context (CA bundle) per
+        # call, ~20-35 ms of CPU taken from the starting server on a 2-core box
+        with httpx.Client(timeout=2) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.kind} exited with {self.process.returncode}:\n{self.log()}")
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
         self.__exit__(None, None, None)
         raise TimeoutError(f"{self.kind} did not become healthy:\n{self.log()}")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from .server_process import ServerProcess, running_together
 
@@ -27,6 +28,7 @@ def sample_texts(server: ServerProcess) -> list[str]:
     return texts
 
 
+@pytest.mark.slow   # two server starts; tests/unit/engine/test_server_seed.py checks the seed at engine level
 def test_same_seed_same_samples_across_server_starts() -> None:
     """Two starts side by side (--seed and its alias), each asked the prompts in the same order."""
     with running_together(ServerProcess([*ARGS, "--seed", "11"]),

@@ -25,7 +25,7 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 40)), [300, 12, 99]]
 NUM_NEW = 8
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_mqa"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma3_mqa", marks=pytest.mark.slow)])
 def test_tp2_adapters_equal_peft(tmp_path: Path, arch: str) -> None:
     expected: dict[str | None, list[list[int]]] = {}
     for seed, (name, kwargs) in enumerate([(None, None), *ADAPTERS.items()]):

@@ -26,7 +26,7 @@ import pytest
 from tests.engine_drive import PARITY_PROMPTS, reference_greedy
 from tests.tiny_models import make_tiny_model_dir
 
-from .server_process import REPO, ServerProcess, free_port, is_running, stream_and_kill, wait_until_gone
+from .server_process import REPO, ServerProcess, free_port, stream_and_kill, wait_until_gone
 
 
 class NodeProcess:
@@ -77,15 +77,23 @@ def generate_tokens(server: ServerProcess, prompt: list[int], max_tokens: int) -
     return list(response.json()["output_ids"])
 
 
-def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
-    """SmolLM2-135M, TP=2 across two loopback nodes: greedy tokens equal the TP=1 engine's; the
-    layout shows both nodes; node 1 exits cleanly (0, no rank left) when node 0 stops."""
-    model, num_new_tokens = "smollm2-135m", 16
-    # the reference of the tensor- and pipeline-parallel parity tests: loaded once per run
-    prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
-                                         num_threads=1, max_total_tokens=2048)
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2-135m", marks=pytest.mark.slow)])
+def test_two_nodes_match_tp1(tmp_path: Path, model: str) -> None:
+    """TP=2 across two loopback nodes (a tiny random Llama; SmolLM2-135M with -m slow): greedy
+    tokens equal the TP=1 engine's; the layout shows both nodes; node 1 exits cleanly (0, no rank
+    left) when node 0 stops."""
+    num_new_tokens = 16
+    extra: tuple[str, ...] = ("--max-total-tokens", "1024", "--enable-metrics", "--served-model-name", "parity")
+    if model == "tiny":
+        model = str(make_tiny_model_dir(tmp_path, "llama"))
+        prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], num_new_tokens, model=model,
+                                             dtype="float32", num_threads=1, skip_tokenizer_init=True,
+                                             max_total_tokens=1024)
+        extra = (*extra, "--skip-tokenizer-init")
+    else:   # the reference of the tensor- and pipeline-parallel parity tests: loaded once per run
+        prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
+                                             num_threads=1, max_total_tokens=2048)
     init_port = free_port()
-    extra = ("--max-total-tokens", "1024", "--enable-metrics")
     with NodeProcess(node_args(model, 1, init_port, *extra), tmp_path / "node1.log") as node1:
         with ServerProcess(node_args(model, 0, init_port, *extra)) as server:
             got = [generate_tokens(server, prompt, num_new_tokens) for prompt in prompts]
@@ -97,7 +105,7 @@ def test_two_nodes_match_tp1_smollm2(tmp_path: Path) -> None:
         assert layout["all_reduce"] == "gloo"  # shared memory stops at the node's edge
         assert [(rank["rank"], rank["node"]) for rank in layout["ranks"]] == [(0, 0), (1, 1)]
         assert [layout["ranks"][1]["pid"]] == rank_pids
-        assert ('servelm:parallel_layout{executor="mp",model_name="smollm2-135m",nnodes="2",'
+        assert ('servelm:parallel_layout{executor="mp",model_name="parity",nnodes="2",'
                 'ranks_per_node="1",tp_size="2"} 1.0') in metrics
         assert node1.wait(30) == 0, node1.log()
         assert wait_until_gone(rank_pids)

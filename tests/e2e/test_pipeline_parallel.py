@@ -86,6 +86,7 @@ def check_server_parity(model: str, num_new_tokens: int, parallel_flags: list[st
     return dict(info["parallel"])
 
 
+@pytest.mark.slow   # the engine-level PP parity tests above run in the default suite
 def test_pp2_server_matches_pp1_smollm2() -> None:
     """SmolLM2-135M: 30 layers, 15 per stage, tied head."""
     layout = check_server_parity("smollm2-135m", 16, ["--pp-size", "2"])

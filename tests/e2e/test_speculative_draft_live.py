@@ -12,6 +12,10 @@ from .conftest import OPS_MODEL
 from .server_process import ServerProcess
 from .test_speculative_live import complete, stream_text
 
+# -m slow: a third SmolLM2 server; the draft-model mechanics (stops, max_tokens, chunked catch-up,
+# sampling) are tested in process on tiny models (test_speculative_draft_tiny.py and
+# test_speculative_draft_chunked.py), the live n-gram server covers speculation over HTTP
+pytestmark = pytest.mark.slow
 
 # float32 on both: in bfloat16 a 5-token verify step rounds like another batch shape, and a
 # near-tie (end of text against a newline, seen here) can flip.

@@ -96,6 +96,7 @@ print("growth", batches(range(81, 201)) - filled)
 """
 
 
+@pytest.mark.slow   # 40 s on 2 cores without native bf16; the flag's effect on a model process is tested above
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_new_batch_sizes_stop_growing_memory_once_the_caches_are_full(tmp_path: Path) -> None:
     """SmolLM2's four bf16 linear shapes at 120 new batch sizes, after 80 that fill the caches:
