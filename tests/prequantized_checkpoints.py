@@ -224,11 +224,14 @@ def reference_model(model: Any, weights: dict[str, torch.Tensor]) -> Any:
 
 def write_gptq(path: Path, model: Any, bits: int = 4, group: int = 32, sym: bool = True,
                desc_act: bool = False, v2: bool = False, seed: int = 0,
-               shared_order: bool = True) -> dict[str, torch.Tensor]:
+               shared_order: bool = True, experts_only: bool = False) -> dict[str, torch.Tensor]:
     """Write ``model`` as a GPTQ checkpoint; returns the dequantized reference weights.
-    ``shared_order``: with desc_act, the projections of one input share its order (else each its own)."""
+    ``shared_order``: with desc_act, the projections of one input share its order (else each its own).
+    ``experts_only``: only the MoE experts' projections quantized, the rest float (as a quantizer's
+    per-module exclusions leave them)."""
     generator = torch.Generator().manual_seed(seed)
-    linears = quantized_linears(model)
+    linears = {name: weight for name, weight in quantized_linears(model).items()
+               if not experts_only or ".experts." in name}
     tensors = _float_state(model, set(linears))
     reference = {}
     orders: dict[tuple[str, int], torch.Tensor] = {}
@@ -259,9 +262,11 @@ def write_gptq(path: Path, model: Any, bits: int = 4, group: int = 32, sym: bool
     return reference
 
 
-def write_awq(path: Path, model: Any, group: int = 128) -> dict[str, torch.Tensor]:
-    """Write ``model`` as an AutoAWQ GEMM checkpoint (4-bit, zero points); returns the reference."""
-    linears = quantized_linears(model)
+def write_awq(path: Path, model: Any, group: int = 128, experts_only: bool = False) -> dict[str, torch.Tensor]:
+    """Write ``model`` as an AutoAWQ GEMM checkpoint (4-bit, zero points); returns the reference
+    (``experts_only``: as ``write_gptq``'s)."""
+    linears = {name: weight for name, weight in quantized_linears(model).items()
+               if not experts_only or ".experts." in name}
     tensors = _float_state(model, set(linears))
     reference = {}
     for name, weight in linears.items():

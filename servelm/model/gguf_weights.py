@@ -223,10 +223,13 @@ def split_block_experts(model: nn.Module, blocks: dict[str, BlockWeight]) -> lis
     """Split the experts of every MoE layer whose expert weights all have blocks into per-expert
     linears (``FusedMoE.split_experts``: then served like any other linear); returns those layers.
     A layer holding some intermediate columns of its experts (tensor parallelism) first narrows
-    their blocks to them (``shard_expert_blocks``), or, where that would cut blocks, leaves them out."""
+    their blocks to them (``shard_expert_blocks``), or, where that would cut blocks, leaves them out.
+    A second call finds the layers the first split (their blocks already narrowed) and returns them."""
     split = []
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE) and all(
+        if isinstance(module, FusedMoE) and module.expert_layers is not None:
+            split.append(module)   # split (and its blocks narrowed) by an earlier call
+        elif isinstance(module, FusedMoE) and all(
                 f"{name}.{expert}.{projection}.weight" in blocks for expert in module.checkpoint_experts
                 for projection in ("gate_proj", "up_proj", "down_proj")) and shard_expert_blocks(name, module, blocks):
             module.split_experts()
@@ -261,7 +264,7 @@ def shard_expert_blocks(name: str, module: FusedMoE, blocks: dict[str, BlockWeig
     return True
 
 
-def _expert_names(model: nn.Module, split: list[FusedMoE]) -> set[str]:
+def expert_weight_names(model: nn.Module, split: list[FusedMoE]) -> set[str]:
     """Every checkpoint expert tensor of the split layers, this rank's or not (a rank under
     --ep-size reads none of the others': they are other ranks' blocks)."""
     names = {id(module): name for name, module in model.named_modules()}
@@ -388,7 +391,7 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     stored = sum(weight.nbytes for weight in by_weight.values())
     for moe in split:
         moe.drop_stacked()
-    replaced |= _expert_names(model, split)
+    replaced |= expert_weight_names(model, split)
     routes_by_shape: dict[LinearShape, LayerRoutes] = {
         routes.shape: routes for module in model.modules()
         if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}

@@ -30,8 +30,10 @@ dequantized exactly as the format's own library does it in float32:
 Everything downstream (tensor parallel sharding, fused QKV and gate_up, LoRA, the flat decode paths)
 then sees an ordinary float checkpoint. The integer formats (GPTQ, AWQ, CT int with whole groups)
 also keep each module's codes as a ``BlockWeight`` (int8 codes ``q - z``, a scale per group, the
-group split to 32-input blocks): where ``serve_blocks`` allows (tp 1, CPU, --dtype auto, the block
-kernel built), ``apply_block_weights`` replaces the float weights by them and the GGUF block routes
+group split to 32-input blocks): where ``serve_blocks`` allows (CPU, --dtype auto, the block kernel
+built; at tp 1 or under DP attention every such module, at tp > 1 a MoE model's routed experts only:
+a rank's whole experts under --ep-size = --tp-size, else its intermediate columns where they are whole
+groups), ``apply_block_weights`` replaces the float weights by them and the GGUF block routes
 (AVX2 or AVX512-VNNI kernel, measured route table) run them at the checkpoint's own precision; the
 float weight each replaces was built from the same codes, and is checked against them. FP8 has no
 integer codes: it always runs dequantized (to --dtype) -- this CPU path has no FP8 GEMM; neither has
@@ -683,8 +685,15 @@ def dequantizing_weights(weights: Callable[[], Iterator[tuple[str, torch.Tensor]
 
 
 def serve_blocks(flag: str, dtype: str, tp_size: int, pp_size: int, device: torch.device,
-                 compile_enabled: bool, spec: QuantSpec) -> tuple[bool, str]:
-    """(whether the integer codes run on the block routes, why) -- else the dequantized weights serve."""
+                 compile_enabled: bool, spec: QuantSpec, *, has_experts: bool = False,
+                 is_sharded: bool | None = None, moves_experts: bool = False) -> tuple[bool, str]:
+    """(whether the integer codes run on the block routes, why) -- else the dequantized weights serve.
+
+    ``is_sharded``: the model's dense layers are tensor-parallel shards (default: ``tp_size`` > 1;
+    False under DP attention, where every rank holds them whole). Sharded, only a MoE model's
+    routed experts (``has_experts``) keep their codes (``apply_prequantized_blocks``'
+    ``experts_only``). ``moves_experts``: redundant expert slots or EPLB, which copy and move float
+    expert stacks."""
     from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
 
     if flag == "none":
@@ -697,15 +706,29 @@ def serve_blocks(flag: str, dtype: str, tp_size: int, pp_size: int, device: torc
                        "path; AVX512-FP16/AMX-FP8 routes are not built)")
     if dtype != "auto":
         return False, f"--dtype {dtype} asks for the weights in that dtype: dequantized exactly at load"
-    if tp_size > 1 or pp_size > 1:
-        return False, ("block routes run at --tp-size 1 and --pipeline-parallel-size 1: dequantized exactly at "
-                       "load, each rank loading its shard")
+    is_sharded = tp_size > 1 if is_sharded is None else is_sharded
+    if pp_size > 1:
+        return False, ("block routes run at --pipeline-parallel-size 1: dequantized exactly at load, each "
+                       "stage loading its layers")
+    if is_sharded and not has_experts:
+        return False, ("block routes run at --tp-size 1, or on a mixture-of-experts model's routed experts: "
+                       "dequantized exactly at load, each rank loading its shard")
+    if moves_experts:
+        return False, ("--ep-num-redundant-experts / --enable-eplb copy and move float expert stacks: "
+                       "dequantized exactly at load")
     if device.type != "cpu":
         return False, f"the block kernels are CPU kernels: dequantized on {device.type}"
     if compile_enabled:
         return False, "--enable-torch-compile compiles dequantized weights"
     if load_kernel() is None:
         return False, f"the block kernel is unavailable ({kernel_status()}): dequantized exactly at load"
+    if is_sharded:
+        return True, ("each rank's routed experts keep their integer codes on the GGUF block routes (whole "
+                      "experts under --ep-size = --tp-size, else the rank's intermediate columns where they "
+                      "are whole groups); the tensor-parallel rest is dequantized exactly at load")
+    if tp_size > 1:
+        return True, ("integer codes served on the GGUF block routes (DP attention: every rank's layers "
+                      "whole, its routed experts whole)")
     return True, "integer codes served on the GGUF block routes (group scales split to 32-input blocks)"
 
 
@@ -744,6 +767,37 @@ class PermutedInputMethod:
         return self.inner.apply(layer, x.index_select(-1, self.order), bias, rows)
 
 
+def _keep_servable_expert_columns(model: Any, served: dict[str, BlockWeight], input_orders: dict[str, torch.Tensor],
+                                  others: dict[str, str]) -> None:
+    """Leave out of ``served`` the experts of a layer that holds some intermediate columns of them
+    (tensor parallelism, or an expert-parallel group smaller than it) where the block routes could
+    not take the rank's down projection: its inputs (the rank's columns) not a multiple of 64 (the
+    block kernels' input step: a narrowed down would run only its dense copy), or reordered
+    (desc_act: the group-sorted inputs scatter a rank's columns over groups other ranks' columns
+    share, so no whole groups make the shard). Those layers serve dequantized, logged; a shard that
+    would cut a group is left to ``shard_expert_blocks`` (which dequantizes it too)."""
+    from servelm.model.layers.moe import FusedMoE
+
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE) or module.intermediate_shard.size == module.full_intermediate_size:
+            continue
+        shard = module.intermediate_shard
+        names = [f"{name}.{expert}.{projection}.weight" for expert in module.checkpoint_experts
+                 for projection in ("gate_proj", "up_proj", "down_proj")]
+        if any(n in input_orders for n in names if n.endswith("down_proj.weight")):
+            why = ("desc_act sorts the down projections' inputs by group, so this rank's columns are no "
+                   "whole groups")
+        elif shard.size % 64:
+            why = f"the block kernels take inputs in multiples of 64, and the rank's down projections have {shard.size}"
+        else:
+            continue
+        for n in names:
+            if served.pop(n, None) is not None:
+                others[n] = "column shard off the block routes"
+        logger.info("%s: experts' intermediate columns %d..%d of %d dequantized: %s", name, shard.start,
+                    shard.start + shard.size, module.full_intermediate_size, why)
+
+
 def model_weight_name(model: Any, name: str) -> str:
     """The name the block routes know checkpoint weight ``name`` by: the model's own rename where it
     has one (Mixtral's ``block_sparse_moe`` -> ``mlp``), an expert's projection as transformers
@@ -752,19 +806,29 @@ def model_weight_name(model: Any, name: str) -> str:
     return canonical_expert_name(rename(name) if rename is not None else name)
 
 
-def apply_prequantized_blocks(model: Any, report: LoadReport, label: str) -> dict[str, Any] | None:
+def apply_prequantized_blocks(model: Any, report: LoadReport, label: str,
+                              experts_only: bool = False) -> dict[str, Any] | None:
     """Serve ``report``'s block weights on the GGUF block routes (``apply_block_weights``, which checks
     each against the loaded float weight). A layer whose block weight has its inputs reordered
     (desc_act) first gets its float weight's columns in that order and, after, a
     ``PermutedInputMethod``; a fused layer whose shards' orders differ keeps its float weight.
     Checkpoint names are matched as ``model_weight_name`` gives them; MoE layers whose experts all
-    have block weights are split into per-expert linears first (``split_block_experts``)."""
-    from servelm.model.gguf_weights import apply_block_weights, split_block_experts
+    have block weights are split into per-expert linears first (``split_block_experts``: a rank's
+    whole experts under expert parallelism, or its intermediate columns where they are whole
+    groups). ``experts_only``: the model's other layers are tensor-parallel shards, which keep
+    their dequantized weights."""
+    from servelm.model.gguf_weights import apply_block_weights, expert_weight_names, split_block_experts
     from servelm.model.layers.linear import LinearBase
 
     served, others = kernel_blocks({model_weight_name(model, name): block for name, block in report.blocks.items()})
     input_orders = {model_weight_name(model, name): order for name, order in report.orders.items()}
-    split_block_experts(model, served)   # experts' own linears first: their input orders apply to them
+    _keep_servable_expert_columns(model, served, input_orders, others)
+    split = split_block_experts(model, served)   # experts' own linears first: their input orders apply to them
+    if experts_only:
+        experts = expert_weight_names(model, split)
+        for name in [name for name in served if name not in experts]:
+            del served[name]
+            others[name] = "tensor-parallel shard"
     permuted: dict[str, tuple[Any, torch.Tensor]] = {}
     for module_name, module in model.named_modules():
         if not isinstance(module, LinearBase) or module.weight is None:

@@ -355,9 +355,14 @@ class ModelRunner:
     def _serve_prequantized(self, spec: QuantSpec, report: LoadReport) -> None:
         """After a pre-quantized checkpoint loaded dequantized: its integer codes take the block
         routes where ``serve_blocks`` allows, else the exact dequantized weights serve."""
-        runtime = self.config.runtime
+        runtime, parallel = self.config.runtime, self.config.parallel
+        is_sharded = self.parallel.tp_size > 1 and self.attention_ranks is None   # DP attention: layers whole
         serve, why = serve_blocks(self.config.model.quantization, self.config.model.dtype, self.parallel.tp_size,
-                                  self.parallel.pp_size, self.device, runtime.enable_torch_compile, spec)
+                                  self.parallel.pp_size, self.device, runtime.enable_torch_compile, spec,
+                                  has_experts=has_routed_experts(self.hf_config.get_text_config()),
+                                  is_sharded=is_sharded,
+                                  moves_experts=self.parallel.ep_size > 1 and (
+                                      self.parallel.num_redundant_experts > 0 or parallel.enable_eplb))
         notes = "; ".join(spec.notes)
         if report.dropped:
             notes = (notes + "; " if notes else "") + f"{report.dropped} activation scale tensors dropped"
@@ -366,7 +371,7 @@ class ModelRunner:
                     f" ({len(report.dense_only)} without integer blocks)" if report.dense_only else "",
                     why, f"; {notes}" if notes else "")
         if serve and report.blocks:
-            apply_prequantized_blocks(self.model, report, spec.method)
+            apply_prequantized_blocks(self.model, report, spec.method, experts_only=is_sharded)
 
     def _set_fp32_lm_head(self) -> None:
         """--enable-fp32-lm-head on a 16-bit model: the head computes from a float32 copy of its

@@ -288,16 +288,31 @@ class ExpertGroupMoE(FusedMoE):
         self.first_expert = group * per_group
         self.loaded_logical: set[tuple[int, str]] = set()
 
-    def forward(self, x: torch.Tensor, routing: Routing, rows: object = None) -> torch.Tensor:
-        """``[T, H]`` on every rank: each token's weighted sum over its experts (``rows``: unused,
-        a GGUF file is dequantized when --ep-size is smaller than --tp-size)."""
+    def forward(self, x: torch.Tensor, routing: Routing, rows: PassRows | None = None) -> torch.Tensor:
+        """``[T, H]`` on every rank: each token's weighted sum over its experts (``rows``: the pass's
+        facts, for the block routes of experts kept in their blocks: a GGUF file's or a
+        pre-quantized checkpoint's, narrowed to this rank's columns where those are whole blocks)."""
         local = routing.expert_ids - self.first_expert
         pairs = torch.nonzero(((local >= 0) & (local < self.num_experts)).reshape(-1)).flatten()
         tokens = torch.div(pairs, routing.expert_ids.shape[1], rounding_mode="floor")
         picked = Routing(routing.weights.reshape(-1)[pairs].unsqueeze(1), local.reshape(-1)[pairs].unsqueeze(1))
         out = torch.zeros_like(x)
-        out.index_add_(0, tokens, super().forward(x.index_select(0, tokens), picked))
+        out.index_add_(0, tokens, super().forward(x.index_select(0, tokens), picked, rows))
         return self.tp.all_reduce(out)
+
+    @property
+    def checkpoint_experts(self) -> tuple[int, ...]:
+        """This group's experts, by their checkpoint ids (the children ``split_experts`` names)."""
+        return tuple(range(self.first_expert, self.first_expert + self.num_experts))
+
+    @property
+    def num_checkpoint_experts(self) -> int:
+        return self.num_logical
+
+    def drop_stacked(self) -> None:
+        """As FusedMoE's: the other groups' experts are theirs to serve, so nothing is missing."""
+        super().drop_stacked()
+        self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in ("gate", "up", "down"))
 
     def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str] | None = None) -> None:

@@ -46,8 +46,11 @@ def make_quant_runner(path: Path, dtype: str = "float32", quantization: str = "a
     return ModelRunner(config, resolve_model_source(model_config), parallel=parallel)
 
 
-def logits_and_greedy(runner: ModelRunner, prompts: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
-    allocator = BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
+def logits_and_greedy(runner: ModelRunner, prompts: list[list[int]],
+                      allocator: Any = None) -> tuple[torch.Tensor, list[list[int]]]:
+    """The prompts' logits and NUM_NEW_TOKENS greedy tokens each (``allocator``: whose ``plan``
+    gives each sequence its blocks; a shuffled pool by default)."""
+    allocator = allocator or BlockAllocator(POOL_TOKENS // BLOCK_SIZE)
     plan = BatchPlan([allocator.plan(i, p, num_logits=len(p)) for i, p in enumerate(prompts)])
     logits = runner.execute(plan)
     outputs: list[list[int]] = []
