@@ -144,6 +144,8 @@ class LLMEngine:
             "num_blocks": runner.num_blocks,
             "block_size": runner.block_size,
             "kv_pool_tokens": runner.num_blocks * runner.block_size,
+            # DP attention: one rank's pool, where each request runs (else the pool)
+            "kv_tokens_per_request": self.kv.pool_capacity_tokens,
             "task": self.task,
             "is_generation": self.task == "generate",
             # the GGUF linears' measured routes (model/routes.py); None off GGUF blocks or on rank workers
@@ -297,8 +299,7 @@ class LLMEngine:
     @property
     def max_embedding_tokens(self) -> int:
         """Longest embedding input: it fits the context and one step (it is never chunked)."""
-        pool_tokens = self.block_pool.num_blocks * self.runner.block_size
-        return min(self.context_length, self.config.scheduler.max_tokens_per_step, pool_tokens)
+        return min(self.context_length, self.config.scheduler.max_tokens_per_step, self.kv.pool_capacity_tokens)
 
     # -- requests ---------------------------------------------------------------------------
     def add_embedding_request(self, request_id: str, prompt_token_ids: list[int],

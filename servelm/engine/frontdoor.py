@@ -27,8 +27,8 @@ from servelm.engine.outputs import RequestOutput
 from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
-PROTOCOL_VERSION = 2
-"""2: SubmitRequest.mm_inputs (images)."""
+PROTOCOL_VERSION = 3
+"""2: SubmitRequest.mm_inputs (images). 3: ModelInfo.kv_tokens_per_request."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,10 @@ class ModelInfo:
     num_blocks: int | None = None
     block_size: int | None = None
     kv_pool_tokens: int | None = None
-    """Tokens the KV pool holds; a request that can never fit is refused (400). None: no check."""
+    """Tokens the KV pool holds (under DP attention: all ranks' pools together). None: no check."""
+    kv_tokens_per_request: int | None = None
+    """Tokens of K/V one request can ever hold: the pool, or under DP attention one rank's pool (a
+    request runs on one rank); a request that can never fit is refused (400). None: kv_pool_tokens."""
     kv_cache_bytes: int | None = None
     load_time_s: float | None = None
     parallel: dict[str, Any] | None = None

@@ -276,13 +276,22 @@ class ModelRunner:
     def kv_capacity_blocks(self, ranks_sharing_memory: int = 1) -> int:
         """Blocks this rank's pool could hold (``--max-total-tokens``, or ``--mem-fraction-static``
         of free memory). ``ranks_sharing_memory``: ranks that size their pools from the same memory
-        at once (the TP ranks of one CPU host), each taking its share."""
+        at once (the TP ranks of one CPU host), each taking its share.
+
+        Under DP attention the answer is the engine's block count, all ranks' pools together: what
+        one process would allocate for the same flags (every rank holds every layer's K/V heads, so
+        a token costs the same bytes), a multiple of the ranks, each rank's pool holding an equal
+        partition (``init_kv_cache``) -- as SGLang divides the budget among DP ranks. The ranks'
+        pools thus take the memory one process's pool would (on one CPU host), never N times it."""
+        ranks = self.config.parallel.attention_dp_size
+        if ranks > 1:
+            num_blocks = kv_pool_blocks(self.config.cache, self.kv_bytes_per_token, self.device, self._demand_tokens)
+            if num_blocks < ranks:
+                raise RuntimeError(f"the KV pool's {num_blocks} blocks do not give each of the {ranks} DP-attention "
+                                   "ranks one; raise --max-total-tokens or --mem-fraction-static")
+            return num_blocks // ranks * ranks
         num_blocks = kv_pool_blocks(self.config.cache, self.kv_bytes_per_token * ranks_sharing_memory,
                                     self.device, self._demand_tokens)
-        ranks = self.config.parallel.attention_dp_size
-        if ranks > 1:   # DP attention: a rank's pool holds its requests only, 1/ranks of the engine's ids
-            per_rank = num_blocks // ranks if self.config.cache.max_total_tokens is not None else num_blocks
-            return per_rank * ranks
         if self.task == "embed":  # one step's prompts, each rounded up to whole blocks
             scheduler = self.config.scheduler
             step_blocks = -(-scheduler.max_prefill_tokens // self.block_size)
@@ -320,10 +329,15 @@ class ModelRunner:
                     self.kv_cache_bytes / 2 ** 20, str(self.kv_dtype).removeprefix("torch."),
                     self.kv_bytes_per_token)
         if self.attention_ranks is not None:
-            logger.info("DP attention: this rank's pool holds its own requests' K/V, partition %d of %d "
-                        "(blocks %d..%d of the engine's %d: the pool size divided among the ranks)",
-                        self.parallel.tp_rank, self.attention_ranks.num_ranks, self.parallel.tp_rank * pool_blocks,
-                        (self.parallel.tp_rank + 1) * pool_blocks - 1, num_blocks)
+            logger.info("DP attention: rank %d's pool holds its own requests' K/V: %d tokens (%d blocks, "
+                        "partition %d of %d: the engine's blocks %d..%d); all ranks together %d tokens, %.1f MiB, "
+                        "what one process would allocate for the same --max-total-tokens / "
+                        "--mem-fraction-static; a request runs on one rank, so it can hold at most %d tokens",
+                        self.parallel.tp_rank, pool_blocks * self.block_size, pool_blocks, self.parallel.tp_rank,
+                        self.attention_ranks.num_ranks, self.parallel.tp_rank * pool_blocks,
+                        (self.parallel.tp_rank + 1) * pool_blocks - 1, num_blocks * self.block_size,
+                        num_blocks * self.block_size * self.kv_bytes_per_token / 2 ** 20,
+                        pool_blocks * self.block_size)
         if first.latent:
             logger.info("KV pool holds the latent (multi-head latent attention): %s",
                         self.kv_pool_layout()["note"])
@@ -342,7 +356,8 @@ class ModelRunner:
         if self.attention_ranks is not None:
             ranks = self.attention_ranks
             layout["dp_attention"] = {"ranks": ranks.num_ranks, "blocks_per_rank": ranks.blocks_per_rank,
-                                      "tokens_per_rank": ranks.blocks_per_rank * self.block_size}
+                                      "tokens_per_rank": ranks.blocks_per_rank * self.block_size,
+                                      "total_tokens": ranks.num_ranks * ranks.blocks_per_rank * self.block_size}
         if isinstance(first, LatentAttention):
             k_width, v_width = first.expanded_dims
             expanded = KVCache.bytes_per_token(num_layers, first.num_heads, k_width, self.kv_dtype, v_width)

@@ -83,7 +83,10 @@ class ServingContext:
         self.served_model_name = config.model.name
         self.context_length = info.context_length
         self.vocab_size = info.vocab_size or None
-        self.kv_pool_tokens = info.kv_pool_tokens or None
+        self.kv_pool_tokens = info.kv_tokens_per_request or info.kv_pool_tokens or None
+        """Tokens of K/V one request can hold (under DP attention one rank's pool), None: no check."""
+        self._pool_words = ("the KV cache pool" if self.kv_pool_tokens == info.kv_pool_tokens else
+                            "one DP-attention rank's KV cache pool (a request runs on one rank)")
         self.task = info.task
         """generate or embed: the engine serves one; routes of the other answer 400."""
         self.embedding_size = info.embedding_size or None
@@ -288,7 +291,7 @@ class ServingContext:
             return max_tokens
         if num_prompt_tokens + 1 > pool:
             raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens but the KV cache pool holds only {pool} "
+                f"the prompt has {num_prompt_tokens} tokens but {self._pool_words} holds only {pool} "
                 "(--max-total-tokens): it can never be served", param, code="context_length_exceeded")
         if num_prompt_tokens + max_tokens - 1 <= pool:
             return max_tokens
@@ -296,7 +299,7 @@ class ServingContext:
             return pool - num_prompt_tokens + 1
         raise InvalidRequestError(
             f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) needs more KV cache "
-            f"than the pool holds ({pool} tokens, --max-total-tokens): lower max_tokens to at most "
+            f"than {self._pool_words} holds ({pool} tokens, --max-total-tokens): lower max_tokens to at most "
             f"{pool - num_prompt_tokens + 1}", "max_tokens", code="context_length_exceeded")
 
     def request_priority(self, priority: int | None) -> int:

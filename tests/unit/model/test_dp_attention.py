@@ -1,8 +1,12 @@
 """DP attention's assignment of sequences to ranks (model/dp_attention.py): a sequence runs on the
 rank whose pool partition holds its blocks, naming them by that pool's own ids; block copies run
-on their partition's rank; and the rows of each rank gathered in rank order come back in plan order."""
+on their partition's rank; and the rows of each rank gathered in rank order come back in plan order.
+The ranks' pools together hold what one process's pool would for the same flags."""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +41,39 @@ def test_gathered_rows_return_in_plan_order() -> None:
     plan_rows = torch.tensor([10, 11, 30, 40])     # each logits row's label, plan order
     gathered = torch.tensor([30, 10, 11, 40])      # rank 0's rows, then rank 1's
     assert torch.equal(gathered[share.plan_rows], plan_rows)
+
+
+def test_the_ranks_pools_together_hold_one_process_s_budget(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No --max-total-tokens: the budget's smallest bound here is --max-running-requests 4 x the
+    512-token context = 2048 tokens (512 blocks of 4), one process's pool. Two DP-attention ranks
+    report that engine total (the engine takes the minimum and divides it): 256 blocks, 1024 tokens
+    a rank, 2048 together -- not 2048 a rank, as before -- in the start-up log and kv_pool_layout
+    (/get_server_info)."""
+    from servelm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from servelm.model.runner import ModelRunner
+    from servelm.model.source import resolve_model_source
+    from tests.tiny_models import make_tiny_model_dir
+    from tests.unit.distributed.test_parallel import run_ranks
+
+    model_config = ModelConfig(model=str(make_tiny_model_dir(tmp_path, "qwen3_moe")), device="cpu", dtype="float32")
+
+    def config(size: int) -> EngineConfig:
+        return EngineConfig(model=model_config, cache=CacheConfig(page_size=4),
+                            scheduler=SchedulerConfig(max_running_requests=4),
+                            parallel=ParallelConfig(tensor_parallel_size=size, enable_dp_attention=size > 1))
+
+    single = ModelRunner(config(1), resolve_model_source(model_config), defer_kv_cache=True)
+    assert single.kv_capacity_blocks() == 512
+
+    def work(parallel: object) -> tuple[int, dict[str, object]]:
+        runner = ModelRunner(config(2), resolve_model_source(model_config), parallel=parallel, defer_kv_cache=True)
+        capacity = runner.kv_capacity_blocks(ranks_sharing_memory=2)
+        runner.init_kv_cache(capacity)
+        assert runner.kv_cache is not None and runner.kv_cache.num_blocks == 256
+        return capacity, runner.kv_pool_layout()["dp_attention"]
+
+    with caplog.at_level(logging.INFO, logger="servelm.model.runner"):
+        ranks = run_ranks(2, work)
+    assert ranks == [(512, {"ranks": 2, "blocks_per_rank": 256, "tokens_per_rank": 1024, "total_tokens": 2048})] * 2
+    logged = [r.getMessage() for r in caplog.records if "pool holds its own requests' K/V: 1024 tokens" in r.getMessage()]
+    assert len(logged) == 2 and all("all ranks together 2048 tokens" in line for line in logged)

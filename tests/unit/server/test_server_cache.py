@@ -92,3 +92,27 @@ def test_request_that_can_never_fit_the_pool_is_400_up_front(tokenizer: Any) -> 
     # A default max_tokens is capped to what the pool holds instead.
     assert complete(client).status_code == 200
     assert engine.requests[-1][2].max_tokens <= 40
+
+
+class DPAttentionPoolEngine(FakeEngine):
+    """A fake DP-attention engine: 80 tokens of KV over two ranks, 40 a rank (a request runs on one)."""
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return dataclasses.replace(super().model_info, kv_pool_tokens=80, kv_tokens_per_request=40)
+
+
+def test_a_dp_attention_request_must_fit_one_rank_s_pool(tokenizer: Any) -> None:
+    """A request that fits all ranks' pools together but not one rank's is a 400 naming the rank's
+    pool, never sent to the engine; a default max_tokens is capped to one rank's pool."""
+    engine = DPAttentionPoolEngine(tokenizer)
+    client = client_for(engine)
+    response = complete(client, max_tokens=50)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "one DP-attention rank's KV cache pool" in error["message"]
+    assert "(40 tokens" in error["message"]
+    assert engine.requests == []
+    assert complete(client, max_tokens=30).status_code == 200
+    assert complete(client).status_code == 200
+    assert engine.requests[-1][2].max_tokens <= 40
