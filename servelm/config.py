@@ -515,7 +515,8 @@ class ParallelConfig:
         "every expert), --tp-size (each rank holds whole experts, E / N of them, and tokens go "
         "to the rank holding their expert and back by all-to-all; attention stays tensor-parallel), "
         "or a divisor of --tp-size between (N groups of --tp-size / N ranks: a group holds E / N "
-        "experts, each split over its ranks by intermediate columns; one all-reduce sums the parts).")
+        "experts, each split over its ranks by intermediate columns; one all-reduce sums the parts; "
+        "redundant slots and EPLB place whole experts on groups).")
     enable_expert_parallel: bool = opt(
         False, "Expert parallelism over all tensor-parallel ranks: --ep-size set to --tp-size.")
     ep_num_redundant_experts: int = opt(
@@ -591,10 +592,6 @@ class ParallelConfig:
             raise ValueError(f"--ep-size {ep} must divide --tp-size {tp}: experts are sharded over "
                              f"the tensor-parallel ranks, in groups of --tp-size / --ep-size ranks that "
                              "split each expert's intermediate columns (attention TP, experts EP)")
-        if 1 < ep < tp and (self.ep_num_redundant_experts or self.enable_eplb):
-            raise ValueError(f"--ep-num-redundant-experts and --enable-eplb place whole experts on ranks: "
-                             f"they need --ep-size equal to --tp-size {tp} (with --ep-size {ep} each expert "
-                             "is split over a group of ranks)")
         if self.ep_num_redundant_experts < 0:
             raise ValueError(f"--ep-num-redundant-experts must be at least 0, got {self.ep_num_redundant_experts}")
         if self.ep_size == 1 and (self.ep_num_redundant_experts or self.enable_eplb):
@@ -604,9 +601,6 @@ class ParallelConfig:
         if self.eplb_rebalance_num_iterations < 1:
             raise ValueError(f"--eplb-rebalance-num-iterations must be at least 1, got "
                              f"{self.eplb_rebalance_num_iterations}")
-        if self.enable_eplb and self.pipeline_parallel_size > 1:
-            raise ValueError("--enable-eplb with --pp-size > 1 is not built yet (issue 33): the "
-                             "rebalance counts the last stage's layers only")
 
     @property
     def ep_size(self) -> int:
@@ -1989,10 +1983,6 @@ class EngineConfig:
             raise ValueError("--enable-torch-compile cannot be combined with --tp-size or --pp-size > 1: "
                              "the compiled decode graphs are built by the in-process runner only, and "
                              "the rank workers run their layers eagerly")
-        if self.observability.expert_distribution_recorder_mode or self.observability.enable_expert_distribution_metrics:
-            raise ValueError("--enable-torch-compile with the expert distribution recorder or its metrics is "
-                             "not built yet (issue 33): the recorder reads every MoE layer's routing after "
-                             "each pass, which the compiled decode graphs were neither built nor tested for")
 
     def _check_lora(self) -> None:
         """LoRA's refusals per mode: what the adapters' per-row deltas cannot run with."""

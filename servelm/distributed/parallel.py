@@ -211,6 +211,13 @@ class ParallelContext:
             self.group.broadcast(tensor, root).wait()
         return tensor
 
+    def all_reduce_stages(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the pipeline stages (this tp rank's ``pp_group``), in place; returns
+        it. Every stage's rank of this tp rank calls it, between steps (no micro-batch in flight)."""
+        if self.pp_size > 1:
+            self.pp_group.allreduce([tensor]).wait()
+        return tensor
+
     def send_to_next_stage(self, tensor: torch.Tensor, tag: int) -> Any:
         """Start sending ``tensor`` to the same tp rank of stage pp_rank + 1; returns the Work
         (the caller keeps ``tensor`` alive until ``wait()``)."""

@@ -31,7 +31,7 @@ from servelm.engine.beam import BeamSearches
 from servelm.engine.detokenizer import IncrementalDetokenizer
 from servelm.engine.disaggregation import CO_LOCATED, Disaggregation
 from servelm.engine.executor import Executor, NaNLogitsError, Runner
-from servelm.engine.expert_stage import ExpertLoadStage, expert_distribution_call
+from servelm.engine.expert_stage import ExpertCounts, ExpertLoadStage, expert_distribution_call
 from servelm.engine.grammar_stage import Grammars, make_grammar_compiler
 from servelm.engine.heap import keep_large_buffers, release_free_memory
 from servelm.engine.hicache import HiCacheStage, build_hicache
@@ -54,7 +54,6 @@ from servelm.spec.proposer import Proposer
 
 if TYPE_CHECKING:
     from servelm.model.eagle import DraftHeadRunner
-    from servelm.model.expert_load import ExpertLoad
     from servelm.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -121,8 +120,9 @@ class LLMEngine:
         self.stages: list[Stage] = [
             self.beams, self.grammars, self.disaggregation or CO_LOCATED, self.speculation,
             self.shared_prompts, self._lora_stage or LORA_OFF, *([HiCacheStage(hicache)] if hicache else [])]
-        self.expert_load: ExpertLoad | None = getattr(runner, "expert_load", None)
-        """Rank 0's MoE routing counts (model/expert_load.py), None where no flag asks for them."""
+        self.expert_load: ExpertCounts | None = getattr(runner, "expert_load", None)
+        """The MoE routing counts (model/expert_load.py: rank 0's, every stage's under pipeline
+        parallelism), None where no flag asks for them."""
         if self.expert_load is not None:
             self.stages.append(ExpertLoadStage(self.expert_load,
                                                config.observability.enable_expert_distribution_metrics))

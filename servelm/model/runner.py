@@ -220,7 +220,8 @@ class ModelRunner:
                              "layer, so nothing would run across the ranks (use --dp-size for replicas)")
         self.dense_routes = apply_dense_routes(self.model) if self.device.type == "cpu" else None
         """Float32 dense weights' few-rows kernel vs oneDNN per row class (layers/f32_rows.py), or None."""
-        self.expert_load = build_expert_load(self.model, self.parallel, config)
+        self.expert_load = build_expert_load(self.model, self.parallel, config,
+                                             has_routed_experts(source.hf_config.get_text_config()))
         """MoE routing counts: the recorder, /metrics' totals and EPLB (None where no flag asks)."""
         self.lm_head_screen = setup_screen(self.model, config.runtime.disable_lm_head_screen, self.parallel,
                                            self.device, self.task)
@@ -405,6 +406,8 @@ class ModelRunner:
         """--enable-torch-compile: compile the decode graphs now, so no request waits for them."""
         num_layers = compile_decode_layers(self.model, max_bs)
         seconds = warm_up(self.execute, max_bs)
+        if self.expert_load is not None:   # the dummy decodes routed rows no request sent
+            self.expert_load.forget()
         logger.info("torch.compile: %d decoder layers compiled (inductor) for decode steps of 1..%d "
                     "sequences in %.1f s; prefill stays eager", num_layers, max_bs, seconds)
 
@@ -485,7 +488,10 @@ class ModelRunner:
         for sequence in plan.sequences:
             assert max(sequence.block_ids) < self.num_blocks, "block id outside the KV pool"
         if self.parallel.pp_size > 1:
-            return self._stage.execute(plan, self.kv_cache)
+            logits = self._stage.execute(plan, self.kv_cache)
+            if self.expert_load is not None:   # after every micro-batch: the pass's routing whole
+                self.expert_load.after_pass()
+            return logits
         if self.attention_ranks is not None:
             return self._execute_dp_attention(plan)
         if self.thread_governor is not None:

@@ -22,7 +22,7 @@ from typing import Any
 from servelm.config import EngineConfig
 from servelm.model.forward_batch import BatchPlan
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,23 @@ class WriteKVBlocks(_KVBlockArrays):
 
 
 @dataclass(frozen=True)
+class ExpertLoadCall:
+    """Under --pp-size > 1: apply a recorder ``action`` (start, stop) to this rank's expert load, or
+    report it (snapshot; dump: with the recorded passes). Every rank replies ``ExpertLoadReply``
+    (between steps: commands are handled in order, so every stage starts and stops on the same pass)."""
+
+    action: str
+
+
+@dataclass(frozen=True)
+class ExpertLoadReply:
+    rank: int
+    pp_rank: int
+    snapshot: Any
+    """A stage leader's (tp rank 0's) ``ExpertLoadSnapshot`` for snapshot and dump; None otherwise."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Exit the command loop."""
 
@@ -175,5 +192,5 @@ class WorkerFailed:
 
 
 Command = (InitKVCache | ExecuteStep | SetLoRA | RemoveLoRA | DescribeKVHeads | ReadKVBlocks
-           | WriteKVBlocks | Shutdown)
-Reply = WorkerHello | WorkerLoaded | KVCacheReady | KVHeads | KVBlocksRead | WorkerFailed
+           | WriteKVBlocks | ExpertLoadCall | Shutdown)
+Reply = WorkerHello | WorkerLoaded | KVCacheReady | KVHeads | KVBlocksRead | ExpertLoadReply | WorkerFailed

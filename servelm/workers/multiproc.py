@@ -53,13 +53,13 @@ import servelm
 from servelm.config import EngineConfig, split_host_port
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
-    PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, InitKVCache, KVBlocksRead, KVCacheReady, KVHeads,
-    ReadKVBlocks, RemoveLoRA, Reply, SetLoRA, Shutdown, WorkerFailed, WorkerHello, WorkerInit,
-    WorkerLoaded, WriteKVBlocks)
+    PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, ExpertLoadCall, ExpertLoadReply, InitKVCache,
+    KVBlocksRead, KVCacheReady, KVHeads, ReadKVBlocks, RemoveLoRA, Reply, SetLoRA, Shutdown, WorkerFailed,
+    WorkerHello, WorkerInit, WorkerLoaded, WriteKVBlocks)
 from servelm.distributed import shm_allreduce
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
 from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
-from servelm.model.expert_load import ExpertLoad
+from servelm.model.expert_load import ExpertLoad, ExpertLoadSnapshot, StagedExpertLoad
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
@@ -301,9 +301,20 @@ class MultiprocExecutor:
         return self.runner.pooler
 
     @property
-    def expert_load(self) -> ExpertLoad | None:
-        """Rank 0's MoE routing counts (its routing is the whole batch's under TP)."""
-        return self.runner.expert_load
+    def expert_load(self) -> ExpertLoad | StagedExpertLoad | None:
+        """The MoE routing counts: rank 0's (its routing is the whole batch's under TP), with the
+        other pipeline stages' asked from their ranks under --pp-size > 1."""
+        own = self.runner.expert_load
+        if own is None or self.pp_size == 1:
+            return own
+        return StagedExpertLoad(own, self._ask_expert_load)
+
+    def _ask_expert_load(self, action: str) -> list[ExpertLoadSnapshot]:
+        """Send ``action`` to every rank; the other stages' leaders' snapshots, first stage first."""
+        self._broadcast(ExpertLoadCall(action))
+        replies = self._wait(ExpertLoadReply, f"answer the expert load call {action!r}")
+        leaders = sorted((reply for reply in replies if reply.snapshot is not None), key=lambda reply: reply.pp_rank)
+        return [reply.snapshot for reply in leaders]
 
     @property
     def hidden_size(self) -> int:

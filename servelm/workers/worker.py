@@ -72,8 +72,8 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
 
     from servelm.workers import kv_shards
     from servelm.workers.messages import (
-        PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, InitKVCache, KVCacheReady, ReadKVBlocks,
-        RemoveLoRA, SetLoRA, Shutdown, WorkerHello, WorkerLoaded, WriteKVBlocks)
+        PROTOCOL_VERSION, DescribeKVHeads, ExecuteStep, ExpertLoadCall, ExpertLoadReply, InitKVCache,
+        KVCacheReady, ReadKVBlocks, RemoveLoRA, SetLoRA, Shutdown, WorkerHello, WorkerLoaded, WriteKVBlocks)
     from servelm.distributed.parallel import join_groups, rank_layout, ranks_sharing_memory
     from servelm.distributed.shm_allreduce import ShmAllReduce
     from servelm.logging_utils import configure_logging
@@ -120,6 +120,11 @@ def serve(init: Any, commands: Any, replies: Any) -> None:
             reply = kv_shards.serve_command(init.rank, runner, command)
             if reply is not None:
                 replies.send_pyobj(reply)
+        elif isinstance(command, ExpertLoadCall):
+            load = runner.expert_load
+            snapshot = load.control(command.action) if load is not None else None
+            replies.send_pyobj(ExpertLoadReply(init.rank, parallel.pp_rank,
+                                               snapshot if parallel.tp_rank == 0 else None))
         elif isinstance(command, Shutdown):
             return
         else:

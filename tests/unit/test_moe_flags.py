@@ -57,6 +57,8 @@ def test_expert_parallel_spellings_set_the_same_size() -> None:
                                   "--ep-num-redundant-experts", "2", "--eplb-algorithm", "auto",
                                   "--init-expert-location", "trivial", "--moe-a2a-backend", "none"])
     assert config.parallel.enable_eplb and config.parallel.ep_num_redundant_experts == 2
+    groups = cli_args.parse_args(["--tp", "4", "--ep", "2", "--enable-eplb", "--ep-num-redundant-experts", "2"])
+    assert groups.parallel.ep_size == 2 and groups.parallel.enable_eplb   # EPLB over expert groups
     recorder = cli_args.parse_args(["--expert-distribution-recorder-mode", "per_token",
                                     "--expert-distribution-recorder-buffer-size", "-1"]).observability
     assert recorder.expert_distribution_recorder_mode == "per_token"
@@ -65,7 +67,6 @@ def test_expert_parallel_spellings_set_the_same_size() -> None:
 @pytest.mark.parametrize("argv, words", [
     (["--ep-size", "2"], "must divide --tp-size 1"),
     (["--tp", "4", "--ep-size", "3"], "must divide --tp-size 4"),
-    (["--tp", "4", "--ep-size", "2", "--enable-eplb"], "need --ep-size equal to --tp-size 4"),
     (["--tp", "4", "--ep-size", "2", "--enable-ep-moe"], "contradicts"),
     (["--enable-eplb"], "need --ep-size > 1"),
     (["--ep-num-redundant-experts", "2"], "need --ep-size > 1"),

@@ -55,12 +55,15 @@ class RoutedExpertsBlock(nn.Module):
                        else ExpertGroupMoE)
             self.experts = experts(num_experts, hidden, intermediate_size, activation, parallel=parallel)
         self.is_recording = False
-        """Keep each pass's routing in ``last_expert_ids`` (the expert distribution recorder)."""
-        self.last_expert_ids: torch.Tensor | None = None
+        """Keep each pass's routing in ``pass_expert_ids`` (the expert distribution recorder)."""
+        self.pass_expert_ids: list[torch.Tensor] = []
+        """Each call's ``[T, k]`` expert ids since ``ExpertLoad.after_pass`` last took them: one call
+        a pass, one per micro-batch on a pipeline stage. Appended inside the compiled decode graphs
+        too (--enable-torch-compile: dynamo replays the append after the graph)."""
 
     def run_experts(self, x: torch.Tensor, routing: Routing, rows: Any = None) -> torch.Tensor:
         if self.is_recording:
-            self.last_expert_ids = routing.expert_ids
+            self.pass_expert_ids.append(routing.expert_ids)
         return self.experts(x, routing, rows)
 
 

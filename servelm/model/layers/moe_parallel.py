@@ -1,6 +1,7 @@
 """Expert parallelism: whole experts sharded over the tensor-parallel ranks, tokens dispatched to the
 rank holding their expert and combined back with all-to-all; and the placement EPLB rebalances.
-(An expert-parallel group smaller than the tensor-parallel one: ``ExpertGroupMoE``, at the end.)
+(An expert-parallel group smaller than the tensor-parallel one: ``ExpertGroupMoE``, at the end; it
+places its slots on groups of ranks with the same ``ExpertPlacement``.)
 
 A MoE layer has ``E`` logical experts (the checkpoint's) and ``E + R`` physical slots (``R``
 redundant: extra replicas of busy experts). ``ExpertPlacement`` says which logical expert each slot
@@ -127,6 +128,45 @@ def missing_logical_parts(num_logical: int, loaded: set[tuple[int, str]]) -> lis
             for part in ("gate", "up", "down") if (expert, part) not in loaded]
 
 
+def move_experts(layer: ExpertParallelMoE | ExpertGroupMoE, placement: ExpertPlacement, group: int,
+                 column: int, num_columns: int, parallel: ParallelContext) -> None:
+    """Move ``layer`` (this rank: expert-parallel ``group``, intermediate ``column`` of
+    ``num_columns``; tp rank ``group * num_columns + column``) from its placement to ``placement``.
+    Every rank calls this with the same placement, in the same layer order. A slot keeps the weights
+    its rank already holds; an expert some group gains comes by broadcast, once per column, from
+    the rank of that column in the first group holding it before (every rank takes part in every
+    broadcast, and keeps the parts of its own column)."""
+    old = layer.placement
+    held_before = {e: slot for slot, e in enumerate(old.rank_experts(group))}
+    stacks = (layer.gate_up_proj, layer.down_proj)
+    new_stacks = [torch.empty_like(stack.data) for stack in stacks]
+    column_sizes = [even_split(layer.full_intermediate_size, num_columns, c).size for c in range(num_columns)]
+    for expert in range(layer.num_logical):
+        wanted = [slot for slot, e in enumerate(placement.rank_experts(group)) if e == expert]
+        is_moving = any(expert in placement.rank_experts(g) and expert not in old.rank_experts(g)
+                        for g in range(old.num_ranks))
+        parts: list[torch.Tensor] = []
+        if is_moving:   # some group gains it: its first holder's ranks broadcast, column by column
+            root_group = next(g for g in range(old.num_ranks) if expert in old.rank_experts(g))
+            for source_column, size in enumerate(column_sizes):
+                root = root_group * num_columns + source_column
+                shapes = ((2 * size, layer.hidden_size), (layer.hidden_size, size))
+                sent = [(stack.data[held_before[expert]].clone() if (group, column) == (root_group, source_column)
+                         else stack.new_empty(shape)) for stack, shape in zip(stacks, shapes)]
+                for part in sent:
+                    parallel.broadcast(part, root)
+                if source_column == column:
+                    parts = sent
+        elif wanted:
+            parts = [stack.data[held_before[expert]] for stack in stacks]
+        for new, part in zip(new_stacks, parts):
+            for slot in wanted:
+                new[slot].copy_(part)
+    for stack, new in zip(stacks, new_stacks):
+        stack.data.copy_(new)
+    layer.placement = placement
+
+
 class ExpertParallelMoE(FusedMoE):
     """The routed experts of one MoE layer under expert parallelism: this rank's ``S`` slots (whole
     experts, stacked as FusedMoE stacks them), loaded from the checkpoint by logical expert id, and
@@ -236,28 +276,7 @@ class ExpertParallelMoE(FusedMoE):
         """Move to ``placement`` (every rank calls this with the same one, in the same layer order):
         slots keep the weights this rank already holds and receive the others by broadcast from a
         rank holding them before the move."""
-        old, rank = self.placement, self.ep.tp_rank
-        held_before = {e: slot for slot, e in enumerate(old.rank_experts(rank))}
-        stacks = (self.gate_up_proj, self.down_proj)
-        new_stacks = [torch.empty_like(stack.data) for stack in stacks]
-        for expert in range(self.num_logical):
-            wanted = [slot for slot, e in enumerate(placement.rank_experts(rank)) if e == expert]
-            is_moving = any(expert in placement.rank_experts(r) and expert not in old.rank_experts(r)
-                            for r in range(old.num_ranks))
-            if is_moving:   # some rank gains it: its first holder broadcasts (every rank takes part)
-                root = next(r for r in range(old.num_ranks) if expert in old.rank_experts(r))
-                parts = [(stack.data[held_before[expert]].clone() if rank == root
-                          else torch.empty_like(stack.data[0])) for stack in stacks]
-                for part in parts:
-                    self.ep.broadcast(part, root)
-            else:
-                parts = [stack.data[held_before[expert]] for stack in stacks] if wanted else []
-            for new, part in zip(new_stacks, parts):
-                for slot in wanted:
-                    new[slot].copy_(part)
-        for stack, new in zip(stacks, new_stacks):
-            stack.data.copy_(new)
-        self.placement = placement
+        move_experts(self, placement, self.ep.tp_rank, 0, 1, self.ep)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_logical}, slots={self.placement.rank_experts(self.ep.tp_rank)}, "
@@ -267,32 +286,37 @@ class ExpertParallelMoE(FusedMoE):
 
 class ExpertGroupMoE(FusedMoE):
     """The routed experts under an expert-parallel group smaller than the tensor-parallel one
-    (``--ep-size`` dividing ``--tp-size``; SGLang's moe_tp_size = tp / ep): the experts are cut
-    into ``ep`` contiguous groups, and each group's ``tp / ep`` ranks split its experts'
-    intermediate columns. Tokens are replicated (attention TP): rank r computes the (token,
-    expert) rows of its group's experts with its columns, and one all-reduce over the whole
-    tensor-parallel group sums the groups' and the column slices' parts."""
+    (``--ep-size`` dividing ``--tp-size``; SGLang's moe_tp_size = tp / ep): the ``E + R`` expert
+    slots (``ExpertPlacement``, as under ``ExpertParallelMoE``) are cut into ``ep`` contiguous
+    groups, and each group's ``tp / ep`` ranks split its slots' intermediate columns. Tokens are
+    replicated (attention TP): each (token, expert) row goes to one replica of its expert
+    (``to_physical``, the same on every rank), rank r computes the rows of its group's slots with
+    its columns, and one all-reduce over the whole tensor-parallel group sums the groups' and the
+    column slices' parts. A rebalance moves whole experts between groups, each column from the
+    rank of the same column (``move_experts``)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str,
                  *, parallel: ParallelContext, dtype: torch.dtype | None = None) -> None:
-        if num_experts % parallel.ep_size:
-            raise ValueError(f"--ep-size {parallel.ep_size} must divide the model's {num_experts} experts "
-                             "(each expert-parallel group holds as many)")
-        moe_tp = parallel.tp_size // parallel.ep_size
-        group, column_rank = divmod(parallel.tp_rank, moe_tp)
-        per_group = num_experts // parallel.ep_size
-        super().__init__(per_group, hidden_size, intermediate_size, activation, parallel=ParallelContext.single(),
-                         dtype=dtype, intermediate_shard=even_split(intermediate_size, moe_tp, column_rank))
+        placement = ExpertPlacement.initial(num_experts, parallel.num_redundant_experts, parallel.ep_size)
+        num_columns = parallel.tp_size // parallel.ep_size
+        group, column = divmod(parallel.tp_rank, num_columns)
+        super().__init__(placement.slots_per_rank, hidden_size, intermediate_size, activation,
+                         parallel=ParallelContext.single(), dtype=dtype,
+                         intermediate_shard=even_split(intermediate_size, num_columns, column))
+        self.num_columns = num_columns
+        """Ranks of one expert-parallel group (SGLang's moe_tp_size), each holding a column slice."""
+        self.group, self.column = group, column
         self.tp = parallel
         self.num_logical = num_experts
-        self.first_expert = group * per_group
+        self.placement = placement
         self.loaded_logical: set[tuple[int, str]] = set()
 
     def forward(self, x: torch.Tensor, routing: Routing, rows: PassRows | None = None) -> torch.Tensor:
         """``[T, H]`` on every rank: each token's weighted sum over its experts (``rows``: the pass's
         facts, for the block routes of experts kept in their blocks: a GGUF file's or a
         pre-quantized checkpoint's, narrowed to this rank's columns where those are whole blocks)."""
-        local = routing.expert_ids - self.first_expert
+        first_slot = self.group * self.num_experts
+        local = self.placement.to_physical(routing.expert_ids) - first_slot
         pairs = torch.nonzero(((local >= 0) & (local < self.num_experts)).reshape(-1)).flatten()
         tokens = torch.div(pairs, routing.expert_ids.shape[1], rounding_mode="floor")
         picked = Routing(routing.weights.reshape(-1)[pairs].unsqueeze(1), local.reshape(-1)[pairs].unsqueeze(1))
@@ -302,8 +326,9 @@ class ExpertGroupMoE(FusedMoE):
 
     @property
     def checkpoint_experts(self) -> tuple[int, ...]:
-        """This group's experts, by their checkpoint ids (the children ``split_experts`` names)."""
-        return tuple(range(self.first_expert, self.first_expert + self.num_experts))
+        """This group's experts, by their checkpoint ids, in slot order (the children ``split_experts``
+        names)."""
+        return self.placement.rank_experts(self.group)
 
     @property
     def num_checkpoint_experts(self) -> int:
@@ -316,22 +341,31 @@ class ExpertGroupMoE(FusedMoE):
 
     def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str] | None = None) -> None:
-        """FusedMoE's, for this group's experts only (by logical expert id; the fused ``[E, ...]``
-        stack is cut to the group's experts)."""
-        mine = range(self.first_expert, self.first_expert + self.num_experts)
+        """FusedMoE's, by logical expert, for this group's slots only (the fused ``[E, ...]`` stack
+        is cut to the experts of the group's slots, in slot order)."""
+        held = self.placement.rank_experts(self.group)
         if shard_id is None:
             if loaded.shape[0] != self.num_logical:
                 raise ValueError(f"expert stack of {loaded.shape[0]} experts, the config has {self.num_logical}")
-            super().weight_loader(param, loaded[mine.start:mine.stop])
+            super().weight_loader(param, loaded[list(held)])
             parts = ("down",) if param is self.down_proj else ("gate", "up")
             self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in parts)
             return
         expert, part = shard_id
         if not 0 <= expert < self.num_logical:
             raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_logical}")
-        if expert in mine:
-            super().weight_loader(param, loaded, (expert - self.first_expert, part))
+        for slot, logical in enumerate(held):
+            if logical == expert:
+                super().weight_loader(param, loaded, (slot, part))
         self.loaded_logical.add((expert, part))
 
     def missing_parts(self) -> list[str]:
         return missing_logical_parts(self.num_logical, self.loaded_logical)
+
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Move to ``placement`` (every rank, the same one, in the same layer order)."""
+        move_experts(self, placement, self.group, self.column, self.num_columns, self.tp)
+
+
+PLACED_EXPERTS = (ExpertParallelMoE, ExpertGroupMoE)
+"""The routed-expert layers with an ``ExpertPlacement`` (what EPLB moves and counts per rank)."""

@@ -1,6 +1,7 @@
 """Expert parallelism on two ranks (threads, real gloo all-to-all): the dispatch and combine equal
 one process's FusedMoE, with redundant replicas and after a rebalance; and the rebalancing plan
-lowers the busiest rank's share of a skewed load."""
+lowers the busiest rank's share of a skewed load; the same for expert groups smaller than TP, with
+the expert load's counts per logical expert and per group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import dataclasses
 import torch
 
 from servelm.distributed.parallel import ParallelContext
+from servelm.model.architectures.moe_block import RoutedExpertsBlock
+from servelm.model.expert_load import EplbSettings, ExpertLoad
 from servelm.model.layers.moe import FusedMoE, route
 from servelm.model.layers.moe_parallel import ExpertGroupMoE, ExpertParallelMoE, ExpertPlacement, rebalance
 from tests.unit.distributed.test_parallel import run_ranks
@@ -137,9 +140,50 @@ def test_expert_groups_smaller_than_tp_equal_one_process() -> None:
             layer.weight_loader(layer.gate_up_proj, gate_up)
             layer.weight_loader(layer.down_proj, down)
         assert layer.missing_parts() == []
-        return layer(x, routing), (layer.first_expert, *layer.gate_up_proj.shape)
+        return layer(x, routing), (layer.placement.rank_experts(layer.group)[0], *layer.gate_up_proj.shape)
 
     ranks = run_ranks(4, work)
     for out, _ in ranks:
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert [shape for _, shape in ranks] == [(0, E // 2, I, H)] * 2 + [(E // 2, E // 2, I, H)] * 2
+
+
+def test_expert_groups_count_rows_and_rebalance_without_changing_outputs() -> None:
+    """--tp 4 --ep 2 with 2 redundant slots (4 slots a group: experts 0-3 and 4, 5, 0, 1, each split
+    over the group's two ranks by columns) and EPLB every 2 passes on a load skewed to experts 2
+    and 3 (both in group 0 only): every pass counts each token's K rows once per logical expert
+    (one process's bincount) and once per group, where the group computes them; the rebalance
+    puts the busy experts in both groups, every rank's output stays one process's, and group 0's
+    share of the rows drops."""
+    x, logits = skewed_routing(40, 6)
+    expected = single_process(x, logits)
+    routing = route(logits, K, True)
+    per_expert = torch.bincount(routing.expert_ids.reshape(-1), minlength=E)
+
+    def work(parallel: ParallelContext) -> tuple[list[torch.Tensor], list[dict], tuple[int, ...]]:
+        parallel = dataclasses.replace(parallel, ep_size=2, num_redundant_experts=2)
+        block = RoutedExpertsBlock(E, H, I, "silu", parallel)
+        gate_up, down = full_weights()
+        block.experts.weight_loader(block.experts.gate_up_proj, gate_up)
+        block.experts.weight_loader(block.experts.down_proj, down)
+        load = ExpertLoad([(3, block)], parallel, None, EplbSettings(2, 1.0, 2))
+        outs, totals = [], []
+        for _ in range(3):
+            outs.append(block.run_experts(x, routing))
+            load.after_pass()
+            totals.append(load.totals())
+        return outs, totals, block.experts.placement.physical_to_logical
+
+    ranks = run_ranks(4, work)
+    for outs, _, _ in ranks:
+        for out in outs:
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    _, totals, placement = ranks[0]
+    assert all(rank_totals == totals for _, rank_totals, _ in ranks)
+    assert [t["expert_rows"] for t in totals] == [[(per_expert * n).tolist()] for n in (1, 2, 3)]
+    first, second, third = (t["ep_rank_rows"][0] for t in totals)
+    third = [c - b for c, b in zip(third, second)]   # the rows of the pass after the rebalance
+    assert sum(first) == sum(third) == 40 * K and second == [2 * n for n in first]
+    assert totals[1]["eplb_rebalances"] == 1 and placement != (0, 1, 2, 3, 4, 5, 0, 1)
+    assert {2, 3} <= set(placement[:4]) and {2, 3} <= set(placement[4:])
+    assert first[0] / sum(first) > 0.7 and max(third) / sum(third) < 0.6, (first, third)
