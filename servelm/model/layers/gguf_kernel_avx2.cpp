@@ -407,6 +407,10 @@ struct BlockValues {
       int64_t b = 0;
       for (; b + 8 <= nb; b += 8)
         _mm256_storeu_ps(buffer + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b))));
+      if (b + 4 <= nb) {   // K = 896: 28 blocks, 3 x 8 + 4
+        _mm_storeu_ps(buffer + b, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + b))));
+        b += 4;
+      }
       for (; b < nb; ++b) buffer[b] = _cvtsh_ss(h[b]);
       return buffer;
     }
