@@ -5,7 +5,9 @@ Qwen2.5-Coder-0.5B's shapes with random codes of its GGUF types (``SHAPES``, ``C
 round) and the median per call is printed, in ms, for each thread count. Routes: ``dense f32``, the
 kernel's functions on the int8 codes (``block_linear_a16``, ``block_linear``, ``block_linear_float``)
 and, where the build has them (AVX2), on the codes packed at their bit width (``packed_a16``,
-``packed_a8``: gguf_blocks.PackedCodes).
+``packed_a8``: gguf_blocks.PackedCodes), with float32 scales or (``packed_a16 compact``) with the
+compact ones (fp16, or int8 sub-scales x a float32 per 256 inputs: ``BlockWeight.with_compact``; the
+random scales are drawn so that both layouts hold them exactly, as the file's are).
 
 ``--cold`` runs each call on the next of enough copies of the weight to exceed the L3 cache (as
 serving does: every layer's weight is read once per step, so none is in cache when its turn comes);
@@ -30,14 +32,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.layers import gguf_kernel  # noqa: E402
-from servelm.model.layers.gguf_blocks import BlockWeight, PackedCodes  # noqa: E402
+from servelm.model.layers.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCodes, SubScaled  # noqa: E402
 
 SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
           "gate_up 9728x896": (9728, 896, "Q5_0"), "down 896x4864": (896, 4864, "Q6_K"),
           "down 896x4864 Q4_K": (896, 4864, "Q4_K"), "head 151936x896": (151936, 896, "Q8_0")}
 """Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
 V), Q6_K or Q4_K down, a Q8_0 head."""
-ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8")
+ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8",
+          "packed_a16 compact", "packed_a8 compact")
 L3_BYTES = 32 << 20
 """This machine's L3 (lscpu: 32 MiB); --cold cycles through copies of at least twice that."""
 
@@ -51,8 +54,16 @@ def weight(n: int, k: int, kind: str, seed: int) -> BlockWeight:
     low, high, block, has_offsets = CODE_RANGES[kind]
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
-    offsets = -torch.rand(n, k // block, generator=g) * 1e-2 if has_offsets else None
-    return BlockWeight(codes, torch.rand(n, k // block, generator=g) * 1e-2, offsets, block, kind)
+    if not kind.endswith("_K"):   # an fp16 d per block
+        return BlockWeight(codes, (torch.rand(n, k // block, generator=g) * 1e-2).half().float(), None, block, kind)
+
+    def factors(sign: float) -> SubScaled:   # 6-bit sub-scales x an fp16 d (or -dmin) per 256 inputs
+        return SubScaled(torch.randint(0, 64, (n, k // block), dtype=torch.int8, generator=g),
+                         (sign * torch.rand(n, k // SUPER_INPUTS, generator=g) * 1e-3).half().float())
+
+    scales, offsets = factors(1.0), factors(-1.0) if has_offsets else None
+    return BlockWeight(codes, scales.values(), None if offsets is None else offsets.values(), block, kind,
+                       scale_factors=scales, offset_factors=offsets)
 
 
 def route_call(kernel: object, route: str, w: BlockWeight, packed: PackedCodes | None,
@@ -61,10 +72,12 @@ def route_call(kernel: object, route: str, w: BlockWeight, packed: PackedCodes |
     if route == "dense f32":
         return None if dense is None else (lambda x: F.linear(x, dense))
     if route.startswith("packed"):
-        if packed is None or not hasattr(kernel, route):
+        function, _, compact = route.partition(" ")
+        if packed is None or not hasattr(kernel, function) or (compact and not getattr(kernel, "COMPACT_SCALES", False)):
             return None
-        f = getattr(kernel, route + ("_centered" if packed.centered else ""))
-        return lambda x: f(x, packed.data, w.scales, w.offsets, w.block)
+        f = getattr(kernel, function + ("_centered" if packed.centered else ""))
+        scales, offsets = w.with_compact() if compact else (w.scales, w.offsets)
+        return lambda x: f(x, packed.data, scales, offsets, w.block)
     f = getattr(kernel, route)
     return lambda x: f(x, w.codes, w.scales, w.offsets, w.block)
 

@@ -36,6 +36,9 @@ with and without the change (prefix cache off), and whether every output is iden
   of servelm.model.architectures.gemma3_decode.
 - ``llama_decode``: the Llama family's (Llama, Mistral, Qwen2, Qwen3) decode steps go through the layer
   modules instead of the flat calls of servelm.model.architectures.llama_decode.
+- ``gguf_compact_scales``: the AVX2 block kernel reads each GGUF layer's float32 scales and offsets
+  instead of their compact layouts (fp16, int8 sub-scales x a float32 per 256 inputs; the same values),
+  and the LM-head screen its scales tiled as float32 instead of fp16.
 - ``first_argmax``: greedy rows take ``torch.argmax`` instead of servelm.sampling.argmax's chunked
   pass (the same token ids).
 
@@ -174,6 +177,9 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             DecodePlan.applies = original_applies  # type: ignore[method-assign]
+    elif change == "gguf_compact_scales":
+        with _gguf_float32_scales():
+            yield
     elif change == "first_argmax":
         from servelm.sampling import sampler as sampler_module
         fast: Any = sampler_module.first_argmax
@@ -228,6 +234,42 @@ def _gguf_defaults() -> Iterator[None]:
         for m in model.modules():
             m.__dict__.pop("decode_plan", None)
         del plans
+
+
+@contextlib.contextmanager
+def _gguf_float32_scales() -> Iterator[None]:
+    """Every GGUF layer's block calls (its prepared decode call too) on the float32 scales and offsets
+    (``--change gguf_compact_scales``); the flat decode plans made again on each side."""
+    from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+    model = _ENGINE.runner.model
+    saved = []
+    methods: dict[int, tuple[Any, bool]] = {}   # the layers share a method: its own flag, saved once
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if not isinstance(method, GGUFBlockLinearMethod) or "gguf_routes" not in module.__dict__:
+            continue
+        methods.setdefault(id(method), (method, method.compact_scales))
+        saved.append((module, module.__dict__["gguf_decode_args"]))
+        method.compact_scales = False
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, module.__dict__["gguf_routes"],
+                                                                  _ENGINE.runner.dtype)
+    for m in model.modules():
+        m.__dict__.pop("decode_plan", None)
+    screen = _ENGINE.runner.lm_head_screen
+    tiled = screen.tiled_scales if screen is not None else None
+    if screen is not None:
+        screen.tiled_scales = screen.screen_kernel.pack_scales(screen.weight.scales)
+    try:
+        yield
+    finally:
+        if screen is not None:
+            screen.tiled_scales = tiled
+        for method, compact in methods.values():
+            method.compact_scales = compact
+        for module, decode_args in saved:
+            module.__dict__["gguf_decode_args"] = decode_args
+        for m in model.modules():
+            m.__dict__.pop("decode_plan", None)
 
 
 def main() -> None:

@@ -21,6 +21,9 @@ checks that they are integers and rebuild the dequantized tensor exactly (else i
 (Q2_K, Q3_K, IQ*, float) have no repack here: those tensors stay dequantized.
 
 Invariants: ``codes`` is int8 ``[N, K]``; ``scales`` (and ``offsets``) float32 ``[N, K // block]``.
+``BlockWeight.compact`` holds the same scales and offsets in fewer bytes for the AVX2 block kernel
+(fp16 where every value is one, the K-quants' 6-bit sub-scales times a float32 per 256 inputs), each
+checked to widen back to the float32 values bit for bit.
 """
 
 from __future__ import annotations
@@ -126,6 +129,58 @@ def _pack_rows(codes: torch.Tensor, bits: int, bias: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(n, k * bits // 8)
 
 
+SUPER_INPUTS = 256
+"""Inputs per K-quant super-block: one fp16 d (and dmin) each."""
+
+
+@dataclass(frozen=True)
+class SubScaled:
+    """Block values [N, K // block] (a K-quant's scales or offsets) as int8 ``sub`` [N, K // block]
+    times one float32 ``multipliers`` [N, K // 256] per super-block: scale = sc * d, offset = m * -dmin
+    (sc, m: the 6-bit sub-scales; Q6_K's signed 8-bit sc), each an exact float32 product, so
+    ``values`` is bit for bit the float32 array ``_headers`` computes."""
+
+    sub: torch.Tensor           # [N, K // block] int8
+    multipliers: torch.Tensor   # [N, K // 256] float32
+
+    def values(self) -> torch.Tensor:
+        """[N, K // block] float32."""
+        per_super = self.sub.shape[1] // max(self.multipliers.shape[1], 1)
+        return self.sub.float() * self.multipliers.repeat_interleave(per_super, dim=1)
+
+    def rows(self, ids: torch.Tensor | slice) -> SubScaled:
+        return SubScaled(self.sub[ids].contiguous(), self.multipliers[ids].contiguous())
+
+    def repeat_blocks(self, repeat: int) -> SubScaled:
+        """The same values per ``block / repeat`` inputs (``BlockWeight.with_block``)."""
+        return SubScaled(self.sub.repeat_interleave(repeat, dim=1), self.multipliers)
+
+    def kernel_layout(self) -> torch.Tensor:
+        """int8 [N, K // block + 4 * K // 256]: each row's sub-scales, then its multipliers' float32
+        bytes (gguf_kernel_avx2.cpp ``BlockValues``)."""
+        return torch.cat([self.sub, self.multipliers.contiguous().view(torch.int8)], dim=1).contiguous()
+
+    @staticmethod
+    def cat(parts: list[SubScaled]) -> SubScaled:
+        return SubScaled(torch.cat([part.sub for part in parts]), torch.cat([part.multipliers for part in parts]))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Float32 tensors equal bit for bit (signed zeros and NaN payloads too)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def compact_values(values: torch.Tensor, factors: SubScaled | None) -> torch.Tensor:
+    """``values`` (float32 scales or offsets [N, K // block]) in the fewest bytes the AVX2 block kernel
+    widens back to exactly these floats: ``factors``' int8 layout, else fp16, else ``values`` itself."""
+    if factors is not None and _same_bits(factors.values(), values):
+        return factors.kernel_layout()
+    half = values.half()
+    if _same_bits(half.float(), values):
+        return half
+    return values
+
+
 @dataclass
 class BlockWeight:
     """One weight as int8 codes plus a float32 scale (and offset) per ``block`` inputs of a row.
@@ -140,6 +195,11 @@ class BlockWeight:
     block: int
     kind: str                      # the GGUF type(s) it came from, e.g. "Q8_0" or "Q5_0+Q8_0"
     packed: PackedCodes | None = None
+    scale_factors: SubScaled | None = None    # the K-quants' scales as sub-scales x d (from the file)
+    offset_factors: SubScaled | None = None   # their offsets as sub-scales x -dmin
+    compact: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    """``(scales, offsets)`` in the AVX2 block kernel's compact layouts (``compact_values``), made
+    once by ``with_compact``."""
 
     @property
     def codes(self) -> torch.Tensor:
@@ -171,6 +231,13 @@ class BlockWeight:
             self.packed = PackedCodes.of(self.codes)
         return self.packed
 
+    def with_compact(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``compact``, made (once) from the float32 scales and offsets and the file's factors."""
+        if self.compact is None:
+            self.compact = (compact_values(self.scales, self.scale_factors),
+                            None if self.offsets is None else compact_values(self.offsets, self.offset_factors))
+        return self.compact
+
     def drop_codes(self) -> int:
         """Free the int8 codes where ``packed`` holds them; the bytes freed."""
         if self.packed is None or self.stored_codes is None:
@@ -181,9 +248,10 @@ class BlockWeight:
 
     @property
     def nbytes(self) -> int:
+        compact = [t for t in self.compact or () if t is not None and t is not self.scales and t is not self.offsets]
         return ((self.stored_codes.nbytes if self.stored_codes is not None else 0)
                 + (self.packed.data.nbytes if self.packed is not None else 0) + self.scales.nbytes
-                + (self.offsets.nbytes if self.offsets is not None else 0))
+                + (self.offsets.nbytes if self.offsets is not None else 0) + sum(t.nbytes for t in compact))
 
     def dequantize(self, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight ``[N, K]`` (or its ``rows``), in float32 then cast to ``dtype``; the whole
@@ -211,7 +279,9 @@ class BlockWeight:
         repeat = self.block // block
         return BlockWeight(self.stored_codes, self.scales.repeat_interleave(repeat, dim=1),
                            None if self.offsets is None else self.offsets.repeat_interleave(repeat, dim=1),
-                           block, self.kind, self.packed)
+                           block, self.kind, self.packed,
+                           None if self.scale_factors is None else self.scale_factors.repeat_blocks(repeat),
+                           None if self.offset_factors is None else self.offset_factors.repeat_blocks(repeat))
 
     def narrow(self, dim: int, start: int, size: int) -> BlockWeight:
         """Outputs (``dim`` 0) or inputs (``dim`` 1) ``start .. start + size``: the same codes,
@@ -221,9 +291,16 @@ class BlockWeight:
         if start % self.block or size % self.block:
             raise ValueError(f"inputs {start}..{start + size} cut {self.kind}'s blocks of {self.block}")
         blocks = slice(start // self.block, (start + size) // self.block)
+        supers = slice(start // SUPER_INPUTS, (start + size) // SUPER_INPUTS)
+
+        def cut(factors: SubScaled | None) -> SubScaled | None:   # whole super-blocks only
+            if factors is None or start % SUPER_INPUTS or size % SUPER_INPUTS:
+                return None
+            return SubScaled(factors.sub[:, blocks].contiguous(), factors.multipliers[:, supers].contiguous())
+
         return BlockWeight(self.codes[:, start:start + size].contiguous(), self.scales[:, blocks].contiguous(),
                            None if self.offsets is None else self.offsets[:, blocks].contiguous(),
-                           self.block, self.kind)
+                           self.block, self.kind, None, cut(self.scale_factors), cut(self.offset_factors))
 
     def permute_rows(self, order: torch.Tensor) -> BlockWeight:
         return self._rows(order)
@@ -233,7 +310,9 @@ class BlockWeight:
         unpacked where the int8 copy was dropped)."""
         return BlockWeight(self.row_codes(ids).contiguous(), self.scales[ids].contiguous(),
                            None if self.offsets is None else self.offsets[ids].contiguous(),
-                           self.block, self.kind)
+                           self.block, self.kind, None,
+                           None if self.scale_factors is None else self.scale_factors.rows(ids),
+                           None if self.offset_factors is None else self.offset_factors.rows(ids))
 
 
 def tile_outputs(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int,
@@ -267,8 +346,19 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     offsets = (torch.cat([part.offsets if part.offsets is not None else torch.zeros_like(part.scales)
                           for part in parts]) if has_offsets else None)
     kinds = "+".join(dict.fromkeys(part.kind for part in parts))
+    scale_factors = (SubScaled.cat([part.scale_factors for part in parts])  # type: ignore[misc]
+                     if all(part.scale_factors is not None for part in parts) else None)
+    offset_factors = None
+    if has_offsets and scale_factors is not None:
+        # a part without offsets (Q6_K beside Q4_K): zero sub-scales times 0.0, the zeros above
+        offset_parts = [part.offset_factors if part.offsets is not None else
+                        SubScaled(torch.zeros_like(part.scales, dtype=torch.int8),
+                                  torch.zeros_like(part.scale_factors.multipliers))  # type: ignore[union-attr]
+                        for part in parts]
+        if all(factors is not None for factors in offset_parts):
+            offset_factors = SubScaled.cat(offset_parts)  # type: ignore[arg-type]
     return BlockWeight(torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts]),
-                       offsets, block, kinds)
+                       offsets, block, kinds, None, scale_factors, offset_factors)
 
 
 def _f16(column: np.ndarray) -> np.ndarray:
@@ -295,6 +385,25 @@ def _headers(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | No
     raise ValueError(f"no repack for GGUF type {kind}")
 
 
+def _factors(kind: str, blocks: np.ndarray, rows: int, cols: int) -> tuple[SubScaled | None, SubScaled | None]:
+    """The K-quants' ``(scale_factors, offset_factors)`` of ``blocks`` [num_blocks, block_bytes] (one
+    block per 256 inputs of ``rows`` rows of ``cols``): the sub-scales ``_headers`` multiplies, with d
+    (and -dmin) as multipliers; (None, None) for the other types (their scales are fp16 already)."""
+    from gguf.quants import Q4_K
+
+    def sub_scaled(sub: np.ndarray, multipliers: np.ndarray) -> SubScaled:
+        return SubScaled(torch.from_numpy(np.ascontiguousarray(sub.astype(np.int8).reshape(rows, -1))),
+                         torch.from_numpy(np.ascontiguousarray(multipliers.reshape(rows, cols // SUPER_INPUTS))))
+
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))   # 6-bit: 0..63
+        return sub_scaled(sc, d), sub_scaled(m, -dmin)
+    if kind == "Q6_K":
+        return sub_scaled(np.ascontiguousarray(blocks[:, 192:208]).view(np.int8), _f16(blocks[:, 208:210])), None
+    return None, None
+
+
 def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
     """GGUF bytes of one ``[N, K]`` tensor of type ``kind`` -> its lossless BlockWeight, in chunks
     of ``REPACK_ROWS`` rows.
@@ -308,9 +417,13 @@ def repack(raw: np.ndarray, shape: tuple[int, int], kind: str) -> BlockWeight:
     parts = [_repack_rows(by_row[start:start + REPACK_ROWS], cols, kind) for start in range(0, rows, REPACK_ROWS)]
     if len(parts) == 1:
         return parts[0]
+    scale_factors = [part.scale_factors for part in parts]
+    offset_factors = [part.offset_factors for part in parts]
     return BlockWeight(torch.cat([part.codes for part in parts]), torch.cat([part.scales for part in parts]),
                        None if parts[0].offsets is None else torch.cat([part.offsets for part in parts]),
-                       parts[0].block, kind)
+                       parts[0].block, kind, None,
+                       SubScaled.cat(scale_factors) if scale_factors[0] is not None else None,  # type: ignore[arg-type]
+                       SubScaled.cat(offset_factors) if offset_factors[0] is not None else None)  # type: ignore[arg-type]
 
 
 _WHOLE_ARRAY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
@@ -362,11 +475,12 @@ def _repack_rows(raw: np.ndarray, cols: int, kind: str) -> BlockWeight:
     blocks = np.ascontiguousarray(raw).reshape(-1, block_bytes)
     scales, offsets = _headers(kind, blocks)
     scales = scales.reshape(rows, cols // block)
+    scale_factors, offset_factors = _factors(kind, blocks, rows, cols)
     if kind in _WHOLE_ARRAY_TYPES:  # codes as stored: dequantize() computes gguf's values exactly
         return BlockWeight(torch.from_numpy(_stored_codes(blocks, kind).reshape(rows, cols)),
                            torch.from_numpy(np.ascontiguousarray(scales)),
                            None if offsets is None else torch.from_numpy(offsets.reshape(rows, cols // block)),
-                           block, kind)
+                           block, kind, None, scale_factors, offset_factors)
     values = dequantize_raw(raw, kind).reshape(rows, cols)
     grouped = values.reshape(rows, cols // block, block)
     shifted = grouped - offsets.reshape(rows, cols // block, 1) if offsets is not None else grouped
@@ -378,7 +492,7 @@ def _repack_rows(raw: np.ndarray, cols: int, kind: str) -> BlockWeight:
                          torch.from_numpy(np.ascontiguousarray(scales)),
                          None if offsets is None else torch.from_numpy(
                              np.ascontiguousarray(offsets.reshape(rows, cols // block))),
-                         block, kind)
+                         block, kind, None, scale_factors, offset_factors)
     rebuilt = result.dequantize().numpy()
     if not np.array_equal(rebuilt, values):
         error = float(np.abs(rebuilt - values).max())

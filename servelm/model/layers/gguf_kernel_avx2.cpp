@@ -2,6 +2,8 @@
 // and laptops, AMD Zen 1-3): the same three Python functions with the same arguments and the same
 // arithmetic, y[M, N] = x[M, K] @ W.T with W[n, k] = codes[n, k] * scales[n, k / B] (+ offsets[n, k / B]),
 // B = 16 or 32 (gguf_blocks.py), read from the int8 codes as they are stored (1 byte per weight).
+// Scales and offsets come as float32 [N, K / B], or compact (``BlockValues``: fp16, or int8 sub-scales
+// times a float32 per 256 inputs), widened per weight row to the same float32 values.
 //
 // Activation formats, as gguf_kernel.cpp's:
 //   block_linear_a16  q = round(x / d) in [-32512, 32512], d = amax / 32512 per 32 inputs (the default)
@@ -34,10 +36,11 @@ constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all act
 constexpr int64_t kMinChunkBytes = 32768;  // the least weight bytes worth a thread of their own
 constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of a weight row's block the stream is prefetched
 
-// Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call).
+// Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call; float
+// slots 0-2 belong to the calling thread's activations, 3-6 to a worker's widened scale rows).
 template <class T>
 T* scratch(int slot, int64_t count) {
-  static thread_local std::vector<T> buffers[3];
+  static thread_local std::vector<T> buffers[7];
   std::vector<T>& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
   return buffer.data();
@@ -354,6 +357,75 @@ const int8_t* unpack_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64
   return out;
 }
 
+// A weight's scales (or offsets) [N, K / B], in one of three layouts, read a row at a time as the
+// float32 values gguf_blocks.BlockWeight holds (bit for bit: gguf_blocks.CompactValues checks each
+// layout against them before handing it here):
+//   float32 [N, nb]                   the values themselves;
+//   float16 [N, nb]                   types whose scale (offset) is a stored fp16 d (m): Q8_0, Q4_0,
+//                                     Q5_0, Q4_1, Q5_1; widened exactly by F16C;
+//   int8 [N, nb + 4 * K / 256]        the K-quants: per row nb int8 sub-scales (6-bit sc, m; Q6_K's
+//                                     signed sc), then one float32 multiplier per 256 inputs (d, or
+//                                     -dmin for offsets) as little-endian bytes; value = sub * multiplier,
+//                                     an exact float32 product (|sub| < 2^7 times an fp16 value).
+// The compact layouts read 2 or ~1.1 bytes per block instead of 4 (Q4_K: 0.19 bytes per weight of
+// scales and offsets in float32, 0.06 compact).
+struct BlockValues {
+  enum Layout { kFloat32, kFloat16, kSubScaled };
+  Layout layout = kFloat32;
+  const uint8_t* base = nullptr;
+  int64_t row_bytes = 0;   // bytes per weight row
+  int64_t nb = 0;          // values per row: K / B
+  int64_t per_super = 0;   // kSubScaled: blocks per 256 inputs (8 or 16)
+
+  BlockValues() = default;
+  BlockValues(const torch::Tensor& t, int64_t n, int64_t k, int64_t block, const char* what) : nb(k / block) {
+    TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.size(0) == n, what, ": contiguous [N, ...]");
+    base = static_cast<const uint8_t*>(t.data_ptr());
+    if (t.dtype() == torch::kFloat32) {
+      TORCH_CHECK(t.size(1) == nb, what, ": float32 [N, K / block]");
+      layout = kFloat32;
+      row_bytes = 4 * nb;
+    } else if (t.dtype() == torch::kFloat16) {
+      TORCH_CHECK(t.size(1) == nb, what, ": float16 [N, K / block]");
+      layout = kFloat16;
+      row_bytes = 2 * nb;
+    } else {
+      TORCH_CHECK(t.dtype() == torch::kInt8 && k % 256 == 0 && t.size(1) == nb + 4 * (k / 256), what,
+                  ": float32 or float16 [N, K / block], or int8 [N, K / block + 4 * K / 256] (K a multiple of 256)");
+      layout = kSubScaled;
+      row_bytes = nb + 4 * (k / 256);
+      per_super = 256 / block;
+    }
+  }
+
+  // Row j as float32 [nb]: in place (float32) or widened into ``buffer`` (nb floats).
+  const float* row(int64_t j, float* buffer) const {
+    const uint8_t* r = base + j * row_bytes;
+    if (layout == kFloat32) return reinterpret_cast<const float*>(r);
+    if (layout == kFloat16) {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(r);
+      int64_t b = 0;
+      for (; b + 8 <= nb; b += 8)
+        _mm256_storeu_ps(buffer + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b))));
+      if (b + 4 <= nb) {   // K = 896: 28 blocks, 3 x 8 + 4
+        _mm_storeu_ps(buffer + b, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + b))));
+        b += 4;
+      }
+      for (; b < nb; ++b) buffer[b] = _cvtsh_ss(h[b]);
+      return buffer;
+    }
+    const int8_t* sub = reinterpret_cast<const int8_t*>(r);
+    const uint8_t* multipliers = r + nb;
+    for (int64_t b = 0; b < nb; b += 8) {   // nb and per_super are multiples of 8: one multiplier per 8
+      float m;
+      std::memcpy(&m, multipliers + 4 * (b / per_super), sizeof(m));
+      const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + b))));
+      _mm256_storeu_ps(buffer + b, _mm256_mul_ps(wide, _mm256_set1_ps(m)));
+    }
+    return buffer;
+  }
+};
+
 // y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
 // kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
 // ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes).
@@ -371,13 +443,9 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const int64_t row_bytes = k / 32 * Codes::kStepBytes;
   TORCH_CHECK(codes.size(1) == row_bytes && k % Activations::kKMultiple == 0,
               "K must match the codes and be a multiple of ", Activations::kKMultiple);
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 2
-              && scales.size(0) == n && scales.size(1) == k / block, "scales: float32 [N, K / block]");
+  const BlockValues weight_scales(scales, n, k, block, "scales");
   const bool has_offsets = offsets.has_value() && offsets->defined();
-  if (has_offsets) {
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: float32 like scales");
-  }
+  const BlockValues weight_offsets = has_offsets ? BlockValues(*offsets, n, k, block, "offsets") : BlockValues();
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
@@ -389,8 +457,6 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const Activations acts(xp, rows, k);
   const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
   const uint8_t* w = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* s = scales.data_ptr<float>();
-  const float* o = has_offsets ? offsets->data_ptr<float>() : nullptr;
   const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
   const c10::BFloat16* bias16 = has_bias && bias->dtype() == torch::kBFloat16 ? bias->data_ptr<c10::BFloat16>()
                                                                                : nullptr;
@@ -400,14 +466,17 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
+    // this worker's widened scale and offset rows (two of each: the one-row pass takes weight rows in pairs)
+    float* scale_rows[2] = {scratch<float>(3, nb), scratch<float>(4, nb)};
+    float* offset_rows[2] = {scratch<float>(5, nb), scratch<float>(6, nb)};
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
       // packed codes read by more than one row tile: unpacked once into int8 bytes (L1), not per tile
       const int8_t* unpacked = kBytes || rows <= kRowTile ? nullptr : unpack_rows<Codes>(w, row_bytes, n0, n1, k);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-        auto finish = [&](int64_t j, int t, float value) {
-          if (o != nullptr) value += dot_f32(o + j * nb, sums + (r0 + t) * nb, nb);
+        auto finish = [&](int64_t j, int t, float value, const float* orow) {
+          if (orow != nullptr) value += dot_f32(orow, sums + (r0 + t) * nb, nb);
           if (bias32 != nullptr) value += bias32[j];
           if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
           if (y16 != nullptr) {
@@ -417,12 +486,14 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           }
         };
         for (int64_t j = n0; j < n1; ++j) {
-          const float* sr = s + j * nb;
+          const float* sr = weight_scales.row(j, scale_rows[0]);
+          const float* orow = has_offsets ? weight_offsets.row(j, offset_rows[0]) : nullptr;
           if constexpr (std::is_base_of<IntActivations, Activations>::value) {
             if (tile == 1 && unpacked == nullptr && j + 1 < n1) {   // one row: two weight rows at once
-              acts.template dot_pair<Codes>(w + j * row_bytes, w + (j + 1) * row_bytes, sr, sr + nb, block, r0, dots);
-              finish(j, 0, dots[0]);
-              finish(j + 1, 0, dots[1]);
+              const float* sr_next = weight_scales.row(j + 1, scale_rows[1]);
+              acts.template dot_pair<Codes>(w + j * row_bytes, w + (j + 1) * row_bytes, sr, sr_next, block, r0, dots);
+              finish(j, 0, dots[0], orow);
+              finish(j + 1, 0, dots[1], has_offsets ? weight_offsets.row(j + 1, offset_rows[1]) : nullptr);
               ++j;
               continue;
             }
@@ -433,7 +504,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           } else {
             dot_tile<Codes>(acts, w + j * row_bytes, sr, block, r0, tile, dots);
           }
-          for (int t = 0; t < tile; ++t) finish(j, t, dots[t]);
+          for (int t = 0; t < tile; ++t) finish(j, t, dots[t], orow);
         }
       }
     }
@@ -483,6 +554,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = "avx2";
+  m.attr("COMPACT_SCALES") = true;   // scales and offsets also as BlockValues' float16 and int8 layouts
   m.def("block_linear_a16", &block_linear_a16,
         "activations rounded to 16 bits per 32 inputs (int16 x int16 vpmaddwd, AVX2)", BLOCK_LINEAR_ARGS);
   m.def("block_linear", &block_linear, "activations rounded to int8 per 32 inputs as llama.cpp (AVX2)",

@@ -9,7 +9,9 @@ one of the routes of gguf_routes.py:
   (2e-5 relative error per layer); ``"int8"`` (``--quantization gguf_a8``): to int8 per 32 inputs as
   llama.cpp does (5e-3); ``"float"``: unrounded (the exactness reference). The AVX2 build reads the
   codes packed at their own bit width (``PackedCodes``: 4-6 bits per weight instead of 8, the same
-  products bit for bit) for rounded activations; the int8 codes are then dropped after load.
+  products bit for bit) for rounded activations; the int8 codes are then dropped after load. It also
+  reads the scales and offsets compact (``BlockWeight.with_compact``: fp16, or the K-quants' int8
+  sub-scales times a float32 per 256 inputs; the same float32 values in the kernel).
 - ``rows``: the rows kernel's GEMM (gguf_rows.cpp ``rows_gemm``, AVX512-BF16) on a copy of the codes
   packed at load (1 byte per weight), bf16 activations unrounded, scales applied in float32.
 - ``int8``: the int8 GEMM (gguf_i8gemm.cpp) on its own copy, activations rounded to int8 per block:
@@ -130,6 +132,8 @@ class GGUFBlockLinearMethod:
         self.packs = kernel is not None and hasattr(kernel, _PACKED_KERNELS.get((activations, False), ""))
         """Whether the block route reads the codes packed at their bit width (``PackedCodes``; the AVX2
         build, rounded activations): ``process`` packs each weight whose codes fit."""
+        self.compact_scales = kernel is not None and getattr(kernel, "COMPACT_SCALES", False)
+        """Whether the block kernel takes the compact scales and offsets (the AVX2 build)."""
         self.ranking: Ranking = ranking or self.default_ranking
         """(shape, x is bf16, rows) -> routes fastest first: measured (model/routes.py) or the defaults."""
         self._resolved: dict[tuple[LinearShape, bool], LayerRoutes] = {}
@@ -179,6 +183,8 @@ class GGUFBlockLinearMethod:
         layer.gguf_routes = routes
         if self.packs and Route.BLOCK in routes.held:
             weight.with_packed()
+        if self.compact_scales and Route.BLOCK in routes.held:
+            weight.with_compact()
         layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
                                   self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
                              if Route.ROWS in routes.held else None)
@@ -248,9 +254,9 @@ class GGUFBlockLinearMethod:
         is_bf16 = x2.dtype == torch.bfloat16
         bf16_out = is_bf16 and bias is None and not float_out
         if route is Route.BLOCK:
-            kernel, codes = self.block_call(weight)
-            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, weight.scales,
-                         weight.offsets, weight.block, bf16_out)
+            kernel, codes, scales, offsets = self.block_call(weight)
+            out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets,
+                         weight.block, bf16_out)
         elif route is Route.ROWS:   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), *layer.gguf_packed, weight.block, bf16_out,
@@ -265,12 +271,16 @@ class GGUFBlockLinearMethod:
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
 
-    def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
-        """The block route's kernel function and the codes it reads: the packed codes where the
-        weight has them (``process`` packed it), else the int8 codes."""
+    def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor,
+                                                     torch.Tensor | None]:
+        """The block route's kernel function and what it reads: the packed codes where the weight has
+        them (``process`` packed it), else the int8 codes; the compact scales and offsets where the
+        kernel takes them, else the float32 ones."""
+        scales, offsets = weight.with_compact() if self.compact_scales else (weight.scales, weight.offsets)
         if weight.packed is not None and self.packs:
-            return getattr(self.kernel, _PACKED_KERNELS[self.activations, weight.packed.centered]), weight.packed.data
-        return getattr(self.kernel, _KERNELS[self.activations]), weight.codes
+            kernel = getattr(self.kernel, _PACKED_KERNELS[self.activations, weight.packed.centered])
+            return kernel, weight.packed.data, scales, offsets
+        return getattr(self.kernel, _KERNELS[self.activations]), weight.codes, scales, offsets
 
     def _decode_args(self, layer: nn.Module, routes: LayerRoutes, model_dtype: torch.dtype) -> tuple[object, ...]:
         """The kernel and its weight arguments of the layer's 1-row generation route for rows in
@@ -290,9 +300,8 @@ class GGUFBlockLinearMethod:
                 return ()
             return PreparedCall.of((self.rows_kernel.rows_gemm, codes, scales, offsets, weight.block),  # type: ignore[attr-defined]
                                    model_dtype, *reach, takes_bias=False)
-        kernel, codes = self.block_call(weight)
-        return PreparedCall.of((kernel, codes, weight.scales, weight.offsets, weight.block), model_dtype, *reach,
-                               takes_bias=True)
+        kernel, codes, scales, offsets = self.block_call(weight)
+        return PreparedCall.of((kernel, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)
 
 
 class BlockRows:

@@ -14,7 +14,8 @@
 // inputs of 16 rows: a VNNI product against 4 activation bytes broadcast to every lane gives the
 // 16 rows' partial dots at once, so the unpacked weights serve every activation row of the call
 // (register blocking over rows) and the float work is once per 32-input block, not per 64 inputs.
-// The scales are copied tiled too ([tiles, K / 32, 16] float32), one vector per tile and block.
+// The scales are copied tiled too ([tiles, K / 32, 16], one vector per tile and block), as fp16 where
+// every scale is an fp16 value (a Q8_0 head's d: half the bytes, widened exactly), else float32.
 //
 // Activations are rounded exactly as the exact int16 kernel (gguf_kernel.cpp, Int16Activations)
 // rounds them: q = round(x / dx), dx = amax / 32512 per 32 inputs (the same code, the same IEEE
@@ -146,6 +147,11 @@ inline int32_t load4(const int8_t* p) {
 inline Vec vset1(float v) { return SIMD(set1_ps)(v); }
 inline Vec vzero() { return SIMD(setzero_ps)(); }
 inline Vec vload(const float* p) { return SIMD(loadu_ps)(p); }
+#ifdef SCREEN_AVX512
+inline Vec vload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#else
+inline Vec vload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 inline Vec vmul(Vec a, Vec b) { return SIMD(mul_ps)(a, b); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return SIMD(fmadd_ps)(a, b, c); }
 inline Vec vfnmadd(Vec a, Vec b, Vec c) { return SIMD(fnmadd_ps)(a, b, c); }
@@ -290,10 +296,11 @@ void pack_block(const int8_t* c, int64_t k, int64_t rows, int64_t i0, uint8_t* o
 #endif
 
 // ROWS activation rows (from r0) against one tile of kTile vocabulary rows: s[r] = S, d[r] = D of
-// the tile's rows (see the top).
-template <int ROWS>
-void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int64_t r0, Vec* s_out, Vec* d_out) {
+// the tile's rows (see the top). ``Scale``: float (float32 scales) or uint16_t (fp16 bits).
+template <int ROWS, class Scale>
+void screen_tile(const Activations& acts, const uint8_t* w, const void* scales, int64_t r0, Vec* s_out, Vec* d_out) {
   const int64_t k = acts.k, nb = acts.nb;
+  const Scale* ws = static_cast<const Scale*>(scales);
   Vec s[ROWS];
   const int8_t* xh[ROWS];
   const int8_t* xl[ROWS];
@@ -323,10 +330,32 @@ void screen_tile(const Activations& acts, const uint8_t* w, const float* ws, int
   }
 }
 
-using TileFn = void (*)(const Activations&, const uint8_t*, const float*, int64_t, Vec*, Vec*);
-constexpr TileFn kTileFns[8] = {screen_tile<1>, screen_tile<2>, screen_tile<3>, screen_tile<4>,
-                                screen_tile<5>, screen_tile<6>, screen_tile<7>, screen_tile<8>};
+using TileFn = void (*)(const Activations&, const uint8_t*, const void*, int64_t, Vec*, Vec*);
+template <class Scale>
+struct TileFns {
+  static constexpr TileFn kFns[8] = {screen_tile<1, Scale>, screen_tile<2, Scale>, screen_tile<3, Scale>,
+                                     screen_tile<4, Scale>, screen_tile<5, Scale>, screen_tile<6, Scale>,
+                                     screen_tile<7, Scale>, screen_tile<8, Scale>};
+};
 static_assert(kMaxRows <= 8, "a tile function per register block size");
+
+// The tiled scales as the tile functions take them: the functions for their dtype, their bytes and
+// the bytes of one tile's scales.
+struct TiledScales {
+  const TileFn* fns;
+  const uint8_t* base;
+  int64_t tile_bytes;
+
+  TiledScales(const torch::Tensor& scales, int64_t nb) {
+    const bool half = scales.dtype() == torch::kFloat16;
+    fns = half ? TileFns<uint16_t>::kFns : TileFns<float>::kFns;
+    base = static_cast<const uint8_t*>(scales.data_ptr());
+    tile_bytes = nb * kTile * (half ? 2 : 4);
+  }
+  void tile(int rows, const Activations& acts, const uint8_t* w, int64_t t, int64_t r0, Vec* s, Vec* d) const {
+    fns[rows - 1](acts, w, base + t * tile_bytes, r0, s, d);
+  }
+};
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -334,18 +363,18 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
   TORCH_CHECK(k % kBlock == 0 && packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2
               && packed.size(0) == tiles && packed.size(1) == k / kBlock * kBlockBytes,
               "packed: uint8 [ceil(N / TILE), K / 32 * TILE * 20] (pack_screen, TILE = ", kTile, ")");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3
-              && scales.size(0) == tiles && scales.size(1) == k / kBlock && scales.size(2) == kTile,
-              "scales: float32 [ceil(N / TILE), K / 32, TILE] (pack_scales, TILE = ", kTile, ")");
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous()
+              && scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == k / kBlock && scales.size(2) == kTile,
+              "scales: float32 or float16 [ceil(N / TILE), K / 32, TILE] (pack_scales, TILE = ", kTile, ")");
 }
 
 inline int valid_rows(int64_t n, int64_t j0) { return static_cast<int>(std::min<int64_t>(kTile, n - j0)); }
 
 // S and D [M, N] of every vocabulary row, parallel over tiles.
-void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const float* sc, int64_t n,
+void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const TiledScales& sc, int64_t n,
                 float* so, float* dout) {
   const int64_t tiles = (n + kTile - 1) / kTile, k = acts.k;
-  const int64_t tile_bytes = k / kBlock * kBlockBytes, tile_scales = acts.nb * kTile;
+  const int64_t tile_bytes = k / kBlock * kBlockBytes;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     Vec s[kMaxRows], d[kMaxRows];
     for (int64_t t = begin; t < end; ++t) {
@@ -353,7 +382,7 @@ void screen_all(const Activations& acts, int64_t rows, const uint8_t* w, const f
       const int valid = valid_rows(n, j0);
       for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
         block = block_rows(rows, r0);
-        kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
+        sc.tile(static_cast<int>(block), acts, w + t * tile_bytes, t, r0, s, d);
         for (int r = 0; r < block; ++r) {
           store_valid(so + (r0 + r) * n + j0, s[r], valid);
           store_valid(dout + (r0 + r) * n + j0, d[r], valid);
@@ -382,9 +411,11 @@ torch::Tensor pack_screen(torch::Tensor codes) {
   return out;
 }
 
-// Q8_0 scales [N, K / 32] float32 -> the screen's tiled copy [ceil(N / 16), K / 32, 16] (zero padded).
+// Q8_0 scales [N, K / 32] float32 or float16 -> the screen's tiled copy [ceil(N / TILE), K / 32, TILE]
+// in their dtype (zero padded).
 torch::Tensor pack_scales(torch::Tensor scales) {
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.dim() == 2, "scales: float32 [N, K / 32]");
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.dim() == 2,
+              "scales: float32 or float16 [N, K / 32]");
   const int64_t n = scales.size(0), tiles = (n + kTile - 1) / kTile;
   auto padded = torch::zeros({tiles * kTile, scales.size(1)}, scales.options());
   padded.narrow(0, 0, n).copy_(scales);
@@ -400,7 +431,7 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor x, torch::Tensor packed, 
   auto d_out = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return {s_out, d_out};
   const Activations acts(x.data_ptr<float>(), rows, k);
-  screen_all(acts, rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), n, s_out.data_ptr<float>(),
+  screen_all(acts, rows, packed.data_ptr<uint8_t>(), TiledScales(scales, acts.nb), n, s_out.data_ptr<float>(),
              d_out.data_ptr<float>());
   return {s_out, d_out};
 }
@@ -425,8 +456,8 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
   const Activations acts(x.data_ptr<float>(), rows, k);
   const float e = static_cast<float>(code_error);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const int64_t tile_bytes = k / kBlock * kBlockBytes, tile_scales = acts.nb * kTile;
+  const TiledScales sc(scales, acts.nb);
+  const int64_t tile_bytes = k / kBlock * kBlockBytes;
   struct Chunk {
     int64_t begin;
     std::vector<float> lower;                  // per row: the largest lower bound in the chunk
@@ -449,7 +480,7 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
       const int valid = valid_rows(n, j0);
       for (int64_t r0 = 0, block = 0; r0 < rows; r0 += block) {
         block = block_rows(rows, r0);
-        kTileFns[block - 1](acts, w + t * tile_bytes, sc + t * tile_scales, r0, s, d);
+        sc.tile(static_cast<int>(block), acts, w + t * tile_bytes, t, r0, s, d);
         for (int i = 0; i < block; ++i) {
           const int64_t r = r0 + i;
           const float tile_max = max_valid(vfnmadd(ev, d[i], s[i]), valid);

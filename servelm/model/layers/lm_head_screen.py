@@ -47,7 +47,7 @@ from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.layers.gguf_routes import Route
-from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.layers.gguf_blocks import BlockWeight, compact_values
 from servelm.model.layers.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,9 @@ class LMHeadScreen:
         self.packed = screen_kernel.pack_screen(weight.codes)
         """[ceil(vocab / T), hidden / 32 * T * 20] uint8: the 5-bit codes in tiles of T vocabulary rows
         (T = ``screen_kernel.TILE``: 16 in the AVX-512 build, 8 in the AVX2 one; lm_head_screen.cpp)."""
-        self.tiled_scales = screen_kernel.pack_scales(weight.scales)
-        """[ceil(vocab / T), hidden / 32, T] float32: the Q8_0 scales in the same tiles."""
+        self.tiled_scales = screen_kernel.pack_scales(compact_values(weight.scales, None))
+        """[ceil(vocab / T), hidden / 32, T]: the Q8_0 scales in the same tiles, fp16 where each is an
+        fp16 value (a GGUF's d; half the bytes a step reads), else float32."""
         self.max_rows = MAX_SCREEN_ROWS_AVX2 if getattr(screen_kernel, "ISA", "") == "avx2" else MAX_SCREEN_ROWS
         """Most argmax rows in a step this build takes (``screen_logits_or_none``; never above
         MAX_SCREEN_ROWS, which benchmarks/step_ab.py sets to 0 to turn the screen off)."""

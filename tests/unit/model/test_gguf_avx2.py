@@ -183,6 +183,73 @@ def test_packed_kernel_refuses_codes_of_another_width(avx2: object) -> None:
         avx2.packed_a16_centered(torch.randn(1, 256), packed.data.view(torch.int8), weight.scales, None, 32)
 
 
+COMPACT_LAYOUT = {"Q8_0": torch.float16, "Q4_0": torch.float16, "Q5_0": torch.float16, "Q4_1": torch.float16,
+                  "Q5_1": torch.float16, "Q4_K": torch.int8, "Q5_K": torch.int8, "Q6_K": torch.int8}
+"""The layout ``with_compact`` gives each type's scales: fp16 (d), or int8 sub-scales x d per 256 inputs."""
+
+
+def compact_cases() -> list[tuple[str, BlockWeight]]:
+    """Every repackable type (K 512; the fp16 types also at K 896: 28 blocks, a tail past 8 at a
+    time), fused weights of mixed types, rows taken and inputs cut along super-blocks."""
+    cases = [(kind, repack(random_raw(kind, 37, 512, seed=4), (37, 512), kind)) for kind in sorted(REPACKABLE)]
+    cases += [(kind + " K896", repack(random_raw(kind, 21, 896, seed=6), (21, 896), kind))
+              for kind in ("Q8_0", "Q5_0", "Q4_1")]
+    k_quants = [repack(random_raw(kind, 9, 512, seed=8), (9, 512), kind) for kind in ("Q4_K", "Q6_K", "Q5_K")]
+    cases.append(("Q4_K+Q6_K+Q5_K", concat_rows(k_quants)))
+    cases.append(("Q5_0+Q8_0", concat_rows([repack(random_raw(kind, 8, 512, seed=9), (8, 512), kind)
+                                            for kind in ("Q5_0", "Q8_0")])))
+    cases.append(("Q4_K rows", k_quants[0].permute_rows(torch.tensor([5, 0, 3]))))
+    cases.append(("Q4_K inputs", k_quants[0].narrow(1, 256, 256)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(compact_cases())))
+def test_compact_scales_give_the_float32_outputs_bit_for_bit(avx2: object, case: int) -> None:
+    """The compact scales and offsets (fp16; int8 sub-scales x a float32 per 256 inputs) widen to the
+    float32 values exactly, and every function of the build computes with them the float32 scales'
+    outputs bit for bit: the three activation formats on int8 codes and both on packed codes, 1
+    (weight rows in pairs, an odd count), 3 and 16 rows, float32 and bf16 rows, a bias, bf16 out."""
+    name, weight = compact_cases()[case]
+    scales, offsets = weight.with_compact()
+    kind = weight.kind.split("+")[0]
+    expected_layout = torch.int8 if "+" in name and "K" in name else COMPACT_LAYOUT[kind]
+    assert scales.dtype == expected_layout, name
+    assert offsets is None or offsets.dtype == scales.dtype, name
+    assert scales.nbytes < weight.scales.nbytes
+    packed = PackedCodes.of(weight.codes)
+    n, k = weight.shape
+    generator = torch.Generator().manual_seed(case)
+    functions = [(name_, weight.codes) for name_ in MODES]
+    if packed is not None:
+        suffix = "_centered" if packed.centered else ""
+        functions += [("packed_a16" + suffix, packed.data), ("packed_a8" + suffix, packed.data)]
+    for rows in (1, 3, 16):
+        x32 = torch.randn(rows, k, generator=generator)
+        for x in (x32, x32.bfloat16()):
+            bias = torch.randn(n, generator=generator)
+            for function, codes in functions:
+                run = getattr(avx2, function)
+                for extra in ((), (True,), (False, bias)):
+                    expected = run(x, codes, weight.scales, weight.offsets, weight.block, *extra)
+                    out = run(x, codes, scales, offsets, weight.block, *extra)
+                    assert torch.equal(out, expected), (name, function, rows, x.dtype, extra)
+
+
+def test_compact_scales_keep_float32_where_no_layout_is_exact(avx2: object) -> None:
+    """Scales that are neither fp16 values nor sub-scaled stay float32; the kernel refuses a compact
+    layout of the wrong width."""
+    weight = repack(random_raw("Q4_K", 4, 256), (4, 256), "Q4_K")
+    odd = BlockWeight(weight.codes, weight.scales * 1.1, weight.offsets, weight.block, "Q4_K")
+    scales, _ = odd.with_compact()
+    assert scales is odd.scales
+    with pytest.raises(RuntimeError, match="int8"):
+        avx2.block_linear_a16(torch.randn(1, 256), weight.codes, weight.with_compact()[0][:, :-1].contiguous(),
+                              None, weight.block)
+    with pytest.raises(RuntimeError, match="float16"):
+        avx2.block_linear_a16(torch.randn(1, 256), weight.codes, weight.scales.half()[:, :4].contiguous(), None,
+                              weight.block)
+
+
 def test_avx2_equals_avx512_where_both_build(avx2: object) -> None:
     """Where the CPU has AVX512-VNNI too, both builds compute the same integers: equal to float32
     summation order."""
@@ -227,9 +294,10 @@ def packed_layers(model: torch.nn.Module) -> dict[str, tuple[str, int, bool]]:
             if getattr(module, "gguf_weight", None) is not None and module.gguf_weight.packed is not None}
 
 
-def greedy(model_path: Path, quantization: str = "auto", layers: dict[str, object] | None = None
-           ) -> tuple[list[int], object]:
-    """Greedy tokens of a short request and the LM head's method; ``layers`` gets ``packed_layers``."""
+def greedy(model_path: Path, quantization: str = "auto", layers: dict[str, object] | None = None,
+           compact: set[torch.dtype] | None = None) -> tuple[list[int], object]:
+    """Greedy tokens of a short request and the LM head's method; ``layers`` gets ``packed_layers``,
+    ``compact`` the dtypes of the scales the layers' prepared decode calls read."""
     from servelm.config import EngineConfig
     from servelm.engine.engine import LLMEngine
     from servelm.sampling.params import SamplingParams
@@ -245,6 +313,9 @@ def greedy(model_path: Path, quantization: str = "auto", layers: dict[str, objec
                 tokens.extend(output.new_token_ids)
         if layers is not None:
             layers.update(packed_layers(engine.runner.model))
+        if compact is not None:
+            compact.update(module.__dict__["gguf_decode_args"][2].dtype for module in engine.runner.model.modules()
+                           if module.__dict__.get("gguf_decode_args"))
         return tokens, engine.runner.model.lm_head.__dict__.get("linear_method")
     finally:
         engine.shutdown()
@@ -288,9 +359,11 @@ def test_avx2_cpu_serves_the_gguf_blocks_on_the_avx2_build(avx2: object, tmp_pat
     expected, _ = greedy(path, "none")
     monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: AVX2 | {"sse4_2", "avx"})
     packed: dict[str, object] = {}
-    tokens, method = greedy(path, layers=packed)
+    compact: set[torch.dtype] = set()
+    tokens, method = greedy(path, layers=packed, compact=compact)
     assert method is not None and getattr(method.kernel, "ISA", "") == "avx2"
     assert method.dense_dtype == torch.float32 and method.rows_kernel is None and method.i8_kernel is None
-    # the block route reads packed codes (Q8_0's stay bytes), the int8 copies dropped
+    # the block route reads packed codes (Q8_0's stay bytes), the int8 copies dropped, and fp16 scales
     assert method.packs and {kinds for kinds in packed.values()} == {("Q4_0", 4, True), ("Q5_0+Q4_1", 5, True)}
+    assert method.compact_scales and compact == {torch.float16}
     assert tokens == expected

@@ -334,3 +334,25 @@ def test_tiny_gguf_without_kernel_is_the_dequantized_model(tmp_path: Path,
     torch.testing.assert_close(model.model.layers[0].mlp.gate_up_proj(hidden),
                                reference.model.layers[0].mlp.gate_up_proj(hidden))
     torch.testing.assert_close(model.lm_head(hidden), reference.lm_head(hidden))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_k_quant_factors_rebuild_the_scales(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A K-quant's scales (offsets) are its sub-scales times d (-dmin) per 256 inputs, bit for bit, also
+    when repacked in chunks of rows and after rows are taken; the other types carry none."""
+    from servelm.model.layers import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 3)
+    rows, cols = 7, 512
+    weight = repack(random_raw(kind, rows, cols, seed=3), (rows, cols), kind)
+    if not kind.endswith("_K"):
+        assert weight.scale_factors is None and weight.offset_factors is None
+        return
+    factors = weight.scale_factors
+    assert factors is not None and factors.sub.dtype == torch.int8 and factors.multipliers.shape == (rows, cols // 256)
+    assert torch.equal(factors.values().view(torch.int32), weight.scales.view(torch.int32))
+    assert (weight.offsets is None) == (weight.offset_factors is None)
+    if weight.offset_factors is not None:
+        assert torch.equal(weight.offset_factors.values().view(torch.int32), weight.offsets.view(torch.int32))
+    taken = weight.permute_rows(torch.tensor([6, 2]))
+    assert taken.scale_factors is not None and torch.equal(taken.scale_factors.values(), taken.scales)

@@ -240,6 +240,25 @@ def test_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads(kernels
     assert torch.equal(together[0], parallel[0])
 
 
+def test_fp16_scales_give_the_float32_scales_bounds_bit_for_bit(kernels: Kernels) -> None:
+    """A head whose scales are fp16 values (a GGUF's d) keeps them tiled as fp16 (half the bytes), and
+    the screen's S and D and candidates are those of the same scales tiled as float32."""
+    head, weight = q8_head(kernels, 1003, 256, seed=8)
+    weight.scales.copy_(weight.scales.half().float())
+    screen = screen_for(kernels, weight)
+    assert screen.tiled_scales.dtype == torch.float16
+    as_float32 = screen.screen_kernel.pack_scales(weight.scales)
+    assert as_float32.dtype == torch.float32 and torch.equal(as_float32, screen.tiled_scales.float())
+    x = near_tie_rows(weight, 5, seed=2)
+    kernel = screen.screen_kernel
+    for compact, full in zip(kernel.screen_logits(x, screen.packed, screen.tiled_scales, 1003),
+                             kernel.screen_logits(x, screen.packed, as_float32, 1003)):
+        assert torch.equal(compact, full)
+    for compact, full in zip(kernel.screen_candidates(x, screen.packed, screen.tiled_scales, 1003, 3.505, 4096),
+                             kernel.screen_candidates(x, screen.packed, as_float32, 1003, 3.505, 4096)):
+        assert torch.equal(compact, full)
+
+
 def scheduled(request_id: str, params: SamplingParams, drafts: list[int], num_logits: int | None = None,
               prompt_logprob_rows: int = 0) -> ScheduledRequest:
     request = Request(request_id, [1, 2, 3], params, [0], 100, output_token_ids=[5])
