@@ -44,11 +44,12 @@ def traced_engine_process(*args: Any, **kwargs: Any) -> None:
     from servelm.engine import engine_process
     from servelm.engine.engine import LLMEngine
     from servelm.engine.frontdoor import SubmitRequest
-    from servelm.engine.output_channel import OutputWriter
     from servelm.engine.scheduler import Scheduler
 
+    import zmq
+
     schedule, step, handle = Scheduler.schedule, LLMEngine.step, engine_process._handle
-    send_pyobj = OutputWriter.send_pyobj
+    send_pyobj = zmq.Socket.send_pyobj
     last: dict[str, Any] = {"send_s": 0.0, "pickle_s": 0.0}
 
     def traced_send_pyobj(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
@@ -89,7 +90,7 @@ def traced_engine_process(*args: Any, **kwargs: Any) -> None:
         handle(engine, message, outputs)
 
     Scheduler.schedule, LLMEngine.step, engine_process._handle = traced_schedule, traced_step, traced_handle
-    OutputWriter.send_pyobj = traced_send_pyobj  # type: ignore[method-assign]
+    zmq.Socket.send_pyobj = traced_send_pyobj  # type: ignore[method-assign]
     engine_process.run_engine_process(*args, **kwargs)
 
 
@@ -274,7 +275,7 @@ def report(trace: Path, start_s: float, wall_s: float, sent: list[float], timing
         pickles = [s.get("pickle_before_ms", 0.0) for s in steps[1:]]
         print(f"  (a separate pickle.dumps of the same outputs: median {statistics.median(pickles):.3f} ms)")
         print(f"between steps: median {statistics.median(gaps):.2f} ms, sum {sum(gaps):.0f} ms, of which "
-              f"sending outputs (pickle + socket write) median {statistics.median(sends):.2f} ms, sum {sum(sends):.0f} ms")
+              f"sending outputs (pickle + zmq) median {statistics.median(sends):.2f} ms, sum {sum(sends):.0f} ms")
     in_steps = sum((s["end_s"] - s["start_s"]) for s in steps) * 1e3
     print(f"wall {wall_s * 1e3:.0f} ms = steps {in_steps:.0f} + gaps {sum(gaps):.0f} + before the first step "
           f"{rel(steps[0]['start_s']) if steps else 0:.0f} + after the last {wall_s * 1e3 - rel(steps[-1]['end_s']) if steps else 0:.0f}")

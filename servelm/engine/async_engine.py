@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from servelm.config import EngineConfig
 from servelm.disagg.spec import KVTransfer
@@ -48,7 +49,6 @@ from servelm.engine.frontdoor import (PROTOCOL_VERSION, AbortRequest, CallResult
                                       SubmitRequest, UnloadLoRACall)
 from servelm.engine.launch import EngineLaunch
 from servelm.engine.monitor import acceptance_figures
-from servelm.engine.output_channel import OutputReader
 from servelm.engine.outputs import RequestOutput, merge_outputs
 from servelm.errors import InvalidRequestError
 from servelm.multimodal.inputs import MultimodalInputs
@@ -76,8 +76,7 @@ class _Replica:
     index: int
     process: multiprocessing.process.BaseProcess
     push: zmq.Socket[Any]
-    pull: OutputReader
-    """The engine's messages (output_channel.py: one socket write per step, no ZMQ I/O threads)."""
+    pull: zmq.asyncio.Socket
     info: dict[str, Any] | None = None
     info_s: float = 0.0
     info_call: asyncio.Future[dict[str, Any]] | None = None
@@ -132,12 +131,12 @@ class AsyncEngine:
         try:
             for index, process in enumerate(launch.processes):
                 input_address = f"ipc://{socket_dir}/input{index}"
-                output_address = f"{socket_dir}/output{index}"
+                output_address = f"ipc://{socket_dir}/output{index}"
                 push = sync_context.socket(zmq.PUSH)
                 push.setsockopt(zmq.SNDHWM, 0)
                 push.bind(input_address)
-                pull = OutputReader(output_address)
-                await pull.start()
+                pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+                pull.bind(output_address)
                 replicas.append(_Replica(index, process, push, pull))
                 launch.send(index, replica_config, input_address, output_address)
             # the front end's tokenizer loads while the engines load their models (seconds of
@@ -154,7 +153,7 @@ class AsyncEngine:
                 if replica.process.is_alive():
                     replica.process.kill()
                 replica.push.close(linger=0)
-                replica.pull.close()
+                replica.pull.close(linger=0)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
         num_replicas = len(replicas)
@@ -211,34 +210,20 @@ class AsyncEngine:
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,
-                          pull: OutputReader) -> EngineReady:
-        received: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                if received is None:
-                    received = asyncio.ensure_future(pull.recv_pyobj())
-                done, _ = await asyncio.wait({received}, timeout=_STARTUP_POLL_MS / 1000)
-                if done:
-                    finished, received = received, None   # none left pending once ready
-                    try:
-                        message = finished.result()
-                    except EOFError:
-                        await asyncio.to_thread(process.join, 5)
-                        raise RuntimeError("engine process exited during start-up (exit code "
-                                           f"{process.exitcode})") from None
-                    if isinstance(message, EngineReady):
-                        if message.protocol_version != PROTOCOL_VERSION:
-                            raise RuntimeError(
-                                f"engine process speaks front-door protocol {message.protocol_version}, "
-                                f"this front end {PROTOCOL_VERSION}: a mismatched servelm install")
-                        return message
-                    if isinstance(message, EngineFailed):
-                        raise RuntimeError(f"engine failed to start: {message.reason}")
-                elif not process.is_alive():
-                    raise RuntimeError(f"engine process exited during start-up (exit code {process.exitcode})")
-        finally:
-            if received is not None:
-                received.cancel()
+                          pull: zmq.asyncio.Socket) -> EngineReady:
+        while True:
+            if await pull.poll(_STARTUP_POLL_MS):
+                message = await pull.recv_pyobj()
+                if isinstance(message, EngineReady):
+                    if message.protocol_version != PROTOCOL_VERSION:
+                        raise RuntimeError(
+                            f"engine process speaks front-door protocol {message.protocol_version}, "
+                            f"this front end {PROTOCOL_VERSION}: a mismatched servelm install")
+                    return message
+                if isinstance(message, EngineFailed):
+                    raise RuntimeError(f"engine failed to start: {message.reason}")
+            elif not process.is_alive():
+                raise RuntimeError(f"engine process exited during start-up (exit code {process.exitcode})")
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig) -> Any:
@@ -253,10 +238,7 @@ class AsyncEngine:
     # -- background tasks -------------------------------------------------------------------
     async def _route_outputs(self, replica: _Replica) -> None:
         while True:
-            try:
-                message = await replica.pull.recv_pyobj()
-            except EOFError:  # the engine process exited: _watch_process fails its requests
-                return
+            message = await replica.pull.recv_pyobj()
             if isinstance(message, StepOutputs):
                 for output in message.outputs:
                     if output.new_token_ids and output.finish_reason != "error":
@@ -567,5 +549,5 @@ class AsyncEngine:
                 await asyncio.to_thread(replica.process.join, 5)
         for replica in self._replicas:
             replica.push.close(linger=0)
-            replica.pull.close()
+            replica.pull.close(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)

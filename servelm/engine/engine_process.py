@@ -1,6 +1,5 @@
 """The engine process's job: load the model, then step, draining the front end's socket
-between steps (frontdoor.py's messages: submit, abort, the calls, shutdown), and sending the
-outputs back over the output channel (output_channel.py). One per data-parallel
+between steps (frontdoor.py's messages: submit, abort, the calls, shutdown). One per data-parallel
 replica; async_engine.py is the other end of its sockets.
 
 The process was started by launch.py (which made it die with the front end and pinned a
@@ -14,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import zmq
 
@@ -24,7 +24,6 @@ from servelm.engine.frontdoor import (AbortRequest, CallResult, EngineFailed, En
                                       Shutdown, StatsCall, StepOutputs, SubmitRequest,
                                       UnloadLoRACall)
 from servelm.engine.heap import IdleTrim
-from servelm.engine.output_channel import OutputWriter
 from servelm.engine.monitor import StatsLogger, Watchdog
 from servelm.engine.warmup import warm_up_for_serving
 from servelm.logging_utils import configure_logging, watch_gc
@@ -39,10 +38,12 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.server.log_level)
     watch_gc(config.observability.gc_warning_threshold_secs, "engine process")
-    outputs = OutputWriter(output_address)  # first: the front end waits for this connection
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.connect(output_address)
     parent_pid = os.getppid()  # launch.py's die_with_parent ran: still the front end
     try:
         start_s = time.monotonic()
@@ -101,7 +102,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         stats.maybe_log()
 
 
-def _handle(engine: LLMEngine, message: FrontMessage, outputs: OutputWriter) -> None:
+def _handle(engine: LLMEngine, message: FrontMessage, outputs: zmq.Socket[Any]) -> None:
     """Apply one front-end message between two steps."""
     if isinstance(message, SubmitRequest):
         rejected = engine.submit(message)

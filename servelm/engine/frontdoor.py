@@ -2,8 +2,7 @@
 model description the engine reports once, and the engine-client protocol the server codes against.
 
 Transport (async_engine.py, engine_process.py): the front end PUSHes front-end messages to each
-engine process over ZMQ, and reads the engine messages back from a Unix socket (output_channel.py),
-each pickled whole. Requests and their outputs
+engine process and PULLs engine messages back, each pickled whole. Requests and their outputs
 never travel any other way.
 
 Invariants:

@@ -6,16 +6,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from pathlib import Path
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine, _Replica
 from servelm.engine.frontdoor import (PROTOCOL_VERSION, AbortRequest, EngineReady, ModelInfo,
-                                      StepOutputs, SubmitRequest)
-from servelm.engine.output_channel import OutputReader, OutputWriter
+                                      SubmitRequest)
 from servelm.engine.outputs import RequestOutput
 from servelm.sampling.params import SamplingParams
 
@@ -114,80 +113,25 @@ def test_a_cancelled_encode_is_aborted_by_message() -> None:
         wire.close()
 
 
-class Alive:
-    exitcode = None
+def test_an_engine_of_another_protocol_version_is_refused() -> None:
+    address = f"ipc:///tmp/servelm-test-frontdoor-ready-{os.getpid()}"
 
-    def is_alive(self) -> bool:
-        return True
+    class Alive:
+        def is_alive(self) -> bool:
+            return True
 
-    def join(self, timeout: float) -> None:
-        pass
-
-
-def test_an_engine_of_another_protocol_version_is_refused(tmp_path: Path) -> None:
     async def run(version: int) -> EngineReady:
-        pull = OutputReader(str(tmp_path / f"ready{version}"))
-        await pull.start()
-        push = OutputWriter(pull.path)
+        pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        pull.bind(address)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(address)
         try:
             push.send_pyobj(EngineReady(ModelInfo(context_length=8), protocol_version=version))
             return await AsyncEngine._wait_ready(Alive(), pull)  # type: ignore[arg-type]
         finally:
-            push.close()
-            pull.close()
+            push.close(linger=0)
+            pull.close(linger=0)
 
     assert asyncio.run(run(PROTOCOL_VERSION)).model_info.context_length == 8
     with pytest.raises(RuntimeError, match="front-door protocol 999"):
         asyncio.run(run(999))
-
-
-def test_the_output_channel_keeps_messages_whole_and_in_order_and_reports_the_engine_gone(
-        tmp_path: Path) -> None:
-    """The engine's messages arrive in order, each whole (a large one spans many socket reads), the
-    first after the ready message is left for the router (no start-up read pending), and the
-    engine closing its end ends the router's loop instead of hanging it."""
-    messages = [StepOutputs([RequestOutput("r", [index], f"t{index}")]) for index in range(50)]
-    large = StepOutputs([RequestOutput("e", [], "", finish_reason="stop", embedding=[0.25] * 300_000)])
-
-    async def run() -> list[object]:
-        pull = OutputReader(str(tmp_path / "out"))
-        await pull.start()
-        push = OutputWriter(pull.path)
-        try:
-            push.send_pyobj(EngineReady(ModelInfo(context_length=8)))
-
-            def send_all() -> None:  # a thread, as the engine process: may block on a full buffer
-                for message in [messages[0], large, *messages[1:]]:
-                    push.send_pyobj(message)
-
-            sending = asyncio.ensure_future(asyncio.to_thread(send_all))
-            await AsyncEngine._wait_ready(Alive(), pull)  # type: ignore[arg-type]
-            received = [await pull.recv_pyobj() for _ in range(len(messages) + 1)]
-            await sending
-            push.close()
-            with pytest.raises(EOFError):
-                await pull.recv_pyobj()
-            return received
-        finally:
-            pull.close()
-
-    received = asyncio.run(run())
-    assert received == [messages[0], large, *messages[1:]]
-
-
-def test_an_engine_that_exits_during_start_up_is_reported(tmp_path: Path) -> None:
-    class Exited(Alive):
-        exitcode = 3
-
-    async def run() -> None:
-        pull = OutputReader(str(tmp_path / "gone"))
-        await pull.start()
-        push = OutputWriter(pull.path)
-        push.close()
-        try:
-            await AsyncEngine._wait_ready(Exited(), pull)  # type: ignore[arg-type]
-        finally:
-            pull.close()
-
-    with pytest.raises(RuntimeError, match="exit code 3"):
-        asyncio.run(run())
