@@ -43,6 +43,7 @@ def traced_engine_process(*args: Any, **kwargs: Any) -> None:
     """The engine process's entry point with its steps and messages recorded."""
     from servelm.engine import engine_process
     from servelm.engine.engine import LLMEngine
+    from servelm.engine.frontdoor import SubmitRequest
     from servelm.engine.scheduler import Scheduler
 
     import zmq
@@ -82,9 +83,10 @@ def traced_engine_process(*args: Any, **kwargs: Any) -> None:
                     first_tokens=[rid for rid, n, sampling in rows if n > 1 and sampling])
         return outputs
 
-    def traced_handle(engine: Any, message: tuple[Any, ...], outputs: Any) -> None:
-        _record(kind="engine_" + str(message[0]), at_s=time.perf_counter(),
-                request_id=message[1] if message[0] == "add" else None)
+    def traced_handle(engine: Any, message: Any, outputs: Any) -> None:
+        is_add = isinstance(message, SubmitRequest)
+        _record(kind="engine_add" if is_add else "engine_" + type(message).__name__, at_s=time.perf_counter(),
+                request_id=message.request_id if is_add else None)
         handle(engine, message, outputs)
 
     Scheduler.schedule, LLMEngine.step, engine_process._handle = traced_schedule, traced_step, traced_handle
@@ -96,15 +98,16 @@ def serve(argv: list[str]) -> None:
     """``servelm serve ARGV`` with the front end's adds recorded and the engine process traced."""
     from servelm.cli import main
     from servelm.engine import async_engine, launch
+    from servelm.engine.frontdoor import SubmitRequest
 
     send = async_engine.AsyncEngine._send
 
-    def traced_send(self: Any, replica: Any, message: tuple[Any, ...]) -> None:
+    def traced_send(self: Any, replica: Any, message: Any) -> None:
         start_s = time.perf_counter()
         send(self, replica, message)
-        if message[0] == "add":
+        if isinstance(message, SubmitRequest):
             _record(kind="front_add", at_s=start_s, send_ms=(time.perf_counter() - start_s) * 1e3,
-                    request_id=message[1])
+                    request_id=message.request_id)
 
     async_engine.AsyncEngine._send = traced_send  # type: ignore[method-assign]
     launch.ENGINE_ENTRY = f"{traced_engine_process.__module__}:{traced_engine_process.__name__}"
