@@ -1,6 +1,6 @@
 """The one-sided transfer backends (nixl, mooncake: the prefill engine writes the K/V straight into
 the decode engine's registered pool) between two real engines in this process, on a tiny
-random-weight model: greedy outputs identical to one co-located engine with only the blocks the
+random-weight model (and DeepSeek-V3's latent pool): greedy outputs identical to one co-located engine with only the blocks the
 decode side lacks written, float8 K/V as stored, a cancel acked before the decode side lets its
 destination blocks go, a backend mismatch refused, a dead decode agent's write failing with the
 prefill pool freed. Skipped, naming the pip command, where a backend's package is absent."""
@@ -122,3 +122,12 @@ def test_decode_without_prefill_server_times_out_and_lets_its_blocks_go(model_pa
         assert_idle(decode)
     finally:
         decode.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepseek_latent_pool_over_a_one_sided_backend_equals_colocated(tmp_path, backend):
+    """DeepSeek-V3's pool holds the compressed latent (an empty V side): the one-sided backends
+    register and write that pool as they do per-head K/V, and greedy tokens equal one co-located
+    engine's, with only the decode side's missing blocks written."""
+    check_greedy_identical_and_only_missing_blocks_sent(make_tiny_model_dir(tmp_path, "deepseek_v3"), "auto",
+                                                        backend)
