@@ -12,9 +12,11 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time"]
 @pytest.fixture(scope="module")
 def engine():
     # float32: the tests compare tokens across batch orders, and in bf16 (--dtype auto on a CPU
-    # with native bf16) a row's rounding depends on the step's shape (README, "Fast on CPU")
+    # with native bf16) a row's rounding depends on the step's shape (README, "Fast on CPU").
+    # No start-up warm-up: it changes no token (tests/unit/engine/test_warmup.py,
+    # tests/e2e/test_warmup_live.py check it), as tests.e2e.server_process does for the servers.
     with Engine(model_path="smollm2-135m", max_total_tokens=4096, chunked_prefill_size=8,
-                dtype="float32") as running:
+                dtype="float32", skip_server_warmup=True) as running:
         yield running
     assert not any(process.is_alive() for process in running._engine.processes)
 

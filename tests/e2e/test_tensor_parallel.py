@@ -20,6 +20,7 @@ from servelm.sampling.params import SamplingParams
 from tests.engine_drive import PARITY_PROMPTS, greedy, reference_greedy
 from tests.tiny_models import make_tiny_model_dir
 
+from .conftest import OPS_MODEL
 from .server_process import ServerProcess, check_killed_rank_ends_the_server
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -58,10 +59,16 @@ def completion_tokens(server: ServerProcess, prompt: list[int], max_tokens: int)
     return list(response.json()["output_ids"])
 
 
-def check_server_parity(model: str, num_new_tokens: int) -> None:
-    """The TP=2 server's greedy tokens equal the in-process TP=1 engine's."""
-    prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
-                                         num_threads=1, max_total_tokens=2048)
+def check_server_parity(model: str, num_new_tokens: int, tp1_server: ServerProcess | None = None) -> None:
+    """The TP=2 server's greedy tokens equal TP=1's: ``tp1_server``'s (a running float32 server of
+    ``model``), or else an in-process TP=1 engine's."""
+    if tp1_server is None:
+        prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
+                                             num_threads=1, max_total_tokens=2048)
+    else:
+        prompts = [httpx.post(f"{tp1_server.base_url}/tokenize", json={"prompt": text}, timeout=30)
+                   .json()["tokens"] for text in PARITY_PROMPTS]
+        expected = [completion_tokens(tp1_server, prompt, num_new_tokens) for prompt in prompts]
     with ServerProcess([model, "--tp", "2", "--dtype", "float32", "--num-threads", "1",
                         "--max-total-tokens", "2048"]) as server:
         got = [completion_tokens(server, prompt, num_new_tokens) for prompt in prompts]
@@ -70,9 +77,10 @@ def check_server_parity(model: str, num_new_tokens: int) -> None:
     assert info["parallel"]["tp_size"] == 2 and len(info["parallel"]["ranks"]) == 2
 
 
-def test_tp2_server_matches_tp1_smollm2() -> None:
-    """SmolLM2-135M: 9 query heads over 3 KV heads, split 6/2 and 3/1 across the two ranks."""
-    check_server_parity("smollm2-135m", 16)
+def test_tp2_server_matches_tp1_smollm2(ops_server: ServerProcess) -> None:
+    """SmolLM2-135M: 9 query heads over 3 KV heads, split 6/2 and 3/1 across the two ranks. TP=1 is
+    the session's operations server (the same model in float32, one engine): no engine of its own."""
+    check_server_parity(OPS_MODEL, 16, tp1_server=ops_server)
 
 
 @pytest.mark.slow
