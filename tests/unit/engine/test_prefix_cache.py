@@ -8,7 +8,6 @@ import pytest
 from servelm.config import CacheConfig, EngineConfig, SchedulerConfig
 from servelm.engine.engine import LLMEngine
 from servelm.engine.request import LoRAState
-from servelm.sampling.params import SamplingParams
 
 from .fake_runner import FakeRunner
 from .test_engine_core import EOS, greedy, run_all
