@@ -67,11 +67,6 @@ def build_hicache(config: EngineConfig, runner: Any, tree: RadixTree | None,
     if not isinstance(kv, KVCache) or tree is None:
         raise ValueError("--enable-hierarchical-cache needs the in-process model runner and the "
                          "prefix cache")
-    if kv.v_caches and kv.v_head_dim != kv.head_dim:
-        raise ValueError("--enable-hierarchical-cache: the host tier copies K and V blocks of one shape; "
-                         f"this model's pool holds K {kv.head_dim} and V {kv.v_head_dim} values wide per head "
-                         "(DeepSeek under --disable-mla), which it does not copy yet; the latent pool "
-                         "(without --disable-mla) has a host tier")
     per_block = HostKVTier.bytes_per_block(kv, hicache.hicache_host_dtype)
     if hicache.hicache_size > 0:
         num_slots = int(hicache.hicache_size * 1e9) // per_block

@@ -3,7 +3,10 @@ storage tier keeps (the tensor side of servelm.cache.hicache).
 
 Host layout, one block = every layer's planes for ``block_size`` tokens, a plane being K and V
 (``planes`` 2) or, for a latent pool (DeepSeek's MLA, ``LatentKVCache``), the one latent row per
-token (``planes`` 1: V is a view of it, so the host tier stores exactly the latent rows)::
+token (``planes`` 1: V is a view of it, so the host tier stores exactly the latent rows). Every
+plane is ``width`` values wide per head: the widest of K and V. A pool whose V is narrower than K
+(DeepSeek under ``--disable-mla``: K 192, V 128 per head at V2/V3's shapes) keeps V zero-padded to
+K's width on the host (there, 1.2x the pool's bytes per block)::
 
     page_first:  data[slot, layer, plane, token, head, dim]   (a block is contiguous)
     layer_first: data[layer, plane, slot, token, head, dim]   (a layer is contiguous, as on device)
@@ -33,6 +36,11 @@ def planes(kv: KVCache) -> int:
     return 2 if kv.v_caches else 1
 
 
+def plane_widths(kv: KVCache) -> tuple[int, ...]:
+    """Each stored plane's values per head: ``(head_dim, v_head_dim)``, or the latent row's width."""
+    return (kv.head_dim, kv.v_head_dim) if kv.v_caches else (kv.head_dim,)
+
+
 def layer_planes(kv: KVCache) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's stored tensors: ``(k, v)``, or ``(latent,)`` for a latent pool."""
     if not kv.v_caches:
@@ -51,19 +59,21 @@ class HostKVTier:
         self.is_quantized = host_dtype == "int8" and kv.dtype.itemsize > 1
         self._raw_dtype = torch.uint8 if kv.dtype.itemsize == 1 and kv.dtype.is_floating_point else kv.dtype
         self.planes = planes(kv)
-        block = (kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self.widths = plane_widths(kv)
+        self.width = max(self.widths)
+        block = (kv.block_size, kv.num_kv_heads, self.width)
         store = torch.int8 if self.is_quantized else self._raw_dtype
         shape = ((num_slots, kv.num_layers, self.planes, *block) if layout == "page_first"
                  else (kv.num_layers, self.planes, num_slots, *block))
         self.data = torch.zeros(shape, dtype=store)
         self.scales = (torch.ones((num_slots, kv.num_layers, self.planes, kv.num_kv_heads), dtype=torch.float32)
                        if self.is_quantized else None)
-        self._block_numel = kv.num_layers * self.planes * kv.block_size * kv.num_kv_heads * kv.head_dim
+        self._block_numel = kv.num_layers * self.planes * kv.block_size * kv.num_kv_heads * self.width
 
     @staticmethod
     def bytes_per_block(kv: KVCache, host_dtype: str) -> int:
         """Host bytes per block (data and scales): sizes the tier from --hicache-size."""
-        numel = kv.num_layers * planes(kv) * kv.block_size * kv.num_kv_heads * kv.head_dim
+        numel = kv.num_layers * planes(kv) * kv.block_size * kv.num_kv_heads * max(plane_widths(kv))
         if host_dtype == "int8" and kv.dtype.itemsize > 1:
             return numel + kv.num_layers * planes(kv) * kv.num_kv_heads * 4
         return numel * kv.dtype.itemsize
@@ -83,18 +93,21 @@ class HostKVTier:
 
     # -- device block <-> one tensor ---------------------------------------------------------
     def _gather(self, block_id: int) -> torch.Tensor:
-        """The block's planes ``[layers, planes, block_size, heads, dim]`` in the pool's raw dtype."""
+        """The block's planes ``[layers, planes, block_size, heads, width]`` in the pool's raw dtype
+        (a narrower plane zero-padded to ``width``)."""
         start = block_id * self.kv.block_size
         end = start + self.kv.block_size
-        rows = [torch.stack([plane[start:end] for plane in layer]) for layer in layer_planes(self.kv)]
-        return torch.stack(rows).view(self._raw_dtype)
+        rows = [torch.stack([torch.nn.functional.pad(plane[start:end].view(self._raw_dtype),
+                                                     (0, self.width - plane.shape[-1]))
+                             for plane in layer]) for layer in layer_planes(self.kv)]
+        return torch.stack(rows)
 
     def _scatter(self, block_id: int, block: torch.Tensor) -> None:
         start = block_id * self.kv.block_size
         end = start + self.kv.block_size
         for layer, stored in enumerate(layer_planes(self.kv)):
             for plane, cache in enumerate(stored):
-                cache.view(self._raw_dtype)[start:end].copy_(block[layer, plane])
+                cache.view(self._raw_dtype)[start:end].copy_(block[layer, plane, ..., :cache.shape[-1]])
 
     def _slot(self, slot: int) -> torch.Tensor:
         return self.data[slot] if self.layout == "page_first" else self.data[:, :, slot]
@@ -124,5 +137,5 @@ class HostKVTier:
 
     def write_exact(self, block_id: int, payload: bytes) -> None:
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self._raw_dtype)
-        shape = (self.kv.num_layers, self.planes, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
+        shape = (self.kv.num_layers, self.planes, self.kv.block_size, self.kv.num_kv_heads, self.width)
         self._scatter(block_id, raw.view(shape))

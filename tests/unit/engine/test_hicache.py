@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make(model: Path, pool_tokens: int = POOL_TOKENS, store: Path | None = None,
-         **hicache: object) -> LLMEngine:
+         model_options: dict[str, object] | None = None, **hicache: object) -> LLMEngine:
     tiers = HiCacheConfig()
     if hicache or store is not None:
         options: dict[str, object] = {"enable_hierarchical_cache": True, **hicache}
@@ -41,7 +41,8 @@ def make(model: Path, pool_tokens: int = POOL_TOKENS, store: Path | None = None,
                            hicache_storage_prefetch_policy=options.get(
                                "hicache_storage_prefetch_policy", "wait_complete"))
         tiers = HiCacheConfig(**options)  # type: ignore[arg-type]
-    config = EngineConfig(model=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32"),
+    config = EngineConfig(model=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32",
+                                            **(model_options or {})),  # type: ignore[arg-type]
                           cache=CacheConfig(max_total_tokens=pool_tokens, page_size=BLOCK), hicache=tiers,
                           runtime=RuntimeConfig(num_threads=1))  # fixed threads: bit-exact logprobs
     return LLMEngine(config)
@@ -143,6 +144,58 @@ def test_a_latent_block_round_trips_through_the_host_tier(layout: str) -> None:
     host.from_host(1, 1)
     assert all(torch.equal(latent[BLOCK:2 * BLOCK], rows) for latent, rows in zip(kv.k_caches, original))
     assert all(torch.equal(kv.layer(layer)[1], kv.layer(layer)[0][..., :32]) for layer in range(2))
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_block_whose_v_is_narrower_than_k_round_trips(layout: str, host_dtype: str) -> None:
+    """DeepSeek's expanded pool (--disable-mla): K wider than V per head. The host keeps V
+    zero-padded to K's width; the default tier brings both back bit for bit, the int8 tier within
+    half a step, and neither touches the neighbouring blocks."""
+    kv = KVCache(2, 4, BLOCK, 2, 24, torch.float32, torch.device("cpu"), v_head_dim=16)
+    generator = torch.Generator().manual_seed(1)
+    for k, v in zip(kv.k_caches, kv.v_caches, strict=True):
+        k.copy_(torch.randn(k.shape, generator=generator) * 3)
+        v.copy_(torch.randn(v.shape, generator=generator))
+    host = HostKVTier(kv, 2, host_dtype, layout)
+    assert host.widths == (24, 16) and host.exact_nbytes == 2 * 2 * BLOCK * 2 * 24 * 4
+    assert host.nbytes == 2 * host.host_nbytes  # two slots, K and V each at K's width
+    before = [t.clone() for t in (*kv.k_caches, *kv.v_caches)]
+    host.to_host(1, 1)
+    for t in (*kv.k_caches, *kv.v_caches):
+        t[BLOCK:2 * BLOCK] = 0
+    host.from_host(1, 1)
+    for original, restored in zip(before, (*kv.k_caches, *kv.v_caches), strict=True):
+        assert torch.equal(restored[:BLOCK], original[:BLOCK])
+        assert torch.equal(restored[2 * BLOCK:], original[2 * BLOCK:])
+        if host_dtype == "auto":
+            assert torch.equal(restored[BLOCK:2 * BLOCK], original[BLOCK:2 * BLOCK])
+        else:
+            step = original[BLOCK:2 * BLOCK].abs().amax(dim=(0, 2), keepdim=True) / 127
+            assert torch.all((restored[BLOCK:2 * BLOCK] - original[BLOCK:2 * BLOCK]).abs() <= step / 2 + 1e-6)
+    payload = host.read_exact(1)
+    for t in (*kv.k_caches, *kv.v_caches):
+        t[BLOCK:2 * BLOCK] = 0
+    host.write_exact(1, payload)
+    assert host.read_exact(1) == payload
+
+
+@pytest.mark.slow
+def test_expanded_deepseek_pool_host_tier_is_lossless(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSeek-V3 under --disable-mla (per-head K 24 wide, V 16 at the tiny shape): the second
+    round comes back from the host tier and every token and logprob equals a pool that never
+    evicted."""
+    mla_dir = make_tiny_model_dir(tmp_path_factory.mktemp("hicache-expanded"), "deepseek_v3")
+
+    expanded = {"disable_mla": True}
+    prompts = working_set(num_prefixes=3)
+    reference = run_with_logprobs(make(mla_dir, pool_tokens=4096, model_options=expanded), prompts)
+    tiered = make(mla_dir, model_options=expanded, hicache_ratio=8.0)
+    host = tiered.hicache.mover  # type: ignore[union-attr]
+    assert isinstance(host, HostKVTier) and host.planes == 2 and host.widths[0] > host.widths[1]
+    assert run_with_logprobs(tiered, prompts) == reference
+    assert tiered.stats()["hicache_host_hit_tokens"] == 3 * 4 * BLOCK
+    tiered.shutdown()
 
 
 @pytest.mark.slow
