@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_peers as cp  # noqa: E402
+from served_timeline import thread_cpu_s  # noqa: E402
 
 IN_PROCESS = r"""
 import json, statistics, sys, time
@@ -90,19 +91,6 @@ def serve(argv: list[str]) -> None:
 
     launch.ENGINE_ENTRY = f"{traced_engine_process.__module__}:{traced_engine_process.__name__}"
     main(["serve", *argv])
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of a process, by ``name/tid``."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        out[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
 
 
 def parse_tree(spec: str) -> tuple[str, Path, dict[str, str]]:

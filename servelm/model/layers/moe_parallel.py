@@ -167,7 +167,24 @@ def move_experts(layer: ExpertParallelMoE | ExpertGroupMoE, placement: ExpertPla
     layer.placement = placement
 
 
-class ExpertParallelMoE(FusedMoE):
+class PartialExperts(FusedMoE):
+    """A rank's share of the routed experts (expert-parallel ranks, or the groups of an EP group
+    smaller than TP): loading counts every logical expert, since the others' are theirs to serve."""
+
+    num_logical: int
+    loaded_logical: set[tuple[int, str]]
+
+    @property
+    def num_checkpoint_experts(self) -> int:
+        return self.num_logical
+
+    def drop_stacked(self) -> None:
+        """As FusedMoE's: the other ranks' experts are theirs to serve, so nothing is missing."""
+        super().drop_stacked()
+        self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in ("gate", "up", "down"))
+
+
+class ExpertParallelMoE(PartialExperts):
     """The routed experts of one MoE layer under expert parallelism: this rank's ``S`` slots (whole
     experts, stacked as FusedMoE stacks them), loaded from the checkpoint by logical expert id, and
     ``forward(x, routing)`` with the all-to-all dispatch and combine (module docstring)."""
@@ -233,15 +250,6 @@ class ExpertParallelMoE(FusedMoE):
     def checkpoint_experts(self) -> tuple[int, ...]:
         return self.placement.rank_experts(self.ep.tp_rank)
 
-    @property
-    def num_checkpoint_experts(self) -> int:
-        return self.num_logical
-
-    def drop_stacked(self) -> None:
-        """As FusedMoE's: the other ranks' experts are theirs to serve, so nothing is missing."""
-        super().drop_stacked()
-        self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in ("gate", "up", "down"))
-
     # -- loading -------------------------------------------------------------------------------
     def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str] | None = None) -> None:
@@ -284,7 +292,7 @@ class ExpertParallelMoE(FusedMoE):
                 f"intermediate={self.full_intermediate_size}")
 
 
-class ExpertGroupMoE(FusedMoE):
+class ExpertGroupMoE(PartialExperts):
     """The routed experts under an expert-parallel group smaller than the tensor-parallel one
     (``--ep-size`` dividing ``--tp-size``; SGLang's moe_tp_size = tp / ep): the ``E + R`` expert
     slots (``ExpertPlacement``, as under ``ExpertParallelMoE``) are cut into ``ep`` contiguous
@@ -329,15 +337,6 @@ class ExpertGroupMoE(FusedMoE):
         """This group's experts, by their checkpoint ids, in slot order (the children ``split_experts``
         names)."""
         return self.placement.rank_experts(self.group)
-
-    @property
-    def num_checkpoint_experts(self) -> int:
-        return self.num_logical
-
-    def drop_stacked(self) -> None:
-        """As FusedMoE's: the other groups' experts are theirs to serve, so nothing is missing."""
-        super().drop_stacked()
-        self.loaded_logical.update((e, part) for e in range(self.num_logical) for part in ("gate", "up", "down"))
 
     def weight_loader(self, param: torch.nn.Parameter, loaded: torch.Tensor,
                       shard_id: tuple[int, str] | None = None) -> None:

@@ -232,7 +232,8 @@ def block_expert_bytes(runner: ModelRunner, max_bits: int = 5) -> dict[str, int]
     """Every expert projection this rank serves on the block routes -> the bytes of its block weight,
     each checked against the checkpoint's precision: codes packed at their bit width (at most
     ``max_bits``: an asymmetric int4 code less its zero point takes 5) or int8 bytes, plus a float32
-    scale (and offset) per group of 32; the float expert stacks are gone."""
+    scale (and offset) per group of 32 and, where the AVX2 kernel made one, its compact copy of them;
+    the float expert stacks are gone."""
     held: dict[str, int] = {}
     for name, moe in runner.model.named_modules():
         if not isinstance(moe, FusedMoE):
@@ -246,6 +247,10 @@ def block_expert_bytes(runner: ModelRunner, max_bits: int = 5) -> dict[str, int]
                 assert bits <= max_bits, (name, expert, projection, bits)
                 code_bytes = n * k * bits // 8
                 group_bytes = n * (k // 32) * 4 * (1 if weight.offsets is None else 2)
+                # the AVX2 kernel's compact copy of the scales (and offsets): fp16 or smaller
+                compact = [t for t in weight.compact or () if t is not None]
+                assert all(t.element_size() <= 2 and t.numel() == n * (k // 32) for t in compact)
+                group_bytes += sum(t.nbytes for t in compact)
                 assert weight.nbytes == code_bytes + group_bytes, (name, expert, projection)
                 held[f"{name}.{expert}.{projection}"] = weight.nbytes
     return held
