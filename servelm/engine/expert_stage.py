@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from servelm.engine.stage import Stage
-
-ACTIONS = ("start", "stop", "dump")
+from servelm.model.expert_load import ACTIONS
 
 
 class ExpertCounts(Protocol):

@@ -158,11 +158,6 @@ class ExpertLoad:
             return block.experts.placement.rows_per_rank(expert_ids.cpu())
         return [expert_ids.numel()]
 
-    @staticmethod
-    def balancedness(rank_rows: torch.Tensor) -> float:
-        """Mean over layers of mean / max rows per rank (1.0: every rank computed as many rows)."""
-        return float(_layer_balancedness(rank_rows).mean())
-
     def rebalance(self) -> None:
         """EPLB: each stage's rank 0 plans its layers' placements from the window's rows and
         broadcasts them with the model-wide decision; every rank moves its experts. The window
@@ -225,8 +220,8 @@ class ExpertLoad:
 
     def record(self, action: str) -> dict[str, Any]:
         """The recorder's start, stop or dump (``expert_distribution_call``'s answer)."""
-        self.control(action)
-        return recorder_answer(self.snapshot(with_passes=action == "dump"), action)
+        snapshot = self.control(action) or self.snapshot()
+        return recorder_answer(snapshot, action)
 
 
 class StagedExpertLoad:
@@ -269,6 +264,11 @@ def _take_pass(block: Any) -> torch.Tensor:
     return calls[0] if len(calls) == 1 else torch.cat(calls)
 
 
+def balancedness(rank_rows: torch.Tensor) -> float:
+    """Mean over layers of mean / max rows per rank (1.0: every rank computed as many rows)."""
+    return float(_layer_balancedness(rank_rows).mean())
+
+
 def _layer_balancedness(rank_rows: torch.Tensor) -> torch.Tensor:
     """``[L]``: per layer mean / max rows per rank (1.0: balanced; no row counts as 0)."""
     rows = rank_rows.double()
@@ -302,7 +302,7 @@ def totals_of(snapshot: ExpertLoadSnapshot, ep_size: int) -> dict[str, Any]:
     """/metrics' and the engine stats' ``moe``."""
     return {"layers": snapshot.layer_ids, "expert_rows": snapshot.expert_rows.tolist(),
             "ep_rank_rows": snapshot.rank_rows.tolist() if ep_size > 1 else None,
-            "balancedness": float(_layer_balancedness(snapshot.rank_rows).mean()) if ep_size > 1 else None,
+            "balancedness": balancedness(snapshot.rank_rows) if ep_size > 1 else None,
             "eplb_rebalances": snapshot.num_rebalances, "num_passes": snapshot.num_passes}
 
 

@@ -37,28 +37,32 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def transformers_constrained(path: Path, prompt: list[int], schema: dict, stop_token_ids: list[int]) -> list[int]:
-    """Greedy under the grammar, one full forward per token (no cache): xgrammar's matcher masks
-    each step's float32 logits; ends with the stop token the grammar allows once complete."""
+def transformers_constrained(path: Path, prompts: list[list[int]], schemas: list[dict],
+                             stop_token_ids: list[int]) -> list[list[int]]:
+    """Greedy under each prompt's grammar, one full forward per token (no cache): xgrammar's matcher
+    masks each step's float32 logits; ends with the stop token the grammar allows once complete."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
     info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(path)), vocab_size=TINY_VOCAB_SIZE,
                                               stop_token_ids=stop_token_ids)
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
-                                                                               any_whitespace=False))
+    compiler = xgr.GrammarCompiler(info)
     model = load_reference_model(path)
     bitmask = xgr.allocate_token_bitmask(1, TINY_VOCAB_SIZE)
-    tokens: list[int] = []
-    with torch.no_grad():
-        while len(tokens) < MAX_TOKENS and not matcher.is_terminated():
-            logits = model(torch.tensor([prompt + tokens])).logits[:, -1].float()
-            matcher.fill_next_token_bitmask(bitmask)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=TINY_VOCAB_SIZE)
-            token = int(logits.argmax())
-            assert matcher.accept_token(token)
-            tokens.append(token)
-    return tokens
+    results = []
+    for prompt, schema in zip(prompts, schemas, strict=True):
+        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+        tokens: list[int] = []
+        with torch.no_grad():
+            while len(tokens) < MAX_TOKENS and not matcher.is_terminated():
+                logits = model(torch.tensor([prompt + tokens])).logits[:, -1].float()
+                matcher.fill_next_token_bitmask(bitmask)
+                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=TINY_VOCAB_SIZE)
+                token = int(logits.argmax())
+                assert matcher.accept_token(token)
+                tokens.append(token)
+        results.append(tokens)
+    return results
 
 
 @pytest.mark.parametrize("disable_jump_forward", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -88,8 +92,8 @@ def test_json_schema_greedy_equals_transformers_under_the_grammar(model_dir: Pat
     longest = max(map(len, tokens.values()))
     # one token a step per request, or fewer steps where forced text was appended without one
     assert num_steps < longest if not disable_jump_forward else num_steps >= longest
-    for index, (prompt, schema) in enumerate(zip(PROMPTS, SCHEMAS)):
-        expected = transformers_constrained(model_dir, prompt, schema, stop_token_ids)
+    references = transformers_constrained(model_dir, PROMPTS, SCHEMAS, stop_token_ids)
+    for index, expected in enumerate(references):
         assert expected[-1] in stop_token_ids, "the reference reached max tokens: pick a tighter schema"
         assert finished[str(index)] == "stop"
         assert tokens[str(index)] == expected, (index, tokens[str(index)], expected)
