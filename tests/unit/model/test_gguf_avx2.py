@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.model.layers import gguf_kernel
+from servelm.model.layers import gguf_blocks, gguf_kernel
 from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
 from tests.unit.model.test_gguf_blocks import random_raw
 
@@ -135,6 +135,19 @@ def test_packed_codes_are_lossless(kind: str) -> None:
     dropped = BlockWeight(weight.codes.clone(), weight.scales, weight.offsets, weight.block, kind, packed)
     assert dropped.drop_codes() == n * k and dropped.stored_codes is None
     assert dropped.shape == (n, k) and torch.equal(dropped.dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_K", "Q6_K"])
+def test_packed_codes_in_row_chunks_are_the_same(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed REPACK_ROWS rows at a time (here 4, a part chunk last), the bytes are the whole
+    weight's packed at once."""
+    n, k = 10, 256
+    weight = repack(random_raw(kind, n, k, seed=3), (n, k), kind)
+    whole = PackedCodes.of(weight.codes)
+    monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 4)
+    chunked = PackedCodes.of(weight.codes)
+    assert whole is not None and chunked is not None
+    assert torch.equal(chunked.data, whole.data) and torch.equal(chunked.unpack(), weight.codes)
 
 
 def test_fused_weight_packs_at_its_widest_width() -> None:
