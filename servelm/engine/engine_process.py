@@ -9,6 +9,8 @@ arrives, so the engine's imports stay at the top.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -27,6 +29,23 @@ from servelm.engine.heap import IdleTrim
 from servelm.engine.monitor import StatsLogger, Watchdog
 from servelm.engine.warmup import warm_up_for_serving
 from servelm.logging_utils import configure_logging, watch_gc
+
+PRELOADED = ("transformers.activations", "servelm.model.source", "servelm.model.runner", "xgrammar")
+"""Modules every job's load imports, imported with this module, before the job: ``LLMEngine`` imports
+them lazily (an engine given its own runner needs none), and after the job arrives they would be
+seconds of CPU on the start-up's path, while now they overlap the front end's own start-up work on
+another core. transformers builds every model's config (its activations module pulls in what the
+config classes import: torch.distributed.tensor, sympy); xgrammar is the default grammar backend."""
+
+
+def _preload() -> None:
+    for name in PRELOADED:
+        # one that fails to import fails again where the job imports it, and is reported there
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+_preload()
 
 logger = logging.getLogger(__name__)
 
