@@ -182,9 +182,8 @@ class DecodeStep:
             attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
             return attended.contiguous()
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
-        return paged_decode.attend(q, k_cache, v_cache, paged[0], paged[1], layer.scale).view(self.num_tokens, -1)
+        return paged_decode.write_and_attend(q, k, v, k_cache, v_cache, batch.slot_mapping, paged[0], paged[1],
+                                             layer.scale)
 
 
 class FlatDecodePlan:

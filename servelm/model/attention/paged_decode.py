@@ -77,3 +77,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots:
     assert module is not None
     return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale,
                                    TILED).to(q.dtype)
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor, spans: torch.Tensor,
+                     scale: float, kernel: ModuleType | None = None) -> torch.Tensor:
+    """One call for a decode layer's attention: k, v ``[T, Hkv, D]`` (in the pools' dtype) written at
+    ``slot_mapping`` ``[T]`` (as ``index_copy_``), then ``attend`` of q ``[T, H, D]`` -> ``[T, H * D]``
+    in q's dtype, the same floats. q, k and v may be views of the QKV projection's rows (each row's
+    heads contiguous): a float32 q is read in place, not copied."""
+    module = kernel if kernel is not None else load_kernel()
+    assert module is not None
+    return module.write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, slots, spans, scale, TILED)
