@@ -17,6 +17,9 @@ with and without the change (prefix cache off), and whether every output is iden
   K/V) instead of the AVX512-BF16 kernel of servelm.model.attention.prefill_attention.
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``write_and_attend``: the flat decode path writes K/V by two ``index_copy_`` and calls
+  ``paged_decode.attend`` (q copied contiguous, the output converted and viewed) instead of
+  ``paged_decode.write_and_attend``'s one call (the same floats).
 - ``paged_decode_tiled``: the paged kernel's plain arrangement instead of its tiled one (the same
   floats; servelm.model.attention.paged_decode.TILED).
 - ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
@@ -106,6 +109,21 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             decode_module.TILED = True
+    elif change == "write_and_attend":
+        from servelm.model.attention import paged_decode as attend_module
+        joined: Any = attend_module.write_and_attend
+
+        def separate(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, slots: Any,
+                     spans: Any, scale: float) -> Any:
+            k_cache.index_copy_(0, slot_mapping, k)
+            v_cache.index_copy_(0, slot_mapping, v)
+            return attend_module.attend(q, k_cache, v_cache, slots, spans, scale).view(q.shape[0], -1)
+
+        attend_module.write_and_attend = separate  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            attend_module.write_and_attend = joined
     elif change == "fused_ops":
         from servelm.model.layers import fused
         fused.set_enabled(False)

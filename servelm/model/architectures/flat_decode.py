@@ -13,7 +13,8 @@ rows, no LoRA, no forward hooks on a layer, the fused ops on); ``run`` then call
 kernels the modules would call, in the same order, with a ``DecodeStep`` giving the per-step parts:
 cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
-batch's slots, the paged decode kernel over the group's views, built once per step and window);
+batch's slots, the paged decode kernel over the group's views, built once per step and window), in one
+native call (``paged_decode.write_and_attend``: no q copy, no per-layer ``index_copy_``);
 otherwise the backend is called. The results are bit-identical to the module path (the same kernels
 on the same tensors); only the Python around them is gone.
 
@@ -182,9 +183,8 @@ class DecodeStep:
             attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
             return attended.contiguous()
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
-        return paged_decode.attend(q, k_cache, v_cache, paged[0], paged[1], layer.scale).view(self.num_tokens, -1)
+        return paged_decode.write_and_attend(q, k, v, k_cache, v_cache, batch.slot_mapping, paged[0], paged[1],
+                                             layer.scale)
 
 
 class FlatDecodePlan:

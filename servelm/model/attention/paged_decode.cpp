@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -165,8 +166,8 @@ inline void axpy(float alpha, const T* x, float* y, int64_t d) {
 }
 
 template <typename T>
-void run(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* np, float* op,
-         int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t columns, float fscale) {
+void run(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t* sp, const int64_t* np,
+         float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t columns, float fscale) {
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -176,7 +177,7 @@ void run(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int
       const int64_t n = np[i];
       const int64_t* row_slots = sp + i * columns;
       scores.assign(group * n, 0.0f);
-      const float* q0 = qp + (i * num_heads + h * group) * d;
+      const float* q0 = qp + i * q_row + h * group * d;
       for (int64_t c = 0; c < n; ++c) {
         const T* k_row = kp + (row_slots[c] * num_kv_heads + h) * d;
         for (int64_t g = 0; g < group; ++g) scores[g * n + c] = dot(q0 + g * d, k_row, d) * fscale;
@@ -308,8 +309,8 @@ void attend_group(const float* q0, const T* kp, const T* vp, const int64_t* row_
 }
 
 template <typename T>
-void run_tiled(const float* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* np,
-               float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
+void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t* sp,
+               const int64_t* np, float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                int64_t columns, float fscale) {
   const int64_t group = num_heads / num_kv_heads;
   // Contiguous runs of tasks of equal cost (columns plus a fixed share for the per-task work), one
@@ -334,10 +335,59 @@ void run_tiled(const float* qp, const T* kp, const T* vp, const int64_t* sp, con
       const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t n = np[i];
       if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
-      attend_group(qp + (i * num_heads + h * group) * d, kp, vp, sp + i * columns, n, num_kv_heads,
+      attend_group(qp + i * q_row + h * group * d, kp, vp, sp + i * columns, n, num_kv_heads,
                    h, d, fscale, scores.data(), inv_sum, op + (i * num_heads + h * group) * d, group);
     }
   });
+}
+
+// The kernel over q rows at qp (row i at qp + i * q_row, its H heads' D floats one after another) into
+// out [b, H, D] (float32, contiguous; zeros where not tiled: run() accumulates into it).
+void attend_rows(const float* qp, int64_t q_row, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& slots, const torch::Tensor& spans, double scale, bool tiled,
+                 float* op, int64_t b, int64_t num_heads, int64_t d) {
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
+              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
+              "float32 or bfloat16 KV pool");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+              spans.is_contiguous(), "contiguous pools, slots and spans");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && spans.scalar_type() == torch::kInt64 &&
+              slots.dim() == 2 && slots.size(0) == b && spans.numel() == b, "slots [b, C], spans [b], int64");
+  const int64_t num_kv_heads = k_cache.size(1), columns = slots.size(1);
+  TORCH_CHECK(d % kLanes == 0 && k_cache.size(2) == d && v_cache.size(2) == d, "head_dim a multiple of the lanes");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads a multiple of KV heads");
+  const float fscale = static_cast<float>(scale);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* np = spans.data_ptr<int64_t>();
+  if (k_cache.dtype() == torch::kFloat32) {
+    const float* kp = k_cache.data_ptr<float>();
+    const float* vp = v_cache.data_ptr<float>();
+    if (tiled) run_tiled(qp, q_row, kp, vp, sp, np, op, b, num_heads, num_kv_heads, d, columns, fscale);
+    else run(qp, q_row, kp, vp, sp, np, op, b, num_heads, num_kv_heads, d, columns, fscale);
+  } else {
+    const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+    const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+    if (tiled) run_tiled(qp, q_row, kp, vp, sp, np, op, b, num_heads, num_kv_heads, d, columns, fscale);
+    else run(qp, q_row, kp, vp, sp, np, op, b, num_heads, num_kv_heads, d, columns, fscale);
+  }
+}
+
+// rows [T, heads, D] (a view: any row stride, heads one after another) into pool [slots, heads, D] at
+// slot_mapping's rows, as pool.index_copy_(0, slot_mapping, rows) (the same dtype: a plain copy).
+void write_rows(const torch::Tensor& rows, torch::Tensor& pool, const int64_t* slot_mapping) {
+  TORCH_CHECK(rows.dtype() == pool.dtype(), "K/V rows in the pool's dtype");
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == pool.size(1) && rows.size(2) == pool.size(2) &&
+              rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "K/V rows [T, Hkv, D], each row's heads contiguous");
+  const int64_t width = rows.size(1) * rows.size(2), num_slots = pool.size(0);
+  const int64_t bytes = width * static_cast<int64_t>(rows.element_size());
+  const auto* source = static_cast<const char*>(rows.data_ptr());
+  auto* target = static_cast<char*>(pool.data_ptr());
+  const int64_t row_bytes = rows.stride(0) * static_cast<int64_t>(rows.element_size());
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    const int64_t slot = slot_mapping[i];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool's ", num_slots);
+    std::memcpy(target + slot * bytes, source + i * row_bytes, bytes);
+  }
 }
 
 }  // namespace
@@ -347,40 +397,48 @@ void run_tiled(const float* qp, const T* kp, const T* vp, const int64_t* sp, con
 // (else run: the same figures bit for bit, slower). Returns float32 [b, H, D].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor slots, torch::Tensor spans, double scale, bool tiled) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "float32 q");
-  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() &&
-              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
-              "float32 or bfloat16 KV pool");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              slots.is_contiguous() && spans.is_contiguous(), "contiguous inputs");
-  const int64_t b = q.size(0), num_heads = q.size(1), d = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), columns = slots.size(1);
-  TORCH_CHECK(d % kLanes == 0 && k_cache.size(2) == d && v_cache.size(2) == d, "head_dim a multiple of the lanes");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads a multiple of KV heads");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "contiguous float32 q [b, H, D]");
   auto out = tiled ? torch::empty_like(q) : torch::zeros_like(q);
-  const float fscale = static_cast<float>(scale);
-  if (tiled && k_cache.dtype() == torch::kFloat32) {
-    run_tiled(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-              slots.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<float>(),
-              b, num_heads, num_kv_heads, d, columns, fscale);
-  } else if (tiled) {
-    run_tiled(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-              reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(),
-              spans.data_ptr<int64_t>(), out.data_ptr<float>(), b, num_heads, num_kv_heads, d, columns, fscale);
-  } else if (k_cache.dtype() == torch::kFloat32) {
-    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-        slots.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<float>(),
-        b, num_heads, num_kv_heads, d, columns, fscale);
-  } else {
-    run(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
-        reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), slots.data_ptr<int64_t>(),
-        spans.data_ptr<int64_t>(), out.data_ptr<float>(), b, num_heads, num_kv_heads, d, columns, fscale);
-  }
+  const int64_t num_heads = q.size(1), d = q.size(2);
+  attend_rows(q.data_ptr<float>(), num_heads * d, k_cache, v_cache, slots, spans, scale, tiled,
+              out.data_ptr<float>(), q.size(0), num_heads, d);
   return out;
+}
+
+// One decode layer's attention in one call: k, v [T, Hkv, D] written into the pools at slot_mapping's
+// slots [T] (as index_copy_), then decode_attention of q [T, H, D] over them. q, k, v are views of the
+// QKV projection's rows (any row stride, each row's heads contiguous), q float32 (read in place) or
+// bfloat16 (widened first: exact); k, v in the pools' dtype. Returns [T, H * D] in q's dtype (bf16:
+// the float32 result rounded once, as .to() rounds it).
+torch::Tensor write_and_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor slots,
+                               torch::Tensor spans, double scale, bool tiled) {
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "q [T, H, D], float32 or bfloat16");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == q.size(0) && k.size(0) == q.size(0) && v.size(0) == q.size(0),
+              "slot_mapping [T] int64, a slot per row of q, k, v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous pools");
+  const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
+  write_rows(k, k_cache, slot_ptr);
+  write_rows(v, v_cache, slot_ptr);
+  const int64_t b = q.size(0), num_heads = q.size(1), d = q.size(2);
+  auto out = torch::empty({b, num_heads * d}, q.options().dtype(torch::kFloat32));
+  if (!tiled) out.zero_();
+  if (q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == d) {
+    attend_rows(q.data_ptr<float>(), q.stride(0), k_cache, v_cache, slots, spans, scale, tiled,
+                out.data_ptr<float>(), b, num_heads, d);
+    return out;
+  }
+  const auto q_float = q.to(torch::kFloat32).contiguous();
+  attend_rows(q_float.data_ptr<float>(), num_heads * d, k_cache, v_cache, slots, spans, scale, tiled,
+              out.data_ptr<float>(), b, num_heads, d);
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
+  m.def("write_and_attend", &write_and_attend, "K/V written into the pools, then the paged decode attention");
   m.attr("ISA") = vec::kIsa;
   m.attr("LANES") = kLanes;
 }

@@ -17,6 +17,10 @@ compiles them (about a minute on 2 cores).
 registers, arithmetic in float32; q of either dtype), head_dim a multiple of the build's lanes (16,
 AVX2: 8), CPU.
 
+``write_and_attend`` is the flat decode path's one call per layer: K/V written into the pools (as
+``index_copy_``) and the kernel on q read in place from the QKV projection's rows (2 x ``index_copy_``,
+q's copy, ``.to`` and ``.view`` were ~40 us of a one-stream layer's ~80, 1 thread, loaded machine).
+
 Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
 keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers and prefetches
 the next rows; the plain one (one dependent fma chain per score, the output row loaded and stored
@@ -77,3 +81,15 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots:
     assert module is not None
     return module.decode_attention(q.float().contiguous(), k_cache, v_cache, slots, spans, scale,
                                    TILED).to(q.dtype)
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, slots: torch.Tensor, spans: torch.Tensor,
+                     scale: float, kernel: ModuleType | None = None) -> torch.Tensor:
+    """One call for a decode layer's attention: k, v ``[T, Hkv, D]`` (in the pools' dtype) written at
+    ``slot_mapping`` ``[T]`` (as ``index_copy_``), then ``attend`` of q ``[T, H, D]`` -> ``[T, H * D]``
+    in q's dtype, the same floats. q, k and v may be views of the QKV projection's rows (each row's
+    heads contiguous): a float32 q is read in place, not copied."""
+    module = kernel if kernel is not None else load_kernel()
+    assert module is not None
+    return module.write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, slots, spans, scale, TILED)

@@ -28,6 +28,8 @@ checked to widen back to the float32 values bit for bit.
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,10 +100,12 @@ class PackedCodes:
         return codes.to(torch.int8).reshape(n, -1)
 
 
+@functools.cache
 def _plane_positions(bits: int) -> torch.Tensor:
     """[32] int64: where code i's high bits (bit 4, or bits 4-5) start in a 5- or 6-bit step's plane
     integer: with i' = i % 16 and h = i // 16, 16 (i' % 2) + 8 h + i' // 2 for 5 bits,
-    16 (i' % 4) + 8 h + 2 (i' // 4) for 6 (the kernel's variable shifts per 32/64-bit lane)."""
+    16 (i' % 4) + 8 h + 2 (i' // 4) for 6 (the kernel's variable shifts per 32/64-bit lane).
+    Built once per width (an embedding lookup unpacks a row every step); callers never write to it."""
     i = torch.arange(32)
     low, h = i % 16, i // 16
     if bits == 5:
@@ -110,11 +114,14 @@ def _plane_positions(bits: int) -> torch.Tensor:
 
 
 def _plane_integer(plane: torch.Tensor) -> torch.Tensor:
-    """[..., 4 or 8] uint8 little-endian bytes -> [...] int64."""
-    value = torch.zeros(plane.shape[:-1], dtype=torch.int64)
-    for byte in range(plane.shape[-1]):
-        value |= plane[..., byte].to(torch.int64) << (8 * byte)
-    return value
+    """[..., 4 or 8] uint8 little-endian bytes -> [...] int64 (8 bytes: bit 63 is the sign bit, as the
+    bytes shifted into place give it): the bytes read as one integer (x86 and Arm are little-endian),
+    not a shift and an or per byte (a few microseconds each, per embedding lookup)."""
+    assert sys.byteorder == "little"
+    whole = plane.contiguous()
+    if plane.shape[-1] == 4:
+        return whole.view(torch.int32).squeeze(-1).to(torch.int64) & 0xFFFFFFFF
+    return whole.view(torch.int64).squeeze(-1)
 
 
 def _pack_rows(codes: torch.Tensor, bits: int, bias: int, out: torch.Tensor) -> None:

@@ -129,8 +129,40 @@ def test_tiled_kernel_equals_plain_bit_for_bit(num_heads: int, num_kv_heads: int
     assert torch.equal(tiled, plain)
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (6, 2, 32)])
+def test_write_and_attend_equals_index_copy_then_attend(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                        dtype: torch.dtype, tiled: bool, kernel: ModuleType,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one call the flat decode path makes, on q, k, v as views of a QKV projection's rows (q read
+    in place where float32): the pools written as two ``index_copy_`` write them, and the output equal
+    bit for bit to ``attend`` after them, in q's dtype."""
+    monkeypatch.setattr(paged_decode, "TILED", tiled)
+    spans = [23, 1, 5]
+    _, k_pool, v_pool, slots, span_tensor = pool_case(num_heads, num_kv_heads, head_dim, dtype, spans, 23, 2)
+    rows = len(spans)
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split_with_sizes([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = (q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim),
+               v.view(rows, num_kv_heads, head_dim))
+    slot_mapping = slots[torch.arange(rows), span_tensor - 1].contiguous()   # each sequence's newest column
+    k_expected, v_expected = k_pool.clone(), v_pool.clone()
+    k_expected.index_copy_(0, slot_mapping, k)
+    v_expected.index_copy_(0, slot_mapping, v)
+    expected = paged_decode.attend(q, k_expected, v_expected, slots, span_tensor, 0.125, kernel).view(rows, -1)
+    out = paged_decode.write_and_attend(q, k, v, k_pool, v_pool, slot_mapping, slots, span_tensor, 0.125, kernel)
+    assert out.dtype == dtype and out.shape == (rows, num_heads * head_dim)
+    assert torch.equal(out, expected)
+    assert torch.equal(k_pool, k_expected) and torch.equal(v_pool, v_expected)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_decode.write_and_attend(q, k, v, k_pool, v_pool, slot_mapping + k_pool.shape[0], slots, span_tensor,
+                                      0.125, kernel)
+
+
 class CountingBuild:
-    """A build whose ``decode_attention`` calls are counted (its ISA and lanes as they are)."""
+    """A build whose ``decode_attention`` and ``write_and_attend`` calls are counted (its ISA and lanes
+    as they are)."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module, self.ISA, self.LANES, self.calls = module, module.ISA, module.LANES, 0
@@ -138,6 +170,11 @@ class CountingBuild:
     def decode_attention(self, *args: object) -> torch.Tensor:
         self.calls += 1
         out: torch.Tensor = self.module.decode_attention(*args)
+        return out
+
+    def write_and_attend(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.module.write_and_attend(*args)
         return out
 
 
