@@ -29,10 +29,12 @@
 // Two builds of this one source (lm_head_screen.py picks the one beside the head's block kernel):
 // compiled with AVX512-VNNI, the layout above; compiled with AVX2 + FMA only (no __AVX512VNNI__),
 // tiles of 8 vocabulary rows (one 32-bit lane of a 256-bit register each) and per tile and 32-input
-// block 160 bytes: 4 x 32 nibble bytes, register m byte 4 r + j holding u >> 1 of row r at input
-// 8 m + j (low nibble) and 8 m + 4 + j (high nibble), then 32 bytes of u & 1, byte 4 r + j bit s for
-// input 4 s + j (s = 0..7: one shift and one AND per 4 inputs, where the AVX-512 layout's 64-bit
-// masks need a masked add AVX2 lacks). Still 5 bits per weight. AVX2 has no VNNI: u . q is
+// block 160 bytes: 4 planes of 32 bytes, then one more. Step s covers inputs 4 s .. 4 s + 3; byte
+// 4 r + j of plane m holds u of row r at input 4 m + j (step m) in its low 5 bits and u >> 2 of
+// input 16 + 4 m + j (step 4 + m) in its top 3; byte 4 r + j of the last plane holds u & 3 of input
+// 16 + 4 m + j at bits 2 m, 2 m + 1. Steps 0-3 unpack with one AND, steps 4-7 with two shifts, two
+// ANDs and an OR (an earlier layout, 4 nibble planes and a plane of u & 1, took 5-6 operations for
+// every step; the AVX-512 layout's 64-bit masks need a masked add AVX2 lacks). Still 5 bits per weight. AVX2 has no VNNI: u . q is
 // vpmaddubsw (u unsigned, a signed byte of q: pairs |2 * 31 * 128| = 7936, never saturated) summed
 // in int16 over 4 steps of 4 inputs (4 * 7936 = 31744 < 32767: exact), widened by vpmaddwd (x 256
 // for the high bytes, x 1 for the low ones) twice per block: the same exact integer u . q.
@@ -252,28 +254,31 @@ inline int append_hits(Vec upper, float lower, int valid, int32_t j0, int32_t* i
   return count;
 }
 
+// Inlined into screen_tile's loop over blocks: its constants are then set once per tile, not per block.
 template <int ROWS>
-void block_dots(const int8_t* const* xh, const int8_t* const* xl, const uint8_t* p, int64_t i0, IVec* dot) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+__attribute__((always_inline)) inline void block_dots(const int8_t* const* xh, const int8_t* const* xl,
+                                                      const uint8_t* p, int64_t i0, IVec* dot) {
+  const __m256i low5 = _mm256_set1_epi8(0x1F), top3 = _mm256_set1_epi8(0x1C), low2 = _mm256_set1_epi8(0x03);
   const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
   for (int line = 0; line < kBlockBytes; line += 64)   // the stream ahead (as the block kernel's)
     _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T0);
+  const __m256i twos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
   for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
   for (int half = 0; half < 2; ++half) {   // 16 inputs: 4 steps of 4, summed exactly in int16
     __m256i sh[ROWS], sl[ROWS];
     for (int r = 0; r < ROWS; ++r) sh[r] = sl[r] = _mm256_setzero_si256();
-    for (int m = 2 * half; m < 2 * half + 2; ++m) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * m));
-      for (int high = 0; high < 2; ++high) {
-        const int step = 2 * m + high;
-        const __m256i h = _mm256_and_si256(high == 0 ? packed : _mm256_srli_epi16(packed, 4), nibble);
-        const __m256i u = _mm256_add_epi8(_mm256_add_epi8(h, h), _mm256_and_si256(_mm256_srli_epi16(bits, step), one));
-        const int64_t i = i0 + 4 * step;
-        for (int r = 0; r < ROWS; ++r) {
-          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xh[r] + i))));
-          sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xl[r] + i))));
-        }
+    for (int m = 0; m < 4; ++m) {
+      const int step = 4 * half + m;
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * m));   // (an array of
+      // the 4 planes went through the stack in 16-byte halves: store-forwarding stalls)
+      // step m: a byte's low 5 bits; step 4 + m: its top 3 (to bits 2-4) and 2 bits of the last plane
+      const __m256i u = half == 0 ? _mm256_and_si256(plane, low5)
+                                  : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(plane, 3), top3),
+                                                    _mm256_and_si256(_mm256_srli_epi16(twos, 2 * m), low2));
+      const int64_t i = i0 + 4 * step;
+      for (int r = 0; r < ROWS; ++r) {
+        sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xh[r] + i))));
+        sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(u, _mm256_set1_epi32(load4(xl[r] + i))));
       }
     }
     for (int r = 0; r < ROWS; ++r)
@@ -287,9 +292,13 @@ void pack_block(const int8_t* c, int64_t k, int64_t rows, int64_t i0, uint8_t* o
     for (int i = 0; i < kBlock; ++i) {
       const int u = (static_cast<int>(c[r * k + i0 + i]) >> 3) + 16;   // floor(c / 8) + 16
       const int step = i / 4, lane = static_cast<int>(4 * r + i % 4);
-      uint8_t& nibbles = out[32 * (step / 2) + lane];
-      nibbles = static_cast<uint8_t>(nibbles | (((u >> 1) & 0x0F) << (4 * (step % 2))));
-      if (u & 1) out[128 + lane] = static_cast<uint8_t>(out[128 + lane] | (1 << step));
+      if (step < 4) {
+        out[32 * step + lane] = static_cast<uint8_t>(out[32 * step + lane] | u);
+      } else {
+        uint8_t& plane = out[32 * (step - 4) + lane];
+        plane = static_cast<uint8_t>(plane | ((u >> 2) << 5));
+        out[128 + lane] = static_cast<uint8_t>(out[128 + lane] | ((u & 3) << (2 * (step - 4))));
+      }
     }
   }
 }
