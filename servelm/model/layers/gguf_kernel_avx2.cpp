@@ -292,11 +292,9 @@ struct IntActivations {
     __m256 acc[NW];
     for (int r = 0; r < NW; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t steps = k / kActBlock;
-    // each row prefetches the same place of the row a whole number of passes (at least
-    // kPrefetchBytes) later: kPrefetchBytes past each row would land in the pass's own next row
-    // wherever a row is longer (K = 4864: 3.6 KB) and leave the next pass's rows to the hardware
-    const int64_t pass_bytes = NW * row_bytes;
-    const int64_t ahead = pass_bytes * std::max<int64_t>(1, (kPrefetchBytes + pass_bytes - 1) / pass_bytes);
+    // at least a pass ahead: kPrefetchBytes past each row would land in the pass's own next row
+    // wherever rows are long (K = 4864: 3.6 KB) and leave the next pass's rows to the hardware
+    const int64_t ahead = std::max<int64_t>(kPrefetchBytes, NW * row_bytes);
     auto prefetch = [&](int64_t c) {
       if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)
         for (int r = 0; r < NW; ++r)
