@@ -13,9 +13,14 @@ random scales are drawn so that both layouts hold them exactly, as the file's ar
 serving does: every layer's weight is read once per step, so none is in cache when its turn comes);
 without it one weight is rerun and, where it fits the L3, read from cache. ``--clock thread`` reads
 the calling thread's CPU time (1 thread only: the OpenMP workers' time is not counted) on a loaded
-machine. The machine may be shared: read the ratios, not the absolute times.
+machine. ``--base`` builds another gguf_kernel_avx2.cpp (an older revision's, e.g. from ``git show``)
+beside this one and times its routes too ("base packed_a16", ...) in the same interleaved rounds, after
+checking that both give the same outputs bit for bit. The machine may be shared: read the ratios, not
+the absolute times.
 
     python benchmarks/gguf_avx2.py --threads 1 2 --rows 1 4 16 --cold
+    git show HEAD~1:servelm/model/layers/gguf_kernel_avx2.cpp > /tmp/base/gguf_kernel_avx2.cpp
+    python benchmarks/gguf_avx2.py --rows 1 --base /tmp/base/gguf_kernel_avx2.cpp --routes "packed_a16 compact"
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from servelm.model.cpp_kernel import CppKernel  # noqa: E402
 from servelm.model.layers import gguf_kernel  # noqa: E402
 from servelm.model.layers.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCodes, SubScaled  # noqa: E402
 
@@ -91,9 +97,16 @@ def main() -> None:
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
     parser.add_argument("--cold", action="store_true", help="cycle through copies exceeding the L3")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    parser.add_argument("--base", default=None, help="another gguf_kernel_avx2.cpp whose routes run too")
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     kernel = gguf_kernel.load_kernel()
+    kernels = {"": kernel}
+    if args.base:
+        base = Path(args.base).resolve()
+        kernels["base "] = CppKernel.beside(str(base), base.name, "gguf_block_avx2_base", "base GGUF kernel",
+                                            gguf_kernel.AVX2_FLAGS).load()
+        assert kernels["base "] is not None, f"{base} does not build here"
     print(f"kernel: {gguf_kernel.kernel_status()}; {'cold (copies > L3)' if args.cold else 'one weight'}, "
           f"{args.clock} clock")
     assert kernel is not None or args.routes == ["dense f32"], "no kernel builds here"
@@ -112,11 +125,15 @@ def main() -> None:
                 x = torch.randn(rows, k)
                 calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
                 for route in args.routes:
-                    runs = [route_call(kernel, route, copy, pack, dense[i] if i < len(dense) else None)
-                            for i, (copy, pack) in enumerate(zip(weights, packed))]
-                    present = [run for run in runs if run is not None]
-                    if present:
-                        calls[route] = present
+                    for prefix, build in kernels.items():
+                        runs = [route_call(build, route, copy, pack, dense[i] if i < len(dense) else None)
+                                for i, (copy, pack) in enumerate(zip(weights, packed))]
+                        present = [run for run in runs if run is not None]
+                        if present and not (prefix and route == "dense f32"):
+                            calls[prefix + route] = present
+                for route in calls:
+                    if route.startswith("base "):
+                        assert torch.equal(calls[route][0](x), calls[route.removeprefix("base ")][0](x)), route
                 times: dict[str, list[float]] = {route: [] for route in calls}
                 reps = max(2 * max(len(runs) for runs in calls.values()), int(2e8 // (n * k)))
                 for _ in range(args.rounds):

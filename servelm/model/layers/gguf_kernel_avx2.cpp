@@ -35,12 +35,14 @@ constexpr int kRowTile = 4;          // activation rows sharing one pass over a 
 constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all activation rows pass
 constexpr int64_t kMinChunkBytes = 32768;  // the least weight bytes worth a thread of their own
 constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of a weight row's block the stream is prefetched
+constexpr int kOneRowWeights = 4;          // weight rows per pass of one activation row (decode)
+constexpr int64_t kScaleAheadRows = 16;    // how far ahead of the one-row pass its scale rows are prefetched
 
 // Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call; float
-// slots 0-2 belong to the calling thread's activations, 3-6 to a worker's widened scale rows).
+// slots 0-2 and 5 belong to the calling thread's activations, 3-4 to a worker's widened scale rows).
 template <class T>
 T* scratch(int slot, int64_t count) {
-  static thread_local std::vector<T> buffers[7];
+  static thread_local std::vector<T> buffers[6];
   std::vector<T>& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
   return buffer.data();
@@ -107,13 +109,19 @@ inline __m256i load_codes16(const int8_t* w) {
 // vectors of 16 codes sign-extended to int16 (w0: the first 16, w1: the next 16).
 //
 // ByteCodes: the int8 codes as stored (1 byte per weight).
+//
+// ``load_stored`` gives the stored values u and ``kBias`` what they exceed the codes by (``load``:
+// u - kBias, the codes): the one-row pass subtracts kBias times the activations' sums from the int32
+// products instead (``IntActivations::bias_correction``), once per row and 32 inputs, not per code.
 struct ByteCodes {
   static constexpr int64_t kStepBytes = 32;
-  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+  static constexpr int kBias = 0;
+  static void load_stored(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
     const int8_t* w = reinterpret_cast<const int8_t*>(row) + c * 32;
     w0 = load_codes16(w);
     w1 = load_codes16(w + 16);
   }
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) { load_stored(row, c, w0, w1); }
 };
 
 // PackedCodes<BITS, CENTERED>: the codes at their own bit width (4, 5 or 6; gguf_blocks.PackedCodes
@@ -130,15 +138,17 @@ template <int BITS, bool CENTERED>
 struct PackedCodes {
   static_assert(BITS >= 4 && BITS <= 6, "4, 5 or 6 bits");
   static constexpr int64_t kStepBytes = 4 * BITS;
-  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+  static constexpr int kBias = CENTERED ? 1 << (BITS - 1) : 0;
+  static void load_stored(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
     const uint8_t* p = row + c * kStepBytes;
     // 16-bit lane j: code j | code j + 16 << 4
     const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m256i lo = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
-    __m256i hi = _mm256_srli_epi16(words, 4);
-    if constexpr (BITS > 4) {
+    if constexpr (BITS == 4) {
+      w0 = _mm256_and_si256(words, _mm256_set1_epi16(0x0F));
+      w1 = _mm256_srli_epi16(words, 4);
+    } else {
       constexpr int kMask = BITS == 5 ? 1 : 3;
-      __m256i high;
+      __m256i high;   // lane j: code j's high bits at bit 0, code j + 16's at bit 8
       if constexpr (BITS == 5) {
         int32_t plane;
         std::memcpy(&plane, p + 16, sizeof(plane));
@@ -148,15 +158,18 @@ struct PackedCodes {
         std::memcpy(&plane, p + 16, sizeof(plane));
         high = _mm256_srlv_epi64(_mm256_set1_epi64x(plane), _mm256_setr_epi64x(0, 2, 4, 6));
       }
-      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi16(kMask)), 4));
-      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(high, 4), _mm256_set1_epi16(kMask << 4)));
+      w0 = _mm256_or_si256(_mm256_and_si256(words, _mm256_set1_epi16(0x0F)),
+                           _mm256_and_si256(_mm256_slli_epi16(high, 4), _mm256_set1_epi16(kMask << 4)));
+      // code j + 16's high bits set at bits 8-9, above the byte, then shifted down with its nibble
+      w1 = _mm256_srli_epi16(_mm256_or_si256(words, _mm256_and_si256(high, _mm256_set1_epi16(kMask << 8))), 4);
     }
+  }
+  static void load(const uint8_t* row, int64_t c, __m256i& w0, __m256i& w1) {
+    load_stored(row, c, w0, w1);
     if constexpr (CENTERED) {
-      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(1 << (BITS - 1)));
-      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(1 << (BITS - 1)));
+      w0 = _mm256_sub_epi16(w0, _mm256_set1_epi16(kBias));
+      w1 = _mm256_sub_epi16(w1, _mm256_set1_epi16(kBias));
     }
-    w0 = lo;
-    w1 = hi;
   }
 };
 
@@ -246,45 +259,82 @@ struct IntActivations {
     for (int r = 0; r < ROWS; ++r) out[r] = hsum(acc[r]);
   }
 
-  template <class Codes>
-  void dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block, int64_t r0,
-                float* out) const;
-};
-
-// (IntActivations::dot_pair, defined after the struct: one activation row against weight rows a and
-// b, two independent accumulator chains, each row's arithmetic and order exactly dot<1>'s.)
-template <class Codes>
-void IntActivations::dot_pair(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, int64_t block,
-                              int64_t r0, float* out) const {
-  const int16_t* xq = codes + r0 * k;
-  const float* xs = block_scales + r0 * (k / kActBlock);
-  __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
-  const int64_t steps = k / kActBlock;
-  for (int64_t c = 0; c < steps; ++c) {
-    if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes) {
-      _mm_prefetch(reinterpret_cast<const char*>(wa + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
+  // kBias x the sums of activation row r0's inputs that each int32 lane of the one-row pass's products
+  // covers [k / 32, 8] (block 32: lane l of step c covers inputs 32c + 2l, 2l + 1, 16 + 2l, 17 + 2l) or
+  // [k / 32, 2, 8] (block 16: the two halves' lanes apart): madd(u, x) - correction is madd(u - kBias, x)
+  // exactly (int32, |values| < 2^24), so the products are those of the codes themselves.
+  const int32_t* bias_correction(int bias, int64_t block, int64_t r0) const {
+    const int64_t steps = k / kActBlock;
+    int32_t* out = scratch<int32_t>(0, steps * 16);
+    const __m256i b = _mm256_set1_epi16(static_cast<int16_t>(bias));
+    const int16_t* xq = codes + r0 * k;
+    for (int64_t c = 0; c < steps; ++c) {
+      const __m256i s0 = _mm256_madd_epi16(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32)));
+      const __m256i s1 = _mm256_madd_epi16(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16)));
+      if (block == 32) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 8), _mm256_add_epi32(s0, s1));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 16), s0);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 16 + 8), s1);
+      }
     }
-    __m256i a0, a1, b0, b1;
-    Codes::load(wa, c, a0, a1);
-    Codes::load(wb, c, b0, b1);
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
-    if (block == 32) {
-      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(a1, x1))),
-                              _mm256_set1_ps(sa[c] * xs[c]), acc_a);
-      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(b0, x0), _mm256_madd_epi16(b1, x1))),
-                              _mm256_set1_ps(sb[c] * xs[c]), acc_b);
-    } else {
-      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0, x0)), _mm256_set1_ps(sa[2 * c] * xs[c]), acc_a);
-      acc_a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1, x1)), _mm256_set1_ps(sa[2 * c + 1] * xs[c]), acc_a);
-      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b0, x0)), _mm256_set1_ps(sb[2 * c] * xs[c]), acc_b);
-      acc_b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(b1, x1)), _mm256_set1_ps(sb[2 * c + 1] * xs[c]), acc_b);
-    }
+    return out;
   }
-  out[0] = hsum(acc_a);
-  out[1] = hsum(acc_b);
-}
+
+  // One activation row (r0) against NW weight rows (w, w + row_bytes, ...): NW independent
+  // accumulator chains sharing the activation loads; each row's arithmetic and order exactly dot<1>'s.
+  // ``scaled`` [NW, nb]: each row's weight scales times the activation scale of their inputs (the same
+  // float32 products dot<1> forms per step); ``correction``: bias_correction's for Codes::kBias.
+  template <int NW, class Codes>
+  void dot_rows(const uint8_t* w, int64_t row_bytes, const float* scaled, int64_t nb, const int32_t* correction,
+                int64_t block, int64_t r0, float* out) const {
+    const int16_t* xq = codes + r0 * k;
+    __m256 acc[NW];
+    for (int r = 0; r < NW; ++r) acc[r] = _mm256_setzero_ps();
+    const int64_t steps = k / kActBlock;
+    // at least a pass ahead: kPrefetchBytes past each row would land in the pass's own next row
+    // wherever rows are long (K = 4864: 3.6 KB) and leave the next pass's rows to the hardware
+    const int64_t ahead = std::max<int64_t>(kPrefetchBytes, NW * row_bytes);
+    auto prefetch = [&](int64_t c) {
+      if (Codes::kStepBytes >= 32 || ((c * Codes::kStepBytes) & 63) < Codes::kStepBytes)
+        for (int r = 0; r < NW; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * row_bytes + c * Codes::kStepBytes) + ahead, _MM_HINT_T0);
+    };
+    if (block == 32) {
+      for (int64_t c = 0; c < steps; ++c) {
+        prefetch(c);
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
+        for (int r = 0; r < NW; ++r) {
+          __m256i w0, w1;
+          Codes::load_stored(w + r * row_bytes, c, w0, w1);
+          __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+          if constexpr (Codes::kBias != 0)
+            p = _mm256_sub_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + c * 8)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(scaled + r * nb + c), acc[r]);
+        }
+      }
+    } else {
+      for (int64_t c = 0; c < steps; ++c) {
+        prefetch(c);
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
+        for (int r = 0; r < NW; ++r) {
+          __m256i w0, w1;
+          Codes::load_stored(w + r * row_bytes, c, w0, w1);
+          __m256i p0 = _mm256_madd_epi16(w0, x0), p1 = _mm256_madd_epi16(w1, x1);
+          if constexpr (Codes::kBias != 0) {
+            p0 = _mm256_sub_epi32(p0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + c * 16)));
+            p1 = _mm256_sub_epi32(p1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + c * 16 + 8)));
+          }
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(scaled + r * nb + 2 * c), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(scaled + r * nb + 2 * c + 1), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NW; ++r) out[r] = hsum(acc[r]);
+  }
+};
 
 struct Int16Activations : IntActivations {
   Int16Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 32512.f) {}
@@ -398,20 +448,30 @@ struct BlockValues {
     }
   }
 
-  // Row j as float32 [nb]: in place (float32) or widened into ``buffer`` (nb floats).
-  const float* row(int64_t j, float* buffer) const {
+  // Row j as float32 [nb]: in place (float32) or widened into ``buffer`` (nb floats). With ``times``
+  // [nb]: value b times times[b] into ``buffer`` (each the float32 product value * times[b]).
+  const float* row(int64_t j, float* buffer, const float* times = nullptr) const {
     const uint8_t* r = base + j * row_bytes;
-    if (layout == kFloat32) return reinterpret_cast<const float*>(r);
+    if (layout == kFloat32 && times == nullptr) return reinterpret_cast<const float*>(r);
+    auto scaled = [&](int64_t b, __m256 v) { return times == nullptr ? v : _mm256_mul_ps(v, _mm256_loadu_ps(times + b)); };
+    if (layout == kFloat32) {
+      const float* f = reinterpret_cast<const float*>(r);
+      int64_t b = 0;
+      for (; b + 8 <= nb; b += 8) _mm256_storeu_ps(buffer + b, scaled(b, _mm256_loadu_ps(f + b)));
+      for (; b < nb; ++b) buffer[b] = f[b] * times[b];
+      return buffer;
+    }
     if (layout == kFloat16) {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(r);
       int64_t b = 0;
       for (; b + 8 <= nb; b += 8)
-        _mm256_storeu_ps(buffer + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b))));
+        _mm256_storeu_ps(buffer + b, scaled(b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + b)))));
       if (b + 4 <= nb) {   // K = 896: 28 blocks, 3 x 8 + 4
-        _mm_storeu_ps(buffer + b, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + b))));
+        const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + b)));
+        _mm_storeu_ps(buffer + b, times == nullptr ? v : _mm_mul_ps(v, _mm_loadu_ps(times + b)));
         b += 4;
       }
-      for (; b < nb; ++b) buffer[b] = _cvtsh_ss(h[b]);
+      for (; b < nb; ++b) buffer[b] = times == nullptr ? _cvtsh_ss(h[b]) : _cvtsh_ss(h[b]) * times[b];
       return buffer;
     }
     const int8_t* sub = reinterpret_cast<const int8_t*>(r);
@@ -420,9 +480,18 @@ struct BlockValues {
       float m;
       std::memcpy(&m, multipliers + 4 * (b / per_super), sizeof(m));
       const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + b))));
-      _mm256_storeu_ps(buffer + b, _mm256_mul_ps(wide, _mm256_set1_ps(m)));
+      _mm256_storeu_ps(buffer + b, scaled(b, _mm256_mul_ps(wide, _mm256_set1_ps(m))));
     }
     return buffer;
+  }
+
+  // Rows j0 .. j1 - 1 (those below ``n``) fetched into the caches ahead of their use: the codes are
+  // prefetched, and a scale row read cold stalls the pass that widens it (~20% of a cold one-row call).
+  void prefetch_rows(int64_t j0, int64_t j1, int64_t n) const {
+    if (base == nullptr || j0 >= n) return;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(base + j0 * row_bytes) & ~uintptr_t{63};
+    const uintptr_t last = reinterpret_cast<uintptr_t>(base + std::min(j1, n) * row_bytes);
+    for (uintptr_t line = first; line < last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
   }
 };
 
@@ -464,11 +533,32 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t nb = k / block;
   const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
+  // The one-row pass (a last row tile of one row read from the codes as stored: decode) scales each
+  // weight row by the activation scales of its blocks once (xs_blocks [nb]), and takes stored values
+  // minus a correction where the codes are stored biased (Codes::kBias; ``correction``).
+  constexpr bool kIntActivations = std::is_base_of<IntActivations, Activations>::value;
+  const int64_t one_row = rows - 1;   // the only row a tile of one can start at
+  const bool has_one_row_pass = kIntActivations && rows % kRowTile == 1 && (kBytes || rows <= kRowTile);
+  const float* xs_blocks = nullptr;
+  const int32_t* correction = nullptr;
+  if constexpr (kIntActivations) {
+    if (has_one_row_pass) {
+      const float* xs = acts.block_scales + one_row * (k / kActBlock);
+      if (block == 32) {
+        xs_blocks = xs;
+      } else {
+        float* twice = scratch<float>(5, nb);
+        for (int64_t b = 0; b < nb; ++b) twice[b] = xs[b / 2];
+        xs_blocks = twice;
+      }
+      if (Codes::kBias != 0) correction = acts.bias_correction(Codes::kBias, block, one_row);
+    }
+  }
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
-    // this worker's widened scale and offset rows (two of each: the one-row pass takes weight rows in pairs)
-    float* scale_rows[2] = {scratch<float>(3, nb), scratch<float>(4, nb)};
-    float* offset_rows[2] = {scratch<float>(5, nb), scratch<float>(6, nb)};
+    // this worker's widened scale and offset rows (kOneRowWeights of each for the one-row pass)
+    float* scale_rows = scratch<float>(3, kOneRowWeights * nb);
+    float* offset_rows = scratch<float>(4, kOneRowWeights * nb);
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
       // packed codes read by more than one row tile: unpacked once into int8 bytes (L1), not per tile
@@ -485,19 +575,31 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
             y[(r0 + t) * n + j] = value;
           }
         };
-        for (int64_t j = n0; j < n1; ++j) {
-          const float* sr = weight_scales.row(j, scale_rows[0]);
-          const float* orow = has_offsets ? weight_offsets.row(j, offset_rows[0]) : nullptr;
-          if constexpr (std::is_base_of<IntActivations, Activations>::value) {
-            if (tile == 1 && unpacked == nullptr && j + 1 < n1) {   // one row: two weight rows at once
-              const float* sr_next = weight_scales.row(j + 1, scale_rows[1]);
-              acts.template dot_pair<Codes>(w + j * row_bytes, w + (j + 1) * row_bytes, sr, sr_next, block, r0, dots);
-              finish(j, 0, dots[0], orow);
-              finish(j + 1, 0, dots[1], has_offsets ? weight_offsets.row(j + 1, offset_rows[1]) : nullptr);
-              ++j;
-              continue;
+        if constexpr (kIntActivations) {
+          if (tile == 1 && unpacked == nullptr) {   // one row: up to kOneRowWeights weight rows per pass
+            auto pass = [&](auto width, int64_t j) {
+              constexpr int kWeights = decltype(width)::value;
+              weight_scales.prefetch_rows(j + kScaleAheadRows, j + kScaleAheadRows + kWeights, n);
+              if (has_offsets) weight_offsets.prefetch_rows(j + kScaleAheadRows, j + kScaleAheadRows + kWeights, n);
+              for (int r = 0; r < kWeights; ++r) weight_scales.row(j + r, scale_rows + r * nb, xs_blocks);
+              acts.template dot_rows<kWeights, Codes>(w + j * row_bytes, row_bytes, scale_rows, nb, correction, block,
+                                                      r0, dots);
+              for (int r = 0; r < kWeights; ++r)
+                finish(j + r, 0, dots[r], has_offsets ? weight_offsets.row(j + r, offset_rows) : nullptr);
+            };
+            int64_t j = n0;
+            for (; j + kOneRowWeights <= n1; j += kOneRowWeights) pass(std::integral_constant<int, kOneRowWeights>{}, j);
+            if (j + 2 <= n1) {
+              pass(std::integral_constant<int, 2>{}, j);
+              j += 2;
             }
+            if (j < n1) pass(std::integral_constant<int, 1>{}, j);
+            continue;
           }
+        }
+        for (int64_t j = n0; j < n1; ++j) {
+          const float* sr = weight_scales.row(j, scale_rows);
+          const float* orow = has_offsets ? weight_offsets.row(j, offset_rows) : nullptr;
           if (unpacked != nullptr) {
             dot_tile<ByteCodes>(acts, reinterpret_cast<const uint8_t*>(unpacked + (j - n0) * k), sr, block, r0,
                                 tile, dots);

@@ -161,15 +161,15 @@ def test_fused_weight_packs_at_its_widest_width() -> None:
 @pytest.mark.parametrize("kind", sorted(kind for kind, bits in PACKED_BITS.items() if bits))
 def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> None:
     """The packed functions compute the int8-code functions' outputs bit for bit: both activation
-    roundings, 1, 3 and 16 rows, float32 and bf16 rows, with and without a bias, float32 and bf16
-    out; 300 outputs split over threads."""
+    roundings, 1, 3, 5 (a last row tile of one: the one-row pass at row 4) and 16 rows, float32 and
+    bf16 rows, with and without a bias, float32 and bf16 out; 300 outputs split over threads."""
     n, k = 300, 512
     weight = repack(random_raw(kind, n, k, seed=5), (n, k), kind)
     packed = PackedCodes.of(weight.codes)
     assert packed is not None
     suffix = "_centered" if packed.centered else ""
     generator = torch.Generator().manual_seed(11)
-    for rows in (1, 3, 16):
+    for rows in (1, 3, 5, 16):
         x32 = torch.randn(rows, k, generator=generator)
         for x in (x32, x32.bfloat16()):
             for bias in (None, torch.randn(n, generator=generator)):
@@ -180,7 +180,8 @@ def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> N
                         out = getattr(avx2, name + suffix)(x, packed.data, weight.scales, weight.offsets,
                                                            weight.block, bf16_out, bias)
                         assert torch.equal(out, expected), (rows, x.dtype, bias is None, name, bf16_out)
-                        # one row (two weight rows per pass) as that row of a many-row call (row tiles)
+                        # one row (the one-row pass: 4, 2, 1 weight rows at a time, stored codes less a
+                        # correction) as that row of a many-row call (row tiles)
                         alone = getattr(avx2, name + suffix)(x[-1:].contiguous(), packed.data, weight.scales,
                                                              weight.offsets, weight.block, bf16_out, bias)
                         assert torch.equal(alone, out[-1:])
@@ -221,7 +222,7 @@ def test_compact_scales_give_the_float32_outputs_bit_for_bit(avx2: object, case:
     """The compact scales and offsets (fp16; int8 sub-scales x a float32 per 256 inputs) widen to the
     float32 values exactly, and every function of the build computes with them the float32 scales'
     outputs bit for bit: the three activation formats on int8 codes and both on packed codes, 1
-    (weight rows in pairs, an odd count), 3 and 16 rows, float32 and bf16 rows, a bias, bf16 out."""
+    (weight rows 4 at a time, then 2 and 1), 3 and 16 rows, float32 and bf16 rows, a bias, bf16 out."""
     name, weight = compact_cases()[case]
     scales, offsets = weight.with_compact()
     kind = weight.kind.split("+")[0]
