@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod  # noqa: E402
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod  # noqa: E402
 
 MIB = 2 ** 20
 

@@ -19,7 +19,7 @@ checking that both give the same outputs bit for bit. The machine may be shared:
 the absolute times.
 
     python benchmarks/gguf_avx2.py --threads 1 2 --rows 1 4 16 --cold
-    git show HEAD~1:servelm/model/layers/gguf_kernel_avx2.cpp > /tmp/base/gguf_kernel_avx2.cpp
+    git show HEAD~1:servelm/model/gguf/gguf_kernel_avx2.cpp > /tmp/base/gguf_kernel_avx2.cpp
     python benchmarks/gguf_avx2.py --rows 1 --base /tmp/base/gguf_kernel_avx2.cpp --routes "packed_a16 compact"
 """
 
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.cpp_kernel import CppKernel  # noqa: E402
-from servelm.model.layers import gguf_kernel  # noqa: E402
-from servelm.model.layers.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCodes, SubScaled  # noqa: E402
+from servelm.model.gguf import gguf_kernel  # noqa: E402
+from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCodes, SubScaled  # noqa: E402
 
 SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
           "gate_up 9728x896": (9728, 896, "Q5_0"), "down 896x4864": (896, 4864, "Q6_K"),

@@ -1,6 +1,6 @@
 """The GGUF block kernel of a git revision against the working tree's: same outputs, and time.
 
-Builds ``servelm/model/layers/gguf_kernel.cpp`` as it was at ``--ref`` next to the current one
+Builds ``servelm/model/gguf/gguf_kernel.cpp`` as it was at ``--ref`` next to the current one
 (``load_kernel``), checks that all three activation formats (``block_linear`` int8,
 ``block_linear_a16`` 16-bit, ``block_linear_float``) give bit-identical results on random codes (block
 32 without offsets, block 16 with), then times both, interleaved (7 rounds of 15 calls each, median
@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, load_kernel  # noqa: E402
+from servelm.model.gguf.gguf_kernel import COMPILE_FLAGS, load_kernel  # noqa: E402
 
 FORMATS = ("block_linear_a16", "block_linear", "block_linear_float")
 SHAPES = [(640, 1536), (1024, 640), (896, 9728), (4864, 896), (640, 32768)]
@@ -34,7 +34,7 @@ SHAPES = [(640, 1536), (1024, 640), (896, 9728), (4864, 896), (640, 32768)]
 
 def build_ref(ref: str, build_dir: Path) -> object:
     from torch.utils import cpp_extension
-    source = subprocess.run(["git", "show", f"{ref}:servelm/model/layers/gguf_kernel.cpp"], cwd=ROOT,
+    source = subprocess.run(["git", "show", f"{ref}:servelm/model/gguf/gguf_kernel.cpp"], cwd=ROOT,
                             check=True, capture_output=True, text=True).stdout
     path = build_dir / "gguf_kernel_ref.cpp"
     path.write_text(source)

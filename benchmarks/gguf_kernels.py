@@ -6,7 +6,7 @@ each number of rows M it times ``x [M, K] float32 -> [M, N]`` through:
 - ``fp32`` / ``bf16``: ``F.linear`` on the dequantized weight in float32 / bfloat16 (bf16: x cast
   in the call). The reference columns: every other column is a ratio to these, measured in the
   same run.
-- ``blk``: servelm's AVX512-VNNI kernel (servelm/model/layers/gguf_kernel.cpp) on int8 codes with a
+- ``blk``: servelm's AVX512-VNNI kernel (servelm/model/gguf/gguf_kernel.cpp) on int8 codes with a
   float32 scale per 32 inputs: Q8_0 as stored, and every other repackable type after its lossless
   repack (gguf_blocks.py). Activations quantized to int8 per 32 inputs in the call, as llama.cpp.
 - ``blk-off``: the same with an offset per block too (Q4_1, Q4_K, Q5_K).
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linear_kernels import SHAPES, time_ms  # noqa: E402  (the same shapes and timing loop)
 
 from servelm.model.layers import weight_only as wo  # noqa: E402
-from servelm.model.layers.gguf_blocks import BlockWeight  # noqa: E402
-from servelm.model.layers.gguf_kernel import kernel_status, load_kernel  # noqa: E402
+from servelm.model.gguf.gguf_blocks import BlockWeight  # noqa: E402
+from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], budget_s: float, repeats: int) -> tuple[float, float]:

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def child(model: str, dtype_name: str, way: str) -> dict[str, float]:
     import torch
 
-    from servelm.model.gguf import GGUFFile
-    from servelm.model.gguf_weights import apply_gguf_blocks, load_gguf_model
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_file import GGUFFile
+    from servelm.model.gguf.gguf_weights import apply_gguf_blocks, load_gguf_model
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from servelm.model.loader import DTYPES, load_model
     from servelm.model.packaged import packaged_model_path
 

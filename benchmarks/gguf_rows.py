@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_kernels import random_block_weight  # noqa: E402
 from linear_kernels import SHAPES  # noqa: E402
 
-from servelm.model.layers import gguf_i8gemm, gguf_rows  # noqa: E402
-from servelm.model.layers.gguf_kernel import load_kernel  # noqa: E402
+from servelm.model.gguf import gguf_i8gemm, gguf_rows  # noqa: E402
+from servelm.model.gguf.gguf_kernel import load_kernel  # noqa: E402
 
 
 KERNELS = ("i8", "gemm", "rows", "int16", "dense", "int16-core", "a8")

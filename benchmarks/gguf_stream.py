@@ -36,7 +36,7 @@ from gguf_kernels import random_block_weight  # noqa: E402
 from linear_kernels import SHAPES  # noqa: E402
 
 from servelm.model.cpp_kernel import CppKernel  # noqa: E402
-from servelm.model.layers.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel  # noqa: E402
+from servelm.model.gguf.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel  # noqa: E402
 
 
 def one_pass(kernel: object, weights: list[tuple[str, object]], xs: dict[int, torch.Tensor],

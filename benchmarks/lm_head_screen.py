@@ -62,7 +62,7 @@ def main() -> None:
     runner = engine.runner
     model = runner.model
     head = model.lm_head
-    from servelm.model.layers.lm_head_screen import build_screen
+    from servelm.model.gguf.lm_head_screen import build_screen
     screen, reason = build_screen(model, getattr(head.linear_method, "activations", None), disabled=False,
                                   tp_size=1, pp_size=1, device=runner.device)
     weight = getattr(head, "gguf_weight", None)

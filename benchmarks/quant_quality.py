@@ -12,8 +12,8 @@ A quantization may carry mixed-precision overrides for the LM head and the embed
 ``w8a8_int8+head=int8wo:auto`` or ``int4wo-128+emb=int8:auto`` (see ``quantize_model``); the model
 then loads in float32 (``--dtype float32``: the reference is the float32 dequantized GGUF) and the
 script requantizes it with those overrides. ``gguf`` is the default for a GGUF file (its own
-blocks, servelm/model/gguf_weights.py); ``gguf+route=R`` puts GGUF route R (block, rows, int8, dense:
-servelm/model/layers/gguf_routes.py) first at every row count instead of the table measured on this
+blocks, servelm/model/gguf/gguf_weights.py); ``gguf+route=R`` puts GGUF route R (block, rows, int8, dense:
+servelm/model/gguf/gguf_routes.py) first at every row count instead of the table measured on this
 machine (the quality rules still apply: generation rows never take int8, a float32 model's first rows
 keep the block kernel), e.g. ``gguf+route=block`` to put the perplexity pass and prefill through the block
 kernel too (the former ``kernel_rows=1000000``). ``gguf_a8`` rounds the
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model.forward_batch import BatchPlan, SequencePlan  # noqa: E402
-from servelm.model.layers.gguf_routes import Route  # noqa: E402
+from servelm.model.gguf.gguf_routes import Route  # noqa: E402
 from servelm.model.layers.quantization import quantize_model  # noqa: E402
 from servelm.model.routes import forced_route  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402

@@ -26,7 +26,7 @@ with and without the change (prefix cache off), and whether every output is iden
   ``torch.mm`` on V as it lies (bf16 only).
 - ``prefill_softmax``: prefill attention's tiles take float32 copy + mask + softmax + rounding as
   torch ops instead of fused_ops.cpp's ``causal_softmax``.
-- ``gguf_defaults``: every GGUF layer's routes (servelm/model/layers/gguf_routes.py) resolved from
+- ``gguf_defaults``: every GGUF layer's routes (servelm/model/gguf/gguf_routes.py) resolved from
   the constant ranking of earlier sessions (Zen 5, ``default_ranking``) instead of the table measured
   on this machine (servelm/model/routes.py), among the copies the layer keeps (its prepared decode call
   too). Replaces the row-limit knobs ``gguf_rows``, ``rows_kernel``, ``rows_gemm``, ``i8_gemm`` and
@@ -34,7 +34,7 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``prefill_routes``: multi-token attention in the constant order (the AVX512-BF16 kernel where
   built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
   (servelm/model/attention/prefill_routes.py).
-- ``lm_head_screen``: greedy rows take the full LM head (servelm.model.layers.lm_head_screen off).
+- ``lm_head_screen``: greedy rows take the full LM head (servelm.model.gguf.lm_head_screen off).
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
 - ``llama_decode``: the Llama family's (Llama, Mistral, Qwen2, Qwen3) decode steps go through the layer
@@ -132,7 +132,7 @@ def without(change: str) -> Iterator[None]:
         finally:
             fused.set_enabled(True)
     elif change == "gguf_bf16_io":
-        from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+        from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
         original_apply: Any = GGUFBlockLinearMethod.apply
 
         def float_apply(self: Any, layer: Any, x: Any, bias: Any) -> Any:
@@ -180,7 +180,7 @@ def without(change: str) -> Iterator[None]:
         finally:
             backend.prefill_routing = measured
     elif change == "lm_head_screen":
-        from servelm.model.layers import lm_head_screen
+        from servelm.model.gguf import lm_head_screen
         limit = lm_head_screen.MAX_SCREEN_ROWS
         lm_head_screen.MAX_SCREEN_ROWS = 0
         try:
@@ -227,8 +227,8 @@ def _gguf_defaults() -> Iterator[None]:
     """Each GGUF layer's routes resolved from the constant ranking (``--change gguf_defaults``):
     ``LayerRoutes.resolve`` over the routes whose copies the layer keeps, its prepared decode call
     from them; the flat decode plans (built from the prepared calls) made again on each side."""
-    from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
-    from servelm.model.layers.gguf_routes import LayerRoutes
+    from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
+    from servelm.model.gguf.gguf_routes import LayerRoutes
     model = _ENGINE.runner.model
     saved = []
     for module in model.modules():
@@ -258,7 +258,7 @@ def _gguf_defaults() -> Iterator[None]:
 def _gguf_float32_scales() -> Iterator[None]:
     """Every GGUF layer's block calls (its prepared decode call too) on the float32 scales and offsets
     (``--change gguf_compact_scales``); the flat decode plans made again on each side."""
-    from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+    from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
     model = _ENGINE.runner.model
     saved = []
     methods: dict[int, tuple[Any, bool]] = {}   # the layers share a method: its own flag, saved once

@@ -731,7 +731,7 @@ class RuntimeConfig:
         "rows without logprobs or logit processors first score every vocabulary row from a 5-bit "
         "copy of the head with a rigorous error bound, then compute exactly, with the same kernel, "
         "only the rows that could still be the argmax: the same token, fewer bytes read per token "
-        "(servelm/model/layers/lm_head_screen.py; the copy costs 5/8 byte per weight).")
+        "(servelm/model/gguf/lm_head_screen.py; the copy costs 5/8 byte per weight).")
     omp_wait_policy: str = opt(
         "default", "How the OpenMP threads of the engine and rank processes wait when a parallel "
         "region ends: passive (sleep at once: OMP_WAIT_POLICY=PASSIVE), active (spin), or default "

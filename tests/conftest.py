@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.paged_decode",
+KERNEL_MODULES = ("servelm.model.gguf.gguf_kernel", "servelm.model.attention.paged_decode",
                   "servelm.model.attention.prefill_attention",
-                  "servelm.model.layers.fused", "servelm.model.layers.lm_head_screen",
-                  "servelm.model.layers.gguf_rows", "servelm.model.layers.gguf_i8gemm")
+                  "servelm.model.layers.fused", "servelm.model.gguf.lm_head_screen",
+                  "servelm.model.gguf.gguf_rows", "servelm.model.gguf.gguf_i8gemm")
 _builders: list[subprocess.Popen[bytes]] = []
 
 

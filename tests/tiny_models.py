@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_blocks import BlockWeight
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 TINY_TP_ARCHS = ("llama_uneven", "gemma3_mqa")

@@ -86,7 +86,7 @@ def warm_up(engine: LLMEngine) -> float | None:
 
 
 def _forget_screened_rows(runner: object) -> None:
-    """The LM-head screen (model/layers/lm_head_screen.py) turns itself off for good when too many
+    """The LM-head screen (model/gguf/lm_head_screen.py) turns itself off for good when too many
     of its last rows took the full head; the warm-up's rows (garbage K/V) would count as such."""
     screen = getattr(runner, "lm_head_screen", None)
     if screen is not None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from servelm.model.layers.gguf_routes import PassRows
+from servelm.model.gguf.gguf_routes import PassRows
 from servelm.model.layers.linear import LoRAGroup
 
 
@@ -104,7 +104,7 @@ class BatchPlan:
     """Logits rows of which the caller reads only the argmax (greedy, no logprobs, no logit
     processors, no grammar; set by the engine's executor): the runner may return such a row with
     only the vocabulary entries that can be the argmax filled and ``-inf`` elsewhere
-    (servelm.model.layers.lm_head_screen)."""
+    (servelm.model.gguf.lm_head_screen)."""
 
     @property
     def num_tokens(self) -> int:
@@ -168,7 +168,7 @@ class ForwardBatch:
     rows: PassRows | None = None
     """Which token rows are generation rows (a sequence whose every row gets logits: decode, verify,
     prompt logprobs): they keep unrounded activations at every batch size and come out as a pass of
-    only them computes them (GGUF routes, layers/gguf_routes.py). None: every row a prompt row."""
+    only them computes them (GGUF routes, gguf/gguf_routes.py). None: every row a prompt row."""
     head_rows: PassRows | None = None
     """The same for the LM head's call on the ``logits_indices`` rows."""
     images: list[list[tuple[int, int]]] | None = None

@@ -39,7 +39,7 @@ class BuildResult:
     """What became of one kernel."""
 
     module: str
-    """The Python module that defines it (``servelm.model.layers.gguf_kernel``)."""
+    """The Python module that defines it (``servelm.model.gguf.gguf_kernel``)."""
     name: str
     """The kernel's name (its build directory's prefix)."""
     status: str

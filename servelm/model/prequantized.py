@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from servelm.config import REFUSED_QUANTIZATION
-from servelm.model.layers.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.layers.moe import canonical_expert_name
 
 logger = logging.getLogger(__name__)
@@ -694,7 +694,7 @@ def serve_blocks(flag: str, dtype: str, tp_size: int, pp_size: int, device: torc
     routed experts (``has_experts``) keep their codes (``apply_prequantized_blocks``'
     ``experts_only``). ``moves_experts``: redundant expert slots or EPLB, which copy and move float
     expert stacks."""
-    from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
+    from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
 
     if flag == "none":
         return False, "--quantization none: the dequantized weights serve"
@@ -817,7 +817,7 @@ def apply_prequantized_blocks(model: Any, report: LoadReport, label: str,
     whole experts under expert parallelism, or its intermediate columns where they are whole
     groups). ``experts_only``: the model's other layers are tensor-parallel shards, which keep
     their dequantized weights."""
-    from servelm.model.gguf_weights import apply_block_weights, expert_weight_names, split_block_experts
+    from servelm.model.gguf.gguf_weights import apply_block_weights, expert_weight_names, split_block_experts
     from servelm.model.layers.linear import LinearBase
 
     served, others = kernel_blocks({model_weight_name(model, name): block for name, block in report.blocks.items()})

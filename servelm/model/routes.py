@@ -4,7 +4,7 @@ For every distinct GGUF linear of the loaded model (``LinearShape``: K, N, GGUF 
 or more routes whose kernels are built (gguf_linear.py ``GGUFBlockLinearMethod.available``), and
 each row class of ``ROW_CLASSES``, the routes are timed on a synthetic weight of that shape
 (servelm/model/timing.py) and ranked fastest first. The quality rules are not measured: the layers
-apply them to the ranking (layers/gguf_routes.py ``allowed``), so a fast int8 route still never
+apply them to the ranking (gguf/gguf_routes.py ``allowed``), so a fast int8 route still never
 takes generation rows.
 
 The table is keyed by what decides it (``table_key``: CPU model and flags, threads, the kernels'
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
 from servelm.model.timing import time_candidates
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def tune(config: Any) -> dict[str, Any] | None:
     on the threads, dtype and quantization ``servelm serve`` would use with the same flags (the key
     must match serving's); saves it and returns the chosen routes (None: no GGUF blocks to route)."""
     from servelm.distributed.parallel import ParallelContext
-    from servelm.model.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
+    from servelm.model.gguf.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
     from servelm.model.attention import Attention, prefill_routes
     from servelm.model.loader import DTYPES, build_model, resolve_device, resolve_dtype
     from servelm.model.source import resolve_model_source

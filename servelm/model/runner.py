@@ -41,11 +41,11 @@ from servelm.model.compile import compile_decode_layers, warm_up
 from servelm.model.dp_attention import AttentionRanks, rank_share, run_idle_experts
 from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
-from servelm.model.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
+from servelm.model.gguf.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
                                         has_routed_experts, resolve_quantization)
 from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
-from servelm.model.layers.lm_head_screen import screen_logits_or_none, setup_screen
+from servelm.model.gguf.lm_head_screen import screen_logits_or_none, setup_screen
 from servelm.model.layers.f32_rows import apply_dense_routes
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.prequantized import (LoadReport, QuantSpec, apply_prequantized_blocks, dequantizing_weights,
@@ -503,7 +503,7 @@ class ModelRunner:
         if self.tensor_dumper is not None:
             self.tensor_dumper.begin(batch)
         # the batch says which rows are generation rows (``batch.rows``): they keep unrounded
-        # activations; prompt rows may take the int8 GEMM (layers/gguf_routes.py)
+        # activations; prompt rows may take the int8 GEMM (gguf/gguf_routes.py)
         hidden = self.model(batch)
         if self.expert_load is not None:
             self.expert_load.after_pass()

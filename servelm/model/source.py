@@ -33,7 +33,7 @@ import torch
 from transformers import PretrainedConfig
 
 from servelm.config import ModelConfig, parse_json_object_flag
-from servelm.model.gguf import GGUFFile
+from servelm.model.gguf.gguf_file import GGUFFile
 from servelm.model.packaged import PACKAGED_MODELS, GENERATIVE_MODEL_NAMES, packaged_model_path
 
 _HF_HUB_CACHE = Path.home() / ".cache" / "huggingface" / "hub"

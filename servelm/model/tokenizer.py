@@ -74,7 +74,7 @@ def _load_gguf_tokenizer(gguf_path: Path, use_fast: bool, cache_root: Path) -> P
         return AutoTokenizer.from_pretrained(cached, use_fast=use_fast)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, use_fast=use_fast)
     if not getattr(tokenizer, "chat_template", None):
-        from servelm.model.gguf import GGUFFile
+        from servelm.model.gguf.gguf_file import GGUFFile
         template = GGUFFile.open(gguf_path).chat_template
         if template:
             tokenizer.chat_template = template

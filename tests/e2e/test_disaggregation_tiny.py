@@ -148,7 +148,7 @@ def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_referenc
     model = make_quant_hf_model("qwen2")
     reference = reference_model(model, write_gptq(tmp_path, model, 4, 32, sym=False, desc_act=True))
     if dtype == "auto":
-        from servelm.model.layers.gguf_kernel import load_kernel
+        from servelm.model.gguf.gguf_kernel import load_kernel
         if load_kernel() is None:
             pytest.skip("no GGUF block kernel on this machine")
         engine = make_engine(tmp_path, dtype=dtype)

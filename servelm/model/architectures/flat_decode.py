@@ -39,7 +39,7 @@ from servelm.model.attention import paged_decode
 from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
 from servelm.model.layers.f32_rows import MAX_ROWS as F32_DENSE_ROWS
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod, PreparedCall, decode_rows
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod, PreparedCall, decode_rows
 from servelm.model.layers.linear import UnquantizedLinearMethod, dense_linear
 
 if TYPE_CHECKING:

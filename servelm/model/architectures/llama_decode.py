@@ -23,7 +23,7 @@ import torch
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
-from servelm.model.layers.gguf_linear import decode_takes_bias
+from servelm.model.gguf.gguf_linear import decode_takes_bias
 
 from servelm.model.architectures.common import GatedMLP
 

@@ -22,7 +22,7 @@ Invariants:
   ``experts_int8``'s int8 weights) replaces the stacked weights through
   ``split_experts``: each expert gets its own two linear layers (children ``"0"``, ``"1"``, ...,
   so their checkpoint names are the per-expert ones), whose weights a LinearMethod then replaces
-  (servelm/model/gguf_weights.py), and ``drop_stacked`` frees the stacks. The routing, grouping and
+  (servelm/model/gguf/gguf_weights.py), and ``drop_stacked`` frees the stacks. The routing, grouping and
   combining are the same for both.
 """
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext, Shard
 from servelm.model.layers.activation import ActAndMul
-from servelm.model.layers.gguf_routes import GENERATION_ONLY, PassRows
+from servelm.model.gguf.gguf_routes import GENERATION_ONLY, PassRows
 from servelm.model.layers.linear import LinearBase, dense_linear
 
 _CHECKPOINT_SHARDS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from servelm.distributed.parallel import ParallelContext, even_split
-from servelm.model.layers.gguf_routes import PassRows
+from servelm.model.gguf.gguf_routes import PassRows
 from servelm.model.layers.moe import FusedMoE, Routing
 
 

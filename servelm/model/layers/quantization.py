@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "gguf_a8", "w8a8_int8", "int8wo", *(f"int4wo-{group}" for group in INT4_GROUP_SIZES),
                         "experts_int8")
 """Every ``--quantization`` value (ModelConfig's choices list the same names). ``auto`` and ``gguf``
-are resolved before ``quantize_model`` (servelm/model/gguf_weights.py)."""
+are resolved before ``quantize_model`` (servelm/model/gguf/gguf_weights.py)."""
 
 EMBEDDING_MODES = ("none", "int8", *(f"int4-{group}" for group in INT4_GROUP_SIZES))
 """How ``quantize_model`` may store an embedding: float, int8 rows, or int4 rows of a group size."""

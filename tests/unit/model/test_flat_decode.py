@@ -20,9 +20,9 @@ from servelm.model.architectures.llama_decode import LlamaDecodePlan
 from servelm.model.eagle import HiddenCapture, eagle3_layer_ids
 from servelm.model.forward_batch import BatchPlan
 from servelm.model.layers import fused
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 from servelm.model.layers.linear import LinearBase
 from tests.tiny_models import make_tiny_hf_model
 from tests.unit.model.conftest import POOL_TOKENS, BLOCK_SIZE, BlockAllocator, make_runner, make_source, prompts_for

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from servelm.model.gguf import GGUFError, GGUFFile, gguf_to_hf_name, llama_permute, reverse_llama_permute
+from servelm.model.gguf.gguf_file import GGUFError, GGUFFile, gguf_to_hf_name, llama_permute, reverse_llama_permute
 
 
 def test_name_mapping() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.model.layers import gguf_blocks, gguf_kernel
-from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
+from servelm.model.gguf import gguf_blocks, gguf_kernel
+from servelm.model.gguf.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
 from tests.unit.model.test_gguf_blocks import random_raw
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -295,10 +295,10 @@ def test_the_build_follows_the_cpu_flags(avx2: object) -> None:
 
 # -- dispatch: the engine on a tiny quantized GGUF with the CPU's flags hidden or not -----------------
 
-KERNEL_MODULES = ("servelm.model.layers.gguf_kernel", "servelm.model.attention.paged_decode",
+KERNEL_MODULES = ("servelm.model.gguf.gguf_kernel", "servelm.model.attention.paged_decode",
                   "servelm.model.attention.prefill_attention", "servelm.model.layers.fused",
-                  "servelm.model.layers.lm_head_screen", "servelm.model.layers.gguf_rows",
-                  "servelm.model.layers.gguf_i8gemm")
+                  "servelm.model.gguf.lm_head_screen", "servelm.model.gguf.gguf_rows",
+                  "servelm.model.gguf.gguf_i8gemm")
 
 
 def packed_layers(model: torch.nn.Module) -> dict[str, tuple[str, int, bool]]:
@@ -342,7 +342,7 @@ def test_no_x86_features_compiles_nothing_x86_and_serves(tmp_path: Path, monkeyp
     import importlib
 
     from servelm.distributed.parallel import ParallelContext
-    from servelm.model.gguf_weights import resolve_quantization
+    from servelm.model.gguf.gguf_weights import resolve_quantization
     from tests.unit.model.test_gguf_blocks import write_quantized_llama
 
     path = tmp_path / "tiny-q.gguf"

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason=f"no GGUF kernel: {kernel_status()}")
 

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.gguf import GGUFFile, llama_permute
-from servelm.model.gguf_weights import apply_gguf_blocks, gguf_model_dtype, load_gguf_model, resolve_quantization
-from servelm.model.layers import gguf_blocks
-from servelm.model.layers.gguf_blocks import REPACKABLE, BlockWeight, concat_rows, repack
-from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_file import GGUFFile, llama_permute
+from servelm.model.gguf.gguf_weights import apply_gguf_blocks, gguf_model_dtype, load_gguf_model, resolve_quantization
+from servelm.model.gguf import gguf_blocks
+from servelm.model.gguf.gguf_blocks import REPACKABLE, BlockWeight, concat_rows, repack
+from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
+from servelm.model.gguf.gguf_linear import BF16_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
 from servelm.model.loader import load_model
 
 _HEADER_F16 = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
@@ -78,7 +78,7 @@ def test_own_decoding_is_the_gguf_packages(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q6_K"])
 def test_repack_in_row_chunks_is_the_same(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Repacking a few rows at a time (to bound start-up memory) gives the whole-tensor result."""
-    from servelm.model.layers import gguf_blocks
+    from servelm.model.gguf import gguf_blocks
     raw = random_raw(kind, 10, 512)
     whole = repack(raw, (10, 512), kind)
     monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 3)
@@ -147,10 +147,10 @@ def test_dequantized_path_equals_dense_linear(dtype: torch.dtype) -> None:
 
 def test_resolve_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
     single, cpu = ParallelContext.single(), torch.device("cpu")
-    monkeypatch.setattr("servelm.model.gguf_weights.load_kernel", lambda: None)  # no kernel here
+    monkeypatch.setattr("servelm.model.gguf.gguf_weights.load_kernel", lambda: None)  # no kernel here
     mode, reason = resolve_quantization("auto", "/m.gguf", single, cpu, False)
     assert mode == "none" and "kernel is unavailable" in reason   # per-call dequantizing is slower
-    monkeypatch.setattr("servelm.model.gguf_weights.load_kernel", lambda: object())
+    monkeypatch.setattr("servelm.model.gguf.gguf_weights.load_kernel", lambda: object())
     assert resolve_quantization("auto", "/m.gguf", single, cpu, False)[0] == "gguf"
     assert resolve_quantization("auto", None, single, cpu, False)[0] == "none"
     assert resolve_quantization("auto", "/m.gguf", single, cpu, True)[0] == "none"
@@ -313,7 +313,7 @@ def test_apply_after_a_float_load_checks_each_block(tmp_path: Path) -> None:
 
 def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AVX512-VNNI gets no kernel, with the reason (CI without a compiler likewise)."""
-    from servelm.model.layers import gguf_kernel
+    from servelm.model.gguf import gguf_kernel
     monkeypatch.setattr(gguf_kernel.KERNEL, "cpu_flags", lambda: {"avx512f", "avx2"})
     module, reason = gguf_kernel.KERNEL.build()
     assert module is None and reason == "this CPU lacks avx512bw, avx512vl, avx512_vnni"
@@ -321,7 +321,7 @@ def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_tiny_gguf_without_kernel_is_the_dequantized_model(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from servelm.model import gguf_weights
+    from servelm.model.gguf import gguf_weights
     monkeypatch.setattr(gguf_weights, "load_kernel", lambda: None)
     monkeypatch.setattr(gguf_weights, "cpu_bf16_feature", lambda: None)   # dequantize to float32
     path = tmp_path / "tiny-q.gguf"
@@ -340,7 +340,7 @@ def test_tiny_gguf_without_kernel_is_the_dequantized_model(tmp_path: Path,
 def test_k_quant_factors_rebuild_the_scales(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A K-quant's scales (offsets) are its sub-scales times d (-dmin) per 256 inputs, bit for bit, also
     when repacked in chunks of rows and after rows are taken; the other types carry none."""
-    from servelm.model.layers import gguf_blocks
+    from servelm.model.gguf import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "REPACK_ROWS", 3)
     rows, cols = 7, 512

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from servelm.model.layers import gguf_i8gemm, gguf_rows
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import load_kernel as load_vnni_kernel
-from servelm.model.layers.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
-from servelm.model.layers.gguf_routes import PassRows
+from servelm.model.gguf import gguf_i8gemm, gguf_rows
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_kernel import load_kernel as load_vnni_kernel
+from servelm.model.gguf.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_routes import PassRows
 from servelm.model.layers.linear import dense_linear
 from tests.tiny_models import random_block_weight as block_weight
 

@@ -2,7 +2,7 @@
 GGUF blocks (bf16 where the CPU has AVX512-BF16, and ``--dtype float32``), greedy streams' logprobs
 bit for bit equal alone and with a 70-token prompt prefilled in one of their steps (a mixed pass: the
 chunk's rows take the int8 GEMM and the KV projections' dense copy; with 16 streams the LM head's 17
-rows are above the VNNI kernel's; the forward batch's ``rows``, layers/gguf_routes.py)."""
+rows are above the VNNI kernel's; the forward batch's ``rows``, gguf/gguf_routes.py)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from servelm.model.gguf import GGUFFile, llama_permute
+from servelm.model.gguf.gguf_file import GGUFFile, llama_permute
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.moe import FusedMoE
 from tests.prequantized_checkpoints import make_quant_hf_model
@@ -318,7 +318,7 @@ def test_moe_gguf_experts_run_in_their_blocks(arch: str, moe_ggufs: Callable[[st
 def test_other_moe_ggufs_are_refused_by_name(tmp_path: Path) -> None:
     import gguf
 
-    from servelm.model.gguf import GGUFError
+    from servelm.model.gguf.gguf_file import GGUFError
     path = tmp_path / "llama4.gguf"
     writer = gguf.GGUFWriter(str(path), "llama4")
     writer.add_expert_count(8)
@@ -435,7 +435,7 @@ def test_a_tensor_parallel_rank_narrows_its_experts_blocks_or_dequantizes(block:
     those rows, down's to those inputs, codes and scales as they are; a down whose blocks (64
     inputs) the shard would cut leaves the layer's blocks out (it loads dequantized)."""
     from servelm.distributed.parallel import ParallelContext
-    from servelm.model.gguf_weights import split_block_experts
+    from servelm.model.gguf.gguf_weights import split_block_experts
     from tests.tiny_models import random_block_weight
 
     moe = FusedMoE(2, 64, 64, "silu", parallel=ParallelContext(tp_rank=1, tp_size=2, group=object()))

@@ -1,4 +1,4 @@
-"""GGUF routes as data (layers/gguf_routes.py, model/routes.py): every candidate route agrees with the
+"""GGUF routes as data (gguf/gguf_routes.py, model/routes.py): every candidate route agrees with the
 others, the quality rules hold whatever the ranking, the route table is measured once per key.
 
 This CPU may have none of the C++ kernels, so the kernels here are torch implementations with the
@@ -15,10 +15,10 @@ from torch import nn
 
 from servelm.model import routes as route_table
 from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
-from servelm.model.layers import gguf_i8gemm
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
-from servelm.model.layers.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
+from servelm.model.gguf import gguf_i8gemm
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
                                               Route, complete)
 
 

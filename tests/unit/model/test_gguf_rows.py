@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelm.model.layers import gguf_rows
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers.gguf_kernel import load_kernel
-from servelm.model.layers.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, decode_rows
-from servelm.model.layers.gguf_routes import ROWS_KERNEL_LAST_ROW
+from servelm.model.gguf import gguf_rows
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_kernel import load_kernel
+from servelm.model.gguf.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, decode_rows
+from servelm.model.gguf.gguf_routes import ROWS_KERNEL_LAST_ROW
 
 ROWS_KERNEL_ROWS = {"layers": (1, ROWS_KERNEL_LAST_ROW), "head": (1, None)}
 """The default routes' rows kernel spans (gguf_routes.default_ranking)."""

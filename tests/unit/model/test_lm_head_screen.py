@@ -1,4 +1,4 @@
-"""The greedy LM-head screen (servelm/model/layers/lm_head_screen.py) is exact.
+"""The greedy LM-head screen (servelm/model/gguf/lm_head_screen.py) is exact.
 
 Kernel level, on random Q8_0 heads: the bound holds for every row and vector (random and
 adversarial ones, whose signs follow the screen's rounding error); a row's exact logit is
@@ -21,15 +21,15 @@ from servelm.config import EngineConfig
 from servelm.distributed.parallel import ParallelContext
 from servelm.engine.engine import LLMEngine
 from servelm.model.layers.embedding import LMHead
-from servelm.model.layers.gguf_blocks import BlockWeight
-from servelm.model.layers import gguf_kernel
-from servelm.model.layers.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf import gguf_kernel
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 from servelm.engine.executor import argmax_rows
 from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
-from servelm.model.layers import lm_head_screen
-from servelm.model.layers.lm_head_screen import WINDOW_ROWS, LMHeadScreen, build_screen, screen_build_for
+from servelm.model.gguf import lm_head_screen
+from servelm.model.gguf.lm_head_screen import WINDOW_ROWS, LMHeadScreen, build_screen, screen_build_for
 from servelm.sampling.params import SamplingParams
 
 BUILDS = [pytest.param((block, screen), id=screen.name) for block, screen in

@@ -213,7 +213,8 @@ def test_the_flat_decode_path_takes_the_avx2_build(forced_avx2: CountingBuild,
     """A bf16 tiny Qwen2 on block weights through the flat decode plan: its attention is the AVX2
     build's, bit-identical to the module path's (which takes the same build)."""
     from servelm.model.architectures.llama_decode import LlamaDecodePlan
-    from servelm.model.layers import fused, gguf_kernel
+    from servelm.model.layers import fused
+    from servelm.model.gguf import gguf_kernel
     from tests.tiny_models import make_tiny_hf_model
     from tests.unit.model.test_flat_decode import check_flat_against_modules, decode_logits
 

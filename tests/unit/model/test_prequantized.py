@@ -259,7 +259,7 @@ def test_gptq_codes_run_on_the_block_routes(tmp_path: Path, desc_act: bool, shar
     the GGUF block kernel runs them; the logits stay within its 16-bit activation rounding of the
     float32 reference. desc_act: the inputs sorted by group (a permuted input); a fused layer whose
     shards have different orders keeps its float weight."""
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from servelm.model.prequantized import PermutedInputMethod
     if load_kernel() is None:
         pytest.skip("no GGUF block kernel on this machine")
@@ -422,7 +422,7 @@ def test_bitsandbytes_int8_codes_run_on_the_block_routes(tmp_path: Path) -> None
     for the GGUF block kernel; the logits stay within its 16-bit activation rounding."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("accelerate")
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from tests.prequantized_checkpoints import bitsandbytes_reference, write_bitsandbytes
     if load_kernel() is None:
         pytest.skip("no GGUF block kernel on this machine")

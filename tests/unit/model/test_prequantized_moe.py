@@ -132,7 +132,7 @@ def test_experts_run_at_their_own_precision_on_the_block_routes(checkpoints: Any
     """--dtype auto: every expert's gate_up and down are block linears of the checkpoint's codes (the
     stacks dropped); logits within the block routes' activation rounding of the reference's, greedy
     tokens equal. desc_act: each expert's inputs sorted by group (a permuted input)."""
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from servelm.model.prequantized import PermutedInputMethod
     if load_kernel() is None:
         pytest.skip("no GGUF block kernel on this machine")
@@ -262,7 +262,7 @@ def test_expert_parallel_ranks_serve_their_whole_experts_in_their_blocks(checkpo
     their block weights (half the one-process experts' bytes, the checkpoint's precision, no float
     stack); logits on both ranks equal one process's (block routes too) within SAME_ROUTES, and
     greedy tokens equal; both within the routes' activation rounding of the reference."""
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from tests.unit.distributed.test_parallel import run_ranks
 
     if load_kernel() is None:
@@ -306,7 +306,7 @@ def test_expert_parallel_block_experts_of_every_format(checkpoints: Any, arch: s
     sequences. Logits within the routes' activation rounding of the reference, greedy tokens
     equal; where only the experts are quantized, logits equal one process's within SAME_ROUTES
     (each expert computes the same rows as there, on the same routes)."""
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from servelm.model.prequantized import PermutedInputMethod
     from tests.unit.distributed.test_parallel import run_ranks
 
@@ -361,7 +361,7 @@ def test_an_expert_group_rank_keeps_its_own_experts_columns_in_whole_groups(rank
     """--tp-size 4 --ep-size 2: rank 3 holds experts 2 and 3, columns 32..64 (rank 0: experts 0 and
     1, columns 0..32): its expert linears are named by those checkpoint ids and hold exactly those
     experts' gate/up rows and down inputs (whole groups of 32), whatever the other group's weights."""
-    from servelm.model.gguf_weights import split_block_experts
+    from servelm.model.gguf.gguf_weights import split_block_experts
     from tests.tiny_models import random_block_weight
 
     shapes = {"gate_proj": (64, 64), "up_proj": (64, 64), "down_proj": (64, 64)}
@@ -413,7 +413,7 @@ def test_expert_group_smaller_than_tensor_parallel_serves_columns_in_blocks(chec
     """--tp-size 4 --ep-size 2, --dtype auto, GPTQ (group 32) experts only, expert FFN 128: each rank
     serves its group's 2 experts' 64 intermediate columns (two whole groups) on the block routes;
     logits equal one process's within SAME_ROUTES, greedy tokens equal."""
-    from servelm.model.layers.gguf_kernel import load_kernel
+    from servelm.model.gguf.gguf_kernel import load_kernel
     from tests.unit.distributed.test_parallel import run_ranks
 
     if load_kernel() is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.model.gguf import GGUFFile
+from servelm.model.gguf.gguf_file import GGUFFile
 from servelm.model.packaged import PackagedModelError, packaged_model_path
 from servelm.parsers.tool_calls import parse_tool_calls
 from servelm.parsers.tool_templates import (choose_tool_parser, declares_tools, template_text,

@@ -4,7 +4,7 @@
 layers, LM head and embedding keep the file's quantized blocks (``gguf``) or are dequantized to the
 model dtype (``none``, the old path, which ``--quantization none`` forces). ``apply_gguf_blocks``
 then replaces the loaded float weights by the lossless int8-code repack of each GGUF tensor
-(servelm/model/layers/gguf_blocks.py) run by ``GGUFBlockLinearMethod`` (gguf_linear.py).
+(servelm/model/gguf/gguf_blocks.py) run by ``GGUFBlockLinearMethod`` (gguf_linear.py).
 
 ``load_gguf_model`` builds the model with uninitialised parameters, puts the blocks in place of its
 linear, head and embedding weights first and only then loads the rest (norms, biases, tensors
@@ -39,14 +39,14 @@ import torch
 from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
-from servelm.model.gguf import (GGUFFile, expert_tensor_names, gguf_to_hf_name, is_expert_stack, is_kv_b_half,
+from servelm.model.gguf.gguf_file import (GGUFFile, expert_tensor_names, gguf_to_hf_name, is_expert_stack, is_kv_b_half,
                                 reverse_llama_permute)
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
-from servelm.model.layers.gguf_blocks import BlockWeight, concat_rows, repack
-from servelm.model.layers.gguf_kernel import kernel_status, load_kernel
-from servelm.model.layers import gguf_i8gemm, gguf_rows
-from servelm.model.layers.gguf_linear import BlockRows, GGUFBlockLinearMethod
-from servelm.model.layers.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
+from servelm.model.gguf.gguf_blocks import BlockWeight, concat_rows, repack
+from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
+from servelm.model.gguf import gguf_i8gemm, gguf_rows
+from servelm.model.gguf.gguf_linear import BlockRows, GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.moe import FusedMoE
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype

@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.layers.gguf_routes import Route
-from servelm.model.layers.gguf_blocks import BlockWeight, compact_values
-from servelm.model.layers.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
+from servelm.model.gguf.gguf_routes import Route
+from servelm.model.gguf.gguf_blocks import BlockWeight, compact_values
+from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.layers.gguf_blocks import tile_outputs
+from servelm.model.gguf.gguf_blocks import tile_outputs
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))

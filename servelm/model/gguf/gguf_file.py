@@ -455,7 +455,7 @@ class GGUFFile:
         """One tensor as float32 [*shape], copied out of the memory map."""
         from gguf import GGMLQuantizationType
 
-        from servelm.model.layers.gguf_blocks import dequantize_raw
+        from servelm.model.gguf.gguf_blocks import dequantize_raw
         raw = self._blob[info.offset:info.offset + info.num_bytes]
         ggml_type = GGMLQuantizationType(info.ggml_type)
         if ggml_type in _PLAIN_DTYPES:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.layers.gguf_blocks import BlockWeight, tile_outputs
+from servelm.model.gguf.gguf_blocks import BlockWeight, tile_outputs
 
 KERNEL = CppKernel.beside(__file__, "gguf_i8gemm.cpp", "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
