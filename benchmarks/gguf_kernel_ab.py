@@ -32,10 +32,19 @@ SHAPES = [(640, 1536), (1024, 640), (896, 9728), (4864, 896), (640, 32768)]
 """(K, N): Gemma qkv and o, Qwen gate_up and down, a 32k-row slice of an LM head."""
 
 
+SOURCE_PATHS = ("servelm/model/gguf/gguf_kernel.cpp", "servelm/model/layers/gguf_kernel.cpp")
+"""Where the kernel's source is in a revision: since the GGUF package, and before it."""
+
+
 def build_ref(ref: str, build_dir: Path) -> object:
     from torch.utils import cpp_extension
-    source = subprocess.run(["git", "show", f"{ref}:servelm/model/gguf/gguf_kernel.cpp"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
+    for source_path in SOURCE_PATHS:
+        shown = subprocess.run(["git", "show", f"{ref}:{source_path}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            source = shown.stdout
+            break
+    else:
+        raise SystemExit(f"{ref} has the kernel at none of {', '.join(SOURCE_PATHS)}")
     path = build_dir / "gguf_kernel_ref.cpp"
     path.write_text(source)
     return cpp_extension.load(name="servelm_gguf_kernel_ref", sources=[str(path)], extra_cflags=COMPILE_FLAGS,
