@@ -16,7 +16,7 @@
 // An accumulator block holds up to kRows rows x 32 outputs: int32 block sums plus float32 results.
 // Each row's arithmetic does not depend on the other rows or the row count.
 //
-// Compiled at run time by servelm/model/layers/gguf_i8gemm.py with -mavx512{f,bw,vl,vnni} only (no
+// Compiled at run time by servelm/model/gguf/gguf_i8gemm.py with -mavx512{f,bw,vl,vnni} only (no
 // AVX512-BF16: it runs on Intel CPUs without it); the Python side checks those CPU flags first.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

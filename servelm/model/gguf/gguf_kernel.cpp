@@ -10,7 +10,7 @@
 // the default) -- both on AVX512-VNNI (vpdpbusd: unsigned x signed bytes) -- and unrounded float
 // (block_linear_float, the exactness reference). Offsets multiply the float sum of x over their block.
 //
-// Compiled at run time by servelm/model/layers/gguf_kernel.py with -mavx512{f,bw,vl,vnni}; the
+// Compiled at run time by servelm/model/gguf/gguf_kernel.py with -mavx512{f,bw,vl,vnni}; the
 // Python side checks those CPU flags before it loads this file.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -16,7 +16,7 @@
 // overflow for the 16-bit format's low byte (2 * 255 * 128 > 32767) on Q8_0's codes. The int32 sums
 // of a block are then scaled in float32 (weight scale x activation scale), as the VNNI kernel does.
 //
-// Compiled by servelm/model/layers/gguf_kernel.py with -mavx2 -mfma -mf16c where /proc/cpuinfo has
+// Compiled by servelm/model/gguf/gguf_kernel.py with -mavx2 -mfma -mf16c where /proc/cpuinfo has
 // them; gguf_kernel.load_kernel picks the AVX-512 build where the CPU has AVX512-VNNI.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

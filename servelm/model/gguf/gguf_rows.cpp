@@ -17,7 +17,7 @@
 // x is rearranged into the same element order once per call (``permute_rows``).
 //
 // Offsets (Q4_1, Q5_1, Q4_K, Q5_K) add offset x (float sum of x over the block), in float32.
-// Compiled at run time by servelm/model/layers/gguf_rows.py with -mavx512{f,bw,vl,bf16}; the Python
+// Compiled at run time by servelm/model/gguf/gguf_rows.py with -mavx512{f,bw,vl,bf16}; the Python
 // side checks the CPU flags (avx512_bf16 included) before it loads this file.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

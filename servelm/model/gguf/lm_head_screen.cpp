@@ -1,4 +1,4 @@
-// Greedy LM-head screen (servelm/model/layers/lm_head_screen.py): approximate logits of every
+// Greedy LM-head screen (servelm/model/gguf/lm_head_screen.py): approximate logits of every
 // vocabulary row from the top 5 bits of its Q8_0 codes, with a rigorous per-row error bound, for
 // many activation rows at once.
 //
