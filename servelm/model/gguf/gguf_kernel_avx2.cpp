@@ -556,9 +556,9 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   }
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
-    // this worker's widened scale and offset rows (kOneRowWeights of each for the one-row pass)
+    // this worker's widened scale rows (kOneRowWeights for the one-row pass) and offset row (one at a time)
     float* scale_rows = scratch<float>(3, kOneRowWeights * nb);
-    float* offset_rows = scratch<float>(4, kOneRowWeights * nb);
+    float* offset_rows = scratch<float>(4, nb);
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);
       // packed codes read by more than one row tile: unpacked once into int8 bytes (L1), not per tile
@@ -576,7 +576,9 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
           }
         };
         if constexpr (kIntActivations) {
-          if (tile == 1 && unpacked == nullptr) {   // one row: up to kOneRowWeights weight rows per pass
+          // one row (the last tile, read from the codes as stored: has_one_row_pass's condition, whose
+          // xs_blocks and correction it reads): up to kOneRowWeights weight rows per pass
+          if (tile == 1 && has_one_row_pass) {
             auto pass = [&](auto width, int64_t j) {
               constexpr int kWeights = decltype(width)::value;
               weight_scales.prefetch_rows(j + kScaleAheadRows, j + kScaleAheadRows + kWeights, n);
