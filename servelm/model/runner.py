@@ -42,7 +42,7 @@ from servelm.model.dp_attention import AttentionRanks, rank_share, run_idle_expe
 from servelm.model.expert_load import build_expert_load
 from servelm.model.forward_batch import BatchPlan, ForwardBatch
 from servelm.model.gguf.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, load_gguf_model,
-                                        has_routed_experts, resolve_quantization)
+                                             has_routed_experts, resolve_quantization)
 from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
 from servelm.model.gguf.lm_head_screen import screen_logits_or_none, setup_screen

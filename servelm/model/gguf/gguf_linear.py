@@ -48,8 +48,8 @@ from torch import nn
 from servelm.model.gguf import gguf_i8gemm
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONLY, I8_GEMM_FIRST_ROW,
-                                              I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
-                                              LinearShape, PassRows, Ranking, Route, default_ranking)
+                                            I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
+                                            LinearShape, PassRows, Ranking, Route, default_ranking)
 from servelm.model.gguf.gguf_rows import pack
 from servelm.model.layers.linear import dense_linear
 

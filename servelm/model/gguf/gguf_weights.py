@@ -40,7 +40,7 @@ from torch import nn
 
 from servelm.distributed.parallel import ParallelContext
 from servelm.model.gguf.gguf_file import (GGUFFile, expert_tensor_names, gguf_to_hf_name, is_expert_stack, is_kv_b_half,
-                                reverse_llama_permute)
+                                          reverse_llama_permute)
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.gguf.gguf_blocks import BlockWeight, concat_rows, repack
 from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel

@@ -19,7 +19,7 @@ from servelm.model.gguf import gguf_i8gemm
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 from servelm.model.gguf.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
-                                              Route, complete)
+                                            Route, complete)
 
 
 def _unpack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
