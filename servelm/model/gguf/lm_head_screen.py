@@ -39,6 +39,7 @@ takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -96,19 +97,18 @@ class ScreenStats:
     """Argmax rows screened."""
     fallbacks: int = 0
     """Of those, rows whose candidates exceeded max_candidates (full head)."""
-    candidates: list[int] = field(default_factory=list)
-    """Candidate-set size per screened row (the last 100,000)."""
+    candidates: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
+    """Candidate-set size per screened row (the last 100,000; a deque: trimming a full list by one
+    entry per step moved its 100,000 entries, ~0.1 ms a step)."""
 
-    recent_fallbacks: list[bool] = field(default_factory=list)
+    recent_fallbacks: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW_ROWS))
     """Whether each of the last WINDOW_ROWS rows took the full head."""
 
     def record(self, counts: list[int], fallbacks: list[bool]) -> None:
         self.rows += len(counts)
         self.fallbacks += sum(fallbacks)
         self.candidates.extend(counts)
-        del self.candidates[:-100_000]
         self.recent_fallbacks.extend(fallbacks)
-        del self.recent_fallbacks[:-WINDOW_ROWS]
 
     @property
     def is_paying(self) -> bool:
@@ -178,13 +178,15 @@ class LMHeadScreen:
         screened_set = set(argmax_rows)
         screened = sorted(screened_set)
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
-        x = hidden[screened].float().contiguous()
+        # every row (one decode row): hidden itself where it is already the kernel's float32 rows
+        x = hidden if len(screened) == n and hidden.dtype == torch.float32 and hidden.is_contiguous() \
+            else hidden[screened].float().contiguous()
         counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
             x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
-        finite: list[bool] = torch.isfinite(x).all(dim=1).tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
-        fallbacks = [count > self.max_candidates or count == 0 or not ok for count, ok in zip(counts, finite)]
+        # no candidates: a row with a value that is not finite (the kernel's count 0)
+        fallbacks = [count > self.max_candidates or count == 0 for count in counts]
         for position, row in enumerate(screened):
             if not fallbacks[position]:
                 candidates = row_candidates[position]
