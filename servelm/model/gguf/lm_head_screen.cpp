@@ -236,6 +236,11 @@ inline void store_valid(float* p, Vec v, int valid) {
 }
 
 inline float max_valid(Vec v, int valid) {
+  if (valid == kTile) {   // every tile but the last: a tree of maxima (max is exact: any order, the same value)
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+  }
   alignas(32) float lanes[kTile];
   _mm256_store_ps(lanes, v);
   float best = lanes[0];
