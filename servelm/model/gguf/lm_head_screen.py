@@ -255,12 +255,15 @@ inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``MAX_SCREEN_ROWS``) caps the step's logits rows as well, and the head's route for them must be a row-by-row kernel."""
 
-MAX_SCREEN_ROWS_AVX2 = 2
+MAX_SCREEN_ROWS_AVX2 = 3
 """``MAX_SCREEN_ROWS`` of the AVX2 build (no VNNI: two vpmaddubsw per 4 inputs and row against the
-int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3, 1 thread,
-thread clock, a random 151,936 x 896 Q8_0 head (benchmarks/RESULTS.md "The exact greedy LM-head
-screen, AVX2 build"): screen 10.4 / 16.5 / 25.7 / 29.5 ms at 1 / 2 / 3 / 4 rows, full head 16.2 /
-19.4 / 23.3 / 28.6."""
+int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3 VM, 1 thread,
+thread clock, load ~5 (shared machine), qwen2.5-coder-0.5b's real Q8_0 head (151,936 x 896) on real
+decode hidden states, ``logits`` (the candidates pass and the exact rescoring) against the full
+head's int16 kernel, interleaved, medians of 15: 11.9 / 16.6 / 23.9 / 30.9 ms at 1 / 2 / 3 / 4 rows
+against 24.1 / 19.2 / 26.6 / 32.5 (an earlier run of 9: 12.2 / 15.4 / 21.4 / 29.2 against 25.9 /
+17.6 / 25.5 / 30.5). Four rows gain ~5%, within what a quiet two-thread run could reverse: three.
+(Session 19, a random head, no rescoring: 10.4 / 16.5 / 25.7 / 29.5 against 16.2 / 19.4 / 23.3 / 28.6.)"""
 
 MAX_SCREEN_ROWS_GEMM = 4
 """The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a

@@ -398,7 +398,7 @@ def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, a
     try:
         screen = spec.runner.lm_head_screen
         assert screen is not None
-        screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 2 rows
+        screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 3 rows
         text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
