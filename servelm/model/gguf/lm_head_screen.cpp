@@ -103,16 +103,20 @@ struct Activations {
   std::vector<float> dx8;             // 8 dx per block: the scale of u . q
   std::vector<float> offset_terms;    // dx_b * Q_b per block: c' = 8 u - 124.5 subtracts 124.5 of it
   std::vector<float> abs_terms;       // dx_b * A_b per block
+  std::vector<uint8_t> is_finite;     // per row: every value finite (else its bounds mean nothing)
   int64_t k, nb;
 
   Activations(const float* x, int64_t rows, int64_t k_)
       : high(rows * k_), low(rows * k_), dx8(rows * (k_ / kBlock)), offset_terms(rows * (k_ / kBlock)),
-        abs_terms(rows * (k_ / kBlock)), k(k_), nb(k_ / kBlock) {
+        abs_terms(rows * (k_ / kBlock)), is_finite(rows, 1), k(k_), nb(k_ / kBlock) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + r * k + b * kBlock;
         float amax = 0.f;
-        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        for (int i = 0; i < kBlock; ++i) {
+          amax = std::max(amax, std::fabs(xb[i]));
+          if (!std::isfinite(xb[i])) is_finite[r] = 0;
+        }
         const float d = amax / 32512.f;
         const float inv = d > 0.f ? 1.f / d : 0.f;
         int8_t* hb = high.data() + r * k + b * kBlock;
@@ -232,6 +236,11 @@ inline void store_valid(float* p, Vec v, int valid) {
 }
 
 inline float max_valid(Vec v, int valid) {
+  if (valid == kTile) {   // every tile but the last: a tree of maxima (max is exact: any order, the same value)
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+  }
   alignas(32) float lanes[kTile];
   _mm256_store_ps(lanes, v);
   float best = lanes[0];
@@ -448,6 +457,7 @@ std::vector<torch::Tensor> screen_logits(torch::Tensor x, torch::Tensor packed, 
 // The candidates of each row of x: the vocabulary rows whose upper bound S + e D reaches the
 // largest lower bound S - e D (e = code_error: 3.5 plus the rounding margin), ascending. Returns
 // [counts (int64 [M]), then per row its ids (int64), empty where the count exceeds max_candidates].
+// A row of x with a value that is not finite has no bound: count 0, no ids (the caller's full head).
 //
 // One pass, S and D never stored: each chunk of tiles keeps per row the largest lower bound so
 // far and the ids (with their upper bounds) that reach it; a row passed over there has an upper
@@ -522,6 +532,7 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
     for (const Chunk& chunk : chunks)
       for (size_t i = 0; i < chunk.ids[r].size(); ++i)
         if (chunk.upper[r][i] >= lower) ids.push_back(chunk.ids[r][i]);
+    if (!acts.is_finite[r]) ids.clear();
     const int64_t count = static_cast<int64_t>(ids.size());
     count_out[r] = count;
     auto row_ids = torch::empty({count > max_candidates ? 0 : count}, torch::kInt64);

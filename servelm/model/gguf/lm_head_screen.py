@@ -39,6 +39,7 @@ takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -83,9 +84,14 @@ full head, it turns itself off for good (logged): on a model whose hidden states
 too loose, the screen would only cost time (gemma3-270m: 3 of 256 real rows over the limit,
 qwen2.5-coder-0.5b 1 of 256)."""
 MAX_FALLBACK_SHARE = 0.25
-MAX_CANDIDATES = 4096
+MAX_CANDIDATES = 16384
 """Above this many candidates a row takes the full head: the gathered exact pass then costs a
-sizeable part of the full head (gemma3-270m: median ~60, p99 in the hundreds)."""
+sizeable part of the full head. qwen2.5-coder-0.5b's head (151,936 x 896), 1 thread, thread clock,
+loaded machine: the exact pass takes 1.7 / 3.2 / 6.2 ms for 4,096 / 8,192 / 16,384 candidates, the
+full head's int16 kernel 17-24 ms at one row; on 384 real decode hidden states the candidates are
+median 8, mean 113, p90 272, p99 ~1,700, max 4,339 (gemma3-270m: median ~60, p99 in the hundreds),
+so the limit of 4,096 sent ~1 row in 384 to the full head, as costly on average as all the others'
+rescoring (68 us a row)."""
 
 
 @dataclass
@@ -96,19 +102,18 @@ class ScreenStats:
     """Argmax rows screened."""
     fallbacks: int = 0
     """Of those, rows whose candidates exceeded max_candidates (full head)."""
-    candidates: list[int] = field(default_factory=list)
-    """Candidate-set size per screened row (the last 100,000)."""
+    candidates: deque[int] = field(default_factory=lambda: deque(maxlen=100_000))
+    """Candidate-set size per screened row (the last 100,000; a deque: trimming a full list by one
+    entry per step moved its 100,000 entries, ~0.1 ms a step)."""
 
-    recent_fallbacks: list[bool] = field(default_factory=list)
+    recent_fallbacks: deque[bool] = field(default_factory=lambda: deque(maxlen=WINDOW_ROWS))
     """Whether each of the last WINDOW_ROWS rows took the full head."""
 
     def record(self, counts: list[int], fallbacks: list[bool]) -> None:
         self.rows += len(counts)
         self.fallbacks += sum(fallbacks)
         self.candidates.extend(counts)
-        del self.candidates[:-100_000]
         self.recent_fallbacks.extend(fallbacks)
-        del self.recent_fallbacks[:-WINDOW_ROWS]
 
     @property
     def is_paying(self) -> bool:
@@ -178,13 +183,15 @@ class LMHeadScreen:
         screened_set = set(argmax_rows)
         screened = sorted(screened_set)
         assert screened and screened[-1] < n, "argmax rows index the logits rows"
-        x = hidden[screened].float().contiguous()
+        # every row (one decode row): hidden itself where it is already the kernel's float32 rows
+        x = hidden if len(screened) == n and hidden.dtype == torch.float32 and hidden.is_contiguous() \
+            else hidden[screened].float().contiguous()
         counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
             x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
-        finite: list[bool] = torch.isfinite(x).all(dim=1).tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
-        fallbacks = [count > self.max_candidates or count == 0 or not ok for count, ok in zip(counts, finite)]
+        # no candidates: a row with a value that is not finite (the kernel's count 0)
+        fallbacks = [count > self.max_candidates or count == 0 for count in counts]
         for position, row in enumerate(screened):
             if not fallbacks[position]:
                 candidates = row_candidates[position]
@@ -253,12 +260,15 @@ inputs, as many as the int16 kernel) at ~1.5 ms a row, and at 32 rows (53 ms) it
 dense bf16 GEMM the head runs above its kernel's 16 rows (41 ms). The head's own limit
 (``MAX_SCREEN_ROWS``) caps the step's logits rows as well, and the head's route for them must be a row-by-row kernel."""
 
-MAX_SCREEN_ROWS_AVX2 = 2
+MAX_SCREEN_ROWS_AVX2 = 3
 """``MAX_SCREEN_ROWS`` of the AVX2 build (no VNNI: two vpmaddubsw per 4 inputs and row against the
-int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3, 1 thread,
-thread clock, a random 151,936 x 896 Q8_0 head (benchmarks/RESULTS.md "The exact greedy LM-head
-screen, AVX2 build"): screen 10.4 / 16.5 / 25.7 / 29.5 ms at 1 / 2 / 3 / 4 rows, full head 16.2 /
-19.4 / 23.3 / 28.6."""
+int16 kernel's one vpmaddwd per 2, so more rows are bound by arithmetic sooner). Zen 3 VM, 1 thread,
+thread clock, load ~5 (shared machine), qwen2.5-coder-0.5b's real Q8_0 head (151,936 x 896) on real
+decode hidden states, ``logits`` (the candidates pass and the exact rescoring) against the full
+head's int16 kernel, interleaved, medians of 15: 11.9 / 16.6 / 23.9 / 30.9 ms at 1 / 2 / 3 / 4 rows
+against 24.1 / 19.2 / 26.6 / 32.5 (an earlier run of 9: 12.2 / 15.4 / 21.4 / 29.2 against 25.9 /
+17.6 / 25.5 / 30.5). Four rows gain ~5%, within what a quiet two-thread run could reverse: three.
+(Session 19, a random head, no rescoring: 10.4 / 16.5 / 25.7 / 29.5 against 16.2 / 19.4 / 23.3 / 28.6.)"""
 
 MAX_SCREEN_ROWS_GEMM = 4
 """The same limit for a head that runs the rows kernel's GEMM (gguf_rows.rows_gemm: a bf16 model, a

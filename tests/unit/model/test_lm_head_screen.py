@@ -148,6 +148,20 @@ def test_too_many_candidates_fall_back_to_the_full_head(kernels: Kernels) -> Non
     assert screen.stats.rows >= WINDOW_ROWS
 
 
+def test_a_row_that_is_not_finite_takes_the_full_head(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 1000, 128, seed=5)
+    screen = screen_for(kernels, weight)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(1))
+    x[1, 7], x[2, 100] = float("nan"), float("inf")
+    counts, *_ = kernels[1].screen_candidates(x, screen.packed, screen.tiled_scales, 1000, screen.code_error, 4096)
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == 0 and counts[3] > 0   # no bound, no candidates
+    logits = screen.logits(head, x, [0, 1, 2, 3])
+    full = head(x)
+    torch.testing.assert_close(logits[1:3], full[1:3], rtol=0, atol=0, equal_nan=True)   # the full head's rows
+    assert torch.equal(logits[[0, 3]].argmax(-1), full[[0, 3]].argmax(-1))
+    assert screen.stats.fallbacks == 2
+
+
 def test_rows_that_are_not_argmax_rows_get_the_full_head(kernels: Kernels) -> None:
     head, weight = q8_head(kernels, 1000, 128, seed=4)
     screen = screen_for(kernels, weight)
@@ -384,7 +398,7 @@ def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, a
     try:
         screen = spec.runner.lm_head_screen
         assert screen is not None
-        screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 2 rows
+        screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 3 rows
         text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
