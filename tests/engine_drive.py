@@ -57,6 +57,17 @@ def assert_greedy_parity(got: tuple[list[list[int]], list[torch.Tensor]],
         torch.testing.assert_close(got_values, expected_values, atol=atol, rtol=0)
 
 
+def start_ranks_ahead(config: EngineConfig) -> None:
+    """Start the rank processes an engine of ``config`` will use now, so that they import torch and
+    the runner (seconds) while the test runs its one-process reference on the other core; the
+    engine's executor gives them their jobs (servelm.workers.processes). The ``waiting_ranks_ended``
+    fixture kills any left unused."""
+    from servelm.engine.launch import num_rank_processes
+    from servelm.workers.processes import start_waiting_workers
+
+    start_waiting_workers(num_rank_processes(config), config.runtime.omp_wait_policy)
+
+
 PARITY_PROMPTS = ("The capital of France is", "def quicksort(items):")
 """The text prompts of the real-model parity tests of the parallel layouts (one shared reference)."""
 _REFERENCES: dict[tuple[Any, ...], tuple[list[list[int]], list[list[int]]]] = {}

@@ -59,7 +59,9 @@ class EngineLaunch:
                 launch._jobs.append(sender)
                 process = context.Process(
                     target=run_when_sent, args=(receiver, os.getpid(), ENGINE_ENTRY,
-                                                slices[index] if slices is not None else None),
+                                                slices[index] if slices is not None else None,
+                                                num_rank_processes(config),
+                                                config.runtime.omp_wait_policy),
                     name=f"servelm-engine-{index}" if num_replicas > 1 else "servelm-engine",
                     daemon=True)
                 launch.processes.append(process)
@@ -101,15 +103,30 @@ class EngineLaunch:
         self.close()
 
 
-def run_when_sent(jobs: Connection, parent_pid: int, entry: str, cpus: list[int] | None) -> None:
-    """An engine process: die with the front end, take its CPUs, import the engine, then run the
-    job it is sent; exit quietly when the front end closes the pipe without one."""
+def num_rank_processes(config: EngineConfig) -> int:
+    """The rank processes each engine process of ``config`` starts on this node (its ranks but rank
+    0, which it holds; none with Ray, which places them itself)."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
+        return 0
+    return parallel.ranks_per_node - 1 if parallel.distributed_executor_backend == "mp" else 0
+
+
+def run_when_sent(jobs: Connection, parent_pid: int, entry: str, cpus: list[int] | None,
+                  num_ranks: int = 0, omp_wait_policy: str = "default") -> None:
+    """An engine process: die with the front end, take its CPUs, import the engine, start its
+    ``num_ranks`` rank processes (they import theirs meanwhile: ``workers.processes``),
+    then run the job it is sent; exit quietly when the front end closes the pipe without one."""
     from servelm.distributed.lifetime import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's (it ends this process)
     die_with_parent(parent_pid)
     if cpus is not None:  # a data-parallel replica: its slice of the node (its TP ranks split it)
         os.sched_setaffinity(0, cpus)
+    if num_ranks > 0:   # first: a rank imports more than the engine does, and is waited for first
+        from servelm.workers.processes import start_waiting_workers
+
+        start_waiting_workers(num_ranks, omp_wait_policy)
     module, name = entry.split(":")
     run: Any = getattr(importlib.import_module(module), name)
     try:

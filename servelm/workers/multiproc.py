@@ -38,18 +38,15 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import zmq
 
-import servelm
 from servelm.config import EngineConfig, split_host_port
 from servelm.distributed.errors import RankFailedError
 from servelm.workers.messages import (
@@ -57,6 +54,7 @@ from servelm.workers.messages import (
     KVBlocksRead, KVCacheReady, KVHeads, ReadKVBlocks, RemoveLoRA, Reply, SetLoRA, Shutdown, WorkerFailed,
     WorkerHello, WorkerInit, WorkerLoaded, WriteKVBlocks)
 from servelm.distributed import shm_allreduce
+from servelm.workers.processes import end_waiting_workers, spawn_worker
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout, RemoteRanks, bind_host
 from servelm.distributed.parallel import ParallelContext, join_groups, rank_layout, ranks_sharing_memory
 from servelm.model.expert_load import ExpertLoad, ExpertLoadSnapshot, StagedExpertLoad
@@ -64,7 +62,7 @@ from servelm.model.forward_batch import BatchPlan
 from servelm.model.loader import resolve_device
 from servelm.model.pooling import PoolerConfig
 from servelm.model.runner import ModelRunner
-from servelm.model.threads import openmp_environment, place_rank_threads, rank_cpu_slices, rank_num_threads
+from servelm.model.threads import place_rank_threads, rank_cpu_slices, rank_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +79,6 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     return f"exited with code {returncode}"
-
-
-def spawn_worker(init: WorkerInit) -> subprocess.Popen[bytes]:
-    """Start one rank process (``servelm.workers.worker``) with ``init`` on its stdin."""
-    package_root = str(Path(servelm.__file__).resolve().parents[1])
-    env = dict(os.environ)
-    env.update(openmp_environment(init.config.runtime.omp_wait_policy))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    process = subprocess.Popen([sys.executable, "-m", "servelm.workers.worker"],
-                               stdin=subprocess.PIPE, env=env)
-    assert process.stdin is not None
-    process.stdin.write(pickle.dumps(init))
-    process.stdin.close()
-    return process
 
 
 class MultiprocExecutor:
@@ -163,6 +147,7 @@ class MultiprocExecutor:
                     reply_address=reply_address, cpus=cpus[rank], num_threads=threads[rank],
                     device=str(devices[rank]), parent_pid=os.getpid(),
                     shm_path=self._stage_shm_paths.get(rank_layout(rank, self.tp_size, self.pp_size)[1])))
+            end_waiting_workers()  # started for a layout this one did not need
             self._hellos = {reply.rank: reply for reply in self._wait(WorkerHello, "start")}
             place_rank_threads(0, cpus[0], threads[0])
             if devices[0].type == "cuda":

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from servelm.config import EngineConfig, split_host_port
 from servelm.workers.messages import PROTOCOL_VERSION, WorkerInit
-from servelm.workers.multiproc import describe_exit, spawn_worker
+from servelm.workers.multiproc import describe_exit
+from servelm.workers.processes import end_waiting_workers, spawn_worker, start_waiting_workers
 from servelm.workers.remote import LAYOUT_KEY, NodeLayout
 
 logger = logging.getLogger(__name__)
@@ -51,17 +52,16 @@ def run_node(config: EngineConfig) -> int:
     node = parallel.node_rank
     logger.info("node %d of %d: waiting up to %g s for node 0 at %s", node, parallel.nnodes,
                 parallel.dist_timeout, address)
+    # the rank processes import torch and the runner while node 0 starts, not after it published
+    # its layout; they exit quietly if this node ends before giving them their ranks
+    start_waiting_workers(parallel.ranks_per_node, config.runtime.omp_wait_policy)
     try:
-        deadline = time.monotonic() + parallel.dist_timeout
-        _wait_for_listener(host, port, deadline)
-        store = dist.TCPStore(host, port, None, False,  # type: ignore[attr-defined]
-                              timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        layout = NodeLayout.from_json(store.get(LAYOUT_KEY))
-    except RuntimeError as error:
-        raise NodeError(f"node {node}: node 0's rendezvous at {address} did not answer within "
-                        f"--dist-timeout {parallel.dist_timeout:g} s ({_first_line(error)})") from error
-    check_layout(layout, config)
-    workers = start_ranks(config, layout, host, port)
+        store, layout = _join_node_0(config)
+        check_layout(layout, config)
+        workers = start_ranks(config, layout, host, port)
+    except BaseException:
+        end_waiting_workers()
+        raise
     logger.info("node %d: ranks %s started (pids %s)", node, sorted(workers),
                 [process.pid for process in workers.values()])
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -76,6 +76,22 @@ def run_node(config: EngineConfig) -> int:
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+def _join_node_0(config: EngineConfig) -> tuple[Any, NodeLayout]:
+    """Node 0's rendezvous store and the layout it published there; NodeError after --dist-timeout."""
+    parallel = config.parallel
+    address = parallel.dist_init_addr or ""
+    host, port = split_host_port(address)
+    try:
+        deadline = time.monotonic() + parallel.dist_timeout
+        _wait_for_listener(host, port, deadline)
+        store = dist.TCPStore(host, port, None, False,  # type: ignore[attr-defined]
+                              timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        return store, NodeLayout.from_json(store.get(LAYOUT_KEY))
+    except RuntimeError as error:
+        raise NodeError(f"node {parallel.node_rank}: node 0's rendezvous at {address} did not answer "
+                        f"within --dist-timeout {parallel.dist_timeout:g} s ({_first_line(error)})") from error
 
 
 PROBE_INTERVAL_S = 0.2

@@ -1,8 +1,9 @@
 """A rank process (ranks 1..N-1 of tp x pp; rank 0 runs inside the engine process).
 
 ``python -m servelm.workers.worker`` with a pickled ``WorkerInit`` on stdin. It dies with the
-engine process, pins its threads, says hello (protocol version), joins the process group, loads its
-shard of the weights (a ``ModelRunner`` over its ``ParallelContext``), reports its KV capacity,
+engine process, imports what its job needs (``PRELOADED``: the job may come seconds later, see
+``workers.processes``), pins its threads, says hello (protocol version), joins the process group,
+loads its shard of the weights (a ``ModelRunner`` over its ``ParallelContext``), reports its KV capacity,
 allocates the pool the engine chose, then executes every step the engine sends, in order, until
 ``Shutdown``. It never sees a Request, only BatchPlans. Any error is reported as ``WorkerFailed``
 and ends the process: its peers' collectives then fail at once, and the engine reports it.
@@ -10,6 +11,8 @@ and ends the process: its peers' collectives then fail at once, and the engine r
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import pickle
@@ -22,6 +25,21 @@ from servelm.distributed.lifetime import die_with_parent
 
 logger = logging.getLogger("servelm.workers.worker")
 
+PRELOADED = ("zmq", "torch.distributed", "servelm.workers.messages", "servelm.workers.kv_shards",
+             "servelm.distributed.parallel", "servelm.distributed.shm_allreduce", "servelm.model.runner",
+             "servelm.model.source", "servelm.model.threads", "transformers.activations")
+"""What ``serve`` imports (and the model load after it: transformers builds the model's config),
+imported by ``main`` before it reads the job: a rank process started before its job exists
+(``processes.start_waiting_workers``) spends these seconds of CPU while it waits, not on the
+start-up's path after the job arrives."""
+
+
+def _preload() -> None:
+    for name in PRELOADED:
+        # one that fails to import fails again where the job imports it, and is reported there
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
 
 def main() -> None:
     parent_pid = os.getppid()
@@ -29,7 +47,11 @@ def main() -> None:
     # Ctrl-C reaches the whole process group; the engine decides when its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    init = pickle.load(sys.stdin.buffer)
+    _preload()
+    try:
+        init = pickle.load(sys.stdin.buffer)
+    except EOFError:  # started ahead of a job that never came (the start failed or needed fewer ranks)
+        return
     import multiprocessing
 
     multiprocessing.current_process().name = f"servelm-tp-rank-{init.rank}"  # the log lines' name

@@ -36,3 +36,13 @@ def keyed_server():
             "--context-length", "2048"]
     with ServerProcess(args) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def waiting_ranks_ended():
+    """Kill the rank processes a test started ahead (``engine_drive.start_ranks_ahead``) that no
+    engine took, e.g. when the test failed before its parallel engine started."""
+    yield
+    from servelm.workers.processes import end_waiting_workers
+
+    end_waiting_workers()

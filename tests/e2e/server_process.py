@@ -137,22 +137,31 @@ def check_killed_rank_ends_the_server(model: str, parallel_flags: list[str], mes
     on ``model`` with ``parallel_flags`` streams from /generate while its rank 1 is SIGKILLed; the
     stream's last event is the error ``message`` (``{pid}`` is rank 1's pid), the server exits
     non-zero with ``log_words`` in its log, and neither the engine nor the rank is left."""
-    server = ServerProcess([model, *parallel_flags, "--num-threads", "1", "--skip-tokenizer-init",
-                            "--max-total-tokens", "4096", "--dtype", "float32", "--omp-wait-policy", "passive"])
-    with server:
-        ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
-        engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
-        assert is_running(engine_pid) and is_running(rank_pid)
-        wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # the user's export wins
-        for pid in (engine_pid, rank_pid):
-            environment = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-            assert f"OMP_WAIT_POLICY={wait_policy}" in environment.split("\0")
-        events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
-            "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
-        assert 3 < len(events) < 400
-        assert events[-1]["error"]["message"] == message.format(pid=rank_pid)
-        assert server.process is not None
-        server.process.wait(timeout=30)
-        assert server.process.returncode != 0
-        assert wait_until_gone([engine_pid, rank_pid])
-        assert log_words in server.log()
+    with ServerProcess([model, *parallel_flags, *KILL_TEST_FLAGS, "--skip-tokenizer-init",
+                        "--max-total-tokens", "4096"]) as server:
+        check_killing_rank_1_ends(server, message, log_words)
+
+
+KILL_TEST_FLAGS = ("--num-threads", "1", "--dtype", "float32", "--omp-wait-policy", "passive")
+"""What ``check_killing_rank_1_ends`` needs of a server besides its layout (it checks the policy)."""
+
+
+def check_killing_rank_1_ends(server: ServerProcess, message: str, log_words: str) -> None:
+    """``check_killed_rank_ends_the_server`` on a running ``server`` (started with
+    ``KILL_TEST_FLAGS``), which this ends."""
+    ranks = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]["ranks"]
+    engine_pid, rank_pid = ranks[0]["pid"], ranks[1]["pid"]
+    assert is_running(engine_pid) and is_running(rank_pid)
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")   # the user's export wins
+    for pid in (engine_pid, rank_pid):
+        environment = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        assert f"OMP_WAIT_POLICY={wait_policy}" in environment.split("\0")
+    events = stream_and_kill(server.base_url, {"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}, rank_pid)
+    assert 3 < len(events) < 400
+    assert events[-1]["error"]["message"] == message.format(pid=rank_pid)
+    assert server.process is not None
+    server.process.wait(timeout=30)
+    assert server.process.returncode != 0
+    assert wait_until_gone([engine_pid, rank_pid])
+    assert log_words in server.log()

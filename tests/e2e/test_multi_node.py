@@ -86,15 +86,17 @@ def test_two_nodes_match_tp1(tmp_path: Path, model: str) -> None:
     extra: tuple[str, ...] = ("--max-total-tokens", "1024", "--enable-metrics", "--served-model-name", "parity")
     if model == "tiny":
         model = str(make_tiny_model_dir(tmp_path, "llama"))
-        prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], num_new_tokens, model=model,
-                                             dtype="float32", num_threads=1, skip_tokenizer_init=True,
-                                             max_total_tokens=1024)
         extra = (*extra, "--skip-tokenizer-init")
-    else:   # the reference of the tensor- and pipeline-parallel parity tests: loaded once per run
-        prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
-                                             num_threads=1, max_total_tokens=2048)
     init_port = free_port()
+    # node 1 starts (and its rank imports, waiting for node 0) while the reference runs
     with NodeProcess(node_args(model, 1, init_port, *extra), tmp_path / "node1.log") as node1:
+        if "--skip-tokenizer-init" in extra:
+            prompts, expected = reference_greedy([[1, 2, 3, 4, 5], list(range(7, 40))], num_new_tokens,
+                                                 model=model, dtype="float32", num_threads=1,
+                                                 skip_tokenizer_init=True, max_total_tokens=1024)
+        else:   # the reference of the tensor- and pipeline-parallel parity tests: loaded once per run
+            prompts, expected = reference_greedy(PARITY_PROMPTS, num_new_tokens, model=model, dtype="float32",
+                                                 num_threads=1, max_total_tokens=2048)
         with ServerProcess(node_args(model, 0, init_port, *extra)) as server:
             got = [generate_tokens(server, prompt, num_new_tokens) for prompt in prompts]
             layout = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["parallel"]

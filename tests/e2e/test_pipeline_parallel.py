@@ -20,7 +20,7 @@ from servelm.config import EngineConfig
 from servelm.distributed.errors import RankFailedError
 from servelm.engine.engine import LLMEngine
 from servelm.sampling.params import SamplingParams
-from tests.engine_drive import PARITY_PROMPTS, greedy, reference_greedy
+from tests.engine_drive import PARITY_PROMPTS, greedy, reference_greedy, start_ranks_ahead
 from tests.tiny_models import make_tiny_model_dir
 
 from .server_process import ServerProcess, check_killed_rank_ends_the_server
@@ -31,11 +31,14 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 47)), [300, 12, 99]]
 FLAGS = dict(skip_tokenizer_init=True, max_total_tokens=1024, page_size=4, chunked_prefill_size=8)
 
 
+def engine_config(model: str, tp_size: int, pp_size: int, **flags: Any) -> EngineConfig:
+    return EngineConfig.from_flat(dict(model=model, dtype="float32", device="cpu", num_threads=1,
+                                       tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
+                                       **FLAGS, **flags))
+
+
 def run_engine(model: str, tp_size: int, pp_size: int, **flags: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    config = EngineConfig.from_flat(dict(model=model, dtype="float32", device="cpu", num_threads=1,
-                                         tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size,
-                                         **FLAGS, **flags))
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(model, tp_size, pp_size, **flags))
     try:
         return greedy(engine, PROMPTS, PARAMS), engine.stats()["parallel"]
     finally:
@@ -48,6 +51,7 @@ def test_pp2_engine_matches_pp1_on_tiny_models(tmp_path: Path, arch: str) -> Non
     the embedding as its LM head); the long prompt is chunked so prefill chunks and decodes share
     steps, and each step is cut into micro-batches."""
     model = str(make_tiny_model_dir(tmp_path, arch))
+    start_ranks_ahead(engine_config(model, 1, 2))  # they import while pp 1 runs
     expected, _ = run_engine(model, 1, 1)
     got, layout = run_engine(model, 1, 2)
     assert got == expected
@@ -58,6 +62,7 @@ def test_pp2_engine_matches_pp1_on_tiny_models(tmp_path: Path, arch: str) -> Non
 
 def test_pp2_with_one_sequence_per_micro_batch_matches_pp1(tmp_path: Path) -> None:
     model = str(make_tiny_model_dir(tmp_path, "qwen2"))
+    start_ranks_ahead(engine_config(model, 1, 2, pp_max_micro_batch_size=1))
     expected, _ = run_engine(model, 1, 1)
     got, _ = run_engine(model, 1, 2, pp_max_micro_batch_size=1)
     assert got == expected
@@ -66,6 +71,7 @@ def test_pp2_with_one_sequence_per_micro_batch_matches_pp1(tmp_path: Path) -> No
 def test_tp2_x_pp2_engine_matches_tp1(tmp_path: Path) -> None:
     """Four ranks: two stages of two TP ranks each (each stage with its own all-reduce segment)."""
     model = str(make_tiny_model_dir(tmp_path, "llama"))
+    start_ranks_ahead(engine_config(model, 2, 2))
     expected, _ = run_engine(model, 1, 1)
     got, layout = run_engine(model, 2, 2)
     assert got == expected
