@@ -14,7 +14,8 @@ kernels the modules would call, in the same order, with a ``DecodeStep`` giving 
 cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
 batch's slots, the paged decode kernel over the group's views, built once per step and window), in one
-native call (``paged_decode.write_and_attend``: no q copy, no per-layer ``index_copy_``);
+native call on the QKV projection's rows (``paged_decode.write_and_attend_qkv``: no split or views, no q
+copy, no per-layer ``index_copy_``; the q/k norms and RoPE likewise, ``norm_rope_qkv_``);
 otherwise the backend is called. The results are bit-identical to the module path (the same kernels
 on the same tensors); only the Python around them is gone.
 
@@ -168,9 +169,10 @@ class DecodeStep:
             rotation = self.rotations[key] = (cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
         return rotation
 
-    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[T, H * D]``: attention of q ``[T, H, D]`` over the cache with k, v ``[T, Hkv, D]``
-        written at the batch's slots (``layer``: the Attention module)."""
+    def attend(self, layer: Any, qkv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """``[T, H * D]``: attention of the q heads of ``qkv`` (the QKV projection's rows, rope applied;
+        ``plan.heads`` gives its q, k, v) over the cache with its k and v written at the batch's slots
+        (``layer``: the Attention module)."""
         window = layer.sliding_window
         windows = self.windows
         if window not in windows:
@@ -180,11 +182,12 @@ class DecodeStep:
         paged = windows[window]
         batch = self.batch
         if paged is None:
+            q, k, v = plan.heads(qkv)
             attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
             return attended.contiguous()
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
-        return paged_decode.write_and_attend(q, k, v, k_cache, v_cache, batch.slot_mapping, paged[0], paged[1],
-                                             layer.scale)
+        return paged_decode.write_and_attend_qkv(qkv, plan.num_heads, k_cache, v_cache, batch.slot_mapping, paged[0],
+                                                 paged[1], layer.scale)
 
 
 class FlatDecodePlan:

@@ -11,7 +11,7 @@ act * up. Bit-identical to the module path (tests/unit/model/test_flat_decode.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,14 +62,19 @@ class DecodePlan(FlatDecodePlan):
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
+        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
+        cos: torch.Tensor
+        sin: torch.Tensor
         for plan in self.layers or ():
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
                          rounds)
-            q, k, v = plan.heads(qkv)
-            cos, sin = step.rotation(plan.rotary)
-            ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, True)
-            attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
+            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
+                rotary = plan.rotary
+                cos, sin = step.rotation(rotary)
+            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
+                               plan.head_eps, True)
+            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)

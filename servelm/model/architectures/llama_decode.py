@@ -86,6 +86,9 @@ class LlamaDecodePlan(FlatDecodePlan):
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
+        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
+        cos: torch.Tensor
+        sin: torch.Tensor
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
         for plan in plans:
@@ -98,10 +101,12 @@ class LlamaDecodePlan(FlatDecodePlan):
                 qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
             else:
                 qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias, step.batch.rows)
-            q, k, v = plan.heads(qkv)
-            cos, sin = step.rotation(plan.rotary)
-            ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)
-            attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
+            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
+                rotary = plan.rotary
+                cos, sin = step.rotation(rotary)
+            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
+                               plan.head_eps, False)
+            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)

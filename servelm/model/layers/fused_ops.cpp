@@ -543,16 +543,27 @@ void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor& weight, cons
   });
 }
 
+// Heads of ``tokens`` rows in place: head h of row m at data + m * ts + h * hs, d elements each
+// (contiguous). A [T, H, D] tensor's, or a span of a QKV projection's rows (norm_rope_qkv_).
+struct HeadRows {
+  void* data;
+  int64_t tokens, heads, d, ts, hs;
+};
+
+HeadRows head_rows(const torch::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1)};
+}
+
 template <class T>
-void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
+void rope_impl(const HeadRows& rows, const torch::Tensor& cos, const torch::Tensor& sin,
                const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
   using raw = typename T::raw;
-  const int64_t tokens = t.size(0), heads = t.size(1), d = t.size(2);
-  raw* tp = reinterpret_cast<raw*>(t.data_ptr());
+  const int64_t tokens = rows.tokens, heads = rows.heads, d = rows.d;
+  raw* tp = reinterpret_cast<raw*>(rows.data);
   const raw* cp = reinterpret_cast<const raw*>(cos.data_ptr());
   const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
   const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
-  const int64_t ts = t.stride(0), hs = t.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t ts = rows.ts, hs = rows.hs, cs = cos.stride(0), ss = sin.stride(0);
 #ifdef __AVX512F__
   if (d % 32 == 0) {
     std::vector<float> weight_f(wp != nullptr ? d : 0);   // 1 + w (Gemma) or w, as the scalar code computes it
@@ -580,17 +591,23 @@ void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Te
   });
 }
 
+// cos, sin [tokens, d] and the norm weight (if any) [d], in ``dtype``.
+void check_rotation(const torch::Tensor& cos, const torch::Tensor& sin, const c10::optional<torch::Tensor>& weight,
+                    int64_t tokens, int64_t d, c10::ScalarType dtype, const char* name) {
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.size(0) == tokens && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "cos, sin: [T, D] with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "cos, sin in ", name, "'s dtype");
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->dim() == 1 && weight->is_contiguous() && weight->size(0) == d &&
+                weight->scalar_type() == dtype, name, " norm weight: contiguous [D] in its dtype");
+  }
+}
+
 void check_heads(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
                  const c10::optional<torch::Tensor>& weight, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) % 2 == 0, name, ": [T, H, D] with contiguous heads, even D");
-  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
-              cos.size(0) == t.size(0) && cos.size(1) == t.size(2) && sin.sizes() == cos.sizes(),
-              "cos, sin: [T, D] with contiguous rows");
-  TORCH_CHECK(cos.scalar_type() == t.scalar_type() && sin.scalar_type() == t.scalar_type(), "cos, sin in ", name, "'s dtype");
-  if (weight.has_value()) {
-    TORCH_CHECK(weight->dim() == 1 && weight->is_contiguous() && weight->size(0) == t.size(2) &&
-                weight->scalar_type() == t.scalar_type(), name, " norm weight: contiguous [D] in its dtype");
-  }
+  check_rotation(cos, sin, weight, t.size(0), t.size(2), t.scalar_type(), name);
 }
 
 // Softmax of one tile's attention scores [G * n, C] (row r: query r % n of the tile, at position
@@ -689,8 +706,30 @@ void norm_rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(2) == q.size(2), "k like q");
   dispatch(q, [&](auto tag) {
-    rope_impl<decltype(tag)>(q, cos, sin, q_weight, float(eps), offset);
-    rope_impl<decltype(tag)>(k, cos, sin, k_weight, float(eps), offset);
+    rope_impl<decltype(tag)>(head_rows(q), cos, sin, q_weight, float(eps), offset);
+    rope_impl<decltype(tag)>(head_rows(k), cos, sin, k_weight, float(eps), offset);
+  });
+}
+
+// norm_rope_ of the q and k heads of a QKV projection's rows qkv [T, (H + 2 Hkv) * D] (rows contiguous,
+// any row stride: q's H heads, k's Hkv, then v's), in place, D = cos.size(1): the same floats as
+// norm_rope_ on its q and k views, without building them (a one-row decode step's split and three
+// views cost more than the rotation).
+void norm_rope_qkv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos, torch::Tensor sin,
+                    c10::optional<torch::Tensor> q_weight, c10::optional<torch::Tensor> k_weight, double eps,
+                    bool offset) {
+  check_rows(qkv, "qkv");
+  const int64_t d = cos.size(-1), tokens = qkv.size(0);
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
+              "qkv: [T, (H + 2 Hkv) * D], even D");
+  check_rotation(cos, sin, q_weight, tokens, d, qkv.scalar_type(), "q");
+  check_rotation(cos, sin, k_weight, tokens, d, qkv.scalar_type(), "k");
+  dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    auto* base = reinterpret_cast<typename T::raw*>(qkv.data_ptr());
+    const int64_t ts = qkv.stride(0);
+    rope_impl<T>({base, tokens, num_heads, d, ts, d}, cos, sin, q_weight, float(eps), offset);
+    rope_impl<T>({base + num_heads * d, tokens, num_kv_heads, d, ts, d}, cos, sin, k_weight, float(eps), offset);
   });
 }
 
@@ -736,6 +775,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
+  m.def("norm_rope_qkv_", &norm_rope_qkv_, "norm_rope_ of the q and k heads of QKV rows, in place");
   m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
   m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
 }
