@@ -7,6 +7,8 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
+- ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
+  ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
   the fused calls of servelm.model.layers.fused (decode and prefill rows alike).
 - ``gguf_bf16_io``: bf16 activations converted to float32 before the GGUF block kernel and its
@@ -150,6 +152,14 @@ def without(change: str) -> Iterator[None]:
         finally:
             attend_module.write_and_attend_qkv = rows_attend
             ops.norm_rope_qkv_ = rows_rope
+    elif change == "native_argmax":
+        sampler = _ENGINE.executor.sampler
+        native = sampler.native_argmax
+        sampler.native_argmax = None
+        try:
+            yield
+        finally:
+            sampler.native_argmax = native
     elif change == "fused_ops":
         from servelm.model.layers import fused
         fused.set_enabled(False)

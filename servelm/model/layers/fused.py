@@ -126,6 +126,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out.view(shape), total.view(shape)
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=-1)`` of float32 CPU rows ``x`` ``[M, V]`` (rows contiguous) in one call (the
+    sampler's greedy rows), or None where the fused ops do not take ``x``."""
+    if _module_loaded is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    out: torch.Tensor = _module_loaded.first_argmax(x)
+    return out
+
+
 def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool) -> None:
     """q ``[T, H, D]``, k ``[T, Hkv, D]`` in place: per-head RMSNorm (where a weight is given),

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -760,6 +761,56 @@ torch::Tensor causal_softmax(torch::Tensor scores, int64_t n, int64_t q_first, i
   return probs;
 }
 
+// The first index of each row's maximum of x [M, V] (float32, rows contiguous) -> int64 [M], as
+// torch.argmax(dim=-1): ties to the lowest index, a row with a NaN gives its first NaN, a row of -inf
+// gives 0. One pass for the maximum (and whether a NaN is there), then a scan from the start for the
+// first element equal to it, 64 at a time; torch's argmax reduces each row with a scalar value-and-
+// index loop, and the chunked torch path (sampling/argmax.py) is a dozen ops: at one row of a 152K
+// vocabulary that dispatch cost more than the two passes.
+torch::Tensor first_argmax(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "x: float32 [M, V], V > 0");
+  const int64_t rows = x.size(0), v = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(rows, v, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * stride;
+      constexpr int kWidth = 16;
+      float best[kWidth], nan[kWidth];
+      for (int j = 0; j < kWidth; ++j) best[j] = -std::numeric_limits<float>::infinity(), nan[j] = 0.f;
+      int64_t i = 0;
+      for (; i + kWidth <= v; i += kWidth)
+        for (int j = 0; j < kWidth; ++j) {
+          const float value = row[i + j];
+          best[j] = value > best[j] ? value : best[j];
+          nan[j] += value != value ? 1.f : 0.f;
+        }
+      for (; i < v; ++i) {
+        best[0] = row[i] > best[0] ? row[i] : best[0];
+        nan[0] += row[i] != row[i] ? 1.f : 0.f;
+      }
+      float top = best[0], nans = nan[0];
+      for (int j = 1; j < kWidth; ++j) top = best[j] > top ? best[j] : top, nans += nan[j];
+      const bool want_nan = nans > 0.f;
+      constexpr int64_t kChunk = 64;
+      int64_t found = 0;
+      for (int64_t start = 0; start < v; start += kChunk) {
+        const int64_t stop = std::min(start + kChunk, v);
+        bool hit = false;
+        for (int64_t k = start; k < stop; ++k) hit |= want_nan ? row[k] != row[k] : row[k] == top;
+        if (!hit) continue;
+        for (int64_t k = start; k < stop; ++k)
+          if (want_nan ? row[k] != row[k] : row[k] == top) { found = k; break; }
+        break;
+      }
+      op[m] = found;
+    }
+  });
+  return out;
+}
+
 // How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
 // number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
 int64_t parallel_threads(int64_t n) {
@@ -777,5 +828,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
   m.def("norm_rope_qkv_", &norm_rope_qkv_, "norm_rope_ of the q and k heads of QKV rows, in place");
   m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
+  m.def("first_argmax", &first_argmax, "torch.argmax(dim=-1) of float32 rows, in two vectorized passes");
   m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
 }
