@@ -7,6 +7,8 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
+- ``list_rows``: a batch's positions and slots and its attention groups' tensors by torch's ops at every
+  batch size, instead of from Python's lists up to ``LIST_ROWS`` rows (the same values).
 - ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
   ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
@@ -152,6 +154,15 @@ def without(change: str) -> Iterator[None]:
         finally:
             attend_module.write_and_attend_qkv = rows_attend
             ops.norm_rope_qkv_ = rows_rope
+    elif change == "list_rows":
+        from servelm.model import forward_batch as batch_module
+        from servelm.model.attention import torch_native as native_module
+        rows = batch_module.LIST_ROWS, native_module.LIST_ROWS
+        batch_module.LIST_ROWS = native_module.LIST_ROWS = 0
+        try:
+            yield
+        finally:
+            batch_module.LIST_ROWS, native_module.LIST_ROWS = rows
     elif change == "native_argmax":
         sampler = _ENGINE.executor.sampler
         native = sampler.native_argmax
