@@ -9,6 +9,8 @@ with and without the change (prefix cache off), and whether every output is iden
 
 - ``list_rows``: a batch's positions and slots and its attention groups' tensors by torch's ops at every
   batch size, instead of from Python's lists up to ``LIST_ROWS`` rows (the same values).
+- ``packed_rows``: a GGUF embedding's lookup unpacks and scales its rows by torch's ops
+  (servelm.model.gguf.gguf_linear.BlockRows) instead of the fused ops' ``packed_rows`` call (the same floats).
 - ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
   ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
@@ -163,6 +165,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             batch_module.LIST_ROWS, native_module.LIST_ROWS = rows
+    elif change == "packed_rows":
+        from servelm.model.layers import fused as rows_module
+        one_call: Any = rows_module.packed_rows
+        rows_module.packed_rows = lambda *args: None  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            rows_module.packed_rows = one_call
     elif change == "native_argmax":
         sampler = _ENGINE.executor.sampler
         native = sampler.native_argmax

@@ -811,6 +811,64 @@ torch::Tensor first_argmax(torch::Tensor x) {
   return out;
 }
 
+// Rows ``ids`` [T] of a GGUF weight held as packed codes (gguf_blocks.PackedCodes: per 32 inputs, 16
+// bytes of nibbles, byte j holding code j's low 4 bits and code j + 16's in its high nibble, then for
+// 5 and 6 bits the codes' high bits as one little-endian integer of 4 or 8 bytes, code i's at bit
+// 16 (i' % 2) + 8 h + i' / 2 (5 bits) or 16 (i' % 4) + 8 h + 2 (i' / 4) (6 bits), i' = i % 16,
+// h = i / 16; ``centered``: the stored value is code + 2^(bits - 1)), dequantized as BlockRows does it
+// in torch: float(code) * scale (+ offset), float32, each block of ``block`` inputs its scale and
+// offset [N, K / block]. -> float32 [T, K]. An embedding lookup of one row was ~25 torch ops.
+torch::Tensor packed_rows(torch::Tensor data, int64_t bits, bool centered, torch::Tensor ids, torch::Tensor scales,
+                          c10::optional<torch::Tensor> offsets, int64_t block) {
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == torch::kUInt8, "data: contiguous uint8 [N, K * bits / 8]");
+  TORCH_CHECK(bits >= 4 && bits <= 6, "bits: 4, 5 or 6");
+  const int64_t n = data.size(0), step = 4 * bits, k = data.size(1) / step * 32;
+  TORCH_CHECK(data.size(1) % step == 0 && block > 0 && k % block == 0, "K a multiple of 32 and of the block");
+  TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == torch::kInt64, "ids: contiguous int64 [T]");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+              scales.size(0) == n && scales.size(1) == k / block, "scales: contiguous float32 [N, K / block]");
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
+                offsets->scalar_type() == torch::kFloat32, "offsets: like scales");
+  }
+  const int64_t rows = ids.size(0);
+  auto out = torch::empty({rows, k}, scales.options());
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* fp = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int32_t bias = centered ? (1 << (bits - 1)) : 0;
+  int shift[32];
+  for (int i = 0; i < 32; ++i) {
+    const int low = i % 16, h = i / 16;
+    shift[i] = bits == 5 ? 16 * (low % 2) + 8 * h + low / 2 : 16 * (low % 4) + 8 * h + 2 * (low / 4);
+  }
+  const uint64_t high_mask = (uint64_t(1) << (bits - 4)) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t id = ip[r];
+    TORCH_CHECK(id >= 0 && id < n, "id ", id, " outside the weight's ", n, " rows");
+    const uint8_t* row = dp + id * data.size(1);
+    const float* row_scales = sp + id * (k / block);
+    const float* row_offsets = fp != nullptr ? fp + id * (k / block) : nullptr;
+    float* o = op + r * k;
+    for (int64_t s = 0; s < k / 32; ++s) {
+      const uint8_t* piece = row + s * step;
+      uint64_t plane = 0;
+      if (bits > 4) std::memcpy(&plane, piece + 16, static_cast<size_t>(step - 16));   // little-endian
+      for (int i = 0; i < 32; ++i) {
+        int32_t u = i < 16 ? (piece[i] & 15) : (piece[i - 16] >> 4);
+        if (bits > 4) u |= static_cast<int32_t>((plane >> shift[i]) & high_mask) << 4;
+        const int64_t input = s * 32 + i;
+        float value = float(u - bias) * row_scales[input / block];
+        if (row_offsets != nullptr) value = value + row_offsets[input / block];
+        o[input] = value;
+      }
+    }
+  }
+  return out;
+}
+
 // How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
 // number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
 int64_t parallel_threads(int64_t n) {
@@ -828,6 +886,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
   m.def("norm_rope_qkv_", &norm_rope_qkv_, "norm_rope_ of the q and k heads of QKV rows, in place");
   m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
+  m.def("packed_rows", &packed_rows, "rows of a packed GGUF weight, dequantized to float32");
   m.def("first_argmax", &first_argmax, "torch.argmax(dim=-1) of float32 rows, in two vectorized passes");
   m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
 }
