@@ -11,6 +11,8 @@ with and without the change (prefix cache off), and whether every output is iden
   batch size, instead of from Python's lists up to ``LIST_ROWS`` rows (the same values).
 - ``packed_rows``: a GGUF embedding's lookup unpacks and scales its rows by torch's ops
   (servelm.model.gguf.gguf_linear.BlockRows) instead of the fused ops' ``packed_rows`` call (the same floats).
+- ``final_norm``: the Llama family's flat decode adds the last layer's residual with torch and calls the
+  final norm's module, instead of one fused ``add_rms_norm`` with the final norm's weight (the same floats).
 - ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
   ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
@@ -173,6 +175,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             rows_module.packed_rows = one_call
+    elif change == "final_norm":
+        from servelm.model.architectures.llama_decode import LlamaDecodePlan
+        fuses: Any = LlamaDecodePlan.fuses_final_norm
+        LlamaDecodePlan.fuses_final_norm = lambda self, norm: False  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            LlamaDecodePlan.fuses_final_norm = fuses  # type: ignore[method-assign]
     elif change == "native_argmax":
         sampler = _ENGINE.executor.sampler
         native = sampler.native_argmax

@@ -226,8 +226,9 @@ class FlatDecodePlan:
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
 
-    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
+        ``final_norm`` where given."""
         raise NotImplementedError
 
     def max_rows(self, batch: ForwardBatch | None = None) -> int:
@@ -250,21 +251,22 @@ class FlatDecodePlan:
 
 
 def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor,
-               batch: ForwardBatch) -> torch.Tensor:
+               batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
     """``model``'s held layers (``model.layers[i]`` for ``model.held_layers``) over ``hidden`` in its
     residual stream's dtype (``model.residual_dtype``, ``--residual-dtype``; None: as it comes): through
     its flat plan (a ``plan_type``, built at the first forward, when the GGUF block weights are in
-    place) where the plan applies, else module by module."""
+    place) where the plan applies, else module by module; then ``final_norm`` where given (the plan
+    may fuse it with the last residual add)."""
     if model.residual_dtype is not None:   # the embedding's rows join the stream (a later stage's are in it)
         hidden = hidden.to(model.residual_dtype)
     plan: FlatDecodePlan | None = model.__dict__.get("decode_plan")
     if plan is None:
         plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])
     if plan.applies(hidden, batch):   # a few rows on block weights: the same kernels, less Python
-        return plan.run(hidden, batch)
+        return plan.run(hidden, batch, final_norm)
     for index in model.held_layers:
         hidden = model.layers[index](hidden, batch)
-    return hidden
+    return hidden if final_norm is None else final_norm(hidden)
 
 
 def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int, dtype: torch.dtype) -> Any | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
@@ -56,8 +57,9 @@ class DecodePlan(FlatDecodePlan):
             activation_kind=fused.ACTIVATION_KINDS[mlp.act.activation], down_call=down_call,
             post_feedforward_norm=layer.post_feedforward_layernorm.weight, eps=layer.input_layernorm.eps)
 
-    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
+        ``final_norm`` where given."""
         step = self.step(hidden, batch)
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
@@ -84,4 +86,4 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
-        return hidden
+        return hidden if final_norm is None else final_norm(hidden)
