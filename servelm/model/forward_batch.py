@@ -261,7 +261,8 @@ class ForwardBatch:
             attention=attention,
         )
         for slot in sorted({s.lora_slot for s in sequences} - {0}):
-            rows = torch.nonzero(torch.tensor([s.lora_slot == slot for s in sequences])[seq_index]).flatten()
+            rows = torch.tensor([row for s, start, n in zip(sequences, query_starts, query_lens) if s.lora_slot == slot
+                                 for row in range(start, start + n)], dtype=torch.int64)
             first, last = int(rows[0]), int(rows[-1])
             span = (first, last + 1) if last - first + 1 == len(rows) else None
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))

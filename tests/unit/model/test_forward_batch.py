@@ -52,7 +52,8 @@ def _assert_same(a: object, b: object) -> None:
 
 def test_few_rows_from_lists_equal_the_torch_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of at most ``LIST_ROWS`` rows (positions, slots, the attention groups made from Python's
-    lists) equal what the torch ops make of them: decodes, a chunk, a draft tree, a mixed batch."""
+    lists) equal what the torch ops make of them: decodes, a chunk, a draft tree, a mixed batch, LoRA
+    rows (the same build at any size)."""
     from servelm.model import forward_batch
     from servelm.model.attention import torch_native
     from servelm.model.forward_batch import DraftTree
@@ -63,6 +64,8 @@ def test_few_rows_from_lists_equal_the_torch_ops(monkeypatch: pytest.MonkeyPatch
         BatchPlan([SequencePlan([10, 11, 12], 3, [7, 2], 2), SequencePlan([20], 0, [5]),
                    SequencePlan([30, 31], 0, [1], 0)]),
         BatchPlan([SequencePlan([1, 2, 3, 4], 5, [6, 7, 8], 4, tree=DraftTree(6, [-1, 0, 0]))]),
+        BatchPlan([SequencePlan([5, 6], 9, [3, 1, 4], lora_slot=2), SequencePlan([6], 0, [2]),
+                   SequencePlan([7], 4, [8, 9], lora_slot=2), SequencePlan([8], 1, [5], lora_slot=1)]),
     ]
     backend = get_attention_backend("torch_native")
     for plan in plans:
