@@ -202,6 +202,9 @@ class FlatDecodePlan:
         dtype = call_dtype(calls)
         if dtype is None:   # no layers, or layers in different dtypes
             self.layers, calls = None, []
+        ropes: dict[Any, Any] = {}
+        for plan in self.layers or ():   # equal ropes (cache_key) as one object: run() compares by identity
+            plan.rotary = ropes.setdefault(plan.rotary.cache_key, plan.rotary)
         self.dtype = dtype or torch.bfloat16
         """The model's dtype: every prepared call's rows, the norms' weights, q/k/v and cos/sin."""
         self.rounds = self.dtype == torch.bfloat16
