@@ -121,8 +121,8 @@ class LlamaDecodePlan(FlatDecodePlan):
             if plan.next_input_norm is None:
                 if self.fuses_final_norm(final_norm):
                     assert final_norm is not None
-                    normed, _ = ops.add_rms_norm(down, hidden, final_norm.weight, final_norm.eps, False)
-                    return normed
+                    final: torch.Tensor = ops.add_rms_norm(down, hidden, final_norm.weight, final_norm.eps, False)[0]
+                    return final
                 hidden = hidden + down
             else:   # the residual add with the next layer's input norm: the sum in the stream's dtype, then normed
                 normed, hidden = ops.add_rms_norm(down, hidden, plan.next_input_norm, plan.next_eps, False)
