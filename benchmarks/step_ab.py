@@ -7,6 +7,14 @@ off alternately (a noisy, shared machine moves both sides alike), medians and th
 with and without the change (prefix cache off), and whether every output is identical.
 ``--change`` (comma-separated) names what is switched off for the B side (benchmark-only monkeypatches):
 
+- ``list_rows``: a batch's positions and slots and its attention groups' tensors by torch's ops at every
+  batch size, instead of from Python's lists up to ``LIST_ROWS`` rows (the same values).
+- ``packed_rows``: a GGUF embedding's lookup unpacks and scales its rows by torch's ops
+  (servelm.model.gguf.gguf_linear.BlockRows) instead of the fused ops' ``packed_rows`` call (the same floats).
+- ``final_norm``: the Llama family's flat decode adds the last layer's residual with torch and calls the
+  final norm's module, instead of one fused ``add_rms_norm`` with the final norm's weight (the same floats).
+- ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
+  ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
   the fused calls of servelm.model.layers.fused (decode and prefill rows alike).
 - ``gguf_bf16_io``: bf16 activations converted to float32 before the GGUF block kernel and its
@@ -19,7 +27,10 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
 - ``write_and_attend``: the flat decode path writes K/V by two ``index_copy_`` and calls
   ``paged_decode.attend`` (q copied contiguous, the output converted and viewed) instead of
-  ``paged_decode.write_and_attend``'s one call (the same floats).
+  ``paged_decode.write_and_attend_qkv``'s one call (the same floats).
+- ``qkv_rows``: the flat decode path splits the QKV rows into q, k, v views for ``norm_rope_`` and
+  ``paged_decode.write_and_attend`` instead of passing the rows whole (``norm_rope_qkv_``,
+  ``write_and_attend_qkv``; the same floats).
 - ``paged_decode_tiled``: the paged kernel's plain arrangement instead of its tiled one (the same
   floats; servelm.model.attention.paged_decode.TILED).
 - ``prefill_v_mm``: prefill attention copies V transposed per tile for oneDNN's linear instead of
@@ -111,19 +122,75 @@ def without(change: str) -> Iterator[None]:
             decode_module.TILED = True
     elif change == "write_and_attend":
         from servelm.model.attention import paged_decode as attend_module
-        joined: Any = attend_module.write_and_attend
+        joined: Any = attend_module.write_and_attend_qkv
 
-        def separate(q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: Any, slots: Any,
+        def separate(qkv: Any, num_heads: int, k_cache: Any, v_cache: Any, slot_mapping: Any, slots: Any,
                      spans: Any, scale: float) -> Any:
+            q, k, v = _qkv_views(qkv, num_heads, k_cache.shape[1], k_cache.shape[2])
             k_cache.index_copy_(0, slot_mapping, k)
             v_cache.index_copy_(0, slot_mapping, v)
             return attend_module.attend(q, k_cache, v_cache, slots, spans, scale).view(q.shape[0], -1)
 
-        attend_module.write_and_attend = separate  # type: ignore[assignment]
+        attend_module.write_and_attend_qkv = separate  # type: ignore[assignment]
         try:
             yield
         finally:
-            attend_module.write_and_attend = joined
+            attend_module.write_and_attend_qkv = joined
+    elif change == "qkv_rows":
+        from servelm.model.attention import paged_decode as attend_module
+        from servelm.model.layers import fused as fused_module
+        ops: Any = fused_module.load_kernel()
+        rows_attend: Any = attend_module.write_and_attend_qkv
+        rows_rope: Any = ops.norm_rope_qkv_
+
+        def views_attend(qkv: Any, num_heads: int, k_cache: Any, v_cache: Any, *rest: Any) -> Any:
+            q, k, v = _qkv_views(qkv, num_heads, k_cache.shape[1], k_cache.shape[2])
+            return attend_module.write_and_attend(q, k, v, k_cache, v_cache, *rest)
+
+        def views_rope(qkv: Any, num_heads: int, num_kv_heads: int, cos: Any, *rest: Any) -> None:
+            q, k, _ = _qkv_views(qkv, num_heads, num_kv_heads, cos.shape[-1])
+            ops.norm_rope_(q, k, cos, *rest)
+
+        attend_module.write_and_attend_qkv = views_attend  # type: ignore[assignment]
+        ops.norm_rope_qkv_ = views_rope
+        try:
+            yield
+        finally:
+            attend_module.write_and_attend_qkv = rows_attend
+            ops.norm_rope_qkv_ = rows_rope
+    elif change == "list_rows":
+        from servelm.model import forward_batch as batch_module
+        from servelm.model.attention import torch_native as native_module
+        rows = batch_module.LIST_ROWS, native_module.LIST_ROWS
+        batch_module.LIST_ROWS = native_module.LIST_ROWS = 0
+        try:
+            yield
+        finally:
+            batch_module.LIST_ROWS, native_module.LIST_ROWS = rows
+    elif change == "packed_rows":
+        from servelm.model.layers import fused as rows_module
+        one_call: Any = rows_module.packed_rows
+        rows_module.packed_rows = lambda *args: None
+        try:
+            yield
+        finally:
+            rows_module.packed_rows = one_call
+    elif change == "final_norm":
+        from servelm.model.architectures.llama_decode import LlamaDecodePlan
+        fuses: Any = LlamaDecodePlan.fuses_final_norm
+        LlamaDecodePlan.fuses_final_norm = lambda self, norm: False  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            LlamaDecodePlan.fuses_final_norm = fuses  # type: ignore[method-assign]
+    elif change == "native_argmax":
+        sampler = _ENGINE.executor.sampler
+        native = sampler.native_argmax
+        sampler.native_argmax = None
+        try:
+            yield
+        finally:
+            sampler.native_argmax = native
     elif change == "fused_ops":
         from servelm.model.layers import fused
         fused.set_enabled(False)
@@ -201,7 +268,7 @@ def without(change: str) -> Iterator[None]:
     elif change == "first_argmax":
         from servelm.sampling import sampler as sampler_module
         fast: Any = sampler_module.first_argmax
-        sampler_module.first_argmax = lambda logits: logits.argmax(dim=-1)  # type: ignore[assignment]
+        sampler_module.first_argmax = lambda logits, native=None: logits.argmax(dim=-1)  # type: ignore[attr-defined]
         try:
             yield
         finally:
@@ -288,6 +355,12 @@ def _gguf_float32_scales() -> Iterator[None]:
             module.__dict__["gguf_decode_args"] = decode_args
         for m in model.modules():
             m.__dict__.pop("decode_plan", None)
+
+
+def _qkv_views(qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
+    """q ``[T, H, D]``, k and v ``[T, Hkv, D]``: views of the QKV rows, as ``LayerPlan.heads``."""
+    q, k, v = qkv.split_with_sizes([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim))
 
 
 def main() -> None:

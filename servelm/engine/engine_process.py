@@ -27,7 +27,7 @@ from servelm.engine.frontdoor import (AbortRequest, CallResult, EngineFailed, En
                                       UnloadLoRACall)
 from servelm.engine.heap import IdleTrim
 from servelm.engine.monitor import StatsLogger, Watchdog
-from servelm.engine.warmup import warm_up_for_serving
+from servelm.engine.warmup import freeze_start_up_objects, warm_up_for_serving
 from servelm.logging_utils import configure_logging, watch_gc
 
 PRELOADED = ("transformers.activations", "servelm.model.source", "servelm.model.runner", "xgrammar")
@@ -69,6 +69,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         engine = LLMEngine(config)
         loaded_s = time.monotonic()
         warm_up_for_serving(engine)
+        logger.info("%d start-up objects frozen out of the garbage collector's passes", freeze_start_up_objects())
         if config.observability.show_time_cost:
             logger.info("time cost: model load and KV pool %.2f s, warm-up %.2f s",
                         loaded_s - start_s, time.monotonic() - loaded_s)

@@ -16,6 +16,7 @@ import torch
 from servelm.constrained.grammar import GrammarBackend, GrammarMatcher
 from servelm.engine.scheduler import SchedulerOutput, StepResult
 from servelm.model.forward_batch import BatchPlan, SequencePlan
+from servelm.model.layers import fused
 from servelm.model.pooling import PoolerConfig
 from servelm.sampling.sampler import Sampler, SamplingRow, compute_prompt_logprobs, needs_only_argmax
 from servelm.engine.verification import Verification
@@ -149,7 +150,7 @@ class Executor:
         """--enable-deterministic-inference: one token of one sequence per forward pass."""
         self.nan_check = nan_check
         """off, warn (--enable-nan-detection) or crash (--crash-on-nan)."""
-        self.sampler = sampler or Sampler()
+        self.sampler = sampler or Sampler(native_argmax=fused.first_argmax)   # the fused ops where this process built them
         self.grammars = grammars
         """Gives the backend that applies structured-output bitmasks (it is created on a compile
         worker at start-up, so it is read when the first grammar request runs)."""

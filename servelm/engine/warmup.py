@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -103,3 +104,15 @@ def warm_up_for_serving(engine: LLMEngine) -> None:
         logger.info("start-up warm-up: nothing to warm (embedding model or a KV pool too small)")
     else:
         logger.info("start-up warm-up: prefill chunks and decode batches ran in %.2f s", seconds)
+
+
+def freeze_start_up_objects() -> int:
+    """The engine process's call once the model is loaded and warmed: collect the start-up's garbage,
+    then move every object left (the model's modules, weights' Python objects, kernels, the server's
+    code: ~250,000 for Qwen2.5-Coder 0.5B GGUF) into the collector's permanent generation
+    (``gc.freeze``), as SGLang and vLLM do. They live as long as the process, and a full collection
+    walked them all: tens of ms, the running requests' next token stalled for it. Returns how many
+    were frozen. Objects made later (requests) are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -37,6 +37,12 @@ from servelm.model.gguf.gguf_routes import PassRows
 from servelm.model.layers.linear import LoRAGroup
 
 
+LIST_ROWS = 64
+"""Up to this many token rows a batch's positions and slots are computed in Python's lists and made
+one tensor each (a decode step's few rows: the dozen small torch ops they replace cost ~10 us each,
+cold, in a one-stream step); past it by torch's ops (a prompt's thousands of rows). The same values."""
+
+
 @dataclass(slots=True)
 class DraftTree:
     """Tree-shaped tail of a sequence: node j sits at linear position ``first_position + j``.
@@ -216,19 +222,31 @@ class ForwardBatch:
                 f"{len(s.block_ids)} blocks cannot hold {s.start_position + n} tokens")
         num_sequences = len(sequences)
         flat_ids = [t for s in sequences for t in s.token_ids]
-        lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        starts_t = torch.tensor(start_positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(num_sequences), lens_t)
-        query_start = torch.cumsum(lens_t, 0) - lens_t
-        positions = starts_t[seq_index] + torch.arange(len(flat_ids)) - query_start[seq_index]
         max_blocks = max((len(s.block_ids) for s in sequences), default=1)
         block_table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in sequences]
                                    or [[0]], dtype=torch.int64)
-        slots = block_table[seq_index, positions // block_size] * block_size + positions % block_size
+        query_starts: list[int] = []
+        total = 0
+        for n in query_lens:
+            query_starts.append(total)
+            total += n
+        if total <= LIST_ROWS:   # a few rows (decode): the same values from Python's lists, one tensor each
+            positions = torch.tensor([p for s, n in zip(sequences, query_lens)
+                                      for p in range(s.start_position, s.start_position + n)], dtype=torch.int64)
+            slots = torch.tensor([s.block_ids[p // block_size] * block_size + p % block_size
+                                  for s, n in zip(sequences, query_lens)
+                                  for p in range(s.start_position, s.start_position + n)], dtype=torch.int64)
+        else:
+            lens_t = torch.tensor(query_lens, dtype=torch.int64)
+            starts_t = torch.tensor(start_positions, dtype=torch.int64)
+            seq_index = torch.repeat_interleave(torch.arange(num_sequences), lens_t)
+            query_start = torch.cumsum(lens_t, 0) - lens_t
+            positions = starts_t[seq_index] + torch.arange(len(flat_ids)) - query_start[seq_index]
+            slots = block_table[seq_index, positions // block_size] * block_size + positions % block_size
         has_tree = any(s.tree is not None for s in sequences)
         if has_tree:
-            positions = _tree_positions(sequences, positions, query_start.tolist())
-        logits_rows = [row for start, n, s in zip(query_start.tolist(), query_lens, sequences)
+            positions = _tree_positions(sequences, positions, query_starts)
+        logits_rows = [row for start, n, s in zip(query_starts, query_lens, sequences)
                        for row in range(start + n - s.num_logits, start + n)]
         batch = cls(
             input_ids=torch.tensor(flat_ids, dtype=torch.int64).to(device),
@@ -243,7 +261,8 @@ class ForwardBatch:
             attention=attention,
         )
         for slot in sorted({s.lora_slot for s in sequences} - {0}):
-            rows = torch.nonzero(torch.tensor([s.lora_slot == slot for s in sequences])[seq_index]).flatten()
+            rows = torch.tensor([row for s, start, n in zip(sequences, query_starts, query_lens) if s.lora_slot == slot
+                                 for row in range(start, start + n)], dtype=torch.int64)
             first, last = int(rows[0]), int(rows[-1])
             span = (first, last + 1) if last - first + 1 == len(rows) else None
             batch.lora.append(LoRAGroup(slot, rows.to(device), span))
@@ -252,14 +271,14 @@ class ForwardBatch:
         if any(s.mrope_positions is not None for s in sequences):
             assert not has_tree, "M-RoPE sequences are not verified as draft trees"
             mrope = positions.unsqueeze(0).repeat(3, 1)
-            for s, row_start, n in zip(sequences, query_start.tolist(), query_lens):
+            for s, row_start, n in zip(sequences, query_starts, query_lens):
                 if s.mrope_positions is not None:
                     assert tuple(s.mrope_positions.shape) == (3, n), "one M-RoPE column per token"
                     mrope[:, row_start:row_start + n] = s.mrope_positions
             batch.mrope_positions = mrope.to(device)
         if any(s.images for s in sequences):
             blocks_per_sequence: list[list[tuple[int, int]]] = []
-            for s, row_start, n in zip(sequences, query_start.tolist(), query_lens):
+            for s, row_start, n in zip(sequences, query_starts, query_lens):
                 blocks = []
                 for span in s.images:
                     first = max(span.offset, s.start_position)

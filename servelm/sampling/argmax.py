@@ -15,6 +15,8 @@ cannot locate) sends the whole call to ``torch.argmax``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 CHUNK_TOKENS = 256
@@ -22,8 +24,18 @@ CHUNK_TOKENS = 256
 small enough that the second step reads a few KB per row."""
 
 
-def first_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` for ``logits`` ``[rows, vocab]`` (int64 ``[rows]``)."""
+NativeArgmax = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""A native ``argmax(dim=-1)`` of the same rows (the fused ops' ``first_argmax``: one call, two
+vectorised passes, where the chunked path below is a dozen ops), or None where it does not take them."""
+
+
+def first_argmax(logits: torch.Tensor, native: NativeArgmax | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``logits`` ``[rows, vocab]`` (int64 ``[rows]``), by ``native``
+    where given and it takes them."""
+    if native is not None:
+        chosen = native(logits)
+        if chosen is not None:
+            return chosen
     rows, vocab = logits.shape
     if rows == 0 or vocab < 4 * CHUNK_TOKENS or logits.device.type != "cpu" or not logits.is_floating_point():
         return logits.argmax(dim=-1)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelm.sampling.argmax import first_argmax
+from servelm.sampling.argmax import NativeArgmax, first_argmax
 from servelm.sampling.logprobs import TokenLogprob, compute_prompt_logprobs, gather_logprobs
 from servelm.sampling.params import SamplingParams
 from servelm.sampling.penalties import apply_logit_bias, apply_penalties, ban_tokens
@@ -83,9 +83,12 @@ def needs_only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
 class Sampler:
     """Picks one token per logits row. Stateless apart from the generator of unseeded rows."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        """``seed`` fixes the shared generator of unseeded rows (tests); None seeds it randomly."""
+    def __init__(self, seed: int | None = None, native_argmax: NativeArgmax | None = None) -> None:
+        """``seed`` fixes the shared generator of unseeded rows (tests); None seeds it randomly.
+        ``native_argmax``: greedy rows' argmax in one native call where it takes them (the engine
+        passes the fused ops' ``first_argmax``), else ``first_argmax``'s torch ops: the same ids."""
         self._seed = seed
+        self.native_argmax = native_argmax
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
@@ -130,14 +133,14 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if len(greedy) == len(rows):
             # The first maximal index, as torch.argmax: ties go to the lowest token id.
-            token_ids: list[int] = first_argmax(logits).tolist()
+            token_ids: list[int] = first_argmax(logits, self.native_argmax).tolist()
             return token_ids
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         device = logits.device
         chosen = torch.empty(len(rows), dtype=torch.int64, device=device)
         if greedy:
             greedy_index = torch.tensor(greedy, device=device)
-            chosen[greedy_index] = first_argmax(logits[greedy_index])
+            chosen[greedy_index] = first_argmax(logits[greedy_index], self.native_argmax)
         sampled_index = torch.tensor(sampled, device=device)
         sampled_logits = logits if len(sampled) == len(rows) else logits[sampled_index]
         chosen[sampled_index] = self._sample(sampled_logits, [rows[i] for i in sampled])
@@ -162,7 +165,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         if greedy:
             index = torch.tensor(greedy, device=processed.device)
-            probs[index, first_argmax(processed[index])] = 1.0
+            probs[index, first_argmax(processed[index], self.native_argmax)] = 1.0
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if sampled:
             index = torch.tensor(sampled, device=processed.device)

@@ -14,7 +14,8 @@ kernels the modules would call, in the same order, with a ``DecodeStep`` giving 
 cos/sin once per rope, and attention. For an all-decode
 batch on the torch_native backend, attention is the backend's own decode (K/V written at the
 batch's slots, the paged decode kernel over the group's views, built once per step and window), in one
-native call (``paged_decode.write_and_attend``: no q copy, no per-layer ``index_copy_``);
+native call on the QKV projection's rows (``paged_decode.write_and_attend_qkv``: no split or views, no q
+copy, no per-layer ``index_copy_``; the q/k norms and RoPE likewise, ``norm_rope_qkv_``);
 otherwise the backend is called. The results are bit-identical to the module path (the same kernels
 on the same tensors); only the Python around them is gone.
 
@@ -168,9 +169,10 @@ class DecodeStep:
             rotation = self.rotations[key] = (cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
         return rotation
 
-    def attend(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[T, H * D]``: attention of q ``[T, H, D]`` over the cache with k, v ``[T, Hkv, D]``
-        written at the batch's slots (``layer``: the Attention module)."""
+    def attend(self, layer: Any, qkv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """``[T, H * D]``: attention of the q heads of ``qkv`` (the QKV projection's rows, rope applied;
+        ``plan.heads`` gives its q, k, v) over the cache with its k and v written at the batch's slots
+        (``layer``: the Attention module)."""
         window = layer.sliding_window
         windows = self.windows
         if window not in windows:
@@ -180,11 +182,12 @@ class DecodeStep:
         paged = windows[window]
         batch = self.batch
         if paged is None:
+            q, k, v = plan.heads(qkv)
             attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
             return attended.contiguous()
         k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
-        return paged_decode.write_and_attend(q, k, v, k_cache, v_cache, batch.slot_mapping, paged[0], paged[1],
-                                             layer.scale)
+        return paged_decode.write_and_attend_qkv(qkv, plan.num_heads, k_cache, v_cache, batch.slot_mapping, paged[0],
+                                                 paged[1], layer.scale)
 
 
 class FlatDecodePlan:
@@ -199,6 +202,9 @@ class FlatDecodePlan:
         dtype = call_dtype(calls)
         if dtype is None:   # no layers, or layers in different dtypes
             self.layers, calls = None, []
+        ropes: dict[Any, Any] = {}
+        for plan in self.layers or ():   # equal ropes (cache_key) as one object: run() compares by identity
+            plan.rotary = ropes.setdefault(plan.rotary.cache_key, plan.rotary)
         self.dtype = dtype or torch.bfloat16
         """The model's dtype: every prepared call's rows, the norms' weights, q/k/v and cos/sin."""
         self.rounds = self.dtype == torch.bfloat16
@@ -223,8 +229,9 @@ class FlatDecodePlan:
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
 
-    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
+        ``final_norm`` where given."""
         raise NotImplementedError
 
     def max_rows(self, batch: ForwardBatch | None = None) -> int:
@@ -247,21 +254,22 @@ class FlatDecodePlan:
 
 
 def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor,
-               batch: ForwardBatch) -> torch.Tensor:
+               batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
     """``model``'s held layers (``model.layers[i]`` for ``model.held_layers``) over ``hidden`` in its
     residual stream's dtype (``model.residual_dtype``, ``--residual-dtype``; None: as it comes): through
     its flat plan (a ``plan_type``, built at the first forward, when the GGUF block weights are in
-    place) where the plan applies, else module by module."""
+    place) where the plan applies, else module by module; then ``final_norm`` where given (the plan
+    may fuse it with the last residual add)."""
     if model.residual_dtype is not None:   # the embedding's rows join the stream (a later stage's are in it)
         hidden = hidden.to(model.residual_dtype)
     plan: FlatDecodePlan | None = model.__dict__.get("decode_plan")
     if plan is None:
         plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])
     if plan.applies(hidden, batch):   # a few rows on block weights: the same kernels, less Python
-        return plan.run(hidden, batch)
+        return plan.run(hidden, batch, final_norm)
     for index in model.held_layers:
         hidden = model.layers[index](hidden, batch)
-    return hidden
+    return hidden if final_norm is None else final_norm(hidden)
 
 
 def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int, dtype: torch.dtype) -> Any | None:

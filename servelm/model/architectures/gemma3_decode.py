@@ -11,9 +11,10 @@ act * up. Bit-identical to the module path (tests/unit/model/test_flat_decode.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
@@ -56,20 +57,26 @@ class DecodePlan(FlatDecodePlan):
             activation_kind=fused.ACTIVATION_KINDS[mlp.act.activation], down_call=down_call,
             post_feedforward_norm=layer.post_feedforward_layernorm.weight, eps=layer.input_layernorm.eps)
 
-    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
+        ``final_norm`` where given."""
         step = self.step(hidden, batch)
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
+        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
+        cos: torch.Tensor
+        sin: torch.Tensor
         for plan in self.layers or ():
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
                          rounds)
-            q, k, v = plan.heads(qkv)
-            cos, sin = step.rotation(plan.rotary)
-            ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, True)
-            attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
+            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
+                rotary = plan.rotary
+                cos, sin = step.rotation(rotary)
+            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
+                               plan.head_eps, True)
+            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)
@@ -79,4 +86,4 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
-        return hidden
+        return hidden if final_norm is None else final_norm(hidden)

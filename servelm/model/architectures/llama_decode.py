@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
+from servelm.model.layers.norm import RMSNorm
 from servelm.model.gguf.gguf_linear import decode_takes_bias
 
 from servelm.model.architectures.common import GatedMLP
@@ -80,12 +82,17 @@ class LlamaDecodePlan(FlatDecodePlan):
             activation_kind=fused.ACTIVATION_KINDS[mlp.act.activation], down_call=down_call,
             eps=layer.input_layernorm.eps)
 
-    def run(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller)."""
+    def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
+        """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
+        ``final_norm`` where given: with the last residual add in one fused call where it is the
+        model's RMSNorm with no hooks (as the layers' own adds and norms; else the module after it)."""
         step = self.step(hidden, batch)
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
+        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
+        cos: torch.Tensor
+        sin: torch.Tensor
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
         for plan in plans:
@@ -98,10 +105,12 @@ class LlamaDecodePlan(FlatDecodePlan):
                 qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
             else:
                 qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias, step.batch.rows)
-            q, k, v = plan.heads(qkv)
-            cos, sin = step.rotation(plan.rotary)
-            ops.norm_rope_(q, k, cos, sin, plan.q_norm, plan.k_norm, plan.head_eps, False)
-            attended = step.attend(plan.attention, q, k, v)       # [T, H * D]
+            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
+                rotary = plan.rotary
+                cos, sin = step.rotation(rotary)
+            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
+                               plan.head_eps, False)
+            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
             kernel, codes, scales, offsets, block = plan.o_call
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
@@ -110,7 +119,17 @@ class LlamaDecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
             if plan.next_input_norm is None:
+                if self.fuses_final_norm(final_norm):
+                    assert final_norm is not None
+                    final: torch.Tensor = ops.add_rms_norm(down, hidden, final_norm.weight, final_norm.eps, False)[0]
+                    return final
                 hidden = hidden + down
             else:   # the residual add with the next layer's input norm: the sum in the stream's dtype, then normed
                 normed, hidden = ops.add_rms_norm(down, hidden, plan.next_input_norm, plan.next_eps, False)
-        return hidden
+        return hidden if final_norm is None else final_norm(hidden)
+
+    def fuses_final_norm(self, norm: nn.Module | None) -> bool:
+        """Whether ``run`` computes ``norm`` (the model's final norm) with the last residual add: an
+        RMSNorm (not Gemma's) whose weight is in the plan's dtype, with no hooks (a tensor dump's)."""
+        return (type(norm) is RMSNorm and norms_fuse([norm], self.dtype)
+                and not (norm._forward_hooks or norm._forward_pre_hooks))

@@ -372,22 +372,39 @@ void attend_rows(const float* qp, int64_t q_row, const torch::Tensor& k_cache, c
   }
 }
 
-// rows [T, heads, D] (a view: any row stride, heads one after another) into pool [slots, heads, D] at
-// slot_mapping's rows, as pool.index_copy_(0, slot_mapping, rows) (the same dtype: a plain copy).
-void write_rows(const torch::Tensor& rows, torch::Tensor& pool, const int64_t* slot_mapping) {
-  TORCH_CHECK(rows.dtype() == pool.dtype(), "K/V rows in the pool's dtype");
-  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == pool.size(1) && rows.size(2) == pool.size(2) &&
-              rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "K/V rows [T, Hkv, D], each row's heads contiguous");
-  const int64_t width = rows.size(1) * rows.size(2), num_slots = pool.size(0);
-  const int64_t bytes = width * static_cast<int64_t>(rows.element_size());
-  const auto* source = static_cast<const char*>(rows.data_ptr());
+// T rows of ``width`` elements (row i at source + i * row_bytes, its heads contiguous) into pool
+// [slots, heads, D] (width = heads * D) at slot_mapping's rows, as pool.index_copy_(0, slot_mapping, rows)
+// (the same dtype: a plain copy).
+void write_rows(const char* source, int64_t num_rows, int64_t row_bytes, torch::Tensor& pool,
+                const int64_t* slot_mapping) {
+  const int64_t num_slots = pool.size(0);
+  const int64_t bytes = pool.size(1) * pool.size(2) * static_cast<int64_t>(pool.element_size());
   auto* target = static_cast<char*>(pool.data_ptr());
-  const int64_t row_bytes = rows.stride(0) * static_cast<int64_t>(rows.element_size());
-  for (int64_t i = 0; i < rows.size(0); ++i) {
+  for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t slot = slot_mapping[i];
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the pool's ", num_slots);
     std::memcpy(target + slot * bytes, source + i * row_bytes, bytes);
   }
+}
+
+// rows [T, heads, D] (a view: any row stride, heads one after another) into the pool, as write_rows.
+void write_rows(const torch::Tensor& rows, torch::Tensor& pool, const int64_t* slot_mapping) {
+  TORCH_CHECK(rows.dtype() == pool.dtype(), "K/V rows in the pool's dtype");
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == pool.size(1) && rows.size(2) == pool.size(2) &&
+              rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "K/V rows [T, Hkv, D], each row's heads contiguous");
+  write_rows(static_cast<const char*>(rows.data_ptr()), rows.size(0),
+             rows.stride(0) * static_cast<int64_t>(rows.element_size()), pool, slot_mapping);
+}
+
+// The attention of q rows at qp (row stride q_row, H heads of D floats each) into a new [b, H * D]
+// float32 tensor (zeroed where not tiled: run() accumulates into it).
+torch::Tensor attend_into_new(const float* qp, int64_t q_row, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& spans,
+                              double scale, bool tiled, int64_t b, int64_t num_heads, int64_t d) {
+  auto out = torch::empty({b, num_heads * d}, k_cache.options().dtype(torch::kFloat32));
+  if (!tiled) out.zero_();
+  attend_rows(qp, q_row, k_cache, v_cache, slots, spans, scale, tiled, out.data_ptr<float>(), b, num_heads, d);
+  return out;
 }
 
 }  // namespace
@@ -423,22 +440,49 @@ torch::Tensor write_and_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v
   write_rows(k, k_cache, slot_ptr);
   write_rows(v, v_cache, slot_ptr);
   const int64_t b = q.size(0), num_heads = q.size(1), d = q.size(2);
-  auto out = torch::empty({b, num_heads * d}, q.options().dtype(torch::kFloat32));
-  if (!tiled) out.zero_();
   if (q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == d) {
-    attend_rows(q.data_ptr<float>(), q.stride(0), k_cache, v_cache, slots, spans, scale, tiled,
-                out.data_ptr<float>(), b, num_heads, d);
-    return out;
+    return attend_into_new(q.data_ptr<float>(), q.stride(0), k_cache, v_cache, slots, spans, scale, tiled, b,
+                           num_heads, d);
   }
   const auto q_float = q.to(torch::kFloat32).contiguous();
-  attend_rows(q_float.data_ptr<float>(), num_heads * d, k_cache, v_cache, slots, spans, scale, tiled,
-              out.data_ptr<float>(), b, num_heads, d);
+  auto out = attend_into_new(q_float.data_ptr<float>(), num_heads * d, k_cache, v_cache, slots, spans, scale, tiled,
+                             b, num_heads, d);
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+}
+
+// write_and_attend on a QKV projection's rows qkv [T, (H + 2 Hkv) * D] (rows contiguous, any row stride:
+// q's H heads, then k's Hkv, then v's; D the pools'), without the q, k, v views: the same floats.
+torch::Tensor write_and_attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor slot_mapping, torch::Tensor slots, torch::Tensor spans, double scale,
+                                   bool tiled) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+              (qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16),
+              "qkv [T, (H + 2 Hkv) * D] with contiguous rows, float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+              v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "contiguous pools [slots, Hkv, D] in qkv's dtype");
+  const int64_t b = qkv.size(0), num_kv_heads = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(num_heads > 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv: [T, (H + 2 Hkv) * D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == b, "slot_mapping [T] int64, a slot per row of qkv");
+  const int64_t* slot_ptr = slot_mapping.data_ptr<int64_t>();
+  const int64_t element = static_cast<int64_t>(qkv.element_size()), row_bytes = qkv.stride(0) * element;
+  const char* base = static_cast<const char*>(qkv.data_ptr());
+  write_rows(base + num_heads * d * element, b, row_bytes, k_cache, slot_ptr);
+  write_rows(base + (num_heads + num_kv_heads) * d * element, b, row_bytes, v_cache, slot_ptr);
+  if (qkv.scalar_type() == torch::kFloat32) {
+    return attend_into_new(qkv.data_ptr<float>(), qkv.stride(0), k_cache, v_cache, slots, spans, scale, tiled, b,
+                           num_heads, d);
+  }
+  const auto q_float = qkv.narrow(1, 0, num_heads * d).to(torch::kFloat32).contiguous();
+  return attend_into_new(q_float.data_ptr<float>(), num_heads * d, k_cache, v_cache, slots, spans, scale, tiled, b,
+                         num_heads, d).to(qkv.scalar_type());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
   m.def("write_and_attend", &write_and_attend, "K/V written into the pools, then the paged decode attention");
+  m.def("write_and_attend_qkv", &write_and_attend_qkv, "write_and_attend on a QKV projection's rows");
   m.attr("ISA") = vec::kIsa;
   m.attr("LANES") = kLanes;
 }

@@ -19,7 +19,8 @@ AVX2: 8), CPU.
 
 ``write_and_attend`` is the flat decode path's one call per layer: K/V written into the pools (as
 ``index_copy_``) and the kernel on q read in place from the QKV projection's rows (2 x ``index_copy_``,
-q's copy, ``.to`` and ``.view`` were ~40 us of a one-stream layer's ~80, 1 thread, loaded machine).
+q's copy, ``.to`` and ``.view`` were ~40 us of a one-stream layer's ~80, 1 thread, loaded machine);
+``write_and_attend_qkv`` takes the QKV projection's rows whole (no split, no views).
 
 Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
 keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers and prefetches
@@ -93,3 +94,14 @@ def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     module = kernel if kernel is not None else load_kernel()
     assert module is not None
     return module.write_and_attend(q, k, v, k_cache, v_cache, slot_mapping, slots, spans, scale, TILED)
+
+
+def write_and_attend_qkv(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, slots: torch.Tensor, spans: torch.Tensor, scale: float,
+                         kernel: ModuleType | None = None) -> torch.Tensor:
+    """``write_and_attend`` on the QKV projection's rows ``qkv`` ``[T, (H + 2 Hkv) * D]`` (q's ``num_heads``
+    heads, k's, v's; the pools' dtype and D) instead of its q, k, v views: the same floats, without
+    the split and the three views (a one-row decode layer's ~5 us, several times that in a step)."""
+    module = kernel if kernel is not None else load_kernel()
+    assert module is not None
+    return module.write_and_attend_qkv(qkv, num_heads, k_cache, v_cache, slot_mapping, slots, spans, scale, TILED)

@@ -49,6 +49,12 @@ from servelm.model.attention.base import Attention, PositionBias
 from servelm.model.forward_batch import DraftTree, ForwardBatch
 
 
+LIST_ROWS = 64
+"""Up to this many query rows a group's tensors are made from Python's lists (a decode step of a few
+streams: the ~15 small torch ops they replace cost 5-10 us apiece, more cold, in a one-stream step);
+past it by torch's ops. The same values. (A view's slots stay torch's: a list per column costs more
+than the ops from a few hundred columns on.)"""
+
 BUCKET_RATIO = 2
 BUCKET_MIN_COLUMNS = 256
 """SDPA and the GEMM tiles read a group's K/V gathered and padded to its longest context, so one
@@ -342,10 +348,14 @@ class TorchNativeAttention:
     @staticmethod
     def _group(batch: ForwardBatch, table: torch.Tensor, members: list[int], query_starts: list[int],
                num_tokens: int, device: torch.device) -> _Group:
-        query_lens = torch.tensor([batch.query_lens[i] for i in members], dtype=torch.int64)
+        lens = [batch.query_lens[i] for i in members]
+        max_query = max(lens)
+        if len(members) * max_query <= LIST_ROWS:
+            return TorchNativeAttention._small_group(batch, table, members, query_starts, num_tokens, device, lens,
+                                                     max_query)
+        query_lens = torch.tensor(lens, dtype=torch.int64)
         starts = torch.tensor([batch.start_positions[i] for i in members], dtype=torch.int64)
         row_starts = torch.tensor([query_starts[i] for i in members], dtype=torch.int64)
-        max_query = int(query_lens.max())
         offsets = torch.arange(max_query)[None, :]
         query_valid = offsets < query_lens[:, None]
         query_rows = torch.where(query_valid, row_starts[:, None] + offsets, row_starts[:, None]).reshape(-1)
@@ -369,6 +379,36 @@ class TorchNativeAttention:
             device=device,
             row_starts=row_starts.tolist(),
             query_lens=query_lens.tolist(),
+        )
+
+    @staticmethod
+    def _small_group(batch: ForwardBatch, table: torch.Tensor, members: list[int], query_starts: list[int],
+                     num_tokens: int, device: torch.device, lens: list[int], max_query: int) -> _Group:
+        """``_group``'s tensors from Python's lists (at most ``LIST_ROWS`` query rows): the same values."""
+        starts = [batch.start_positions[i] for i in members]
+        row_starts = [query_starts[i] for i in members]
+        valid = [j < n for n in lens for j in range(max_query)]
+        query_rows = [start + j if j < n else start for start, n in zip(row_starts, lens) for j in range(max_query)]
+        all_valid = all(valid)
+        valid_rows = [row for row, is_valid in zip(query_rows, valid) if is_valid]
+        return _Group(
+            query_rows=torch.tensor(query_rows, dtype=torch.int64).to(device),
+            query_valid=torch.tensor(valid, dtype=torch.bool).view(len(members), max_query),
+            valid_rows=torch.tensor(valid_rows, dtype=torch.int64).to(device),
+            valid_index=None if all_valid else torch.tensor([index for index, is_valid in enumerate(valid) if is_valid],
+                                                            dtype=torch.int64).to(device),
+            is_identity=all_valid and query_rows == list(range(num_tokens)),
+            num_sequences=len(members),
+            max_query=max_query,
+            table=table[torch.tensor(members)],
+            starts=torch.tensor(starts, dtype=torch.int64),
+            context_lens=torch.tensor([start + n for start, n in zip(starts, lens)], dtype=torch.int64),
+            query_positions=torch.tensor([start + j for start in starts for j in range(max_query)],
+                                         dtype=torch.int64).view(len(members), max_query),
+            block_size=batch.block_size,
+            device=device,
+            row_starts=row_starts,
+            query_lens=lens,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,

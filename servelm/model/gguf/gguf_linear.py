@@ -51,6 +51,7 @@ from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONL
                                             I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
                                             LinearShape, PassRows, Ranking, Route, default_ranking)
 from servelm.model.gguf.gguf_rows import pack
+from servelm.model.layers import fused
 from servelm.model.layers.linear import dense_linear
 
 __all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_SKIPPED", "KERNEL_MAX_ROWS", "BlockRows",
@@ -314,6 +315,11 @@ class BlockRows:
         """``[T]`` ids -> ``[T, hidden]`` rows in the dtype of the float weight they replace."""
         w = self.weight
         ids = input_ids.reshape(-1)
+        packed = w.packed
+        if w.stored_codes is None and packed is not None:   # one native call (the same floats), where built
+            rows = fused.packed_rows(packed.data, packed.bits, packed.centered, ids, w.scales, w.offsets, w.block)
+            if rows is not None:
+                return rows.reshape(*input_ids.shape, -1).to(self.dtype)
         codes = w.row_codes(ids)
         values = codes.view(len(ids), -1, w.block).float().mul_(w.scales[ids][..., None])
         if w.offsets is not None:

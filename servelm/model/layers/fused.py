@@ -126,6 +126,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out.view(shape), total.view(shape)
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=-1)`` of float32 CPU rows ``x`` ``[M, V]`` (rows contiguous) in one call (the
+    sampler's greedy rows), or None where the fused ops do not take ``x``."""
+    if _module_loaded is None or not _enabled or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        return None
+    out: torch.Tensor = _module_loaded.first_argmax(x)
+    return out
+
+
+def packed_rows(data: torch.Tensor, bits: int, centered: bool, ids: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor | None, block: int) -> torch.Tensor | None:
+    """Rows ``ids`` ``[T]`` of a packed GGUF weight (gguf_blocks.PackedCodes' ``data``, ``bits``,
+    ``centered``) dequantized with its float32 ``scales`` (and ``offsets``) per ``block`` inputs:
+    float32 ``[T, K]`` in one call, as gguf_linear.BlockRows computes them with torch's ops (an
+    embedding lookup); None where the fused ops are not built or not on."""
+    if (_module_loaded is None or not _enabled or ids.device.type != "cpu" or ids.dtype != torch.int64
+            or scales.dtype != torch.float32 or not scales.is_contiguous() or not data.is_contiguous()
+            or (offsets is not None and not offsets.is_contiguous())):
+        return None
+    out: torch.Tensor = _module_loaded.packed_rows(data, bits, centered, ids.contiguous(), scales, offsets, block)
+    return out
+
+
 def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, offset: bool) -> None:
     """q ``[T, H, D]``, k ``[T, Hkv, D]`` in place: per-head RMSNorm (where a weight is given),

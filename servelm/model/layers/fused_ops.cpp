@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -543,16 +544,27 @@ void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor& weight, cons
   });
 }
 
+// Heads of ``tokens`` rows in place: head h of row m at data + m * ts + h * hs, d elements each
+// (contiguous). A [T, H, D] tensor's, or a span of a QKV projection's rows (norm_rope_qkv_).
+struct HeadRows {
+  void* data;
+  int64_t tokens, heads, d, ts, hs;
+};
+
+HeadRows head_rows(const torch::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1)};
+}
+
 template <class T>
-void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
+void rope_impl(const HeadRows& rows, const torch::Tensor& cos, const torch::Tensor& sin,
                const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
   using raw = typename T::raw;
-  const int64_t tokens = t.size(0), heads = t.size(1), d = t.size(2);
-  raw* tp = reinterpret_cast<raw*>(t.data_ptr());
+  const int64_t tokens = rows.tokens, heads = rows.heads, d = rows.d;
+  raw* tp = reinterpret_cast<raw*>(rows.data);
   const raw* cp = reinterpret_cast<const raw*>(cos.data_ptr());
   const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
   const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
-  const int64_t ts = t.stride(0), hs = t.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t ts = rows.ts, hs = rows.hs, cs = cos.stride(0), ss = sin.stride(0);
 #ifdef __AVX512F__
   if (d % 32 == 0) {
     std::vector<float> weight_f(wp != nullptr ? d : 0);   // 1 + w (Gemma) or w, as the scalar code computes it
@@ -580,17 +592,23 @@ void rope_impl(const torch::Tensor& t, const torch::Tensor& cos, const torch::Te
   });
 }
 
+// cos, sin [tokens, d] and the norm weight (if any) [d], in ``dtype``.
+void check_rotation(const torch::Tensor& cos, const torch::Tensor& sin, const c10::optional<torch::Tensor>& weight,
+                    int64_t tokens, int64_t d, c10::ScalarType dtype, const char* name) {
+  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+              cos.size(0) == tokens && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "cos, sin: [T, D] with contiguous rows");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "cos, sin in ", name, "'s dtype");
+  if (weight.has_value()) {
+    TORCH_CHECK(weight->dim() == 1 && weight->is_contiguous() && weight->size(0) == d &&
+                weight->scalar_type() == dtype, name, " norm weight: contiguous [D] in its dtype");
+  }
+}
+
 void check_heads(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin,
                  const c10::optional<torch::Tensor>& weight, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.size(2) % 2 == 0, name, ": [T, H, D] with contiguous heads, even D");
-  TORCH_CHECK(cos.dim() == 2 && sin.dim() == 2 && cos.stride(1) == 1 && sin.stride(1) == 1 &&
-              cos.size(0) == t.size(0) && cos.size(1) == t.size(2) && sin.sizes() == cos.sizes(),
-              "cos, sin: [T, D] with contiguous rows");
-  TORCH_CHECK(cos.scalar_type() == t.scalar_type() && sin.scalar_type() == t.scalar_type(), "cos, sin in ", name, "'s dtype");
-  if (weight.has_value()) {
-    TORCH_CHECK(weight->dim() == 1 && weight->is_contiguous() && weight->size(0) == t.size(2) &&
-                weight->scalar_type() == t.scalar_type(), name, " norm weight: contiguous [D] in its dtype");
-  }
+  check_rotation(cos, sin, weight, t.size(0), t.size(2), t.scalar_type(), name);
 }
 
 // Softmax of one tile's attention scores [G * n, C] (row r: query r % n of the tile, at position
@@ -689,8 +707,30 @@ void norm_rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tens
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "q: float32 or bfloat16");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(2) == q.size(2), "k like q");
   dispatch(q, [&](auto tag) {
-    rope_impl<decltype(tag)>(q, cos, sin, q_weight, float(eps), offset);
-    rope_impl<decltype(tag)>(k, cos, sin, k_weight, float(eps), offset);
+    rope_impl<decltype(tag)>(head_rows(q), cos, sin, q_weight, float(eps), offset);
+    rope_impl<decltype(tag)>(head_rows(k), cos, sin, k_weight, float(eps), offset);
+  });
+}
+
+// norm_rope_ of the q and k heads of a QKV projection's rows qkv [T, (H + 2 Hkv) * D] (rows contiguous,
+// any row stride: q's H heads, k's Hkv, then v's), in place, D = cos.size(1): the same floats as
+// norm_rope_ on its q and k views, without building them (a one-row decode step's split and three
+// views cost more than the rotation).
+void norm_rope_qkv_(torch::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, torch::Tensor cos, torch::Tensor sin,
+                    c10::optional<torch::Tensor> q_weight, c10::optional<torch::Tensor> k_weight, double eps,
+                    bool offset) {
+  check_rows(qkv, "qkv");
+  const int64_t d = cos.size(-1), tokens = qkv.size(0);
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && d % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * d,
+              "qkv: [T, (H + 2 Hkv) * D], even D");
+  check_rotation(cos, sin, q_weight, tokens, d, qkv.scalar_type(), "q");
+  check_rotation(cos, sin, k_weight, tokens, d, qkv.scalar_type(), "k");
+  dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    auto* base = reinterpret_cast<typename T::raw*>(qkv.data_ptr());
+    const int64_t ts = qkv.stride(0);
+    rope_impl<T>({base, tokens, num_heads, d, ts, d}, cos, sin, q_weight, float(eps), offset);
+    rope_impl<T>({base + num_heads * d, tokens, num_kv_heads, d, ts, d}, cos, sin, k_weight, float(eps), offset);
   });
 }
 
@@ -721,6 +761,114 @@ torch::Tensor causal_softmax(torch::Tensor scores, int64_t n, int64_t q_first, i
   return probs;
 }
 
+// The first index of each row's maximum of x [M, V] (float32, rows contiguous) -> int64 [M], as
+// torch.argmax(dim=-1): ties to the lowest index, a row with a NaN gives its first NaN, a row of -inf
+// gives 0. One pass for the maximum (and whether a NaN is there), then a scan from the start for the
+// first element equal to it, 64 at a time; torch's argmax reduces each row with a scalar value-and-
+// index loop, and the chunked torch path (sampling/argmax.py) is a dozen ops: at one row of a 152K
+// vocabulary that dispatch cost more than the two passes.
+torch::Tensor first_argmax(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.size(1) > 0, "x: float32 [M, V], V > 0");
+  const int64_t rows = x.size(0), v = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(rows, v, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * stride;
+      constexpr int kWidth = 16;
+      float best[kWidth], nan[kWidth];
+      for (int j = 0; j < kWidth; ++j) best[j] = -std::numeric_limits<float>::infinity(), nan[j] = 0.f;
+      int64_t i = 0;
+      for (; i + kWidth <= v; i += kWidth)
+        for (int j = 0; j < kWidth; ++j) {
+          const float value = row[i + j];
+          best[j] = value > best[j] ? value : best[j];
+          nan[j] += value != value ? 1.f : 0.f;
+        }
+      for (; i < v; ++i) {
+        best[0] = row[i] > best[0] ? row[i] : best[0];
+        nan[0] += row[i] != row[i] ? 1.f : 0.f;
+      }
+      float top = best[0], nans = nan[0];
+      for (int j = 1; j < kWidth; ++j) top = best[j] > top ? best[j] : top, nans += nan[j];
+      const bool want_nan = nans > 0.f;
+      constexpr int64_t kChunk = 64;
+      int64_t found = 0;
+      for (int64_t start = 0; start < v; start += kChunk) {
+        const int64_t stop = std::min(start + kChunk, v);
+        bool hit = false;
+        for (int64_t k = start; k < stop; ++k) hit |= want_nan ? row[k] != row[k] : row[k] == top;
+        if (!hit) continue;
+        for (int64_t k = start; k < stop; ++k)
+          if (want_nan ? row[k] != row[k] : row[k] == top) { found = k; break; }
+        break;
+      }
+      op[m] = found;
+    }
+  });
+  return out;
+}
+
+// Rows ``ids`` [T] of a GGUF weight held as packed codes (gguf_blocks.PackedCodes: per 32 inputs, 16
+// bytes of nibbles, byte j holding code j's low 4 bits and code j + 16's in its high nibble, then for
+// 5 and 6 bits the codes' high bits as one little-endian integer of 4 or 8 bytes, code i's at bit
+// 16 (i' % 2) + 8 h + i' / 2 (5 bits) or 16 (i' % 4) + 8 h + 2 (i' / 4) (6 bits), i' = i % 16,
+// h = i / 16; ``centered``: the stored value is code + 2^(bits - 1)), dequantized as BlockRows does it
+// in torch: float(code) * scale (+ offset), float32, each block of ``block`` inputs its scale and
+// offset [N, K / block]. -> float32 [T, K]. An embedding lookup of one row was ~25 torch ops.
+torch::Tensor packed_rows(torch::Tensor data, int64_t bits, bool centered, torch::Tensor ids, torch::Tensor scales,
+                          c10::optional<torch::Tensor> offsets, int64_t block) {
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() && data.scalar_type() == torch::kUInt8, "data: contiguous uint8 [N, K * bits / 8]");
+  TORCH_CHECK(bits >= 4 && bits <= 6, "bits: 4, 5 or 6");
+  const int64_t n = data.size(0), step = 4 * bits, k = data.size(1) / step * 32;
+  TORCH_CHECK(data.size(1) % step == 0 && block > 0 && k % block == 0, "K a multiple of 32 and of the block");
+  TORCH_CHECK(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == torch::kInt64, "ids: contiguous int64 [T]");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+              scales.size(0) == n && scales.size(1) == k / block, "scales: contiguous float32 [N, K / block]");
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
+                offsets->scalar_type() == torch::kFloat32, "offsets: like scales");
+  }
+  const int64_t rows = ids.size(0);
+  auto out = torch::empty({rows, k}, scales.options());
+  const uint8_t* dp = data.data_ptr<uint8_t>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* fp = offsets.has_value() ? offsets->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int32_t bias = centered ? (1 << (bits - 1)) : 0;
+  int shift[32];
+  for (int i = 0; i < 32; ++i) {
+    const int low = i % 16, h = i / 16;
+    shift[i] = bits == 5 ? 16 * (low % 2) + 8 * h + low / 2 : 16 * (low % 4) + 8 * h + 2 * (low / 4);
+  }
+  const uint64_t high_mask = (uint64_t(1) << (bits - 4)) - 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t id = ip[r];
+    TORCH_CHECK(id >= 0 && id < n, "id ", id, " outside the weight's ", n, " rows");
+    const uint8_t* row = dp + id * data.size(1);
+    const float* row_scales = sp + id * (k / block);
+    const float* row_offsets = fp != nullptr ? fp + id * (k / block) : nullptr;
+    float* o = op + r * k;
+    for (int64_t s = 0; s < k / 32; ++s) {
+      const uint8_t* piece = row + s * step;
+      uint64_t plane = 0;
+      if (bits > 4) std::memcpy(&plane, piece + 16, static_cast<size_t>(step - 16));   // little-endian
+      for (int i = 0; i < 32; ++i) {
+        int32_t u = i < 16 ? (piece[i] & 15) : (piece[i - 16] >> 4);
+        if (bits > 4) u |= static_cast<int32_t>((plane >> shift[i]) & high_mask) << 4;
+        const int64_t input = s * 32 + i;
+        float value = float(u - bias) * row_scales[input / block];
+        if (row_offsets != nullptr) value = value + row_offsets[input / block];
+        o[input] = value;
+      }
+    }
+  }
+  return out;
+}
+
 // How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
 // number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
 int64_t parallel_threads(int64_t n) {
@@ -736,6 +884,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows (optionally + residual after it)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("norm_rope_", &norm_rope_, "per-head RMSNorm (optional) + rotate-half RoPE of q and k, in place");
+  m.def("norm_rope_qkv_", &norm_rope_qkv_, "norm_rope_ of the q and k heads of QKV rows, in place");
   m.def("act_and_mul", &act_and_mul, "act(gate) * up of [M, 2d]");
+  m.def("packed_rows", &packed_rows, "rows of a packed GGUF weight, dequantized to float32");
+  m.def("first_argmax", &first_argmax, "torch.argmax(dim=-1) of float32 rows, in two vectorized passes");
   m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
 }

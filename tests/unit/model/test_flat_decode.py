@@ -106,8 +106,8 @@ def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, dtype
     plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
     hidden_dtypes = []
     original_run = plan_class.run
-    monkeypatch.setattr(plan_class, "run", lambda self, hidden, batch: (
-        hidden_dtypes.append((hidden.dtype, self.dtype)), original_run(self, hidden, batch))[1])
+    monkeypatch.setattr(plan_class, "run", lambda self, hidden, batch, final_norm=None: (
+        hidden_dtypes.append((hidden.dtype, self.dtype)), original_run(self, hidden, batch, final_norm))[1])
     check_flat_against_modules(plan_class, rows,
                                lambda: decode_logits(hf_model, arch, rows, residual_dtype, dtype, blocks), monkeypatch)
     stream = torch.bfloat16 if residual_dtype == "model" else torch.float32
@@ -119,9 +119,9 @@ def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeyp
     runs = []
     original_run = plan_class.run
 
-    def counted_run(self: Any, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+    def counted_run(self: Any, hidden: torch.Tensor, batch: Any, final_norm: Any = None) -> torch.Tensor:
         runs.append(hidden.shape[0])
-        return original_run(self, hidden, batch)
+        return original_run(self, hidden, batch, final_norm)
 
     monkeypatch.setattr(plan_class, "run", counted_run)
     flat = decode()
@@ -148,9 +148,9 @@ def test_eagle_capture_sees_the_flat_steps(arch: str, algorithm: str, monkeypatc
     runs: list[int] = []
     original_run = plan_class.run
 
-    def counted_run(self: Any, hidden: torch.Tensor, batch: Any) -> torch.Tensor:
+    def counted_run(self: Any, hidden: torch.Tensor, batch: Any, final_norm: Any = None) -> torch.Tensor:
         runs.append(hidden.shape[0])
-        return original_run(self, hidden, batch)
+        return original_run(self, hidden, batch, final_norm)
 
     monkeypatch.setattr(plan_class, "run", counted_run)
 

@@ -122,6 +122,30 @@ def test_norm_rope_in_place(dtype: torch.dtype, norm_kind: type | None, tokens: 
     assert fused_q.data_ptr() == q.data_ptr()                    # in place on the QKV output
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 14, 2, 64), (3, 4, 1, 256), (300, 3, 3, 10)])
+def test_norm_rope_qkv_equals_it_on_the_views(dtype: torch.dtype, offset: bool, tokens: int, heads: int,
+                                              kv_heads: int, head_dim: int) -> None:
+    """``norm_rope_qkv_`` on the QKV rows whole (a row stride past their width) writes the same bits as
+    ``norm_rope_`` on their q and k views, with and without the per-head norms; v is left as it was."""
+    torch.manual_seed(4)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(tokens, width + 8) * 2).to(dtype)[:, :width]
+    cos, sin = torch.randn(tokens, head_dim).to(dtype), torch.randn(tokens, head_dim).to(dtype)
+    ops = fused._module()
+    for weights in ((None, None), (torch.randn(head_dim).to(dtype), torch.randn(head_dim).to(dtype))):
+        expected = qkv.clone()
+        q, k, _ = expected.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        ops.norm_rope_(q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), cos, sin, *weights,
+                       1e-6, offset)
+        actual = qkv.clone()
+        ops.norm_rope_qkv_(actual, heads, kv_heads, cos, sin, *weights, 1e-6, offset)
+        assert torch.equal(actual, expected)
+        assert not torch.equal(actual, qkv) and torch.equal(actual[:, (heads + kv_heads) * head_dim:],
+                                                           qkv[:, (heads + kv_heads) * head_dim:])
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("rows,width", [(1, 2048), (4, 37), (32, 80), (300, 2048)])

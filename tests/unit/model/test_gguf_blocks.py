@@ -356,3 +356,34 @@ def test_k_quant_factors_rebuild_the_scales(kind: str, monkeypatch: pytest.Monke
         assert torch.equal(weight.offset_factors.values().view(torch.int32), weight.offsets.view(torch.int32))
     taken = weight.permute_rows(torch.tensor([6, 2]))
     assert taken.scale_factors is not None and torch.equal(taken.scale_factors.values(), taken.scales)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_from_packed_codes_in_one_call(kind: str, dtype: torch.dtype) -> None:
+    """An embedding lookup of a packed weight (4, 5, 6 bits, centered or not, with and without offsets)
+    in the fused ops' one call gives torch's unpack-and-scale floats bit for bit, and the weight's own
+    dequantized rows; Q8_0's codes (not packed) keep the torch path."""
+    from servelm.model.gguf.gguf_linear import BlockRows
+    from servelm.model.layers import fused
+
+    if fused.load_kernel() is None:
+        pytest.skip(fused.kernel_status())
+    rows, cols = 40, 512
+    weight = repack(random_raw(kind, rows, cols, seed=3), (rows, cols), kind)
+    expected_rows = weight.dequantize()
+    if weight.with_packed() is not None:
+        weight.drop_codes()
+    lookup = BlockRows(weight, dtype)
+    ids = torch.tensor([[3, 39, 0], [3, 17, 5]])
+    native = lookup(ids)
+    fused.set_enabled(False)
+    try:
+        reference = lookup(ids)
+    finally:
+        fused.set_enabled(True)
+    assert native.dtype == dtype and native.shape == (2, 3, cols)
+    assert torch.equal(native, reference)
+    assert torch.equal(native, expected_rows[ids].to(dtype))
+    with pytest.raises((RuntimeError, IndexError)):   # an id past the rows: the kernel checks, as indexing does
+        lookup(torch.tensor([rows]))

@@ -160,6 +160,38 @@ def test_write_and_attend_equals_index_copy_then_attend(num_heads: int, num_kv_h
                                       0.125, kernel)
 
 
+
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (6, 2, 32)])
+def test_write_and_attend_qkv_equals_it_on_the_views(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                      dtype: torch.dtype, tiled: bool, kernel: ModuleType,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The QKV rows whole (a row stride past their width, as a narrowed output gives): the same pools
+    and the same floats as ``write_and_attend`` on their q, k, v views."""
+    monkeypatch.setattr(paged_decode, "TILED", tiled)
+    spans = [23, 1, 5]
+    _, k_pool, v_pool, slots, span_tensor = pool_case(num_heads, num_kv_heads, head_dim, dtype, spans, 23, 3)
+    rows, width = len(spans), (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(rows, width + 16).to(dtype)[:, :width]
+    q, k, v = qkv.split_with_sizes([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = (q.view(rows, num_heads, head_dim), k.view(rows, num_kv_heads, head_dim),
+               v.view(rows, num_kv_heads, head_dim))
+    slot_mapping = slots[torch.arange(rows), span_tensor - 1].contiguous()
+    k_expected, v_expected = k_pool.clone(), v_pool.clone()
+    expected = paged_decode.write_and_attend(q, k, v, k_expected, v_expected, slot_mapping, slots, span_tensor, 0.125,
+                                             kernel)
+    out = paged_decode.write_and_attend_qkv(qkv, num_heads, k_pool, v_pool, slot_mapping, slots, span_tensor, 0.125,
+                                            kernel)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    assert torch.equal(k_pool, k_expected) and torch.equal(v_pool, v_expected)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_decode.write_and_attend_qkv(qkv, num_heads, k_pool, v_pool, slot_mapping + k_pool.shape[0], slots,
+                                          span_tensor, 0.125, kernel)
+    with pytest.raises(RuntimeError, match="H \\+ 2 Hkv"):
+        paged_decode.write_and_attend_qkv(qkv, num_heads + 1, k_pool, v_pool, slot_mapping, slots, span_tensor,
+                                          0.125, kernel)
+
 class CountingBuild:
     """A build whose ``decode_attention`` and ``write_and_attend`` calls are counted (its ISA and lanes
     as they are)."""
@@ -175,6 +207,11 @@ class CountingBuild:
     def write_and_attend(self, *args: object) -> torch.Tensor:
         self.calls += 1
         out: torch.Tensor = self.module.write_and_attend(*args)
+        return out
+
+    def write_and_attend_qkv(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.module.write_and_attend_qkv(*args)
         return out
 
 
