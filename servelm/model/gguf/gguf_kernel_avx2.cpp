@@ -439,6 +439,7 @@ struct BlockValues {
   int64_t row_bytes = 0;   // bytes per weight row
   int64_t nb = 0;          // values per row: K / B
   int64_t per_super = 0;   // kSubScaled: blocks per 256 inputs (8 or 16)
+  int super_shift = 0;     // kSubScaled: log2(per_super)
 
   BlockValues() = default;
   BlockValues(const torch::Tensor& t, int64_t n, int64_t k, int64_t block, const char* what) : nb(k / block) {
@@ -458,6 +459,7 @@ struct BlockValues {
       layout = kSubScaled;
       row_bytes = nb + 4 * (k / 256);
       per_super = 256 / block;
+      super_shift = block == 32 ? 3 : 4;
     }
   }
 
@@ -489,17 +491,14 @@ struct BlockValues {
     }
     const int8_t* sub = reinterpret_cast<const int8_t*>(r);
     const uint8_t* multipliers = r + nb;
-    // nb and per_super are multiples of 8: one multiplier per 8 values, taken per super-block (a
-    // b / per_super per 8 values was a 64-bit division: ~30% of a hot Q4_K one-row call went to the
-    // widening of its scale and offset rows)
-    for (int64_t s = 0; s < nb / per_super; ++s) {
+    // nb and per_super (8 or 16) are multiples of 8: one multiplier per 8 values, at b >> super_shift
+    // (b / per_super was a 64-bit division per 8 values: with the rest of the widening of the scale and
+    // offset rows, ~30% of a hot Q4_K one-row call)
+    for (int64_t b = 0; b < nb; b += 8) {
       float m;
-      std::memcpy(&m, multipliers + 4 * s, sizeof(m));
-      const __m256 multiplier = _mm256_set1_ps(m);
-      for (int64_t b = s * per_super; b < (s + 1) * per_super; b += 8) {
-        const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + b))));
-        _mm256_storeu_ps(buffer + b, scaled(b, _mm256_mul_ps(wide, multiplier)));
-      }
+      std::memcpy(&m, multipliers + 4 * (b >> super_shift), sizeof(m));
+      const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + b))));
+      _mm256_storeu_ps(buffer + b, scaled(b, _mm256_mul_ps(wide, _mm256_set1_ps(m))));
     }
     return buffer;
   }
