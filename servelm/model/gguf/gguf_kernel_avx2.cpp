@@ -283,23 +283,18 @@ struct IntActivations {
   }
 
   // kBias x the sums of activation row r0's inputs that each int32 lane of the one-row pass's products
-  // covers [k / 32, 8] (block 32: lane l of step c covers inputs 32c + 2l, 2l + 1, 16 + 2l, 17 + 2l) or
-  // [k / 32, 2, 8] (block 16: the two halves' lanes apart): madd(u, x) - correction is madd(u - kBias, x)
-  // exactly (int32, |values| < 2^24), so the products are those of the codes themselves.
-  const int32_t* bias_correction(int bias, int64_t block, int64_t r0) const {
+  // covers [k / 32, 8] (block 32: lane l of step c covers inputs 32c + 2l, 2l + 1, 16 + 2l, 17 + 2l):
+  // madd(u, x) - correction is madd(u - kBias, x) exactly (int32, |values| < 2^24), so the products are
+  // those of the codes themselves. Block 16 (two sums per lane and step) subtracts kBias from the codes.
+  const int32_t* bias_correction(int bias, int64_t r0) const {
     const int64_t steps = k / kActBlock;
-    int32_t* out = scratch<int32_t>(0, steps * 16);
+    int32_t* out = scratch<int32_t>(0, steps * 8);
     const __m256i b = _mm256_set1_epi16(static_cast<int16_t>(bias));
     const int16_t* xq = codes + r0 * k;
     for (int64_t c = 0; c < steps; ++c) {
       const __m256i s0 = _mm256_madd_epi16(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32)));
       const __m256i s1 = _mm256_madd_epi16(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16)));
-      if (block == 32) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 8), _mm256_add_epi32(s0, s1));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 16), s0);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 16 + 8), s1);
-      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 8), _mm256_add_epi32(s0, s1));
     }
     return out;
   }
@@ -307,7 +302,7 @@ struct IntActivations {
   // One activation row (r0) against NW weight rows (w, w + row_bytes, ...): NW independent
   // accumulator chains sharing the activation loads; each row's arithmetic and order exactly dot<1>'s.
   // ``scaled`` [NW, nb]: each row's weight scales times the activation scale of their inputs (the same
-  // float32 products dot<1> forms per step); ``correction``: bias_correction's for Codes::kBias.
+  // float32 products dot<1> forms per step); ``correction``: bias_correction's for Codes::kBias (block 32).
   template <int NW, class Codes>
   void dot_rows(const uint8_t* w, int64_t row_bytes, const float* scaled, int64_t nb, const int32_t* correction,
                 int64_t block, int64_t r0, float* out) const {
@@ -340,13 +335,11 @@ struct IntActivations {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * 32 + 16));
         for (int r = 0; r < NW; ++r) {
+          // the codes themselves (stored values minus kBias in int16: two subtractions either way, and
+          // no [k / 32, 16] correction table sharing the L1 with the rows' stream)
           __m256i w0, w1;
-          Codes::load_stored(w + r * row_bytes, c, w0, w1);
-          __m256i p0 = _mm256_madd_epi16(w0, x0), p1 = _mm256_madd_epi16(w1, x1);
-          if constexpr (Codes::kBias != 0) {
-            p0 = _mm256_sub_epi32(p0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + c * 16)));
-            p1 = _mm256_sub_epi32(p1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(correction + c * 16 + 8)));
-          }
+          Codes::load(w + r * row_bytes, c, w0, w1);
+          const __m256i p0 = _mm256_madd_epi16(w0, x0), p1 = _mm256_madd_epi16(w1, x1);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(scaled + r * nb + 2 * c), acc[r]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(scaled + r * nb + 2 * c + 1), acc[r]);
         }
@@ -446,6 +439,7 @@ struct BlockValues {
   int64_t row_bytes = 0;   // bytes per weight row
   int64_t nb = 0;          // values per row: K / B
   int64_t per_super = 0;   // kSubScaled: blocks per 256 inputs (8 or 16)
+  int super_shift = 0;     // kSubScaled: log2(per_super)
 
   BlockValues() = default;
   BlockValues(const torch::Tensor& t, int64_t n, int64_t k, int64_t block, const char* what) : nb(k / block) {
@@ -465,6 +459,7 @@ struct BlockValues {
       layout = kSubScaled;
       row_bytes = nb + 4 * (k / 256);
       per_super = 256 / block;
+      super_shift = block == 32 ? 3 : 4;
     }
   }
 
@@ -496,9 +491,12 @@ struct BlockValues {
     }
     const int8_t* sub = reinterpret_cast<const int8_t*>(r);
     const uint8_t* multipliers = r + nb;
-    for (int64_t b = 0; b < nb; b += 8) {   // nb and per_super are multiples of 8: one multiplier per 8
+    // nb and per_super (8 or 16) are multiples of 8: one multiplier per 8 values, at b >> super_shift
+    // (b / per_super was a 64-bit division per 8 values: with the rest of the widening of the scale and
+    // offset rows, ~30% of a hot Q4_K one-row call)
+    for (int64_t b = 0; b < nb; b += 8) {
       float m;
-      std::memcpy(&m, multipliers + 4 * (b / per_super), sizeof(m));
+      std::memcpy(&m, multipliers + 4 * (b >> super_shift), sizeof(m));
       const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + b))));
       _mm256_storeu_ps(buffer + b, scaled(b, _mm256_mul_ps(wide, _mm256_set1_ps(m))));
     }
@@ -571,7 +569,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
         for (int64_t b = 0; b < nb; ++b) twice[b] = xs[b / 2];
         xs_blocks = twice;
       }
-      if (Codes::kBias != 0) correction = acts.bias_correction(Codes::kBias, block, one_row);
+      if (Codes::kBias != 0 && block == 32) correction = acts.bias_correction(Codes::kBias, one_row);
     }
   }
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
