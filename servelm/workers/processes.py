@@ -2,8 +2,7 @@
 
 A rank process imports what its job needs (torch, the runner: seconds of CPU), then reads its
 ``WorkerInit`` from stdin. ``spawn_worker`` starts one and writes its job at once; a process that
-knows it will need ranks before it knows their jobs (an engine process waiting for its own job, a
-node waiting for node 0) calls ``start_waiting_workers`` first, and ``spawn_worker`` then hands
+knows it will need ranks before it knows their jobs (an engine process waiting for its own job) calls ``start_waiting_workers`` first, and ``spawn_worker`` then hands
 the jobs to those, so their imports overlap the wait instead of following it.
 
 Invariants: a waiting process is given one job at most, and only if it was started with the
