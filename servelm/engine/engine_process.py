@@ -9,8 +9,6 @@ arrives, so the engine's imports stay at the top.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import os
 import signal
@@ -29,6 +27,7 @@ from servelm.engine.heap import IdleTrim
 from servelm.engine.monitor import StatsLogger, Watchdog
 from servelm.engine.warmup import freeze_start_up_objects, warm_up_for_serving
 from servelm.logging_utils import configure_logging, watch_gc
+from servelm.workers.processes import preload
 
 PRELOADED = ("transformers.activations", "servelm.model.source", "servelm.model.runner", "xgrammar")
 """Modules every job's load imports, imported with this module, before the job: ``LLMEngine`` imports
@@ -38,14 +37,7 @@ another core. transformers builds every model's config (its activations module p
 config classes import: torch.distributed.tensor, sympy); xgrammar is the default grammar backend."""
 
 
-def _preload() -> None:
-    for name in PRELOADED:
-        # one that fails to import fails again where the job imports it, and is reported there
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-
-
-_preload()
+preload(PRELOADED)
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,10 @@
 
 A rank process imports what its job needs (torch, the runner: seconds of CPU), then reads its
 ``WorkerInit`` from stdin. ``spawn_worker`` starts one and writes its job at once; a process that
-knows it will need ranks before it knows their jobs (an engine process waiting for its own job) calls ``start_waiting_workers`` first, and ``spawn_worker`` then hands
-the jobs to those, so their imports overlap the wait instead of following it.
+knows it will need ranks before it knows their jobs (an engine process waiting for its own job)
+calls ``start_waiting_workers`` first, and ``spawn_worker`` then hands the jobs to those, so their
+imports overlap the wait instead of following it (``preload``: what a process started ahead of its
+job imports while it waits, a rank's or the engine process's own).
 
 Invariants: a waiting process is given one job at most, and only if it was started with the
 environment the job asks for (the OpenMP variables are read once, when it imports torch);
@@ -14,10 +16,13 @@ starts its ranks before it imports the engine.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import pickle
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +31,15 @@ from servelm.model.threads import openmp_environment
 
 if TYPE_CHECKING:
     from servelm.workers.messages import WorkerInit
+
+
+def preload(modules: Iterable[str]) -> None:
+    """Import ``modules`` now, in a process started ahead of its job, so their seconds of CPU overlap
+    the wait. One that fails to import is skipped: it fails again where the job imports it, and is
+    reported there."""
+    for name in modules:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def worker_environment(omp_wait_policy: str) -> dict[str, str]:

@@ -11,8 +11,6 @@ and ends the process: its peers' collectives then fail at once, and the engine r
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import os
 import pickle
@@ -22,6 +20,7 @@ import traceback
 from typing import Any
 
 from servelm.distributed.lifetime import die_with_parent
+from servelm.workers.processes import preload
 
 logger = logging.getLogger("servelm.workers.worker")
 
@@ -34,20 +33,13 @@ imported by ``main`` before it reads the job: a rank process started before its 
 start-up's path after the job arrives."""
 
 
-def _preload() -> None:
-    for name in PRELOADED:
-        # one that fails to import fails again where the job imports it, and is reported there
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-
-
 def main() -> None:
     parent_pid = os.getppid()
     die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the engine decides when its ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _preload()
+    preload(PRELOADED)
     try:
         init = pickle.load(sys.stdin.buffer)
     except EOFError:  # started ahead of a job that never came (the start failed or needed fewer ranks)
