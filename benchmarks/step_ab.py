@@ -160,13 +160,12 @@ def without(change: str) -> Iterator[None]:
             ops.norm_rope_qkv_ = rows_rope
     elif change == "list_rows":
         from servelm.model import forward_batch as batch_module
-        from servelm.model.attention import torch_native as native_module
-        rows = batch_module.LIST_ROWS, native_module.LIST_ROWS
-        batch_module.LIST_ROWS = native_module.LIST_ROWS = 0
+        rows = batch_module.LIST_ROWS
+        batch_module.LIST_ROWS = 0   # the batch's and the attention groups' limit
         try:
             yield
         finally:
-            batch_module.LIST_ROWS, native_module.LIST_ROWS = rows
+            batch_module.LIST_ROWS = rows
     elif change == "packed_rows":
         from servelm.model.layers import fused as rows_module
         one_call: Any = rows_module.packed_rows

@@ -83,9 +83,8 @@ def instrument(engine: LLMEngine, times: CallTimes) -> None:
         step.ops = _TimedOps(step.ops, times)
 
     flat_decode.DecodeStep.__init__ = init  # type: ignore[method-assign]
-    for name in ("write_and_attend", "write_and_attend_qkv"):
-        if hasattr(paged_decode, name):
-            setattr(paged_decode, name, times.wrap(f"attention kernel ({name})", getattr(paged_decode, name)))
+    attend = times.wrap("attention kernel (write_and_attend_qkv)", paged_decode.write_and_attend_qkv)
+    paged_decode.write_and_attend_qkv = attend  # type: ignore[assignment]
     plan.run = times.wrap("layers (plan.run)", plan.run)
     build = ForwardBatch.build.__func__  # type: ignore[attr-defined]
     ForwardBatch.build = classmethod(times.wrap("ForwardBatch.build", build))  # type: ignore[method-assign]

@@ -40,7 +40,8 @@ from servelm.model.layers.linear import LoRAGroup
 LIST_ROWS = 64
 """Up to this many token rows a batch's positions and slots are computed in Python's lists and made
 one tensor each (a decode step's few rows: the dozen small torch ops they replace cost ~10 us each,
-cold, in a one-stream step); past it by torch's ops (a prompt's thousands of rows). The same values."""
+cold, in a one-stream step); past it by torch's ops (a prompt's thousands of rows). The same values.
+The torch_native backend's attention groups take the same limit for their query rows."""
 
 
 @dataclass(slots=True)

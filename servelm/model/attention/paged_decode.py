@@ -17,10 +17,11 @@ compiles them (about a minute on 2 cores).
 registers, arithmetic in float32; q of either dtype), head_dim a multiple of the build's lanes (16,
 AVX2: 8), CPU.
 
-``write_and_attend`` is the flat decode path's one call per layer: K/V written into the pools (as
-``index_copy_``) and the kernel on q read in place from the QKV projection's rows (2 x ``index_copy_``,
-q's copy, ``.to`` and ``.view`` were ~40 us of a one-stream layer's ~80, 1 thread, loaded machine);
-``write_and_attend_qkv`` takes the QKV projection's rows whole (no split, no views).
+``write_and_attend_qkv`` is the flat decode path's one call per layer: K/V written into the pools (as
+``index_copy_``) and the kernel on q read in place from the QKV projection's rows, taken whole (no
+split, no views; 2 x ``index_copy_``, q's copy, ``.to`` and ``.view`` were ~40 us of a one-stream
+layer's ~80, 1 thread, loaded machine). ``write_and_attend`` does the same on q, k, v views (the
+equality tests' reference, and step_ab.py's ``qkv_rows`` baseline).
 
 Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
 keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers and prefetches

@@ -46,14 +46,9 @@ import torch.nn.functional as F
 
 from servelm.model.attention import paged_decode, prefill_attention, prefill_gemm, prefill_routes
 from servelm.model.attention.base import Attention, PositionBias
+from servelm.model import forward_batch
 from servelm.model.forward_batch import DraftTree, ForwardBatch
 
-
-LIST_ROWS = 64
-"""Up to this many query rows a group's tensors are made from Python's lists (a decode step of a few
-streams: the ~15 small torch ops they replace cost 5-10 us apiece, more cold, in a one-stream step);
-past it by torch's ops. The same values. (A view's slots stay torch's: a list per column costs more
-than the ops from a few hundred columns on.)"""
 
 BUCKET_RATIO = 2
 BUCKET_MIN_COLUMNS = 256
@@ -350,7 +345,10 @@ class TorchNativeAttention:
                num_tokens: int, device: torch.device) -> _Group:
         lens = [batch.query_lens[i] for i in members]
         max_query = max(lens)
-        if len(members) * max_query <= LIST_ROWS:
+        # up to the batch's LIST_ROWS query rows, from Python's lists (the ~15 small torch ops they
+        # replace cost 5-10 us apiece in a one-stream step); a view's slots stay torch's: a list per
+        # column costs more than the ops from a few hundred columns on
+        if len(members) * max_query <= forward_batch.LIST_ROWS:
             return TorchNativeAttention._small_group(batch, table, members, query_starts, num_tokens, device, lens,
                                                      max_query)
         query_lens = torch.tensor(lens, dtype=torch.int64)
@@ -384,7 +382,7 @@ class TorchNativeAttention:
     @staticmethod
     def _small_group(batch: ForwardBatch, table: torch.Tensor, members: list[int], query_starts: list[int],
                      num_tokens: int, device: torch.device, lens: list[int], max_query: int) -> _Group:
-        """``_group``'s tensors from Python's lists (at most ``LIST_ROWS`` query rows): the same values."""
+        """``_group``'s tensors from Python's lists (at most ``forward_batch.LIST_ROWS`` query rows): the same values."""
         starts = [batch.start_positions[i] for i in members]
         row_starts = [query_starts[i] for i in members]
         valid = [j < n for n in lens for j in range(max_query)]

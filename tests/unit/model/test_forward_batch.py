@@ -55,7 +55,6 @@ def test_few_rows_from_lists_equal_the_torch_ops(monkeypatch: pytest.MonkeyPatch
     lists) equal what the torch ops make of them: decodes, a chunk, a draft tree, a mixed batch, LoRA
     rows (the same build at any size)."""
     from servelm.model import forward_batch
-    from servelm.model.attention import torch_native
     from servelm.model.forward_batch import DraftTree
 
     plans = [
@@ -72,7 +71,6 @@ def test_few_rows_from_lists_equal_the_torch_ops(monkeypatch: pytest.MonkeyPatch
         built = ForwardBatch.build(plan, block_size=4, device=torch.device("cpu"), attention=backend)
         with monkeypatch.context() as patched:
             patched.setattr(forward_batch, "LIST_ROWS", 0)
-            patched.setattr(torch_native, "LIST_ROWS", 0)
             reference = ForwardBatch.build(plan, block_size=4, device=torch.device("cpu"), attention=backend)
         _assert_same(built, reference)
         for group, reference_group in zip(built.attn_metadata.groups, reference.attn_metadata.groups, strict=True):
