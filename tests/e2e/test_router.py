@@ -5,11 +5,13 @@ worker took a request is never retried, and with no worker left the answer is a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -24,9 +26,22 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
 @pytest.fixture(scope="module")
-def workers():
-    with running_together(ServerProcess(WORKER_ARGS), ServerProcess(WORKER_ARGS)) as both:
-        yield both
+def worker_pool() -> Iterator[list[ServerProcess]]:
+    """The module's two workers, started together; the killed-worker test ends the first (the
+    victim it needs: no third start), and the ``workers`` fixture starts it again for a test after it."""
+    with contextlib.ExitStack() as stack:
+        pool = list(stack.enter_context(running_together(ServerProcess(WORKER_ARGS), ServerProcess(WORKER_ARGS))))
+        stack.callback(lambda: [server.__exit__(None, None, None) for server in pool])
+        yield pool
+
+
+@pytest.fixture
+def workers(worker_pool: list[ServerProcess]) -> tuple[ServerProcess, ...]:
+    """The two running workers (one that a test killed is started again first)."""
+    for index, server in enumerate(worker_pool):
+        if server.process is None or server.process.poll() is not None:
+            worker_pool[index] = ServerProcess(WORKER_ARGS).__enter__()
+    return tuple(worker_pool)
 
 
 def post(base_url: str, path: str, body: dict) -> httpx.Response:
@@ -179,38 +194,37 @@ def test_no_worker_answers_503_at_once() -> None:
 
 
 def test_a_killed_worker_leaves_the_rotation_and_a_started_stream_is_never_retried(workers) -> None:
-    _, survivor = workers
+    victim, survivor = workers  # the module's first worker ends here (started again if needed)
     # probes once a minute: what happens below is the routing path's own doing
     slow_probes = ["--policy", "round_robin", "--health-check-interval-s", "60"]
     short = {"model": MODEL, "prompt": "The sky is", "max_tokens": 4, "temperature": 0}
     expected_text = post(survivor.base_url, "/v1/completions", short).json()["choices"][0]["text"]
-    with ServerProcess(WORKER_ARGS) as victim:
-        with RouterProcess(["--worker", victim.base_url, survivor.base_url, *slow_probes]) as router:
-            # round robin: the first request (a long stream) goes to the victim; kill it mid-way
-            events: list[dict] = []
-            body = {**short, "max_tokens": 300, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{router.base_url}/v1/completions", json=body, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data:") and line != "data: [DONE]":
-                        events.append(json.loads(line[5:]))
-                        if len(events) == 3:
-                            assert victim.process is not None
-                            os.kill(victim.process.pid, signal.SIGKILL)
-            assert 3 <= len(events) < 300
-            assert "error" in events[-1] and victim.base_url in events[-1]["error"]["message"]
-            assert router.workers()[survivor.base_url]["num_requests"] == 0  # not re-sent
-            # the 2nd request goes to the survivor; the 3rd to the victim, whose refused
-            # connection takes it out of rotation and sends the request (once) to the survivor
-            for _ in range(3):
-                response = post(router.base_url, "/v1/completions", short)
-                assert response.status_code == 200
-                assert [c["text"] for c in response.json()["choices"]] == [expected_text]
-            view = router.workers()
-            assert not view[victim.base_url]["is_healthy"]
-            assert view[survivor.base_url]["num_requests"] == 3
-            assert view[victim.base_url]["num_errors"] == 2 and view[victim.base_url]["num_in_flight"] == 0
-            metrics = httpx.get(f"{router.base_url}/metrics", timeout=10).text
-            assert "servelm_router_retries_total 1" in metrics
+    with RouterProcess(["--worker", victim.base_url, survivor.base_url, *slow_probes]) as router:
+        # round robin: the first request (a long stream) goes to the victim; kill it mid-way
+        events: list[dict] = []
+        body = {**short, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{router.base_url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    events.append(json.loads(line[5:]))
+                    if len(events) == 3:
+                        assert victim.process is not None
+                        os.kill(victim.process.pid, signal.SIGKILL)
+        assert 3 <= len(events) < 300
+        assert "error" in events[-1] and victim.base_url in events[-1]["error"]["message"]
+        assert router.workers()[survivor.base_url]["num_requests"] == 0  # not re-sent
+        # the 2nd request goes to the survivor; the 3rd to the victim, whose refused
+        # connection takes it out of rotation and sends the request (once) to the survivor
+        for _ in range(3):
+            response = post(router.base_url, "/v1/completions", short)
+            assert response.status_code == 200
+            assert [c["text"] for c in response.json()["choices"]] == [expected_text]
+        view = router.workers()
+        assert not view[victim.base_url]["is_healthy"]
+        assert view[survivor.base_url]["num_requests"] == 3
+        assert view[victim.base_url]["num_errors"] == 2 and view[victim.base_url]["num_in_flight"] == 0
+        metrics = httpx.get(f"{router.base_url}/metrics", timeout=10).text
+        assert "servelm_router_retries_total 1" in metrics
 
 
 def wait_for(predicate, timeout_s: float = 60) -> bool:
