@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF load of a Llama-family file does the same pure work more than once:
+    gguf-py's GGUFReader parses the file (metadata and vocabulary, in Python) once for the config
+    and again for the weights, and ``get_tensor_name_map(arch, layers)`` builds the same name table
+    for every module of the model (~400 times for SmolLM2). Within this context both give the
+    result of their first call for the same arguments (read-only objects: the reader's memory map
+    opened read-only, the name table only looked up), so the load does each once; it is the same
+    load with the same values (about 15 s less for SmolLM2-135M on a 2-core box)."""
+    try:
+        import gguf
+    except ImportError:  # transformers says so itself
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(reader)
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def load_reference_model(path: Path, gguf_file: str | None = None):  # type: ignore[no-untyped-def]
     """A float32 transformers model from an HF directory, or from ``gguf_file`` inside ``path``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, dtype=torch.float32)
+    with _gguf_parsed_once() if gguf_file else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None  # plain greedy: like ignore_eos, EOS is just a token
     return model
