@@ -50,14 +50,17 @@ def test_a_failed_build_is_reported_failed(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_a_second_run_loads_every_kernel_from_the_cache() -> None:
-    """What setup.sh builds is what serving loads: a second run builds nothing."""
+    """What setup.sh builds is what serving loads: a second run builds nothing. Where the cache
+    was already complete (setup.sh or the test session's start built every kernel, as in CI),
+    the first run is that second run and is not repeated (~10 s on a 2-core box)."""
     command = [sys.executable, "-m", "servelm", "build-kernels", "--jobs", "2"]
-    first = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stdout + first.stderr
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stdout + second.stderr
-    rows = second.stdout.splitlines()[:-1]
+    last = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert last.returncode == 0, last.stdout + last.stderr
+    if not all(row.split()[1:2] in (["cached"], ["skipped"]) for row in last.stdout.splitlines()[:-1]):
+        last = subprocess.run(command, capture_output=True, text=True, timeout=300)  # it built some
+        assert last.returncode == 0, last.stdout + last.stderr
+    rows = last.stdout.splitlines()[:-1]
     kernels = [kernel for name in kernel_build.kernel_modules()
                for kernel in kernel_build._module_kernels(sys.modules[name])]
     assert [row.split()[0] for row in rows] == [kernel.name for kernel in kernels]
-    assert all(row.split()[1] in ("cached", "skipped") for row in rows), second.stdout
+    assert all(row.split()[1] in ("cached", "skipped") for row in rows), last.stdout
