@@ -1,5 +1,6 @@
 """Shared live servers: one for the operations tests (metrics, logging, CORS, limits, bad input),
-one behind an API key for the openai-client and playground tests."""
+one behind an API key for the openai-client and playground tests, one for the client-compatibility
+and structured-output tests."""
 
 from __future__ import annotations
 
@@ -34,6 +35,22 @@ def keyed_server():
     client tests (test_server_live) and the playground browser test share it."""
     args = [KEYED_MODEL, "--api-key", KEYED_API_KEY, "--num-threads", "1", "--max-total-tokens", "8192",
             "--context-length", "2048"]
+    with ServerProcess(args) as running:
+        yield running
+
+
+CLIENTS_MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def clients_server():
+    """SmolLM2-135M in float32 with one thread, a 2048-token context, the TGI routes and the
+    qwen25 tool-call parser: the client-compatibility tests (test_clients_live) and the
+    structured-output and tool-call tests (test_structured_live) share it (one start instead of
+    two). float32: test_clients_live compares two requests token for token, and on a CPU with bf16
+    GEMMs the default (GGUF blocks with a bf16 rest) may round a prefix-cache hit differently."""
+    args = [CLIENTS_MODEL, "--num-threads", "1", "--use_tgi_api", "--context-length", "2048",
+            "--max-total-tokens", "8192", "--dtype", "float32", "--tool-call-parser", "qwen25"]
     with ServerProcess(args) as running:
         yield running
 

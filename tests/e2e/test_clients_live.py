@@ -16,12 +16,10 @@ MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def server():
-    # float32: the tests compare two requests token for token, and on a CPU with bf16 GEMMs the
-    # default (GGUF blocks with a bf16 rest) may round a prefix-cache hit differently.
-    with ServerProcess([MODEL, "--num-threads", "1", "--use_tgi_api", "--context-length", "2048",
-                        "--max-total-tokens", "8192", "--dtype", "float32"]) as running:
-        yield running
+def server(clients_server):
+    """The session's clients server (SmolLM2-135M, float32, one thread, the TGI routes; shared with
+    test_structured_live): float32 because the tests compare two requests token for token."""
+    return clients_server
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from .server_process import ServerProcess
-
 MODEL = "smollm2-135m"
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -30,10 +28,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and the t
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess([MODEL, "--max-total-tokens", "8192", "--context-length", "2048",
-                        "--tool-call-parser", "qwen25"]) as running:
-        yield running
+def server(clients_server):
+    """The session's clients server (SmolLM2-135M with --tool-call-parser qwen25, a 2048-token
+    context; shared with test_clients_live)."""
+    return clients_server
 
 
 @pytest.fixture(scope="module")
@@ -127,13 +125,16 @@ def test_tool_choice_auto_answers(client):
         assert chat.choices[0].finish_reason == "tool_calls"
 
 
-def test_vllm_and_sglang_forms(server, client):
+def test_vllm_and_sglang_forms(ops_server, client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}],
                                           max_tokens=10, extra_body={"guided_choice": ["left", "right"]})
     assert chat.choices[0].message.content in ("left", "right")
     completion = client.completions.create(model=MODEL, prompt="Date:", max_tokens=20, seed=2,
                                            extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]"})
     assert re.fullmatch(r"20[0-9]{2}-[01][0-9]", completion.choices[0].text)
+    # SGLang's /generate on the operations server (the same model): the clients server answers
+    # /generate in TGI's form (--use_tgi_api)
+    server = ops_server
     body = httpx.post(f"{server.base_url}/generate", timeout=60, json={
         "text": "Answer:", "sampling_params": {"max_new_tokens": 20, "regex": "(yes|no)!"}}).json()
     assert body["text"] in ("yes!", "no!")
