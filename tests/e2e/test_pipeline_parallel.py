@@ -45,7 +45,10 @@ def run_engine(model: str, tp_size: int, pp_size: int, **flags: Any) -> tuple[li
         engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_mqa"])
+# llama with -m slow: the same tiny Llama in two stages (one layer each, tied head), with the same
+# prompts and flags, runs in the default suite in test_tp2_x_pp2_engine_matches_tp1 (two TP ranks
+# a stage), and gemma3_mqa's case checks the one-rank-a-stage path and layout (tied head too)
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "gemma3_mqa"])
 def test_pp2_engine_matches_pp1_on_tiny_models(tmp_path: Path, arch: str) -> None:
     """Tiny Llama (2 layers: one per stage) and Gemma 3 (4 layers, tied head: the last stage loads
     the embedding as its LM head); the long prompt is chunked so prefill chunks and decodes share
@@ -77,6 +80,7 @@ def test_tp2_x_pp2_engine_matches_tp1(tmp_path: Path) -> None:
     assert got == expected
     assert layout["tp_size"] == 2 and layout["pp_size"] == 2
     assert [(r["tp_rank"], r["pp_rank"]) for r in layout["ranks"]] == [(0, 1), (1, 1), (0, 0), (1, 0)]
+    assert all(r["num_kv_heads"] == 1 for r in layout["ranks"])  # GQA 4/2: one KV head a TP rank
 
 
 def check_server_parity(model: str, num_new_tokens: int, parallel_flags: list[str]) -> dict[str, Any]:
