@@ -41,7 +41,11 @@ def run_engine(model: str, tp_size: int, prompts: list[list[int]], **flags: Any)
         engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_mqa"])
+# llama with -m slow: the same tiny Llama (GQA 4/2: one KV head a rank) at TP=2 with the same
+# chunked prefill and pages runs in the default suite in test_pipeline_parallel's
+# test_tp2_x_pp2_engine_matches_tp1 (two TP ranks in each of two stages; it checks the one KV head
+# a rank too), and test_tp2_server_matches_tp1_smollm2 runs a GQA model at TP=2 without stages
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "gemma3_mqa"])
 def test_tp2_engine_matches_tp1_on_tiny_models(tmp_path: Path, arch: str) -> None:
     """Tiny Llama (GQA 4/2) and a Gemma 3 with one KV head (replicated on both ranks); the long
     prompt is chunked (--chunked-prefill-size 8) so prefill chunks and decodes share steps."""
