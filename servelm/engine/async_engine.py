@@ -2,7 +2,10 @@
 
 Processes (the engine side is engine_process.py):
 - the caller (HTTP server or offline Engine) owns an AsyncEngine: it sends requests down a PUSH
-  socket and a background task routes the core's outputs to one asyncio.Queue per request.
+  socket, and the event loop's own reader callback on the PULL socket (``_drain``) routes the
+  core's outputs to one asyncio.Queue per request as they arrive: no task and no zmq.asyncio future
+  sits between an engine step and the request's consumer (a served token's front-end CPU is mostly
+  such per-message machinery, taken from the model's cores).
 - the engine process runs ``LLMEngine.step()`` in a loop; between steps it drains its input
   socket (add, abort, info, shutdown), so a long forward pass never blocks the HTTP event loop.
 
@@ -37,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from servelm.config import EngineConfig
 from servelm.disagg.spec import KVTransfer
@@ -57,6 +59,9 @@ from servelm.sampling.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _STARTUP_POLL_MS = 500
+_DRAIN_LIMIT = 64
+"""Messages one reader callback routes before it yields the loop to other callbacks (it continues
+in the next loop iteration)."""
 CALL_TIMEOUT_S = 30.0
 """Longest wait for the engine to answer a call (info, flush_cache) between two steps."""
 INFO_WAIT_S = 2.0
@@ -76,7 +81,9 @@ class _Replica:
     index: int
     process: multiprocessing.process.BaseProcess
     push: zmq.Socket[Any]
-    pull: zmq.asyncio.Socket
+    pull: zmq.Socket[Any]
+    """Read only by the event loop's reader callback (``AsyncEngine._drain``) once the engine is
+    ready."""
     info: dict[str, Any] | None = None
     info_s: float = 0.0
     info_call: asyncio.Future[dict[str, Any]] | None = None
@@ -135,7 +142,7 @@ class AsyncEngine:
                 push = sync_context.socket(zmq.PUSH)
                 push.setsockopt(zmq.SNDHWM, 0)
                 push.bind(input_address)
-                pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+                pull = sync_context.socket(zmq.PULL)
                 pull.bind(output_address)
                 replicas.append(_Replica(index, process, push, pull))
                 launch.send(index, replica_config, input_address, output_address)
@@ -162,9 +169,11 @@ class AsyncEngine:
             model_info = dataclasses.replace(model_info, data_parallel_size=num_replicas)
         engine = cls(config, replicas, socket_dir, model_info, list(readies[0].lora_adapters))
         engine.tokenizer = loaded_tokenizer
-        engine._tasks = [task for replica in replicas for task in (
-            asyncio.create_task(engine._route_outputs(replica)),
-            asyncio.create_task(engine._watch_process(replica)))]
+        loop = asyncio.get_running_loop()
+        for replica in replicas:
+            loop.add_reader(replica.pull.FD, engine._drain, replica)
+            loop.call_soon(engine._drain, replica)  # what came after the ready message
+        engine._tasks = [asyncio.create_task(engine._watch_process(replica)) for replica in replicas]
         await engine.get_server_info()  # so a later busy engine is answered from known figures
         return engine
 
@@ -210,10 +219,10 @@ class AsyncEngine:
 
     @staticmethod
     async def _wait_ready(process: multiprocessing.process.BaseProcess,
-                          pull: zmq.asyncio.Socket) -> EngineReady:
+                          pull: zmq.Socket[Any]) -> EngineReady:
         while True:
-            if await pull.poll(_STARTUP_POLL_MS):
-                message = await pull.recv_pyobj()
+            if _has_message(pull) or await _readable(pull, _STARTUP_POLL_MS / 1e3):
+                message = pull.recv_pyobj(zmq.NOBLOCK)
                 if isinstance(message, EngineReady):
                     if message.protocol_version != PROTOCOL_VERSION:
                         raise RuntimeError(
@@ -235,23 +244,34 @@ class AsyncEngine:
 
         return load_tokenizer(config.model, resolve_model_source(config.model))
 
-    # -- background tasks -------------------------------------------------------------------
-    async def _route_outputs(self, replica: _Replica) -> None:
-        while True:
-            message = await replica.pull.recv_pyobj()
-            if isinstance(message, StepOutputs):
-                for output in message.outputs:
-                    if output.new_token_ids and output.finish_reason != "error":
-                        self._last_token_s = time.monotonic()
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-            elif isinstance(message, CallResult):
-                future = self._calls.pop(message.call_id, None)
-                if future is not None and future is replica.info_call:
-                    replica.info, replica.info_s = dict(message.result), time.monotonic()
-                if future is not None and not future.done():
-                    future.set_result(message.result)
+    # -- background work --------------------------------------------------------------------
+    def _drain(self, replica: _Replica) -> None:
+        """The reader callback of ``replica``'s PULL socket: route every message it holds. The
+        socket's descriptor signals edges, not levels, so this reads until the socket is empty (or
+        continues in the next loop iteration after _DRAIN_LIMIT messages)."""
+        pull = replica.pull
+        if pull.closed:
+            return
+        for _ in range(_DRAIN_LIMIT):
+            if not _has_message(pull):
+                return
+            self._route(replica, pull.recv_pyobj(zmq.NOBLOCK))
+        asyncio.get_running_loop().call_soon(self._drain, replica)
+
+    def _route(self, replica: _Replica, message: Any) -> None:
+        if isinstance(message, StepOutputs):
+            for output in message.outputs:
+                if output.new_token_ids and output.finish_reason != "error":
+                    self._last_token_s = time.monotonic()
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+        elif isinstance(message, CallResult):
+            future = self._calls.pop(message.call_id, None)
+            if future is not None and future is replica.info_call:
+                replica.info, replica.info_s = dict(message.result), time.monotonic()
+            if future is not None and not future.done():
+                future.set_result(message.result)
 
     async def _watch_process(self, replica: _Replica) -> None:
         while replica.process.is_alive():
@@ -536,6 +556,10 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        loop = asyncio.get_running_loop()
+        for replica in self._replicas:
+            if not replica.pull.closed:
+                loop.remove_reader(replica.pull.FD)
         for replica in self._replicas:
             if replica.process.is_alive():
                 try:
@@ -551,3 +575,25 @@ class AsyncEngine:
             replica.push.close(linger=0)
             replica.pull.close(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def _has_message(pull: zmq.Socket[Any]) -> bool:
+    """A message can be read from ``pull`` without waiting (this also clears its descriptor's
+    readiness, which zmq sets on any change of state)."""
+    return bool(pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+async def _readable(pull: zmq.Socket[Any], timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` for a message on ``pull`` (start-up, before ``_drain`` reads it)."""
+    loop = asyncio.get_running_loop()
+    signalled: asyncio.Future[None] = loop.create_future()
+    fd = pull.FD
+    loop.add_reader(fd, lambda: signalled.done() or signalled.set_result(None))
+    try:
+        if not _has_message(pull):
+            await asyncio.wait_for(signalled, timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        loop.remove_reader(fd)
+    return _has_message(pull)

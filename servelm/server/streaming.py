@@ -29,11 +29,14 @@ from servelm.multimodal.inputs import MultimodalInputs
 from servelm.sampling.params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""``json.dumps(data, ensure_ascii=False, separators=(",", ":"))`` without building an encoder per
+event (one per streamed token)."""
 
 
 def sse(data: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_SSE_JSON.encode(data)}\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -74,23 +77,33 @@ _DISCONNECTED = object()
 _DONE = object()
 
 
-async def stream_outputs(engine: EngineClient, submissions: list[Submission], request: Request | None
-                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+def _generate(engine: EngineClient, submission: Submission, is_grouped: bool) -> AsyncIterator[RequestOutput]:
+    images = {"mm_inputs": submission.mm_inputs} if submission.mm_inputs is not None else {}
+    return engine.generate(submission.request_id, submission.prompt_token_ids, submission.params,
+                           priority=submission.priority, group=submission.group if is_grouped else "",
+                           lora_name=submission.lora_name, kv_transfer=submission.kv_transfer, **images)
+
+
+def stream_outputs(engine: EngineClient, submissions: list[Submission], request: Request | None
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) from all submissions as they arrive, in arrival order.
 
     Raises ClientDisconnected when ``request``'s client leaves, EngineRequestError when the engine
     cannot serve a request. Callers must close this generator (``contextlib.aclosing``) or run it
     to the end so the engine requests are cancelled promptly.
     """
+    if len(submissions) == 1:
+        return _stream_one(engine, submissions[0], request)
+    return _stream_many(engine, submissions, request)
+
+
+async def _stream_many(engine: EngineClient, submissions: list[Submission], request: Request | None
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``stream_outputs`` of several submissions: one pump task each, merged by one queue."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(submission: Submission) -> None:
-        images = {"mm_inputs": submission.mm_inputs} if submission.mm_inputs is not None else {}
-        outputs = engine.generate(submission.request_id, submission.prompt_token_ids,
-                                  submission.params, priority=submission.priority,
-                                  group=submission.group if len(submissions) > 1 else "",
-                                  lora_name=submission.lora_name,
-                                  kv_transfer=submission.kv_transfer, **images)
+        outputs = _generate(engine, submission, is_grouped=True)
         try:
             async for output in outputs:
                 if output.kv_transfer_params is not None:
@@ -133,6 +146,59 @@ async def stream_outputs(engine: EngineClient, submissions: list[Submission], re
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _stream_one(engine: EngineClient, submission: Submission, request: Request | None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``stream_outputs`` of one submission, read by its consumer's own task: no pump task and no
+    second queue between the engine's output and the consumer (one task wake-up per output instead
+    of two: a served token's front-end CPU is mostly such machinery). The disconnect watcher
+    cancels the consumer only while it waits for the engine (``waiting``), else it leaves a mark
+    that the next read sees; either way the engine request is aborted as its stream closes."""
+    outputs = _generate(engine, submission, is_grouped=False)
+    waiting: asyncio.Task[Any] | None = None
+    """The task awaiting the engine's next output now (None while the consumer is elsewhere)."""
+    is_disconnected = False
+
+    async def watch() -> None:
+        nonlocal is_disconnected
+        assert request is not None
+        await wait_disconnected(request)
+        is_disconnected = True
+        if waiting is not None:
+            waiting.cancel()
+
+    watcher = asyncio.create_task(watch()) if request is not None else None
+    try:
+        while not is_disconnected:
+            waiting = asyncio.current_task()
+            try:
+                output = await outputs.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if is_disconnected and waiting is not None:
+                    waiting.uncancel()  # the watcher's cancel: reported as a disconnect
+                    raise ClientDisconnected() from None
+                raise
+            except InvalidRequestError:
+                raise  # e.g. a request id already in use: the client's mistake, a 400
+            except Exception as error:  # the engine died or refused
+                raise EngineRequestError(f"engine failed: {type(error).__name__}: {error}") from error
+            finally:
+                waiting = None
+            if output.kv_transfer_params is not None:
+                submission.kv_transfer_params = output.kv_transfer_params
+            yield submission.index, output
+            if output.is_finished:
+                return
+        raise ClientDisconnected()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        close = getattr(outputs, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def open_outputs(engine: EngineClient, submissions: list[Submission], request: Request | None

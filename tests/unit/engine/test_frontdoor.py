@@ -9,7 +9,6 @@ import os
 
 import pytest
 import zmq
-import zmq.asyncio
 
 from servelm.config import EngineConfig
 from servelm.engine.async_engine import AsyncEngine, _Replica
@@ -121,7 +120,7 @@ def test_an_engine_of_another_protocol_version_is_refused() -> None:
             return True
 
     async def run(version: int) -> EngineReady:
-        pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        pull = zmq.Context.instance().socket(zmq.PULL)
         pull.bind(address)
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(address)

@@ -52,16 +52,17 @@ async def _until(condition: Any) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
-async def test_streaming_disconnect_aborts(tokenizer: Any, spec_version: str) -> None:
+@pytest.mark.parametrize("n", [1, 2])  # one choice is read by the consumer's own task (no pump)
+async def test_streaming_disconnect_aborts(tokenizer: Any, spec_version: str, n: int) -> None:
     engine = FakeEngine(tokenizer, hang_after=2)
     app = build_app(engine, make_config())
-    call = AsgiCall(app, "/v1/completions", {"prompt": "x", "n": 2, "stream": True, "max_tokens": 20},
+    call = AsgiCall(app, "/v1/completions", {"prompt": "x", "n": n, "stream": True, "max_tokens": 20},
                     spec_version)
-    await _until(lambda: len(call.chunks) >= 4)
+    await _until(lambda: len(call.chunks) >= 2 * n)
     assert call.status == 200 and engine.aborted == []
     call.disconnect.set()
     await asyncio.wait_for(call.task, 5)
-    await _until(lambda: len(engine.aborted) == 2)
+    await _until(lambda: len(engine.aborted) == n)
     assert sorted(engine.aborted) == sorted(r[0] for r in engine.requests)
 
 
