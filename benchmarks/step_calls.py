@@ -72,6 +72,8 @@ def instrument(engine: LLMEngine, times: CallTimes) -> None:
     if plan is None:
         raise SystemExit("the model has no flat decode plan: its steps take the module path (profile_decode.py)")
     for layer in plan.layers or []:
+        if getattr(layer, "mlp_run", None) is not None:   # o .. down and the norms in one call
+            layer.mlp_run = times.wrap("mlp_run (o, norm, gate_up, SiLU, down, norm)", layer.mlp_run)
         for name in GEMMS:
             call = getattr(layer, name)
             setattr(layer, name, PreparedCall.of((times.wrap(name, call[0]), *call[1:]), call.dtype,

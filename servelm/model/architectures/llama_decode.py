@@ -25,6 +25,7 @@ from torch import nn
 from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
 from servelm.model.layers import fused
 from servelm.model.layers.norm import RMSNorm
+from servelm.model.gguf import gguf_kernel
 from servelm.model.gguf.gguf_linear import decode_takes_bias
 
 from servelm.model.architectures.common import GatedMLP
@@ -44,6 +45,7 @@ class _LayerPlan(LayerPlan):
     qkv_call_takes_bias: bool   # the VNNI kernel adds a bias at one row; the rows kernel's GEMM does not
     next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
     next_eps: float = 0.0
+    mlp_run: Any = None    # one row, float32: o .. down and the next norm in one call (``decode_mlp``), or None
 
 
 class LlamaDecodePlan(FlatDecodePlan):
@@ -53,6 +55,8 @@ class LlamaDecodePlan(FlatDecodePlan):
         super().__init__(layers)
         for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
             plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
+        for plan in self.layers or ():
+            plan.mlp_run = decode_mlp(plan, self.dtype)
 
     def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -95,6 +99,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         sin: torch.Tensor
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
+        final: torch.Tensor
         for plan in plans:
             biased = plan.qkv_biased
             if biased is None:
@@ -111,6 +116,15 @@ class LlamaDecodePlan(FlatDecodePlan):
             ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
                                plan.head_eps, False)
             attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
+            mlp_run = plan.mlp_run
+            if mlp_run is not None and step.num_tokens == 1:   # o .. down and the next norm: one call
+                if plan.next_input_norm is not None:
+                    normed, hidden = mlp_run(attended, hidden, plan.next_input_norm, plan.next_eps)
+                    continue
+                if self.fuses_final_norm(final_norm):
+                    assert final_norm is not None
+                    final = mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0]
+                    return final
             kernel, codes, scales, offsets, block = plan.o_call
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
@@ -121,7 +135,7 @@ class LlamaDecodePlan(FlatDecodePlan):
             if plan.next_input_norm is None:
                 if self.fuses_final_norm(final_norm):
                     assert final_norm is not None
-                    final: torch.Tensor = ops.add_rms_norm(down, hidden, final_norm.weight, final_norm.eps, False)[0]
+                    final = ops.add_rms_norm(down, hidden, final_norm.weight, final_norm.eps, False)[0]
                     return final
                 hidden = hidden + down
             else:   # the residual add with the next layer's input norm: the sum in the stream's dtype, then normed
@@ -133,3 +147,32 @@ class LlamaDecodePlan(FlatDecodePlan):
         RMSNorm (not Gemma's) whose weight is in the plan's dtype, with no hooks (a tensor dump's)."""
         return (type(norm) is RMSNorm and norms_fuse([norm], self.dtype)
                 and not (norm._forward_hooks or norm._forward_pre_hooks))
+
+
+MLP_KINDS = ("block_linear_a16", "block_linear", "packed_a16", "packed_a16_centered", "packed_a8", "packed_a8_centered")
+"""The block kernel's one-row functions ``DecodeMlp`` takes, by its ``kind`` (their index)."""
+
+
+def decode_mlp(plan: _LayerPlan, dtype: torch.dtype) -> Any:
+    """``plan``'s MLP half in one native call (the AVX2 block kernel's ``DecodeMlp.run``: o, the add +
+    RMSNorm, gate_up, SiLU * up, down and the add + the next norm, the same kernels' floats in one
+    parallel region) where it applies: a float32 model (nothing rounded to bf16), the three projections
+    on that kernel's integer-activation functions without a bias, SiLU, the hidden size a multiple of
+    16, and the intermediate of 8; else None (``run`` makes the six calls)."""
+    module = gguf_kernel.load_kernel()
+    mlp_type = getattr(module, "DecodeMlp", None)
+    if mlp_type is None or dtype != torch.float32 or plan.activation_kind != fused.ACTIVATION_KINDS["silu"]:
+        return None
+    kinds = {getattr(module, name): kind for kind, name in enumerate(MLP_KINDS)}
+    calls = (plan.o_call, plan.gate_up_call, plan.down_call)
+    if any(kinds.get(call[0]) is None for call in calls):
+        return None
+    o, gate_up, down = calls
+    hidden, inner = o[1].shape[0], gate_up[1].shape[0] // 2
+    if (hidden % 16 or inner % 8 or down[1].shape[0] != hidden or plan.post_attention_norm.dtype != torch.float32
+            or plan.post_attention_norm.shape != (hidden,)):
+        return None
+    o_k = plan.num_heads * plan.head_dim
+    return mlp_type(kinds[o[0]], o[1], o[2], o[3], o[4], o_k, plan.post_attention_norm, plan.eps,
+                    kinds[gate_up[0]], gate_up[1], gate_up[2], gate_up[3], gate_up[4],
+                    kinds[down[0]], down[1], down[2], down[3], down[4], plan.activation_kind).run

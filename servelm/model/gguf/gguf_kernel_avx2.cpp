@@ -26,7 +26,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <memory>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -513,66 +517,70 @@ struct BlockValues {
   }
 };
 
-// y = x @ W.T for one activation format: argument checks, tiling (kWeightTile weight rows x
-// kRowTile activation rows per pass, weight rows split over threads) and the offsets term.
-// ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes).
-template <class Activations, class Codes = ByteCodes>
-torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
-                                const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous float32 or bfloat16 [M, K]");
-  constexpr bool kBytes = std::is_same<Codes, ByteCodes>::value;
-  TORCH_CHECK(codes.dtype() == (kBytes ? torch::kInt8 : torch::kUInt8) && codes.dim() == 2 && codes.is_contiguous(),
-              kBytes ? "codes: int8 [N, K]" : "packed codes: uint8 [N, K * bits / 8]");
-  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
-  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
-  const int64_t row_bytes = k / 32 * Codes::kStepBytes;
-  TORCH_CHECK(codes.size(1) == row_bytes && k % Activations::kKMultiple == 0,
-              "K must match the codes and be a multiple of ", Activations::kKMultiple);
-  const BlockValues weight_scales(scales, n, k, block, "scales");
-  const bool has_offsets = offsets.has_value() && offsets->defined();
-  const BlockValues weight_offsets = has_offsets ? BlockValues(*offsets, n, k, block, "offsets") : BlockValues();
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
-                && bias->is_contiguous() && bias->size(0) == n, "bias: contiguous float32 or bfloat16 [N]");
-  }
-  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
-  if (rows == 0 || n == 0) return out;
-  const float* xp = float_rows(x, rows * k);
-  const Activations acts(xp, rows, k);
-  const float* sums = has_offsets ? block_sums(xp, rows, k, block) : nullptr;
-  const uint8_t* w = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
-  const c10::BFloat16* bias16 = has_bias && bias->dtype() == torch::kBFloat16 ? bias->data_ptr<c10::BFloat16>()
-                                                                               : nullptr;
-  float* y = bf16_out ? nullptr : out.data_ptr<float>();
-  c10::BFloat16* y16 = bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr;
-  const int64_t nb = k / block;
-  const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
-  // The one-row pass (a last row tile of one row read from the codes as stored: decode) scales each
-  // weight row by the activation scales of its blocks once (xs_blocks [nb]), and takes stored values
-  // minus a correction where the codes are stored biased (Codes::kBias; ``correction``).
-  constexpr bool kIntActivations = std::is_base_of<IntActivations, Activations>::value;
-  const int64_t one_row = rows - 1;   // the only row a tile of one can start at
-  const bool has_one_row_pass = kIntActivations && rows % kRowTile == 1 && (kBytes || rows <= kRowTile);
+// A weight's rows split over threads: ``rows(begin, end)`` computes outputs begin .. end - 1 (any split:
+// each output is one thread's, with the same arithmetic wherever the split falls).
+struct RowRange {
+  virtual ~RowRange() = default;
+  virtual void rows(int64_t begin, int64_t end) const = 0;
+  int64_t n = 0;       // outputs (weight rows)
+  int64_t grain = 1;   // the least outputs worth a thread of their own
+};
+
+// y = x @ W.T for one activation format once x is prepared (the constructor, on the calling thread:
+// the activations rounded, the one-row pass's scales): tiling (kWeightTile weight rows x kRowTile
+// activation rows per pass) over the weight rows a thread is given (``rows``) and the offsets term.
+// ``Codes``: where the weight rows' codes come from (ByteCodes or PackedCodes). ``y`` (float32) or
+// ``y16`` (bf16) [rows, n]: the output.
+template <class Activations, class Codes>
+struct BlockGemm final : RowRange {
+  static constexpr bool kBytes = std::is_same<Codes, ByteCodes>::value;
+  static constexpr bool kIntActivations = std::is_base_of<IntActivations, Activations>::value;
+  int64_t num_rows, k, row_bytes, nb, block;
+  const Activations acts;
+  const float* sums;
+  const uint8_t* w;
+  const BlockValues& weight_scales;
+  const BlockValues& weight_offsets;
+  bool has_offsets;
+  const float* bias32;
+  const c10::BFloat16* bias16;
+  float* y;
+  c10::BFloat16* y16;
+  int64_t one_row;   // the only row a tile of one can start at
+  bool has_one_row_pass;
   const float* xs_blocks = nullptr;
   const int32_t* correction = nullptr;
-  if constexpr (kIntActivations) {
-    if (has_one_row_pass) {
-      const float* xs = acts.block_scales + one_row * (k / kActBlock);
-      if (block == 32) {
-        xs_blocks = xs;
-      } else {
-        float* twice = scratch<float>(5, nb);
-        for (int64_t b = 0; b < nb; ++b) twice[b] = xs[b / 2];
-        xs_blocks = twice;
+
+  BlockGemm(const float* xp, int64_t rows_, int64_t k_, int64_t n_, const uint8_t* w_, const BlockValues& scales,
+            const BlockValues& offsets, bool has_offsets_, int64_t block_, const float* bias32_,
+            const c10::BFloat16* bias16_, float* y_, c10::BFloat16* y16_)
+      : num_rows(rows_), k(k_), row_bytes(k_ / 32 * Codes::kStepBytes), nb(k_ / block_), block(block_),
+        acts(xp, rows_, k_), sums(has_offsets_ ? block_sums(xp, rows_, k_, block_) : nullptr), w(w_),
+        weight_scales(scales), weight_offsets(offsets), has_offsets(has_offsets_), bias32(bias32_), bias16(bias16_),
+        y(y_), y16(y16_), one_row(rows_ - 1),
+        has_one_row_pass(kIntActivations && rows_ % kRowTile == 1 && (kBytes || rows_ <= kRowTile)) {
+    n = n_;
+    grain = std::max<int64_t>(16, kMinChunkBytes / std::max<int64_t>(row_bytes, 1));
+    // The one-row pass (a last row tile of one row read from the codes as stored: decode) scales each
+    // weight row by the activation scales of its blocks once (xs_blocks [nb]), and takes stored values
+    // minus a correction where the codes are stored biased (Codes::kBias; ``correction``).
+    if constexpr (kIntActivations) {
+      if (has_one_row_pass) {
+        const float* xs = acts.block_scales + one_row * (k / kActBlock);
+        if (block == 32) {
+          xs_blocks = xs;
+        } else {
+          float* twice = scratch<float>(5, nb);
+          for (int64_t b = 0; b < nb; ++b) twice[b] = xs[b / 2];
+          xs_blocks = twice;
+        }
+        if (Codes::kBias != 0 && block == 32) correction = acts.bias_correction(Codes::kBias, one_row);
       }
-      if (Codes::kBias != 0 && block == 32) correction = acts.bias_correction(Codes::kBias, one_row);
     }
   }
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+
+  void rows(int64_t begin, int64_t end) const override {
+    const int64_t rows = num_rows;
     float dots[kRowTile];
     // this worker's widened scale rows (kOneRowWeights for the one-row pass) and offset row (one at a time)
     float* scale_rows = scratch<float>(3, kOneRowWeights * nb);
@@ -630,9 +638,278 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
         }
       }
     }
-  });
+  }
+};
+
+// y = x @ W.T for one activation format: argument checks, then BlockGemm's rows split over threads.
+template <class Activations, class Codes = ByteCodes>
+torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                                const c10::optional<torch::Tensor>& offsets, int64_t block, bool bf16_out,
+                                const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK((x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
+  constexpr bool kBytes = std::is_same<Codes, ByteCodes>::value;
+  TORCH_CHECK(codes.dtype() == (kBytes ? torch::kInt8 : torch::kUInt8) && codes.dim() == 2 && codes.is_contiguous(),
+              kBytes ? "codes: int8 [N, K]" : "packed codes: uint8 [N, K * bits / 8]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
+  const int64_t row_bytes = k / 32 * Codes::kStepBytes;
+  TORCH_CHECK(codes.size(1) == row_bytes && k % Activations::kKMultiple == 0,
+              "K must match the codes and be a multiple of ", Activations::kKMultiple);
+  const BlockValues weight_scales(scales, n, k, block, "scales");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  const BlockValues weight_offsets = has_offsets ? BlockValues(*offsets, n, k, block, "offsets") : BlockValues();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                && bias->is_contiguous() && bias->size(0) == n, "bias: contiguous float32 or bfloat16 [N]");
+  }
+  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  if (rows == 0 || n == 0) return out;
+  const float* bias32 = has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr;
+  const c10::BFloat16* bias16 = has_bias && bias->dtype() == torch::kBFloat16 ? bias->data_ptr<c10::BFloat16>()
+                                                                               : nullptr;
+  const BlockGemm<Activations, Codes> gemm(float_rows(x, rows * k), rows, k, n, static_cast<const uint8_t*>(codes.data_ptr()),
+                                           weight_scales, weight_offsets, has_offsets, block, bias32, bias16,
+                                           bf16_out ? nullptr : out.data_ptr<float>(),
+                                           bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr);
+  at::parallel_for(0, n, gemm.grain, [&](int64_t begin, int64_t end) { gemm.rows(begin, end); });
   return out;
 }
+
+// ---- One row's MLP half of a decoder layer in one call (the flat decode's 1-row float32 step) ----
+//
+// o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down -> add + RMSNorm of the next layer (or the
+// final norm): the same kernels as the six calls the flat decode makes for them (BlockGemm for the
+// three projections; the fused ops' float32 add_rms_norm and AVX2 SiLU * up, fused_ops.cpp, in the same
+// float operations and order), inside one OpenMP parallel region with barriers between the steps instead
+// of three regions, six Python calls and eight output tensors. SiLU * up is split over the threads (an
+// elementwise op: the same floats on any split); the norms and each projection's activation rounding run
+// on the calling thread (thread 0) while the others wait at the barrier, as they wait between regions.
+// fused_ops.cpp is built without FMA contraction and this file with GCC's default (fast) contraction, so
+// every product here that an add or subtract takes is rounded first (``rounded``): the same floats.
+
+// a * b rounded to float32 before anything takes it: the empty asm keeps the compiler from fusing the
+// product into an FMA with a following add (fused_ops.cpp: -ffp-contract=off)
+inline __m256 rounded(__m256 product) {
+  asm("" : "+x"(product));
+  return product;
+}
+
+// fused_ops.cpp's exp_poly8 (AVX2 build), its float operations in its order
+inline __m256 exp_poly8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(rounded(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, rounded(_mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))));
+  r = _mm256_sub_ps(r, rounded(_mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f))));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(rounded(_mm256_mul_ps(p, _mm256_mul_ps(r, r))), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return rounded(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+// SiLU(g) * u for i in [begin, end) (multiples of 8): fused_ops.cpp's silu8 loop of act_and_mul
+void silu_mul(const float* g, const float* u, float* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 minus_g = _mm256_xor_ps(gv, _mm256_set1_ps(-0.f));
+    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp_poly8(minus_g)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+  }
+}
+
+// sum = x + residual, out = w * (sum * r) with r = 1 / sqrt(mean(sum^2) + eps): fused_ops.cpp's float32
+// add_rms_norm of one row (the sum of squares in 16 partial sums, lane j over i = j mod 16, then added in
+// order), k a multiple of 16
+void add_rms_norm_row(const float* x, const float* residual, const float* w, float* sum, float* out, int64_t k,
+                      float eps) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(residual + i));
+    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(residual + i + 8));
+    _mm256_storeu_ps(sum + i, a);
+    _mm256_storeu_ps(sum + i + 8, b);
+    lo = _mm256_add_ps(lo, rounded(_mm256_mul_ps(a, a)));
+    hi = _mm256_add_ps(hi, rounded(_mm256_mul_ps(b, b)));
+  }
+  alignas(32) float partial[16];
+  _mm256_store_ps(partial, lo);
+  _mm256_store_ps(partial + 8, hi);
+  float total = 0.f;
+  for (int j = 0; j < 16; ++j) total += partial[j];
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(total / float(k) + eps));
+  for (int64_t i = 0; i < k; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(sum + i), r)));
+}
+
+// One projection's block weight on the one-row kernel of ``kind`` (the Python function it stands for:
+// DecodeMlp's docstring) with float32 rows in and out.
+struct Projection {
+  int64_t kind, n, k, block, bits;
+  torch::Tensor codes, scales, offsets;
+  BlockValues scale_values, offset_values;
+  bool has_offsets;
+
+  Projection(int64_t kind_, torch::Tensor codes_, torch::Tensor scales_, c10::optional<torch::Tensor> offsets_,
+             int64_t block_, int64_t k_, const char* what)
+      : kind(kind_), n(codes_.size(0)), k(k_), block(block_), bits(8), codes(std::move(codes_)),
+        scales(std::move(scales_)), has_offsets(offsets_.has_value() && offsets_->defined()) {
+    TORCH_CHECK(kind >= 0 && kind <= 5, what, ": kind 0-5");
+    const bool bytes = kind <= 1;
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.dtype() == (bytes ? torch::kInt8 : torch::kUInt8),
+                what, ": contiguous codes, int8 (block_linear*) or uint8 (packed_*)");
+    TORCH_CHECK((block == 16 || block == 32) && k % 32 == 0, what, ": block 16 or 32, K a multiple of 32");
+    if (!bytes) {
+      bits = codes.size(1) * 8 / k;
+      TORCH_CHECK(codes.size(1) * 8 == k * bits && bits >= 4 && bits <= 6, what, ": packed codes of 4, 5 or 6 bits");
+    } else {
+      TORCH_CHECK(codes.size(1) == k, what, ": int8 codes [N, K]");
+    }
+    scale_values = BlockValues(scales, n, k, block, what);
+    if (has_offsets) {
+      offsets = *offsets_;
+      offset_values = BlockValues(offsets, n, k, block, what);
+    }
+  }
+
+  template <class A, class C>
+  std::unique_ptr<RowRange> make(const float* x, float* y) const {
+    return std::make_unique<BlockGemm<A, C>>(x, 1, k, n, static_cast<const uint8_t*>(codes.data_ptr()), scale_values,
+                                             offset_values, has_offsets, block, nullptr, nullptr, y, nullptr);
+  }
+
+  template <class A, bool CENTERED>
+  std::unique_ptr<RowRange> make_packed(const float* x, float* y) const {
+    if (bits == 4) return make<A, PackedCodes<4, CENTERED>>(x, y);
+    if (bits == 5) return make<A, PackedCodes<5, CENTERED>>(x, y);
+    return make<A, PackedCodes<6, CENTERED>>(x, y);
+  }
+
+  // y [n] = W x [k] on the calling thread's prepared activations (BlockGemm's constructor); its rows()
+  // then run on any threads
+  std::unique_ptr<RowRange> gemm(const float* x, float* y) const {
+    switch (kind) {
+      case 0: return make<Int16Activations, ByteCodes>(x, y);
+      case 1: return make<Int8Activations, ByteCodes>(x, y);
+      case 2: return make_packed<Int16Activations, false>(x, y);
+      case 3: return make_packed<Int16Activations, true>(x, y);
+      case 4: return make_packed<Int8Activations, false>(x, y);
+      default: return make_packed<Int8Activations, true>(x, y);
+    }
+  }
+};
+
+// Thread ``tid`` of ``threads``' share of ``gemm``'s outputs, split as at::parallel_for splits them
+inline void run_share(const RowRange& gemm, int tid, int threads) {
+  const int64_t used = std::min<int64_t>(threads, (gemm.n + gemm.grain - 1) / gemm.grain);
+  const int64_t chunk = (gemm.n + used - 1) / used;
+  const int64_t begin = tid * chunk;
+  if (tid < used && begin < gemm.n) gemm.rows(begin, std::min(gemm.n, begin + chunk));
+}
+
+class DecodeMlp {
+ public:
+  DecodeMlp(int64_t o_kind, torch::Tensor o_codes, torch::Tensor o_scales, c10::optional<torch::Tensor> o_offsets,
+            int64_t o_block, int64_t o_k, torch::Tensor post_norm, double eps,
+            int64_t gate_up_kind, torch::Tensor gate_up_codes, torch::Tensor gate_up_scales,
+            c10::optional<torch::Tensor> gate_up_offsets, int64_t gate_up_block,
+            int64_t down_kind, torch::Tensor down_codes, torch::Tensor down_scales,
+            c10::optional<torch::Tensor> down_offsets, int64_t down_block, int64_t activation)
+      : o_(o_kind, std::move(o_codes), std::move(o_scales), std::move(o_offsets), o_block, o_k, "o"),
+        hidden_(o_.n),
+        gate_up_(gate_up_kind, std::move(gate_up_codes), std::move(gate_up_scales), std::move(gate_up_offsets),
+                 gate_up_block, hidden_, "gate_up"),
+        inner_(gate_up_.n / 2),
+        down_(down_kind, std::move(down_codes), std::move(down_scales), std::move(down_offsets), down_block, inner_,
+              "down"),
+        post_norm_(std::move(post_norm)), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(activation == 0, "activation: 0 (SiLU) only");
+    TORCH_CHECK(hidden_ % 16 == 0 && gate_up_.n % 16 == 0 && down_.n == hidden_,
+                "hidden size a multiple of 16, gate_up [2 I, H] with I a multiple of 8, down [H, I]");
+    check_norm(post_norm_, "post_norm");
+  }
+
+  // (norm(x + hidden), x + hidden) of the layer's MLP output x, ``norm`` the next layer's input norm (or
+  // the model's final norm): what the six calls give for attended [1, o's K] and hidden [1, H], float32
+  std::vector<torch::Tensor> run(const torch::Tensor& attended, const torch::Tensor& hidden, const torch::Tensor& norm,
+                                 double norm_eps) const {
+    TORCH_CHECK(attended.dtype() == torch::kFloat32 && attended.dim() == 2 && attended.size(0) == 1
+                && attended.size(1) == o_.k && attended.is_contiguous(), "attended: contiguous float32 [1, K]");
+    TORCH_CHECK(hidden.dtype() == torch::kFloat32 && hidden.dim() == 2 && hidden.size(0) == 1
+                && hidden.size(1) == hidden_ && hidden.is_contiguous(), "hidden: contiguous float32 [1, H]");
+    check_norm(norm, "norm");
+    auto normed = torch::empty({1, hidden_}, hidden.options());
+    auto summed = torch::empty({1, hidden_}, hidden.options());
+    // o's output (then down's), the post-attention sum and norm, gate_up's output, SiLU * up
+    float* buffer = scratch<float>(0, 3 * hidden_ + gate_up_.n + inner_);
+    // (scratch slot 0 is also the bf16 rows' and never read here: every row is float32)
+    float* projected = buffer;
+    float* mid_sum = buffer + hidden_;
+    float* mid_normed = buffer + 2 * hidden_;
+    float* gate_up = buffer + 3 * hidden_;
+    float* act = gate_up + gate_up_.n;
+    const float* x = attended.data_ptr<float>();
+    const float* residual = hidden.data_ptr<float>();
+    const float* norm_weight = norm.data_ptr<float>();
+    float* out_normed = normed.data_ptr<float>();
+    float* out_summed = summed.data_ptr<float>();
+    std::unique_ptr<RowRange> gemm;
+    auto step = [&](int tid, int threads, auto barrier) {
+      if (tid == 0) gemm = o_.gemm(x, projected);
+      barrier();
+      run_share(*gemm, tid, threads);
+      barrier();
+      if (tid == 0) {
+        add_rms_norm_row(projected, residual, post_norm_.data_ptr<float>(), mid_sum, mid_normed, hidden_, eps_);
+        gemm = gate_up_.gemm(mid_normed, gate_up);
+      }
+      barrier();
+      run_share(*gemm, tid, threads);
+      barrier();
+      const int64_t chunk = ((inner_ + threads - 1) / threads + 7) / 8 * 8;
+      silu_mul(gate_up, gate_up + inner_, act, std::min(inner_, tid * chunk), std::min(inner_, (tid + 1) * chunk));
+      barrier();
+      if (tid == 0) gemm = down_.gemm(act, projected);
+      barrier();
+      run_share(*gemm, tid, threads);
+      barrier();
+      if (tid == 0) add_rms_norm_row(projected, mid_sum, norm_weight, out_summed, out_normed, hidden_,
+                                     static_cast<float>(norm_eps));
+    };
+#ifdef _OPENMP
+    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+      step(omp_get_thread_num(), omp_get_num_threads(), [] {
+#pragma omp barrier
+      });
+      return {normed, summed};
+    }
+#endif
+    step(0, 1, [] {});
+    return {normed, summed};
+  }
+
+ private:
+  void check_norm(const torch::Tensor& w, const char* what) const {
+    TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 1 && w.size(0) == hidden_ && w.is_contiguous(), what,
+                ": contiguous float32 [H]");
+  }
+
+  Projection o_;
+  int64_t hidden_;
+  Projection gate_up_;
+  int64_t inner_;
+  Projection down_;
+  torch::Tensor post_norm_;
+  float eps_;
+};
 
 }  // namespace
 
@@ -694,4 +971,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         PACKED_ARGS);
   m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,
         "packed_a8 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
+  py::class_<DecodeMlp>(m, "DecodeMlp",
+                        "one row's o -> add + RMSNorm -> gate_up -> SiLU * up -> down -> add + RMSNorm in one call "
+                        "(float32); a projection's kind: 0 block_linear_a16, 1 block_linear, 2 packed_a16, "
+                        "3 packed_a16_centered, 4 packed_a8, 5 packed_a8_centered")
+      .def(py::init<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, torch::Tensor,
+                    double, int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t,
+                    torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>(),
+           py::arg("o_kind"), py::arg("o_codes"), py::arg("o_scales"), py::arg("o_offsets"), py::arg("o_block"),
+           py::arg("o_k"), py::arg("post_norm"), py::arg("eps"), py::arg("gate_up_kind"), py::arg("gate_up_codes"),
+           py::arg("gate_up_scales"), py::arg("gate_up_offsets"), py::arg("gate_up_block"), py::arg("down_kind"),
+           py::arg("down_codes"), py::arg("down_scales"), py::arg("down_offsets"), py::arg("down_block"),
+           py::arg("activation"))
+      .def("run", &DecodeMlp::run, "(norm(x + hidden), x + hidden) of the MLP half's output x",
+           py::arg("attended"), py::arg("hidden"), py::arg("norm"), py::arg("norm_eps"));
 }

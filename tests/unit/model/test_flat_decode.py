@@ -16,6 +16,7 @@ import transformers
 
 from servelm.model.architectures.flat_decode import FlatDecodePlan
 from servelm.model.architectures.gemma3_decode import DecodePlan
+from servelm.model.architectures import llama_decode
 from servelm.model.architectures.llama_decode import LlamaDecodePlan
 from servelm.model.eagle import HiddenCapture, eagle3_layer_ids
 from servelm.model.forward_batch import BatchPlan
@@ -239,3 +240,30 @@ def test_qwen_coder_gguf_serves_eagle3(tmp_path: Any) -> None:
             assert output.error is None, output.error
             tokens.extend(output.new_token_ids)
     assert len(tokens) == 12 and engine.stats()["spec_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_block_decode_takes_one_mlp_call(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 Llama on block weights runs each layer's MLP half (o .. down and the next norm) as one
+    ``DecodeMlp.run`` call at one row, where the AVX2 block kernel has it, on one thread and on two
+    (one parallel region with barriers): bit-identical to the module path."""
+    if getattr(load_kernel(), "DecodeMlp", None) is None:
+        pytest.skip("the block kernel here has no DecodeMlp (not the AVX2 build)")
+    calls = []
+    original = llama_decode.decode_mlp
+
+    def counted(plan: Any, dtype: torch.dtype) -> Any:
+        run = original(plan, dtype)
+        assert run is not None
+        return lambda *args: (calls.append(1), run(*args))[1]
+
+    monkeypatch.setattr(llama_decode, "decode_mlp", counted)
+    hf_model = make_tiny_hf_model("llama")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_flat_against_modules(LlamaDecodePlan, 1,
+                                   lambda: decode_logits(hf_model, "llama", 1, "auto", "float32", True), monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+    assert len(calls) >= STEPS * hf_model.config.num_hidden_layers
