@@ -29,7 +29,6 @@ from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
 from servelm.model import runner as runner_module  # noqa: E402
 from servelm.model.architectures import flat_decode  # noqa: E402
-from servelm.model.attention import paged_decode  # noqa: E402
 from servelm.model.forward_batch import ForwardBatch  # noqa: E402
 from servelm.model.gguf.gguf_linear import PreparedCall  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402
@@ -85,8 +84,8 @@ def instrument(engine: LLMEngine, times: CallTimes) -> None:
         step.ops = _TimedOps(step.ops, times)
 
     flat_decode.DecodeStep.__init__ = init  # type: ignore[method-assign]
-    attend = times.wrap("attention kernel (write_and_attend_qkv)", paged_decode.write_and_attend_qkv)
-    paged_decode.write_and_attend_qkv = attend  # type: ignore[assignment]
+    step_attend = times.wrap("attention (DecodeStep.attend: the kernel's call and its Python)", flat_decode.DecodeStep.attend)
+    flat_decode.DecodeStep.attend = step_attend  # type: ignore[method-assign]
     plan.run = times.wrap("layers (plan.run)", plan.run)
     build = ForwardBatch.build.__func__  # type: ignore[attr-defined]
     ForwardBatch.build = classmethod(times.wrap("ForwardBatch.build", build))  # type: ignore[method-assign]

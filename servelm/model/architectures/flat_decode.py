@@ -139,7 +139,7 @@ class DecodeStep:
     the batch's rope cache); ``attend`` writes K/V and runs the paged decode kernel where the whole
     batch is one decode group that TorchNativeAttention would send there, else calls the backend."""
 
-    __slots__ = ("ops", "batch", "num_tokens", "dtype", "group", "rotations", "windows")
+    __slots__ = ("ops", "batch", "num_tokens", "dtype", "group", "rotations", "windows", "write_and_attend")
 
     def __init__(self, batch: ForwardBatch, num_tokens: int, first_attention: Any, head_dim: int,
                  dtype: torch.dtype) -> None:
@@ -152,7 +152,10 @@ class DecodeStep:
         """The q/k/v rows' dtype (the model's): cos/sin's and the pool's for the paged decode."""
         self.group = _paged_decode_group(batch, first_attention, head_dim, dtype)
         self.rotations: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}   # rope key -> cos, sin [T, D]
-        self.windows: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}   # -> slots [T, C], spans
+        self.windows: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        """Sliding window -> slot_mapping [T], slots [T, C], spans [T] of the paged decode (None: the backend's)."""
+        self.write_and_attend = paged_decode.qkv_call()
+        """``paged_decode.write_and_attend_qkv`` (the build's own function where nothing replaced it)."""
 
     def rotation(self, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, D]`` in the rows' dtype for ``rotary`` (a RotaryEmbedding)."""
@@ -174,20 +177,24 @@ class DecodeStep:
         ``plan.heads`` gives its q, k, v) over the cache with its k and v written at the batch's slots
         (``layer``: the Attention module)."""
         window = layer.sliding_window
-        windows = self.windows
-        if window not in windows:
-            view = self.group.view(window, True) if self.group is not None else None
-            windows[window] = (None if view is None or view.spans is None
-                               else (view.slots.view(self.num_tokens, view.num_columns), view.spans))
-        paged = windows[window]
-        batch = self.batch
+        paged: Any = self.windows.get(window, False)
+        if paged is False:
+            paged = self._window(window)
         if paged is None:
             q, k, v = plan.heads(qkv)
-            attended: torch.Tensor = batch.attention.forward(q, k, v, layer, batch)
+            attended: torch.Tensor = self.batch.attention.forward(q, k, v, layer, self.batch)
             return attended.contiguous()
-        k_cache, v_cache = batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
-        return paged_decode.write_and_attend_qkv(qkv, plan.num_heads, k_cache, v_cache, batch.slot_mapping, paged[0],
-                                                 paged[1], layer.scale)
+        k_cache, v_cache = self.batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
+        slot_mapping, slots, spans = paged
+        return self.write_and_attend(qkv, plan.num_heads, k_cache, v_cache, slot_mapping, slots, spans, layer.scale)
+
+    def _window(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The paged decode's tensors for layers of ``window`` (kept in ``windows``), None where the
+        backend computes them."""
+        view = self.group.view(window, True) if self.group is not None else None
+        paged = self.windows[window] = (None if view is None or view.spans is None else (
+            self.batch.slot_mapping, view.slots.view(self.num_tokens, view.num_columns), view.spans))
+        return paged
 
 
 class FlatDecodePlan:

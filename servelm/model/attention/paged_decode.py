@@ -33,6 +33,7 @@ per column) stays as its reference: 32 streams x 133 columns of Gemma 3 270M's b
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -106,3 +107,19 @@ def write_and_attend_qkv(qkv: torch.Tensor, num_heads: int, k_cache: torch.Tenso
     module = kernel if kernel is not None else load_kernel()
     assert module is not None
     return module.write_and_attend_qkv(qkv, num_heads, k_cache, v_cache, slot_mapping, slots, spans, scale, TILED)
+
+
+_WRITE_AND_ATTEND_QKV = write_and_attend_qkv
+
+
+def qkv_call() -> Callable[..., torch.Tensor]:
+    """``write_and_attend_qkv`` as a step should call it, with its arguments (``kernel`` left out): the
+    build's own function where this module's is the one in place (a benchmark may replace it) and the
+    arrangement is the tiled one, which skips this module's Python frame and ``load_kernel``'s lookup
+    per layer (in a decode step each Python call runs with cold caches: the GEMMs between two layers
+    evict the interpreter's lines)."""
+    module = load_kernel()
+    if write_and_attend_qkv is _WRITE_AND_ATTEND_QKV and TILED and module is not None:
+        call: Callable[..., torch.Tensor] = module.write_and_attend_qkv
+        return call
+    return write_and_attend_qkv
