@@ -1,3 +1,4 @@
+"""Candidates and expected bytes per call of single-pass and two-pass (4 -> 5 bits) screens under the L1, Cauchy-Schwarz and min bounds (README step 3)."""
 import torch, numpy as np
 import os
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")

@@ -1,3 +1,4 @@
+"""analyze.py's table for the real-text or the random-token rows only (`analyze_split.py real|random`)."""
 import torch, numpy as np
 import os
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")

@@ -1,3 +1,4 @@
+"""A bound on the part of x outside its top-k principal directions, with the error's projections stored per row (README step 5)."""
 import torch, numpy as np
 import os
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")

@@ -1,4 +1,5 @@
-import torch, numpy as np, sys
+"""The screens with the best lower bound raised to the exact logits of the candidates with the largest upper bounds (README step 4)."""
+import torch, numpy as np
 import os
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")
 torch.set_num_threads(2)

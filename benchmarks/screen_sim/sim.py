@@ -1,4 +1,5 @@
-import torch, numpy as np, sys
+"""The exact kernel logits, the screen's scores at 3/4/5 bits and both bounds' factors for the collected rows (README step 2)."""
+import torch
 import os
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")
 torch.set_num_threads(2)
