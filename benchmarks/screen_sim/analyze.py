@@ -1,9 +1,17 @@
-"""Candidates and expected bytes per call of single-pass and two-pass (4 -> 5 bits) screens under the L1, Cauchy-Schwarz and min bounds (README step 3)."""
+"""Candidates and expected bytes per call of single-pass and multi-pass screens under the L1, Cauchy-Schwarz and min
+bounds (README step 3), over all collected rows or only the real-text or random-token ones (`analyze.py [real|random]`)."""
 import torch, numpy as np
 import os
+import sys
 DIR = os.environ.get("SCREEN_SIM_DIR", "/tmp/screen_sim")
 torch.set_num_threads(2)
 o = torch.load(DIR + "/scores.pt")
+if len(sys.argv) > 1:   # the real-text rows (request < 16 of 26) or the random-token ones
+    sel = torch.arange(o["T"].shape[0]) % 26
+    sel = sel < 16 if sys.argv[1] == "real" else sel >= 16
+    for key in ("T", "D", "S3", "S4", "S5", "xn"):
+        o[key] = o[key][sel]
+    print(sys.argv[1], int(sel.sum()), "rows")
 T, D, xn, En = o["T"], o["D"], o["xn"], o["En"]
 M, V = T.shape
 Emax = {3: 15.5, 4: 7.5, 5: 3.5}
