@@ -255,7 +255,10 @@ class AsyncEngine:
         for _ in range(_DRAIN_LIMIT):
             if not _has_message(pull):
                 return
-            self._route(replica, pull.recv_pyobj(zmq.NOBLOCK))
+            try:
+                self._route(replica, pull.recv_pyobj(zmq.NOBLOCK))
+            except Exception:   # one bad message must not leave the rest unread until the next edge
+                logger.exception("engine output from replica %d could not be routed", replica.index)
         asyncio.get_running_loop().call_soon(self._drain, replica)
 
     def _route(self, replica: _Replica, message: Any) -> None:
