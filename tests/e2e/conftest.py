@@ -1,6 +1,6 @@
 """Shared live servers: one for the operations tests (metrics, logging, CORS, limits, bad input),
 one behind an API key for the openai-client and playground tests, one for the client-compatibility
-and structured-output tests, one speculating with n-gram drafts."""
+and structured-output tests."""
 
 from __future__ import annotations
 
@@ -51,23 +51,6 @@ def clients_server():
     GEMMs the default (GGUF blocks with a bf16 rest) may round a prefix-cache hit differently."""
     args = [CLIENTS_MODEL, "--num-threads", "1", "--use_tgi_api", "--context-length", "2048",
             "--max-total-tokens", "8192", "--dtype", "float32", "--tool-call-parser", "qwen25"]
-    with ServerProcess(args) as running:
-        yield running
-
-
-@pytest.fixture(scope="session")
-def ngram_server():
-    """SmolLM2-135M (float32, the operations server's context) with n-gram drafts of 4 tokens in
-    vLLM's spellings, typical acceptance for sampled requests, metrics and a stats line a second:
-    the n-gram tests (test_speculative_live, all greedy) and the typical-acceptance tests
-    (test_speculative_typical_live) share it. Greedy requests never reach the acceptance rule:
-    their drafts are verified token for token (engine/verification.py) whatever the method."""
-    args = [OPS_MODEL, "--speculative-model", "[ngram]", "--num-speculative-tokens", "4",
-            "--spec-decoding-acceptance-method", "typical_acceptance_sampler",
-            "--typical-acceptance-sampler-posterior-threshold", "0.09",
-            "--typical-acceptance-sampler-posterior-alpha", "0.3",
-            "--enable-metrics", "--log-stats-interval", "1",
-            "--context-length", "128", "--max-total-tokens", "8192", "--dtype", "float32"]
     with ServerProcess(args) as running:
         yield running
 

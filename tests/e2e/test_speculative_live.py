@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from .conftest import OPS_MODEL
+from .server_process import ServerProcess
 
 # A prompt whose continuation copies it: the n-gram proposer's case.
 PROMPT = ("Copy the list exactly.\nList: alpha, beta, gamma, delta, epsilon, zeta, eta, theta.\n"
@@ -18,11 +19,12 @@ PROMPT = ("Copy the list exactly.\nList: alpha, beta, gamma, delta, epsilon, zet
 
 
 @pytest.fixture(scope="module")
-def spec_server(ngram_server):
-    """The session's n-gram server (4 draft tokens; shared with test_speculative_typical_live,
-    which sets typical acceptance: these requests are greedy, verified token for token whatever
-    the acceptance method, so they take the path a plain --speculative-algorithm NGRAM server's do)."""
-    return ngram_server
+def spec_server():
+    args = [OPS_MODEL, "--speculative-algorithm", "NGRAM", "--num-speculative-tokens", "4",
+            "--enable-metrics", "--log-stats-interval", "1", "--context-length", "128",
+            "--max-total-tokens", "8192", "--dtype", "float32"]
+    with ServerProcess(args) as running:
+        yield running
 
 
 def complete(server, **extra) -> dict:

@@ -13,14 +13,21 @@ import pytest
 
 from servelm import cli
 
+from .conftest import OPS_MODEL
+from .server_process import ServerProcess
 from .test_speculative_live import complete, stream_text
 
 
 @pytest.fixture(scope="module")
-def typical_server(ngram_server):
-    """The session's n-gram server (conftest.ngram_server: the flags named above, posterior
-    threshold 0.09 and alpha 0.3), shared with test_speculative_live's greedy tests."""
-    return ngram_server
+def typical_server():
+    args = [OPS_MODEL, "--speculative-model", "[ngram]", "--num-speculative-tokens", "4",
+            "--spec-decoding-acceptance-method", "typical_acceptance_sampler",
+            "--typical-acceptance-sampler-posterior-threshold", "0.09",
+            "--typical-acceptance-sampler-posterior-alpha", "0.3",
+            "--enable-metrics", "--log-stats-interval", "1",
+            "--context-length", "128", "--max-total-tokens", "8192", "--dtype", "float32"]
+    with ServerProcess(args) as running:
+        yield running
 
 
 def test_greedy_equals_the_plain_server_and_sampling_streams_as_it_returns(typical_server, ops_server):
