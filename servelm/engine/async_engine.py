@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -583,7 +583,7 @@ class AsyncEngine:
 def _has_message(pull: zmq.Socket[Any]) -> bool:
     """A message can be read from ``pull`` without waiting (this also clears its descriptor's
     readiness, which zmq sets on any change of state)."""
-    return bool(pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    return bool(cast(int, pull.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 async def _readable(pull: zmq.Socket[Any], timeout_s: float) -> bool:
@@ -591,7 +591,12 @@ async def _readable(pull: zmq.Socket[Any], timeout_s: float) -> bool:
     loop = asyncio.get_running_loop()
     signalled: asyncio.Future[None] = loop.create_future()
     fd = pull.FD
-    loop.add_reader(fd, lambda: signalled.done() or signalled.set_result(None))
+
+    def wake() -> None:
+        if not signalled.done():
+            signalled.set_result(None)
+
+    loop.add_reader(fd, wake)
     try:
         if not _has_message(pull):
             await asyncio.wait_for(signalled, timeout_s)
