@@ -370,8 +370,8 @@ class SchedulerConfig:
     fair_step_tokens: int = opt(
         8, "While a heavy request (more than 512 prompt tokens left, a prompt-logprob token counting "
         "double and one deep in a long context more; or more than 4 sequences: n, beams, prompt "
-        "lists) and a normal one both have work (and for 1 s after a normal one's last work, so the "
-        "user's next request does not wait for a full heavy step), the heavy ones together compute at "
+        "lists) and a normal one both have work (and for 1 s after a normal one's last work, if the heavy "
+        "one ran beside it, so the user's next request does not wait for a full heavy step), the heavy ones together compute at "
         "most this many tokens per step (prompt tokens and decode rows), in equal shares; fewer while "
         "such a shared step costs more than twice a step of the normal work alone (measured as it "
         "serves), down to 1 token per step with the heavy requests taking turns; normal "

@@ -272,3 +272,24 @@ def test_a_slow_shared_step_cuts_the_heavy_tokens_of_the_next():
         engine.step()
     heavy = [step.get("heavy", 0) for step in steps[3:]]
     assert heavy[0] == 32 and max(heavy[-4:]) <= 2, heavy
+
+
+def test_a_heavy_prompt_after_a_light_request_runs_at_full_budget():
+    """A long prompt sent right after a short one ended (within the grace) met no light work: it is
+    not held to a few tokens a step (each a pass over the weights) for the grace; one that ran
+    beside the short request is (test_a_normal_users_next_request_finds_the_heavy_one_at_its_share)."""
+    engine, steps, runner = make_engine(step_s=LIGHT_GRACE_S / 10)
+    assert engine.add_request("user", prompt(16), params(1)) is None
+    engine.step()
+    assert engine.add_request("heavy", prompt(1000, 1), params(1)) is None
+    tokens = drain(engine)
+    assert [step.get("heavy") for step in steps[1:]] == [1000]   # one step: the whole prompt
+    assert tokens["heavy"] == runner.reference(prompt(1000, 1), 1)
+    # a third request arriving while it runs makes it a neighbour again: held from then on
+    engine, steps, _ = make_engine(step_s=LIGHT_GRACE_S / 10)
+    assert engine.add_request("heavy", prompt(2000, 1), params(1, prompt_logprobs=1)) is None
+    engine.step()
+    assert steps[0]["heavy"] > 32
+    assert engine.add_request("user", prompt(16), params(3)) is None
+    engine.step()
+    assert steps[1]["user"] == 16 and steps[1]["heavy"] * 2 <= 32, steps[1]
