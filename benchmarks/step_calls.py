@@ -89,7 +89,7 @@ def instrument(engine: LLMEngine, times: CallTimes) -> None:
     plan.run = times.wrap("layers (plan.run)", plan.run)
     build = ForwardBatch.build.__func__  # type: ignore[attr-defined]
     ForwardBatch.build = classmethod(times.wrap("ForwardBatch.build", build))  # type: ignore[method-assign]
-    runner_module.screen_logits_or_none = times.wrap("LM-head screen", runner_module.screen_logits_or_none)
+    runner_module.head_logits = times.wrap("LM head (screen or full, as measured)", runner_module.head_logits)
     engine.runner.execute = times.wrap("runner.execute", engine.runner.execute)  # type: ignore[method-assign]
     sampler = engine.executor.sampler
     sampler.__class__.__call__ = times.wrap("sampler", sampler.__class__.__call__)  # type: ignore[method-assign]

@@ -45,7 +45,7 @@ from servelm.model.gguf.gguf_weights import (GGUF_MODES, apply_gguf_blocks, gguf
                                              has_routed_experts, resolve_quantization)
 from servelm.model.kv_cache import KVCache, pool_class
 from servelm.model.layers.linear import LinearBase
-from servelm.model.gguf.lm_head_screen import screen_logits_or_none, setup_screen
+from servelm.model.gguf.lm_head_screen import head_logits, setup_screen
 from servelm.model.layers.f32_rows import apply_dense_routes
 from servelm.model.layers.quantization import quantize_model
 from servelm.model.prequantized import (LoadReport, QuantSpec, apply_prequantized_blocks, dequantizing_weights,
@@ -508,11 +508,7 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.after_pass()
         rows = hidden.index_select(0, batch.logits_indices)
-        screened = screen_logits_or_none(self.lm_head_screen, self.model, rows, plan.argmax_rows)
-        if screened is not None:
-            logits = screened
-        else:
-            logits = self.model.compute_logits(rows, batch.head_rows).float()
+        logits = head_logits(self.lm_head_screen, self.model, rows, plan.argmax_rows, batch.head_rows)
         if self.tensor_dumper is not None:
             self.tensor_dumper.end(logits)
         return logits

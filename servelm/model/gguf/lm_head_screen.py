@@ -39,6 +39,8 @@ takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -122,6 +124,60 @@ class ScreenStats:
         return len(window) < WINDOW_ROWS or sum(window) <= MAX_FALLBACK_SHARE * len(window)
 
 
+CHOICE_SAMPLES = 4
+"""Calls each way (screen, full head) at a number of argmax rows before the faster one is chosen."""
+CHOICE_WINDOW = 16
+"""The latest calls each way whose median time decides."""
+EXPLORE_EVERY = 16
+"""Every this many calls at a number of rows, the way not chosen runs once, so its time stays current."""
+
+
+class ScreenChoice:
+    """Whether the screen or the full head gives a step's logits faster, per number of argmax rows,
+    measured in this engine's own steps (the head's weights as cold as serving leaves them).
+
+    The screen reads fewer bytes but does more arithmetic per row; which wins depends on the CPU,
+    its memory and the row count (Zen 5 VM, session 22, paired steps in one engine: the screen 3-4%
+    faster at one row, 10-13% slower at four on gemma3-270m and qwen2.5-coder-0.5b, where an earlier
+    Zen 5 host had it faster up to four rows). Both give the same token (the screen is exact), so the
+    choice changes only speed. Until each way has ``CHOICE_SAMPLES`` calls the two alternate; then the
+    faster median of the last ``CHOICE_WINDOW`` is taken, and every ``EXPLORE_EVERY``-th call the other
+    way runs once."""
+
+    def __init__(self) -> None:
+        self.pinned: bool | None = None
+        """True: always the screen, False: never (tests, benchmarks); None: measured."""
+        self._times: dict[tuple[int, bool], deque[float]] = {}
+        self._calls: dict[int, int] = {}
+
+    def use_screen(self, rows: int) -> bool:
+        """Whether the next call at ``rows`` argmax rows takes the screen."""
+        if self.pinned is not None:
+            return self.pinned
+        on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
+        calls = self._calls[rows] = self._calls.get(rows, 0) + 1
+        if len(on) < CHOICE_SAMPLES or len(off) < CHOICE_SAMPLES:
+            return len(on) <= len(off)
+        faster = statistics.median(on) <= statistics.median(off)
+        return faster if calls % EXPLORE_EVERY else not faster
+
+    def record(self, rows: int, screened: bool, seconds: float) -> None:
+        self._times.setdefault((rows, screened), deque(maxlen=CHOICE_WINDOW)).append(seconds)
+
+    def chosen(self) -> dict[int, str]:
+        """Rows -> the way now taken there (where both ways are measured), for logs and benchmarks."""
+        out = {}
+        for rows in sorted({rows for rows, _ in self._times}):
+            on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
+            if len(on) >= CHOICE_SAMPLES and len(off) >= CHOICE_SAMPLES:
+                out[rows] = "screen" if statistics.median(on) <= statistics.median(off) else "full head"
+        return out
+
+    def forget(self) -> None:
+        self._times.clear()
+        self._calls.clear()
+
+
 class LMHeadScreen:
     """The 5-bit copy of one Q8_0 LM head and the exact greedy argmax through it."""
 
@@ -146,6 +202,8 @@ class LMHeadScreen:
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
+        self.choice = ScreenChoice()
+        """Screen or full head, per number of argmax rows, by measured time (``head_logits``)."""
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +214,10 @@ class LMHeadScreen:
         its rows are hidden states of garbage K/V (gemma3-270m: 32 of 32 over the candidate limit,
         ~21k candidates each), half a window of fallbacks that turned the screen off for the server's
         life after a few real rows (issue 16: the served engine ran the full head, the in-process one
-        the screen)."""
+        the screen). Its times go too: a warm-up step is colder than serving."""
         self.stats = ScreenStats()
         self.is_enabled = True
+        self.choice.forget()
 
     def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [m, K]`` -> (approximate logits, bound) ``[m, vocab]`` each: the full head's
@@ -293,21 +352,46 @@ def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: tor
     return screen
 
 
-def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
-                          argmax_rows: list[int]) -> torch.Tensor | None:
-    """``screen.logits`` where the step suits it, else None (the caller runs the full head): some
-    argmax rows, at most ``screen.max_rows`` (and MAX_SCREEN_ROWS) of them, and no more logits rows
-    than the head's kernel takes (above, the full head runs its dense GEMM, whose logits round
-    differently: the screen's argmax is the int16 kernel's, and the rows split off must be the rows
-    the full head gives)."""
+def screen_applies(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
+                   argmax_rows: list[int]) -> bool:
+    """Whether the step suits the screen: some argmax rows, at most ``screen.max_rows`` (and
+    MAX_SCREEN_ROWS) of them, and no more logits rows than the head's kernel takes (above, the full
+    head runs its dense GEMM, whose logits round differently: the screen's argmax is the int16
+    kernel's, and the rows split off must be the rows the full head gives)."""
     if (screen is None or not screen.is_enabled or not argmax_rows
             or len(argmax_rows) > min(screen.max_rows, MAX_SCREEN_ROWS)):
-        return None
+        return False
     head = model.lm_head
     # the full head's route for these rows (its logits rows are generation rows): a row-by-row kernel
     route = head.gguf_routes.pick(hidden.shape[0], hidden.dtype == torch.bfloat16, False)
     if route is Route.ROWS and len(argmax_rows) > MAX_SCREEN_ROWS_GEMM:
+        return False
+    return route in (Route.BLOCK, Route.ROWS) and hidden.shape[0] <= MAX_SCREEN_ROWS and hidden.device.type == "cpu"
+
+
+def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
+                          argmax_rows: list[int]) -> torch.Tensor | None:
+    """``screen.logits`` where the step suits it (``screen_applies``), else None; whatever
+    ``screen.choice`` would pick (benchmarks, tests)."""
+    if screen is None or not screen_applies(screen, model, hidden, argmax_rows):
         return None
-    if route not in (Route.BLOCK, Route.ROWS) or hidden.shape[0] > MAX_SCREEN_ROWS or hidden.device.type != "cpu":
-        return None
-    return screen.logits(head, hidden, argmax_rows)
+    return screen.logits(model.lm_head, hidden, argmax_rows)
+
+
+def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tensor, argmax_rows: list[int],
+                head_rows: object) -> torch.Tensor:
+    """The step's float32 logits of ``rows``: through the screen where it applies
+    (``screen_logits_or_none``) and ``screen.choice`` finds it the faster way at this many argmax
+    rows, else the full head (``model.compute_logits``). Either way a greedy row's argmax is the
+    same token."""
+    def full() -> torch.Tensor:
+        return model.compute_logits(rows, head_rows).float()
+
+    if screen is None or not screen_applies(screen, model, rows, argmax_rows):
+        return full()
+    count = len(argmax_rows)
+    screened = screen.choice.use_screen(count)
+    start = time.perf_counter()
+    logits = screen.logits(model.lm_head, rows, argmax_rows) if screened else full()
+    screen.choice.record(count, screened, time.perf_counter() - start)
+    return logits

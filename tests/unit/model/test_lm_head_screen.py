@@ -29,7 +29,8 @@ from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.gguf import lm_head_screen
-from servelm.model.gguf.lm_head_screen import WINDOW_ROWS, LMHeadScreen, build_screen, screen_build_for
+from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, EXPLORE_EVERY, WINDOW_ROWS, LMHeadScreen,
+                                               ScreenChoice, build_screen, screen_build_for)
 from servelm.sampling.params import SamplingParams
 
 BUILDS = [pytest.param((block, screen), id=screen.name) for block, screen in
@@ -307,6 +308,7 @@ def engine(request: pytest.FixtureRequest):
     engine = LLMEngine(EngineConfig.from_flat({"model": request.param, "num_threads": 1,
                                                "disable_radix_cache": True}))
     assert engine.runner.lm_head_screen is not None, "the packaged models have a Q8_0 head"
+    engine.runner.lm_head_screen.choice.pinned = True   # screened rows counted below: never the full head's turn
     yield engine
     engine.shutdown()
 
@@ -399,6 +401,7 @@ def test_speculative_verify_rows_are_screened_and_unchanged(engine: LLMEngine, a
         screen = spec.runner.lm_head_screen
         assert screen is not None
         screen.max_rows = lm_head_screen.MAX_SCREEN_ROWS   # the AVX2 build's limit is 3 rows
+        screen.choice.pinned = True
         text = "Repeat this list exactly: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry,"
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         requests = [(spec.tokenizer.encode(text), params), (spec.tokenizer.encode(PROMPTS[0]), params)]
@@ -452,3 +455,44 @@ def test_the_start_up_warm_up_leaves_the_screen_on(engine: LLMEngine) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=WINDOW_ROWS + 8, ignore_eos=True)
     run(engine, [(engine.tokenizer.encode(PROMPTS[0]), params)], True)
     assert screen.stats.rows >= WINDOW_ROWS + 7 and screen.is_enabled
+
+
+def test_the_screen_or_the_full_head_is_chosen_by_measured_time() -> None:
+    """Per number of argmax rows: the two ways alternate until each has CHOICE_SAMPLES calls, then the
+    faster median is taken, with the other way run every EXPLORE_EVERY-th call; row counts are apart."""
+    choice = ScreenChoice()
+    taken = []
+    for _ in range(2 * CHOICE_SAMPLES):
+        taken.append(choice.use_screen(4))
+        choice.record(4, taken[-1], 0.006 if taken[-1] else 0.003)   # at 4 rows the full head is faster
+    assert taken.count(True) == taken.count(False) == CHOICE_SAMPLES
+    later = [choice.use_screen(4) for _ in range(3 * EXPLORE_EVERY)]
+    assert later.count(True) == 3 and choice.chosen() == {4: "full head"}
+    for _ in range(2 * CHOICE_SAMPLES):   # one row: the screen is faster there
+        screened = choice.use_screen(1)
+        choice.record(1, screened, 0.002 if screened else 0.003)
+    assert choice.use_screen(1) and choice.chosen() == {1: "screen", 4: "full head"}
+    choice.pinned = True
+    assert choice.use_screen(4)
+    choice.forget()
+    choice.pinned = None
+    assert choice.chosen() == {}
+
+
+def test_a_measured_engine_gives_the_same_tokens_and_uses_both_ways(engine: LLMEngine) -> None:
+    """Unpinned, the engine runs both ways at one argmax row while it measures them, and the greedy
+    tokens are those of the screen alone and of the full head alone."""
+    screen = engine.runner.lm_head_screen
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = [(engine.tokenizer.encode(PROMPTS[0]), params)]
+    pinned = run(engine, requests, True)
+    screen.choice.pinned = None
+    screen.choice.forget()
+    try:
+        before = screen.stats.rows
+        measured = run(engine, requests, True)
+        assert CHOICE_SAMPLES <= screen.stats.rows - before < 15   # not every row, not none
+        assert 1 in screen.choice.chosen()
+    finally:
+        screen.choice.pinned = True
+    assert measured == pinned == run(engine, requests, False)
