@@ -341,8 +341,10 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
     rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
-    # the int8 GEMM needs what the VNNI kernel needs: where that is missing, neither runs
-    i8_kernel = gguf_i8gemm.load_kernel() if kernel is not None and activations != "float" else None
+    # the int8 GEMM needs what the VNNI kernel needs: where the AVX2 build (or none) runs, it does not
+    # (asked of the build in use: a module loaded earlier in the process stays loaded whatever flags)
+    i8_kernel = (gguf_i8gemm.load_kernel() if kernel is not None and getattr(kernel, "ISA", "") != "avx2"
+                 and activations != "float" else None)
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     split = split_block_experts(model, blocks)
     started = time.perf_counter()

@@ -265,8 +265,8 @@ def test_compact_scales_keep_float32_where_no_layout_is_exact(avx2: object) -> N
 
 
 def test_avx2_equals_avx512_where_both_build(avx2: object) -> None:
-    """Where the CPU has AVX512-VNNI too, both builds compute the same integers: equal to float32
-    summation order."""
+    """Where the CPU has AVX512-VNNI too, both builds compute the same integers: equal up to the
+    float32 summation order (16 against 8 lanes: a few ulps of a sum of 512 products)."""
     avx512 = gguf_kernel.KERNEL.load() if not gguf_kernel.KERNEL.missing_cpu_flags() else None
     if avx512 is None:
         pytest.skip("no AVX512-VNNI build here")
@@ -276,7 +276,7 @@ def test_avx2_equals_avx512_where_both_build(avx2: object) -> None:
         for name in MODES:
             args = (x, weight.codes, weight.scales, weight.offsets, weight.block)
             torch.testing.assert_close(getattr(avx2, name)(*args), getattr(avx512, name)(*args),
-                                       rtol=1e-5, atol=1e-5 * float(x.abs().max()))
+                                       rtol=1e-4, atol=1e-4 * float(x.abs().max()))
 
 
 def test_the_build_follows_the_cpu_flags(avx2: object) -> None:

@@ -290,7 +290,8 @@ def test_dequantized_moe_gguf_matches_transformers(arch: str, moe_ggufs: Callabl
 
 
 @pytest.mark.parametrize("arch", _archs("mixtral", "qwen3_moe", "deepseek_v3"))
-def test_moe_gguf_experts_run_in_their_blocks(arch: str, moe_ggufs: Callable[[str], tuple[str, Path, Any]]) -> None:
+def test_moe_gguf_experts_run_in_their_blocks(arch: str, moe_ggufs: Callable[[str], tuple[str, Path, Any]],
+                                            float32_rest: None) -> None:
     """Served in the file's blocks: every expert's gate_up and down are block linears of the file's
     types (no float expert weight left), and the logits stay within the activation rounding of the
     dequantized reference's, greedy tokens equal."""

@@ -31,9 +31,10 @@ def pool_case(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
     """q, K and V pools of 64 blocks of 4 slots, and each sequence's slots scattered over them."""
     torch.manual_seed(seed)
     b, block_size = len(spans), 4
-    k_pool = torch.randn(64 * block_size, num_kv_heads, head_dim).to(dtype)
+    num_slots = max(64 * block_size, b * columns)   # every sequence's columns take distinct slots
+    k_pool = torch.randn(num_slots, num_kv_heads, head_dim).to(dtype)
     v_pool = torch.randn_like(k_pool)
-    slots = torch.randperm(64 * block_size)[:b * columns].view(b, columns)
+    slots = torch.randperm(num_slots)[:b * columns].view(b, columns)
     q = torch.randn(b, num_heads, head_dim).to(dtype)
     return q, k_pool, v_pool, slots, torch.tensor(spans)
 

@@ -254,7 +254,8 @@ def test_tensor_parallel_2_matches_tp1(tmp_path: Path, kind: str) -> None:
 
 @pytest.mark.parametrize(("desc_act", "shared_order"), [pytest.param(False, True, marks=SLOW), (True, True),
                                                          pytest.param(True, False, marks=SLOW)])
-def test_gptq_codes_run_on_the_block_routes(tmp_path: Path, desc_act: bool, shared_order: bool) -> None:
+def test_gptq_codes_run_on_the_block_routes(tmp_path: Path, desc_act: bool, shared_order: bool,
+                                            float32_rest: None) -> None:
     """--dtype auto at tp 1: the integer codes replace the float weights (checked equal to them) and
     the GGUF block kernel runs them; the logits stay within its 16-bit activation rounding of the
     float32 reference. desc_act: the inputs sorted by group (a permuted input); a fused layer whose
