@@ -334,7 +334,7 @@ class FairShares:
                               if now - seen <= LIGHT_GRACE_S and group not in heavy}
         self._light_seen_s.update(dict.fromkeys(light, now))
         self._light_last_step = light
-        self._met_light = (self._met_light | heavy if light else self._met_light) & heavy
+        self._met_light = set(heavy) if light else self._met_light & heavy
         if not heavy:
             self._step = (now, None) if light else None
             return None

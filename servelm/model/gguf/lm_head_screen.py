@@ -154,12 +154,19 @@ class ScreenChoice:
         """Whether the next call at ``rows`` argmax rows takes the screen."""
         if self.pinned is not None:
             return self.pinned
-        on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
         calls = self._calls[rows] = self._calls.get(rows, 0) + 1
-        if len(on) < CHOICE_SAMPLES or len(off) < CHOICE_SAMPLES:
-            return len(on) <= len(off)
-        faster = statistics.median(on) <= statistics.median(off)
+        faster = self._screen_is_faster(rows)
+        if faster is None:   # still sampling: the way with fewer calls
+            return len(self._times.get((rows, True), ())) <= len(self._times.get((rows, False), ()))
         return faster if calls % EXPLORE_EVERY else not faster
+
+    def _screen_is_faster(self, rows: int) -> bool | None:
+        """Whether the screen's median time at ``rows`` is at most the full head's; None until each
+        way has ``CHOICE_SAMPLES`` calls there."""
+        on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
+        if len(on) < CHOICE_SAMPLES or len(off) < CHOICE_SAMPLES:
+            return None
+        return statistics.median(on) <= statistics.median(off)
 
     def record(self, rows: int, screened: bool, seconds: float) -> None:
         self._times.setdefault((rows, screened), deque(maxlen=CHOICE_WINDOW)).append(seconds)
@@ -168,9 +175,9 @@ class ScreenChoice:
         """Rows -> the way now taken there (where both ways are measured), for logs and benchmarks."""
         out = {}
         for rows in sorted({rows for rows, _ in self._times}):
-            on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
-            if len(on) >= CHOICE_SAMPLES and len(off) >= CHOICE_SAMPLES:
-                out[rows] = "screen" if statistics.median(on) <= statistics.median(off) else "full head"
+            faster = self._screen_is_faster(rows)
+            if faster is not None:
+                out[rows] = "screen" if faster else "full head"
         return out
 
     def forget(self) -> None:
@@ -197,7 +204,7 @@ class LMHeadScreen:
         """[ceil(vocab / T), hidden / 32, T]: the Q8_0 scales in the same tiles, fp16 where each is an
         fp16 value (a GGUF's d; half the bytes a step reads), else float32."""
         self.max_rows = MAX_SCREEN_ROWS_AVX2 if getattr(screen_kernel, "ISA", "") == "avx2" else MAX_SCREEN_ROWS
-        """Most argmax rows in a step this build takes (``screen_logits_or_none``; never above
+        """Most argmax rows in a step this build takes (``screen_applies``; never above
         MAX_SCREEN_ROWS, which benchmarks/step_ab.py sets to 0 to turn the screen off)."""
         self.stats = ScreenStats()
         self.is_enabled = True
@@ -369,19 +376,10 @@ def screen_applies(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.
     return route in (Route.BLOCK, Route.ROWS) and hidden.shape[0] <= MAX_SCREEN_ROWS and hidden.device.type == "cpu"
 
 
-def screen_logits_or_none(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
-                          argmax_rows: list[int]) -> torch.Tensor | None:
-    """``screen.logits`` where the step suits it (``screen_applies``), else None; whatever
-    ``screen.choice`` would pick (benchmarks, tests)."""
-    if screen is None or not screen_applies(screen, model, hidden, argmax_rows):
-        return None
-    return screen.logits(model.lm_head, hidden, argmax_rows)
-
-
 def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tensor, argmax_rows: list[int],
                 head_rows: object) -> torch.Tensor:
     """The step's float32 logits of ``rows``: through the screen where it applies
-    (``screen_logits_or_none``) and ``screen.choice`` finds it the faster way at this many argmax
+    (``screen_applies``) and ``screen.choice`` finds it the faster way at this many argmax
     rows, else the full head (``model.compute_logits``). Either way a greedy row's argmax is the
     same token."""
     def full() -> torch.Tensor:
