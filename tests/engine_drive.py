@@ -70,9 +70,26 @@ def start_ranks_ahead(config: EngineConfig) -> None:
 
 PARITY_PROMPTS = ("The capital of France is", "def quicksort(items):")
 """The text prompts of the real-model parity tests of the parallel layouts (one shared reference)."""
-_REFERENCES: dict[tuple[Any, ...], tuple[list[list[int]], list[list[int]]]] = {}
+_REFERENCES: dict[tuple[Any, ...], tuple[list[list[int]], list[list[int]], list[torch.Tensor]]] = {}
 """reference_greedy's results in this test run, by its arguments (a real model's float32 engine
 takes seconds to load; the tensor-, pipeline- and multi-node tests ask for the same reference)."""
+REFERENCE_TOP = 2
+"""Top logprobs the reference keeps per token (``reference_logprobs``: the top two give the margin
+a greedy choice had)."""
+
+
+def _reference(prompts: Sequence[str | list[int]], max_tokens: int, flags: dict[str, Any]
+               ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    key = (tuple(p if isinstance(p, str) else tuple(p) for p in prompts), max_tokens,
+           tuple(sorted(flags.items())))
+    if key not in _REFERENCES:
+        engine = LLMEngine(EngineConfig.from_flat(flags))
+        try:
+            ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            _REFERENCES[key] = (ids, *greedy_logprobs(engine, ids, max_tokens, REFERENCE_TOP))
+        finally:
+            engine.shutdown()
+    return _REFERENCES[key]
 
 
 def reference_greedy(prompts: Sequence[str | list[int]], max_tokens: int, **flags: Any
@@ -82,15 +99,12 @@ def reference_greedy(prompts: Sequence[str | list[int]], max_tokens: int, **flag
     tokens per prompt (ignore_eos), and is shut down. Returns (prompt ids, output tokens); the same
     arguments again in one run (hashable flags, a model path that names the same files) give the
     first call's result without loading an engine."""
-    key = (tuple(p if isinstance(p, str) else tuple(p) for p in prompts), max_tokens,
-           tuple(sorted(flags.items())))
-    if key not in _REFERENCES:
-        engine = LLMEngine(EngineConfig.from_flat(flags))
-        try:
-            ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-            _REFERENCES[key] = ids, greedy(engine, ids, SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        finally:
-            engine.shutdown()
-    ids, tokens = _REFERENCES[key]
+    ids, tokens, _ = _reference(prompts, max_tokens, flags)
     return [list(i) for i in ids], [list(t) for t in tokens]
+
+
+def reference_logprobs(prompts: Sequence[str | list[int]], max_tokens: int, **flags: Any
+                       ) -> list[torch.Tensor]:
+    """The same reference's ``[tokens, 1 + REFERENCE_TOP]`` logprobs per prompt (``greedy_logprobs``:
+    the chosen token's, then the top two), from the same engine run as ``reference_greedy``."""
+    return [values.clone() for values in _reference(prompts, max_tokens, flags)[2]]
