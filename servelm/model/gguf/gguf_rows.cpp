@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "servelm_parallel.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -313,6 +314,7 @@ constexpr int kGemmCols = 2;     // 16-output vectors per accumulator block (til
 // are then written in runs of a panel's width, not of one tile's
 constexpr int64_t kPanelBytes = 320 << 10;
 constexpr int kGemmRows = 8;     // most rows per accumulator block: 16 temporaries + 16 sums
+constexpr int64_t kUnitsPerThread = 4;   // work units a thread takes at least (a panel, or fewer tiles)
 
 template <int C, bool kBf16Codes, bool kOffsets, int R = kGemmRows>
 void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
@@ -329,7 +331,11 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
   const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols);
   const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k * 16 * kGemmCols * (kBf16Codes ? 2 : 1)));
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // about kUnitsPerThread units a thread (whole panels where the call has enough tiles), taken from a
+  // shared counter: a thread that loses its core to another process holds up one unit, not its half
+  // of the call (servelm_parallel.h)
+  const int64_t unit = servelm_parallel::unit_for(tiles, kUnitsPerThread, std::min(panel, tiles));
+  servelm_parallel::dynamic_for(tiles, unit, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += panel)
       for (int64_t g = 0, r0 = 0; g < groups; ++g) {
         const int64_t size = (rows - r0) / (groups - g);
