@@ -179,3 +179,23 @@ def test_without_the_rows_kernel_the_decode_call_is_the_vnni_kernel() -> None:
     x = torch.randn(DECODE_ROWS, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert torch.equal(method.apply(layer, x, None),
                        kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32, True))
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool) -> None:
+    """The threads take units of the call from a shared counter (servelm_parallel.h): how many threads
+    there are, and so which units each one computes, never changes a result bit."""
+    weight = block_weight(32 * 97 + 5, 128, 32, offsets, seed=3)   # 98 tiles: units of several sizes
+    codes, scales, offs = packed(weight, rows_kernel, False)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            results.append(rows_kernel.rows_gemm(x, codes, scales, offs, 32, False, weight.shape[0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert relative_error(results[0], x, weight) < 1e-6
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
