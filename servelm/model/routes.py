@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
@@ -87,9 +88,16 @@ class RouteTable:
     def save(self, cache_dir: Path | None = None) -> None:
         path = self.path(cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "cells": self.cells, "times_us": self.times_us}, indent=1))
-        tmp.replace(path)
+        # a temporary name of this writer's own: two ranks of one machine (processes, or threads of a
+        # test) may save the same table at once, and a shared name let one rename the other's file away
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps({"key": self.key, "cells": self.cells, "times_us": self.times_us}, indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, key: dict[str, Any], cache_dir: Path | None = None) -> RouteTable:

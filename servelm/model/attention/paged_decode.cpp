@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "servelm_parallel.h"
+
 namespace {
 
 // How many columns ahead the tiled kernel prefetches K and V rows (a sequence's blocks lie anywhere
@@ -28,9 +30,6 @@ namespace {
 // the GEMMs between two layers' attention evict the KV), 1 thread: 8.6 ms at 4 columns, 6.6-7.3 at
 // 16, 7.4 at 32 (noisy, shared machine); prefetching V rows into L2 during the scores: 8.4.
 constexpr int64_t kPrefetchColumns = 16;
-
-// A task's fixed work (softmax setup, the output's stores) in columns, for the thread split.
-constexpr int64_t kTaskColumns = 8;
 
 // The vector layer: F (kLanes float32 lanes) and the few operations the kernel uses. The ones both
 // widths spell alike (_mm512_add_ps, _mm256_add_ps) are written once, for the prefix P.
@@ -332,31 +331,17 @@ void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const i
                const int64_t* np, float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                int64_t columns, float fscale) {
   const int64_t group = num_heads / num_kv_heads;
-  // Contiguous runs of tasks of equal cost (columns plus a fixed share for the per-task work), one
-  // per thread: parallel_for's equal task counts left one thread with the longer contexts.
-  const int64_t num_tasks = b * num_kv_heads;
-  const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> bounds(num_parts + 1, num_tasks);
-  bounds[0] = 0;
-  if (num_parts > 1) {
-    int64_t total = 0;
-    for (int64_t task = 0; task < num_tasks; ++task) total += np[task / num_kv_heads] + kTaskColumns;
-    int64_t done = 0, part = 1;
-    for (int64_t task = 0; task < num_tasks && part < num_parts; ++task) {
-      done += np[task / num_kv_heads] + kTaskColumns;
-      while (part < num_parts && done * num_parts >= total * part) bounds[part++] = task + 1;
-    }
-  }
-  at::parallel_for(0, num_parts, 1, [&](int64_t first_part, int64_t end_part) {
-    std::vector<float> scores;
+  // One (sequence, KV head) task at a time from a shared counter (servelm_parallel.h): the threads
+  // balance longer and shorter contexts as they go, and a thread that loses its core to another
+  // process holds up one task, not a share of the batch fixed up front.
+  servelm_parallel::dynamic_for(b * num_kv_heads, 1, [&](int64_t task, int64_t) {
+    thread_local std::vector<float> scores;
     float inv_sum[8];
-    for (int64_t task = bounds[first_part]; task < bounds[end_part]; ++task) {
-      const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t n = np[i];
-      if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
-      attend_group(qp + i * q_row + h * group * d, kp, vp, sp + i * columns, n, num_kv_heads,
-                   h, d, fscale, scores.data(), inv_sum, op + (i * num_heads + h * group) * d, group);
-    }
+    const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
+    const int64_t n = np[i];
+    if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
+    attend_group(qp + i * q_row + h * group * d, kp, vp, sp + i * columns, n, num_kv_heads,
+                 h, d, fscale, scores.data(), inv_sum, op + (i * num_heads + h * group) * d, group);
   });
 }
 

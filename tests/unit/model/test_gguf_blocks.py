@@ -387,3 +387,27 @@ def test_embedding_rows_from_packed_codes_in_one_call(kind: str, dtype: torch.dt
     assert torch.equal(native, expected_rows[ids].to(dtype))
     with pytest.raises((RuntimeError, IndexError)):   # an id past the rows: the kernel checks, as indexing does
         lookup(torch.tensor([rows]))
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_block_kernel_is_the_same_at_every_thread_count(rows: int) -> None:
+    """The threads take units of outputs from a shared counter (servelm_parallel.h): how many threads
+    there are, and which units each one takes, never changes a result bit."""
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip(f"no GGUF kernel here: {kernel_status()}")
+    n, k = 1000, 512
+    weight = repack(random_raw("Q4_K", n, k), (n, k), "Q4_K")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            results.append(kernel.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, weight.block))
+    finally:
+        torch.set_num_threads(threads)
+    dense = F.linear(x.double(), weight.dequantize().double())
+    assert (results[0] - dense).norm() <= 0.02 * dense.norm()
+    for result in results[1:]:
+        assert torch.equal(result, results[0])

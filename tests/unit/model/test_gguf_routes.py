@@ -197,6 +197,33 @@ def test_the_route_table_is_measured_once_per_key(tmp_path, monkeypatch) -> None
     assert other.cells[other.cell_name(shape, False, 64)][0] == "dense"
 
 
+def test_writers_saving_one_table_at_once_never_fail(tmp_path) -> None:
+    """Two ranks of one machine may save the same table together (a test's ranks are threads of one
+    process): each writes a temporary file of its own, so none renames another's away."""
+    import threading
+
+    table = route_table.RouteTable({"cpu": "test"}, {"cell": ["block"]}, {"cell": {"block": 1.0}})
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def save() -> None:
+        try:
+            start.wait()
+            for _ in range(50):
+                table.save(tmp_path)
+        except BaseException as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=save) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert route_table.RouteTable.load({"cpu": "test"}, tmp_path).cells == table.cells
+    assert [p.name for p in tmp_path.iterdir()] == [table.path(tmp_path).name]   # no temporary left
+
+
 def test_over_the_budget_the_defaults_serve(tmp_path) -> None:
     method = torch_method(dense_dtype=torch.float32)
     shape = LinearShape(128, 64, "Q8_0", False, True)

@@ -261,3 +261,23 @@ def test_the_flat_decode_path_takes_the_avx2_build(forced_avx2: CountingBuild,
     hf_model = make_tiny_hf_model("qwen2")
     check_flat_against_modules(LlamaDecodePlan, 3, lambda: decode_logits(hf_model, "qwen2", 3), monkeypatch)
     assert forced_avx2.calls > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_tiled_kernel_is_the_same_at_every_thread_count(dtype: torch.dtype, kernel: ModuleType) -> None:
+    """The threads take (sequence, KV head) tasks from a shared counter (servelm_parallel.h): how many
+    threads there are, and which tasks each one takes, never changes a result bit."""
+    q, k_pool, v_pool, slots, spans = pool_case(12, 2, 64, dtype, [23, 1, 17, 3, 5, 22, 9, 14, 2], 23, 4)
+    q = q.float()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            results.append(paged_decode.attend(q, k_pool, v_pool, slots, spans, 0.125, kernel))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0], gathered_sdpa(q, k_pool, v_pool, slots, spans, 0.125),
+                               atol=2e-5, rtol=1e-4)
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
