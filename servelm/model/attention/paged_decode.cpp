@@ -334,7 +334,7 @@ void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const i
   // One (sequence, KV head) task at a time from a shared counter (servelm_parallel.h): the threads
   // balance longer and shorter contexts as they go, and a thread that loses its core to another
   // process holds up one task, not a share of the batch fixed up front.
-  servelm_parallel::dynamic_for(b * num_kv_heads, 1, [&](int64_t task, int64_t) {
+  servelm_parallel::dynamic_for(b * num_kv_heads, b * num_kv_heads, [&](int64_t task, int64_t) {
     thread_local std::vector<float> scores;
     float inv_sum[8];
     const int64_t i = task / num_kv_heads, h = task % num_kv_heads;

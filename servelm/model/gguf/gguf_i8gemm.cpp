@@ -26,8 +26,6 @@
 #include <cstring>
 #include <vector>
 
-#include "servelm_parallel.h"
-
 namespace {
 
 constexpr int kCols = 2;                  // 16-output vectors per tile
@@ -200,22 +198,17 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   const int64_t tiles = (a.n + kTile - 1) / kTile;
   const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
-  // the work in units of (row panel, chunk of tiles), panel by panel, taken from a shared counter: a
-  // thread that loses its core to another process holds up one unit, not its share of every panel
-  // (servelm_parallel.h); a chunk is cut smaller where a panel has few tiles
-  const int64_t unit = servelm_parallel::unit_for(tiles, 4, 1, chunk);
-  const int64_t units_per_panel = (tiles + unit - 1) / unit;
-  const int64_t panels = (rows + panel - 1) / panel;
-  servelm_parallel::dynamic_for(panels * units_per_panel, 1, [&](int64_t index, int64_t) {
-    const int64_t p0 = index / units_per_panel * panel;
-    const int64_t first = index % units_per_panel * unit, last = std::min(tiles, first + unit);
-    const int64_t size = std::min(panel, rows - p0);
-    const int64_t groups = (size + kRows - 1) / kRows;
-    for (int64_t g = 0, r0 = p0; g < groups; ++g) {
-      const int64_t group = (p0 + size - r0) / (groups - g);
-      for (int64_t tile = first; tile < last; ++tile)
-        dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
-      r0 += group;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+      const int64_t size = std::min(panel, rows - p0);
+      const int64_t groups = (size + kRows - 1) / kRows;
+      for (int64_t first = begin; first < end; first += chunk)
+        for (int64_t g = 0, r0 = p0; g < groups; ++g) {
+          const int64_t group = (p0 + size - r0) / (groups - g);
+          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
+            dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
+          r0 += group;
+        }
     }
     if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
   });

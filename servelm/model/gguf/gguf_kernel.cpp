@@ -20,7 +20,6 @@
 #include <cstring>
 #include <vector>
 
-#include "servelm_parallel.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -331,9 +330,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
   // a thread takes at least kMinChunkBytes of weights: below that the fork and join cost more than
   // the second thread saves (Gemma's k/v-sized calls)
   const int64_t grain = std::max<int64_t>(16, kMinChunkBytes / k);
-  // about four units a thread from a shared counter: a thread that loses its core to another process
-  // holds up one unit, not its half of the call (servelm_parallel.h)
-  servelm_parallel::dynamic_for(n, servelm_parallel::unit_for(n, 4, grain), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     float dots[kRowTile];
     for (int64_t n0 = begin; n0 < end; n0 += kWeightTile) {
       const int64_t n1 = std::min(end, n0 + kWeightTile);

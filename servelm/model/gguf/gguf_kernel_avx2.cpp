@@ -28,9 +28,6 @@
 #include <type_traits>
 #include <memory>
 #include <vector>
-
-#include "servelm_parallel.h"
-
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -676,10 +673,7 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
                                            weight_scales, weight_offsets, has_offsets, block, bias32, bias16,
                                            bf16_out ? nullptr : out.data_ptr<float>(),
                                            bf16_out ? out.data_ptr<c10::BFloat16>() : nullptr);
-  // about four units a thread from a shared counter: a thread that loses its core to another process
-  // holds up one unit, not its share of the call (servelm_parallel.h)
-  servelm_parallel::dynamic_for(n, servelm_parallel::unit_for(n, 4, gemm.grain),
-                                [&](int64_t begin, int64_t end) { gemm.rows(begin, end); });
+  at::parallel_for(0, n, gemm.grain, [&](int64_t begin, int64_t end) { gemm.rows(begin, end); });
   return out;
 }
 

@@ -62,8 +62,6 @@
 #include <mutex>
 #include <vector>
 
-#include "servelm_parallel.h"
-
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -487,12 +485,8 @@ std::vector<torch::Tensor> screen_candidates(torch::Tensor x, torch::Tensor pack
   };
   std::vector<Chunk> chunks;
   std::mutex chunks_mutex;
-  // about four chunks a thread, taken from a shared counter (servelm_parallel.h): a thread that loses
-  // its core to another process holds up one chunk, not its half of the head. Which chunks there are
-  // never changes the candidates: each chunk keeps every id that reaches its own running lower bound
-  // (never above the final one), and the final bound decides.
   const int64_t grain = std::max<int64_t>(64, tiles / (4 * at::get_num_threads()) + 1);
-  servelm_parallel::dynamic_for(tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     Chunk chunk{begin, std::vector<float>(rows, -INFINITY), std::vector<std::vector<int32_t>>(rows),
                 std::vector<std::vector<float>>(rows)};
     for (auto& v : chunk.ids) v.resize(16 * 64);
