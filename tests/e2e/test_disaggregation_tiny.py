@@ -6,6 +6,7 @@ request aborted mid-transfer) end with an error or a freed pool, never a hang.""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -17,6 +18,8 @@ from servelm.config import (CacheConfig, DisaggregationConfig, EngineConfig, Mod
 from servelm.disagg.spec import KVTransfer
 from servelm.engine.engine import LLMEngine
 from servelm.engine.outputs import RequestOutput
+from servelm.model.gguf.gguf_routes import Route
+from servelm.model.routes import forced_route
 from servelm.sampling.params import SamplingParams
 from tests.e2e.server_process import free_port
 from tests.engine_drive import greedy
@@ -155,7 +158,12 @@ def test_a_gptq_checkpoint_over_pd_equals_colocated_and_the_dequantized_referenc
         served = [name for name, module in engine.runner.model.named_modules() if hasattr(module, "gguf_weight")]
         engine.shutdown()
         assert served, "the GPTQ codes did not reach the block routes"
-    token_lists, outputs = check_greedy_identical_and_only_missing_blocks_sent(tmp_path, "auto", "zmq", dtype)
+    # auto: every engine takes the block route at every row count. The measured table may rank another
+    # route first for some row classes (the rows kernel rounds activations to bf16, the int8 GEMM to 8 bits
+    # for prompt rows), and PD's passes have other row counts than the co-located engine's: a cached table
+    # that put the int8 GEMM first at 1 and 4 prompt rows parted the two at the second token
+    with forced_route(Route.BLOCK) if dtype == "auto" else contextlib.nullcontext():
+        token_lists, outputs = check_greedy_identical_and_only_missing_blocks_sent(tmp_path, "auto", "zmq", dtype)
     if dtype == "float32":
         with torch.no_grad():
             expected = [reference.generate(torch.tensor([tokens]), max_new_tokens=PARAMS.max_tokens,

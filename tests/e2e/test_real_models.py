@@ -9,7 +9,6 @@ import pytest
 
 from servelm.config import CacheConfig, EngineConfig, ModelConfig
 from servelm.engine.engine import LLMEngine
-from servelm.sampling.params import SamplingParams
 from tests.engine_drive import greedy_logprobs, reference_greedy, reference_logprobs
 from tests.reference import packaged_reference_model, transformers_greedy
 
