@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from servelm.files import atomic_write_text
+
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "servelm"
 _CHUNK_BYTES = 4 << 20
 
@@ -222,15 +224,8 @@ def _is_verified(target: Path, sha256: str | None) -> bool:
 
 def _write_marker(target: Path, sha256: str) -> None:
     stat = target.stat()
-    _atomic_write_text(_marker(target), json.dumps(
+    atomic_write_text(_marker(target), json.dumps(
         {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _sha256_file(path: Path) -> str:

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from servelm.files import atomic_write_text
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
 from servelm.model.timing import time_candidates
@@ -88,16 +88,10 @@ class RouteTable:
     def save(self, cache_dir: Path | None = None) -> None:
         path = self.path(cache_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # a temporary name of this writer's own: two ranks of one machine (processes, or threads of a
-        # test) may save the same table at once, and a shared name let one rename the other's file away
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(json.dumps({"key": self.key, "cells": self.cells, "times_us": self.times_us}, indent=1))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # two ranks of one machine may save the same table at once (a shared temporary name let one
+        # rename the other's file away)
+        atomic_write_text(path, json.dumps({"key": self.key, "cells": self.cells, "times_us": self.times_us},
+                                           indent=1))
 
     @classmethod
     def load(cls, key: dict[str, Any], cache_dir: Path | None = None) -> RouteTable:

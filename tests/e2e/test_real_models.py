@@ -20,10 +20,14 @@ PROMPTS = [
 NUM_NEW_TOKENS = 32
 
 
+FLOAT32 = {"dtype": "float32", "max_total_tokens": 4096}
+"""The float32 reference engine's flags (engine_drive memoizes its run by them)."""
+
+
 def float32_greedy(name: str) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, greedy tokens) of ``name``'s float32 engine on PROMPTS: one engine per run,
     shared by the transformers parity and the GGUF-blocks agreement below (engine_drive memoizes)."""
-    return reference_greedy(PROMPTS, NUM_NEW_TOKENS, model=name, dtype="float32", max_total_tokens=4096)
+    return reference_greedy(PROMPTS, NUM_NEW_TOKENS, model=name, **FLOAT32)
 
 
 def check_parity(name: str) -> None:
@@ -64,8 +68,7 @@ def test_smollm2_gguf_blocks_agree_with_float32():
     that both logprobs moving by the tolerance can flip). Which tokens are such near-ties depends on
     the CPU's routes: an exact-prefix count held on one CPU and failed on another."""
     token_lists, reference = float32_greedy("smollm2-135m")
-    reference_values = reference_logprobs(PROMPTS, NUM_NEW_TOKENS, model="smollm2-135m", dtype="float32",
-                                          max_total_tokens=4096)
+    reference_values = reference_logprobs(PROMPTS, NUM_NEW_TOKENS, model="smollm2-135m", **FLOAT32)
     engine = LLMEngine(EngineConfig(model=ModelConfig(model="smollm2-135m"),
                                     cache=CacheConfig(max_total_tokens=4096)))
     try:

@@ -391,8 +391,8 @@ def test_embedding_rows_from_packed_codes_in_one_call(kind: str, dtype: torch.dt
 
 @pytest.mark.parametrize("rows", [1, 6])
 def test_the_block_kernel_is_the_same_at_every_thread_count(rows: int) -> None:
-    """The threads take units of outputs from a shared counter (servelm_parallel.h): how many threads
-    there are, and which units each one takes, never changes a result bit."""
+    """How many threads split a call's outputs never changes a result bit (each output is one
+    thread's, computed alike wherever the split falls)."""
     kernel = load_kernel()
     if kernel is None:
         pytest.skip(f"no GGUF kernel here: {kernel_status()}")
