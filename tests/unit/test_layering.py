@@ -1,7 +1,7 @@
 """Imports point down only (ARCHITECTURE.md): an AST walk over servelm/ (issue 11).
 
 server -> engine -> {cache, workers -> model, sampling, constrained, lora, spec} -> distributed, with config,
-errors and logging_utils as leaf modules everyone may use. Deferred imports inside functions count
+errors, logging_utils and files as leaf modules everyone may use. Deferred imports inside functions count
 too: a deferred upward import is still an upward dependency. The front end (server/) may use the
 request-side types and validators of sampling/, constrained/ and parsers/, but never model/ or
 cache/, which live in the engine process; it may use distributed/'s process helpers
@@ -19,7 +19,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "servelm"
 
-LEAF = {"config", "errors", "logging_utils", "multimodal"}
+LEAF = {"config", "errors", "logging_utils", "files", "multimodal"}
 """``multimodal`` (the image seam, processors, the encoder cache) imports no other unit: the server,
 the engine and the model all use it."""
 PEERS = {"cache", "model", "sampling", "constrained", "lora", "spec", "parsers"}
