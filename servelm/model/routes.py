@@ -23,6 +23,9 @@ import logging
 import os
 import platform
 import contextlib
+import copy
+import dataclasses
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -51,6 +54,14 @@ COPY_MARGIN = {Route.BLOCK: 0.0, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE
 """How much faster a route must be to rank above one that needs a smaller copy of the weight (the
 block kernel reads the blocks themselves; the packed copies cost ~1 byte per weight, the dense one
 2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
+MEASURE_MIN_BYTES = 96 << 20
+"""Bytes of weight copies a shape's timing cycles through (``cold_copies``): more than the
+last-level cache, as in serving, where a step reads every layer's weights once."""
+MEASURE_MAX_COPIES = 64
+"""Clones of a small shape's weight at most (``cold_copies``)."""
+MEASUREMENT = 2
+"""The measuring method's version, in the table's key: 2 times cold copies with the model's code
+range (1, a single hot copy with 8-bit codes, ranked routes reading more bytes too high)."""
 HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
 """The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
 
@@ -126,31 +137,69 @@ def kernel_build_keys(method: Any) -> dict[str, str]:
             if module is not None}
 
 
-def table_key(method: Any, shapes: Iterable[LinearShape], model_dtype: torch.dtype,
-              cpu_flags: set[str] | None = None) -> dict[str, Any]:
-    """What decides the table: a different value re-measures, the same reuses."""
+def machine_key(cpu_flags: set[str] | None = None) -> dict[str, Any]:
+    """What decides any timing on this machine: the CPU, its flags, the threads, torch's version."""
     if cpu_flags is None:
         from servelm.model.loader import cpu_flags as read_flags
         cpu_flags = read_flags()
     return {"cpu": cpu_model_name(), "cpu_flags": sorted(cpu_flags), "threads": torch.get_num_threads(),
-            "kernels": kernel_build_keys(method), "torch": torch.__version__,
+            "torch": torch.__version__}
+
+
+def table_key(method: Any, shapes: Iterable[LinearShape], model_dtype: torch.dtype,
+              cpu_flags: set[str] | None = None) -> dict[str, Any]:
+    """What decides the table: a different value re-measures, the same reuses."""
+    return {**machine_key(cpu_flags), "kernels": kernel_build_keys(method), "measurement": MEASUREMENT,
             "model_dtype": str(model_dtype).removeprefix("torch."),
             "dense_dtype": str(method.dense_dtype).removeprefix("torch."), "activations": method.activations,
             "shapes": sorted(shape.name for shape in set(shapes))}
 
 
-def synthetic_weight(shape: LinearShape, block: int, has_offsets: bool) -> BlockWeight:
-    """A random BlockWeight of ``shape`` (outputs cut to ``MEASURE_MAX_OUTPUTS``)."""
+def synthetic_weight(shape: LinearShape, block: int, has_offsets: bool,
+                     code_range: tuple[int, int] = (-127, 127)) -> BlockWeight:
+    """A random BlockWeight of ``shape`` (outputs cut to ``MEASURE_MAX_OUTPUTS``) with codes in
+    ``code_range`` (the model's: a build reading codes packed at their bit width reads as many)."""
     generator = torch.Generator().manual_seed(0)
     n, k = min(shape.out_features, MEASURE_MAX_OUTPUTS), shape.in_features
-    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    codes = torch.randint(code_range[0], code_range[1] + 1, (n, k), dtype=torch.int8, generator=generator)
     scales = torch.rand(n, k // block, generator=generator) * 1e-2
     offsets = torch.rand(n, k // block, generator=generator) * -1e-2 if has_offsets else None
     return BlockWeight(codes, scales, offsets, block, shape.kind)
 
 
+def cold_copies(method: Any, weight: BlockWeight, shape: LinearShape,
+                working_bytes: int = MEASURE_MIN_BYTES) -> list[nn.Module]:
+    """A module holding ``weight`` and the copies of every route ``available`` for ``shape``
+    (``prepare_all``), then clones of it up to ``working_bytes`` in all (at most
+    ``MEASURE_MAX_COPIES``): a timing that cycles through them reads each from memory where
+    ``working_bytes`` exceeds the cache, as a step reading every layer of such a model once does
+    (one copy read again and again stays in the cache, and the routes reading more bytes per weight
+    then look faster than they are); a model smaller than the cache is timed in it."""
+    layer = nn.Module()
+    method.prepare_all(layer, weight, shape)
+    held = sum(tensor.nbytes for tensor in {id(t): t for t in _tensors(layer.__dict__)}.values())
+    copies = min(MEASURE_MAX_COPIES, -(-working_bytes // max(held, 1)))
+    return [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (a module's attributes: tensors, tuples, dataclasses of them)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for item in dataclasses.fields(value):
+            yield from _tensors(getattr(value, item.name))
+
+
 def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,
-                  table: RouteTable, deadline: float) -> bool:
+                  table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
+                  working_bytes: int = MEASURE_MIN_BYTES) -> bool:
     """Time the routes built for ``shape`` at each row class not yet in ``table``; False where the
     deadline came first (the cells measured so far are kept)."""
     available = sorted(method.available(shape, block), key=lambda route: route.value)
@@ -159,14 +208,14 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     todo = [rows for rows in classes if table.cell_name(shape, x_bf16, rows) not in table.cells]
     if len(available) < 2 or not todo:
         return True
-    layer = nn.Module()
-    method.prepare_all(layer, synthetic_weight(shape, block, has_offsets), shape)
+    layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
     run = method.run_route
     for rows in todo:
         if time.perf_counter() > deadline:
             return False
         x = torch.randn(rows, shape.in_features, generator=torch.Generator().manual_seed(rows)).to(model_dtype)
-        times = time_candidates({route.value: (lambda route=route: run(route, layer, x, None, shape.is_head))
+        times = time_candidates({route.value: (lambda route=route, turn=itertools.cycle(layers):
+                                               run(route, next(turn), x, None, shape.is_head))
                                  for route in available})
         name = table.cell_name(shape, x_bf16, rows)
         table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
@@ -181,12 +230,17 @@ class ShapeSpec:
     shape: LinearShape
     block: int
     has_offsets: bool
+    code_range: tuple[int, int] = (-127, 127)
+    """The least and greatest code of the model's weight (``synthetic_weight``)."""
 
 
 def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, budget_s: float | None,
-                cache_dir: Path | None = None, fresh: bool = False) -> tuple[RouteTable, str]:
+                cache_dir: Path | None = None, fresh: bool = False,
+                working_bytes: int = MEASURE_MIN_BYTES) -> tuple[RouteTable, str]:
     """The model's table (cached cells reused unless ``fresh``, missing ones measured within
-    ``budget_s``; None: no limit) and a sentence on where it came from, for the log."""
+    ``budget_s``; None: no limit) and a sentence on where it came from, for the log.
+    ``working_bytes``: the bytes a step reads (``cold_copies``; the model's blocks, at most
+    ``MEASURE_MIN_BYTES``)."""
     started = time.perf_counter()
     key = table_key(method, (spec.shape for spec in specs), model_dtype)
     table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
@@ -194,7 +248,8 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     deadline = float("inf") if budget_s is None else started + budget_s
     complete_table = True
     for spec in specs:
-        if not measure_shape(method, spec.shape, spec.block, spec.has_offsets, model_dtype, table, deadline):
+        if not measure_shape(method, spec.shape, spec.block, spec.has_offsets, model_dtype, table, deadline,
+                             spec.code_range, min(working_bytes, MEASURE_MIN_BYTES)):
             complete_table = False
             break
     measured = len(table.cells) - cached

@@ -43,6 +43,7 @@ from servelm.model.gguf.gguf_file import (GGUFFile, expert_tensor_names, gguf_to
                                           reverse_llama_permute)
 from servelm.model.layers.embedding import LMHead, VocabEmbedding
 from servelm.model.gguf.gguf_blocks import BlockWeight, concat_rows, repack
+from servelm.model.gguf.block_builds import choose_block_build
 from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
 from servelm.model.gguf import gguf_i8gemm, gguf_rows
 from servelm.model.gguf.gguf_linear import BlockRows, GGUFBlockLinearMethod
@@ -287,11 +288,28 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
         shape = LinearShape(first.codes.shape[1], n, kind, isinstance(module, LMHead),
                             module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED
                             and not isinstance(module, LMHead) and method.activations != "float")
-        specs.setdefault(shape, ShapeSpec(shape, first.block, first.offsets is not None))
+        if shape not in specs:
+            ranges = [torch.aminmax(blocks[name].codes) for name in names]
+            specs[shape] = ShapeSpec(shape, first.block, first.offsets is not None,
+                                     (min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)))
         model_dtype = module.weight.dtype
-    table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh)
+    table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh,
+                                working_bytes=sum(weight.nbytes for weight in blocks.values()))
     method.ranking = table.ranking(method.default_ranking)
     return source, model_dtype
+
+
+def _decoder_weights(model: nn.Module, blocks: dict[str, BlockWeight]) -> tuple[list[BlockWeight], torch.dtype]:
+    """The block weights of the model's linears but the head, in call order (a fused layer's parts
+    one by one), and the rows' dtype: what ``choose_block_build`` times."""
+    weights: list[BlockWeight] = []
+    dtype = torch.float32
+    for _, module, names in _served_modules(model, blocks):
+        if isinstance(module, (LMHead, VocabEmbedding)) or any(name not in blocks for name in names):
+            continue
+        weights.extend(blocks[name] for name in names)
+        dtype = module.weight.dtype
+    return weights, dtype
 
 
 def _packed_note(weights: Iterable[BlockWeight]) -> str:
@@ -337,17 +355,19 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     BlockWeight; ``others``: names kept float -> their type, for the log): a GGUF file's repack,
     or a pre-quantized checkpoint's integer codes (servelm/model/prequantized.py). ``label``
     names the source in the log."""
-    kernel = load_kernel()
+    split = split_block_experts(model, blocks)
+    started = time.perf_counter()
+    decoder_weights, rows_dtype = _decoder_weights(model, blocks)
+    build = choose_block_build(decoder_weights, activations, rows_dtype, fresh=fresh_routes)
+    kernel = build.module
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
     rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
-    # the int8 GEMM needs what the VNNI kernel needs: where the AVX2 build (or none) runs, it does not
-    # (asked of the build in use: a module loaded earlier in the process stays loaded whatever flags)
-    i8_kernel = (gguf_i8gemm.load_kernel() if kernel is not None and getattr(kernel, "ISA", "") != "avx2"
+    # the int8 GEMM where the CPU has its instructions (asked of the CPU's flags, not of a loaded
+    # module: one loaded earlier in the process stays loaded whatever flags), beside either build
+    i8_kernel = (gguf_i8gemm.load_kernel() if kernel is not None and not gguf_i8gemm.missing_cpu_flags()
                  and activations != "float" else None)
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
-    split = split_block_experts(model, blocks)
-    started = time.perf_counter()
     route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)
     route_seconds = time.perf_counter() - started
     kinds: Counter[str] = Counter()
@@ -399,18 +419,17 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
         if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}
     x_bf16 = model_dtype == torch.bfloat16
     method.route_report = route_summary(routes_by_shape, x_bf16, route_source)
-    isa = "AVX2" if getattr(kernel, "ISA", "") == "avx2" else "AVX512-VNNI" if kernel is not None else "no"
-    kernel_note = (f"{isa} block kernel; routes ({route_source}; {route_seconds:.2f} s):\n  "
+    kernel_note = (f"block kernel build: {build.note}; routes ({route_source}; {route_seconds:.2f} s):\n  "
                    + "\n  ".join(format_report(method.route_report)))
     summary = {"linears": dict(kinds), "head": head_kind, "embedding": embedding_kind,
                "kept_float": kept_float, "bytes": stored, "dense_bytes": dense_bytes,
                "float32_bytes": float_bytes, "checkpoint_names": replaced,
-               "kernel": kernel_status(), "activations": activations,
+               "kernel": build.status(), "kernel_build": build.note, "activations": activations,
                "routes": method.route_report, "packed": packed_note}
     logger.info("%s weights served in their own blocks: linears %s, LM head %s, embedding %s; "
                 "%.1f MiB of blocks + %.1f MiB of dense and packed copies (float32: %.1f MiB); %s; block kernel: %s%s; %s",
                 label, ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) or "none",
                 head_kind, embedding_kind, stored / 2 ** 20, dense_bytes / 2 ** 20, float_bytes / 2 ** 20,
-                packed_note, kernel_status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "",
+                packed_note, build.status(), f"; kept float: {', '.join(kept_float)}" if kept_float else "",
                 kernel_note)
     return summary

@@ -381,3 +381,42 @@ def test_avx2_cpu_serves_the_gguf_blocks_on_the_avx2_build(avx2: object, tmp_pat
     assert method.packs and {kinds for kinds in packed.values()} == {("Q4_0", 4, True), ("Q5_0+Q4_1", 5, True)}
     assert method.compact_scales and compact == {torch.float16}
     assert tokens == expected
+
+
+def test_the_faster_build_serves_and_the_choice_is_cached(avx2: object, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where both builds load (an AVX512-VNNI CPU), the build whose one-row pass over the model's
+    linears is faster serves the block route (the timing is made to favour one, then the other):
+    the AVX2 build on packed codes, beside the rows kernel and the int8 GEMM where the CPU has them;
+    the greedy tokens are the dequantized model's either way; a second start reads the choice
+    from the cache, and a build that lost leaves no packed copy behind."""
+    from servelm.model import routes as route_table
+    from servelm.model.gguf import block_builds, gguf_i8gemm
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    avx512 = gguf_kernel.KERNEL.load() if not gguf_kernel.KERNEL.missing_cpu_flags() else None
+    if avx512 is None:
+        pytest.skip("one build only here: nothing to choose")
+    monkeypatch.setattr(route_table, "CACHE_DIR", tmp_path / "routes")
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    i8 = gguf_i8gemm.load_kernel() if not gguf_i8gemm.missing_cpu_flags() else None
+    for faster in (avx2, avx512):
+        monkeypatch.setattr(block_builds, "time_candidates",
+                            lambda candidates, **_: {name: 1.0 if name == faster.__name__ else 2.0
+                                                     for name in candidates})
+        packed: dict[str, object] = {}
+        tokens, method = greedy(path, layers=packed)
+        assert method.kernel is faster and method.i8_kernel is i8 and tokens == expected
+        assert bool(packed) == (faster is avx2)   # the AVX-512 build reads int8 codes: none kept packed
+
+        def fail(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a cached choice was measured again")
+
+        monkeypatch.setattr(block_builds, "time_candidates", fail)
+        again, method = greedy(path)
+        assert method.kernel is faster and again == expected
+        for choice in (tmp_path / "routes").iterdir():   # the next pass measures anew
+            if "GGUF block kernel build" in choice.read_text():
+                choice.unlink()

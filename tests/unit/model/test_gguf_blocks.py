@@ -322,7 +322,8 @@ def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_tiny_gguf_without_kernel_is_the_dequantized_model(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from servelm.model.gguf import gguf_weights
-    monkeypatch.setattr(gguf_weights, "load_kernel", lambda: None)
+    from servelm.model.gguf.block_builds import BuildChoice
+    monkeypatch.setattr(gguf_weights, "choose_block_build", lambda *args, **kwargs: BuildChoice(None, None, "no build"))
     monkeypatch.setattr(gguf_weights, "cpu_bf16_feature", lambda: None)   # dequantize to float32
     path = tmp_path / "tiny-q.gguf"
     write_quantized_llama(path)

@@ -315,3 +315,47 @@ def test_a_forced_route_comes_first_where_the_rules_allow_it(tmp_path, monkeypat
     resolved = LayerRoutes.resolve(shape, frozenset(Route), ranking, False, "int16", False)
     assert resolved.pick(64, False, True) is Route.INT8 and resolved.pick(64, False, False) is not Route.INT8
     assert table.ranking(method.default_ranking)(shape, False, 64)[0] is Route.DENSE   # restored
+
+
+def test_the_timing_cycles_through_cold_copies_with_the_model_code_range(monkeypatch) -> None:
+    """``measure_shape`` times each route on copies of the synthetic weight, in turn, up to the
+    working bytes (a step reads every layer from memory: one hot copy ranked the routes that read
+    more bytes too high), each copy computing the same result; the synthetic codes keep the model's
+    range, so a build reading codes packed at their width reads as many bits as it would serve."""
+    from servelm.model.gguf.gguf_blocks import PackedCodes
+
+    weight = route_table.synthetic_weight(LinearShape(256, 64, "Q5_0", False, True), 32, False, (-16, 15))
+    low, high = torch.aminmax(weight.codes)
+    assert (int(low), int(high)) == (-16, 15) and PackedCodes.of(weight.codes).bits == 5
+    method = torch_method()
+    shape = LinearShape(256, 64, "Q5_0", False, True)
+    layers = route_table.cold_copies(method, weight, shape, working_bytes=4 << 20)
+    held = sum(t.nbytes for t in {id(t): t for t in route_table._tensors(layers[0].__dict__)}.values())
+    assert len(layers) == -(-(4 << 20) // held) > 2
+    assert layers[1].gguf_dense.data_ptr() != layers[0].gguf_dense.data_ptr()
+    x = torch.randn(3, 256).bfloat16()
+    for route in Route:
+        assert torch.equal(method.run_route(route, layers[0], x, None, True),
+                           method.run_route(route, layers[-1], x, None, True))
+    assert len(route_table.cold_copies(method, weight, shape, working_bytes=1)) == 1   # a model in the cache
+
+    seen: dict[str, set[int]] = {}
+    original = method.run_route
+
+    def recording(route, layer, *args):
+        seen.setdefault(route.value, set()).add(id(layer))
+        return original(route, layer, *args)
+
+    def calls(candidates, **_):
+        for _ in range(len(layers) + 1):
+            for run in candidates.values():
+                run()
+        return {name: 1.0 for name in candidates}
+
+    monkeypatch.setattr(method, "run_route", recording)
+    monkeypatch.setattr(route_table, "time_candidates", calls)
+    table = route_table.RouteTable({})
+    assert route_table.measure_shape(method, shape, 32, False, torch.bfloat16, table, float("inf"), (-16, 15),
+                                     4 << 20)
+    assert set(seen) == {route.value for route in Route}
+    assert all(len(ids) == len(layers) for ids in seen.values())   # every copy, for every route
