@@ -94,6 +94,7 @@ def choose_block_build(weights: Sequence[BlockWeight], activations: str, dtype: 
     that do (cached; ``fresh``: measured again). A weight's packed and compact copies made for a
     build that loses are dropped again."""
     loaded = _loaded(gguf_kernel.candidates(flags))
+    weights = [weight for weight in weights if weight.shape[1] % 64 == 0]   # what the block route takes
     if len(loaded) < 2 or not weights:
         kernel, module = loaded[0] if loaded else (None, None)
         return BuildChoice(kernel, module, "the only build" if loaded else "no build")

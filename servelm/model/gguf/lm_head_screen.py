@@ -27,8 +27,9 @@ and for such rows, all of a step's at once:
 
 Two builds of lm_head_screen.cpp: AVX512-VNNI (``KERNEL``) and AVX2+FMA (``AVX2_KERNEL``: tiles of
 8 rows, vpmaddubsw for VNNI's product, the same exact integer dots); ``build_screen`` takes the one
-with the instructions of the head's block kernel (``screen_build_for``) and logs which. The bound
-holds for both builds against both exact kernels (``rounding_margin``).
+the first whose instructions this CPU has (``screen_build``: the AVX-512 one where it can, whatever
+build the head's block kernel is) and logs which. The bound holds for both builds against both
+exact kernels (``rounding_margin``).
 
 A row whose candidate set exceeds ``max_candidates`` (a bound too loose for that hidden state)
 takes the full head instead. Invariants: only ``ModelRunner.execute`` calls it, only for the plan's
@@ -63,10 +64,15 @@ AVX2_KERNEL = CppKernel.beside(__file__, "lm_head_screen.cpp", "lm_head_screen_a
 KERNELS = (KERNEL, AVX2_KERNEL)
 
 
-def screen_build_for(kernel: ModuleType) -> CppKernel:
-    """The screen's build beside the head's block kernel ``kernel`` (same instructions: the AVX2
-    block kernel's module says ``ISA = "avx2"``)."""
-    return AVX2_KERNEL if getattr(kernel, "ISA", "") == "avx2" else KERNEL
+def screen_build() -> CppKernel:
+    """The screen's build: the first of ``KERNELS`` whose instructions this CPU has and that builds
+    (the AVX512-VNNI one where it can: tiles of 16 rows, one VNNI product per 4 inputs). The bound
+    holds against either build of the exact kernel (lm_head_screen.cpp), so it need not match the
+    head's block kernel, whose build is measured (block_builds.py: AVX2 on AMD Zen 4)."""
+    for build in KERNELS:
+        if not build.missing_cpu_flags() and build.load() is not None:
+            return build
+    return KERNELS[-1]
 
 CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
@@ -306,7 +312,7 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
     kernel = getattr(method, "kernel", None)
     if kernel is None:
         return None, "off (the head has no block kernel)"
-    build = screen_build_for(kernel)
+    build = screen_build()
     screen_kernel = build.load()
     if screen_kernel is None:
         return None, f"off ({build.description}: {build.status()})"
