@@ -43,6 +43,11 @@ MIN_ROUNDS = 5
 """Passes of each build at least (interleaved); more while ``BUDGET_S`` lasts."""
 BUDGET_S = 1.0
 """Seconds the timing may take past ``MIN_ROUNDS`` (a 0.5B model's pass is ~20 ms a build)."""
+MIN_TIMED_BYTES = 64 << 20
+"""Decoder weight bytes (int8 codes) below which the builds are not timed and the preferred one (the
+first of ``gguf_kernel.KERNELS`` this CPU runs) serves: such a model's pass reads its weights from
+the cache, not memory, and takes microseconds, which noise decides (the tests' tiny models: a
+choice that differed between two loads of one model would change its float32 rounding)."""
 
 
 @dataclass(frozen=True)
@@ -90,14 +95,19 @@ def choose_block_build(weights: Sequence[BlockWeight], activations: str, dtype: 
                        fresh: bool = False, cache_dir: Path | None = None,
                        flags: set[str] | None = None) -> BuildChoice:
     """The build of the block kernel to serve ``weights`` (the model's decoder linears, in call
-    order) with rows in ``dtype``: the only one that loads, or the faster one-row pass of those
-    that do (cached; ``fresh``: measured again). A weight's packed and compact copies made for a
-    build that loses are dropped again."""
+    order) with rows in ``dtype``: the only one that loads, the preferred one for a model under
+    ``MIN_TIMED_BYTES``, else the faster one-row pass of those that load (cached; ``fresh``:
+    measured again). A weight's packed and compact copies made for a build that loses are dropped
+    again."""
     loaded = _loaded(gguf_kernel.candidates(flags))
     weights = [weight for weight in weights if weight.shape[1] % 64 == 0]   # what the block route takes
     if len(loaded) < 2 or not weights:
         kernel, module = loaded[0] if loaded else (None, None)
         return BuildChoice(kernel, module, "the only build" if loaded else "no build")
+    if sum(weight.shape[0] * weight.shape[1] for weight in weights) < MIN_TIMED_BYTES:
+        kernel, module = loaded[0]
+        return BuildChoice(kernel, module, f"{kernel.description}, preferred: the decoder weights fit the cache "
+                                           "(not timed)")
     key = {**machine_key(flags), "choice": "GGUF block kernel build", "activations": activations,
            "dtype": str(dtype).removeprefix("torch."), "builds": [module.__name__ for _, module in loaded],
            "weights": sorted({f"{weight.shape[1]}x{weight.shape[0]} {weight.kind}" for weight in weights}),
