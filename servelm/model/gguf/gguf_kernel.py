@@ -7,9 +7,9 @@ laptops, AMD Zen 1-3). ``load_kernel()`` returns the first build whose instructi
 (read from /proc/cpuinfo, never assumed) and that builds, or None with a reason (``kernel_status()``)
 where none does (no x86 vector unit, no C++ compiler, a failed build): callers then fall back to
 dequantized weights and log why. Which build serves a model where several load is measured
-(block_builds.py ``choose_block_build``: on AMD Zen 4 the AVX2 build's one-row pass is faster). ``flags`` replaces the CPU's flags in the choice (tests force the
-AVX2 build on an AVX-512 machine, or no x86 build at all, with it); a build still needs the real
-CPU's instructions. Builds are cached like every ``CppKernel``'s.
+(block_builds.py ``choose_block_build``: on AMD Zen 4 the AVX2 build's one-row pass is faster).
+``flags`` replaces the CPU's flags in the choice (tests force the AVX2 build on an AVX-512 machine,
+or no x86 build at all, with it); a build still needs the real CPU's instructions. Builds are cached like every ``CppKernel``'s.
 """
 
 from __future__ import annotations

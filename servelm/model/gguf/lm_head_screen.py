@@ -26,8 +26,8 @@ and for such rows, all of a step's at once:
    ``argmax`` (ties to the lowest id) picks exactly the token the full head would give.
 
 Two builds of lm_head_screen.cpp: AVX512-VNNI (``KERNEL``) and AVX2+FMA (``AVX2_KERNEL``: tiles of
-8 rows, vpmaddubsw for VNNI's product, the same exact integer dots); ``build_screen`` takes the one
-the first whose instructions this CPU has (``screen_build``: the AVX-512 one where it can, whatever
+8 rows, vpmaddubsw for VNNI's product, the same exact integer dots); ``build_screen`` takes the
+first whose instructions this CPU has (``screen_build``: the AVX-512 one where it can, whatever
 build the head's block kernel is) and logs which. The bound holds for both builds against both
 exact kernels (``rounding_margin``).
 
