@@ -86,7 +86,8 @@ def tune(config: EngineConfig) -> None:
     configure_logging(config.server.log_level)
     report = tune_routes(config)
     if report is not None and "row_classes" in report:
-        sys.stdout.write(f"{report['source']}\n" + "\n".join(format_report(report)) + "\n")
+        sys.stdout.write(f"block kernel build: {report['kernel_build']}\n{report['source']}\n"
+                         + "\n".join(format_report(report)) + "\n")
     attention = (report or {}).get("prefill_attention")
     if attention:
         sys.stdout.write(f"prefill attention ({attention['source']}):\n" + "".join(

@@ -295,7 +295,8 @@ def route_summary(routes_by_shape: dict[LinearShape, Any], x_bf16: bool, source:
 def tune(config: Any) -> dict[str, Any] | None:
     """``servelm tune MODEL``: measure every cell of the model's route table again, with no budget,
     on the threads, dtype and quantization ``servelm serve`` would use with the same flags (the key
-    must match serving's); saves it and returns the chosen routes (None: no GGUF blocks to route)."""
+    must match serving's), and the block kernel's build (gguf/block_builds.py) too; saves them and
+    returns the chosen routes and build (None: no GGUF blocks to route)."""
     from servelm.distributed.parallel import ParallelContext
     from servelm.model.gguf.gguf_weights import GGUF_MODES, apply_gguf_blocks, gguf_model_dtype, resolve_quantization
     from servelm.model.attention import Attention, prefill_routes
@@ -323,7 +324,8 @@ def tune(config: Any) -> dict[str, Any] | None:
         return {"prefill_attention": attention} if attention else None
     summary = apply_gguf_blocks(model, gguf_path, GGUF_MODES[quantization], check=False, route_budget_s=None,
                                 fresh_routes=True)
-    return {**summary["routes"], "prefill_attention": attention} if attention else summary["routes"]
+    report = {**summary["routes"], "kernel_build": summary["kernel_build"]}
+    return {**report, "prefill_attention": attention} if attention else report
 
 
 @contextlib.contextmanager

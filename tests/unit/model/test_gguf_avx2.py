@@ -8,6 +8,7 @@ the dequantized weight times the activations rounded as the function rounds them
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -424,3 +425,29 @@ def test_the_faster_build_serves_and_the_choice_is_cached(avx2: object, tmp_path
         for choice in (tmp_path / "routes").iterdir():   # the next pass measures anew
             if "GGUF block kernel build" in choice.read_text():
                 choice.unlink()
+
+
+def test_tune_measures_the_routes_and_the_build_again(avx2: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``servelm tune MODEL`` measures every route cell anew (none read from the cache) and the block
+    kernel's build where both builds load and the model is timed, and prints both; the table it
+    saves is the one the next start reads."""
+    from servelm import cli
+    from servelm.model import routes as route_table
+    from servelm.model.gguf import block_builds
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    monkeypatch.setattr(route_table, "CACHE_DIR", tmp_path / "routes")
+    monkeypatch.setattr(block_builds, "MIN_TIMED_BYTES", 0)
+    both = gguf_kernel.KERNEL.load() is not None and not gguf_kernel.KERNEL.missing_cpu_flags()
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    for _ in range(2):   # the second run measures again: nothing comes from the first one's files
+        cli.main(["tune", str(path), "--num-threads", "1"])
+        out = capsys.readouterr().out
+        assert "block kernel build: " in out and "measured in" in out and " cells from " not in out
+        assert ("fastest one-row pass" in out and "measured, saved to" in out) if both else "the only build" in out
+        assert "rows " in out and "layer 64x" in out   # the table: one line per shape
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "routes").glob("*.json")]
+    assert any(table["cells"] and "kernels" in table["key"] for table in saved)
+    assert any("one-row pass" in table["cells"] for table in saved) == both
