@@ -187,13 +187,14 @@ class KernelBuilds:
         """The builds whose instructions this CPU (or ``flags``) has, preferred first."""
         return [kernel for kernel in self.kernels if not kernel.missing_cpu_flags(flags)]
 
-    def load(self, flags: set[str] | None = None) -> ModuleType | None:
+    def first(self, flags: set[str] | None = None) -> CppKernel | None:
         """The first of ``candidates(flags)`` that builds (or is cached), or None."""
-        for kernel in self.candidates(flags):
-            module = kernel.load()
-            if module is not None:
-                return module
-        return None
+        return next((kernel for kernel in self.candidates(flags) if kernel.load() is not None), None)
+
+    def load(self, flags: set[str] | None = None) -> ModuleType | None:
+        """``first(flags)``'s module, or None."""
+        kernel = self.first(flags)
+        return kernel.load() if kernel is not None else None
 
     def status(self, flags: set[str] | None = None) -> str:
         """Which build runs and why, or why none does."""

@@ -24,7 +24,6 @@ import os
 import platform
 import contextlib
 import copy
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -176,25 +175,9 @@ def cold_copies(method: Any, weight: BlockWeight, shape: LinearShape,
     (one copy read again and again stays in the cache, and the routes reading more bytes per weight
     then look faster than they are); a model smaller than the cache is timed in it."""
     layer = nn.Module()
-    method.prepare_all(layer, weight, shape)
-    held = sum(tensor.nbytes for tensor in {id(t): t for t in _tensors(layer.__dict__)}.values())
+    held = method.prepare_all(layer, weight, shape)
     copies = min(MEASURE_MAX_COPIES, -(-working_bytes // max(held, 1)))
     return [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value`` (a module's attributes: tensors, tuples, dataclasses of them)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for item in dataclasses.fields(value):
-            yield from _tensors(getattr(value, item.name))
 
 
 def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,

@@ -196,12 +196,11 @@ class GGUFBlockLinearMethod:
             del layer.weight
             layer.register_parameter("weight", None)
         layer.linear_method = self
-        stored = [layer.gguf_dense] + list(layer.gguf_packed or ()) + list(layer.gguf_i8 or ())
-        return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
+        return held_bytes(layer, weight)
 
-    def prepare_all(self, layer: nn.Module, weight: BlockWeight, shape: LinearShape) -> None:
+    def prepare_all(self, layer: nn.Module, weight: BlockWeight, shape: LinearShape) -> int:
         """Give a bare module ``weight`` and the copy of every route ``available`` for ``shape``, so
-        that ``run_route`` can force each (route timing, tests)."""
+        that ``run_route`` can force each (route timing, tests); returns the bytes it holds."""
         available = self.available(shape, weight.block)
         layer.gguf_weight = weight
         if self.packs and Route.BLOCK in available:
@@ -211,6 +210,7 @@ class GGUFBlockLinearMethod:
                              if Route.ROWS in available else None)
         layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in available else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in available else None
+        return held_bytes(layer, weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               rows: PassRows | None = None) -> torch.Tensor:
@@ -303,6 +303,13 @@ class GGUFBlockLinearMethod:
                                    model_dtype, *reach, takes_bias=False)
         kernel, codes, scales, offsets = self.block_call(weight)
         return PreparedCall.of((kernel, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)
+
+
+def held_bytes(layer: nn.Module, weight: BlockWeight) -> int:
+    """Bytes ``layer`` holds for ``weight``: its blocks (packed and compact forms included) and the
+    copies its routes read (``process``, ``prepare_all``)."""
+    stored = [layer.gguf_dense] + list(layer.gguf_packed or ()) + list(layer.gguf_i8 or ())
+    return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
 
 class BlockRows:

@@ -49,7 +49,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from servelm.model.cpp_kernel import CppKernel
+from servelm.model.cpp_kernel import CppKernel, KernelBuilds
 from servelm.model.gguf.gguf_routes import Route
 from servelm.model.gguf.gguf_blocks import BlockWeight, compact_values
 from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
@@ -69,10 +69,7 @@ def screen_build() -> CppKernel:
     (the AVX512-VNNI one where it can: tiles of 16 rows, one VNNI product per 4 inputs). The bound
     holds against either build of the exact kernel (lm_head_screen.cpp), so it need not match the
     head's block kernel, whose build is measured (block_builds.py: AVX2 on AMD Zen 4)."""
-    for build in KERNELS:
-        if not build.missing_cpu_flags() and build.load() is not None:
-            return build
-    return KERNELS[-1]
+    return KernelBuilds(*KERNELS).first() or KERNELS[-1]
 
 CODE_ERROR = 3.5
 """Largest |c - c'| between a Q8_0 code and its screen code (8 * (c >> 3) + 3.5)."""
