@@ -64,16 +64,16 @@ bool checked_offsets(const c10::optional<torch::Tensor>& offsets, const torch::T
 
 std::vector<float> block_sums(const uint16_t* x, int64_t rows, int64_t k, int64_t block) {
   std::vector<float> sums(rows * (k / block));
+  const auto load16 = [](const uint16_t* p) {   // 16 bf16 -> float32 (exact)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < k / block; ++b) {
-      float s = 0.f;
-      for (int64_t i = 0; i < block; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(x[r * k + b * block + i]) << 16;
-        float v;
-        std::memcpy(&v, &bits, sizeof(v));
-        s += v;
-      }
-      sums[r * (k / block) + b] = s;
+      const uint16_t* xb = x + r * k + b * block;
+      __m512 v = load16(xb);
+      if (block == 32) v = _mm512_add_ps(v, load16(xb + 16));
+      sums[r * (k / block) + b] = _mm512_reduce_add_ps(v);
     }
   return sums;
 }
@@ -222,15 +222,26 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // the activation pair broadcast from memory (no permutation of x, no horizontal sums). An
 // accumulator block of R rows x C vectors of 16 outputs sums one GGUF block's B / 2 pairs into
 // temporaries, which one FMA per block scales into the float32 result: the weight is exactly
-// code x scale, as in rows_linear. int8 codes are widened to bf16 in registers right before use
-// (exact: |code| <= 128), so the copy reads 1 byte per weight; bf16 codes are loaded as they are.
+// code x scale, as in rows_linear. The copy reads 1 byte per weight, widened to bf16 in registers
+// right before use, in one of two forms:
+//   int8 codes (any |code| <= 128): sign-extended to int32, converted to float, packed to bf16
+//     (five instructions per 32 codes);
+//   biased codes (every code in [-64, 63], as Q4-Q6 types have; uint8 u = code + 64): the bf16 bits
+//     0x4300 | u are exactly 128 + u = code + 192 (exponent 2^7, u the 7 mantissa bits), so a
+//     zero-extension and an OR widen 32 codes; each block's sum then starts at -192 x (the float sum
+//     of x over the block) instead of zero, which leaves code . x (rounded in float32 around terms
+//     up to 255 |x| instead of 64 |x|). 5-20% faster from 8 rows up on AMD Zen 4 (2 threads).
 // Each row's arithmetic is the same whatever R: a row's result does not depend on the other rows.
 namespace {
 
-template <bool kBf16Codes>
+enum class Codes { kInt8, kBiased };
+constexpr float kCodeBias = 192.f;   // a biased code's bf16 value is code + kCodeBias (see above)
+
+template <Codes kCodes>
 inline __m512bh load_pair_vector(const void* codes, int64_t index) {
-  if constexpr (kBf16Codes) {
-    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(static_cast<const char*>(codes) + index * 64));
+  if constexpr (kCodes == Codes::kBiased) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(codes) + index * 32));
+    return reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_cvtepu8_epi16(u), _mm512_set1_epi16(0x4300)));
   } else {
     const int8_t* p = static_cast<const int8_t*>(codes) + index * 32;
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -250,7 +261,7 @@ struct GemmArgs {
   const void* codes;      // packed, see above
   const float* scales;    // packed
   const float* offsets;   // packed or nullptr
-  const float* sums;      // [M, K / B] block sums of x (with offsets)
+  const float* sums;      // [M, K / B] block sums of x (with offsets or biased codes)
   int64_t k, n, block;
   float* yf;              // [M, N] float32 out, or
   uint16_t* yb;           // bf16 out
@@ -260,7 +271,7 @@ struct GemmArgs {
 constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams are prefetched
 
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
-template <int R, int C, bool kBf16Codes, bool kOffsets>
+template <int R, int C, Codes kCodes, bool kOffsets>
 void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
   const int64_t pairs = a.k / 2, nb = a.k / a.block, per_block = a.block / 2;
   __m512 acc[R][C];
@@ -269,15 +280,17 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
   const uint16_t* x = a.x + r0 * a.k;
   for (int64_t b = 0; b < nb; ++b) {
     __m512 t[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 start = kCodes == Codes::kBiased ? _mm512_set1_ps(-kCodeBias * a.sums[(r0 + r) * nb + b])
+                                                    : _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) t[r][c] = start;
+    }
     for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
       __m512bh w[C];
       for (int c = 0; c < C; ++c) {
         const int64_t index = (tile * pairs + p) * C + c;
-        _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * (kBf16Codes ? 64 : 32),
-                     _MM_HINT_T0);
-        w[c] = load_pair_vector<kBf16Codes>(a.codes, index);
+        _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32, _MM_HINT_T0);
+        w[c] = load_pair_vector<kCodes>(a.codes, index);
       }
       for (int r = 0; r < R; ++r) {
         const __m512bh xr = broadcast_pair(x + r * a.k + 2 * p);
@@ -316,27 +329,27 @@ constexpr int64_t kPanelBytes = 320 << 10;
 constexpr int kGemmRows = 8;     // most rows per accumulator block: 16 temporaries + 16 sums
 constexpr int64_t kUnitsPerThread = 2;   // work units a thread takes at least (of at most a panel)
 
-template <int C, bool kBf16Codes, bool kOffsets, int R = kGemmRows>
+template <int C, Codes kCodes, bool kOffsets, int R = kGemmRows>
 void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
   if (rows == R || R == 1) {
-    micro_tile<R, C, kBf16Codes, kOffsets>(a, r0, tile);
+    micro_tile<R, C, kCodes, kOffsets>(a, r0, tile);
   } else if constexpr (R > 1) {
-    dispatch_rows<C, kBf16Codes, kOffsets, R - 1>(rows, a, r0, tile);
+    dispatch_rows<C, kCodes, kOffsets, R - 1>(rows, a, r0, tile);
   }
 }
 
-template <bool kBf16Codes, bool kOffsets>
+template <Codes kCodes, bool kOffsets>
 void run_gemm(const GemmArgs& a, int64_t rows) {
   // rows in groups of at most kGemmRows, as even as possible (9 rows: 5 + 4, not 8 + 1)
   const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
   const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols);
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k * 16 * kGemmCols * (kBf16Codes ? 2 : 1)));
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k * 16 * kGemmCols));
   auto pass = [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += panel)
       for (int64_t g = 0, r0 = 0; g < groups; ++g) {
         const int64_t size = (rows - r0) / (groups - g);
         for (int64_t tile = first; tile < std::min(end, first + panel); ++tile)
-          dispatch_rows<kGemmCols, kBf16Codes, kOffsets>(static_cast<int>(size), a, r0, tile);
+          dispatch_rows<kGemmCols, kCodes, kOffsets>(static_cast<int>(size), a, r0, tile);
         r0 += size;
       }
     if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
@@ -367,11 +380,11 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
   if (n < 0) n = codes.dim() == 5 ? codes.size(0) * kGemmCols * 16 : 0;
-  const bool bf16_codes = codes.dtype() == torch::kBFloat16;
-  TORCH_CHECK((bf16_codes || codes.dtype() == torch::kInt8) && codes.is_contiguous() && codes.dim() == 5
+  const bool biased = codes.dtype() == torch::kUInt8;
+  TORCH_CHECK((biased || codes.dtype() == torch::kInt8) && codes.is_contiguous() && codes.dim() == 5
               && codes.size(1) == k / 2 && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2
               && codes.size(0) * kGemmCols * 16 >= n,
-              "codes: packed int8 or bfloat16 [tiles, K / 2, ", kGemmCols, ", 16, 2]");
+              "codes: packed int8 or biased uint8 [tiles, K / 2, ", kGemmCols, ", 16, 2]");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
               && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
               && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kGemmCols, ", 16]");
@@ -379,7 +392,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const std::vector<float> sums = has_offsets ? block_sums(xp, rows, k, block) : std::vector<float>();
+  const std::vector<float> sums = has_offsets || biased ? block_sums(xp, rows, k, block) : std::vector<float>();
   GemmArgs a{xp, codes.data_ptr(), scales.data_ptr<float>(), has_offsets ? offsets->data_ptr<float>() : nullptr,
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false};
@@ -387,12 +400,12 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
              && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
-  if (bf16_codes) {
-    if (has_offsets) run_gemm<true, true>(a, rows);
-    else run_gemm<true, false>(a, rows);
+  if (biased) {
+    if (has_offsets) run_gemm<Codes::kBiased, true>(a, rows);
+    else run_gemm<Codes::kBiased, false>(a, rows);
   } else {
-    if (has_offsets) run_gemm<false, true>(a, rows);
-    else run_gemm<false, false>(a, rows);
+    if (has_offsets) run_gemm<Codes::kInt8, true>(a, rows);
+    else run_gemm<Codes::kInt8, false>(a, rows);
   }
   return out;
 }

@@ -36,10 +36,11 @@ def reference(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
     return x.double() @ w.reshape(n, k).T
 
 
-def relative_error(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> float:
-    """Largest |out - reference| over the largest sum of |w x| (the scale summation error lives on)."""
+def relative_error(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight, code_bias: float = 0.0) -> float:
+    """Largest |out - reference| over the largest sum of |w x| (the scale summation error lives on),
+    with ``code_bias`` added to every |code| (the rows GEMM's biased codes sum terms of |code| + 192)."""
     n, k = weight.codes.shape
-    w = (weight.codes.double().view(n, -1, weight.block) * weight.scales.double()[..., None]).abs()
+    w = ((weight.codes.double().abs() + code_bias).view(n, -1, weight.block) * weight.scales.double()[..., None]).abs()
     if weight.offsets is not None:
         w = w + weight.offsets.double().abs()[..., None]
     magnitude = x.double().abs() @ w.reshape(n, k).T
@@ -94,22 +95,39 @@ def test_rows_kernel_needs_avx512_bf16() -> None:
     assert gguf_rows.missing_cpu_flags(flags | {"avx512_bf16"}) == []
 
 
-def packed(weight: BlockWeight, rows_kernel, bf16_codes: bool = False):
-    return gguf_rows.pack(weight.codes, weight.scales, weight.offsets, rows_kernel.GEMM_COLS, bf16_codes)
+def packed(weight: BlockWeight, rows_kernel):
+    return gguf_rows.pack(weight.codes, weight.scales, weight.offsets, rows_kernel.GEMM_COLS)
+
+
+CODE_FORMS = {"int8": (torch.int8, 0.0), "biased": (torch.uint8, 192.0)}
+"""The packed codes' forms (gguf_rows.pack): dtype and the bias their summation carries."""
+
+
+def in_form(weight: BlockWeight, form: str) -> BlockWeight:
+    """``weight`` with codes that pack in ``form``: for "biased", halved into [-64, 63] (a Q4-Q6
+    type's range), its extremes included."""
+    if form == "int8":
+        return weight
+    codes = weight.codes // 2
+    codes[0, :2] = torch.tensor(gguf_rows.BIASED_CODES, dtype=torch.int8)
+    return BlockWeight(codes, weight.scales, weight.offsets, weight.block, "test")
 
 
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("offsets", [False, True])
-@pytest.mark.parametrize("bf16_codes", [False, True])
+@pytest.mark.parametrize("form", list(CODE_FORMS))
 def test_rows_gemm_matches_the_float64_reference_for_every_m(rows_kernel, block: int, offsets: bool,
-                                                            bf16_codes: bool) -> None:
+                                                            form: str) -> None:
     weight = block_weight(37, 192, block, offsets, seed=block + offsets)   # N = 37: a padded last tile
-    codes, scales, offs = packed(weight, rows_kernel, bf16_codes)
+    weight = in_form(weight, form)
+    codes, scales, offs = packed(weight, rows_kernel)
+    dtype, bias = CODE_FORMS[form]
+    assert codes.dtype == dtype
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
     for m in range(1, 71):
         out = rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 37)
         assert out.dtype == torch.float32 and out.shape == (m, 37)
-        assert relative_error(out, x[:m], weight) < 1e-6, m
+        assert relative_error(out, x[:m], weight, bias) < 1e-6, m
         # each row is computed on its own, whatever group of rows it falls in
         assert torch.equal(out[-1:], rows_kernel.rows_gemm(x[m - 1:m].contiguous(), codes, scales, offs, block,
                                                            False, 37)), m
@@ -182,11 +200,13 @@ def test_without_the_rows_kernel_the_decode_call_is_the_vnni_kernel() -> None:
 
 
 @pytest.mark.parametrize("offsets", [False, True])
-def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool) -> None:
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool, form: str) -> None:
     """The threads take units of the call from a shared counter (servelm_parallel.h): how many threads
     there are, and so which units each one computes, never changes a result bit."""
-    weight = block_weight(32 * 97 + 5, 128, 32, offsets, seed=3)   # 98 tiles: units of several sizes
-    codes, scales, offs = packed(weight, rows_kernel, False)
+    weight = in_form(block_weight(32 * 97 + 5, 128, 32, offsets, seed=3), form)   # 98 tiles: units of several sizes
+    codes, scales, offs = packed(weight, rows_kernel)
+    assert codes.dtype == CODE_FORMS[form][0]
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     threads = torch.get_num_threads()
     try:
@@ -196,6 +216,6 @@ def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool)
             results.append(rows_kernel.rows_gemm(x, codes, scales, offs, 32, False, weight.shape[0]))
     finally:
         torch.set_num_threads(threads)
-    assert relative_error(results[0], x, weight) < 1e-6
+    assert relative_error(results[0], x, weight, CODE_FORMS[form][1]) < 1e-6
     for result in results[1:]:
         assert torch.equal(result, results[0])
