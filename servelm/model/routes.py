@@ -49,10 +49,10 @@ goes on)."""
 MEASURE_MAX_OUTPUTS = 8192
 """Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
 every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
-COPY_MARGIN = {Route.BLOCK: 0.0, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.06}
+COPY_MARGIN = {Route.BLOCK: 0.0, Route.PACKED: 0.02, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.06}
 """How much faster a route must be to rank above one that needs a smaller copy of the weight (the
-block kernel reads the blocks themselves; the packed copies cost ~1 byte per weight, the dense one
-2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
+block kernel reads the blocks themselves; the rows and int8 copies cost ~1 byte per weight, the
+packed route's 0.5-0.63, the dense one 2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
 MEASURE_MIN_BYTES = 96 << 20
 """Bytes of weight copies a shape's timing cycles through (``cold_copies``): more than the
 last-level cache, as in serving, where a step reads every layer's weights once."""
@@ -188,7 +188,9 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     available = sorted(method.available(shape, block), key=lambda route: route.value)
     x_bf16 = model_dtype == torch.bfloat16
     classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
-    todo = [rows for rows in classes if table.cell_name(shape, x_bf16, rows) not in table.cells]
+    names = {route.value for route in available}
+    # a cell is measured again where it lacks a route built now (a route added since it was measured)
+    todo = [rows for rows in classes if not names <= set(table.times_us.get(table.cell_name(shape, x_bf16, rows), ()))]
     if len(available) < 2 or not todo:
         return True
     layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
@@ -228,6 +230,7 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     key = table_key(method, (spec.shape for spec in specs), model_dtype)
     table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
     cached = len(table.cells)
+    before = {name: dict(times) for name, times in table.times_us.items()}
     deadline = float("inf") if budget_s is None else started + budget_s
     complete_table = True
     for spec in specs:
@@ -235,7 +238,8 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
                              spec.code_range, min(working_bytes, MEASURE_MIN_BYTES)):
             complete_table = False
             break
-    measured = len(table.cells) - cached
+    measured = sum(1 for name, times in table.times_us.items() if before.get(name) != times)
+    cached -= sum(1 for name in before if before[name] != table.times_us.get(name))   # measured again
     if measured:
         table.save(cache_dir)
     seconds = time.perf_counter() - started

@@ -14,6 +14,8 @@ one of the routes of gguf_routes.py:
   sub-scales times a float32 per 256 inputs; the same float32 values in the kernel).
 - ``rows``: the rows kernel's GEMM (gguf_rows.cpp ``rows_gemm``, AVX512-BF16) on a copy of the codes
   packed at load (1 byte per weight), bf16 activations unrounded, scales applied in float32.
+- ``packed``: the same GEMM on a copy at the codes' bit width (Q4_0/Q4_1/Q4_K/Q5_0: 0.5-0.63 bytes per
+  weight; ``gguf_bits``): the same products, fewer bytes, more instructions to widen them.
 - ``int8``: the int8 GEMM (gguf_i8gemm.cpp) on its own copy, activations rounded to int8 per block:
   prompt rows only, never the KV projections or the head (gguf_routes.py ``allowed``).
 - ``dense``: oneDNN's GEMM on a copy dequantized once at load (bf16 where the CPU has a native bf16
@@ -24,7 +26,7 @@ ranking: measured on this machine (servelm/model/routes.py) or, without a measur
 sessions' Zen 5 constants (``default_ranking``); the quality rules filter it. The copies a layer
 keeps are those its model dtype's routes use. A layer's prepared decode call (``gguf_decode_args``,
 a ``PreparedCall``) is its 1-row route's kernel for rows in the model's dtype (bf16, or float32 on a
-CPU without a native bf16 GEMM) where that is ``block`` or ``rows`` (bf16 only), with how many rows it
+CPU without a native bf16 GEMM) where that is ``block``, ``rows`` or ``packed`` (bf16 only), with how many rows it
 reaches; the flat decode paths (architectures/*_decode.py) call it directly.
 
 The pass's facts (which rows are generation rows) come with each call as a ``PassRows`` from the
@@ -50,7 +52,7 @@ from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONLY, I8_GEMM_FIRST_ROW,
                                             I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
                                             LinearShape, PassRows, Ranking, Route, default_ranking)
-from servelm.model.gguf.gguf_rows import pack
+from servelm.model.gguf.gguf_rows import PACKED_KINDS, pack
 from servelm.model.layers import fused
 from servelm.model.layers.linear import dense_linear
 
@@ -155,6 +157,8 @@ class GGUFBlockLinearMethod:
             routes.add(Route.BLOCK)
         if self.rows_kernel is not None and shape.in_features % 64 == 0:
             routes.add(Route.ROWS)
+            if shape.kind in PACKED_KINDS:
+                routes.add(Route.PACKED)
         if self.i8_kernel is not None and shape.may_int8 and block in (16, 32):
             routes.add(Route.INT8)
         return frozenset(routes)
@@ -186,9 +190,8 @@ class GGUFBlockLinearMethod:
             weight.with_packed()
         if self.compact_scales and Route.BLOCK in routes.held:
             weight.with_compact()
-        layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
-                                  self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
-                             if Route.ROWS in routes.held else None)
+        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held)
+        layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held, bits=True)
         layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in routes.held else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in routes.held else None
         layer.gguf_decode_args = self._decode_args(layer, routes, dtype)
@@ -205,12 +208,19 @@ class GGUFBlockLinearMethod:
         layer.gguf_weight = weight
         if self.packs and Route.BLOCK in available:
             weight.with_packed()
-        layer.gguf_packed = (pack(weight.codes, weight.scales, weight.offsets,
-                                  self.rows_kernel.GEMM_COLS)  # type: ignore[attr-defined]
-                             if Route.ROWS in available else None)
+        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in available)
+        layer.gguf_bits = self.rows_copy(weight, Route.PACKED in available, bits=True)
         layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in available else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in available else None
         return held_bytes(layer, weight)
+
+    def rows_copy(self, weight: BlockWeight, held: bool, bits: bool = False) -> tuple[torch.Tensor, ...] | None:
+        """The rows kernel's copy of ``weight`` where ``held``: a byte a code (the ``rows`` route), or
+        at their bit width (``bits``: the ``packed`` route)."""
+        if not held:
+            return None
+        return pack(weight.codes, weight.scales, weight.offsets, self.rows_kernel.GEMM_COLS,  # type: ignore[attr-defined]
+                    bits=bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               rows: PassRows | None = None) -> torch.Tensor:
@@ -258,10 +268,10 @@ class GGUFBlockLinearMethod:
             kernel, codes, scales, offsets = self.block_call(weight)
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets,
                          weight.block, bf16_out)
-        elif route is Route.ROWS:   # float32 rows go in as bf16 (above the exact rows' rule)
+        elif route in (Route.ROWS, Route.PACKED):   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
-                x2.to(torch.bfloat16).contiguous(), *layer.gguf_packed, weight.block, bf16_out,
-                weight.shape[0])
+                x2.to(torch.bfloat16).contiguous(), *(layer.gguf_packed if route is Route.ROWS else layer.gguf_bits),
+                weight.block, bf16_out, weight.shape[0])
         elif route is Route.INT8:
             out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
                 x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
@@ -292,12 +302,13 @@ class GGUFBlockLinearMethod:
         if not x_bf16 and model_dtype != torch.float32:
             return ()
         route = routes.pick(1, x_bf16, False)
-        if routes.shape.is_head or route not in ROW_INDEPENDENT or (route is Route.ROWS and not x_bf16):
+        if routes.shape.is_head or route not in ROW_INDEPENDENT or (route is not Route.BLOCK and not x_bf16):
             return ()
         reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
-        if route is Route.ROWS:
-            codes, scales, offsets = layer.gguf_packed
-            if weight.shape[0] != codes.shape[0] * codes.shape[2] * 16:   # padded outputs: via apply
+        if route in (Route.ROWS, Route.PACKED):
+            codes, scales, offsets = layer.gguf_packed if route is Route.ROWS else layer.gguf_bits
+            tile_outputs = self.rows_kernel.GEMM_COLS * 16  # type: ignore[attr-defined]
+            if weight.shape[0] != codes.shape[0] * tile_outputs:   # padded outputs: via apply (any packed form)
                 return ()
             return PreparedCall.of((self.rows_kernel.rows_gemm, codes, scales, offsets, weight.block),  # type: ignore[attr-defined]
                                    model_dtype, *reach, takes_bias=False)
@@ -308,7 +319,8 @@ class GGUFBlockLinearMethod:
 def held_bytes(layer: nn.Module, weight: BlockWeight) -> int:
     """Bytes ``layer`` holds for ``weight``: its blocks (packed and compact forms included) and the
     copies its routes read (``process``, ``prepare_all``)."""
-    stored = [layer.gguf_dense] + list(layer.gguf_packed or ()) + list(layer.gguf_i8 or ())
+    stored = ([layer.gguf_dense] + list(layer.gguf_packed or ()) + list(getattr(layer, "gguf_bits", None) or ())
+              + list(layer.gguf_i8 or ()))
     return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
 

@@ -5,6 +5,8 @@ A route is one way to compute ``x @ W.T`` from a ``BlockWeight`` (gguf_linear.py
 - ``block``: the block kernel (gguf_kernel's module API: ``block_linear_a16`` / ``block_linear`` /
   ``block_linear_float`` per activation mode, whatever instructions it was built for), on the codes.
 - ``rows``: the rows kernel's GEMM (gguf_rows ``rows_gemm``) on a packed copy, bf16 activations.
+- ``packed``: the same GEMM on a copy of the codes at their bit width (Q4_0/Q4_1/Q4_K nibbles, Q5_0 five
+  bits): fewer bytes a call, more instructions to widen them (few rows: bound by memory, it wins).
 - ``int8``: the int8 GEMM (gguf_i8gemm ``i8_gemm``) on its own copy, activations rounded to int8.
 - ``dense``: torch's GEMM (oneDNN) on a copy dequantized once at load (bf16 where the CPU has a
   native bf16 GEMM, else float32).
@@ -36,11 +38,12 @@ import torch
 class Route(str, Enum):
     BLOCK = "block"
     ROWS = "rows"
+    PACKED = "packed"
     INT8 = "int8"
     DENSE = "dense"
 
 
-ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.ROWS})
+ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.ROWS, Route.PACKED})
 """Routes whose result for a row does not depend on the other rows of the call (a row-by-row kernel);
 a oneDNN GEMM's blocking and the int8 GEMM's may, so a mixed pass recomputes generation rows there."""
 
@@ -139,7 +142,7 @@ def allowed(route: Route, shape: LinearShape, x_bf16: bool, rows: int, is_prompt
         return False
     if route is Route.INT8 and not (is_prompt and shape.may_int8):
         return False
-    rounds_to_bf16 = route is Route.ROWS or (route is Route.DENSE and dense_bf16)
+    rounds_to_bf16 = route in (Route.ROWS, Route.PACKED) or (route is Route.DENSE and dense_bf16)
     if not x_bf16 and rounds_to_bf16 and rows <= F32_EXACT_ROWS[activations] and Route.BLOCK in held:
         return False
     return True
@@ -172,7 +175,7 @@ def default_ranking(shape: LinearShape, x_bf16: bool, rows: int, activations: st
 def complete(order: list[Route] | tuple[Route, ...]) -> tuple[Route, ...]:
     """``order`` without repeats, then every route it does not name (block last: it needs no copy)."""
     seen: list[Route] = []
-    for route in (*order, Route.DENSE, Route.ROWS, Route.INT8, Route.BLOCK):
+    for route in (*order, Route.DENSE, Route.ROWS, Route.PACKED, Route.INT8, Route.BLOCK):
         if route not in seen:
             seen.append(route)
     return tuple(seen)

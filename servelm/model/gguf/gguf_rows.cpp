@@ -234,8 +234,20 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // Each row's arithmetic is the same whatever R: a row's result does not depend on the other rows.
 namespace {
 
-enum class Codes { kInt8, kBiased };
-constexpr float kCodeBias = 192.f;   // a biased code's bf16 value is code + kCodeBias (see above)
+enum class Codes { kInt8, kBiased, kNibbles, kFiveBits };
+
+// The value a code's bf16 vector holds is code + bias(kCodes): 0x4300 | u = 128 + u, u = code + 64
+// (biased bytes), code (nibbles: codes in [0, 15]) or code + 16 (five bits: codes in [-16, 15])
+constexpr float code_bias(Codes codes) {
+  return codes == Codes::kBiased ? 192.f : codes == Codes::kNibbles ? 128.f : codes == Codes::kFiveBits ? 144.f : 0.f;
+}
+
+// Bytes of a pair step (C = 2 vectors of 16 outputs x 2 inputs): a byte a code, or the packed forms'
+// 32 bytes of nibbles (vector 0's u & 15 in the low nibble of byte j, vector 1's in the high one)
+// and, with five bits, two 32-bit masks of u >> 4 (vector 0's, then vector 1's)
+constexpr int64_t step_bytes(Codes codes) {
+  return codes == Codes::kNibbles ? 32 : codes == Codes::kFiveBits ? 40 : 64;
+}
 
 template <Codes kCodes>
 inline __m512bh load_pair_vector(const void* codes, int64_t index) {
@@ -273,6 +285,7 @@ constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams ar
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
 template <int R, int C, Codes kCodes, bool kOffsets>
 void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+  static_assert(C == 2 || kCodes == Codes::kInt8 || kCodes == Codes::kBiased, "the packed forms hold 2 vectors a step");
   const int64_t pairs = a.k / 2, nb = a.k / a.block, per_block = a.block / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -281,16 +294,32 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
   for (int64_t b = 0; b < nb; ++b) {
     __m512 t[R][C];
     for (int r = 0; r < R; ++r) {
-      const __m512 start = kCodes == Codes::kBiased ? _mm512_set1_ps(-kCodeBias * a.sums[(r0 + r) * nb + b])
-                                                    : _mm512_setzero_ps();
+      const __m512 start = kCodes != Codes::kInt8 ? _mm512_set1_ps(-code_bias(kCodes) * a.sums[(r0 + r) * nb + b])
+                                                  : _mm512_setzero_ps();
       for (int c = 0; c < C; ++c) t[r][c] = start;
     }
     for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
       __m512bh w[C];
-      for (int c = 0; c < C; ++c) {
-        const int64_t index = (tile * pairs + p) * C + c;
-        _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32, _MM_HINT_T0);
-        w[c] = load_pair_vector<kCodes>(a.codes, index);
+      if constexpr (kCodes == Codes::kNibbles || kCodes == Codes::kFiveBits) {
+        const uint8_t* step = static_cast<const uint8_t*>(a.codes) + (tile * pairs + p) * step_bytes(kCodes);
+        _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes), _MM_HINT_T0);
+        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
+        __m512i u0 = _mm512_and_si512(both, _mm512_set1_epi16(0x000F)), u1 = _mm512_srli_epi16(both, 4);
+        if constexpr (kCodes == Codes::kFiveBits) {
+          uint32_t m0, m1;
+          std::memcpy(&m0, step + 32, sizeof(m0));
+          std::memcpy(&m1, step + 36, sizeof(m1));
+          u0 = _mm512_mask_add_epi16(u0, m0, u0, _mm512_set1_epi16(16));
+          u1 = _mm512_mask_add_epi16(u1, m1, u1, _mm512_set1_epi16(16));
+        }
+        w[0] = reinterpret_cast<__m512bh>(_mm512_or_si512(u0, _mm512_set1_epi16(0x4300)));
+        w[1] = reinterpret_cast<__m512bh>(_mm512_or_si512(u1, _mm512_set1_epi16(0x4300)));
+      } else {
+        for (int c = 0; c < C; ++c) {
+          const int64_t index = (tile * pairs + p) * C + c;
+          _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32, _MM_HINT_T0);
+          w[c] = load_pair_vector<kCodes>(a.codes, index);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m512bh xr = broadcast_pair(x + r * a.k + 2 * p);
@@ -343,7 +372,7 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   // rows in groups of at most kGemmRows, as even as possible (9 rows: 5 + 4, not 8 + 1)
   const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
   const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols);
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k * 16 * kGemmCols));
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k / 2 * step_bytes(kCodes)));
   auto pass = [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += panel)
       for (int64_t g = 0, r0 = 0; g < groups; ++g) {
@@ -379,12 +408,17 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
-  if (n < 0) n = codes.dim() == 5 ? codes.size(0) * kGemmCols * 16 : 0;
-  const bool biased = codes.dtype() == torch::kUInt8;
-  TORCH_CHECK((biased || codes.dtype() == torch::kInt8) && codes.is_contiguous() && codes.dim() == 5
-              && codes.size(1) == k / 2 && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2
-              && codes.size(0) * kGemmCols * 16 >= n,
-              "codes: packed int8 or biased uint8 [tiles, K / 2, ", kGemmCols, ", 16, 2]");
+  if (n < 0) n = codes.dim() >= 3 ? codes.size(0) * kGemmCols * 16 : 0;
+  // the form: int8 or biased uint8 [tiles, K / 2, 2, 16, 2], or packed uint8 [tiles, K / 2, 32 or 40]
+  const bool packed = codes.dim() == 3 && codes.dtype() == torch::kUInt8;
+  const Codes form = packed ? (codes.size(2) == 32 ? Codes::kNibbles : Codes::kFiveBits)
+                            : codes.dtype() == torch::kUInt8 ? Codes::kBiased : Codes::kInt8;
+  TORCH_CHECK(codes.is_contiguous() && codes.size(0) * kGemmCols * 16 >= n && codes.dim() >= 3 && codes.size(1) == k / 2
+              && (packed ? codes.size(2) == 32 || codes.size(2) == 40
+                         : (codes.dtype() == torch::kUInt8 || codes.dtype() == torch::kInt8) && codes.dim() == 5
+                           && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2),
+              "codes: packed int8 or biased uint8 [tiles, K / 2, ", kGemmCols, ", 16, 2], or uint8 nibbles "
+              "[tiles, K / 2, 32 or 40]");
   TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
               && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
               && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kGemmCols, ", 16]");
@@ -392,7 +426,8 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const std::vector<float> sums = has_offsets || biased ? block_sums(xp, rows, k, block) : std::vector<float>();
+  const std::vector<float> sums = has_offsets || form != Codes::kInt8 ? block_sums(xp, rows, k, block)
+                                                                      : std::vector<float>();
   GemmArgs a{xp, codes.data_ptr(), scales.data_ptr<float>(), has_offsets ? offsets->data_ptr<float>() : nullptr,
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false};
@@ -400,9 +435,15 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
              && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
-  if (biased) {
+  if (form == Codes::kBiased) {
     if (has_offsets) run_gemm<Codes::kBiased, true>(a, rows);
     else run_gemm<Codes::kBiased, false>(a, rows);
+  } else if (form == Codes::kNibbles) {
+    if (has_offsets) run_gemm<Codes::kNibbles, true>(a, rows);
+    else run_gemm<Codes::kNibbles, false>(a, rows);
+  } else if (form == Codes::kFiveBits) {
+    if (has_offsets) run_gemm<Codes::kFiveBits, true>(a, rows);
+    else run_gemm<Codes::kFiveBits, false>(a, rows);
   } else {
     if (has_offsets) run_gemm<Codes::kInt8, true>(a, rows);
     else run_gemm<Codes::kInt8, false>(a, rows);

@@ -15,7 +15,7 @@ from torch import nn
 
 from servelm.model import routes as route_table
 from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
-from servelm.model.gguf import gguf_i8gemm
+from servelm.model.gguf import gguf_i8gemm, gguf_rows
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 from servelm.model.gguf.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
@@ -56,6 +56,7 @@ class TorchRowsKernel:
 
     def rows_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1):
         assert x.dtype == torch.bfloat16
+        codes = gguf_rows.unpack_codes(codes)   # any of gguf_rows.pack's forms
         n = n if n >= 0 else codes.shape[0] * codes.shape[2] * codes.shape[3]
         return _finish(x.float() @ _unpack(codes, scales, offsets, n).dequantize().T, bf16_out)
 
@@ -70,11 +71,15 @@ class TorchI8Kernel:
         return _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out)
 
 
-def block_weight(n: int, k: int, offsets: bool, seed: int = 0) -> BlockWeight:
+def block_weight(n: int, k: int, offsets: bool, seed: int = 0, packable: bool = False) -> BlockWeight:
+    """Random codes over int8's range ("Q4_1" with offsets, else "Q8_0"), or with ``packable`` in the
+    packed route's ranges (Q4_1's [0, 15] with offsets, else Q5_0's [-16, 15])."""
     generator = torch.Generator().manual_seed(seed)
-    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    low, high = ((0, 15) if offsets else (-16, 15)) if packable else (-127, 127)
+    codes = torch.randint(low, high + 1, (n, k), dtype=torch.int8, generator=generator)
     scales = torch.rand(n, k // 32, generator=generator) * 0.02 + 1e-3
-    return BlockWeight(codes, scales, -scales * 3 if offsets else None, 32, "Q4_1" if offsets else "Q8_0")
+    kind = ("Q4_1" if offsets else "Q5_0") if packable else ("Q4_1" if offsets else "Q8_0")
+    return BlockWeight(codes, scales, -scales * 3 if offsets else None, 32, kind)
 
 
 def torch_method(ranking=None, dense_dtype=torch.bfloat16, i8=None) -> GGUFBlockLinearMethod:
@@ -82,7 +87,7 @@ def torch_method(ranking=None, dense_dtype=torch.bfloat16, i8=None) -> GGUFBlock
                                  i8 or TorchI8Kernel(), ranking)
 
 
-TOLERANCE = {Route.BLOCK: 1e-5, Route.ROWS: 1e-2, Route.DENSE: 1e-2, Route.INT8: 3e-2}
+TOLERANCE = {Route.BLOCK: 1e-5, Route.ROWS: 1e-2, Route.PACKED: 1e-2, Route.DENSE: 1e-2, Route.INT8: 3e-2}
 """Relative error of each route against float32 on bf16-representable rows: the bf16 dense copy and
 the bf16 output round, the int8 route rounds activations to int8 per block."""
 
@@ -90,7 +95,7 @@ the bf16 output round, the int8 route rounds activations to int8 per block."""
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_every_route_forced_agrees_with_the_float_result(offsets: bool, rows: int) -> None:
-    weight = block_weight(80, 128, offsets)   # 80 outputs: a padded tile for the packed copies
+    weight = block_weight(80, 128, offsets, packable=True)   # 80 outputs: a padded tile for the packed copies
     method = torch_method()
     shape = method.shape(weight)
     assert method.available(shape, weight.block) == set(Route)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from servelm.model.gguf import gguf_rows
-from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_blocks import BlockWeight, tile_outputs
 from servelm.model.gguf.gguf_kernel import load_kernel
 from servelm.model.gguf.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, decode_rows
-from servelm.model.gguf.gguf_routes import ROWS_KERNEL_LAST_ROW
+from servelm.model.gguf.gguf_routes import ROWS_KERNEL_LAST_ROW, Route
 
 ROWS_KERNEL_ROWS = {"layers": (1, ROWS_KERNEL_LAST_ROW), "head": (1, None)}
 """The default routes' rows kernel spans (gguf_routes.default_ranking)."""
@@ -95,22 +95,28 @@ def test_rows_kernel_needs_avx512_bf16() -> None:
     assert gguf_rows.missing_cpu_flags(flags | {"avx512_bf16"}) == []
 
 
-def packed(weight: BlockWeight, rows_kernel):
-    return gguf_rows.pack(weight.codes, weight.scales, weight.offsets, rows_kernel.GEMM_COLS)
+def packed(weight: BlockWeight, rows_kernel, form: str = "int8"):
+    return gguf_rows.pack(weight.codes, weight.scales, weight.offsets, rows_kernel.GEMM_COLS, form in BIT_FORMS)
 
 
-CODE_FORMS = {"int8": (torch.int8, 0.0), "biased": (torch.uint8, 192.0)}
-"""The packed codes' forms (gguf_rows.pack): dtype and the bias their summation carries."""
+CODE_FORMS = {"int8": (torch.int8, 5, 0.0), "biased": (torch.uint8, 5, 192.0), "nibbles": (torch.uint8, 3, 128.0),
+              "five_bits": (torch.uint8, 3, 144.0)}
+"""The packed codes' forms (gguf_rows.pack): dtype, dimensions and the bias their summation carries."""
+FORM_RANGES = {"biased": gguf_rows.BIASED_CODES, "nibbles": gguf_rows.NIBBLE_CODES, "five_bits": gguf_rows.FIVE_BIT_CODES}
+BIT_FORMS = {"nibbles": "Q4_1", "five_bits": "Q5_0"}
+"""The ``packed`` route's forms (``pack(..., bits=True)``), with a GGUF type whose codes they hold."""
 
 
 def in_form(weight: BlockWeight, form: str) -> BlockWeight:
-    """``weight`` with codes that pack in ``form``: for "biased", halved into [-64, 63] (a Q4-Q6
-    type's range), its extremes included."""
+    """``weight`` with codes that pack in ``form``: its random int8 codes moved into the form's range
+    (``FORM_RANGES``: Q6_K's, Q5_0's, Q4_K's), that range's extremes included."""
     if form == "int8":
         return weight
-    codes = weight.codes // 2
-    codes[0, :2] = torch.tensor(gguf_rows.BIASED_CODES, dtype=torch.int8)
-    return BlockWeight(codes, weight.scales, weight.offsets, weight.block, "test")
+    low, high = FORM_RANGES[form]
+    codes = (weight.codes.to(torch.int16) * (high - low + 1) // 256 + (low + high + 1) // 2).to(torch.int8)
+    codes[0, :2] = torch.tensor((low, high), dtype=torch.int8)
+    assert low <= int(codes.min()) and int(codes.max()) <= high
+    return BlockWeight(codes, weight.scales, weight.offsets, weight.block, BIT_FORMS.get(form, "test"))
 
 
 @pytest.mark.parametrize("block", [16, 32])
@@ -120,9 +126,9 @@ def test_rows_gemm_matches_the_float64_reference_for_every_m(rows_kernel, block:
                                                             form: str) -> None:
     weight = block_weight(37, 192, block, offsets, seed=block + offsets)   # N = 37: a padded last tile
     weight = in_form(weight, form)
-    codes, scales, offs = packed(weight, rows_kernel)
-    dtype, bias = CODE_FORMS[form]
-    assert codes.dtype == dtype
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    dtype, dims, bias = CODE_FORMS[form]
+    assert codes.dtype == dtype and codes.dim() == dims
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
     for m in range(1, 71):
         out = rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 37)
@@ -149,17 +155,25 @@ def test_rows_gemm_streams_large_results_and_takes_every_packed_output(rows_kern
     assert torch.equal(whole[:, :33_000], out[:2]) and not whole[:, 33_000:].any()
 
 
-def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel) -> None:
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel, form: str) -> None:
     kernel = load_kernel()
     if kernel is None:
         pytest.skip("no VNNI kernel here")
-    weight = block_weight(64, 256, 32, True, seed=8)
-    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", rows_kernel)
+    weight = in_form(block_weight(64, 256, 32, True, seed=8), form)
+    route = Route.PACKED if form in BIT_FORMS else Route.ROWS
+
+    def ranking(shape, x_bf16, rows):   # the default ranking, with the packed route where it has rows
+        swap = {Route.ROWS: route, route: Route.ROWS}
+        return tuple(swap.get(r, r) for r in method.default_ranking(shape, x_bf16, rows))
+
+    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", rows_kernel, ranking=ranking)
     layer, head = torch.nn.Module(), torch.nn.Module()
     method.process(layer, weight)
     method.process(head, weight, float_output=True)
     assert head.gguf_routes.shape.is_head and head.gguf_dense is None and layer.gguf_dense is not None
-    codes, scales, offsets = layer.gguf_packed
+    codes, scales, offsets = layer.gguf_packed if route is Route.ROWS else layer.gguf_bits
+    assert (codes.dtype, codes.dim()) == CODE_FORMS[form][:2]
     for module, role in ((layer, "layers"), (head, "head")):
         first, last = ROWS_KERNEL_ROWS[role]
         for m in (first - 1, first, 5, 33, last, (last or 64) + 1):
@@ -205,8 +219,8 @@ def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool,
     """The threads take units of the call from a shared counter (servelm_parallel.h): how many threads
     there are, and so which units each one computes, never changes a result bit."""
     weight = in_form(block_weight(32 * 97 + 5, 128, 32, offsets, seed=3), form)   # 98 tiles: units of several sizes
-    codes, scales, offs = packed(weight, rows_kernel)
-    assert codes.dtype == CODE_FORMS[form][0]
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    assert (codes.dtype, codes.dim()) == CODE_FORMS[form][:2]
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     threads = torch.get_num_threads()
     try:
@@ -216,6 +230,17 @@ def test_rows_gemm_is_the_same_at_every_thread_count(rows_kernel, offsets: bool,
             results.append(rows_kernel.rows_gemm(x, codes, scales, offs, 32, False, weight.shape[0]))
     finally:
         torch.set_num_threads(threads)
-    assert relative_error(results[0], x, weight, CODE_FORMS[form][1]) < 1e-6
+    assert relative_error(results[0], x, weight, CODE_FORMS[form][2]) < 1e-6
     for result in results[1:]:
         assert torch.equal(result, results[0])
+
+
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_unpack_codes_inverts_every_pack_form(form: str) -> None:
+    """``gguf_rows.unpack_codes`` (the torch references' view of the packed copy) gives back the tiled
+    int8 codes from each form ``pack`` makes (no kernel needed)."""
+    weight = in_form(block_weight(45, 96, 32, False, seed=11), form)
+    codes, _, _ = gguf_rows.pack(weight.codes, weight.scales, None, 2, form in BIT_FORMS)
+    assert (codes.dtype, codes.dim()) == CODE_FORMS[form][:2]
+    tiled, _, _ = tile_outputs(weight.codes, weight.scales, None, 2, group=2)
+    assert torch.equal(gguf_rows.unpack_codes(codes), tiled)
