@@ -215,15 +215,16 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // rows_gemm: the same product as a GEMM micro-kernel, on a copy of the codes packed at load in
 // VNNI order (``pack`` below, made by gguf_rows.py from the BlockWeight):
 //   codes  [T, K / 2, C, 16, 2]  (T tiles of C x 16 outputs, N rounded up to whole tiles with zero
-//          codes): per tile and input pair p, C vectors of 16 outputs' pairs, 32 bytes each (int8)
-//          or 64 (bf16), so that the whole copy is read as one sequential stream
+//          codes): per tile and input pair p, C vectors of 16 outputs' pairs, 32 bytes each (a byte
+//          a code; the packed forms below: 32 or 40 bytes a pair step), so that the whole copy is
+//          read as one sequential stream
 //   scales [T, K / B, C, 16] float32 (offsets alike)
 // Lanes are outputs: vdpbf16ps(t, w, x) adds w[n, 2p] x[2p] + w[n, 2p + 1] x[2p + 1] to lane n, with
 // the activation pair broadcast from memory (no permutation of x, no horizontal sums). An
 // accumulator block of R rows x C vectors of 16 outputs sums one GGUF block's B / 2 pairs into
 // temporaries, which one FMA per block scales into the float32 result: the weight is exactly
-// code x scale, as in rows_linear. The copy reads 1 byte per weight, widened to bf16 in registers
-// right before use, in one of two forms:
+// code x scale, as in rows_linear. The codes are widened to bf16 in registers right before use; the
+// copy holds them a byte each, in one of two forms,
 //   int8 codes (any |code| <= 128): sign-extended to int32, converted to float, packed to bf16
 //     (five instructions per 32 codes);
 //   biased codes (every code in [-64, 63], as Q4-Q6 types have; uint8 u = code + 64): the bf16 bits
@@ -231,6 +232,13 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 //     zero-extension and an OR widen 32 codes; each block's sum then starts at -192 x (the float sum
 //     of x over the block) instead of zero, which leaves code . x (rounded in float32 around terms
 //     up to 255 |x| instead of 64 |x|). 5-20% faster from 8 rows up on AMD Zen 4 (2 threads).
+// or at their bit width (the ``packed`` route's copy, ``pack(..., bits=True)``): per pair step 32 bytes
+// of nibbles (vector 0's u in the low nibble of byte j, vector 1's in the high one; one zero-extension
+// of 32 bytes, an AND and a shift give both vectors' u) and, for five bits, two 32-bit masks of the
+// fifth bit (a masked add of 16): u = code (Q4_1, Q4_K: [0, 15]) or code + 16 (Q5_0, Q4_0: [-16, 15]),
+// widened by the same OR, each block's sum starting at -(128 + the offset) x the block sum. 0.5 or
+// 0.625 bytes a weight: bound by memory at one row, 1.5-1.7x the byte copy's speed there on Zen 4;
+// the byte copy's fewer instructions win from ~8 rows, and the route table picks per row class.
 // Each row's arithmetic is the same whatever R: a row's result does not depend on the other rows.
 namespace {
 
