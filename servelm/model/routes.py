@@ -258,13 +258,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
     (``generation/prompt`` initials where the two differ)."""
     routes: dict[str, dict[str, dict[str, str]]] = report["routes"]
     width = max((len(name) for name in routes), default=4)
-    lines = [f"{'rows':<{width}} " + " ".join(f"{rows:>5}" for rows in report["row_classes"])]
+    lines = [f"{'rows':<{width}} " + " ".join(f"{rows:>6}" for rows in report["row_classes"])]
     for name in sorted(routes):
         cells = []
         for rows in report["row_classes"]:
             cell = routes[name][str(rows)]
             generation, prompt = cell["generation"], cell["prompt"]
-            cells.append(f"{generation if generation == prompt else generation[0] + '/' + prompt[0]:>5}")
+            cells.append(f"{generation if generation == prompt else generation[0] + '/' + prompt[0]:>6}")
         lines.append(f"{name:<{width}} " + " ".join(cells))
     return lines
 
