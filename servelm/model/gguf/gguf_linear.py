@@ -91,6 +91,25 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
         return self.dtype == torch.bfloat16
 
 
+ROWS_KERNEL_ROUTES = frozenset({Route.ROWS, Route.PACKED})
+"""The rows kernel's two routes: the same ``rows_gemm`` on the byte copy or the bit-width one."""
+
+
+class RowsCopies:
+    """A prepared decode call's kernel where a layer holds both of the rows kernel's copies:
+    ``rows_gemm`` on the copy its route table gives an m-row call (``by_rows[m - 1]``), whatever
+    copy the call passes (the plan's arguments are the 1-row route's)."""
+
+    __slots__ = ("gemm", "by_rows")
+
+    def __init__(self, gemm: Callable[..., torch.Tensor], by_rows: tuple[tuple[torch.Tensor, ...], ...]) -> None:
+        self.gemm, self.by_rows = gemm, by_rows
+
+    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 block: int, round_out: bool) -> torch.Tensor:
+        return self.gemm(x, *self.by_rows[min(x.shape[0], len(self.by_rows)) - 1], block, round_out)
+
+
 def decode_rows(call: tuple[object, ...], generation_only: bool = True) -> int:
     """Most rows a layer's prepared decode call takes (of a generation-only pass, or of any pass)."""
     if not isinstance(call, PreparedCall):
@@ -304,14 +323,24 @@ class GGUFBlockLinearMethod:
         route = routes.pick(1, x_bf16, False)
         if routes.shape.is_head or route not in ROW_INDEPENDENT or (route is not Route.BLOCK and not x_bf16):
             return ()
-        reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
-        if route in (Route.ROWS, Route.PACKED):
-            codes, scales, offsets = layer.gguf_packed if route is Route.ROWS else layer.gguf_bits
+        if route in ROWS_KERNEL_ROUTES:   # either copy, by row count: one prepared call reaches both
+            generation = routes.same_route_rows(x_bf16, False, ROWS_KERNEL_ROUTES)
+            # a prompt pass through it takes the generation rows' copy: only where the prompt's route is that one
+            prompt = next((m - 1 for m in range(1, generation + 1)
+                           if routes.pick(m, x_bf16, True) is not routes.pick(m, x_bf16, False)), generation)
+            reach = (generation, prompt)
+            copies = {candidate: layer.gguf_packed if candidate is Route.ROWS else layer.gguf_bits
+                      for candidate in ROWS_KERNEL_ROUTES if candidate in routes.held}
             tile_outputs = self.rows_kernel.GEMM_COLS * 16  # type: ignore[attr-defined]
-            if weight.shape[0] != codes.shape[0] * tile_outputs:   # padded outputs: via apply (any packed form)
-                return ()
-            return PreparedCall.of((self.rows_kernel.rows_gemm, codes, scales, offsets, weight.block),  # type: ignore[attr-defined]
-                                   model_dtype, *reach, takes_bias=False)
+            if any(weight.shape[0] != copy[0].shape[0] * tile_outputs for copy in copies.values()):
+                return ()   # padded outputs: via apply (any packed form)
+            gemm = self.rows_kernel.rows_gemm  # type: ignore[attr-defined]
+            codes, scales, offsets = copies[route]
+            if len(copies) > 1:
+                by_rows = tuple(copies[routes.pick(m, x_bf16, False)] for m in range(1, max(reach) + 1))
+                gemm = RowsCopies(gemm, by_rows)
+            return PreparedCall.of((gemm, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=False)
+        reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
         kernel, codes, scales, offsets = self.block_call(weight)
         return PreparedCall.of((kernel, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)
 

@@ -197,13 +197,14 @@ class LayerRoutes:
     def pick(self, rows: int, x_bf16: bool, is_prompt: bool) -> Route:
         return self.by_rows[x_bf16][is_prompt][min(rows, MAX_ROWS_RESOLVED)]
 
-    def same_route_rows(self, x_bf16: bool, prompt_too: bool) -> int:
-        """Most rows m such that every call of 1..m rows takes the 1-row generation route (and the
-        prompt rows' too where ``prompt_too``): how far a prepared decode call reaches."""
-        first = self.by_rows[x_bf16][False][1]
+    def same_route_rows(self, x_bf16: bool, prompt_too: bool, routes: frozenset[Route] | None = None) -> int:
+        """Most rows m such that every call of 1..m rows takes the 1-row generation route, or one of
+        ``routes`` where given (and the prompt rows' too where ``prompt_too``): how far a prepared
+        decode call reaches."""
+        taken = routes or frozenset({self.by_rows[x_bf16][False][1]})
         last = 0
         for m in range(1, MAX_ROWS_RESOLVED + 1):
-            if self.by_rows[x_bf16][False][m] != first or (prompt_too and self.by_rows[x_bf16][True][m] != first):
+            if self.by_rows[x_bf16][False][m] not in taken or (prompt_too and self.by_rows[x_bf16][True][m] not in taken):
                 break
             last = m
         return last

@@ -9,8 +9,8 @@ import torch
 from servelm.model.gguf import gguf_rows
 from servelm.model.gguf.gguf_blocks import BlockWeight, tile_outputs
 from servelm.model.gguf.gguf_kernel import load_kernel
-from servelm.model.gguf.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, decode_rows
-from servelm.model.gguf.gguf_routes import ROWS_KERNEL_LAST_ROW, Route
+from servelm.model.gguf.gguf_linear import BF16_KERNEL_MAX_ROWS, GGUFBlockLinearMethod, RowsCopies, decode_rows
+from servelm.model.gguf.gguf_routes import MAX_ROWS_RESOLVED, ROWS_KERNEL_LAST_ROW, Route
 
 ROWS_KERNEL_ROWS = {"layers": (1, ROWS_KERNEL_LAST_ROW), "head": (1, None)}
 """The default routes' rows kernel spans (gguf_routes.default_ranking)."""
@@ -244,3 +244,31 @@ def test_unpack_codes_inverts_every_pack_form(form: str) -> None:
     assert (codes.dtype, codes.dim()) == CODE_FORMS[form][:2]
     tiled, _, _ = tile_outputs(weight.codes, weight.scales, None, 2, group=2)
     assert torch.equal(gguf_rows.unpack_codes(codes), tiled)
+
+
+def test_one_prepared_call_takes_both_copies_by_row_count(rows_kernel) -> None:
+    """A layer whose table sends 1-4 rows to the ``packed`` route and more to ``rows`` keeps both
+    copies; its prepared decode call reaches every row of either (the flat decode plan stays on past
+    4 rows) and gives, at each row count, exactly what the layer's own routing gives."""
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("no VNNI kernel here")
+    weight = in_form(block_weight(64, 256, 32, True, seed=9), "nibbles")
+
+    def ranking(shape, x_bf16, rows):
+        first = Route.PACKED if rows <= 4 else Route.ROWS
+        return (first, *(r for r in method.default_ranking(shape, x_bf16, rows) if r is not first))
+
+    method = GGUFBlockLinearMethod(kernel, torch.bfloat16, "int16", rows_kernel, ranking=ranking)
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    assert layer.gguf_packed is not None and layer.gguf_bits is not None
+    call = layer.gguf_decode_args
+    assert isinstance(call[0], RowsCopies) and decode_rows(call) == MAX_ROWS_RESOLVED
+    for m in (1, 4, 5, 8, 33, 100):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+        kernel_fn, codes, scales, offsets, block = call
+        out = kernel_fn(x, codes, scales, offsets, block, True)
+        assert torch.equal(out, method.apply(layer, x, None)), m
+        copy = layer.gguf_bits if m <= 4 else layer.gguf_packed
+        assert torch.equal(out, rows_kernel.rows_gemm(x, *copy, 32, True, 64)), m
