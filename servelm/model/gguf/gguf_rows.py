@@ -6,7 +6,8 @@ fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). C
 ``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
 GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
 width in vectors of 16 outputs; Q4-Q6 codes biased to uint8, which widen to bf16 in two instructions
-instead of five), and ``rows_linear(x_bf16, codes, scales, offsets, block,
+instead of five; the ``packed`` route's copy at 4 or 5 bits, ``pack(..., bits=True)``), and
+``rows_linear(x_bf16, codes, scales, offsets, block,
 bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 """
 
@@ -26,7 +27,7 @@ BIASED_CODES = (-64, 63)
 """Codes in this range (every GGUF type but Q8_0) are packed biased: uint8 code + 64, which the kernel
 widens to bf16 with a zero-extension and an OR (gguf_rows.cpp, "biased codes")."""
 NIBBLE_CODES = (0, 15)
-"""Codes in this range (Q4_K, Q4_1) are packed two to a byte (``PACKED_FORMS``)."""
+"""Codes in this range (Q4_K, Q4_1) are packed two to a byte (``pack(..., bits=True)``)."""
 FIVE_BIT_CODES = (-16, 15)
 """Codes in this range (Q5_0, Q4_0) are packed as nibbles of code + 16 and a bit plane of its fifth bit."""
 
