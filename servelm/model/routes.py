@@ -229,7 +229,6 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     started = time.perf_counter()
     key = table_key(method, (spec.shape for spec in specs), model_dtype)
     table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
-    cached = len(table.cells)
     before = {name: dict(times) for name, times in table.times_us.items()}
     deadline = float("inf") if budget_s is None else started + budget_s
     complete_table = True
@@ -238,8 +237,8 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
                              spec.code_range, min(working_bytes, MEASURE_MIN_BYTES)):
             complete_table = False
             break
-    measured = sum(1 for name, times in table.times_us.items() if before.get(name) != times)
-    cached -= sum(1 for name in before if before[name] != table.times_us.get(name))   # measured again
+    measured = sum(1 for name, times in table.times_us.items() if before.get(name) != times)   # new or again
+    cached = len(table.cells) - measured
     if measured:
         table.save(cache_dir)
     seconds = time.perf_counter() - started

@@ -348,8 +348,7 @@ class GGUFBlockLinearMethod:
 def held_bytes(layer: nn.Module, weight: BlockWeight) -> int:
     """Bytes ``layer`` holds for ``weight``: its blocks (packed and compact forms included) and the
     copies its routes read (``process``, ``prepare_all``)."""
-    stored = ([layer.gguf_dense] + list(layer.gguf_packed or ()) + list(getattr(layer, "gguf_bits", None) or ())
-              + list(layer.gguf_i8 or ()))
+    stored = [layer.gguf_dense, *(layer.gguf_packed or ()), *(layer.gguf_bits or ()), *(layer.gguf_i8 or ())]
     return weight.nbytes + sum(t.numel() * t.element_size() for t in stored if t is not None)
 
 

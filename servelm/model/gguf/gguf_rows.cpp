@@ -404,6 +404,12 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   }
 }
 
+template <Codes kCodes>
+void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
+  if (has_offsets) run_gemm<kCodes, true>(a, rows);
+  else run_gemm<kCodes, false>(a, rows);
+}
+
 }  // namespace
 
 // Python: rows_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1): x [M, K] bfloat16; codes,
@@ -443,18 +449,11 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
              && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
-  if (form == Codes::kBiased) {
-    if (has_offsets) run_gemm<Codes::kBiased, true>(a, rows);
-    else run_gemm<Codes::kBiased, false>(a, rows);
-  } else if (form == Codes::kNibbles) {
-    if (has_offsets) run_gemm<Codes::kNibbles, true>(a, rows);
-    else run_gemm<Codes::kNibbles, false>(a, rows);
-  } else if (form == Codes::kFiveBits) {
-    if (has_offsets) run_gemm<Codes::kFiveBits, true>(a, rows);
-    else run_gemm<Codes::kFiveBits, false>(a, rows);
-  } else {
-    if (has_offsets) run_gemm<Codes::kInt8, true>(a, rows);
-    else run_gemm<Codes::kInt8, false>(a, rows);
+  switch (form) {
+    case Codes::kBiased: run_form<Codes::kBiased>(a, rows, has_offsets); break;
+    case Codes::kNibbles: run_form<Codes::kNibbles>(a, rows, has_offsets); break;
+    case Codes::kFiveBits: run_form<Codes::kFiveBits>(a, rows, has_offsets); break;
+    default: run_form<Codes::kInt8>(a, rows, has_offsets);
   }
   return out;
 }
