@@ -23,7 +23,9 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -113,9 +115,71 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(word);
 }
 
-// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``.
+// i8_screen's per-thread state (see i8_screen below): per activation row, the largest lower bound
+// S - E met so far and the outputs (with their upper bounds S + E) that reached it when they were met.
+struct ScreenState {
+  const float* bound_max;   // [n] per output: max over blocks of |scale| x sum |codes|
+  const float* bound_sum;   // [n] per output: their sum
+  const float* row_sum;     // [M] per row: e x sum over blocks of the block's absmax
+  const float* row_max;     // [M] per row: e x max over blocks of the block's absmax
+  std::vector<float> lower;                  // [M]
+  std::vector<std::vector<int32_t>> ids;     // [M]
+  std::vector<std::vector<float>> upper;     // [M]
+};
+
+// The bound E of 16 outputs for one row: min(row_sum x bound_max, row_max x bound_sum), each at
+// least sum over blocks of bound x absmax (``i8_screen``).
+inline __m512 screen_bound(const ScreenState& st, int64_t r, const __m512 (&per_output)[2]) {
+  return _mm512_min_ps(_mm512_mul_ps(_mm512_set1_ps(st.row_sum[r]), per_output[0]),
+                       _mm512_mul_ps(_mm512_set1_ps(st.row_max[r]), per_output[1]));
+}
+
+// The screen's epilogue of one accumulator block: each row's lower bounds raise its running largest
+// one, and the outputs whose upper bound reaches it are kept (in ascending order: a thread's tiles
+// ascend for every row). Padded outputs (beyond n) take part in neither.
+template <int R>
+void screen_tile(const __m512 (&acc)[R][kCols], const GemmArgs& a, ScreenState& st, int64_t r0, int64_t tile) {
+  __mmask16 valid[kCols];
+  __m512 per_output[kCols][2];
+  for (int c = 0; c < kCols; ++c) {
+    const int64_t n0 = tile * kTile + c * 16;
+    valid[c] = n0 >= a.n ? 0 : a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    per_output[c][0] = _mm512_maskz_loadu_ps(valid[c], st.bound_max + n0);
+    per_output[c][1] = _mm512_maskz_loadu_ps(valid[c], st.bound_sum + n0);
+  }
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    __m512 upper[kCols];
+    float lower = st.lower[row];
+    for (int c = 0; c < kCols; ++c) {
+      const __m512 e = screen_bound(st, row, per_output[c]);
+      upper[c] = _mm512_add_ps(acc[r][c], e);
+      if (valid[c]) lower = std::max(lower, _mm512_mask_reduce_max_ps(valid[c], _mm512_sub_ps(acc[r][c], e)));
+    }
+    st.lower[row] = lower;
+    for (int c = 0; c < kCols; ++c) {
+      const __mmask16 hits = valid[c] & _mm512_cmp_ps_mask(upper[c], _mm512_set1_ps(lower), _CMP_GE_OQ);
+      if (!hits) continue;
+      auto& ids = st.ids[row];
+      auto& ups = st.upper[row];
+      const size_t used = ids.size();
+      ids.resize(used + 16);   // a whole vector's store; trimmed to the hits below
+      ups.resize(used + 16);
+      const __m512i id = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(tile * kTile + c * 16)));
+      _mm512_storeu_si512(ids.data() + used, _mm512_maskz_compress_epi32(hits, id));
+      _mm512_storeu_ps(ups.data() + used, _mm512_maskz_compress_ps(hits, upper[c]));
+      const size_t kept = used + static_cast<size_t>(__builtin_popcount(hits));
+      ids.resize(kept);
+      ups.resize(kept);
+    }
+  }
+}
+
+// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``: stored into y, or met by the screen's
+// bounds (``screen``, i8_screen).
 template <int R, int B, bool kOffsets>
-void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen) {
   constexpr int kSteps = B / 4;   // vpdpbusd per block and vector
   const int64_t nb = a.nb, k = a.k;
   const uint8_t* w = a.codes + tile * k * kTile;
@@ -160,6 +224,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       }
     }
   }
+  if (screen != nullptr) {
+    screen_tile<R>(acc, a, *screen, r0, tile);
+    return;
+  }
   for (int c = 0; c < kCols; ++c) {
     const int64_t n0 = tile * kTile + c * 16;
     if (n0 >= a.n) break;
@@ -179,11 +247,11 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
 namespace {
 
 template <int B, bool kOffsets, int R = kRows>
-void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen) {
   if (rows == R || R == 1) {
-    micro_tile<R, B, kOffsets>(a, r0, tile);
+    micro_tile<R, B, kOffsets>(a, r0, tile, screen);
   } else if constexpr (R > 1) {
-    dispatch_rows<B, kOffsets, R - 1>(rows, a, r0, tile);
+    dispatch_rows<B, kOffsets, R - 1>(rows, a, r0, tile, screen);
   }
 }
 
@@ -192,25 +260,60 @@ void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
 // panel passes over before the next chunk (from L2): each row's results are then written in runs of
 // a chunk's width, not of one tile's (32 rows of LM-head logits lie 1 MiB apart: tile-wide runs fall
 // into the same L1 sets and keep the write-combining buffers half full). The rows of a panel go in
-// groups of at most kRows, as even as possible (9 rows: 3 + 3 + 3).
+// groups of at most kRows, as even as possible (9 rows: 3 + 3 + 3). With ``screen`` (i8_screen),
+// each thread meets its results with the bounds in its own ScreenState (a copy of ``screen``), and
+// the states go to ``states`` with the first tile of the thread's range.
 template <int B, bool kOffsets>
-void run_gemm(const GemmArgs& a, int64_t rows) {
+void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullptr,
+              std::vector<std::pair<int64_t, ScreenState>>* states = nullptr) {
   const int64_t tiles = (a.n + kTile - 1) / kTile;
   const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
+  std::mutex states_mutex;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    ScreenState own;
+    if (screen != nullptr) {
+      own = *screen;
+      own.lower.assign(rows, -INFINITY);
+      own.ids.assign(rows, {});
+      own.upper.assign(rows, {});
+      for (auto& v : own.ids) v.reserve(256);
+      for (auto& v : own.upper) v.reserve(256);
+    }
+    ScreenState* state = screen != nullptr ? &own : nullptr;
     for (int64_t p0 = 0; p0 < rows; p0 += panel) {
       const int64_t size = std::min(panel, rows - p0);
       const int64_t groups = (size + kRows - 1) / kRows;
-      for (int64_t first = begin; first < end; first += chunk)
+      for (int64_t first = begin; first < end; first += chunk) {
+        // the next chunk's codes and scales are prefetched into L2 while this one's row groups pass:
+        // a slice per micro-tile call, so that the first group of the next chunk finds them there
+        // instead of waiting on memory a tile at a time (several row groups only: one group reads
+        // each code once, as fast as memory gives them)
+        const int64_t next_end = std::min(end, first + 2 * chunk);
+        const char* next_codes = reinterpret_cast<const char*>(a.codes + (first + chunk) * a.k * kTile);
+        const char* next_scales = reinterpret_cast<const char*>(a.scales + (first + chunk) * a.nb * kTile);
+        const int64_t code_bytes = std::max<int64_t>(0, next_end - first - chunk) * a.k * kTile;
+        const int64_t scale_bytes = std::max<int64_t>(0, next_end - first - chunk) * a.nb * kTile * 4;
+        const int64_t calls = groups * (std::min(end, first + chunk) - first);
+        const int64_t slice = groups > 1 ? ((code_bytes + scale_bytes) / calls + 63) / 64 * 64 : 0;
+        int64_t prefetched = 0;
         for (int64_t g = 0, r0 = p0; g < groups; ++g) {
           const int64_t group = (p0 + size - r0) / (groups - g);
-          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
-            dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile);
+          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile) {
+            for (int64_t at = prefetched; at < std::min(prefetched + slice, code_bytes + scale_bytes); at += 64)
+              _mm_prefetch(at < code_bytes ? next_codes + at : next_scales + (at - code_bytes), _MM_HINT_T1);
+            prefetched += slice;
+            dispatch_rows<B, kOffsets>(static_cast<int>(group), a, r0, tile, state);
+          }
           r0 += group;
         }
+      }
     }
     if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
+    if (state != nullptr) {
+      std::lock_guard<std::mutex> lock(states_mutex);
+      states->emplace_back(begin, std::move(own));
+    }
   });
 }
 
@@ -269,6 +372,90 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   return y;
 }
 
+// Python: i8_screen(x, codes, scales, n, bound_max, bound_sum, coefficient, max_candidates) -> [counts
+// (int64 [M]), then per row its candidate ids (int64, ascending; empty where the count exceeds
+// max_candidates)]: the exact greedy LM-head screen for many rows (servelm/model/gguf/lm_head_screen.py,
+// ``I8Screen``), on a Q8_0 head (block 32, no offsets) packed as for i8_gemm.
+//
+// S[m, v] is this GEMM's result (activations rounded to int8 per block). The exact logit the caller
+// compares against (gguf_kernel.cpp's int16 kernel) lies within E[m, v] of it, where
+//   E <= coefficient x sum_b |scale[v, b]| (sum_i |codes[v, b, i]|) absmax[m, b]
+// (the two kernels' activation roundings differ by at most absmax (1/254 + 1/65024) an input, plus
+// float32 rounding: the coefficient, lm_head_screen.py ``i8_screen_coefficient``). With bound_max[v]
+// and bound_sum[v] the max and the sum over blocks of |scale| sum |codes|, E is at most both
+// row_sum[m] bound_max[v] and row_max[m] bound_sum[v] (row_sum, row_max: the coefficient times the
+// sum and the max over blocks of absmax, = 127 d), whose minimum the screen uses. The candidates of
+// row m are the outputs whose S + E reaches max over v of S - E: every other output's exact logit is
+// below some candidate's. A row with a value that is not finite has none (count 0). Nothing of size
+// [M, n] is stored: each thread keeps, per row, its largest lower bound so far and the outputs that
+// reached it (ScreenState), filtered at the end by the largest of all.
+std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t n,
+                                     torch::Tensor bound_max, torch::Tensor bound_sum, double coefficient,
+                                     int64_t max_candidates) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / 32;
+  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
+              && codes.size(2) == kCols && codes.size(3) == 16 && codes.size(4) == 4,
+              "codes: packed uint8 [tiles, K / 4, ", kCols, ", 16, 4]");
+  TORCH_CHECK(n > 0 && n <= codes.size(0) * kTile, "n: at most the packed outputs");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              && scales.size(0) == codes.size(0) && scales.size(1) == nb, "scales: packed float32 [tiles, K / 32, ...]");
+  for (const auto* t : {&bound_max, &bound_sum})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n, "bounds: float32 [n]");
+  std::vector<torch::Tensor> out(rows + 1);
+  auto counts = torch::zeros({rows}, torch::kInt64);
+  out[0] = counts;
+  if (rows == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  std::vector<bool> finite(rows, true);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i)
+      if (!std::isfinite(xp[r * k + i])) {
+        finite[r] = false;
+        break;
+      }
+  const Quantized q = quantize_rows(xp, rows, k, 32, false);
+  std::vector<float> row_sum(rows), row_max(rows);
+  const float e = static_cast<float>(coefficient);
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f, most = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float amax = 127.f * q.scales[r * nb + b];
+      sum += amax;
+      most = std::max(most, amax);
+    }
+    row_sum[r] = e * sum;
+    row_max[r] = e * most;
+  }
+  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false};
+  ScreenState screen;
+  screen.bound_max = bound_max.data_ptr<float>();
+  screen.bound_sum = bound_sum.data_ptr<float>();
+  screen.row_sum = row_sum.data();
+  screen.row_max = row_max.data();
+  std::vector<std::pair<int64_t, ScreenState>> states;
+  run_gemm<32, false>(a, rows, &screen, &states);
+  std::sort(states.begin(), states.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
+  int64_t* count_out = counts.data_ptr<int64_t>();
+  std::vector<int64_t> ids;
+  for (int64_t r = 0; r < rows; ++r) {
+    float lower = -INFINITY;
+    for (const auto& state : states) lower = std::max(lower, state.second.lower[r]);
+    ids.clear();
+    if (finite[r])
+      for (const auto& state : states)
+        for (size_t i = 0; i < state.second.ids[r].size(); ++i)
+          if (state.second.upper[r][i] >= lower) ids.push_back(state.second.ids[r][i]);
+    const int64_t count = static_cast<int64_t>(ids.size());
+    count_out[r] = count;
+    auto row_ids = torch::empty({count > max_candidates ? 0 : count}, torch::kInt64);
+    if (count <= max_candidates) std::copy(ids.begin(), ids.end(), row_ids.data_ptr<int64_t>());
+    out[r + 1] = row_ids;
+  }
+  return out;
+}
+
 // Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
 // rounding i8_gemm applies, for tests and references.
 std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
@@ -292,6 +479,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> [M, n] float32 (bfloat16 when bf16_out), into out when given",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none());
+  m.def("i8_screen", &i8_screen,
+        "the exact greedy screen of a Q8_0 LM head for many rows: (counts [M], then each row's candidate ids)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bound_max"), py::arg("bound_sum"),
+        py::arg("coefficient"), py::arg("max_candidates"));
   m.def("quantize", &quantize, "x [M, K] -> (int8 codes [M, K], float32 scales [M, K / block])",
         py::arg("x"), py::arg("block"));
   m.attr("GEMM_COLS") = kCols;

@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel, KernelBuilds
-from servelm.model.gguf.gguf_routes import Route
+from servelm.model.gguf import gguf_i8gemm
+from servelm.model.gguf.gguf_routes import ROW_INDEPENDENT, Route
 from servelm.model.gguf.gguf_blocks import BlockWeight, compact_values
 from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
 
@@ -188,11 +189,70 @@ class ScreenChoice:
         self._calls.clear()
 
 
+FIVE_BITS = "five bits"
+INT8 = "int8"
+"""The two ways a screen finds a row's candidates: its 5-bit copy (``screen_candidates``) or the int8
+GEMM (``I8Screen``)."""
+
+
+def i8_screen_coefficient(hidden: int) -> float:
+    """The int8 screen's bound coefficient e (gguf_i8gemm.cpp ``i8_screen``): the exact kernel's
+    logit lies within e sum_b |d_b| (sum |c_b|) absmax_b of the int8 GEMM's. Per input, the int8
+    rounding (absmax / 127 steps) and the exact kernel's int16 one (absmax / 32512) each err by at
+    most half a step: 1/254 + 1/65024 of absmax, widened by 1e-3 for the float32 roundings of the
+    scales, the reciprocals and the bound's own products; and each kernel's float32 sum over the
+    nb = hidden / 32 block terms (each at most |d_b| sum |c_b| absmax_b) errs by at most (nb + 5) u
+    of their sum: twice that for the two, doubled again."""
+    return I8_ACTIVATION_ERROR * (1 + 1e-3) + 4 * (hidden // 32 + 5) * 2.0 ** -24
+
+
+I8_ACTIVATION_ERROR = 0.5 / 127 + 0.5 / 32512
+"""Largest difference, in units of the block's absmax, between an input as the int8 GEMM rounds it
+and as the exact int16 kernel rounds it."""
+
+
+class I8Screen:
+    """The screen for many rows: the int8 GEMM (gguf_i8gemm.cpp ``i8_screen``) on its own copy of the
+    Q8_0 head, its results met by a bound on how far the exact int16 kernel's can be.
+
+    From ~8 rows on, the 5-bit screen is bound by its two VNNI products per 4 inputs and loses to the
+    full head; one int8 VNNI product per 4 inputs does the same work at twice the rate. The int8
+    activations are not the head's result (generation rows never take int8-rounded activations): they
+    only choose the candidates, whose logits come from the exact kernel. The bound is the difference of
+    the two activation roundings (``i8_screen_coefficient``) times sum_b |d_b| sum |c_b| absmax_b, taken
+    as the least of two rank-one bounds (the vocabulary row's largest or summed block factor times the
+    activation row's summed or largest absmax), computed in the GEMM's epilogue; nothing of size
+    [rows, vocab] is stored. Real decode hidden states (qwen2.5-coder-0.5b and gemma3-270m, 512 each):
+    median 2 candidates, p99 27-37, at most 143-240."""
+
+    def __init__(self, weight: BlockWeight, kernel: ModuleType) -> None:
+        self.kernel = kernel
+        self.codes, self.scales, _ = gguf_i8gemm.pack(weight)
+        vocab, hidden = weight.codes.shape
+        per_block = weight.scales.double().abs() * weight.codes.view(vocab, hidden // 32, 32).double().abs().sum(-1)
+        self.bound_max = per_block.amax(-1).float()
+        """[vocab]: the largest |d_b| sum |c_b| over the row's blocks."""
+        self.bound_sum = per_block.sum(-1).float()
+        """[vocab]: their sum."""
+        self.coefficient = i8_screen_coefficient(hidden)
+        self.vocab = vocab
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.bound_max.nbytes + self.bound_sum.nbytes
+
+    def candidates(self, x: torch.Tensor, max_candidates: int) -> list[torch.Tensor]:
+        """[counts, then each row's candidate ids], as the 5-bit screen's ``screen_candidates``."""
+        return self.kernel.i8_screen(x, self.codes, self.scales, self.vocab, self.bound_max, self.bound_sum,
+                                     self.coefficient, max_candidates)
+
+
 class LMHeadScreen:
-    """The 5-bit copy of one Q8_0 LM head and the exact greedy argmax through it."""
+    """The 5-bit copy of one Q8_0 LM head (and, where the int8 GEMM is built, an ``I8Screen`` for
+    many rows) and the exact greedy argmax through them."""
 
     def __init__(self, weight: BlockWeight, kernel: ModuleType, screen_kernel: ModuleType,
-                 max_candidates: int = MAX_CANDIDATES) -> None:
+                 max_candidates: int = MAX_CANDIDATES, i8_kernel: ModuleType | None = None) -> None:
         assert weight.block == 32 and weight.offsets is None, "a Q8_0 head"
         self.weight = weight
         self.kernel = kernel
@@ -207,17 +267,19 @@ class LMHeadScreen:
         """[ceil(vocab / T), hidden / 32, T]: the Q8_0 scales in the same tiles, fp16 where each is an
         fp16 value (a GGUF's d; half the bytes a step reads), else float32."""
         self.max_rows = MAX_SCREEN_ROWS_AVX2 if getattr(screen_kernel, "ISA", "") == "avx2" else MAX_SCREEN_ROWS
-        """Most argmax rows in a step this build takes (``screen_applies``; never above
+        """Most argmax rows in a step this build takes (``screen_way``; never above
         MAX_SCREEN_ROWS, which benchmarks/step_ab.py sets to 0 to turn the screen off)."""
         self.stats = ScreenStats()
         self.is_enabled = True
         """False once the screen stopped paying for this model (``ScreenStats.is_paying``)."""
         self.choice = ScreenChoice()
         """Screen or full head, per number of argmax rows, by measured time (``head_logits``)."""
+        self.i8 = I8Screen(weight, i8_kernel) if i8_kernel is not None else None
+        """The screen for more rows than the 5-bit one takes (``screen_way``), or None."""
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.tiled_scales.nbytes
+        return self.packed.nbytes + self.tiled_scales.nbytes + (self.i8.nbytes if self.i8 is not None else 0)
 
     def forget_rows(self) -> None:
         """Start the statistics afresh, with the screen on. For the start-up warm-up (engine/warmup.py):
@@ -242,11 +304,12 @@ class LMHeadScreen:
         return self.kernel.block_linear_a16(hidden.float().contiguous(), w.codes.index_select(0, rows),
                                             w.scales.index_select(0, rows), None, w.block)
 
-    def logits(self, head: nn.Module, hidden: torch.Tensor, argmax_rows: list[int]) -> torch.Tensor:
+    def logits(self, head: nn.Module, hidden: torch.Tensor, argmax_rows: list[int], way: str = FIVE_BITS) -> torch.Tensor:
         """float32 logits ``[n, vocab]`` for ``hidden [n, K]``. An ``argmax_rows`` row holds only its
         candidates' exact logits (``-inf`` elsewhere), whose argmax is that of the head's int16
         kernel on the row (a row over the candidate limit: that kernel's logits of every token);
-        the other rows get the full head's logits of those rows alone (``head`` on them)."""
+        the other rows get the full head's logits of those rows alone (``head`` on them). ``way``:
+        the candidates from the 5-bit copy (FIVE_BITS) or the int8 GEMM (INT8, ``self.i8``)."""
         n = hidden.shape[0]
         vocab = self.weight.codes.shape[0]
         screened_set = set(argmax_rows)
@@ -255,16 +318,26 @@ class LMHeadScreen:
         # every row (one decode row): hidden itself where it is already the kernel's float32 rows
         x = hidden if len(screened) == n and hidden.dtype == torch.float32 and hidden.is_contiguous() \
             else hidden[screened].float().contiguous()
-        counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
-            x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
+        if way == INT8:
+            assert self.i8 is not None, "the int8 screen is built"
+            counts_tensor, *row_candidates = self.i8.candidates(x, self.max_candidates)
+        else:
+            counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
+                x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
         counts: list[int] = counts_tensor.tolist()
         out = torch.full((n, vocab), float("-inf"), dtype=torch.float32)
         # no candidates: a row with a value that is not finite (the kernel's count 0)
         fallbacks = [count > self.max_candidates or count == 0 for count in counts]
-        for position, row in enumerate(screened):
-            if not fallbacks[position]:
-                candidates = row_candidates[position]
-                out[row, candidates] = self.exact(x[position:position + 1], candidates)[0]
+        kept = [position for position, fallback in enumerate(fallbacks) if not fallback]
+        if kept:   # the exact logits of every kept row's candidates, in one call on their union
+            ids = [row_candidates[position] for position in kept]
+            union = torch.unique(torch.cat(ids))
+            index = torch.tensor(kept)
+            exact = self.exact(x.index_select(0, index).contiguous(), union)
+            sizes = torch.tensor([len(i) for i in ids])
+            flat = torch.cat(ids)
+            at_row = torch.repeat_interleave(torch.arange(len(kept)), sizes)
+            out[torch.tensor(screened)[index][at_row], flat] = exact[at_row, torch.searchsorted(union, flat)]
         self.stats.record(counts, fallbacks)
         if self.is_enabled and not self.stats.is_paying:
             self.is_enabled = False
@@ -313,11 +386,14 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
     screen_kernel = build.load()
     if screen_kernel is None:
         return None, f"off ({build.description}: {build.status()})"
-    screen = LMHeadScreen(weight, kernel, screen_kernel)
-    return screen, (f"on ({build.description}): greedy rows read a 5-bit copy of the Q8_0 head "
-                    f"({screen.nbytes / 2 ** 20:.0f} MiB) "
-                    "and compute exactly only the rows that can be the argmax; --disable-lm-head-screen "
-                    "turns it off")
+    i8_kernel = gguf_i8gemm.load_kernel()
+    screen = LMHeadScreen(weight, kernel, screen_kernel, i8_kernel=i8_kernel)
+    many = (f"above {min(screen.max_rows, MAX_SCREEN_ROWS)} greedy rows an int8 GEMM on a copy of the head "
+            "finds them" if screen.i8 is not None else f"no screen above {min(screen.max_rows, MAX_SCREEN_ROWS)} "
+            f"greedy rows ({gguf_i8gemm.KERNEL.description}: {gguf_i8gemm.kernel_status()})")
+    return screen, (f"on ({build.description}): greedy rows read a 5-bit copy of the Q8_0 head and compute "
+                    f"exactly only the rows that can be the argmax ({many}; {screen.nbytes / 2 ** 20:.0f} MiB); "
+                    "--disable-lm-head-screen turns it off")
 
 
 MAX_SCREEN_ROWS = 16
@@ -362,37 +438,54 @@ def setup_screen(model: nn.Module, disabled: bool, parallel: object, device: tor
     return screen
 
 
-def screen_applies(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
-                   argmax_rows: list[int]) -> bool:
-    """Whether the step suits the screen: some argmax rows, at most ``screen.max_rows`` (and
-    MAX_SCREEN_ROWS) of them, and no more logits rows than the head's kernel takes (above, the full
-    head runs its dense GEMM, whose logits round differently: the screen's argmax is the int16
-    kernel's, and the rows split off must be the rows the full head gives)."""
-    if (screen is None or not screen.is_enabled or not argmax_rows
-            or len(argmax_rows) > min(screen.max_rows, MAX_SCREEN_ROWS)):
-        return False
-    head = model.lm_head
-    # the full head's route for these rows (its logits rows are generation rows): a row-by-row kernel
-    route = head.gguf_routes.pick(hidden.shape[0], hidden.dtype == torch.bfloat16, False)
-    if route is Route.ROWS and len(argmax_rows) > MAX_SCREEN_ROWS_GEMM:
-        return False
-    return route in (Route.BLOCK, Route.ROWS) and hidden.shape[0] <= MAX_SCREEN_ROWS and hidden.device.type == "cpu"
+MAX_I8_SCREEN_ROWS = 512
+"""Most argmax rows in a step the int8 screen takes (its per-row state grows with them)."""
+
+
+def screen_way(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tensor,
+               argmax_rows: list[int]) -> str | None:
+    """How the screen takes the step, or None where it does not suit the step:
+
+    - FIVE_BITS: some argmax rows, at most ``screen.max_rows`` (and MAX_SCREEN_ROWS) of them, and no
+      more logits rows than the head's kernel takes (above, the full head runs its dense GEMM, whose
+      logits round differently: the screen's argmax is the int16 kernel's, and the rows split off must
+      be the rows the full head gives);
+    - INT8 (``screen.i8``, more argmax rows, up to MAX_I8_SCREEN_ROWS): every logits row an argmax
+      row, or the rows split off take the same row-by-row route alone as the full head takes with all
+      rows (their logits are then those the full head gives them).
+    Either way an argmax row's token is the int16 kernel's argmax."""
+    if (screen is None or not screen.is_enabled or not argmax_rows or hidden.device.type != "cpu"
+            or MAX_SCREEN_ROWS == 0):
+        return None
+    routes = model.lm_head.gguf_routes
+    bf16 = hidden.dtype == torch.bfloat16
+    # the full head's route for these rows (its logits rows are generation rows)
+    route = routes.pick(hidden.shape[0], bf16, False)
+    count, rows = len(argmax_rows), hidden.shape[0]
+    five_bit_rows = min(screen.max_rows, MAX_SCREEN_ROWS, MAX_SCREEN_ROWS_GEMM if route is Route.ROWS else rows)
+    if route in (Route.BLOCK, Route.ROWS) and rows <= MAX_SCREEN_ROWS and count <= five_bit_rows:
+        return FIVE_BITS
+    if screen.i8 is not None and count <= MAX_I8_SCREEN_ROWS and (
+            count == rows or (route in ROW_INDEPENDENT and routes.pick(rows - count, bf16, False) is route)):
+        return INT8
+    return None
 
 
 def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tensor, argmax_rows: list[int],
                 head_rows: object) -> torch.Tensor:
     """The step's float32 logits of ``rows``: through the screen where it applies
-    (``screen_applies``) and ``screen.choice`` finds it the faster way at this many argmax
+    (``screen_way``) and ``screen.choice`` finds it the faster way at this many argmax
     rows, else the full head (``model.compute_logits``). Either way a greedy row's argmax is the
     same token."""
     def full() -> torch.Tensor:
         return model.compute_logits(rows, head_rows).float()
 
-    if screen is None or not screen_applies(screen, model, rows, argmax_rows):
+    way = screen_way(screen, model, rows, argmax_rows)
+    if screen is None or way is None:
         return full()
     count = len(argmax_rows)
     screened = screen.choice.use_screen(count)
     start = time.perf_counter()
-    logits = screen.logits(model.lm_head, rows, argmax_rows) if screened else full()
+    logits = screen.logits(model.lm_head, rows, argmax_rows, way) if screened else full()
     screen.choice.record(count, screened, time.perf_counter() - start)
     return logits

@@ -12,7 +12,7 @@ logprobs) gives the same tokens and logprobs either way.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -28,9 +28,11 @@ from servelm.engine.executor import argmax_rows
 from servelm.engine.request import Request
 from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
-from servelm.model.gguf import lm_head_screen
-from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, EXPLORE_EVERY, WINDOW_ROWS, LMHeadScreen,
-                                               ScreenChoice, build_screen, screen_build)
+from servelm.model.gguf import gguf_i8gemm, lm_head_screen
+from servelm.model.gguf.gguf_routes import Route
+from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, EXPLORE_EVERY, FIVE_BITS, INT8, WINDOW_ROWS,
+                                               LMHeadScreen, ScreenChoice, build_screen, i8_screen_coefficient,
+                                               screen_build, screen_way)
 from servelm.sampling.params import SamplingParams
 
 BUILDS = [pytest.param((block, screen), id=f"{block.name}+{screen.name}") for block, screen in
@@ -65,7 +67,11 @@ def q8_head(kernels: Kernels, vocab: int, hidden: int, seed: int = 0) -> tuple[L
 
 
 def screen_for(kernels: Kernels, weight: BlockWeight, max_candidates: int = 4096) -> LMHeadScreen:
-    return LMHeadScreen(weight, kernels[0], kernels[1], max_candidates)
+    """The screen on ``weight``, with the int8 screen where this CPU builds the int8 GEMM."""
+    return LMHeadScreen(weight, kernels[0], kernels[1], max_candidates, i8_kernel=gguf_i8gemm.load_kernel())
+
+
+needs_i8 = pytest.mark.skipif(bool(gguf_i8gemm.missing_cpu_flags()), reason="the int8 screen needs AVX512-VNNI")
 
 
 def test_bound_holds_for_random_and_adversarial_vectors(kernels: Kernels) -> None:
@@ -352,6 +358,26 @@ def test_greedy_tokens_are_the_same_with_and_without_the_screen(engine: LLMEngin
     assert screen.stats.rows - before >= 2 * 15 and screen.is_enabled
 
 
+@needs_i8
+def test_a_batch_of_many_greedy_rows_takes_the_int8_screen_with_the_same_tokens(engine: LLMEngine) -> None:
+    """24 greedy requests decoding together: more argmax rows than the 5-bit screen takes, so the
+    int8 screen takes them, and the tokens are those of the full head."""
+    prompts = [engine.tokenizer.encode(f"{p} {i}") for i in range(8) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    requests = [(prompt, params) for prompt in prompts]
+    screen = engine.runner.lm_head_screen
+    ways = []
+    logits = screen.logits
+    screen.logits = lambda head, hidden, rows, way=FIVE_BITS: (ways.append((len(rows), way)),
+                                                               logits(head, hidden, rows, way))[1]
+    try:
+        on = run(engine, requests, True)
+    finally:
+        del screen.logits
+    assert (24, INT8) in ways and ways.count((24, INT8)) >= 7
+    assert on == run(engine, requests, False)
+
+
 def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine) -> None:
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     requests = [(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
@@ -383,6 +409,13 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
             x = hidden[:m].contiguous()
             full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
             assert torch.equal(screen.logits(model.lm_head, x, list(range(m))).argmax(-1), full.argmax(-1))
+        if screen.i8 is not None:   # the int8 screen, at a decode step's 32 rows and more
+            for m in (8, 32, 64):
+                x = hidden.repeat(m // len(hidden) + 1, 1)[:m].contiguous()
+                full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+                logits = screen.logits(model.lm_head, x, list(range(m)), INT8)
+                assert torch.equal(logits.argmax(-1), full.argmax(-1))
+            assert screen.stats.fallbacks == 0
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", pytest.param("EAGLE", marks=pytest.mark.slow)])
@@ -444,6 +477,129 @@ def test_the_kernels_candidates_are_the_bounds_candidates(kernels: Kernels) -> N
         assert torch.equal(ids[row], ids[row].sort().values)
         full_argmax = head(x[row:row + 1]).argmax()
         assert full_argmax in ids[row]
+
+
+def i8_bound(screen: LMHeadScreen, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 screen's S (the int8 GEMM's logits) and its bound E, in torch from its definition."""
+    i8 = screen.i8
+    approx = i8.kernel.i8_gemm(x, i8.codes, i8.scales, None, 32, False, i8.vocab)
+    _, d = i8.kernel.quantize(x, 32)
+    amax = 127 * d
+    e = i8.coefficient
+    bound = torch.minimum(e * amax.sum(1, keepdim=True) * i8.bound_max, e * amax.amax(1, keepdim=True) * i8.bound_sum)
+    return approx, bound
+
+
+@needs_i8
+def test_the_int8_screens_bound_holds_and_is_approached(kernels: Kernels) -> None:
+    """Random rows, near-ties and rows whose every input sits a hair off a half step of the int8
+    grid, its sign that of one vocabulary row's codes: the exact kernel's logit is within E of the
+    int8 GEMM's everywhere, and on the adversarial rows (every block's absmax 1: the rank-one bounds
+    are the sum over blocks) the difference reaches over 90% of E: the bound is tight, a coefficient
+    cut by a tenth fails the first check."""
+    head, weight = q8_head(kernels, 3001, 256, seed=21)
+    screen = screen_for(kernels, weight)
+    generator = torch.Generator().manual_seed(4)
+    signs = torch.sign(weight.codes[:6].float()) + (weight.codes[:6] == 0).float()
+    steps = torch.randint(0, 120, (6, 256), generator=generator).float()
+    adversarial = signs * (steps + 0.4999) / 127   # every block's absmax then close to 120/127
+    adversarial[:, ::32] = signs[:, ::32]            # ... pinned to 1: the grid's step is 1/127
+    x = torch.cat([near_tie_rows(weight, 9, seed=5), adversarial]).contiguous()
+    exact = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    approx, bound = i8_bound(screen, x)
+    assert ((exact - approx).abs() <= bound).all()
+    reached = ((exact - approx).abs() / bound)[9:].diagonal()
+    assert reached.min() > 0.9
+
+
+@needs_i8
+@pytest.mark.parametrize("m", [1, 6, 17, 33, 70])
+def test_the_int8_screen_gives_each_rows_exact_argmax(kernels: Kernels, m: int) -> None:
+    """Row blocks of 4 and a vocabulary not a multiple of the GEMM's tiles of 32: each row's argmax is
+    the int16 kernel's, ties to the lowest id, and its candidates carry that kernel's logits."""
+    head, weight = q8_head(kernels, 2999, 192, seed=30 + m)
+    weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
+    weight.scales[1500] = weight.scales[900]
+    screen = screen_for(kernels, weight)
+    x = near_tie_rows(weight, m, seed=m)
+    x[0] = weight.dequantize()[900] * 40
+    full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    logits = screen.logits(head, x, list(range(m)), INT8)
+    assert torch.equal(logits.argmax(-1), full.argmax(-1))
+    assert logits[0].argmax() == 900 and full[0, 1500] == full[0, 900]
+    finite = torch.isfinite(logits)
+    assert torch.equal(logits[finite], full[finite])
+    # the candidates are those the bound gives (the kernel's roundings are the same as torch's here)
+    approx, bound = i8_bound(screen, x)
+    counts, *ids = screen.i8.candidates(x, 4096)
+    for row in range(m):
+        expected = ((approx[row] + bound[row]) >= (approx[row] - bound[row]).max()).nonzero().squeeze(1)
+        assert abs(len(ids[row]) - len(expected)) <= 2 and int(counts[row]) == len(ids[row])
+        assert torch.equal(ids[row], ids[row].sort().values) and full[row].argmax() in ids[row]
+    assert screen.stats.fallbacks == 0
+
+
+@needs_i8
+def test_the_int8_screens_candidates_do_not_depend_on_the_rows_beside_them_or_the_threads(kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 5003, 256, seed=6)
+    screen = screen_for(kernels, weight)
+    x = near_tie_rows(weight, 11, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = screen.i8.candidates(x, 4096)
+        alone = [screen.i8.candidates(x[i:i + 1].contiguous(), 4096) for i in range(11)]
+        torch.set_num_threads(2)
+        parallel = screen.i8.candidates(x, 4096)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(11):
+        assert torch.equal(together[i + 1], alone[i][1]) and torch.equal(together[i + 1], parallel[i + 1])
+    assert torch.equal(together[0], parallel[0])
+
+
+@needs_i8
+def test_the_int8_screen_sends_rows_that_are_not_finite_and_rows_over_the_limit_to_the_full_head(
+        kernels: Kernels) -> None:
+    head, weight = q8_head(kernels, 1000, 128, seed=5)
+    screen = screen_for(kernels, weight)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    x[1, 7], x[2, 100] = float("nan"), float("inf")
+    counts, *_ = screen.i8.candidates(x, 4096)
+    assert counts[0] > 0 and counts[1] == 0 and counts[2] == 0 and counts[3] > 0
+    logits = screen.logits(head, x, [0, 1, 2, 3], INT8)
+    full = head(x)
+    torch.testing.assert_close(logits[1:3], full[1:3], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(logits[[0, 3]].argmax(-1), full[[0, 3]].argmax(-1))
+    assert torch.equal(logits[4], full[4])   # not an argmax row: the full head's logits
+    screen.max_candidates = 0
+    assert torch.equal(screen.logits(head, x[[0, 3]], [0, 1], INT8), head(x[[0, 3]]))
+
+
+@needs_i8
+def test_the_way_a_step_is_screened(kernels: Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 5-bit copy up to its row limit, the int8 GEMM above it; rows split off (not argmax rows)
+    only where they take alone the row-by-row route the full head takes with all rows."""
+    head, weight = q8_head(kernels, 1000, 128, seed=7)
+    screen = screen_for(kernels, weight)
+    model = torch.nn.Module()
+    model.lm_head = head
+    limit = min(screen.max_rows, lm_head_screen.MAX_SCREEN_ROWS)
+    routes = {}
+    monkeypatch.setattr(head, "gguf_routes", SimpleNamespace(pick=lambda rows, bf16, prompt: routes.get(rows, Route.BLOCK)))
+    x = torch.randn(40, 128)
+    assert screen_way(screen, model, x[:limit], list(range(limit))) == FIVE_BITS
+    assert screen_way(screen, model, x[:limit + 1], list(range(limit + 1))) == INT8
+    assert screen_way(screen, model, x, list(range(30))) == INT8          # 10 rows alone: the same route
+    routes[10] = Route.DENSE
+    assert screen_way(screen, model, x, list(range(30))) is None          # ... not the same route
+    assert screen_way(screen, model, x[:30], list(range(30))) == INT8     # every row an argmax row
+    routes[40] = routes[10] = Route.DENSE
+    assert screen_way(screen, model, x, list(range(30))) is None          # a GEMM whose rows are not apart
+    assert screen_way(screen, model, x, []) is None
+    screen.i8 = None
+    assert screen_way(screen, model, x[:30], list(range(30))) is None
+    assert i8_screen_coefficient(128) > 1 / 254
 
 
 def test_the_start_up_warm_up_leaves_the_screen_on(engine: LLMEngine) -> None:
