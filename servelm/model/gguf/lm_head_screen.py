@@ -211,6 +211,10 @@ I8_ACTIVATION_ERROR = 0.5 / 127 + 0.5 / 32512
 and as the exact int16 kernel rounds it."""
 
 
+BOUND_ROWS = 16384
+"""Vocabulary rows per slice when ``I8Screen`` sums its bound factors."""
+
+
 class I8Screen:
     """The screen for many rows: the int8 GEMM (gguf_i8gemm.cpp ``i8_screen``) on its own copy of the
     Q8_0 head, its results met by a bound on how far the exact int16 kernel's can be.
@@ -228,12 +232,18 @@ class I8Screen:
     def __init__(self, weight: BlockWeight, kernel: ModuleType) -> None:
         self.kernel = kernel
         self.codes, self.scales, _ = gguf_i8gemm.pack(weight)
-        vocab, hidden = weight.codes.shape
-        per_block = weight.scales.double().abs() * weight.codes.view(vocab, hidden // 32, 32).double().abs().sum(-1)
-        self.bound_max = per_block.amax(-1).float()
+        codes = weight.codes
+        vocab, hidden = codes.shape
+        self.bound_max = torch.empty(vocab)
         """[vocab]: the largest |d_b| sum |c_b| over the row's blocks."""
-        self.bound_sum = per_block.sum(-1).float()
+        self.bound_sum = torch.empty(vocab)
         """[vocab]: their sum."""
+        for start in range(0, vocab, BOUND_ROWS):   # in slices: a float64 copy of the head would be 8x its size
+            rows = slice(start, start + BOUND_ROWS)
+            code_sums = codes[rows].view(-1, hidden // 32, 32).to(torch.int16).abs_().sum(-1, dtype=torch.int32)
+            per_block = weight.scales[rows].double().abs() * code_sums   # exact sums, one rounding each
+            self.bound_max[rows] = per_block.amax(-1)
+            self.bound_sum[rows] = per_block.sum(-1)
         self.coefficient = i8_screen_coefficient(hidden)
         self.vocab = vocab
 
@@ -388,9 +398,9 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
         return None, f"off ({build.description}: {build.status()})"
     i8_kernel = gguf_i8gemm.load_kernel()
     screen = LMHeadScreen(weight, kernel, screen_kernel, i8_kernel=i8_kernel)
-    many = (f"above {min(screen.max_rows, MAX_SCREEN_ROWS)} greedy rows an int8 GEMM on a copy of the head "
-            "finds them" if screen.i8 is not None else f"no screen above {min(screen.max_rows, MAX_SCREEN_ROWS)} "
-            f"greedy rows ({gguf_i8gemm.KERNEL.description}: {gguf_i8gemm.kernel_status()})")
+    many = ("for more greedy rows than that copy takes, an int8 GEMM on a copy of the head finds them"
+            if screen.i8 is not None else f"no screen above {min(screen.max_rows, MAX_SCREEN_ROWS)} greedy rows "
+            f"({gguf_i8gemm.KERNEL.description}: {gguf_i8gemm.kernel_status()})")
     return screen, (f"on ({build.description}): greedy rows read a 5-bit copy of the Q8_0 head and compute "
                     f"exactly only the rows that can be the argmax ({many}; {screen.nbytes / 2 ** 20:.0f} MiB); "
                     "--disable-lm-head-screen turns it off")
