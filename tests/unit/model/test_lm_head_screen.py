@@ -223,18 +223,25 @@ def near_tie_rows(weight: BlockWeight, m: int, seed: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16, 33])
-def test_many_rows_screened_at_once_give_each_rows_exact_argmax(kernels: Kernels, m: int) -> None:
-    """The row-blocked kernel (register blocks of 4 rows, a vocabulary not a multiple of its tiles
-    of 16): each row's argmax is the int16 kernel's on that row, and its candidates carry that
-    kernel's logits."""
-    head, weight = q8_head(kernels, 2999, 192, seed=10 + m)
+def tie_case(kernels: Kernels, m: int, seed: int) -> tuple[LMHead, BlockWeight, LMHeadScreen, torch.Tensor,
+                                                            torch.Tensor]:
+    """A 2,999-token head where tokens 900 and 1500 tie exactly, ``m`` near-tie rows whose first points
+    along token 900, the screen, and the int16 kernel's logits of the rows."""
+    head, weight = q8_head(kernels, 2999, 192, seed=seed)
     weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
     weight.scales[1500] = weight.scales[900]
     screen = screen_for(kernels, weight)
     x = near_tie_rows(weight, m, seed=m)
     x[0] = weight.dequantize()[900] * 40
-    full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    return head, weight, screen, x, screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 13, 16, 33])
+def test_many_rows_screened_at_once_give_each_rows_exact_argmax(kernels: Kernels, m: int) -> None:
+    """The row-blocked kernel (register blocks of 4 rows, a vocabulary not a multiple of its tiles
+    of 16): each row's argmax is the int16 kernel's on that row, and its candidates carry that
+    kernel's logits."""
+    head, weight, screen, x, full = tie_case(kernels, m, seed=10 + m)
     logits = screen.logits(head, x, list(range(m)))
     assert torch.equal(logits.argmax(-1), full.argmax(-1))
     assert logits[0].argmax() == 900 and full[0, 1500] == full[0, 900]
@@ -517,13 +524,7 @@ def test_the_int8_screens_bound_holds_and_is_approached(kernels: Kernels) -> Non
 def test_the_int8_screen_gives_each_rows_exact_argmax(kernels: Kernels, m: int) -> None:
     """Row blocks of 4 and a vocabulary not a multiple of the GEMM's tiles of 32: each row's argmax is
     the int16 kernel's, ties to the lowest id, and its candidates carry that kernel's logits."""
-    head, weight = q8_head(kernels, 2999, 192, seed=30 + m)
-    weight.codes[1500] = weight.codes[900]   # an exact tie between two tokens
-    weight.scales[1500] = weight.scales[900]
-    screen = screen_for(kernels, weight)
-    x = near_tie_rows(weight, m, seed=m)
-    x[0] = weight.dequantize()[900] * 40
-    full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    head, weight, screen, x, full = tie_case(kernels, m, seed=30 + m)
     logits = screen.logits(head, x, list(range(m)), INT8)
     assert torch.equal(logits.argmax(-1), full.argmax(-1))
     assert logits[0].argmax() == 900 and full[0, 1500] == full[0, 900]
