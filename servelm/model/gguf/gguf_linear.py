@@ -110,6 +110,11 @@ class RowsCopies:
         return self.gemm(x, *self.by_rows[min(x.shape[0], len(self.by_rows)) - 1], block, round_out)
 
 
+def rows_kernel_copy(layer: nn.Module, route: Route) -> tuple[torch.Tensor, ...]:
+    """The copy ``route`` (one of ROWS_KERNEL_ROUTES) reads: the byte copy or the bit-width one."""
+    return layer.gguf_packed if route is Route.ROWS else layer.gguf_bits
+
+
 def decode_rows(call: tuple[object, ...], generation_only: bool = True) -> int:
     """Most rows a layer's prepared decode call takes (of a generation-only pass, or of any pass)."""
     if not isinstance(call, PreparedCall):
@@ -289,8 +294,8 @@ class GGUFBlockLinearMethod:
                          weight.block, bf16_out)
         elif route in (Route.ROWS, Route.PACKED):   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
-                x2.to(torch.bfloat16).contiguous(), *(layer.gguf_packed if route is Route.ROWS else layer.gguf_bits),
-                weight.block, bf16_out, weight.shape[0])
+                x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block, bf16_out,
+                weight.shape[0])
         elif route is Route.INT8:
             out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
                 x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
@@ -329,7 +334,7 @@ class GGUFBlockLinearMethod:
             prompt = next((m - 1 for m in range(1, generation + 1)
                            if routes.pick(m, x_bf16, True) is not routes.pick(m, x_bf16, False)), generation)
             reach = (generation, prompt)
-            copies = {candidate: layer.gguf_packed if candidate is Route.ROWS else layer.gguf_bits
+            copies = {candidate: rows_kernel_copy(layer, candidate)
                       for candidate in ROWS_KERNEL_ROUTES if candidate in routes.held}
             tile_outputs = self.rows_kernel.GEMM_COLS * 16  # type: ignore[attr-defined]
             if any(weight.shape[0] != copy[0].shape[0] * tile_outputs for copy in copies.values()):

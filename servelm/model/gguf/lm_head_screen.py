@@ -341,12 +341,11 @@ class LMHeadScreen:
         kept = [position for position, fallback in enumerate(fallbacks) if not fallback]
         if kept:   # the exact logits of every kept row's candidates, in one call on their union
             ids = [row_candidates[position] for position in kept]
-            union = torch.unique(torch.cat(ids))
+            flat = torch.cat(ids)
+            union = torch.unique(flat)
             index = torch.tensor(kept)
             exact = self.exact(x.index_select(0, index).contiguous(), union)
-            sizes = torch.tensor([len(i) for i in ids])
-            flat = torch.cat(ids)
-            at_row = torch.repeat_interleave(torch.arange(len(kept)), sizes)
+            at_row = torch.repeat_interleave(torch.arange(len(kept)), torch.tensor([len(i) for i in ids]))
             out[torch.tensor(screened)[index][at_row], flat] = exact[at_row, torch.searchsorted(union, flat)]
         self.stats.record(counts, fallbacks)
         if self.is_enabled and not self.stats.is_paying:
@@ -469,9 +468,9 @@ def screen_way(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tens
         return None
     routes = model.lm_head.gguf_routes
     bf16 = hidden.dtype == torch.bfloat16
-    # the full head's route for these rows (its logits rows are generation rows)
-    route = routes.pick(hidden.shape[0], bf16, False)
     count, rows = len(argmax_rows), hidden.shape[0]
+    # the full head's route for these rows (its logits rows are generation rows)
+    route = routes.pick(rows, bf16, False)
     five_bit_rows = min(screen.max_rows, MAX_SCREEN_ROWS, MAX_SCREEN_ROWS_GEMM if route is Route.ROWS else rows)
     if route in (Route.BLOCK, Route.ROWS) and rows <= MAX_SCREEN_ROWS and count <= five_bit_rows:
         return FIVE_BITS
