@@ -289,11 +289,12 @@ void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullp
         // a slice per micro-tile call, so that the first group of the next chunk finds them there
         // instead of waiting on memory a tile at a time (several row groups only: one group reads
         // each code once, as fast as memory gives them)
-        const int64_t next_end = std::min(end, first + 2 * chunk);
-        const char* next_codes = reinterpret_cast<const char*>(a.codes + (first + chunk) * a.k * kTile);
-        const char* next_scales = reinterpret_cast<const char*>(a.scales + (first + chunk) * a.nb * kTile);
-        const int64_t code_bytes = std::max<int64_t>(0, next_end - first - chunk) * a.k * kTile;
-        const int64_t scale_bytes = std::max<int64_t>(0, next_end - first - chunk) * a.nb * kTile * 4;
+        const int64_t next_tiles = std::max<int64_t>(0, std::min(end, first + 2 * chunk) - first - chunk);
+        // the next chunk's first bytes (pointers formed only where it exists: the last chunk has none)
+        const char* next_codes = next_tiles ? reinterpret_cast<const char*>(a.codes + (first + chunk) * a.k * kTile) : nullptr;
+        const char* next_scales = next_tiles ? reinterpret_cast<const char*>(a.scales + (first + chunk) * a.nb * kTile) : nullptr;
+        const int64_t code_bytes = next_tiles * a.k * kTile;
+        const int64_t scale_bytes = next_tiles * a.nb * kTile * 4;
         const int64_t calls = groups * (std::min(end, first + chunk) - first);
         const int64_t slice = groups > 1 ? ((code_bytes + scale_bytes) / calls + 63) / 64 * 64 : 0;
         int64_t prefetched = 0;
