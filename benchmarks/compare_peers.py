@@ -1,8 +1,17 @@
-"""servelm against llama.cpp's llama-server and vLLM's CPU build, one after another, same client.
+"""servelm against llama.cpp's llama-server and vLLM's CPU build, in interleaved rounds, same client.
 
-Each server is started in turn on the same model, measured with servelm's own streamed
-``/v1/completions`` client (``servelm.bench_common.one_request``: temperature 0, ``ignore_eos``,
-token-id prompts), then stopped (its whole process group). The columns are issue 16's:
+Every server is started on the same model (each on its own port; an idle server takes no CPU:
+llama-server, vLLM's engine and servelm's all block while they have no request), then measured
+with servelm's own streamed ``/v1/completions`` client (``servelm.bench_common.one_request``:
+temperature 0, ``ignore_eos``, token-id prompts) in ``--rounds`` rounds (default 3): each round
+measures every server in turn, the order rotated by one per round, on prompts of its own (no
+server's prefix cache serves a later round from an earlier one). A column's figure is the median
+of its rounds, printed with their range. On a shared VM the machine's speed drifts by 10-30% over
+minutes (benchmarks/RESULTS.md, sessions 25-27): servers measured one after another for a few
+minutes each met different machines, and the ratios moved with it; rounds spread every server over
+the whole run. Before each measurement the run waits until the machine is quiet (``wait_quiet``):
+a server may go on computing after its last answer. ``--rounds 1`` is the earlier single pass (first round's prompts, the same as
+before). At the end every server is stopped (its whole process group). The columns are issue 16's:
 
 - 1 stream tok/s: one request, 16-token prompt, ``--output-len`` (128) tokens, output tokens / time;
 - prefill tok/s: a 1,019-token prompt, 1 output token: prompt tokens / time to first token;
@@ -17,6 +26,7 @@ Peers (absent ones are skipped with a message, nothing is built or installed her
 - servelm: ``python -m servelm serve MODEL`` with the default flags plus ``--servelm-args``.
 
     .venv/bin/python benchmarks/compare_peers.py [--model gemma3-270m] [--peers servelm,llama.cpp,vllm]
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import asyncio
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +52,9 @@ PREFILL_TOKENS = 1019
 STREAM_PROMPT_TOKENS = 128
 TOKEN_RANGE = (1000, 20000)
 """Prompt token ids are drawn here: ordinary vocabulary in every packaged model, no special tokens."""
+ROUND_SEEDS = 100
+"""Round r's prompts are drawn with the seeds of round 0 plus r times this (fresh prompts per round)."""
+COLUMNS = ("1 stream tok/s", "prefill tok/s", "8 streams tok/s", "32 streams tok/s")
 
 
 @dataclass
@@ -49,6 +63,8 @@ class Peer:
     command: list[str]
     env: dict[str, str]
     startup_s: float
+    port: int | None = None
+    """The port its command serves on (None: ``--port``)."""
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -57,7 +73,7 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Peer], list[str]]:
-    """The peers to run, in order, and a message for each one skipped."""
+    """The peers to run, in order (each on its own port from ``port`` up), and a message for each one skipped."""
     threads = str(args.threads)
     peers, skipped = [], []
     wanted = args.peers.split(",")
@@ -66,8 +82,8 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
         if server.exists():
             context = 32 * (PREFILL_TOKENS + args.output_len + 64)   # -np 32 splits -c between the slots
             peers.append(Peer("llama.cpp llama-server -cb -np 32", [
-                str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", threads,
-                "-cb", "-np", "32", "-c", str(context), "--alias", args.model], {}, 120))
+                str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port + len(peers)), "-t", threads,
+                "-cb", "-np", "32", "-c", str(context), "--alias", args.model], {}, 120, port + len(peers)))
         else:
             skipped.append(f"llama.cpp: no {server} (build it with ../shared/tools/build_llama_server.sh)")
     if "vllm" in wanted:
@@ -79,9 +95,9 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
             skipped.append(f"vLLM: --hf-dir {hf_dir} is not a Hugging Face directory (write it with "
                            f"../shared/tools/gguf_to_hf.py {gguf} DIR)")
         else:
-            peers.append(vllm_peer(venv, hf_dir, args.model, port, args.threads))
+            peers.append(vllm_peer(venv, hf_dir, args.model, port + len(peers), args.threads))
     if "servelm" in wanted:
-        peers.append(servelm_peer(args.model, port, args.threads, args.servelm_args.split()))
+        peers.append(servelm_peer(args.model, port + len(peers), args.threads, args.servelm_args.split()))
     return peers, skipped
 
 
@@ -89,7 +105,7 @@ def servelm_peer(model: str, port: int, threads: int, extra: list[str]) -> Peer:
     """``servelm serve MODEL`` with the default flags plus ``extra``."""
     return Peer(f"servelm {' '.join(['serve', model, *extra])}", [
         sys.executable, "-m", "servelm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-        "--num-threads", str(threads), *extra], {}, 600)
+        "--num-threads", str(threads), *extra], {}, 600, port)
 
 
 def vllm_peer(venv: Path, hf_dir: Path, model: str, port: int, threads: int, startup_s: float = 600) -> Peer:
@@ -101,7 +117,7 @@ def vllm_peer(venv: Path, hf_dir: Path, model: str, port: int, threads: int, sta
         "--served-model-name", model, "--max-model-len", "4096"],
         {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
          "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **({"LD_PRELOAD": preload} if preload else {})},
-        startup_s)
+        startup_s, port)
 
 
 async def _stream(client: object, base_url: str, model: str, prompts: list[list[int]],
@@ -116,26 +132,27 @@ async def _stream(client: object, base_url: str, model: str, prompts: list[list[
 
 
 async def measure(base_url: str, model: str, output_len: int,
-                  counts: tuple[int, ...] | None = None) -> dict[str, float]:
-    """The four columns for the server at ``base_url`` (only ``stream_rates`` of ``counts`` where given)."""
+                  counts: tuple[int, ...] | None = None, seed: int = 0) -> dict[str, float]:
+    """The four columns for the server at ``base_url`` (only ``stream_rates`` of ``counts`` where given);
+    ``seed`` is added to every prompt's seed (a round's own prompts)."""
     import httpx
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=None)) as client:
-        await _stream(client, base_url, model, _prompts(1, 16, 9), 8)   # warm-up
+        await _stream(client, base_url, model, _prompts(1, 16, 9 + seed), 8)   # warm-up
         if counts:
-            return await stream_rates(client, base_url, model, output_len, counts)
-        row = await stream_rates(client, base_url, model, output_len, (1,))
-        _, timings = await _stream(client, base_url, model, _prompts(1, PREFILL_TOKENS, 2), 1)
+            return await stream_rates(client, base_url, model, output_len, counts, seed)
+        row = await stream_rates(client, base_url, model, output_len, (1,), seed)
+        _, timings = await _stream(client, base_url, model, _prompts(1, PREFILL_TOKENS, 2 + seed), 1)
         row["prefill tok/s"] = PREFILL_TOKENS / timings[0].ttft_s if timings[0].ttft_s else float("nan")
-        return row | await stream_rates(client, base_url, model, output_len, (8, 32))
+        return row | await stream_rates(client, base_url, model, output_len, (8, 32), seed)
 
 
 async def stream_rates(client: object, base_url: str, model: str, output_len: int,
-                       counts: tuple[int, ...]) -> dict[str, float]:
+                       counts: tuple[int, ...], seed: int = 0) -> dict[str, float]:
     """Output tok/s (all streams' tokens / wall time) of each stream count in ``counts``: one stream
     of a 16-token prompt, or that many concurrent 128-token prompts; ``output_len`` tokens each."""
     row: dict[str, float] = {}
     for streams in counts:
-        prompts = _prompts(1, 16, 1) if streams == 1 else _prompts(streams, STREAM_PROMPT_TOKENS, 3)
+        prompts = _prompts(1, 16, 1 + seed) if streams == 1 else _prompts(streams, STREAM_PROMPT_TOKENS, 3 + seed)
         wall, timings = await _stream(client, base_url, model, prompts, output_len)
         errors = [t.error for t in timings if t.error]
         if errors:
@@ -177,20 +194,29 @@ def stop_group(process: subprocess.Popen, timeout_s: float) -> None:
         process.wait()
 
 
-def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path,
-             counts: tuple[int, ...] | None = None, log_name: str = "") -> dict[str, float]:
-    """Start ``peer``, measure it (``measure``'s columns, or its stream ``counts``), stop it; its
-    output goes to ``log_dir/<log_name or its first word>.log``."""
-    base_url = f"http://127.0.0.1:{port}"
+def start_peer(peer: Peer, port: int, log_dir: Path, log_name: str = "") -> subprocess.Popen:
+    """Start ``peer`` on ``port`` in its own session and wait until it answers (stopped again if it
+    does not); its output goes to ``log_dir/<log_name or its first word>.log``."""
     log = (log_dir / f"{log_name or peer.name.split()[0]}.log").open("w")
-    process = subprocess.Popen(peer.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, **peer.env})
+    with log:   # the child holds its own copy of the file
+        process = subprocess.Popen(peer.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, **peer.env})
     try:
-        wait_ready(base_url, process, peer.startup_s)
-        return asyncio.run(measure(base_url, args.model, args.output_len, counts))
+        wait_ready(f"http://127.0.0.1:{port}", process, peer.startup_s)
+    except BaseException:
+        stop_group(process, 30)
+        raise
+    return process
+
+
+def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path,
+             counts: tuple[int, ...] | None = None, log_name: str = "", seed: int = 0) -> dict[str, float]:
+    """Start ``peer``, measure it (``measure``'s columns, or its stream ``counts``), stop it."""
+    process = start_peer(peer, port, log_dir, log_name)
+    try:
+        return asyncio.run(measure(f"http://127.0.0.1:{port}", args.model, args.output_len, counts, seed))
     finally:
         stop_group(process, 30)
-        log.close()
 
 
 def main() -> None:
@@ -203,7 +229,13 @@ def main() -> None:
     parser.add_argument("--hf-dir", help="the model as a Hugging Face directory, for vLLM")
     parser.add_argument("--servelm-args", default="", help="extra servelm flags (default: none)")
     parser.add_argument("--log-dir", default="/tmp/compare_peers")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of every column on every server, interleaved; medians reported")
+    parser.add_argument("--sequential", action="store_true",
+                        help="start each server only for its own measurement (one server's memory at a time)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     from servelm.model.packaged import packaged_model_path
     gguf = Path(packaged_model_path(args.model))
     log_dir = Path(args.log_dir)
@@ -214,22 +246,102 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma", "f16c")))
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, flags: {' '.join(flags)}; load average {os.getloadavg()}", flush=True)
-    print_table(measure_peers(peers, args, log_dir), "compare within one run")
+    medians, ranges = summarize(measure_peers(peers, args, log_dir))
+    print(f"medians of {args.rounds} round{'s' if args.rounds > 1 else ''}:")
+    print_table(medians, "compare within one run")
+    if args.rounds > 1:
+        print("ranges over the rounds (min-max):")
+        print_table(ranges, "compare within one run")
 
 
-def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path, label: str = "") -> list[list[str]]:
-    """One table row per peer that ran (its name, ``label`` appended, then its columns), one after another."""
-    rows = []
-    for peer in peers:
-        print(f"running {peer.name}{label} (load average {os.getloadavg()[0]:.2f}) ...", flush=True)
-        try:
-            result = run_peer(peer, args.port, args, log_dir)
-        except Exception as error:   # one peer failing does not stop the others
-            print(f"  {peer.name} failed: {error} (log in {log_dir})", flush=True)
+def busy_cores(interval_s: float = 0.5) -> float:
+    """Cores the whole machine kept busy over the next ``interval_s`` (from /proc/stat; 0.0 where it
+    cannot be read)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+    try:
+        busy0, total0 = sample()
+        time.sleep(interval_s)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
+
+
+def wait_quiet(limit_s: float = 60.0, below: float = 0.25) -> tuple[float, float]:
+    """Wait until the machine keeps fewer than ``below`` cores busy, at most ``limit_s``: a server
+    measured just before may go on computing after its last answer (vLLM's CPU build kept a core busy
+    for about a second after 32 streams; the server measured next met a busy machine, and servelm's
+    adaptive threads dropped to one for 2-3 s of its one-stream column). Returns (seconds waited, the last busy cores)."""
+    start = time.monotonic()
+    while True:
+        busy = busy_cores()
+        if busy < below or time.monotonic() - start >= limit_s:
+            return time.monotonic() - start, busy
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: ``names`` rotated by one per round (no server always first)."""
+    shift = round_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def summarize(results: dict[str, list[dict[str, float]]]) -> tuple[list[list[str]], list[list[str]]]:
+    """Per server with at least one round: its row of column medians and its row of ranges (min-max)."""
+    medians, ranges = [], []
+    for name, rounds in results.items():
+        if not rounds:
             continue
-        rows.append([peer.name + label, *(f"{value:.1f}" for value in result.values())])
-        print(f"  {result}", flush=True)
-    return rows
+        values = [[r[c] for r in rounds if c in r] for c in COLUMNS]
+        medians.append([name, *(f"{statistics.median(v):.1f}" if v else "-" for v in values)])
+        ranges.append([name, *(f"{min(v):.1f}-{max(v):.1f}" if v else "-" for v in values)])
+    return medians, ranges
+
+
+def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path) -> dict[str, list[dict[str, float]]]:
+    """Every peer's columns in ``args.rounds`` rounds (``round_order``), round r on seeds + r x
+    ROUND_SEEDS. All peers run at once, each on its own port (``Peer.port``); with ``args.sequential``
+    (or peers that share a port) each is started and stopped around each of its measurements instead
+    (no two servers' memory at once). A peer that fails to start or to answer is reported and left out
+    of later rounds."""
+    ports = {peer.name: peer.port or args.port for peer in peers}
+    sequential = getattr(args, "sequential", False) or len(set(ports.values())) < len(peers)
+    by_name = {peer.name: peer for peer in peers}
+    processes: dict[str, subprocess.Popen] = {}
+    results: dict[str, list[dict[str, float]]] = {peer.name: [] for peer in peers}
+    try:
+        if not sequential:
+            for peer in peers:
+                print(f"starting {peer.name} on port {ports[peer.name]} ...", flush=True)
+                try:
+                    processes[peer.name] = start_peer(peer, ports[peer.name], log_dir)
+                except Exception as error:
+                    print(f"  {peer.name} failed to start: {error} (log in {log_dir})", flush=True)
+        alive = [peer.name for peer in peers if sequential or peer.name in processes]
+        for index in range(args.rounds):
+            for name in round_order(list(alive), index):
+                peer, seed = by_name[name], index * ROUND_SEEDS
+                waited, busy = wait_quiet()
+                print(f"round {index + 1}/{args.rounds}: {name} (machine quiet after {waited:.1f} s: "
+                      f"{busy:.2f} cores busy; load average {os.getloadavg()[0]:.2f}) ...", flush=True)
+                try:
+                    if sequential:
+                        result = run_peer(peer, ports[name], args, log_dir, seed=seed)
+                    else:
+                        result = asyncio.run(measure(f"http://127.0.0.1:{ports[name]}", args.model,
+                                                     args.output_len, seed=seed))
+                except Exception as error:   # one peer failing does not stop the others
+                    print(f"  {name} failed: {error} (log in {log_dir}); left out of later rounds", flush=True)
+                    alive.remove(name)
+                    continue
+                results[name].append(result)
+                print(f"  {result}", flush=True)
+    finally:
+        for process in processes.values():
+            stop_group(process, 30)
+    return results
 
 
 def print_table(rows: list[list[str]], note: str) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.compare_peers import Peer, find_peers, measure_peers, print_table  # noqa: E402
+from benchmarks.compare_peers import Peer, find_peers, measure_peers, print_table, summarize  # noqa: E402
 
 TOKENIZER_DIR = Path("/work/peers/hf-qwen2.5-coder-0.5b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -59,11 +59,11 @@ def write_gguf(model_dir: Path) -> Path:
     return path
 
 
-def gguf_peer(path: Path, args: argparse.Namespace) -> Peer:
+def gguf_peer(path: Path, args: argparse.Namespace, port: int) -> Peer:
     return Peer(f"servelm serve {path.name} (Q8_0 GGUF)", [
-        sys.executable, "-m", "servelm", "serve", str(path), "--host", "127.0.0.1", "--port", str(args.port),
+        sys.executable, "-m", "servelm", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
         "--num-threads", str(args.threads), "--tokenizer", args.hf_dir, "--served-model-name", args.model,
-        *args.servelm_args.split()], {}, args.startup_s)
+        *args.servelm_args.split()], {}, args.startup_s, port)
 
 
 def main() -> None:
@@ -92,12 +92,14 @@ def main() -> None:
     for peer in peers:
         peer.startup_s = args.startup_s
     if args.gguf:
-        peers.append(gguf_peer(write_gguf(model_dir), args))
+        peers.append(gguf_peer(write_gguf(model_dir), args, args.port + len(peers)))
     print(f"{model_dir}: {MOE_CONFIG}; {args.threads} threads, {os.cpu_count()} cpus", flush=True)
-    rows = []
-    for round_index in range(args.rounds):
-        rows += measure_peers(peers, args, log_dir, f" (round {round_index + 1})")
-    print_table(rows, "compare neighbouring runs")
+    medians, ranges = summarize(measure_peers(peers, args, log_dir))
+    print(f"medians of {args.rounds} interleaved round(s):")
+    print_table(medians, "compare within one run")
+    if args.rounds > 1:
+        print("ranges over the rounds (min-max):")
+        print_table(ranges, "compare within one run")
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -38,12 +39,26 @@ constexpr int64_t kChunkBytes = 320 << 10;   // weight codes every row group of 
 constexpr int64_t kStreamBytes = 4 << 20;    // float32 results at least this large: non-temporal stores
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the tile's code stream to prefetch
 
+// A vector whose new elements are left uninitialised (every one is written before it is read): a
+// prompt chunk's codes are megabytes, and zeroing them first cost as much as a tenth of rounding them.
+template <class T>
+struct Uninitialised : std::allocator<T> {
+  template <class U>
+  struct rebind { using other = Uninitialised<U>; };
+  template <class U>
+  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
+};
+template <class T>
+using Buffer = std::vector<T, Uninitialised<T>>;
+
 // Activation rows rounded to int8 per block (see the top of the file).
 struct Quantized {
-  std::vector<int8_t> codes;      // [M, K]
-  std::vector<float> scales;      // [M, K / B]: d
-  std::vector<int32_t> starts;    // [M, K / B]: -128 * sum q, the accumulators' start
-  std::vector<float> sums;        // [M, K / B]: d * sum q (weights with offsets only)
+  Buffer<int8_t> codes;      // [M, K]
+  Buffer<float> scales;      // [M, K / B]: d
+  Buffer<int32_t> starts;    // [M, K / B]: -128 * sum q, the accumulators' start
+  Buffer<float> sums;        // [M, K / B]: d * sum q (weights with offsets only)
 };
 
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -52,36 +67,81 @@ inline __m512 load16(const uint16_t* x) {   // bf16 -> float32, exact
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// The 16 lanes of each of m[0..15] reduced with ``op`` (max or add; a tree of in-register
+// shuffles, no horizontal reduction per vector): lane j of the result is m[j]'s reduction.
+template <class Op>
+inline __m512 reduce16(__m512 (&m)[16], Op op) {
+  __m512 t[8];
+  for (int i = 0; i < 8; ++i)   // 128-bit quarters: [a0|a2, a1|a3, b0|b2, b1|b3]
+    t[i] = op(_mm512_shuffle_f32x4(m[2 * i], m[2 * i + 1], 0x44), _mm512_shuffle_f32x4(m[2 * i], m[2 * i + 1], 0xEE));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i)   // quarter L of u[i]: four partials of vector 4 i + L
+    u[i] = op(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  __m512 w[2];
+  for (int i = 0; i < 2; ++i)   // quarter L of w[i]: two partials of vectors 8 i + L, 8 i + 4 + L
+    w[i] = op(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  // lane 4 L + p holds vector 4 p + L: back to lane j = vector j
+  const __m512 r = op(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Blocks b0 .. b0 + count - 1 (count <= 16) of row r, V vectors of 16 inputs each, rounded as the
+// file's top says; the per-block reductions (absmax, sum of codes) for all of them at once.
+template <int V, class T>
+inline void quantize_blocks(const T* x, int64_t r, int64_t b0, int count, int64_t k, int64_t nb, bool with_sums,
+                            Quantized& q) {
+  constexpr int64_t kB = 16 * V;
+  __m512 v[16][V];
+  __m512 m[16];
+  for (int j = 0; j < 16; ++j) {
+    m[j] = _mm512_setzero_ps();
+    if (j >= count) continue;
+    for (int i = 0; i < V; ++i) {
+      v[j][i] = load16(x + r * k + (b0 + j) * kB + 16 * i);
+      m[j] = _mm512_max_ps(m[j], _mm512_abs_ps(v[j][i]));
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+  const __m512 d = _mm512_div_ps(reduce16(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }),
+                                 _mm512_set1_ps(127.f));
+  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(1.f), d);
+  alignas(64) float invs[16];
+  _mm512_store_ps(invs, inv);
+  _mm512_mask_storeu_ps(q.scales.data() + r * nb + b0, valid, d);
+  __m512 sums[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512i sum = _mm512_setzero_si512();
+    if (j < count) {
+      const __m512 scale = _mm512_set1_ps(invs[j]);
+      for (int i = 0; i < V; ++i) {
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[j][i], scale));   // nearest even
+        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + r * k + (b0 + j) * kB + 16 * i),
+                         _mm512_cvtepi32_epi8(c));
+        sum = _mm512_add_epi32(sum, c);
+      }
+    }
+    sums[j] = _mm512_castsi512_ps(sum);
+  }
+  const __m512i s = _mm512_castps_si512(reduce16(sums, [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  }));
+  _mm512_mask_storeu_epi32(q.starts.data() + r * nb + b0, valid, _mm512_mullo_epi32(s, _mm512_set1_epi32(-128)));
+  if (with_sums) _mm512_mask_storeu_ps(q.sums.data() + r * nb + b0, valid, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+}
+
 template <class T>
 Quantized quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, bool with_sums) {
   const int64_t nb = k / block;
-  Quantized q{std::vector<int8_t>(rows * k), std::vector<float>(rows * nb), std::vector<int32_t>(rows * nb),
-              std::vector<float>(with_sums ? rows * nb : 0)};
-  const int vectors = static_cast<int>(block / 16);
+  Quantized q{Buffer<int8_t>(rows * k), Buffer<float>(rows * nb), Buffer<int32_t>(rows * nb),
+              Buffer<float>(with_sums ? rows * nb : 0)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const T* xb = x + r * k + b * block;
-        __m512 v[2];
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < vectors; ++i) {
-          v[i] = load16(xb + 16 * i);
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-        }
-        const float d = _mm512_reduce_max_ps(amax) / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < vectors; ++i) {
-          __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));   // nearest even
-          c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + r * k + b * block + 16 * i),
-                           _mm512_cvtepi32_epi8(c));
-          sum = _mm512_add_epi32(sum, c);
-        }
-        const int32_t s = _mm512_reduce_add_epi32(sum);
-        q.scales[r * nb + b] = d;
-        q.starts[r * nb + b] = -128 * s;
-        if (with_sums) q.sums[r * nb + b] = d * static_cast<float>(s);
+      for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int count = static_cast<int>(std::min<int64_t>(16, nb - b0));
+        if (block == 32) quantize_blocks<2>(x, r, b0, count, k, nb, with_sums, q);
+        else quantize_blocks<1>(x, r, b0, count, k, nb, with_sums, q);
       }
   });
   return q;

@@ -33,14 +33,32 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_activation_rounding_is_the_reference_bit_for_bit(kernel, dtype: torch.dtype) -> None:
-    x = (torch.randn(37, 320, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+@pytest.mark.parametrize("k", [320, 896])   # blocks a row: 10 / 20 and 28 / 56 (groups of 16 and a rest)
+def test_activation_rounding_is_the_reference_bit_for_bit(kernel, dtype: torch.dtype, k: int) -> None:
+    x = (torch.randn(37, k, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     x[3, :32] = 0   # an all-zero block: scale 0, codes 0
+    x[4, 5 * 32 + 7] = 40.0   # one block's large value: its own scale only
     for block in (16, 32):
         codes, scales = kernel.quantize(x, block)
         expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, block)
         assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
         assert int(codes.abs().max()) == 127
+
+
+def test_a_value_that_is_not_finite_rounds_only_its_own_block(kernel) -> None:
+    """The kernel reduces 16 blocks' absmax at once: a block's inf or NaN stays in that block."""
+    x = torch.randn(3, 896, generator=torch.Generator().manual_seed(1))
+    x[1, 40] = float("inf")
+    x[2, 300] = float("nan")
+    for block in (16, 32):
+        codes, scales = kernel.quantize(x, block)
+        expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, block)
+        keep = torch.ones(3, 896 // block, dtype=torch.bool)
+        keep[1, 40 // block] = keep[2, 300 // block] = False
+        assert torch.equal(scales[keep], expected_scales[keep])
+        by_block = keep.repeat_interleave(block, dim=1)
+        assert torch.equal(codes[by_block], expected_codes[by_block])
+        assert scales[1, 40 // block] == float("inf")   # an inf's block: scale inf, its codes meaningless
 
 
 @pytest.mark.parametrize("block", [16, 32])
