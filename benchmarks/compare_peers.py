@@ -246,10 +246,15 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma", "f16c")))
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, flags: {' '.join(flags)}; load average {os.getloadavg()}", flush=True)
-    medians, ranges = summarize(measure_peers(peers, args, log_dir))
-    print(f"medians of {args.rounds} round{'s' if args.rounds > 1 else ''}:")
+    print_rounds(measure_peers(peers, args, log_dir), args.rounds)
+
+
+def print_rounds(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
+    """``measure_peers``' results as tables: the medians, then (several rounds) the ranges."""
+    medians, ranges = summarize(results)
+    print(f"medians of {rounds} round{'s' if rounds > 1 else ''}:")
     print_table(medians, "compare within one run")
-    if args.rounds > 1:
+    if rounds > 1:
         print("ranges over the rounds (min-max):")
         print_table(ranges, "compare within one run")
 

@@ -5,8 +5,9 @@ own random init, seed 0) with Qwen2.5's real tokenizer copied beside it: 16 expe
 (renormalised), hidden 1024, expert FFN 768, 4 layers, 16 query / 4 KV heads of 64, tied embeddings
 (Qwen3-30B-A3B's proportions scaled down: 128 experts top-8, hidden 2048, expert FFN 768). Both
 servers take the directory as shipped (their default flags) and are measured by compare_peers.py's
-client and columns (prefill, 1, 8 and 32 streams), alternating servelm and vLLM for ``--rounds``
-rounds on this shared machine, so each ratio compares neighbouring runs. ``--gguf`` adds servelm on
+client and columns (prefill, 1, 8 and 32 streams), all started at once and measured in ``--rounds``
+interleaved rounds (compare_peers.py ``measure_peers``: fresh prompts and a rotated order each round,
+medians and ranges), so each ratio compares neighbouring measurements on this shared machine. ``--gguf`` adds servelm on
 the same weights written as a Q8_0 GGUF (llama.cpp's layout, tests/unit/model/test_gguf_moe.py's
 writer), served at that precision by the GGUF block kernels.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.compare_peers import Peer, find_peers, measure_peers, print_table, summarize  # noqa: E402
+from benchmarks.compare_peers import Peer, find_peers, measure_peers, print_rounds  # noqa: E402
 
 TOKENIZER_DIR = Path("/work/peers/hf-qwen2.5-coder-0.5b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -94,12 +95,7 @@ def main() -> None:
     if args.gguf:
         peers.append(gguf_peer(write_gguf(model_dir), args, args.port + len(peers)))
     print(f"{model_dir}: {MOE_CONFIG}; {args.threads} threads, {os.cpu_count()} cpus", flush=True)
-    medians, ranges = summarize(measure_peers(peers, args, log_dir))
-    print(f"medians of {args.rounds} interleaved round(s):")
-    print_table(medians, "compare within one run")
-    if args.rounds > 1:
-        print("ranges over the rounds (min-max):")
-        print_table(ranges, "compare within one run")
+    print_rounds(measure_peers(peers, args, log_dir), args.rounds)
 
 if __name__ == "__main__":
     main()
