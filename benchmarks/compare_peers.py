@@ -10,8 +10,9 @@ of its rounds, printed with their range. On a shared VM the machine's speed drif
 minutes (benchmarks/RESULTS.md, sessions 25-27): servers measured one after another for a few
 minutes each met different machines, and the ratios moved with it; rounds spread every server over
 the whole run. Before each measurement the run waits until the machine is quiet (``wait_quiet``):
-a server may go on computing after its last answer. ``--rounds 1`` is the earlier single pass (first round's prompts, the same as
-before). At the end every server is stopped (its whole process group). The columns are issue 16's:
+a server may go on computing after its last answer. ``--rounds 1`` is the earlier single pass (the
+same prompts as before). At the end every server is stopped (its whole process group). The columns
+are issue 16's:
 
 - 1 stream tok/s: one request, 16-token prompt, ``--output-len`` (128) tokens, output tokens / time;
 - prefill tok/s: a 1,019-token prompt, 1 output token: prompt tokens / time to first token;
@@ -260,26 +261,18 @@ def print_rounds(results: dict[str, list[dict[str, float]]], rounds: int) -> Non
 
 
 def busy_cores(interval_s: float = 0.5) -> float:
-    """Cores the whole machine kept busy over the next ``interval_s`` (from /proc/stat; 0.0 where it
-    cannot be read)."""
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])
-    try:
-        busy0, total0 = sample()
-        time.sleep(interval_s)
-        busy1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
+    """Cores the whole machine keeps busy over the next ``interval_s`` (psutil: idle and iowait are
+    not busy)."""
+    import psutil
+    return psutil.cpu_percent(interval_s) / 100 * (psutil.cpu_count() or 1)
 
 
 def wait_quiet(limit_s: float = 60.0, below: float = 0.25) -> tuple[float, float]:
     """Wait until the machine keeps fewer than ``below`` cores busy, at most ``limit_s``: a server
     measured just before may go on computing after its last answer (vLLM's CPU build kept a core busy
     for about a second after 32 streams; the server measured next met a busy machine, and servelm's
-    adaptive threads dropped to one for 2-3 s of its one-stream column). Returns (seconds waited, the last busy cores)."""
+    adaptive threads dropped to one for 2-3 s of its one-stream column). Returns (seconds waited, the
+    last busy cores)."""
     start = time.monotonic()
     while True:
         busy = busy_cores()

@@ -7,8 +7,8 @@ own random init, seed 0) with Qwen2.5's real tokenizer copied beside it: 16 expe
 servers take the directory as shipped (their default flags) and are measured by compare_peers.py's
 client and columns (prefill, 1, 8 and 32 streams), all started at once and measured in ``--rounds``
 interleaved rounds (compare_peers.py ``measure_peers``: fresh prompts and a rotated order each round,
-medians and ranges), so each ratio compares neighbouring measurements on this shared machine. ``--gguf`` adds servelm on
-the same weights written as a Q8_0 GGUF (llama.cpp's layout, tests/unit/model/test_gguf_moe.py's
+medians and ranges), so each ratio compares neighbouring measurements on this shared machine.
+``--gguf`` adds servelm on the same weights written as a Q8_0 GGUF (llama.cpp's layout, tests/unit/model/test_gguf_moe.py's
 writer), served at that precision by the GGUF block kernels.
 
     .venv/bin/python benchmarks/moe_peers.py [--rounds 2] [--output-len 64] [--model-dir DIR]
