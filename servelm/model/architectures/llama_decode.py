@@ -8,9 +8,10 @@ kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the Q
 RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
 down, and the residual add, which the fused add + RMSNorm takes together with the next layer's input
 norm (it rounds the sum to the stream's dtype before norming it, as torch's add then the norm: one call,
-not two). A QKV bias (Qwen2): one row takes the block kernel with the
-bias added in the kernel (as GGUFBlockLinearMethod.apply's decode call), more rows take apply (the
-module path's own routing: the rows kernel from 2 rows); the other projections must be bias-free.
+not two). A QKV bias (Qwen2): one row takes the prepared call (the block
+kernel's or the rows kernel's) with the bias added in the kernel (as GGUFBlockLinearMethod.apply's
+decode call), more rows take apply (the module path's own routing); the other projections must be
+bias-free.
 Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
 """
 
@@ -42,7 +43,7 @@ class _LayerPlan(LayerPlan):
 
     qkv_bias: torch.Tensor | None
     qkv_biased: Any        # None, or the QKV linear with a bias: past 1 row its method's apply computes it
-    qkv_call_takes_bias: bool   # the VNNI kernel adds a bias at one row; the rows kernel's GEMM does not
+    qkv_call_takes_bias: bool   # the prepared call adds a bias at one row (the block kernel's, the rows kernel's)
     next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
     next_eps: float = 0.0
     mlp_run: Any = None    # one row, float32: o .. down and the next norm in one call (``decode_mlp``), or None

@@ -75,7 +75,8 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
     prompt_rows: int
     """Calls of 1..n rows of any kind take it (prompt rows may take the int8 GEMM sooner)."""
     takes_bias: bool
-    """Whether it takes a bias as its last argument (the block kernel, one row; not ``rows_gemm``)."""
+    """Whether it takes a bias as its last argument (the block kernel at one row; the rows kernel's
+    ``rows_call``)."""
 
     @classmethod
     def of(cls, args: tuple[object, ...], dtype: torch.dtype, generation_rows: int, prompt_rows: int,
@@ -97,7 +98,7 @@ ROWS_KERNEL_ROUTES = frozenset({Route.ROWS, Route.PACKED})
 
 class RowsCopies:
     """A prepared decode call's kernel where a layer holds both of the rows kernel's copies:
-    ``rows_gemm`` on the copy its route table gives an m-row call (``by_rows[m - 1]``), whatever
+    ``rows_call`` on the copy its route table gives an m-row call (``by_rows[m - 1]``), whatever
     copy the call passes (the plan's arguments are the 1-row route's)."""
 
     __slots__ = ("gemm", "by_rows")
@@ -106,8 +107,8 @@ class RowsCopies:
         self.gemm, self.by_rows = gemm, by_rows
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-                 block: int, round_out: bool) -> torch.Tensor:
-        return self.gemm(x, *self.by_rows[min(x.shape[0], len(self.by_rows)) - 1], block, round_out)
+                 block: int, round_out: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gemm(x, *self.by_rows[min(x.shape[0], len(self.by_rows)) - 1], block, round_out, bias)
 
 
 def rows_kernel_copy(layer: nn.Module, route: Route) -> tuple[torch.Tensor, ...]:
@@ -287,6 +288,12 @@ class GGUFBlockLinearMethod:
         unless a bias (added in float32) or a float32 output follows; float32 for ``float_out``."""
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
+        if route in (Route.ROWS, Route.PACKED) and bias is not None and bias.dtype in (torch.float32, torch.bfloat16):
+            # the kernel adds it in float32 before rounding, as ``out + bias`` then ``.to`` below
+            out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+                x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block,
+                is_bf16 and not float_out, weight.shape[0], bias)
+            return out.float() if float_out else out.to(x2.dtype)
         bf16_out = is_bf16 and bias is None and not float_out
         if route is Route.BLOCK:
             kernel, codes, scales, offsets = self.block_call(weight)
@@ -339,12 +346,12 @@ class GGUFBlockLinearMethod:
             tile_outputs = self.rows_kernel.GEMM_COLS * 16  # type: ignore[attr-defined]
             if any(weight.shape[0] != copy[0].shape[0] * tile_outputs for copy in copies.values()):
                 return ()   # padded outputs: via apply (any packed form)
-            gemm = self.rows_kernel.rows_gemm  # type: ignore[attr-defined]
+            gemm = self.rows_kernel.rows_call  # type: ignore[attr-defined]
             codes, scales, offsets = copies[route]
             if len(copies) > 1:
                 by_rows = tuple(copies[routes.pick(m, x_bf16, False)] for m in range(1, max(reach) + 1))
                 gemm = RowsCopies(gemm, by_rows)
-            return PreparedCall.of((gemm, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=False)
+            return PreparedCall.of((gemm, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)
         reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
         kernel, codes, scales, offsets = self.block_call(weight)
         return PreparedCall.of((kernel, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)

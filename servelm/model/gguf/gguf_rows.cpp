@@ -56,8 +56,8 @@ std::vector<__m512bh> permute_rows(const uint16_t* x, int64_t rows, int64_t k) {
 bool checked_offsets(const c10::optional<torch::Tensor>& offsets, const torch::Tensor& scales) {
   const bool has_offsets = offsets.has_value() && offsets->defined();
   if (has_offsets) {
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: float32 like scales");
+    TORCH_CHECK(offsets->dtype() == scales.dtype() && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: like scales (dtype and shape)");
   }
   return has_offsets;
 }
@@ -218,7 +218,8 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 //          codes): per tile and input pair p, C vectors of 16 outputs' pairs, 32 bytes each (a byte
 //          a code; the packed forms below: 32 or 40 bytes a pair step), so that the whole copy is
 //          read as one sequential stream
-//   scales [T, K / B, C, 16] float32 (offsets alike)
+//   scales [T, K / B, C, 16] float32, or fp16 where every scale and offset is an fp16 value (Q8_0's,
+//          Q5_0's, Q4_0's: half the scales' bytes, widened exactly; offsets alike)
 // Lanes are outputs: vdpbf16ps(t, w, x) adds w[n, 2p] x[2p] + w[n, 2p + 1] x[2p + 1] to lane n, with
 // the activation pair broadcast from memory (no permutation of x, no horizontal sums). An
 // accumulator block of R rows x C vectors of 16 outputs sums one GGUF block's B / 2 pairs into
@@ -235,26 +236,34 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // or at their bit width (the ``packed`` route's copy, ``pack(..., bits=True)``): per pair step 32 bytes
 // of nibbles (vector 0's u in the low nibble of byte j, vector 1's in the high one; one zero-extension
 // of 32 bytes, an AND and a shift give both vectors' u) and, for five bits, two 32-bit masks of the
-// fifth bit (a masked add of 16): u = code (Q4_1, Q4_K: [0, 15]) or code + 16 (Q5_0, Q4_0: [-16, 15]),
-// widened by the same OR, each block's sum starting at -(128 + the offset) x the block sum. 0.5 or
-// 0.625 bytes a weight: bound by memory at one row, 1.5-1.7x the byte copy's speed there on Zen 4;
+// fifth bit (a masked add of 16): u = code (Q4_1, Q4_K: [0, 15]) or code + 16 (Q5_0, Q4_0: [-16, 15]);
+// for six bits, two more masks of the sixth bit (a masked add of 32): u = code + 32 (Q6_K: [-32, 31]);
+// widened by the same OR, each block's sum starting at -(128 + the offset) x the block sum. 0.5,
+// 0.625 or 0.75 bytes a weight: bound by memory at one row, 1.5-1.7x the byte copy's speed there on Zen 4;
 // the byte copy's fewer instructions win from ~8 rows, and the route table picks per row class.
 // Each row's arithmetic is the same whatever R: a row's result does not depend on the other rows.
 namespace {
 
-enum class Codes { kInt8, kBiased, kNibbles, kFiveBits };
+enum class Codes { kInt8, kBiased, kNibbles, kFiveBits, kSixBits };
 
 // The value a code's bf16 vector holds is code + bias(kCodes): 0x4300 | u = 128 + u, u = code + 64
-// (biased bytes), code (nibbles: codes in [0, 15]) or code + 16 (five bits: codes in [-16, 15])
+// (biased bytes), code (nibbles: codes in [0, 15]), code + 16 (five bits: codes in [-16, 15]) or code + 32
+// (six bits: codes in [-32, 31])
 constexpr float code_bias(Codes codes) {
-  return codes == Codes::kBiased ? 192.f : codes == Codes::kNibbles ? 128.f : codes == Codes::kFiveBits ? 144.f : 0.f;
+  return codes == Codes::kBiased ? 192.f : codes == Codes::kNibbles ? 128.f : codes == Codes::kFiveBits ? 144.f
+         : codes == Codes::kSixBits ? 160.f : 0.f;
+}
+
+constexpr bool is_bit_form(Codes codes) {
+  return codes == Codes::kNibbles || codes == Codes::kFiveBits || codes == Codes::kSixBits;
 }
 
 // Bytes of a pair step (C = 2 vectors of 16 outputs x 2 inputs): a byte a code, or the packed forms'
 // 32 bytes of nibbles (vector 0's u & 15 in the low nibble of byte j, vector 1's in the high one)
-// and, with five bits, two 32-bit masks of u >> 4 (vector 0's, then vector 1's)
+// and, with five bits, two 32-bit masks of bit 4 of u (vector 0's, then vector 1's); with six, two
+// more of bit 5
 constexpr int64_t step_bytes(Codes codes) {
-  return codes == Codes::kNibbles ? 32 : codes == Codes::kFiveBits ? 40 : 64;
+  return codes == Codes::kNibbles ? 32 : codes == Codes::kFiveBits ? 40 : codes == Codes::kSixBits ? 48 : 64;
 }
 
 template <Codes kCodes>
@@ -279,21 +288,38 @@ inline __m512bh broadcast_pair(const uint16_t* x) {
 struct GemmArgs {
   const uint16_t* x;      // [M, K] bf16
   const void* codes;      // packed, see above
-  const float* scales;    // packed
-  const float* offsets;   // packed or nullptr
+  const void* scales;     // packed, float32 or (half_scales) fp16
+  const void* offsets;    // packed like scales, or nullptr
   const float* sums;      // [M, K / B] block sums of x (with offsets or biased codes)
   int64_t k, n, block;
   float* yf;              // [M, N] float32 out, or
   uint16_t* yb;           // bf16 out
   bool stream;            // float32 out written with non-temporal stores (64-byte aligned rows)
+  bool half_scales;       // scales and offsets held as fp16 (every one an fp16 value: widened exactly)
+  const float* bias32;    // [N] added to the results in float32 before any rounding, or nullptr;
+  const uint16_t* bias16; // or a bf16 bias (widened exactly), or nullptr
 };
+
+// The bias of outputs n0 .. n0 + 15 (``mask``: those that exist), zero without one.
+inline __m512 load_bias(const GemmArgs& a, int64_t n0, __mmask16 mask) {
+  if (a.bias32 != nullptr) return _mm512_maskz_loadu_ps(mask, a.bias32 + n0);
+  if (a.bias16 != nullptr)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
+  return _mm512_setzero_ps();
+}
+
+// 16 scales (or offsets) of the packed copy from element ``at``, as float32.
+inline __m512 load_scales(const void* base, int64_t at, bool half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+}
 
 constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams are prefetched
 
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
 template <int R, int C, Codes kCodes, bool kOffsets>
 void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
-  static_assert(C == 2 || kCodes == Codes::kInt8 || kCodes == Codes::kBiased, "the packed forms hold 2 vectors a step");
+  static_assert(C == 2 || !is_bit_form(kCodes), "the packed forms hold 2 vectors a step");
   const int64_t pairs = a.k / 2, nb = a.k / a.block, per_block = a.block / 2;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -308,17 +334,20 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
     }
     for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
       __m512bh w[C];
-      if constexpr (kCodes == Codes::kNibbles || kCodes == Codes::kFiveBits) {
+      if constexpr (is_bit_form(kCodes)) {
         const uint8_t* step = static_cast<const uint8_t*>(a.codes) + (tile * pairs + p) * step_bytes(kCodes);
         _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes), _MM_HINT_T0);
         const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
         __m512i u0 = _mm512_and_si512(both, _mm512_set1_epi16(0x000F)), u1 = _mm512_srli_epi16(both, 4);
-        if constexpr (kCodes == Codes::kFiveBits) {
-          uint32_t m0, m1;
-          std::memcpy(&m0, step + 32, sizeof(m0));
-          std::memcpy(&m1, step + 36, sizeof(m1));
-          u0 = _mm512_mask_add_epi16(u0, m0, u0, _mm512_set1_epi16(16));
-          u1 = _mm512_mask_add_epi16(u1, m1, u1, _mm512_set1_epi16(16));
+        if constexpr (kCodes != Codes::kNibbles) {
+          uint32_t m[4];
+          std::memcpy(m, step + 32, (step_bytes(kCodes) - 32));
+          u0 = _mm512_mask_add_epi16(u0, m[0], u0, _mm512_set1_epi16(16));
+          u1 = _mm512_mask_add_epi16(u1, m[1], u1, _mm512_set1_epi16(16));
+          if constexpr (kCodes == Codes::kSixBits) {
+            u0 = _mm512_mask_add_epi16(u0, m[2], u0, _mm512_set1_epi16(32));
+            u1 = _mm512_mask_add_epi16(u1, m[3], u1, _mm512_set1_epi16(32));
+          }
         }
         w[0] = reinterpret_cast<__m512bh>(_mm512_or_si512(u0, _mm512_set1_epi16(0x4300)));
         w[1] = reinterpret_cast<__m512bh>(_mm512_or_si512(u1, _mm512_set1_epi16(0x4300)));
@@ -335,10 +364,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 s = _mm512_loadu_ps(a.scales + ((tile * nb + b) * C + c) * 16);
+      const __m512 s = load_scales(a.scales, ((tile * nb + b) * C + c) * 16, a.half_scales);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(t[r][c], s, acc[r][c]);
       if constexpr (kOffsets) {
-        const __m512 o = _mm512_loadu_ps(a.offsets + ((tile * nb + b) * C + c) * 16);
+        const __m512 o = load_scales(a.offsets, ((tile * nb + b) * C + c) * 16, a.half_scales);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), acc[r][c]);
       }
@@ -349,6 +378,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
     if (n0 >= a.n) break;
     const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
+      const __m512 bias = load_bias(a, n0, mask);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * a.n + n0;
       if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
@@ -412,39 +445,50 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
 
 }  // namespace
 
-// Python: rows_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1): x [M, K] bfloat16; codes,
-// scales, offsets packed as above (``pack``); n outputs (-1: every packed one, padding included; the
-// argument order of rows_linear, so that either is a layer's prepared decode call). Returns [M, n]
-// float32 (bfloat16 when bf16_out).
+// Python: rows_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, bias=None): x [M, K] bfloat16;
+// codes, scales, offsets packed as above (``pack``); n outputs (-1: every packed one, padding included);
+// bias [N] float32 or bfloat16, added in float32 before the rounding (as torch's ``out + bias`` then
+// ``.to(bfloat16)``). Returns [M, n] float32 (bfloat16 when bf16_out). ``rows_call``: the same in a
+// prepared decode call's argument order (gguf_linear.py ``PreparedCall``: no n, the bias last).
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n) {
+                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
+                        c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [M, K]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
   if (n < 0) n = codes.dim() >= 3 ? codes.size(0) * kGemmCols * 16 : 0;
-  // the form: int8 or biased uint8 [tiles, K / 2, 2, 16, 2], or packed uint8 [tiles, K / 2, 32 or 40]
+  // the form: int8 or biased uint8 [tiles, K / 2, 2, 16, 2], or packed uint8 [tiles, K / 2, 32, 40 or 48]
   const bool packed = codes.dim() == 3 && codes.dtype() == torch::kUInt8;
-  const Codes form = packed ? (codes.size(2) == 32 ? Codes::kNibbles : Codes::kFiveBits)
+  const Codes form = packed ? (codes.size(2) == 32 ? Codes::kNibbles : codes.size(2) == 40 ? Codes::kFiveBits
+                                                                                          : Codes::kSixBits)
                             : codes.dtype() == torch::kUInt8 ? Codes::kBiased : Codes::kInt8;
   TORCH_CHECK(codes.is_contiguous() && codes.size(0) * kGemmCols * 16 >= n && codes.dim() >= 3 && codes.size(1) == k / 2
-              && (packed ? codes.size(2) == 32 || codes.size(2) == 40
+              && (packed ? codes.size(2) == 32 || codes.size(2) == 40 || codes.size(2) == 48
                          : (codes.dtype() == torch::kUInt8 || codes.dtype() == torch::kInt8) && codes.dim() == 5
                            && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2),
               "codes: packed int8 or biased uint8 [tiles, K / 2, ", kGemmCols, ", 16, 2], or uint8 nibbles "
-              "[tiles, K / 2, 32 or 40]");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              "[tiles, K / 2, 32, 40 or 48]");
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous()
+              && scales.dim() == 4
               && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
-              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kGemmCols, ", 16]");
+              && scales.size(3) == 16, "scales: packed float32 or float16 [tiles, K / block, ", kGemmCols, ", 16]");
   const bool has_offsets = checked_offsets(offsets, scales);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || ((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                            && bias->is_contiguous() && bias->size(0) >= n),
+              "bias: contiguous float32 or bfloat16 [N]");
   auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const std::vector<float> sums = has_offsets || form != Codes::kInt8 ? block_sums(xp, rows, k, block)
                                                                       : std::vector<float>();
-  GemmArgs a{xp, codes.data_ptr(), scales.data_ptr<float>(), has_offsets ? offsets->data_ptr<float>() : nullptr,
+  GemmArgs a{xp, codes.data_ptr(), scales.data_ptr(), has_offsets ? offsets->data_ptr() : nullptr,
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
-             bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false};
+             bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false,
+             scales.dtype() == torch::kFloat16,
+             has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
+             has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
   // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches: written
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
@@ -453,6 +497,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
     case Codes::kBiased: run_form<Codes::kBiased>(a, rows, has_offsets); break;
     case Codes::kNibbles: run_form<Codes::kNibbles>(a, rows, has_offsets); break;
     case Codes::kFiveBits: run_form<Codes::kFiveBits>(a, rows, has_offsets); break;
+    case Codes::kSixBits: run_form<Codes::kSixBits>(a, rows, has_offsets); break;
     default: run_form<Codes::kInt8>(a, rows, has_offsets);
   }
   return out;
@@ -468,6 +513,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] bfloat16 @ block-quantized W packed in VNNI order -> [M, n] float32 (bfloat16 when "
         "bf16_out): an accumulator block of rows x 32 outputs, scales per block in float32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
-        py::arg("bf16_out") = false, py::arg("n") = -1);
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none());
+  m.def("rows_call",
+        [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+           int64_t block, bool bf16_out, c10::optional<torch::Tensor> bias) {
+          return rows_gemm(x, codes, scales, offsets, block, bf16_out, -1, bias);
+        },
+        "rows_gemm over every packed output in a prepared decode call's argument order (x, codes, scales, "
+        "offsets, block, bf16_out[, bias])",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
+        py::arg("bf16_out") = false, py::arg("bias") = py::none());
   m.attr("GEMM_COLS") = kGemmCols;
 }

@@ -3,10 +3,12 @@
 ``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
 CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
 fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
-``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n)``, the
+``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n, bias)``
+(and ``rows_call``, the same in a prepared decode call's argument order), the
 GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
 width in vectors of 16 outputs; Q4-Q6 codes biased to uint8, which widen to bf16 in two instructions
-instead of five; the ``packed`` route's copy at 4 or 5 bits, ``pack(..., bits=True)``), and
+instead of five; the ``packed`` route's copy at 4, 5 or 6 bits, ``pack(..., bits=True)``; scales in fp16 where
+they are fp16 values), and
 ``rows_linear(x_bf16, codes, scales, offsets, block,
 bf16_out)``, the earlier kernel on the BlockWeight's own codes.
 """
@@ -30,34 +32,41 @@ NIBBLE_CODES = (0, 15)
 """Codes in this range (Q4_K, Q4_1) are packed two to a byte (``pack(..., bits=True)``)."""
 FIVE_BIT_CODES = (-16, 15)
 """Codes in this range (Q5_0, Q4_0) are packed as nibbles of code + 16 and a bit plane of its fifth bit."""
+SIX_BIT_CODES = (-32, 31)
+"""Codes in this range (Q6_K) are packed as nibbles of code + 32 and bit planes of its fifth and sixth bits."""
+BIT_FORMS = ((NIBBLE_CODES, 4), (FIVE_BIT_CODES, 5), (SIX_BIT_CODES, 6))
+"""The ``packed`` route's forms, narrowest first: the codes' range and the bits a code takes."""
 
 
-def _packed_step(tiled: torch.Tensor, offset: int, five: bool) -> torch.Tensor:
-    """Tiled codes [tiles, K / 2, 2, 16, 2] -> uint8 [tiles, K / 2, 32 (+ 8 with ``five``)]: u = code +
+def _packed_step(tiled: torch.Tensor, offset: int, width: int) -> torch.Tensor:
+    """Tiled codes [tiles, K / 2, 2, 16, 2] -> uint8 [tiles, K / 2, 32 + 8 (width - 4)]: u = code +
     ``offset``; byte j of a step holds vector 0's u & 15 (element j) in its low nibble and vector
-    1's in its high one; with ``five``, then vector 0's and vector 1's u >> 4 as 32-bit masks."""
+    1's in its high one; then per bit above the fourth (``width`` 5 or 6), vector 0's and vector 1's
+    bit of u as 32-bit masks."""
     tiles, steps = tiled.shape[:2]
     u = (tiled.to(torch.int16) + offset).view(tiles, steps, 2, 32)
     nibbles = ((u[:, :, 0] & 15) | ((u[:, :, 1] & 15) << 4)).to(torch.uint8)
-    if not five:
-        return nibbles.contiguous()
-    bits = ((u >> 4) & 1).view(tiles, steps, 2, 4, 8)
-    masks = (bits << torch.arange(8, dtype=torch.int16)).sum(-1).to(torch.uint8).view(tiles, steps, 8)
-    return torch.cat([nibbles, masks], dim=2).contiguous()
+    planes = [nibbles]
+    for bit in range(4, width):
+        bits = ((u >> bit) & 1).view(tiles, steps, 2, 4, 8)
+        planes.append((bits << torch.arange(8, dtype=torch.int16)).sum(-1).to(torch.uint8).view(tiles, steps, 8))
+    return torch.cat(planes, dim=2).contiguous()
 
 
-PACKED_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0"})
-"""GGUF types whose codes fit ``NIBBLE_CODES`` or ``FIVE_BIT_CODES``: the ``packed`` route's copy."""
+PACKED_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"})
+"""GGUF types whose codes fit one of ``BIT_FORMS``: the ``packed`` route's copy."""
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int = 2,
          bits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A BlockWeight's codes [N, K] and scales/offsets [N, K / B] in ``rows_gemm``'s order: tiles of
     ``cols`` x 16 outputs (the kernel's ``GEMM_COLS``), N padded with zero codes and scales to whole
-    tiles; scales and offsets [tiles, K / B, cols, 16] (``tile_outputs``); codes a byte each, uint8
+    tiles; scales and offsets [tiles, K / B, cols, 16] (``tile_outputs``), in fp16 where every one of
+    them is an fp16 value (``fp16_exact``), else float32; codes a byte each, uint8
     code + 64 [tiles, K / 2, cols, 16, 2] where every code is in ``BIASED_CODES``, else int8; with
-    ``bits`` (the ``packed`` route's copy, ``cols`` 2) at their bit width: nibbles [tiles, K / 2, 32]
-    (``NIBBLE_CODES``) or five bits [tiles, K / 2, 40] (``FIVE_BIT_CODES``)."""
+    ``bits`` (the ``packed`` route's copy, ``cols`` 2) at the narrowest of ``BIT_FORMS`` they fit:
+    nibbles [tiles, K / 2, 32] (``NIBBLE_CODES``), five bits [tiles, K / 2, 40] (``FIVE_BIT_CODES``)
+    or six [tiles, K / 2, 48] (``SIX_BIT_CODES``)."""
     packed, tiled_scales, tiled_offsets = tile_outputs(codes, scales, offsets, cols, group=2)
     low, high = (int(v) for v in torch.aminmax(codes)) if codes.numel() else (0, 0)
 
@@ -65,12 +74,21 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
         return bounds[0] <= low and high <= bounds[1]
 
     if bits:
-        assert cols == 2 and (within(FIVE_BIT_CODES) or within(NIBBLE_CODES)), "codes wider than five bits"
-        offset = -NIBBLE_CODES[0] if within(NIBBLE_CODES) else -FIVE_BIT_CODES[0]
-        packed = _packed_step(packed, offset, five=not within(NIBBLE_CODES))
+        form = next(((bounds, width) for bounds, width in BIT_FORMS if within(bounds)), None)
+        assert cols == 2 and form is not None, "codes wider than six bits"
+        packed = _packed_step(packed, -form[0][0], form[1])
     elif within(BIASED_CODES):
         packed = (packed.to(torch.int16) - BIASED_CODES[0]).to(torch.uint8)
+    if all(part is None or fp16_exact(part) for part in (tiled_scales, tiled_offsets)):
+        tiled_scales = tiled_scales.half()
+        tiled_offsets = tiled_offsets.half() if tiled_offsets is not None else None
     return packed, tiled_scales, tiled_offsets
+
+
+def fp16_exact(values: torch.Tensor) -> bool:
+    """Whether every float32 value is an fp16 value (a GGUF type's fp16 d, m: Q8_0, Q4_0, Q5_0, Q4_1),
+    so that a copy in fp16 widens back to the same floats."""
+    return bool(torch.equal(values.half().float(), values))
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -82,9 +100,10 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     tiles, steps, width = packed.shape
     nibbles = packed[:, :, :32].to(torch.int16)
     u = torch.stack([nibbles & 15, nibbles >> 4], dim=2)   # [tiles, steps, 2, 32]
-    low = NIBBLE_CODES[0]
-    if width == 40:
-        bits = (packed[:, :, 32:].to(torch.int16).view(tiles, steps, 2, 4, 1) >> torch.arange(8, dtype=torch.int16)) & 1
-        u = u + 16 * bits.reshape(tiles, steps, 2, 32)
-        low = FIVE_BIT_CODES[0]
+    bounds, _ = next(form for form in BIT_FORMS if 32 + 8 * (form[1] - 4) == width)
+    for plane in range((width - 32) // 8):   # the fifth, then the sixth bit
+        masks = packed[:, :, 32 + 8 * plane:40 + 8 * plane].to(torch.int16).view(tiles, steps, 2, 4, 1)
+        bits = (masks >> torch.arange(8, dtype=torch.int16)) & 1
+        u = u + (16 << plane) * bits.reshape(tiles, steps, 2, 32)
+    low = bounds[0]
     return (u + low).to(torch.int8).view(tiles, steps, 2, 16, 2)

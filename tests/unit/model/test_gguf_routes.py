@@ -54,11 +54,15 @@ class TorchBlockKernel:
 class TorchRowsKernel:
     GEMM_COLS = 2
 
-    def rows_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1):
+    def rows_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1, bias=None):
         assert x.dtype == torch.bfloat16
         codes = gguf_rows.unpack_codes(codes)   # any of gguf_rows.pack's forms
         n = n if n >= 0 else codes.shape[0] * codes.shape[2] * codes.shape[3]
-        return _finish(x.float() @ _unpack(codes, scales, offsets, n).dequantize().T, bf16_out)
+        offsets = offsets.float() if offsets is not None else None   # fp16 copies widen exactly
+        return _finish(x.float() @ _unpack(codes, scales.float(), offsets, n).dequantize().T, bf16_out, bias)
+
+    def rows_call(self, x, codes, scales, offsets, block, bf16_out=False, bias=None):
+        return self.rows_gemm(x, codes, scales, offsets, block, bf16_out, -1, bias)
 
 
 class TorchI8Kernel:
@@ -161,7 +165,8 @@ def test_the_copies_kept_are_those_the_routes_use() -> None:
     assert layer.gguf_dense is None and layer.gguf_i8 is None and layer.gguf_packed is not None
     # the prepared decode call reaches as far as its route does
     call = layer.gguf_decode_args
-    assert call[0] == method.rows_kernel.rows_gemm and call.generation_rows == call.prompt_rows == 512
+    assert call[0] == method.rows_kernel.rows_call and call.generation_rows == call.prompt_rows == 512
+    assert call.takes_bias
 
 
 def test_the_forward_batch_carries_the_generation_rows() -> None:
@@ -269,7 +274,7 @@ def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
     weight = block_weight(64, 128, True)
     method.process(layer, weight)
     call = layer.gguf_decode_args
-    assert call.generation_rows == call.prompt_rows == 8 and call.takes_bias == (first is Route.BLOCK)
+    assert call.generation_rows == call.prompt_rows == 8 and call.takes_bias   # the block and rows kernels take one
     x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     for rows in (1, 8):
         routed = method.run_route(first, layer, x[:rows], None, False)

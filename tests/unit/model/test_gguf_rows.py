@@ -100,10 +100,11 @@ def packed(weight: BlockWeight, rows_kernel, form: str = "int8"):
 
 
 CODE_FORMS = {"int8": (torch.int8, 5, 0.0), "biased": (torch.uint8, 5, 192.0), "nibbles": (torch.uint8, 3, 128.0),
-              "five_bits": (torch.uint8, 3, 144.0)}
+              "five_bits": (torch.uint8, 3, 144.0), "six_bits": (torch.uint8, 3, 160.0)}
 """The packed codes' forms (gguf_rows.pack): dtype, dimensions and the bias their summation carries."""
-FORM_RANGES = {"biased": gguf_rows.BIASED_CODES, "nibbles": gguf_rows.NIBBLE_CODES, "five_bits": gguf_rows.FIVE_BIT_CODES}
-BIT_FORMS = {"nibbles": "Q4_1", "five_bits": "Q5_0"}
+FORM_RANGES = {"biased": gguf_rows.BIASED_CODES, "nibbles": gguf_rows.NIBBLE_CODES, "five_bits": gguf_rows.FIVE_BIT_CODES,
+               "six_bits": gguf_rows.SIX_BIT_CODES}
+BIT_FORMS = {"nibbles": "Q4_1", "five_bits": "Q5_0", "six_bits": "Q6_K"}
 """The ``packed`` route's forms (``pack(..., bits=True)``), with a GGUF type whose codes they hold."""
 
 
@@ -119,16 +120,28 @@ def in_form(weight: BlockWeight, form: str) -> BlockWeight:
     return BlockWeight(codes, weight.scales, weight.offsets, weight.block, BIT_FORMS.get(form, "test"))
 
 
+def fp16_scaled(weight: BlockWeight) -> BlockWeight:
+    """``weight`` with every scale and offset rounded to an fp16 value (as Q8_0's, Q5_0's, Q4_1's are)."""
+    offsets = weight.offsets.half().float() if weight.offsets is not None else None
+    return BlockWeight(weight.codes, weight.scales.half().float(), offsets, weight.block, weight.kind)
+
+
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("offsets", [False, True])
 @pytest.mark.parametrize("form", list(CODE_FORMS))
+@pytest.mark.parametrize("fp16", [False, True])
 def test_rows_gemm_matches_the_float64_reference_for_every_m(rows_kernel, block: int, offsets: bool,
-                                                            form: str) -> None:
+                                                            form: str, fp16: bool) -> None:
+    """Every form of codes, with float32 scales, or fp16 ones where every scale is an fp16 value."""
     weight = block_weight(37, 192, block, offsets, seed=block + offsets)   # N = 37: a padded last tile
     weight = in_form(weight, form)
+    if fp16:
+        weight = fp16_scaled(weight)
     codes, scales, offs = packed(weight, rows_kernel, form)
     dtype, dims, bias = CODE_FORMS[form]
     assert codes.dtype == dtype and codes.dim() == dims
+    assert scales.dtype == (torch.float16 if fp16 else torch.float32)
+    assert offs is None or offs.dtype == scales.dtype
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
     for m in range(1, 71):
         out = rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 37)
@@ -189,14 +202,16 @@ def test_bf16_layers_and_head_take_the_rows_kernel_in_its_row_range(rows_kernel,
         x = torch.randn(first, 256)
         assert torch.equal(method.apply(module, x, None),
                            kernel.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, 32))
-    # a layer's prepared decode call is the GEMM, up to the layers' last row
-    assert layer.gguf_decode_args[0] is rows_kernel.rows_gemm
+    # a layer's prepared decode call is the GEMM (in the prepared call's argument order), up to the layers' last row
+    assert layer.gguf_decode_args[0] is rows_kernel.rows_call
     assert decode_rows(layer.gguf_decode_args) == ROWS_KERNEL_ROWS["layers"][1]
     # a bias goes on top of the GEMM's float32 result
     bias = torch.randn(64).bfloat16()
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert torch.equal(method.apply(layer, x, bias),
                        (rows_kernel.rows_gemm(x, codes, scales, offsets, 32, False, 64) + bias).bfloat16())
+    assert torch.equal(method.apply(layer, x[:1], bias),   # one row: the prepared call with the bias
+                       (rows_kernel.rows_gemm(x[:1], codes, scales, offsets, 32, False, 64) + bias).bfloat16())
 
 
 def test_without_the_rows_kernel_the_decode_call_is_the_vnni_kernel() -> None:
@@ -272,3 +287,23 @@ def test_one_prepared_call_takes_both_copies_by_row_count(rows_kernel) -> None:
         assert torch.equal(out, method.apply(layer, x, None)), m
         copy = layer.gguf_bits if m <= 4 else layer.gguf_packed
         assert torch.equal(out, rows_kernel.rows_gemm(x, *copy, 32, True, 64)), m
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["biased", "six_bits"])
+def test_rows_gemm_adds_a_bias_before_the_rounding(rows_kernel, bias_dtype: torch.dtype, form: str) -> None:
+    """A bias is added in float32 before any bf16 rounding: exactly torch's ``out + bias`` then ``.to``
+    (what the module path computed around the kernel); ``rows_call`` is the same call in a prepared
+    decode call's argument order."""
+    weight = in_form(block_weight(64, 192, 16, False, seed=13), form)
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    x = torch.randn(11, 192, generator=torch.Generator().manual_seed(6)).bfloat16()
+    bias = (torch.randn(64, generator=torch.Generator().manual_seed(7)) * 4).to(bias_dtype)
+    for m in (1, 2, 9, 11):
+        rows = x[:m].contiguous()
+        plain = rows_kernel.rows_gemm(rows, codes, scales, offs, 16, False, 64)
+        expected = plain + bias
+        assert torch.equal(rows_kernel.rows_gemm(rows, codes, scales, offs, 16, False, 64, bias), expected), m
+        assert torch.equal(rows_kernel.rows_gemm(rows, codes, scales, offs, 16, True, 64, bias), expected.bfloat16()), m
+        assert torch.equal(rows_kernel.rows_call(rows, codes, scales, offs, 16, True, bias), expected.bfloat16()), m
+        assert torch.equal(rows_kernel.rows_call(rows, codes, scales, offs, 16, True), plain.bfloat16()), m
