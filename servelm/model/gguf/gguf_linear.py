@@ -241,11 +241,11 @@ class GGUFBlockLinearMethod:
 
     def rows_copy(self, weight: BlockWeight, held: bool, bits: bool = False) -> tuple[torch.Tensor, ...] | None:
         """The rows kernel's copy of ``weight`` where ``held``: a byte a code (the ``rows`` route), or
-        at their bit width (``bits``: the ``packed`` route)."""
+        at their bit width (``bits``: the ``packed`` route; a K-quant's scales as its sub-scales)."""
         if not held:
             return None
         return pack(weight.codes, weight.scales, weight.offsets, self.rows_kernel.GEMM_COLS,  # type: ignore[attr-defined]
-                    bits=bits)
+                    bits=bits, factors=(weight.scale_factors, weight.offset_factors))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               rows: PassRows | None = None) -> torch.Tensor:

@@ -219,7 +219,9 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 //          a code; the packed forms below: 32 or 40 bytes a pair step), so that the whole copy is
 //          read as one sequential stream
 //   scales [T, K / B, C, 16] float32, or fp16 where every scale and offset is an fp16 value (Q8_0's,
-//          Q5_0's, Q4_0's: half the scales' bytes, widened exactly; offsets alike)
+//          Q5_0's, Q4_0's: half the scales' bytes, widened exactly), or (the K-quants' in the packed
+//          route's copy) int8 sub-scales [T, K / B, C, 16] then float32 multipliers [T, K / 256, C, 16]
+//          in one int8 tensor [T, K / B + 4 K / 256, C, 16] (``block_scales``); offsets alike
 // Lanes are outputs: vdpbf16ps(t, w, x) adds w[n, 2p] x[2p] + w[n, 2p + 1] x[2p + 1] to lane n, with
 // the activation pair broadcast from memory (no permutation of x, no horizontal sums). An
 // accumulator block of R rows x C vectors of 16 outputs sums one GGUF block's B / 2 pairs into
@@ -295,7 +297,7 @@ struct GemmArgs {
   float* yf;              // [M, N] float32 out, or
   uint16_t* yb;           // bf16 out
   bool stream;            // float32 out written with non-temporal stores (64-byte aligned rows)
-  bool half_scales;       // scales and offsets held as fp16 (every one an fp16 value: widened exactly)
+  int scale_form;         // kF32Scales, kF16Scales or kSubScales: how scales and offsets are held
   const float* bias32;    // [N] added to the results in float32 before any rounding, or nullptr;
   const uint16_t* bias16; // or a bf16 bias (widened exactly), or nullptr
 };
@@ -308,9 +310,25 @@ inline __m512 load_bias(const GemmArgs& a, int64_t n0, __mmask16 mask) {
   return _mm512_setzero_ps();
 }
 
-// 16 scales (or offsets) of the packed copy from element ``at``, as float32.
-inline __m512 load_scales(const void* base, int64_t at, bool half) {
-  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+constexpr int kF32Scales = 0, kF16Scales = 1, kSubScales = 2;
+
+// The 16 scales (or offsets) of block b of vector c of ``tile`` (C vectors a tile, nb blocks a row), as
+// float32: held as float32, as fp16 (every one an fp16 value: widened exactly), or (kSubScales, the
+// K-quants') as int8 sub-scales times a float32 multiplier per 256 inputs, a tile's [nb, C, 16] bytes
+// of sub-scales then its [K / 256, C, 16] floats of multipliers: the same float32 product
+// (sub x multiplier, exact) that the BlockWeight's scales are.
+inline __m512 block_scales(const GemmArgs& a, const void* base, int64_t tile, int64_t b, int c, int C, int64_t nb) {
+  if (a.scale_form == kSubScales) {
+    const int64_t supers = a.k / 256;
+    const int8_t* held = static_cast<const int8_t*>(base) + tile * (nb + 4 * supers) * C * 16;
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(held + (b * C + c) * 16))));
+    const float* multipliers = reinterpret_cast<const float*>(held + nb * C * 16);
+    return _mm512_mul_ps(sub, _mm512_loadu_ps(multipliers + ((b * a.block / 256) * C + c) * 16));
+  }
+  const int64_t at = ((tile * nb + b) * C + c) * 16;
+  if (a.scale_form == kF16Scales)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
   return _mm512_loadu_ps(static_cast<const float*>(base) + at);
 }
 
@@ -364,10 +382,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 s = load_scales(a.scales, ((tile * nb + b) * C + c) * 16, a.half_scales);
+      const __m512 s = block_scales(a, a.scales, tile, b, c, C, nb);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(t[r][c], s, acc[r][c]);
       if constexpr (kOffsets) {
-        const __m512 o = load_scales(a.offsets, ((tile * nb + b) * C + c) * 16, a.half_scales);
+        const __m512 o = block_scales(a, a.offsets, tile, b, c, C, nb);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), acc[r][c]);
       }
@@ -469,10 +487,13 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
                            && codes.size(2) == kGemmCols && codes.size(3) == 16 && codes.size(4) == 2),
               "codes: packed int8 or biased uint8 [tiles, K / 2, ", kGemmCols, ", 16, 2], or uint8 nibbles "
               "[tiles, K / 2, 32, 40 or 48]");
-  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16) && scales.is_contiguous()
-              && scales.dim() == 4
-              && scales.size(0) == codes.size(0) && scales.size(1) == k / block && scales.size(2) == kGemmCols
-              && scales.size(3) == 16, "scales: packed float32 or float16 [tiles, K / block, ", kGemmCols, ", 16]");
+  const bool sub_scaled = scales.dtype() == torch::kInt8;
+  TORCH_CHECK((scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16 || sub_scaled)
+              && scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == codes.size(0)
+              && scales.size(1) == k / block + (sub_scaled ? 4 * (k / 256) : 0) && scales.size(2) == kGemmCols
+              && scales.size(3) == 16 && (!sub_scaled || k % 256 == 0),
+              "scales: packed float32 or float16 [tiles, K / block, ", kGemmCols, ", 16], or int8 sub-scales and "
+              "their multipliers [tiles, K / block + 4 K / 256, ", kGemmCols, ", 16] (K a multiple of 256)");
   const bool has_offsets = checked_offsets(offsets, scales);
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || ((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
@@ -486,7 +507,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   GemmArgs a{xp, codes.data_ptr(), scales.data_ptr(), has_offsets ? offsets->data_ptr() : nullptr,
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false,
-             scales.dtype() == torch::kFloat16,
+             sub_scaled ? kSubScales : scales.dtype() == torch::kFloat16 ? kF16Scales : kF32Scales,
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
              has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
   // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches: written

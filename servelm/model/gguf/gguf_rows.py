@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.gguf.gguf_blocks import tile_outputs
+from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, SubScaled, tile_outputs
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
@@ -58,7 +58,8 @@ PACKED_KINDS = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"})
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, cols: int = 2,
-         bits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+         bits: bool = False, factors: tuple[SubScaled | None, SubScaled | None] = (None, None),
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A BlockWeight's codes [N, K] and scales/offsets [N, K / B] in ``rows_gemm``'s order: tiles of
     ``cols`` x 16 outputs (the kernel's ``GEMM_COLS``), N padded with zero codes and scales to whole
     tiles; scales and offsets [tiles, K / B, cols, 16] (``tile_outputs``), in fp16 where every one of
@@ -66,7 +67,10 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     code + 64 [tiles, K / 2, cols, 16, 2] where every code is in ``BIASED_CODES``, else int8; with
     ``bits`` (the ``packed`` route's copy, ``cols`` 2) at the narrowest of ``BIT_FORMS`` they fit:
     nibbles [tiles, K / 2, 32] (``NIBBLE_CODES``), five bits [tiles, K / 2, 40] (``FIVE_BIT_CODES``)
-    or six [tiles, K / 2, 48] (``SIX_BIT_CODES``)."""
+    or six [tiles, K / 2, 48] (``SIX_BIT_CODES``); and with ``factors`` (a K-quant's scale and offset
+    factors, ``BlockWeight.scale_factors``/``offset_factors``) that give the scales and offsets bit
+    for bit, its scales and offsets as their int8 sub-scales and float32 multipliers
+    (``sub_scaled``: ~0.1 instead of 0.25 bytes a weight, where bytes are what a row costs)."""
     packed, tiled_scales, tiled_offsets = tile_outputs(codes, scales, offsets, cols, group=2)
     low, high = (int(v) for v in torch.aminmax(codes)) if codes.numel() else (0, 0)
 
@@ -79,10 +83,39 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
         packed = _packed_step(packed, -form[0][0], form[1])
     elif within(BIASED_CODES):
         packed = (packed.to(torch.int16) - BIASED_CODES[0]).to(torch.uint8)
-    if all(part is None or fp16_exact(part) for part in (tiled_scales, tiled_offsets)):
+    scale_factors, offset_factors = factors
+    if (bits and scale_factors is not None and codes.shape[1] % SUPER_INPUTS == 0
+            and exact_factors(scale_factors, scales) and (offsets is None or exact_factors(offset_factors, offsets))):
+        rows = tiled_scales.shape[0] * cols * 16
+        tiled_scales = sub_scaled(scale_factors, rows, cols)
+        tiled_offsets = sub_scaled(offset_factors, rows, cols) if offsets is not None else None
+    elif all(part is None or fp16_exact(part) for part in (tiled_scales, tiled_offsets)):
         tiled_scales = tiled_scales.half()
         tiled_offsets = tiled_offsets.half() if tiled_offsets is not None else None
     return packed, tiled_scales, tiled_offsets
+
+
+def exact_factors(factors: SubScaled | None, values: torch.Tensor) -> bool:
+    """Whether ``factors`` give ``values`` [N, K / B] bit for bit, at the same block size."""
+    if factors is None or factors.sub.shape != values.shape:
+        return False
+    product = factors.values()
+    return bool(torch.equal(product.view(torch.int32), values.contiguous().view(torch.int32)))
+
+
+def sub_scaled(factors: SubScaled | None, rows: int, cols: int) -> torch.Tensor:
+    """``factors`` in the rows kernel's tile order, N padded to ``rows`` with zeros: int8 [tiles,
+    K / B + 4 K / 256, cols, 16], each tile's sub-scales [K / B, cols, 16] then the bytes of its float32
+    multipliers [K / 256, cols, 16] (gguf_rows.cpp ``block_scales``)."""
+    assert factors is not None
+    tiles = rows // (cols * 16)
+
+    def tiled(values: torch.Tensor) -> torch.Tensor:   # [N, J] -> [tiles, J, cols, 16], zero padded
+        padded = torch.cat([values, values.new_zeros(rows - values.shape[0], values.shape[1])])
+        return padded.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
+
+    multipliers = tiled(factors.multipliers.float()).view(torch.int8).view(tiles, -1, cols, 16)
+    return torch.cat([tiled(factors.sub.to(torch.int8)), multipliers], dim=1).contiguous()
 
 
 def fp16_exact(values: torch.Tensor) -> bool:
