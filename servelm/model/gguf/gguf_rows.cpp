@@ -290,7 +290,7 @@ inline __m512bh broadcast_pair(const uint16_t* x) {
 struct GemmArgs {
   const uint16_t* x;      // [M, K] bf16
   const void* codes;      // packed, see above
-  const void* scales;     // packed, float32 or (half_scales) fp16
+  const void* scales;     // packed: float32, fp16 or sub-scaled (scale_form)
   const void* offsets;    // packed like scales, or nullptr
   const float* sums;      // [M, K / B] block sums of x (with offsets or biased codes)
   int64_t k, n, block;
@@ -298,6 +298,7 @@ struct GemmArgs {
   uint16_t* yb;           // bf16 out
   bool stream;            // float32 out written with non-temporal stores (64-byte aligned rows)
   int scale_form;         // kF32Scales, kF16Scales or kSubScales: how scales and offsets are held
+  bool once;              // every row in one group: the codes are read once (non-temporal prefetches)
   const float* bias32;    // [N] added to the results in float32 before any rounding, or nullptr;
   const uint16_t* bias16; // or a bf16 bias (widened exactly), or nullptr
 };
@@ -334,6 +335,16 @@ inline __m512 block_scales(const GemmArgs& a, const void* base, int64_t tile, in
 
 constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams are prefetched
 
+// The codes ahead: where the call reads them once (a few rows: one group), as non-temporal lines, so
+// that the stream (the whole weight, each decode step) does not evict what the step's other work
+// keeps in the caches (its activations, the next calls' code and data): 5-16% faster one-row steps in
+// 8 of 10 alternated runs (AMD Zen 4 VM, Gemma 3 270M and Qwen2.5-Coder 0.5B); where several row
+// groups pass over a panel of tiles, kept in the caches for the next group.
+inline void prefetch_codes(const GemmArgs& a, const char* line) {
+  if (a.once) _mm_prefetch(line, _MM_HINT_NTA);
+  else _mm_prefetch(line, _MM_HINT_T0);
+}
+
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
 template <int R, int C, Codes kCodes, bool kOffsets>
 void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
@@ -354,7 +365,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       __m512bh w[C];
       if constexpr (is_bit_form(kCodes)) {
         const uint8_t* step = static_cast<const uint8_t*>(a.codes) + (tile * pairs + p) * step_bytes(kCodes);
-        _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes), _MM_HINT_T0);
+        prefetch_codes(a, reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes));
         const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
         __m512i u0 = _mm512_and_si512(both, _mm512_set1_epi16(0x000F)), u1 = _mm512_srli_epi16(both, 4);
         if constexpr (kCodes != Codes::kNibbles) {
@@ -372,7 +383,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       } else {
         for (int c = 0; c < C; ++c) {
           const int64_t index = (tile * pairs + p) * C + c;
-          _mm_prefetch(static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32, _MM_HINT_T0);
+          prefetch_codes(a, static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32);
           w[c] = load_pair_vector<kCodes>(a.codes, index);
         }
       }
@@ -508,6 +519,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false,
              sub_scaled ? kSubScales : scales.dtype() == torch::kFloat16 ? kF16Scales : kF32Scales,
+             rows <= kGemmRows,   // one row group (run_gemm): each code read once
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
              has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
   // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches: written
