@@ -184,20 +184,29 @@ class SubScaled:
         return SubScaled(torch.cat([part.sub for part in parts]), torch.cat([part.multipliers for part in parts]))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Float32 tensors equal bit for bit (signed zeros and NaN payloads too)."""
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def factors_give(factors: SubScaled | None, values: torch.Tensor) -> bool:
+    """Whether ``factors`` give ``values`` (float32 [N, K // block]) bit for bit."""
+    return factors is not None and same_bits(factors.values(), values)
+
+
+def fp16_exact(values: torch.Tensor) -> bool:
+    """Whether every float32 value is an fp16 value (a GGUF type's fp16 d, m: Q8_0, Q4_0, Q5_0, Q4_1),
+    so that a copy in fp16 widens back to the same floats."""
+    return same_bits(values.half().float(), values)
 
 
 def compact_values(values: torch.Tensor, factors: SubScaled | None) -> torch.Tensor:
     """``values`` (float32 scales or offsets [N, K // block]) in the fewest bytes the AVX2 block kernel
     widens back to exactly these floats: ``factors``' int8 layout, else fp16, else ``values`` itself."""
-    if factors is not None and _same_bits(factors.values(), values):
+    if factors_give(factors, values):
+        assert factors is not None
         return factors.kernel_layout()
-    half = values.half()
-    if _same_bits(half.float(), values):
-        return half
-    return values
+    return values.half() if fp16_exact(values) else values
 
 
 @dataclass
@@ -346,15 +355,20 @@ def tile_outputs(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     pad = tiles * width - n
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, k)])
-        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-        if offsets is not None:
-            offsets = torch.cat([offsets, offsets.new_zeros(pad, offsets.shape[1])])
     packed = codes.view(tiles, cols, 16, k // group, group).permute(0, 3, 1, 2, 4).contiguous()
+    return packed, tile_blocks(scales, cols), None if offsets is None else tile_blocks(offsets, cols)
 
-    def blocks(values: torch.Tensor) -> torch.Tensor:
-        return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
 
-    return packed, blocks(scales), None if offsets is None else blocks(offsets)
+def tile_blocks(values: torch.Tensor, cols: int) -> torch.Tensor:
+    """Per-row values [N, J] (scales, offsets, sub-scales: any dtype) in the tile order of
+    ``tile_outputs``: [tiles, J, cols, 16], N padded with zeros to whole tiles of ``cols`` x 16 rows;
+    contiguous."""
+    width = 16 * cols
+    tiles = -(-values.shape[0] // width)
+    pad = tiles * width - values.shape[0]
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad, values.shape[1])])
+    return values.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
 
 
 def concat_rows(parts: list[BlockWeight]) -> BlockWeight:

@@ -285,16 +285,15 @@ class GGUFBlockLinearMethod:
     def run_route(self, route: Route, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
              float_out: bool) -> torch.Tensor:
         """Rows [M, K] on ``route``: bf16 rows come back rounded by the kernel (no torch op around it)
-        unless a bias (added in float32) or a float32 output follows; float32 for ``float_out``."""
+        unless a bias the kernel does not add (added after it, in float32) or a float32 output follows;
+        float32 for ``float_out``."""
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
-        if route in (Route.ROWS, Route.PACKED) and bias is not None and bias.dtype in (torch.float32, torch.bfloat16):
-            # the kernel adds it in float32 before rounding, as ``out + bias`` then ``.to`` below
-            out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
-                x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block,
-                is_bf16 and not float_out, weight.shape[0], bias)
-            return out.float() if float_out else out.to(x2.dtype)
-        bf16_out = is_bf16 and bias is None and not float_out
+        # the rows kernel adds a float32 or bf16 bias itself, in float32 before its rounding (as ``out +
+        # bias`` then ``.to`` below)
+        kernel_bias = (bias if route in ROWS_KERNEL_ROUTES and bias is not None
+                       and bias.dtype in (torch.float32, torch.bfloat16) else None)
+        bf16_out = is_bf16 and (bias is None or kernel_bias is not None) and not float_out
         if route is Route.BLOCK:
             kernel, codes, scales, offsets = self.block_call(weight)
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets,
@@ -302,14 +301,14 @@ class GGUFBlockLinearMethod:
         elif route in (Route.ROWS, Route.PACKED):   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block, bf16_out,
-                weight.shape[0])
+                weight.shape[0], kernel_bias)
         elif route is Route.INT8:
             out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
                 x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
                 bf16_out, weight.shape[0])
         else:   # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
-        if bias is not None:   # type promotion: float32 whenever either side is
+        if bias is not None and kernel_bias is None:   # type promotion: float32 whenever either side is
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
 

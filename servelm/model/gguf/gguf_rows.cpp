@@ -303,12 +303,10 @@ struct GemmArgs {
   const uint16_t* bias16; // or a bf16 bias (widened exactly), or nullptr
 };
 
-// The bias of outputs n0 .. n0 + 15 (``mask``: those that exist), zero without one.
+// The bias of outputs n0 .. n0 + 15 (``mask``: those that exist), from whichever of bias32 and bias16 is set.
 inline __m512 load_bias(const GemmArgs& a, int64_t n0, __mmask16 mask) {
   if (a.bias32 != nullptr) return _mm512_maskz_loadu_ps(mask, a.bias32 + n0);
-  if (a.bias16 != nullptr)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
-  return _mm512_setzero_ps();
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
 }
 
 constexpr int kF32Scales = 0, kF16Scales = 1, kSubScales = 2;

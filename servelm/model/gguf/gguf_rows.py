@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from servelm.model.cpp_kernel import CppKernel
-from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, SubScaled, tile_outputs
+from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, SubScaled, factors_give, fp16_exact, tile_blocks, tile_outputs
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
@@ -84,44 +84,24 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     elif within(BIASED_CODES):
         packed = (packed.to(torch.int16) - BIASED_CODES[0]).to(torch.uint8)
     scale_factors, offset_factors = factors
-    if (bits and scale_factors is not None and codes.shape[1] % SUPER_INPUTS == 0
-            and exact_factors(scale_factors, scales) and (offsets is None or exact_factors(offset_factors, offsets))):
-        rows = tiled_scales.shape[0] * cols * 16
-        tiled_scales = sub_scaled(scale_factors, rows, cols)
-        tiled_offsets = sub_scaled(offset_factors, rows, cols) if offsets is not None else None
+    if (bits and codes.shape[1] % SUPER_INPUTS == 0 and factors_give(scale_factors, scales)
+            and (offsets is None or factors_give(offset_factors, offsets))):
+        tiled_scales = sub_scaled(scale_factors, cols)
+        tiled_offsets = sub_scaled(offset_factors, cols) if offsets is not None else None
     elif all(part is None or fp16_exact(part) for part in (tiled_scales, tiled_offsets)):
         tiled_scales = tiled_scales.half()
         tiled_offsets = tiled_offsets.half() if tiled_offsets is not None else None
     return packed, tiled_scales, tiled_offsets
 
 
-def exact_factors(factors: SubScaled | None, values: torch.Tensor) -> bool:
-    """Whether ``factors`` give ``values`` [N, K / B] bit for bit, at the same block size."""
-    if factors is None or factors.sub.shape != values.shape:
-        return False
-    product = factors.values()
-    return bool(torch.equal(product.view(torch.int32), values.contiguous().view(torch.int32)))
-
-
-def sub_scaled(factors: SubScaled | None, rows: int, cols: int) -> torch.Tensor:
-    """``factors`` in the rows kernel's tile order, N padded to ``rows`` with zeros: int8 [tiles,
-    K / B + 4 K / 256, cols, 16], each tile's sub-scales [K / B, cols, 16] then the bytes of its float32
-    multipliers [K / 256, cols, 16] (gguf_rows.cpp ``block_scales``)."""
+def sub_scaled(factors: SubScaled | None, cols: int) -> torch.Tensor:
+    """``factors`` in the rows kernel's tile order (``tile_blocks``): int8 [tiles, K / B + 4 K / 256,
+    cols, 16], each tile's sub-scales [K / B, cols, 16] then the bytes of its float32 multipliers
+    [K / 256, cols, 16] (gguf_rows.cpp ``block_scales``)."""
     assert factors is not None
-    tiles = rows // (cols * 16)
-
-    def tiled(values: torch.Tensor) -> torch.Tensor:   # [N, J] -> [tiles, J, cols, 16], zero padded
-        padded = torch.cat([values, values.new_zeros(rows - values.shape[0], values.shape[1])])
-        return padded.view(tiles, cols, 16, -1).permute(0, 3, 1, 2).contiguous()
-
-    multipliers = tiled(factors.multipliers.float()).view(torch.int8).view(tiles, -1, cols, 16)
-    return torch.cat([tiled(factors.sub.to(torch.int8)), multipliers], dim=1).contiguous()
-
-
-def fp16_exact(values: torch.Tensor) -> bool:
-    """Whether every float32 value is an fp16 value (a GGUF type's fp16 d, m: Q8_0, Q4_0, Q5_0, Q4_1),
-    so that a copy in fp16 widens back to the same floats."""
-    return bool(torch.equal(values.half().float(), values))
+    sub = tile_blocks(factors.sub.to(torch.int8), cols)
+    multipliers = tile_blocks(factors.multipliers.float(), cols).view(torch.int8).view(sub.shape[0], -1, cols, 16)
+    return torch.cat([sub, multipliers], dim=1).contiguous()
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
