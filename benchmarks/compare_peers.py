@@ -19,6 +19,14 @@ are issue 16's:
 - 8 and 32 streams tok/s: that many concurrent 128-token prompts of 128 output tokens each, all
   output tokens / wall time.
 
+After the tables, the prefill column against its roofline (issue 30): the model's FLOPs per prompt
+token of the 1,019-token prompt (``prefill_flops``: every layer's weights, the causal attention's
+two products at each token's context, the LM head on the last token) and the bf16 GEMM peak of this
+CPU at ``--threads`` (``bf16_gemm_peak``: torch.matmul, measured before and after the rounds, the
+higher taken) give the prompt tokens a second that bf16 arithmetic allows; each server's prefill is
+printed as a share of it (above 100%: fewer bf16 FLOPs a token than the model has, e.g. servelm's
+int8 prompt GEMMs).
+
 Peers (absent ones are skipped with a message, nothing is built or installed here):
 - llama.cpp: ``$LLAMA_BUILD/bin/llama-server`` (default ~/.cache/llama-cpp-b11434, built by
   ../shared/tools/build_llama_server.sh) on the GGUF as is, ``-cb -np 32``;
@@ -71,6 +79,89 @@ class Peer:
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
     low, high = TOKEN_RANGE
     return [[low + t for t in prompt] for prompt in random_prompts(count, length, high - low, seed)]
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """FLOPs (a multiply-add counted twice) per prompt token of one prompt (``prefill_flops``)."""
+
+    linears: float
+    attention: float
+    head: float
+
+    @property
+    def total(self) -> float:
+        return self.linears + self.attention + self.head
+
+
+def mean_context(prompt_len: int, window: int | None) -> float:
+    """The mean number of keys a causal prompt's tokens see (token t of 1..L sees min(t, window))."""
+    if window is None or window >= prompt_len:
+        return (prompt_len + 1) / 2
+    return (window * (window + 1) / 2 + (prompt_len - window) * window) / prompt_len
+
+
+def prefill_flops(gguf: Path, prompt_len: int) -> PrefillFlops:
+    """FLOPs per prompt token of a ``prompt_len``-token prompt on the GGUF's dense model: each
+    layer's 2-D weights once a token; per layer the scores and the weighted sum of values, heads x
+    (key + value head size) multiply-adds per key seen (``mean_context``: a sliding layer's keys
+    capped at its window); the LM head on the last token only (one output token), spread over the
+    prompt. Norms, rope, softmax and activations are left out (a few per cent of a GEMM's FLOPs)."""
+    from servelm.model.gguf.gguf_file import GGUFFile
+    file = GGUFFile(gguf)
+    config = file.hf_config()
+    layers = [info for info in file.tensor_infos if info.name.startswith("blk.") and len(info.shape) == 2]
+    linears = 2.0 * sum(info.shape[0] * info.shape[1] for info in layers)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    attention = sum(2.0 * heads * 2 * head_dim * mean_context(prompt_len, window if kind == "sliding_attention" else None)
+                    for kind in kinds)
+    head = 2.0 * config.vocab_size * config.hidden_size / prompt_len
+    return PrefillFlops(linears, attention, head)
+
+
+ROOFLINE_GEMM = 2048
+"""The bf16 GEMM whose rate is the roofline's peak: two ROOFLINE_GEMM-square bf16 matrices."""
+
+
+def bf16_gemm_peak(threads: int, size: int = ROOFLINE_GEMM, repeats: int = 5) -> float:
+    """GFLOP/s of torch.matmul on two ``size``-square bf16 matrices at ``threads`` threads (the
+    library's GEMM, oneDNN on x86: AMX tiles where the CPU has them), the best of ``repeats``."""
+    import torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size).to(torch.bfloat16)
+        b = torch.randn(size, size).to(torch.bfloat16)
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return 2.0 * size ** 3 / best / 1e9
+
+
+def roofline_lines(results: dict[str, list[dict[str, float]]], flops: PrefillFlops, peak: float,
+                   peaks: tuple[float, ...], threads: int) -> list[str]:
+    """The prefill column against the bf16 roofline, as printed lines (the module's docstring)."""
+    ceiling = peak * 1e9 / flops.total
+    lines = [f"prefill roofline: {flops.total / 1e9:.3f} GFLOP a prompt token at {PREFILL_TOKENS} tokens "
+             f"(layers' weights {flops.linears / 1e9:.3f}, attention {flops.attention / 1e9:.3f}, LM head "
+             f"{flops.head / 1e9:.4f}); bf16 GEMM peak {peak:.0f} GFLOP/s (torch.matmul {ROOFLINE_GEMM}^3, "
+             f"{threads} threads; {', '.join(f'{p:.0f}' for p in peaks)} before and after the rounds) "
+             f"-> {ceiling:.0f} prompt tok/s",
+             "| server | prefill tok/s | share of the bf16 roofline |", "|---|---|---|"]
+    for name, rounds in results.items():
+        values = [r["prefill tok/s"] for r in rounds if r.get("prefill tok/s") == r.get("prefill tok/s")]
+        if values:
+            median = statistics.median(values)
+            lines.append(f"| {name} | {median:.1f} | {100 * median / ceiling:.0f}% |")
+    return lines
 
 
 def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Peer], list[str]]:
@@ -247,7 +338,12 @@ def main() -> None:
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2", "fma", "f16c")))
     print(f"{args.model} ({gguf.name}), {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, flags: {' '.join(flags)}; load average {os.getloadavg()}", flush=True)
-    print_rounds(measure_peers(peers, args, log_dir), args.rounds)
+    flops = prefill_flops(gguf, PREFILL_TOKENS)
+    before = bf16_gemm_peak(args.threads)
+    results = measure_peers(peers, args, log_dir)
+    print_rounds(results, args.rounds)
+    peaks = (before, bf16_gemm_peak(args.threads))
+    print("\n".join(roofline_lines(results, flops, max(peaks), peaks, args.threads)), flush=True)
 
 
 def print_rounds(results: dict[str, list[dict[str, float]]], rounds: int) -> None:

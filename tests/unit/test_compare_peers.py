@@ -97,3 +97,42 @@ def test_sequential_starts_each_server_per_measurement(tmp_path: Path):
     args = argparse.Namespace(model="m", output_len=2, rounds=1, sequential=False, port=0)
     results = cp.measure_peers(peers, args, tmp_path)
     assert [len(results[name]) for name in ("one", "two")] == [1, 1]
+
+
+def test_mean_context_counts_each_tokens_keys():
+    for length, window in ((1, None), (7, None), (7, 3), (7, 7), (7, 9), (1019, 512)):
+        seen = [min(t, window) if window else t for t in range(1, length + 1)]
+        assert abs(cp.mean_context(length, window) - sum(seen) / length) < 1e-9
+
+
+def test_prefill_flops_of_the_packaged_models():
+    from servelm.model.gguf.gguf_file import GGUFFile
+    from servelm.model.packaged import packaged_model_path
+    qwen = Path(packaged_model_path("qwen2.5-coder-0.5b"))
+    c = GGUFFile(qwen).hf_config()
+    kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    per_layer = 2 * c.hidden_size ** 2 + 2 * kv * c.hidden_size + 3 * c.intermediate_size * c.hidden_size
+    flops = cp.prefill_flops(qwen, 100)
+    assert flops.linears == 2 * c.num_hidden_layers * per_layer
+    # every layer global: heads x 2 head sizes x 2 FLOPs per key, 50.5 keys on average
+    assert flops.attention == c.num_hidden_layers * 2 * c.num_attention_heads * 2 * (c.hidden_size // c.num_attention_heads) * 50.5
+    assert flops.head == 2 * c.vocab_size * c.hidden_size / 100
+    assert flops.total == flops.linears + flops.attention + flops.head
+    # Gemma 3's sliding layers see at most their window: past it, fewer keys than all-global layers
+    gemma = Path(packaged_model_path("gemma3-270m"))
+    g = GGUFFile(gemma).hf_config()
+    long, short = cp.prefill_flops(gemma, 4 * g.sliding_window), cp.prefill_flops(gemma, g.sliding_window)
+    full = g.num_hidden_layers * 2 * g.num_attention_heads * 2 * g.head_dim * cp.mean_context(4 * g.sliding_window, None)
+    assert short.attention == g.num_hidden_layers * 2 * g.num_attention_heads * 2 * g.head_dim * (g.sliding_window + 1) / 2
+    assert long.attention < full
+
+
+def test_roofline_shares_and_peak():
+    flops = cp.PrefillFlops(linears=0.7e9, attention=0.05e9, head=0.05e9)   # 0.8 GFLOP a token
+    results = {"a": [{"prefill tok/s": 300.0}, {"prefill tok/s": 500.0}, {"prefill tok/s": 400.0}],
+               "b": [{"prefill tok/s": 1000.0}], "failed": []}
+    lines = cp.roofline_lines(results, flops, 400.0, (390.0, 400.0), 2)
+    assert "-> 500 prompt tok/s" in lines[0] and "390, 400" in lines[0]
+    assert lines[3:] == ["| a | 400.0 | 80% |", "| b | 1000.0 | 200% |"]
+    peak = cp.bf16_gemm_peak(1, size=64, repeats=2)
+    assert 0 < peak < float("inf")

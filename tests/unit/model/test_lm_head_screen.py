@@ -142,6 +142,12 @@ def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id(kernels: K
     finite = torch.isfinite(logits)
     assert torch.equal(logits[finite], full[finite])   # candidates carry the full head's logits
     assert screen.stats.rows == len(x) and screen.stats.fallbacks == 0
+    # one row alone (the one-stream step's own path) gives what it gets among the others, both ways
+    for way in (FIVE_BITS, INT8) if screen.i8 is not None else (FIVE_BITS,):
+        many = screen.logits(head, x, list(range(len(x))), way)
+        for i in range(len(x)):
+            assert torch.equal(screen.logits(head, x[i:i + 1], [0], way), many[i:i + 1])
+    assert screen.stats.fallbacks == 0
 
 
 def test_too_many_candidates_fall_back_to_the_full_head(kernels: Kernels) -> None:
