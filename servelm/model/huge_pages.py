@@ -45,3 +45,22 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return int(_libc.madvise(first, last - first, MADV_HUGEPAGE)) == 0
     except (OSError, AttributeError):
         return False
+
+
+ON_HUGE_PAGES_MIN_BYTES = 32 << 20
+"""Tensors at least this large are copied by ``on_huge_pages``: glibc serves them with fresh mmap'd
+memory (its mmap threshold grows to at most 32 MiB), untouched until the copy, so the advice holds."""
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in memory asked for huge pages before first touched (``advise_huge_pages``),
+    for a large weight copy that a step streams whole (the LM-head screen's copies): a 4-KiB page each
+    is a TLB miss, and the hardware prefetchers stop at page edges. The tensor itself where it is
+    smaller than ON_HUGE_PAGES_MIN_BYTES, not a contiguous CPU tensor, or the advice is refused."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous()
+            or tensor.numel() * tensor.element_size() < ON_HUGE_PAGES_MIN_BYTES):
+        return tensor
+    copy = torch.empty_like(tensor)
+    if not advise_huge_pages(copy):
+        return tensor
+    return copy.copy_(tensor)

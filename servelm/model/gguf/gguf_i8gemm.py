@@ -17,6 +17,7 @@ import torch
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.gguf.gguf_blocks import BlockWeight, tile_outputs
+from servelm.model.huge_pages import on_huge_pages
 
 KERNEL = CppKernel.beside(__file__, "gguf_i8gemm.cpp", "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
@@ -30,9 +31,9 @@ def pack(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     """A BlockWeight in ``i8_gemm``'s order: codes + 128 as uint8 [tiles, K / 4, GEMM_COLS, 16, 4]
     (N padded with zero codes to whole tiles of 32 outputs), scales and offsets [tiles, K / B,
     GEMM_COLS, 16] (zero for padded outputs). 1 byte per weight + 4 per block: the size of the
-    BlockWeight itself (``tile_outputs``)."""
+    BlockWeight itself (``tile_outputs``); codes as large as an LM head's on huge pages (``on_huge_pages``)."""
     codes, scales, offsets = tile_outputs(weight.codes, weight.scales, weight.offsets, GEMM_COLS, group=4)
-    return codes.view(torch.uint8).bitwise_xor(0x80), scales, offsets   # code + 128, as a byte
+    return on_huge_pages(codes.view(torch.uint8).bitwise_xor(0x80)), scales, offsets   # code + 128, as a byte
 
 
 def quantize_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, SubScaled, factors_give, fp16_exact, tile_blocks, tile_outputs
+from servelm.model.huge_pages import on_huge_pages
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
@@ -70,7 +71,8 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     or six [tiles, K / 2, 48] (``SIX_BIT_CODES``); and with ``factors`` (a K-quant's scale and offset
     factors, ``BlockWeight.scale_factors``/``offset_factors``) that give the scales and offsets bit
     for bit, its scales and offsets as their int8 sub-scales and float32 multipliers
-    (``sub_scaled``: ~0.1 instead of 0.25 bytes a weight, where bytes are what a row costs)."""
+    (``sub_scaled``: ~0.1 instead of 0.25 bytes a weight, where bytes are what a row costs). A copy of
+    the codes as large as an LM head's lies on huge pages (``on_huge_pages``)."""
     packed, tiled_scales, tiled_offsets = tile_outputs(codes, scales, offsets, cols, group=2)
     low, high = (int(v) for v in torch.aminmax(codes)) if codes.numel() else (0, 0)
 
@@ -91,7 +93,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
     elif all(part is None or fp16_exact(part) for part in (tiled_scales, tiled_offsets)):
         tiled_scales = tiled_scales.half()
         tiled_offsets = tiled_offsets.half() if tiled_offsets is not None else None
-    return packed, tiled_scales, tiled_offsets
+    return on_huge_pages(packed), tiled_scales, tiled_offsets
 
 
 def sub_scaled(factors: SubScaled | None, cols: int) -> torch.Tensor:

@@ -54,6 +54,7 @@ from servelm.model.gguf import gguf_i8gemm
 from servelm.model.gguf.gguf_routes import ROW_INDEPENDENT, Route
 from servelm.model.gguf.gguf_blocks import BlockWeight, compact_values
 from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
+from servelm.model.huge_pages import on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -270,9 +271,10 @@ class LMHeadScreen:
         self.max_candidates = max_candidates
         self.code_error = CODE_ERROR + rounding_margin(weight.codes.shape[1])
         """The bound's factor of D: the code error and the float32 rounding margin."""
-        self.packed = screen_kernel.pack_screen(weight.codes)
+        self.packed = on_huge_pages(screen_kernel.pack_screen(weight.codes))
         """[ceil(vocab / T), hidden / 32 * T * 20] uint8: the 5-bit codes in tiles of T vocabulary rows
-        (T = ``screen_kernel.TILE``: 16 in the AVX-512 build, 8 in the AVX2 one; lm_head_screen.cpp)."""
+        (T = ``screen_kernel.TILE``: 16 in the AVX-512 build, 8 in the AVX2 one; lm_head_screen.cpp), on huge
+        pages (``on_huge_pages``: read whole every step)."""
         self.tiled_scales = screen_kernel.pack_scales(compact_values(weight.scales, None))
         """[ceil(vocab / T), hidden / 32, T]: the Q8_0 scales in the same tiles, fp16 where each is an
         fp16 value (a GGUF's d; half the bytes a step reads), else float32."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.model.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
+from servelm.model.huge_pages import HUGE_PAGE_BYTES, ON_HUGE_PAGES_MIN_BYTES, advise_huge_pages, on_huge_pages
 from servelm.model.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -43,3 +43,18 @@ def test_small_or_foreign_tensors_are_left_alone() -> None:
     fp8 = KVCache(num_layers=1, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64,
                   dtype=torch.float8_e4m3fn, device=torch.device("cpu"))
     assert not fp8.k_caches[0].view(torch.uint8).any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists()
+                    or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_a_large_weight_copy_moves_onto_huge_pages_with_its_values() -> None:
+    weight = torch.randint(0, 256, (ON_HUGE_PAGES_MIN_BYTES + (4 << 20),), dtype=torch.uint8).view(-1, 64)
+    moved = on_huge_pages(weight)
+    assert moved.data_ptr() != weight.data_ptr() and torch.equal(moved, weight)
+    assert moved.shape == weight.shape and moved.dtype == weight.dtype
+    assert _huge_bytes_at(moved.data_ptr() + moved.nbytes // 2) >= HUGE_PAGE_BYTES
+    # smaller ones, and views that are not contiguous, stay where they are
+    small = weight[:1000]
+    assert on_huge_pages(small) is small
+    strided = weight[:, ::2]
+    assert on_huge_pages(strided) is strided
