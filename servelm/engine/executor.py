@@ -161,6 +161,7 @@ class Executor:
         if output.plan.num_pooled:
             return self._pool(output)
         output.plan.argmax_rows = argmax_rows(output)
+        output.plan.argmax_tokens = {}
         logits = self._forward(output.plan)
         if self.nan_check != "off":
             logits = self._check_nan(logits, output)
@@ -209,7 +210,9 @@ class Executor:
             self._apply_grammars(sample_logits, matchers, [s.draft_token_ids for s in sampling],
                                  [s.draft_parents for s in sampling])
             rows = [r for _, r in sample_targets]
-            sampled = self.sampler(sample_logits, rows)
+            known = output.plan.argmax_tokens   # the screen's argmax of some greedy rows
+            sampled = self.sampler(sample_logits, rows, {position: known[row] for position, row in enumerate(sample_rows)
+                                                         if row in known} if known else None)
             position = 0
             for index, scheduled in enumerate(output.scheduled):
                 if scheduled.is_sampling:

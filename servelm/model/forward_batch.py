@@ -112,6 +112,10 @@ class BatchPlan:
     processors, no grammar; set by the engine's executor): the runner may return such a row with
     only the vocabulary entries that can be the argmax filled and ``-inf`` elsewhere
     (servelm.model.gguf.lm_head_screen)."""
+    argmax_tokens: dict[int, int] = field(default_factory=dict)
+    """Set by an in-process runner: the argmax of those of ``argmax_rows`` that the LM-head screen took
+    (logits row -> token id, ``torch.argmax``'s answer on the row), so the sampler does not search
+    their rows again; empty where the runner gave none (a remote runner's stay behind)."""
 
     @property
     def num_tokens(self) -> int:

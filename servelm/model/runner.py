@@ -508,7 +508,8 @@ class ModelRunner:
         if self.expert_load is not None:
             self.expert_load.after_pass()
         rows = hidden.index_select(0, batch.logits_indices)
-        logits = head_logits(self.lm_head_screen, self.model, rows, plan.argmax_rows, batch.head_rows)
+        logits = head_logits(self.lm_head_screen, self.model, rows, plan.argmax_rows, batch.head_rows,
+                             plan.argmax_tokens)
         if self.tensor_dumper is not None:
             self.tensor_dumper.end(logits)
         return logits

@@ -28,6 +28,7 @@ renormalisation and each row's draw is a fixed-size block of noise from its own 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +93,23 @@ class Sampler:
         self._shared_generators: dict[torch.device, torch.Generator] = {}
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 argmax: Mapping[int, int] | None = None) -> SamplerOutput:
+        """``argmax``: rows whose argmax the caller already has (row -> token id: the LM-head screen's,
+        ``torch.argmax``'s answer on the row), taken for those of them that are greedy instead of
+        searching their rows; the caller passes only rows whose logits this sampler reads for
+        nothing else (``needs_only_argmax``)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one logits row per SamplingRow"
         processed = self._process(logits, rows)
-        token_ids = self._select(processed, rows)
+        known = {row: token for row, token in (argmax or {}).items() if rows[row].params.is_greedy}
+        if not known:
+            token_ids = self._select(processed, rows)
+        else:   # the other rows chosen as always, on a copy of their logits rows
+            rest = [row for row in range(len(rows)) if row not in known]
+            if rest:
+                picked = self._select(processed[torch.tensor(rest, device=processed.device)], [rows[r] for r in rest])
+                known.update(zip(rest, picked))
+            token_ids = [known[row] for row in range(len(rows))]
         return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, rows, token_ids))
 
     # -- steps 1-3: logit processors -------------------------------------------------------------

@@ -142,11 +142,20 @@ def test_screened_argmax_is_the_full_heads_with_ties_to_the_lowest_id(kernels: K
     finite = torch.isfinite(logits)
     assert torch.equal(logits[finite], full[finite])   # candidates carry the full head's logits
     assert screen.stats.rows == len(x) and screen.stats.fallbacks == 0
-    # one row alone (the one-stream step's own path) gives what it gets among the others, both ways
+    # one row alone (the one-stream step's own path) gives what it gets among the others, both ways;
+    # the argmax the screen hands the sampler (``tokens``) is torch.argmax's on each row, ties included
     for way in (FIVE_BITS, INT8) if screen.i8 is not None else (FIVE_BITS,):
-        many = screen.logits(head, x, list(range(len(x))), way)
+        tokens: dict[int, int] = {}
+        many = screen.logits(head, x, list(range(len(x))), way, tokens)
+        assert tokens == {i: int(full[i].argmax()) for i in range(len(x))} and tokens[5] == 900
         for i in range(len(x)):
-            assert torch.equal(screen.logits(head, x[i:i + 1], [0], way), many[i:i + 1])
+            alone: dict[int, int] = {}
+            assert torch.equal(screen.logits(head, x[i:i + 1], [0], way, alone), many[i:i + 1])
+            assert alone == {0: tokens[i]}
+        # only the screened rows get one, under their own row numbers
+        some: dict[int, int] = {}
+        screen.logits(head, x, [1, 5, 6], way, some)
+        assert some == {1: tokens[1], 5: 900, 6: tokens[6]}
     assert screen.stats.fallbacks == 0
 
 
@@ -154,8 +163,10 @@ def test_too_many_candidates_fall_back_to_the_full_head(kernels: Kernels) -> Non
     head, weight = q8_head(kernels, 1000, 128, seed=3)
     screen = screen_for(kernels, weight, max_candidates=0)   # every row has at least one candidate
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
-    logits = screen.logits(head, x, [0, 2])
+    tokens: dict[int, int] = {}
+    logits = screen.logits(head, x, [0, 2], tokens=tokens)
     assert torch.equal(logits, head(x))
+    assert tokens == {}   # a row that fell back is searched by the sampler as before
     assert screen.stats.fallbacks == 2
     # a model whose rows keep falling back turns the screen off (after a full window of rows)
     while screen.is_enabled:
@@ -381,13 +392,24 @@ def test_a_batch_of_many_greedy_rows_takes_the_int8_screen_with_the_same_tokens(
     screen = engine.runner.lm_head_screen
     ways = []
     logits = screen.logits
-    screen.logits = lambda head, hidden, rows, way=FIVE_BITS: (ways.append((len(rows), way)),
-                                                               logits(head, hidden, rows, way))[1]
+    screen.logits = lambda head, hidden, rows, way=FIVE_BITS, tokens=None: (
+        ways.append((len(rows), way)), logits(head, hidden, rows, way, tokens))[1]
+    sampler = engine.executor.sampler
+    known = []   # how many rows' argmax the sampler was given (the screen's), per call
+
+    class Counting(type(sampler)):  # type: ignore[misc]
+        def __call__(self, logits, rows, argmax=None):  # type: ignore[no-untyped-def]
+            known.append(len(argmax or {}))
+            return super().__call__(logits, rows, argmax)
+
+    sampler.__class__ = Counting
     try:
         on = run(engine, requests, True)
     finally:
         del screen.logits
+        sampler.__class__ = Counting.__bases__[0]
     assert (24, INT8) in ways and ways.count((24, INT8)) >= 7
+    assert known.count(24) >= 7   # the sampler took the screen's argmax of every row, not its own search
     assert on == run(engine, requests, False)
 
 

@@ -24,6 +24,22 @@ def test_greedy_ties_go_to_lowest_id(make_row):
     assert out.token_ids == [1, 0]
 
 
+def test_known_argmax_is_taken_for_greedy_rows_only(make_row, random_logits):
+    """The caller's argmax of a row (the LM-head screen's) is that row's token, unsearched; the other
+    greedy rows are searched and the sampled rows sampled exactly as without it."""
+    expected = random_logits.argmax(dim=-1).tolist()
+    greedy = [make_row(temperature=0.0) for _ in range(6)]
+    wrong = {0: (expected[0] + 1) % VOCAB, 4: (expected[4] + 2) % VOCAB}   # visibly not the rows' argmax
+    out = Sampler(seed=0)(random_logits, greedy, wrong)
+    assert out.token_ids == [wrong[0], *expected[1:4], wrong[4], expected[5]]
+    everything = {row: (token + 3) % VOCAB for row, token in enumerate(expected)}
+    assert Sampler(seed=0)(random_logits, greedy, everything).token_ids == [everything[r] for r in range(6)]
+    mixed = [make_row(temperature=0.0) if i % 2 == 0 else make_row(temperature=1.2, seed=40 + i) for i in range(6)]
+    plain = Sampler(seed=0)(random_logits, mixed).token_ids
+    known = {2: wrong[0], 3: 0}   # row 3 samples: its entry is not used
+    assert Sampler(seed=0)(random_logits, mixed, known).token_ids == [plain[0], plain[1], wrong[0], *plain[3:]]
+
+
 def test_sampler_does_not_modify_input(make_row, random_logits):
     before = random_logits.clone()
     rows = [make_row(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
