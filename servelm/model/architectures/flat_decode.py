@@ -81,16 +81,17 @@ class LayerPlan:
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
 
-def kernel_call(linear: Any, allow_bias: bool = False) -> KernelCall | None:
-    """The linear's prepared kernel call (GGUFBlockLinearMethod's ``gguf_decode_args``, or a float32
-    dense weight's ``dense_call``), or None where it has another path (another method, tensor
-    parallel, a bias unless ``allow_bias``, a bias in another dtype than the call's rows)."""
+def kernel_call(linear: Any, allow_bias: bool = False, routed: bool = False) -> KernelCall | None:
+    """The linear's prepared kernel call (GGUFBlockLinearMethod's ``gguf_decode_args``, or with
+    ``routed`` its ``routed_call``; a float32 dense weight's ``dense_call``), or None where it has
+    another path (another method, tensor parallel, a bias unless ``allow_bias``, a bias in another
+    dtype than the call's rows)."""
     method = getattr(linear, "linear_method", None)
     parallel = getattr(linear, "parallel", None)
     if parallel is not None and parallel.tp_size != 1:
         return None
     if isinstance(method, GGUFBlockLinearMethod):
-        call = linear.__dict__.get("gguf_decode_args")
+        call = method.routed_call(linear) if routed else linear.__dict__.get("gguf_decode_args")
     elif type(method) is UnquantizedLinearMethod:
         call = dense_call(linear)
     else:
@@ -201,7 +202,10 @@ class FlatDecodePlan:
     """Every held layer's plan (``layer_plan``; None when one layer cannot take the flat path):
     ``applies`` says whether a forward can, ``run`` (the family's) computes it."""
 
-    def __init__(self, layers: Sequence[Any]) -> None:
+    def __init__(self, layers: Sequence[Any], routed: bool = False) -> None:
+        self.routed = routed
+        """Whether the GGUF layers' calls are their ``routed_call``s: generation-only passes of any row
+        count (each call picks its route), none with prompt rows; else their prepared calls (a few rows)."""
         plans = [self.layer_plan(layer) for layer in layers]
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
         calls = [call for plan in self.layers or () for call in (plan.qkv_call, plan.o_call, plan.gate_up_call,
@@ -235,6 +239,10 @@ class FlatDecodePlan:
 
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
+
+    def call_of(self, linear: Any, allow_bias: bool = False) -> KernelCall | None:
+        """``kernel_call`` of one of a layer's linears, routed where this plan is."""
+        return kernel_call(linear, allow_bias, self.routed)
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch, final_norm: nn.Module | None = None) -> torch.Tensor:
         """The layers' output for ``hidden`` [T, hidden] (``applies`` checked by the caller), through
@@ -274,6 +282,12 @@ def run_layers(model: Any, plan_type: type[FlatDecodePlan], hidden: torch.Tensor
         plan = model.__dict__["decode_plan"] = plan_type([model.layers[index] for index in model.held_layers])
     if plan.applies(hidden, batch):   # a few rows on block weights: the same kernels, less Python
         return plan.run(hidden, batch, final_norm)
+    routed: FlatDecodePlan | None = model.__dict__.get("routed_decode_plan")
+    if routed is None:
+        routed = model.__dict__["routed_decode_plan"] = plan_type([model.layers[index] for index in model.held_layers],
+                                                                  routed=True)
+    if routed.applies(hidden, batch):   # more generation rows: each linear as its route for them, less Python
+        return routed.run(hidden, batch, final_norm)
     for index in model.held_layers:
         hidden = model.layers[index](hidden, batch)
     return hidden if final_norm is None else final_norm(hidden)

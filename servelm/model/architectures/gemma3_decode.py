@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, norms_fuse
 from servelm.model.layers import fused
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class DecodePlan(FlatDecodePlan):
 
     def layer_plan(self, layer: Gemma3DecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
-        calls = [kernel_call(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        calls = [self.call_of(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(call is None for call in calls) or mlp.act.activation not in fused.ACTIVATION_KINDS:
             return None
         qkv_call, o_call, gate_up_call, down_call = calls

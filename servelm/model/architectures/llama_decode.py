@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, kernel_call, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, norms_fuse
 from servelm.model.layers import fused
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.gguf import gguf_kernel
@@ -52,8 +52,8 @@ class _LayerPlan(LayerPlan):
 class LlamaDecodePlan(FlatDecodePlan):
     """The Llama family's flat decode (see the module docstring)."""
 
-    def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
-        super().__init__(layers)
+    def __init__(self, layers: list[LlamaDecoderLayer], routed: bool = False) -> None:
+        super().__init__(layers, routed)
         for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
             plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
         for plan in self.layers or ():
@@ -63,8 +63,8 @@ class LlamaDecodePlan(FlatDecodePlan):
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, GatedMLP) or not getattr(attn, "has_flat_decode", False):
             return None   # an MoE block, or attention with steps of its own (OLMoE): the module path
-        qkv_call = kernel_call(attn.qkv_proj, allow_bias=True)
-        calls = [kernel_call(linear) for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qkv_call = self.call_of(attn.qkv_proj, allow_bias=True)
+        calls = [self.call_of(linear) for linear in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         head_norms = [attn.q_norm, attn.k_norm] if attn.has_qk_norm else []
         if qkv_call is None or any(call is None for call in calls) or mlp.act.activation not in fused.ACTIVATION_KINDS:
             return None

@@ -282,6 +282,17 @@ class GGUFBlockLinearMethod:
             out.index_copy_(0, generation, self.apply(layer, x2.index_select(0, generation), bias, GENERATION_ONLY))
         return out.reshape(*shape[:-1], out.shape[-1])
 
+    def routed_call(self, layer: nn.Module) -> PreparedCall | None:
+        """The layer's rows of a generation-only pass at any count, as ``apply`` computes them (its
+        prepared call where that reaches, else the route its table gives the row count), in the
+        prepared-call form: the flat decode path past its prepared calls' reach (a 32-stream step).
+        None for the LM head and a layer without a prepared call (then no flat path)."""
+        decode = layer.__dict__.get("gguf_decode_args")
+        routes: LayerRoutes | None = layer.__dict__.get("gguf_routes")
+        if not isinstance(decode, PreparedCall) or routes is None or routes.shape.is_head:
+            return None
+        return PreparedCall.of((_generation_apply, layer, None, None, 0), decode.dtype, ROUTED_ROWS, 0, takes_bias=True)
+
     def run_route(self, route: Route, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None,
              float_out: bool) -> torch.Tensor:
         """Rows [M, K] on ``route``: bf16 rows come back rounded by the kernel (no torch op around it)
@@ -354,6 +365,18 @@ class GGUFBlockLinearMethod:
         reach = (routes.same_route_rows(x_bf16, prompt_too=False), routes.same_route_rows(x_bf16, prompt_too=True))
         kernel, codes, scales, offsets = self.block_call(weight)
         return PreparedCall.of((kernel, codes, scales, offsets, weight.block), model_dtype, *reach, takes_bias=True)
+
+
+ROUTED_ROWS = 1 << 20
+"""How many rows a ``routed_call`` reaches (any: its route is picked per call)."""
+
+
+def _generation_apply(x: torch.Tensor, layer: nn.Module, _scales: None, _offsets: None, _block: int,
+                      _round_out: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``routed_call``'s kernel: ``apply`` on a generation-only pass (it rounds, or not, by the layer's
+    own ``float_residual_output``, as the module path does; the flat path's ``round_out`` says the same)."""
+    method: GGUFBlockLinearMethod = layer.__dict__["linear_method"]
+    return method.apply(layer, x, bias, GENERATION_ONLY)
 
 
 def held_bytes(layer: nn.Module, weight: BlockWeight) -> int:

@@ -115,6 +115,41 @@ def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, dtype
     assert set(hidden_dtypes) == {(stream, getattr(torch, dtype))}
 
 
+MANY_ROWS = 24
+"""Decode rows past every prepared call's reach (the block and rows kernels' few rows): the routed plan."""
+
+
+@pytest.mark.parametrize("arch,dtype,residual_dtype", [(arch, *case) for arch in ("gemma3", "qwen2") for case in
+                                                        [("bfloat16", "float32"), ("bfloat16", "model"),
+                                                         ("float32", "auto")]])
+def test_many_decode_rows_take_the_routed_plan_bit_identical_to_the_modules(
+        arch: str, dtype: str, residual_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 24-row decode step (a 32-stream server's): past the prepared calls, each linear takes its route
+    for those rows through ``apply`` (``routed_call``); the rest of the layer is the flat path's."""
+    hf_model = make_tiny_hf_model(arch)
+    plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
+    routed_plans = []
+    original_init = FlatDecodePlan.__init__
+
+    def recording_init(self: Any, layers: Any, routed: bool = False) -> None:
+        original_init(self, layers, routed)
+        if routed and self.layers is not None:
+            routed_plans.append(self)
+
+    monkeypatch.setattr(FlatDecodePlan, "__init__", recording_init)
+
+    def decode() -> list[torch.Tensor]:
+        runner = block_runner(hf_model, residual_dtype, dtype)
+        base = prompts_for(arch, runner.vocab_size)
+        prompts = [[(token + i) % runner.vocab_size for token in base[i % len(base)]] for i in range(MANY_ROWS)]
+        plan = runner.model.__dict__.get("decode_plan")
+        assert plan is None or plan.generation_rows < MANY_ROWS
+        return runner_decode_logits(runner, prompts)
+
+    check_flat_against_modules(plan_class, MANY_ROWS, decode, monkeypatch)
+    assert routed_plans and all(plan.generation_rows >= MANY_ROWS for plan in routed_plans)
+
+
 def check_flat_against_modules(plan_class: type, rows: int, decode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode()``'s step logits with the flat path (which must run every decode step) and without."""
     runs = []
