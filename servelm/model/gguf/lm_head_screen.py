@@ -350,8 +350,10 @@ class LMHeadScreen:
             ids = row_candidates[0]
             values = self.exact(x, ids)[0]
             out[0].index_copy_(0, ids, values)
-            if tokens is not None:
-                _first_largest(tokens, [0], ids, values, torch.zeros(len(ids), dtype=torch.int64))
+            if tokens is not None:   # torch.argmax's first largest; a NaN row is left to the sampler
+                best = int(values.argmax())
+                if values[best] == values[best]:
+                    tokens[0] = int(ids[best])
             self.stats.record(counts, [False])
             return out
         # no candidates: a row with a value that is not finite (the kernel's count 0)
