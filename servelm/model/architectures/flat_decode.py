@@ -28,7 +28,8 @@ modules compute float32 rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -40,11 +41,14 @@ from servelm.model.attention import paged_decode
 from servelm.model.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
 from servelm.model.layers import fused
 from servelm.model.layers.f32_rows import MAX_ROWS as F32_DENSE_ROWS
-from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod, PreparedCall, decode_rows
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod, PreparedCall, RowsCopies, decode_rows
+from servelm.model.huge_pages import gather_on_huge_pages
 from servelm.model.layers.linear import UnquantizedLinearMethod, dense_linear
 
 if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 KernelCall = PreparedCall
 """A linear's prepared kernel call: (kernel, codes, scales, offsets, block), called with x, those,
@@ -208,6 +212,12 @@ class FlatDecodePlan:
         count (each call picks its route), none with prompt rows; else their prepared calls (a few rows)."""
         plans = [self.layer_plan(layer) for layer in layers]
         self.layers: list[Any] | None = None if not plans or any(plan is None for plan in plans) else plans
+        if self.layers is not None and not routed:   # the routed plan reads the same copies, or its own
+            # a native part that keeps its weights' addresses (LlamaDecodePlan's DecodeMlp) is made after this
+            moved, moved_bytes = gather_on_huge_pages(list(self.weights()))
+            if moved:
+                logger.info("flat decode: %d weight copies (%.1f MiB) gathered onto huge pages in step order",
+                            moved, moved_bytes / 2**20)
         calls = [call for plan in self.layers or () for call in (plan.qkv_call, plan.o_call, plan.gate_up_call,
                                                                    plan.down_call)]
         dtype = call_dtype(calls)
@@ -236,6 +246,19 @@ class FlatDecodePlan:
         """The hook dicts (filled in place by ``register_forward_*hook``) of every layer module and of one
         probe op: a hook on a layer (``HiddenCapture``: EAGLE-3 reads the layers' inputs) or on the probe
         (benchmarks/profile_decode.py's op timers) sends the step through the modules, which call it."""
+
+    def weights(self) -> Iterator[torch.Tensor]:
+        """The tensors the layers' calls read, in the order a step reads them (layer by layer: QKV, O,
+        gate_up, down; each call's own copy, then the rows kernel's copies for other row counts). The
+        plan gathers them onto huge pages (``gather_on_huge_pages``). Against the same copies on fresh
+        4-KiB pages, alternated in one process with the same tokens (AMD Zen 4 VM): Gemma 3 270M's
+        one-row step 9.71 -> 9.50 ms (7 of 10 runs faster), Qwen2.5-Coder 0.5B's 16.45 -> 15.72 (9 of
+        10), Gemma at 32 rows 54.1 -> 51.8 (4 of 6), Qwen at 8 rows within noise (4 of 8)."""
+        for plan in self.layers or ():
+            for call in (plan.qkv_call, plan.o_call, plan.gate_up_call, plan.down_call):
+                yield from (item for item in call[1:4] if isinstance(item, torch.Tensor))
+                if isinstance(call[0], RowsCopies):
+                    yield from (item for copy in call[0].by_rows for item in copy if isinstance(item, torch.Tensor))
 
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError

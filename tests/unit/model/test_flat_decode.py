@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from servelm.model import huge_pages
 from servelm.model.architectures.flat_decode import FlatDecodePlan
 from servelm.model.architectures.gemma3_decode import DecodePlan
 from servelm.model.architectures import llama_decode
@@ -302,3 +303,32 @@ def test_float32_block_decode_takes_one_mlp_call(threads: int, monkeypatch: pyte
     finally:
         torch.set_num_threads(previous)
     assert len(calls) >= STEPS * hf_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_the_plan_reads_its_weights_gathered_onto_huge_pages(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan moves the copies its calls read into one huge-paged run in step order (a tiny model's too,
+    with the size floor lifted) and is built again on them; the flat steps stay bit-identical to the
+    modules, which read the same tensor objects."""
+    monkeypatch.setattr(huge_pages, "GATHER_MIN_BYTES", 0)
+    plans: list[Any] = []
+    original_init = FlatDecodePlan.__init__
+
+    def recording_init(self: Any, layers: Any, routed: bool = False) -> None:
+        original_init(self, layers, routed)
+        if not routed and self.layers is not None:
+            plans.append(self)
+
+    monkeypatch.setattr(FlatDecodePlan, "__init__", recording_init)
+    hf_model = make_tiny_hf_model(arch)
+    plan_class = DecodePlan if arch == "gemma3" else LlamaDecodePlan
+    check_flat_against_modules(plan_class, 1, lambda: decode_logits(hf_model, arch, 1), monkeypatch)
+    assert plans
+    for plan in plans:
+        weights = list({weight.data_ptr(): weight for weight in plan.weights()}.values())
+        assert len(weights) >= 4 * len(plan.layers)
+        assert len({weight.untyped_storage().data_ptr() for weight in weights}) == 1   # one buffer
+        first, last = min(w.data_ptr() for w in weights), max(w.data_ptr() + w.nbytes for w in weights)
+        assert last - first <= sum(-(-w.nbytes // huge_pages.GATHER_ALIGN) * huge_pages.GATHER_ALIGN
+                                   for w in weights)   # one run, nothing between
+        assert first % huge_pages.HUGE_PAGE_BYTES == 0

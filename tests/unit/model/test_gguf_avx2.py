@@ -451,3 +451,43 @@ def test_tune_measures_the_routes_and_the_build_again(avx2: object, tmp_path: Pa
     saved = [json.loads(p.read_text()) for p in (tmp_path / "routes").glob("*.json")]
     assert any(table["cells"] and "kernels" in table["key"] for table in saved)
     assert any("one-row pass" in table["cells"] for table in saved) == both
+
+
+def test_gathered_weights_feed_the_one_call_mlp_half(avx2: object, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the AVX2 build a float32 Llama's one-row steps take ``DecodeMlp`` (a native object that keeps
+    its weights' addresses): it is made after the flat plan has gathered those weights onto huge pages
+    (the size floor lifted for this tiny model), so it reads the moved memory, and the greedy tokens
+    stay the dequantized model's."""
+    from servelm.model import huge_pages
+    from servelm.model.architectures import llama_decode
+    from tests.unit.model.test_gguf_blocks import write_quantized_llama
+
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    expected, _ = greedy(path, "none")
+    monkeypatch.setattr("servelm.model.loader.cpu_flags", lambda: AVX2 | {"sse4_2", "avx"})
+    monkeypatch.setattr(gguf_kernel, "load_kernel", lambda: avx2)
+    monkeypatch.setattr(huge_pages, "GATHER_MIN_BYTES", 0)
+    events: list[str] = []   # "gather <moved>" and "mlp" (a DecodeMlp built), in order
+    original_gather = huge_pages.gather_on_huge_pages
+
+    def recorded_gather(tensors: list[torch.Tensor]) -> tuple[int, int]:
+        result = original_gather(tensors)
+        events.append(f"gather {result[0]}")
+        return result
+
+    monkeypatch.setattr("servelm.model.architectures.flat_decode.gather_on_huge_pages", recorded_gather)
+    mlp_calls: list[int] = []
+    original_mlp = llama_decode.decode_mlp
+
+    def counted(plan: object, dtype: torch.dtype) -> object:
+        run = original_mlp(plan, dtype)
+        events.append("mlp")
+        return None if run is None else (lambda *args: (mlp_calls.append(1), run(*args))[1])
+
+    monkeypatch.setattr(llama_decode, "decode_mlp", counted)
+    tokens, _ = greedy(path)
+    assert events[0].startswith("gather") and events[0] != "gather 0" and mlp_calls
+    assert "mlp" in events and all(event == "mlp" for event in events[1:])   # every DecodeMlp made after it
+    assert tokens == expected

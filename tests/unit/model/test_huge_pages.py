@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelm.model.huge_pages import HUGE_PAGE_BYTES, ON_HUGE_PAGES_MIN_BYTES, advise_huge_pages, on_huge_pages
+from servelm.model.huge_pages import (GATHER_ALIGN, HUGE_PAGE_BYTES, ON_HUGE_PAGES_MIN_BYTES, advise_huge_pages,
+                                      gather_on_huge_pages, on_huge_pages)
 from servelm.model.kv_cache import KVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -58,3 +59,32 @@ def test_a_large_weight_copy_moves_onto_huge_pages_with_its_values() -> None:
     assert on_huge_pages(small) is small
     strided = weight[:, ::2]
     assert on_huge_pages(strided) is strided
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists()
+                    or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_small_weight_copies_are_gathered_in_order_with_their_values() -> None:
+    """Each tensor object is re-pointed into one huge-paged run in the given order, its values, shape
+    and dtype unchanged; repeats, views of a larger storage, non-contiguous tensors and tensors
+    gathered before stay where they are."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-128, 128, (640, 1000 + 37 * index), dtype=torch.int8, generator=generator)
+               for index in range(4)]
+    tensors.append(torch.randn(640, 40, generator=generator).half())
+    values = [tensor.clone() for tensor in tensors]
+    base = torch.zeros(3 << 20, dtype=torch.uint8)
+    view = base[:1 << 20]                  # a view: its storage would stay, so it stays
+    strided = torch.zeros(1024, 1024)[:, ::2]
+    before = view.data_ptr(), strided.data_ptr()
+    moved, moved_bytes = gather_on_huge_pages([*tensors, tensors[0], view, strided])
+    assert moved == len(tensors)
+    assert moved_bytes == sum(-(-t.nbytes // GATHER_ALIGN) * GATHER_ALIGN for t in tensors) >= HUGE_PAGE_BYTES
+    assert (view.data_ptr(), strided.data_ptr()) == before
+    for tensor, value in zip(tensors, values):
+        assert torch.equal(tensor, value) and tensor.dtype == value.dtype and tensor.is_contiguous()
+    starts = [tensor.data_ptr() for tensor in tensors]
+    assert starts[0] % HUGE_PAGE_BYTES == 0
+    assert all(later == earlier + -(-t.nbytes // GATHER_ALIGN) * GATHER_ALIGN
+               for earlier, later, t in zip(starts, starts[1:], tensors))   # one run, in the given order
+    assert _huge_bytes_at(starts[0] + moved_bytes // 2) >= HUGE_PAGE_BYTES
+    assert gather_on_huge_pages(tensors) == (0, 0)   # gathered once

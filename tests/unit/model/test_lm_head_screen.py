@@ -30,7 +30,8 @@ from servelm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.gguf import gguf_i8gemm, lm_head_screen
 from servelm.model.gguf.gguf_routes import Route
-from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, EXPLORE_EVERY, FIVE_BITS, INT8, WINDOW_ROWS,
+from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, CHOICE_WINDOW, CLEAR_MARGIN, EXPLORE_EVERY,
+                                               EXPLORE_EVERY_CLEAR, FIVE_BITS, INT8, WINDOW_ROWS,
                                                LMHeadScreen, ScreenChoice, build_screen, i8_screen_coefficient,
                                                screen_build, screen_way)
 from servelm.sampling.params import SamplingParams
@@ -647,14 +648,19 @@ def test_the_start_up_warm_up_leaves_the_screen_on(engine: LLMEngine) -> None:
 
 def test_the_screen_or_the_full_head_is_chosen_by_measured_time() -> None:
     """Per number of argmax rows: the two ways alternate until each has CHOICE_SAMPLES calls, then the
-    faster median is taken, with the other way run every EXPLORE_EVERY-th call; row counts are apart."""
+    faster median is taken, with the other way run every EXPLORE_EVERY-th call (every
+    EXPLORE_EVERY_CLEAR-th where it is CLEAR_MARGIN times slower); row counts are apart."""
     choice = ScreenChoice()
     taken = []
     for _ in range(2 * CHOICE_SAMPLES):
         taken.append(choice.use_screen(4))
-        choice.record(4, taken[-1], 0.006 if taken[-1] else 0.003)   # at 4 rows the full head is faster
+        choice.record(4, taken[-1], 0.0036 if taken[-1] else 0.003)   # at 4 rows the full head is faster
     assert taken.count(True) == taken.count(False) == CHOICE_SAMPLES
     later = [choice.use_screen(4) for _ in range(3 * EXPLORE_EVERY)]
+    assert later.count(True) == 3 and choice.chosen() == {4: "full head"}
+    for _ in range(CHOICE_WINDOW):   # the screen now clearly slower at 4 rows: it runs far more rarely
+        choice.record(4, True, 0.003 * CLEAR_MARGIN)
+    later = [choice.use_screen(4) for _ in range(3 * EXPLORE_EVERY_CLEAR)]
     assert later.count(True) == 3 and choice.chosen() == {4: "full head"}
     for _ in range(2 * CHOICE_SAMPLES):   # one row: the screen is faster there
         screened = choice.use_screen(1)
