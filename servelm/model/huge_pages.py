@@ -17,6 +17,7 @@ depend on it.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -72,6 +73,9 @@ GATHER_ALIGN = 64
 
 GATHER_MIN_BYTES = HUGE_PAGE_BYTES
 """Fewer bytes than this are not gathered (less than a huge page: nothing to gain)."""
+GATHER_TRIM_BYTES = 64 << 20
+"""The heap is trimmed after every this many bytes moved: the moved tensors' old memory goes back as the
+copy proceeds, so a large model's gather holds at most this much twice, not all of it."""
 
 
 def gather_on_huge_pages(tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -101,13 +105,17 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> tuple[int, int]:
     if not chosen or total < GATHER_MIN_BYTES:
         return 0, 0
     pages = -(-total // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    with torch.inference_mode(False):   # a plain tensor: the weights may be either kind
-        raw = torch.empty(pages + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    # fresh private anonymous memory (a heap allocation may reuse pages already touched, which keep 4 KiB;
+    # a shared mapping is shmem, without huge pages by default), as a plain tensor that keeps the mapping
+    # alive (the weights may be inference tensors or not)
+    with torch.inference_mode(False):
+        raw = torch.frombuffer(mmap.mmap(-1, pages + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                               dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
     if not advise_huge_pages(raw[start:start + pages]):
         return 0, 0
     arena = raw[start:start + total]
-    moved = moved_bytes = offset = 0
+    moved = moved_bytes = offset = untrimmed = 0
     for tensor, size in zip(chosen, sizes):
         nbytes = tensor.numel() * tensor.element_size()
         piece = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
@@ -117,7 +125,10 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> tuple[int, int]:
             tensor.set_(piece)
         except RuntimeError:   # a tensor that may not be re-pointed here keeps its memory
             continue
-        moved, moved_bytes = moved + 1, moved_bytes + size
+        moved, moved_bytes, untrimmed = moved + 1, moved_bytes + size, untrimmed + size
+        if untrimmed >= GATHER_TRIM_BYTES:
+            _trim_heap()
+            untrimmed = 0
     _trim_heap()
     return moved, moved_bytes
 
