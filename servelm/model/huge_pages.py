@@ -89,6 +89,8 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> tuple[int, int]:
     a tensor moved before is one, of its run), repeated ones. Returns (tensors moved, bytes moved);
     (0, 0) where the advice is refused (nothing moves). Call only while nothing else writes the tensors
     (read-only weights), and make any native object that keeps their addresses afterwards."""
+    if not sys.platform.startswith("linux"):   # transparent huge pages are Linux's
+        return 0, 0
     chosen: list[torch.Tensor] = []
     seen: set[int] = set()
     for tensor in tensors:
