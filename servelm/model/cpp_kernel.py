@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 
@@ -73,6 +74,10 @@ class CppKernel:
     OpenMP's flags are added to it (and to ``link_flags``) where torch parallelises with OpenMP.
     """
 
+    instances: ClassVar[list[CppKernel]] = []
+    """Every kernel made (module-level objects): tests that force other CPU flags forget the loads that
+    failed under them (``forget_failed_loads``), since a load is kept as this CPU's."""
+
     def __init__(self, source: Path, name: str, description: str, required_flags: Sequence[str],
                  compile_flags: Sequence[str] | Callable[[set[str]], Sequence[str]],
                  link_flags: Sequence[str] = (), cpu_flags: Callable[[], set[str]] | None = None) -> None:
@@ -89,6 +94,7 @@ class CppKernel:
         self._loaded = False
         self._module: ModuleType | None = None
         self._reason = ""
+        CppKernel.instances.append(self)
 
     @classmethod
     def beside(cls, module_file: str, source_name: str, name: str, description: str,
@@ -139,6 +145,20 @@ class CppKernel:
             else:
                 logger.info("%s: %s", self.description, self._reason)
         return self._module
+
+    @classmethod
+    def unloaded(cls) -> list[CppKernel]:
+        """The kernels not loaded yet (for ``forget_failed_loads``)."""
+        return [kernel for kernel in cls.instances if not kernel._loaded]
+
+    @staticmethod
+    def forget_failed_loads(kernels: list[CppKernel]) -> None:
+        """Of ``kernels``, those that have since failed to load are not loaded again (the next ``load``
+        tries afresh): for tests that force other CPU flags, under which a kernel is found missing its
+        instructions (a loaded one stays: loading another build under its name rebuilds it)."""
+        for kernel in kernels:
+            if kernel._loaded and kernel._module is None:
+                kernel._loaded, kernel._reason, kernel._resolved_compile_flags = False, "", None
 
     def status(self) -> str:
         """Why the kernel is or is not available (loads it first)."""

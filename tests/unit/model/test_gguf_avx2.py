@@ -9,11 +9,13 @@ the dequantized weight times the activations rounded as the function rounds them
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from servelm.model.cpp_kernel import CppKernel
 from servelm.model.gguf import gguf_blocks, gguf_kernel
 from servelm.model.gguf.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
 from tests.unit.model.test_gguf_blocks import random_raw
@@ -29,6 +31,16 @@ def avx2() -> object:
     if module is None:
         pytest.skip(gguf_kernel.AVX2_KERNEL.status())
     return module
+
+
+@pytest.fixture(autouse=True)
+def kernel_loads() -> Iterator[None]:
+    """A test here that forces other CPU flags (an AVX2-only CPU, no x86) loads kernels under them: a
+    kernel first loaded then and found missing its flags is loaded afresh later, not kept unavailable
+    for the rest of the session (the LM-head screen's tests after these found no int8 screen)."""
+    unloaded = CppKernel.unloaded()
+    yield
+    CppKernel.forget_failed_loads(unloaded)
 
 
 def rounded(x: torch.Tensor, qmax: float | None) -> torch.Tensor:
