@@ -49,14 +49,14 @@ from torch import nn
 
 from servelm.model.gguf import gguf_i8gemm
 from servelm.model.gguf.gguf_blocks import BlockWeight
-from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONLY, I8_GEMM_FIRST_ROW,
+from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONLY, I8_GEMM_FIRST_ROW, I8_GEMM_LEAD,
                                             I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
                                             LinearShape, PassRows, Ranking, Route, default_ranking)
 from servelm.model.gguf.gguf_rows import PACKED_KINDS, pack
 from servelm.model.layers import fused
 from servelm.model.layers.linear import dense_linear
 
-__all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_SKIPPED", "KERNEL_MAX_ROWS", "BlockRows",
+__all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_LEAD", "I8_GEMM_SKIPPED", "KERNEL_MAX_ROWS", "BlockRows",
            "GGUFBlockLinearMethod", "PreparedCall", "decode_rows", "decode_takes_bias"]
 
 
@@ -201,14 +201,22 @@ class GGUFBlockLinearMethod:
         raise NotImplementedError("GGUF block layers are made from loaded layers by apply_gguf_blocks")
 
     def process(self, layer: nn.Module, weight: BlockWeight, float_output: bool = False,
-                int8_rows: bool = True, model_dtype: torch.dtype | None = None) -> int:
+                int8_rows: bool = True, model_dtype: torch.dtype | None = None,
+                int8_lead: BlockWeight | None = None) -> int:
         """Give ``layer`` its block weight in place of the float one, and the copies its routes use;
         returns the bytes stored. ``float_output``: the LM head (float32 logits). ``int8_rows``:
         whether the layer may take the int8 GEMM (``I8_GEMM_SKIPPED``). ``model_dtype``: the rows'
-        dtype (default: the float weight's, else the dense copy's)."""
+        dtype (default: the float weight's, else the dense copy's). ``int8_lead``: the block weight of
+        the layer's leading outputs that may take the int8 GEMM on their own (``I8_GEMM_LEAD``:
+        the query projection of a merged QKV; ``run_lead``)."""
         old = getattr(layer, "weight", None)
         dtype = model_dtype or (old.dtype if old is not None else self.dense_dtype)
         routes = self.routes(self.shape(weight, float_output, int8_rows), weight.block, dtype)
+        lead_routes = (self.routes(self.shape(int8_lead), int8_lead.block, dtype)
+                       if int8_lead is not None and not float_output and Route.DENSE in routes.held else None)
+        layer.gguf_lead = ((int8_lead.shape[0], lead_routes)   # type: ignore[union-attr]
+                           if lead_routes is not None and Route.INT8 in lead_routes.held else None)
+        """(leading outputs, their routes) where they may take the int8 GEMM apart from the rest, else None."""
         layer.gguf_weight = weight
         layer.gguf_routes = routes
         if self.packs and Route.BLOCK in routes.held:
@@ -217,7 +225,8 @@ class GGUFBlockLinearMethod:
             weight.with_compact()
         layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held)
         layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held, bits=True)
-        layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in routes.held else None
+        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if Route.INT8 in routes.held or layer.gguf_lead is not None
+                         else None)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in routes.held else None
         layer.gguf_decode_args = self._decode_args(layer, routes, dtype)
         if old is not None:
@@ -271,10 +280,16 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         is_bf16 = x2.dtype == torch.bfloat16
-        route = routes.pick(x2.shape[0], is_bf16, rows is None or not rows.generation_only)
+        prompt = rows is None or not rows.generation_only
+        route = routes.pick(x2.shape[0], is_bf16, prompt)
         if x2.device.type != "cpu" and route is not Route.DENSE and Route.DENSE in routes.held:
             route = Route.DENSE
-        out = self.run_route(route, layer, x2, bias, routes.shape.is_head or unrounded)
+        lead = state.get("gguf_lead")
+        if (lead is not None and route is Route.DENSE and x2.device.type == "cpu"
+                and lead[1].pick(x2.shape[0], is_bf16, prompt) is Route.INT8):
+            out = self.run_lead(layer, x2, bias, lead[0], routes.shape.is_head or unrounded)
+        else:
+            out = self.run_route(route, layer, x2, bias, routes.shape.is_head or unrounded)
         generation = rows.mixed_generation_rows(x2.shape[0]) if rows is not None else None
         if generation is not None and (route not in ROW_INDEPENDENT
                                        or routes.pick(len(generation), is_bf16, False) is not route):
@@ -321,6 +336,23 @@ class GGUFBlockLinearMethod:
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
         if bias is not None and kernel_bias is None:   # type promotion: float32 whenever either side is
             out = out + bias
+        return out.float() if float_out else out.to(x2.dtype)
+
+    def run_lead(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, lead: int,
+                 float_out: bool) -> torch.Tensor:
+        """Prompt rows [M, K] of a merged layer whose first ``lead`` outputs (``I8_GEMM_LEAD``: the
+        queries) take the int8 GEMM and the rest (K, V) the dense copy's rows, each written into
+        one result in the dense copy's dtype; the bias added and the result returned as
+        ``run_route``'s dense route does."""
+        weight: BlockWeight = layer.gguf_weight
+        dense: torch.Tensor = layer.gguf_dense
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=dense.dtype)
+        self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
+            x2.contiguous() if x2.dtype == torch.bfloat16 else x2.float().contiguous(), *layer.gguf_i8,
+            weight.block, dense.dtype == torch.bfloat16, lead, out[:, :lead])
+        out[:, lead:] = dense_linear(x2.to(dense.dtype).contiguous(), dense[lead:])
+        if bias is not None:   # as ``out + bias``; in place where that keeps out's dtype
+            out = out.add_(bias) if bias.dtype == out.dtype else out + bias
         return out.float() if float_out else out.to(x2.dtype)
 
     def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor,

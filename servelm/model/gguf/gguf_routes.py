@@ -14,7 +14,8 @@ A route is one way to compute ``x @ W.T`` from a ``BlockWeight`` (gguf_linear.py
 Which route is fastest is measured on the machine at hand (servelm/model/routes.py) and handed to
 each layer as a ``RouteRanking``; which routes are *allowed* is a rule, never a measurement
 (``allowed``): generation rows (decode, verify, logits rows) never take int8-rounded activations;
-the KV projections (``I8_GEMM_SKIPPED``) and the LM head never take the int8 GEMM; ``float``
+the KV projections (``I8_GEMM_SKIPPED``; a merged QKV's queries may on their own, ``I8_GEMM_LEAD``)
+and the LM head never take the int8 GEMM; ``float``
 activations (the exact mode) never do; a float32 model's rows up to ``F32_EXACT_ROWS`` keep a route
 that does not round them to bf16 where one is held. In a pass that mixes prompt and generation rows,
 the generation rows come out as a pass of only them computes them (gguf_linear.py ``apply``).
@@ -59,6 +60,13 @@ I8_GEMM_SKIPPED = ("qkv_proj", "k_proj", "v_proj")
 results the KV cache keeps. Their prefill rows, rounded to int8, reach every later token's
 attention; off the int8 GEMM Gemma 3 keeps 88% of benchmarks/quant_quality.py's greedy outputs
 identical to float32 instead of 75% (a quality rule)."""
+
+I8_GEMM_LEAD = ("qkv_proj",)
+"""Merged layers (by their module name's last part) whose leading part, the query projection, may take
+the int8 GEMM for prompt rows where its own shape's routes say so, while the rest (K and V, which the
+cache keeps) takes the layer's own route, the dense copy (``GGUFBlockLinearMethod.run_lead``): queries
+are not cached. benchmarks/quant_quality.py, 288 prompts: Qwen2.5-Coder 0.5B 78% identical (81%
+without), Gemma 3 270M 78% (77%); perplexity unchanged (a quality rule)."""
 
 KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
 """Default (Zen 5, benchmarks/gguf_kernels.py) rows up to which the block kernel beat the dense copy

@@ -47,7 +47,7 @@ from servelm.model.gguf.block_builds import choose_block_build
 from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
 from servelm.model.gguf import gguf_i8gemm, gguf_rows
 from servelm.model.gguf.gguf_linear import BlockRows, GGUFBlockLinearMethod
-from servelm.model.gguf.gguf_routes import I8_GEMM_SKIPPED, LayerRoutes, LinearShape
+from servelm.model.gguf.gguf_routes import I8_GEMM_LEAD, I8_GEMM_SKIPPED, LayerRoutes, LinearShape
 from servelm.model.layers.linear import LinearBase
 from servelm.model.layers.moe import FusedMoE
 from servelm.model.loader import build_model, cpu_bf16_feature, resolve_dtype
@@ -288,15 +288,26 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
         shape = LinearShape(first.codes.shape[1], n, kind, isinstance(module, LMHead),
                             module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED
                             and not isinstance(module, LMHead) and method.activations != "float")
-        if shape not in specs:
-            ranges = [torch.aminmax(blocks[name].codes) for name in names]
-            specs[shape] = ShapeSpec(shape, first.block, first.offsets is not None,
-                                     (min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)))
+        lead = _int8_lead(module_name, names, blocks)
+        parts = [(shape, names)] + ([(method.shape(lead), names[:1])] if lead is not None else [])
+        for part_shape, part_names in parts:
+            if part_shape not in specs:
+                ranges = [torch.aminmax(blocks[name].codes) for name in part_names]
+                specs[part_shape] = ShapeSpec(part_shape, first.block, first.offsets is not None,
+                                              (min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)))
         model_dtype = module.weight.dtype
     table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh,
                                 working_bytes=sum(weight.nbytes for weight in blocks.values()))
     method.ranking = table.ranking(method.default_ranking)
     return source, model_dtype
+
+
+def _int8_lead(module_name: str, names: list[str], blocks: dict[str, BlockWeight]) -> BlockWeight | None:
+    """The leading part of a merged layer that may take the int8 GEMM on its own (``I8_GEMM_LEAD``:
+    a QKV projection's queries), else None."""
+    if module_name.rpartition(".")[2] in I8_GEMM_LEAD and len(names) > 1:
+        return blocks[names[0]]
+    return None
 
 
 def _decoder_weights(model: nn.Module, blocks: dict[str, BlockWeight]) -> tuple[list[BlockWeight], torch.dtype]:
@@ -403,7 +414,8 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
             else:
                 dense_bytes += method.process(
                     module, weight, float_output=isinstance(module, LMHead),
-                    int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED) - weight.nbytes
+                    int8_rows=module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED,
+                    int8_lead=_int8_lead(module_name, names, blocks)) - weight.nbytes
                 weight.drop_codes()   # its copies are made; a module sharing it unpacks what it needs
                 if isinstance(module, LMHead):
                     head_kind = weight.kind
@@ -416,7 +428,8 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     replaced |= expert_weight_names(model, split)
     routes_by_shape: dict[LinearShape, LayerRoutes] = {
         routes.shape: routes for module in model.modules()
-        if isinstance(routes := module.__dict__.get("gguf_routes"), LayerRoutes)}
+        for routes in (module.__dict__.get("gguf_routes"), (module.__dict__.get("gguf_lead") or (0, None))[1])
+        if isinstance(routes, LayerRoutes)}
     x_bf16 = model_dtype == torch.bfloat16
     method.route_report = route_summary(routes_by_shape, x_bf16, route_source)
     kernel_note = (f"block kernel build: {build.note}; routes ({route_source}; {route_seconds:.2f} s):\n  "

@@ -311,6 +311,34 @@ def test_apply_after_a_float_load_checks_each_block(tmp_path: Path) -> None:
         apply_gguf_blocks(model, path)
 
 
+def test_a_qkv_projection_offers_its_queries_to_the_int8_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf_weights passes a merged QKV projection's query block as ``int8_lead`` (``I8_GEMM_LEAD``) and
+    the route table measures its shape; no other layer offers one."""
+    from servelm.model.gguf import gguf_weights
+    offered: dict[str, BlockWeight | None] = {}
+    process = GGUFBlockLinearMethod.process
+
+    def spy(self, layer, weight, *args, **kwargs):
+        offered[next(name for name, module in model.named_modules() if module is layer)] = kwargs.get("int8_lead")
+        return process(self, layer, weight, *args, **kwargs)
+
+    measured: list = []
+    build_table = gguf_weights.build_table
+    monkeypatch.setattr(GGUFBlockLinearMethod, "process", spy)
+    monkeypatch.setattr(gguf_weights, "build_table", lambda method, specs, *a, **k: (measured.extend(specs),
+                                                                                     build_table(method, specs, *a, **k))[1])
+    path = tmp_path / "tiny-q.gguf"
+    write_quantized_llama(path)
+    config = GGUFFile.open(path).hf_config()
+    model = load_model(config, lambda: GGUFFile.open(path).tensors(), torch.float32, torch.device("cpu"))
+    apply_gguf_blocks(model, path)
+    lead = offered.pop("model.layers.0.self_attn.qkv_proj")
+    assert lead is not None and tuple(lead.shape) == (64, 64)   # 2 heads of 32: the queries' rows only
+    assert offered and all(value is None for value in offered.values())
+    assert any(spec.shape.out_features == 64 and spec.shape.in_features == 64 and spec.shape.may_int8
+               and spec.shape.kind == lead.kind for spec in measured)
+
+
 def test_no_kernel_without_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AVX512-VNNI gets no kernel, with the reason (CI without a compiler likewise)."""
     from servelm.model.gguf import gguf_kernel

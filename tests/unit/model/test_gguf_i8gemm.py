@@ -209,6 +209,32 @@ def test_kv_projections_keep_unrounded_prefill_rows(kernel) -> None:
     assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
 
 
+def test_a_qkv_projections_queries_take_the_int8_gemm_into_its_result(kernel) -> None:
+    """``int8_lead`` (gguf_weights passes a QKV projection's queries, ``I8_GEMM_LEAD``): from the first
+    int8 row the kernel writes the queries into the layer's result in place (rows ``N`` apart), the keys
+    and values are the dense copy's; fewer rows keep the layer's own route."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    from servelm.model.gguf.gguf_blocks import concat_rows
+    queries, keys_values = block_weight(64, 256, 32, False, seed=12), block_weight(38, 256, 32, False, seed=13)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel)
+    layer = torch.nn.Module()
+    method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
+    assert layer.gguf_lead is not None and layer.gguf_lead[0] == 64
+    codes, scales, offsets = layer.gguf_i8
+    first = I8_GEMM_FIRST_ROW
+    x = torch.randn(first + 9, 256, generator=torch.Generator().manual_seed(14)).bfloat16()
+    out = method.apply(layer, x, None)
+    assert out.shape == (first + 9, 102) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:, :64], kernel.i8_gemm(x, codes, scales, offsets, 32, True, 64))
+    assert torch.equal(out[:, 64:], dense_linear(x, layer.gguf_dense[64:]))
+    torch.testing.assert_close(out[:, 64:].float(), dense_linear(x, layer.gguf_dense)[:, 64:].float())
+    fewer = method.apply(layer, x[:first - 1], None)
+    assert torch.equal(fewer, method.run_route(layer.gguf_routes.pick(first - 1, True, True), layer,
+                                               x[:first - 1], None, False))
+
+
 def bf16_block_layer(kernel, weight: BlockWeight) -> tuple[GGUFBlockLinearMethod, torch.nn.Module, Any]:
     """A bf16 model's layer on ``weight`` with every kernel (VNNI, rows, int8), and the rows kernel's
     module; skips where the VNNI or the rows kernel is missing."""

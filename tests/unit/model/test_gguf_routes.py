@@ -16,7 +16,7 @@ from torch import nn
 from servelm.model import routes as route_table
 from servelm.model.forward_batch import BatchPlan, ForwardBatch, SequencePlan
 from servelm.model.gguf import gguf_i8gemm, gguf_rows
-from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_blocks import BlockWeight, concat_rows
 from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
 from servelm.model.gguf.gguf_routes import (GENERATION_ONLY, ROW_CLASSES, LayerRoutes, LinearShape, PassRows,
                                             Route, complete)
@@ -69,10 +69,11 @@ class TorchI8Kernel:
     def __init__(self) -> None:
         self.calls = 0
 
-    def i8_gemm(self, x, codes, scales, offsets, block, bf16_out, n):
+    def i8_gemm(self, x, codes, scales, offsets, block, bf16_out, n, out=None):
         self.calls += 1
         weight = _unpack(codes.bitwise_xor(0x80).view(torch.int8), scales, offsets, n)
-        return _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out)
+        result = _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out)
+        return result if out is None else out[:, :n].copy_(result)
 
 
 def block_weight(n: int, k: int, offsets: bool, seed: int = 0, packable: bool = False) -> BlockWeight:
@@ -147,6 +148,45 @@ def test_generation_rows_never_take_int8_even_when_it_is_fastest() -> None:
     by_i8 = method.run_route(Route.INT8, layer, x, None, False)
     prompt = [row for row in range(40) if row not in gen_rows]
     assert torch.equal(out[prompt], by_i8[prompt]) and not torch.equal(out[gen_rows], by_i8[gen_rows])
+
+
+def test_a_qkv_projections_queries_alone_take_int8() -> None:
+    """``I8_GEMM_LEAD``: a merged QKV layer's prompt rows take the int8 GEMM for its queries where their
+    own shape's routes say so; its keys and values (cached) keep the dense copy, its generation rows
+    never take int8, a mixed pass's generation rows come out as a pass of their own."""
+    i8 = TorchI8Kernel()
+    method = torch_method(ranking_of(Route.INT8, Route.DENSE), i8=i8)
+    queries, keys_values = block_weight(64, 128, False, seed=1), block_weight(32, 128, False, seed=2)
+    layer = nn.Module()
+    method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
+    lead, lead_routes = layer.gguf_lead
+    assert lead == 64 and lead_routes.shape == method.shape(queries) and layer.gguf_i8 is not None
+    assert layer.gguf_routes.pick(40, True, True) is Route.DENSE   # the layer itself: never int8
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = method.apply(layer, x, bias, PassRows.of([40], [False]))
+    assert i8.calls == 1 and out.dtype == torch.bfloat16 and out.shape == (40, 96)
+    by_i8 = method.run_route(Route.INT8, layer, x, None, False)
+    dense = method.run_route(Route.DENSE, layer, x, bias, False)
+    assert torch.equal(out[:, :64], by_i8[:, :64] + bias[:64])
+    torch.testing.assert_close(out[:, 64:], dense[:, 64:], rtol=0, atol=0)
+    assert not torch.equal(out[:, :64], dense[:, :64])
+    # decode rows only: the dense copy, no int8
+    calls = i8.calls
+    assert torch.equal(method.apply(layer, x, bias, PassRows.of([1] * 40, [True] * 40)), dense)
+    assert i8.calls == calls
+    # a mixed pass: prompt rows as above, the generation rows as a pass of only them gives them
+    counts, generation = [1, 30, 1, 8], [True, False, True, False]
+    mixed = method.apply(layer, x, bias, PassRows.of(counts, generation))
+    gen_rows = [0, 31]
+    prompt = [row for row in range(40) if row not in gen_rows]
+    assert torch.equal(mixed[gen_rows], method.apply(layer, x[gen_rows], bias, GENERATION_ONLY))
+    assert torch.equal(mixed[prompt], out[prompt])
+    # where the queries' routes never take int8 the layer keeps no int8 copy
+    plain = nn.Module()
+    torch_method(ranking_of(Route.DENSE, Route.INT8)).process(plain, concat_rows([queries, keys_values]),
+                                                              int8_rows=False, int8_lead=queries)
+    assert plain.gguf_lead is None and plain.gguf_i8 is None
 
 
 def test_float32_rows_keep_an_exact_route_where_the_block_kernel_is_held() -> None:
