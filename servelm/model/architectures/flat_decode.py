@@ -235,6 +235,11 @@ class FlatDecodePlan:
         each layer's 1-row route reaches in its route table)."""
         self.prompt_rows = min((decode_rows(call, False) for call in calls), default=0)
         """The same for a pass with prompt rows (which may take the int8 GEMM sooner)."""
+        copies = [call[0] for call in calls if isinstance(call[0], RowsCopies)]
+        self._copies_read: list[tuple[int, ...]] = [tuple(id(kernel.copy_for(rows)[0]) for kernel in copies)
+                                                    for rows in range(1, self.prompt_rows + 1)] if copies else []
+        """Per row count m (index m - 1, up to ``prompt_rows``): the copies an m-row pass reads (a
+        ``RowsCopies`` call's copy depends on the rows; the copies' floats differ)."""
         self.round_updates = self.rounds and not (layers and getattr(layers[0].self_attn.o_proj,
                                                                      "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: a float32 model's, or
@@ -282,7 +287,15 @@ class FlatDecodePlan:
         return (self.layers is not None and hidden.dtype in (torch.float32, self.dtype) and hidden.dim() == 2
                 and not any(self._hooks)
                 and hidden.shape[0] <= self.max_rows(batch) and hidden.is_contiguous() and not batch.lora
-                and fused.applies(hidden))
+                and fused.applies(hidden) and self._same_copies(hidden.shape[0], batch))
+
+    def _same_copies(self, num_rows: int, batch: ForwardBatch) -> bool:
+        """Whether a mixed pass of ``num_rows`` rows reads the copies its generation rows alone would
+        (else the module path, which computes those rows as a pass of their own: their results do not
+        depend on the prompt rows beside them, ``GGUFBlockLinearMethod.apply``)."""
+        generation = batch.rows.mixed_generation_rows(num_rows) if batch.rows is not None else None
+        return (generation is None or not self._copies_read
+                or self._copies_read[num_rows - 1] == self._copies_read[len(generation) - 1])
 
     def step(self, hidden: torch.Tensor, batch: ForwardBatch) -> DecodeStep:
         """The forward's ``DecodeStep`` (``applies`` checked by the caller)."""

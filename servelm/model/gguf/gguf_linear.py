@@ -108,7 +108,12 @@ class RowsCopies:
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  block: int, round_out: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.gemm(x, *self.by_rows[min(x.shape[0], len(self.by_rows)) - 1], block, round_out, bias)
+        return self.gemm(x, *self.copy_for(x.shape[0]), block, round_out, bias)
+
+    def copy_for(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The copy an m-row call reads (the two copies' floats differ: their codes are biased
+        differently)."""
+        return self.by_rows[min(rows, len(self.by_rows)) - 1]
 
 
 def rows_kernel_copy(layer: nn.Module, route: Route) -> tuple[torch.Tensor, ...]:
@@ -272,7 +277,15 @@ class GGUFBlockLinearMethod:
             kernel, codes, scales, offsets, block = decode
             round_out = decode.rounds and not unrounded
             if bias is None:   # rounded to bf16 by the kernel, or float32
-                return kernel(x, codes, scales, offsets, block, round_out)
+                out = kernel(x, codes, scales, offsets, block, round_out)
+                generation = rows.mixed_generation_rows(x.shape[0]) if rows is not None else None
+                if (generation is not None and isinstance(kernel, RowsCopies)
+                        and kernel.copy_for(x.shape[0]) is not kernel.copy_for(len(generation))):
+                    # a mixed pass on another copy than its generation rows alone would read: those
+                    # rows as a pass of only them computes them (as below for the routes)
+                    out.index_copy_(0, generation, kernel(x.index_select(0, generation), codes, scales, offsets,
+                                                          block, round_out))
+                return out
             # one row of a biased layer on the block kernel: the bias added in float32 before any bf16
             # rounding, as ``run_route``'s ``out + bias`` does it
             return kernel(x, codes, scales, offsets, block, round_out, bias)
