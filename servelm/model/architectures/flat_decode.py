@@ -235,11 +235,8 @@ class FlatDecodePlan:
         each layer's 1-row route reaches in its route table)."""
         self.prompt_rows = min((decode_rows(call, False) for call in calls), default=0)
         """The same for a pass with prompt rows (which may take the int8 GEMM sooner)."""
-        copies = [call[0] for call in calls if isinstance(call[0], RowsCopies)]
-        self._copies_read: list[tuple[int, ...]] = [tuple(id(kernel.copy_for(rows)[0]) for kernel in copies)
-                                                    for rows in range(1, self.prompt_rows + 1)] if copies else []
-        """Per row count m (index m - 1, up to ``prompt_rows``): the copies an m-row pass reads (a
-        ``RowsCopies`` call's copy depends on the rows; the copies' floats differ)."""
+        self._by_rows_calls = [call[0] for call in calls if isinstance(call[0], RowsCopies)]
+        """The calls whose copy depends on the pass's rows (``RowsCopies``; the copies' floats differ)."""
         self.round_updates = self.rounds and not (layers and getattr(layers[0].self_attn.o_proj,
                                                                      "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: a float32 model's, or
@@ -294,8 +291,8 @@ class FlatDecodePlan:
         (else the module path, which computes those rows as a pass of their own: their results do not
         depend on the prompt rows beside them, ``GGUFBlockLinearMethod.apply``)."""
         generation = batch.rows.mixed_generation_rows(num_rows) if batch.rows is not None else None
-        return (generation is None or not self._copies_read
-                or self._copies_read[num_rows - 1] == self._copies_read[len(generation) - 1])
+        return generation is None or all(kernel.copy_for(num_rows) is kernel.copy_for(len(generation))
+                                         for kernel in self._by_rows_calls)
 
     def step(self, hidden: torch.Tensor, batch: ForwardBatch) -> DecodeStep:
         """The forward's ``DecodeStep`` (``applies`` checked by the caller)."""

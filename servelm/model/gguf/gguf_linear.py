@@ -283,8 +283,8 @@ class GGUFBlockLinearMethod:
                         and kernel.copy_for(x.shape[0]) is not kernel.copy_for(len(generation))):
                     # a mixed pass on another copy than its generation rows alone would read: those
                     # rows as a pass of only them computes them (as below for the routes)
-                    out.index_copy_(0, generation, kernel(x.index_select(0, generation), codes, scales, offsets,
-                                                          block, round_out))
+                    out.index_copy_(0, generation, self.apply(layer, x.index_select(0, generation), None,
+                                                              GENERATION_ONLY))
                 return out
             # one row of a biased layer on the block kernel: the bias added in float32 before any bf16
             # rounding, as ``run_route``'s ``out + bias`` does it
