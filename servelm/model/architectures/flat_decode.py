@@ -102,7 +102,7 @@ def kernel_call(linear: Any, allow_bias: bool = False, routed: bool = False) -> 
         return None
     if not isinstance(call, PreparedCall):
         return None
-    if linear.bias is not None and not (allow_bias and linear.bias.dtype == call.dtype):
+    if linear.bias is not None and not (allow_bias and call.takes_bias and linear.bias.dtype == call.dtype):
         return None
     return call
 

@@ -8,10 +8,8 @@ kernels in the same order as LlamaDecoderLayer.forward: the fused RMSNorm, the Q
 RoPE (with Qwen3's q/k norms), attention, the O kernel, the fused add + RMSNorm, gate_up, silu * up,
 down, and the residual add, which the fused add + RMSNorm takes together with the next layer's input
 norm (it rounds the sum to the stream's dtype before norming it, as torch's add then the norm: one call,
-not two). A QKV bias (Qwen2): one row takes the prepared call (the block
-kernel's or the rows kernel's) with the bias added in the kernel (as GGUFBlockLinearMethod.apply's
-decode call), more rows take apply (the module path's own routing); the other projections must be
-bias-free.
+not two). A QKV bias (Qwen2) goes to the prepared call, which adds it in float32 before any rounding
+(as GGUFBlockLinearMethod.apply's decode call); the other projections must be bias-free.
 Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
 """
 
@@ -27,7 +25,6 @@ from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, c
 from servelm.model.layers import fused
 from servelm.model.layers.norm import RMSNorm
 from servelm.model.gguf import gguf_kernel
-from servelm.model.gguf.gguf_linear import decode_takes_bias
 
 from servelm.model.architectures.common import GatedMLP
 
@@ -41,9 +38,7 @@ class _LayerPlan(LayerPlan):
     """A Llama-family layer's plan: the shared fields, the QKV bias, and the next layer's input norm
     (the residual add goes with it)."""
 
-    qkv_bias: torch.Tensor | None
-    qkv_biased: Any        # None, or the QKV linear with a bias: past 1 row its method's apply computes it
-    qkv_call_takes_bias: bool   # the prepared call adds a bias at one row (the block kernel's, the rows kernel's)
+    qkv_bias: torch.Tensor | None   # added by the QKV call (kernel_call checks that it takes one)
     next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
     next_eps: float = 0.0
     mlp_run: Any = None    # one row, float32: o .. down and the next norm in one call (``decode_mlp``), or None
@@ -77,8 +72,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         qkv = attn.qkv_proj
         return _LayerPlan(
             input_norm=layer.input_layernorm.weight, qkv_call=qkv_call,
-            qkv_bias=qkv.bias, qkv_biased=qkv if qkv.bias is not None else None,
-            qkv_call_takes_bias=decode_takes_bias(qkv_call),
+            qkv_bias=qkv.bias,
             split_sizes=list(qkv.output_sizes),
             num_heads=qkv.num_heads, num_kv_heads=qkv.num_kv_heads, head_dim=qkv.head_dim, rotary=attn.rotary_emb,
             q_norm=head_norms[0].weight if head_norms else None, k_norm=head_norms[1].weight if head_norms else None,
@@ -102,15 +96,8 @@ class LlamaDecodePlan(FlatDecodePlan):
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
         final: torch.Tensor
         for plan in plans:
-            biased = plan.qkv_biased
-            if biased is None:
-                kernel, codes, scales, offsets, block = plan.qkv_call
-                qkv = kernel(normed, codes, scales, offsets, block, rounds)
-            elif step.num_tokens == 1 and plan.qkv_call_takes_bias:   # as GGUFBlockLinearMethod.apply's decode call
-                kernel, codes, scales, offsets, block = plan.qkv_call
-                qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
-            else:
-                qkv = biased.linear_method.apply(biased, normed, plan.qkv_bias, step.batch.rows)
+            kernel, codes, scales, offsets, block = plan.qkv_call
+            qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
             if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
                 rotary = plan.rotary
                 cos, sin = step.rotation(rotary)

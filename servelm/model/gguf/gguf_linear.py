@@ -57,7 +57,7 @@ from servelm.model.layers import fused
 from servelm.model.layers.linear import dense_linear
 
 __all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_LEAD", "I8_GEMM_SKIPPED", "KERNEL_MAX_ROWS", "BlockRows",
-           "GGUFBlockLinearMethod", "PreparedCall", "decode_rows", "decode_takes_bias"]
+           "GGUFBlockLinearMethod", "PreparedCall", "decode_rows"]
 
 
 class PreparedCall(tuple):  # type: ignore[type-arg]
@@ -126,11 +126,6 @@ def decode_rows(call: tuple[object, ...], generation_only: bool = True) -> int:
     if not isinstance(call, PreparedCall):
         return 0
     return call.generation_rows if generation_only else call.prompt_rows
-
-
-def decode_takes_bias(call: tuple[object, ...]) -> bool:
-    """Whether a layer's prepared decode call takes a bias as its last argument."""
-    return isinstance(call, PreparedCall) and call.takes_bias
 
 
 ACTIVATION_MODES = ("int16", "int8", "float")
@@ -272,23 +267,22 @@ class GGUFBlockLinearMethod:
         if (decode and x.dtype == decode.dtype and x.dim() == 2
                 and x.shape[0] <= (decode.generation_rows if rows is not None and rows.generation_only
                                    else decode.prompt_rows)
-                and (bias is None or x.shape[0] == 1 and decode.takes_bias)
+                and (bias is None or decode.takes_bias)
                 and x.is_contiguous() and x.device.type == "cpu"):
             kernel, codes, scales, offsets, block = decode
             round_out = decode.rounds and not unrounded
-            if bias is None:   # rounded to bf16 by the kernel, or float32
-                out = kernel(x, codes, scales, offsets, block, round_out)
-                generation = rows.mixed_generation_rows(x.shape[0]) if rows is not None else None
-                if (generation is not None and isinstance(kernel, RowsCopies)
-                        and kernel.copy_for(x.shape[0]) is not kernel.copy_for(len(generation))):
-                    # a mixed pass on another copy than its generation rows alone would read: those
-                    # rows as a pass of only them computes them (as below for the routes)
-                    out.index_copy_(0, generation, self.apply(layer, x.index_select(0, generation), None,
-                                                              GENERATION_ONLY))
-                return out
-            # one row of a biased layer on the block kernel: the bias added in float32 before any bf16
-            # rounding, as ``run_route``'s ``out + bias`` does it
-            return kernel(x, codes, scales, offsets, block, round_out, bias)
+            # rounded to bf16 by the kernel, or float32; a bias added in float32 before any bf16
+            # rounding, as ``run_route``'s ``out + bias`` (or the rows kernel there) does it
+            out = (kernel(x, codes, scales, offsets, block, round_out) if bias is None
+                   else kernel(x, codes, scales, offsets, block, round_out, bias))
+            generation = rows.mixed_generation_rows(x.shape[0]) if rows is not None else None
+            if (generation is not None and isinstance(kernel, RowsCopies)
+                    and kernel.copy_for(x.shape[0]) is not kernel.copy_for(len(generation))):
+                # a mixed pass on another copy than its generation rows alone would read: those
+                # rows as a pass of only them computes them (as below for the routes)
+                out.index_copy_(0, generation, self.apply(layer, x.index_select(0, generation), bias,
+                                                          GENERATION_ONLY))
+            return out
         routes: LayerRoutes = state["gguf_routes"]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])

@@ -321,7 +321,10 @@ def test_the_prepared_decode_call_is_the_routed_result(first: Route) -> None:
         assert torch.equal(method.apply(layer, x[:rows], None, GENERATION_ONLY), routed)
         assert torch.equal(call[0](x[:rows], *call[1:], True), routed)
     bias = torch.randn(64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    assert torch.equal(method.apply(layer, x[:1], bias), method.run_route(first, layer, x[:1], bias, False))
+    for rows in (1, 8):   # a biased layer (Qwen2's QKV) takes the prepared call at any row count it reaches
+        routed = method.run_route(first, layer, x[:rows], bias, False)
+        assert torch.equal(method.apply(layer, x[:rows], bias, GENERATION_ONLY), routed)
+        assert torch.equal(call[0](x[:rows], *call[1:], True, bias), routed)
     nine = torch.randn(9, 128).bfloat16()
     assert torch.equal(method.apply(layer, nine, None), method.run_route(Route.DENSE, layer, nine, None, False))
 
