@@ -80,10 +80,8 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)
-            kernel, codes, scales, offsets, block = plan.gate_up_call
-            gate_up = kernel(ops.rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True, None), codes, scales,
-                             offsets, block, rounds)
+            acted = self.acted(plan, ops, ops.rms_norm(hidden, plan.pre_feedforward_norm, plan.eps, True, None))
             kernel, codes, scales, offsets, block = plan.down_call
-            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
+            down = kernel(acted, codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
         return hidden if final_norm is None else final_norm(hidden)

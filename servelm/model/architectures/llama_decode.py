@@ -116,10 +116,8 @@ class LlamaDecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.o_call
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
-            kernel, codes, scales, offsets, block = plan.gate_up_call
-            gate_up = kernel(normed, codes, scales, offsets, block, rounds)
             kernel, codes, scales, offsets, block = plan.down_call
-            down = kernel(ops.act_and_mul(gate_up, plan.activation_kind), codes, scales, offsets, block, round_updates)
+            down = kernel(self.acted(plan, ops, normed), codes, scales, offsets, block, round_updates)
             if plan.next_input_norm is None:
                 if self.fuses_final_norm(final_norm):
                     assert final_norm is not None

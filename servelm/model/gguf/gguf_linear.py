@@ -52,12 +52,13 @@ from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_routes import (BF16_KERNEL_MAX_ROWS, GENERATION_ONLY, I8_GEMM_FIRST_ROW, I8_GEMM_LEAD,
                                             I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, ROW_INDEPENDENT, LayerRoutes,
                                             LinearShape, PassRows, Ranking, Route, default_ranking)
+from servelm.model.gguf import gguf_rows
 from servelm.model.gguf.gguf_rows import PACKED_KINDS, pack
 from servelm.model.layers import fused
 from servelm.model.layers.linear import dense_linear
 
 __all__ = ["BF16_KERNEL_MAX_ROWS", "I8_GEMM_FIRST_ROW", "I8_GEMM_LEAD", "I8_GEMM_SKIPPED", "KERNEL_MAX_ROWS", "BlockRows",
-           "GGUFBlockLinearMethod", "PreparedCall", "decode_rows"]
+           "GGUFBlockLinearMethod", "GateUpAct", "PreparedCall", "decode_rows", "gate_up_act"]
 
 
 class PreparedCall(tuple):  # type: ignore[type-arg]
@@ -114,6 +115,39 @@ class RowsCopies:
         """The copy an m-row call reads (the two copies' floats differ: their codes are biased
         differently)."""
         return self.by_rows[min(rows, len(self.by_rows)) - 1]
+
+
+class GateUpAct:
+    """A gated MLP's gate_up prepared call and act(gate) * up in one call of the rows kernel
+    (gguf_rows.cpp ``rows_act``: each gate tile with the up tile of the same outputs, the [M, N] gate_up
+    never written): the bits that the call's bf16 output then fused_ops' ``act_and_mul`` give. Made by
+    ``gate_up_act`` where the call is the rows kernel's."""
+
+    __slots__ = ("rows_act", "call", "kind")
+
+    def __init__(self, rows_act: Callable[..., torch.Tensor], call: PreparedCall, kind: int) -> None:
+        self.rows_act, self.call, self.kind = rows_act, call, kind
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernel, codes, scales, offsets, block = self.call
+        if isinstance(kernel, RowsCopies):
+            codes, scales, offsets = kernel.copy_for(x.shape[0])
+        return self.rows_act(x, codes, scales, offsets, block, self.kind)
+
+
+def gate_up_act(call: PreparedCall, kind: int) -> GateUpAct | None:
+    """``GateUpAct`` for a gate_up layer's prepared call and its activation's fused kind (SiLU 0, GELU
+    tanh 1), or None where the call is not the rows kernel's on bf16 rows (then gate_up, then
+    act_and_mul): the call reads every packed output (its reach ends before padded ones) and its gate
+    half ends on a tile."""
+    kernel = call[0]
+    gemm = kernel.gemm if isinstance(kernel, RowsCopies) else kernel
+    module = gguf_rows.load_kernel()
+    if module is None or gemm is not module.rows_call or not call.rounds or kind not in (0, 1):
+        return None
+    tile_outputs = module.GEMM_COLS * 16
+    outputs = call[1].shape[0] * tile_outputs
+    return GateUpAct(module.rows_act, call, kind) if outputs % (2 * tile_outputs) == 0 else None
 
 
 def rows_kernel_copy(layer: nn.Module, route: Route) -> tuple[torch.Tensor, ...]:

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <vector>
 
+#include "servelm_activation.h"
 #include "servelm_parallel.h"
 #include "servelm_simd.h"
 
@@ -301,7 +302,38 @@ struct GemmArgs {
   bool once;              // every row in one group: the codes are read once (non-temporal prefetches)
   const float* bias32;    // [N] added to the results in float32 before any rounding, or nullptr;
   const uint16_t* bias16; // or a bf16 bias (widened exactly), or nullptr
+  int act;                // rows_act: the activation (0 SiLU, 1 GELU tanh) of a gated MLP's gate_up, or -1
+  int64_t half_tiles;     // rows_act: the tiles of the gate half (the up half's follow)
 };
+
+// A float32 vector rounded to bf16 (nearest even) and widened back: the value a bf16 output holds.
+inline __m512 round_bf16(__m512 v) {
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(b)), 16));
+}
+
+// rows_act's epilogue of one accumulator block: a gate tile's results (rounded to bf16, as gate_up's
+// output holds them) wait in ``gate`` (R x C vectors); the matching up tile's meet them as fused_ops'
+// act_and_mul does: round(round(act(gate)) x round(up)), stored as bf16 in the [M, N / 2] output.
+template <int R, int C>
+void act_epilogue(const GemmArgs& a, const __m512 (&acc)[R][C], int64_t r0, int64_t tile, float* gate) {
+  const bool up = tile >= a.half_tiles;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float* held = gate + (r * C + c) * 16;
+      const __m512 v = round_bf16(acc[r][c]);
+      if (!up) {
+        _mm512_storeu_ps(held, v);
+        continue;
+      }
+      const __m512 g = _mm512_loadu_ps(held);
+      const __m512 act = round_bf16(a.act == 0 ? servelm_activation::activate16<0>(g)
+                                                : servelm_activation::activate16<1>(g));
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_mul_ps(act, v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.yb + (r0 + r) * (a.n / 2) + ((tile - a.half_tiles) * C + c) * 16),
+                          reinterpret_cast<const __m256i&>(out));
+    }
+}
 
 // The bias of outputs n0 .. n0 + 15 (``mask``: those that exist), from whichever of bias32 and bias16 is set.
 inline __m512 load_bias(const GemmArgs& a, int64_t n0, __mmask16 mask) {
@@ -345,7 +377,7 @@ inline void prefetch_codes(const GemmArgs& a, const char* line) {
 
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
 template <int R, int C, Codes kCodes, bool kOffsets>
-void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
   static_assert(C == 2 || !is_bit_form(kCodes), "the packed forms hold 2 vectors a step");
   // The offsets' terms (offset x the block's sum of x) are summed on their own, block by block from
   // zero, and added to the scaled block sums at the end: the same floats wherever they are summed, so a
@@ -420,6 +452,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_add_ps(acc[r][c], off[r][c]);
   }
+  if (a.act >= 0) {
+    act_epilogue<R, C>(a, acc, r0, tile, gate);
+    return;
+  }
   for (int c = 0; c < C; ++c) {
     const int64_t n0 = (tile * C + c) * 16;
     if (n0 >= a.n) break;
@@ -447,11 +483,11 @@ constexpr int kGemmRows = 8;     // most rows per accumulator block: 16 temporar
 constexpr int64_t kUnitsPerThread = 2;   // work units a thread takes at least (of at most a panel)
 
 template <int C, Codes kCodes, bool kOffsets, int R = kGemmRows>
-void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
   if (rows == R || R == 1) {
-    micro_tile<R, C, kCodes, kOffsets>(a, r0, tile);
+    micro_tile<R, C, kCodes, kOffsets>(a, r0, tile, gate);
   } else if constexpr (R > 1) {
-    dispatch_rows<C, kCodes, kOffsets, R - 1>(rows, a, r0, tile);
+    dispatch_rows<C, kCodes, kOffsets, R - 1>(rows, a, r0, tile, gate);
   }
 }
 
@@ -459,14 +495,20 @@ template <Codes kCodes, bool kOffsets>
 void run_gemm(const GemmArgs& a, int64_t rows) {
   // rows in groups of at most kGemmRows, as even as possible (9 rows: 5 + 4, not 8 + 1)
   const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
-  const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols);
-  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (a.k / 2 * step_bytes(kCodes)));
+  // the units of work: tiles, or (rows_act) pairs of a gate tile and its up tile, taken together
+  const int64_t per_item = a.act >= 0 ? 2 : 1;
+  const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols) / per_item;
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (per_item * a.k / 2 * step_bytes(kCodes)));
   auto pass = [&](int64_t begin, int64_t end) {
+    alignas(64) float gate[kGemmRows * kGemmCols * 16];   // rows_act: a gate tile's results
     for (int64_t first = begin; first < end; first += panel)
       for (int64_t g = 0, r0 = 0; g < groups; ++g) {
         const int64_t size = (rows - r0) / (groups - g);
-        for (int64_t tile = first; tile < std::min(end, first + panel); ++tile)
-          dispatch_rows<kGemmCols, kCodes, kOffsets>(static_cast<int>(size), a, r0, tile);
+        for (int64_t item = first; item < std::min(end, first + panel); ++item) {
+          dispatch_rows<kGemmCols, kCodes, kOffsets>(static_cast<int>(size), a, r0, item, gate);
+          if (per_item == 2)
+            dispatch_rows<kGemmCols, kCodes, kOffsets>(static_cast<int>(size), a, r0, item + a.half_tiles, gate);
+        }
         r0 += size;
       }
     if (a.stream) _mm_sfence();   // the non-temporal stores are seen before the call returns
@@ -497,9 +539,15 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
 // bias [N] float32 or bfloat16, added in float32 before the rounding (as torch's ``out + bias`` then
 // ``.to(bfloat16)``). Returns [M, n] float32 (bfloat16 when bf16_out). ``rows_call``: the same in a
 // prepared decode call's argument order (gguf_linear.py ``PreparedCall``: no n, the bias last).
+//
+// With ``act`` 0 (SiLU) or 1 (GELU tanh): a gated MLP's gate_up (gate the first n / 2 outputs, up the
+// rest; every packed output, n / 2 a multiple of the tile) and its act(gate) * up in one call, as
+// gate_up's bf16 output then fused_ops' act_and_mul would give them, bit for bit: [M, n / 2] bfloat16
+// (bf16_out, no bias). Each gate tile is computed with the up tile of the same outputs, so the
+// [M, n] gate_up never goes to memory and act_and_mul's call goes: ``rows_act``.
 torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                         c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, int64_t act) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [M, K]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -528,7 +576,11 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   TORCH_CHECK(!has_bias || ((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
                             && bias->is_contiguous() && bias->size(0) >= n),
               "bias: contiguous float32 or bfloat16 [N]");
-  auto out = torch::empty({rows, n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  constexpr int64_t kTileOutputs = kGemmCols * 16;
+  TORCH_CHECK(act >= -1 && act <= 1, "act: -1 (none), 0 (SiLU) or 1 (GELU tanh)");
+  TORCH_CHECK(act < 0 || (bf16_out && !has_bias && n == codes.size(0) * kTileOutputs && n % (2 * kTileOutputs) == 0),
+              "act: bf16 output, no bias, every packed output, the gate half whole tiles");
+  auto out = torch::empty({rows, act >= 0 ? n / 2 : n}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
   if (rows == 0 || n == 0) return out;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const std::vector<float> sums = has_offsets || form != Codes::kInt8 ? block_sums(xp, rows, k, block)
@@ -539,7 +591,8 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
              sub_scaled ? kSubScales : scales.dtype() == torch::kFloat16 ? kF16Scales : kF32Scales,
              rows <= kGemmRows,   // one row group (run_gemm): each code read once
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
-             has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
+             has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+             static_cast<int>(act), n / 2 / kTileOutputs};
   // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches: written
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
@@ -564,15 +617,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] bfloat16 @ block-quantized W packed in VNNI order -> [M, n] float32 (bfloat16 when "
         "bf16_out): an accumulator block of rows x 32 outputs, scales per block in float32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
-        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none());
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none(), py::arg("act") = -1);
   m.def("rows_call",
         [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
            int64_t block, bool bf16_out, c10::optional<torch::Tensor> bias) {
-          return rows_gemm(x, codes, scales, offsets, block, bf16_out, -1, bias);
+          return rows_gemm(x, codes, scales, offsets, block, bf16_out, -1, bias, -1);
         },
         "rows_gemm over every packed output in a prepared decode call's argument order (x, codes, scales, "
         "offsets, block, bf16_out[, bias])",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false, py::arg("bias") = py::none());
+  m.def("rows_act",
+        [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+           int64_t block, int64_t act) {
+          return rows_gemm(x, codes, scales, offsets, block, true, -1, c10::nullopt, act);
+        },
+        "a gated MLP's gate_up (packed as for rows_gemm, gate then up) and act(gate) * up in one call: "
+        "[M, N / 2] bfloat16, the bits of gate_up's bf16 output then act_and_mul (act 0 SiLU, 1 GELU tanh)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"), py::arg("act"));
   m.attr("GEMM_COLS") = kGemmCols;
 }

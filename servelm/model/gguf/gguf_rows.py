@@ -22,7 +22,9 @@ from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, SubScaled, factors_give
 from servelm.model.huge_pages import on_huge_pages
 
 KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows kernel (AVX512-BF16)",
-                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+                          ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+                          # rows_act's activation: the same code (servelm_activation.h) built as fused_ops is
+                          ["-ffp-contract=off"])
 load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
 
 

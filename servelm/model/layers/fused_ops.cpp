@@ -21,6 +21,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include "servelm_activation.h"
 #include "servelm_simd.h"
 #include <cmath>
 #include <cstdint>
@@ -147,8 +148,12 @@ inline float exp_poly(float x) {
   return y * scale;
 }
 
-constexpr float kGeluBeta = 0.7978845608028654f;   // sqrt(2 / pi)
-constexpr float kGeluKappa = 0.044715f;
+using servelm_activation::kGeluBeta;
+using servelm_activation::kGeluKappa;
+#ifdef __AVX512F__
+using servelm_activation::activate16;
+using servelm_activation::exp_poly16;
+#endif
 
 // tanh(u) = sign(u) (1 - 2 / (e^(2|u|) + 1)): near +-1, where GELU's 1 + tanh(u) cancels, the small
 // term is accurate to its own last bits, so the result is as close to float32 rounding as torch's.
@@ -170,24 +175,6 @@ inline float activate(float g) {
 }
 
 #ifdef __AVX512F__
-// The same, 16 lanes at a time (the compiler does not vectorize exp_poly's loop by itself).
-inline __m512 exp_poly16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                      _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-}
-
 // 16 lanes of float32 rounded to bf16 (nearest even, NaN quiet) as the top halves of 32-bit lanes.
 inline __m512i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -223,31 +210,6 @@ template <> struct Vec<BF16> {
 #endif
 };
 
-template <int KIND>
-inline __m512 activate16(__m512 g) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  if (KIND == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp_poly16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), g3)));
-  const __m512i sign_bit = _mm512_set1_epi32(int32_t(0x80000000u));
-  const __m512i u_bits = _mm512_castps_si512(u);
-  const __m512 abs_u = _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, u_bits));
-#ifdef __FMA__
-  // e^(2|u|) as 2^(2|u| log2 e) (clamped at 2^64, where tanh is 1 in float32): n + f, a degree-6
-  // polynomial of 2^f and scalef; 2 / (e + 1) by rcp14 and one Newton step instead of a division:
-  // 2x the throughput of exp_poly16 + vdivps (0.72 -> 0.37 ns per element, one thread).
-  const __m512 x = _mm512_min_ps(_mm512_mul_ps(abs_u, _mm512_set1_ps(2.f * 1.44269504088896341f)), _mm512_set1_ps(64.f));
-  const __m512 den = _mm512_add_ps(servelm_simd::exp2_16(x), one);
-  __m512 inv = _mm512_rcp14_ps(den);
-  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-  const __m512 t = _mm512_fnmadd_ps(_mm512_set1_ps(2.f), inv, one);
-#else
-  const __m512 e = exp_poly16(_mm512_add_ps(abs_u, abs_u));
-  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
-#endif
-  const __m512 tanh_u = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(u_bits, sign_bit)));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh_u));
-}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)

@@ -24,7 +24,8 @@ from servelm.model.forward_batch import BatchPlan
 from servelm.model.layers import fused
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_kernel import kernel_status, load_kernel
-from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf import gguf_rows
+from servelm.model.gguf.gguf_linear import GateUpAct, GGUFBlockLinearMethod
 from servelm.model.layers.linear import LinearBase
 from tests.tiny_models import make_tiny_hf_model
 from tests.unit.model.conftest import POOL_TOKENS, BLOCK_SIZE, BlockAllocator, make_runner, make_source, prompts_for
@@ -114,6 +115,32 @@ def test_flat_decode_is_bit_identical_to_the_modules(arch: str, rows: int, dtype
                                lambda: decode_logits(hf_model, arch, rows, residual_dtype, dtype, blocks), monkeypatch)
     stream = torch.bfloat16 if residual_dtype == "model" else torch.float32
     assert set(hidden_dtypes) == {(stream, getattr(torch, dtype))}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gate_up_and_act_in_one_rows_kernel_call(arch: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the rows kernel (bf16 rows, AVX512-BF16), both plans compute gate_up and act * up (SiLU, GELU
+    tanh) in one call of it (``gate_up_act``, which must run): bit-identical to the modules' gate_up call
+    then act_and_mul."""
+    rows_kernel = gguf_rows.load_kernel()
+    if rows_kernel is None:
+        pytest.skip(f"no rows kernel here: {gguf_rows.kernel_status()}")
+    hf_model = make_tiny_hf_model(arch)
+    fused_rows: list[int] = []
+    original = GateUpAct.__call__
+    monkeypatch.setattr(GateUpAct, "__call__", lambda self, x: (fused_rows.append(x.shape[0]), original(self, x))[1])
+
+    def decode() -> list[torch.Tensor]:
+        runner = make_runner(make_source(hf_model), dtype="bfloat16", residual_dtype="float32")
+        method = GGUFBlockLinearMethod(load_kernel(), torch.bfloat16, rows_kernel=rows_kernel)
+        for name, module in runner.model.named_modules():
+            if isinstance(module, LinearBase) and ".layers." in name:
+                method.process(module, q8_blocks(module.weight))
+        return runner_decode_logits(runner, prompts_for(arch, runner.vocab_size)[:rows])
+
+    check_flat_against_modules(DecodePlan if arch == "gemma3" else LlamaDecodePlan, rows, decode, monkeypatch)
+    assert fused_rows[-STEPS:] == [rows] * STEPS   # every decode step took it
 
 
 MANY_ROWS = 24

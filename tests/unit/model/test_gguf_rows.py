@@ -90,7 +90,7 @@ def test_rows_kernel_rejects_what_it_cannot_run(rows_kernel) -> None:
 
 
 def test_rows_kernel_needs_avx512_bf16() -> None:
-    flags = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    flags = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"}   # every AVX-512 CPU has FMA
     assert gguf_rows.missing_cpu_flags(flags) == ["avx512_bf16"]
     assert gguf_rows.missing_cpu_flags(flags | {"avx512_bf16"}) == []
 
@@ -152,6 +152,37 @@ def test_rows_gemm_matches_the_float64_reference_for_every_m(rows_kernel, block:
                                                            False, 37)), m
         assert torch.equal(rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, block, True, 37),
                            out.bfloat16()), m
+
+
+@pytest.mark.parametrize("block,offsets", [(16, False), (32, True)])
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_rows_act_is_gate_up_then_act_and_mul_bit_for_bit(rows_kernel, block: int, offsets: bool, form: str) -> None:
+    """``rows_act`` (a gated MLP's gate_up with act(gate) * up in its epilogue) gives the bits of the
+    rows kernel's bf16 gate_up output then fused_ops' ``act_and_mul``, for SiLU and GELU tanh, any row
+    count (1-8 rows in one group, more in several), every form of codes; a row's result does not
+    depend on the rows beside it; it refuses what it cannot fuse."""
+    from servelm.model.layers import fused
+
+    ops = fused.load_kernel()
+    if ops is None:
+        pytest.skip("no fused ops kernel here")
+    weight = in_form(block_weight(128, 192, block, offsets, seed=11), form)   # gate 64 outputs, up 64
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    x = (torch.randn(20, 192, generator=torch.Generator().manual_seed(4)) * 4).bfloat16()
+    for kind in (0, 1):
+        for m in (1, 3, 8, 9, 20):
+            rows = x[:m].contiguous()
+            expected = ops.act_and_mul(rows_kernel.rows_gemm(rows, codes, scales, offs, block, True, 128), kind)
+            actual = rows_kernel.rows_act(rows, codes, scales, offs, block, kind)
+            assert actual.dtype == torch.bfloat16 and actual.shape == (m, 64)
+            assert torch.equal(actual, expected), (kind, m)
+            assert torch.equal(actual[-1:], rows_kernel.rows_act(x[m - 1:m].contiguous(), codes, scales, offs, block,
+                                                                 kind)), (kind, m)
+    with pytest.raises(RuntimeError, match="act"):   # a gate half that ends inside a tile
+        half = in_form(block_weight(96, 192, block, offsets, seed=11), form)
+        rows_kernel.rows_act(x[:2].contiguous(), *packed(half, rows_kernel, form), block, 0)
+    with pytest.raises(RuntimeError, match="act"):
+        rows_kernel.rows_act(x[:2].contiguous(), codes, scales, offs, block, 2)
 
 
 def test_rows_gemm_streams_large_results_and_takes_every_packed_output(rows_kernel) -> None:
