@@ -497,7 +497,7 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   const int64_t groups = (rows + kGemmRows - 1) / kGemmRows;
   // the units of work: tiles, or (rows_act) pairs of a gate tile and its up tile, taken together
   const int64_t per_item = a.act >= 0 ? 2 : 1;
-  const int64_t tiles = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols) / per_item;
+  const int64_t items = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols) / per_item;
   const int64_t panel = std::max<int64_t>(1, kPanelBytes / (per_item * a.k / 2 * step_bytes(kCodes)));
   auto pass = [&](int64_t begin, int64_t end) {
     alignas(64) float gate[kGemmRows * kGemmCols * 16];   // rows_act: a gate tile's results
@@ -516,13 +516,13 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
   if (groups == 1) {
     // a few rows read the codes once, as fast as memory gives them: each thread's half in one run
     // (units cost 1-6% at one row, the weights coming from memory: AMD Zen 5 VM)
-    at::parallel_for(0, tiles, 1, pass);
+    at::parallel_for(0, items, 1, pass);
   } else {
     // at least kUnitsPerThread units a thread, of at most a panel, from a shared counter: a thread
     // that loses its core to another process (the HTTP front end, a client) holds up one unit, not its
     // half of the call (servelm_parallel.h; the LM head at 32 rows beside a process busy 3 ms in 23:
     // 21.2-21.4 -> 19.4-19.8 ms, quiet within 2%)
-    servelm_parallel::dynamic_for(tiles, servelm_parallel::units_for(tiles, kUnitsPerThread, 1, panel), pass);
+    servelm_parallel::dynamic_for(items, servelm_parallel::units_for(items, kUnitsPerThread, 1, panel), pass);
   }
 }
 
