@@ -255,7 +255,8 @@ def test_eagle_capture_sees_the_flat_steps(arch: str, algorithm: str, monkeypatc
 @pytest.mark.slow
 def test_qwen_coder_gguf_flat_decode_is_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default model as served by default (its GGUF blocks, bf16 where the CPU has a native bf16 GEMM,
-    else float32): 1 row (the QKV bias inside the kernel) and 3 rows (the biased QKV through apply)."""
+    else float32): 1 and 3 rows (the QKV bias inside the kernel; on AVX512-BF16 gate_up and SiLU in one
+    rows-kernel call)."""
     from servelm.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig
     from servelm.engine.engine import LLMEngine
 
