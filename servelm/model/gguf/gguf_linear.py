@@ -307,8 +307,7 @@ class GGUFBlockLinearMethod:
             round_out = decode.rounds and not unrounded
             # rounded to bf16 by the kernel, or float32; a bias added in float32 before any bf16
             # rounding, as ``run_route``'s ``out + bias`` (or the rows kernel there) does it
-            out = (kernel(x, codes, scales, offsets, block, round_out) if bias is None
-                   else kernel(x, codes, scales, offsets, block, round_out, bias))
+            out = kernel(x, codes, scales, offsets, block, round_out, bias)
             generation = rows.mixed_generation_rows(x.shape[0]) if rows is not None else None
             if (generation is not None and isinstance(kernel, RowsCopies)
                     and kernel.copy_for(x.shape[0]) is not kernel.copy_for(len(generation))):

@@ -391,6 +391,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
   __m512 acc[R][C], off[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = off[r][c] = _mm512_setzero_ps();
+  const auto add_offsets = [&](int64_t b, int c) {   // block b's offset terms of vector c
+    const __m512 o = block_scales(a, a.offsets, tile, b, c, C, nb);
+    for (int r = 0; r < R; ++r) off[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), off[r][c]);
+  };
   const uint16_t* x = a.x + r0 * a.k;
   for (int64_t b = 0; b < nb; ++b) {
     __m512 t[R][C];
@@ -433,21 +437,13 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
     for (int c = 0; c < C; ++c) {
       const __m512 s = block_scales(a, a.scales, tile, b, c, C, nb);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(t[r][c], s, acc[r][c]);
-      if constexpr (kOffsets && kOffsetsInLoop) {
-        const __m512 o = block_scales(a, a.offsets, tile, b, c, C, nb);
-        for (int r = 0; r < R; ++r)
-          off[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), off[r][c]);
-      }
+      if constexpr (kOffsets && kOffsetsInLoop) add_offsets(b, c);
     }
   }
   if constexpr (kOffsets) {
     if constexpr (!kOffsetsInLoop) {
       for (int64_t b = 0; b < nb; ++b)
-        for (int c = 0; c < C; ++c) {
-          const __m512 o = block_scales(a, a.offsets, tile, b, c, C, nb);
-          for (int r = 0; r < R; ++r)
-            off[r][c] = _mm512_fmadd_ps(o, _mm512_set1_ps(a.sums[(r0 + r) * nb + b]), off[r][c]);
-        }
+        for (int c = 0; c < C; ++c) add_offsets(b, c);
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_add_ps(acc[r][c], off[r][c]);

@@ -38,7 +38,6 @@ inline __m512 exp_poly16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
 
-
 // act(g) for 16 lanes: KIND 0 SiLU g / (1 + e^-g), 1 GELU tanh (0.5 g) (1 + tanh(beta (g + kappa g^3)))
 template <int KIND>
 inline __m512 activate16(__m512 g) {
