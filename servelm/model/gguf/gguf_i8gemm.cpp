@@ -157,6 +157,8 @@ struct GemmArgs {
   uint16_t* yb;            // bf16 out
   int64_t ldy;             // the output's row stride
   bool stream;             // float32 out written with non-temporal stores (64-byte aligned rows)
+  const float* bias32;     // [n] added to the results in float32 before any rounding, or nullptr;
+  const uint16_t* bias16;  // or a bf16 bias (widened exactly), or nullptr
 };
 
 // float32 -> bf16 rounded to nearest even, as torch (NaN stays a NaN), without AVX512-BF16
@@ -293,6 +295,11 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen
     if (n0 >= a.n) break;
     const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
+      const __m512 bias = a.bias32 != nullptr ? _mm512_maskz_loadu_ps(mask, a.bias32 + n0)
+          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * a.ldy + n0;
       if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
@@ -380,12 +387,14 @@ void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullp
 
 }  // namespace
 
-// Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None): x [M, K] bfloat16
-// or float32; codes, scales, offsets packed as above; n outputs (-1: every packed one). Returns
+// Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None, bias=None): x [M, K]
+// bfloat16 or float32; codes, scales, offsets packed as above; n outputs (-1: every packed one). Returns
 // [M, n] float32 (bfloat16 when bf16_out), written into ``out`` when given (contiguous rows of that
-// dtype, [M, >= n]; e.g. a reused logits buffer).
+// dtype, [M, >= n]; e.g. a reused logits buffer); ``bias`` (float32 or bfloat16 [n]) added in float32
+// before the rounding to bfloat16, as ``(float32 result + bias).to(bfloat16)``.
 torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
-                      int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out) {
+                      int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
+                      c10::optional<torch::Tensor> bias) {
   TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous bfloat16 or float32 [M, K]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
@@ -403,6 +412,10 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   if (has_offsets)
     TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
                 "offsets: packed float32 like scales");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                && bias->numel() == n && bias->is_contiguous(), "bias: contiguous float32 or bfloat16 [n]");
   const auto out_dtype = bf16_out ? torch::kBFloat16 : torch::kFloat32;
   torch::Tensor y;
   if (out.has_value() && out->defined()) {
@@ -419,7 +432,9 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
              has_offsets ? offsets->data_ptr<float>() : nullptr, k, n, nb,
              bf16_out ? nullptr : y.data_ptr<float>(),
-             bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, y.stride(0), false};
+             bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, y.stride(0), false,
+             has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
+             has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
   // a large float32 result (the LM head's logits: 32 MiB at 32 rows) bypasses the caches
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0 && a.ldy % 16 == 0
              && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
@@ -489,7 +504,8 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
     row_sum[r] = e * sum;
     row_max[r] = e * most;
   }
-  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false};
+  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false,
+             nullptr, nullptr};
   ScreenState screen;
   screen.bound_max = bound_max.data_ptr<float>();
   screen.bound_sum = bound_sum.data_ptr<float>();
@@ -539,7 +555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] (bfloat16 or float32, rounded to int8 per block) @ block-quantized W packed for vpdpbusd "
         "-> [M, n] float32 (bfloat16 when bf16_out), into out when given",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
-        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none());
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none(), py::arg("bias") = py::none());
   m.def("i8_screen", &i8_screen,
         "the exact greedy screen of a Q8_0 LM head for many rows: (counts [M], then each row's candidate ids)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bound_max"), py::arg("bound_sum"),

@@ -96,6 +96,25 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
 ROWS_KERNEL_ROUTES = frozenset({Route.ROWS, Route.PACKED})
 """The rows kernel's two routes: the same ``rows_gemm`` on the byte copy or the bit-width one."""
 
+KERNEL_BIAS_ROUTES = ROWS_KERNEL_ROUTES | {Route.INT8}
+"""Routes whose kernel adds a bias itself (in float32, before its rounding to bf16)."""
+
+
+def takes_kernel_bias(bias: torch.Tensor | None) -> bool:
+    """Whether ``bias`` is one those kernels add (float32 or bf16)."""
+    return bias is not None and bias.dtype in (torch.float32, torch.bfloat16)
+
+
+def lead_rest(state: dict[str, object], rows: int, is_bf16: bool) -> Route | None:
+    """Where a call of ``rows`` prompt rows takes a merged layer's lead on the int8 GEMM (``gguf_lead``,
+    ``GGUFBlockLinearMethod.run_lead``): the route of its other outputs (the layer's own pick for the
+    call, one that computes them apart), else None. ``state``: the layer's ``__dict__``."""
+    lead = state.get("gguf_lead")
+    if lead is None or lead[1].pick(rows, is_bf16, True) is not Route.INT8:   # type: ignore[index]
+        return None
+    rest = state["gguf_routes"].pick(rows, is_bf16, True)   # type: ignore[attr-defined]
+    return rest if rest in lead[2] else None   # type: ignore[index]
+
 
 class RowsCopies:
     """A prepared decode call's kernel where a layer holds both of the rows kernel's copies:
@@ -246,11 +265,12 @@ class GGUFBlockLinearMethod:
         old = getattr(layer, "weight", None)
         dtype = model_dtype or (old.dtype if old is not None else self.dense_dtype)
         routes = self.routes(self.shape(weight, float_output, int8_rows), weight.block, dtype)
-        lead_routes = (self.routes(self.shape(int8_lead), int8_lead.block, dtype)
-                       if int8_lead is not None and not float_output and Route.DENSE in routes.held else None)
-        layer.gguf_lead = ((int8_lead.shape[0], lead_routes)   # type: ignore[union-attr]
+        rests = self.lead_rests(routes, int8_lead.shape[0]) if int8_lead is not None and not float_output else frozenset()
+        lead_routes = self.routes(self.shape(int8_lead), int8_lead.block, dtype) if rests else None  # type: ignore[union-attr]
+        layer.gguf_lead = ((int8_lead.shape[0], lead_routes, rests)   # type: ignore[union-attr]
                            if lead_routes is not None and Route.INT8 in lead_routes.held else None)
-        """(leading outputs, their routes) where they may take the int8 GEMM apart from the rest, else None."""
+        """(leading outputs, their routes, the routes that compute the rest apart) where the leading
+        outputs may take the int8 GEMM apart from the rest (``run_lead``), else None."""
         layer.gguf_weight = weight
         layer.gguf_routes = routes
         if self.packs and Route.BLOCK in routes.held:
@@ -268,6 +288,15 @@ class GGUFBlockLinearMethod:
             layer.register_parameter("weight", None)
         layer.linear_method = self
         return held_bytes(layer, weight)
+
+    def lead_rests(self, routes: LayerRoutes, lead: int) -> frozenset[Route]:
+        """The routes of ``routes.held`` that compute a merged layer's outputs after its first ``lead``
+        on their own (``run_lead``): the dense copy's rows, the rows kernel's tiles where ``lead`` ends
+        on a tile."""
+        rests = routes.held & {Route.DENSE}
+        if self.rows_kernel is not None and lead % (self.rows_kernel.GEMM_COLS * 16) == 0:  # type: ignore[attr-defined]
+            rests |= routes.held & ROWS_KERNEL_ROUTES
+        return rests
 
     def prepare_all(self, layer: nn.Module, weight: BlockWeight, shape: LinearShape) -> int:
         """Give a bare module ``weight`` and the copy of every route ``available`` for ``shape``, so
@@ -298,11 +327,12 @@ class GGUFBlockLinearMethod:
         state = layer.__dict__   # plain attributes: no nn.Module lookup on the decode path
         decode = state["gguf_decode_args"]
         unrounded = state.get("float_residual_output", False)
+        generation_only = rows is not None and rows.generation_only
         if (decode and x.dtype == decode.dtype and x.dim() == 2
-                and x.shape[0] <= (decode.generation_rows if rows is not None and rows.generation_only
-                                   else decode.prompt_rows)
+                and x.shape[0] <= (decode.generation_rows if generation_only else decode.prompt_rows)
                 and (bias is None or decode.takes_bias)
-                and x.is_contiguous() and x.device.type == "cpu"):
+                and x.is_contiguous() and x.device.type == "cpu"
+                and (generation_only or lead_rest(state, x.shape[0], x.dtype == torch.bfloat16) is None)):
             kernel, codes, scales, offsets, block = decode
             round_out = decode.rounds and not unrounded
             # rounded to bf16 by the kernel, or float32; a bias added in float32 before any bf16
@@ -320,18 +350,16 @@ class GGUFBlockLinearMethod:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         is_bf16 = x2.dtype == torch.bfloat16
-        prompt = rows is None or not rows.generation_only
-        route = routes.pick(x2.shape[0], is_bf16, prompt)
+        route = routes.pick(x2.shape[0], is_bf16, not generation_only)
         if x2.device.type != "cpu" and route is not Route.DENSE and Route.DENSE in routes.held:
             route = Route.DENSE
-        lead = state.get("gguf_lead")
-        if (lead is not None and route is Route.DENSE and x2.device.type == "cpu"
-                and lead[1].pick(x2.shape[0], is_bf16, prompt) is Route.INT8):
-            out = self.run_lead(layer, x2, bias, lead[0], routes.shape.is_head or unrounded)
+        led = not generation_only and x2.device.type == "cpu" and lead_rest(state, x2.shape[0], is_bf16) is route
+        if led:
+            out = self.run_lead(layer, x2, bias, state["gguf_lead"][0], route, routes.shape.is_head or unrounded)
         else:
             out = self.run_route(route, layer, x2, bias, routes.shape.is_head or unrounded)
         generation = rows.mixed_generation_rows(x2.shape[0]) if rows is not None else None
-        if generation is not None and (route not in ROW_INDEPENDENT
+        if generation is not None and (led or route not in ROW_INDEPENDENT
                                        or routes.pick(len(generation), is_bf16, False) is not route):
             # a mixed pass: its decode/verify rows as a pass of only those rows computes them
             out.index_copy_(0, generation, self.apply(layer, x2.index_select(0, generation), bias, GENERATION_ONLY))
@@ -355,10 +383,9 @@ class GGUFBlockLinearMethod:
         float32 for ``float_out``."""
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
-        # the rows kernel adds a float32 or bf16 bias itself, in float32 before its rounding (as ``out +
-        # bias`` then ``.to`` below)
-        kernel_bias = (bias if route in ROWS_KERNEL_ROUTES and bias is not None
-                       and bias.dtype in (torch.float32, torch.bfloat16) else None)
+        # the rows kernel and the int8 GEMM add a float32 or bf16 bias themselves, in float32 before their
+        # rounding (as ``out + bias`` then ``.to`` below)
+        kernel_bias = bias if route in KERNEL_BIAS_ROUTES and takes_kernel_bias(bias) else None
         bf16_out = is_bf16 and (bias is None or kernel_bias is not None) and not float_out
         if route is Route.BLOCK:
             kernel, codes, scales, offsets = self.block_call(weight)
@@ -371,28 +398,46 @@ class GGUFBlockLinearMethod:
         elif route is Route.INT8:
             out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
                 x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
-                bf16_out, weight.shape[0])
+                bf16_out, weight.shape[0], bias=kernel_bias)
         else:   # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
         if bias is not None and kernel_bias is None:   # type promotion: float32 whenever either side is
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
 
-    def run_lead(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, lead: int,
+    def run_lead(self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None, lead: int, rest: Route,
                  float_out: bool) -> torch.Tensor:
         """Prompt rows [M, K] of a merged layer whose first ``lead`` outputs (``I8_GEMM_LEAD``: the
-        queries) take the int8 GEMM and the rest (K, V) the dense copy's rows, each written into
-        one result in the dense copy's dtype; the bias added and the result returned as
+        queries) take the int8 GEMM and the rest (K and V, which the cache keeps) ``rest``, the layer's
+        own route for the call (one of ``gguf_lead``'s rests): the dense copy's rows, or the rows
+        kernel's tiles after the lead's, which give those outputs the bits the whole layer's call gives
+        them. Both parts are written into one result (the dense copy's dtype beside it, else bf16 rows
+        stay bf16); the kernels add the bias in float32 before their rounding, the dense part as
         ``run_route``'s dense route does."""
         weight: BlockWeight = layer.gguf_weight
-        dense: torch.Tensor = layer.gguf_dense
-        out = torch.empty(x2.shape[0], weight.shape[0], dtype=dense.dtype)
+        is_bf16 = x2.dtype == torch.bfloat16
+        if rest is Route.DENSE:
+            dtype = layer.gguf_dense.dtype
+        else:
+            dtype = torch.bfloat16 if is_bf16 and not float_out else torch.float32
+        out = torch.empty(x2.shape[0], weight.shape[0], dtype=dtype)
+        kernel_bias = takes_kernel_bias(bias)
         self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
-            x2.contiguous() if x2.dtype == torch.bfloat16 else x2.float().contiguous(), *layer.gguf_i8,
-            weight.block, dense.dtype == torch.bfloat16, lead, out[:, :lead])
-        out[:, lead:] = dense_linear(x2.to(dense.dtype).contiguous(), dense[lead:])
-        if bias is not None:   # as ``out + bias``; in place where that keeps out's dtype
-            out = out.add_(bias) if bias.dtype == out.dtype else out + bias
+            x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
+            dtype == torch.bfloat16, lead, out[:, :lead], bias=bias[:lead] if kernel_bias else None)  # type: ignore[index]
+        if rest is Route.DENSE:
+            part = dense_linear(x2.to(dtype).contiguous(), layer.gguf_dense[lead:])
+            out[:, lead:] = part if bias is None else part + bias[lead:]
+        else:
+            tiles = lead // (self.rows_kernel.GEMM_COLS * 16)  # type: ignore[attr-defined]
+            copy = [None if part is None else part[tiles:] for part in rows_kernel_copy(layer, rest)]
+            out[:, lead:] = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+                x2.to(torch.bfloat16).contiguous(), *copy, weight.block, dtype == torch.bfloat16,
+                weight.shape[0] - lead, bias[lead:] if kernel_bias else None)  # type: ignore[index]
+        if bias is not None and not kernel_bias:
+            out[:, :lead] += bias[:lead]
+            if rest is not Route.DENSE:
+                out[:, lead:] += bias[lead:]
         return out.float() if float_out else out.to(x2.dtype)
 
     def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor,

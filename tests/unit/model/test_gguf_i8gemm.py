@@ -116,6 +116,24 @@ def test_bf16_output_is_the_float32_result_rounded(kernel) -> None:
     assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70), full.bfloat16())
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_goes_in_before_the_rounding(kernel, bias_dtype: torch.dtype) -> None:
+    """``bias``: float32 result + bias, then one rounding to bf16 (as run_route adds it after a float32
+    result), on a padded last tile too (70 outputs)."""
+    weight = block_weight(70, 256, 32, False, seed=15)
+    codes, scales, _ = gguf_i8gemm.pack(weight)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(16)).bfloat16()
+    bias = (torch.randn(70, generator=torch.Generator().manual_seed(17)) * 4).to(bias_dtype)
+    full = kernel.i8_gemm(x, codes, scales, None, 32, False, 70)
+    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias), (full + bias).bfloat16())
+    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, False, 70, bias=bias), full + bias)
+    # not the bf16 result plus the bias (two roundings)
+    assert not torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias),
+                           (full.bfloat16() + bias).bfloat16())
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias[:64])
+
+
 def test_writes_into_a_given_output(kernel) -> None:
     """A reused buffer (wider rows than n: a padded logits buffer) is written in place."""
     weight = block_weight(64, 128, 32, False, seed=6)
@@ -233,6 +251,42 @@ def test_a_qkv_projections_queries_take_the_int8_gemm_into_its_result(kernel) ->
     fewer = method.apply(layer, x[:first - 1], None)
     assert torch.equal(fewer, method.run_route(layer.gguf_routes.pick(first - 1, True, True), layer,
                                                x[:first - 1], None, False))
+
+
+@pytest.mark.parametrize("kv_outputs", [32, 38])   # the prepared call's reach; padded outputs (via the routes)
+def test_a_qkv_projections_queries_take_the_int8_gemm_beside_the_rows_kernel(kernel, kv_outputs: int) -> None:
+    """Where the layer's own prompt route is the rows kernel (no dense copy held), the queries take the
+    int8 GEMM (the bias added in float32 before the rounding) and the keys and values the rows kernel's
+    tiles after the queries': the bits the whole layer's call gives them, so the cache keeps what it
+    kept. Generation rows, alone or in a mixed pass, take the rows kernel whole."""
+    vnni, rows_kernel = load_vnni_kernel(), gguf_rows.load_kernel()
+    if vnni is None or rows_kernel is None:
+        pytest.skip("no VNNI or rows kernel here")
+    from servelm.model.gguf.gguf_blocks import concat_rows
+    from servelm.model.gguf.gguf_routes import Route
+    from tests.unit.model.test_gguf_routes import complete
+    queries, keys_values = block_weight(64, 256, 32, False, seed=18), block_weight(kv_outputs, 256, 32, False, seed=19)
+    method = GGUFBlockLinearMethod(vnni, torch.bfloat16, "int16", rows_kernel, kernel,
+                                   lambda shape, x_bf16, rows: complete([Route.INT8, Route.ROWS]))
+    layer = torch.nn.Module()
+    method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
+    assert layer.gguf_dense is None and layer.gguf_lead is not None and layer.gguf_lead[2] == {Route.ROWS}
+    assert bool(layer.gguf_decode_args) == (kv_outputs == 32)
+    n = 64 + kv_outputs
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(20)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(21)).bfloat16()
+    out = method.apply(layer, x, bias, PassRows.of([40], [False]))
+    whole = method.run_route(Route.ROWS, layer, x, bias, False)
+    codes, scales, offsets = layer.gguf_i8
+    assert out.shape == (40, n) and out.dtype == torch.bfloat16
+    assert torch.equal(out[:, :64], kernel.i8_gemm(x, codes, scales, offsets, 32, True, 64, bias=bias[:64]))
+    assert torch.equal(out[:, 64:], whole[:, 64:])
+    assert not torch.equal(out[:, :64], whole[:, :64])
+    assert torch.equal(method.apply(layer, x, bias, PassRows.of([1] * 40, [True] * 40)), whole)
+    mixed = method.apply(layer, x, bias, PassRows.of([1, 30, 1, 8], [True, False, True, False]))
+    generation = [0, 31]
+    prompt = [row for row in range(40) if row not in generation]
+    assert torch.equal(mixed[generation], whole[generation]) and torch.equal(mixed[prompt], out[prompt])
 
 
 def bf16_block_layer(kernel, weight: BlockWeight) -> tuple[GGUFBlockLinearMethod, torch.nn.Module, Any]:

@@ -69,10 +69,10 @@ class TorchI8Kernel:
     def __init__(self) -> None:
         self.calls = 0
 
-    def i8_gemm(self, x, codes, scales, offsets, block, bf16_out, n, out=None):
+    def i8_gemm(self, x, codes, scales, offsets, block, bf16_out, n, out=None, bias=None):
         self.calls += 1
         weight = _unpack(codes.bitwise_xor(0x80).view(torch.int8), scales, offsets, n)
-        result = _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out)
+        result = _finish(gguf_i8gemm.reference(x.float(), weight), bf16_out, bias)
         return result if out is None else out[:, :n].copy_(result)
 
 
@@ -159,16 +159,17 @@ def test_a_qkv_projections_queries_alone_take_int8() -> None:
     queries, keys_values = block_weight(64, 128, False, seed=1), block_weight(32, 128, False, seed=2)
     layer = nn.Module()
     method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
-    lead, lead_routes = layer.gguf_lead
+    lead, lead_routes, rests = layer.gguf_lead
     assert lead == 64 and lead_routes.shape == method.shape(queries) and layer.gguf_i8 is not None
+    assert rests == {Route.DENSE}   # the only route of the rest this ranking holds
     assert layer.gguf_routes.pick(40, True, True) is Route.DENSE   # the layer itself: never int8
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(96, generator=torch.Generator().manual_seed(4)).bfloat16()
     out = method.apply(layer, x, bias, PassRows.of([40], [False]))
     assert i8.calls == 1 and out.dtype == torch.bfloat16 and out.shape == (40, 96)
-    by_i8 = method.run_route(Route.INT8, layer, x, None, False)
+    by_i8 = method.run_route(Route.INT8, layer, x, None, True)   # float32: the bias goes in before the rounding
     dense = method.run_route(Route.DENSE, layer, x, bias, False)
-    assert torch.equal(out[:, :64], by_i8[:, :64] + bias[:64])
+    assert torch.equal(out[:, :64], (by_i8[:, :64] + bias[:64]).bfloat16())
     torch.testing.assert_close(out[:, 64:], dense[:, 64:], rtol=0, atol=0)
     assert not torch.equal(out[:, :64], dense[:, :64])
     # decode rows only: the dense copy, no int8
