@@ -338,26 +338,6 @@ void attend_group(const float* q0, const T* kp, const T* vp, const int64_t* row_
   }
 }
 
-// The first kFarColumns K and V rows of ``task`` (if there is one), toward L2: a task's own prefetches
-// run ahead of its columns, so without this its first columns come from memory one demand miss at a
-// time. Issued when the task before it starts (on either thread: the two take tasks in turns from one
-// counter). 32 streams x ~200 columns, bf16 pools, 2 threads, cold (24 layers' pools), blocks as the
-// engine allocates them, alternated in one process (AMD EPYC Zen 4 VM), us a layer: Qwen2.5-Coder
-// 0.5B 312-319 -> 266-273 (scattered blocks 363-371 -> 324-327), Gemma 3 270M 354-358 -> 338-343
-// (444-455 -> 399-404); pools in cache 3-5% slower (the prefetches' own cost). The next two tasks, the
-// one after next, or 128 columns or all of them instead of 64: less gain.
-template <typename T>
-inline void prefetch_task_start(int64_t task, int64_t tasks, const T* kp, const T* vp, const int64_t* sp,
-                                const int64_t* np, int64_t num_kv_heads, int64_t d, int64_t columns) {
-  if (task >= tasks) return;
-  const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
-  const int64_t* row_slots = sp + i * columns;
-  for (int64_t c = 0; c < std::min<int64_t>(kFarColumns, np[i]); ++c) {
-    prefetch_row<_MM_HINT_T1>(kp, row_slots[c], num_kv_heads, h, d);
-    prefetch_row<_MM_HINT_T1>(vp, row_slots[c], num_kv_heads, h, d);
-  }
-}
-
 template <typename T>
 void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t* sp,
                const int64_t* np, float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
@@ -372,7 +352,6 @@ void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const i
     const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
     const int64_t n = np[i];
     if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
-    prefetch_task_start(task + 1, b * num_kv_heads, kp, vp, sp, np, num_kv_heads, d, columns);
     attend_group(qp + i * q_row + h * group * d, kp, vp, sp + i * columns, n, num_kv_heads,
                  h, d, fscale, scores.data(), inv_sum, op + (i * num_heads + h * group) * d, group);
   });
