@@ -421,23 +421,21 @@ class GGUFBlockLinearMethod:
         else:
             dtype = torch.bfloat16 if is_bf16 and not float_out else torch.float32
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=dtype)
-        kernel_bias = takes_kernel_bias(bias)
+        kernel_bias = bias if takes_kernel_bias(bias) else None
         self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
             x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
-            dtype == torch.bfloat16, lead, out[:, :lead], bias=bias[:lead] if kernel_bias else None)  # type: ignore[index]
+            dtype == torch.bfloat16, lead, out[:, :lead], bias=None if kernel_bias is None else kernel_bias[:lead])
         if rest is Route.DENSE:
-            part = dense_linear(x2.to(dtype).contiguous(), layer.gguf_dense[lead:])
-            out[:, lead:] = part if bias is None else part + bias[lead:]
+            out[:, lead:] = dense_linear(x2.to(dtype).contiguous(), layer.gguf_dense[lead:])
         else:
             tiles = lead // (self.rows_kernel.GEMM_COLS * 16)  # type: ignore[attr-defined]
             copy = [None if part is None else part[tiles:] for part in rows_kernel_copy(layer, rest)]
             out[:, lead:] = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), *copy, weight.block, dtype == torch.bfloat16,
-                weight.shape[0] - lead, bias[lead:] if kernel_bias else None)  # type: ignore[index]
-        if bias is not None and not kernel_bias:
-            out[:, :lead] += bias[:lead]
-            if rest is not Route.DENSE:
-                out[:, lead:] += bias[lead:]
+                weight.shape[0] - lead, None if kernel_bias is None else kernel_bias[lead:])
+        if bias is not None and (kernel_bias is None or rest is Route.DENSE):   # as ``out + bias``
+            late = slice(0 if kernel_bias is None else lead, None)   # the outputs no kernel added it to
+            out[:, late] += bias[late]
         return out.float() if float_out else out.to(x2.dtype)
 
     def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor,

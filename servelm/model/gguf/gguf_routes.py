@@ -64,8 +64,8 @@ identical to float32 instead of 75% (a quality rule)."""
 I8_GEMM_LEAD = ("qkv_proj",)
 """Merged layers (by their module name's last part) whose leading part, the query projection, may take
 the int8 GEMM for prompt rows where its own shape's routes say so, while the rest (K and V, which the
-cache keeps) takes the layer's own route, the dense copy (``GGUFBlockLinearMethod.run_lead``): queries
-are not cached. benchmarks/quant_quality.py, 288 prompts: Qwen2.5-Coder 0.5B 81% identical (81%
+cache keeps) takes the layer's own route for the call, the dense copy or the rows kernel's tiles after the
+queries' (``GGUFBlockLinearMethod.run_lead``; the same K and V either way): queries are not cached. benchmarks/quant_quality.py, 288 prompts: Qwen2.5-Coder 0.5B 81% identical (81%
 without), perplexity 47.38 (47.38); Gemma 3 270M 78% (77%), perplexity 30.00 (29.94) (a quality rule)."""
 
 KERNEL_MAX_ROWS = {"int16": 16, "int8": 32, "float": 16}
