@@ -279,8 +279,9 @@ class GGUFBlockLinearMethod:
             weight.with_compact()
         layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held)
         layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held, bits=True)
-        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if Route.INT8 in routes.held or layer.gguf_lead is not None
-                         else None)
+        # where only the lead takes the int8 GEMM, only its outputs are packed
+        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if Route.INT8 in routes.held
+                         else gguf_i8gemm.pack(int8_lead) if layer.gguf_lead is not None else None)  # type: ignore[arg-type]
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in routes.held else None
         layer.gguf_decode_args = self._decode_args(layer, routes, dtype)
         if old is not None:

@@ -278,6 +278,7 @@ def test_a_qkv_projections_queries_take_the_int8_gemm_beside_the_rows_kernel(ker
     out = method.apply(layer, x, bias, PassRows.of([40], [False]))
     whole = method.run_route(Route.ROWS, layer, x, bias, False)
     codes, scales, offsets = layer.gguf_i8
+    assert codes.shape[0] * 32 == 64   # the int8 copy holds the queries' outputs only
     assert out.shape == (40, n) and out.dtype == torch.bfloat16
     assert torch.equal(out[:, :64], kernel.i8_gemm(x, codes, scales, offsets, 32, True, 64, bias=bias[:64]))
     assert torch.equal(out[:, 64:], whole[:, 64:])
