@@ -29,6 +29,8 @@
 #include <utility>
 #include <vector>
 
+#include "servelm_simd.h"
+
 namespace {
 
 constexpr int kCols = 2;                  // 16-output vectors per tile
@@ -296,8 +298,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen
     const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
     if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
-      const __m512 bias = a.bias32 != nullptr ? _mm512_maskz_loadu_ps(mask, a.bias32 + n0)
-          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
+      const __m512 bias = servelm_simd::load_bias16(a.bias32, a.bias16, n0, mask);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
     }
     for (int r = 0; r < R; ++r) {

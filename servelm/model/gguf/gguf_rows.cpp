@@ -335,12 +335,6 @@ void act_epilogue(const GemmArgs& a, const __m512 (&acc)[R][C], int64_t r0, int6
     }
 }
 
-// The bias of outputs n0 .. n0 + 15 (``mask``: those that exist), from whichever of bias32 and bias16 is set.
-inline __m512 load_bias(const GemmArgs& a, int64_t n0, __mmask16 mask) {
-  if (a.bias32 != nullptr) return _mm512_maskz_loadu_ps(mask, a.bias32 + n0);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, a.bias16 + n0)), 16));
-}
-
 constexpr int kF32Scales = 0, kF16Scales = 1, kSubScales = 2;
 
 // The 16 scales (or offsets) of block b of vector c of ``tile`` (C vectors a tile, nb blocks a row), as
@@ -458,7 +452,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
     const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
     if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
-      const __m512 bias = load_bias(a, n0, mask);
+      const __m512 bias = servelm_simd::load_bias16(a.bias32, a.bias16, n0, mask);
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
     }
     for (int r = 0; r < R; ++r) {

@@ -2,9 +2,9 @@
 //
 // servelm/model/cpp_kernel.py puts this directory on every kernel's include path and hashes every
 // header in it into each kernel's build key, so editing a helper here rebuilds the kernels that may
-// use it. Everything here needs only AVX-512F: a kernel compiled with at least -mavx512f may include
-// it (without AVX-512F the header declares nothing). Each kernel compiles its own copy of these
-// inline functions.
+// use it. Everything here needs only AVX-512F (``load_bias16`` also BW and VL, and is declared only
+// with them): a kernel compiled with at least -mavx512f may include it (without AVX-512F the header
+// declares nothing). Each kernel compiles its own copy of these inline functions.
 #pragma once
 
 #include <immintrin.h>
@@ -40,6 +40,15 @@ inline __m512 exp2_16(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// A GEMM's bias for outputs n0 .. n0 + 15 (``mask``: those that exist) as float32, from whichever of
+// ``bias32`` (float32) and ``bias16`` (bf16, widened exactly) is set.
+inline __m512 load_bias16(const float* bias32, const uint16_t* bias16, int64_t n0, __mmask16 mask) {
+  if (bias32 != nullptr) return _mm512_maskz_loadu_ps(mask, bias32 + n0);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias16 + n0)), 16));
+}
+#endif
 
 }  // namespace servelm_simd
 #endif  // __AVX512F__
