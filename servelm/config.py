@@ -730,8 +730,10 @@ class RuntimeConfig:
         "one unsharded Q8_0 GGUF weight run by the AVX512-VNNI kernel (int16 activations), greedy "
         "rows without logprobs or logit processors first score every vocabulary row from a 5-bit "
         "copy of the head with a rigorous error bound, then compute exactly, with the same kernel, "
-        "only the rows that could still be the argmax: the same token, fewer bytes read per token "
-        "(servelm/model/gguf/lm_head_screen.py; the copy costs 5/8 byte per weight).")
+        "only the rows that could still be the argmax: that kernel's token, fewer bytes read per token "
+        "(servelm/model/gguf/lm_head_screen.py; the copy costs 5/8 byte per weight). Where the head "
+        "runs another kernel at a step's row count (the bf16 rows kernel, the dense copy: logits "
+        "rounded differently), a greedy token in a near tie may differ with this flag.")
     omp_wait_policy: str = opt(
         "default", "How the OpenMP threads of the engine and rank processes wait when a parallel "
         "region ends: passive (sleep at once: OMP_WAIT_POLICY=PASSIVE), active (spin), or default "

@@ -152,8 +152,9 @@ class ScreenChoice:
     The screen reads fewer bytes but does more arithmetic per row; which wins depends on the CPU,
     its memory and the row count (Zen 5 VM, session 22, paired steps in one engine: the screen 3-4%
     faster at one row, 10-13% slower at four on gemma3-270m and qwen2.5-coder-0.5b, where an earlier
-    Zen 5 host had it faster up to four rows). Both give the same token (the screen is exact), so the
-    choice changes only speed. Until each way has ``CHOICE_SAMPLES`` calls the two alternate; then the
+    Zen 5 host had it faster up to four rows). Both give the same token (the screen is exact, and the
+    full head's way gives argmax rows the int16 kernel's logits: ``head_logits``), so the choice changes
+    only speed. Until each way has ``CHOICE_SAMPLES`` calls the two alternate; then the
     faster median of the last ``CHOICE_WINDOW`` is taken, and every ``EXPLORE_EVERY``-th call the other
     way runs once (every ``EXPLORE_EVERY_CLEAR``-th where it is ``CLEAR_MARGIN`` times slower)."""
 
@@ -211,6 +212,10 @@ FIVE_BITS = "five bits"
 INT8 = "int8"
 """The two ways a screen finds a row's candidates: its 5-bit copy (``screen_candidates``) or the int8
 GEMM (``I8Screen``)."""
+KERNEL_ONLY = "int16 kernel"
+"""No candidates: every argmax row gets the int16 kernel's logits of every token, whose argmax the
+screen gives (``head_logits``: the full head's way at a step the screen could take, where the head's own
+route there is another kernel, whose logits round differently)."""
 
 
 def i8_screen_coefficient(hidden: int) -> float:
@@ -350,6 +355,9 @@ class LMHeadScreen:
         # every row (one decode row): hidden itself where it is already the kernel's float32 rows
         x = hidden if len(screened) == n and hidden.dtype == torch.float32 and hidden.is_contiguous() \
             else hidden[screened].float().contiguous()
+        if way == KERNEL_ONLY:
+            out = torch.empty((n, vocab), dtype=torch.float32)
+            return self._unscreened(out, head, hidden, x, screened, list(range(len(screened))))
         if way == INT8:
             assert self.i8 is not None, "the int8 screen is built"
             counts_tensor, *row_candidates = self.i8.candidates(x, self.max_candidates)
@@ -391,13 +399,20 @@ class LMHeadScreen:
                            "candidates (the bound is too loose for this model's hidden states), so they "
                            "paid for the screen and the full head", sum(self.stats.recent_fallbacks),
                            len(self.stats.recent_fallbacks), self.max_candidates)
-        fallen = [position for position, fallback in enumerate(fallbacks) if fallback]
-        if fallen:   # the head's own kernel on every token: the same argmax the screen would give
+        return self._unscreened(out, head, hidden, x, screened,
+                                [position for position, fallback in enumerate(fallbacks) if fallback])
+
+    def _unscreened(self, out: torch.Tensor, head: nn.Module, hidden: torch.Tensor, x: torch.Tensor,
+                    screened: list[int], fallen: list[int]) -> torch.Tensor:
+        """``out`` with the int16 kernel's logits of every token in the rows ``screened[fallen]``
+        (``x``'s rows ``fallen``) and the full head's in the rows that are not argmax rows."""
+        if fallen:   # the int16 kernel on every token: the same argmax the screen would give
             w = self.weight
             index = torch.tensor(fallen)
             out[torch.tensor(screened)[index]] = self.kernel.block_linear_a16(
                 x.index_select(0, index).contiguous(), w.codes, w.scales, None, w.block)
-        full_rows = [i for i in range(n) if i not in screened_set]
+        screened_set = set(screened)
+        full_rows = [i for i in range(hidden.shape[0]) if i not in screened_set]
         if full_rows:
             index = torch.tensor(full_rows)
             out[index] = head(hidden.index_select(0, index)).float()
@@ -535,8 +550,10 @@ def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tenso
                 head_rows: object, tokens: dict[int, int] | None = None) -> torch.Tensor:
     """The step's float32 logits of ``rows``: through the screen where it applies
     (``screen_way``) and ``screen.choice`` finds it the faster way at this many argmax
-    rows, else the full head (``model.compute_logits``). Either way a greedy row's argmax is the
-    same token; ``tokens`` (when given) receives it for the rows the screen took (``LMHeadScreen.logits``)."""
+    rows, else the full head (``model.compute_logits``), whose argmax rows get the int16 kernel's
+    logits (``KERNEL_ONLY``) where the head's own route at this many rows is another kernel (the rows
+    kernel, the dense copy: they round differently, and a near tie could then go the other way). Either
+    way a greedy row's argmax is the same token, so the measured choice changes only speed; ``tokens`` (when given) receives it for the rows the screen took (``LMHeadScreen.logits``)."""
     def full() -> torch.Tensor:
         return model.compute_logits(rows, head_rows).float()
 
@@ -546,6 +563,11 @@ def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tenso
     count = len(argmax_rows)
     screened = screen.choice.use_screen(count)
     start = time.perf_counter()
-    logits = screen.logits(model.lm_head, rows, argmax_rows, way, tokens) if screened else full()
+    if screened:
+        logits = screen.logits(model.lm_head, rows, argmax_rows, way, tokens)
+    elif model.lm_head.gguf_routes.pick(rows.shape[0], rows.dtype == torch.bfloat16, False) is Route.BLOCK:
+        logits = full()
+    else:   # the head's route rounds differently: its argmax may not be the screen's, in a near tie
+        logits = screen.logits(model.lm_head, rows, argmax_rows, KERNEL_ONLY)
     screen.choice.record(count, screened, time.perf_counter() - start)
     return logits

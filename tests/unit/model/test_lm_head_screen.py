@@ -11,6 +11,7 @@ logprobs) gives the same tokens and logprobs either way.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -31,8 +32,9 @@ from servelm.model.eagle_checkpoint import main as write_head
 from servelm.model.gguf import gguf_i8gemm, lm_head_screen
 from servelm.model.gguf.gguf_routes import Route
 from servelm.model.gguf.lm_head_screen import (CHOICE_SAMPLES, CHOICE_WINDOW, CLEAR_MARGIN, EXPLORE_EVERY,
-                                               EXPLORE_EVERY_CLEAR, FIVE_BITS, INT8, WINDOW_ROWS,
-                                               LMHeadScreen, ScreenChoice, build_screen, i8_screen_coefficient,
+                                               EXPLORE_EVERY_CLEAR, FIVE_BITS, INT8, KERNEL_ONLY, WINDOW_ROWS,
+                                               LMHeadScreen, ScreenChoice, build_screen, head_logits,
+                                               i8_screen_coefficient,
                                                screen_build, screen_way)
 from servelm.sampling.params import SamplingParams
 
@@ -199,6 +201,32 @@ def test_rows_that_are_not_argmax_rows_get_the_full_head(kernels: Kernels) -> No
     assert torch.isinf(logits[[1, 3]]).sum() > 0
 
 
+def test_the_full_heads_way_gives_argmax_rows_the_int16_kernels_logits(kernels: Kernels,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a step could take the screen and the choice takes the full head, an argmax row gets the
+    int16 kernel's logits of every token (the screen's argmax is that kernel's) when the head's own
+    route at that many rows is another kernel (here its dense copy, whose logits round differently),
+    and the head's own logits when that route is the int16 kernel; other rows the head's either way."""
+    head, weight = q8_head(kernels, 1000, 128, seed=6)
+    screen = screen_for(kernels, weight)
+    x = near_tie_rows(weight, 4, seed=3)
+    block = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
+    only = screen.logits(head, x, [1, 3], KERNEL_ONLY)
+    assert torch.equal(only[[1, 3]], block[[1, 3]]) and torch.equal(only[[0, 2]], head(x)[[0, 2]])
+    routes = head.gguf_routes
+    head.gguf_dense = weight.codes.float() * weight.scales.repeat_interleave(32, 1)
+    model = SimpleNamespace(lm_head=head, compute_logits=lambda rows, _: head(rows))
+    monkeypatch.setattr(lm_head_screen, "screen_way", lambda *_: FIVE_BITS)
+    screen.choice.pinned = False
+    for route in (Route.BLOCK, Route.DENSE):
+        by_rows = tuple(tuple(tuple(route for _ in side) for side in sides) for sides in routes.by_rows)
+        head.gguf_routes = dataclasses.replace(routes, by_rows=by_rows, held=routes.held | {route})
+        logits = head_logits(screen, model, x, [1, 3], None)
+        assert torch.equal(logits[[0, 2]], head(x)[[0, 2]])
+        assert torch.equal(logits[[1, 3]], block[[1, 3]] if route is Route.DENSE else head(x)[[1, 3]])
+    assert not torch.equal(head(x), block)   # the dense copy's logits are not the int16 kernel's
+
+
 def test_built_only_where_exact(kernels: Kernels) -> None:
     head, weight = q8_head(kernels, 100, 128)
     model = torch.nn.Module()
@@ -347,11 +375,15 @@ def engine(request: pytest.FixtureRequest):
     engine.shutdown()
 
 
-def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], screen_on: bool,
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], screen_on: bool | None,
         one_at_a_time: bool = False) -> dict[str, tuple[list[int], list]]:
-    runner = engine.runner
-    saved = runner.lm_head_screen
-    runner.lm_head_screen = saved if screen_on else None
+    """Every request's tokens and logprobs, the screen's choice measured (``screen_on`` None), pinned
+    to the screen (True) or to the full head's way: at a step the screen could take, the full head's logits, its argmax
+    rows the int16 kernel's where the head's own route there is another kernel (whose logits round
+    differently from the int16 kernel's, which the screen's argmax is: ``head_logits``)."""
+    choice = engine.runner.lm_head_screen.choice
+    saved = choice.pinned
+    choice.pinned = screen_on
     outputs: dict[str, tuple[list[int], list]] = {}
     try:
         batches = [[r] for r in enumerate(requests)] if one_at_a_time else [list(enumerate(requests))]
@@ -364,7 +396,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], scr
                     tokens.extend(output.new_token_ids)
                     logprobs.extend(output.logprobs or [])
     finally:
-        runner.lm_head_screen = saved
+        choice.pinned = saved
     return outputs
 
 
@@ -680,13 +712,9 @@ def test_a_measured_engine_gives_the_same_tokens_and_uses_both_ways(engine: LLME
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = [(engine.tokenizer.encode(PROMPTS[0]), params)]
     pinned = run(engine, requests, True)
-    screen.choice.pinned = None
     screen.choice.forget()
-    try:
-        before = screen.stats.rows
-        measured = run(engine, requests, True)
-        assert CHOICE_SAMPLES <= screen.stats.rows - before < 15   # not every row, not none
-        assert 1 in screen.choice.chosen()
-    finally:
-        screen.choice.pinned = True
+    before = screen.stats.rows
+    measured = run(engine, requests, None)
+    assert CHOICE_SAMPLES <= screen.stats.rows - before < 15   # not every row, not none
+    assert 1 in screen.choice.chosen()
     assert measured == pinned == run(engine, requests, False)
