@@ -317,9 +317,8 @@ def test_float32_block_decode_takes_one_mlp_call(threads: int, monkeypatch: pyte
     original = llama_decode.decode_mlp
 
     def counted(plan: Any, dtype: torch.dtype) -> Any:
-        run = original(plan, dtype)
-        assert run is not None
-        return lambda *args: (calls.append(1), run(*args))[1]
+        run = original(plan, dtype)   # None for the routed plan's layers (its calls are the modules)
+        return None if run is None else lambda *args: (calls.append(1), run(*args))[1]
 
     monkeypatch.setattr(llama_decode, "decode_mlp", counted)
     hf_model = make_tiny_hf_model("llama")
