@@ -13,6 +13,9 @@ with and without the change (prefix cache off), and whether every output is iden
   (servelm.model.gguf.gguf_linear.BlockRows) instead of the fused ops' ``packed_rows`` call (the same floats).
 - ``final_norm``: the Llama family's flat decode adds the last layer's residual with torch and calls the
   final norm's module, instead of one fused ``add_rms_norm`` with the final norm's weight (the same floats).
+- ``decode_mlp``: a float32 model's one-row flat decode makes each layer's MLP half as separate calls
+  instead of the AVX2 block kernel's one ``DecodeMlp.run`` (servelm.model.architectures.flat_decode
+  ``decode_mlp``; the same floats). The plan is built at the engine's first decode step (warm-up).
 - ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
   ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
@@ -182,6 +185,17 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             LlamaDecodePlan.fuses_final_norm = fuses  # type: ignore[method-assign]
+    elif change == "decode_mlp":
+        plan: Any = _ENGINE.runner.model.model.__dict__.get("decode_plan")
+        layers = (plan.layers or []) if plan is not None else []
+        runs = [layer.mlp_run for layer in layers]
+        for layer in layers:
+            layer.mlp_run = None
+        try:
+            yield
+        finally:
+            for layer, run in zip(layers, runs):
+                layer.mlp_run = run
     elif change == "native_argmax":
         sampler = _ENGINE.executor.sampler
         native = sampler.native_argmax

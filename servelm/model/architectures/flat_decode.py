@@ -44,6 +44,8 @@ from servelm.model.layers.f32_rows import MAX_ROWS as F32_DENSE_ROWS
 from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod, PreparedCall, RowsCopies, decode_rows, gate_up_act
 from servelm.model.huge_pages import gather_on_huge_pages
 from servelm.model.layers.linear import UnquantizedLinearMethod, dense_linear
+from servelm.model.layers.norm import RMSNorm
+from servelm.model.gguf import gguf_kernel
 
 if TYPE_CHECKING:
     from servelm.model.forward_batch import ForwardBatch
@@ -79,6 +81,11 @@ class LayerPlan:
     eps: float
     gate_up_act: Any = field(default=None, kw_only=True)
     """gate_up and act * up in one rows-kernel call (``gate_up_act``), or None: gate_up, then act_and_mul."""
+    next_input_norm: torch.Tensor | None = field(default=None, kw_only=True)
+    """The next layer's input norm weight (None: the last layer); its eps ``next_eps``."""
+    next_eps: float = field(default=0.0, kw_only=True)
+    mlp_run: Any = field(default=None, kw_only=True)
+    """One row, float32: o .. down and the next layer's input norm in one call (``decode_mlp``), or None."""
 
     def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k and v ``[T, Hkv, D]``: views of the QKV projection's output."""
@@ -229,6 +236,8 @@ class FlatDecodePlan:
         for plan in self.layers or ():   # equal ropes (cache_key) as one object: run() compares by identity
             plan.rotary = ropes.setdefault(plan.rotary.cache_key, plan.rotary)
             plan.gate_up_act = gate_up_act(plan.gate_up_call, plan.activation_kind)
+        for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
+            plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
         self.dtype = dtype or torch.bfloat16
         """The model's dtype: every prepared call's rows, the norms' weights, q/k/v and cos/sin."""
         self.rounds = self.dtype == torch.bfloat16
@@ -267,6 +276,15 @@ class FlatDecodePlan:
 
     def layer_plan(self, layer: Any) -> Any | None:
         raise NotImplementedError
+
+    final_norm_type: type[nn.Module] = RMSNorm
+    """The final norm ``fuses_final_norm`` takes: the family's RMSNorm."""
+
+    def fuses_final_norm(self, norm: nn.Module | None) -> bool:
+        """Whether ``run`` computes ``norm`` (the model's final norm) with the last layer's calls: the
+        family's RMSNorm with its weight in the plan's dtype and no hooks (a tensor dump's)."""
+        return (type(norm) is self.final_norm_type and norms_fuse([norm], self.dtype)
+                and not (norm._forward_hooks or norm._forward_pre_hooks))
 
     def acted(self, plan: LayerPlan, ops: ModuleType, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up of the MLP's input ``x``: one rows-kernel call where the layer has one
@@ -357,3 +375,36 @@ def _paged_decode_group(batch: ForwardBatch, attention: Any, head_dim: int, dtyp
     if v_cache.shape[-1] != head_dim or not paged_decode.supports(q_like, k_cache):
         return None
     return group
+
+
+MLP_KINDS = ("block_linear_a16", "block_linear", "packed_a16", "packed_a16_centered", "packed_a8", "packed_a8_centered")
+"""The block kernel's one-row functions ``DecodeMlp`` takes, by its ``kind`` (their index)."""
+MLP_ACTIVATIONS = (fused.ACTIVATION_KINDS["silu"], fused.ACTIVATION_KINDS["gelu_pytorch_tanh"])
+"""The activations ``DecodeMlp`` computes (its ``activation``: SiLU 0, GELU tanh 1, fused_ops' kinds)."""
+
+
+def decode_mlp(plan: LayerPlan, dtype: torch.dtype, norms: list[torch.Tensor]) -> Any:
+    """``plan``'s MLP half in one native call (the AVX2 block kernel's ``DecodeMlp.run``: o, the norms,
+    gate_up, act * up, down and the next layer's input norm, the same kernels' floats in one parallel
+    region) where it applies: a float32 model (nothing rounded to bf16), the three projections on that
+    kernel's integer-activation functions without a bias, SiLU or GELU tanh, the hidden size a multiple of
+    16, the intermediate of 8, float32 norms; else None (``run`` makes the separate calls). ``norms``:
+    [post-attention] (Llama: its add + norm) or the three of Gemma 3 (post-attention, pre- and
+    post-feedforward: (1 + w) norms, the post-norms' adds after them)."""
+    module = gguf_kernel.load_kernel()
+    mlp_type = getattr(module, "DecodeMlp", None)
+    if mlp_type is None or dtype != torch.float32 or plan.activation_kind not in MLP_ACTIVATIONS:
+        return None
+    kinds = {getattr(module, name): kind for kind, name in enumerate(MLP_KINDS)}
+    calls = (plan.o_call, plan.gate_up_call, plan.down_call)
+    if any(kinds.get(call[0]) is None for call in calls):
+        return None
+    o, gate_up, down = calls
+    hidden, inner = o[1].shape[0], gate_up[1].shape[0] // 2
+    if (hidden % 16 or inner % 8 or down[1].shape[0] != hidden
+            or any(norm.dtype != torch.float32 or norm.shape != (hidden,) for norm in norms)):
+        return None
+    o_k = plan.num_heads * plan.head_dim
+    return mlp_type(kinds[o[0]], o[1], o[2], o[3], o[4], o_k, norms, plan.eps,
+                    kinds[gate_up[0]], gate_up[1], gate_up[2], gate_up[3], gate_up[4],
+                    kinds[down[0]], down[1], down[2], down[3], down[4], plan.activation_kind).run

@@ -106,8 +106,7 @@ class Gemma3Model(nn.Module):
         if self.embed_tokens is not None:
             hidden = embed_tokens_and_images(self.embed_tokens, batch)
         assert hidden is not None, "a later pipeline stage needs the previous stage's hidden states"
-        hidden = run_layers(self, DecodePlan, hidden, batch)
-        return hidden if self.norm is None else self.norm(hidden)
+        return run_layers(self, DecodePlan, hidden, batch, self.norm)
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -5,7 +5,9 @@ step. ``DecodePlan`` (flat_decode.py's ``FlatDecodePlan``: the checks, the per-s
 it shares with the Llama family) holds each layer's weights and kernel arguments, and ``run`` calls,
 per layer, the same kernels in the same order as Gemma3DecoderLayer.forward: the fused (1 + w)
 RMSNorms (the post-norms with their residual add), the block kernel, q/k norm + RoPE, attention,
-act * up. Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
+act * up; a float32 model's one-row step on the AVX2 block kernel takes each layer's o .. down and the
+next input norm in one native call (``decode_mlp``). Bit-identical to the module path
+(tests/unit/model/test_flat_decode.py).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, norms_fuse
 from servelm.model.layers import fused
+from servelm.model.layers.norm import GemmaRMSNorm
 
 if TYPE_CHECKING:
     from servelm.model.architectures.gemma3 import Gemma3DecoderLayer
@@ -34,6 +37,14 @@ class _LayerPlan(LayerPlan):
 
 class DecodePlan(FlatDecodePlan):
     """Gemma 3's flat decode (see the module docstring)."""
+
+    final_norm_type = GemmaRMSNorm
+
+    def __init__(self, layers: list[Gemma3DecoderLayer], routed: bool = False) -> None:
+        super().__init__(layers, routed)
+        for plan in self.layers or ():
+            plan.mlp_run = decode_mlp(plan, self.dtype, [plan.post_attention_norm, plan.pre_feedforward_norm,
+                                                         plan.post_feedforward_norm])
 
     def layer_plan(self, layer: Gemma3DecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -67,16 +78,27 @@ class DecodePlan(FlatDecodePlan):
         rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
         cos: torch.Tensor
         sin: torch.Tensor
+        normed: torch.Tensor | None = None   # the layer's input norm, where the previous layer's call made it
         for plan in self.layers or ():
+            if normed is None:
+                normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None)
             kernel, codes, scales, offsets, block = plan.qkv_call
-            qkv = kernel(ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None), codes, scales, offsets, block,
-                         rounds)
+            qkv = kernel(normed, codes, scales, offsets, block, rounds)
             if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
                 rotary = plan.rotary
                 cos, sin = step.rotation(rotary)
             ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
                                plan.head_eps, True)
             attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
+            mlp_run = plan.mlp_run
+            if mlp_run is not None and step.num_tokens == 1:   # o .. down and the next norm: one call
+                if plan.next_input_norm is not None:
+                    normed, hidden = mlp_run(attended, hidden, plan.next_input_norm, plan.next_eps)
+                    continue
+                if self.fuses_final_norm(final_norm):
+                    assert final_norm is not None
+                    final: torch.Tensor = mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0]
+                    return final
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)
@@ -84,4 +106,5 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.down_call
             down = kernel(acted, codes, scales, offsets, block, round_updates)
             hidden = ops.rms_norm(down, plan.post_feedforward_norm, plan.eps, True, hidden)
+            normed = None
         return hidden if final_norm is None else final_norm(hidden)

@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, norms_fuse
+from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, norms_fuse
 from servelm.model.layers import fused
-from servelm.model.layers.norm import RMSNorm
-from servelm.model.gguf import gguf_kernel
 
 from servelm.model.architectures.common import GatedMLP
 
@@ -39,9 +37,6 @@ class _LayerPlan(LayerPlan):
     (the residual add goes with it)."""
 
     qkv_bias: torch.Tensor | None   # added by the QKV call (kernel_call checks that it takes one)
-    next_input_norm: torch.Tensor | None = None   # the next layer's input norm weight (None: the last layer)
-    next_eps: float = 0.0
-    mlp_run: Any = None    # one row, float32: o .. down and the next norm in one call (``decode_mlp``), or None
 
 
 class LlamaDecodePlan(FlatDecodePlan):
@@ -49,10 +44,8 @@ class LlamaDecodePlan(FlatDecodePlan):
 
     def __init__(self, layers: list[LlamaDecoderLayer], routed: bool = False) -> None:
         super().__init__(layers, routed)
-        for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
-            plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
         for plan in self.layers or ():
-            plan.mlp_run = decode_mlp(plan, self.dtype)
+            plan.mlp_run = decode_mlp(plan, self.dtype, [plan.post_attention_norm])
 
     def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -127,38 +120,3 @@ class LlamaDecodePlan(FlatDecodePlan):
             else:   # the residual add with the next layer's input norm: the sum in the stream's dtype, then normed
                 normed, hidden = ops.add_rms_norm(down, hidden, plan.next_input_norm, plan.next_eps, False)
         return hidden if final_norm is None else final_norm(hidden)
-
-    def fuses_final_norm(self, norm: nn.Module | None) -> bool:
-        """Whether ``run`` computes ``norm`` (the model's final norm) with the last residual add: an
-        RMSNorm (not Gemma's) whose weight is in the plan's dtype, with no hooks (a tensor dump's)."""
-        return (type(norm) is RMSNorm and norms_fuse([norm], self.dtype)
-                and not (norm._forward_hooks or norm._forward_pre_hooks))
-
-
-MLP_KINDS = ("block_linear_a16", "block_linear", "packed_a16", "packed_a16_centered", "packed_a8", "packed_a8_centered")
-"""The block kernel's one-row functions ``DecodeMlp`` takes, by its ``kind`` (their index)."""
-
-
-def decode_mlp(plan: _LayerPlan, dtype: torch.dtype) -> Any:
-    """``plan``'s MLP half in one native call (the AVX2 block kernel's ``DecodeMlp.run``: o, the add +
-    RMSNorm, gate_up, SiLU * up, down and the add + the next norm, the same kernels' floats in one
-    parallel region) where it applies: a float32 model (nothing rounded to bf16), the three projections
-    on that kernel's integer-activation functions without a bias, SiLU, the hidden size a multiple of
-    16, and the intermediate of 8; else None (``run`` makes the six calls)."""
-    module = gguf_kernel.load_kernel()
-    mlp_type = getattr(module, "DecodeMlp", None)
-    if mlp_type is None or dtype != torch.float32 or plan.activation_kind != fused.ACTIVATION_KINDS["silu"]:
-        return None
-    kinds = {getattr(module, name): kind for kind, name in enumerate(MLP_KINDS)}
-    calls = (plan.o_call, plan.gate_up_call, plan.down_call)
-    if any(kinds.get(call[0]) is None for call in calls):
-        return None
-    o, gate_up, down = calls
-    hidden, inner = o[1].shape[0], gate_up[1].shape[0] // 2
-    if (hidden % 16 or inner % 8 or down[1].shape[0] != hidden or plan.post_attention_norm.dtype != torch.float32
-            or plan.post_attention_norm.shape != (hidden,)):
-        return None
-    o_k = plan.num_heads * plan.head_dim
-    return mlp_type(kinds[o[0]], o[1], o[2], o[3], o[4], o_k, plan.post_attention_norm, plan.eps,
-                    kinds[gate_up[0]], gate_up[1], gate_up[2], gate_up[3], gate_up[4],
-                    kinds[down[0]], down[1], down[2], down[3], down[4], plan.activation_kind).run

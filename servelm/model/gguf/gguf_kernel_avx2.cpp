@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <memory>
 #include <vector>
+
+#include "servelm_activation.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -679,73 +681,67 @@ torch::Tensor block_linear_impl(const torch::Tensor& x, const torch::Tensor& cod
 
 // ---- One row's MLP half of a decoder layer in one call (the flat decode's 1-row float32 step) ----
 //
-// o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down -> add + RMSNorm of the next layer (or the
-// final norm): the same kernels as the six calls the flat decode makes for them (BlockGemm for the
-// three projections; the fused ops' float32 add_rms_norm and AVX2 SiLU * up, fused_ops.cpp, in the same
-// float operations and order), inside one OpenMP parallel region with barriers between the steps instead
-// of three regions, six Python calls and eight output tensors. SiLU * up is split over the threads (an
-// elementwise op: the same floats on any split); the norms and each projection's activation rounding run
-// on the calling thread (thread 0) while the others wait at the barrier, as they wait between regions.
-// fused_ops.cpp is built without FMA contraction and this file with GCC's default (fast) contraction, so
-// every product here that an add or subtract takes is rounded first (``rounded``): the same floats.
+// Llama: o -> add + RMSNorm -> gate_up -> act(gate) * up -> down -> add + RMSNorm of the next layer (or
+// the final norm); Gemma 3: o -> (1 + w) norm, added to the residual -> pre-feedforward norm -> gate_up ->
+// act(gate) * up -> down -> post-feedforward norm, added -> the next layer's input norm. The same kernels
+// as the six (Gemma: eight) calls the flat decode makes for them (BlockGemm for the three projections;
+// the fused ops' float32 norms and act * up, fused_ops.cpp, in the same float operations and order),
+// inside one OpenMP parallel region with barriers between the steps instead of three regions, the
+// Python calls and their output tensors. act * up is split over the threads (an elementwise op: the same
+// floats on any split); the norms and each projection's activation rounding run on the calling thread
+// (thread 0) while the others wait at the barrier, as they wait between regions. fused_ops.cpp is built
+// without FMA contraction and this file with GCC's default (fast) contraction, so every product here
+// that an add or subtract takes is rounded first (``rounded8``): the same floats.
 
-// a * b rounded to float32 before anything takes it: the empty asm keeps the compiler from fusing the
-// product into an FMA with a following add (fused_ops.cpp: -ffp-contract=off)
-inline __m256 rounded(__m256 product) {
-  asm("" : "+x"(product));
-  return product;
+using servelm_activation::activate8;
+using servelm_activation::rounded8;
+
+// act(g) * u for i in [begin, end) (multiples of 8), KIND 0 SiLU, 1 GELU tanh: fused_ops.cpp's
+// act_and_mul loop on float32 rows (servelm_activation.h's lanes)
+template <int KIND>
+void act_mul(const float* g, const float* u, float* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(activate8<KIND>(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
 }
 
-// fused_ops.cpp's exp_poly8 (AVX2 build), its float operations in its order
-inline __m256 exp_poly8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
-  const __m256 n = _mm256_floor_ps(_mm256_add_ps(rounded(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
-                                                 _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(x, rounded(_mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))));
-  r = _mm256_sub_ps(r, rounded(_mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f))));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(rounded(_mm256_mul_ps(p, r)), _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_add_ps(rounded(_mm256_mul_ps(p, _mm256_mul_ps(r, r))), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return rounded(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
-}
-
-// SiLU(g) * u for i in [begin, end) (multiples of 8): fused_ops.cpp's silu8 loop of act_and_mul
-void silu_mul(const float* g, const float* u, float* out, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 minus_g = _mm256_xor_ps(gv, _mm256_set1_ps(-0.f));
-    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp_poly8(minus_g)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-  }
-}
-
-// sum = x + residual, out = w * (sum * r) with r = 1 / sqrt(mean(sum^2) + eps): fused_ops.cpp's float32
-// add_rms_norm of one row (the sum of squares in 16 partial sums, lane j over i = j mod 16, then added in
-// order), k a multiple of 16
-void add_rms_norm_row(const float* x, const float* residual, const float* w, float* sum, float* out, int64_t k,
-                      float eps) {
+// 1 / sqrt(mean(x^2) + eps) of one row: fused_ops.cpp's inv_rms (the sum of squares in 16 partial sums,
+// lane j over i = j mod 16, then added in order), k a multiple of 16
+float inv_rms_row(const float* x, int64_t k, float eps) {
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   for (int64_t i = 0; i < k; i += 16) {
-    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(residual + i));
-    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(residual + i + 8));
-    _mm256_storeu_ps(sum + i, a);
-    _mm256_storeu_ps(sum + i + 8, b);
-    lo = _mm256_add_ps(lo, rounded(_mm256_mul_ps(a, a)));
-    hi = _mm256_add_ps(hi, rounded(_mm256_mul_ps(b, b)));
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    lo = _mm256_add_ps(lo, rounded8(_mm256_mul_ps(a, a)));
+    hi = _mm256_add_ps(hi, rounded8(_mm256_mul_ps(b, b)));
   }
   alignas(32) float partial[16];
   _mm256_store_ps(partial, lo);
   _mm256_store_ps(partial + 8, hi);
   float total = 0.f;
   for (int j = 0; j < 16; ++j) total += partial[j];
-  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(total / float(k) + eps));
+  return 1.f / std::sqrt(total / float(k) + eps);
+}
+
+// sum = x + residual, out = w * (sum * r): fused_ops.cpp's float32 add_rms_norm of one row (Llama's
+// pre-add)
+void add_rms_norm_row(const float* x, const float* residual, const float* w, float* sum, float* out, int64_t k,
+                      float eps) {
+  for (int64_t i = 0; i < k; i += 8)
+    _mm256_storeu_ps(sum + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(residual + i)));
+  const __m256 r = _mm256_set1_ps(inv_rms_row(sum, k, eps));
   for (int64_t i = 0; i < k; i += 8)
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(sum + i), r)));
+}
+
+// out = (x * r) * (1 + w), then residual + out where a residual is given: fused_ops.cpp's float32
+// rms_norm of one row with Gemma's offset scale (and its post-add)
+void offset_norm_row(const float* x, const float* residual, const float* w, float* out, int64_t k, float eps) {
+  const __m256 r = _mm256_set1_ps(inv_rms_row(x, k, eps));
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 normed = rounded8(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r),
+                                                 _mm256_add_ps(one, _mm256_loadu_ps(w + i))));
+    _mm256_storeu_ps(out + i, residual != nullptr ? _mm256_add_ps(_mm256_loadu_ps(residual + i), normed) : normed);
+  }
 }
 
 // One projection's block weight on the one-row kernel of ``kind`` (the Python function it stands for:
@@ -815,8 +811,10 @@ inline void run_share(const RowRange& gemm, int tid, int threads) {
 
 class DecodeMlp {
  public:
+  // norms: [post-attention] (Llama: its add + RMSNorm before the MLP) or [post-attention,
+  // pre-feedforward, post-feedforward] (Gemma: (1 + w) norms, the post-norms' residual adds after them)
   DecodeMlp(int64_t o_kind, torch::Tensor o_codes, torch::Tensor o_scales, c10::optional<torch::Tensor> o_offsets,
-            int64_t o_block, int64_t o_k, torch::Tensor post_norm, double eps,
+            int64_t o_block, int64_t o_k, std::vector<torch::Tensor> norms, double eps,
             int64_t gate_up_kind, torch::Tensor gate_up_codes, torch::Tensor gate_up_scales,
             c10::optional<torch::Tensor> gate_up_offsets, int64_t gate_up_block,
             int64_t down_kind, torch::Tensor down_codes, torch::Tensor down_scales,
@@ -828,15 +826,19 @@ class DecodeMlp {
         inner_(gate_up_.n / 2),
         down_(down_kind, std::move(down_codes), std::move(down_scales), std::move(down_offsets), down_block, inner_,
               "down"),
-        post_norm_(std::move(post_norm)), eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(activation == 0, "activation: 0 (SiLU) only");
+        norms_(std::move(norms)), eps_(static_cast<float>(eps)), activation_(activation),
+        gemma_(norms_.size() == 3) {
+    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 (SiLU) or 1 (GELU tanh)");
+    TORCH_CHECK(norms_.size() == 1 || norms_.size() == 3,
+                "norms: [post-attention] (Llama) or [post-attention, pre-feedforward, post-feedforward] (Gemma)");
     TORCH_CHECK(hidden_ % 16 == 0 && gate_up_.n % 16 == 0 && down_.n == hidden_,
                 "hidden size a multiple of 16, gate_up [2 I, H] with I a multiple of 8, down [H, I]");
-    check_norm(post_norm_, "post_norm");
+    for (const auto& norm : norms_) check_norm(norm, "norms");
   }
 
-  // (norm(x + hidden), x + hidden) of the layer's MLP output x, ``norm`` the next layer's input norm (or
-  // the model's final norm): what the six calls give for attended [1, o's K] and hidden [1, H], float32
+  // (norm(h), h) for the layer's output h (Llama: x + hidden with x the MLP's output; Gemma: the
+  // post-feedforward norm's sum), ``norm`` the next layer's input norm (or the model's final norm; Gemma's
+  // (1 + w)): what the separate calls give for attended [1, o's K] and hidden [1, H], float32
   std::vector<torch::Tensor> run(const torch::Tensor& attended, const torch::Tensor& hidden, const torch::Tensor& norm,
                                  double norm_eps) const {
     TORCH_CHECK(attended.dtype() == torch::kFloat32 && attended.dim() == 2 && attended.size(0) == 1
@@ -846,7 +848,7 @@ class DecodeMlp {
     check_norm(norm, "norm");
     auto normed = torch::empty({1, hidden_}, hidden.options());
     auto summed = torch::empty({1, hidden_}, hidden.options());
-    // o's output (then down's), the post-attention sum and norm, gate_up's output, SiLU * up
+    // o's output (then down's), the post-attention sum and norm, gate_up's output, act * up
     float* buffer = scratch<float>(0, 3 * hidden_ + gate_up_.n + inner_);
     // (scratch slot 0 is also the bf16 rows' and never read here: every row is float32)
     float* projected = buffer;
@@ -857,6 +859,7 @@ class DecodeMlp {
     const float* x = attended.data_ptr<float>();
     const float* residual = hidden.data_ptr<float>();
     const float* norm_weight = norm.data_ptr<float>();
+    const float next_eps = static_cast<float>(norm_eps);
     float* out_normed = normed.data_ptr<float>();
     float* out_summed = summed.data_ptr<float>();
     std::unique_ptr<RowRange> gemm;
@@ -866,21 +869,34 @@ class DecodeMlp {
       run_share(*gemm, tid, threads);
       barrier();
       if (tid == 0) {
-        add_rms_norm_row(projected, residual, post_norm_.data_ptr<float>(), mid_sum, mid_normed, hidden_, eps_);
+        if (gemma_) {   // hidden + norm(o), then the pre-feedforward norm of that
+          offset_norm_row(projected, residual, norms_[0].data_ptr<float>(), mid_sum, hidden_, eps_);
+          offset_norm_row(mid_sum, nullptr, norms_[1].data_ptr<float>(), mid_normed, hidden_, eps_);
+        } else {
+          add_rms_norm_row(projected, residual, norms_[0].data_ptr<float>(), mid_sum, mid_normed, hidden_, eps_);
+        }
         gemm = gate_up_.gemm(mid_normed, gate_up);
       }
       barrier();
       run_share(*gemm, tid, threads);
       barrier();
       const int64_t chunk = ((inner_ + threads - 1) / threads + 7) / 8 * 8;
-      silu_mul(gate_up, gate_up + inner_, act, std::min(inner_, tid * chunk), std::min(inner_, (tid + 1) * chunk));
+      const int64_t begin = std::min(inner_, tid * chunk), end = std::min(inner_, (tid + 1) * chunk);
+      if (activation_ == 0) act_mul<0>(gate_up, gate_up + inner_, act, begin, end);
+      else act_mul<1>(gate_up, gate_up + inner_, act, begin, end);
       barrier();
       if (tid == 0) gemm = down_.gemm(act, projected);
       barrier();
       run_share(*gemm, tid, threads);
       barrier();
-      if (tid == 0) add_rms_norm_row(projected, mid_sum, norm_weight, out_summed, out_normed, hidden_,
-                                     static_cast<float>(norm_eps));
+      if (tid == 0) {
+        if (gemma_) {   // the sum + norm(down), then the next norm of that
+          offset_norm_row(projected, mid_sum, norms_[2].data_ptr<float>(), out_summed, hidden_, eps_);
+          offset_norm_row(out_summed, nullptr, norm_weight, out_normed, hidden_, next_eps);
+        } else {
+          add_rms_norm_row(projected, mid_sum, norm_weight, out_summed, out_normed, hidden_, next_eps);
+        }
+      }
     };
 #ifdef _OPENMP
     const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -907,8 +923,10 @@ class DecodeMlp {
   Projection gate_up_;
   int64_t inner_;
   Projection down_;
-  torch::Tensor post_norm_;
+  std::vector<torch::Tensor> norms_;
   float eps_;
+  int64_t activation_;
+  bool gemma_;
 };
 
 }  // namespace
@@ -972,17 +990,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,
         "packed_a8 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
   py::class_<DecodeMlp>(m, "DecodeMlp",
-                        "one row's o -> add + RMSNorm -> gate_up -> SiLU * up -> down -> add + RMSNorm in one call "
-                        "(float32); a projection's kind: 0 block_linear_a16, 1 block_linear, 2 packed_a16, "
-                        "3 packed_a16_centered, 4 packed_a8, 5 packed_a8_centered")
-      .def(py::init<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t, torch::Tensor,
-                    double, int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t,
-                    torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>(),
+                        "one row's MLP half in one call (float32): o -> add + RMSNorm -> gate_up -> act * up -> down "
+                        "-> add + RMSNorm (Llama), or o -> norm + add -> norm -> gate_up -> act * up -> down -> "
+                        "norm + add -> norm with (1 + w) norms (Gemma); a projection's kind: 0 block_linear_a16, "
+                        "1 block_linear, 2 packed_a16, 3 packed_a16_centered, 4 packed_a8, 5 packed_a8_centered; "
+                        "activation 0 SiLU, 1 GELU tanh")
+      .def(py::init<int64_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t,
+                    std::vector<torch::Tensor>, double, int64_t, torch::Tensor, torch::Tensor,
+                    c10::optional<torch::Tensor>, int64_t, int64_t, torch::Tensor, torch::Tensor,
+                    c10::optional<torch::Tensor>, int64_t, int64_t>(),
            py::arg("o_kind"), py::arg("o_codes"), py::arg("o_scales"), py::arg("o_offsets"), py::arg("o_block"),
-           py::arg("o_k"), py::arg("post_norm"), py::arg("eps"), py::arg("gate_up_kind"), py::arg("gate_up_codes"),
+           py::arg("o_k"), py::arg("norms"), py::arg("eps"), py::arg("gate_up_kind"), py::arg("gate_up_codes"),
            py::arg("gate_up_scales"), py::arg("gate_up_offsets"), py::arg("gate_up_block"), py::arg("down_kind"),
            py::arg("down_codes"), py::arg("down_scales"), py::arg("down_offsets"), py::arg("down_block"),
            py::arg("activation"))
-      .def("run", &DecodeMlp::run, "(norm(x + hidden), x + hidden) of the MLP half's output x",
+      .def("run", &DecodeMlp::run, "(norm(h), h) of the layer's output h, norm the next layer's input norm",
            py::arg("attended"), py::arg("hidden"), py::arg("norm"), py::arg("norm_eps"));
 }

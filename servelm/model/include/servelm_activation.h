@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "servelm_simd.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -65,5 +65,53 @@ inline __m512 activate16(__m512 g) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh_u));
 }
 #endif  // __AVX512F__
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The AVX2 builds' 8 lanes: each lane is fused_ops.cpp's scalar float (exp_poly, activate<0> and <1>),
+// its operations in their order. Built with or without FMA contraction alike: every product that an add
+// or subtract takes is rounded first (``rounded8``); max/min take the constant first, so a NaN passes as
+// std::max/min pass it.
+
+// a product rounded to float32 before anything takes it: the empty asm keeps the compiler from fusing it
+// into an FMA with a following add
+inline __m256 rounded8(__m256 product) {
+  asm("" : "+x"(product));
+  return product;
+}
+
+inline __m256 exp_poly8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(rounded8(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f))),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, rounded8(_mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))));
+  r = _mm256_sub_ps(r, rounded8(_mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f))));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(rounded8(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(rounded8(_mm256_mul_ps(p, r)), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(rounded8(_mm256_mul_ps(p, r)), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(rounded8(_mm256_mul_ps(p, r)), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(rounded8(_mm256_mul_ps(p, r)), _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(rounded8(_mm256_mul_ps(p, _mm256_mul_ps(r, r))), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return rounded8(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+// act(g) for 8 lanes: KIND 0 SiLU g / (1 + e^-g) (-g by the sign bit, as unary minus flips it), 1 GELU
+// tanh (0.5 g) (1 + tanh(beta (g + kappa g^3))) with tanh(u) = sign(u) (1 - 2 / (e^(2|u|) + 1))
+template <int KIND>
+inline __m256 activate8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  if (KIND == 0) return _mm256_div_ps(g, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(g, sign))));
+  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta),
+                                 _mm256_add_ps(g, rounded8(_mm256_mul_ps(_mm256_set1_ps(kGeluKappa), g3))));
+  const __m256 abs_u = _mm256_andnot_ps(sign, u);
+  const __m256 e = exp_poly8(_mm256_mul_ps(_mm256_set1_ps(2.f), abs_u));
+  const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+  const __m256 tanh_u = _mm256_or_ps(_mm256_andnot_ps(sign, t), _mm256_and_ps(u, sign));
+  return _mm256_mul_ps(rounded8(_mm256_mul_ps(_mm256_set1_ps(0.5f), g)), _mm256_add_ps(one, tanh_u));
+}
+#endif  // AVX2 without AVX-512
 
 }  // namespace servelm_activation

@@ -213,32 +213,10 @@ template <> struct Vec<BF16> {
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// SiLU of float32, 8 lanes at a time (AVX2 builds): exp_poly and activate<0>'s operations in their
-// order (no FMA: -ffp-contract=off; max/min with the constant first, so a NaN passes as std::max/min
-// pass it), so each lane is the scalar loop's float. GCC leaves that loop scalar (floor, the int
-// conversion, the division): SiLU * up of Qwen2.5 0.5B's 4864 columns took ~49 us a row, one thread.
-inline __m256 exp_poly8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));
-  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                                 _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
-}
-
-// g / (1 + e^-g), -g by the sign bit as unary minus flips it
-inline __m256 silu8(__m256 g) {
-  const __m256 minus_g = _mm256_xor_ps(g, _mm256_set1_ps(-0.f));
-  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp_poly8(minus_g)));
-}
+// SiLU and GELU tanh of float32, 8 lanes at a time (AVX2 builds): servelm_activation.h's activate8, each
+// lane this file's scalar float. GCC leaves the scalar loop scalar (floor, the int conversion, the
+// division): SiLU * up of Qwen2.5 0.5B's 4864 columns took ~49 us a row, one thread.
+using servelm_activation::activate8;
 #endif
 
 template <class T, int KIND>
@@ -264,9 +242,9 @@ void act_and_mul_impl(const torch::Tensor& gate_up, const torch::Tensor& out) {
       }
 #endif
 #if defined(__AVX2__) && !defined(__AVX512F__)
-      if constexpr (KIND == 0 && std::is_same_v<T, F32>) {
+      if constexpr (KIND != 2 && std::is_same_v<T, F32>) {
         for (; i + 8 <= d; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(activate8<KIND>(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
       }
 #endif
       for (; i < d; ++i) T::store(o, i, T::round(activate<KIND>(T::load(g, i))) * T::load(u, i));

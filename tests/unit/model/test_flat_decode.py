@@ -17,7 +17,7 @@ import transformers
 from servelm.model import huge_pages
 from servelm.model.architectures.flat_decode import FlatDecodePlan
 from servelm.model.architectures.gemma3_decode import DecodePlan
-from servelm.model.architectures import llama_decode
+from servelm.model.architectures import gemma3_decode, llama_decode
 from servelm.model.architectures.llama_decode import LlamaDecodePlan
 from servelm.model.eagle import HiddenCapture, eagle3_layer_ids
 from servelm.model.forward_batch import BatchPlan
@@ -307,26 +307,29 @@ def test_qwen_coder_gguf_serves_eagle3(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_float32_block_decode_takes_one_mlp_call(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A float32 Llama on block weights runs each layer's MLP half (o .. down and the next norm) as one
-    ``DecodeMlp.run`` call at one row, where the AVX2 block kernel has it, on one thread and on two
-    (one parallel region with barriers): bit-identical to the module path."""
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_float32_block_decode_takes_one_mlp_call(arch: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 Llama (SiLU) or Gemma 3 (GELU tanh, (1 + w) post-norms) on block weights runs each
+    layer's MLP half (o .. down and the next input norm, the last layer's the final norm) as one
+    ``DecodeMlp.run`` call at one row, where the AVX2 block kernel has it, on one thread and on two (one
+    parallel region with barriers): bit-identical to the module path."""
     if getattr(load_kernel(), "DecodeMlp", None) is None:
         pytest.skip("the block kernel here has no DecodeMlp (not the AVX2 build)")
     calls = []
-    original = llama_decode.decode_mlp
+    family = llama_decode if arch == "llama" else gemma3_decode
+    original = family.decode_mlp
 
-    def counted(plan: Any, dtype: torch.dtype) -> Any:
-        run = original(plan, dtype)   # None for the routed plan's layers (its calls are the modules)
+    def counted(plan: Any, dtype: torch.dtype, norms: list[torch.Tensor]) -> Any:
+        run = original(plan, dtype, norms)   # None for the routed plan's layers (its calls are the modules)
         return None if run is None else lambda *args: (calls.append(1), run(*args))[1]
 
-    monkeypatch.setattr(llama_decode, "decode_mlp", counted)
-    hf_model = make_tiny_hf_model("llama")
+    monkeypatch.setattr(family, "decode_mlp", counted)
+    hf_model = make_tiny_hf_model(arch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        check_flat_against_modules(LlamaDecodePlan, 1,
-                                   lambda: decode_logits(hf_model, "llama", 1, "auto", "float32", True), monkeypatch)
+        check_flat_against_modules(LlamaDecodePlan if arch == "llama" else DecodePlan, 1,
+                                   lambda: decode_logits(hf_model, arch, 1, "auto", "float32", True), monkeypatch)
     finally:
         torch.set_num_threads(previous)
     assert len(calls) >= STEPS * hf_model.config.num_hidden_layers

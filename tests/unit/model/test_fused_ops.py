@@ -164,17 +164,21 @@ def test_act_and_mul(activation: str, dtype: torch.dtype, rows: int, width: int)
     assert actual.dtype == dtype and actual.shape == (rows, width)
 
 
-def test_silu_and_mul_vector_lanes_equal_the_scalar_tail() -> None:
-    """SiLU's vector loops (AVX-512: 16 lanes, AVX2: 8) compute each element as the scalar loop that
-    takes a row's last ``width % lanes`` columns: each value in every column of a 17-column row (lanes
-    0-15 vectorized where a build has them, column 16 scalar) gives the same float32 bits, across
-    exp's clamps (|g| past 87), signed zeros, infinities and subnormals."""
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_act_and_mul_vector_lanes_equal_the_scalar_tail(activation: str) -> None:
+    """SiLU's vector loops (AVX-512: 16 lanes, AVX2: 8) and GELU tanh's (AVX2; the AVX-512 build with FMA
+    takes a faster reciprocal there) compute each element as the scalar loop that takes a row's last
+    ``width % lanes`` columns: each value in every column of a 17-column row (lanes 0-15 vectorized
+    where a build has them, column 16 scalar) gives the same float32 bits, across exp's clamps (|g| past
+    87), signed zeros, infinities and subnormals."""
+    if activation != "silu" and "-mfma" in fused.KERNEL.compile_flags:
+        pytest.skip("this build's GELU tanh lanes take the FMA reciprocal (not the scalar loop's floats)")
     values = torch.cat([torch.randn(2000, generator=torch.Generator().manual_seed(5)) * 30,
                         torch.tensor([0.0, -0.0, 87.0, -87.0, 88.5, -88.5, 200.0, -200.0, 1e-40, -1e-40,
                                       float("inf"), float("-inf")])])
     width = 17
     gate_up = torch.cat([values[:, None].expand(-1, width), torch.full((len(values), width), 1.5)], dim=1)
-    out = fused._module().act_and_mul(gate_up.contiguous(), fused.ACTIVATION_KINDS["silu"])
+    out = fused._module().act_and_mul(gate_up.contiguous(), fused.ACTIVATION_KINDS[activation])
     bits = out.view(torch.int32)
     assert torch.equal(bits, bits[:, -1:].expand(-1, width))
 

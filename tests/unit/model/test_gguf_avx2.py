@@ -493,8 +493,8 @@ def test_gathered_weights_feed_the_one_call_mlp_half(avx2: object, tmp_path: Pat
     mlp_calls: list[int] = []
     original_mlp = llama_decode.decode_mlp
 
-    def counted(plan: object, dtype: torch.dtype) -> object:
-        run = original_mlp(plan, dtype)
+    def counted(plan: object, dtype: torch.dtype, norms: list[torch.Tensor]) -> object:
+        run = original_mlp(plan, dtype, norms)
         events.append("mlp")
         return None if run is None else (lambda *args: (mlp_calls.append(1), run(*args))[1])
 
