@@ -553,7 +553,8 @@ def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tenso
     rows, else the full head (``model.compute_logits``), whose argmax rows get the int16 kernel's
     logits (``KERNEL_ONLY``) where the head's own route at this many rows is another kernel (the rows
     kernel, the dense copy: they round differently, and a near tie could then go the other way). Either
-    way a greedy row's argmax is the same token, so the measured choice changes only speed; ``tokens`` (when given) receives it for the rows the screen took (``LMHeadScreen.logits``)."""
+    way a greedy row's argmax is the same token, so the measured choice changes only speed; ``tokens``
+    (when given) receives it for the rows the screen took (``LMHeadScreen.logits``)."""
     def full() -> torch.Tensor:
         return model.compute_logits(rows, head_rows).float()
 
