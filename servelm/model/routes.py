@@ -37,6 +37,7 @@ from torch import nn
 from servelm.files import atomic_write_text
 from servelm.model.gguf.gguf_blocks import BlockWeight
 from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
+from servelm.model.threads import ThreadGovernor
 from servelm.model.timing import time_candidates
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,13 @@ MEASURE_MIN_BYTES = 96 << 20
 last-level cache, as in serving, where a step reads every layer's weights once."""
 MEASURE_MAX_COPIES = 64
 """Clones of a small shape's weight at most (``cold_copies``)."""
-MEASUREMENT = 2
-"""The measuring method's version, in the table's key: 2 times cold copies with the model's code
-range (1, a single hot copy with 8-bit codes, ranked routes reading more bytes too high)."""
+MEASUREMENT = 3
+"""The measuring method's version, in the table's key: 3 keeps no cell timed while other processes kept
+the engine's cores busy (2 kept them: a 2-thread table measured beside a busy core ranked a Gemma 3
+QKV's dense copy first at one row, 7.1 ms against 5.0 for calls that take 0.09-0.12 ms quiet, which
+sent every one-row step off the flat decode); 2 times cold copies with the model's code range (1, a
+single hot copy with 8-bit codes, ranked routes reading more bytes too high)."""
+
 HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
 """The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
 
@@ -74,6 +79,9 @@ class RouteTable:
     """``cell_name(...)`` -> route names fastest first (only the routes built here)."""
     times_us: dict[str, dict[str, float]] = field(default_factory=dict)
     """The same cells -> each route's median microseconds per call (on ``MEASURE_MAX_OUTPUTS`` outputs)."""
+    busy: dict[str, float] = field(default_factory=dict)
+    """Cells timed while other processes kept this process's cores busy -> those cores (``measure_shape``):
+    not kept, not saved; the defaults serve them until a later measurement."""
 
     @staticmethod
     def cell_name(shape: LinearShape, x_bf16: bool, rows: int) -> str:
@@ -184,7 +192,10 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
                   table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
                   working_bytes: int = MEASURE_MIN_BYTES) -> bool:
     """Time the routes built for ``shape`` at each row class not yet in ``table``; False where the
-    deadline came first (the cells measured so far are kept)."""
+    deadline came first (the cells measured so far are kept). A cell timed while other processes kept
+    a core of this process busy (``ThreadGovernor``'s reading: fewer threads than torch's would run at
+    full speed; an OpenMP op then waits at its barrier for the thread that lost its core, and the
+    times rank the routes by which suffers least) is not kept: ``table.busy`` names it."""
     available = sorted(method.available(shape, block), key=lambda route: route.value)
     x_bf16 = model_dtype == torch.bfloat16
     classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
@@ -195,13 +206,20 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
         return True
     layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
     run = method.run_route
+    probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
     for rows in todo:
         if time.perf_counter() > deadline:
             return False
         x = torch.randn(rows, shape.in_features, generator=torch.Generator().manual_seed(rows)).to(model_dtype)
+        before = probe.sample() if probe is not None else None
         times = time_candidates({route.value: (lambda route=route, turn=itertools.cycle(layers):
                                                run(route, next(turn), x, None, shape.is_head))
                                  for route in available})
+        if probe is not None and before is not None:
+            others = probe.others_cores(before, probe.sample())
+            if probe.target(others) < probe.max_threads:
+                table.busy[table.cell_name(shape, x_bf16, rows)] = others
+                continue
         name = table.cell_name(shape, x_bf16, rows)
         table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
         table.times_us[name] = {route: round(us, 1) for route, us in times.items()}
@@ -242,10 +260,14 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     if measured:
         table.save(cache_dir)
     seconds = time.perf_counter() - started
-    if not table.cells and complete_table:
+    if not table.cells and complete_table and not table.busy:
         return table, "nothing to measure (one route per shape on this machine)"
     source = (f"{cached} cells from {table.path(cache_dir)}, {measured} measured in {seconds:.1f} s"
               if cached else f"{measured} cells measured in {seconds:.1f} s, saved to {table.path(cache_dir)}")
+    if table.busy:
+        source += (f"; {len(table.busy)} cells were timed while other processes kept up to "
+                   f"{max(table.busy.values()):.1f} of this process's cores busy: not kept, they take the defaults "
+                   "(earlier sessions' constants) until a later start (or `servelm tune MODEL`) measures them quiet")
     if not complete_table:
         source += (f"; over the {budget_s:.0f} s start-up budget: the cells left take the defaults (earlier "
                    "sessions' constants) until the next start or `servelm tune MODEL` measures them")

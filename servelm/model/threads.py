@@ -109,10 +109,10 @@ class ThreadGovernor:
         self.cpus = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
         self.physical_cores = max(1, len(self.cpus) // threads_per_core())
         self._process = psutil.Process()
-        self._last = self._sample()
+        self._last = self.sample()
         self._pending: int | None = None
 
-    def _sample(self) -> tuple[float, float, float]:
+    def sample(self) -> tuple[float, float, float]:
         """(monotonic s, busy CPU-seconds of ``cpus`` since boot, this process's CPU-seconds)."""
         busy_ticks = 0
         wanted = {f"cpu{index}" for index in self.cpus}
@@ -141,7 +141,7 @@ class ThreadGovernor:
         now = time.monotonic()
         if now - self._last[0] < self.interval_s:
             return self.current
-        sample = self._sample()
+        sample = self.sample()
         others = self.others_cores(self._last, sample)
         self._last = sample
         wanted = self.target(others)

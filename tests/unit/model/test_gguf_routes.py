@@ -285,6 +285,32 @@ def test_over_the_budget_the_defaults_serve(tmp_path) -> None:
     assert ranking(shape, False, 600) == method.default_ranking(shape, False, 600)
 
 
+def test_cells_timed_beside_busy_cores_are_not_kept(tmp_path, monkeypatch) -> None:
+    """A cell timed while other processes kept one of the engine's two cores busy (the thread
+    governor's reading) is neither kept nor saved: the defaults serve it, the log line says why, and a
+    quiet start measures it."""
+    method = torch_method(dense_dtype=torch.float32)
+    shape = LinearShape(128, 64, "Q8_0", False, True)
+    specs = [route_table.ShapeSpec(shape, 32, False)]
+    others = [1.0]
+    monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now: others[0])
+    monkeypatch.setattr(route_table.ThreadGovernor, "target",
+                        lambda self, used: self.max_threads - (1 if used >= 0.4 else 0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+        assert not table.cells and len(table.busy) == len(ROW_CLASSES) and "cores busy" in source
+        assert not table.path(tmp_path).exists()
+        assert table.ranking(method.default_ranking)(shape, False, 1) == method.default_ranking(shape, False, 1)
+        others[0] = 0.1   # the front end's small share: quiet enough
+        table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+        assert len(table.cells) == len(ROW_CLASSES) and not table.busy and "cores busy" not in source
+        assert table.path(tmp_path).exists()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_shape_with_one_route_is_never_timed(tmp_path) -> None:
     method = GGUFBlockLinearMethod(None, torch.float32)   # no kernel at all: the dense copy only
     shape = LinearShape(128, 64, "Q8_0", False, True)
