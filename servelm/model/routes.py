@@ -192,10 +192,11 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
                   table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
                   working_bytes: int = MEASURE_MIN_BYTES) -> bool:
     """Time the routes built for ``shape`` at each row class not yet in ``table``; False where the
-    deadline came first (the cells measured so far are kept). A cell timed while other processes kept
-    a core of this process busy (``ThreadGovernor``'s reading: fewer threads than torch's would run at
-    full speed; an OpenMP op then waits at its barrier for the thread that lost its core, and the
-    times rank the routes by which suffers least) is not kept: ``table.busy`` names it."""
+    deadline came first (the cells measured so far are kept). Cells timed while other processes kept
+    a core of this process busy (``ThreadGovernor``'s reading over the shape's cells: fewer threads than
+    torch's would run at full speed; an OpenMP op then waits at its barrier for the thread that lost
+    its core, and the times rank the routes by which suffers least) are not kept: ``table.busy`` names
+    them."""
     available = sorted(method.available(shape, block), key=lambda route: route.value)
     x_bf16 = model_dtype == torch.bfloat16
     classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
@@ -207,23 +208,27 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
     run = method.run_route
     probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
+    before = probe.sample() if probe is not None else None
+    measured: dict[str, dict[str, float]] = {}
+    finished = True
     for rows in todo:
         if time.perf_counter() > deadline:
-            return False
+            finished = False
+            break
         x = torch.randn(rows, shape.in_features, generator=torch.Generator().manual_seed(rows)).to(model_dtype)
-        before = probe.sample() if probe is not None else None
-        times = time_candidates({route.value: (lambda route=route, turn=itertools.cycle(layers):
-                                               run(route, next(turn), x, None, shape.is_head))
-                                 for route in available})
-        if probe is not None and before is not None:
-            others = probe.others_cores(before, probe.sample())
-            if probe.target(others) < probe.max_threads:
-                table.busy[table.cell_name(shape, x_bf16, rows)] = others
-                continue
-        name = table.cell_name(shape, x_bf16, rows)
+        measured[table.cell_name(shape, x_bf16, rows)] = time_candidates(
+            {route.value: (lambda route=route, turn=itertools.cycle(layers): run(route, next(turn), x, None,
+                                                                                 shape.is_head))
+             for route in available})
+    # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
+    others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
+    for name, times in measured.items():
+        if probe is not None and probe.target(others) < probe.max_threads:
+            table.busy[name] = others
+            continue
         table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
         table.times_us[name] = {route: round(us, 1) for route, us in times.items()}
-    return True
+    return finished
 
 
 @dataclass(frozen=True)
@@ -263,7 +268,8 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     if not table.cells and complete_table and not table.busy:
         return table, "nothing to measure (one route per shape on this machine)"
     source = (f"{cached} cells from {table.path(cache_dir)}, {measured} measured in {seconds:.1f} s"
-              if cached else f"{measured} cells measured in {seconds:.1f} s, saved to {table.path(cache_dir)}")
+              if cached else f"{measured} cells measured in {seconds:.1f} s"
+              + (f", saved to {table.path(cache_dir)}" if measured else ""))
     if table.busy:
         source += (f"; {len(table.busy)} cells were timed while other processes kept up to "
                    f"{max(table.busy.values()):.1f} of this process's cores busy: not kept, they take the defaults "

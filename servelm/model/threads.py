@@ -126,11 +126,16 @@ class ThreadGovernor:
         own = self._process.cpu_times()
         return time.monotonic(), busy_ticks / _TICKS_PER_S, own.user + own.system
 
-    def others_cores(self, previous: tuple[float, float, float], now: tuple[float, float, float]) -> float:
+    def others_cores(self, previous: tuple[float, float, float], now: tuple[float, float, float],
+                     slack_ticks: int = 0) -> float:
+        """Cores other processes kept busy between two ``sample``s; ``slack_ticks`` of the counters'
+        ticks forgiven (each counter rounds to a tick, 10 ms: over a window of a few ticks the reading
+        is mostly that rounding; a route-table cell's window is 6-30 ms where a step's is 1 s)."""
         elapsed = now[0] - previous[0]
         if elapsed <= 0:
             return 0.0
-        return max(0.0, (now[1] - previous[1]) - (now[2] - previous[2])) / elapsed
+        excess = (now[1] - previous[1]) - (now[2] - previous[2]) - slack_ticks / _TICKS_PER_S
+        return max(0.0, excess) / elapsed
 
     def target(self, others: float) -> int:
         busy_cores = int(others + (1.0 - self.busy_core_fraction))

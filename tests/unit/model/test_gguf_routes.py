@@ -293,7 +293,7 @@ def test_cells_timed_beside_busy_cores_are_not_kept(tmp_path, monkeypatch) -> No
     shape = LinearShape(128, 64, "Q8_0", False, True)
     specs = [route_table.ShapeSpec(shape, 32, False)]
     others = [1.0]
-    monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now: others[0])
+    monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now, slack_ticks=0: others[0])
     monkeypatch.setattr(route_table.ThreadGovernor, "target",
                         lambda self, used: self.max_threads - (1 if used >= 0.4 else 0))
     threads = torch.get_num_threads()
