@@ -23,7 +23,8 @@ After the tables, the prefill column against its roofline (issue 30): the model'
 token of the 1,019-token prompt (``prefill_flops``: every layer's weights, the causal attention's
 two products at each token's context, the LM head on the last token) and the bf16 GEMM peak of this
 CPU at ``--threads`` (``bf16_gemm_peak``: torch.matmul, measured before and after the rounds, the
-higher taken) give the prompt tokens a second that bf16 arithmetic allows; each server's prefill is
+higher taken; float32 on a CPU without a native bf16 GEMM, ``peak_dtype``) give the prompt tokens a
+second that bf16 arithmetic allows; each server's prefill is
 printed as a share of it (above 100%: fewer bf16 FLOPs a token than the model has, e.g. servelm's
 int8 prompt GEMMs).
 
@@ -126,15 +127,25 @@ ROOFLINE_GEMM = 2048
 """The bf16 GEMM whose rate is the roofline's peak: two ROOFLINE_GEMM-square bf16 matrices."""
 
 
+def peak_dtype() -> str:
+    """The GEMM dtype of the roofline: bf16 where the CPU has a native bf16 GEMM (AVX512-BF16, AMX),
+    else float32 (what servelm and the peers compute in there; torch's bf16 GEMM without it is a slow
+    emulation that took minutes a measurement on an AVX2-only Zen 3)."""
+    from servelm.model.loader import cpu_bf16_feature
+    return "bf16" if cpu_bf16_feature() is not None else "float32"
+
+
 def bf16_gemm_peak(threads: int, size: int = ROOFLINE_GEMM, repeats: int = 5) -> float:
-    """GFLOP/s of torch.matmul on two ``size``-square bf16 matrices at ``threads`` threads (the
-    library's GEMM, oneDNN on x86: AMX tiles where the CPU has them), the best of ``repeats``."""
+    """GFLOP/s of torch.matmul on two ``size``-square matrices of ``peak_dtype`` at ``threads``
+    threads (the library's GEMM, oneDNN on x86: AMX tiles where the CPU has them), the best of
+    ``repeats``."""
     import torch
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if peak_dtype() == "bf16" else torch.float32
     try:
-        a = torch.randn(size, size).to(torch.bfloat16)
-        b = torch.randn(size, size).to(torch.bfloat16)
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
         torch.matmul(a, b)
         best = float("inf")
         for _ in range(repeats):
@@ -152,10 +163,10 @@ def roofline_lines(results: dict[str, list[dict[str, float]]], flops: PrefillFlo
     ceiling = peak * 1e9 / flops.total
     lines = [f"prefill roofline: {flops.total / 1e9:.3f} GFLOP a prompt token at {PREFILL_TOKENS} tokens "
              f"(layers' weights {flops.linears / 1e9:.3f}, attention {flops.attention / 1e9:.3f}, LM head "
-             f"{flops.head / 1e9:.4f}); bf16 GEMM peak {peak:.0f} GFLOP/s (torch.matmul {ROOFLINE_GEMM}^3, "
+             f"{flops.head / 1e9:.4f}); {peak_dtype()} GEMM peak {peak:.0f} GFLOP/s (torch.matmul {ROOFLINE_GEMM}^3, "
              f"{threads} threads; {', '.join(f'{p:.0f}' for p in peaks)} before and after the rounds) "
              f"-> {ceiling:.0f} prompt tok/s",
-             "| server | prefill tok/s | share of the bf16 roofline |", "|---|---|---|"]
+             f"| server | prefill tok/s | share of the {peak_dtype()} roofline |", "|---|---|---|"]
     for name, rounds in results.items():
         values = [r["prefill tok/s"] for r in rounds if r.get("prefill tok/s") == r.get("prefill tok/s")]
         if values:
