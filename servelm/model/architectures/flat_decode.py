@@ -186,6 +186,14 @@ class DecodeStep:
             rotation = self.rotations[key] = (cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
         return rotation
 
+    def rope_and_attend(self, plan: LayerPlan, qkv: torch.Tensor, offset: bool) -> torch.Tensor:
+        """``attend`` after the q/k norms (``offset``: Gemma's (1 + w)) and RoPE of ``qkv`` in place (cos
+        and sin looked up once a step per rope: ``rotation``)."""
+        cos, sin = self.rotation(plan.rotary)
+        self.ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
+                                plan.head_eps, offset)
+        return self.attend(plan.attention, qkv, plan)
+
     def attend(self, layer: Any, qkv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         """``[T, H * D]``: attention of the q heads of ``qkv`` (the QKV projection's rows, rope applied;
         ``plan.heads`` gives its q, k, v) over the cache with its k and v written at the batch's slots
@@ -279,6 +287,20 @@ class FlatDecodePlan:
 
     final_norm_type: type[nn.Module] = RMSNorm
     """The final norm ``fuses_final_norm`` takes: the family's RMSNorm."""
+
+    def mlp_in_one_call(self, plan: LayerPlan, num_tokens: int, attended: torch.Tensor, hidden: torch.Tensor,
+                        final_norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The layer's MLP half through ``plan.mlp_run`` where it applies (one row, and a next layer or a
+        final norm it computes): (the next layer's input norm, the residual stream), or (the final norm's
+        output, None) after the last layer; None: ``run`` makes the separate calls."""
+        if plan.mlp_run is None or num_tokens != 1:
+            return None
+        if plan.next_input_norm is not None:
+            normed, summed = plan.mlp_run(attended, hidden, plan.next_input_norm, plan.next_eps)
+            return normed, summed
+        if final_norm is not None and self.fuses_final_norm(final_norm):
+            return plan.mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0], None
+        return None
 
     def fuses_final_norm(self, norm: nn.Module | None) -> bool:
         """Whether ``run`` computes ``norm`` (the model's final norm) with the last layer's calls: the

@@ -13,7 +13,7 @@ next input norm in one native call (``decode_mlp``). Bit-identical to the module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -75,30 +75,20 @@ class DecodePlan(FlatDecodePlan):
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
-        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
-        cos: torch.Tensor
-        sin: torch.Tensor
         normed: torch.Tensor | None = None   # the layer's input norm, where the previous layer's call made it
         for plan in self.layers or ():
             if normed is None:
                 normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None)
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(normed, codes, scales, offsets, block, rounds)
-            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
-                rotary = plan.rotary
-                cos, sin = step.rotation(rotary)
-            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
-                               plan.head_eps, True)
-            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
-            mlp_run = plan.mlp_run
-            if mlp_run is not None and step.num_tokens == 1:   # o .. down and the next norm: one call
-                if plan.next_input_norm is not None:
-                    normed, hidden = mlp_run(attended, hidden, plan.next_input_norm, plan.next_eps)
-                    continue
-                if self.fuses_final_norm(final_norm):
-                    assert final_norm is not None
-                    final: torch.Tensor = mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0]
-                    return final
+            attended = step.rope_and_attend(plan, qkv, True)     # [T, H * D]
+            one_call = self.mlp_in_one_call(plan, step.num_tokens, attended, hidden, final_norm)
+            if one_call is not None:   # o .. down and the next (or final) norm: one call
+                normed, after = one_call
+                if after is None:
+                    return normed
+                hidden = after
+                continue
             kernel, codes, scales, offsets, block = plan.o_call
             hidden = ops.rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), plan.post_attention_norm,
                                   plan.eps, True, hidden)

@@ -16,7 +16,7 @@ Bit-identical to the module path (tests/unit/model/test_flat_decode.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -82,30 +82,20 @@ class LlamaDecodePlan(FlatDecodePlan):
         ops = step.ops
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
-        rotary: Any = None   # the last layer's rope and its cos, sin [T, D]
-        cos: torch.Tensor
-        sin: torch.Tensor
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
         final: torch.Tensor
         for plan in plans:
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(normed, codes, scales, offsets, block, rounds, plan.qkv_bias)
-            if plan.rotary is not rotary:   # consecutive layers share a rope: cos/sin looked up once
-                rotary = plan.rotary
-                cos, sin = step.rotation(rotary)
-            ops.norm_rope_qkv_(qkv, plan.num_heads, plan.num_kv_heads, cos, sin, plan.q_norm, plan.k_norm,
-                               plan.head_eps, False)
-            attended = step.attend(plan.attention, qkv, plan)     # [T, H * D]
-            mlp_run = plan.mlp_run
-            if mlp_run is not None and step.num_tokens == 1:   # o .. down and the next norm: one call
-                if plan.next_input_norm is not None:
-                    normed, hidden = mlp_run(attended, hidden, plan.next_input_norm, plan.next_eps)
-                    continue
-                if self.fuses_final_norm(final_norm):
-                    assert final_norm is not None
-                    final = mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0]
-                    return final
+            attended = step.rope_and_attend(plan, qkv, False)     # [T, H * D]
+            one_call = self.mlp_in_one_call(plan, step.num_tokens, attended, hidden, final_norm)
+            if one_call is not None:   # o .. down and the next (or final) norm: one call
+                normed, after = one_call
+                if after is None:
+                    return normed
+                hidden = after
+                continue
             kernel, codes, scales, offsets, block = plan.o_call
             normed, hidden = ops.add_rms_norm(kernel(attended, codes, scales, offsets, block, round_updates), hidden,
                                               plan.post_attention_norm, plan.eps, False)
