@@ -82,7 +82,8 @@ class DecodePlan(FlatDecodePlan):
             kernel, codes, scales, offsets, block = plan.qkv_call
             qkv = kernel(normed, codes, scales, offsets, block, rounds)
             attended = step.rope_and_attend(plan, qkv, True)     # [T, H * D]
-            one_call = self.mlp_in_one_call(plan, step.num_tokens, attended, hidden, final_norm)
+            one_call = (None if plan.mlp_run is None   # no method call where no layer has it (AVX-512)
+                        else self.mlp_in_one_call(plan, step.num_tokens, attended, hidden, final_norm))
             if one_call is not None:   # o .. down and the next (or final) norm: one call
                 normed, after = one_call
                 if after is None:
