@@ -240,9 +240,7 @@ class FlatDecodePlan:
         dtype = call_dtype(calls)
         if dtype is None:   # no layers, or layers in different dtypes
             self.layers, calls = None, []
-        ropes: dict[Any, Any] = {}
-        for plan in self.layers or ():   # equal ropes (cache_key) as one object: run() compares by identity
-            plan.rotary = ropes.setdefault(plan.rotary.cache_key, plan.rotary)
+        for plan in self.layers or ():
             plan.gate_up_act = gate_up_act(plan.gate_up_call, plan.activation_kind)
         for plan, following in zip(self.layers or (), (self.layers or [])[1:]):
             plan.next_input_norm, plan.next_eps = following.input_norm, following.eps
