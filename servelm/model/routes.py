@@ -222,8 +222,9 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
              for route in available})
     # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
     others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
+    busy = probe is not None and probe.target(others) < probe.max_threads
     for name, times in measured.items():
-        if probe is not None and probe.target(others) < probe.max_threads:
+        if busy:
             table.busy[name] = others
             continue
         table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
