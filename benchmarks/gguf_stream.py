@@ -41,21 +41,22 @@ from servelm.model.gguf.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_k
 
 def one_pass(kernel: object, weights: list[tuple[str, object]], xs: dict[int, torch.Tensor],
              clock: object, per_shape: dict[str, float]) -> float:
-    fn = kernel.block_linear_a16  # type: ignore[attr-defined]
     total = 0.0
-    for name, w in weights:
+    for name, w, call in weights:
+        fn, codes, scales, offsets = call or (kernel.block_linear_a16, w.codes, w.scales, w.offsets)  # type: ignore[attr-defined]
         x = xs[w.codes.shape[1]]
         start = clock()  # type: ignore[operator]
-        fn(x, w.codes, w.scales, w.offsets, w.block, True)
+        fn(x, codes, scales, offsets, w.block, True)
         elapsed = clock() - start  # type: ignore[operator]
         per_shape[name] = per_shape.get(name, 0.0) + elapsed
         total += elapsed
     return total
 
 
-def model_weights(model: str) -> list[tuple[str, object]]:
+def model_weights(model: str) -> tuple[list[tuple[str, object]], torch.dtype]:
     """The packaged ``model``'s decoder projections as ``servelm serve`` loads them (GGUF blocks), in
-    model order, each named by projection and GGUF type (e.g. ``down Q6_K``)."""
+    model order, each named by projection and GGUF type (e.g. ``down Q6_K``), and the dtype it serves in
+    (the rows the kernel is called with: float32 where the CPU has no native bf16)."""
     from servelm.config import EngineConfig
     from servelm.engine.engine import LLMEngine
 
@@ -63,10 +64,11 @@ def model_weights(model: str) -> list[tuple[str, object]]:
     weights = []
     for name, module in engine.runner.model.named_modules():
         weight = module.__dict__.get("gguf_weight")
-        if weight is not None and ".layers." in name:
-            weights.append((f"{name.rsplit('.', 1)[-1].removesuffix('_proj')} {weight.kind}", weight))
+        if weight is not None and ".layers." in name:   # the kernel call serving makes (packed, compact scales)
+            call = module.__dict__["linear_method"].block_call(weight)
+            weights.append((f"{name.rsplit('.', 1)[-1].removesuffix('_proj')} {weight.kind}", weight, call))
     assert weights, f"{model} has no GGUF block weights here"
-    return weights
+    return weights, engine.runner.dtype
 
 
 def main() -> None:
@@ -89,18 +91,19 @@ def main() -> None:
         kernels["base"] = base.load()
     assert all(k is not None for k in kernels.values()), "no GGUF block kernel on this CPU"
     torch.manual_seed(0)
+    dtype = torch.bfloat16
     if args.weights_of:
-        weights = model_weights(args.weights_of)
+        weights, dtype = model_weights(args.weights_of)
         args.model = args.weights_of
     else:
         shapes = [(name, k, n) for name, k, n in SHAPES[args.model] if name != "head"]
-        weights = [(name, random_block_weight(n, k, offsets=False))
+        weights = [(name, random_block_weight(n, k, offsets=False), None)
                    for _ in range(args.layers) for name, k, n in shapes]
     shape_bytes: dict[str, int] = {}
-    for name, w in weights:
+    for name, w, _ in weights:
         shape_bytes[name] = shape_bytes.get(name, 0) + w.nbytes
     total_bytes = sum(shape_bytes.values())
-    xs = {w.codes.shape[1]: torch.randn(args.rows, w.codes.shape[1]).bfloat16() for _, w in weights}
+    xs = {w.codes.shape[1]: torch.randn(args.rows, w.codes.shape[1]).to(dtype) for _, w, _ in weights}
     big = torch.ones(1 << 28)
     sums = []
     results: dict[str, list[float]] = {name: [] for name in kernels}

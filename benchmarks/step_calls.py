@@ -82,6 +82,7 @@ def instrument(engine: LLMEngine, times: CallTimes) -> None:
     def init(step: Any, *args: Any, **kwargs: Any) -> None:
         original_init(step, *args, **kwargs)
         step.ops = _TimedOps(step.ops, times)
+        step.write_and_attend = times.wrap("attention kernel (write_and_attend_qkv)", step.write_and_attend)
 
     flat_decode.DecodeStep.__init__ = init  # type: ignore[method-assign]
     step_attend = times.wrap("attention (DecodeStep.attend: the kernel's call and its Python)", flat_decode.DecodeStep.attend)

@@ -37,7 +37,7 @@
 namespace {
 
 constexpr int kActBlock = 32;        // activation quantization block
-constexpr int kRowTile = 4;          // activation rows sharing one pass over a weight row
+constexpr int kRowTile = 8;          // activation rows sharing one pass over a weight row
 constexpr int64_t kWeightTile = 32;  // weight rows kept hot in L2 while all activation rows pass
 constexpr int64_t kMinChunkBytes = 32768;  // the least weight bytes worth a thread of their own
 constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of a weight row's block the stream is prefetched
@@ -202,9 +202,14 @@ struct PackedCodes {
 };
 
 // Rounded activations (both integer formats): q = round(x / d) per row and kActBlock inputs with
-// d = amax / qmax, stored as int16 [rows, k], and d per block [rows, k / 32]. The arithmetic is the
-// VNNI kernel's (d, 1 / d or 0, round to nearest even of x * (1 / d)), so q is the same integer.
-// A few rows (decode) are quantized by the calling thread: a parallel region costs more than they do.
+// d = amax / qmax, and d per block. The arithmetic is the VNNI kernel's (d, 1 / d or 0, round to
+// nearest even of x * (1 / d)), so q is the same integer. A few rows (decode) are quantized by the
+// calling thread: a parallel region costs more than they do.
+// Layout: by row tiles (kRowTile rows from r0, a multiple of kRowTile; the last tile may have fewer),
+// each tile's blocks interleaved: q of row r0 + t, block c at codes + r0 * k + (c * tile + t) * 32, its d
+// at block_scales + r0 * (k / 32) + c * tile + t (tile: the tile's rows). A tile's pass then reads all
+// its rows' step from one pointer at constant offsets (8 rows' own pointers spilled from the 15
+// general registers). A tile of one row (a lone or last row) is plain row-major.
 struct IntActivations {
   static constexpr int64_t kKMultiple = kActBlock;
   const int16_t* codes;
@@ -215,9 +220,12 @@ struct IntActivations {
     int16_t* q = scratch<int16_t>(0, rows * k);
     float* scales = scratch<float>(1, rows * (k / kActBlock));
     const __m256 sign = _mm256_set1_ps(-0.f);
+    const int64_t nb = k / kActBlock;
     auto quantize = [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t b = 0; b < k / kActBlock; ++b) {
+        const int64_t r0 = r / kRowTile * kRowTile, t = r - r0;
+        const int64_t tile = std::min<int64_t>(kRowTile, rows - r0);
+        for (int64_t b = 0; b < nb; ++b) {
           const float* xb = x + r * k + b * kActBlock;
           __m256 v[4];
           __m256 amax = _mm256_setzero_ps();
@@ -227,7 +235,7 @@ struct IntActivations {
           }
           const float d = hmax(amax) / qmax;
           const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-          int16_t* qb = q + r * k + b * kActBlock;
+          int16_t* qb = q + r0 * k + (b * tile + t) * kActBlock;
           for (int half = 0; half < 2; ++half) {
             const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half], inv));
             const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * half + 1], inv));
@@ -235,7 +243,7 @@ struct IntActivations {
             const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 16 * half), packed);
           }
-          scales[r * (k / kActBlock) + b] = d;
+          scales[r0 * nb + b * tile + t] = d;
         }
       }
     };
@@ -248,20 +256,19 @@ struct IntActivations {
     block_scales = scales;
   }
 
-  // ROWS activation rows (from r0) against one weight row; per 32 inputs: two vpmaddwd of 16 codes
-  // each, their int32 lanes (B = 32: added; B = 16: each its own block) scaled into a float accumulator.
+  // The tile of ROWS activation rows from r0 (all its rows) against one weight row; per 32 inputs: two
+  // vpmaddwd of 16 codes each, their int32 lanes (B = 32: added; B = 16: each its own block) scaled
+  // into a float accumulator per row.
   template <int ROWS, class Codes>
   void dot(const uint8_t* w, const float* w_scales, int64_t block, int64_t r0, float* out) const {
-    const int16_t* xq[ROWS];
-    const float* xs[ROWS];
+    const int16_t* tile_q = codes + r0 * k;
+    const float* tile_s = block_scales + r0 * (k / kActBlock);
     __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      xq[r] = codes + (r0 + r) * k;
-      xs[r] = block_scales + (r0 + r) * (k / kActBlock);
-      acc[r] = _mm256_setzero_ps();
-    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     const int64_t steps = k / kActBlock;
     for (int64_t c = 0; c < steps; ++c) {
+      const int16_t* xq = tile_q + c * ROWS * 32;   // row r's 32 codes at xq + 32 r
+      const float* xs = tile_s + c * ROWS;           // and their d at xs[r]
       // every step (16-32 bytes: each cache line at least once, wherever the row starts); a LineStream
       // here measured 4-9% slower for 2-4 rows (gate_up, 1 thread, cold), this 5-7% faster than
       // prefetching only on the steps whose offset in the row starts a cache line's worth
@@ -271,17 +278,17 @@ struct IntActivations {
       if (block == 32) {
         const float ws = w_scales[c];
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32)));
-          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32 + 16)));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(ws * xs[r][c]), acc[r]);
+          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * r)));
+          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * r + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(ws * xs[r]), acc[r]);
         }
       } else {
         const float ws0 = w_scales[2 * c], ws1 = w_scales[2 * c + 1];
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32)));
-          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + c * 32 + 16)));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ws0 * xs[r][c]), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ws1 * xs[r][c]), acc[r]);
+          const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * r)));
+          const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * r + 16)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ws0 * xs[r]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ws1 * xs[r]), acc[r]);
         }
       }
     }
@@ -399,11 +406,15 @@ struct FloatActivations {
   }
 };
 
-// ROWS = tile activation rows (1-4) against one weight row.
+// ROWS = tile activation rows (1-kRowTile) against one weight row.
 template <class Codes, class Activations>
 inline void dot_tile(const Activations& acts, const uint8_t* wr, const float* sr, int64_t block, int64_t r0, int tile,
                      float* dots) {
   switch (tile) {
+    case 8: acts.template dot<8, Codes>(wr, sr, block, r0, dots); break;
+    case 7: acts.template dot<7, Codes>(wr, sr, block, r0, dots); break;
+    case 6: acts.template dot<6, Codes>(wr, sr, block, r0, dots); break;
+    case 5: acts.template dot<5, Codes>(wr, sr, block, r0, dots); break;
     case 4: acts.template dot<4, Codes>(wr, sr, block, r0, dots); break;
     case 3: acts.template dot<3, Codes>(wr, sr, block, r0, dots); break;
     case 2: acts.template dot<2, Codes>(wr, sr, block, r0, dots); break;

@@ -106,7 +106,8 @@ def test_avx2_kernel_bf16_rows_bias_and_output(avx2: object, kind: str) -> None:
 
 
 def test_avx2_kernel_many_rows_and_threads(avx2: object) -> None:
-    """Rows past the 4-row tile (the tails of 3, 2 and 1), weight rows split over threads."""
+    """Rows past the 8-row tile (one tile of 7; tails of 1, 2 and 1 after full tiles), weight rows split
+    over threads; each row's outputs are those it gets alone (the tiles' interleaved activations)."""
     n, k = 300, 1024
     weight = repack(random_raw("Q4_K", n, k, seed=3), (n, k), "Q4_K")
     for rows in (7, 9, 10, 33):
@@ -115,8 +116,9 @@ def test_avx2_kernel_many_rows_and_threads(avx2: object) -> None:
         expected = reference(x, weight, 32512.0)
         assert (out.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
         # each row alone gives the same numbers (no dependence on the batch)
-        assert torch.equal(avx2.block_linear_a16(x[-1:].contiguous(), weight.codes, weight.scales, weight.offsets,
-                                                 weight.block), out[-1:])
+        for row in range(rows):
+            assert torch.equal(avx2.block_linear_a16(x[row:row + 1].contiguous(), weight.codes, weight.scales,
+                                                     weight.offsets, weight.block), out[row:row + 1]), (rows, row)
 
 
 def test_avx2_kernel_refuses_bad_arguments(avx2: object) -> None:
@@ -174,15 +176,15 @@ def test_fused_weight_packs_at_its_widest_width() -> None:
 @pytest.mark.parametrize("kind", sorted(kind for kind, bits in PACKED_BITS.items() if bits))
 def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> None:
     """The packed functions compute the int8-code functions' outputs bit for bit: both activation
-    roundings, 1, 3, 5 (a last row tile of one: the one-row pass at row 4) and 16 rows, float32 and
-    bf16 rows, with and without a bias, float32 and bf16 out; 300 outputs split over threads."""
+    roundings, 1, 3, 5, 9 (a last row tile of one: the int8 codes' one-row pass at row 8) and 16 rows,
+    float32 and bf16 rows, with and without a bias, float32 and bf16 out; 300 outputs split over threads."""
     n, k = 300, 512
     weight = repack(random_raw(kind, n, k, seed=5), (n, k), kind)
     packed = PackedCodes.of(weight.codes)
     assert packed is not None
     suffix = "_centered" if packed.centered else ""
     generator = torch.Generator().manual_seed(11)
-    for rows in (1, 3, 5, 16):
+    for rows in (1, 3, 5, 9, 16):
         x32 = torch.randn(rows, k, generator=generator)
         for x in (x32, x32.bfloat16()):
             for bias in (None, torch.randn(n, generator=generator)):
