@@ -7,8 +7,8 @@ model's four decoder shapes (random Q8_0-like codes, one scale per 32 inputs), c
 kernel on one bf16 row per weight in model order with bf16 output (as the served bf16 model does),
 and reports GB/s per shape and for the whole pass, next to ``torch.sum`` of a 1 GiB float tensor
 (the machine's streaming rate). ``--base SOURCE`` also builds another kernel source (e.g. the one on
-main, saved to a file) and alternates the two passes in one run (a noisy, shared machine moves both
-alike).
+main, saved to a file; the AVX2 source where this CPU takes the AVX2 build) and alternates the two
+passes in one run (a noisy, shared machine moves both alike).
 
 ``--weights-of MODEL`` takes the packaged model's own block weights instead (its decoder layers'
 projections in model order, loaded as ``servelm serve MODEL`` loads them: each GGUF type's repack,
@@ -35,15 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_kernels import random_block_weight  # noqa: E402
 from linear_kernels import SHAPES  # noqa: E402
 
-from servelm.model.cpp_kernel import CppKernel  # noqa: E402
-from servelm.model.gguf.gguf_kernel import COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel  # noqa: E402
+from servelm.model.cpp_kernel import CppKernel, isa_flags  # noqa: E402
+from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, COMPILE_FLAGS, REQUIRED_FLAGS, load_kernel  # noqa: E402
 
 
 def one_pass(kernel: object, weights: list[tuple[str, object]], xs: dict[int, torch.Tensor],
              clock: object, per_shape: dict[str, float]) -> float:
     total = 0.0
     for name, w, call in weights:
+        # a model's weight: the function serving calls, of this kernel (``--base``: the other build's own)
         fn, codes, scales, offsets = call or (kernel.block_linear_a16, w.codes, w.scales, w.offsets)  # type: ignore[attr-defined]
+        fn = getattr(kernel, fn.__name__)
         x = xs[w.codes.shape[1]]
         start = clock()  # type: ignore[operator]
         fn(x, codes, scales, offsets, w.block, True)
@@ -85,9 +87,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     kernels = {"this": load_kernel()}
-    if args.base:
-        base = CppKernel(Path(args.base), "gguf_block_base", "base GGUF kernel", REQUIRED_FLAGS, COMPILE_FLAGS,
-                         link_flags=["-fopenmp"])
+    if args.base:   # built as this CPU's build is (the AVX2 source with AVX2's flags)
+        avx2 = getattr(kernels["this"], "ISA", "") == "avx2"
+        flags = AVX2_FLAGS if avx2 else REQUIRED_FLAGS
+        base = CppKernel(Path(args.base), "gguf_block_base_avx2" if avx2 else "gguf_block_base", "base GGUF kernel",
+                         flags, ["-O3", *isa_flags(flags)] if avx2 else COMPILE_FLAGS, link_flags=["-fopenmp"])
         kernels["base"] = base.load()
     assert all(k is not None for k in kernels.values()), "no GGUF block kernel on this CPU"
     torch.manual_seed(0)
@@ -95,13 +99,15 @@ def main() -> None:
     if args.weights_of:
         weights, dtype = model_weights(args.weights_of)
         args.model = args.weights_of
+        torch.set_num_threads(args.threads)   # the engine it loaded set its own
     else:
         shapes = [(name, k, n) for name, k, n in SHAPES[args.model] if name != "head"]
         weights = [(name, random_block_weight(n, k, offsets=False), None)
                    for _ in range(args.layers) for name, k, n in shapes]
     shape_bytes: dict[str, int] = {}
-    for name, w, _ in weights:
-        shape_bytes[name] = shape_bytes.get(name, 0) + w.nbytes
+    for name, w, call in weights:   # what the call reads (a model's: packed codes, compact scales)
+        read = w.nbytes if call is None else sum(t.nbytes for t in call[1:] if t is not None)
+        shape_bytes[name] = shape_bytes.get(name, 0) + read
     total_bytes = sum(shape_bytes.values())
     xs = {w.codes.shape[1]: torch.randn(args.rows, w.codes.shape[1]).to(dtype) for _, w, _ in weights}
     big = torch.ones(1 << 28)
