@@ -255,6 +255,9 @@ class FlatDecodePlan:
         """The same for a pass with prompt rows (which may take the int8 GEMM sooner)."""
         self._by_rows_calls = [call[0] for call in calls if isinstance(call[0], RowsCopies)]
         """The calls whose copy depends on the pass's rows (``RowsCopies``; the copies' floats differ)."""
+        self.stack: NativeStack | None = None
+        """Every layer of a one-row float32 step in one native call (``decode_stack``; the family sets it
+        once its layers have their ``mlp_run``), or None."""
         self.round_updates = self.rounds and not (layers and getattr(layers[0].self_attn.o_proj,
                                                                      "float_residual_output", False))
         """Whether the o and down projections round their outputs to bf16 (False: a float32 model's, or
@@ -299,6 +302,14 @@ class FlatDecodePlan:
         if final_norm is not None and self.fuses_final_norm(final_norm):
             return plan.mlp_run(attended, hidden, final_norm.weight, final_norm.eps)[0], None
         return None
+
+    def in_one_call(self, step: DecodeStep, normed: torch.Tensor, hidden: torch.Tensor,
+                    final_norm: nn.Module | None) -> torch.Tensor | None:
+        """The whole step through ``stack`` where it applies (one row, a final norm it computes, the
+        paged decode's attention): the final norm's output; else None (``run`` calls the layers)."""
+        if self.stack is None or final_norm is None or not self.fuses_final_norm(final_norm):
+            return None
+        return self.stack.run(step, normed, hidden, final_norm)
 
     def fuses_final_norm(self, norm: nn.Module | None) -> bool:
         """Whether ``run`` computes ``norm`` (the model's final norm) with the last layer's calls: the
@@ -428,3 +439,76 @@ def decode_mlp(plan: LayerPlan, dtype: torch.dtype, norms: list[torch.Tensor]) -
     return mlp_type(kinds[o[0]], o[1], o[2], o[3], o[4], o_k, norms, plan.eps,
                     kinds[gate_up[0]], gate_up[1], gate_up[2], gate_up[3], gate_up[4],
                     kinds[down[0]], down[1], down[2], down[3], down[4], plan.activation_kind).run
+
+
+@dataclass(slots=True)
+class NativeStack:
+    """Every layer of a plan's one-row float32 step in one native call (the AVX2 block kernel's
+    ``DecodeStack``: per layer the QKV call, q/k norms + RoPE, K/V written and attention through the
+    loaded fused-ops and paged-decode builds' own functions, then the layer's ``DecodeMlp``): the
+    same floats as the per-layer calls, without their Python and their parallel regions."""
+
+    native: Any
+    rotaries: list[Any]
+    """One RotaryEmbedding per rope the layers read (the native layer's ``rope`` index)."""
+    windows: list[int | None]
+    """The sliding windows the layers read (the native layer's ``window`` index)."""
+    layer_ids: list[int]
+    attend: Any
+    """The paged decode build's ``write_and_attend_qkv``: the stack runs only where a step would call it."""
+
+    def run(self, step: DecodeStep, normed: torch.Tensor, hidden: torch.Tensor,
+            final_norm: nn.Module) -> torch.Tensor | None:
+        """The final norm of the last layer's output for one row (``normed``: the first layer's input
+        norm of ``hidden``), or None where the step's attention is not the paged decode's own call."""
+        if step.num_tokens != 1 or step.write_and_attend is not self.attend:
+            return None
+        paged = []
+        for window in self.windows:
+            views = step.windows.get(window, False)
+            views = step._window(window) if views is False else views
+            if views is None:
+                return None
+            paged.append(views)
+        rotations = [step.rotation(rotary) for rotary in self.rotaries]
+        kv_cache = step.batch.kv_cache
+        pools = [kv_cache.layer(layer_id) for layer_id in self.layer_ids]
+        return self.native.run(normed, hidden, [cos for cos, _ in rotations], [sin for _, sin in rotations],
+                               paged[0][0], [views[1] for views in paged], [views[2] for views in paged],
+                               [k for k, _ in pools], [v for _, v in pools], final_norm.weight, final_norm.eps)[0]
+
+
+def decode_stack(plans: Sequence[LayerPlan], offset: bool) -> NativeStack | None:
+    """``plans``' one-row float32 step as one ``DecodeStack`` call where every layer has its MLP half in
+    one call (``decode_mlp``: the AVX2 block kernel, a float32 model) and a QKV call of that kernel's
+    integer-activation functions (a float32 bias or none), and the fused ops' and paged decode's builds
+    give their one-row functions; else None. ``offset``: Gemma's (1 + w) q/k norms."""
+    module = gguf_kernel.load_kernel()
+    stack_type = getattr(module, "DecodeStack", None)
+    ops, attention = fused.load_kernel(), paged_decode.load_kernel()
+    norm_rope = getattr(ops, "NORM_ROPE_QKV_ROW_F32", None)
+    attend = getattr(attention, "ATTEND_KV_HEAD_F32", None)
+    if stack_type is None or norm_rope is None or attend is None or not plans:
+        return None
+    mlps = [getattr(plan.mlp_run, "__self__", None) for plan in plans]
+    if any(type(mlp) is not module.DecodeMlp for mlp in mlps):
+        return None
+    kinds = {getattr(module, name): kind for kind, name in enumerate(MLP_KINDS)}
+    ropes: dict[Any, int] = {}
+    rotaries: list[Any] = []
+    windows: dict[int | None, int] = {}
+    native = stack_type(norm_rope, attend)
+    for plan, mlp in zip(plans, mlps):
+        kernel, codes, scales, offsets, block = plan.qkv_call
+        bias = getattr(plan, "qkv_bias", None)
+        if kinds.get(kernel) is None or (bias is not None and bias.dtype != torch.float32):
+            return None
+        if plan.rotary.cache_key not in ropes:
+            ropes[plan.rotary.cache_key] = len(rotaries)
+            rotaries.append(plan.rotary)
+        window = windows.setdefault(plan.attention.sliding_window, len(windows))
+        native.add_layer(kinds[kernel], codes, scales, offsets, block, bias, plan.num_heads, plan.num_kv_heads,
+                         plan.head_dim, plan.q_norm, plan.k_norm, plan.head_eps, offset, ropes[plan.rotary.cache_key],
+                         window, plan.attention.scale, plan.input_norm, plan.eps, mlp)
+    return NativeStack(native, rotaries, list(windows), [plan.attention.layer_id for plan in plans],
+                       attention.write_and_attend_qkv)

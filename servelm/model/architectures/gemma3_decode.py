@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, norms_fuse
+from servelm.model.architectures.flat_decode import (FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, decode_stack,
+                                                     norms_fuse)
 from servelm.model.layers import fused
 from servelm.model.layers.norm import GemmaRMSNorm
 
@@ -45,6 +46,7 @@ class DecodePlan(FlatDecodePlan):
         for plan in self.layers or ():
             plan.mlp_run = decode_mlp(plan, self.dtype, [plan.post_attention_norm, plan.pre_feedforward_norm,
                                                          plan.post_feedforward_norm])
+        self.stack = decode_stack(self.layers, offset=True) if self.layers else None
 
     def layer_plan(self, layer: Gemma3DecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -76,6 +78,12 @@ class DecodePlan(FlatDecodePlan):
         rounds, round_updates = self.rounds, self.round_updates
         plan: _LayerPlan
         normed: torch.Tensor | None = None   # the layer's input norm, where the previous layer's call made it
+        if self.stack is not None and self.layers:
+            first = self.layers[0]
+            normed = ops.rms_norm(hidden, first.input_norm, first.eps, True, None)
+            whole = self.in_one_call(step, normed, hidden, final_norm)
+            if whole is not None:
+                return whole
         for plan in self.layers or ():
             if normed is None:
                 normed = ops.rms_norm(hidden, plan.input_norm, plan.eps, True, None)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from servelm.model.architectures.flat_decode import FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, norms_fuse
+from servelm.model.architectures.flat_decode import (FlatDecodePlan, LayerPlan, call_dtype, decode_mlp, decode_stack,
+                                                     norms_fuse)
 from servelm.model.layers import fused
 
 from servelm.model.architectures.common import GatedMLP
@@ -46,6 +47,7 @@ class LlamaDecodePlan(FlatDecodePlan):
         super().__init__(layers, routed)
         for plan in self.layers or ():
             plan.mlp_run = decode_mlp(plan, self.dtype, [plan.post_attention_norm])
+        self.stack = decode_stack(self.layers, offset=False) if self.layers else None
 
     def layer_plan(self, layer: LlamaDecoderLayer) -> _LayerPlan | None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -84,6 +86,9 @@ class LlamaDecodePlan(FlatDecodePlan):
         plan: _LayerPlan
         plans = self.layers or []
         normed = ops.rms_norm(hidden, plans[0].input_norm, plans[0].eps, False, None)
+        whole = self.in_one_call(step, normed, hidden, final_norm)
+        if whole is not None:
+            return whole
         final: torch.Tensor
         for plan in plans:
             kernel, codes, scales, offsets, block = plan.qkv_call

@@ -495,6 +495,18 @@ torch::Tensor write_and_attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::
                          num_heads, d).to(qkv.scalar_type());
 }
 
+// One (sequence, KV head) task of run_tiled on a float32 pool: the group's query heads at q0, their
+// outputs at o0 (what run_tiled's task computes, in the same floats). The AVX2 block kernel's DecodeStack
+// calls it through the capsule ATTEND_KV_HEAD_F32 with its own threads' share of a row's tasks. No checks:
+// the caller's (its pools, slots and spans are checked as attend_rows checks them).
+void attend_kv_head_f32(const float* q0, const float* kp, const float* vp, const int64_t* row_slots, int64_t n,
+                        int64_t num_kv_heads, int64_t h, int64_t d, float scale, float* o0, int64_t group) {
+  thread_local std::vector<float> scores;
+  float inv_sum[8];
+  if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
+  attend_group(q0, kp, vp, row_slots, n, num_kv_heads, h, d, scale, scores.data(), inv_sum, o0, group);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
   m.def("write_and_attend", &write_and_attend, "K/V written into the pools, then the paged decode attention");
@@ -503,4 +515,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("spans"), py::arg("scale"), py::arg("tiled") = true);
   m.attr("ISA") = vec::kIsa;
   m.attr("LANES") = kLanes;
+  m.attr("ATTEND_KV_HEAD_F32") = py::capsule(reinterpret_cast<void*>(&attend_kv_head_f32), "servelm.attend_kv_head_f32");
 }

@@ -763,10 +763,17 @@ struct Projection {
   BlockValues scale_values, offset_values;
   bool has_offsets;
 
+  torch::Tensor bias;   // float32 [n], added to each output as block_linear_impl adds it (or undefined)
+
   Projection(int64_t kind_, torch::Tensor codes_, torch::Tensor scales_, c10::optional<torch::Tensor> offsets_,
-             int64_t block_, int64_t k_, const char* what)
+             int64_t block_, int64_t k_, const char* what, c10::optional<torch::Tensor> bias_ = c10::nullopt)
       : kind(kind_), n(codes_.size(0)), k(k_), block(block_), bits(8), codes(std::move(codes_)),
         scales(std::move(scales_)), has_offsets(offsets_.has_value() && offsets_->defined()) {
+    if (bias_.has_value() && bias_->defined()) {
+      bias = *bias_;
+      TORCH_CHECK(bias.dtype() == torch::kFloat32 && bias.dim() == 1 && bias.is_contiguous() && bias.size(0) == n,
+                  what, ": bias contiguous float32 [N]");
+    }
     TORCH_CHECK(kind >= 0 && kind <= 5, what, ": kind 0-5");
     const bool bytes = kind <= 1;
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.dtype() == (bytes ? torch::kInt8 : torch::kUInt8),
@@ -788,7 +795,8 @@ struct Projection {
   template <class A, class C>
   std::unique_ptr<RowRange> make(const float* x, float* y) const {
     return std::make_unique<BlockGemm<A, C>>(x, 1, k, n, static_cast<const uint8_t*>(codes.data_ptr()), scale_values,
-                                             offset_values, has_offsets, block, nullptr, nullptr, y, nullptr);
+                                             offset_values, has_offsets, block,
+                                             bias.defined() ? bias.data_ptr<float>() : nullptr, nullptr, y, nullptr);
   }
 
   template <class A, bool CENTERED>
@@ -847,6 +855,68 @@ class DecodeMlp {
     for (const auto& norm : norms_) check_norm(norm, "norms");
   }
 
+  // What one run's phases share: the inputs, the outputs and the projection being computed.
+  struct Call {
+    const float* x;          // attended [o's K]
+    const float* residual;   // hidden [H]
+    const float* norm_weight;
+    float next_eps;
+    float* out_normed;
+    float* out_summed;
+    float* buffer;           // buffer_floats() floats of the calling thread's
+    std::unique_ptr<RowRange> gemm;
+  };
+
+  int64_t buffer_floats() const { return 3 * hidden_ + gate_up_.n + inner_; }
+  int64_t hidden() const { return hidden_; }
+  int64_t o_k() const { return o_.k; }
+
+  // Thread ``tid`` of ``threads``' part of one run (every thread of the region calls it; ``barrier`` waits
+  // for all of them): the projections split over the threads, the norms and each projection's activation
+  // rounding on thread 0 (the calling thread, whose scratch buffers hold them).
+  template <class Barrier>
+  void phases(int tid, int threads, const Barrier& barrier, Call& call) const {
+    float* projected = call.buffer;   // o's output, then down's
+    float* mid_sum = call.buffer + hidden_;
+    float* mid_normed = call.buffer + 2 * hidden_;
+    float* gate_up = call.buffer + 3 * hidden_;
+    float* act = gate_up + gate_up_.n;
+    if (tid == 0) call.gemm = o_.gemm(call.x, projected);
+    barrier();
+    run_share(*call.gemm, tid, threads);
+    barrier();
+    if (tid == 0) {
+      if (gemma_) {   // hidden + norm(o), then the pre-feedforward norm of that
+        offset_norm_row(projected, call.residual, norms_[0].data_ptr<float>(), mid_sum, hidden_, eps_);
+        offset_norm_row(mid_sum, nullptr, norms_[1].data_ptr<float>(), mid_normed, hidden_, eps_);
+      } else {
+        add_rms_norm_row(projected, call.residual, norms_[0].data_ptr<float>(), mid_sum, mid_normed, hidden_, eps_);
+      }
+      call.gemm = gate_up_.gemm(mid_normed, gate_up);
+    }
+    barrier();
+    run_share(*call.gemm, tid, threads);
+    barrier();
+    const int64_t chunk = ((inner_ + threads - 1) / threads + 7) / 8 * 8;
+    const int64_t begin = std::min(inner_, tid * chunk), end = std::min(inner_, (tid + 1) * chunk);
+    if (activation_ == 0) act_mul<0>(gate_up, gate_up + inner_, act, begin, end);
+    else act_mul<1>(gate_up, gate_up + inner_, act, begin, end);
+    barrier();
+    if (tid == 0) call.gemm = down_.gemm(act, projected);
+    barrier();
+    run_share(*call.gemm, tid, threads);
+    barrier();
+    if (tid == 0) {
+      if (gemma_) {   // the sum + norm(down), then the next norm of that
+        offset_norm_row(projected, mid_sum, norms_[2].data_ptr<float>(), call.out_summed, hidden_, eps_);
+        offset_norm_row(call.out_summed, nullptr, call.norm_weight, call.out_normed, hidden_, call.next_eps);
+      } else {
+        add_rms_norm_row(projected, mid_sum, call.norm_weight, call.out_summed, call.out_normed, hidden_,
+                         call.next_eps);
+      }
+    }
+  }
+
   // (norm(h), h) for the layer's output h (Llama: x + hidden with x the MLP's output; Gemma: the
   // post-feedforward norm's sum), ``norm`` the next layer's input norm (or the model's final norm; Gemma's
   // (1 + w)): what the separate calls give for attended [1, o's K] and hidden [1, H], float32
@@ -859,76 +929,30 @@ class DecodeMlp {
     check_norm(norm, "norm");
     auto normed = torch::empty({1, hidden_}, hidden.options());
     auto summed = torch::empty({1, hidden_}, hidden.options());
-    // o's output (then down's), the post-attention sum and norm, gate_up's output, act * up
-    float* buffer = scratch<float>(0, 3 * hidden_ + gate_up_.n + inner_);
     // (scratch slot 0 is also the bf16 rows' and never read here: every row is float32)
-    float* projected = buffer;
-    float* mid_sum = buffer + hidden_;
-    float* mid_normed = buffer + 2 * hidden_;
-    float* gate_up = buffer + 3 * hidden_;
-    float* act = gate_up + gate_up_.n;
-    const float* x = attended.data_ptr<float>();
-    const float* residual = hidden.data_ptr<float>();
-    const float* norm_weight = norm.data_ptr<float>();
-    const float next_eps = static_cast<float>(norm_eps);
-    float* out_normed = normed.data_ptr<float>();
-    float* out_summed = summed.data_ptr<float>();
-    std::unique_ptr<RowRange> gemm;
-    auto step = [&](int tid, int threads, auto barrier) {
-      if (tid == 0) gemm = o_.gemm(x, projected);
-      barrier();
-      run_share(*gemm, tid, threads);
-      barrier();
-      if (tid == 0) {
-        if (gemma_) {   // hidden + norm(o), then the pre-feedforward norm of that
-          offset_norm_row(projected, residual, norms_[0].data_ptr<float>(), mid_sum, hidden_, eps_);
-          offset_norm_row(mid_sum, nullptr, norms_[1].data_ptr<float>(), mid_normed, hidden_, eps_);
-        } else {
-          add_rms_norm_row(projected, residual, norms_[0].data_ptr<float>(), mid_sum, mid_normed, hidden_, eps_);
-        }
-        gemm = gate_up_.gemm(mid_normed, gate_up);
-      }
-      barrier();
-      run_share(*gemm, tid, threads);
-      barrier();
-      const int64_t chunk = ((inner_ + threads - 1) / threads + 7) / 8 * 8;
-      const int64_t begin = std::min(inner_, tid * chunk), end = std::min(inner_, (tid + 1) * chunk);
-      if (activation_ == 0) act_mul<0>(gate_up, gate_up + inner_, act, begin, end);
-      else act_mul<1>(gate_up, gate_up + inner_, act, begin, end);
-      barrier();
-      if (tid == 0) gemm = down_.gemm(act, projected);
-      barrier();
-      run_share(*gemm, tid, threads);
-      barrier();
-      if (tid == 0) {
-        if (gemma_) {   // the sum + norm(down), then the next norm of that
-          offset_norm_row(projected, mid_sum, norms_[2].data_ptr<float>(), out_summed, hidden_, eps_);
-          offset_norm_row(out_summed, nullptr, norm_weight, out_normed, hidden_, next_eps);
-        } else {
-          add_rms_norm_row(projected, mid_sum, norm_weight, out_summed, out_normed, hidden_, next_eps);
-        }
-      }
-    };
+    Call call{attended.data_ptr<float>(), hidden.data_ptr<float>(), norm.data_ptr<float>(),
+              static_cast<float>(norm_eps), normed.data_ptr<float>(), summed.data_ptr<float>(),
+              scratch<float>(0, buffer_floats()), nullptr};
 #ifdef _OPENMP
     const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
     if (threads > 1) {
 #pragma omp parallel num_threads(threads)
-      step(omp_get_thread_num(), omp_get_num_threads(), [] {
+      phases(omp_get_thread_num(), omp_get_num_threads(), [] {
 #pragma omp barrier
-      });
+      }, call);
       return {normed, summed};
     }
 #endif
-    step(0, 1, [] {});
+    phases(0, 1, [] {}, call);
     return {normed, summed};
   }
 
- private:
   void check_norm(const torch::Tensor& w, const char* what) const {
     TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 1 && w.size(0) == hidden_ && w.is_contiguous(), what,
                 ": contiguous float32 [H]");
   }
 
+ private:
   Projection o_;
   int64_t hidden_;
   Projection gate_up_;
@@ -938,6 +962,200 @@ class DecodeMlp {
   float eps_;
   int64_t activation_;
   bool gemma_;
+};
+
+// ---- Every layer of a one-row float32 decode step in one call ----
+//
+// DecodeStack runs the flat decode's one-row float32 step through all its layers inside one OpenMP
+// parallel region: per layer the QKV projection (BlockGemm, its bias added as block_linear_impl adds it),
+// the q/k norms and RoPE of the row, its K and V written at the row's slot of the layer's pools, attention
+// (one task per KV head, thread t taking tasks t, t + threads, ...; a KV head's query heads split over the
+// threads where there are fewer KV heads than threads), then DecodeMlp's phases (o .. down and
+// the next layer's input norm, the last layer's the model's final norm). The norm + RoPE and attention
+// functions are those of the loaded fused-ops and paged-decode builds (capsules given at construction:
+// fused_ops.cpp's norm_rope_qkv_row_f32, paged_decode.cpp's attend_kv_head_f32), so every float is the one
+// the per-layer calls compute; what goes is their Python, their argument checks and their parallel regions.
+using NormRopeRow = void (*)(float*, int64_t, int64_t, int64_t, const float*, const float*, const float*,
+                             const float*, float, bool);
+using AttendKvHead = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                              int64_t, float, float*, int64_t);
+
+void* capsule_pointer(const py::capsule& capsule, const char* name) {
+  TORCH_CHECK(capsule.name() != nullptr && std::strcmp(capsule.name(), name) == 0, "expected the capsule ", name);
+  return capsule.get_pointer();
+}
+
+struct StackLayer {
+  Projection qkv;
+  int64_t heads, kv_heads, d;
+  torch::Tensor q_norm, k_norm;   // float32 [d], or undefined (no q/k norms)
+  float head_eps;
+  bool offset;                    // (1 + w) q/k norms (Gemma)
+  int64_t rope, window;           // which of a step's cos/sin rows and slots/spans the layer reads
+  float scale;
+  torch::Tensor input_norm;       // float32 [H]: this layer's input norm (the previous layer's call makes it)
+  float input_eps;
+  std::shared_ptr<DecodeMlp> mlp;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(const py::capsule& norm_rope, const py::capsule& attend)
+      : norm_rope_(reinterpret_cast<NormRopeRow>(capsule_pointer(norm_rope, "servelm.norm_rope_qkv_row_f32"))),
+        attend_(reinterpret_cast<AttendKvHead>(capsule_pointer(attend, "servelm.attend_kv_head_f32"))) {}
+
+  void add_layer(int64_t qkv_kind, torch::Tensor qkv_codes, torch::Tensor qkv_scales,
+                 c10::optional<torch::Tensor> qkv_offsets, int64_t qkv_block, c10::optional<torch::Tensor> qkv_bias,
+                 int64_t heads, int64_t kv_heads, int64_t d, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, double head_eps, bool offset, int64_t rope, int64_t window,
+                 double scale, torch::Tensor input_norm, double input_eps, std::shared_ptr<DecodeMlp> mlp) {
+    TORCH_CHECK(mlp != nullptr, "mlp: a DecodeMlp");
+    const int64_t hidden = mlp->hidden();
+    TORCH_CHECK(layers_.empty() || layers_[0].mlp->hidden() == hidden, "every layer of one hidden size");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && d > 0 && d % 2 == 0 && heads * d == mlp->o_k(),
+                "heads a multiple of kv_heads, even d, heads * d the o projection's K");
+    TORCH_CHECK(rope >= 0 && window >= 0, "rope, window: indices");
+    Projection qkv(qkv_kind, std::move(qkv_codes), std::move(qkv_scales), std::move(qkv_offsets), qkv_block, hidden,
+                   "qkv", std::move(qkv_bias));
+    TORCH_CHECK(qkv.n == (heads + 2 * kv_heads) * d, "qkv: (heads + 2 kv_heads) * d outputs");
+    auto head_norm = [&](const c10::optional<torch::Tensor>& w) {
+      if (!w.has_value() || !w->defined()) return torch::Tensor();
+      TORCH_CHECK(w->dtype() == torch::kFloat32 && w->dim() == 1 && w->size(0) == d && w->is_contiguous(),
+                  "q/k norm: contiguous float32 [d]");
+      return *w;
+    };
+    mlp->check_norm(input_norm, "input_norm");
+    layers_.push_back(StackLayer{std::move(qkv), heads, kv_heads, d, head_norm(q_norm), head_norm(k_norm),
+                                 static_cast<float>(head_eps), offset, rope, window, static_cast<float>(scale),
+                                 std::move(input_norm), static_cast<float>(input_eps), std::move(mlp)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // (final_norm(h), h) for the last layer's output h, from normed = the first layer's input norm of
+  // hidden [1, H]: cos[r], sin[r] [1, d] the rows of rope r; slot_mapping [1] the row's slot; slots[w]
+  // [1, C] and spans[w] [1] the row's columns under window w; k_pools[l], v_pools[l] [slots, kv_heads, d]
+  // layer l's pools (float32, contiguous)
+  std::vector<torch::Tensor> run(const torch::Tensor& normed, const torch::Tensor& hidden,
+                                 const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                                 const torch::Tensor& slot_mapping, const std::vector<torch::Tensor>& slots,
+                                 const std::vector<torch::Tensor>& spans, const std::vector<torch::Tensor>& k_pools,
+                                 const std::vector<torch::Tensor>& v_pools, const torch::Tensor& final_norm,
+                                 double final_eps) {
+    TORCH_CHECK(!layers_.empty(), "no layers");
+    const int64_t h_size = layers_[0].mlp->hidden();
+    for (const auto* row : {&normed, &hidden}) {
+      TORCH_CHECK(row->dtype() == torch::kFloat32 && row->dim() == 2 && row->size(0) == 1 && row->size(1) == h_size
+                  && row->is_contiguous(), "normed, hidden: contiguous float32 [1, H]");
+    }
+    layers_[0].mlp->check_norm(final_norm, "final_norm");
+    TORCH_CHECK(cos.size() == sin.size() && slots.size() == spans.size(), "a sin per cos, a span per slots");
+    TORCH_CHECK(k_pools.size() == layers_.size() && v_pools.size() == layers_.size(), "a K and V pool per layer");
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == 1, "slot_mapping: int64 [1]");
+    const int64_t slot = slot_mapping.data_ptr<int64_t>()[0];
+    std::vector<int64_t> columns(slots.size());
+    for (size_t w = 0; w < slots.size(); ++w) {
+      TORCH_CHECK(slots[w].scalar_type() == torch::kInt64 && slots[w].dim() == 2 && slots[w].size(0) == 1
+                  && slots[w].stride(1) == 1 && spans[w].scalar_type() == torch::kInt64 && spans[w].numel() == 1,
+                  "slots [1, C] with contiguous columns and spans [1], int64");
+      columns[w] = spans[w].data_ptr<int64_t>()[0];
+      TORCH_CHECK(columns[w] >= 1 && columns[w] <= slots[w].size(1), "span ", columns[w], " outside 1 .. C");
+    }
+    int64_t qkv_floats = 0, attended_floats = 0;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const StackLayer& layer = layers_[l];
+      TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()) && layer.window < static_cast<int64_t>(slots.size()),
+                  "layer ", l, ": no rope ", layer.rope, " or window ", layer.window);
+      for (const auto* row : {&cos[layer.rope], &sin[layer.rope]}) {
+        TORCH_CHECK(row->dtype() == torch::kFloat32 && row->dim() == 2 && row->size(0) == 1
+                    && row->size(1) == layer.d && row->stride(1) == 1, "cos, sin: float32 [1, d] with contiguous rows");
+      }
+      for (const auto* pool : {&k_pools[l], &v_pools[l]}) {
+        TORCH_CHECK(pool->dtype() == torch::kFloat32 && pool->is_contiguous() && pool->dim() == 3
+                    && pool->size(1) == layer.kv_heads && pool->size(2) == layer.d,
+                    "pools: contiguous float32 [slots, kv_heads, d]");
+        TORCH_CHECK(slot >= 0 && slot < pool->size(0), "slot ", slot, " outside the pool's ", pool->size(0));
+      }
+      qkv_floats = std::max(qkv_floats, layer.qkv.n);
+      attended_floats = std::max(attended_floats, layer.heads * layer.d);
+    }
+    auto normed_out = torch::empty({1, h_size}, hidden.options());
+    auto summed_out = torch::empty({1, h_size}, hidden.options());
+    const int64_t mlp_floats = layers_[0].mlp->buffer_floats();
+    for (const auto& layer : layers_) TORCH_CHECK(layer.mlp->buffer_floats() == mlp_floats, "one MLP shape");
+    if (static_cast<int64_t>(buffer_.size()) < qkv_floats + attended_floats + 4 * h_size + mlp_floats)
+      buffer_.resize(qkv_floats + attended_floats + 4 * h_size + mlp_floats);
+    float* qkv_out = buffer_.data();
+    float* attended = qkv_out + qkv_floats;
+    float* between = attended + attended_floats;   // two (normed, summed) pairs, alternating by layer
+    DecodeMlp::Call call{attended, nullptr, nullptr, 0.f, nullptr, nullptr, between + 4 * h_size, nullptr};
+    std::unique_ptr<RowRange> gemm;
+    auto body = [&](int tid, int threads, auto barrier) {
+      const float* x = normed.data_ptr<float>();
+      const float* residual = hidden.data_ptr<float>();
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const StackLayer& layer = layers_[l];
+        if (tid == 0) gemm = layer.qkv.gemm(x, qkv_out);
+        barrier();
+        run_share(*gemm, tid, threads);
+        barrier();
+        const int64_t group = layer.heads / layer.kv_heads, d = layer.d;
+        float* k_pool = k_pools[l].data_ptr<float>();
+        float* v_pool = v_pools[l].data_ptr<float>();
+        if (tid == 0) {
+          norm_rope_(qkv_out, layer.heads, layer.kv_heads, d, cos[layer.rope].data_ptr<float>(),
+                     sin[layer.rope].data_ptr<float>(), layer.q_norm.defined() ? layer.q_norm.data_ptr<float>() : nullptr,
+                     layer.k_norm.defined() ? layer.k_norm.data_ptr<float>() : nullptr, layer.head_eps, layer.offset);
+          const int64_t row = layer.kv_heads * d;
+          std::memcpy(k_pool + slot * row, qkv_out + layer.heads * d, row * sizeof(float));
+          std::memcpy(v_pool + slot * row, qkv_out + layer.heads * d + row, row * sizeof(float));
+        }
+        barrier();
+        // One task per KV head, or, with fewer KV heads than threads, per part of its query heads (each
+        // head's floats do not depend on the heads computed beside it: paged_decode.cpp's tiles)
+        const int64_t* row_slots = slots[layer.window].data_ptr<int64_t>();
+        const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(group, threads / layer.kv_heads));
+        for (int64_t task = tid; task < layer.kv_heads * parts; task += threads) {
+          const int64_t h = task / parts, part = task % parts;
+          const int64_t first = h * group + part * group / parts, heads = (part + 1) * group / parts - part * group / parts;
+          attend_(qkv_out + first * d, k_pool, v_pool, row_slots, columns[layer.window], layer.kv_heads, h, d,
+                  layer.scale, attended + first * d, heads);
+        }
+        const bool last = l + 1 == layers_.size();
+        float* out_normed = last ? normed_out.data_ptr<float>() : between + (l % 2) * 2 * h_size;
+        float* out_summed = last ? summed_out.data_ptr<float>() : out_normed + h_size;
+        if (tid == 0) {   // the phases' inputs, set before the barrier every thread passes before reading them
+          call.residual = residual;
+          call.norm_weight = last ? final_norm.data_ptr<float>() : layers_[l + 1].input_norm.data_ptr<float>();
+          call.next_eps = last ? static_cast<float>(final_eps) : layers_[l + 1].input_eps;
+          call.out_normed = out_normed;
+          call.out_summed = out_summed;
+        }
+        barrier();
+        layer.mlp->phases(tid, threads, barrier, call);
+        x = out_normed;
+        residual = out_summed;
+      }
+    };
+#ifdef _OPENMP
+    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+      body(omp_get_thread_num(), omp_get_num_threads(), [] {
+#pragma omp barrier
+      });
+      return {normed_out, summed_out};
+    }
+#endif
+    body(0, 1, [] {});
+    return {normed_out, summed_out};
+  }
+
+ private:
+  NormRopeRow norm_rope_;
+  AttendKvHead attend_;
+  std::vector<StackLayer> layers_;
+  std::vector<float> buffer_;   // the QKV row, attention's output, the layers' outputs, the MLP phases' buffer
 };
 
 }  // namespace
@@ -1000,7 +1218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         PACKED_ARGS);
   m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,
         "packed_a8 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
-  py::class_<DecodeMlp>(m, "DecodeMlp",
+  py::class_<DecodeMlp, std::shared_ptr<DecodeMlp>>(m, "DecodeMlp",
                         "one row's MLP half in one call (float32): o -> add + RMSNorm -> gate_up -> act * up -> down "
                         "-> add + RMSNorm (Llama), or o -> norm + add -> norm -> gate_up -> act * up -> down -> "
                         "norm + add -> norm with (1 + w) norms (Gemma); a projection's kind: 0 block_linear_a16, "
@@ -1017,4 +1235,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("activation"))
       .def("run", &DecodeMlp::run, "(norm(h), h) of the layer's output h, norm the next layer's input norm",
            py::arg("attended"), py::arg("hidden"), py::arg("norm"), py::arg("norm_eps"));
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "every layer of a one-row float32 decode step in one call: per layer QKV (+ bias), q/k "
+                          "norms + RoPE and attention through the given capsules, then a DecodeMlp")
+      .def(py::init<const py::capsule&, const py::capsule&>(), py::arg("norm_rope"), py::arg("attend"))
+      .def("add_layer", &DecodeStack::add_layer, py::arg("qkv_kind"), py::arg("qkv_codes"), py::arg("qkv_scales"),
+           py::arg("qkv_offsets"), py::arg("qkv_block"), py::arg("qkv_bias"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("d"), py::arg("q_norm"), py::arg("k_norm"), py::arg("head_eps"), py::arg("offset"), py::arg("rope"),
+           py::arg("window"), py::arg("scale"), py::arg("input_norm"), py::arg("input_eps"), py::arg("mlp"))
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run, "(final_norm(h), h) of the last layer's output h", py::arg("normed"),
+           py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("slots"),
+           py::arg("spans"), py::arg("k_pools"), py::arg("v_pools"), py::arg("final_norm"), py::arg("final_eps"));
 }

@@ -495,16 +495,15 @@ HeadRows head_rows(const torch::Tensor& t) {
   return {t.data_ptr(), t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1)};
 }
 
+// The rows' heads normed (where wp is given) and rotated in place: cos and sin rows m at cp + m * cs and
+// sp + m * ss, the norm weight at wp (or nullptr), all in T.
 template <class T>
-void rope_impl(const HeadRows& rows, const torch::Tensor& cos, const torch::Tensor& sin,
-               const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
+void rope_rows(const HeadRows& rows, const typename T::raw* cp, int64_t cs, const typename T::raw* sp, int64_t ss,
+               const typename T::raw* wp, float eps, bool offset) {
   using raw = typename T::raw;
   const int64_t tokens = rows.tokens, heads = rows.heads, d = rows.d;
   raw* tp = reinterpret_cast<raw*>(rows.data);
-  const raw* cp = reinterpret_cast<const raw*>(cos.data_ptr());
-  const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
-  const raw* wp = weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr;
-  const int64_t ts = rows.ts, hs = rows.hs, cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t ts = rows.ts, hs = rows.hs;
 #ifdef __AVX512F__
   if (d % 32 == 0) {
     std::vector<float> weight_f(wp != nullptr ? d : 0);   // 1 + w (Gemma) or w, as the scalar code computes it
@@ -530,6 +529,15 @@ void rope_impl(const HeadRows& rows, const torch::Tensor& cos, const torch::Tens
         norm_rope_row<T>(tp + m * ts + head * hs, cp + m * cs, sp + m * ss, wp, eps, offset, d, scratch.data());
       }
   });
+}
+
+template <class T>
+void rope_impl(const HeadRows& rows, const torch::Tensor& cos, const torch::Tensor& sin,
+               const c10::optional<torch::Tensor>& weight, float eps, bool offset) {
+  using raw = typename T::raw;
+  rope_rows<T>(rows, reinterpret_cast<const raw*>(cos.data_ptr()), cos.stride(0),
+               reinterpret_cast<const raw*>(sin.data_ptr()), sin.stride(0),
+               weight.has_value() ? reinterpret_cast<const raw*>(weight->data_ptr()) : nullptr, eps, offset);
 }
 
 // cos, sin [tokens, d] and the norm weight (if any) [d], in ``dtype``.
@@ -809,6 +817,15 @@ torch::Tensor packed_rows(torch::Tensor data, int64_t bits, bool centered, torch
   return out;
 }
 
+// norm_rope_qkv_ of one float32 QKV row (cos, sin: its [D] rows; the norm weights or nullptr) for the
+// AVX2 block kernel's DecodeStack, which calls it through the capsule NORM_ROPE_QKV_ROW_F32 (this
+// build's own code: the same floats as the flat decode's norm_rope_qkv_ call). No checks: the caller's.
+void norm_rope_qkv_row_f32(float* qkv, int64_t num_heads, int64_t num_kv_heads, int64_t d, const float* cos,
+                           const float* sin, const float* q_weight, const float* k_weight, float eps, bool offset) {
+  rope_rows<F32>({qkv, 1, num_heads, d, 0, d}, cos, 0, sin, 0, q_weight, eps, offset);
+  rope_rows<F32>({qkv + num_heads * d, 1, num_kv_heads, d, 0, d}, cos, 0, sin, 0, k_weight, eps, offset);
+}
+
 // How many of torch's threads ran a chunk of at::parallel_for over ``n`` items with grain 1: the
 // number of threads when the module was built with OpenMP, 1 when the pragma was compiled away.
 int64_t parallel_threads(int64_t n) {
@@ -829,4 +846,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_rows", &packed_rows, "rows of a packed GGUF weight, dequantized to float32");
   m.def("first_argmax", &first_argmax, "torch.argmax(dim=-1) of float32 rows, in two vectorized passes");
   m.def("causal_softmax", &causal_softmax, "causal / sliding-window softmax of a prefill tile's scores");
+  m.attr("NORM_ROPE_QKV_ROW_F32") = py::capsule(reinterpret_cast<void*>(&norm_rope_qkv_row_f32),
+                                                "servelm.norm_rope_qkv_row_f32");
 }

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from servelm.model import huge_pages
-from servelm.model.architectures.flat_decode import FlatDecodePlan
+from servelm.model.architectures.flat_decode import FlatDecodePlan, NativeStack
 from servelm.model.architectures.gemma3_decode import DecodePlan
 from servelm.model.architectures import gemma3_decode, llama_decode
 from servelm.model.architectures.llama_decode import LlamaDecodePlan
@@ -324,6 +324,7 @@ def test_float32_block_decode_takes_one_mlp_call(arch: str, threads: int, monkey
         return None if run is None else lambda *args: (calls.append(1), run(*args))[1]
 
     monkeypatch.setattr(family, "decode_mlp", counted)
+    monkeypatch.setattr(family, "decode_stack", lambda plans, offset: None)   # the per-layer calls, not one for all
     hf_model = make_tiny_hf_model(arch)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -333,6 +334,69 @@ def test_float32_block_decode_takes_one_mlp_call(arch: str, threads: int, monkey
     finally:
         torch.set_num_threads(previous)
     assert len(calls) >= STEPS * hf_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma3_mqa", "mistral"])
+def test_float32_block_decode_takes_one_call_for_all_layers(arch: str, threads: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 model on block weights runs a one-row step's layers in one ``DecodeStack.run`` call (QKV
+    with Qwen2's bias, Qwen3's and Gemma's q/k norms, Gemma's two ropes and its sliding-window layers,
+    Mistral's window past the prompt, attention and the MLP half of every layer; one KV head whose query
+    heads the threads share), where the AVX2 block kernel has it, on one thread and on two: bit-identical
+    to the module path."""
+    if getattr(load_kernel(), "DecodeStack", None) is None:
+        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
+    results = []
+    original = NativeStack.run
+
+    def counted(self: NativeStack, *args: Any) -> Any:
+        out = original(self, *args)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeStack, "run", counted)
+    hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_flat_against_modules(DecodePlan if arch.startswith("gemma3") else LlamaDecodePlan, 1,
+                                   lambda: decode_logits(hf_model, arch, 1, "auto", "float32", True), monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+    assert results[-STEPS:] == [True] * STEPS   # every decode step of the flat run took the one call (not the prompt)
+
+
+def test_decode_stack_refuses_what_it_cannot_compute() -> None:
+    """The native stack's checks: a pool of another head size, a slot outside the pool and a span past
+    the row's columns are errors before any layer runs, not reads out of bounds."""
+    module = load_kernel()
+    if getattr(module, "DecodeStack", None) is None:
+        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
+    runner = block_runner(make_tiny_hf_model("llama"), dtype="float32")
+    model = runner.model.model
+    plan = LlamaDecodePlan([model.layers[index] for index in model.held_layers])
+    assert plan.stack is not None
+    layers = plan.layers or []
+    first = layers[0]
+    hidden = torch.randn(1, first.input_norm.shape[0])
+    normed = torch.randn_like(hidden)
+    rope = torch.zeros(1, first.head_dim)
+    pools = [torch.zeros(16, first.num_kv_heads, first.head_dim) for _ in layers]
+
+    def run(slot: int = 3, span: int = 2, pool_d: int = first.head_dim) -> Any:
+        k_pools = [torch.zeros(16, first.num_kv_heads, pool_d) for _ in layers]
+        return plan.stack.native.run(normed, hidden, [rope], [rope], torch.tensor([slot]),
+                                     [torch.tensor([[0, 1, 2, 3]])], [torch.tensor([span])], k_pools, pools,
+                                     model.norm.weight, model.norm.eps)
+
+    assert run()[0].shape == hidden.shape
+    with pytest.raises(RuntimeError, match="pools"):
+        run(pool_d=first.head_dim * 2)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        run(slot=16)
+    with pytest.raises(RuntimeError, match="span"):
+        run(span=5)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
