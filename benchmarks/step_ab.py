@@ -15,7 +15,11 @@ with and without the change (prefix cache off), and whether every output is iden
   final norm's module, instead of one fused ``add_rms_norm`` with the final norm's weight (the same floats).
 - ``decode_mlp``: a float32 model's one-row flat decode makes each layer's MLP half as separate calls
   instead of the AVX2 block kernel's one ``DecodeMlp.run`` (servelm.model.architectures.flat_decode
-  ``decode_mlp``; the same floats). The plan is built at the engine's first decode step (warm-up).
+  ``decode_mlp``; the same floats; no ``DecodeStack`` either, whose layers are those calls). The plan is
+  built at the engine's first decode step (warm-up).
+- ``decode_stack``: a float32 model's one-row flat decode calls each layer's QKV, norm + RoPE, attention
+  and ``DecodeMlp.run`` from Python instead of all layers in the AVX2 block kernel's one
+  ``DecodeStack.run`` (servelm.model.architectures.flat_decode ``decode_stack``; the same floats).
 - ``native_argmax``: greedy rows' argmax by servelm.sampling.argmax's torch ops instead of the fused
   ops' ``first_argmax`` call (the same ids).
 - ``fused_ops``: RMSNorm (+ residual add), q/k norm + RoPE and act * up as torch's ops instead of
@@ -189,13 +193,28 @@ def without(change: str) -> Iterator[None]:
         plan: Any = _ENGINE.runner.model.model.__dict__.get("decode_plan")
         layers = (plan.layers or []) if plan is not None else []
         runs = [layer.mlp_run for layer in layers]
+        stack = plan.stack if plan is not None else None   # its layers' MLP halves are DecodeMlp calls too
         for layer in layers:
             layer.mlp_run = None
+        if plan is not None:
+            plan.stack = None
         try:
             yield
         finally:
             for layer, run in zip(layers, runs):
                 layer.mlp_run = run
+            if plan is not None:
+                plan.stack = stack
+    elif change == "decode_stack":
+        plan = _ENGINE.runner.model.model.__dict__.get("decode_plan")
+        stack = plan.stack if plan is not None else None
+        if plan is not None:
+            plan.stack = None
+        try:
+            yield
+        finally:
+            if plan is not None:
+                plan.stack = stack
     elif change == "native_argmax":
         sampler = _ENGINE.executor.sampler
         native = sampler.native_argmax
