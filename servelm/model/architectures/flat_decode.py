@@ -201,10 +201,7 @@ class DecodeStep:
         """``[T, H * D]``: attention of the q heads of ``qkv`` (the QKV projection's rows, rope applied;
         ``plan.heads`` gives its q, k, v) over the cache with its k and v written at the batch's slots
         (``layer``: the Attention module)."""
-        window = layer.sliding_window
-        paged: Any = self.windows.get(window, False)
-        if paged is False:
-            paged = self._window(window)
+        paged = self.paged(layer.sliding_window)
         if paged is None:
             q, k, v = plan.heads(qkv)
             attended: torch.Tensor = self.batch.attention.forward(q, k, v, layer, self.batch)
@@ -212,6 +209,12 @@ class DecodeStep:
         k_cache, v_cache = self.batch.kv_cache.layer(layer.layer_id)   # the backend's decode, without its dispatch
         slot_mapping, slots, spans = paged
         return self.write_and_attend(qkv, plan.num_heads, k_cache, v_cache, slot_mapping, slots, spans, layer.scale)
+
+    def paged(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The paged decode's tensors for layers of ``window`` (slot_mapping [T], slots [T, C], spans
+        [T]), built once a step; None where the backend computes them."""
+        paged: Any = self.windows.get(window, False)
+        return self._window(window) if paged is False else paged
 
     def _window(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The paged decode's tensors for layers of ``window`` (kept in ``windows``), None where the
@@ -468,8 +471,7 @@ class NativeStack:
             return None
         paged = []
         for window in self.windows:
-            views = step.windows.get(window, False)
-            views = step._window(window) if views is False else views
+            views = step.paged(window)
             if views is None:
                 return None
             paged.append(views)

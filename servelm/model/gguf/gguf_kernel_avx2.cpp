@@ -828,6 +828,23 @@ inline void run_share(const RowRange& gemm, int tid, int threads) {
   if (tid < used && begin < gemm.n) gemm.rows(begin, std::min(gemm.n, begin + chunk));
 }
 
+// fn(tid, threads, barrier) on torch's threads in one OpenMP parallel region (``barrier()``: every thread
+// waits for the others), or as thread 0 of 1 on the calling thread inside another region or without OpenMP
+template <class Fn>
+void in_one_region(const Fn& fn) {
+#ifdef _OPENMP
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    fn(omp_get_thread_num(), omp_get_num_threads(), [] {
+#pragma omp barrier
+    });
+    return;
+  }
+#endif
+  fn(0, 1, [] {});
+}
+
 class DecodeMlp {
  public:
   // norms: [post-attention] (Llama: its add + RMSNorm before the MLP) or [post-attention,
@@ -863,7 +880,8 @@ class DecodeMlp {
     float next_eps;
     float* out_normed;
     float* out_summed;
-    float* buffer;           // buffer_floats() floats of the calling thread's
+    float* buffer;           // buffer_floats() floats: o's (then down's) output, the post-attention sum and
+                             // norm, gate_up's output, act * up
     std::unique_ptr<RowRange> gemm;
   };
 
@@ -933,17 +951,7 @@ class DecodeMlp {
     Call call{attended.data_ptr<float>(), hidden.data_ptr<float>(), norm.data_ptr<float>(),
               static_cast<float>(norm_eps), normed.data_ptr<float>(), summed.data_ptr<float>(),
               scratch<float>(0, buffer_floats()), nullptr};
-#ifdef _OPENMP
-    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-      phases(omp_get_thread_num(), omp_get_num_threads(), [] {
-#pragma omp barrier
-      }, call);
-      return {normed, summed};
-    }
-#endif
-    phases(0, 1, [] {}, call);
+    in_one_region([&](int tid, int threads, auto barrier) { phases(tid, threads, barrier, call); });
     return {normed, summed};
   }
 
@@ -1137,17 +1145,7 @@ class DecodeStack {
         residual = out_summed;
       }
     };
-#ifdef _OPENMP
-    const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
-      body(omp_get_thread_num(), omp_get_num_threads(), [] {
-#pragma omp barrier
-      });
-      return {normed_out, summed_out};
-    }
-#endif
-    body(0, 1, [] {});
+    in_one_region(body);
     return {normed_out, summed_out};
   }
 
