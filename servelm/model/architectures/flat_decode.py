@@ -506,14 +506,16 @@ def decode_stack(plans: Sequence[LayerPlan], offset: bool) -> NativeStack | None
     for plan, mlp in zip(plans, mlps):
         kernel, codes, scales, offsets, block = plan.qkv_call
         bias = getattr(plan, "qkv_bias", None)
-        if kinds.get(kernel) is None or (bias is not None and bias.dtype != torch.float32):
-            return None
+        heads, kv_heads, head_dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
+        if (kinds.get(kernel) is None or (bias is not None and bias.dtype != torch.float32)
+                or heads % kv_heads or head_dim % 2 or codes.shape[0] != (heads + 2 * kv_heads) * head_dim):
+            return None   # what DecodeStack.add_layer would refuse
         if plan.rotary.cache_key not in ropes:
             ropes[plan.rotary.cache_key] = len(rotaries)
             rotaries.append(plan.rotary)
         window = windows.setdefault(plan.attention.sliding_window, len(windows))
-        native.add_layer(kinds[kernel], codes, scales, offsets, block, bias, plan.num_heads, plan.num_kv_heads,
-                         plan.head_dim, plan.q_norm, plan.k_norm, plan.head_eps, offset, ropes[plan.rotary.cache_key],
-                         window, plan.attention.scale, plan.input_norm, plan.eps, mlp)
+        native.add_layer(kinds[kernel], codes, scales, offsets, block, bias, heads, kv_heads, head_dim, plan.q_norm,
+                         plan.k_norm, plan.head_eps, offset, ropes[plan.rotary.cache_key], window,
+                         plan.attention.scale, plan.input_norm, plan.eps, mlp)
     return NativeStack(native, rotaries, list(windows), [plan.attention.layer_id for plan in plans],
                        attention.write_and_attend_qkv)
