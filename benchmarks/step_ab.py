@@ -193,18 +193,14 @@ def without(change: str) -> Iterator[None]:
         plan: Any = _ENGINE.runner.model.model.__dict__.get("decode_plan")
         layers = (plan.layers or []) if plan is not None else []
         runs = [layer.mlp_run for layer in layers]
-        stack = plan.stack if plan is not None else None   # its layers' MLP halves are DecodeMlp calls too
         for layer in layers:
             layer.mlp_run = None
-        if plan is not None:
-            plan.stack = None
         try:
-            yield
+            with without("decode_stack"):   # its layers' MLP halves are DecodeMlp calls too
+                yield
         finally:
             for layer, run in zip(layers, runs):
                 layer.mlp_run = run
-            if plan is not None:
-                plan.stack = stack
     elif change == "decode_stack":
         plan = _ENGINE.runner.model.model.__dict__.get("decode_plan")
         stack = plan.stack if plan is not None else None

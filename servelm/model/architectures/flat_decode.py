@@ -313,7 +313,8 @@ class FlatDecodePlan:
                     final_norm: nn.Module | None) -> torch.Tensor | None:
         """The whole step through ``stack`` where it applies (one row, a final norm it computes, the
         paged decode's attention): the final norm's output; else None (``run`` calls the layers)."""
-        if self.stack is None or final_norm is None or not self.fuses_final_norm(final_norm):
+        if (self.stack is None or step.num_tokens != 1 or final_norm is None
+                or not self.fuses_final_norm(final_norm)):
             return None
         return self.stack.run(step, normed, hidden, final_norm)
 
@@ -465,9 +466,10 @@ class NativeStack:
 
     def run(self, step: DecodeStep, normed: torch.Tensor, hidden: torch.Tensor,
             final_norm: nn.Module) -> torch.Tensor | None:
-        """The final norm of the last layer's output for one row (``normed``: the first layer's input
-        norm of ``hidden``), or None where the step's attention is not the paged decode's own call."""
-        if step.num_tokens != 1 or step.write_and_attend is not self.attend:
+        """The final norm of the last layer's output for one row (``FlatDecodePlan.in_one_call`` checks
+        the rows; ``normed``: the first layer's input norm of ``hidden``), or None where the step's
+        attention is not the paged decode's own call."""
+        if step.write_and_attend is not self.attend:
             return None
         paged = []
         for window in self.windows:

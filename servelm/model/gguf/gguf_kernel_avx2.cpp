@@ -1019,7 +1019,9 @@ class DecodeStack {
                  double scale, torch::Tensor input_norm, double input_eps, std::shared_ptr<DecodeMlp> mlp) {
     TORCH_CHECK(mlp != nullptr, "mlp: a DecodeMlp");
     const int64_t hidden = mlp->hidden();
-    TORCH_CHECK(layers_.empty() || layers_[0].mlp->hidden() == hidden, "every layer of one hidden size");
+    TORCH_CHECK(layers_.empty() || (layers_[0].mlp->hidden() == hidden
+                                    && layers_[0].mlp->buffer_floats() == mlp->buffer_floats()),
+                "every layer of one hidden size and one MLP shape");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && d > 0 && d % 2 == 0 && heads * d == mlp->o_k(),
                 "heads a multiple of kv_heads, even d, heads * d the o projection's K");
     TORCH_CHECK(rope >= 0 && window >= 0, "rope, window: indices");
@@ -1033,12 +1035,12 @@ class DecodeStack {
       return *w;
     };
     mlp->check_norm(input_norm, "input_norm");
+    qkv_floats_ = std::max(qkv_floats_, qkv.n);
+    attended_floats_ = std::max(attended_floats_, heads * d);
     layers_.push_back(StackLayer{std::move(qkv), heads, kv_heads, d, head_norm(q_norm), head_norm(k_norm),
                                  static_cast<float>(head_eps), offset, rope, window, static_cast<float>(scale),
                                  std::move(input_norm), static_cast<float>(input_eps), std::move(mlp)});
   }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // (final_norm(h), h) for the last layer's output h, from normed = the first layer's input norm of
   // hidden [1, H]: cos[r], sin[r] [1, d] the rows of rope r; slot_mapping [1] the row's slot; slots[w]
@@ -1069,7 +1071,6 @@ class DecodeStack {
       columns[w] = spans[w].data_ptr<int64_t>()[0];
       TORCH_CHECK(columns[w] >= 1 && columns[w] <= slots[w].size(1), "span ", columns[w], " outside 1 .. C");
     }
-    int64_t qkv_floats = 0, attended_floats = 0;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const StackLayer& layer = layers_[l];
       TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()) && layer.window < static_cast<int64_t>(slots.size()),
@@ -1084,18 +1085,15 @@ class DecodeStack {
                     "pools: contiguous float32 [slots, kv_heads, d]");
         TORCH_CHECK(slot >= 0 && slot < pool->size(0), "slot ", slot, " outside the pool's ", pool->size(0));
       }
-      qkv_floats = std::max(qkv_floats, layer.qkv.n);
-      attended_floats = std::max(attended_floats, layer.heads * layer.d);
     }
     auto normed_out = torch::empty({1, h_size}, hidden.options());
     auto summed_out = torch::empty({1, h_size}, hidden.options());
     const int64_t mlp_floats = layers_[0].mlp->buffer_floats();
-    for (const auto& layer : layers_) TORCH_CHECK(layer.mlp->buffer_floats() == mlp_floats, "one MLP shape");
-    if (static_cast<int64_t>(buffer_.size()) < qkv_floats + attended_floats + 4 * h_size + mlp_floats)
-      buffer_.resize(qkv_floats + attended_floats + 4 * h_size + mlp_floats);
+    if (static_cast<int64_t>(buffer_.size()) < qkv_floats_ + attended_floats_ + 4 * h_size + mlp_floats)
+      buffer_.resize(qkv_floats_ + attended_floats_ + 4 * h_size + mlp_floats);
     float* qkv_out = buffer_.data();
-    float* attended = qkv_out + qkv_floats;
-    float* between = attended + attended_floats;   // two (normed, summed) pairs, alternating by layer
+    float* attended = qkv_out + qkv_floats_;
+    float* between = attended + attended_floats_;   // two (normed, summed) pairs, alternating by layer
     DecodeMlp::Call call{attended, nullptr, nullptr, 0.f, nullptr, nullptr, between + 4 * h_size, nullptr};
     std::unique_ptr<RowRange> gemm;
     auto body = [&](int tid, int threads, auto barrier) {
@@ -1153,6 +1151,7 @@ class DecodeStack {
   NormRopeRow norm_rope_;
   AttendKvHead attend_;
   std::vector<StackLayer> layers_;
+  int64_t qkv_floats_ = 0, attended_floats_ = 0;   // the largest QKV row and attention output of the layers
   std::vector<float> buffer_;   // the QKV row, attention's output, the layers' outputs, the MLP phases' buffer
 };
 
@@ -1241,7 +1240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("qkv_offsets"), py::arg("qkv_block"), py::arg("qkv_bias"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("d"), py::arg("q_norm"), py::arg("k_norm"), py::arg("head_eps"), py::arg("offset"), py::arg("rope"),
            py::arg("window"), py::arg("scale"), py::arg("input_norm"), py::arg("input_eps"), py::arg("mlp"))
-      .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run, "(final_norm(h), h) of the last layer's output h", py::arg("normed"),
            py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"), py::arg("slots"),
            py::arg("spans"), py::arg("k_pools"), py::arg("v_pools"), py::arg("final_norm"), py::arg("final_eps"));
