@@ -46,7 +46,7 @@ SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
 """Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
 V), Q6_K or Q4_K down, a Q8_0 head."""
 ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8",
-          "packed_a16 compact", "packed_a8 compact")
+          "packed_float", "packed_a16 compact", "packed_a8 compact", "packed_float compact")
 L3_BYTES = 32 << 20
 """This machine's L3 (lscpu: 32 MiB); --cold cycles through copies of at least twice that."""
 

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <memory>
 #include <vector>
+#include <unistd.h>
 
 #include "servelm_activation.h"
 #ifdef _OPENMP
@@ -45,10 +46,11 @@ constexpr int kOneRowWeights = 4;          // weight rows per pass of one activa
 constexpr int64_t kScaleAheadRows = 16;    // how far ahead of the one-row pass its scale rows are prefetched
 
 // Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call; float
-// slots 0-2 and 5 belong to the calling thread's activations, 3-4 to a worker's widened scale rows).
+// slots 0-2 and 5 belong to the calling thread's activations, 3-4 to a worker's widened scale rows, 6-7 to
+// a worker's dequantized weight tile and its accumulators: FloatTiles).
 template <class T>
 T* scratch(int slot, int64_t count) {
-  static thread_local std::vector<T> buffers[6];
+  static thread_local std::vector<T> buffers[8];
   std::vector<T>& buffer = buffers[slot];
   if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
   return buffer.data();
@@ -406,6 +408,65 @@ struct FloatActivations {
   }
 };
 
+// ---- Float activations on many rows: the weight dequantized once per tile, then register-blocked ----
+//
+// FloatActivations::dot dequantizes a weight row in registers for each tile of kRowTile activation rows:
+// at 32 rows 4 times, and its 8 accumulators take a load of x for every FMA. From kFloatTileRows rows on,
+// a worker dequantizes float_tile_bytes() of weight rows at a time into a float32 buffer (the same
+// float(code) * scale products), then runs a kFloatMR x kFloatNR block of (activation row, weight row)
+// dots per pass: 3 weight and 4 activation vectors loaded per 12 FMAs. Each dot keeps FloatActivations::dot's
+// arithmetic exactly -- lane l of one accumulator sums the products of inputs l, l + 8, ... in order, then
+// hsum, then the offsets' and bias terms as ``finish`` adds them -- so the results are the same floats on
+// any row count, tile or thread split, and the same as the row tiles' below kFloatTileRows rows. Codes
+// packed at their bit width (which FloatActivations::dot does not read) take the tiles at any row count.
+constexpr int kFloatMR = 4;                   // activation rows per pass
+constexpr int kFloatNR = 3;                   // weight rows per pass
+constexpr int64_t kFloatTileRows = 12;        // the least rows of int8 codes that take the tiles
+
+// Bytes of dequantized weight rows per tile: a quarter of this CPU's L2 (sysconf; 512 KiB where it does not
+// say), within 64 KiB .. 512 KiB. On Zen 3 (512 KiB L2) a quarter ran Qwen2.5-Coder's shapes at 16-128 rows
+// 2-10% faster than an eighth or a half (benchmarks/gguf_avx2.py, RESULTS.md session 40).
+int64_t float_tile_bytes() {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return std::clamp<int64_t>((l2 > 0 ? l2 : 512 << 10) / 4, 64 << 10, 512 << 10);
+}
+
+template <int MR, int NR>
+inline void float_block(const float* x, int64_t k, const float* w, float* acc) {
+  __m256 a[MR][NR];
+  for (int t = 0; t < MR; ++t)
+    for (int j = 0; j < NR; ++j) a[t][j] = _mm256_setzero_ps();
+  for (int64_t v = 0; v < k / 8; ++v) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * k + 8 * v);
+    for (int t = 0; t < MR; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * k + 8 * v);
+      for (int j = 0; j < NR; ++j) a[t][j] = _mm256_fmadd_ps(wv[j], xv, a[t][j]);
+    }
+  }
+  for (int t = 0; t < MR; ++t)
+    for (int j = 0; j < NR; ++j) _mm256_storeu_ps(acc + (j * kFloatMR + t) * 8, a[t][j]);
+}
+
+template <int MR>
+inline void float_block_rows(int nr, const float* x, int64_t k, const float* w, float* acc) {
+  switch (nr) {
+    case 3: float_block<MR, 3>(x, k, w, acc); break;
+    case 2: float_block<MR, 2>(x, k, w, acc); break;
+    default: float_block<MR, 1>(x, k, w, acc); break;
+  }
+}
+
+// float_block for the mr x nr corner a tile's edge leaves (mr <= kFloatMR, nr <= kFloatNR)
+inline void float_block_any(int mr, int nr, const float* x, int64_t k, const float* w, float* acc) {
+  switch (mr) {
+    case 4: float_block_rows<4>(nr, x, k, w, acc); break;
+    case 3: float_block_rows<3>(nr, x, k, w, acc); break;
+    case 2: float_block_rows<2>(nr, x, k, w, acc); break;
+    default: float_block_rows<1>(nr, x, k, w, acc); break;
+  }
+}
+
 // ROWS = tile activation rows (1-kRowTile) against one weight row.
 template <class Codes, class Activations>
 inline void dot_tile(const Activations& acts, const uint8_t* wr, const float* sr, int64_t block, int64_t r0, int tile,
@@ -592,7 +653,70 @@ struct BlockGemm final : RowRange {
     }
   }
 
+  // Float activations from kFloatTileRows rows (or packed codes, which FloatActivations::dot does not
+  // read): weight rows dequantized a tile at a time, then kFloatMR x kFloatNR blocks (float_block).
+  void float_tiles(int64_t begin, int64_t end) const {
+    const float* x = acts.x;
+    static const int64_t tile_bytes = float_tile_bytes();
+    const int64_t tile_rows = std::max<int64_t>(kFloatNR, tile_bytes / (4 * k) / kFloatNR * kFloatNR);
+    float* wt = scratch<float>(6, tile_rows * k);
+    float* acc = scratch<float>(7, tile_rows * kFloatMR * 8);
+    float* scale_row = scratch<float>(3, nb);
+    float* offset_row = scratch<float>(4, nb);
+    for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
+      const int64_t n1 = std::min(end, n0 + tile_rows);
+      for (int64_t j = n0; j < n1; ++j) {   // FloatActivations::dot's wf: float(code) * scale
+        const float* sr = weight_scales.row(j, scale_row);
+        float* out = wt + (j - n0) * k;
+        for (int64_t c = 0; c < k / 32; ++c) {
+          const __m256 s0 = _mm256_set1_ps(block == 32 ? sr[c] : sr[2 * c]);
+          const __m256 s1 = _mm256_set1_ps(block == 32 ? sr[c] : sr[2 * c + 1]);
+          __m256i w16[2];
+          Codes::load(w + j * row_bytes, c, w16[0], w16[1]);
+          for (int i = 0; i < 4; ++i) {
+            const __m128i half = i % 2 == 0 ? _mm256_castsi256_si128(w16[i / 2]) : _mm256_extracti128_si256(w16[i / 2], 1);
+            const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half));
+            _mm256_storeu_ps(out + c * 32 + 8 * i, _mm256_mul_ps(code, i < 2 ? s0 : s1));
+          }
+        }
+      }
+      for (int64_t r0 = 0; r0 < num_rows; r0 += kFloatMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kFloatMR, num_rows - r0));
+        for (int64_t j = n0; j < n1; j += kFloatNR)
+          float_block_any(mr, static_cast<int>(std::min<int64_t>(kFloatNR, n1 - j)), x + r0 * k, k, wt + (j - n0) * k,
+                          acc + (j - n0) * kFloatMR * 8);
+        for (int64_t j = n0; j < n1; ++j) {
+          const float* orow = has_offsets ? weight_offsets.row(j, offset_row) : nullptr;
+          for (int t = 0; t < mr; ++t) {
+            float value = hsum(_mm256_loadu_ps(acc + ((j - n0) * kFloatMR + t) * 8));
+            if (orow != nullptr) value += dot_f32(orow, sums + (r0 + t) * nb, nb);
+            if (bias32 != nullptr) value += bias32[j];
+            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
+            if (y16 != nullptr) {
+              y16[(r0 + t) * n + j] = c10::BFloat16(value);
+            } else {
+              y[(r0 + t) * n + j] = value;
+            }
+          }
+        }
+      }
+    }
+  }
+
   void rows(int64_t begin, int64_t end) const override {
+    if constexpr (std::is_same<Activations, FloatActivations>::value) {
+      if (!kBytes || num_rows >= kFloatTileRows) {
+        float_tiles(begin, end);
+      } else if constexpr (kBytes) {
+        row_tiles(begin, end);
+      }
+    } else {
+      row_tiles(begin, end);
+    }
+  }
+
+  // kRowTile activation rows at a time against each weight row (dot_tile), the one-row pass for a lone row
+  void row_tiles(int64_t begin, int64_t end) const {
     const int64_t rows = num_rows;
     float dots[kRowTile];
     // this worker's widened scale rows (kOneRowWeights for the one-row pass) and offset row (one at a time)
@@ -1211,6 +1335,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "block_linear_a16 on codes packed at their bit width (gguf_blocks.PackedCodes)", PACKED_ARGS);
   m.def("packed_a16_centered", &packed_linear<Int16Activations, true>,
         "packed_a16 on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
+  m.def("packed_float", &packed_linear<FloatActivations, false>,
+        "block_linear_float on codes packed at their bit width", PACKED_ARGS);
+  m.def("packed_float_centered", &packed_linear<FloatActivations, true>,
+        "packed_float on signed codes stored plus 2^(bits - 1)", PACKED_ARGS);
   m.def("packed_a8", &packed_linear<Int8Activations, false>, "block_linear on codes packed at their bit width",
         PACKED_ARGS);
   m.def("packed_a8_centered", &packed_linear<Int8Activations, true>,

@@ -12,6 +12,9 @@ one of the routes of gguf_routes.py:
   products bit for bit) for rounded activations; the int8 codes are then dropped after load. It also
   reads the scales and offsets compact (``BlockWeight.with_compact``: fp16, or the K-quants' int8
   sub-scales times a float32 per 256 inputs; the same float32 values in the kernel).
+- ``tiles``: the AVX2 build's float-activation tiles on the block route's codes (``packed_float``, no
+  copy of its own): activations unrounded, weight rows dequantized per call into an L2-sized float32
+  tile, then register-blocked FMAs; held beside a block route that rounds activations (int16, int8).
 - ``rows``: the rows kernel's GEMM (gguf_rows.cpp ``rows_gemm``, AVX512-BF16) on a copy of the codes
   packed at load (1 byte per weight), bf16 activations unrounded, scales applied in float32.
 - ``packed``: the same GEMM on a copy at the codes' bit width (Q4_0/Q4_1/Q4_K/Q5_0: 0.5-0.63 bytes per
@@ -187,6 +190,8 @@ _PACKED_KERNELS = {("int16", False): "packed_a16", ("int16", True): "packed_a16_
                    ("int8", False): "packed_a8", ("int8", True): "packed_a8_centered"}
 """The block kernel's functions on ``PackedCodes`` (by activation mode and ``centered``): the AVX2
 build's; a build without them (AVX-512) reads the int8 codes."""
+_TILES_KERNELS = {False: "packed_float", True: "packed_float_centered"}
+"""The ``tiles`` route's functions on ``PackedCodes`` (by ``centered``; int8 codes: ``block_linear_float``)."""
 
 
 class GGUFBlockLinearMethod:
@@ -215,6 +220,9 @@ class GGUFBlockLinearMethod:
         build, rounded activations): ``process`` packs each weight whose codes fit."""
         self.compact_scales = kernel is not None and getattr(kernel, "COMPACT_SCALES", False)
         """Whether the block kernel takes the compact scales and offsets (the AVX2 build)."""
+        self.tiles = kernel is not None and activations != "float" and hasattr(kernel, _TILES_KERNELS[False])
+        """Whether the ``tiles`` route is built (the AVX2 build) beside a block route that rounds the
+        activations (with ``float`` activations the block route is that function already)."""
         self.ranking: Ranking = ranking or self.default_ranking
         """(shape, x is bf16, rows) -> routes fastest first: measured (model/routes.py) or the defaults."""
         self._resolved: dict[tuple[LinearShape, bool], LayerRoutes] = {}
@@ -233,6 +241,8 @@ class GGUFBlockLinearMethod:
         routes = {Route.DENSE}
         if self.kernel is not None and shape.in_features % 64 == 0:
             routes.add(Route.BLOCK)
+            if self.tiles:
+                routes.add(Route.TILES)
         if self.rows_kernel is not None and shape.in_features % 64 == 0:
             routes.add(Route.ROWS)
             if shape.kind in PACKED_KINDS:
@@ -388,8 +398,8 @@ class GGUFBlockLinearMethod:
         # rounding (as ``out + bias`` then ``.to`` below)
         kernel_bias = bias if route in KERNEL_BIAS_ROUTES and takes_kernel_bias(bias) else None
         bf16_out = is_bf16 and (bias is None or kernel_bias is not None) and not float_out
-        if route is Route.BLOCK:
-            kernel, codes, scales, offsets = self.block_call(weight)
+        if route in (Route.BLOCK, Route.TILES):
+            kernel, codes, scales, offsets = self.block_call(weight, tiles=route is Route.TILES)
             out = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes, scales, offsets,
                          weight.block, bf16_out)
         elif route in (Route.ROWS, Route.PACKED):   # float32 rows go in as bf16 (above the exact rows' rule)
@@ -439,16 +449,17 @@ class GGUFBlockLinearMethod:
             out[:, late] += bias[late]
         return out.float() if float_out else out.to(x2.dtype)
 
-    def block_call(self, weight: BlockWeight) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.Tensor,
-                                                     torch.Tensor | None]:
-        """The block route's kernel function and what it reads: the packed codes where the weight has
-        them (``process`` packed it), else the int8 codes; the compact scales and offsets where the
-        kernel takes them, else the float32 ones."""
+    def block_call(self, weight: BlockWeight, tiles: bool = False) -> tuple[Callable[..., torch.Tensor], torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor | None]:
+        """The block route's kernel function (``tiles``: the tiles route's) and what it reads: the packed
+        codes where the weight has them (``process`` packed it), else the int8 codes; the compact scales
+        and offsets where the kernel takes them, else the float32 ones."""
         scales, offsets = weight.with_compact() if self.compact_scales else (weight.scales, weight.offsets)
         if weight.packed is not None and self.packs:
-            kernel = getattr(self.kernel, _PACKED_KERNELS[self.activations, weight.packed.centered])
-            return kernel, weight.packed.data, scales, offsets
-        return getattr(self.kernel, _KERNELS[self.activations]), weight.codes, scales, offsets
+            name = (_TILES_KERNELS[weight.packed.centered] if tiles
+                    else _PACKED_KERNELS[self.activations, weight.packed.centered])
+            return getattr(self.kernel, name), weight.packed.data, scales, offsets
+        return getattr(self.kernel, _KERNELS["float" if tiles else self.activations]), weight.codes, scales, offsets
 
     def _decode_args(self, layer: nn.Module, routes: LayerRoutes, model_dtype: torch.dtype) -> tuple[object, ...]:
         """The kernel and its weight arguments of the layer's 1-row generation route for rows in

@@ -4,6 +4,10 @@ A route is one way to compute ``x @ W.T`` from a ``BlockWeight`` (gguf_linear.py
 
 - ``block``: the block kernel (gguf_kernel's module API: ``block_linear_a16`` / ``block_linear`` /
   ``block_linear_float`` per activation mode, whatever instructions it was built for), on the codes.
+- ``tiles``: the same codes through the AVX2 build's float-activation tiles (``packed_float``, or
+  ``block_linear_float`` on int8 codes): activations unrounded, weight rows dequantized once per call
+  into an L2-sized tile, then register-blocked float32 FMAs (rows from a dozen up: bound by FMAs, not
+  bytes). A layer whose block route rounds its activations to 16 or 8 bits gets it beside that route.
 - ``rows``: the rows kernel's GEMM (gguf_rows ``rows_gemm``) on a packed copy, bf16 activations.
 - ``packed``: the same GEMM on a copy of the codes at their bit width (Q4_0/Q4_1/Q4_K nibbles, Q5_0 five
   bits): fewer bytes a call, more instructions to widen them (few rows: bound by memory, it wins).
@@ -38,13 +42,14 @@ import torch
 
 class Route(str, Enum):
     BLOCK = "block"
+    TILES = "tiles"
     ROWS = "rows"
     PACKED = "packed"
     INT8 = "int8"
     DENSE = "dense"
 
 
-ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.ROWS, Route.PACKED})
+ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.TILES, Route.ROWS, Route.PACKED})
 """Routes whose result for a row does not depend on the other rows of the call (a row-by-row kernel);
 a oneDNN GEMM's blocking and the int8 GEMM's may, so a mixed pass recomputes generation rows there."""
 
@@ -142,11 +147,20 @@ GENERATION_ONLY = PassRows(0, True)
 """A pass of generation rows only (a mixed pass's generation rows recomputed alone)."""
 
 
+HEAD_SCREEN_ROWS = 16
+"""Logits rows up to which the LM head keeps off the ``tiles`` route: the greedy screen
+(lm_head_screen.py, ``MAX_SCREEN_ROWS``) takes a step only where the full head's route there is the
+int16 block kernel or the rows kernel, whose argmax it reproduces, and a table measuring the full
+head alone (not the screen beside it) would otherwise hand those steps to the tiles."""
+
+
 def allowed(route: Route, shape: LinearShape, x_bf16: bool, rows: int, is_prompt: bool,
             held: frozenset[Route], activations: str, dense_bf16: bool) -> bool:
     """The quality rules: whether ``route`` may compute ``rows`` rows of this shape (``held``: the
     routes whose kernel is built and copy is kept; ``dense_bf16``: the dense copy is bf16)."""
     if route not in held:
+        return False
+    if route is Route.TILES and shape.is_head and rows <= HEAD_SCREEN_ROWS:
         return False
     if route is Route.INT8 and not (is_prompt and shape.may_int8):
         return False
@@ -181,9 +195,10 @@ def default_ranking(shape: LinearShape, x_bf16: bool, rows: int, activations: st
 
 
 def complete(order: list[Route] | tuple[Route, ...]) -> tuple[Route, ...]:
-    """``order`` without repeats, then every route it does not name (block last: it needs no copy)."""
+    """``order`` without repeats, then every route it does not name (block and tiles last: they need
+    no copy)."""
     seen: list[Route] = []
-    for route in (*order, Route.DENSE, Route.ROWS, Route.PACKED, Route.INT8, Route.BLOCK):
+    for route in (*order, Route.DENSE, Route.ROWS, Route.PACKED, Route.INT8, Route.BLOCK, Route.TILES):
         if route not in seen:
             seen.append(route)
     return tuple(seen)

@@ -54,7 +54,7 @@ from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel, KernelBuilds
 from servelm.model.gguf import gguf_i8gemm
-from servelm.model.gguf.gguf_routes import ROW_INDEPENDENT, Route
+from servelm.model.gguf.gguf_routes import HEAD_SCREEN_ROWS, ROW_INDEPENDENT, Route
 from servelm.model.gguf.gguf_blocks import BlockWeight, compact_values
 from servelm.model.gguf.gguf_kernel import AVX2_FLAGS, REQUIRED_FLAGS
 from servelm.model.huge_pages import on_huge_pages
@@ -457,7 +457,7 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
                     "--disable-lm-head-screen turns it off")
 
 
-MAX_SCREEN_ROWS = 16
+MAX_SCREEN_ROWS = HEAD_SCREEN_ROWS
 """Most argmax rows in a step the screen takes (benchmarks/lm_head_screen.py, gemma3-270m, 1 thread,
 thread clock, row-blocked kernel; benchmarks/RESULTS.md "The LM head's screen for many rows"): it
 reads the 5-bit copy once per call, so it takes 4.9 ms at one row against the full head's 9.1 and

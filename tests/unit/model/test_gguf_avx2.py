@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from servelm.model.cpp_kernel import CppKernel
 from servelm.model.gguf import gguf_blocks, gguf_kernel
 from servelm.model.gguf.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
+from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
+from servelm.model.gguf.gguf_routes import Route, complete
 from tests.unit.model.test_gguf_blocks import random_raw
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -105,20 +108,53 @@ def test_avx2_kernel_bf16_rows_bias_and_output(avx2: object, kind: str) -> None:
             assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, with_bias.bfloat16())
 
 
-def test_avx2_kernel_many_rows_and_threads(avx2: object) -> None:
-    """Rows past the 8-row tile (one tile of 7; tails of 1, 2 and 1 after full tiles), weight rows split
-    over threads; each row's outputs are those it gets alone (the tiles' interleaved activations)."""
-    n, k = 300, 1024
+@pytest.mark.parametrize("name", ["block_linear_a16", "block_linear_float"])
+def test_avx2_kernel_many_rows_and_threads(avx2: object, name: str) -> None:
+    """Rows past the 8-row tile (one tile of 7; tails of 1, 2 and 1 after full tiles; float activations
+    from 12 rows: dequantized weight tiles in 4 x 3 blocks, tails of 1-3 rows and 1-2 weight rows),
+    weight rows split over threads; each row's outputs are those it gets alone (the tiles' interleaved
+    activations; a float row alone takes the row tiles, not the weight tiles)."""
+    n, k = 301, 1024
     weight = repack(random_raw("Q4_K", n, k, seed=3), (n, k), "Q4_K")
-    for rows in (7, 9, 10, 33):
+    run = getattr(avx2, name)
+    for rows in (7, 9, 10, 12, 13, 33, 66):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-        out = avx2.block_linear_a16(x, weight.codes, weight.scales, weight.offsets, weight.block)
-        expected = reference(x, weight, 32512.0)
+        out = run(x, weight.codes, weight.scales, weight.offsets, weight.block)
+        expected = reference(x, weight, MODES[name])
         assert (out.double() - expected).abs().max() <= 2e-6 * expected.abs().max()
         # each row alone gives the same numbers (no dependence on the batch)
         for row in range(rows):
-            assert torch.equal(avx2.block_linear_a16(x[row:row + 1].contiguous(), weight.codes, weight.scales,
-                                                     weight.offsets, weight.block), out[row:row + 1]), (rows, row)
+            assert torch.equal(run(x[row:row + 1].contiguous(), weight.codes, weight.scales, weight.offsets,
+                                   weight.block), out[row:row + 1]), (rows, row)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K", "Q8_0"])
+def test_tiles_route_reads_the_block_routes_codes(avx2: object, kind: str) -> None:
+    """The tiles route (float activations on dequantized weight tiles) is held beside the int16 block
+    route on the AVX2 build: it reads the codes (packed at their bit width where they fit) and the
+    compact scales the block route keeps, with no copy of its own, and gives ``block_linear_float``'s
+    outputs on the int8 codes bit for bit. A ranking that puts it first from 12 rows sends those calls
+    to it and fewer rows to the block route; the LM head keeps off it up to HEAD_SCREEN_ROWS rows."""
+    n, k = 96, 512
+    weight = repack(random_raw(kind, n, k, seed=4), (n, k), kind)
+    codes, scales, offsets = weight.codes.clone(), weight.scales.clone(), weight.offsets
+    method = GGUFBlockLinearMethod(avx2, torch.float32, "int16", ranking=lambda shape, x_bf16, rows: complete(
+        [Route.TILES] if rows >= 12 else [Route.BLOCK]))
+    layer = nn.Module()
+    method.process(layer, weight, model_dtype=torch.float32)
+    routes = layer.gguf_routes
+    assert routes.held == {Route.BLOCK, Route.TILES} and layer.gguf_dense is None
+    assert routes.pick(11, False, False) is Route.BLOCK and routes.pick(12, False, True) is Route.TILES
+    assert (weight.packed is not None) == (kind != "Q8_0")
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(method.apply(layer, x, None), avx2.block_linear_float(x, codes, scales, offsets, weight.block))
+    assert torch.equal(method.apply(layer, x[:5], None),
+                       avx2.block_linear_a16(x[:5].contiguous(), codes, scales, offsets, weight.block))
+    head = nn.Module()
+    method.process(head, repack(random_raw(kind, n, k, seed=5), (n, k), kind), float_output=True,
+                   model_dtype=torch.float32)
+    assert head.gguf_routes.pick(16, False, False) is not Route.TILES   # the ranking's next: the dense copy
+    assert head.gguf_routes.pick(17, False, False) is Route.TILES
 
 
 def test_avx2_kernel_refuses_bad_arguments(avx2: object) -> None:
@@ -176,19 +212,22 @@ def test_fused_weight_packs_at_its_widest_width() -> None:
 @pytest.mark.parametrize("kind", sorted(kind for kind, bits in PACKED_BITS.items() if bits))
 def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> None:
     """The packed functions compute the int8-code functions' outputs bit for bit: both activation
-    roundings, 1, 3, 5, 9 (a last row tile of one: the int8 codes' one-row pass at row 8) and 16 rows,
-    float32 and bf16 rows, with and without a bias, float32 and bf16 out; 300 outputs split over threads."""
+    roundings and float activations (``packed_float``: the weight tiles at every row count, the int8
+    codes' function from 12 rows, its row tiles below), 1, 3, 5, 9 (a last row tile of one: the int8
+    codes' one-row pass at row 8), 16 and 33 rows, float32 and bf16 rows, with and without a bias,
+    float32 and bf16 out; 300 outputs split over threads."""
     n, k = 300, 512
     weight = repack(random_raw(kind, n, k, seed=5), (n, k), kind)
     packed = PackedCodes.of(weight.codes)
     assert packed is not None
     suffix = "_centered" if packed.centered else ""
     generator = torch.Generator().manual_seed(11)
-    for rows in (1, 3, 5, 9, 16):
+    for rows in (1, 3, 5, 9, 16, 33):
         x32 = torch.randn(rows, k, generator=generator)
         for x in (x32, x32.bfloat16()):
             for bias in (None, torch.randn(n, generator=generator)):
-                for plain, name in (("block_linear_a16", "packed_a16"), ("block_linear", "packed_a8")):
+                for plain, name in (("block_linear_a16", "packed_a16"), ("block_linear", "packed_a8"),
+                                    ("block_linear_float", "packed_float")):
                     for bf16_out in (False, True):
                         expected = getattr(avx2, plain)(x, weight.codes, weight.scales, weight.offsets,
                                                         weight.block, bf16_out, bias)
@@ -236,7 +275,7 @@ def compact_cases() -> list[tuple[str, BlockWeight]]:
 def test_compact_scales_give_the_float32_outputs_bit_for_bit(avx2: object, case: int) -> None:
     """The compact scales and offsets (fp16; int8 sub-scales x a float32 per 256 inputs) widen to the
     float32 values exactly, and every function of the build computes with them the float32 scales'
-    outputs bit for bit: the three activation formats on int8 codes and both on packed codes, 1
+    outputs bit for bit: the three activation formats on int8 codes and on packed codes, 1
     (weight rows 4 at a time, then 2 and 1), 3 and 16 rows, float32 and bf16 rows, a bias, bf16 out."""
     name, weight = compact_cases()[case]
     scales, offsets = weight.with_compact()
@@ -251,7 +290,7 @@ def test_compact_scales_give_the_float32_outputs_bit_for_bit(avx2: object, case:
     functions = [(name_, weight.codes) for name_ in MODES]
     if packed is not None:
         suffix = "_centered" if packed.centered else ""
-        functions += [("packed_a16" + suffix, packed.data), ("packed_a8" + suffix, packed.data)]
+        functions += [(prefix + suffix, packed.data) for prefix in ("packed_a16", "packed_a8", "packed_float")]
     for rows in (1, 3, 16):
         x32 = torch.randn(rows, k, generator=generator)
         for x in (x32, x32.bfloat16()):
