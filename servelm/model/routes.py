@@ -36,7 +36,7 @@ from torch import nn
 
 from servelm.files import atomic_write_text
 from servelm.model.gguf.gguf_blocks import BlockWeight
-from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete
+from servelm.model.gguf.gguf_routes import ROW_CLASSES, TILES_FIRST_ROW, LinearShape, Ranking, Route, complete
 from servelm.model.threads import ThreadGovernor
 from servelm.model.timing import time_candidates
 
@@ -200,9 +200,12 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     available = sorted(method.available(shape, block), key=lambda route: route.value)
     x_bf16 = model_dtype == torch.bfloat16
     classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
-    names = {route.value for route in available}
+    def timed(rows: int) -> list[Route]:   # the routes a call of ``rows`` may take (tiles: from its first row)
+        return [route for route in available if route is not Route.TILES or rows >= TILES_FIRST_ROW]
+
     # a cell is measured again where it lacks a route built now (a route added since it was measured)
-    todo = [rows for rows in classes if not names <= set(table.times_us.get(table.cell_name(shape, x_bf16, rows), ()))]
+    todo = [rows for rows in classes
+            if not {route.value for route in timed(rows)} <= set(table.times_us.get(table.cell_name(shape, x_bf16, rows), ()))]
     if len(available) < 2 or not todo:
         return True
     layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
@@ -219,7 +222,7 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
         measured[table.cell_name(shape, x_bf16, rows)] = time_candidates(
             {route.value: (lambda route=route, turn=itertools.cycle(layers): run(route, next(turn), x, None,
                                                                                  shape.is_head))
-             for route in available})
+             for route in timed(rows)})
     # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
     others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
     busy = probe is not None and probe.target(others) < probe.max_threads

@@ -372,6 +372,28 @@ struct Int8Activations : IntActivations {
   Int8Activations(const float* x, int64_t rows, int64_t k) : IntActivations(x, rows, k, 127.f) {}
 };
 
+// Step c (inputs 32c .. 32c + 31) of a weight row as float32 code * scale, 8 inputs a vector: exactly the
+// float32 dequantized weight. The int8 codes widen straight from memory; packed ones through Codes::load.
+template <class Codes>
+inline void dequantize_step(const uint8_t* row, const float* scales, int64_t block, int64_t c, __m256 wf[4]) {
+  const __m256 s0 = _mm256_set1_ps(block == 32 ? scales[c] : scales[2 * c]);
+  const __m256 s1 = _mm256_set1_ps(block == 32 ? scales[c] : scales[2 * c + 1]);
+  if constexpr (std::is_same<Codes, ByteCodes>::value) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(row) + c * 32;
+    for (int i = 0; i < 4; ++i) {
+      const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i)));
+      wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(wide), i < 2 ? s0 : s1);
+    }
+  } else {
+    __m256i w16[2];
+    Codes::load(row, c, w16[0], w16[1]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i half = i % 2 == 0 ? _mm256_castsi256_si128(w16[i / 2]) : _mm256_extracti128_si256(w16[i / 2], 1);
+      wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half)), i < 2 ? s0 : s1);
+    }
+  }
+}
+
 // Float activations, unrounded: the weight row dequantized in registers (code * scale, exactly the
 // float32 dequantized weight) and multiplied by x; only the summation order differs from F.linear.
 struct FloatActivations {
@@ -383,8 +405,6 @@ struct FloatActivations {
 
   template <int ROWS, class Codes>
   void dot(const uint8_t* w_bytes, const float* w_scales, int64_t block, int64_t r0, float* out) const {
-    static_assert(std::is_same<Codes, ByteCodes>::value, "float activations read the int8 codes");
-    const int8_t* w = reinterpret_cast<const int8_t*>(w_bytes);
     const float* xr[ROWS];
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; ++r) {
@@ -393,14 +413,9 @@ struct FloatActivations {
     }
     const int64_t steps = k / 32;
     for (int64_t c = 0; c < steps; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * 32) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256 s0 = _mm256_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c]);
-      const __m256 s1 = _mm256_set1_ps(block == 32 ? w_scales[c] : w_scales[2 * c + 1]);
+      _mm_prefetch(reinterpret_cast<const char*>(w_bytes + c * Codes::kStepBytes) + kPrefetchBytes, _MM_HINT_T0);
       __m256 wf[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c * 32 + 8 * i)));
-        wf[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(wide), i < 2 ? s0 : s1);
-      }
+      dequantize_step<Codes>(w_bytes, w_scales, block, c, wf);
       for (int r = 0; r < ROWS; ++r)
         for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(wf[i], _mm256_loadu_ps(xr[r] + c * 32 + 8 * i), acc[r]);
     }
@@ -417,11 +432,11 @@ struct FloatActivations {
 // dots per pass: 3 weight and 4 activation vectors loaded per 12 FMAs. Each dot keeps FloatActivations::dot's
 // arithmetic exactly -- lane l of one accumulator sums the products of inputs l, l + 8, ... in order, then
 // hsum, then the offsets' and bias terms as ``finish`` adds them -- so the results are the same floats on
-// any row count, tile or thread split, and the same as the row tiles' below kFloatTileRows rows. Codes
-// packed at their bit width (which FloatActivations::dot does not read) take the tiles at any row count.
+// any row count, tile or thread split, and the same as the row tiles' below kFloatTileRows rows (for
+// int8 and packed codes alike: dequantize_step).
 constexpr int kFloatMR = 4;                   // activation rows per pass
 constexpr int kFloatNR = 3;                   // weight rows per pass
-constexpr int64_t kFloatTileRows = 12;        // the least rows of int8 codes that take the tiles
+constexpr int64_t kFloatTileRows = 12;        // the least rows that take the tiles (fewer: the row tiles)
 
 // Bytes of dequantized weight rows per tile: a quarter of this CPU's L2 (sysconf; 512 KiB where it does not
 // say), within 64 KiB .. 512 KiB. On Zen 3 (512 KiB L2) a quarter ran Qwen2.5-Coder's shapes at 16-128 rows
@@ -653,8 +668,8 @@ struct BlockGemm final : RowRange {
     }
   }
 
-  // Float activations from kFloatTileRows rows (or packed codes, which FloatActivations::dot does not
-  // read): weight rows dequantized a tile at a time, then kFloatMR x kFloatNR blocks (float_block).
+  // Float activations from kFloatTileRows rows: weight rows dequantized a tile at a time, then
+  // kFloatMR x kFloatNR blocks (float_block).
   void float_tiles(int64_t begin, int64_t end) const {
     const float* x = acts.x;
     static const int64_t tile_bytes = float_tile_bytes();
@@ -665,19 +680,13 @@ struct BlockGemm final : RowRange {
     float* offset_row = scratch<float>(4, nb);
     for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
       const int64_t n1 = std::min(end, n0 + tile_rows);
-      for (int64_t j = n0; j < n1; ++j) {   // FloatActivations::dot's wf: float(code) * scale
+      for (int64_t j = n0; j < n1; ++j) {   // FloatActivations::dot's weights
         const float* sr = weight_scales.row(j, scale_row);
         float* out = wt + (j - n0) * k;
         for (int64_t c = 0; c < k / 32; ++c) {
-          const __m256 s0 = _mm256_set1_ps(block == 32 ? sr[c] : sr[2 * c]);
-          const __m256 s1 = _mm256_set1_ps(block == 32 ? sr[c] : sr[2 * c + 1]);
-          __m256i w16[2];
-          Codes::load(w + j * row_bytes, c, w16[0], w16[1]);
-          for (int i = 0; i < 4; ++i) {
-            const __m128i half = i % 2 == 0 ? _mm256_castsi256_si128(w16[i / 2]) : _mm256_extracti128_si256(w16[i / 2], 1);
-            const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(half));
-            _mm256_storeu_ps(out + c * 32 + 8 * i, _mm256_mul_ps(code, i < 2 ? s0 : s1));
-          }
+          __m256 wf[4];
+          dequantize_step<Codes>(w + j * row_bytes, sr, block, c, wf);
+          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + c * 32 + 8 * i, wf[i]);
         }
       }
       for (int64_t r0 = 0; r0 < num_rows; r0 += kFloatMR) {
@@ -705,14 +714,12 @@ struct BlockGemm final : RowRange {
 
   void rows(int64_t begin, int64_t end) const override {
     if constexpr (std::is_same<Activations, FloatActivations>::value) {
-      if (!kBytes || num_rows >= kFloatTileRows) {
+      if (num_rows >= kFloatTileRows) {
         float_tiles(begin, end);
-      } else if constexpr (kBytes) {
-        row_tiles(begin, end);
+        return;
       }
-    } else {
-      row_tiles(begin, end);
     }
+    row_tiles(begin, end);
   }
 
   // kRowTile activation rows at a time against each weight row (dot_tile), the one-row pass for a lone row
@@ -1322,6 +1329,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = "avx2";
   m.attr("COMPACT_SCALES") = true;   // scales and offsets also as BlockValues' float16 and int8 layouts
+  m.attr("FLOAT_TILE_ROWS") = kFloatTileRows;   // block_linear_float's weight tiles from this many rows
   m.def("block_linear_a16", &block_linear_a16,
         "activations rounded to 16 bits per 32 inputs (int16 x int16 vpmaddwd, AVX2)", BLOCK_LINEAR_ARGS);
   m.def("block_linear", &block_linear, "activations rounded to int8 per 32 inputs as llama.cpp (AVX2)",

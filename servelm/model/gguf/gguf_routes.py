@@ -147,6 +147,12 @@ GENERATION_ONLY = PassRows(0, True)
 """A pass of generation rows only (a mixed pass's generation rows recomputed alone)."""
 
 
+TILES_FIRST_ROW = 12
+"""Rows from which the ``tiles`` route runs its weight tiles (gguf_kernel_avx2.cpp ``kFloatTileRows``,
+the module's ``FLOAT_TILE_ROWS``): fewer rows of int8 codes take the float row tiles, another
+kernel, and fewer rows of packed codes dequantize a tile for a handful of rows. Below it the route
+is not offered, so a one-row step keeps the block route's prepared call (the flat decode's)."""
+
 HEAD_SCREEN_ROWS = 16
 """Logits rows up to which the LM head keeps off the ``tiles`` route: the greedy screen
 (lm_head_screen.py, ``MAX_SCREEN_ROWS``) takes a step only where the full head's route there is the
@@ -160,7 +166,7 @@ def allowed(route: Route, shape: LinearShape, x_bf16: bool, rows: int, is_prompt
     routes whose kernel is built and copy is kept; ``dense_bf16``: the dense copy is bf16)."""
     if route not in held:
         return False
-    if route is Route.TILES and shape.is_head and rows <= HEAD_SCREEN_ROWS:
+    if route is Route.TILES and (rows < TILES_FIRST_ROW or (shape.is_head and rows <= HEAD_SCREEN_ROWS)):
         return False
     if route is Route.INT8 and not (is_prompt and shape.may_int8):
         return False

@@ -20,7 +20,7 @@ from servelm.model.cpp_kernel import CppKernel
 from servelm.model.gguf import gguf_blocks, gguf_kernel
 from servelm.model.gguf.gguf_blocks import REPACKABLE, BlockWeight, PackedCodes, concat_rows, repack
 from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
-from servelm.model.gguf.gguf_routes import Route, complete
+from servelm.model.gguf.gguf_routes import TILES_FIRST_ROW, Route, complete
 from tests.unit.model.test_gguf_blocks import random_raw
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -133,18 +133,21 @@ def test_tiles_route_reads_the_block_routes_codes(avx2: object, kind: str) -> No
     """The tiles route (float activations on dequantized weight tiles) is held beside the int16 block
     route on the AVX2 build: it reads the codes (packed at their bit width where they fit) and the
     compact scales the block route keeps, with no copy of its own, and gives ``block_linear_float``'s
-    outputs on the int8 codes bit for bit. A ranking that puts it first from 12 rows sends those calls
-    to it and fewer rows to the block route; the LM head keeps off it up to HEAD_SCREEN_ROWS rows."""
+    outputs on the int8 codes bit for bit. A ranking that puts it first at every row count gets it from
+    TILES_FIRST_ROW rows (the kernel's own first row of the tiles), the block route below (so one row
+    keeps the block route's prepared call); the LM head keeps off it up to HEAD_SCREEN_ROWS rows."""
+    assert avx2.FLOAT_TILE_ROWS == TILES_FIRST_ROW
     n, k = 96, 512
     weight = repack(random_raw(kind, n, k, seed=4), (n, k), kind)
     codes, scales, offsets = weight.codes.clone(), weight.scales.clone(), weight.offsets
     method = GGUFBlockLinearMethod(avx2, torch.float32, "int16", ranking=lambda shape, x_bf16, rows: complete(
-        [Route.TILES] if rows >= 12 else [Route.BLOCK]))
+        [Route.TILES, Route.BLOCK]))
     layer = nn.Module()
     method.process(layer, weight, model_dtype=torch.float32)
     routes = layer.gguf_routes
     assert routes.held == {Route.BLOCK, Route.TILES} and layer.gguf_dense is None
     assert routes.pick(11, False, False) is Route.BLOCK and routes.pick(12, False, True) is Route.TILES
+    assert layer.gguf_decode_args   # the 1-row route's prepared call: the block kernel
     assert (weight.packed is not None) == (kind != "Q8_0")
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(2))
     assert torch.equal(method.apply(layer, x, None), avx2.block_linear_float(x, codes, scales, offsets, weight.block))
@@ -153,7 +156,7 @@ def test_tiles_route_reads_the_block_routes_codes(avx2: object, kind: str) -> No
     head = nn.Module()
     method.process(head, repack(random_raw(kind, n, k, seed=5), (n, k), kind), float_output=True,
                    model_dtype=torch.float32)
-    assert head.gguf_routes.pick(16, False, False) is not Route.TILES   # the ranking's next: the dense copy
+    assert head.gguf_routes.pick(16, False, False) is Route.BLOCK
     assert head.gguf_routes.pick(17, False, False) is Route.TILES
 
 
