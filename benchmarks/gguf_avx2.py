@@ -42,9 +42,10 @@ from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCode
 
 SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
           "gate_up 9728x896": (9728, 896, "Q5_0"), "down 896x4864": (896, 4864, "Q6_K"),
-          "down 896x4864 Q4_K": (896, 4864, "Q4_K"), "head 151936x896": (151936, 896, "Q8_0")}
+          "down 896x4864 Q4_K": (896, 4864, "Q4_K"), "head 151936x896": (151936, 896, "Q8_0"),
+          "gemma head 262144x640": (262144, 640, "Q8_0")}
 """Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
-V), Q6_K or Q4_K down, a Q8_0 head."""
+V), Q6_K or Q4_K down, a Q8_0 head; and Gemma 3 270M's Q8_0 head."""
 ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8",
           "packed_float", "packed_a16 compact", "packed_a8 compact", "packed_float compact")
 L3_BYTES = 32 << 20

@@ -63,6 +63,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// [hsum(v), hsum(w), hsum(y), hsum(z)] bit for bit (the same additions in the same order, four at a time)
+inline __m128 hsum4(__m256 v, __m256 w, __m256 y, __m256 z) {
+  // lanes 0-3: v's low half + its high half, 4-7: w's (as hsum's first add); then y and z
+  const __m256 vw = _mm256_add_ps(_mm256_permute2f128_ps(v, w, 0x20), _mm256_permute2f128_ps(v, w, 0x31));
+  const __m256 yz = _mm256_add_ps(_mm256_permute2f128_ps(y, z, 0x20), _mm256_permute2f128_ps(y, z, 0x31));
+  // per 128-bit half [s0 + s2, s1 + s3] of each (hsum's movehl add), then their sum (its movehdup add)
+  const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(vw, yz, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(vw, yz, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(pairs, pairs, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));   // [v, y, ..] [w, z, ..]
+}
+
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -447,9 +460,9 @@ int64_t float_tile_bytes() {
 }
 
 template <int MR, int NR>
-inline void float_block(const float* x, int64_t k, const float* w, float* acc) {
-  __m256 a[MR][NR];
-  for (int t = 0; t < MR; ++t)
+inline void float_block(const float* x, int64_t k, const float* w, float* dots) {
+  __m256 a[kFloatMR][NR];
+  for (int t = 0; t < kFloatMR; ++t)
     for (int j = 0; j < NR; ++j) a[t][j] = _mm256_setzero_ps();
   for (int64_t v = 0; v < k / 8; ++v) {
     __m256 wv[NR];
@@ -459,26 +472,26 @@ inline void float_block(const float* x, int64_t k, const float* w, float* acc) {
       for (int j = 0; j < NR; ++j) a[t][j] = _mm256_fmadd_ps(wv[j], xv, a[t][j]);
     }
   }
-  for (int t = 0; t < MR; ++t)
-    for (int j = 0; j < NR; ++j) _mm256_storeu_ps(acc + (j * kFloatMR + t) * 8, a[t][j]);
+  // dots[j * kFloatMR + t]: the dot of activation row t and weight row j (rows past MR: zeros, unread)
+  for (int j = 0; j < NR; ++j) _mm_storeu_ps(dots + j * kFloatMR, hsum4(a[0][j], a[1][j], a[2][j], a[3][j]));
 }
 
 template <int MR>
-inline void float_block_rows(int nr, const float* x, int64_t k, const float* w, float* acc) {
+inline void float_block_rows(int nr, const float* x, int64_t k, const float* w, float* dots) {
   switch (nr) {
-    case 3: float_block<MR, 3>(x, k, w, acc); break;
-    case 2: float_block<MR, 2>(x, k, w, acc); break;
-    default: float_block<MR, 1>(x, k, w, acc); break;
+    case 3: float_block<MR, 3>(x, k, w, dots); break;
+    case 2: float_block<MR, 2>(x, k, w, dots); break;
+    default: float_block<MR, 1>(x, k, w, dots); break;
   }
 }
 
 // float_block for the mr x nr corner a tile's edge leaves (mr <= kFloatMR, nr <= kFloatNR)
-inline void float_block_any(int mr, int nr, const float* x, int64_t k, const float* w, float* acc) {
+inline void float_block_any(int mr, int nr, const float* x, int64_t k, const float* w, float* dots) {
   switch (mr) {
-    case 4: float_block_rows<4>(nr, x, k, w, acc); break;
-    case 3: float_block_rows<3>(nr, x, k, w, acc); break;
-    case 2: float_block_rows<2>(nr, x, k, w, acc); break;
-    default: float_block_rows<1>(nr, x, k, w, acc); break;
+    case 4: float_block_rows<4>(nr, x, k, w, dots); break;
+    case 3: float_block_rows<3>(nr, x, k, w, dots); break;
+    case 2: float_block_rows<2>(nr, x, k, w, dots); break;
+    default: float_block_rows<1>(nr, x, k, w, dots); break;
   }
 }
 
@@ -675,7 +688,7 @@ struct BlockGemm final : RowRange {
     static const int64_t tile_bytes = float_tile_bytes();
     const int64_t tile_rows = std::max<int64_t>(kFloatNR, tile_bytes / (4 * k) / kFloatNR * kFloatNR);
     float* wt = scratch<float>(6, tile_rows * k);
-    float* acc = scratch<float>(7, tile_rows * kFloatMR * 8);
+    float* dots = scratch<float>(7, tile_rows * kFloatMR);
     float* scale_row = scratch<float>(3, nb);
     float* offset_row = scratch<float>(4, nb);
     for (int64_t n0 = begin; n0 < end; n0 += tile_rows) {
@@ -693,11 +706,11 @@ struct BlockGemm final : RowRange {
         const int mr = static_cast<int>(std::min<int64_t>(kFloatMR, num_rows - r0));
         for (int64_t j = n0; j < n1; j += kFloatNR)
           float_block_any(mr, static_cast<int>(std::min<int64_t>(kFloatNR, n1 - j)), x + r0 * k, k, wt + (j - n0) * k,
-                          acc + (j - n0) * kFloatMR * 8);
+                          dots + (j - n0) * kFloatMR);
         for (int64_t j = n0; j < n1; ++j) {
           const float* orow = has_offsets ? weight_offsets.row(j, offset_row) : nullptr;
           for (int t = 0; t < mr; ++t) {
-            float value = hsum(_mm256_loadu_ps(acc + ((j - n0) * kFloatMR + t) * 8));
+            float value = dots[(j - n0) * kFloatMR + t];
             if (orow != nullptr) value += dot_f32(orow, sums + (r0 + t) * nb, nb);
             if (bias32 != nullptr) value += bias32[j];
             if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
