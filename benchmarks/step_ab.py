@@ -49,6 +49,9 @@ with and without the change (prefix cache off), and whether every output is iden
   on this machine (servelm/model/routes.py), among the copies the layer keeps (its prepared decode call
   too). Replaces the row-limit knobs ``gguf_rows``, ``rows_kernel``, ``rows_gemm``, ``i8_gemm`` and
   ``gguf_decode_call``, whose constants session 12 turned into measured routes.
+- ``gguf_tiles``: every GGUF layer's routes resolved from the measured ranking without the ``tiles``
+  route (servelm/model/gguf/gguf_routes.py), the next route of each cell instead, a dense copy made for
+  the B side where one then serves and the layer held none.
 - ``prefill_routes``: multi-token attention in the constant order (the AVX512-BF16 kernel where
   built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
   (servelm/model/attention/prefill_routes.py).
@@ -265,6 +268,9 @@ def without(change: str) -> Iterator[None]:
     elif change == "gguf_defaults":
         with _gguf_defaults():
             yield
+    elif change == "gguf_tiles":
+        with _gguf_without_tiles():
+            yield
     elif change == "prefill_routes":
         from servelm.model.attention.prefill_routes import PrefillRouting
         backend = _ENGINE.runner.attention
@@ -337,6 +343,42 @@ def _gguf_defaults() -> Iterator[None]:
         saved.append((module, routes, module.__dict__["gguf_decode_args"]))
         module.__dict__["gguf_routes"] = constant
         module.__dict__["gguf_decode_args"] = method._decode_args(module, constant, _ENGINE.runner.dtype)
+    plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
+    try:
+        yield
+    finally:
+        for module, routes, decode_args in saved:
+            module.__dict__["gguf_routes"] = routes
+            module.__dict__["gguf_decode_args"] = decode_args
+        for m in model.modules():
+            m.__dict__.pop("decode_plan", None)
+        del plans
+
+
+@contextlib.contextmanager
+def _gguf_without_tiles() -> Iterator[None]:
+    """Each GGUF layer's routes resolved from its measured ranking less the tiles route (``--change
+    gguf_tiles``), over its held copies plus a dense copy (made here, kept for the run's later B sides)."""
+    from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
+    from servelm.model.gguf.gguf_routes import LayerRoutes, Route
+    model = _ENGINE.runner.model
+    saved = []
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        routes = module.__dict__.get("gguf_routes")
+        if (not isinstance(method, GGUFBlockLinearMethod) or not isinstance(routes, LayerRoutes)
+                or Route.TILES not in routes.held):
+            continue
+        def ranking(shape: Any, x_bf16: bool, rows: int, method: Any = method) -> tuple[Route, ...]:
+            return tuple(route for route in method.ranking(shape, x_bf16, rows) if route is not Route.TILES)
+        held = (routes.held - {Route.TILES}) | {Route.DENSE}
+        without = LayerRoutes.resolve(routes.shape, held, ranking, _ENGINE.runner.dtype == torch.bfloat16,
+                                      method.activations, method.dense_dtype == torch.bfloat16)
+        if Route.DENSE in without.held and module.__dict__.get("gguf_dense") is None:
+            module.__dict__["gguf_dense"] = module.gguf_weight.dequantize(dtype=method.dense_dtype)
+        saved.append((module, routes, module.__dict__["gguf_decode_args"]))
+        module.__dict__["gguf_routes"] = without
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, without, _ENGINE.runner.dtype)
     plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
     try:
         yield
