@@ -77,11 +77,12 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -324,10 +325,10 @@ _ENGINE: Any = None
 
 
 @contextlib.contextmanager
-def _gguf_defaults() -> Iterator[None]:
-    """Each GGUF layer's routes resolved from the constant ranking (``--change gguf_defaults``):
-    ``LayerRoutes.resolve`` over the routes whose copies the layer keeps, its prepared decode call
-    from them; the flat decode plans (built from the prepared calls) made again on each side."""
+def _gguf_routes_swapped(resolve: Callable[[nn.Module, Any, Any], Any]) -> Iterator[None]:
+    """Each GGUF layer's routes replaced by ``resolve(module, method, routes)`` (None: kept), its prepared
+    decode call made from them; the flat decode plans (built from the prepared calls) made again on each
+    side, and everything put back after."""
     from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
     from servelm.model.gguf.gguf_routes import LayerRoutes
     model = _ENGINE.runner.model
@@ -337,12 +338,12 @@ def _gguf_defaults() -> Iterator[None]:
         routes = module.__dict__.get("gguf_routes")
         if not isinstance(method, GGUFBlockLinearMethod) or not isinstance(routes, LayerRoutes):
             continue
-        model_bf16 = _ENGINE.runner.dtype == torch.bfloat16
-        constant = LayerRoutes.resolve(routes.shape, routes.held, method.default_ranking, model_bf16,
-                                       method.activations, method.dense_dtype == torch.bfloat16)
+        swapped = resolve(module, method, routes)
+        if swapped is None:
+            continue
         saved.append((module, routes, module.__dict__["gguf_decode_args"]))
-        module.__dict__["gguf_routes"] = constant
-        module.__dict__["gguf_decode_args"] = method._decode_args(module, constant, _ENGINE.runner.dtype)
+        module.__dict__["gguf_routes"] = swapped
+        module.__dict__["gguf_decode_args"] = method._decode_args(module, swapped, _ENGINE.runner.dtype)
     plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
     try:
         yield
@@ -355,40 +356,35 @@ def _gguf_defaults() -> Iterator[None]:
         del plans
 
 
-@contextlib.contextmanager
-def _gguf_without_tiles() -> Iterator[None]:
+def _gguf_defaults() -> contextlib.AbstractContextManager[None]:
+    """Each GGUF layer's routes resolved from the constant ranking (``--change gguf_defaults``):
+    ``LayerRoutes.resolve`` over the routes whose copies the layer keeps."""
+    from servelm.model.gguf.gguf_routes import LayerRoutes
+
+    def resolve(module: nn.Module, method: Any, routes: Any) -> Any:
+        return LayerRoutes.resolve(routes.shape, routes.held, method.default_ranking,
+                                   _ENGINE.runner.dtype == torch.bfloat16, method.activations,
+                                   method.dense_dtype == torch.bfloat16)
+    return _gguf_routes_swapped(resolve)
+
+
+def _gguf_without_tiles() -> contextlib.AbstractContextManager[None]:
     """Each GGUF layer's routes resolved from its measured ranking less the tiles route (``--change
     gguf_tiles``), over its held copies plus a dense copy (made here, kept for the run's later B sides)."""
-    from servelm.model.gguf.gguf_linear import GGUFBlockLinearMethod
     from servelm.model.gguf.gguf_routes import LayerRoutes, Route
-    model = _ENGINE.runner.model
-    saved = []
-    for module in model.modules():
-        method = getattr(module, "linear_method", None)
-        routes = module.__dict__.get("gguf_routes")
-        if (not isinstance(method, GGUFBlockLinearMethod) or not isinstance(routes, LayerRoutes)
-                or Route.TILES not in routes.held):
-            continue
-        def ranking(shape: Any, x_bf16: bool, rows: int, method: Any = method) -> tuple[Route, ...]:
+
+    def resolve(module: nn.Module, method: Any, routes: Any) -> Any:
+        if Route.TILES not in routes.held:
+            return None
+        def ranking(shape: Any, x_bf16: bool, rows: int) -> tuple[Route, ...]:
             return tuple(route for route in method.ranking(shape, x_bf16, rows) if route is not Route.TILES)
-        held = (routes.held - {Route.TILES}) | {Route.DENSE}
-        without = LayerRoutes.resolve(routes.shape, held, ranking, _ENGINE.runner.dtype == torch.bfloat16,
-                                      method.activations, method.dense_dtype == torch.bfloat16)
+        without = LayerRoutes.resolve(routes.shape, (routes.held - {Route.TILES}) | {Route.DENSE}, ranking,
+                                      _ENGINE.runner.dtype == torch.bfloat16, method.activations,
+                                      method.dense_dtype == torch.bfloat16)
         if Route.DENSE in without.held and module.__dict__.get("gguf_dense") is None:
             module.__dict__["gguf_dense"] = module.gguf_weight.dequantize(dtype=method.dense_dtype)
-        saved.append((module, routes, module.__dict__["gguf_decode_args"]))
-        module.__dict__["gguf_routes"] = without
-        module.__dict__["gguf_decode_args"] = method._decode_args(module, without, _ENGINE.runner.dtype)
-    plans = {id(m): m.__dict__.pop("decode_plan") for m in model.modules() if "decode_plan" in m.__dict__}
-    try:
-        yield
-    finally:
-        for module, routes, decode_args in saved:
-            module.__dict__["gguf_routes"] = routes
-            module.__dict__["gguf_decode_args"] = decode_args
-        for m in model.modules():
-            m.__dict__.pop("decode_plan", None)
-        del plans
+        return without
+    return _gguf_routes_swapped(resolve)
 
 
 @contextlib.contextmanager
