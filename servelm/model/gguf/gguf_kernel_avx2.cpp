@@ -8,7 +8,8 @@
 // Activation formats, as gguf_kernel.cpp's:
 //   block_linear_a16  q = round(x / d) in [-32512, 32512], d = amax / 32512 per 32 inputs (the default)
 //   block_linear      q = round(x / d) in [-127, 127],     d = amax / 127   per 32 inputs (llama.cpp's)
-//   block_linear_float  x unrounded, the codes converted to float and scaled in registers.
+//   block_linear_float  x unrounded, the codes converted to float and scaled in registers (from 12 rows
+//                       into a tile of weight rows first: BlockGemm::float_tiles).
 // Both rounded formats keep q as int16 and multiply it by the codes sign-extended to int16 with
 // vpmaddwd (pairs of int16 products summed into int32): |q| <= 32512 and |code| <= 128, so a pair is
 // at most 2 * 32512 * 128 < 2^23 and a block's int32 lane sums (2 or 4 pairs) are exact -- no
@@ -47,7 +48,7 @@ constexpr int64_t kScaleAheadRows = 16;    // how far ahead of the one-row pass 
 
 // Per-thread buffers reused from call to call (``slot`` tells apart the buffers of one call; float
 // slots 0-2 and 5 belong to the calling thread's activations, 3-4 to a worker's widened scale rows, 6-7 to
-// a worker's dequantized weight tile and its accumulators: FloatTiles).
+// a worker's dequantized weight tile and its dots: BlockGemm::float_tiles).
 template <class T>
 T* scratch(int slot, int64_t count) {
   static thread_local std::vector<T> buffers[8];
@@ -681,6 +682,19 @@ struct BlockGemm final : RowRange {
     }
   }
 
+  // Output j of activation row ``row`` from its dot: the offsets' term (``orow``: the weight row's
+  // offsets, or null), the bias, then the float32 or bf16 (round to nearest even, as torch) store.
+  void store(int64_t j, int64_t row, float value, const float* orow) const {
+    if (orow != nullptr) value += dot_f32(orow, sums + row * nb, nb);
+    if (bias32 != nullptr) value += bias32[j];
+    if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
+    if (y16 != nullptr) {
+      y16[row * n + j] = c10::BFloat16(value);
+    } else {
+      y[row * n + j] = value;
+    }
+  }
+
   // Float activations from kFloatTileRows rows: weight rows dequantized a tile at a time, then
   // kFloatMR x kFloatNR blocks (float_block).
   void float_tiles(int64_t begin, int64_t end) const {
@@ -709,17 +723,7 @@ struct BlockGemm final : RowRange {
                           dots + (j - n0) * kFloatMR);
         for (int64_t j = n0; j < n1; ++j) {
           const float* orow = has_offsets ? weight_offsets.row(j, offset_row) : nullptr;
-          for (int t = 0; t < mr; ++t) {
-            float value = dots[(j - n0) * kFloatMR + t];
-            if (orow != nullptr) value += dot_f32(orow, sums + (r0 + t) * nb, nb);
-            if (bias32 != nullptr) value += bias32[j];
-            if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
-            if (y16 != nullptr) {
-              y16[(r0 + t) * n + j] = c10::BFloat16(value);
-            } else {
-              y[(r0 + t) * n + j] = value;
-            }
-          }
+          for (int t = 0; t < mr; ++t) store(j, r0 + t, dots[(j - n0) * kFloatMR + t], orow);
         }
       }
     }
@@ -748,16 +752,7 @@ struct BlockGemm final : RowRange {
       const int8_t* unpacked = kBytes || rows <= kRowTile ? nullptr : unpack_rows<Codes>(w, row_bytes, n0, n1, k);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
         const int tile = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
-        auto finish = [&](int64_t j, int t, float value, const float* orow) {
-          if (orow != nullptr) value += dot_f32(orow, sums + (r0 + t) * nb, nb);
-          if (bias32 != nullptr) value += bias32[j];
-          if (bias16 != nullptr) value += static_cast<float>(bias16[j]);
-          if (y16 != nullptr) {
-            y16[(r0 + t) * n + j] = c10::BFloat16(value);   // round to nearest even, as torch
-          } else {
-            y[(r0 + t) * n + j] = value;
-          }
-        };
+        auto finish = [&](int64_t j, int t, float value, const float* orow) { store(j, r0 + t, value, orow); };
         if constexpr (kIntActivations) {
           // one row (the last tile, read from the codes as stored: has_one_row_pass's condition, whose
           // xs_blocks and correction it reads): up to kOneRowWeights weight rows per pass
