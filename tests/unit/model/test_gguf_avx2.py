@@ -215,8 +215,8 @@ def test_fused_weight_packs_at_its_widest_width() -> None:
 @pytest.mark.parametrize("kind", sorted(kind for kind, bits in PACKED_BITS.items() if bits))
 def test_packed_kernel_equals_the_int8_code_kernel(avx2: object, kind: str) -> None:
     """The packed functions compute the int8-code functions' outputs bit for bit: both activation
-    roundings and float activations (``packed_float``: the weight tiles at every row count, the int8
-    codes' function from 12 rows, its row tiles below), 1, 3, 5, 9 (a last row tile of one: the int8
+    roundings and float activations (``packed_float`` and the int8 codes' function alike: row tiles
+    below 12 rows, weight tiles from 12), 1, 3, 5, 9 (a last row tile of one: the int8
     codes' one-row pass at row 8), 16 and 33 rows, float32 and bf16 rows, with and without a bias,
     float32 and bf16 out; 300 outputs split over threads."""
     n, k = 300, 512
