@@ -36,7 +36,7 @@ from torch import nn
 
 from servelm.files import atomic_write_text
 from servelm.model.gguf.gguf_blocks import BlockWeight
-from servelm.model.gguf.gguf_routes import ROW_CLASSES, TILES_FIRST_ROW, LinearShape, Ranking, Route, complete
+from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete, offered
 from servelm.model.threads import ThreadGovernor
 from servelm.model.timing import time_candidates
 
@@ -200,8 +200,8 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     available = sorted(method.available(shape, block), key=lambda route: route.value)
     x_bf16 = model_dtype == torch.bfloat16
     classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
-    def timed(rows: int) -> list[Route]:   # the routes a call of ``rows`` may take (tiles: from its first row)
-        return [route for route in available if route is not Route.TILES or rows >= TILES_FIRST_ROW]
+    def timed(rows: int) -> list[Route]:   # the routes offered to a call of ``rows``
+        return [route for route in available if offered(route, shape, rows)]
 
     # a cell is measured again where it lacks a route built now (a route added since it was measured)
     todo = [rows for rows in classes

@@ -160,13 +160,19 @@ int16 block kernel or the rows kernel, whose argmax it reproduces, and a table m
 head alone (not the screen beside it) would otherwise hand those steps to the tiles."""
 
 
+def offered(route: Route, shape: LinearShape, rows: int) -> bool:
+    """Whether ``route`` is offered to a call of ``rows`` rows of this shape at all, before the quality
+    rules (``allowed``) and so before any timing (model/routes.py): ``tiles`` from TILES_FIRST_ROW rows,
+    on the LM head above HEAD_SCREEN_ROWS; every other route always."""
+    return route is not Route.TILES or (rows >= TILES_FIRST_ROW and not (shape.is_head and rows <= HEAD_SCREEN_ROWS))
+
+
 def allowed(route: Route, shape: LinearShape, x_bf16: bool, rows: int, is_prompt: bool,
             held: frozenset[Route], activations: str, dense_bf16: bool) -> bool:
     """The quality rules: whether ``route`` may compute ``rows`` rows of this shape (``held``: the
-    routes whose kernel is built and copy is kept; ``dense_bf16``: the dense copy is bf16)."""
-    if route not in held:
-        return False
-    if route is Route.TILES and (rows < TILES_FIRST_ROW or (shape.is_head and rows <= HEAD_SCREEN_ROWS)):
+    routes whose kernel is built and copy is kept; ``dense_bf16``: the dense copy is bf16), among the
+    routes ``offered`` there."""
+    if route not in held or not offered(route, shape, rows):
         return False
     if route is Route.INT8 and not (is_prompt and shape.may_int8):
         return False
