@@ -17,7 +17,11 @@ are issue 16's:
 - 1 stream tok/s: one request, 16-token prompt, ``--output-len`` (128) tokens, output tokens / time;
 - prefill tok/s: a 1,019-token prompt, 1 output token: prompt tokens / time to first token;
 - 8 and 32 streams tok/s: that many concurrent 128-token prompts of 128 output tokens each, all
-  output tokens / wall time.
+  output tokens / wall time;
+- with ``--long-context N``, one more: "1 stream @N tok/s", one request of an N-token prompt and
+  ``LONG_OUTPUT_TOKENS`` output tokens, its decode rate at that context (output tokens after the
+  first / the time after the first: the prompt's own cost is the prefill column's). A long context
+  is where decode attention reads the most K/V per token, which the short columns hardly show.
 
 After the tables, the prefill column against its roofline (issue 30): the model's FLOPs per prompt
 token of the 1,019-token prompt (``prefill_flops``: every layer's weights, the causal attention's
@@ -65,6 +69,23 @@ TOKEN_RANGE = (1000, 20000)
 ROUND_SEEDS = 100
 """Round r's prompts are drawn with the seeds of round 0 plus r times this (fresh prompts per round)."""
 COLUMNS = ("1 stream tok/s", "prefill tok/s", "8 streams tok/s", "32 streams tok/s")
+LONG_OUTPUT_TOKENS = 64
+"""Output tokens of the ``--long-context`` column's request."""
+
+
+def long_column(long_context: int) -> str:
+    """The ``--long-context`` column's name."""
+    return f"1 stream @{long_context} tok/s"
+
+
+def columns(long_context: int = 0) -> tuple[str, ...]:
+    """The columns of a run: COLUMNS, then the long-context one where asked for."""
+    return COLUMNS + ((long_column(long_context),) if long_context else ())
+
+
+def slot_tokens(output_len: int, long_context: int = 0) -> int:
+    """Context a server needs per request: the longest prompt, the output, a margin."""
+    return max(PREFILL_TOKENS, long_context) + max(output_len, LONG_OUTPUT_TOKENS) + 64
 
 
 @dataclass
@@ -183,7 +204,7 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
     if "llama.cpp" in wanted:
         server = Path(os.environ.get("LLAMA_BUILD", "~/.cache/llama-cpp-b11434")).expanduser() / "bin/llama-server"
         if server.exists():
-            context = 32 * (PREFILL_TOKENS + args.output_len + 64)   # -np 32 splits -c between the slots
+            context = 32 * slot_tokens(args.output_len, getattr(args, "long_context", 0))   # -np 32 splits -c between the slots
             peers.append(Peer("llama.cpp llama-server -cb -np 32", [
                 str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port + len(peers)), "-t", threads,
                 "-cb", "-np", "32", "-c", str(context), "--alias", args.model], {}, 120, port + len(peers)))
@@ -198,7 +219,9 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
             skipped.append(f"vLLM: --hf-dir {hf_dir} is not a Hugging Face directory (write it with "
                            f"../shared/tools/gguf_to_hf.py {gguf} DIR)")
         else:
-            peers.append(vllm_peer(venv, hf_dir, args.model, port + len(peers), args.threads))
+            longest = slot_tokens(args.output_len, getattr(args, "long_context", 0))
+            peers.append(vllm_peer(venv, hf_dir, args.model, port + len(peers), args.threads,
+                                   max_model_len=max(4096, longest)))
     if "servelm" in wanted:
         peers.append(servelm_peer(args.model, port + len(peers), args.threads, args.servelm_args.split()))
     return peers, skipped
@@ -211,13 +234,14 @@ def servelm_peer(model: str, port: int, threads: int, extra: list[str]) -> Peer:
         "--num-threads", str(threads), *extra], {}, 600, port)
 
 
-def vllm_peer(venv: Path, hf_dir: Path, model: str, port: int, threads: int, startup_s: float = 600) -> Peer:
+def vllm_peer(venv: Path, hf_dir: Path, model: str, port: int, threads: int, startup_s: float = 600,
+              max_model_len: int = 4096) -> Peer:
     """vLLM's CPU build serving ``hf_dir`` as ``model``, as shipped (its own dtype and kernels)."""
     preload = ":".join(p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                                    str(venv / "lib/libiomp5.so")) if Path(p).exists())
     return Peer("vLLM CPU (as shipped)", [
         str(venv / "bin/vllm"), "serve", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", model, "--max-model-len", "4096"],
+        "--served-model-name", model, "--max-model-len", str(max_model_len)],
         {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
          "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **({"LD_PRELOAD": preload} if preload else {})},
         startup_s, port)
@@ -235,9 +259,10 @@ async def _stream(client: object, base_url: str, model: str, prompts: list[list[
 
 
 async def measure(base_url: str, model: str, output_len: int,
-                  counts: tuple[int, ...] | None = None, seed: int = 0) -> dict[str, float]:
-    """The four columns for the server at ``base_url`` (only ``stream_rates`` of ``counts`` where given);
-    ``seed`` is added to every prompt's seed (a round's own prompts)."""
+                  counts: tuple[int, ...] | None = None, seed: int = 0, long_context: int = 0) -> dict[str, float]:
+    """The four columns for the server at ``base_url`` (only ``stream_rates`` of ``counts`` where given),
+    and the long-context one where ``long_context`` is set; ``seed`` is added to every prompt's seed
+    (a round's own prompts)."""
     import httpx
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=None)) as client:
         await _stream(client, base_url, model, _prompts(1, 16, 9 + seed), 8)   # warm-up
@@ -246,7 +271,21 @@ async def measure(base_url: str, model: str, output_len: int,
         row = await stream_rates(client, base_url, model, output_len, (1,), seed)
         _, timings = await _stream(client, base_url, model, _prompts(1, PREFILL_TOKENS, 2 + seed), 1)
         row["prefill tok/s"] = PREFILL_TOKENS / timings[0].ttft_s if timings[0].ttft_s else float("nan")
-        return row | await stream_rates(client, base_url, model, output_len, (8, 32), seed)
+        row |= await stream_rates(client, base_url, model, output_len, (8, 32), seed)
+        if long_context:
+            row[long_column(long_context)] = await long_decode_rate(client, base_url, model, long_context, seed)
+        return row
+
+
+async def long_decode_rate(client: object, base_url: str, model: str, long_context: int, seed: int = 0) -> float:
+    """Decode tok/s of one request of a ``long_context``-token prompt: its output tokens after the first
+    over the time after the first (``LONG_OUTPUT_TOKENS`` in all)."""
+    _, timings = await _stream(client, base_url, model, _prompts(1, long_context, 4 + seed), LONG_OUTPUT_TOKENS)
+    timing = timings[0]
+    if timing.error:
+        raise RuntimeError(f"the {long_context}-token request failed: {timing.error}")
+    decode_s = timing.latency_s - (timing.ttft_s or 0.0)
+    return (_tokens([timing], LONG_OUTPUT_TOKENS) - 1) / decode_s if decode_s > 0 else float("nan")
 
 
 async def stream_rates(client: object, base_url: str, model: str, output_len: int,
@@ -317,7 +356,8 @@ def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path,
     """Start ``peer``, measure it (``measure``'s columns, or its stream ``counts``), stop it."""
     process = start_peer(peer, port, log_dir, log_name)
     try:
-        return asyncio.run(measure(f"http://127.0.0.1:{port}", args.model, args.output_len, counts, seed))
+        return asyncio.run(measure(f"http://127.0.0.1:{port}", args.model, args.output_len, counts, seed,
+                                   getattr(args, "long_context", 0)))
     finally:
         stop_group(process, 30)
 
@@ -334,6 +374,8 @@ def main() -> None:
     parser.add_argument("--log-dir", default="/tmp/compare_peers")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of every column on every server, interleaved; medians reported")
+    parser.add_argument("--long-context", type=int, default=0, metavar="N",
+                        help="one more column: the decode rate of one request with an N-token prompt")
     parser.add_argument("--sequential", action="store_true",
                         help="start each server only for its own measurement (one server's memory at a time)")
     args = parser.parse_args()
@@ -352,19 +394,21 @@ def main() -> None:
     flops = prefill_flops(gguf, PREFILL_TOKENS)
     before = bf16_gemm_peak(args.threads)
     results = measure_peers(peers, args, log_dir)
-    print_rounds(results, args.rounds)
+    print_rounds(results, args.rounds, columns(args.long_context))
     peaks = (before, bf16_gemm_peak(args.threads))
     print("\n".join(roofline_lines(results, flops, max(peaks), peaks, args.threads)), flush=True)
 
 
-def print_rounds(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
-    """``measure_peers``' results as tables: the medians, then (several rounds) the ranges."""
-    medians, ranges = summarize(results)
+def print_rounds(results: dict[str, list[dict[str, float]]], rounds: int,
+                 names: tuple[str, ...] = COLUMNS) -> None:
+    """``measure_peers``' results as tables (``names``: the columns): the medians, then (several
+    rounds) the ranges."""
+    medians, ranges = summarize(results, names)
     print(f"medians of {rounds} round{'s' if rounds > 1 else ''}:")
-    print_table(medians, "compare within one run")
+    print_table(medians, "compare within one run", names)
     if rounds > 1:
         print("ranges over the rounds (min-max):")
-        print_table(ranges, "compare within one run")
+        print_table(ranges, "compare within one run", names)
 
 
 def busy_cores(interval_s: float = 0.5) -> float:
@@ -393,13 +437,15 @@ def round_order(names: list[str], round_index: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def summarize(results: dict[str, list[dict[str, float]]]) -> tuple[list[list[str]], list[list[str]]]:
-    """Per server with at least one round: its row of column medians and its row of ranges (min-max)."""
+def summarize(results: dict[str, list[dict[str, float]]],
+              names: tuple[str, ...] = COLUMNS) -> tuple[list[list[str]], list[list[str]]]:
+    """Per server with at least one round: its row of medians of the columns ``names`` and its row of
+    ranges (min-max)."""
     medians, ranges = [], []
     for name, rounds in results.items():
         if not rounds:
             continue
-        values = [[r[c] for r in rounds if c in r] for c in COLUMNS]
+        values = [[r[c] for r in rounds if c in r] for c in names]
         medians.append([name, *(f"{statistics.median(v):.1f}" if v else "-" for v in values)])
         ranges.append([name, *(f"{min(v):.1f}-{max(v):.1f}" if v else "-" for v in values)])
     return medians, ranges
@@ -436,7 +482,8 @@ def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path) ->
                         result = run_peer(peer, ports[name], args, log_dir, seed=seed)
                     else:
                         result = asyncio.run(measure(f"http://127.0.0.1:{ports[name]}", args.model,
-                                                     args.output_len, seed=seed))
+                                                     args.output_len, seed=seed,
+                                                     long_context=getattr(args, "long_context", 0)))
                 except Exception as error:   # one peer failing does not stop the others
                     print(f"  {name} failed: {error} (log in {log_dir}); left out of later rounds", flush=True)
                     alive.remove(name)
@@ -449,9 +496,9 @@ def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path) ->
     return results
 
 
-def print_table(rows: list[list[str]], note: str) -> None:
-    print("| server | 1 stream tok/s | prefill tok/s | 8 streams tok/s | 32 streams tok/s |")
-    print("|---|---|---|---|---|")
+def print_table(rows: list[list[str]], note: str, names: tuple[str, ...] = COLUMNS) -> None:
+    print("| server | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(f"load average after: {os.getloadavg()}  (shared machine: {note})")

@@ -181,25 +181,6 @@ def test_write_and_attend_equals_index_copy_then_attend(num_heads: int, num_kv_h
 
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (4, 1, 256), (9, 3, 64)])
-def test_the_values_chunks_keep_the_floats(num_heads: int, num_kv_heads: int, head_dim: int,
-                                           dtype: torch.dtype, kernel: ModuleType,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Contexts longer than the values pass's chunk of columns (VALUE_COLUMNS): a span of exactly one
-    chunk, one column past it, two chunks and a part, beside short ones. The partial sums kept in the
-    output between chunks give the plain arrangement's floats, and SDPA's up to rounding."""
-    chunk = kernel.VALUE_COLUMNS
-    spans = [2 * chunk + 44, chunk, chunk + 1, 1, 3 * chunk - 1]
-    q, k_pool, v_pool, slots, span_tensor = pool_case(num_heads, num_kv_heads, head_dim, dtype, spans, max(spans), 5)
-    q = q.float()
-    tiled = paged_decode.attend(q, k_pool, v_pool, slots, span_tensor, 0.125, kernel)
-    torch.testing.assert_close(tiled, gathered_sdpa(q, k_pool, v_pool, slots, span_tensor, 0.125),
-                               atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(paged_decode, "TILED", False)
-    assert torch.equal(tiled, paged_decode.attend(q, k_pool, v_pool, slots, span_tensor, 0.125, kernel))
-
-
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (6, 2, 32)])
