@@ -59,6 +59,14 @@ context is over ``BUCKET_RATIO`` x the shortest of its group and ``BUCKET_MIN_CO
 starts a group of its own (one more attention call per layer). Decode groups on the paged decode
 kernel are not cut: it reads each sequence's own span."""
 
+SDPA_TILE_QUERIES = 256
+"""A causal SDPA call of more query rows runs as tiles of this many (``_KVView.query_tiles``), each
+over only the columns some query of the tile sees: SDPA computes every (query, column) pair its mask
+covers, so a whole prompt of n tokens paid n^2 pairs for the n^2 / 2 a causal mask lets through.
+Qwen2.5-Coder 0.5B's attention (14/2 heads, D 64, float32), 2 threads, AMD EPYC Zen 3 VM: a
+4,096-token prompt 552 -> 294 ms a layer (128 rows a tile: 341, 512: 314), a 1,019-token one
+31.4 -> 20.0 ms. Each query row's softmax is over the same visible columns either way."""
+
 
 def context_buckets(members: list[int], context_lens: list[int]) -> list[list[int]]:
     """``members`` (sequence indexes) cut into groups of similar context length (``BUCKET_RATIO``);
@@ -97,6 +105,8 @@ class _KVView:
     sequences: torch.Tensor | None = None
     """[b, 4] the prefill_attention kernel's rows for this view (built on first use)."""
     built_mask: torch.Tensor | None = None
+    query_tile_bounds: dict[int, list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    """tile rows -> ``query_tiles``' bounds (built on first use, shared by the view's layers)."""
 
     @property
     def mask(self) -> torch.Tensor:
@@ -104,6 +114,21 @@ class _KVView:
         if self.built_mask is None:
             self.built_mask = self.build_mask()
         return self.built_mask
+
+    def query_tiles(self, rows: int) -> list[tuple[int, int, int, int]]:
+        """The view's queries in tiles of ``rows``: per tile (first query, end, first column, end) with
+        every column some query of the tile sees (over all the group's sequences) inside [first, end)."""
+        bounds = self.query_tile_bounds.get(rows)
+        if bounds is None:
+            mask = self.mask
+            bounds = []
+            for q0 in range(0, mask.shape[2], rows):
+                q1 = min(mask.shape[2], q0 + rows)
+                seen = mask[:, :, q0:q1].any(dim=2).any(dim=1).any(dim=0).nonzero()
+                c0, c1 = (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, mask.shape[3])
+                bounds.append((q0, q1, c0, c1))
+            self.query_tile_bounds[rows] = bounds
+        return bounds
 
     def biased_mask(self, position_bias: PositionBias, query_positions: torch.Tensor) -> torch.Tensor:
         """The bias where the mask is True, -inf elsewhere; columns are positions (start 0)."""
@@ -465,9 +490,17 @@ class TorchNativeAttention:
                 rows = attended.reshape(b, num_heads, -1)                      # [b, H, Dv]
             else:
                 q_padded = q_rows.view(b, max_query, num_heads, head_dim).transpose(1, 2)
-                attended = F.scaled_dot_product_attention(
-                    q_padded, k_context, v_context, attn_mask=mask, scale=layer.scale,
-                    enable_gqa=num_heads != num_kv_heads)                        # [b, H, Q, Dv]
+                if max_query > SDPA_TILE_QUERIES and layer.is_causal and position_bias is None:
+                    attended = q_padded.new_empty(b, num_heads, max_query, v_context.shape[-1])
+                    for q0, q1, c0, c1 in view.query_tiles(SDPA_TILE_QUERIES):
+                        attended[:, :, q0:q1] = F.scaled_dot_product_attention(
+                            q_padded[:, :, q0:q1], k_context[:, :, c0:c1], v_context[:, :, c0:c1],
+                            attn_mask=mask[:, :, q0:q1, c0:c1], scale=layer.scale,
+                            enable_gqa=num_heads != num_kv_heads)
+                else:
+                    attended = F.scaled_dot_product_attention(
+                        q_padded, k_context, v_context, attn_mask=mask, scale=layer.scale,
+                        enable_gqa=num_heads != num_kv_heads)                    # [b, H, Q, Dv]
                 rows = attended.transpose(1, 2).reshape(b * max_query, num_heads, -1)
             if group.is_identity:
                 out = rows.reshape(out.shape)

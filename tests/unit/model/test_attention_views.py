@@ -68,3 +68,56 @@ def test_a_long_context_gets_a_group_of_its_own_so_short_ones_are_not_padded_to_
         assert columns == [5, 7, 802, 901]
     else:                                      # the kernel reads each decode's own span
         assert columns == [5, 802, 901]
+
+
+def test_long_causal_sdpa_calls_run_in_query_tiles_over_the_columns_they_see(monkeypatch) -> None:
+    """A prompt continuing a cached prefix beside a fresh one, global and sliding layers, on the SDPA
+    route: in tiles of SDPA_TILE_QUERIES queries (each over the columns some query of it sees, the
+    causal triangle's far side and the window's near side left out) the output equals one whole call."""
+    import torch.nn.functional as F
+
+    from servelm.model.attention import Attention, torch_native
+    from servelm.model.attention.prefill_routes import QUERY_CLASSES, PrefillRouting, PrefillShape, cell_name
+    from servelm.model.kv_cache import KVCache
+
+    torch.manual_seed(5)
+    num_heads, num_kv_heads, head_dim, window = 6, 2, 16, 12
+    cache = KVCache(1, 40, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    cache.k_caches[0].normal_()
+    cache.v_caches[0].normal_()
+    shape = PrefillShape(num_heads, num_kv_heads, head_dim, torch.float32, torch.float32)
+    plan = BatchPlan([SequencePlan(list(range(40)), 13, list(range(14))),
+                      SequencePlan(list(range(37)), 0, list(range(20, 30)))])
+    q = torch.randn(77, num_heads, head_dim)
+    k = torch.randn(77, num_kv_heads, head_dim)
+    v = torch.randn(77, num_kv_heads, head_dim)
+
+    def run(tile_rows: int, sliding: int | None) -> tuple[torch.Tensor, int, object]:
+        monkeypatch.setattr(torch_native, "SDPA_TILE_QUERIES", tile_rows)
+        backend = get_attention_backend("torch_native")
+        backend.prefill_routing = PrefillRouting({cell_name(shape, c): ["sdpa"] for c in QUERY_CLASSES})
+        batch = ForwardBatch.build(plan, block_size=4, device=torch.device("cpu"), kv_cache=cache,
+                                   attention=backend)
+        calls = []
+        sdpa = F.scaled_dot_product_attention
+        monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[1].shape) or sdpa(*a, **kw))
+        layer = Attention(0, num_heads, num_kv_heads, head_dim, head_dim ** -0.5, sliding_window=sliding)
+        out = layer(q, k, v, batch)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        (group,) = batch.attn_metadata.groups
+        return out, len(calls), group.view(sliding)
+
+    for sliding in (None, window):
+        whole, whole_calls, _ = run(10 ** 6, sliding)
+        tiled, tiled_calls, view = run(8, sliding)
+        assert whole_calls == 1 and tiled_calls == 5                 # 40 query rows: 5 tiles of 8
+        torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=1e-5)
+        bounds = view.query_tiles(8)
+        assert [(q0, q1) for q0, q1, _, _ in bounds] == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+        assert bounds[0][3] < view.num_columns                       # the first tile skips the later columns
+    # one sequence (no padding rows), queries at positions 13..52: a window of 12 reads positions 2..52 (column
+    # c = position 2 + c), query i sees columns i .. i + 11
+    (alone,) = build(BatchPlan([SequencePlan(list(range(40)), 13, list(range(14)))])).attn_metadata.groups
+    assert alone.view(window).query_tiles(8) == [(0, 8, 0, 19), (8, 16, 8, 27), (16, 24, 16, 35),
+                                                 (24, 32, 24, 43), (32, 40, 32, 51)]
+    assert alone.view(None).query_tiles(16) == [(0, 16, 0, 29), (16, 32, 0, 45), (32, 40, 0, 53)]
