@@ -141,13 +141,20 @@ class _Synthetic:
         return self.out
 
     def sdpa(self) -> torch.Tensor:
+        """As the backend runs it: one call, or query tiles above ``SDPA_TILE_QUERIES`` rows."""
+        from servelm.model.attention import torch_native
         shape, n = self.shape, self.n
         mask = torch.ones(n, n, dtype=torch.bool).tril_()[None, None]   # the view's mask, built per call too
         k = self.k_cache.index_select(0, self.slots).view(1, n, shape.num_kv_heads, -1).to(shape.dtype)
         v = self.v_cache.index_select(0, self.slots).view(1, n, shape.num_kv_heads, -1).to(shape.dtype)
-        attended = F.scaled_dot_product_attention(
-            self.q.view(1, n, shape.num_heads, -1).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, scale=self.scale, enable_gqa=shape.num_heads != shape.num_kv_heads)
+        q = self.q.view(1, n, shape.num_heads, -1).transpose(1, 2)
+        gqa = shape.num_heads != shape.num_kv_heads
+        if n > torch_native.SDPA_TILE_QUERIES:
+            bounds = torch_native.query_tile_bounds(mask, torch_native.SDPA_TILE_QUERIES)
+            attended = torch_native.tiled_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask, bounds, self.scale, gqa)
+        else:
+            attended = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                                      scale=self.scale, enable_gqa=gqa)
         return attended.transpose(1, 2).reshape(n, shape.num_heads, -1)
 
 

@@ -68,6 +68,30 @@ Qwen2.5-Coder 0.5B's attention (14/2 heads, D 64, float32), 2 threads, AMD EPYC 
 31.4 -> 20.0 ms. Each query row's softmax is over the same visible columns either way."""
 
 
+def query_tile_bounds(mask: torch.Tensor, rows: int) -> list[tuple[int, int, int, int]]:
+    """``mask``'s ``[b, 1, Q, C]`` queries in tiles of ``rows``: per tile (first query, end, first column,
+    end), every column some query of the tile sees (in any sequence) inside [first, end)."""
+    bounds = []
+    for q0 in range(0, mask.shape[2], rows):
+        q1 = min(mask.shape[2], q0 + rows)
+        seen = mask[:, :, q0:q1].any(dim=2).any(dim=1).any(dim=0).nonzero()
+        c0, c1 = (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, mask.shape[3])
+        bounds.append((q0, q1, c0, c1))
+    return bounds
+
+
+def tiled_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               bounds: list[tuple[int, int, int, int]], scale: float, enable_gqa: bool) -> torch.Tensor:
+    """SDPA of q ``[b, H, Q, D]`` over k, v ``[b, Hkv, C, D]`` with ``mask`` ``[b, 1, Q, C]``, one call per
+    tile of ``bounds`` (``query_tile_bounds``) on the columns it sees."""
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    for q0, q1, c0, c1 in bounds:
+        out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, c0:c1], v[:, :, c0:c1],
+                                                          attn_mask=mask[:, :, q0:q1, c0:c1], scale=scale,
+                                                          enable_gqa=enable_gqa)
+    return out
+
+
 def context_buckets(members: list[int], context_lens: list[int]) -> list[list[int]]:
     """``members`` (sequence indexes) cut into groups of similar context length (``BUCKET_RATIO``);
     one group in the given order when no cut is needed, none when ``members`` is empty."""
@@ -120,14 +144,7 @@ class _KVView:
         every column some query of the tile sees (over all the group's sequences) inside [first, end)."""
         bounds = self.query_tile_bounds.get(rows)
         if bounds is None:
-            mask = self.mask
-            bounds = []
-            for q0 in range(0, mask.shape[2], rows):
-                q1 = min(mask.shape[2], q0 + rows)
-                seen = mask[:, :, q0:q1].any(dim=2).any(dim=1).any(dim=0).nonzero()
-                c0, c1 = (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, mask.shape[3])
-                bounds.append((q0, q1, c0, c1))
-            self.query_tile_bounds[rows] = bounds
+            bounds = self.query_tile_bounds[rows] = query_tile_bounds(self.mask, rows)
         return bounds
 
     def biased_mask(self, position_bias: PositionBias, query_positions: torch.Tensor) -> torch.Tensor:
@@ -491,12 +508,8 @@ class TorchNativeAttention:
             else:
                 q_padded = q_rows.view(b, max_query, num_heads, head_dim).transpose(1, 2)
                 if max_query > SDPA_TILE_QUERIES and layer.is_causal and position_bias is None:
-                    attended = q_padded.new_empty(b, num_heads, max_query, v_context.shape[-1])
-                    for q0, q1, c0, c1 in view.query_tiles(SDPA_TILE_QUERIES):
-                        attended[:, :, q0:q1] = F.scaled_dot_product_attention(
-                            q_padded[:, :, q0:q1], k_context[:, :, c0:c1], v_context[:, :, c0:c1],
-                            attn_mask=mask[:, :, q0:q1, c0:c1], scale=layer.scale,
-                            enable_gqa=num_heads != num_kv_heads)
+                    attended = tiled_sdpa(q_padded, k_context, v_context, mask, view.query_tiles(SDPA_TILE_QUERIES),
+                                          layer.scale, num_heads != num_kv_heads)
                 else:
                     attended = F.scaled_dot_product_attention(
                         q_padded, k_context, v_context, attn_mask=mask, scale=layer.scale,

@@ -78,12 +78,18 @@ def test_the_measured_winner_is_the_route_the_backend_takes(tmp_path, monkeypatc
         torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance, msg=winner)
 
 
-def test_the_synthetic_calls_timed_compute_the_same_attention() -> None:
+@pytest.mark.parametrize("n", [37, 300])   # 300: SDPA in query tiles (torch_native.SDPA_TILE_QUERIES)
+def test_the_synthetic_calls_timed_compute_the_same_attention(n: int) -> None:
     shape = _shape()
-    synthetic = prefill_routes._Synthetic(shape, 37)
+    synthetic = prefill_routes._Synthetic(shape, n)
     results = {route: getattr(synthetic, route)().clone() for route in valid_routes(shape)}
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    scores = torch.einsum("qhd,khd->hqk", synthetic.q, synthetic.k_cache.repeat_interleave(2, 1)) * synthetic.scale
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                            synthetic.v_cache.repeat_interleave(2, 1))
+    assert len(results) >= 2
     for route, out in results.items():
-        torch.testing.assert_close(out, results["sdpa"], atol=1e-4, rtol=1e-4, msg=route)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=route)
 
 
 def test_the_table_is_measured_once_per_key_and_reused(tmp_path, monkeypatch) -> None:
