@@ -11,6 +11,9 @@ Each case is timed in interleaved rounds (model/timing.py) and the median per la
 The machine may be shared: read the ratios, not the absolute times.
 
     python benchmarks/paged_decode_avx2.py --threads 1 2 --streams 1 8 32 --contexts 64 512 2048
+
+``--base FILE`` builds another paged_decode.cpp (e.g. ``git show REV:servelm/model/attention/paged_decode.cpp``)
+the same way, checks that its output equals this build's bit for bit, and times it in the same rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.attention import paged_decode  # noqa: E402
+from servelm.model.cpp_kernel import CppKernel  # noqa: E402
 from servelm.model.timing import time_candidates  # noqa: E402
 
 BLOCK = 16
@@ -59,9 +63,9 @@ class Case:
         self.turn = (self.turn + 1) % self.layers
         return self.pools[self.turn]
 
-    def kernel(self, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def kernel(self, pool: tuple[torch.Tensor, torch.Tensor] | None = None, build: object = None) -> torch.Tensor:
         k_cache, v_cache = pool or self._pool()
-        return paged_decode.attend(self.q, k_cache, v_cache, self.slots, self.spans, self.scale)
+        return paged_decode.attend(self.q, k_cache, v_cache, self.slots, self.spans, self.scale, kernel=build)
 
     def torch_path(self, pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         k_cache, v_cache = pool or self._pool()
@@ -81,13 +85,21 @@ def main() -> None:
     parser.add_argument("--heads", type=int, nargs=3, default=[14, 2, 64], metavar=("H", "HKV", "D"))
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of rounds per case")
+    parser.add_argument("--base", default=None, help="another paged_decode.cpp, timed beside this build")
     args = parser.parse_args()
     kv_dtype = getattr(torch, args.kv_dtype)
     kernel = paged_decode.load_kernel()
+    base = None
+    if args.base:
+        source = Path(args.base).resolve()
+        built = paged_decode.BUILDS.first()
+        base = CppKernel.beside(str(source), source.name, built.name + "_base", "base paged decode kernel",
+                                built.required_flags).load()
+        assert base is not None, f"{source} does not build here"
     print(f"kernel: {paged_decode.kernel_status()} (ISA {getattr(kernel, 'ISA', None)})")
     print(f"attention {args.heads[0]}/{args.heads[1]}x{args.heads[2]}, {args.kv_dtype} pool, ms per layer")
-    print("| threads | streams | context | torch path | kernel | speed-up |")
-    print("|---|---|---|---|---|---|")
+    print("| threads | streams | context | torch path | kernel | speed-up |" + (" base kernel | kernel vs base |" if base else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if base else ""))
     for threads in args.threads:
         torch.set_num_threads(threads)
         for streams in args.streams:
@@ -95,10 +107,14 @@ def main() -> None:
                 case = Case(streams, context, *args.heads, kv_dtype)
                 torch.testing.assert_close(case.kernel(case.pools[0]), case.torch_path(case.pools[0]),
                                            atol=1e-4, rtol=1e-4)
-                times = time_candidates({"torch": case.torch_path, "kernel": case.kernel},
-                                        min_rounds=10, max_rounds=400, budget_s=args.budget)
+                candidates = {"torch": case.torch_path, "kernel": case.kernel}
+                if base is not None:
+                    assert torch.equal(case.kernel(case.pools[0]), case.kernel(case.pools[0], base)), "base differs"
+                    candidates["base"] = lambda: case.kernel(None, base)
+                times = time_candidates(candidates, min_rounds=10, max_rounds=400, budget_s=args.budget)
+                extra = f" {times['base'] / 1e3:.3f} | {times['base'] / times['kernel']:.2f}x |" if base else ""
                 print(f"| {threads} | {streams} | {context} | {times['torch'] / 1e3:.3f} | "
-                      f"{times['kernel'] / 1e3:.3f} | {times['torch'] / times['kernel']:.2f}x |", flush=True)
+                      f"{times['kernel'] / 1e3:.3f} | {times['torch'] / times['kernel']:.2f}x |" + extra, flush=True)
 
 
 if __name__ == "__main__":
