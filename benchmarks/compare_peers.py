@@ -201,10 +201,11 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
     threads = str(args.threads)
     peers, skipped = [], []
     wanted = args.peers.split(",")
+    slot = slot_tokens(args.output_len, getattr(args, "long_context", 0))   # other scripts' args lack it
     if "llama.cpp" in wanted:
         server = Path(os.environ.get("LLAMA_BUILD", "~/.cache/llama-cpp-b11434")).expanduser() / "bin/llama-server"
         if server.exists():
-            context = 32 * slot_tokens(args.output_len, getattr(args, "long_context", 0))   # -np 32 splits -c between the slots
+            context = 32 * slot   # -np 32 splits -c between the slots
             peers.append(Peer("llama.cpp llama-server -cb -np 32", [
                 str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port + len(peers)), "-t", threads,
                 "-cb", "-np", "32", "-c", str(context), "--alias", args.model], {}, 120, port + len(peers)))
@@ -219,9 +220,8 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
             skipped.append(f"vLLM: --hf-dir {hf_dir} is not a Hugging Face directory (write it with "
                            f"../shared/tools/gguf_to_hf.py {gguf} DIR)")
         else:
-            longest = slot_tokens(args.output_len, getattr(args, "long_context", 0))
             peers.append(vllm_peer(venv, hf_dir, args.model, port + len(peers), args.threads,
-                                   max_model_len=max(4096, longest)))
+                                   max_model_len=max(4096, slot)))
     if "servelm" in wanted:
         peers.append(servelm_peer(args.model, port + len(peers), args.threads, args.servelm_args.split()))
     return peers, skipped
