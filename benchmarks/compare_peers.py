@@ -352,12 +352,13 @@ def start_peer(peer: Peer, port: int, log_dir: Path, log_name: str = "") -> subp
 
 
 def run_peer(peer: Peer, port: int, args: argparse.Namespace, log_dir: Path,
-             counts: tuple[int, ...] | None = None, log_name: str = "", seed: int = 0) -> dict[str, float]:
+             counts: tuple[int, ...] | None = None, log_name: str = "", seed: int = 0,
+             long_context: int = 0) -> dict[str, float]:
     """Start ``peer``, measure it (``measure``'s columns, or its stream ``counts``), stop it."""
     process = start_peer(peer, port, log_dir, log_name)
     try:
         return asyncio.run(measure(f"http://127.0.0.1:{port}", args.model, args.output_len, counts, seed,
-                                   getattr(args, "long_context", 0)))
+                                   long_context))
     finally:
         stop_group(process, 30)
 
@@ -459,6 +460,7 @@ def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path) ->
     of later rounds."""
     ports = {peer.name: peer.port or args.port for peer in peers}
     sequential = getattr(args, "sequential", False) or len(set(ports.values())) < len(peers)
+    long_context = getattr(args, "long_context", 0)   # other scripts' args lack it
     by_name = {peer.name: peer for peer in peers}
     processes: dict[str, subprocess.Popen] = {}
     results: dict[str, list[dict[str, float]]] = {peer.name: [] for peer in peers}
@@ -479,11 +481,10 @@ def measure_peers(peers: list[Peer], args: argparse.Namespace, log_dir: Path) ->
                       f"{busy:.2f} cores busy; load average {os.getloadavg()[0]:.2f}) ...", flush=True)
                 try:
                     if sequential:
-                        result = run_peer(peer, ports[name], args, log_dir, seed=seed)
+                        result = run_peer(peer, ports[name], args, log_dir, seed=seed, long_context=long_context)
                     else:
                         result = asyncio.run(measure(f"http://127.0.0.1:{ports[name]}", args.model,
-                                                     args.output_len, seed=seed,
-                                                     long_context=getattr(args, "long_context", 0)))
+                                                     args.output_len, seed=seed, long_context=long_context))
                 except Exception as error:   # one peer failing does not stop the others
                     print(f"  {name} failed: {error} (log in {log_dir}); left out of later rounds", flush=True)
                     alive.remove(name)

@@ -234,10 +234,10 @@ void run(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t
 // value_heads: the values pass takes at most that many heads at once (AVX2: 7 or 8 heads as 4 + the
 // rest, not all at 1 piece, which read each V row and broadcast each score 8 times per 64 lanes; 4
 // heads at 3 pieces, 12 accumulators + 3 rows + a score: Qwen's 7 heads take 6 passes over D 64
-// instead of 8 at 2 pieces, 2-4% less time a layer at 1,024-4,096 columns). The loops over G, T and W are unrolled by pragma: without it GCC kept the G = 7
-// accumulators in memory (a store per accumulator per step). qwen2.5-coder-0.5b's layer (14 q heads,
-// 2 KV heads, D 64, float32 pool), 1 thread, 2 tasks, standalone: 167 columns 27.2 -> 22.4 us,
-// 1000 columns 204 -> 166 us (AMD EPYC Zen 3 VM, AVX2).
+// instead of 8 at 2 pieces, 2-4% less time a layer at 1,024-4,096 columns). The loops over G, T and W
+// are unrolled by pragma: without it GCC kept the G = 7 accumulators in memory (a store per accumulator
+// per step). qwen2.5-coder-0.5b's layer (14 q heads, 2 KV heads, D 64, float32 pool), 1 thread, 2 tasks,
+// standalone: 167 columns 27.2 -> 22.4 us, 1000 columns 204 -> 166 us (AMD EPYC Zen 3 VM, AVX2).
 #if defined(__AVX512F__)
 constexpr int score_columns(int g) { return g <= 6 ? 4 : 3; }
 constexpr int value_pieces(int g) { return g <= 6 ? 4 : 2; }
@@ -317,7 +317,8 @@ inline void values_heads(const float* scores, const float* inv_sum, const T* vp,
   int64_t j = 0;
   for (; j + kLanes * W <= d; j += kLanes * W)
     values_piece<T, G, W>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
-  for (; j < d; j += kLanes) values_piece<T, G, 1>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
+  for (; j < d; j += kLanes)
+    values_piece<T, G, 1>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
 }
 
 // One (sequence, KV head) task's G query heads (G <= 8): scores, softmax, values.
@@ -335,7 +336,8 @@ void attend_heads(const float* q0, const T* kp, const T* vp, const int64_t* row_
     const int64_t c1 = std::min(n, c0 + kValueColumns);
     values_heads<T, VG>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, o0, true, c0, c1);
     if constexpr (G > VG)
-      values_heads<T, G - VG>(scores + VG * n, inv_sum + VG, vp, row_slots, n, num_kv_heads, h, d, o0 + VG * d, false, c0, c1);
+      values_heads<T, G - VG>(scores + VG * n, inv_sum + VG, vp, row_slots, n, num_kv_heads, h, d, o0 + VG * d, false,
+                              c0, c1);
   }
 }
 

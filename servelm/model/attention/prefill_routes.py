@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from servelm.model.attention import prefill_attention, prefill_gemm
 from servelm.model.timing import time_candidates
@@ -147,14 +146,10 @@ class _Synthetic:
         mask = torch.ones(n, n, dtype=torch.bool).tril_()[None, None]   # the view's mask, built per call too
         k = self.k_cache.index_select(0, self.slots).view(1, n, shape.num_kv_heads, -1).to(shape.dtype)
         v = self.v_cache.index_select(0, self.slots).view(1, n, shape.num_kv_heads, -1).to(shape.dtype)
-        q = self.q.view(1, n, shape.num_heads, -1).transpose(1, 2)
-        gqa = shape.num_heads != shape.num_kv_heads
-        if n > torch_native.SDPA_TILE_QUERIES:
-            bounds = torch_native.query_tile_bounds(mask, torch_native.SDPA_TILE_QUERIES)
-            attended = torch_native.tiled_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), mask, bounds, self.scale, gqa)
-        else:
-            attended = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                                      scale=self.scale, enable_gqa=gqa)
+        attended = torch_native.prompt_sdpa(
+            self.q.view(1, n, shape.num_heads, -1).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+            self.scale, shape.num_heads != shape.num_kv_heads,
+            lambda: torch_native.query_tile_bounds(mask, torch_native.SDPA_TILE_QUERIES))
         return attended.transpose(1, 2).reshape(n, shape.num_heads, -1)
 
 

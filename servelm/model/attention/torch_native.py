@@ -93,6 +93,17 @@ def tiled_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return out
 
 
+def prompt_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                enable_gqa: bool, tiles: Callable[[], list[tuple[int, int, int, int]]] | None) -> torch.Tensor:
+    """SDPA of a multi-token call (q ``[b, H, Q, D]``, k, v ``[b, Hkv, C, D]``, ``mask`` ``[b, 1, Q, C]``):
+    in query tiles (``tiled_sdpa`` over ``tiles()``) above ``SDPA_TILE_QUERIES`` rows where ``tiles`` is
+    given (a causal mask, no position bias), else one call. The backend and the route timing
+    (prefill_routes.py) both run it."""
+    if tiles is not None and q.shape[2] > SDPA_TILE_QUERIES:
+        return tiled_sdpa(q, k, v, mask, tiles(), scale, enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
 def context_buckets(members: list[int], context_lens: list[int]) -> list[list[int]]:
     """``members`` (sequence indexes) cut into groups of similar context length (``BUCKET_RATIO``);
     one group in the given order when no cut is needed, none when ``members`` is empty."""
@@ -508,13 +519,10 @@ class TorchNativeAttention:
                 rows = attended.reshape(b, num_heads, -1)                      # [b, H, Dv]
             else:
                 q_padded = q_rows.view(b, max_query, num_heads, head_dim).transpose(1, 2)
-                if max_query > SDPA_TILE_QUERIES and layer.is_causal and position_bias is None:
-                    attended = tiled_sdpa(q_padded, k_context, v_context, mask, view.query_tiles(SDPA_TILE_QUERIES),
-                                          layer.scale, num_heads != num_kv_heads)
-                else:
-                    attended = F.scaled_dot_product_attention(
-                        q_padded, k_context, v_context, attn_mask=mask, scale=layer.scale,
-                        enable_gqa=num_heads != num_kv_heads)                    # [b, H, Q, Dv]
+                tiles = ((lambda: view.query_tiles(SDPA_TILE_QUERIES))
+                         if layer.is_causal and position_bias is None else None)
+                attended = prompt_sdpa(q_padded, k_context, v_context, mask, layer.scale,
+                                       num_heads != num_kv_heads, tiles)          # [b, H, Q, Dv]
                 rows = attended.transpose(1, 2).reshape(b * max_query, num_heads, -1)
             if group.is_identity:
                 out = rows.reshape(out.shape)
