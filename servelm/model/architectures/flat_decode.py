@@ -494,7 +494,7 @@ def decode_stack(plans: Sequence[LayerPlan], offset: bool) -> NativeStack | None
     stack_type = getattr(module, "DecodeStack", None)
     ops, attention = fused.load_kernel(), paged_decode.load_kernel()
     norm_rope = getattr(ops, "NORM_ROPE_QKV_ROW_F32", None)
-    attend = getattr(attention, "ATTEND_KV_HEAD_F32", None)
+    attend = getattr(attention, "ROW_ATTENTION_F32", None)
     if stack_type is None or norm_rope is None or attend is None or not plans:
         return None
     mlps = [getattr(plan.mlp_run, "__self__", None) for plan in plans]

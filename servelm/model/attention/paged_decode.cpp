@@ -19,9 +19,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "servelm_parallel.h"
+#include "servelm_row_attention.h"
 
 namespace {
 
@@ -152,14 +154,15 @@ inline vec::F exp_lanes(vec::F x) {
   return vec::scale2(p, n);
 }
 
-// s[0..n) <- exp(s - max s), kLanes at a time (the tail masked); returns 1 / their sum.
-inline float softmax_row(float* s, int64_t n) {
+// s[0..n) <- exp(s - max s), kLanes at a time (the tail masked); returns their sum, the max at *top.
+inline float softmax_sum(float* s, int64_t n, float* top) {
   vec::F vm = vec::set1(-std::numeric_limits<float>::infinity());
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) vm = vec::max(vm, vec::load(s + c));
   const vec::Tail tail = vec::tail(n - c);
   if (c < n) vm = vec::max(vm, vec::load_tail(s + c, tail, -std::numeric_limits<float>::infinity()));
-  const vec::F m = vec::set1(vec::max_lane(vm));
+  *top = vec::max_lane(vm);
+  const vec::F m = vec::set1(*top);
   vec::F sum = vec::zero();
   for (c = 0; c + kLanes <= n; c += kLanes) {
     const vec::F e = exp_lanes(vec::sub(vec::load(s + c), m));
@@ -171,7 +174,7 @@ inline float softmax_row(float* s, int64_t n) {
     vec::store_tail(s + c, tail, e);
     sum = vec::add(sum, vec::keep_tail(tail, e));
   }
-  return 1.0f / vec::sum(sum);
+  return vec::sum(sum);
 }
 
 template <typename T>
@@ -187,36 +190,119 @@ inline void axpy(float alpha, const T* x, float* y, int64_t d) {
   for (int64_t j = 0; j < d; j += kLanes) vec::store(y + j, vec::fmadd(a, vec::load(x + j), vec::load(y + j)));
 }
 
+// A row's columns are cut into segments of this many, each segment's softmax and values computed on their
+// own and merged in order (merge_segments): a task of the tiled kernel is a segment (all query heads, or
+// a part of them), so one long row keeps every thread busy, and a segment's V rows (512 x D floats of a
+// KV head: 128 KiB at D 64) stay in L2 from the scores pass, which fetches them, to the values pass.
+// Fixed: a row's floats depend on its length only, never on the threads or the rows beside it (a row of
+// at most this many columns takes one segment: the floats of a plain softmax). Qwen2.5-Coder 0.5B's layer
+// (14/2 heads, D 64, float32 pool on huge pages, cold), 2 threads, AMD EPYC Zen 3 VM (AVX2), against one
+// task per (row, KV head) and no V prefetch in the scores pass: 1 x 4,096 columns 1.15x, 8 x 4,096 1.20x,
+// 32 x 256 1.16x; Gemma 3 270M's (4/1, D 256), 1 x 4,096: 1.9x (one KV head was one task). 256 and 1,024
+// columns a segment: within the noise of 512.
+constexpr int64_t kSegmentColumns = 512;
+
+inline int64_t row_segments(int64_t n) { return n <= kSegmentColumns ? 1 : (n + kSegmentColumns - 1) / kSegmentColumns; }
+
+// Floats of a row's partial results: [segments, H, D] unnormalized outputs, [segments, H] maxima,
+// [segments, H] sums of exps; none for a row of one segment (written in place, normalized).
+inline int64_t partial_floats(int64_t n, int64_t num_heads, int64_t d) {
+  const int64_t segments = row_segments(n);
+  return segments == 1 ? 0 : segments * num_heads * (d + 2);
+}
+
+// Head q of a row of ``segments`` segments from their partial results (partial_floats' layout):
+// out = (sum_s w_s o_s) / (sum_s w_s l_s), w_s = exp(m_s - max_s m_s), the segments in order.
+inline void merge_segments(int64_t segments, const float* partial, int64_t num_heads, int64_t d, int64_t q,
+                           float* out) {
+  const float* tops = partial + segments * num_heads * d;
+  const float* totals = tops + segments * num_heads;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < segments; ++s) top = std::max(top, tops[s * num_heads + q]);
+  float weights[64];
+  float total = 0.0f;
+  for (int64_t s0 = 0; s0 < segments; s0 += 64) {   // 64 segments at a time (32,768 columns)
+    const int64_t s1 = std::min(segments, s0 + 64);
+    for (int64_t s = s0; s < s1; ++s) {
+      weights[s - s0] = std::exp(tops[s * num_heads + q] - top);
+      total += weights[s - s0] * totals[s * num_heads + q];
+    }
+    for (int64_t j = 0; j < d; j += kLanes) {
+      vec::F acc = s0 == 0 ? vec::zero() : vec::load(out + j);
+      for (int64_t s = s0; s < s1; ++s)
+        acc = vec::fmadd(vec::set1(weights[s - s0]), vec::load(partial + (s * num_heads + q) * d + j), acc);
+      vec::store(out + j, acc);
+    }
+  }
+  const vec::F f = vec::set1(1.0f / total);
+  for (int64_t j = 0; j < d; j += kLanes) vec::store(out + j, vec::mul(f, vec::load(out + j)));
+}
+
+// Where each row's partial results start in one buffer for the batch ([b + 1]: the last, its size).
+inline std::vector<int64_t> partial_offsets(const int64_t* np, int64_t b, int64_t num_heads, int64_t d) {
+  std::vector<int64_t> offsets(b + 1, 0);
+  for (int64_t i = 0; i < b; ++i) offsets[i + 1] = offsets[i] + partial_floats(np[i], num_heads, d);
+  return offsets;
+}
+
+// The merges of every row of more than one segment, (row, head) tasks across the threads.
+inline void merge_rows(const int64_t* np, int64_t b, int64_t num_heads, int64_t d, const std::vector<int64_t>& offsets,
+                       const float* partial, float* op) {
+  if (offsets[b] == 0) return;
+  servelm_parallel::dynamic_for(b * num_heads, b * num_heads, [&](int64_t task, int64_t) {
+    const int64_t i = task / num_heads, q = task % num_heads;
+    if (offsets[i + 1] > offsets[i])
+      merge_segments(row_segments(np[i]), partial + offsets[i], num_heads, d, q, op + (i * num_heads + q) * d);
+  });
+}
+
 template <typename T>
 void run(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t* sp, const int64_t* np,
          float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d, int64_t columns, float fscale) {
   const int64_t group = num_heads / num_kv_heads;
+  const std::vector<int64_t> offsets = partial_offsets(np, b, num_heads, d);
+  std::vector<float> partial(offsets[b], 0.0f);
   at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t n = np[i];
-      const int64_t* row_slots = sp + i * columns;
-      scores.assign(group * n, 0.0f);
+      const int64_t segments = row_segments(np[i]);
       const float* q0 = qp + i * q_row + h * group * d;
-      for (int64_t c = 0; c < n; ++c) {
-        const T* k_row = kp + (row_slots[c] * num_kv_heads + h) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + c] = dot(q0 + g * d, k_row, d) * fscale;
-      }
-      for (int64_t g = 0; g < group; ++g) inv_sum[g] = softmax_row(scores.data() + g * n, n);
-      float* o0 = op + (i * num_heads + h * group) * d;
-      for (int64_t c = 0; c < n; ++c) {
-        const T* v_row = vp + (row_slots[c] * num_kv_heads + h) * d;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + c], v_row, o0 + g * d, d);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const vec::F f = vec::set1(inv_sum[g]);
-        float* o = o0 + g * d;
-        for (int64_t j = 0; j < d; j += kLanes) vec::store(o + j, vec::mul(f, vec::load(o + j)));
+      for (int64_t s = 0; s < segments; ++s) {
+        const int64_t c0 = s * kSegmentColumns, n = std::min(np[i], c0 + kSegmentColumns) - c0;
+        const int64_t* row_slots = sp + i * columns + c0;
+        float* row_partial = partial.data() + offsets[i];
+        float* o0 = (segments == 1 ? op + i * num_heads * d : row_partial + s * num_heads * d) + h * group * d;
+        scores.assign(group * n, 0.0f);
+        for (int64_t c = 0; c < n; ++c) {
+          const T* k_row = kp + (row_slots[c] * num_kv_heads + h) * d;
+          for (int64_t g = 0; g < group; ++g) scores[g * n + c] = dot(q0 + g * d, k_row, d) * fscale;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float top;
+          const float sum = softmax_sum(scores.data() + g * n, n, &top);
+          inv_sum[g] = 1.0f / sum;
+          if (segments > 1) {
+            const int64_t q = s * num_heads + h * group + g;
+            row_partial[segments * num_heads * d + q] = top;
+            row_partial[segments * num_heads * (d + 1) + q] = sum;
+          }
+        }
+        for (int64_t c = 0; c < n; ++c) {
+          const T* v_row = vp + (row_slots[c] * num_kv_heads + h) * d;
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + c], v_row, o0 + g * d, d);
+        }
+        if (segments > 1) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const vec::F f = vec::set1(inv_sum[g]);
+          float* o = o0 + g * d;
+          for (int64_t j = 0; j < d; j += kLanes) vec::store(o + j, vec::mul(f, vec::load(o + j)));
+        }
       }
     }
   });
+  merge_rows(np, b, num_heads, d, offsets, partial.data(), op);
 }
 
 
@@ -233,8 +319,9 @@ void run(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t
 // at most 15, fewer columns and pieces per pass as G grows).
 // value_heads: the values pass takes at most that many heads at once (AVX2: 7 or 8 heads as 4 + the
 // rest, not all at 1 piece, which read each V row and broadcast each score 8 times per 64 lanes; 4
-// heads at 3 pieces, 12 accumulators + 3 rows + a score: Qwen's 7 heads take 6 passes over D 64
-// instead of 8 at 2 pieces, 2-4% less time a layer at 1,024-4,096 columns). The loops over G, T and W
+// heads at 3 pieces, 12 accumulators + 3 rows + a score: Qwen's 7 heads take 3 + 3 + 2 pieces over D 64
+// instead of 4 x 2, 2-4% less time a layer at 1,024-4,096 columns; the last two as one pass of 2, not two
+// of 1, whose 4 fma chains a column wait on their latency: 1.06x hot at 1 thread). The loops over G, T and W
 // are unrolled by pragma: without it GCC kept the G = 7 accumulators in memory (a store per accumulator
 // per step). qwen2.5-coder-0.5b's layer (14 q heads, 2 KV heads, D 64, float32 pool), 1 thread, 2 tasks,
 // standalone: 167 columns 27.2 -> 22.4 us, 1000 columns 204 -> 166 us (AMD EPYC Zen 3 VM, AVX2).
@@ -249,7 +336,7 @@ constexpr int value_heads(int g) { return g <= 6 ? g : 4; }
 #endif
 
 template <typename T, int G, int TC>
-inline void scores_tile(const float* q0, const T* kp, const int64_t* row_slots, int64_t c0,
+inline void scores_tile(const float* q0, const T* kp, const T* vp, const int64_t* row_slots, int64_t c0,
                         int64_t n_stride, int64_t num_kv_heads, int64_t h, int64_t d, float fscale,
                         float* scores) {
   vec::F acc[G][TC];
@@ -260,8 +347,12 @@ inline void scores_tile(const float* q0, const T* kp, const int64_t* row_slots, 
   // The next tile's rows (slots are scattered over the pool's blocks): fetched while this one runs.
   for (int64_t t = c0 + kPrefetchColumns; t < c0 + kPrefetchColumns + TC && t < n_stride; ++t)
     prefetch_row<_MM_HINT_T0>(kp, row_slots[t], num_kv_heads, h, d);
-  for (int64_t t = c0 + kFarColumns; t < c0 + kFarColumns + TC && t < n_stride; ++t)
+  // and into L2 the K rows further on, and the V rows of the same columns: the values pass of the segment
+  // (at most kSegmentColumns columns) then finds them there
+  for (int64_t t = c0 + kFarColumns; t < c0 + kFarColumns + TC && t < n_stride; ++t) {
     prefetch_row<_MM_HINT_T1>(kp, row_slots[t], num_kv_heads, h, d);
+    prefetch_row<_MM_HINT_T1>(vp, row_slots[t], num_kv_heads, h, d);
+  }
   for (int64_t j = 0; j < d; j += kLanes) {
     vec::F k[TC];
     _Pragma("GCC unroll 16") for (int t = 0; t < TC; ++t) k[t] = vec::load(rows[t] + j);
@@ -298,7 +389,7 @@ inline void values_piece(const float* scores, const float* inv_sum, const T* vp,
       _Pragma("GCC unroll 16") for (int w = 0; w < W; ++w) acc[g][w] = vec::fmadd(p, v[w], acc[g][w]);
     }
   }
-  if (c1 == n) {
+  if (c1 == n && inv_sum != nullptr) {
     _Pragma("GCC unroll 16") for (int g = 0; g < G; ++g) {
       const vec::F f = vec::set1(inv_sum[g]);
       _Pragma("GCC unroll 16") for (int w = 0; w < W; ++w) vec::store(o0 + g * d + j0 + kLanes * w, vec::mul(f, acc[g][w]));
@@ -309,7 +400,8 @@ inline void values_piece(const float* scores, const float* inv_sum, const T* vp,
   }
 }
 
-// The values of G heads (scores [G, n], their 1 / sums, outputs [G, D]), W pieces of kLanes at a time.
+// The values of G heads (scores [G, n], their 1 / sums, or null: the sums left raw; outputs [G, D]), W pieces
+// of kLanes at a time.
 template <typename T, int G>
 inline void values_heads(const float* scores, const float* inv_sum, const T* vp, const int64_t* row_slots, int64_t n,
                          int64_t num_kv_heads, int64_t h, int64_t d, float* o0, bool prefetch, int64_t c0, int64_t c1) {
@@ -317,68 +409,150 @@ inline void values_heads(const float* scores, const float* inv_sum, const T* vp,
   int64_t j = 0;
   for (; j + kLanes * W <= d; j += kLanes * W)
     values_piece<T, G, W>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
+  if constexpr (W > 2) {   // the rest two pieces at a time where it can (one piece: 4 fma chains a column at most)
+    for (; j + kLanes * 2 <= d; j += kLanes * 2)
+      values_piece<T, G, 2>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
+  }
   for (; j < d; j += kLanes)
     values_piece<T, G, 1>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, j, o0, prefetch && j == 0, c0, c1);
 }
 
-// One (sequence, KV head) task's G query heads (G <= 8): scores, softmax, values.
-template <typename T, int G>
-void attend_heads(const float* q0, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
-                  int64_t num_kv_heads, int64_t h, int64_t d, float fscale, float* scores,
-                  float* inv_sum, float* o0) {
-  constexpr int TC = score_columns(G);
-  int64_t c = 0;
-  for (; c + TC <= n; c += TC) scores_tile<T, G, TC>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
-  for (; c < n; ++c) scores_tile<T, G, 1>(q0, kp, row_slots, c, n, num_kv_heads, h, d, fscale, scores);
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_row(scores + g * n, n);   // as run() computes it
-  constexpr int VG = value_heads(G);
-  for (int64_t c0 = 0; c0 < n; c0 += kValueColumns) {
-    const int64_t c1 = std::min(n, c0 + kValueColumns);
-    values_heads<T, VG>(scores, inv_sum, vp, row_slots, n, num_kv_heads, h, d, o0, true, c0, c1);
-    if constexpr (G > VG)
-      values_heads<T, G - VG>(scores + VG * n, inv_sum + VG, vp, row_slots, n, num_kv_heads, h, d, o0 + VG * d, false,
-                              c0, c1);
+// f(G) for G = count (1 .. 8) as a compile-time constant.
+template <typename F>
+inline void with_heads(int64_t count, const F& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    default: f(std::integral_constant<int, 8>()); break;
   }
 }
 
+// f(h, first, count) for the pieces of query heads [q_begin, q_end): each within one KV head h, at most 8.
+template <typename F>
+inline void for_pieces(int64_t q_begin, int64_t q_end, int64_t group, const F& f) {
+  for (int64_t q = q_begin; q < q_end;) {
+    const int64_t h = q / group, count = std::min<int64_t>(8, std::min(q_end, (h + 1) * group) - q);
+    f(h, q, count);
+    q += count;
+  }
+}
+
+// Within a task the KV heads take turns over chunks of this many columns (their rows lie side by side in
+// the pool: a row read for one KV head brings its neighbours' lines too).
+constexpr int64_t kScoreChunk = 32;
+
+// Query heads [q_begin, q_end) of one row against its columns row_slots[0 .. n) (a segment): scores
+// (scores [q_end - q_begin, n]), softmax, values, each head's floats as the plain run() computes them; the
+// outputs at o (head q at o + q * d) divided by their sums where ``normalize``, else their raw sums with
+// each head's max and sum of exps at top[q - q_begin], total[q - q_begin].
 template <typename T>
-void attend_group(const float* q0, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
-                  int64_t num_kv_heads, int64_t h, int64_t d, float fscale, float* scores,
-                  float* inv_sum, float* o0, int64_t group) {
-  for (int64_t g0 = 0; g0 < group; g0 += 8) {  // heads in chunks of at most 8
-    const int64_t heads = group - g0 < 8 ? group - g0 : 8;
-    const float* q = q0 + g0 * d;
-    float* o = o0 + g0 * d;
-    switch (heads) {
-      case 1: attend_heads<T, 1>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 2: attend_heads<T, 2>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 3: attend_heads<T, 3>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 4: attend_heads<T, 4>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 5: attend_heads<T, 5>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 6: attend_heads<T, 6>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      case 7: attend_heads<T, 7>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
-      default: attend_heads<T, 8>(q, kp, vp, row_slots, n, num_kv_heads, h, d, fscale, scores, inv_sum, o); break;
+void attend_span(const float* q_row, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
+                 int64_t num_kv_heads, int64_t group, int64_t d, float fscale, int64_t q_begin, int64_t q_end,
+                 float* scores, float* inv_sum, float* o, bool normalize, float* top, float* total) {
+  for (int64_t c0 = 0; c0 < n; c0 += kScoreChunk) {
+    const int64_t c1 = std::min(n, c0 + kScoreChunk);
+    for_pieces(q_begin, q_end, group, [&](int64_t h, int64_t first, int64_t count) {
+      with_heads(count, [&](auto heads) {
+        constexpr int G = decltype(heads)::value;
+        constexpr int TC = score_columns(G);
+        const float* q0 = q_row + first * d;
+        float* s = scores + (first - q_begin) * n;
+        int64_t c = c0;
+        for (; c + TC <= c1; c += TC) scores_tile<T, G, TC>(q0, kp, vp, row_slots, c, n, num_kv_heads, h, d, fscale, s);
+        for (; c < c1; ++c) scores_tile<T, G, 1>(q0, kp, vp, row_slots, c, n, num_kv_heads, h, d, fscale, s);
+      });
+    });
+  }
+  for (int64_t g = 0; g < q_end - q_begin; ++g) {
+    float top_g;
+    const float sum = softmax_sum(scores + g * n, n, &top_g);
+    inv_sum[g] = 1.0f / sum;
+    if (!normalize) {
+      top[g] = top_g;
+      total[g] = sum;
     }
   }
+  for (int64_t c0 = 0; c0 < n; c0 += kValueColumns) {
+    const int64_t c1 = std::min(n, c0 + kValueColumns);
+    bool prefetch = true;   // the first piece's first pass prefetches the chunk's V rows into L1
+    for_pieces(q_begin, q_end, group, [&](int64_t h, int64_t first, int64_t count) {
+      with_heads(count, [&](auto heads) {
+        constexpr int G = decltype(heads)::value;
+        constexpr int VG = value_heads(G);
+        const int64_t g = first - q_begin;
+        const float* inv = normalize ? inv_sum + g : nullptr;
+        values_heads<T, VG>(scores + g * n, inv, vp, row_slots, n, num_kv_heads, h, d, o + first * d, prefetch, c0, c1);
+        if constexpr (G > VG)
+          values_heads<T, G - VG>(scores + (g + VG) * n, normalize ? inv + VG : nullptr, vp, row_slots, n, num_kv_heads,
+                                  h, d, o + (first + VG) * d, false, c0, c1);
+      });
+      prefetch = false;
+    });
+  }
+}
+
+// Tasks of a row of n columns: its segments x ``parts`` parts of its heads (which heads a task takes
+// changes no float), enough parts that ``threads`` threads have work where the segments are fewer.
+inline int64_t head_parts(int64_t segments, int64_t num_heads, int64_t threads) {
+  return std::min(num_heads, std::max<int64_t>(1, (threads + segments - 1) / segments));
+}
+
+inline int64_t row_plan(int64_t n, int64_t num_heads, int64_t threads, int64_t* parts) {
+  *parts = head_parts(row_segments(n), num_heads, threads);
+  return row_segments(n) * *parts;
+}
+
+// Task ``task`` of a row (segment task / parts, heads of part task % parts): q_row's heads at q_row
+// (D floats each), outputs [H, D] at out, or partial results (partial_floats' layout) at partial.
+template <typename T>
+void attend_row_task(const float* q_row, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
+                     int64_t num_kv_heads, int64_t num_heads, int64_t d, float fscale, int64_t parts, int64_t task,
+                     float* out, float* partial) {
+  const int64_t segments = row_segments(n), s = task / parts, part = task % parts;
+  const int64_t q_begin = part * num_heads / parts, q_end = (part + 1) * num_heads / parts;
+  if (q_begin == q_end) return;
+  const int64_t c0 = s * kSegmentColumns, len = std::min(n, c0 + kSegmentColumns) - c0;
+  thread_local std::vector<float> scores, inv_sum;
+  if (static_cast<int64_t>(scores.size()) < (q_end - q_begin) * len) scores.resize((q_end - q_begin) * len);
+  if (static_cast<int64_t>(inv_sum.size()) < q_end - q_begin) inv_sum.resize(q_end - q_begin);
+  const int64_t group = num_heads / num_kv_heads;
+  if (segments == 1) {
+    attend_span(q_row, kp, vp, row_slots, len, num_kv_heads, group, d, fscale, q_begin, q_end, scores.data(),
+                inv_sum.data(), out, true, nullptr, nullptr);
+    return;
+  }
+  float* tops = partial + segments * num_heads * d + s * num_heads + q_begin;
+  attend_span(q_row, kp, vp, row_slots + c0, len, num_kv_heads, group, d, fscale, q_begin, q_end, scores.data(),
+              inv_sum.data(), partial + s * num_heads * d, false, tops, tops + segments * num_heads);
 }
 
 template <typename T>
 void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const int64_t* sp,
                const int64_t* np, float* op, int64_t b, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                int64_t columns, float fscale) {
-  const int64_t group = num_heads / num_kv_heads;
-  // One (sequence, KV head) task at a time from a shared counter (servelm_parallel.h): the threads
-  // balance longer and shorter contexts as they go, and a thread that loses its core to another
-  // process holds up one task, not a share of the batch fixed up front.
-  servelm_parallel::dynamic_for(b * num_kv_heads, b * num_kv_heads, [&](int64_t task, int64_t) {
-    thread_local std::vector<float> scores;
-    float inv_sum[8];
-    const int64_t i = task / num_kv_heads, h = task % num_kv_heads;
-    const int64_t n = np[i];
-    if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
-    attend_group(qp + i * q_row + h * group * d, kp, vp, sp + i * columns, n, num_kv_heads,
-                 h, d, fscale, scores.data(), inv_sum, op + (i * num_heads + h * group) * d, group);
+  const std::vector<int64_t> offsets = partial_offsets(np, b, num_heads, d);
+  std::vector<float> partial(offsets[b]);
+  // (row, segment) tasks, their heads in parts where the segments are fewer than the threads
+  std::vector<int64_t> first_segment(b + 1, 0);
+  for (int64_t i = 0; i < b; ++i) first_segment[i + 1] = first_segment[i] + row_segments(np[i]);
+  const int64_t segments = first_segment[b];
+  const int64_t parts = head_parts(segments, num_heads, at::get_num_threads());
+  // One task at a time from a shared counter (servelm_parallel.h): the threads balance longer and shorter
+  // contexts as they go, and a thread that loses its core to another process holds up one task, not a
+  // share of the batch fixed up front.
+  servelm_parallel::dynamic_for(segments * parts, segments * parts, [&](int64_t task, int64_t) {
+    const int64_t segment = task / parts;
+    const int64_t i = std::upper_bound(first_segment.begin(), first_segment.end(), segment) - first_segment.begin() - 1;
+    attend_row_task(qp + i * q_row, kp, vp, sp + i * columns, np[i], num_kv_heads, num_heads, d, fscale, parts,
+                    (segment - first_segment[i]) * parts + task % parts, op + i * num_heads * d,
+                    partial.data() + offsets[i]);
   });
+  merge_rows(np, b, num_heads, d, offsets, partial.data(), op);
 }
 
 // The kernel over q rows at qp (row i at qp + i * q_row, its H heads' D floats one after another) into
@@ -519,17 +693,25 @@ torch::Tensor write_and_attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::
                          num_heads, d).to(qkv.scalar_type());
 }
 
-// One (sequence, KV head) task of run_tiled on a float32 pool: the group's query heads at q0, their
-// outputs at o0 (what run_tiled's task computes, in the same floats). The AVX2 block kernel's DecodeStack
-// calls it through the capsule ATTEND_KV_HEAD_F32 with its own threads' share of a row's tasks. No checks:
-// the caller's (its pools, slots and spans are checked as attend_rows checks them).
-void attend_kv_head_f32(const float* q0, const float* kp, const float* vp, const int64_t* row_slots, int64_t n,
-                        int64_t num_kv_heads, int64_t h, int64_t d, float scale, float* o0, int64_t group) {
-  thread_local std::vector<float> scores;
-  float inv_sum[8];
-  if (static_cast<int64_t>(scores.size()) < 8 * n) scores.resize(8 * n);
-  attend_group(q0, kp, vp, row_slots, n, num_kv_heads, h, d, scale, scores.data(), inv_sum, o0, group);
+// The one-row functions the AVX2 block kernel's DecodeStack calls (servelm_row_attention.h), float32
+// pools: what run_tiled computes for the row, in the same floats. No checks: the caller's (its pools,
+// slots and spans are checked as attend_rows checks them).
+int64_t row_plan_f32(int64_t n, int64_t num_heads, int64_t threads, int64_t* parts) {
+  return row_plan(n, num_heads, threads, parts);
 }
+
+void row_task_f32(const float* q_row, const float* kp, const float* vp, const int64_t* row_slots, int64_t n,
+                  int64_t num_kv_heads, int64_t num_heads, int64_t d, float scale, int64_t parts, int64_t task,
+                  float* out, float* partial) {
+  attend_row_task(q_row, kp, vp, row_slots, n, num_kv_heads, num_heads, d, scale, parts, task, out, partial);
+}
+
+void row_merge_f32(int64_t n, const float* partial, int64_t num_heads, int64_t d, int64_t q_begin, int64_t q_end,
+                   float* out) {
+  for (int64_t q = q_begin; q < q_end; ++q) merge_segments(row_segments(n), partial, num_heads, d, q, out + q * d);
+}
+
+const RowAttentionF32 kRowAttentionF32{&row_plan_f32, &partial_floats, &row_task_f32, &row_merge_f32};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
@@ -540,5 +722,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = vec::kIsa;
   m.attr("LANES") = kLanes;
   m.attr("VALUE_COLUMNS") = kValueColumns;
-  m.attr("ATTEND_KV_HEAD_F32") = py::capsule(reinterpret_cast<void*>(&attend_kv_head_f32), "servelm.attend_kv_head_f32");
+  m.attr("SEGMENT_COLUMNS") = kSegmentColumns;
+  m.attr("ROW_ATTENTION_F32") = py::capsule(const_cast<void*>(static_cast<const void*>(&kRowAttentionF32)),
+                                             "servelm.row_attention_f32");
 }

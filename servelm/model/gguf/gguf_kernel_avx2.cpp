@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "servelm_activation.h"
+#include "servelm_row_attention.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1116,16 +1117,15 @@ class DecodeMlp {
 // DecodeStack runs the flat decode's one-row float32 step through all its layers inside one OpenMP
 // parallel region: per layer the QKV projection (BlockGemm, its bias added as block_linear_impl adds it),
 // the q/k norms and RoPE of the row, its K and V written at the row's slot of the layer's pools, attention
-// (one task per KV head, thread t taking tasks t, t + threads, ...; a KV head's query heads split over the
-// threads where there are fewer KV heads than threads), then DecodeMlp's phases (o .. down and
-// the next layer's input norm, the last layer's the model's final norm). The norm + RoPE and attention
-// functions are those of the loaded fused-ops and paged-decode builds (capsules given at construction:
-// fused_ops.cpp's norm_rope_qkv_row_f32, paged_decode.cpp's attend_kv_head_f32), so every float is the one
+// (paged_decode.cpp's tasks for the row: segments of its columns, their query heads split where the
+// segments are fewer than the threads; thread t taking tasks t, t + threads, ...; then the segments'
+// merge), then DecodeMlp's phases (o .. down and the next layer's input norm, the last layer's the
+// model's final norm). The norm + RoPE and attention functions are those of the loaded fused-ops and
+// paged-decode builds (capsules given at construction: fused_ops.cpp's norm_rope_qkv_row_f32,
+// paged_decode.cpp's RowAttentionF32, servelm_row_attention.h), so every float is the one
 // the per-layer calls compute; what goes is their Python, their argument checks and their parallel regions.
 using NormRopeRow = void (*)(float*, int64_t, int64_t, int64_t, const float*, const float*, const float*,
                              const float*, float, bool);
-using AttendKvHead = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                              int64_t, float, float*, int64_t);
 
 void* capsule_pointer(const py::capsule& capsule, const char* name) {
   TORCH_CHECK(capsule.name() != nullptr && std::strcmp(capsule.name(), name) == 0, "expected the capsule ", name);
@@ -1149,7 +1149,7 @@ class DecodeStack {
  public:
   DecodeStack(const py::capsule& norm_rope, const py::capsule& attend)
       : norm_rope_(reinterpret_cast<NormRopeRow>(capsule_pointer(norm_rope, "servelm.norm_rope_qkv_row_f32"))),
-        attend_(reinterpret_cast<AttendKvHead>(capsule_pointer(attend, "servelm.attend_kv_head_f32"))) {}
+        attend_(*static_cast<const RowAttentionF32*>(capsule_pointer(attend, "servelm.row_attention_f32"))) {}
 
   void add_layer(int64_t qkv_kind, torch::Tensor qkv_codes, torch::Tensor qkv_scales,
                  c10::optional<torch::Tensor> qkv_offsets, int64_t qkv_block, c10::optional<torch::Tensor> qkv_bias,
@@ -1225,6 +1225,10 @@ class DecodeStack {
         TORCH_CHECK(slot >= 0 && slot < pool->size(0), "slot ", slot, " outside the pool's ", pool->size(0));
       }
     }
+    int64_t partial = 0;
+    for (const StackLayer& layer : layers_)
+      partial = std::max(partial, attend_.partial_floats(columns[layer.window], layer.heads, layer.d));
+    if (static_cast<int64_t>(partial_.size()) < partial) partial_.resize(partial);
     auto normed_out = torch::empty({1, h_size}, hidden.options());
     auto summed_out = torch::empty({1, h_size}, hidden.options());
     const int64_t mlp_floats = layers_[0].mlp->buffer_floats();
@@ -1244,7 +1248,7 @@ class DecodeStack {
         barrier();
         run_share(*gemm, tid, threads);
         barrier();
-        const int64_t group = layer.heads / layer.kv_heads, d = layer.d;
+        const int64_t d = layer.d;
         float* k_pool = k_pools[l].data_ptr<float>();
         float* v_pool = v_pools[l].data_ptr<float>();
         if (tid == 0) {
@@ -1256,15 +1260,22 @@ class DecodeStack {
           std::memcpy(v_pool + slot * row, qkv_out + layer.heads * d + row, row * sizeof(float));
         }
         barrier();
-        // One task per KV head, or, with fewer KV heads than threads, per part of its query heads (each
-        // head's floats do not depend on the heads computed beside it: paged_decode.cpp's tiles)
+        // The row's attention tasks (paged_decode.cpp's segments of columns, their heads in parts where
+        // the segments are fewer than the threads), thread t taking tasks t, t + threads, ...; then, where
+        // the row has more than one segment, the merge of their partial results, the heads split over the
+        // threads
         const int64_t* row_slots = slots[layer.window].data_ptr<int64_t>();
-        const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(group, threads / layer.kv_heads));
-        for (int64_t task = tid; task < layer.kv_heads * parts; task += threads) {
-          const int64_t h = task / parts, part = task % parts;
-          const int64_t first = h * group + part * group / parts, heads = (part + 1) * group / parts - part * group / parts;
-          attend_(qkv_out + first * d, k_pool, v_pool, row_slots, columns[layer.window], layer.kv_heads, h, d,
-                  layer.scale, attended + first * d, heads);
+        const int64_t n = columns[layer.window];
+        int64_t parts;
+        const int64_t tasks = attend_.plan(n, layer.heads, threads, &parts);
+        for (int64_t task = tid; task < tasks; task += threads) {
+          attend_.task(qkv_out, k_pool, v_pool, row_slots, n, layer.kv_heads, layer.heads, d, layer.scale, parts,
+                       task, attended, partial_.data());
+        }
+        if (attend_.partial_floats(n, layer.heads, d) > 0) {
+          barrier();
+          attend_.merge(n, partial_.data(), layer.heads, d, tid * layer.heads / threads,
+                        (tid + 1) * layer.heads / threads, attended);
         }
         const bool last = l + 1 == layers_.size();
         float* out_normed = last ? normed_out.data_ptr<float>() : between + (l % 2) * 2 * h_size;
@@ -1288,10 +1299,11 @@ class DecodeStack {
 
  private:
   NormRopeRow norm_rope_;
-  AttendKvHead attend_;
+  RowAttentionF32 attend_;
   std::vector<StackLayer> layers_;
   int64_t qkv_floats_ = 0, attended_floats_ = 0;   // the largest QKV row and attention output of the layers
   std::vector<float> buffer_;   // the QKV row, attention's output, the layers' outputs, the MLP phases' buffer
+  std::vector<float> partial_;  // attention's partial results of a row of more than one segment
 };
 
 }  // namespace

@@ -367,6 +367,42 @@ def test_float32_block_decode_takes_one_call_for_all_layers(arch: str, threads: 
     assert results[-STEPS:] == [True] * STEPS   # every decode step of the flat run took the one call (not the prompt)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_mqa"])
+def test_decode_stack_at_a_long_context(arch: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A context of more than two of the paged decode's segments (its columns' softmax and values in
+    parts, merged): ``DecodeStack`` runs the row's segment tasks on its own threads (a lone KV head's
+    query heads split where the segments are fewer) and merges them after a barrier, bit-identical to
+    the module path's kernel call; the step's floats do not depend on the threads."""
+    if getattr(load_kernel(), "DecodeStack", None) is None:
+        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
+    from servelm.model.attention import paged_decode
+    config = make_tiny_hf_model(arch).config
+    config.max_position_embeddings = 2048
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    length = 2 * paged_decode.load_kernel().SEGMENT_COLUMNS + 90
+    prompt = torch.randint(0, config.vocab_size, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    results = []
+    original = NativeStack.run
+
+    def counted(self: NativeStack, *args: Any) -> Any:
+        out = original(self, *args)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeStack, "run", counted)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_flat_against_modules(DecodePlan if arch.startswith("gemma3") else LlamaDecodePlan, 1,
+                                   lambda: runner_decode_logits(block_runner(hf_model, "auto", "float32"), [prompt]),
+                                   monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+    assert results[-STEPS:] == [True] * STEPS
+
+
 def test_decode_stack_refuses_what_it_cannot_compute() -> None:
     """The native stack's checks: a pool of another head size, a slot outside the pool and a span past
     the row's columns are errors before any layer runs, not reads out of bounds."""

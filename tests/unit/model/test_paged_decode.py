@@ -284,7 +284,7 @@ def test_the_flat_decode_path_takes_the_avx2_build(forced_avx2: CountingBuild,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tiled_kernel_is_the_same_at_every_thread_count(dtype: torch.dtype, kernel: ModuleType) -> None:
-    """The threads take (sequence, KV head) tasks from a shared counter (servelm_parallel.h): how many
+    """The threads take (sequence, segment) tasks from a shared counter (servelm_parallel.h): how many
     threads there are, and which tasks each one takes, never changes a result bit."""
     q, k_pool, v_pool, slots, spans = pool_case(12, 2, 64, dtype, [23, 1, 17, 3, 5, 22, 9, 14, 2], 23, 4)
     q = q.float()
@@ -300,3 +300,32 @@ def test_the_tiled_kernel_is_the_same_at_every_thread_count(dtype: torch.dtype, 
                                atol=2e-5, rtol=1e-4)
     for result in results[1:]:
         assert torch.equal(result, results[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(14, 2, 64), (4, 1, 256), (9, 3, 64), (2, 2, 32)])
+def test_long_contexts_in_segments(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                   kernel: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contexts past a segment (SEGMENT_COLUMNS): one column past it, whole segments, a part past three,
+    beside one column. Each segment's softmax and values are merged in order: SDPA's result up to
+    rounding; the plain arrangement's floats; and a sequence's floats are its own, whether it is
+    attended alone (its heads then split over the threads) or in the batch, at any thread count."""
+    segment = kernel.SEGMENT_COLUMNS
+    spans = [segment + 1, 2 * segment, 1, 3 * segment + 77, segment]
+    q, k_pool, v_pool, slots, span_tensor = pool_case(num_heads, num_kv_heads, head_dim, dtype, spans, max(spans), 6)
+    q = q.float()
+    tiled = paged_decode.attend(q, k_pool, v_pool, slots, span_tensor, 0.125, kernel)
+    torch.testing.assert_close(tiled, gathered_sdpa(q, k_pool, v_pool, slots, span_tensor, 0.125),
+                               atol=2e-5, rtol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for i in (0, 3):
+                alone = paged_decode.attend(q[i:i + 1], k_pool, v_pool, slots[i:i + 1], span_tensor[i:i + 1], 0.125,
+                                            kernel)
+                assert torch.equal(alone, tiled[i:i + 1]), f"row {i} alone at {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(paged_decode, "TILED", False)
+    assert torch.equal(tiled, paged_decode.attend(q, k_pool, v_pool, slots, span_tensor, 0.125, kernel))
