@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -245,7 +246,7 @@ inline std::vector<int64_t> partial_offsets(const int64_t* np, int64_t b, int64_
   return offsets;
 }
 
-// The merges of every row of more than one segment, (row, head) tasks across the threads.
+// The merges of every row of more than one segment, (row, head) tasks across the threads (the plain run()'s).
 inline void merge_rows(const int64_t* np, int64_t b, int64_t num_heads, int64_t d, const std::vector<int64_t>& offsets,
                        const float* partial, float* op) {
   if (offsets[b] == 0) return;
@@ -549,14 +550,21 @@ void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const i
   // One task at a time from a shared counter (servelm_parallel.h): the threads balance longer and shorter
   // contexts as they go, and a thread that loses its core to another process holds up one task, not a
   // share of the batch fixed up front.
+  // A row of more than one segment is merged by the thread that ends its last task (no second parallel
+  // region; the merge's floats are the same whichever thread runs it).
+  std::vector<std::atomic<int64_t>> remaining(b);
+  for (int64_t i = 0; i < b; ++i) remaining[i].store((first_segment[i + 1] - first_segment[i]) * parts);
   servelm_parallel::dynamic_for(segments * parts, segments * parts, [&](int64_t task, int64_t) {
     const int64_t segment = task / parts;
     const int64_t i = std::upper_bound(first_segment.begin(), first_segment.end(), segment) - first_segment.begin() - 1;
     attend_row_task(qp + i * q_row, kp, vp, sp + i * columns, np[i], num_kv_heads, num_heads, d, fscale, parts,
                     (segment - first_segment[i]) * parts + task % parts, op + i * num_heads * d,
                     partial + offsets[i]);
+    if (offsets[i + 1] > offsets[i] && remaining[i].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      for (int64_t q = 0; q < num_heads; ++q)
+        merge_segments(row_segments(np[i]), partial + offsets[i], num_heads, d, q, op + (i * num_heads + q) * d);
+    }
   });
-  merge_rows(np, b, num_heads, d, offsets, partial, op);
 }
 
 // The kernel over q rows at qp (row i at qp + i * q_row, its H heads' D floats one after another) into
