@@ -2,8 +2,9 @@
 //   out[i, h] = softmax(scale * q[i, h] . K[slot(i, c)]) over c < span[i], weighted sum of V rows.
 // The torch path gathers every context row into a padded copy (index_select) and SDPA reads the
 // copy again; here each K and V row is read once, from the pool, for all query heads sharing its
-// KV head. One task per (sequence, KV head); float32 arithmetic over a float32 or bfloat16 pool
-// (bf16 rows widened in registers), D a multiple of the vector's lanes.
+// KV head. A sequence's columns are taken in segments of a fixed length, merged in order
+// (kSegmentColumns); float32 arithmetic over a float32 or bfloat16 pool (bf16 rows widened in
+// registers), D a multiple of the vector's lanes.
 //
 // One source, two builds (servelm/model/attention/paged_decode.py compiles it at run time and picks
 // the build by the CPU's flags): with -mavx512f the vectors are 16 lanes (zmm, 32 registers), with
@@ -15,10 +16,10 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -198,9 +199,10 @@ inline void axpy(float alpha, const T* x, float* y, int64_t d) {
 // Fixed: a row's floats depend on its length only, never on the threads or the rows beside it (a row of
 // at most this many columns takes one segment: the floats of a plain softmax). Qwen2.5-Coder 0.5B's layer
 // (14/2 heads, D 64, float32 pool on huge pages, cold), 2 threads, AMD EPYC Zen 3 VM (AVX2), against one
-// task per (row, KV head) and no V prefetch in the scores pass: 1 x 4,096 columns 1.15x, 8 x 4,096 1.20x,
-// 32 x 256 1.16x; Gemma 3 270M's (4/1, D 256), 1 x 4,096: 1.9x (one KV head was one task). 256 and 1,024
-// columns a segment: within the noise of 512.
+// task per (row, KV head) and no V prefetch in the scores pass: 1 x 4,096 columns 1.13x, 8 x 1,024-4,096
+// 1.16x, 32 x 256-4,096 1.15-1.22x; Gemma 3 270M's (4/1, D 256), 1 x 4,096: 1.94x (one KV head was one
+// task: one thread). The segments or the V prefetch alone: within the noise. 256 and 1,024 columns a
+// segment: within the noise of 512.
 constexpr int64_t kSegmentColumns = 512;
 
 inline int64_t row_segments(int64_t n) { return n <= kSegmentColumns ? 1 : (n + kSegmentColumns - 1) / kSegmentColumns; }

@@ -23,6 +23,12 @@ split, no views; 2 x ``index_copy_``, q's copy, ``.to`` and ``.view`` were ~40 u
 layer's ~80, 1 thread, loaded machine). ``write_and_attend`` does the same on q, k, v views (the
 equality tests' reference, and step_ab.py's ``qkv_rows`` baseline).
 
+A sequence's columns are taken in segments of ``SEGMENT_COLUMNS`` (512), each segment's softmax and values
+on their own, merged in order (each head's max, sum of exps and unnormalized output): a task is a segment
+with its query heads (split where the segments are fewer than the threads), so one long context keeps every
+thread busy. The segments are fixed: a sequence's floats depend on its length only, never on the threads or
+the batch; a sequence of at most 512 columns is one segment (a plain softmax).
+
 Two arrangements of the same arithmetic, equal bit for bit: the tiled one (the default, ``TILED``)
 keeps G query heads x 4 columns of scores and G heads x 64 output lanes in registers (over chunks of
 128 columns, ``VALUE_COLUMNS``, the partial sums kept in the output between chunks) and prefetches

@@ -336,6 +336,29 @@ def test_float32_block_decode_takes_one_mlp_call(arch: str, threads: int, monkey
     assert len(calls) >= STEPS * hf_model.config.num_hidden_layers
 
 
+def check_stack_against_modules(arch: str, threads: int, decode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_flat_against_modules`` at ``threads`` threads, every decode step of the flat run in one
+    ``DecodeStack.run`` call (skipped where the block kernel has no DecodeStack)."""
+    if getattr(load_kernel(), "DecodeStack", None) is None:
+        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
+    results = []
+    original = NativeStack.run
+
+    def counted(self: NativeStack, *args: Any) -> Any:
+        out = original(self, *args)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeStack, "run", counted)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_flat_against_modules(DecodePlan if arch.startswith("gemma3") else LlamaDecodePlan, 1, decode, monkeypatch)
+    finally:
+        torch.set_num_threads(previous)
+    assert results[-STEPS:] == [True] * STEPS   # every decode step of the flat run took the one call (not the prompt)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma3_mqa", "mistral"])
 def test_float32_block_decode_takes_one_call_for_all_layers(arch: str, threads: int,
@@ -345,26 +368,9 @@ def test_float32_block_decode_takes_one_call_for_all_layers(arch: str, threads: 
     Mistral's window past the prompt, attention and the MLP half of every layer; one KV head whose query
     heads the threads share), where the AVX2 block kernel has it, on one thread and on two: bit-identical
     to the module path."""
-    if getattr(load_kernel(), "DecodeStack", None) is None:
-        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
-    results = []
-    original = NativeStack.run
-
-    def counted(self: NativeStack, *args: Any) -> Any:
-        out = original(self, *args)
-        results.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeStack, "run", counted)
     hf_model = tiny_mistral() if arch == "mistral" else make_tiny_hf_model(arch)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        check_flat_against_modules(DecodePlan if arch.startswith("gemma3") else LlamaDecodePlan, 1,
-                                   lambda: decode_logits(hf_model, arch, 1, "auto", "float32", True), monkeypatch)
-    finally:
-        torch.set_num_threads(previous)
-    assert results[-STEPS:] == [True] * STEPS   # every decode step of the flat run took the one call (not the prompt)
+    check_stack_against_modules(arch, threads, lambda: decode_logits(hf_model, arch, 1, "auto", "float32", True),
+                                monkeypatch)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -373,9 +379,7 @@ def test_decode_stack_at_a_long_context(arch: str, threads: int, monkeypatch: py
     """A context of more than two of the paged decode's segments (its columns' softmax and values in
     parts, merged): ``DecodeStack`` runs the row's segment tasks on its own threads (a lone KV head's
     query heads split where the segments are fewer) and merges them after a barrier, bit-identical to
-    the module path's kernel call; the step's floats do not depend on the threads."""
-    if getattr(load_kernel(), "DecodeStack", None) is None:
-        pytest.skip("the block kernel here has no DecodeStack (not the AVX2 build)")
+    the module path's kernel call, on one thread and on two."""
     from servelm.model.attention import paged_decode
     config = make_tiny_hf_model(arch).config
     config.max_position_embeddings = 2048
@@ -383,24 +387,8 @@ def test_decode_stack_at_a_long_context(arch: str, threads: int, monkeypatch: py
     hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     length = 2 * paged_decode.load_kernel().SEGMENT_COLUMNS + 90
     prompt = torch.randint(0, config.vocab_size, (length,), generator=torch.Generator().manual_seed(3)).tolist()
-    results = []
-    original = NativeStack.run
-
-    def counted(self: NativeStack, *args: Any) -> Any:
-        out = original(self, *args)
-        results.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeStack, "run", counted)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        check_flat_against_modules(DecodePlan if arch.startswith("gemma3") else LlamaDecodePlan, 1,
-                                   lambda: runner_decode_logits(block_runner(hf_model, "auto", "float32"), [prompt]),
-                                   monkeypatch)
-    finally:
-        torch.set_num_threads(previous)
-    assert results[-STEPS:] == [True] * STEPS
+    check_stack_against_modules(
+        arch, threads, lambda: runner_decode_logits(block_runner(hf_model, "auto", "float32"), [prompt]), monkeypatch)
 
 
 def test_decode_stack_refuses_what_it_cannot_compute() -> None:
