@@ -241,6 +241,13 @@ inline void merge_segments(int64_t segments, const float* partial, int64_t num_h
   for (int64_t j = 0; j < d; j += kLanes) vec::store(out + j, vec::mul(f, vec::load(out + j)));
 }
 
+// Heads [q_begin, q_end) of a row of n columns (more than one segment) from its partial results, into
+// out_row [H, D] (the row's outputs).
+inline void merge_heads(int64_t n, const float* partial, int64_t num_heads, int64_t d, int64_t q_begin, int64_t q_end,
+                        float* out_row) {
+  for (int64_t q = q_begin; q < q_end; ++q) merge_segments(row_segments(n), partial, num_heads, d, q, out_row + q * d);
+}
+
 // Where each row's partial results start in one buffer for the batch ([b + 1]: the last, its size).
 inline std::vector<int64_t> partial_offsets(const int64_t* np, int64_t b, int64_t num_heads, int64_t d) {
   std::vector<int64_t> offsets(b + 1, 0);
@@ -254,8 +261,7 @@ inline void merge_rows(const int64_t* np, int64_t b, int64_t num_heads, int64_t 
   if (offsets[b] == 0) return;
   servelm_parallel::dynamic_for(b * num_heads, b * num_heads, [&](int64_t task, int64_t) {
     const int64_t i = task / num_heads, q = task % num_heads;
-    if (offsets[i + 1] > offsets[i])
-      merge_segments(row_segments(np[i]), partial + offsets[i], num_heads, d, q, op + (i * num_heads + q) * d);
+    if (offsets[i + 1] > offsets[i]) merge_heads(np[i], partial + offsets[i], num_heads, d, q, q + 1, op + i * num_heads * d);
   });
 }
 
@@ -451,14 +457,15 @@ constexpr int64_t kScoreChunk = 32;
 
 // Query heads [q_begin, q_end) of one row against its columns row_slots[0 .. n) (a segment): scores
 // (scores [q_end - q_begin, n]), softmax, values, each head's floats as the plain run() computes them; the
-// outputs at o (head q at o + q * d) divided by their sums where ``normalize``, else their raw sums with
+// outputs at o (head q at o + q * d) divided by their sums where ``top`` is null, else their raw sums with
 // each head's max and sum of exps at top[q - q_begin], total[q - q_begin]; ``fetch_v``: the scores pass
 // prefetches the V rows into L2.
 template <typename T>
 void attend_span(const float* q_row, const T* kp, const T* vp, const int64_t* row_slots, int64_t n,
                  int64_t num_kv_heads, int64_t group, int64_t d, float fscale, int64_t q_begin, int64_t q_end,
-                 float* scores, float* inv_sum, float* o, bool normalize, float* top, float* total, bool fetch_v) {
+                 float* scores, float* inv_sum, float* o, float* top, float* total, bool fetch_v) {
   const T* v_ahead = fetch_v ? vp : nullptr;
+  const bool normalize = top == nullptr;
   for (int64_t c0 = 0; c0 < n; c0 += kScoreChunk) {
     const int64_t c1 = std::min(n, c0 + kScoreChunk);
     for_pieces(q_begin, q_end, group, [&](int64_t h, int64_t first, int64_t count) {
@@ -508,8 +515,9 @@ inline int64_t head_parts(int64_t segments, int64_t num_heads, int64_t threads) 
 }
 
 inline int64_t row_plan(int64_t n, int64_t num_heads, int64_t threads, int64_t* parts) {
-  *parts = head_parts(row_segments(n), num_heads, threads);
-  return row_segments(n) * *parts;
+  const int64_t segments = row_segments(n);
+  *parts = head_parts(segments, num_heads, threads);
+  return segments * *parts;
 }
 
 // Task ``task`` of a row (segment task / parts, heads of part task % parts): q_row's heads at q_row
@@ -529,14 +537,11 @@ void attend_row_task(const float* q_row, const T* kp, const T* vp, const int64_t
   // V rows fetched into L2 by the scores pass, except for a lone segment split by heads (one short row):
   // there it cost 2-6% (one stream at 128-512 columns, Qwen2.5-Coder 0.5B, 2 threads, AMD Zen 3)
   const bool fetch_v = segments > 1 || parts == 1;
-  if (segments == 1) {
-    attend_span(q_row, kp, vp, row_slots, len, num_kv_heads, group, d, fscale, q_begin, q_end, scores.data(),
-                inv_sum.data(), out, true, nullptr, nullptr, fetch_v);
-    return;
-  }
-  float* tops = partial + segments * num_heads * d + s * num_heads + q_begin;
+  // one segment: normalized outputs in place; more: the segment's raw sums, maxima and sums of exps
+  float* tops = segments == 1 ? nullptr : partial + segments * num_heads * d + s * num_heads + q_begin;
   attend_span(q_row, kp, vp, row_slots + c0, len, num_kv_heads, group, d, fscale, q_begin, q_end, scores.data(),
-              inv_sum.data(), partial + s * num_heads * d, false, tops, tops + segments * num_heads, fetch_v);
+              inv_sum.data(), segments == 1 ? out : partial + s * num_heads * d, tops,
+              tops == nullptr ? nullptr : tops + segments * num_heads, fetch_v);
 }
 
 template <typename T>
@@ -567,10 +572,8 @@ void run_tiled(const float* qp, int64_t q_row, const T* kp, const T* vp, const i
     attend_row_task(qp + i * q_row, kp, vp, sp + i * columns, np[i], num_kv_heads, num_heads, d, fscale, parts,
                     (segment - first_segment[i]) * parts + task % parts, op + i * num_heads * d,
                     partial + offsets[i]);
-    if (offsets[i + 1] > offsets[i] && remaining[i].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      for (int64_t q = 0; q < num_heads; ++q)
-        merge_segments(row_segments(np[i]), partial + offsets[i], num_heads, d, q, op + (i * num_heads + q) * d);
-    }
+    if (offsets[i + 1] > offsets[i] && remaining[i].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_heads(np[i], partial + offsets[i], num_heads, d, 0, num_heads, op + i * num_heads * d);
   });
 }
 
@@ -715,22 +718,7 @@ torch::Tensor write_and_attend_qkv(torch::Tensor qkv, int64_t num_heads, torch::
 // The one-row functions the AVX2 block kernel's DecodeStack calls (servelm_row_attention.h), float32
 // pools: what run_tiled computes for the row, in the same floats. No checks: the caller's (its pools,
 // slots and spans are checked as attend_rows checks them).
-int64_t row_plan_f32(int64_t n, int64_t num_heads, int64_t threads, int64_t* parts) {
-  return row_plan(n, num_heads, threads, parts);
-}
-
-void row_task_f32(const float* q_row, const float* kp, const float* vp, const int64_t* row_slots, int64_t n,
-                  int64_t num_kv_heads, int64_t num_heads, int64_t d, float scale, int64_t parts, int64_t task,
-                  float* out, float* partial) {
-  attend_row_task(q_row, kp, vp, row_slots, n, num_kv_heads, num_heads, d, scale, parts, task, out, partial);
-}
-
-void row_merge_f32(int64_t n, const float* partial, int64_t num_heads, int64_t d, int64_t q_begin, int64_t q_end,
-                   float* out) {
-  for (int64_t q = q_begin; q < q_end; ++q) merge_segments(row_segments(n), partial, num_heads, d, q, out + q * d);
-}
-
-const RowAttentionF32 kRowAttentionF32{&row_plan_f32, &partial_floats, &row_task_f32, &row_merge_f32};
+const RowAttentionF32 kRowAttentionF32{&row_plan, &partial_floats, &attend_row_task<float>, &merge_heads};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over a float32 or bf16 pool");
