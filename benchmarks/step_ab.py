@@ -28,8 +28,9 @@ with and without the change (prefix cache off), and whether every output is iden
   output back to bf16 by torch ops, instead of inside the kernel.
 - ``prefill_gemm``: multi-token attention through SDPA with the view's mask instead of
   servelm.model.attention.prefill_gemm.
-- ``prefill_attention``: multi-token bf16 attention through prefill_gemm's oneDNN tiles (over gathered
-  K/V) instead of the AVX512-BF16 kernel of servelm.model.attention.prefill_attention.
+- ``prefill_attention``: multi-token attention through the next route of the measured ranking (prefill_gemm's
+  oneDNN tiles or SDPA over gathered K/V) instead of servelm.model.attention.prefill_attention's kernels
+  (AVX512-BF16 on bf16 pools, FMA tiles on float32 ones).
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
 - ``write_and_attend``: the flat decode path writes K/V by two ``index_copy_`` and calls

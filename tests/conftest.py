@@ -30,20 +30,18 @@ _builders: list[subprocess.Popen[bytes]] = []
 
 
 def _is_built(module_name: str) -> bool:
-    """The kernel's build for this source, torch and flags is in the cache (or cannot be built
-    here: the CPU lacks its instructions, so a builder would only say so)."""
+    """Every kernel of the module that this CPU can run is built for this source, torch and flags and
+    in the cache (a kernel the CPU lacks the instructions of cannot be built here: a builder would
+    only say so)."""
     import importlib
 
     from servelm.model import cpp_kernel
 
     module = importlib.import_module(module_name)
-    # a module with several builds (gguf_kernel: AVX-512, AVX2) loads the first the CPU allows
+    # a module may hold several (gguf_kernel: AVX-512 and AVX2 builds, both measured; prefill_attention:
+    # a bf16 and a float32 kernel)
     allowed = [kernel for kernel in getattr(module, "KERNELS", (module.KERNEL,)) if not kernel.missing_cpu_flags()]
-    if not allowed:
-        return True
-    kernel = allowed[0]
-    build_dir = cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}"
-    return any(build_dir.glob("*.so"))
+    return all(any((cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}").glob("*.so")) for kernel in allowed)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -53,7 +51,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for module_name in KERNEL_MODULES:
         if _is_built(module_name):
             continue
-        code = f"import {module_name} as m; m.load_kernel()"
+        code = (f"import {module_name} as m\n"
+                "for kernel in getattr(m, 'KERNELS', (m.KERNEL,)):\n"
+                "    kernel.missing_cpu_flags() or kernel.load()")
         # its own session: a Ctrl-C of the run must not kill a compile half-way, which would leave
         # torch's lock in the build directory and every later load waiting on it
         builder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,

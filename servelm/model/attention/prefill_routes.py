@@ -3,8 +3,8 @@
 Three routes compute the causal attention of prompt rows (prefill, chunks) over the paged pool
 (torch_native.py runs them):
 
-- ``kernel``: prefill_attention.cpp, read in place from a bf16 pool (built only on CPUs with
-  AVX512-BF16);
+- ``kernel``: prefill_attention.py's kernels, read in place from the pool: bf16 (prefill_attention.cpp,
+  built only on CPUs with AVX512-BF16) or float32 (prefill_attention_f32.cpp, AVX2 and FMA);
 - ``gemm``: prefill_gemm.py, the context gathered, then two oneDNN GEMMs per 128-query tile;
 - ``sdpa``: the context gathered, torch's ``scaled_dot_product_attention`` with the view's mask.
 
@@ -23,8 +23,8 @@ queries (the last above). The table lives beside the GGUF one (model/routes.py `
 ``~/.cache/servelm/routes/``), keyed by what decides it (``table_key``); cells not measured within
 ``STARTUP_BUDGET_S`` take ``DEFAULT_ORDER`` (the earlier constant order) until the next start or
 ``servelm tune``. Every route computes the same attention (tests/unit/model/test_prefill_routes.py);
-only speed is measured, and a route that does not support a call (fp8 pool, draft trees, float32
-for the kernel) is skipped at the call, whatever the ranking.
+only speed is measured, and a route that does not support a call (fp8 pool, draft trees, a pool of
+another dtype than the queries for the kernel) is skipped at the call, whatever the ranking.
 """
 
 from __future__ import annotations
@@ -177,10 +177,11 @@ def table_key(shapes: Iterable[PrefillShape]) -> dict[str, Any]:
     from servelm.model.layers import fused
     from servelm.model.loader import cpu_flags
     from servelm.model.routes import cpu_model_name
-    kernel = prefill_attention.load_kernel()
     return {"table": "prefill attention", "cpu": cpu_model_name(), "cpu_flags": sorted(cpu_flags()),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernels": {"prefill_attention": getattr(kernel, "__name__", None),
+            "kernels": {"prefill_attention": getattr(prefill_attention.load_kernel(torch.bfloat16), "__name__", None),
+                        "prefill_attention_f32": getattr(prefill_attention.load_kernel(torch.float32), "__name__",
+                                                         None),
                         "fused": getattr(getattr(fused, "load_kernel", lambda: None)(), "__name__", None)},
             "shapes": sorted(shape.name for shape in set(shapes))}
 

@@ -344,7 +344,8 @@ class TorchNativeAttention:
 
     def __init__(self) -> None:
         paged_decode.load_kernel()  # at start-up: a first build takes a minute, never in a request
-        prefill_attention.load_kernel()   # likewise (None where the CPU lacks AVX512-BF16)
+        for dtype in (torch.bfloat16, torch.float32):   # likewise (None where the CPU lacks the instructions)
+            prefill_attention.load_kernel(dtype)
         self.prefill_routing = prefill_routes.PrefillRouting()
         """Which route multi-token causal calls take, per shape and query class (measured by the runner
         at start-up: ``prefill_routes.build_routing``; the constant order until then)."""
@@ -352,7 +353,8 @@ class TorchNativeAttention:
     def _prefill_route(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention,
                        max_query: int, no_trees: bool) -> str:
         """The first route of the measured ranking (prefill_routes.py) that computes this causal
-        multi-token call here: the kernel needs a bf16 pool and no draft trees, the GEMMs oneDNN."""
+        multi-token call here: the kernel needs q and pool of one dtype (bf16 or float32) and no draft
+        trees, the GEMMs oneDNN."""
         for route in self.prefill_routing.order(layer.num_heads, layer.num_kv_heads, q.shape[-1], q.dtype,
                                                 k_cache.dtype, max_query):
             if route == "sdpa":
