@@ -4,8 +4,10 @@ per dtype, each built once per machine.
 - bf16 (prefill_attention.cpp, ``KERNEL``): AVX512-BF16 dot products, bf16 queries and pools, built where
   the CPU has avx512_bf16;
 - float32 (prefill_attention_f32.cpp, ``F32_KERNEL``): FMA vectors (AVX2, which AVX-512 CPUs have too),
-  float32 queries and pools: the route of float32 models on CPUs without bf16 arithmetic (AMD Zen 1-3,
-  most desktops and laptops), where the other routes gather the context and run torch's SDPA or oneDNN.
+  float32 queries over a float32 pool or a bf16 one (a float32 model's opt-in ``--kv-cache-dtype
+  bfloat16``; rows widened per key step): the route of float32 models on CPUs without bf16 arithmetic
+  (AMD Zen 1-3, most desktops and laptops), where the other routes gather the context and run torch's
+  SDPA or oneDNN.
 
 The GEMM path (prefill_gemm.py) gathers each group's context into a copy (``index_select`` of K and V
 per layer), then per tile and KV head makes a scaled copy of the queries, a contiguous copy of K,
@@ -15,10 +17,10 @@ keep a tile's scores in a few KB, and skip every key tile no query of the tile s
 left of a sliding window), and inside edge tiles the score blocks and value columns nobody sees.
 Their tasks split over torch's threads (OpenMP: ``CppKernel`` builds with it).
 
-``supports`` limits them to what they compute: CPU, one dtype throughout (bf16: head_dim a multiple
-of 16 and V's of 64; float32: V's head_dim a multiple of the build's ``VALUE_LANES``), the kernel built
-(``kernel_status(dtype)`` says why not: a missing CPU flag, no compiler). Everything else (an fp8 pool, a
-float32 model over a bf16 pool, draft trees, non-causal layers, position biases) keeps the other routes.
+``supports`` limits them to what they compute: CPU, the dtypes above (bf16: head_dim a multiple of 16 and
+V's of 64; float32: V's head_dim a multiple of the build's ``VALUE_LANES``), the kernel built
+(``kernel_status(dtype)`` says why not: a missing CPU flag, no compiler). Everything else (an fp8 pool,
+draft trees, non-causal layers, position biases) keeps the other routes.
 A prefill that continues a cached prefix (chunked prefill, a prefix-cache hit) is the same call: the
 view's columns start at the context's first position, the queries at theirs. Which route a call takes is
 measured per shape (prefill_routes.py).
@@ -56,10 +58,11 @@ def kernel_status(dtype: torch.dtype = torch.bfloat16) -> str:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``attend`` computes these queries over this pool: CPU, one dtype (bf16 or float32) for q and
-    both pools, contiguous head rows, head dims the kernel's multiples, the kernel built."""
-    if not (ENABLED and q.device.type == "cpu" and q.dtype in _BY_DTYPE and k_cache.dtype == q.dtype
-            and v_cache.dtype == q.dtype and q.stride(-1) == 1):
+    """Whether ``attend`` computes these queries over this pool: CPU, bf16 q over bf16 pools or float32 q
+    over float32 or bf16 pools, contiguous head rows, head dims the kernel's multiples, the kernel built."""
+    pools = {torch.bfloat16} if q.dtype == torch.bfloat16 else {torch.float32, torch.bfloat16}
+    if not (ENABLED and q.device.type == "cpu" and q.dtype in _BY_DTYPE and k_cache.dtype in pools
+            and v_cache.dtype == k_cache.dtype and q.stride(-1) == 1):
         return False
     module = load_kernel(q.dtype)
     if module is None:

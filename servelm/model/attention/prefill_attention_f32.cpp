@@ -1,6 +1,7 @@
-// Causal prefill attention of multi-token sequences in float32, read in place from the paged float32 KV
-// pool, as flash-style tiles on FMA vectors (the float32 sibling of prefill_attention.cpp, which needs
-// AVX512-BF16 and bf16 pools):
+// Causal prefill attention of multi-token sequences in float32, read in place from the paged KV pool
+// (float32, or bf16 rows widened per key step: a float32 model's opt-in --kv-cache-dtype bfloat16), as
+// flash-style tiles on FMA vectors (the float32 sibling of prefill_attention.cpp, which needs AVX512-BF16
+// and bf16 queries):
 //   out[t, h] = softmax(scale * q[t, h] . K[c]) over the columns c that query t sees, weighted sum of V[c]
 // (causal: key position <= query position; sliding: and key position > query position - window).
 //
@@ -34,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -108,9 +110,11 @@ struct Scratch {
   std::vector<float> m, l, alpha;        // [rows]
   std::vector<const float*> k_rows, v_rows;   // [kKeys]
   std::vector<float> zeros;              // one zero row (columns past the task's end)
-  explicit Scratch(const Shape& sh)
+  std::vector<float> k_wide, v_wide;     // [kKeys][d], [kKeys][dv]: a bf16 pool's rows of the step, widened
+  explicit Scratch(const Shape& sh, bool widen)
       : qt(sh.d * sh.rows), s(kKeys * sh.rows), o(sh.rows * sh.dv), m(sh.rows), l(sh.rows), alpha(sh.rows),
-        k_rows(kKeys), v_rows(kKeys), zeros(std::max(sh.d, sh.dv), 0.f) {}
+        k_rows(kKeys), v_rows(kKeys), zeros(std::max(sh.d, sh.dv), 0.f), k_wide(widen ? kKeys * sh.d : 0),
+        v_wide(widen ? kKeys * sh.dv : 0) {}
 };
 
 // S[c][r..] = Qt[.][r..] . K[c] for kScoreColumns columns and kScoreVectors vectors of rows.
@@ -152,8 +156,22 @@ __attribute__((noinline)) void value_block(const float* p, int64_t rows, const f
     for (int64_t j = 0; j < kValueVectors; ++j) vec::store(o + i * dv + j * kLanes, acc[i][j]);
 }
 
-void run_task(const Task& task, const Sequence& seq, const Shape& sh, const float* q, const float* k,
-              const float* v, float* out, Scratch& w) {
+// Row ``row`` of a pool as float32: a float32 pool's own row, a bf16 pool's widened into ``wide`` (exact).
+inline const float* pool_row(const float* row, int64_t, float*) { return row; }
+inline const float* pool_row(const uint16_t* row, int64_t n, float* wide) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) vec::store(wide + j, vec::load(row + j));
+  for (; j < n; ++j) {
+    const uint32_t bits = uint32_t(row[j]) << 16;
+    std::memcpy(wide + j, &bits, 4);
+  }
+  return wide;
+}
+
+// One task over a pool of T (float: float32; uint16_t: bf16's bits).
+template <typename T>
+void run_task(const Task& task, const Sequence& seq, const Shape& sh, const float* q, const T* k, const T* v,
+              float* out, Scratch& w) {
   const int64_t rows = sh.rows, d = sh.d, dv = sh.dv, group = sh.group;
   const int64_t nq = std::min(kQueries, seq.num_queries - task.query);
   const int64_t q_low = seq.start + task.query, q_high = q_low + nq - 1;   // positions
@@ -173,8 +191,12 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const floa
     const int64_t valid = std::min(kKeys, task.column_end - c0);
     for (int64_t c = 0; c < kKeys; ++c) {
       const bool in = c < valid;
-      w.k_rows[c] = in ? k + seq.slots[c0 + c] * sh.k_slot + task.kv_head * sh.k_head : w.zeros.data();
-      w.v_rows[c] = in ? v + seq.slots[c0 + c] * sh.v_slot + task.kv_head * sh.v_head : w.zeros.data();
+      w.k_rows[c] = in ? pool_row(k + seq.slots[c0 + c] * sh.k_slot + task.kv_head * sh.k_head, d,
+                                  w.k_wide.data() + c * d)
+                       : w.zeros.data();
+      w.v_rows[c] = in ? pool_row(v + seq.slots[c0 + c] * sh.v_slot + task.kv_head * sh.v_head, dv,
+                                  w.v_wide.data() + c * dv)
+                       : w.zeros.data();
     }
     const int64_t k_first = seq.first + c0;   // position of the step's column 0
     // a score tile is computed only where some query of the task sees one of its columns (the rest of an
@@ -255,9 +277,10 @@ void run_task(const Task& task, const Sequence& seq, const Shape& sh, const floa
 // writes out [T, H, Dv] (float32) at every sequence's rows.
 void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                        torch::Tensor plan, int64_t window, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-              v_cache.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
-              "float32 q, pools, out");
+  const auto pool_dtype = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 &&
+              (pool_dtype == torch::kFloat32 || pool_dtype == torch::kBFloat16) && v_cache.scalar_type() == pool_dtype,
+              "float32 q and out, float32 or bf16 pools");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3, "3-d q, pools, out");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && out.stride(2) == 1,
               "contiguous head rows");
@@ -308,17 +331,23 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
     return x.column_end - x.column_begin > y.column_end - y.column_begin;
   });
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool bf16 = pool_dtype == torch::kBFloat16;
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = int64_t(tasks.size());
   if (num_tasks == 0) return;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(sh);
-    for (int64_t i = next++; i < num_tasks; i = next++)
-      run_task(tasks[i], sequences[tasks[i].sequence], sh, qp, kp, vp, op, scratch);
+    Scratch scratch(sh, bf16);
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const Task& task = tasks[i];
+      if (bf16)
+        run_task(task, sequences[task.sequence], sh, qp, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), op, scratch);
+      else
+        run_task(task, sequences[task.sequence], sh, qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), op,
+                 scratch);
+    }
   });
 }
 
@@ -326,7 +355,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
-        "causal / sliding-window prefill attention over the paged float32 pool (FMA tiles)");
+        "causal / sliding-window float32 prefill attention over the paged float32 or bf16 pool (FMA tiles)");
   m.attr("QUERIES") = kQueries;
   m.attr("VALUE_LANES") = kValueVectors * kLanes;
 }

@@ -52,12 +52,12 @@ class _Inputs:
     each) and their queries, packed one sequence after another."""
 
     def __init__(self, sequences: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int | None, dtype: torch.dtype, seed: int) -> None:
+                 window: int | None, dtype: torch.dtype, seed: int, pool_dtype: torch.dtype | None = None) -> None:
         generator = torch.Generator().manual_seed(seed)
         total_blocks = sum((p + n + BLOCK - 1) // BLOCK for p, n in sequences) + 3
         shape = (total_blocks * BLOCK, num_kv_heads, head_dim)
-        self.k_cache = torch.randn(shape, generator=generator).to(dtype)
-        self.v_cache = torch.randn(shape, generator=generator).to(dtype)
+        self.k_cache = torch.randn(shape, generator=generator).to(pool_dtype or dtype)
+        self.v_cache = torch.randn(shape, generator=generator).to(pool_dtype or dtype)
         blocks = torch.randperm(total_blocks, generator=generator).tolist()
         self.q = torch.randn(sum(n for _, n in sequences), num_heads, head_dim, generator=generator).to(dtype)
         self.window, self.scale = window, head_dim ** -0.5
@@ -96,9 +96,9 @@ class _Inputs:
 
 
 def _case(sequences: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-          window: int | None, dtype: torch.dtype, seed: int = 0) -> None:
+          window: int | None, dtype: torch.dtype, seed: int = 0, pool_dtype: torch.dtype | None = None) -> None:
     """``sequences``: (cached prefix tokens, new tokens) each; all attended in one call."""
-    inputs = _Inputs(sequences, num_heads, num_kv_heads, head_dim, window, dtype, seed)
+    inputs = _Inputs(sequences, num_heads, num_kv_heads, head_dim, window, dtype, seed, pool_dtype)
     out = inputs.attend(list(range(len(sequences))))
     error = (out.double() - inputs.reference()).abs()
     largest, mean = TOLERANCE[dtype]
@@ -170,12 +170,25 @@ def test_float32_rows_do_not_depend_on_the_batch_or_the_threads(window: int | No
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("head_dim, window", [(64, None), (256, 512), (80, 21)])
+def test_float32_queries_over_a_bf16_pool(head_dim: int, window: int | None) -> None:
+    """A float32 model with ``--kv-cache-dtype bfloat16``: the pool's rows widened (exactly) per key
+    step, so the float32 tolerance holds against the reference on the same bf16 values; head_dim 80
+    widens a tail of lanes one by one."""
+    if prefill_attention.F32_KERNEL.missing_cpu_flags():
+        pytest.skip("this CPU lacks AVX2 and FMA")
+    _case([(512, 300), (0, 45), (13, 1)], num_heads=4, num_kv_heads=1 if head_dim == 256 else 2,
+          head_dim=head_dim, window=window, dtype=torch.float32, seed=head_dim, pool_dtype=torch.bfloat16)
+
+
 def test_float32_supports_only_what_it_computes() -> None:
     if prefill_attention.F32_KERNEL.missing_cpu_flags():
         pytest.skip("this CPU lacks AVX2 and FMA")
     q, pool = torch.zeros(3, 4, 64), torch.zeros(8, 2, 64)
     assert prefill_attention.supports(q, pool, pool)
-    assert not prefill_attention.supports(q, pool.bfloat16(), pool.bfloat16())     # a bf16 pool under float32 q
+    assert prefill_attention.supports(q, pool.bfloat16(), pool.bfloat16())     # a bf16 pool under float32 q
+    assert not prefill_attention.supports(q, pool.bfloat16(), pool)            # pools of two dtypes
+    assert not prefill_attention.supports(q.bfloat16(), pool, pool)            # bf16 q over a float32 pool
     assert not prefill_attention.supports(q[..., :40], pool[..., :40], pool[..., :40])   # V's dim not a multiple of 16
     assert not prefill_attention.supports(q.half(), pool.half(), pool.half())
 
