@@ -44,6 +44,7 @@
 #include <limits>
 #include <vector>
 
+#include "servelm_prefill_tasks.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -74,18 +75,8 @@ inline uint16_t bf16_round(float v) {
   return v != v ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-struct Sequence {
-  int64_t row_start;    // first token row of its queries in q / out
-  int64_t num_queries;
-  int64_t start;        // position of its first query
-  int64_t first;        // position of its column 0 in slots
-  const int64_t* slots; // [columns] pool slot of each column
-};
-
-struct Task {
-  int64_t sequence, kv_head, query;   // query: first query (offset in the sequence) of the tile
-  int64_t column_begin, column_end;   // columns the tile reads
-};
+using servelm_prefill::Sequence;
+using servelm_prefill::Task;
 
 struct Shape {
   int64_t num_heads, group, d, dv, queries, rows;   // rows = group * queries
@@ -283,24 +274,17 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        torch::Tensor plan, int64_t window, double scale, torch::Tensor out) {
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
               v_cache.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16, "bf16 q, pools, out");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3, "3-d q, pools, out");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && out.stride(2) == 1,
-              "contiguous head rows");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.dim() == 2 && slots.is_contiguous(), "slots [b, columns] int64");
-  TORCH_CHECK(plan.scalar_type() == torch::kInt64 && plan.dim() == 2 && plan.size(1) == 4 && plan.is_contiguous() &&
-              plan.size(0) == slots.size(0), "plan [b, 4] int64");
+  servelm_prefill::check_layout(q, k_cache, v_cache, slots, plan, out);
   Shape sh;
   sh.num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(1);
-  TORCH_CHECK(sh.num_heads % num_kv_heads == 0 && v_cache.size(1) == num_kv_heads, "query heads a multiple of KV heads");
   sh.group = sh.num_heads / num_kv_heads;
   sh.d = q.size(2);
   sh.dv = v_cache.size(2);
-  TORCH_CHECK(k_cache.size(2) == sh.d && sh.d % 16 == 0 && sh.dv % 64 == 0, "head_dim % 16, V's % 64");
+  TORCH_CHECK(sh.d % 16 == 0 && sh.dv % 64 == 0, "head_dim % 16, V's % 64");
   TORCH_CHECK(scale > 0, "a positive scale");
   TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && q.stride(0) * q.size(0) < (int64_t(1) << 31),
               "q's strides even, its rows within 2^31 elements (32-bit gathers of bf16 pairs)");
-  TORCH_CHECK(out.size(1) == sh.num_heads && out.size(2) == sh.dv && out.size(0) == q.size(0), "out [T, H, Dv]");
   sh.queries = sh.group % 2 == 0 ? kQueriesEvenGroup : kQueriesOddGroup;
   sh.rows = sh.group * sh.queries;
   sh.q_token = q.stride(0); sh.q_head = q.stride(1);
@@ -309,26 +293,10 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   sh.o_token = out.stride(0); sh.o_head = out.stride(1);
   sh.window = window;
   sh.scale = float(scale);
-  const int64_t b = slots.size(0), columns = slots.size(1);
-  const int64_t* pl = plan.data_ptr<int64_t>();
-  std::vector<Sequence> sequences(b);
-  std::vector<Task> tasks;
-  for (int64_t i = 0; i < b; ++i) {
-    Sequence& seq = sequences[i];
-    seq = {pl[4 * i], pl[4 * i + 1], pl[4 * i + 2], pl[4 * i + 3], slots.data_ptr<int64_t>() + i * columns};
-    TORCH_CHECK(seq.row_start >= 0 && seq.num_queries >= 0 && seq.row_start + seq.num_queries <= q.size(0) &&
-                seq.start >= seq.first && seq.start + seq.num_queries - seq.first <= columns, "plan row ", i, " out of range");
-    for (int64_t query = 0; query < seq.num_queries; query += sh.queries) {
-      const int64_t nq = std::min(sh.queries, seq.num_queries - query);
-      const int64_t low = seq.start + query, high = low + nq - 1;
-      const int64_t begin = window > 0 ? std::max(seq.first, low - window + 1) : seq.first;
-      for (int64_t h = 0; h < num_kv_heads; ++h) tasks.push_back({i, h, query, begin - seq.first, high + 1 - seq.first});
-    }
-  }
-  // longest first, taken one at a time from a shared counter: threads finish together
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
-    return x.column_end - x.column_begin > y.column_end - y.column_begin;
-  });
+  const int64_t b = slots.size(0);
+  const std::vector<Sequence> sequences =
+      servelm_prefill::plan_sequences(plan, slots, q.size(0), k_cache.size(0), window);
+  const std::vector<Task> tasks = servelm_prefill::plan_tasks(sequences, num_kv_heads, sh.queries, window);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());

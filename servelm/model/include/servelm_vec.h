@@ -107,23 +107,37 @@ inline F blend(F a, F b, Mask m) { return _mm256_blendv_ps(a, b, m); }
 
 using vec::kLanes;
 
-// exp of kLanes lanes (x <= 0 here: scores minus their maximum), Cephes' expf polynomial: x = n ln2 + r,
-// |r| <= ln2 / 2, e^r to ~1 ulp, times 2^n (scale2). std::exp per score (scalar, a call each) was a
-// quarter of paged_decode.cpp's time at 32 streams x 164 columns. Each lane's value is the same in both
-// builds.
-inline vec::F exp_lanes(vec::F x) {
-  x = vec::max(x, vec::set1(-103.0f));   // below: 0 after scale2, as expf gives
-  const vec::F n = vec::round(vec::mul(x, vec::set1(1.44269504088896341f)));
-  vec::F r = vec::fnmadd(n, vec::set1(0.693359375f), x);
-  r = vec::fnmadd(n, vec::set1(-2.12194440e-4f), r);
+// e^r of x = n ln2 + r (|r| <= ln2 / 2), Cephes' expf polynomial (~1 ulp); n, integral, at *n. The exps
+// below differ only in how they clamp x and scale by 2^n.
+inline vec::F exp_parts(vec::F x, vec::F* n) {
+  *n = vec::round(vec::mul(x, vec::set1(1.44269504088896341f)));
+  vec::F r = vec::fnmadd(*n, vec::set1(0.693359375f), x);
+  r = vec::fnmadd(*n, vec::set1(-2.12194440e-4f), r);
   vec::F p = vec::set1(1.9875691500e-4f);
   p = vec::fmadd(p, r, vec::set1(1.3981999507e-3f));
   p = vec::fmadd(p, r, vec::set1(8.3334519073e-3f));
   p = vec::fmadd(p, r, vec::set1(4.1665795894e-2f));
   p = vec::fmadd(p, r, vec::set1(1.6666665459e-1f));
   p = vec::fmadd(p, r, vec::set1(5.0000001201e-1f));
-  p = vec::fmadd(vec::mul(p, r), r, vec::add(r, vec::set1(1.0f)));
+  return vec::fmadd(vec::mul(p, r), r, vec::add(r, vec::set1(1.0f)));
+}
+
+// exp of kLanes lanes (x <= 0 here: scores minus their maximum), as expf down to its subnormals: e^r
+// times 2^n (scale2). std::exp per score (scalar, a call each) was a quarter of paged_decode.cpp's time
+// at 32 streams x 164 columns. Each lane's value is the same in both builds.
+inline vec::F exp_lanes(vec::F x) {
+  vec::F n;
+  const vec::F p = exp_parts(vec::max(x, vec::set1(-103.0f)), &n);   // below: 0 after scale2, as expf gives
   return vec::scale2(p, n);
+}
+
+// exp of x <= 0 with x clamped at -87, whose e^x is still a normal float: 2^n goes straight into the
+// exponent field (pow2), one multiply instead of scale2's exact subnormal steps. Below -87 the result
+// is e^-87 (~1.6e-38) instead of smaller, which a softmax's sum cannot tell (its maximum contributes 1).
+inline vec::F exp_normal(vec::F x) {
+  vec::F n;
+  const vec::F p = exp_parts(vec::max(x, vec::set1(-87.0f)), &n);
+  return vec::mul(p, vec::pow2(n));
 }
 
 }  // namespace servelm_vec

@@ -29,6 +29,7 @@ def test_the_kernel_builds_where_the_cpu_has_its_instructions(dtype: torch.dtype
     """A build failure must fail here, not skip the tests below."""
     assert prefill_attention.load_kernel(dtype) is not None, prefill_attention.kernel_status(dtype)
 
+
 BLOCK = 16
 
 
@@ -179,6 +180,20 @@ def test_float32_queries_over_a_bf16_pool(head_dim: int, window: int | None) -> 
         pytest.skip("this CPU lacks AVX2 and FMA")
     _case([(512, 300), (0, 45), (13, 1)], num_heads=4, num_kv_heads=1 if head_dim == 256 else 2,
           head_dim=head_dim, window=window, dtype=torch.float32, seed=head_dim, pool_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_plan_or_slot_outside_the_tensors_is_refused(dtype: torch.dtype) -> None:
+    """The kernels read q rows and pool rows the plan and slots name: one out of range is an error,
+    not a read past the tensor."""
+    q, pool = torch.zeros(4, 2, 64, dtype=dtype), torch.zeros(8, 1, 64, dtype=dtype)
+    out = torch.empty(4, 2, 64, dtype=dtype)
+    with pytest.raises(RuntimeError, match="out of the pool"):
+        prefill_attention.attend(q, pool, pool, torch.tensor([[0, 1, 8, 2]]), prefill_attention.plan([0], [4], [0], [0]),
+                                 None, 0.125, out)
+    with pytest.raises(RuntimeError, match="plan row 0 out of range"):
+        prefill_attention.attend(q, pool, pool, torch.tensor([[0, 1, 2, 3]]), prefill_attention.plan([1], [4], [0], [0]),
+                                 None, 0.125, out)
 
 
 def test_float32_supports_only_what_it_computes() -> None:
