@@ -78,11 +78,8 @@ inline uint16_t bf16_round(float v) {
 using servelm_prefill::Sequence;
 using servelm_prefill::Task;
 
-struct Shape {
+struct Shape : servelm_prefill::Layout {
   int64_t num_heads, group, d, dv, queries, rows;   // rows = group * queries
-  int64_t q_token, q_head, k_slot, k_head, v_slot, v_head, o_token, o_head;   // strides (elements)
-  int64_t window;   // 0: none
-  float scale;
 };
 
 // Per-thread scratch of one task.
@@ -287,12 +284,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
               "q's strides even, its rows within 2^31 elements (32-bit gathers of bf16 pairs)");
   sh.queries = sh.group % 2 == 0 ? kQueriesEvenGroup : kQueriesOddGroup;
   sh.rows = sh.group * sh.queries;
-  sh.q_token = q.stride(0); sh.q_head = q.stride(1);
-  sh.k_slot = k_cache.stride(0); sh.k_head = k_cache.stride(1);
-  sh.v_slot = v_cache.stride(0); sh.v_head = v_cache.stride(1);
-  sh.o_token = out.stride(0); sh.o_head = out.stride(1);
-  sh.window = window;
-  sh.scale = float(scale);
+  static_cast<servelm_prefill::Layout&>(sh) = servelm_prefill::layout_of(q, k_cache, v_cache, out, window, scale);
   const int64_t b = slots.size(0);
   const std::vector<Sequence> sequences =
       servelm_prefill::plan_sequences(plan, slots, q.size(0), k_cache.size(0), window);

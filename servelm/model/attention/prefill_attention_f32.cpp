@@ -75,11 +75,8 @@ static_assert(kKeys % kScoreColumns == 0, "whole score tiles per step");
 using servelm_prefill::Sequence;
 using servelm_prefill::Task;
 
-struct Shape {
+struct Shape : servelm_prefill::Layout {
   int64_t group, d, dv, rows;   // rows = group * kQueries
-  int64_t q_token, q_head, k_slot, k_head, v_slot, v_head, o_token, o_head;   // strides (elements)
-  int64_t window;   // 0: none
-  float scale;
 };
 
 // Per-thread scratch of one task.
@@ -271,12 +268,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
               kValueVectors * kLanes);
   TORCH_CHECK(scale > 0, "a positive scale");
   sh.rows = sh.group * kQueries;
-  sh.q_token = q.stride(0); sh.q_head = q.stride(1);
-  sh.k_slot = k_cache.stride(0); sh.k_head = k_cache.stride(1);
-  sh.v_slot = v_cache.stride(0); sh.v_head = v_cache.stride(1);
-  sh.o_token = out.stride(0); sh.o_head = out.stride(1);
-  sh.window = window;
-  sh.scale = float(scale);
+  static_cast<servelm_prefill::Layout&>(sh) = servelm_prefill::layout_of(q, k_cache, v_cache, out, window, scale);
   const std::vector<Sequence> sequences =
       servelm_prefill::plan_sequences(plan, slots, q.size(0), k_cache.size(0), window);
   const std::vector<Task> tasks = servelm_prefill::plan_tasks(sequences, num_kv_heads, kQueries, window);

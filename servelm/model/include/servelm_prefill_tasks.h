@@ -25,6 +25,19 @@ struct Task {
   int64_t column_begin, column_end;   // columns the tile reads
 };
 
+// What every task of a call reads besides its own tile: the tensors' strides (elements) and the mask.
+struct Layout {
+  int64_t q_token, q_head, k_slot, k_head, v_slot, v_head, o_token, o_head;
+  int64_t window;   // 0: none
+  float scale;
+};
+
+inline Layout layout_of(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& out, int64_t window, double scale) {
+  return {q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+          out.stride(0), out.stride(1), window, float(scale)};
+}
+
 // q [T, H, D], pools [S, Hkv, D] / [S, Hkv, Dv], out [T, H, Dv], each with contiguous head rows; slots
 // [b, columns] int64 (column c of sequence i is position plan[i, 3] + c); plan [b, 4] int64 rows:
 // (row_start, num_queries, start, first). The dtypes are each kernel's to check.
