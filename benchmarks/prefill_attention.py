@@ -1,10 +1,14 @@
-"""The prefill attention kernel alone, on Gemma 3 270M's shapes as the server runs a prompt: chunks of
-``--chunk`` tokens (the server's ``chunked_prefill_size``), each attending over the chunk and the
-earlier chunks' K/V in a paged bf16 pool (16-token blocks, scattered), 15 sliding (window 512) and 3
-global layers per chunk. Prints ms per prompt of attention (per chunk and layer kind) and the GFLOPS of
-the useful work (QK^T and PV over the visible pairs only: the masked part of edge tiles is not counted).
+"""A prefill attention kernel alone (prefill_attention.py: the bf16 one, or with ``--dtype float32`` the
+float32 one), by default on Gemma 3 270M's shapes as the server runs a prompt: chunks of ``--chunk``
+tokens (the server's ``chunked_prefill_size``), each attending over the chunk and the earlier chunks'
+K/V in a paged pool (16-token blocks, scattered), 15 sliding (window 512) and 3 global layers per chunk.
+Prints ms per prompt of attention (per chunk and layer kind) and the GFLOPS of the useful work (QK^T and
+PV over the visible pairs only: the masked part of edge tiles is not counted).
 
     .venv/bin/python benchmarks/prefill_attention.py [--input-len 1019] [--threads 1] [--clock thread]
+    # Qwen2.5-Coder 0.5B's float32 layers (24 global, 14/2 heads x 64):
+    .venv/bin/python benchmarks/prefill_attention.py --dtype float32 --heads 14 2 64 --sliding-layers 0 \
+        --global-layers 24 --threads 2 --clock wall
 
 ``--clock thread`` (with ``--threads 1``) reads the thread's CPU time: the work itself on a shared machine.
 """
@@ -49,28 +53,35 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--sliding-layers", type=int, default=15)
     parser.add_argument("--global-layers", type=int, default=3)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="queries and pool (the kernel of that dtype)")
+    parser.add_argument("--heads", type=int, nargs=3, default=[4, 1, 256], metavar=("H", "HKV", "D"),
+                        help="query heads, KV heads, head_dim (default Gemma 3 270M's)")
     parser.add_argument("--best", action="store_true", help="the fastest call instead of the median (2 threads "
                         "on a shared machine: a call where no other process took a core)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-    num_heads, num_kv_heads, head_dim = 4, 1, 256
+    num_heads, num_kv_heads, head_dim = args.heads
+    dtype = getattr(torch, args.dtype)
+    if prefill_attention.load_kernel(dtype) is None:
+        raise SystemExit(f"no {args.dtype} prefill attention kernel here: {prefill_attention.kernel_status(dtype)}")
     generator = torch.Generator().manual_seed(0)
     num_blocks = (args.input_len + BLOCK - 1) // BLOCK + 8
-    k_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim, generator=generator).bfloat16()
-    v_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim, generator=generator).bfloat16()
+    k_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks * BLOCK, num_kv_heads, head_dim, generator=generator).to(dtype)
     blocks = torch.randperm(num_blocks, generator=generator)
     positions = torch.arange(args.input_len)
     slot_of = blocks[positions // BLOCK] * BLOCK + positions % BLOCK
     # q as the layer's split of a fused QKV row: [T, H + 2 Hkv, D] viewed to its first H heads
-    qkv = torch.randn(args.input_len, num_heads + 2 * num_kv_heads, head_dim, generator=generator).bfloat16()
+    qkv = torch.randn(args.input_len, num_heads + 2 * num_kv_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim ** -0.5
     rows = []
     total_ms, total_flop = 0.0, 0.0
     for start in range(0, args.input_len, args.chunk):
         n = min(args.chunk, args.input_len - start)
         q = qkv[start:start + n, :num_heads]
-        out = torch.empty(n, num_heads, head_dim, dtype=torch.bfloat16)
+        out = torch.empty(n, num_heads, head_dim, dtype=dtype)
         for window, layers in ((args.window, args.sliding_layers), (None, args.global_layers)):
             if layers == 0:
                 continue
@@ -87,7 +98,7 @@ def main() -> None:
             rows.append((start, n, window, layers, ms, flop / ms / 1e6))
             total_ms += layers * ms
             total_flop += layers * flop
-    print(f"# prefill attention kernel, {args.input_len} tokens in chunks of {args.chunk}, {args.threads} threads, "
+    print(f"# {args.dtype} prefill attention kernel, {num_heads}/{num_kv_heads} heads x {head_dim}, {args.input_len} tokens in chunks of {args.chunk}, {args.threads} threads, "
           f"{args.clock} clock, {'fastest' if args.best else 'median'} of {args.repeats} calls (noisy, shared machine)")
     print("| chunk | window | layers | ms per layer | GFLOPS |")
     print("|---|---|---|---|---|")
