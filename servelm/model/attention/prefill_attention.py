@@ -43,7 +43,8 @@ KERNELS = (KERNEL, F32_KERNEL)
 _BY_DTYPE = {torch.bfloat16: KERNEL, torch.float32: F32_KERNEL}
 
 ENABLED = True
-"""False: multi-token groups take the GEMM path (benchmarks/step_ab.py --change prefill_attention, tests)."""
+"""False: multi-token groups take the next route of the ranking, the GEMMs or SDPA (benchmarks/step_ab.py
+--change prefill_attention, tests)."""
 
 
 def load_kernel(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:

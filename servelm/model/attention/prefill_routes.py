@@ -23,8 +23,8 @@ queries (the last above). The table lives beside the GGUF one (model/routes.py `
 ``~/.cache/servelm/routes/``), keyed by what decides it (``table_key``); cells not measured within
 ``STARTUP_BUDGET_S`` take ``DEFAULT_ORDER`` (the earlier constant order) until the next start or
 ``servelm tune``. Every route computes the same attention (tests/unit/model/test_prefill_routes.py);
-only speed is measured, and a route that does not support a call (fp8 pool, draft trees, a pool of
-another dtype than the queries for the kernel) is skipped at the call, whatever the ranking.
+only speed is measured, and a route that does not support a call (fp8 pool, draft trees, a pool
+dtype the kernel does not read) is skipped at the call, whatever the ranking.
 """
 
 from __future__ import annotations
