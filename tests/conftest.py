@@ -35,12 +35,12 @@ def _is_built(module_name: str) -> bool:
     only say so)."""
     import importlib
 
-    from servelm.model import cpp_kernel
+    from servelm.model import cpp_kernel, kernel_build
 
     module = importlib.import_module(module_name)
     # a module may hold several (gguf_kernel: AVX-512 and AVX2 builds, both measured; prefill_attention:
     # a bf16 and a float32 kernel)
-    allowed = [kernel for kernel in getattr(module, "KERNELS", (module.KERNEL,)) if not kernel.missing_cpu_flags()]
+    allowed = [kernel for kernel in kernel_build._module_kernels(module) if not kernel.missing_cpu_flags()]
     return all(any((cpp_kernel.CACHE_DIR / f"{kernel.name}_{kernel.build_key()}").glob("*.so")) for kernel in allowed)
 
 
@@ -51,9 +51,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for module_name in KERNEL_MODULES:
         if _is_built(module_name):
             continue
-        code = (f"import {module_name} as m\n"
-                "for kernel in getattr(m, 'KERNELS', (m.KERNEL,)):\n"
-                "    kernel.missing_cpu_flags() or kernel.load()")
+        # what `servelm build-kernels` does for one module: each kernel the CPU can run, built
+        code = f"from servelm.model.kernel_build import _build_module; _build_module({module_name!r})"
         # its own session: a Ctrl-C of the run must not kill a compile half-way, which would leave
         # torch's lock in the build directory and every later load waiting on it
         builder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True,
