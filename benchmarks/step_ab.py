@@ -53,6 +53,9 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``gguf_tiles``: every GGUF layer's routes resolved from the measured ranking without the ``tiles``
   route (servelm/model/gguf/gguf_routes.py), the next route of each cell instead, a dense copy made for
   the B side where one then serves and the layer held none.
+- ``gguf_int8``: every GGUF layer's routes resolved from the measured ranking without the ``int8`` route
+  (the int8 GEMM: AVX512-VNNI, or the AVX2 build) and no QKV projection's queries apart on it, the next
+  route of each cell instead (a dense copy made for the B side where one then serves and the layer held none).
 - ``prefill_routes``: multi-token attention in the constant order (the AVX512-BF16 kernel where
   built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
   (servelm/model/attention/prefill_routes.py).
@@ -271,8 +274,21 @@ def without(change: str) -> Iterator[None]:
         with _gguf_defaults():
             yield
     elif change == "gguf_tiles":
-        with _gguf_without_tiles():
+        from servelm.model.gguf.gguf_routes import Route
+        with _gguf_without(Route.TILES):
             yield
+    elif change == "gguf_int8":
+        from servelm.model.gguf.gguf_routes import Route
+        leads = {module: module.__dict__["gguf_lead"] for module in _ENGINE.runner.model.modules()
+                 if module.__dict__.get("gguf_lead") is not None}
+        for module in leads:   # a QKV projection's queries: the layer's own route for the call
+            module.__dict__["gguf_lead"] = None
+        try:
+            with _gguf_without(Route.INT8):
+                yield
+        finally:
+            for module, lead in leads.items():
+                module.__dict__["gguf_lead"] = lead
     elif change == "prefill_routes":
         from servelm.model.attention.prefill_routes import PrefillRouting
         backend = _ENGINE.runner.attention
@@ -369,17 +385,17 @@ def _gguf_defaults() -> contextlib.AbstractContextManager[None]:
     return _gguf_routes_swapped(resolve)
 
 
-def _gguf_without_tiles() -> contextlib.AbstractContextManager[None]:
-    """Each GGUF layer's routes resolved from its measured ranking less the tiles route (``--change
-    gguf_tiles``), over its held copies plus a dense copy (made here, kept for the run's later B sides)."""
+def _gguf_without(route: Any) -> contextlib.AbstractContextManager[None]:
+    """Each GGUF layer's routes resolved from its measured ranking less ``route`` (``--change gguf_tiles``,
+    ``gguf_int8``), over its held copies plus a dense copy (made here, kept for the run's later B sides)."""
     from servelm.model.gguf.gguf_routes import LayerRoutes, Route
 
     def resolve(module: nn.Module, method: Any, routes: Any) -> Any:
-        if Route.TILES not in routes.held:
+        if route not in routes.held:
             return None
         def ranking(shape: Any, x_bf16: bool, rows: int) -> tuple[Route, ...]:
-            return tuple(route for route in method.ranking(shape, x_bf16, rows) if route is not Route.TILES)
-        without = LayerRoutes.resolve(routes.shape, (routes.held - {Route.TILES}) | {Route.DENSE}, ranking,
+            return tuple(other for other in method.ranking(shape, x_bf16, rows) if other is not route)
+        without = LayerRoutes.resolve(routes.shape, (routes.held - {route}) | {Route.DENSE}, ranking,
                                       _ENGINE.runner.dtype == torch.bfloat16, method.activations,
                                       method.dense_dtype == torch.bfloat16)
         if Route.DENSE in without.held and module.__dict__.get("gguf_dense") is None:

@@ -13,7 +13,8 @@
 - C++ kernels, each built by its Python module (``CppKernel.beside``, cached per machine):
   ``gguf_kernel`` (``gguf_kernel.cpp`` AVX512-VNNI, ``gguf_kernel_avx2.cpp`` AVX2+FMA: the block
   linear), ``gguf_rows`` (``gguf_rows.cpp``, AVX512-BF16: the rows GEMM), ``gguf_i8gemm``
-  (``gguf_i8gemm.cpp``, AVX512-VNNI: the int8 x int8 GEMM for prompt rows) and ``lm_head_screen``
+  (``gguf_i8gemm.cpp`` AVX512-VNNI, ``gguf_i8gemm_avx2.cpp`` AVX2+FMA: the int8 x int8 GEMM for prompt
+  rows) and ``lm_head_screen``
   (``lm_head_screen.cpp``: the exact greedy screen of a Q8_0 LM head).
 
 Nothing is imported here: import the module you need (``from servelm.model.gguf.gguf_file import

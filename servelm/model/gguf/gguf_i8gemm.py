@@ -1,11 +1,14 @@
-"""Builds and loads the int8 x int8 GEMM on GGUF block codes (gguf_i8gemm.cpp, AVX512-VNNI).
+"""Builds and loads the int8 x int8 GEMM on GGUF block codes: gguf_i8gemm.cpp (AVX512-VNNI) and
+gguf_i8gemm_avx2.cpp (AVX2 + FMA, vpmaddubsw), the same arithmetic and floats.
 
-``load_kernel()`` returns the compiled module, or None with a reason (``kernel_status()``) when this
-CPU lacks AVX512 F/BW/VL + VNNI (read from /proc/cpuinfo, never assumed; AVX512-BF16 is not
-needed), there is no compiler, or the build fails: callers then keep their other paths. The module
-has ``i8_gemm(x, codes, scales, offsets, block, bf16_out, n, out)`` on the copy ``pack`` makes at
-load (``GEMM_COLS`` vectors of 16 outputs per tile) and ``quantize(x, block)``, the activation
-rounding it applies (int8 per block of the weight's scales, absmax / 127, nearest even).
+``load_gemm()`` returns the first build this CPU runs (``GEMM_BUILDS``: VNNI, else AVX2), or None with a
+reason (``gemm_status()``) when the CPU has neither (read from /proc/cpuinfo, never assumed), there is
+no compiler, or the build fails: callers then keep their other paths. ``load_kernel()`` is the VNNI
+build alone (its module also has the LM head's ``i8_screen``). A module has ``i8_gemm(x, codes,
+scales, offsets, block, bf16_out, n, out, bias)`` on the copy ``pack_for`` makes for it at load (the
+AVX2 build also takes the copy's ``code_bias`` and ``code_span``: ``gemm`` passes them) and
+``quantize(x, block)``, the activation rounding it applies (int8 per block of the weight's scales,
+absmax / 127, nearest even).
 
 ``reference`` is the same arithmetic in torch (tests and benchmarks): the integer dots are exact,
 the float sums agree to float32 rounding.
@@ -15,25 +18,94 @@ from __future__ import annotations
 
 import torch
 
-from servelm.model.cpp_kernel import CppKernel
+from servelm.model.cpp_kernel import CppKernel, KernelBuilds
 from servelm.model.gguf.gguf_blocks import BlockWeight, tile_outputs
 from servelm.model.huge_pages import on_huge_pages
 
 KERNEL = CppKernel.beside(__file__, "gguf_i8gemm.cpp", "gguf_i8gemm", "GGUF int8 GEMM (AVX512-VNNI)",
                           ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
 load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
+AVX2_KERNEL = CppKernel.beside(__file__, "gguf_i8gemm_avx2.cpp", "gguf_i8gemm_avx2", "GGUF int8 GEMM (AVX2+FMA)",
+                               ("avx2", "fma"))
+KERNELS = (KERNEL, AVX2_KERNEL)
+"""Every build, preferred first."""
+GEMM_BUILDS = KernelBuilds(*KERNELS)
+load_gemm, gemm_status, gemm_missing_flags = GEMM_BUILDS.load, GEMM_BUILDS.status, GEMM_BUILDS.missing_cpu_flags
+
+AVX2_CODE_SPAN = 127
+"""The widest codes the AVX2 build takes: u = code + bias in 0 .. 127 (vpmaddubsw's int16 pairs, 2 x 127 x 127,
+do not saturate); wider codes (Q8_0's -127 .. 127) keep the layer's other routes."""
 
 GEMM_COLS = 2
 """16-output vectors per tile (the kernel's ``kCols``): tiles of 32 outputs."""
 
 
 def pack(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A BlockWeight in ``i8_gemm``'s order: codes + 128 as uint8 [tiles, K / 4, GEMM_COLS, 16, 4]
+    """A BlockWeight in the VNNI build's order: codes + 128 as uint8 [tiles, K / 4, GEMM_COLS, 16, 4]
     (N padded with zero codes to whole tiles of 32 outputs), scales and offsets [tiles, K / B,
     GEMM_COLS, 16] (zero for padded outputs). 1 byte per weight + 4 per block: the size of the
     BlockWeight itself (``tile_outputs``); codes as large as an LM head's on huge pages (``on_huge_pages``)."""
     codes, scales, offsets = tile_outputs(weight.codes, weight.scales, weight.offsets, GEMM_COLS, group=4)
     return on_huge_pages(codes.view(torch.uint8).bitwise_xor(0x80)), scales, offsets   # code + 128, as a byte
+
+
+def pack_avx2(weight: BlockWeight) -> I8Weight | None:
+    """A BlockWeight in the AVX2 build's order: u = code + bias as uint8 [tiles, K / 4, 1, 16, 4] (bias =
+    -least code where that is negative, else 0; N padded to whole tiles of 16 outputs with zero codes),
+    scales and offsets [tiles, K / B, 1, 16]; None where the codes span more than ``AVX2_CODE_SPAN``."""
+    bias, span = code_bias_span(*code_range(weight))
+    if span > AVX2_CODE_SPAN:
+        return None
+    codes, scales, offsets = tile_outputs(weight.codes, weight.scales, weight.offsets, 1, group=4)
+    unsigned = on_huge_pages(codes.to(torch.int16).add_(bias).to(torch.uint8))
+    return I8Weight.of((unsigned, scales, offsets), {"code_bias": bias, "code_span": span})
+
+
+class I8Weight(tuple):  # type: ignore[type-arg]
+    """``(codes, scales, offsets)``: a weight packed for one build of ``i8_gemm``, with the keyword
+    arguments that build takes beside them (``call_kwargs``: the AVX2 build's code bias and span)."""
+
+    call_kwargs: dict[str, int]
+
+    @classmethod
+    def of(cls, tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], call_kwargs: dict[str, int]) -> I8Weight:
+        packed = cls(tensors)
+        packed.call_kwargs = call_kwargs
+        return packed
+
+
+def is_avx2(kernel: object) -> bool:
+    """Whether ``kernel`` is the AVX2 build's module (tiles of 16 outputs, ``pack_avx2``)."""
+    return getattr(kernel, "GEMM_COLS", GEMM_COLS) == 1
+
+
+def pack_for(kernel: object, weight: BlockWeight) -> I8Weight | None:
+    """``weight`` packed for ``kernel``'s build, or None where that build cannot take its codes."""
+    return pack_avx2(weight) if is_avx2(kernel) else I8Weight.of(pack(weight), {})
+
+
+def code_range(weight: BlockWeight) -> tuple[int, int]:
+    """The least and greatest of ``weight``'s codes."""
+    low, high = torch.aminmax(weight.codes)
+    return int(low), int(high)
+
+
+def code_bias_span(low: int, high: int) -> tuple[int, int]:
+    """The AVX2 build's bias for codes in [low, high] (u = code + bias >= 0) and the greatest u."""
+    bias = max(0, -low)
+    return bias, high + bias
+
+
+def fits(kernel: object, codes: tuple[int, int]) -> bool:
+    """Whether ``kernel``'s build takes a weight whose codes lie in ``codes`` (least, greatest; the AVX2
+    build: u spanning at most ``AVX2_CODE_SPAN``)."""
+    return not is_avx2(kernel) or code_bias_span(*codes)[1] <= AVX2_CODE_SPAN
+
+
+def gemm(kernel: object, x: torch.Tensor, packed: I8Weight, block: int, bf16_out: bool = False, n: int = -1,
+         out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernel.i8_gemm`` on ``packed`` (``pack_for``'s copy for that kernel)."""
+    return kernel.i8_gemm(x, *packed, block, bf16_out, n, out, bias, **packed.call_kwargs)  # type: ignore[attr-defined]
 
 
 def quantize_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,7 +209,7 @@ class GGUFBlockLinearMethod:
         """The rows kernel (gguf_rows.py's module), or None; only beside a bf16 dense dtype (a CPU with
         a native bf16 GEMM: it serves bf16 rows)."""
         self.i8_kernel = i8_kernel if activations != "float" else None
-        """The int8 GEMM (gguf_i8gemm.py's module), or None; never with ``float`` activations."""
+        """The int8 GEMM (a build of gguf_i8gemm.py's: VNNI or AVX2), or None; never with ``float`` activations."""
         self.dense_dtype = dense_dtype
         """Dtype of the dequantized copy (bf16 with a native bf16 GEMM)."""
         self.activations = activations
@@ -234,7 +234,13 @@ class GGUFBlockLinearMethod:
     def shape(self, weight: BlockWeight, float_output: bool = False, int8_rows: bool = True) -> LinearShape:
         """The route table's key for a layer with ``weight`` (``process``'s arguments)."""
         return LinearShape(weight.shape[1], weight.shape[0], weight.kind, float_output,
-                           int8_rows and not float_output and self.activations != "float")
+                           int8_rows and not float_output and self.activations != "float"
+                           and self.int8_fits(gguf_i8gemm.code_range(weight)))
+
+    def int8_fits(self, code_range: tuple[int, int]) -> bool:
+        """Whether the int8 GEMM's build takes a weight whose codes lie in ``code_range`` (the AVX2 build:
+        spanning at most 127; True where no int8 GEMM is built: the shape's role stays what the layer is)."""
+        return self.i8_kernel is None or gguf_i8gemm.fits(self.i8_kernel, code_range)
 
     def available(self, shape: LinearShape, block: int) -> frozenset[Route]:
         """The routes whose kernel is built and takes this shape (before the quality rules)."""
@@ -290,8 +296,9 @@ class GGUFBlockLinearMethod:
         layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held)
         layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held, bits=True)
         # where only the lead takes the int8 GEMM, only its outputs are packed
-        layer.gguf_i8 = (gguf_i8gemm.pack(weight) if Route.INT8 in routes.held
-                         else gguf_i8gemm.pack(int8_lead) if layer.gguf_lead is not None else None)  # type: ignore[arg-type]
+        layer.gguf_i8 = (gguf_i8gemm.pack_for(self.i8_kernel, weight) if Route.INT8 in routes.held
+                         else gguf_i8gemm.pack_for(self.i8_kernel, int8_lead)  # type: ignore[arg-type]
+                         if layer.gguf_lead is not None else None)
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in routes.held else None
         layer.gguf_decode_args = self._decode_args(layer, routes, dtype)
         if old is not None:
@@ -318,7 +325,7 @@ class GGUFBlockLinearMethod:
             weight.with_packed()
         layer.gguf_packed = self.rows_copy(weight, Route.ROWS in available)
         layer.gguf_bits = self.rows_copy(weight, Route.PACKED in available, bits=True)
-        layer.gguf_i8 = gguf_i8gemm.pack(weight) if Route.INT8 in available else None
+        layer.gguf_i8 = gguf_i8gemm.pack_for(self.i8_kernel, weight) if Route.INT8 in available else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in available else None
         return held_bytes(layer, weight)
 
@@ -407,9 +414,8 @@ class GGUFBlockLinearMethod:
                 x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block, bf16_out,
                 weight.shape[0], kernel_bias)
         elif route is Route.INT8:
-            out = self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
-                x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
-                bf16_out, weight.shape[0], bias=kernel_bias)
+            out = gguf_i8gemm.gemm(self.i8_kernel, x2.contiguous() if is_bf16 else x2.float().contiguous(),
+                                   layer.gguf_i8, weight.block, bf16_out, weight.shape[0], bias=kernel_bias)
         else:   # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
             out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
         if bias is not None and kernel_bias is None:   # type promotion: float32 whenever either side is
@@ -433,9 +439,9 @@ class GGUFBlockLinearMethod:
             dtype = torch.bfloat16 if is_bf16 and not float_out else torch.float32
         out = torch.empty(x2.shape[0], weight.shape[0], dtype=dtype)
         kernel_bias = bias if takes_kernel_bias(bias) else None
-        self.i8_kernel.i8_gemm(  # type: ignore[attr-defined]
-            x2.contiguous() if is_bf16 else x2.float().contiguous(), *layer.gguf_i8, weight.block,
-            dtype == torch.bfloat16, lead, out[:, :lead], bias=None if kernel_bias is None else kernel_bias[:lead])
+        gguf_i8gemm.gemm(self.i8_kernel, x2.contiguous() if is_bf16 else x2.float().contiguous(), layer.gguf_i8,
+                         weight.block, dtype == torch.bfloat16, lead, out[:, :lead],
+                         bias=None if kernel_bias is None else kernel_bias[:lead])
         if rest is Route.DENSE:
             out[:, lead:] = dense_linear(x2.to(dtype).contiguous(), layer.gguf_dense[lead:])
         else:

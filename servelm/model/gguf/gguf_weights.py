@@ -285,21 +285,27 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
         first = blocks[names[0]]
         kind = "+".join(dict.fromkeys(blocks[name].kind for name in names))
         n = sum(blocks[name].codes.shape[0] for name in names)
+        code_range = _code_range([blocks[name] for name in names])
         shape = LinearShape(first.codes.shape[1], n, kind, isinstance(module, LMHead),
                             module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED
-                            and not isinstance(module, LMHead) and method.activations != "float")
+                            and not isinstance(module, LMHead) and method.activations != "float"
+                            and method.int8_fits(code_range))
         lead = _int8_lead(module_name, names, blocks)
-        parts = [(shape, names)] + ([(method.shape(lead), names[:1])] if lead is not None else [])
-        for part_shape, part_names in parts:
+        parts = [(shape, code_range)] + ([(method.shape(lead), _code_range([lead]))] if lead is not None else [])
+        for part_shape, part_range in parts:
             if part_shape not in specs:
-                ranges = [torch.aminmax(blocks[name].codes) for name in part_names]
-                specs[part_shape] = ShapeSpec(part_shape, first.block, first.offsets is not None,
-                                              (min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)))
+                specs[part_shape] = ShapeSpec(part_shape, first.block, first.offsets is not None, part_range)
         model_dtype = module.weight.dtype
     table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh,
                                 working_bytes=sum(weight.nbytes for weight in blocks.values()))
     method.ranking = table.ranking(method.default_ranking)
     return source, model_dtype
+
+
+def _code_range(weights: list[BlockWeight]) -> tuple[int, int]:
+    """The least and greatest code of ``weights`` (a merged layer's parts)."""
+    ranges = [torch.aminmax(weight.codes) for weight in weights]
+    return min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)
 
 
 def _int8_lead(module_name: str, names: list[str], blocks: dict[str, BlockWeight]) -> BlockWeight | None:
@@ -374,9 +380,10 @@ def apply_block_weights(model: nn.Module, blocks: dict[str, BlockWeight], others
     dense_dtype = torch.bfloat16 if cpu_bf16_feature() is not None else torch.float32
     # the rows kernel only serves bf16 rows, so only where the model may run in bf16
     rows_kernel = gguf_rows.load_kernel() if dense_dtype == torch.bfloat16 else None
-    # the int8 GEMM where the CPU has its instructions (asked of the CPU's flags, not of a loaded
-    # module: one loaded earlier in the process stays loaded whatever flags), beside either build
-    i8_kernel = (gguf_i8gemm.load_kernel() if kernel is not None and not gguf_i8gemm.missing_cpu_flags()
+    # the int8 GEMM where the CPU has the instructions of a build (VNNI, else AVX2; asked of the CPU's
+    # flags, not of a loaded module: one loaded earlier in the process stays loaded whatever flags),
+    # beside either block build
+    i8_kernel = (gguf_i8gemm.load_gemm() if kernel is not None and not gguf_i8gemm.gemm_missing_flags()
                  and activations != "float" else None)
     method = GGUFBlockLinearMethod(kernel, dense_dtype, activations, rows_kernel, i8_kernel)
     route_source, model_dtype = _route_table(method, model, blocks, route_budget_s, fresh_routes)

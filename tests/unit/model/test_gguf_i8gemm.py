@@ -1,6 +1,6 @@
-"""The int8 x int8 GEMM on GGUF codes (gguf_i8gemm.cpp) against the same quantized arithmetic in torch
-(``gguf_i8gemm.reference``): the activation rounding bit for bit, the integer block dots exactly, the
-float32 results to rounding."""
+"""The int8 x int8 GEMM on GGUF codes (gguf_i8gemm.cpp, VNNI; gguf_i8gemm_avx2.cpp, AVX2) against the same
+quantized arithmetic in torch (``gguf_i8gemm.reference``): the activation rounding bit for bit, the
+integer block dots exactly, the float32 results to rounding; each build that runs here."""
 
 from __future__ import annotations
 
@@ -15,15 +15,47 @@ from servelm.model.gguf.gguf_kernel import load_kernel as load_vnni_kernel
 from servelm.model.gguf.gguf_linear import I8_GEMM_FIRST_ROW, I8_GEMM_SKIPPED, KERNEL_MAX_ROWS, GGUFBlockLinearMethod
 from servelm.model.gguf.gguf_routes import PassRows
 from servelm.model.layers.linear import dense_linear
-from tests.tiny_models import random_block_weight as block_weight
+from tests.tiny_models import random_block_weight
+
+GEMM_BUILDS = {"vnni": gguf_i8gemm.KERNEL, "avx2": gguf_i8gemm.AVX2_KERNEL}
 
 
 @pytest.fixture(scope="module")
 def kernel():
+    """The VNNI build (the routing tests below run it beside the VNNI block kernel and the rows kernel)."""
     module = gguf_i8gemm.load_kernel()
     if module is None:
         pytest.skip(f"no int8 GEMM here: {gguf_i8gemm.kernel_status()}")
     return module
+
+
+@pytest.fixture(scope="module", params=sorted(GEMM_BUILDS))
+def build(request):
+    """Each build of the GEMM that runs on this CPU."""
+    kernel = GEMM_BUILDS[request.param]
+    if kernel.missing_cpu_flags():
+        pytest.skip(f"{kernel.description}: this CPU lacks {', '.join(kernel.missing_cpu_flags())}")
+    module = kernel.load()
+    if module is None:
+        pytest.skip(f"{kernel.description}: {kernel.status()}")
+    return module
+
+
+def block_weight(n: int, k: int, block: int, offsets: bool, seed: int, build: object = None) -> BlockWeight:
+    """``random_block_weight``'s codes (-128 .. 127), halved (-64 .. 63) for the AVX2 build, which takes
+    codes spanning at most 127."""
+    weight = random_block_weight(n, k, block, offsets, seed)
+    if build is not None and gguf_i8gemm.is_avx2(build):
+        weight = BlockWeight(torch.div(weight.codes, 2, rounding_mode="floor"), weight.scales, weight.offsets, block,
+                             weight.kind)
+    return weight
+
+
+def gemm(build: object, x: torch.Tensor, weight: BlockWeight, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``build``'s GEMM on ``weight`` packed for it (``pack_for``; ``gemm``'s other arguments after)."""
+    packed = gguf_i8gemm.pack_for(build, weight)
+    assert packed is not None
+    return gguf_i8gemm.gemm(build, x, packed, weight.block, *args, **kwargs)
 
 
 def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> None:
@@ -34,24 +66,24 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> N
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [320, 896])   # blocks a row: 10 / 20 and 28 / 56 (groups of 16 and a rest)
-def test_activation_rounding_is_the_reference_bit_for_bit(kernel, dtype: torch.dtype, k: int) -> None:
+def test_activation_rounding_is_the_reference_bit_for_bit(build, dtype: torch.dtype, k: int) -> None:
     x = (torch.randn(37, k, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     x[3, :32] = 0   # an all-zero block: scale 0, codes 0
     x[4, 5 * 32 + 7] = 40.0   # one block's large value: its own scale only
     for block in (16, 32):
-        codes, scales = kernel.quantize(x, block)
+        codes, scales = build.quantize(x, block)
         expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, block)
         assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
         assert int(codes.abs().max()) == 127
 
 
-def test_a_value_that_is_not_finite_rounds_only_its_own_block(kernel) -> None:
-    """The kernel reduces 16 blocks' absmax at once: a block's inf or NaN stays in that block."""
+def test_a_value_that_is_not_finite_rounds_only_its_own_block(build) -> None:
+    """The VNNI build reduces 16 blocks' absmax at once: a block's inf or NaN stays in that block."""
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(1))
     x[1, 40] = float("inf")
     x[2, 300] = float("nan")
     for block in (16, 32):
-        codes, scales = kernel.quantize(x, block)
+        codes, scales = build.quantize(x, block)
         expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, block)
         keep = torch.ones(3, 896 // block, dtype=torch.bool)
         keep[1, 40 // block] = keep[2, 300 // block] = False
@@ -62,99 +94,126 @@ def test_a_value_that_is_not_finite_rounds_only_its_own_block(kernel) -> None:
 
 
 @pytest.mark.parametrize("block", [16, 32])
-def test_integer_dots_are_exact(kernel, block: int) -> None:
+@pytest.mark.parametrize("codes", [(-128, 127), (-64, 63), (-32, 31), (0, 15), (-16, 15), (3, 66)])
+def test_integer_dots_are_exact(build, block: int, codes: tuple[int, int]) -> None:
     """Activations already int8 with a 127 in every block (scale 1) and unit weight scales: every
-    product and sum is an integer below 2**24, so float32 holds the exact int64 result."""
+    product and sum is an integer below 2**24, so float32 holds the exact int64 result. Codes of
+    each GGUF kind's range (Q8_0, Q6_K, Q4_K, Q5_0; the AVX2 build adds pairs in int16 where they
+    span at most 63, one vpmaddwd for two vpmaddubsw), and every code and activation at its extremes
+    (a saturating int16 would show there); the AVX2 build refuses codes spanning more than 127."""
     generator = torch.Generator().manual_seed(block)
     n, k = 45, 256
-    weight = BlockWeight(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
+    weight = BlockWeight(torch.randint(codes[0], codes[1] + 1, (n, k), dtype=torch.int8, generator=generator),
                          torch.ones(n, k // block), None, block, "test")
+    if gguf_i8gemm.is_avx2(build) and codes[1] - min(codes[0], 0) > gguf_i8gemm.AVX2_CODE_SPAN:
+        assert gguf_i8gemm.pack_for(build, weight) is None and not gguf_i8gemm.fits(build, codes)
+        return
+    assert gguf_i8gemm.fits(build, codes)
     x = torch.randint(-127, 128, (23, k), generator=generator).float()
     x.view(23, -1, block)[..., 0] = 127
-    codes, scales, offsets = gguf_i8gemm.pack(weight)
-    out = kernel.i8_gemm(x, codes, scales, offsets, block, False, n)
+    x[:4] = torch.tensor([127.0, -127.0, 127.0, -127.0])[:, None]   # rows of one sign, at the extremes
+    weight.codes[:2] = torch.tensor(codes, dtype=torch.int8)[:, None]   # outputs at the least and greatest code
+    weight.codes[2, ::2], weight.codes[2, 1::2] = codes[0], codes[1]
+    out = gemm(build, x, weight, False, n)
     assert torch.equal(out.double(), (x.double() @ weight.codes.double().T))
 
 
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("offsets", [False, True])
-def test_every_row_count_matches_the_reference(kernel, block: int, offsets: bool) -> None:
-    weight = block_weight(75, 192, block, offsets, seed=block + offsets)   # 75 outputs: a short last tile
-    codes, scales, offs = gguf_i8gemm.pack(weight)
+def test_every_row_count_matches_the_reference(build, block: int, offsets: bool) -> None:
+    weight = block_weight(75, 192, block, offsets, seed=block + offsets, build=build)   # 75 outputs: a short last tile
     x = torch.randn(40, 192, generator=torch.Generator().manual_seed(1)).bfloat16()
-    full = kernel.i8_gemm(x, codes, scales, offs, block, False, 75)
+    full = gemm(build, x, weight, False, 75)
     for m in range(1, 41):
-        out = kernel.i8_gemm(x[:m].contiguous(), codes, scales, offs, block, False, 75)
+        out = gemm(build, x[:m].contiguous(), weight, False, 75)
         assert out.dtype == torch.float32 and out.shape == (m, 75)
         assert_matches(out, x[:m], weight)
         # a row's result does not depend on the other rows
         assert torch.equal(out, full[:m])
 
 
+def test_both_builds_give_the_same_floats() -> None:
+    """Where both builds run (an AVX512-VNNI CPU), their results are equal bit for bit: the same
+    integer dots, the same float operations in the same order."""
+    modules = [kernel.load() for kernel in GEMM_BUILDS.values() if not kernel.missing_cpu_flags()]
+    if len(modules) < 2 or None in modules:
+        pytest.skip("one build runs here")
+    for block, offsets in ((16, False), (32, True)):
+        weight = block_weight(75, 256, block, offsets, seed=40 + block, build=modules[1])
+        x = torch.randn(19, 256, generator=torch.Generator().manual_seed(41))
+        assert torch.equal(gemm(modules[0], x, weight, False, 75), gemm(modules[1], x, weight, False, 75))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_large_row_counts_and_threads(kernel, threads: int) -> None:
+def test_large_row_counts_and_threads(build, threads: int) -> None:
     """Row panels (K = 2048: a panel of 128 rows) and the tiles split over threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        weight = block_weight(200, 2048, 32, False, seed=3)
-        codes, scales, _ = gguf_i8gemm.pack(weight)
+        weight = block_weight(200, 2048, 32, False, seed=3, build=build)
         for m in (129, 600):
             x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).bfloat16()
-            out = kernel.i8_gemm(x, codes, scales, None, 32, False, 200)
+            out = gemm(build, x, weight, False, 200)
             assert_matches(out, x, weight)
-            assert torch.equal(out[-7:], kernel.i8_gemm(x[-7:].contiguous(), codes, scales, None, 32, False, 200))
+            assert torch.equal(out[-7:], gemm(build, x[-7:].contiguous(), weight, False, 200))
     finally:
         torch.set_num_threads(before)
 
 
-def test_bf16_output_is_the_float32_result_rounded(kernel) -> None:
-    weight = block_weight(70, 640, 32, False, seed=5)
-    codes, scales, _ = gguf_i8gemm.pack(weight)
+def test_bf16_output_is_the_float32_result_rounded(build) -> None:
+    weight = block_weight(70, 640, 32, False, seed=5, build=build)
     x = torch.randn(9, 640, generator=torch.Generator().manual_seed(2)).bfloat16()
-    full = kernel.i8_gemm(x, codes, scales, None, 32, False, 70)
-    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70), full.bfloat16())
+    full = gemm(build, x, weight, False, 70)
+    assert torch.equal(gemm(build, x, weight, True, 70), full.bfloat16())
+    if gguf_i8gemm.is_avx2(build):   # a NaN makes its row's results NaN, as the reference's
+        x[0, 0] = float("nan")
+        assert bool(gemm(build, x, weight, True, 70)[0].isnan().all())
+        assert bool(gguf_i8gemm.reference(x, weight)[0].isnan().all())
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
-def test_a_bias_goes_in_before_the_rounding(kernel, bias_dtype: torch.dtype) -> None:
+def test_a_bias_goes_in_before_the_rounding(build, bias_dtype: torch.dtype) -> None:
     """``bias``: float32 result + bias, then one rounding to bf16 (as run_route adds it after a float32
     result), on a padded last tile too (70 outputs)."""
-    weight = block_weight(70, 256, 32, False, seed=15)
-    codes, scales, _ = gguf_i8gemm.pack(weight)
+    weight = block_weight(70, 256, 32, False, seed=15, build=build)
     x = torch.randn(11, 256, generator=torch.Generator().manual_seed(16)).bfloat16()
     bias = (torch.randn(70, generator=torch.Generator().manual_seed(17)) * 4).to(bias_dtype)
-    full = kernel.i8_gemm(x, codes, scales, None, 32, False, 70)
-    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias), (full + bias).bfloat16())
-    assert torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, False, 70, bias=bias), full + bias)
+    full = gemm(build, x, weight, False, 70)
+    assert torch.equal(gemm(build, x, weight, True, 70, bias=bias), (full + bias).bfloat16())
+    assert torch.equal(gemm(build, x, weight, False, 70, bias=bias), full + bias)
     # not the bf16 result plus the bias (two roundings)
-    assert not torch.equal(kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias),
-                           (full.bfloat16() + bias).bfloat16())
+    assert not torch.equal(gemm(build, x, weight, True, 70, bias=bias), (full.bfloat16() + bias).bfloat16())
     with pytest.raises(RuntimeError, match="bias"):
-        kernel.i8_gemm(x, codes, scales, None, 32, True, 70, bias=bias[:64])
+        gemm(build, x, weight, True, 70, bias=bias[:64])
 
 
-def test_writes_into_a_given_output(kernel) -> None:
+def test_writes_into_a_given_output(build) -> None:
     """A reused buffer (wider rows than n: a padded logits buffer) is written in place."""
-    weight = block_weight(64, 128, 32, False, seed=6)
-    codes, scales, _ = gguf_i8gemm.pack(weight)
+    weight = block_weight(64, 128, 32, False, seed=6, build=build)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
     buffer = torch.full((5, 80), -1.0)
-    out = kernel.i8_gemm(x, codes, scales, None, 32, False, 64, buffer[:, :64])
+    out = gemm(build, x, weight, False, 64, buffer[:, :64])
     assert out.data_ptr() == buffer.data_ptr()
-    assert torch.equal(buffer[:, :64], kernel.i8_gemm(x, codes, scales, None, 32, False, 64))
+    assert torch.equal(buffer[:, :64], gemm(build, x, weight, False, 64))
     assert bool((buffer[:, 64:] == -1).all())
     with pytest.raises(RuntimeError, match="out"):
-        kernel.i8_gemm(x, codes, scales, None, 32, False, 64, torch.empty(4, 64))
+        gemm(build, x, weight, False, 64, torch.empty(4, 64))
 
 
-def test_bad_arguments_are_refused(kernel) -> None:
-    weight = block_weight(32, 128, 32, False, seed=7)
-    codes, scales, _ = gguf_i8gemm.pack(weight)
+def test_bad_arguments_are_refused(build) -> None:
+    weight = block_weight(32, 128, 32, False, seed=7, build=build)
     with pytest.raises(RuntimeError, match="packed uint8"):
-        kernel.i8_gemm(torch.randn(2, 64), codes, scales, None, 32, False, 32)
+        gemm(build, torch.randn(2, 64), weight, False, 32)
     with pytest.raises(RuntimeError, match="at most"):
-        kernel.i8_gemm(torch.randn(2, 128), codes, scales, None, 32, False, 33)
+        gemm(build, torch.randn(2, 128), weight, False, 33)
+    if gguf_i8gemm.is_avx2(build):   # codes wider than vpmaddubsw's pairs take, or a bias beyond them
+        packed = gguf_i8gemm.pack_for(build, weight)
+        with pytest.raises(RuntimeError, match="code_span"):
+            build.i8_gemm(torch.randn(2, 128), *packed, 32, code_bias=64, code_span=128)
+        with pytest.raises(RuntimeError, match="code_bias"):
+            build.i8_gemm(torch.randn(2, 128), *packed, 32, code_bias=100, code_span=90)
+        with pytest.raises(RuntimeError, match="packed uint8"):   # the VNNI build's layout
+            build.i8_gemm(torch.randn(2, 128), *gguf_i8gemm.pack(weight), 32, code_bias=64, code_span=127)
 
 
 def test_layers_take_the_int8_gemm_from_its_first_row_and_the_head_never(kernel) -> None:
@@ -438,3 +497,89 @@ def test_a_float_residual_output_is_the_unrounded_result(kernel, with_bias: bool
     assert torch.equal(unrounded[generation_rows], exact(x[generation_rows], int8=False))
     assert torch.equal(unrounded[2:62], exact(x[2:62], int8=True))
     assert torch.equal(unrounded.bfloat16(), rounded)
+
+
+# -- the AVX2 build in the layers: a float32 model on an AVX2 CPU -----------------------------------------
+
+@pytest.fixture(scope="module")
+def avx2_method() -> GGUFBlockLinearMethod:
+    """A float32 model's method as apply_gguf_blocks makes it on an AVX2 CPU: the AVX2 block kernel, a float32
+    dense copy, no rows kernel, the AVX2 build of the int8 GEMM; the constant ranking (int8 from
+    I8_GEMM_FIRST_ROW prompt rows)."""
+    from servelm.model.gguf import gguf_kernel
+    kernels = (gguf_kernel.AVX2_KERNEL, gguf_i8gemm.AVX2_KERNEL)
+    if any(kernel.missing_cpu_flags() for kernel in kernels):
+        pytest.skip("no AVX2 + FMA + F16C here")
+    block, i8 = (kernel.load() for kernel in kernels)
+    if block is None or i8 is None:
+        pytest.skip("the AVX2 builds do not build here")
+    return GGUFBlockLinearMethod(block, torch.float32, "int16", None, i8)
+
+
+def ranged_weight(n: int, k: int, codes: tuple[int, int], offsets: bool, seed: int) -> BlockWeight:
+    """A block weight (block 32) whose codes lie in ``codes`` (a GGUF kind's range)."""
+    generator = torch.Generator().manual_seed(seed)
+    return BlockWeight(torch.randint(codes[0], codes[1] + 1, (n, k), dtype=torch.int8, generator=generator),
+                       torch.rand(n, k // 32, generator=generator) * 1e-2,
+                       torch.randn(n, k // 32, generator=generator) * 1e-2 if offsets else None, 32, "test")
+
+
+@pytest.mark.parametrize("codes", [(-16, 15), (0, 15)])   # Q5_0's, Q4_K's (with offsets)
+def test_a_float32_models_prompt_rows_take_the_avx2_int8_gemm(avx2_method: GGUFBlockLinearMethod,
+                                                               codes: tuple[int, int]) -> None:
+    """Prompt rows from I8_GEMM_FIRST_ROW take the AVX2 build on its own copy (u = code + bias); fewer rows,
+    generation rows at any count (alone or beside a prompt chunk) and the LM head never do."""
+    method = avx2_method
+    weight = ranged_weight(96, 256, codes, codes[0] == 0, seed=30)
+    layer, head = torch.nn.Module(), torch.nn.Module()
+    method.process(layer, weight)
+    method.process(head, weight, float_output=True)
+    assert head.gguf_i8 is None and layer.gguf_i8 is not None
+    assert layer.gguf_i8.call_kwargs == {"code_bias": -codes[0], "code_span": codes[1] - codes[0]}
+    first = I8_GEMM_FIRST_ROW
+    x = torch.randn(first + 20, 256, generator=torch.Generator().manual_seed(31))
+    by_i8 = gguf_i8gemm.gemm(method.i8_kernel, x, layer.gguf_i8, 32, False, 96)
+    assert_matches(by_i8, x, weight)
+    assert torch.equal(method.apply(layer, x, None), by_i8)
+    assert torch.equal(method.apply(layer, x[:first], None), by_i8[:first])
+    fewer = method.apply(layer, x[:first - 1], None)
+    assert not torch.equal(fewer, by_i8[:first - 1])
+    torch.testing.assert_close(fewer, x[:first - 1] @ weight.dequantize(dtype=torch.float32).T, rtol=1e-4, atol=1e-4)
+    decode = method.apply(layer, x, None, PassRows.of([1] * len(x), [True] * len(x)))
+    assert not torch.equal(decode, by_i8)
+    torch.testing.assert_close(decode, x @ weight.dequantize(dtype=torch.float32).T, rtol=1e-4, atol=1e-4)
+    mixed = method.apply(layer, x, None, PassRows.of([1, first + 18, 1], [True, False, True]))
+    generation = [0, first + 19]
+    assert torch.equal(mixed[1:first + 19], by_i8[1:first + 19])
+    assert torch.equal(mixed[generation], method.apply(layer, x[generation], None, PassRows.of([1, 1], [True, True])))
+    assert not torch.equal(method.apply(head, x, None), by_i8)
+
+
+def test_codes_wider_than_the_avx2_build_takes_keep_the_other_routes(avx2_method: GGUFBlockLinearMethod) -> None:
+    """Q8_0's codes (-127 .. 127) would saturate vpmaddubsw's int16 pairs: such a layer holds no int8 copy
+    and its shape is not an int8 one, so its prompt rows take the dense copy (or a kernel), unrounded."""
+    method = avx2_method
+    weight = ranged_weight(64, 256, (-127, 127), False, seed=32)
+    assert not method.shape(weight).may_int8 and method.shape(ranged_weight(64, 256, (-64, 63), False, 33)).may_int8
+    layer = torch.nn.Module()
+    method.process(layer, weight)
+    assert layer.gguf_i8 is None and layer.gguf_dense is not None
+    x = torch.randn(I8_GEMM_FIRST_ROW + 5, 256, generator=torch.Generator().manual_seed(34))
+    assert torch.equal(method.apply(layer, x, None), dense_linear(x, layer.gguf_dense))
+
+
+def test_a_qkv_projections_queries_take_the_avx2_int8_gemm(avx2_method: GGUFBlockLinearMethod) -> None:
+    """A merged QKV of Q5_0 queries and Q8_0 keys and values (Qwen2.5's and Gemma 3's GGUFs): from the first
+    int8 row the queries come from the AVX2 build's copy of them alone, the keys and values from the dense
+    copy, unrounded (the cache keeps them)."""
+    from servelm.model.gguf.gguf_blocks import concat_rows
+    method = avx2_method
+    queries, keys_values = ranged_weight(64, 256, (-16, 15), False, 35), ranged_weight(32, 256, (-127, 127), False, 36)
+    layer = torch.nn.Module()
+    method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
+    assert layer.gguf_lead is not None and layer.gguf_lead[0] == 64 and layer.gguf_i8[0].shape[0] * 16 == 64
+    x = torch.randn(I8_GEMM_FIRST_ROW + 3, 256, generator=torch.Generator().manual_seed(37))
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(38))
+    out = method.apply(layer, x, bias)
+    assert torch.equal(out[:, :64], gguf_i8gemm.gemm(method.i8_kernel, x, layer.gguf_i8, 32, False, 64, bias=bias[:64]))
+    assert torch.equal(out[:, 64:], dense_linear(x, layer.gguf_dense[64:]) + bias[64:])

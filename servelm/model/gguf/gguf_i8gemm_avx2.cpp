@@ -1,0 +1,382 @@
+// int8 x int8 GEMM on GGUF block codes for CPUs with AVX2 + FMA and no VNNI (AMD Zen 1-3, most
+// desktops and laptops): the arithmetic of gguf_i8gemm.cpp, y[M, N] = x[M, K] @ W.T with
+//   W[n, k] = codes[n, k] * scales[n, k / B] (+ offsets[n, k / B]),   B = 16 or 32,
+// x rounded per row and block of B inputs to int8 as llama.cpp's Q8_0 does (d = absmax / 127,
+// q = round(x / d), nearest even, |q| <= 127), each block's integer dot exact in int32, then
+//   y[m, n] = sum_b float(dot_b) * (scales[n, b] * d[m, b])  (+ offsets[n, b] * (d[m, b] * sum_k q[m, k]))
+// in that order: the floats of the VNNI kernel, on another instruction set.
+//
+// vpmaddubsw multiplies unsigned by signed bytes and adds each pair into a *saturating* int16: the
+// weights are the unsigned side, stored at load as u = code + bias (``pack_avx2`` in gguf_i8gemm.py,
+// bias = -min code), so sum u q = dot + bias sum q and a block's int32 accumulators start at
+// -bias sum q. A pair is at most 2 * umax * 127 (umax = the largest u): exact where umax <= 127; where
+// umax <= 63 (Q4, Q5 and Q6 codes) two pairs' int16 sums are added before they are widened (kPairs
+// 2: at most 32,004), one vpmaddwd for two vpmaddubsw. A weight whose codes span more than 127 (Q8_0)
+// is not packed for this kernel (the caller keeps its other routes).
+// Packed copy, per tile of 16 outputs:
+//   codes  [T, K / 4, 1, 16, 4] uint8: per tile and 4 inputs, 16 outputs' 4 bytes (two vectors of 8
+//          outputs; one sequential stream per tile); N padded to whole tiles with zero codes (u = bias)
+//   scales [T, K / B, 1, 16] float32 (offsets alike; zero for padded outputs)
+// Lanes are outputs: the activation's 4 bytes are broadcast, so there is no horizontal sum.
+// Each row's arithmetic does not depend on the other rows or the row count.
+//
+// Compiled at run time by servelm/model/gguf/gguf_i8gemm.py with -mavx2 -mfma; the Python side checks
+// those CPU flags first.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 16;             // outputs per tile: two vectors of 8
+constexpr int kRows = 4;                  // most rows per accumulator block: 8 int32 accumulators + 4 weight vectors
+constexpr int64_t kPanelBytes = 256 << 10;   // activation codes of one row panel, kept in L2 while tiles pass
+constexpr int64_t kChunkBytes = 192 << 10;   // weight codes every row group of a panel passes before the next
+constexpr int64_t kPrefetchBytes = 1024;     // how far ahead of the tile's code stream to prefetch
+
+template <class T>
+struct Uninitialised : std::allocator<T> {
+  template <class U>
+  struct rebind { using other = Uninitialised<U>; };
+  template <class U>
+  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
+};
+template <class T>
+using Buffer = std::vector<T, Uninitialised<T>>;
+
+// Activation rows rounded to int8 per block (see the top of the file).
+struct Quantized {
+  Buffer<int8_t> codes;     // [M, K]
+  Buffer<float> scales;     // [M, K / B]: d
+  Buffer<int32_t> counts;   // [M, K / B]: sum q
+  Buffer<float> sums;       // [M, K / B]: d * sum q (weights with offsets only)
+};
+
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {   // bf16 -> float32, exact
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float max_lane(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// Block b of row r (V vectors of 8 inputs), rounded as the file's top says.
+template <int V, class T>
+inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t nb, bool with_sums, Quantized& q) {
+  constexpr int64_t kB = 8 * V;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[V];
+  __m256 m = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();
+  for (int i = 0; i < V; ++i) {
+    v[i] = load8(x + r * k + b * kB + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+  }
+  // a NaN makes the block's scale NaN (as torch's amax), so the outputs it reaches are NaN: vmaxps
+  // would drop it
+  const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : max_lane(m) / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i sum = _mm256_setzero_si256();
+  int8_t* out = q.codes.data() + r * k + b * kB;
+  for (int i = 0; i < V; i += 2) {   // 16 inputs at a time: int32 -> int16 -> int8, in order
+    __m256i c[2];
+    for (int j = 0; j < 2; ++j) {
+      c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + j], scale));   // nearest even
+      c[j] = _mm256_max_epi32(_mm256_min_epi32(c[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      sum = _mm256_add_epi32(sum, c[j]);
+    }
+    const __m256i half = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * i),
+                     _mm_packs_epi16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1)));
+  }
+  const int32_t s = sum_lanes(sum);
+  q.scales[r * nb + b] = d;
+  q.counts[r * nb + b] = s;
+  if (with_sums) q.sums[r * nb + b] = d * static_cast<float>(s);
+}
+
+template <class T>
+Quantized quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, bool with_sums) {
+  const int64_t nb = k / block;
+  Quantized q{Buffer<int8_t>(rows * k), Buffer<float>(rows * nb), Buffer<int32_t>(rows * nb),
+              Buffer<float>(with_sums ? rows * nb : 0)};
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        if (block == 32) quantize_block<4>(x, r, b, k, nb, with_sums, q);
+        else quantize_block<2>(x, r, b, k, nb, with_sums, q);
+      }
+  });
+  return q;
+}
+
+struct GemmArgs {
+  const Quantized* x;
+  const uint8_t* codes;    // packed, see above
+  const float* scales;     // packed
+  const float* offsets;    // packed or nullptr
+  int32_t code_bias;       // u = code + code_bias
+  int64_t k, n, nb;
+  float* yf;               // [M, ldy] float32 out, or
+  uint16_t* yb;            // bf16 out
+  int64_t ldy;             // the output's row stride
+  const float* bias32;     // [n] added to the results in float32 before any rounding, or nullptr;
+  const uint16_t* bias16;  // or a bf16 bias (widened exactly), or nullptr
+};
+
+// float32 -> bf16 rounded to nearest even, as torch (NaN stays a NaN)
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
+  return _mm256_castsi256_si128(packed);
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``, stored into y. kPairs: vpmaddubsw
+// results added in int16 before vpmaddwd widens them (2 where the weight's u <= 63, see the top).
+template <int R, int B, int kPairs, bool kOffsets>
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+  constexpr int kGroups = B / 4;   // 4-input groups per block
+  const int64_t nb = a.nb, k = a.k;
+  const uint8_t* w = a.codes + tile * k * kTile;
+  const float* ws = a.scales + tile * nb * kTile;
+  const float* wo = kOffsets ? a.offsets + tile * nb * kTile : nullptr;
+  const int8_t* xq = a.x->codes.data() + r0 * k;
+  const float* xs = a.x->scales.data() + r0 * nb;
+  const int32_t* xcount = a.x->counts.data() + r0 * nb;
+  const float* xsum = kOffsets ? a.x->sums.data() + r0 * nb : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i t[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m256i start = _mm256_set1_epi32(-a.code_bias * xcount[r * nb + b]);
+      t[r][0] = t[r][1] = start;
+    }
+    const uint8_t* wb = w + b * B * kTile;
+    _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (B == 32) _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes + 64, _MM_HINT_T0);
+    for (int g = 0; g < kGroups; g += kPairs) {
+      __m256i wv[kPairs][2];
+      for (int p = 0; p < kPairs; ++p)
+        for (int c = 0; c < 2; ++c) wv[p][c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (g + p) * 64 + 32 * c));
+      for (int r = 0; r < R; ++r) {
+        __m256i xv[kPairs];
+        for (int p = 0; p < kPairs; ++p) xv[p] = broadcast4(xq + r * k + b * B + 4 * (g + p));
+        for (int c = 0; c < 2; ++c) {
+          __m256i pairs = _mm256_maddubs_epi16(wv[0][c], xv[0]);
+          for (int p = 1; p < kPairs; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[p][c], xv[p]));
+          t[r][c] = _mm256_add_epi32(t[r][c], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    __m256 sv[2], ov[2];
+    for (int c = 0; c < 2; ++c) {
+      sv[c] = _mm256_loadu_ps(ws + b * kTile + 8 * c);
+      if constexpr (kOffsets) ov[c] = _mm256_loadu_ps(wo + b * kTile + 8 * c);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(xs[r * nb + b]);
+      for (int c = 0; c < 2; ++c) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[r][c]), _mm256_mul_ps(sv[c], d), acc[r][c]);
+        if constexpr (kOffsets) acc[r][c] = _mm256_fmadd_ps(ov[c], _mm256_set1_ps(xsum[r * nb + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int c = 0; c < 2; ++c) {
+    const int64_t n0 = tile * kTile + c * 8;
+    if (n0 >= a.n) break;
+    const int64_t width = std::min<int64_t>(8, a.n - n0);
+    if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
+      alignas(32) float bias[8] = {};
+      for (int64_t j = 0; j < width; ++j)
+        bias[j] = a.bias32 != nullptr ? a.bias32[n0 + j] : [&] {
+          const uint32_t bits = static_cast<uint32_t>(a.bias16[n0 + j]) << 16;
+          float f;
+          std::memcpy(&f, &bits, sizeof(f));
+          return f;
+        }();
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_load_ps(bias));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * a.ldy + n0;
+      if (a.yf != nullptr) {
+        if (width == 8) {
+          _mm256_storeu_ps(a.yf + at, acc[r][c]);
+        } else {
+          alignas(32) float lanes[8];
+          _mm256_store_ps(lanes, acc[r][c]);
+          std::memcpy(a.yf + at, lanes, width * sizeof(float));
+        }
+      } else {
+        alignas(16) uint16_t lanes[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), to_bf16(acc[r][c]));
+        std::memcpy(a.yb + at, lanes, width * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+template <int B, int kPairs, bool kOffsets, int R = kRows>
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+  if (rows == R || R == 1) {
+    micro_tile<R, B, kPairs, kOffsets>(a, r0, tile);
+  } else if constexpr (R > 1) {
+    dispatch_rows<B, kPairs, kOffsets, R - 1>(rows, a, r0, tile);
+  }
+}
+
+// Threads split the tiles. Each takes its tiles once per panel of rows (the panel's activation codes
+// stay in L2 while the tiles pass), in chunks of kChunkBytes of codes that every row group of the panel
+// passes over (from L2) before the next chunk. The rows of a panel go in groups of at most kRows, as
+// even as possible (9 rows: 3 + 3 + 3).
+template <int B, int kPairs, bool kOffsets>
+void run_gemm(const GemmArgs& a, int64_t rows) {
+  const int64_t tiles = (a.n + kTile - 1) / kTile;
+  const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < rows; p0 += panel) {
+      const int64_t size = std::min(panel, rows - p0);
+      const int64_t groups = (size + kRows - 1) / kRows;
+      for (int64_t first = begin; first < end; first += chunk) {
+        for (int64_t g = 0, r0 = p0; g < groups; ++g) {
+          const int64_t group = (p0 + size - r0) / (groups - g);
+          for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
+            dispatch_rows<B, kPairs, kOffsets>(static_cast<int>(group), a, r0, tile);
+          r0 += group;
+        }
+      }
+    }
+  });
+}
+
+template <int B>
+void run_block(const GemmArgs& a, int64_t rows, int pairs) {
+  if (a.offsets != nullptr) {
+    if (pairs == 2) run_gemm<B, 2, true>(a, rows);
+    else run_gemm<B, 1, true>(a, rows);
+  } else {
+    if (pairs == 2) run_gemm<B, 2, false>(a, rows);
+    else run_gemm<B, 1, false>(a, rows);
+  }
+}
+
+}  // namespace
+
+// Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None, bias=None, *, code_bias,
+// code_span): x [M, K] bfloat16 or float32; codes (u = code + code_bias, at most code_span), scales, offsets
+// packed as above; n outputs (-1: every packed one). Returns [M, n] float32 (bfloat16 when bf16_out),
+// written into ``out`` when given (contiguous rows of that dtype, [M, >= n]); ``bias`` (float32 or bfloat16
+// [n]) added in float32 before the rounding to bfloat16, as ``(float32 result + bias).to(bfloat16)``.
+torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                      int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
+                      c10::optional<torch::Tensor> bias, int64_t code_bias, int64_t code_span) {
+  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous bfloat16 or float32 [M, K]");
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  TORCH_CHECK(code_span >= 0 && code_span <= 127, "code_span: the packed codes' largest value, at most 127");
+  TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
+  TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
+              && codes.size(2) == 1 && codes.size(3) == 16 && codes.size(4) == 4,
+              "codes: packed uint8 [tiles, K / 4, 1, 16, 4]");
+  if (n < 0) n = codes.size(0) * kTile;
+  TORCH_CHECK(n <= codes.size(0) * kTile, "n: at most the packed outputs");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              && scales.size(0) == codes.size(0) && scales.size(1) == nb && scales.size(2) == 1
+              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, 1, 16]");
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  if (has_offsets)
+    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "offsets: packed float32 like scales");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
+                && bias->numel() == n && bias->is_contiguous(), "bias: contiguous float32 or bfloat16 [n]");
+  const auto out_dtype = bf16_out ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {
+    y = *out;
+    TORCH_CHECK(y.dtype() == out_dtype && y.dim() == 2 && y.size(0) == rows && y.size(1) >= n && y.stride(1) == 1
+                && y.stride(0) >= n, "out: [M, >= n] rows of the output dtype");
+  } else {
+    y = torch::empty({rows, n}, x.options().dtype(out_dtype));
+  }
+  if (rows == 0 || n == 0) return y;
+  const Quantized q = x.dtype() == torch::kFloat32
+      ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets)
+      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, has_offsets);
+  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+             has_offsets ? offsets->data_ptr<float>() : nullptr, static_cast<int32_t>(code_bias), k, n, nb,
+             bf16_out ? nullptr : y.data_ptr<float>(),
+             bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, y.stride(0),
+             has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
+             has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
+  const int pairs = code_span <= 63 ? 2 : 1;
+  if (block == 32) run_block<32>(a, rows, pairs);
+  else run_block<16>(a, rows, pairs);
+  return y;
+}
+
+// Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
+// rounding i8_gemm applies, for tests and references.
+std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
+  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous bfloat16 or float32 [M, K]");
+  TORCH_CHECK((block == 16 || block == 32) && x.size(1) % block == 0, "block 16 or 32 dividing K");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const Quantized q = x.dtype() == torch::kFloat32
+      ? quantize_rows(x.data_ptr<float>(), rows, k, block, false)
+      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, false);
+  auto codes = torch::empty({rows, k}, torch::kInt8);
+  auto scales = torch::empty({rows, k / block}, torch::kFloat32);
+  std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
+  std::memcpy(scales.data_ptr<float>(), q.scales.data(), q.scales.size() * sizeof(float));
+  return {codes, scales};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("i8_gemm", &i8_gemm,
+        "x [M, K] (bfloat16 or float32, rounded to int8 per block) @ block-quantized W packed for vpmaddubsw "
+        "-> [M, n] float32 (bfloat16 when bf16_out), into out when given",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none(), py::arg("bias") = py::none(),
+        py::kw_only(), py::arg("code_bias"), py::arg("code_span"));
+  m.def("quantize", &quantize, "x [M, K] -> (int8 codes [M, K], float32 scales [M, K / block])",
+        py::arg("x"), py::arg("block"));
+  m.attr("GEMM_COLS") = 1;
+  m.attr("GEMM_ROWS") = kRows;
+}
