@@ -7,7 +7,10 @@ kernel's functions on the int8 codes (``block_linear_a16``, ``block_linear``, ``
 and, where the build has them (AVX2), on the codes packed at their bit width (``packed_a16``,
 ``packed_a8``: gguf_blocks.PackedCodes), with float32 scales or (``packed_a16 compact``) with the
 compact ones (fp16, or int8 sub-scales x a float32 per 256 inputs: ``BlockWeight.with_compact``; the
-random scales are drawn so that both layouts hold them exactly, as the file's are).
+random scales are drawn so that both layouts hold them exactly, as the file's are); ``int8 gemm``: the int8
+GEMM for prompt rows (gguf_i8gemm's build for this CPU: AVX2, or VNNI) on its own copy, activations
+rounded to int8 per block (prompt rows only in the engine; a Q8_0 weight's codes are too wide for the AVX2
+build: no call).
 
 ``--cold`` runs each call on the next of enough copies of the weight to exceed the L3 cache (as
 serving does: every layer's weight is read once per step, so none is in cache when its turn comes);
@@ -21,6 +24,7 @@ the absolute times.
     python benchmarks/gguf_avx2.py --threads 1 2 --rows 1 4 16 --cold
     git show HEAD~1:servelm/model/gguf/gguf_kernel_avx2.cpp > /tmp/base/gguf_kernel_avx2.cpp
     python benchmarks/gguf_avx2.py --rows 1 --base /tmp/base/gguf_kernel_avx2.cpp --routes "packed_a16 compact"
+    python benchmarks/gguf_avx2.py --threads 2 --rows 64 512 --routes "dense f32" "int8 gemm" --cold
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelm.model.cpp_kernel import CppKernel  # noqa: E402
-from servelm.model.gguf import gguf_kernel  # noqa: E402
+from servelm.model.gguf import gguf_i8gemm, gguf_kernel  # noqa: E402
 from servelm.model.gguf.gguf_blocks import SUPER_INPUTS, BlockWeight, PackedCodes, SubScaled  # noqa: E402
 
 SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
@@ -47,7 +51,7 @@ SHAPES = {"qkv 1152x896": (1152, 896, "Q5_0"), "o 896x896": (896, 896, "Q5_0"),
 """Qwen2.5-Coder-0.5B's GGUF (Q4_K_M file): Q5_0 attention and gate/up (half the QKVs fuse a Q8_0
 V), Q6_K or Q4_K down, a Q8_0 head; and Gemma 3 270M's Q8_0 head."""
 ROUTES = ("dense f32", "block_linear_a16", "block_linear", "block_linear_float", "packed_a16", "packed_a8",
-          "packed_float", "packed_a16 compact", "packed_a8 compact", "packed_float compact")
+          "packed_float", "packed_a16 compact", "packed_a8 compact", "packed_float compact", "int8 gemm")
 L3_BYTES = 32 << 20
 """This machine's L3 (lscpu: 32 MiB); --cold cycles through copies of at least twice that."""
 
@@ -74,10 +78,14 @@ def weight(n: int, k: int, kind: str, seed: int) -> BlockWeight:
 
 
 def route_call(kernel: object, route: str, w: BlockWeight, packed: PackedCodes | None,
-               dense: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """One call of ``route`` on this copy of the weight, or None where it does not run here."""
+               dense: torch.Tensor | None, i8: object = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """One call of ``route`` on this copy of the weight, or None where it does not run here (``i8``: the
+    int8 GEMM's module)."""
     if route == "dense f32":
         return None if dense is None else (lambda x: F.linear(x, dense))
+    if route == "int8 gemm":
+        i8_copy = gguf_i8gemm.pack_for(i8, w) if i8 is not None else None
+        return None if i8_copy is None else (lambda x: gguf_i8gemm.gemm(i8, x, i8_copy, w.block))
     if route.startswith("packed"):
         function, _, compact = route.partition(" ")
         if packed is None or not hasattr(kernel, function) or (compact and not getattr(kernel, "COMPACT_SCALES", False)):
@@ -102,14 +110,16 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     kernel = gguf_kernel.load_kernel()
+    i8 = gguf_i8gemm.load_gemm() if "int8 gemm" in args.routes else None
     kernels = {"": kernel}
     if args.base:
         base = Path(args.base).resolve()
         kernels["base "] = CppKernel.beside(str(base), base.name, "gguf_block_avx2_base", "base GGUF kernel",
                                             gguf_kernel.AVX2_FLAGS).load()
         assert kernels["base "] is not None, f"{base} does not build here"
-    print(f"kernel: {gguf_kernel.kernel_status()}; {'cold (copies > L3)' if args.cold else 'one weight'}, "
-          f"{args.clock} clock")
+    print(f"kernel: {gguf_kernel.kernel_status()}; "
+          + (f"int8 GEMM: {gguf_i8gemm.gemm_status()}; " if "int8 gemm" in args.routes else "")
+          + f"{'cold (copies > L3)' if args.cold else 'one weight'}, {args.clock} clock")
     assert kernel is not None or args.routes == ["dense f32"], "no kernel builds here"
     for name in args.shapes:
         n, k, kind = SHAPES[name]
@@ -127,10 +137,12 @@ def main() -> None:
                 calls: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
                 for route in args.routes:
                     for prefix, build in kernels.items():
-                        runs = [route_call(build, route, copy, pack, dense[i] if i < len(dense) else None)
+                        if prefix and route in ("dense f32", "int8 gemm"):
+                            continue
+                        runs = [route_call(build, route, copy, pack, dense[i] if i < len(dense) else None, i8)
                                 for i, (copy, pack) in enumerate(zip(weights, packed))]
                         present = [run for run in runs if run is not None]
-                        if present and not (prefix and route == "dense f32"):
+                        if present:
                             calls[prefix + route] = present
                 for route in calls:
                     if route.startswith("base "):

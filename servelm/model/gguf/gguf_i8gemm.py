@@ -84,10 +84,10 @@ def pack_for(kernel: object, weight: BlockWeight) -> I8Weight | None:
     return pack_avx2(weight) if is_avx2(kernel) else I8Weight.of(pack(weight), {})
 
 
-def code_range(weight: BlockWeight) -> tuple[int, int]:
-    """The least and greatest of ``weight``'s codes."""
-    low, high = torch.aminmax(weight.codes)
-    return int(low), int(high)
+def code_range(*weights: BlockWeight) -> tuple[int, int]:
+    """The least and greatest code of ``weights`` (a merged layer's parts)."""
+    ranges = [torch.aminmax(weight.codes) for weight in weights]
+    return min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)
 
 
 def code_bias_span(low: int, high: int) -> tuple[int, int]:
@@ -96,10 +96,10 @@ def code_bias_span(low: int, high: int) -> tuple[int, int]:
     return bias, high + bias
 
 
-def fits(kernel: object, codes: tuple[int, int]) -> bool:
-    """Whether ``kernel``'s build takes a weight whose codes lie in ``codes`` (least, greatest; the AVX2
-    build: u spanning at most ``AVX2_CODE_SPAN``)."""
-    return not is_avx2(kernel) or code_bias_span(*codes)[1] <= AVX2_CODE_SPAN
+def fits(kernel: object, *weights: BlockWeight) -> bool:
+    """Whether ``kernel``'s build takes the codes of ``weights`` (a merged layer's parts) in one copy (the AVX2
+    build: u spanning at most ``AVX2_CODE_SPAN``; the VNNI build takes any)."""
+    return not is_avx2(kernel) or code_bias_span(*code_range(*weights))[1] <= AVX2_CODE_SPAN
 
 
 def gemm(kernel: object, x: torch.Tensor, packed: I8Weight, block: int, bf16_out: bool = False, n: int = -1,

@@ -235,12 +235,12 @@ class GGUFBlockLinearMethod:
         """The route table's key for a layer with ``weight`` (``process``'s arguments)."""
         return LinearShape(weight.shape[1], weight.shape[0], weight.kind, float_output,
                            int8_rows and not float_output and self.activations != "float"
-                           and self.int8_fits(gguf_i8gemm.code_range(weight)))
+                           and self.int8_fits(weight))
 
-    def int8_fits(self, code_range: tuple[int, int]) -> bool:
-        """Whether the int8 GEMM's build takes a weight whose codes lie in ``code_range`` (the AVX2 build:
-        spanning at most 127; True where no int8 GEMM is built: the shape's role stays what the layer is)."""
-        return self.i8_kernel is None or gguf_i8gemm.fits(self.i8_kernel, code_range)
+    def int8_fits(self, *weights: BlockWeight) -> bool:
+        """Whether the int8 GEMM's build takes the codes of ``weights`` (a merged layer's parts; the AVX2 build:
+        spanning at most 127); True where no int8 GEMM is built (the shape's role stays what the layer is)."""
+        return self.i8_kernel is None or gguf_i8gemm.fits(self.i8_kernel, *weights)
 
     def available(self, shape: LinearShape, block: int) -> frozenset[Route]:
         """The routes whose kernel is built and takes this shape (before the quality rules)."""

@@ -285,27 +285,22 @@ def _route_table(method: GGUFBlockLinearMethod, model: nn.Module, blocks: dict[s
         first = blocks[names[0]]
         kind = "+".join(dict.fromkeys(blocks[name].kind for name in names))
         n = sum(blocks[name].codes.shape[0] for name in names)
-        code_range = _code_range([blocks[name] for name in names])
+        weights = [blocks[name] for name in names]
         shape = LinearShape(first.codes.shape[1], n, kind, isinstance(module, LMHead),
                             module_name.rpartition(".")[2] not in I8_GEMM_SKIPPED
                             and not isinstance(module, LMHead) and method.activations != "float"
-                            and method.int8_fits(code_range))
+                            and method.int8_fits(*weights))
         lead = _int8_lead(module_name, names, blocks)
-        parts = [(shape, code_range)] + ([(method.shape(lead), _code_range([lead]))] if lead is not None else [])
-        for part_shape, part_range in parts:
+        parts = [(shape, weights)] + ([(method.shape(lead), [lead])] if lead is not None else [])
+        for part_shape, part_weights in parts:
             if part_shape not in specs:
-                specs[part_shape] = ShapeSpec(part_shape, first.block, first.offsets is not None, part_range)
+                specs[part_shape] = ShapeSpec(part_shape, first.block, first.offsets is not None,
+                                              gguf_i8gemm.code_range(*part_weights))
         model_dtype = module.weight.dtype
     table, source = build_table(method, list(specs.values()), model_dtype, budget_s, fresh=fresh,
                                 working_bytes=sum(weight.nbytes for weight in blocks.values()))
     method.ranking = table.ranking(method.default_ranking)
     return source, model_dtype
-
-
-def _code_range(weights: list[BlockWeight]) -> tuple[int, int]:
-    """The least and greatest code of ``weights`` (a merged layer's parts)."""
-    ranges = [torch.aminmax(weight.codes) for weight in weights]
-    return min(int(low) for low, _ in ranges), max(int(high) for _, high in ranges)
 
 
 def _int8_lead(module_name: str, names: list[str], blocks: dict[str, BlockWeight]) -> BlockWeight | None:

@@ -313,8 +313,9 @@ def test_apply_after_a_float_load_checks_each_block(tmp_path: Path) -> None:
 
 def test_a_qkv_projection_offers_its_queries_to_the_int8_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """gguf_weights passes a merged QKV projection's query block as ``int8_lead`` (``I8_GEMM_LEAD``) and
-    the route table measures its shape; no other layer offers one."""
-    from servelm.model.gguf import gguf_weights
+    the route table measures its shape (an int8 one where the int8 GEMM's build takes its codes: the AVX2
+    build does not take Q8_0's); no other layer offers one."""
+    from servelm.model.gguf import gguf_i8gemm, gguf_weights
     offered: dict[str, BlockWeight | None] = {}
     process = GGUFBlockLinearMethod.process
 
@@ -335,7 +336,9 @@ def test_a_qkv_projection_offers_its_queries_to_the_int8_gemm(tmp_path: Path, mo
     lead = offered.pop("model.layers.0.self_attn.qkv_proj")
     assert lead is not None and tuple(lead.shape) == (64, 64)   # 2 heads of 32: the queries' rows only
     assert offered and all(value is None for value in offered.values())
-    assert any(spec.shape.out_features == 64 and spec.shape.in_features == 64 and spec.shape.may_int8
+    i8 = gguf_i8gemm.load_gemm() if not gguf_i8gemm.gemm_missing_flags() else None
+    may_int8 = i8 is None or gguf_i8gemm.fits(i8, lead)
+    assert any(spec.shape.out_features == 64 and spec.shape.in_features == 64 and spec.shape.may_int8 == may_int8
                and spec.shape.kind == lead.kind for spec in measured)
 
 

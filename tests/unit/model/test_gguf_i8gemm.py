@@ -106,9 +106,9 @@ def test_integer_dots_are_exact(build, block: int, codes: tuple[int, int]) -> No
     weight = BlockWeight(torch.randint(codes[0], codes[1] + 1, (n, k), dtype=torch.int8, generator=generator),
                          torch.ones(n, k // block), None, block, "test")
     if gguf_i8gemm.is_avx2(build) and codes[1] - min(codes[0], 0) > gguf_i8gemm.AVX2_CODE_SPAN:
-        assert gguf_i8gemm.pack_for(build, weight) is None and not gguf_i8gemm.fits(build, codes)
+        assert gguf_i8gemm.pack_for(build, weight) is None and not gguf_i8gemm.fits(build, weight)
         return
-    assert gguf_i8gemm.fits(build, codes)
+    assert gguf_i8gemm.fits(build, weight)
     x = torch.randint(-127, 128, (23, k), generator=generator).float()
     x.view(23, -1, block)[..., 0] = 127
     x[:4] = torch.tensor([127.0, -127.0, 127.0, -127.0])[:, None]   # rows of one sign, at the extremes
