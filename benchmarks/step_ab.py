@@ -56,6 +56,7 @@ with and without the change (prefix cache off), and whether every output is iden
 - ``gguf_int8``: every GGUF layer's routes resolved from the measured ranking without the ``int8`` route
   (the int8 GEMM: AVX512-VNNI, or the AVX2 build) and no QKV projection's queries apart on it, the next
   route of each cell instead (a dense copy made for the B side where one then serves and the layer held none).
+  ``gguf_int8_lead``: only the QKV projections' queries kept off it (the layer's own route for the whole call).
 - ``prefill_routes``: multi-token attention in the constant order (the AVX512-BF16 kernel where
   built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
   (servelm/model/attention/prefill_routes.py).
@@ -277,14 +278,14 @@ def without(change: str) -> Iterator[None]:
         from servelm.model.gguf.gguf_routes import Route
         with _gguf_without(Route.TILES):
             yield
-    elif change == "gguf_int8":
+    elif change in ("gguf_int8", "gguf_int8_lead"):
         from servelm.model.gguf.gguf_routes import Route
         leads = {module: module.__dict__["gguf_lead"] for module in _ENGINE.runner.model.modules()
                  if module.__dict__.get("gguf_lead") is not None}
         for module in leads:   # a QKV projection's queries: the layer's own route for the call
             module.__dict__["gguf_lead"] = None
         try:
-            with _gguf_without(Route.INT8):
+            with _gguf_without(Route.INT8) if change == "gguf_int8" else contextlib.nullcontext():
                 yield
         finally:
             for module, lead in leads.items():

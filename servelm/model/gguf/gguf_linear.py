@@ -309,9 +309,9 @@ class GGUFBlockLinearMethod:
 
     def lead_rests(self, routes: LayerRoutes, lead: int) -> frozenset[Route]:
         """The routes of ``routes.held`` that compute a merged layer's outputs after its first ``lead``
-        on their own (``run_lead``): the dense copy's rows, the rows kernel's tiles where ``lead`` ends
-        on a tile."""
-        rests = routes.held & {Route.DENSE}
+        on their own (``run_lead``): the dense copy's rows, the block kernel's float tiles on the
+        weight's rows after ``lead``, the rows kernel's tiles where ``lead`` ends on a tile."""
+        rests = routes.held & {Route.DENSE, Route.TILES}
         if self.rows_kernel is not None and lead % (self.rows_kernel.GEMM_COLS * 16) == 0:  # type: ignore[attr-defined]
             rests |= routes.held & ROWS_KERNEL_ROUTES
         return rests
@@ -428,8 +428,10 @@ class GGUFBlockLinearMethod:
         queries) take the int8 GEMM and the rest (K and V, which the cache keeps) ``rest``, the layer's
         own route for the call (one of ``gguf_lead``'s rests): the dense copy's rows, or the rows
         kernel's tiles after the lead's, which give those outputs the bits the whole layer's call gives
-        them. Both parts are written into one result (the dense copy's dtype beside it, else bf16 rows
-        stay bf16); the kernels add the bias in float32 before their rounding, the dense part as
+        them, or the block kernel's float tiles on the weight's rows after the lead (each output's floats
+        are its own row's: those of the whole layer's call). Both parts are written into one result (the
+        dense copy's dtype beside it, else bf16 rows stay bf16); the kernels add the bias in float32 before
+        their rounding (the tiles' part as ``run_route`` adds it to their float32 result), the dense part as
         ``run_route``'s dense route does."""
         weight: BlockWeight = layer.gguf_weight
         is_bf16 = x2.dtype == torch.bfloat16
@@ -444,6 +446,12 @@ class GGUFBlockLinearMethod:
                          bias=None if kernel_bias is None else kernel_bias[:lead])
         if rest is Route.DENSE:
             out[:, lead:] = dense_linear(x2.to(dtype).contiguous(), layer.gguf_dense[lead:])
+        elif rest is Route.TILES:   # the rest's rows of the weight (row-major: views); no bias of its own
+            kernel, codes, scales, offsets = self.block_call(weight, tiles=True)
+            part = kernel(x2.contiguous() if is_bf16 else x2.float().contiguous(), codes[lead:], scales[lead:],
+                          None if offsets is None else offsets[lead:], weight.block,
+                          dtype == torch.bfloat16 and kernel_bias is None)
+            out[:, lead:] = part if kernel_bias is None else part + kernel_bias[lead:]
         else:
             tiles = lead // (self.rows_kernel.GEMM_COLS * 16)  # type: ignore[attr-defined]
             copy = [None if part is None else part[tiles:] for part in rows_kernel_copy(layer, rest)]

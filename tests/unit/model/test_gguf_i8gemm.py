@@ -583,3 +583,29 @@ def test_a_qkv_projections_queries_take_the_avx2_int8_gemm(avx2_method: GGUFBloc
     out = method.apply(layer, x, bias)
     assert torch.equal(out[:, :64], gguf_i8gemm.gemm(method.i8_kernel, x, layer.gguf_i8, 32, False, 64, bias=bias[:64]))
     assert torch.equal(out[:, 64:], dense_linear(x, layer.gguf_dense[64:]) + bias[64:])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_qkv_projections_queries_take_the_avx2_int8_gemm_beside_the_float_tiles(
+        avx2_method: GGUFBlockLinearMethod, with_bias: bool) -> None:
+    """Where the layer's own prompt route is the block kernel's float tiles (no dense copy held), the queries
+    take the int8 GEMM and the keys and values the tiles on the weight's rows after the queries: the bits
+    the whole layer's call gives them (the bias added to their float32 result, as ``run_route`` adds it).
+    Generation rows take the layer's routes whole."""
+    from servelm.model.gguf.gguf_blocks import concat_rows
+    from servelm.model.gguf.gguf_routes import Route
+    from tests.unit.model.test_gguf_routes import complete
+    method = GGUFBlockLinearMethod(avx2_method.kernel, torch.float32, "int16", None, avx2_method.i8_kernel,
+                                   lambda shape, x_bf16, rows: complete([Route.INT8, Route.TILES, Route.BLOCK]))
+    queries, keys_values = ranged_weight(64, 256, (-16, 15), False, 39), ranged_weight(38, 256, (-127, 127), False, 40)
+    layer = torch.nn.Module()
+    method.process(layer, concat_rows([queries, keys_values]), int8_rows=False, int8_lead=queries)
+    assert layer.gguf_dense is None and layer.gguf_lead is not None and layer.gguf_lead[2] == {Route.TILES}
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(41))
+    bias = torch.randn(102, generator=torch.Generator().manual_seed(42)) if with_bias else None
+    out = method.apply(layer, x, bias, PassRows.of([40], [False]))
+    whole = method.run_route(Route.TILES, layer, x, bias, False)
+    assert torch.equal(out[:, :64], gguf_i8gemm.gemm(method.i8_kernel, x, layer.gguf_i8, 32, False, 64,
+                                                     bias=None if bias is None else bias[:64]))
+    assert torch.equal(out[:, 64:], whole[:, 64:]) and not torch.equal(out[:, :64], whole[:, :64])
+    assert torch.equal(method.apply(layer, x, bias, PassRows.of([1] * 40, [True] * 40)), whole)
