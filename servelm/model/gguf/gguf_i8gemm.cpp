@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "servelm_i8gemm.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -41,19 +42,7 @@ constexpr int64_t kChunkBytes = 320 << 10;   // weight codes every row group of 
 constexpr int64_t kStreamBytes = 4 << 20;    // float32 results at least this large: non-temporal stores
 constexpr int64_t kPrefetchBytes = 2048;     // how far ahead of the tile's code stream to prefetch
 
-// A vector whose new elements are left uninitialised (every one is written before it is read): a
-// prompt chunk's codes are megabytes, and zeroing them first took a fifth of the rounding's time (K = 4864).
-template <class T>
-struct Uninitialised : std::allocator<T> {
-  template <class U>
-  struct rebind { using other = Uninitialised<U>; };
-  template <class U>
-  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
-  template <class U, class... Args>
-  void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
-};
-template <class T>
-using Buffer = std::vector<T, Uninitialised<T>>;
+using servelm_i8gemm::Buffer;
 
 // Activation rows rounded to int8 per block (see the top of the file).
 struct Quantized {
@@ -396,36 +385,10 @@ void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullp
 torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                       int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
                       c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous bfloat16 or float32 [M, K]");
-  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  torch::Tensor y = servelm_i8gemm::gemm_output(x, codes, scales, offsets, block, bf16_out, n, out, bias, kCols);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
-  TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
-              && codes.size(2) == kCols && codes.size(3) == 16 && codes.size(4) == 4,
-              "codes: packed uint8 [tiles, K / 4, ", kCols, ", 16, 4]");
-  if (n < 0) n = codes.size(0) * kTile;
-  TORCH_CHECK(n <= codes.size(0) * kTile, "n: at most the packed outputs");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
-              && scales.size(0) == codes.size(0) && scales.size(1) == nb && scales.size(2) == kCols
-              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, ", kCols, ", 16]");
   const bool has_offsets = offsets.has_value() && offsets->defined();
-  if (has_offsets)
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: packed float32 like scales");
   const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
-                && bias->numel() == n && bias->is_contiguous(), "bias: contiguous float32 or bfloat16 [n]");
-  const auto out_dtype = bf16_out ? torch::kBFloat16 : torch::kFloat32;
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dtype() == out_dtype && y.dim() == 2 && y.size(0) == rows && y.size(1) >= n && y.stride(1) == 1
-                && y.stride(0) >= n, "out: [M, >= n] rows of the output dtype");
-  } else {
-    y = torch::empty({rows, n}, x.options().dtype(out_dtype));
-  }
   if (rows == 0 || n == 0) return y;
   const Quantized q = x.dtype() == torch::kFloat32
       ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets)
@@ -537,18 +500,9 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
 // Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
 // rounding i8_gemm applies, for tests and references.
 std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
-  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous bfloat16 or float32 [M, K]");
-  TORCH_CHECK((block == 16 || block == 32) && x.size(1) % block == 0, "block 16 or 32 dividing K");
-  const int64_t rows = x.size(0), k = x.size(1);
-  const Quantized q = x.dtype() == torch::kFloat32
-      ? quantize_rows(x.data_ptr<float>(), rows, k, block, false)
-      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, false);
-  auto codes = torch::empty({rows, k}, torch::kInt8);
-  auto scales = torch::empty({rows, k / block}, torch::kFloat32);
-  std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
-  std::memcpy(scales.data_ptr<float>(), q.scales.data(), q.scales.size() * sizeof(float));
-  return {codes, scales};
+  return servelm_i8gemm::quantized_tensors(x, block, [block](const auto* data, int64_t rows, int64_t k) {
+    return quantize_rows(data, rows, k, block, false);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

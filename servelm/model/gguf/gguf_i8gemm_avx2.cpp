@@ -32,6 +32,9 @@
 #include <utility>
 #include <vector>
 
+#include "servelm_i8gemm.h"
+#include "servelm_vec.h"
+
 namespace {
 
 constexpr int64_t kTile = 16;             // outputs per tile: two vectors of 8
@@ -40,17 +43,8 @@ constexpr int64_t kPanelBytes = 256 << 10;   // activation codes of one row pane
 constexpr int64_t kChunkBytes = 192 << 10;   // weight codes every row group of a panel passes before the next
 constexpr int64_t kPrefetchBytes = 1024;     // how far ahead of the tile's code stream to prefetch
 
-template <class T>
-struct Uninitialised : std::allocator<T> {
-  template <class U>
-  struct rebind { using other = Uninitialised<U>; };
-  template <class U>
-  void construct(U* p) noexcept { ::new (static_cast<void*>(p)) U; }
-  template <class U, class... Args>
-  void construct(U* p, Args&&... args) { ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...); }
-};
-template <class T>
-using Buffer = std::vector<T, Uninitialised<T>>;
+using servelm_i8gemm::Buffer;
+namespace vec = servelm_vec::vec;
 
 // Activation rows rounded to int8 per block (see the top of the file).
 struct Quantized {
@@ -59,18 +53,6 @@ struct Quantized {
   Buffer<int32_t> counts;   // [M, K / B]: sum q
   Buffer<float> sums;       // [M, K / B]: d * sum q (weights with offsets only)
 };
-
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const uint16_t* x) {   // bf16 -> float32, exact
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-inline float max_lane(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
 
 inline int32_t sum_lanes(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -87,13 +69,13 @@ inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t 
   __m256 m = _mm256_setzero_ps();
   __m256 nan = _mm256_setzero_ps();
   for (int i = 0; i < V; ++i) {
-    v[i] = load8(x + r * k + b * kB + 8 * i);
+    v[i] = vec::load(x + r * k + b * kB + 8 * i);   // bf16 widened exactly
     m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
   }
   // a NaN makes the block's scale NaN (as torch's amax), so the outputs it reaches are NaN: vmaxps
   // would drop it
-  const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : max_lane(m) / 127.f;
+  const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : vec::max_lane(m) / 127.f;
   const float inv = d > 0.f ? 1.f / d : 0.f;
   const __m256 scale = _mm256_set1_ps(inv);
   __m256i sum = _mm256_setzero_si256();
@@ -303,38 +285,12 @@ void run_block(const GemmArgs& a, int64_t rows, int pairs) {
 torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                       int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
                       c10::optional<torch::Tensor> bias, int64_t code_bias, int64_t code_span) {
-  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous bfloat16 or float32 [M, K]");
-  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
+  torch::Tensor y = servelm_i8gemm::gemm_output(x, codes, scales, offsets, block, bf16_out, n, out, bias, 1);
   TORCH_CHECK(code_span >= 0 && code_span <= 127, "code_span: the packed codes' largest value, at most 127");
   TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
   const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
-  TORCH_CHECK(k % block == 0, "K must be a multiple of the block");
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
-              && codes.size(2) == 1 && codes.size(3) == 16 && codes.size(4) == 4,
-              "codes: packed uint8 [tiles, K / 4, 1, 16, 4]");
-  if (n < 0) n = codes.size(0) * kTile;
-  TORCH_CHECK(n <= codes.size(0) * kTile, "n: at most the packed outputs");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
-              && scales.size(0) == codes.size(0) && scales.size(1) == nb && scales.size(2) == 1
-              && scales.size(3) == 16, "scales: packed float32 [tiles, K / block, 1, 16]");
   const bool has_offsets = offsets.has_value() && offsets->defined();
-  if (has_offsets)
-    TORCH_CHECK(offsets->dtype() == torch::kFloat32 && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "offsets: packed float32 like scales");
   const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK((bias->dtype() == torch::kFloat32 || bias->dtype() == torch::kBFloat16) && bias->dim() == 1
-                && bias->numel() == n && bias->is_contiguous(), "bias: contiguous float32 or bfloat16 [n]");
-  const auto out_dtype = bf16_out ? torch::kBFloat16 : torch::kFloat32;
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    y = *out;
-    TORCH_CHECK(y.dtype() == out_dtype && y.dim() == 2 && y.size(0) == rows && y.size(1) >= n && y.stride(1) == 1
-                && y.stride(0) >= n, "out: [M, >= n] rows of the output dtype");
-  } else {
-    y = torch::empty({rows, n}, x.options().dtype(out_dtype));
-  }
   if (rows == 0 || n == 0) return y;
   const Quantized q = x.dtype() == torch::kFloat32
       ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets)
@@ -354,18 +310,9 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 // Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
 // rounding i8_gemm applies, for tests and references.
 std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
-  TORCH_CHECK((x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32) && x.dim() == 2 && x.is_contiguous(),
-              "x: contiguous bfloat16 or float32 [M, K]");
-  TORCH_CHECK((block == 16 || block == 32) && x.size(1) % block == 0, "block 16 or 32 dividing K");
-  const int64_t rows = x.size(0), k = x.size(1);
-  const Quantized q = x.dtype() == torch::kFloat32
-      ? quantize_rows(x.data_ptr<float>(), rows, k, block, false)
-      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, false);
-  auto codes = torch::empty({rows, k}, torch::kInt8);
-  auto scales = torch::empty({rows, k / block}, torch::kFloat32);
-  std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
-  std::memcpy(scales.data_ptr<float>(), q.scales.data(), q.scales.size() * sizeof(float));
-  return {codes, scales};
+  return servelm_i8gemm::quantized_tensors(x, block, [block](const auto* data, int64_t rows, int64_t k) {
+    return quantize_rows(data, rows, k, block, false);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
