@@ -50,22 +50,37 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 ON_HUGE_PAGES_MIN_BYTES = 32 << 20
-"""Tensors at least this large are copied by ``on_huge_pages``: glibc serves them with fresh mmap'd
-memory (its mmap threshold grows to at most 32 MiB), untouched until the copy, so the advice holds."""
+"""Tensors at least this large are copied by ``on_huge_pages`` (smaller ones: ``gather_on_huge_pages``)."""
+
+
+def fresh_huge_bytes(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` bytes (uint8) of fresh private anonymous memory starting on a huge-page boundary, asked for
+    huge pages before anything touches them, or None where the advice is refused. Not the heap's: glibc
+    serves even a request above its mmap threshold from a free heap chunk large enough (after a run of
+    frees), whose pages were touched already and keep 4 KiB; nor a shared mapping (shmem, without huge pages
+    by default). A plain tensor (not an inference tensor) that keeps the mapping alive."""
+    pages = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    with torch.inference_mode(False):
+        raw = torch.frombuffer(mmap.mmap(-1, pages + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                               dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    if not advise_huge_pages(raw[start:start + pages]):
+        return None
+    return raw[start:start + nbytes]
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in memory asked for huge pages before first touched (``advise_huge_pages``),
-    for a large weight copy that a step streams whole (the LM-head screen's copies): a 4-KiB page each
-    is a TLB miss, and the hardware prefetchers stop at page edges. The tensor itself where it is
-    smaller than ON_HUGE_PAGES_MIN_BYTES, not a contiguous CPU tensor, or the advice is refused."""
-    if (tensor.device.type != "cpu" or not tensor.is_contiguous()
+    """``tensor``'s values in memory asked for huge pages before first touched (``fresh_huge_bytes``),
+    for a large weight copy that a step streams whole (the LM-head screen's copies, the int8 GEMM's): a
+    4-KiB page each is a TLB miss, and the hardware prefetchers stop at page edges. The tensor itself where
+    it is smaller than ON_HUGE_PAGES_MIN_BYTES, not a contiguous CPU tensor, or the advice is refused."""
+    if (not sys.platform.startswith("linux") or tensor.device.type != "cpu" or not tensor.is_contiguous()
             or tensor.numel() * tensor.element_size() < ON_HUGE_PAGES_MIN_BYTES):
         return tensor
-    copy = torch.empty_like(tensor)
-    if not advise_huge_pages(copy):
+    memory = fresh_huge_bytes(tensor.numel() * tensor.element_size())
+    if memory is None:
         return tensor
-    return copy.copy_(tensor)
+    return memory.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 GATHER_ALIGN = 64
@@ -106,17 +121,9 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> tuple[int, int]:
     total = sum(sizes)
     if not chosen or total < GATHER_MIN_BYTES:
         return 0, 0
-    pages = -(-total // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    # fresh private anonymous memory (a heap allocation may reuse pages already touched, which keep 4 KiB;
-    # a shared mapping is shmem, without huge pages by default), as a plain tensor that keeps the mapping
-    # alive (the weights may be inference tensors or not)
-    with torch.inference_mode(False):
-        raw = torch.frombuffer(mmap.mmap(-1, pages + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                               dtype=torch.uint8)
-    start = (-raw.data_ptr()) % HUGE_PAGE_BYTES
-    if not advise_huge_pages(raw[start:start + pages]):
+    arena = fresh_huge_bytes(total)   # a plain tensor: the weights may be inference tensors or not
+    if arena is None:
         return 0, 0
-    arena = raw[start:start + total]
     moved = moved_bytes = offset = untrimmed = 0
     for tensor, size in zip(chosen, sizes):
         nbytes = tensor.numel() * tensor.element_size()

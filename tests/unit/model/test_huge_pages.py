@@ -82,6 +82,9 @@ def test_a_large_weight_copy_moves_onto_huge_pages_with_its_values() -> None:
     moved = on_huge_pages(weight)
     assert moved.data_ptr() != weight.data_ptr() and torch.equal(moved, weight)
     assert moved.shape == weight.shape and moved.dtype == weight.dtype
+    # fresh memory of its own on a huge-page boundary, never a heap chunk (whose pages may be touched already:
+    # glibc serves a request above its mmap threshold from a large enough free heap chunk)
+    assert moved.data_ptr() % HUGE_PAGE_BYTES == 0 and not moved.is_inference()
     _assert_on_huge_pages(moved.data_ptr() + moved.nbytes // 2)
     # smaller ones, and views that are not contiguous, stay where they are
     small = weight[:1000]
