@@ -43,10 +43,11 @@ from servelm.model.timing import time_candidates
 logger = logging.getLogger(__name__)
 
 CACHE_DIR = Path(os.path.expanduser("~/.cache/servelm/routes"))
-STARTUP_BUDGET_S = 5.0
-"""Seconds of start-up the measurement may add (2 cores: the 4-5 decoder shapes of a 0.5B model at
-every row class and the head's up to 128 rows fit; over it the defaults serve and the next start
-goes on)."""
+STARTUP_BUDGET_S = 10.0
+"""Seconds of start-up the measurement may add: on 2 cores Qwen2.5-Coder 0.5B's 7 shapes at every row class
+(62 cells with the AVX2 int8 GEMM's prompt rows: 8 s on a Zen 3; 5 s measured 36-46 of them, and the defaults
+then kept dense float32 copies for the rest: 1.95 GiB of copies on the first start instead of 1.4-1.6) fit;
+over it the defaults serve and the next start goes on."""
 MEASURE_MAX_OUTPUTS = 8192
 """Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
 every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
