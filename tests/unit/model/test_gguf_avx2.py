@@ -449,7 +449,7 @@ def test_the_faster_build_serves_and_the_choice_is_cached(avx2: object, tmp_path
     the greedy tokens are the dequantized model's either way; a second start reads the choice
     from the cache, and a build that lost leaves no packed copy behind."""
     from servelm.model import routes as route_table
-    from servelm.model.gguf import block_builds, gguf_i8gemm
+    from servelm.model.gguf import block_builds
     from tests.unit.model.test_gguf_blocks import write_quantized_llama
 
     avx512 = gguf_kernel.KERNEL.load() if not gguf_kernel.KERNEL.missing_cpu_flags() else None
