@@ -1,12 +1,11 @@
 """The LM head alone, on real hidden states: the greedy screen against the full head.
 
 Generates greedy tokens for a few real prompts (the screen off), keeps the hidden states the LM head
-saw, then times on them, for M rows at once: the full head through the int16 kernel, the full
-head through the dense copy (the path above the kernel's row limit), and the screen (its bounds
-pass, which selects the candidates, plus their exact logits), each the median of ``--repeats``
-calls, and the candidates pass's read bandwidth (the 5-bit copy and its scales once per call). It also reports
-the candidate-set sizes over all kept hidden states and checks that each screened argmax is the
-full head's. The thread clock with 1 thread is the default (a noisy, shared machine).
+saw, then reports, for each way the screen finds candidates (its 5-bit copy; the int8 GEMM where it is
+built), the candidate-set sizes over all kept hidden states and whether each screened argmax is the
+int16 kernel's; and times, for M rows at once, the full head through the int16 kernel, the full head
+as its routes take M rows, and each screen way (candidates plus their exact logits), each the median
+of ``--repeats`` calls. The thread clock with 1 thread is the default (a noisy, shared machine).
 
     .venv/bin/python benchmarks/lm_head_screen.py --model gemma3-270m --rows 1,8,32
 """
@@ -26,7 +25,8 @@ import torch  # noqa: E402
 
 from servelm.config import EngineConfig  # noqa: E402
 from servelm.engine.engine import LLMEngine  # noqa: E402
-from servelm.model.layers.linear import dense_linear  # noqa: E402
+from servelm.model.gguf import gguf_i8gemm  # noqa: E402
+from servelm.model.gguf.lm_head_screen import FIVE_BITS, INT8, ScreenStats, build_screen  # noqa: E402
 from servelm.sampling.params import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -55,14 +55,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["wall", "thread"], default="thread")
+    parser.add_argument("--screen-levels", type=int, default=None,
+                        help="the AVX2 build's int8 screen rounds activations to this many levels (default: "
+                             "gguf_i8gemm.AVX2_SCREEN_LEVELS)")
     args = parser.parse_args()
+    if args.screen_levels is not None:
+        gguf_i8gemm.AVX2_SCREEN_LEVELS = args.screen_levels
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     engine = LLMEngine(EngineConfig.from_flat({"model": args.model, "num_threads": args.threads,
                                                "disable_lm_head_screen": True}))
     runner = engine.runner
     model = runner.model
     head = model.lm_head
-    from servelm.model.gguf.lm_head_screen import build_screen
     screen, reason = build_screen(model, getattr(head.linear_method, "activations", None), disabled=False,
                                   tp_size=1, pp_size=1, device=runner.device)
     weight = getattr(head, "gguf_weight", None)
@@ -82,37 +86,35 @@ def main() -> None:
     model.compute_logits = compute_logits
     hidden = torch.cat(captured)
     load_before = os.getloadavg()[0]
+    ways = [FIVE_BITS] + ([INT8] if screen.i8 is not None else [])
     with torch.inference_mode():
-        counts, mismatches = [], 0
-        for start in range(0, hidden.shape[0], 16):
-            rows = hidden[start:start + 16]
-            full = head(rows).float()
-            screened = screen.logits(head, rows, list(range(rows.shape[0])))
-            mismatches += int((full.argmax(-1) != screened.argmax(-1)).sum())
-        counts = screen.stats.candidates
-        q = statistics.quantiles(counts, n=100)
-        print(f"RESULT {args.model}: {len(counts)} hidden states, candidates median {statistics.median(counts):.0f}, "
-              f"p90 {q[89]:.0f}, p99 {q[98]:.0f}, max {max(counts)}; rows over {screen.max_candidates} "
-              f"(full head): {screen.stats.fallbacks}; argmax different from the full head: {mismatches}")
+        for way in ways:
+            screen.stats = ScreenStats()
+            mismatches = 0
+            for start in range(0, hidden.shape[0], 16):
+                rows = hidden[start:start + 16].float().contiguous()
+                exact = head.linear_method.kernel.block_linear_a16(rows, weight.codes, weight.scales, None, 32)
+                screened = screen.logits(head, rows, list(range(rows.shape[0])), way)
+                mismatches += int((exact.argmax(-1) != screened.argmax(-1)).sum())
+            counts = screen.stats.candidates
+            q = statistics.quantiles(counts, n=100)
+            print(f"RESULT {args.model} {way}: {len(counts)} hidden states, candidates median "
+                  f"{statistics.median(counts):.0f}, mean {statistics.mean(counts):.0f}, p90 {q[89]:.0f}, "
+                  f"p99 {q[98]:.0f}, max {max(counts)}; rows over {screen.max_candidates} (full head): "
+                  f"{screen.stats.fallbacks}; argmax different from the int16 kernel's: {mismatches}")
         kernel = head.linear_method.kernel
         for m in [int(r) for r in args.rows.split(",")]:
             x = hidden[:m].float().contiguous()
-            kernel_ms = median_ms(lambda: kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32),
-                                  args.repeats, clock)
-            rows = hidden[:m].contiguous()
-            # the full head as the model routes it (the rows kernel's GEMM for a bf16 model where it
-            # is built: such a head keeps no dense copy), else the dense copy
-            dense_ms = median_ms(lambda: head.linear_method.apply(head, rows, None) if head.gguf_dense is None
-                                 else dense_linear(x.to(head.gguf_dense.dtype), head.gguf_dense),
-                                 args.repeats, clock)
-            screen_ms = median_ms(lambda: screen.logits(head, x, list(range(m))), args.repeats, clock)
-            candidates_ms = median_ms(lambda: screen.screen_kernel.screen_candidates(
-                x, screen.packed, screen.tiled_scales, weight.codes.shape[0], screen.code_error, screen.max_candidates),
-                args.repeats, clock)
-            print(f"RESULT M={m}: full head int16 kernel {kernel_ms:.2f} ms, "
-                  f"{'routed (' + str(rows.dtype)[6:] + ' rows)' if head.gguf_dense is None else 'dense copy'} "
-                  f"{dense_ms:.2f} ms, screen {screen_ms:.2f} ms ({screen_ms / m:.2f} a row; candidates "
-                  f"pass {candidates_ms:.2f} ms, {screen.nbytes / candidates_ms / 1e6:.1f} GB/s)")
+            if x.shape[0] < m:   # fewer kept states than rows: repeat them
+                x = x.repeat(-(-m // x.shape[0]), 1)[:m].contiguous()
+            times = {"int16 kernel": median_ms(lambda: kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32),
+                                               args.repeats, clock),
+                     f"routed ({head.gguf_routes.pick(m, False, False).value})":
+                         median_ms(lambda: head(x), args.repeats, clock)}
+            for way in ways:
+                times[f"screen {way}"] = median_ms(lambda: screen.logits(head, x, list(range(m)), way),
+                                                   args.repeats, clock)
+            print(f"RESULT M={m}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items()))
     print(f"RESULT {args.threads} threads, {args.clock} clock, load {load_before:.1f} -> {os.getloadavg()[0]:.1f} "
           "(noisy, shared machine)")
     engine.shutdown()

@@ -61,6 +61,8 @@ with and without the change (prefix cache off), and whether every output is iden
   built, else prefill_gemm's tiles, else SDPA) instead of the order measured on this machine
   (servelm/model/attention/prefill_routes.py).
 - ``lm_head_screen``: greedy rows take the full LM head (servelm.model.gguf.lm_head_screen off).
+- ``i8_screen``: the LM-head screen without its int8 GEMM for many greedy rows (``LMHeadScreen.i8``): the
+  5-bit copy up to its row limit, the full head above.
 - ``gemma3_decode``: Gemma 3's decode steps go through the layer modules instead of the flat calls
   of servelm.model.architectures.gemma3_decode.
 - ``llama_decode``: the Llama family's (Llama, Mistral, Qwen2, Qwen3) decode steps go through the layer
@@ -307,6 +309,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             lm_head_screen.MAX_SCREEN_ROWS = limit
+    elif change == "i8_screen":
+        screen = _ENGINE.runner.lm_head_screen
+        assert screen is not None and screen.i8 is not None, "no int8 screen in this engine"
+        i8, screen.i8 = screen.i8, None
+        try:
+            yield
+        finally:
+            screen.i8 = i8
     elif change == "gemma3_decode":
         from servelm.model.architectures.gemma3_decode import DecodePlan
         original_applies: Any = DecodePlan.applies

@@ -168,17 +168,7 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(word);
 }
 
-// i8_screen's per-thread state (see i8_screen below): per activation row, the largest lower bound
-// S - E met so far and the outputs (with their upper bounds S + E) that reached it when they were met.
-struct ScreenState {
-  const float* bound_max;   // [n] per output: max over blocks of |scale| x sum |codes|
-  const float* bound_sum;   // [n] per output: their sum
-  const float* row_sum;     // [M] per row: e x sum over blocks of the block's absmax
-  const float* row_max;     // [M] per row: e x max over blocks of the block's absmax
-  std::vector<float> lower;                  // [M]
-  std::vector<std::vector<int32_t>> ids;     // [M]
-  std::vector<std::vector<float>> upper;     // [M]
-};
+using servelm_i8gemm::ScreenState;   // i8_screen's per-thread state (see i8_screen below)
 
 // The bound E of 16 outputs for one row: min(row_sum x bound_max, row_max x bound_sum), each at
 // least sum over blocks of bound x absmax (``i8_screen``).
@@ -328,15 +318,7 @@ void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullp
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
   std::mutex states_mutex;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    ScreenState own;
-    if (screen != nullptr) {
-      own = *screen;
-      own.lower.assign(rows, -INFINITY);
-      own.ids.assign(rows, {});
-      own.upper.assign(rows, {});
-      for (auto& v : own.ids) v.reserve(256);
-      for (auto& v : own.upper) v.reserve(256);
-    }
+    ScreenState own = screen != nullptr ? screen->fresh(rows) : ScreenState{};
     ScreenState* state = screen != nullptr ? &own : nullptr;
     for (int64_t p0 = 0; p0 < rows; p0 += panel) {
       const int64_t size = std::min(panel, rows - p0);
@@ -432,42 +414,15 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t n,
                                      torch::Tensor bound_max, torch::Tensor bound_sum, double coefficient,
                                      int64_t max_candidates) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  servelm_i8gemm::check_screen_args(x, codes, scales, n, bound_max, bound_sum, kCols);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / 32;
-  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
-              && codes.size(2) == kCols && codes.size(3) == 16 && codes.size(4) == 4,
-              "codes: packed uint8 [tiles, K / 4, ", kCols, ", 16, 4]");
-  TORCH_CHECK(n > 0 && n <= codes.size(0) * kTile, "n: at most the packed outputs");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
-              && scales.size(0) == codes.size(0) && scales.size(1) == nb, "scales: packed float32 [tiles, K / 32, ...]");
-  for (const auto* t : {&bound_max, &bound_sum})
-    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n, "bounds: float32 [n]");
-  std::vector<torch::Tensor> out(rows + 1);
-  auto counts = torch::zeros({rows}, torch::kInt64);
-  out[0] = counts;
-  if (rows == 0) return out;
+  std::vector<std::pair<int64_t, ScreenState>> states;
+  if (rows == 0) return servelm_i8gemm::screen_candidates(states, 0, {}, max_candidates);
   const float* xp = x.data_ptr<float>();
-  std::vector<bool> finite(rows, true);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < k; ++i)
-      if (!std::isfinite(xp[r * k + i])) {
-        finite[r] = false;
-        break;
-      }
+  const std::vector<bool> finite = servelm_i8gemm::finite_rows(xp, rows, k);
   const Quantized q = quantize_rows(xp, rows, k, 32, false);
-  std::vector<float> row_sum(rows), row_max(rows);
-  const float e = static_cast<float>(coefficient);
-  for (int64_t r = 0; r < rows; ++r) {
-    float sum = 0.f, most = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const float amax = 127.f * q.scales[r * nb + b];
-      sum += amax;
-      most = std::max(most, amax);
-    }
-    row_sum[r] = e * sum;
-    row_max[r] = e * most;
-  }
+  std::vector<float> row_sum, row_max;
+  servelm_i8gemm::screen_row_bounds(q.scales.data(), rows, nb, 127.f, static_cast<float>(coefficient), row_sum, row_max);
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false,
              nullptr, nullptr};
   ScreenState screen;
@@ -475,26 +430,8 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
   screen.bound_sum = bound_sum.data_ptr<float>();
   screen.row_sum = row_sum.data();
   screen.row_max = row_max.data();
-  std::vector<std::pair<int64_t, ScreenState>> states;
   run_gemm<32, false>(a, rows, &screen, &states);
-  std::sort(states.begin(), states.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
-  int64_t* count_out = counts.data_ptr<int64_t>();
-  std::vector<int64_t> ids;
-  for (int64_t r = 0; r < rows; ++r) {
-    float lower = -INFINITY;
-    for (const auto& state : states) lower = std::max(lower, state.second.lower[r]);
-    ids.clear();
-    if (finite[r])
-      for (const auto& state : states)
-        for (size_t i = 0; i < state.second.ids[r].size(); ++i)
-          if (state.second.upper[r][i] >= lower) ids.push_back(state.second.ids[r][i]);
-    const int64_t count = static_cast<int64_t>(ids.size());
-    count_out[r] = count;
-    auto row_ids = torch::empty({count > max_candidates ? 0 : count}, torch::kInt64);
-    if (count <= max_candidates) std::copy(ids.begin(), ids.end(), row_ids.data_ptr<int64_t>());
-    out[r + 1] = row_ids;
-  }
-  return out;
+  return servelm_i8gemm::screen_candidates(states, rows, finite, max_candidates);
 }
 
 // Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation

@@ -11,8 +11,13 @@
 // bias = -min code), so sum u q = dot + bias sum q and a block's int32 accumulators start at
 // -bias sum q. A pair is at most 2 * umax * 127 (umax = the largest u): exact where umax <= 127; where
 // umax <= 63 (Q4, Q5 and Q6 codes) two pairs' int16 sums are added before they are widened (kPairs
-// 2: at most 32,004), one vpmaddwd for two vpmaddubsw. A weight whose codes span more than 127 (Q8_0)
-// is not packed for this kernel (the caller keeps its other routes).
+// 2: at most 32,004), one vpmaddwd for two vpmaddubsw. The GEMM routes never pack a weight whose
+// codes span more than 127 (Q8_0: the caller keeps its other routes).
+//
+// Fewer activation levels (``levels`` L < 127: d = absmax / L, |q| <= L) make room for wider codes:
+// a pair is at most 2 * umax * L, so Q8_0's u = code + 127 <= 254 takes L = 64 (one pair at a time)
+// or 32 (two). The LM head's screen (``i8_screen``) runs so: its results only choose candidates,
+// within a bound that counts the coarser rounding (lm_head_screen.py ``i8_screen_coefficient``).
 // Packed copy, per tile of 16 outputs:
 //   codes  [T, K / 4, 1, 16, 4] uint8: per tile and 4 inputs, 16 outputs' 4 bytes (two vectors of 8
 //          outputs; one sequential stream per tile); N padded to whole tiles with zero codes (u = bias)
@@ -29,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -44,9 +50,10 @@ constexpr int64_t kChunkBytes = 192 << 10;   // weight codes every row group of 
 constexpr int64_t kPrefetchBytes = 1024;     // how far ahead of the tile's code stream to prefetch
 
 using servelm_i8gemm::Buffer;
+using servelm_i8gemm::ScreenState;
 namespace vec = servelm_vec::vec;
 
-// Activation rows rounded to int8 per block (see the top of the file).
+// Activation rows rounded to int8 per block, to ``levels`` steps each side of zero (see the top of the file).
 struct Quantized {
   Buffer<int8_t> codes;     // [M, K]
   Buffer<float> scales;     // [M, K / B]: d
@@ -62,7 +69,8 @@ inline int32_t sum_lanes(__m256i v) {
 
 // Block b of row r (V vectors of 8 inputs), rounded as the file's top says.
 template <int V, class T>
-inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t nb, bool with_sums, Quantized& q) {
+inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t nb, bool with_sums, int levels,
+                           Quantized& q) {
   constexpr int64_t kB = 8 * V;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[V];
@@ -75,7 +83,8 @@ inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t 
   }
   // a NaN makes the block's scale NaN (as torch's amax), so the outputs it reaches are NaN: vmaxps
   // would drop it
-  const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : vec::max_lane(m) / 127.f;
+  const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN()
+                                          : vec::max_lane(m) / static_cast<float>(levels);
   const float inv = d > 0.f ? 1.f / d : 0.f;
   const __m256 scale = _mm256_set1_ps(inv);
   __m256i sum = _mm256_setzero_si256();
@@ -84,7 +93,7 @@ inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t 
     __m256i c[2];
     for (int j = 0; j < 2; ++j) {
       c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + j], scale));   // nearest even
-      c[j] = _mm256_max_epi32(_mm256_min_epi32(c[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      c[j] = _mm256_max_epi32(_mm256_min_epi32(c[j], _mm256_set1_epi32(levels)), _mm256_set1_epi32(-levels));
       sum = _mm256_add_epi32(sum, c[j]);
     }
     const __m256i half = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8);
@@ -98,15 +107,15 @@ inline void quantize_block(const T* x, int64_t r, int64_t b, int64_t k, int64_t 
 }
 
 template <class T>
-Quantized quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, bool with_sums) {
+Quantized quantize_rows(const T* x, int64_t rows, int64_t k, int64_t block, bool with_sums, int levels) {
   const int64_t nb = k / block;
   Quantized q{Buffer<int8_t>(rows * k), Buffer<float>(rows * nb), Buffer<int32_t>(rows * nb),
               Buffer<float>(with_sums ? rows * nb : 0)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
-        if (block == 32) quantize_block<4>(x, r, b, k, nb, with_sums, q);
-        else quantize_block<2>(x, r, b, k, nb, with_sums, q);
+        if (block == 32) quantize_block<4>(x, r, b, k, nb, with_sums, levels, q);
+        else quantize_block<2>(x, r, b, k, nb, with_sums, levels, q);
       }
   });
   return q;
@@ -143,10 +152,59 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(word);
 }
 
-// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``, stored into y. kPairs: vpmaddubsw
-// results added in int16 before vpmaddwd widens them (2 where the weight's u <= 63, see the top).
+// The screen's epilogue of one accumulator block (i8_screen): each row's lower bounds S - E raise its running
+// largest one, and the outputs whose upper bound S + E reaches it are kept (ascending: a thread's tiles
+// ascend for every row). Padded outputs (beyond n) take part in neither.
+template <int R>
+void screen_tile(const __m256 (&acc)[R][2], const GemmArgs& a, ScreenState& st, int64_t r0, int64_t tile) {
+  int valid[2];
+  __m256 per_output[2][2];
+  for (int c = 0; c < 2; ++c) {
+    const int64_t n0 = tile * kTile + c * 8;
+    valid[c] = static_cast<int>(std::clamp<int64_t>(a.n - n0, 0, 8));
+    alignas(32) float most[8] = {}, sum[8] = {};
+    if (valid[c] > 0) {
+      std::memcpy(most, st.bound_max + n0, valid[c] * sizeof(float));
+      std::memcpy(sum, st.bound_sum + n0, valid[c] * sizeof(float));
+    }
+    per_output[c][0] = _mm256_load_ps(most);
+    per_output[c][1] = _mm256_load_ps(sum);
+  }
+  const __m256 below = _mm256_set1_ps(-INFINITY);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const __m256 row_sum = _mm256_set1_ps(st.row_sum[row]), row_max = _mm256_set1_ps(st.row_max[row]);
+    __m256 upper[2];
+    __m256 lowest = below;
+    for (int c = 0; c < 2; ++c) {
+      const __m256 e = _mm256_min_ps(_mm256_mul_ps(row_sum, per_output[c][0]), _mm256_mul_ps(row_max, per_output[c][1]));
+      upper[c] = _mm256_add_ps(acc[r][c], e);
+      const __m256 lower = _mm256_sub_ps(acc[r][c], e);
+      const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid[c]),
+                                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      lowest = _mm256_max_ps(lowest, _mm256_blendv_ps(below, lower, in));
+    }
+    const float lower = std::max(st.lower[row], vec::max_lane(lowest));
+    st.lower[row] = lower;
+    for (int c = 0; c < 2; ++c) {
+      unsigned hits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(upper[c], _mm256_set1_ps(lower), _CMP_GE_OQ)))
+                      & ((1u << valid[c]) - 1);
+      if (!hits) continue;
+      alignas(32) float ups[8];
+      _mm256_store_ps(ups, upper[c]);
+      for (; hits; hits &= hits - 1) {
+        const int lane = __builtin_ctz(hits);
+        st.keep(row, static_cast<int32_t>(tile * kTile + c * 8 + lane), ups[lane]);
+      }
+    }
+  }
+}
+
+// Rows r0 .. r0 + R - 1 against the kTile outputs of ``tile``: stored into y, or met by the screen's bounds
+// (``screen``, i8_screen). kPairs: vpmaddubsw results added in int16 before vpmaddwd widens them (2 where
+// 4 x umax x levels fits in int16, see the top).
 template <int R, int B, int kPairs, bool kOffsets>
-void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
+void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen) {
   constexpr int kGroups = B / 4;   // 4-input groups per block
   const int64_t nb = a.nb, k = a.k;
   const uint8_t* w = a.codes + tile * k * kTile;
@@ -196,6 +254,10 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
       }
     }
   }
+  if (screen != nullptr) {
+    screen_tile<R>(acc, a, *screen, r0, tile);
+    return;
+  }
   for (int c = 0; c < 2; ++c) {
     const int64_t n0 = tile * kTile + c * 8;
     if (n0 >= a.n) break;
@@ -231,24 +293,29 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile) {
 }
 
 template <int B, int kPairs, bool kOffsets, int R = kRows>
-void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile) {
+void dispatch_rows(int rows, const GemmArgs& a, int64_t r0, int64_t tile, ScreenState* screen) {
   if (rows == R || R == 1) {
-    micro_tile<R, B, kPairs, kOffsets>(a, r0, tile);
+    micro_tile<R, B, kPairs, kOffsets>(a, r0, tile, screen);
   } else if constexpr (R > 1) {
-    dispatch_rows<B, kPairs, kOffsets, R - 1>(rows, a, r0, tile);
+    dispatch_rows<B, kPairs, kOffsets, R - 1>(rows, a, r0, tile, screen);
   }
 }
 
 // Threads split the tiles. Each takes its tiles once per panel of rows (the panel's activation codes
 // stay in L2 while the tiles pass), in chunks of kChunkBytes of codes that every row group of the panel
 // passes over (from L2) before the next chunk. The rows of a panel go in groups of at most kRows, as
-// even as possible (9 rows: 3 + 3 + 3).
+// even as possible (9 rows: 3 + 3 + 3). With ``screen`` (i8_screen), each thread meets its results with
+// the bounds in its own ScreenState, and the states go to ``states`` with the first tile of the thread's range.
 template <int B, int kPairs, bool kOffsets>
-void run_gemm(const GemmArgs& a, int64_t rows) {
+void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullptr,
+              std::vector<std::pair<int64_t, ScreenState>>* states = nullptr) {
   const int64_t tiles = (a.n + kTile - 1) / kTile;
   const int64_t panel = std::max<int64_t>(kRows, kPanelBytes / a.k / kRows * kRows);
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (a.k * kTile));
+  std::mutex states_mutex;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    ScreenState own = screen != nullptr ? screen->fresh(rows) : ScreenState{};
+    ScreenState* state = screen != nullptr ? &own : nullptr;
     for (int64_t p0 = 0; p0 < rows; p0 += panel) {
       const int64_t size = std::min(panel, rows - p0);
       const int64_t groups = (size + kRows - 1) / kRows;
@@ -256,10 +323,14 @@ void run_gemm(const GemmArgs& a, int64_t rows) {
         for (int64_t g = 0, r0 = p0; g < groups; ++g) {
           const int64_t group = (p0 + size - r0) / (groups - g);
           for (int64_t tile = first; tile < std::min(end, first + chunk); ++tile)
-            dispatch_rows<B, kPairs, kOffsets>(static_cast<int>(group), a, r0, tile);
+            dispatch_rows<B, kPairs, kOffsets>(static_cast<int>(group), a, r0, tile, state);
           r0 += group;
         }
       }
+    }
+    if (state != nullptr) {
+      std::lock_guard<std::mutex> lock(states_mutex);
+      states->emplace_back(begin, std::move(own));
     }
   });
 }
@@ -275,43 +346,89 @@ void run_block(const GemmArgs& a, int64_t rows, int pairs) {
   }
 }
 
+// vpmaddubsw pairs added in int16 before widening for codes u <= code_span against activations |q| <= levels:
+// 2 where four products fit in int16, 1 where two do; checked.
+int pairs_for(int64_t code_span, int64_t levels) {
+  TORCH_CHECK(levels >= 1 && levels <= 127, "levels: 1 .. 127");
+  TORCH_CHECK(code_span >= 0 && 2 * code_span * levels <= 32767,
+              "code_span: the packed codes' largest value, with levels at most 32767 / (2 x levels)");
+  return 4 * code_span * levels <= 32767 ? 2 : 1;
+}
+
 }  // namespace
 
 // Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None, bias=None, *, code_bias,
-// code_span): x [M, K] bfloat16 or float32; codes (u = code + code_bias, at most code_span), scales, offsets
-// packed as above; n outputs (-1: every packed one). Returns [M, n] float32 (bfloat16 when bf16_out),
+// code_span, levels=127): x [M, K] bfloat16 or float32, rounded to ``levels`` steps each side; codes (u = code +
+// code_bias, at most code_span), scales, offsets packed as above; n outputs (-1: every packed one). Returns [M, n] float32 (bfloat16 when bf16_out),
 // written into ``out`` when given (contiguous rows of that dtype, [M, >= n]); ``bias`` (float32 or bfloat16
 // [n]) added in float32 before the rounding to bfloat16, as ``(float32 result + bias).to(bfloat16)``.
 torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                       int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
-                      c10::optional<torch::Tensor> bias, int64_t code_bias, int64_t code_span) {
+                      c10::optional<torch::Tensor> bias, int64_t code_bias, int64_t code_span, int64_t levels) {
   torch::Tensor y = servelm_i8gemm::gemm_output(x, codes, scales, offsets, block, bf16_out, n, out, bias, 1);
-  TORCH_CHECK(code_span >= 0 && code_span <= 127, "code_span: the packed codes' largest value, at most 127");
+  const int pairs = pairs_for(code_span, levels);
   TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
   const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
   const bool has_offsets = offsets.has_value() && offsets->defined();
   const bool has_bias = bias.has_value() && bias->defined();
   if (rows == 0 || n == 0) return y;
   const Quantized q = x.dtype() == torch::kFloat32
-      ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets)
-      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, has_offsets);
+      ? quantize_rows(x.data_ptr<float>(), rows, k, block, has_offsets, static_cast<int>(levels))
+      : quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, k, block, has_offsets,
+                      static_cast<int>(levels));
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
              has_offsets ? offsets->data_ptr<float>() : nullptr, static_cast<int32_t>(code_bias), k, n, nb,
              bf16_out ? nullptr : y.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr, y.stride(0),
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
              has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr};
-  const int pairs = code_span <= 63 ? 2 : 1;
   if (block == 32) run_block<32>(a, rows, pairs);
   else run_block<16>(a, rows, pairs);
   return y;
 }
 
-// Python: quantize(x, block) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
+// Python: i8_screen(x, codes, scales, n, bound_max, bound_sum, coefficient, max_candidates, *, code_bias,
+// code_span, levels) -> [counts (int64 [M]), then per row its candidate ids (int64, ascending; empty where the
+// count exceeds max_candidates)]: the exact greedy LM-head screen for many rows (lm_head_screen.py
+// ``I8Screen``) on a Q8_0 head packed as for i8_gemm (u = code + code_bias), the activations rounded to
+// ``levels`` steps (64 or 32 for Q8_0's codes, see the top). The candidates of a row are the outputs whose
+// S + E reaches max over v of S - E, S this GEMM's result and E = min(row_sum[m] bound_max[v], row_max[m]
+// bound_sum[v]) with row_sum, row_max the coefficient times the sum and the max over blocks of the row's
+// absmax (= levels d): the derivation at gguf_i8gemm.cpp's ``i8_screen``, whose bound this is with this
+// rounding's step in the coefficient. A row with a value that is not finite has none (count 0).
+std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t n,
+                                     torch::Tensor bound_max, torch::Tensor bound_sum, double coefficient,
+                                     int64_t max_candidates, int64_t code_bias, int64_t code_span, int64_t levels) {
+  servelm_i8gemm::check_screen_args(x, codes, scales, n, bound_max, bound_sum, 1);
+  const int pairs = pairs_for(code_span, levels);
+  TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / 32;
+  std::vector<std::pair<int64_t, ScreenState>> states;
+  if (rows == 0) return servelm_i8gemm::screen_candidates(states, 0, {}, max_candidates);
+  const float* xp = x.data_ptr<float>();
+  const std::vector<bool> finite = servelm_i8gemm::finite_rows(xp, rows, k);
+  const Quantized q = quantize_rows(xp, rows, k, 32, false, static_cast<int>(levels));
+  std::vector<float> row_sum, row_max;
+  servelm_i8gemm::screen_row_bounds(q.scales.data(), rows, nb, static_cast<float>(levels),
+                                    static_cast<float>(coefficient), row_sum, row_max);
+  GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, static_cast<int32_t>(code_bias), k, n,
+             nb, nullptr, nullptr, 0, nullptr, nullptr};
+  ScreenState screen;
+  screen.bound_max = bound_max.data_ptr<float>();
+  screen.bound_sum = bound_sum.data_ptr<float>();
+  screen.row_sum = row_sum.data();
+  screen.row_max = row_max.data();
+  if (pairs == 2) run_gemm<32, 2, false>(a, rows, &screen, &states);
+  else run_gemm<32, 1, false>(a, rows, &screen, &states);
+  return servelm_i8gemm::screen_candidates(states, rows, finite, max_candidates);
+}
+
+// Python: quantize(x, block, levels=127) -> (codes int8 [M, K], scales float32 [M, K / block]): the activation
 // rounding i8_gemm applies, for tests and references.
-std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block) {
-  return servelm_i8gemm::quantized_tensors(x, block, [block](const auto* data, int64_t rows, int64_t k) {
-    return quantize_rows(data, rows, k, block, false);
+std::vector<torch::Tensor> quantize(torch::Tensor x, int64_t block, int64_t levels) {
+  TORCH_CHECK(levels >= 1 && levels <= 127, "levels: 1 .. 127");
+  return servelm_i8gemm::quantized_tensors(x, block, [block, levels](const auto* data, int64_t rows, int64_t k) {
+    return quantize_rows(data, rows, k, block, false, static_cast<int>(levels));
   });
 }
 
@@ -321,9 +438,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> [M, n] float32 (bfloat16 when bf16_out), into out when given",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("out") = py::none(), py::arg("bias") = py::none(),
-        py::kw_only(), py::arg("code_bias"), py::arg("code_span"));
+        py::kw_only(), py::arg("code_bias"), py::arg("code_span"), py::arg("levels") = 127);
+  m.def("i8_screen", &i8_screen,
+        "the exact greedy screen of a Q8_0 LM head for many rows: (counts [M], then each row's candidate ids)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bound_max"), py::arg("bound_sum"),
+        py::arg("coefficient"), py::arg("max_candidates"), py::kw_only(), py::arg("code_bias"), py::arg("code_span"),
+        py::arg("levels"));
   m.def("quantize", &quantize, "x [M, K] -> (int8 codes [M, K], float32 scales [M, K / block])",
-        py::arg("x"), py::arg("block"));
+        py::arg("x"), py::arg("block"), py::arg("levels") = 127);
   m.attr("GEMM_COLS") = 1;
   m.attr("GEMM_ROWS") = kRows;
 }

@@ -218,20 +218,22 @@ screen gives (``head_logits``: the full head's way at a step the screen could ta
 route there is another kernel, whose logits round differently)."""
 
 
-def i8_screen_coefficient(hidden: int) -> float:
+def i8_screen_coefficient(hidden: int, levels: int = 127) -> float:
     """The int8 screen's bound coefficient e (gguf_i8gemm.cpp ``i8_screen``): the exact kernel's
     logit lies within e sum_b |d_b| (sum |c_b|) absmax_b of the int8 GEMM's. Per input, the int8
-    rounding (absmax / 127 steps) and the exact kernel's int16 one (absmax / 32512) each err by at
-    most half a step: 1/254 + 1/65024 of absmax, widened by 1e-3 for the float32 roundings of the
-    scales, the reciprocals and the bound's own products; and each kernel's float32 sum over the
-    nb = hidden / 32 block terms (each at most |d_b| sum |c_b| absmax_b) errs by at most (nb + 5) u
-    of their sum: twice that for the two, doubled again."""
-    return I8_ACTIVATION_ERROR * (1 + 1e-3) + 4 * (hidden // 32 + 5) * 2.0 ** -24
+    rounding (absmax / ``levels`` steps: 127, or the AVX2 build's fewer) and the exact kernel's int16
+    one (absmax / 32512) each err by at most half a step: 1/254 + 1/65024 of absmax at 127 levels,
+    widened by 1e-3 for the float32 roundings of the scales, the reciprocals and the bound's own
+    products; and each kernel's float32 sum over the nb = hidden / 32 block terms (each at most
+    |d_b| sum |c_b| absmax_b) errs by at most (nb + 5) u of their sum: twice that for the two,
+    doubled again."""
+    return i8_activation_error(levels) * (1 + 1e-3) + 4 * (hidden // 32 + 5) * 2.0 ** -24
 
 
-I8_ACTIVATION_ERROR = 0.5 / 127 + 0.5 / 32512
-"""Largest difference, in units of the block's absmax, between an input as the int8 GEMM rounds it
-and as the exact int16 kernel rounds it."""
+def i8_activation_error(levels: int = 127) -> float:
+    """Largest difference, in units of the block's absmax, between an input as the int8 GEMM rounds it
+    (to ``levels`` steps each side of zero) and as the exact int16 kernel rounds it."""
+    return 0.5 / levels + 0.5 / 32512
 
 
 BOUND_ROWS = 16384
@@ -254,7 +256,9 @@ class I8Screen:
 
     def __init__(self, weight: BlockWeight, kernel: ModuleType) -> None:
         self.kernel = kernel
-        self.codes, self.scales, _ = gguf_i8gemm.pack(weight)
+        self.packed = gguf_i8gemm.screen_pack(kernel, weight)
+        """The head packed for ``kernel``'s build, with the keyword arguments its ``i8_screen`` takes."""
+        self.codes, self.scales, _ = self.packed
         codes = weight.codes
         vocab, hidden = codes.shape
         self.bound_max = torch.empty(vocab)
@@ -267,7 +271,7 @@ class I8Screen:
             per_block = weight.scales[rows].double().abs() * code_sums   # exact sums, one rounding each
             self.bound_max[rows] = per_block.amax(-1)
             self.bound_sum[rows] = per_block.sum(-1)
-        self.coefficient = i8_screen_coefficient(hidden)
+        self.coefficient = i8_screen_coefficient(hidden, gguf_i8gemm.levels(self.packed))
         self.vocab = vocab
 
     @property
@@ -277,7 +281,7 @@ class I8Screen:
     def candidates(self, x: torch.Tensor, max_candidates: int) -> list[torch.Tensor]:
         """[counts, then each row's candidate ids], as the 5-bit screen's ``screen_candidates``."""
         return self.kernel.i8_screen(x, self.codes, self.scales, self.vocab, self.bound_max, self.bound_sum,
-                                     self.coefficient, max_candidates)
+                                     self.coefficient, max_candidates, **self.packed.call_kwargs)
 
 
 class LMHeadScreen:
@@ -447,11 +451,12 @@ def build_screen(model: nn.Module, activations: str | None, *, disabled: bool, t
     screen_kernel = build.load()
     if screen_kernel is None:
         return None, f"off ({build.description}: {build.status()})"
-    i8_kernel = gguf_i8gemm.load_kernel()
+    i8_kernel = gguf_i8gemm.load_gemm()
     screen = LMHeadScreen(weight, kernel, screen_kernel, i8_kernel=i8_kernel)
-    many = ("for more greedy rows than that copy takes, an int8 GEMM on a copy of the head finds them"
+    many = (f"for more greedy rows than that copy takes, an int8 GEMM on a copy of the head finds them "
+            f"({gguf_i8gemm.GEMM_BUILDS.first().description})"
             if screen.i8 is not None else f"no screen above {min(screen.max_rows, MAX_SCREEN_ROWS)} greedy rows "
-            f"({gguf_i8gemm.KERNEL.description}: {gguf_i8gemm.kernel_status()})")
+            f"(the int8 GEMM: {gguf_i8gemm.gemm_status()})")
     return screen, (f"on ({build.description}): greedy rows read a 5-bit copy of the Q8_0 head and compute "
                     f"exactly only the rows that can be the argmax ({many}; {screen.nbytes / 2 ** 20:.0f} MiB); "
                     "--disable-lm-head-screen turns it off")

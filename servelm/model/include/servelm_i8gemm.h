@@ -1,9 +1,12 @@
 // Shared by the builds of the int8 x int8 GEMM on GGUF block codes (servelm/model/gguf/gguf_i8gemm.cpp,
 // AVX512-VNNI; gguf_i8gemm_avx2.cpp, AVX2 + FMA): buffers left uninitialised, the checks of i8_gemm's
-// arguments and its output, and the tensors of ``quantize``. Plain C++ and torch: no vector instructions.
+// arguments and its output, the tensors of ``quantize``, and the LM-head screen's state, row bounds and
+// candidates (``i8_screen``). Plain C++ and torch: no vector instructions.
 #pragma once
 
 #include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -76,6 +79,116 @@ std::vector<torch::Tensor> quantized_tensors(const torch::Tensor& x, int64_t blo
   std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
   std::memcpy(scales.data_ptr<float>(), q.scales.data(), q.scales.size() * sizeof(float));
   return {codes, scales};
+}
+
+// i8_screen's per-thread state: per activation row, the largest lower bound S - E met so far and the
+// outputs (with their upper bounds S + E) that reached it when they were met. Each build's epilogue
+// (``screen_tile``) meets an accumulator block's results with the bound of its outputs,
+//   E = min(row_sum[m] x bound_max[v], row_max[m] x bound_sum[v]).
+struct ScreenState {
+  const float* bound_max = nullptr;   // [n] per output: max over blocks of |scale| x sum |codes|
+  const float* bound_sum = nullptr;   // [n] per output: their sum
+  const float* row_sum = nullptr;     // [M] per row: e x sum over blocks of the block's absmax
+  const float* row_max = nullptr;     // [M] per row: e x max over blocks of the block's absmax
+  std::vector<float> lower;                  // [M]
+  std::vector<std::vector<int32_t>> ids;     // [M]
+  std::vector<std::vector<float>> upper;     // [M]
+
+  // A thread's own copy: the shared pointers, its rows' state empty.
+  ScreenState fresh(int64_t rows) const {
+    ScreenState own;
+    own.bound_max = bound_max;
+    own.bound_sum = bound_sum;
+    own.row_sum = row_sum;
+    own.row_max = row_max;
+    own.lower.assign(rows, -INFINITY);
+    own.ids.assign(rows, {});
+    own.upper.assign(rows, {});
+    for (auto& v : own.ids) v.reserve(256);
+    for (auto& v : own.upper) v.reserve(256);
+    return own;
+  }
+
+  // Output ``id`` with upper bound ``up`` reached row ``row``'s lower bound when it was met.
+  void keep(int64_t row, int32_t id, float up) {
+    ids[row].push_back(id);
+    upper[row].push_back(up);
+  }
+};
+
+// i8_screen's arguments checked (x contiguous float32 [M, K], K a multiple of 32; codes packed in tiles of
+// ``cols`` vectors of 16 outputs with scales alike; bounds float32 [n]).
+inline void check_screen_args(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t n,
+                              const torch::Tensor& bound_max, const torch::Tensor& bound_sum, int64_t cols) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 5 && codes.size(1) == k / 4
+              && codes.size(2) == cols && codes.size(3) == 16 && codes.size(4) == 4,
+              "codes: packed uint8 [tiles, K / 4, ", cols, ", 16, 4]");
+  TORCH_CHECK(n > 0 && n <= codes.size(0) * 16 * cols, "n: at most the packed outputs");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 4
+              && scales.size(0) == codes.size(0) && scales.size(1) == k / 32, "scales: packed float32 [tiles, K / 32, ...]");
+  for (const auto* t : {&bound_max, &bound_sum})
+    TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n, "bounds: float32 [n]");
+}
+
+// Whether each row of x [rows, k] is finite throughout (a row that is not has no candidates).
+inline std::vector<bool> finite_rows(const float* x, int64_t rows, int64_t k) {
+  std::vector<bool> finite(rows, true);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i)
+      if (!std::isfinite(x[r * k + i])) {
+        finite[r] = false;
+        break;
+      }
+  return finite;
+}
+
+// row_sum[r], row_max[r]: e times the sum and the max over blocks of the block's absmax, levels x d (d: the
+// activation scales [rows, nb], each absmax / levels).
+inline void screen_row_bounds(const float* d, int64_t rows, int64_t nb, float levels, float e,
+                              std::vector<float>& row_sum, std::vector<float>& row_max) {
+  row_sum.resize(rows);
+  row_max.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f, most = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float amax = levels * d[r * nb + b];
+      sum += amax;
+      most = std::max(most, amax);
+    }
+    row_sum[r] = e * sum;
+    row_max[r] = e * most;
+  }
+}
+
+// i8_screen's result from the threads' states (each with the first tile of its range): [counts (int64 [M]),
+// then per row the outputs whose upper bound reaches the largest lower bound of all threads (int64,
+// ascending; empty where the count exceeds max_candidates; none for a row that is not finite)].
+inline std::vector<torch::Tensor> screen_candidates(std::vector<std::pair<int64_t, ScreenState>>& states, int64_t rows,
+                                                    const std::vector<bool>& finite, int64_t max_candidates) {
+  std::sort(states.begin(), states.end(), [](const auto& l, const auto& r) { return l.first < r.first; });
+  std::vector<torch::Tensor> out(rows + 1);
+  auto counts = torch::zeros({rows}, torch::kInt64);
+  out[0] = counts;
+  int64_t* count_out = counts.data_ptr<int64_t>();
+  std::vector<int64_t> ids;
+  for (int64_t r = 0; r < rows; ++r) {
+    float lower = -INFINITY;
+    for (const auto& state : states) lower = std::max(lower, state.second.lower[r]);
+    ids.clear();
+    if (finite[r])
+      for (const auto& state : states)
+        for (size_t i = 0; i < state.second.ids[r].size(); ++i)
+          if (state.second.upper[r][i] >= lower) ids.push_back(state.second.ids[r][i]);
+    const int64_t count = static_cast<int64_t>(ids.size());
+    count_out[r] = count;
+    auto row_ids = torch::empty({count > max_candidates ? 0 : count}, torch::kInt64);
+    if (count <= max_candidates) std::copy(ids.begin(), ids.end(), row_ids.data_ptr<int64_t>());
+    out[r + 1] = row_ids;
+  }
+  return out;
 }
 
 }  // namespace servelm_i8gemm

@@ -132,6 +132,41 @@ def test_every_row_count_matches_the_reference(build, block: int, offsets: bool)
         assert torch.equal(out, full[:m])
 
 
+@pytest.mark.parametrize("levels", [64, 32])
+def test_fewer_activation_levels_take_q8_0_codes_exactly(build, levels: int) -> None:
+    """The AVX2 build's LM-head screen: activations rounded to ``levels`` steps (bit for bit as the
+    reference), which lets Q8_0's codes (u = code + 127 up to 254) through vpmaddubsw's int16 pairs, one
+    at a time at 64 levels and two at 32; every integer dot exact at the extremes of both."""
+    if not gguf_i8gemm.is_avx2(build):
+        pytest.skip("the VNNI build rounds to 127 levels only")
+    generator = torch.Generator().manual_seed(levels)
+    x = torch.randn(29, 640, generator=generator) * 3
+    x[2, :32] = 0
+    codes, scales = build.quantize(x, 32, levels=levels)
+    expected_codes, expected_scales = gguf_i8gemm.quantize_reference(x, 32, levels)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    assert int(codes.abs().max()) == levels
+    n, k = 45, 256
+    weight = BlockWeight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator),
+                         torch.ones(n, k // 32), None, 32, "Q8_0")
+    weight.codes[:2] = torch.tensor([-127, 127], dtype=torch.int8)[:, None]
+    weight.codes[2, ::2], weight.codes[2, 1::2] = -127, 127
+    packed = gguf_i8gemm.pack_avx2(weight, gguf_i8gemm.AVX2_SCREEN_CODE_SPAN)
+    assert packed is not None and packed.call_kwargs == {"code_bias": 127, "code_span": 254}
+    q = torch.randint(-levels, levels + 1, (23, k), generator=generator).float()
+    q.view(23, -1, 32)[..., 0] = levels   # every block's absmax at ``levels``: scale 1
+    q[:4] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * levels   # rows of one sign, at the extremes
+    out = build.i8_gemm(q, *packed, 32, False, n, levels=levels, **packed.call_kwargs)
+    assert torch.equal(out.double(), q.double() @ weight.codes.double().T)
+    torch.testing.assert_close(build.i8_gemm(x[:, :k].contiguous(), *packed, 32, False, n, levels=levels,
+                                             **packed.call_kwargs),
+                               gguf_i8gemm.reference(x[:, :k], weight, levels), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="code_span"):   # 2 x 254 x 65 does not fit in int16
+        build.i8_gemm(q, *packed, 32, False, n, levels=65, **packed.call_kwargs)
+    with pytest.raises(RuntimeError, match="levels"):
+        build.quantize(x, 32, levels=128)
+
+
 def test_both_builds_give_the_same_floats() -> None:
     """Where both builds run (an AVX512-VNNI CPU), their results are equal bit for bit: the same
     integer dots, the same float operations in the same order."""
@@ -209,7 +244,7 @@ def test_bad_arguments_are_refused(build) -> None:
     if gguf_i8gemm.is_avx2(build):   # codes wider than vpmaddubsw's pairs take, or a bias beyond them
         packed = gguf_i8gemm.pack_for(build, weight)
         with pytest.raises(RuntimeError, match="code_span"):
-            build.i8_gemm(torch.randn(2, 128), *packed, 32, code_bias=64, code_span=128)
+            build.i8_gemm(torch.randn(2, 128), *packed, 32, code_bias=64, code_span=130)   # 2 x 130 x 127 > 32,767
         with pytest.raises(RuntimeError, match="code_bias"):
             build.i8_gemm(torch.randn(2, 128), *packed, 32, code_bias=100, code_span=90)
         with pytest.raises(RuntimeError, match="packed uint8"):   # the VNNI build's layout

@@ -70,11 +70,11 @@ def q8_head(kernels: Kernels, vocab: int, hidden: int, seed: int = 0) -> tuple[L
 
 
 def screen_for(kernels: Kernels, weight: BlockWeight, max_candidates: int = 4096) -> LMHeadScreen:
-    """The screen on ``weight``, with the int8 screen where this CPU builds the int8 GEMM."""
-    return LMHeadScreen(weight, kernels[0], kernels[1], max_candidates, i8_kernel=gguf_i8gemm.load_kernel())
+    """The screen on ``weight``, with the int8 screen where this CPU builds the int8 GEMM (VNNI, else AVX2)."""
+    return LMHeadScreen(weight, kernels[0], kernels[1], max_candidates, i8_kernel=gguf_i8gemm.load_gemm())
 
 
-needs_i8 = pytest.mark.skipif(bool(gguf_i8gemm.missing_cpu_flags()), reason="the int8 screen needs AVX512-VNNI")
+needs_i8 = pytest.mark.skipif(bool(gguf_i8gemm.gemm_missing_flags()), reason="the int8 screen needs AVX2+FMA or VNNI")
 
 
 def test_bound_holds_for_random_and_adversarial_vectors(kernels: Kernels) -> None:
@@ -550,9 +550,10 @@ def test_the_kernels_candidates_are_the_bounds_candidates(kernels: Kernels) -> N
 def i8_bound(screen: LMHeadScreen, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 screen's S (the int8 GEMM's logits) and its bound E, in torch from its definition."""
     i8 = screen.i8
-    approx = i8.kernel.i8_gemm(x, i8.codes, i8.scales, None, 32, False, i8.vocab)
-    _, d = i8.kernel.quantize(x, 32)
-    amax = 127 * d
+    levels = gguf_i8gemm.levels(i8.packed)
+    approx = i8.kernel.i8_gemm(x, i8.codes, i8.scales, None, 32, False, i8.vocab, **i8.packed.call_kwargs)
+    _, d = i8.kernel.quantize(x, 32, **({"levels": levels} if levels != 127 else {}))
+    amax = levels * d
     e = i8.coefficient
     bound = torch.minimum(e * amax.sum(1, keepdim=True) * i8.bound_max, e * amax.amax(1, keepdim=True) * i8.bound_sum)
     return approx, bound
@@ -561,17 +562,18 @@ def i8_bound(screen: LMHeadScreen, x: torch.Tensor) -> tuple[torch.Tensor, torch
 @needs_i8
 def test_the_int8_screens_bound_holds_and_is_approached(kernels: Kernels) -> None:
     """Random rows, near-ties and rows whose every input sits a hair off a half step of the int8
-    grid, its sign that of one vocabulary row's codes: the exact kernel's logit is within E of the
-    int8 GEMM's everywhere, and on the adversarial rows (every block's absmax 1: the rank-one bounds
-    are the sum over blocks) the difference reaches over 90% of E: the bound is tight, a coefficient
-    cut by a tenth fails the first check."""
+    grid (1/127, or 1/64 for the AVX2 build's fewer levels), its sign that of one vocabulary row's
+    codes: the exact kernel's logit is within E of the int8 GEMM's everywhere, and on the adversarial
+    rows (every block's absmax 1: the rank-one bounds are the sum over blocks) the difference reaches
+    over 90% of E: the bound is tight, a coefficient cut by a tenth fails the first check."""
     head, weight = q8_head(kernels, 3001, 256, seed=21)
     screen = screen_for(kernels, weight)
+    levels = gguf_i8gemm.levels(screen.i8.packed)
     generator = torch.Generator().manual_seed(4)
     signs = torch.sign(weight.codes[:6].float()) + (weight.codes[:6] == 0).float()
-    steps = torch.randint(0, 120, (6, 256), generator=generator).float()
-    adversarial = signs * (steps + 0.4999) / 127   # every block's absmax then close to 120/127
-    adversarial[:, ::32] = signs[:, ::32]            # ... pinned to 1: the grid's step is 1/127
+    steps = torch.randint(0, levels - 7, (6, 256), generator=generator).float()
+    adversarial = signs * (steps + 0.4999) / levels   # every block's absmax then close to 1
+    adversarial[:, ::32] = signs[:, ::32]               # ... pinned to 1: the grid's step is 1/levels
     x = torch.cat([near_tie_rows(weight, 9, seed=5), adversarial]).contiguous()
     exact = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
     approx, bound = i8_bound(screen, x)
@@ -661,7 +663,7 @@ def test_the_way_a_step_is_screened(kernels: Kernels, monkeypatch: pytest.Monkey
     assert screen_way(screen, model, x, []) is None
     screen.i8 = None
     assert screen_way(screen, model, x[:30], list(range(30))) is None
-    assert i8_screen_coefficient(128) > 1 / 254
+    assert i8_screen_coefficient(128) > 1 / 254 and i8_screen_coefficient(128, 64) > 1 / 128
 
 
 def test_the_start_up_warm_up_leaves_the_screen_on(engine: LLMEngine) -> None:
