@@ -51,10 +51,14 @@ over it the defaults serve and the next start goes on."""
 MEASURE_MAX_OUTPUTS = 8192
 """Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
 every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
-COPY_MARGIN = {Route.BLOCK: 0.0, Route.TILES: 0.0, Route.PACKED: 0.02, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.06}
+COPY_MARGIN = {Route.BLOCK: 0.0, Route.TILES: 0.0, Route.PACKED: 0.02, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.2}
 """How much faster a route must be to rank above one that needs a smaller copy of the weight (the
 block kernel reads the blocks themselves; the rows and int8 copies cost ~1 byte per weight, the
-packed route's 0.5-0.63, the dense one 2-4): a copy a layer keeps for a few percent is memory a server could use for KV blocks."""
+packed route's 0.5-0.63, the dense one 2-4): a copy a layer keeps for a few percent is memory a server
+could use for KV blocks. The dense copy's 20%: on 2 Zen 3 cores its float32 GEMM led the block kernel's
+tiles by 7-16% at 512 generation rows only, on every layer of Qwen2.5-Coder 0.5B (1.43 GB of copies
+for batches of 129-512 decodes), by 7-33% at 48-512 rows on Gemma 3's. Once a layer keeps a copy for
+some cell, its other cells rank that route without the margin (``MeasuredRanking.holding``)."""
 MEASURE_MIN_BYTES = 96 << 20
 """Bytes of weight copies a shape's timing cycles through (``cold_copies``): more than the
 last-level cache, as in serving, where a step reads every layer's weights once."""
@@ -88,15 +92,10 @@ class RouteTable:
     def cell_name(shape: LinearShape, x_bf16: bool, rows: int) -> str:
         return f"{shape.name} {'bf16' if x_bf16 else 'f32'} {rows}"
 
-    def ranking(self, fallback: Ranking) -> Ranking:
+    def ranking(self, fallback: Ranking) -> MeasuredRanking:
         """The table as a ``Ranking`` (a call of m rows takes the smallest measured class >= m;
         ``fallback`` where the cell was not measured)."""
-        def rank(shape: LinearShape, x_bf16: bool, rows: int) -> tuple[Route, ...]:
-            classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
-            row_class = next((c for c in classes if c >= rows), classes[-1])
-            cell = self.cells.get(self.cell_name(shape, x_bf16, row_class))
-            return complete([Route(name) for name in cell]) if cell else fallback(shape, x_bf16, rows)
-        return rank
+        return MeasuredRanking(self, fallback)
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
@@ -124,6 +123,35 @@ class RouteTable:
             return table
         table.cells, table.times_us = data.get("cells", {}), data.get("times_us", {})
         return table
+
+
+@dataclass(frozen=True)
+class MeasuredRanking:
+    """A ``Ranking`` from a table: each cell's routes by measured time, a route that needs a copy of the
+    weight counted ``1 + COPY_MARGIN`` times as slow, except the routes in ``held`` (copies the layer
+    keeps anyway: ``holding``). A cell without times keeps its stored order; an unmeasured cell takes
+    ``fallback``."""
+
+    table: RouteTable
+    fallback: Ranking
+    held: frozenset[Route] = frozenset()
+
+    def __call__(self, shape: LinearShape, x_bf16: bool, rows: int) -> tuple[Route, ...]:
+        classes = HEAD_ROW_CLASSES if shape.is_head else ROW_CLASSES
+        row_class = next((c for c in classes if c >= rows), classes[-1])
+        name = self.table.cell_name(shape, x_bf16, row_class)
+        cell = self.table.cells.get(name)
+        if not cell:
+            return self.fallback(shape, x_bf16, rows)
+        times = self.table.times_us.get(name, {})
+        if all(route in times for route in cell):
+            cell = sorted(cell, key=lambda route: times[route] * (
+                1 + (0.0 if Route(route) in self.held else COPY_MARGIN[Route(route)])))
+        return complete([Route(name) for name in cell])
+
+    def holding(self, held: frozenset[Route]) -> MeasuredRanking:
+        """This ranking with the copies of ``held`` paid for (no margin)."""
+        return MeasuredRanking(self.table, self.fallback, held)
 
 
 def cpu_model_name() -> str:

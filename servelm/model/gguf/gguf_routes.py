@@ -263,6 +263,14 @@ class LayerRoutes:
             available = available | {Route.DENSE}   # generation rows need a route without int8
         chosen = table(model_bf16, available)
         held = frozenset(chosen[0][1:]) | frozenset(chosen[1][1:]) | (available & {Route.BLOCK})
+        holding = getattr(ranking, "holding", None)
+        if holding is not None and held - {Route.BLOCK, Route.TILES}:
+            # the copies kept now cost nothing more: every cell ranks their routes without the margin a
+            # copy must win by (routes.py COPY_MARGIN); a cell then takes its first choice or a held
+            # route, so no copy is added (and one no cell takes any more is dropped)
+            ranking = holding(held)
+            chosen = table(model_bf16, available)
+            held = frozenset(chosen[0][1:]) | frozenset(chosen[1][1:]) | (available & {Route.BLOCK})
         # the other dtype (rare: a float32 residual's head) falls back along the ranking to a held route
         other = table(not model_bf16, held | (frozenset() if held - {Route.INT8} else {Route.DENSE}))
         by_rows = (other, chosen) if model_bf16 else (chosen, other)

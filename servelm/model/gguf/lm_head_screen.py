@@ -241,11 +241,17 @@ BOUND_ROWS = 16384
 
 
 class I8Screen:
-    """The screen for many rows: the int8 GEMM (gguf_i8gemm.cpp ``i8_screen``) on its own copy of the
-    Q8_0 head, its results met by a bound on how far the exact int16 kernel's can be.
+    """The screen for many rows: the int8 GEMM (gguf_i8gemm.cpp ``i8_screen``, or the AVX2 build's) on its
+    own copy of the Q8_0 head, its results met by a bound on how far the exact int16 kernel's can be.
 
     From ~8 rows on, the 5-bit screen is bound by its two VNNI products per 4 inputs and loses to the
-    full head; one int8 VNNI product per 4 inputs does the same work at twice the rate. The int8
+    full head; one int8 VNNI product per 4 inputs does the same work at twice the rate. The AVX2 build
+    (no VNNI: ``vpmaddubsw``, whose int16 pair sums would saturate on Q8_0's codes against 127 levels)
+    rounds the activations to ``gguf_i8gemm.AVX2_SCREEN_LEVELS`` (64) steps instead, which doubles the
+    activation term of the bound (``i8_screen_coefficient``): Zen 3, 2 threads, 256 real decode hidden
+    states, candidates median 7 / mean 38 on gemma3-270m and 4 / 20 on qwen2.5-coder-0.5b; 32 rows of
+    Gemma 3's head in 54 ms against 78 for the full head's float tiles (benchmarks/lm_head_screen.py;
+    RESULTS.md "Session 45"). The int8
     activations are not the head's result (generation rows never take int8-rounded activations): they
     only choose the candidates, whose logits come from the exact kernel. The bound is the difference of
     the two activation roundings (``i8_screen_coefficient``) times sum_b |d_b| sum |c_b| absmax_b, taken
