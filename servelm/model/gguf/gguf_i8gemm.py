@@ -41,9 +41,10 @@ AVX2_SCREEN_CODE_SPAN = 254
 """The widest codes the AVX2 build's screen takes (Q8_0's u = code + 127), against activations rounded to
 ``AVX2_SCREEN_LEVELS`` steps each side of zero."""
 AVX2_SCREEN_LEVELS = 64
-"""The AVX2 build's activation levels in ``i8_screen`` (d = absmax / 32, |q| <= 32): 4 x 254 x 32 = 32,512, so
-two vpmaddubsw pairs add in int16 before one vpmaddwd. The screen's results only choose candidates; its
-bound counts the coarser rounding (lm_head_screen.py ``i8_screen_coefficient``)."""
+"""The AVX2 build's activation levels in ``i8_screen`` (d = absmax / 64, |q| <= 64): a vpmaddubsw pair is at most
+2 x 254 x 64 = 32,512, one vpmaddwd each. The screen's results only choose candidates; its bound counts the
+coarser rounding (lm_head_screen.py ``i8_screen_coefficient``). 32 levels would add two pairs in int16 (the
+GEMM 1.2x faster) but gave Gemma 3 ~30x the candidates, slower in all (RESULTS.md "Session 45")."""
 
 GEMM_COLS = 2
 """16-output vectors per tile (the kernel's ``kCols``): tiles of 32 outputs."""
@@ -103,7 +104,7 @@ def screen_pack(kernel: object, weight: BlockWeight) -> I8Weight:
     return I8Weight.of(packed, {**packed.call_kwargs, "levels": AVX2_SCREEN_LEVELS})
 
 
-def levels(packed: I8Weight) -> int:
+def activation_levels(packed: I8Weight) -> int:
     """The activation levels each side of zero that ``packed``'s calls round to (127 unless its arguments say)."""
     return packed.call_kwargs.get("levels", 127)
 

@@ -277,7 +277,7 @@ class I8Screen:
             per_block = weight.scales[rows].double().abs() * code_sums   # exact sums, one rounding each
             self.bound_max[rows] = per_block.amax(-1)
             self.bound_sum[rows] = per_block.sum(-1)
-        self.coefficient = i8_screen_coefficient(hidden, gguf_i8gemm.levels(self.packed))
+        self.coefficient = i8_screen_coefficient(hidden, gguf_i8gemm.activation_levels(self.packed))
         self.vocab = vocab
 
     @property

@@ -550,7 +550,7 @@ def test_the_kernels_candidates_are_the_bounds_candidates(kernels: Kernels) -> N
 def i8_bound(screen: LMHeadScreen, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 screen's S (the int8 GEMM's logits) and its bound E, in torch from its definition."""
     i8 = screen.i8
-    levels = gguf_i8gemm.levels(i8.packed)
+    levels = gguf_i8gemm.activation_levels(i8.packed)
     approx = i8.kernel.i8_gemm(x, i8.codes, i8.scales, None, 32, False, i8.vocab, **i8.packed.call_kwargs)
     _, d = i8.kernel.quantize(x, 32, **({"levels": levels} if levels != 127 else {}))
     amax = levels * d
@@ -568,7 +568,7 @@ def test_the_int8_screens_bound_holds_and_is_approached(kernels: Kernels) -> Non
     over 90% of E: the bound is tight, a coefficient cut by a tenth fails the first check."""
     head, weight = q8_head(kernels, 3001, 256, seed=21)
     screen = screen_for(kernels, weight)
-    levels = gguf_i8gemm.levels(screen.i8.packed)
+    levels = gguf_i8gemm.activation_levels(screen.i8.packed)
     generator = torch.Generator().manual_seed(4)
     signs = torch.sign(weight.codes[:6].float()) + (weight.codes[:6] == 0).float()
     steps = torch.randint(0, levels - 7, (6, 256), generator=generator).float()
