@@ -425,11 +425,7 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
   servelm_i8gemm::screen_row_bounds(q.scales.data(), rows, nb, 127.f, static_cast<float>(coefficient), row_sum, row_max);
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false,
              nullptr, nullptr};
-  ScreenState screen;
-  screen.bound_max = bound_max.data_ptr<float>();
-  screen.bound_sum = bound_sum.data_ptr<float>();
-  screen.row_sum = row_sum.data();
-  screen.row_max = row_max.data();
+  const ScreenState screen = ScreenState::over(bound_max, bound_sum, row_sum, row_max);
   run_gemm<32, false>(a, rows, &screen, &states);
   return servelm_i8gemm::screen_candidates(states, rows, finite, max_candidates);
 }

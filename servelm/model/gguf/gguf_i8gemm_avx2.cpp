@@ -158,10 +158,12 @@ inline __m256i broadcast4(const int8_t* p) {
 template <int R>
 void screen_tile(const __m256 (&acc)[R][2], const GemmArgs& a, ScreenState& st, int64_t r0, int64_t tile) {
   int valid[2];
-  __m256 per_output[2][2];
+  __m256 per_output[2][2], in[2];   // in: the lanes of real outputs
   for (int c = 0; c < 2; ++c) {
     const int64_t n0 = tile * kTile + c * 8;
     valid[c] = static_cast<int>(std::clamp<int64_t>(a.n - n0, 0, 8));
+    in[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid[c]),
+                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     alignas(32) float most[8] = {}, sum[8] = {};
     if (valid[c] > 0) {
       std::memcpy(most, st.bound_max + n0, valid[c] * sizeof(float));
@@ -179,10 +181,7 @@ void screen_tile(const __m256 (&acc)[R][2], const GemmArgs& a, ScreenState& st, 
     for (int c = 0; c < 2; ++c) {
       const __m256 e = _mm256_min_ps(_mm256_mul_ps(row_sum, per_output[c][0]), _mm256_mul_ps(row_max, per_output[c][1]));
       upper[c] = _mm256_add_ps(acc[r][c], e);
-      const __m256 lower = _mm256_sub_ps(acc[r][c], e);
-      const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(valid[c]),
-                                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      lowest = _mm256_max_ps(lowest, _mm256_blendv_ps(below, lower, in));
+      lowest = _mm256_max_ps(lowest, _mm256_blendv_ps(below, _mm256_sub_ps(acc[r][c], e), in[c]));
     }
     const float lower = std::max(st.lower[row], vec::max_lane(lowest));
     st.lower[row] = lower;
@@ -346,12 +345,14 @@ void run_block(const GemmArgs& a, int64_t rows, int pairs) {
   }
 }
 
-// vpmaddubsw pairs added in int16 before widening for codes u <= code_span against activations |q| <= levels:
-// 2 where four products fit in int16, 1 where two do; checked.
-int pairs_for(int64_t code_span, int64_t levels) {
+// The packed codes' bias and span and the activations' levels checked (u = code + code_bias in 0 .. code_span,
+// |q| <= levels, two products within int16), and the vpmaddubsw pairs added in int16 before widening: 2 where
+// four products fit, else 1.
+int pairs_for(int64_t code_bias, int64_t code_span, int64_t levels) {
   TORCH_CHECK(levels >= 1 && levels <= 127, "levels: 1 .. 127");
   TORCH_CHECK(code_span >= 0 && 2 * code_span * levels <= 32767,
               "code_span: the packed codes' largest value, with levels at most 32767 / (2 x levels)");
+  TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
   return 4 * code_span * levels <= 32767 ? 2 : 1;
 }
 
@@ -359,15 +360,15 @@ int pairs_for(int64_t code_span, int64_t levels) {
 
 // Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None, bias=None, *, code_bias,
 // code_span, levels=127): x [M, K] bfloat16 or float32, rounded to ``levels`` steps each side; codes (u = code +
-// code_bias, at most code_span), scales, offsets packed as above; n outputs (-1: every packed one). Returns [M, n] float32 (bfloat16 when bf16_out),
-// written into ``out`` when given (contiguous rows of that dtype, [M, >= n]); ``bias`` (float32 or bfloat16
-// [n]) added in float32 before the rounding to bfloat16, as ``(float32 result + bias).to(bfloat16)``.
+// code_bias, at most code_span), scales, offsets packed as above; n outputs (-1: every packed one). Returns
+// [M, n] float32 (bfloat16 when bf16_out), written into ``out`` when given (contiguous rows of that dtype,
+// [M, >= n]); ``bias`` (float32 or bfloat16 [n]) added in float32 before the rounding to bfloat16, as
+// ``(float32 result + bias).to(bfloat16)``.
 torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                       int64_t block, bool bf16_out, int64_t n, c10::optional<torch::Tensor> out,
                       c10::optional<torch::Tensor> bias, int64_t code_bias, int64_t code_span, int64_t levels) {
   torch::Tensor y = servelm_i8gemm::gemm_output(x, codes, scales, offsets, block, bf16_out, n, out, bias, 1);
-  const int pairs = pairs_for(code_span, levels);
-  TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
+  const int pairs = pairs_for(code_bias, code_span, levels);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / block;
   const bool has_offsets = offsets.has_value() && offsets->defined();
   const bool has_bias = bias.has_value() && bias->defined();
@@ -400,8 +401,7 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
                                      torch::Tensor bound_max, torch::Tensor bound_sum, double coefficient,
                                      int64_t max_candidates, int64_t code_bias, int64_t code_span, int64_t levels) {
   servelm_i8gemm::check_screen_args(x, codes, scales, n, bound_max, bound_sum, 1);
-  const int pairs = pairs_for(code_span, levels);
-  TORCH_CHECK(code_bias >= 0 && code_bias <= code_span, "code_bias: 0 .. code_span");
+  const int pairs = pairs_for(code_bias, code_span, levels);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / 32;
   std::vector<std::pair<int64_t, ScreenState>> states;
   if (rows == 0) return servelm_i8gemm::screen_candidates(states, 0, {}, max_candidates);
@@ -413,11 +413,7 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
                                     static_cast<float>(coefficient), row_sum, row_max);
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, static_cast<int32_t>(code_bias), k, n,
              nb, nullptr, nullptr, 0, nullptr, nullptr};
-  ScreenState screen;
-  screen.bound_max = bound_max.data_ptr<float>();
-  screen.bound_sum = bound_sum.data_ptr<float>();
-  screen.row_sum = row_sum.data();
-  screen.row_max = row_max.data();
+  const ScreenState screen = ScreenState::over(bound_max, bound_sum, row_sum, row_max);
   if (pairs == 2) run_gemm<32, 2, false>(a, rows, &screen, &states);
   else run_gemm<32, 1, false>(a, rows, &screen, &states);
   return servelm_i8gemm::screen_candidates(states, rows, finite, max_candidates);

@@ -94,6 +94,17 @@ struct ScreenState {
   std::vector<std::vector<int32_t>> ids;     // [M]
   std::vector<std::vector<float>> upper;     // [M]
 
+  // The call's state before any thread's: the outputs' bound factors (float32 [n]) and the rows' ones.
+  static ScreenState over(const torch::Tensor& bound_max, const torch::Tensor& bound_sum,
+                          const std::vector<float>& row_sum, const std::vector<float>& row_max) {
+    ScreenState state;
+    state.bound_max = bound_max.data_ptr<float>();
+    state.bound_sum = bound_sum.data_ptr<float>();
+    state.row_sum = row_sum.data();
+    state.row_max = row_max.data();
+    return state;
+  }
+
   // A thread's own copy: the shared pointers, its rows' state empty.
   ScreenState fresh(int64_t rows) const {
     ScreenState own;
