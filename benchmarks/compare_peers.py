@@ -34,7 +34,8 @@ int8 prompt GEMMs).
 
 Peers (absent ones are skipped with a message, nothing is built or installed here):
 - llama.cpp: ``$LLAMA_BUILD/bin/llama-server`` (default ~/.cache/llama-cpp-b11434, built by
-  ../shared/tools/build_llama_server.sh) on the GGUF as is, ``-cb -np 32``;
+  ../shared/tools/build_llama_server.sh) on the GGUF as is, ``-cb -np 32`` (``--no-repack`` on an AMX CPU,
+  where its AMX repack crashes);
 - vLLM: ``$VLLM_VENV/bin/vllm`` (default ~/.cache/vllm-cpu-venv, ../shared/tools/install_vllm_cpu.sh)
   on a Hugging Face directory written by ../shared/tools/gguf_to_hf.py (``--hf-dir``), as shipped;
 - servelm: ``python -m servelm serve MODEL`` with the default flags plus ``--servelm-args``.
@@ -206,9 +207,12 @@ def find_peers(args: argparse.Namespace, gguf: Path, port: int) -> tuple[list[Pe
         server = Path(os.environ.get("LLAMA_BUILD", "~/.cache/llama-cpp-b11434")).expanduser() / "bin/llama-server"
         if server.exists():
             context = 32 * slot   # -np 32 splits -c between the slots
-            peers.append(Peer("llama.cpp llama-server -cb -np 32", [
+            # b11434's AMX repack crashes in ggml_backend_amx_mul_mat on AMX CPUs: run it without.
+            repack = ["--no-repack"] if "amx_int8" in cpu_flags() else []
+            peers.append(Peer(f"llama.cpp llama-server -cb -np 32{' --no-repack' if repack else ''}", [
                 str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port + len(peers)), "-t", threads,
-                "-cb", "-np", "32", "-c", str(context), "--alias", args.model], {}, 120, port + len(peers)))
+                "-cb", "-np", "32", "-c", str(context), "--alias", args.model, *repack], {}, 120,
+                port + len(peers)))
         else:
             skipped.append(f"llama.cpp: no {server} (build it with ../shared/tools/build_llama_server.sh)")
     if "vllm" in wanted:
