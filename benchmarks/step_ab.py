@@ -33,6 +33,8 @@ with and without the change (prefix cache off), and whether every output is iden
   (AVX512-BF16 on bf16 pools, FMA tiles on float32 ones).
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``dense_calls``: a GGUF layer's dense copy takes a prompt chunk in one oneDNN call even where its
+  measured table cuts it into calls of ``DENSE_CALL_ROWS`` rows (servelm/model/routes.py).
 - ``write_and_attend``: the flat decode path writes K/V by two ``index_copy_`` and calls
   ``paged_decode.attend`` (q copied contiguous, the output converted and viewed) instead of
   ``paged_decode.write_and_attend_qkv``'s one call (the same floats).
@@ -138,6 +140,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             decode_module.TILED = True
+    elif change == "dense_calls":
+        from servelm.model.gguf import gguf_linear as linear_module
+        cut: Any = linear_module.dense_calls
+        linear_module.dense_calls = lambda x, weight, call_rows: cut(x, weight, 0)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            linear_module.dense_calls = cut
     elif change == "write_and_attend":
         from servelm.model.attention import paged_decode as attend_module
         joined: Any = attend_module.write_and_attend_qkv

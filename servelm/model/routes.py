@@ -5,14 +5,16 @@ or more routes whose kernels are built (gguf_linear.py ``GGUFBlockLinearMethod.a
 each row class of ``ROW_CLASSES``, the routes are timed on a synthetic weight of that shape
 (servelm/model/timing.py) and ranked fastest first. The quality rules are not measured: the layers
 apply them to the ranking (gguf/gguf_routes.py ``allowed``), so a fast int8 route still never
-takes generation rows.
+takes generation rows. After every shape's cells, a layer holding the dense copy also has its
+longer prompt chunks timed in one oneDNN call and cut into calls of ``DENSE_CALL_ROWS`` rows
+(``RouteTable.split_cell_name``; ``LayerRoutes.dense_rows``).
 
 The table is keyed by what decides it (``table_key``: CPU model and flags, threads, the kernels'
 build keys, torch's version, the model's shapes and dtypes) and kept as JSON under
 ``~/.cache/servelm/routes/``. At start-up the missing cells are measured within
 ``STARTUP_BUDGET_S``; cells left over take the defaults (earlier sessions' constants,
 ``gguf_routes.default_ranking``), the log says so, and the next start (or ``servelm tune MODEL``,
-which has no budget) measures the rest. A shape with a single route is never timed.
+which has no budget) measures the rest. A shape with a single route has no route cells timed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 
 from servelm.files import atomic_write_text
 from servelm.model.gguf.gguf_blocks import BlockWeight
+from servelm.model.gguf.gguf_linear import dense_calls
 from servelm.model.gguf.gguf_routes import ROW_CLASSES, LinearShape, Ranking, Route, complete, offered
 from servelm.model.threads import ThreadGovernor
 from servelm.model.timing import time_candidates
@@ -71,6 +74,17 @@ QKV's dense copy first at one row, 7.1 ms against 5.0 for calls that take 0.09-0
 sent every one-row step off the flat decode); 2 times cold copies with the model's code range (1, a
 single hot copy with 8-bit codes, ranked routes reading more bytes too high)."""
 
+DENSE_CALL_ROWS = ROW_CLASSES[-1]
+"""Rows per call a prompt chunk of more rows may be cut into on the dense copy (gguf_linear.py
+``dense_calls``), where ``DENSE_SPLIT_ROWS`` rows in such calls measured faster than in one by
+``DENSE_SPLIT_MARGIN``: on an Intel Xeon with AMX (2 threads) oneDNN's bf16 GEMM ran 1,019 x 2,048 x 640 at
+~780 GFLOP/s and two calls of ~510 rows at ~1,400, while the wider outputs (640 x 4,096) lost ~15% cut."""
+DENSE_SPLIT_ROWS = 2 * DENSE_CALL_ROWS
+"""The prompt chunk the cut is measured at (the default chunk is at most 512 rows per request, a
+request alone or several requests' chunks together take more)."""
+DENSE_SPLIT_MARGIN = 0.05
+"""How much faster the cut calls must be to be taken (the timing's noise on a shared VM)."""
+
 HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
 """The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
 
@@ -91,6 +105,12 @@ class RouteTable:
     @staticmethod
     def cell_name(shape: LinearShape, x_bf16: bool, rows: int) -> str:
         return f"{shape.name} {'bf16' if x_bf16 else 'f32'} {rows}"
+
+    @staticmethod
+    def split_cell_name(shape: LinearShape, x_bf16: bool) -> str:
+        """The cell timing ``DENSE_SPLIT_ROWS`` rows on the dense copy in one call (``whole``) and in
+        calls of ``DENSE_CALL_ROWS`` (``cut``)."""
+        return f"{RouteTable.cell_name(shape, x_bf16, DENSE_SPLIT_ROWS)} dense calls"
 
     def ranking(self, fallback: Ranking) -> MeasuredRanking:
         """The table as a ``Ranking`` (a call of m rows takes the smallest measured class >= m;
@@ -152,6 +172,14 @@ class MeasuredRanking:
     def holding(self, held: frozenset[Route]) -> MeasuredRanking:
         """This ranking with the copies of ``held`` paid for (no margin)."""
         return MeasuredRanking(self.table, self.fallback, held)
+
+    def dense_call_rows(self, shape: LinearShape, x_bf16: bool) -> int:
+        """``DENSE_CALL_ROWS`` where the table measured a prompt chunk faster on the dense copy in calls
+        of that many rows, else 0 (one call; also where not measured)."""
+        times = self.table.times_us.get(self.table.split_cell_name(shape, x_bf16), {})
+        if "whole" in times and "cut" in times and times["cut"] * (1 + DENSE_SPLIT_MARGIN) < times["whole"]:
+            return DENSE_CALL_ROWS
+        return 0
 
 
 def cpu_model_name() -> str:
@@ -219,7 +247,8 @@ def cold_copies(method: Any, weight: BlockWeight, shape: LinearShape,
 
 def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,
                   table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
-                  working_bytes: int = MEASURE_MIN_BYTES) -> bool:
+                  working_bytes: int = MEASURE_MIN_BYTES, row_cells: bool = True, dense_calls_cell: bool = True
+                  ) -> bool:
     """Time the routes built for ``shape`` at each row class not yet in ``table``; False where the
     deadline came first (the cells measured so far are kept). Cells timed while other processes kept
     a core of this process busy (``ThreadGovernor``'s reading over the shape's cells: fewer threads than
@@ -235,7 +264,12 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     # a cell is measured again where it lacks a route built now (a route added since it was measured)
     todo = [rows for rows in classes
             if not {route.value for route in timed(rows)} <= set(table.times_us.get(table.cell_name(shape, x_bf16, rows), ()))]
-    if len(available) < 2 or not todo:
+    if len(available) < 2 or not row_cells:   # nothing to rank (the dense copy's calls may still be timed)
+        todo = []
+    split = table.split_cell_name(shape, x_bf16)
+    split_todo = (dense_calls_cell and Route.DENSE in available and not shape.is_head
+                  and split not in table.times_us)
+    if not todo and not split_todo:
         return True
     layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
     run = method.run_route
@@ -252,6 +286,14 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
             {route.value: (lambda route=route, turn=itertools.cycle(layers): run(route, next(turn), x, None,
                                                                                  shape.is_head))
              for route in timed(rows)})
+    if split_todo and time.perf_counter() > deadline:
+        finished = False
+    elif split_todo:
+        x = torch.randn(DENSE_SPLIT_ROWS, shape.in_features, generator=torch.Generator().manual_seed(1)).to(
+            method.dense_dtype)
+        turn = itertools.cycle(layers)
+        measured[split] = time_candidates({name: (lambda rows=rows: dense_calls(x, next(turn).gguf_dense, rows))
+                                           for name, rows in (("whole", 0), ("cut", DENSE_CALL_ROWS))})
     # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
     others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
     busy = probe is not None and probe.target(others) < probe.max_threads
@@ -259,7 +301,8 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
         if busy:
             table.busy[name] = others
             continue
-        table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
+        if name != split:   # the dense calls' cell is times only (``MeasuredRanking.dense_call_rows``)
+            table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
         table.times_us[name] = {route: round(us, 1) for route, us in times.items()}
     return finished
 
@@ -288,13 +331,17 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     before = {name: dict(times) for name, times in table.times_us.items()}
     deadline = float("inf") if budget_s is None else started + budget_s
     complete_table = True
-    for spec in specs:
-        if not measure_shape(method, spec.shape, spec.block, spec.has_offsets, model_dtype, table, deadline,
-                             spec.code_range, min(working_bytes, MEASURE_MIN_BYTES)):
-            complete_table = False
+    for row_cells in (True, False):   # every shape's route cells first, then the dense copy's calls
+        for spec in specs:
+            if not measure_shape(method, spec.shape, spec.block, spec.has_offsets, model_dtype, table, deadline,
+                                 spec.code_range, min(working_bytes, MEASURE_MIN_BYTES), row_cells=row_cells,
+                                 dense_calls_cell=not row_cells):
+                complete_table = False
+                break
+        if not complete_table:
             break
     measured = sum(1 for name, times in table.times_us.items() if before.get(name) != times)   # new or again
-    cached = len(table.cells) - measured
+    cached = len(table.times_us) - measured
     if measured:
         table.save(cache_dir)
     seconds = time.perf_counter() - started
@@ -326,6 +373,9 @@ def format_report(report: dict[str, Any]) -> list[str]:
             generation, prompt = cell["generation"], cell["prompt"]
             cells.append(f"{generation if generation == prompt else generation[0] + '/' + prompt[0]:>6}")
         lines.append(f"{name:<{width}} " + " ".join(cells))
+    cut = report.get("dense_call_rows", {})
+    if cut:
+        lines.append(f"dense copy in calls of {max(cut.values())} rows for longer prompt chunks: {', '.join(sorted(cut))}")
     return lines
 
 
@@ -335,7 +385,9 @@ def route_summary(routes_by_shape: dict[LinearShape, Any], x_bf16: bool, source:
             "routes": {shape.name: {str(rows): {"generation": routes.pick(rows, x_bf16, False).value,
                                                 "prompt": routes.pick(rows, x_bf16, True).value}
                                     for rows in ROW_CLASSES}
-                       for shape, routes in routes_by_shape.items()}}
+                       for shape, routes in routes_by_shape.items()},
+            "dense_call_rows": {shape.name: routes.dense_rows for shape, routes in routes_by_shape.items()
+                                if routes.dense_rows}}
 
 
 

@@ -417,7 +417,9 @@ class GGUFBlockLinearMethod:
             out = gguf_i8gemm.gemm(self.i8_kernel, x2.contiguous() if is_bf16 else x2.float().contiguous(),
                                    layer.gguf_i8, weight.block, bf16_out, weight.shape[0], bias=kernel_bias)
         else:   # in the dense copy's dtype: a bf16 model's activations meet a bf16 copy unconverted
-            out = dense_linear(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense)
+            routes = layer.__dict__.get("gguf_routes")   # none on ``prepare_all``'s modules: one call
+            out = dense_calls(x2.to(layer.gguf_dense.dtype).contiguous(), layer.gguf_dense,
+                              0 if routes is None else routes.dense_rows)
         if bias is not None and kernel_bias is None:   # type promotion: float32 whenever either side is
             out = out + bias
         return out.float() if float_out else out.to(x2.dtype)
@@ -510,6 +512,22 @@ class GGUFBlockLinearMethod:
 
 ROUTED_ROWS = 1 << 20
 """How many rows a ``routed_call`` reaches (any: its route is picked per call)."""
+
+
+def dense_calls(x: torch.Tensor, weight: torch.Tensor, call_rows: int) -> torch.Tensor:
+    """``dense_linear(x, weight)``, in even calls of at most ``call_rows`` rows where x has more (0: one
+    call). oneDNN's bf16 GEMM on AMX ran a 1,019 x 2,048 x 640 product at half the rate of two calls of
+    ~510 rows (benchmarks/RESULTS.md, session 46). A row's result may differ in its last bits, as between
+any two row counts of oneDNN's GEMM (the dense route is not ``ROW_INDEPENDENT``)."""
+    rows = x.shape[0]
+    if not call_rows or rows <= call_rows:
+        return dense_linear(x, weight)
+    calls = -(-rows // call_rows)
+    step = -(-rows // calls)
+    out = torch.empty(rows, weight.shape[0], dtype=torch.promote_types(x.dtype, weight.dtype))
+    for start in range(0, rows, step):
+        out[start:start + step] = dense_linear(x[start:start + step], weight)
+    return out
 
 
 def _generation_apply(x: torch.Tensor, layer: nn.Module, _scales: None, _offsets: None, _block: int,

@@ -228,6 +228,9 @@ class LayerRoutes:
     shape: LinearShape
     held: frozenset[Route]
     by_rows: tuple[tuple[tuple[Route, ...], tuple[Route, ...]], tuple[tuple[Route, ...], tuple[Route, ...]]]
+    dense_rows: int = 0
+    """Rows per oneDNN call on the dense copy: a call of more rows is cut into even calls of at most
+    this many (0: one call), where the table measured that faster (model/routes.py ``DENSE_CALL_ROWS``)."""
 
     def pick(self, rows: int, x_bf16: bool, is_prompt: bool) -> Route:
         return self.by_rows[x_bf16][is_prompt][min(rows, MAX_ROWS_RESOLVED)]
@@ -274,4 +277,6 @@ class LayerRoutes:
         # the other dtype (rare: a float32 residual's head) falls back along the ranking to a held route
         other = table(not model_bf16, held | (frozenset() if held - {Route.INT8} else {Route.DENSE}))
         by_rows = (other, chosen) if model_bf16 else (chosen, other)
-        return cls(shape, held, by_rows)
+        dense_rows = getattr(ranking, "dense_call_rows", None)
+        return cls(shape, held, by_rows,
+                   dense_rows(shape, model_bf16) if dense_rows is not None and Route.DENSE in held else 0)

@@ -301,7 +301,8 @@ def test_cells_timed_beside_busy_cores_are_not_kept(tmp_path, monkeypatch) -> No
     torch.set_num_threads(2)
     try:
         table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
-        assert not table.cells and len(table.busy) == len(ROW_CLASSES) and "cores busy" in source
+        # every row class and the dense copy's calls at a long chunk (``split_cell_name``)
+        assert not table.cells and len(table.busy) == len(ROW_CLASSES) + 1 and "cores busy" in source
         assert not table.path(tmp_path).exists()
         assert table.ranking(method.default_ranking)(shape, False, 1) == method.default_ranking(shape, False, 1)
         others[0] = 0.1   # the front end's small share: quiet enough
@@ -317,7 +318,12 @@ def test_a_shape_with_one_route_is_never_timed(tmp_path) -> None:
     shape = LinearShape(128, 64, "Q8_0", False, True)
     table, source = route_table.build_table(method, [route_table.ShapeSpec(shape, 32, False)], torch.float32,
                                             None, tmp_path)
-    assert not table.cells and "nothing to measure" in source
+    # no route cell; only how the dense copy takes a long prompt chunk (one call or cut) is timed
+    assert not table.cells and list(table.times_us) == [table.split_cell_name(shape, False)]
+    head = LinearShape(128, 64, "Q8_0", True, False)
+    table, source = route_table.build_table(method, [route_table.ShapeSpec(head, 32, False)], torch.float32,
+                                            None, tmp_path)
+    assert not table.cells and not table.times_us and "nothing to measure" in source
 
 
 def test_a_route_needing_a_bigger_copy_must_win_by_its_margin(tmp_path, monkeypatch) -> None:
@@ -471,3 +477,60 @@ def test_the_timing_cycles_through_cold_copies_with_the_model_code_range(monkeyp
                                      4 << 20)
     assert set(seen) == {route.value for route in Route}
     assert all(len(ids) == len(layers) for ids in seen.values())   # every copy, for every route
+
+
+def test_a_long_prompt_chunk_is_cut_into_dense_calls_only_where_that_measured_faster(tmp_path, monkeypatch) -> None:
+    """``DENSE_CALL_ROWS``: the table times ``DENSE_SPLIT_ROWS`` rows on the dense copy in one call and in
+    calls of that many rows; a layer holding the dense copy cuts longer calls where the cut calls won by
+    ``DENSE_SPLIT_MARGIN`` (oneDNN's bf16 GEMM on AMX ran 1,019 x 2,048 x 640 at half the rate of two
+    ~510-row calls), never the head, and a cell without that timing keeps one call."""
+    method = torch_method(dense_dtype=torch.float32)
+    shape = LinearShape(128, 64, "Q8_0", False, False)
+    head = LinearShape(128, 64, "Q8_0", True, False)
+    specs = [route_table.ShapeSpec(shape, 32, False), route_table.ShapeSpec(head, 32, False)]
+    seen: list[set[str]] = []
+    for cut_us, expected in ((0.9, route_table.DENSE_CALL_ROWS), (0.97, 0), (1.2, 0)):
+        def timing(candidates, **_):
+            seen.append(set(candidates))
+            return {name: {"cut": cut_us, "whole": 1.0, "dense": 0.5}.get(name, 1.0) for name in candidates}
+
+        monkeypatch.setattr(route_table, "time_candidates", timing)
+        table, _ = route_table.build_table(method, specs, torch.float32, None, tmp_path, fresh=True)
+        assert {"whole", "cut"} in seen and table.split_cell_name(head, False) not in table.times_us
+        assert table.split_cell_name(shape, False) not in table.cells   # times only: never a ranking's cell
+        ranking = table.ranking(method.default_ranking)
+        assert ranking.dense_call_rows(shape, False) == expected and ranking.dense_call_rows(head, False) == 0
+        resolved = LayerRoutes.resolve(shape, frozenset({Route.BLOCK, Route.DENSE}), ranking, False, "int16", False)
+        assert Route.DENSE in resolved.held and resolved.dense_rows == expected
+        no_dense = LayerRoutes.resolve(shape, frozenset({Route.BLOCK, Route.DENSE}), ranking_of(Route.BLOCK),
+                                       False, "int16", False)
+        assert no_dense.dense_rows == 0   # a ranking without the timing (the defaults): one call
+    table.times_us.clear()
+    assert table.ranking(method.default_ranking).dense_call_rows(shape, False) == 0
+
+
+@pytest.mark.parametrize("rows, calls", [(700, [350, 350]), (1025, [342, 342, 341]), (512, [512]), (3, [3])])
+def test_dense_calls_cover_every_row_in_even_calls(monkeypatch, rows: int, calls: list[int]) -> None:
+    """``dense_calls``: rows beyond ``call_rows`` go in even calls of at most that many, each row's result
+    that of the call computing it, in place; at most ``call_rows`` rows (or 0) take one call."""
+    from servelm.model.gguf import gguf_linear
+
+    seen: list[int] = []
+    linear = gguf_linear.dense_linear
+
+    def counted(x, weight):
+        seen.append(x.shape[0])
+        return linear(x, weight)
+
+    monkeypatch.setattr(gguf_linear, "dense_linear", counted)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    weight = torch.randn(48, 64, generator=generator).bfloat16()
+    out = gguf_linear.dense_calls(x, weight, 512)
+    assert seen == calls and out.shape == (rows, 48) and out.dtype == torch.bfloat16
+    start = 0
+    for count in calls:   # each part as a call of its own rows computes it
+        assert torch.equal(out[start:start + count], linear(x[start:start + count], weight))
+        start += count
+    seen.clear()
+    assert torch.equal(gguf_linear.dense_calls(x, weight, 0), linear(x, weight)) and seen == [rows]
