@@ -33,6 +33,8 @@ with and without the change (prefix cache off), and whether every output is iden
   (AVX512-BF16 on bf16 pools, FMA tiles on float32 ones).
 - ``gelu_contiguous``: GELU on the strided half of gate_up (servelm.model.layers.activation).
 - ``paged_decode``: decodes gather their context and call SDPA instead of the paged kernel.
+- ``screen_way_choice``: a step both LM-head screens could take is offered the 5-bit one or the full
+  head only (as before session 46), not the int8 screen as well (each measured: the same tokens).
 - ``dense_calls``: a GGUF layer's dense copy takes a prompt chunk in one oneDNN call even where its
   measured table cuts it into calls of ``DENSE_CALL_ROWS`` rows (servelm/model/routes.py).
 - ``write_and_attend``: the flat decode path writes K/V by two ``index_copy_`` and calls
@@ -327,6 +329,14 @@ def without(change: str) -> Iterator[None]:
             yield
         finally:
             screen.i8 = i8
+    elif change == "screen_way_choice":
+        from servelm.model.gguf import lm_head_screen as screen_module
+        suits: Any = screen_module.int8_screen_suits
+        screen_module.int8_screen_suits = lambda *args: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            screen_module.int8_screen_suits = suits
     elif change == "gemma3_decode":
         from servelm.model.architectures.gemma3_decode import DecodePlan
         original_applies: Any = DecodePlan.applies

@@ -133,7 +133,7 @@ class ScreenStats:
 
 
 CHOICE_SAMPLES = 4
-"""Calls each way (screen, full head) at a number of argmax rows before the faster one is chosen."""
+"""Calls each way (screen, full head; the 5-bit and int8 screens) at a number of argmax rows before the fastest is chosen."""
 CHOICE_WINDOW = 16
 """The latest calls each way whose median time decides."""
 EXPLORE_EVERY = 16
@@ -146,69 +146,81 @@ EXPLORE_EVERY_CLEAR = 128
 
 
 class ScreenChoice:
-    """Whether the screen or the full head gives a step's logits faster, per number of argmax rows,
-    measured in this engine's own steps (the head's weights as cold as serving leaves them).
+    """Which way gives a step's logits fastest (the screen or the full head; where both screens take the
+    step, the 5-bit one, the int8 one or the full head), per number of argmax rows, measured in this
+    engine's own steps (the head's weights as cold as serving leaves them).
 
     The screen reads fewer bytes but does more arithmetic per row; which wins depends on the CPU,
     its memory and the row count (Zen 5 VM, session 22, paired steps in one engine: the screen 3-4%
     faster at one row, 10-13% slower at four on gemma3-270m and qwen2.5-coder-0.5b, where an earlier
-    Zen 5 host had it faster up to four rows). Both give the same token (the screen is exact, and the
-    full head's way gives argmax rows the int16 kernel's logits: ``head_logits``), so the choice changes
-    only speed. Until each way has ``CHOICE_SAMPLES`` calls the two alternate; then the
-    faster median of the last ``CHOICE_WINDOW`` is taken, and every ``EXPLORE_EVERY``-th call the other
-    way runs once (every ``EXPLORE_EVERY_CLEAR``-th where it is ``CLEAR_MARGIN`` times slower)."""
+    Zen 5 host had it faster up to four rows; an Intel Xeon with AMX, session 46, Gemma 3's head at 8
+    rows: the 5-bit screen 25.2 ms, the int8 one 16.5, the full head 29.8). Every way gives the same
+    token (the screens are exact, and the full head's way gives argmax rows the int16 kernel's logits:
+    ``head_logits``), so the choice changes only speed. Until each way has ``CHOICE_SAMPLES`` calls they
+    take turns; then the fastest median of the last ``CHOICE_WINDOW`` is taken, and every
+    ``EXPLORE_EVERY``-th call another way runs once, in turn (every ``EXPLORE_EVERY_CLEAR``-th where each
+    other is ``CLEAR_MARGIN`` times slower)."""
 
     def __init__(self) -> None:
         self.pinned: bool | None = None
-        """True: always the screen, False: never (tests, benchmarks); None: measured."""
-        self._times: dict[tuple[int, bool], deque[float]] = {}
+        """True: always the first way offered (the screen), False: the last (the full head) (tests,
+        benchmarks); None: measured."""
+        self._times: dict[tuple[int, object], deque[float]] = {}
         self._calls: dict[int, int] = {}
+        self._ways: dict[int, tuple[object, ...]] = {}
+
+    def pick(self, rows: int, ways: tuple[object, ...]) -> object:
+        """The way the next call at ``rows`` argmax rows takes, of ``ways`` (the screen's first, the
+        full head last)."""
+        if self.pinned is not None:
+            return ways[0] if self.pinned else ways[-1]
+        self._ways[rows] = ways
+        calls = self._calls[rows] = self._calls.get(rows, 0) + 1
+        medians = self._medians(rows, ways)
+        if medians is None:   # still sampling: the way with fewest calls
+            return min(ways, key=lambda way: len(self._times.get((rows, way), ())))
+        best = min(range(len(ways)), key=medians.__getitem__)
+        others = [index for index in range(len(ways)) if index != best]
+        clear = all(medians[index] >= CLEAR_MARGIN * medians[best] for index in others)
+        every = EXPLORE_EVERY_CLEAR if clear else EXPLORE_EVERY
+        if calls % every:
+            return ways[best]
+        return ways[others[(calls // every) % len(others)]]
 
     def use_screen(self, rows: int) -> bool:
-        """Whether the next call at ``rows`` argmax rows takes the screen."""
-        if self.pinned is not None:
-            return self.pinned
-        calls = self._calls[rows] = self._calls.get(rows, 0) + 1
-        medians = self._medians(rows)
-        if medians is None:   # still sampling: the way with fewer calls
-            return len(self._times.get((rows, True), ())) <= len(self._times.get((rows, False), ()))
-        on, off = medians
-        faster = on <= off
-        every = EXPLORE_EVERY_CLEAR if max(on, off) >= CLEAR_MARGIN * min(on, off) else EXPLORE_EVERY
-        return faster if calls % every else not faster
+        """Whether the next call at ``rows`` argmax rows takes the screen (of the screen and the full head)."""
+        return bool(self.pick(rows, (True, False)))
 
-    def _medians(self, rows: int) -> tuple[float, float] | None:
-        """The screen's and the full head's median times at ``rows``; None until each way has
-        ``CHOICE_SAMPLES`` calls there."""
-        on, off = self._times.get((rows, True), ()), self._times.get((rows, False), ())
-        if len(on) < CHOICE_SAMPLES or len(off) < CHOICE_SAMPLES:
+    def _medians(self, rows: int, ways: tuple[object, ...]) -> list[float] | None:
+        """Each way's median time at ``rows``; None until each has ``CHOICE_SAMPLES`` calls there."""
+        times = [self._times.get((rows, way), ()) for way in ways]
+        if any(len(samples) < CHOICE_SAMPLES for samples in times):
             return None
-        return statistics.median(on), statistics.median(off)
+        return [statistics.median(samples) for samples in times]
 
-    def _screen_is_faster(self, rows: int) -> bool | None:
-        """Whether the screen's median time at ``rows`` is at most the full head's; None until each
-        way has ``CHOICE_SAMPLES`` calls there."""
-        medians = self._medians(rows)
-        return None if medians is None else medians[0] <= medians[1]
-
-    def record(self, rows: int, screened: bool, seconds: float) -> None:
-        self._times.setdefault((rows, screened), deque(maxlen=CHOICE_WINDOW)).append(seconds)
+    def record(self, rows: int, way: object, seconds: float) -> None:
+        self._times.setdefault((rows, way), deque(maxlen=CHOICE_WINDOW)).append(seconds)
 
     def chosen(self) -> dict[int, str]:
-        """Rows -> the way now taken there (where both ways are measured), for logs and benchmarks."""
+        """Rows -> the way now taken there (where every way is measured), for logs and benchmarks."""
         out = {}
         for rows in sorted({rows for rows, _ in self._times}):
-            faster = self._screen_is_faster(rows)
-            if faster is not None:
-                out[rows] = "screen" if faster else "full head"
+            ways = self._ways.get(rows, (True, False))
+            medians = self._medians(rows, ways)
+            if medians is not None:
+                way = ways[min(range(len(ways)), key=medians.__getitem__)]
+                out[rows] = {True: "screen", False: "full head"}.get(way, way)   # type: ignore[call-overload]
         return out
 
     def forget(self) -> None:
         self._times.clear()
         self._calls.clear()
+        self._ways.clear()
 
 
 FIVE_BITS = "five bits"
+FULL_HEAD = "full head"
+"""``head_logits``' way without the screen (``ScreenChoice``)."""
 INT8 = "int8"
 """The two ways a screen finds a row's candidates: its 5-bit copy (``screen_candidates``) or the int8
 GEMM (``I8Screen``)."""
@@ -537,10 +549,18 @@ def screen_way(screen: LMHeadScreen | None, model: nn.Module, hidden: torch.Tens
     five_bit_rows = min(screen.max_rows, MAX_SCREEN_ROWS, MAX_SCREEN_ROWS_GEMM if route is Route.ROWS else rows)
     if route in (Route.BLOCK, Route.ROWS) and rows <= MAX_SCREEN_ROWS and count <= five_bit_rows:
         return FIVE_BITS
-    if screen.i8 is not None and count <= MAX_I8_SCREEN_ROWS and (
-            count == rows or (route in ROW_INDEPENDENT and routes.pick(rows - count, bf16, False) is route)):
-        return INT8
-    return None
+    return INT8 if int8_screen_suits(screen, model, hidden, argmax_rows) else None
+
+
+def int8_screen_suits(screen: LMHeadScreen, model: nn.Module, hidden: torch.Tensor, argmax_rows: list[int]) -> bool:
+    """Whether the int8 screen (``screen.i8``) can take the step (``screen_way``'s INT8; a step the 5-bit
+    screen takes may suit it too: ``head_logits`` then measures both)."""
+    routes = model.lm_head.gguf_routes
+    bf16 = hidden.dtype == torch.bfloat16
+    count, rows = len(argmax_rows), hidden.shape[0]
+    route = routes.pick(rows, bf16, False)
+    return screen.i8 is not None and count <= MAX_I8_SCREEN_ROWS and (
+        count == rows or (route in ROW_INDEPENDENT and routes.pick(rows - count, bf16, False) is route))
 
 
 def _first_largest(tokens: dict[int, int], rows: list[int], ids: torch.Tensor, values: torch.Tensor,
@@ -573,13 +593,16 @@ def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tenso
     if screen is None or way is None:
         return full()
     count = len(argmax_rows)
-    screened = screen.choice.use_screen(count)
+    # where both screens take the step, all three ways are measured (the same token either way)
+    ways = ((FIVE_BITS, INT8, FULL_HEAD) if way == FIVE_BITS and int8_screen_suits(screen, model, rows, argmax_rows)
+            else (way, FULL_HEAD))
+    taken = screen.choice.pick(count, ways)
     start = time.perf_counter()
-    if screened:
-        logits = screen.logits(model.lm_head, rows, argmax_rows, way, tokens)
+    if taken != FULL_HEAD:
+        logits = screen.logits(model.lm_head, rows, argmax_rows, taken, tokens)
     elif model.lm_head.gguf_routes.pick(rows.shape[0], rows.dtype == torch.bfloat16, False) is Route.BLOCK:
         logits = full()
     else:   # the head's route rounds differently: its argmax may not be the screen's, in a near tie
         logits = screen.logits(model.lm_head, rows, argmax_rows, KERNEL_ONLY)
-    screen.choice.record(count, screened, time.perf_counter() - start)
+    screen.choice.record(count, taken, time.perf_counter() - start)
     return logits

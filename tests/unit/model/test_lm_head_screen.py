@@ -12,6 +12,7 @@ logprobs) gives the same tokens and logprobs either way.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -720,3 +721,51 @@ def test_a_measured_engine_gives_the_same_tokens_and_uses_both_ways(engine: LLME
     assert CHOICE_SAMPLES <= screen.stats.rows - before < 15   # not every row, not none
     assert 1 in screen.choice.chosen()
     assert measured == pinned == run(engine, requests, False)
+
+
+@needs_i8
+def test_where_both_screens_take_a_step_the_fastest_way_is_measured_and_the_token_is_the_same(
+        kernels: Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step both the 5-bit and the int8 screen take (three argmax rows: the AVX2 build's 5-bit screen
+    takes no more; the head on the int16 kernel) runs whichever of them and the full head ``choice``
+    measured fastest at that many rows (all three sampled first), and each gives the int16 kernel's
+    argmax: on an Intel Xeon with AMX the int8 screen took Gemma 3's 8 rows in 16.5 ms against the
+    5-bit one's 25.2 and the full head's 29.8, where the 5-bit one had been taken whenever it could."""
+    head, weight = q8_head(kernels, 3000, 256, seed=4)
+    screen = screen_for(kernels, weight)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)) * 3
+    argmax = [0, 1, 2]
+    expected = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32).argmax(dim=1).tolist()
+    ways: list[str] = []
+    fastest = [FIVE_BITS]
+
+    def slow_unless(way: str) -> None:
+        ways.append(way)
+        time.sleep(0.0 if way == fastest[0] else 0.004)
+
+    def full_head(rows: torch.Tensor, _: object) -> torch.Tensor:
+        slow_unless(lm_head_screen.FULL_HEAD)
+        return head(rows)
+
+    model = SimpleNamespace(lm_head=head, compute_logits=full_head)
+    assert screen_way(screen, model, x, argmax) == FIVE_BITS
+    assert lm_head_screen.int8_screen_suits(screen, model, x, argmax)
+    real = screen.logits
+
+    def timed(head_module, hidden, rows, way=FIVE_BITS, tokens=None):
+        slow_unless(way)
+        return real(head_module, hidden, rows, way, tokens)
+
+    monkeypatch.setattr(screen, "logits", timed)
+    for way in (INT8, FIVE_BITS, lm_head_screen.FULL_HEAD):
+        fastest[0] = way
+        screen.choice.forget()
+        ways.clear()
+        for _ in range(3 * CHOICE_SAMPLES + 8):
+            tokens: dict[int, int] = {}
+            logits = head_logits(screen, model, x, argmax, None, tokens)
+            assert logits.argmax(dim=1).tolist() == expected
+            if ways[-1] != lm_head_screen.FULL_HEAD:   # a screen's step gives the sampler its tokens
+                assert [tokens[row] for row in argmax] == expected
+        assert sorted(set(ways[:3 * CHOICE_SAMPLES])) == sorted({FIVE_BITS, INT8, lm_head_screen.FULL_HEAD})
+        assert ways[3 * CHOICE_SAMPLES:] == [way] * 8 and screen.choice.chosen() == {3: way}
