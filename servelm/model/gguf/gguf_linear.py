@@ -518,7 +518,7 @@ def dense_calls(x: torch.Tensor, weight: torch.Tensor, call_rows: int) -> torch.
     """``dense_linear(x, weight)``, in even calls of at most ``call_rows`` rows where x has more (0: one
     call). oneDNN's bf16 GEMM on AMX ran a 1,019 x 2,048 x 640 product at half the rate of two calls of
     ~510 rows (benchmarks/RESULTS.md, session 46). A row's result may differ in its last bits, as between
-any two row counts of oneDNN's GEMM (the dense route is not ``ROW_INDEPENDENT``)."""
+    any two row counts of oneDNN's GEMM (the dense route is not ``ROW_INDEPENDENT``)."""
     rows = x.shape[0]
     if not call_rows or rows <= call_rows:
         return dense_linear(x, weight)
