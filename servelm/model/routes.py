@@ -245,6 +245,15 @@ def cold_copies(method: Any, weight: BlockWeight, shape: LinearShape,
     return [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
 
 
+def dense_cold_copies(method: Any, weight: BlockWeight, working_bytes: int = MEASURE_MIN_BYTES) -> list[torch.Tensor]:
+    """``weight``'s dense copy (the dense route's, ``method.dense_dtype``), then copies of it up to
+    ``working_bytes`` in all (at most ``MEASURE_MAX_COPIES``; ``cold_copies``' reason) with no other
+    route's copy: what timing the dense copy's calls alone reads."""
+    dense = weight.dequantize(dtype=method.dense_dtype)
+    copies = min(MEASURE_MAX_COPIES, -(-working_bytes // max(dense.nbytes, 1)))
+    return [dense] + [dense.clone() for _ in range(copies - 1)]
+
+
 def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,
                   table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
                   working_bytes: int = MEASURE_MIN_BYTES, row_cells: bool = True, dense_calls_cell: bool = True
@@ -271,7 +280,8 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
                   and split not in table.times_us)
     if not todo and not split_todo:
         return True
-    layers = cold_copies(method, synthetic_weight(shape, block, has_offsets, code_range), shape, working_bytes)
+    weight = synthetic_weight(shape, block, has_offsets, code_range)
+    layers = cold_copies(method, weight, shape, working_bytes) if todo else []
     run = method.run_route
     probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
     before = probe.sample() if probe is not None else None
@@ -291,8 +301,9 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     elif split_todo:
         x = torch.randn(DENSE_SPLIT_ROWS, shape.in_features, generator=torch.Generator().manual_seed(1)).to(
             method.dense_dtype)
-        turn = itertools.cycle(layers)
-        measured[split] = time_candidates({name: (lambda rows=rows: dense_calls(x, next(turn).gguf_dense, rows))
+        # the route cells' copies where they were made, else the dense copy's alone (the second pass)
+        turn = itertools.cycle([layer.gguf_dense for layer in layers] or dense_cold_copies(method, weight, working_bytes))
+        measured[split] = time_candidates({name: (lambda rows=rows: dense_calls(x, next(turn), rows))
                                            for name, rows in (("whole", 0), ("cut", DENSE_CALL_ROWS))})
     # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
     others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0

@@ -187,10 +187,6 @@ class ScreenChoice:
             return ways[best]
         return ways[others[(calls // every) % len(others)]]
 
-    def use_screen(self, rows: int) -> bool:
-        """Whether the next call at ``rows`` argmax rows takes the screen (of the screen and the full head)."""
-        return bool(self.pick(rows, (True, False)))
-
     def _medians(self, rows: int, ways: tuple[object, ...]) -> list[float] | None:
         """Each way's median time at ``rows``; None until each has ``CHOICE_SAMPLES`` calls there."""
         times = [self._times.get((rows, way), ()) for way in ways]
@@ -204,12 +200,10 @@ class ScreenChoice:
     def chosen(self) -> dict[int, str]:
         """Rows -> the way now taken there (where every way is measured), for logs and benchmarks."""
         out = {}
-        for rows in sorted({rows for rows, _ in self._times}):
-            ways = self._ways.get(rows, (True, False))
+        for rows, ways in sorted(self._ways.items()):
             medians = self._medians(rows, ways)
             if medians is not None:
-                way = ways[min(range(len(ways)), key=medians.__getitem__)]
-                out[rows] = {True: "screen", False: "full head"}.get(way, way)   # type: ignore[call-overload]
+                out[rows] = str(ways[min(range(len(ways)), key=medians.__getitem__)])
         return out
 
     def forget(self) -> None:

@@ -686,23 +686,24 @@ def test_the_screen_or_the_full_head_is_chosen_by_measured_time() -> None:
     faster median is taken, with the other way run every EXPLORE_EVERY-th call (every
     EXPLORE_EVERY_CLEAR-th where it is CLEAR_MARGIN times slower); row counts are apart."""
     choice = ScreenChoice()
+    ways = (FIVE_BITS, lm_head_screen.FULL_HEAD)   # ``head_logits``' ways where one screen takes the step
     taken = []
     for _ in range(2 * CHOICE_SAMPLES):
-        taken.append(choice.use_screen(4))
-        choice.record(4, taken[-1], 0.0036 if taken[-1] else 0.003)   # at 4 rows the full head is faster
-    assert taken.count(True) == taken.count(False) == CHOICE_SAMPLES
-    later = [choice.use_screen(4) for _ in range(3 * EXPLORE_EVERY)]
-    assert later.count(True) == 3 and choice.chosen() == {4: "full head"}
+        taken.append(choice.pick(4, ways))
+        choice.record(4, taken[-1], 0.0036 if taken[-1] == FIVE_BITS else 0.003)   # at 4 rows the full head is faster
+    assert taken.count(FIVE_BITS) == taken.count(lm_head_screen.FULL_HEAD) == CHOICE_SAMPLES
+    later = [choice.pick(4, ways) for _ in range(3 * EXPLORE_EVERY)]
+    assert later.count(FIVE_BITS) == 3 and choice.chosen() == {4: lm_head_screen.FULL_HEAD}
     for _ in range(CHOICE_WINDOW):   # the screen now clearly slower at 4 rows: it runs far more rarely
-        choice.record(4, True, 0.003 * CLEAR_MARGIN)
-    later = [choice.use_screen(4) for _ in range(3 * EXPLORE_EVERY_CLEAR)]
-    assert later.count(True) == 3 and choice.chosen() == {4: "full head"}
+        choice.record(4, FIVE_BITS, 0.003 * CLEAR_MARGIN)
+    later = [choice.pick(4, ways) for _ in range(3 * EXPLORE_EVERY_CLEAR)]
+    assert later.count(FIVE_BITS) == 3 and choice.chosen() == {4: lm_head_screen.FULL_HEAD}
     for _ in range(2 * CHOICE_SAMPLES):   # one row: the screen is faster there
-        screened = choice.use_screen(1)
-        choice.record(1, screened, 0.002 if screened else 0.003)
-    assert choice.use_screen(1) and choice.chosen() == {1: "screen", 4: "full head"}
+        screened = choice.pick(1, ways)
+        choice.record(1, screened, 0.002 if screened == FIVE_BITS else 0.003)
+    assert choice.pick(1, ways) == FIVE_BITS and choice.chosen() == {1: FIVE_BITS, 4: lm_head_screen.FULL_HEAD}
     choice.pinned = True
-    assert choice.use_screen(4)
+    assert choice.pick(4, ways) == FIVE_BITS
     choice.forget()
     choice.pinned = None
     assert choice.chosen() == {}
