@@ -54,7 +54,8 @@ over it the defaults serve and the next start goes on."""
 MEASURE_MAX_OUTPUTS = 8192
 """Outputs of the synthetic weight a shape is timed on (the LM head's 150-260k are cut to this):
 every route's time grows linearly in N past a few thousand outputs, so the ranking holds."""
-COPY_MARGIN = {Route.BLOCK: 0.0, Route.TILES: 0.0, Route.PACKED: 0.02, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.2}
+COPY_MARGIN = {Route.BLOCK: 0.0, Route.TILES: 0.0, Route.PACKED: 0.02, Route.ROWS: 0.03, Route.INT8: 0.03, Route.DENSE: 0.2,
+               Route.AMX: 0.02}
 """How much faster a route must be to rank above one that needs a smaller copy of the weight (the
 block kernel reads the blocks themselves; the rows and int8 copies cost ~1 byte per weight, the
 packed route's 0.5-0.63, the dense one 2-4): a copy a layer keeps for a few percent is memory a server

@@ -23,6 +23,9 @@ one of the routes of gguf_routes.py:
   prompt rows only, never the KV projections or the head (gguf_routes.py ``allowed``).
 - ``dense``: oneDNN's GEMM on a copy dequantized once at load (bf16 where the CPU has a native bf16
   GEMM, else float32; dequantizing per call cost 40% of a 32-stream server's throughput).
+- ``amx``: the dense copy's product on AMX tiles (gguf_rows.cpp ``amx_gemm``), the weights widened per call
+  from the ``packed`` copy (or the ``rows`` one for a type without a bit form), never from 2 bytes a weight:
+  batched decode is bound by the bytes it reads (a CPU with AMX tiles; ``AMX_FIRST_ROW`` to ``AMX_LAST_ROW`` rows).
 
 Which route each row count takes is resolved once per layer shape at load (``LayerRoutes``) from a
 ranking: measured on this machine (servelm/model/routes.py) or, without a measurement, earlier
@@ -99,7 +102,7 @@ class PreparedCall(tuple):  # type: ignore[type-arg]
 ROWS_KERNEL_ROUTES = frozenset({Route.ROWS, Route.PACKED})
 """The rows kernel's two routes: the same ``rows_gemm`` on the byte copy or the bit-width one."""
 
-KERNEL_BIAS_ROUTES = ROWS_KERNEL_ROUTES | {Route.INT8}
+KERNEL_BIAS_ROUTES = ROWS_KERNEL_ROUTES | {Route.INT8, Route.AMX}
 """Routes whose kernel adds a bias itself (in float32, before its rounding to bf16)."""
 
 
@@ -173,8 +176,16 @@ def gate_up_act(call: PreparedCall, kind: int) -> GateUpAct | None:
 
 
 def rows_kernel_copy(layer: nn.Module, route: Route) -> tuple[torch.Tensor, ...]:
-    """The copy ``route`` (one of ROWS_KERNEL_ROUTES) reads: the byte copy or the bit-width one."""
+    """The copy ``route`` (one of ROWS_KERNEL_ROUTES, or ``amx``) reads: the byte copy or the bit-width one
+    (``amx``: the bit-width one where the weight's type has it, else the byte copy)."""
+    if route is Route.AMX:
+        return layer.gguf_bits if amx_reads_bits(layer.gguf_weight) else layer.gguf_packed
     return layer.gguf_packed if route is Route.ROWS else layer.gguf_bits
+
+
+def amx_reads_bits(weight: BlockWeight) -> bool:
+    """Whether the ``amx`` route reads ``weight``'s bit-width copy (its type packs: ``PACKED_KINDS``), not the byte copy."""
+    return weight.kind in PACKED_KINDS
 
 
 def decode_rows(call: tuple[object, ...], generation_only: bool = True) -> int:
@@ -208,6 +219,8 @@ class GGUFBlockLinearMethod:
         self.rows_kernel = rows_kernel if dense_dtype == torch.bfloat16 else None
         """The rows kernel (gguf_rows.py's module), or None; only beside a bf16 dense dtype (a CPU with
         a native bf16 GEMM: it serves bf16 rows)."""
+        self.amx = self.rows_kernel is not None and gguf_rows.amx_ready(self.rows_kernel)
+        """Whether the ``amx`` route runs here (the rows kernel's ``amx_gemm``: a CPU with AMX tiles)."""
         self.i8_kernel = i8_kernel if activations != "float" else None
         """The int8 GEMM (a build of gguf_i8gemm.py's: VNNI or AVX2), or None; never with ``float`` activations."""
         self.dense_dtype = dense_dtype
@@ -253,6 +266,8 @@ class GGUFBlockLinearMethod:
             routes.add(Route.ROWS)
             if shape.kind in PACKED_KINDS:
                 routes.add(Route.PACKED)
+            if self.amx:
+                routes.add(Route.AMX)
         if self.i8_kernel is not None and shape.may_int8 and block in (16, 32):
             routes.add(Route.INT8)
         return frozenset(routes)
@@ -293,8 +308,9 @@ class GGUFBlockLinearMethod:
             weight.with_packed()
         if self.compact_scales and Route.BLOCK in routes.held:
             weight.with_compact()
-        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held)
-        layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held, bits=True)
+        amx_bits = Route.AMX in routes.held and amx_reads_bits(weight)
+        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in routes.held or (Route.AMX in routes.held and not amx_bits))
+        layer.gguf_bits = self.rows_copy(weight, Route.PACKED in routes.held or amx_bits, bits=True)
         # where only the lead takes the int8 GEMM, only its outputs are packed
         layer.gguf_i8 = (gguf_i8gemm.pack_for(self.i8_kernel, weight) if Route.INT8 in routes.held
                          else gguf_i8gemm.pack_for(self.i8_kernel, int8_lead)  # type: ignore[arg-type]
@@ -323,7 +339,7 @@ class GGUFBlockLinearMethod:
         layer.gguf_weight = weight
         if self.packs and Route.BLOCK in available:
             weight.with_packed()
-        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in available)
+        layer.gguf_packed = self.rows_copy(weight, Route.ROWS in available)   # the amx route's copies too
         layer.gguf_bits = self.rows_copy(weight, Route.PACKED in available, bits=True)
         layer.gguf_i8 = gguf_i8gemm.pack_for(self.i8_kernel, weight) if Route.INT8 in available else None
         layer.gguf_dense = weight.dequantize(dtype=self.dense_dtype) if Route.DENSE in available else None
@@ -411,6 +427,10 @@ class GGUFBlockLinearMethod:
                          weight.block, bf16_out)
         elif route in (Route.ROWS, Route.PACKED):   # float32 rows go in as bf16 (above the exact rows' rule)
             out = self.rows_kernel.rows_gemm(  # type: ignore[attr-defined]
+                x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block, bf16_out,
+                weight.shape[0], kernel_bias)
+        elif route is Route.AMX:
+            out = self.rows_kernel.amx_gemm(  # type: ignore[attr-defined]
                 x2.to(torch.bfloat16).contiguous(), *rows_kernel_copy(layer, route), weight.block, bf16_out,
                 weight.shape[0], kernel_bias)
         elif route is Route.INT8:

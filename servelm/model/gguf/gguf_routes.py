@@ -12,6 +12,9 @@ A route is one way to compute ``x @ W.T`` from a ``BlockWeight`` (gguf_linear.py
 - ``packed``: the same GEMM on a copy of the codes at their bit width (Q4_0/Q4_1/Q4_K nibbles, Q5_0 five
   bits): fewer bytes a call, more instructions to widen them (few rows: bound by memory, it wins).
 - ``int8``: the int8 GEMM (gguf_i8gemm ``i8_gemm``) on its own copy, activations rounded to int8.
+- ``amx``: the dense copy's product (weights bf16(code x scale + offset)) on Intel AMX tiles, widened per
+  call from the rows kernel's copy (gguf_rows ``amx_gemm``: the bit-width copy where the type has one, else
+  the byte copy), so that no weight is read at 2 bytes; ``AMX_FIRST_ROW`` to ``AMX_LAST_ROW`` rows, not the LM head.
 - ``dense``: torch's GEMM (oneDNN) on a copy dequantized once at load (bf16 where the CPU has a
   native bf16 GEMM, else float32).
 
@@ -47,9 +50,10 @@ class Route(str, Enum):
     PACKED = "packed"
     INT8 = "int8"
     DENSE = "dense"
+    AMX = "amx"
 
 
-ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.TILES, Route.ROWS, Route.PACKED})
+ROW_INDEPENDENT = frozenset({Route.BLOCK, Route.TILES, Route.ROWS, Route.PACKED, Route.AMX})
 """Routes whose result for a row does not depend on the other rows of the call (a row-by-row kernel);
 a oneDNN GEMM's blocking and the int8 GEMM's may, so a mixed pass recomputes generation rows there."""
 
@@ -160,10 +164,24 @@ int16 block kernel or the rows kernel, whose argmax it reproduces, and a table m
 head alone (not the screen beside it) would otherwise hand those steps to the tiles."""
 
 
+AMX_FIRST_ROW = 8
+"""Rows from which the ``amx`` route is offered: it widens every weight of the call to bf16 (~0.13 ns a weight
+on 2 threads of the Xeon of sessions 46-47), which only a batch's rows pay back against the dense copy's 2
+bytes a weight (benchmarks/RESULTS.md "Session 47"); fewer rows keep the prepared decode calls of the other
+routes."""
+AMX_LAST_ROW = 128
+"""Rows up to which the ``amx`` route is offered (batched decode and short prompt chunks): on the Xeon of
+session 47 its cells won some layers' 512-row class in the table, yet a Gemma 3 prefill took 4% longer
+with them than on the dense copy, whose GEMM a long chunk keeps busy."""
+
+
 def offered(route: Route, shape: LinearShape, rows: int) -> bool:
     """Whether ``route`` is offered to a call of ``rows`` rows of this shape at all, before the quality
     rules (``allowed``) and so before any timing (model/routes.py): ``tiles`` from TILES_FIRST_ROW rows,
-    on the LM head above HEAD_SCREEN_ROWS; every other route always."""
+    on the LM head above HEAD_SCREEN_ROWS; ``amx`` from AMX_FIRST_ROW rows, never on the LM head (its
+    greedy screens are chosen beside the full head's route) up to AMX_LAST_ROW; every other route always."""
+    if route is Route.AMX:
+        return AMX_FIRST_ROW <= rows <= AMX_LAST_ROW and not shape.is_head
     return route is not Route.TILES or (rows >= TILES_FIRST_ROW and not (shape.is_head and rows <= HEAD_SCREEN_ROWS))
 
 
@@ -176,7 +194,7 @@ def allowed(route: Route, shape: LinearShape, x_bf16: bool, rows: int, is_prompt
         return False
     if route is Route.INT8 and not (is_prompt and shape.may_int8):
         return False
-    rounds_to_bf16 = route in (Route.ROWS, Route.PACKED) or (route is Route.DENSE and dense_bf16)
+    rounds_to_bf16 = route in (Route.ROWS, Route.PACKED, Route.AMX) or (route is Route.DENSE and dense_bf16)
     if not x_bf16 and rounds_to_bf16 and rows <= F32_EXACT_ROWS[activations] and Route.BLOCK in held:
         return False
     return True
@@ -210,7 +228,7 @@ def complete(order: list[Route] | tuple[Route, ...]) -> tuple[Route, ...]:
     """``order`` without repeats, then every route it does not name (block and tiles last: they need
     no copy)."""
     seen: list[Route] = []
-    for route in (*order, Route.DENSE, Route.ROWS, Route.PACKED, Route.INT8, Route.BLOCK, Route.TILES):
+    for route in (*order, Route.DENSE, Route.ROWS, Route.PACKED, Route.INT8, Route.AMX, Route.BLOCK, Route.TILES):
         if route not in seen:
             seen.append(route)
     return tuple(seen)

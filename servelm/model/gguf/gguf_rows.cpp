@@ -26,6 +26,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "servelm_activation.h"
 #include "servelm_parallel.h"
@@ -369,6 +372,59 @@ inline void prefetch_codes(const GemmArgs& a, const char* line) {
   else _mm_prefetch(line, _MM_HINT_T0);
 }
 
+// The C vectors of input pair p of ``tile`` (16 outputs' two codes each), widened to bf16 as the top of
+// this part says (each holds code + code_bias(kCodes)); the stream ahead prefetched.
+template <int C, Codes kCodes>
+inline void load_pair(const GemmArgs& a, int64_t tile, int64_t p, __m512bh (&w)[C]) {
+  const int64_t pairs = a.k / 2;
+  if constexpr (is_bit_form(kCodes)) {
+    const uint8_t* step = static_cast<const uint8_t*>(a.codes) + (tile * pairs + p) * step_bytes(kCodes);
+    prefetch_codes(a, reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes));
+    const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
+    __m512i u0 = _mm512_and_si512(both, _mm512_set1_epi16(0x000F)), u1 = _mm512_srli_epi16(both, 4);
+    if constexpr (kCodes != Codes::kNibbles) {
+      uint32_t m[4];
+      std::memcpy(m, step + 32, (step_bytes(kCodes) - 32));
+      u0 = _mm512_mask_add_epi16(u0, m[0], u0, _mm512_set1_epi16(16));
+      u1 = _mm512_mask_add_epi16(u1, m[1], u1, _mm512_set1_epi16(16));
+      if constexpr (kCodes == Codes::kSixBits) {
+        u0 = _mm512_mask_add_epi16(u0, m[2], u0, _mm512_set1_epi16(32));
+        u1 = _mm512_mask_add_epi16(u1, m[3], u1, _mm512_set1_epi16(32));
+      }
+    }
+    w[0] = reinterpret_cast<__m512bh>(_mm512_or_si512(u0, _mm512_set1_epi16(0x4300)));
+    w[1] = reinterpret_cast<__m512bh>(_mm512_or_si512(u1, _mm512_set1_epi16(0x4300)));
+  } else {
+    for (int c = 0; c < C; ++c) {
+      const int64_t index = (tile * pairs + p) * C + c;
+      prefetch_codes(a, static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32);
+      w[c] = load_pair_vector<kCodes>(a.codes, index);
+    }
+  }
+}
+
+// Rows r0 .. r0 + R - 1 of ``tile``'s results (acc: float32, offsets added) to the output: the bias added in
+// float32, then stored as float32 (non-temporal where ``stream``) or rounded to bf16.
+template <int R, int C>
+inline void store_rows(const GemmArgs& a, __m512 (&acc)[R][C], int64_t r0, int64_t tile) {
+  for (int c = 0; c < C; ++c) {
+    const int64_t n0 = (tile * C + c) * 16;
+    if (n0 >= a.n) break;
+    const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
+    if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
+      const __m512 bias = servelm_simd::load_bias16(a.bias32, a.bias16, n0, mask);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * a.n + n0;
+      if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
+      else if (a.yf != nullptr) _mm512_mask_storeu_ps(a.yf + at, mask, acc[r][c]);
+      else _mm256_mask_storeu_epi16(a.yb + at, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][c])));
+    }
+  }
+}
+
 // Rows r0 .. r0 + R - 1 against the outputs of ``tile`` (C x 16 of them).
 template <int R, int C, Codes kCodes, bool kOffsets>
 void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
@@ -381,7 +437,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
   // acc in each epilogue), alternated in one process, AMD Zen 4, 2 threads: 1-6 rows 0.96-1.01x the
   // time, 7 rows 1.04x (1.09x with them in the epilogue), 8 rows 0.89-0.96x, 32 rows 0.86-0.88x.
   constexpr bool kOffsetsInLoop = R <= 6;
-  const int64_t pairs = a.k / 2, nb = a.k / a.block, per_block = a.block / 2;
+  const int64_t nb = a.k / a.block, per_block = a.block / 2;
   __m512 acc[R][C], off[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = off[r][c] = _mm512_setzero_ps();
@@ -399,30 +455,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
     }
     for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
       __m512bh w[C];
-      if constexpr (is_bit_form(kCodes)) {
-        const uint8_t* step = static_cast<const uint8_t*>(a.codes) + (tile * pairs + p) * step_bytes(kCodes);
-        prefetch_codes(a, reinterpret_cast<const char*>(step) + kPrefetchPairs * step_bytes(kCodes));
-        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
-        __m512i u0 = _mm512_and_si512(both, _mm512_set1_epi16(0x000F)), u1 = _mm512_srli_epi16(both, 4);
-        if constexpr (kCodes != Codes::kNibbles) {
-          uint32_t m[4];
-          std::memcpy(m, step + 32, (step_bytes(kCodes) - 32));
-          u0 = _mm512_mask_add_epi16(u0, m[0], u0, _mm512_set1_epi16(16));
-          u1 = _mm512_mask_add_epi16(u1, m[1], u1, _mm512_set1_epi16(16));
-          if constexpr (kCodes == Codes::kSixBits) {
-            u0 = _mm512_mask_add_epi16(u0, m[2], u0, _mm512_set1_epi16(32));
-            u1 = _mm512_mask_add_epi16(u1, m[3], u1, _mm512_set1_epi16(32));
-          }
-        }
-        w[0] = reinterpret_cast<__m512bh>(_mm512_or_si512(u0, _mm512_set1_epi16(0x4300)));
-        w[1] = reinterpret_cast<__m512bh>(_mm512_or_si512(u1, _mm512_set1_epi16(0x4300)));
-      } else {
-        for (int c = 0; c < C; ++c) {
-          const int64_t index = (tile * pairs + p) * C + c;
-          prefetch_codes(a, static_cast<const char*>(a.codes) + (index + kPrefetchPairs) * 32);
-          w[c] = load_pair_vector<kCodes>(a.codes, index);
-        }
-      }
+      load_pair<C, kCodes>(a, tile, p, w);
       for (int r = 0; r < R; ++r) {
         const __m512bh xr = broadcast_pair(x + r * a.k + 2 * p);
         for (int c = 0; c < C; ++c) t[r][c] = _mm512_dpbf16_ps(t[r][c], w[c], xr);
@@ -446,22 +479,7 @@ void micro_tile(const GemmArgs& a, int64_t r0, int64_t tile, float* gate) {
     act_epilogue<R, C>(a, acc, r0, tile, gate);
     return;
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n0 = (tile * C + c) * 16;
-    if (n0 >= a.n) break;
-    const __mmask16 mask = a.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (a.n - n0)) - 1);
-    if (a.bias32 != nullptr || a.bias16 != nullptr) {   // torch's ``out + bias`` in float32, then any rounding
-      const __m512 bias = servelm_simd::load_bias16(a.bias32, a.bias16, n0, mask);
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_add_ps(acc[r][c], bias);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (r0 + r) * a.n + n0;
-      if (a.stream && mask == 0xFFFF) _mm512_stream_ps(a.yf + at, acc[r][c]);
-      else if (a.yf != nullptr) _mm512_mask_storeu_ps(a.yf + at, mask, acc[r][c]);
-      else _mm256_mask_storeu_epi16(a.yb + at, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][c])));
-    }
-  }
+  store_rows<R, C>(a, acc, r0, tile);
 }
 
 constexpr int64_t kStreamBytes = 4 << 20;   // float32 results at least this large: non-temporal stores
@@ -522,6 +540,163 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
   else run_gemm<kCodes, false>(a, rows);
 }
 
+// ---------------------------------------------------------------------------------------------
+// amx_gemm: the product of the dense bf16 copy, x @ bf16(code x scale + offset).T, on Intel AMX tiles and
+// the rows kernel's copies (the ``amx`` route, gguf_routes.py): no weight is read at 2 bytes. Per tile of 32
+// outputs, the whole K of both 16-output vectors is widened once into a per-thread buffer: each pair
+// step as micro_tile widens it (bf16 of code + code_bias), then in float32 the code times its block's scale
+// plus its offset, rounded to bf16 as torch rounds the dense copy (the same float32 operations, so the
+// same bf16 weights but for denormals, which the conversion flushes). The buffer's rows are the B
+// tiles tdpbf16ps takes (a row per input pair: 16 outputs' two weights); x, padded with zero rows to
+// whole tiles of 16, gives the A tiles; a C tile of 16 rows x 16 outputs sums the whole K in float32
+// (the tile unit's own order: the floats may differ from the dense GEMM's in their last bits, as any
+// two GEMMs' do; a row's result reads only its own row of x, so it does not depend on the row count).
+// Compiled for AMX by function attribute (the rest of the file does not need it); Python calls it only
+// where /proc/cpuinfo has amx_tile and amx_bf16 and the kernel grants the process the tile state
+// (``amx_permitted``).
+namespace amx {
+
+constexpr int64_t kRowTile = 16;   // rows of an A tile (and of a C tile)
+constexpr int64_t kChunk = 32;     // inputs a tdpbf16ps takes (16 pairs: the rows of a B tile)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: C(i, c) = 2 i + c (row tile i of the pair taken together, output vector c), A(i) = 4 + i, B(c) = 6 + c;
+// every one 16 rows of 64 bytes.
+inline TileConfig config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kRowTile;
+  return cfg;
+}
+
+// The weights of ``tile`` (2 vectors of 16 outputs) as bf16, [K / 2][2][32]: pair p of vector c at (2 p + c).
+template <Codes kCodes, bool kOffsets>
+inline void widen_tile(const GemmArgs& a, int64_t tile, __m512i* out) {
+  constexpr int C = 2;
+  const int64_t nb = a.k / a.block, per_block = a.block / 2;
+  // lane l of a pair vector's float halves: output l / 2 (low half) or 8 + l / 2 (high half)
+  const __m512i low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  const __m512 bias = _mm512_set1_ps(code_bias(kCodes));
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 s[C][2], o[C][2];
+    for (int c = 0; c < C; ++c) {
+      const __m512 sv = block_scales(a, a.scales, tile, b, c, C, nb);
+      s[c][0] = _mm512_permutexvar_ps(low, sv);
+      s[c][1] = _mm512_permutexvar_ps(high, sv);
+      if constexpr (kOffsets) {
+        const __m512 ov = block_scales(a, a.offsets, tile, b, c, C, nb);
+        o[c][0] = _mm512_permutexvar_ps(low, ov);
+        o[c][1] = _mm512_permutexvar_ps(high, ov);
+      }
+    }
+    for (int64_t p = b * per_block; p < (b + 1) * per_block; ++p) {
+      __m512bh w[C];
+      load_pair<C, kCodes>(a, tile, p, w);
+      for (int c = 0; c < C; ++c) {
+        const __m512i bits = reinterpret_cast<__m512i>(w[c]);
+        __m512 f[2];
+        for (int h = 0; h < 2; ++h) {   // bf16 -> float32 (exact), the code, times the scale, plus the offset
+          const __m256i half = h == 0 ? _mm512_castsi512_si256(bits) : _mm512_extracti64x4_epi64(bits, 1);
+          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+          f[h] = _mm512_mul_ps(kCodes == Codes::kInt8 ? v : _mm512_sub_ps(v, bias), s[c][h]);
+          if constexpr (kOffsets) f[h] = _mm512_add_ps(f[h], o[c][h]);
+        }
+        _mm512_store_si512(out + 2 * p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
+      }
+    }
+  }
+}
+
+// Tiles [begin, end) of the work units (``per_item`` 2: rows_act's gate tile, then its up tile) for every row.
+template <Codes kCodes, bool kOffsets>
+__attribute__((target("amx-tile,amx-bf16"))) void pass(const GemmArgs& a, const uint16_t* xpad, int64_t rows,
+                                                        int64_t begin, int64_t end, int64_t per_item) {
+  constexpr int C = 2;
+  const int64_t row_tiles = (rows + kRowTile - 1) / kRowTile, chunks = a.k / kChunk;
+  const TileConfig cfg = config();
+  _tile_loadconfig(&cfg);
+  std::vector<__m512i> weights(a.k);   // [K / 2][2] vectors of 32 bf16
+  alignas(64) float cbuf[4][kRowTile][16];
+  std::vector<float> gate(a.act >= 0 ? rows * C * 16 : 0);   // rows_act: each row's gate results
+  for (int64_t item = begin; item < end; ++item)
+    for (int64_t part = 0; part < per_item; ++part) {
+      const int64_t tile = item + part * a.half_tiles;
+      widen_tile<kCodes, kOffsets>(a, tile, weights.data());
+      const char* w = reinterpret_cast<const char*>(weights.data());
+      for (int64_t rt = 0; rt < row_tiles; rt += 2) {
+        const bool two = rt + 1 < row_tiles;
+        const uint16_t* x0 = xpad + rt * kRowTile * a.k;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) { _tile_zero(2); _tile_zero(3); }
+        for (int64_t j = 0; j < chunks; ++j) {
+          _tile_loadd(6, w + j * 16 * 128, 128);
+          _tile_loadd(7, w + j * 16 * 128 + 64, 128);
+          _tile_loadd(4, x0 + j * kChunk, a.k * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, x0 + kRowTile * a.k + j * kChunk, a.k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        if (two) { _tile_stored(2, cbuf[2], 64); _tile_stored(3, cbuf[3], 64); }
+        for (int i = 0; i < (two ? 2 : 1); ++i)
+          for (int64_t r = 0; r < kRowTile; ++r) {
+            const int64_t row = (rt + i) * kRowTile + r;
+            if (row >= rows) break;
+            __m512 v[1][C];
+            for (int c = 0; c < C; ++c) v[0][c] = _mm512_load_ps(cbuf[2 * i + c][r]);
+            if (a.act >= 0) act_epilogue<1, C>(a, v, row, tile, gate.data() + row * C * 16);
+            else store_rows<1, C>(a, v, row, tile);
+          }
+      }
+    }
+  if (a.stream) _mm_sfence();
+  _tile_release();
+}
+
+template <Codes kCodes, bool kOffsets>
+void run(const GemmArgs& a, int64_t rows) {
+  const int64_t row_tiles = (rows + kRowTile - 1) / kRowTile;
+  std::vector<uint16_t> xpad(row_tiles * kRowTile * a.k, 0);   // x, then zero rows to whole tiles
+  std::memcpy(xpad.data(), a.x, rows * a.k * sizeof(uint16_t));
+  const int64_t per_item = a.act >= 0 ? 2 : 1;
+  const int64_t items = (a.n + 16 * kGemmCols - 1) / (16 * kGemmCols) / per_item;
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (per_item * a.k / 2 * step_bytes(kCodes)));
+  servelm_parallel::dynamic_for(items, servelm_parallel::units_for(items, kUnitsPerThread, 1, panel),
+                                [&](int64_t begin, int64_t end) { pass<kCodes, kOffsets>(a, xpad.data(), rows, begin, end, per_item); });
+}
+
+template <Codes kCodes>
+void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
+  if (has_offsets) run<kCodes, true>(a, rows);
+  else run<kCodes, false>(a, rows);
+}
+
+// Whether this process may use AMX bf16 tiles: the CPU has them (CPUID leaf 7: AMX-BF16, EDX bit 22; AMX-TILE,
+// bit 24) and Linux granted the process the tile state (asked once; a kernel before 5.16 has no such request).
+bool permitted() {
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return granted;
+}
+
+}  // namespace amx
+
 }  // namespace
 
 // Python: rows_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, bias=None): x [M, K] bfloat16;
@@ -535,9 +710,9 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
 // gate_up's bf16 output then fused_ops' act_and_mul would give them, bit for bit: [M, n / 2] bfloat16
 // (bf16_out, no bias). Each gate tile is computed with the up tile of the same outputs, so the
 // [M, n] gate_up never goes to memory and act_and_mul's call goes: ``rows_act``.
-torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
-                        c10::optional<torch::Tensor> bias, int64_t act) {
+torch::Tensor gemm_on(bool on_amx, torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                      c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
+                      c10::optional<torch::Tensor> bias, int64_t act) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [M, K]");
   TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -579,7 +754,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false,
              sub_scaled ? kSubScales : scales.dtype() == torch::kFloat16 ? kF16Scales : kF32Scales,
-             rows <= kGemmRows,   // one row group (run_gemm): each code read once
+             on_amx || rows <= kGemmRows,   // one row group (run_gemm), or amx: each code read once
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
              has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
              static_cast<int>(act), n / 2 / kTileOutputs};
@@ -587,6 +762,18 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
   // through them, its rows 1 MiB apart fall into the same L1 sets and cost a quarter of the time
   a.stream = a.yf != nullptr && rows * n * 4 >= kStreamBytes && n % 16 == 0
              && reinterpret_cast<uintptr_t>(a.yf) % 64 == 0;
+  if (on_amx) {
+    TORCH_CHECK(k % amx::kChunk == 0, "amx_gemm: K must be a multiple of ", amx::kChunk);
+    TORCH_CHECK(amx::permitted(), "amx_gemm: the kernel did not grant this process the AMX tile state");
+    switch (form) {
+      case Codes::kBiased: amx::run_form<Codes::kBiased>(a, rows, has_offsets); break;
+      case Codes::kNibbles: amx::run_form<Codes::kNibbles>(a, rows, has_offsets); break;
+      case Codes::kFiveBits: amx::run_form<Codes::kFiveBits>(a, rows, has_offsets); break;
+      case Codes::kSixBits: amx::run_form<Codes::kSixBits>(a, rows, has_offsets); break;
+      default: amx::run_form<Codes::kInt8>(a, rows, has_offsets);
+    }
+    return out;
+  }
   switch (form) {
     case Codes::kBiased: run_form<Codes::kBiased>(a, rows, has_offsets); break;
     case Codes::kNibbles: run_form<Codes::kNibbles>(a, rows, has_offsets); break;
@@ -595,6 +782,20 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
     default: run_form<Codes::kInt8>(a, rows, has_offsets);
   }
   return out;
+}
+
+torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
+                        c10::optional<torch::Tensor> bias, int64_t act) {
+  return gemm_on(false, x, codes, scales, offsets, block, bf16_out, n, bias, act);
+}
+
+// Python: amx_gemm(...): rows_gemm's arguments and result on AMX tiles (``amx`` above); amx_permitted():
+// whether the process may use them (callers check /proc/cpuinfo's amx_tile and amx_bf16 first).
+torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                       c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
+                       c10::optional<torch::Tensor> bias, int64_t act) {
+  return gemm_on(true, x, codes, scales, offsets, block, bf16_out, n, bias, act);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -608,6 +809,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16_out): an accumulator block of rows x 32 outputs, scales per block in float32",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none(), py::arg("act") = -1);
+  m.def("amx_gemm", &amx_gemm,
+        "rows_gemm on AMX tiles (bf16 tiles of each block's widened codes; scales per block in float32)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
+        py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none(), py::arg("act") = -1);
+  m.def("amx_permitted", &amx::permitted, "whether the kernel granted this process the AMX tile state");
   m.def("rows_call",
         [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
            int64_t block, bool bf16_out, c10::optional<torch::Tensor> bias) {

@@ -4,7 +4,8 @@
 CPU lacks AVX512-BF16 (read from /proc/cpuinfo, never assumed), there is no compiler, or the build
 fails: callers then keep today's paths (the VNNI kernel, the dense bf16 copy). Cached like every
 ``CppKernel``'s. The module has ``rows_gemm(x_bf16, codes, scales, offsets, block, bf16_out, n, bias)``
-(and ``rows_call``, the same in a prepared decode call's argument order), the
+(and ``rows_call``, the same in a prepared decode call's argument order; ``amx_gemm``, the same arguments
+giving the dense bf16 copy's product on AMX tiles where ``amx_ready``), the
 GEMM micro-kernel the layers route to, on the copy ``pack`` makes at load (``GEMM_COLS``: its tile
 width in vectors of 16 outputs; Q4-Q6 codes biased to uint8, which widen to bf16 in two instructions
 instead of five; the ``packed`` route's copy at 4, 5 or 6 bits, ``pack(..., bits=True)``; scales in fp16 where
@@ -26,6 +27,13 @@ KERNEL = CppKernel.beside(__file__, "gguf_rows.cpp", "gguf_rows", "GGUF rows ker
                           # rows_act's activation: the same code (servelm_activation.h) built as fused_ops is
                           ["-ffp-contract=off"])
 load_kernel, kernel_status, missing_cpu_flags = KERNEL.load, KERNEL.status, KERNEL.missing_cpu_flags
+
+
+def amx_ready(kernel: object) -> bool:
+    """Whether ``kernel`` (this module's build, or a stand-in with its API) runs ``amx_gemm`` here: the
+    CPU has AMX bf16 tiles (CPUID) and Linux granted the process their state (``amx_permitted``, asked once)."""
+    permitted = getattr(kernel, "amx_permitted", None)
+    return permitted is not None and hasattr(kernel, "amx_gemm") and bool(permitted())
 
 
 BIASED_CODES = (-64, 63)

@@ -65,6 +65,17 @@ class TorchRowsKernel:
     def rows_call(self, x, codes, scales, offsets, block, bf16_out=False, bias=None):
         return self.rows_gemm(x, codes, scales, offsets, block, bf16_out, -1, bias)
 
+    def amx_gemm(self, x, codes, scales, offsets, block, bf16_out=False, n=-1, bias=None):
+        """The dense bf16 copy's product (gguf_rows.cpp ``amx_gemm``)."""
+        codes = gguf_rows.unpack_codes(codes)
+        n = n if n >= 0 else codes.shape[0] * codes.shape[2] * codes.shape[3]
+        offsets = offsets.float() if offsets is not None else None
+        weight = _unpack(codes, scales.float(), offsets, n).dequantize().bfloat16().float()
+        return _finish(x.float() @ weight.T, bf16_out, bias)
+
+    def amx_permitted(self):
+        return True
+
 
 class TorchI8Kernel:
     def __init__(self) -> None:
@@ -93,7 +104,8 @@ def torch_method(ranking=None, dense_dtype=torch.bfloat16, i8=None) -> GGUFBlock
                                  i8 or TorchI8Kernel(), ranking)
 
 
-TOLERANCE = {Route.BLOCK: 1e-5, Route.TILES: 1e-5, Route.ROWS: 1e-2, Route.PACKED: 1e-2, Route.DENSE: 1e-2, Route.INT8: 3e-2}
+TOLERANCE = {Route.BLOCK: 1e-5, Route.TILES: 1e-5, Route.ROWS: 1e-2, Route.PACKED: 1e-2, Route.DENSE: 1e-2, Route.INT8: 3e-2,
+             Route.AMX: 1e-2}
 """Relative error of each route against float32 on bf16-representable rows: the bf16 dense copy and
 the bf16 output round, the int8 route rounds activations to int8 per block."""
 

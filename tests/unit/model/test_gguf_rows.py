@@ -185,6 +185,44 @@ def test_rows_act_is_gate_up_then_act_and_mul_bit_for_bit(rows_kernel, block: in
         rows_kernel.rows_act(x[:2].contiguous(), codes, scales, offs, block, 2)
 
 
+@pytest.mark.parametrize("block,offsets", [(16, False), (32, True), (32, False)])
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_amx_gemm_is_the_dense_bf16_copys_product_row_by_row(rows_kernel, block: int, offsets: bool, form: str) -> None:
+    """``amx_gemm`` (the ``amx`` route) computes x @ W.T with W the dense copy's bf16 weights
+    (``BlockWeight.dequantize`` to bf16, bit for bit) from every form of the rows kernel's copy: within float32
+    summation of that product, each row's result that of a call of that row alone (padded row tiles
+    included), the bf16 output the float32 one rounded, a bias added before the rounding, act(gate) * up
+    as gate_up's bf16 output then ``act_and_mul`` gives it."""
+    from servelm.model.layers import fused
+
+    if not gguf_rows.amx_ready(rows_kernel):
+        pytest.skip("no AMX bf16 tiles on this CPU (or not granted to the process)")
+    weight = in_form(block_weight(64, 256, block, offsets, seed=block + offsets), form)
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    dense = weight.dequantize(dtype=torch.bfloat16).double()
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    magnitude = x.double().abs() @ dense.abs().T
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    for m in (1, 7, 16, 17, 33, 40):
+        rows = x[:m].contiguous()
+        out = rows_kernel.amx_gemm(rows, codes, scales, offs, block, False, 64)
+        assert out.dtype == torch.float32 and out.shape == (m, 64)
+        assert float(((out.double() - rows.double() @ dense.T).abs() / magnitude[:m].clamp_min(1e-30)).max()) < 1e-6, m
+        assert torch.equal(out[-1:], rows_kernel.amx_gemm(x[m - 1:m].contiguous(), codes, scales, offs, block, False, 64))
+        assert torch.equal(rows_kernel.amx_gemm(rows, codes, scales, offs, block, True, 64), out.bfloat16())
+        assert torch.equal(rows_kernel.amx_gemm(rows, codes, scales, offs, block, True, 64, bias),
+                           (out + bias).bfloat16())
+    ops = fused.load_kernel()
+    if ops is not None:
+        for kind in (0, 1):
+            gate_up = rows_kernel.amx_gemm(x, codes, scales, offs, block, True, 64)
+            assert torch.equal(rows_kernel.amx_gemm(x, codes, scales, offs, block, True, 64, None, kind),
+                               ops.act_and_mul(gate_up, kind))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        short = in_form(block_weight(64, 16 * 3, 16, False, seed=1), form)
+        rows_kernel.amx_gemm(torch.zeros(2, 48).bfloat16(), *packed(short, rows_kernel, form), 16, False, 64)
+
+
 def test_rows_gemm_streams_large_results_and_takes_every_packed_output(rows_kernel) -> None:
     """A result of >= 4 MiB is written with non-temporal stores: the same values."""
     weight = block_weight(33_000, 64, 32, False, seed=9)
