@@ -28,6 +28,9 @@
 #include <mutex>
 #include <utility>
 #include <vector>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "servelm_i8gemm.h"
 #include "servelm_simd.h"
@@ -357,6 +360,121 @@ void run_gemm(const GemmArgs& a, int64_t rows, const ScreenState* screen = nullp
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The screen's GEMM on Intel AMX tiles (``i8_screen(..., amx=True)``): the same int32 block dots and float32
+// results bit for bit, so the same candidates. Per tile of 32 outputs and block of 32 inputs, the packed
+// codes are already a B tile for tdpbsud (a row per 4 inputs: 16 outputs' 4 unsigned bytes; the tile's two
+// vectors interleave, so a stride of two rows), read in place; each tile of 16 activation rows (the int8
+// codes, padded with zero rows) is the A side (signed bytes). The tile unit's int32 sums are exact, so
+// sum u q + the block's start (-128 sum q) is micro_tile's block dot, and its float32 epilogue (the
+// dot times scale x d, summed over blocks in order) is micro_tile's. One tdpbsud does a block's 16 rows x
+// 16 outputs (8,192 products) where vpdpbusd does 64: the work left is that epilogue. Compiled for AMX by
+// function attribute; used only where ``amx_permitted`` (CPUID has AMX-TILE and AMX-INT8 and Linux
+// granted the process the tile state).
+namespace amx {
+
+constexpr int64_t kRowTile = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool permitted() {
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return granted;
+}
+
+// Tiles [begin, end) of the screen for every row (block 32, no offsets), the thread's results met by its
+// ScreenState in ascending tiles, as run_gemm's threads meet theirs.
+__attribute__((target("amx-tile,amx-int8"))) void screen_pass(const GemmArgs& a, const int8_t* qpad, int64_t rows,
+                                                               int64_t begin, int64_t end, ScreenState& st) {
+  constexpr int64_t kBlock = 32;
+  const int64_t nb = a.nb, k = a.k, row_tiles = (rows + kRowTile - 1) / kRowTile;
+  TileConfig cfg;   // C(i, c) = 2 i + c, A(i) = 4 + i, B(c) = 6 + c
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kRowTile;
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = kBlock, cfg.rows[t] = kRowTile;
+  for (int t = 6; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = kBlock / 4;
+  _tile_loadconfig(&cfg);
+  alignas(64) int32_t cbuf[4][kRowTile][16];
+  std::vector<__m512> acc(row_tiles * kRowTile * kCols);
+  const float* xs = a.x->scales.data();
+  const int32_t* xstart = a.x->starts.data();
+  for (int64_t tile = begin; tile < end; ++tile) {
+    std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+    const uint8_t* w = a.codes + tile * k * kTile;
+    const float* ws = a.scales + tile * nb * kTile;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* wb = w + b * kBlock * kTile;   // 8 rows of 4 inputs x 2 vectors x 64 bytes
+      for (int64_t at = 0; at < kBlock * kTile; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb) + kPrefetchBytes + at, _MM_HINT_T0);
+      _tile_loadd(6, wb, 2 * 64);
+      _tile_loadd(7, wb + 64, 2 * 64);
+      const __m512 sv[kCols] = {_mm512_loadu_ps(ws + b * kTile), _mm512_loadu_ps(ws + b * kTile + 16)};
+      for (int64_t rt = 0; rt < row_tiles; rt += 2) {
+        const bool two = rt + 1 < row_tiles;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, qpad + rt * kRowTile * k + b * kBlock, k);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        if (two) {
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_loadd(5, qpad + (rt + 1) * kRowTile * k + b * kBlock, k);
+          _tile_dpbsud(2, 5, 6);
+          _tile_dpbsud(3, 5, 7);
+          _tile_stored(2, cbuf[2], 64);
+          _tile_stored(3, cbuf[3], 64);
+        }
+        for (int i = 0; i < (two ? 2 : 1); ++i)
+          for (int64_t r = 0; r < kRowTile; ++r) {
+            const int64_t row = (rt + i) * kRowTile + r;
+            if (row >= rows) break;
+            const __m512i start = _mm512_set1_epi32(xstart[row * nb + b]);
+            const __m512 d = _mm512_set1_ps(xs[row * nb + b]);
+            for (int c = 0; c < kCols; ++c) {
+              const __m512i t = _mm512_add_epi32(_mm512_load_si512(cbuf[2 * i + c][r]), start);
+              __m512& to = acc[row * kCols + c];
+              to = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(sv[c], d), to);
+            }
+          }
+      }
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+      const __m512 v[1][kCols] = {{acc[row * kCols], acc[row * kCols + 1]}};
+      screen_tile<1>(v, a, st, row, tile);
+    }
+  }
+  _tile_release();
+}
+
+void run_screen(const GemmArgs& a, int64_t rows, const ScreenState& screen,
+                std::vector<std::pair<int64_t, ScreenState>>& states) {
+  const int64_t tiles = (a.n + kTile - 1) / kTile;
+  const int64_t padded = (rows + kRowTile - 1) / kRowTile * kRowTile;
+  std::vector<int8_t> qpad(padded * a.k, 0);   // the activation codes, then zero rows to whole tiles
+  std::memcpy(qpad.data(), a.x->codes.data(), rows * a.k);
+  std::mutex states_mutex;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    ScreenState own = screen.fresh(rows);
+    screen_pass(a, qpad.data(), rows, begin, end, own);
+    std::lock_guard<std::mutex> lock(states_mutex);
+    states.emplace_back(begin, std::move(own));
+  });
+}
+
+}  // namespace amx
 }  // namespace
 
 // Python: i8_gemm(x, codes, scales, offsets, block, bf16_out=False, n=-1, out=None, bias=None): x [M, K]
@@ -394,7 +512,7 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
   return y;
 }
 
-// Python: i8_screen(x, codes, scales, n, bound_max, bound_sum, coefficient, max_candidates) -> [counts
+// Python: i8_screen(x, codes, scales, n, bound_max, bound_sum, coefficient, max_candidates, amx=False) -> [counts
 // (int64 [M]), then per row its candidate ids (int64, ascending; empty where the count exceeds
 // max_candidates)]: the exact greedy LM-head screen for many rows (servelm/model/gguf/lm_head_screen.py,
 // ``I8Screen``), on a Q8_0 head (block 32, no offsets) packed as for i8_gemm.
@@ -410,10 +528,12 @@ torch::Tensor i8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales
 // row m are the outputs whose S + E reaches max over v of S - E: every other output's exact logit is
 // below some candidate's. A row with a value that is not finite has none (count 0). Nothing of size
 // [M, n] is stored: each thread keeps, per row, its largest lower bound so far and the outputs that
-// reached it (ScreenState), filtered at the end by the largest of all.
+// reached it (ScreenState), filtered at the end by the largest of all. ``amx``: the GEMM on AMX tiles
+// (``amx`` above: the same candidates).
 std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t n,
                                      torch::Tensor bound_max, torch::Tensor bound_sum, double coefficient,
-                                     int64_t max_candidates) {
+                                     int64_t max_candidates, bool amx) {
+  TORCH_CHECK(!amx || amx::permitted(), "i8_screen: no AMX int8 tiles for this process (amx_permitted)");
   servelm_i8gemm::check_screen_args(x, codes, scales, n, bound_max, bound_sum, kCols);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / 32;
   std::vector<std::pair<int64_t, ScreenState>> states;
@@ -426,7 +546,8 @@ std::vector<torch::Tensor> i8_screen(torch::Tensor x, torch::Tensor codes, torch
   GemmArgs a{&q, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), nullptr, k, n, nb, nullptr, nullptr, 0, false,
              nullptr, nullptr};
   const ScreenState screen = ScreenState::over(bound_max, bound_sum, row_sum, row_max);
-  run_gemm<32, false>(a, rows, &screen, &states);
+  if (amx) amx::run_screen(a, rows, screen, states);
+  else run_gemm<32, false>(a, rows, &screen, &states);
   return servelm_i8gemm::screen_candidates(states, rows, finite, max_candidates);
 }
 
@@ -447,7 +568,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("i8_screen", &i8_screen,
         "the exact greedy screen of a Q8_0 LM head for many rows: (counts [M], then each row's candidate ids)",
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bound_max"), py::arg("bound_sum"),
-        py::arg("coefficient"), py::arg("max_candidates"));
+        py::arg("coefficient"), py::arg("max_candidates"), py::arg("amx") = false);
+  m.def("amx_permitted", &amx::permitted,
+        "whether i8_screen(..., amx=True) runs here: AMX-TILE and AMX-INT8 (CPUID), the tile state granted by Linux");
   m.def("quantize", &quantize, "x [M, K] -> (int8 codes [M, K], float32 scales [M, K / block])",
         py::arg("x"), py::arg("block"));
   m.attr("GEMM_COLS") = kCols;

@@ -543,7 +543,8 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
 // ---------------------------------------------------------------------------------------------
 // amx_gemm: the product of the dense bf16 copy, x @ bf16(code x scale + offset).T, on Intel AMX tiles and
 // the rows kernel's copies (the ``amx`` route, gguf_routes.py): no weight is read at 2 bytes. Per tile of 32
-// outputs, the whole K of both 16-output vectors is widened once into a per-thread buffer: each pair
+// outputs, the whole K of both 16-output vectors is widened once into a per-thread buffer (widening a span
+// of 512 inputs at a time, in L1 while the rows passed, was no faster): each pair
 // step as micro_tile widens it (bf16 of code + code_bias), then in float32 the code times its block's scale
 // plus its offset, rounded to bf16 as torch rounds the dense copy (the same float32 operations, so the
 // same bf16 weights but for denormals, which the conversion flushes). The buffer's rows are the B
@@ -575,16 +576,24 @@ inline TileConfig config() {
   return cfg;
 }
 
-// The weights of ``tile`` (2 vectors of 16 outputs) as bf16, [K / 2][2][32]: pair p of vector c at (2 p + c).
+// Blocks [first, last) of ``tile``'s weights (2 vectors of 16 outputs) as bf16, [pairs][2][32]: pair p of vector c
+// at (2 (p - the first block's first pair) + c),
+// its 16 columns (an output's two weights each) in the order ``kColumns``. A pair vector's 32 bf16 (code +
+// code_bias) go to float32 by interleaving with zeros (the bf16 bits become the high half of a float's:
+// the same value), which takes elements 0-3, 8-11, 16-19, 24-27 (low) and 4-7, 12-15, ... (high): no
+// shifts or lane crossings, the scales permuted to match once a block, and the packed result's columns
+// permuted (outputs kColumns[n]), which the epilogue undoes once a row (``kUnpermute``).
+constexpr int kColumns[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
 template <Codes kCodes, bool kOffsets>
-inline void widen_tile(const GemmArgs& a, int64_t tile, __m512i* out) {
+inline void widen_blocks(const GemmArgs& a, int64_t tile, int64_t first, int64_t last, __m512i* out) {
   constexpr int C = 2;
   const int64_t nb = a.k / a.block, per_block = a.block / 2;
-  // lane l of a pair vector's float halves: output l / 2 (low half) or 8 + l / 2 (high half)
-  const __m512i low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  // the output of each float lane: low half element 8 (l / 4) + l % 4, high half 4 more; an output per pair
+  const __m512i low = _mm512_setr_epi32(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(2));
   const __m512 bias = _mm512_set1_ps(code_bias(kCodes));
-  for (int64_t b = 0; b < nb; ++b) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t b = first; b < last; ++b) {
     __m512 s[C][2], o[C][2];
     for (int c = 0; c < C; ++c) {
       const __m512 sv = block_scales(a, a.scales, tile, b, c, C, nb);
@@ -602,13 +611,12 @@ inline void widen_tile(const GemmArgs& a, int64_t tile, __m512i* out) {
       for (int c = 0; c < C; ++c) {
         const __m512i bits = reinterpret_cast<__m512i>(w[c]);
         __m512 f[2];
-        for (int h = 0; h < 2; ++h) {   // bf16 -> float32 (exact), the code, times the scale, plus the offset
-          const __m256i half = h == 0 ? _mm512_castsi512_si256(bits) : _mm512_extracti64x4_epi64(bits, 1);
-          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        for (int h = 0; h < 2; ++h) {   // the code (exact), times the scale, plus the offset, as torch's dense copy
+          const __m512 v = _mm512_castsi512_ps(h == 0 ? _mm512_unpacklo_epi16(zero, bits) : _mm512_unpackhi_epi16(zero, bits));
           f[h] = _mm512_mul_ps(kCodes == Codes::kInt8 ? v : _mm512_sub_ps(v, bias), s[c][h]);
           if constexpr (kOffsets) f[h] = _mm512_add_ps(f[h], o[c][h]);
         }
-        _mm512_store_si512(out + 2 * p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
+        _mm512_store_si512(out + 2 * (p - first * per_block) + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
       }
     }
   }
@@ -625,10 +633,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const GemmArgs& a, const 
   std::vector<__m512i> weights(a.k);   // [K / 2][2] vectors of 32 bf16
   alignas(64) float cbuf[4][kRowTile][16];
   std::vector<float> gate(a.act >= 0 ? rows * C * 16 : 0);   // rows_act: each row's gate results
+  alignas(64) int32_t at[16];   // output o's column: where kColumns holds o
+  for (int n = 0; n < 16; ++n) at[kColumns[n]] = n;
+  const __m512i unpermute = _mm512_load_si512(at);
   for (int64_t item = begin; item < end; ++item)
     for (int64_t part = 0; part < per_item; ++part) {
       const int64_t tile = item + part * a.half_tiles;
-      widen_tile<kCodes, kOffsets>(a, tile, weights.data());
+      widen_blocks<kCodes, kOffsets>(a, tile, 0, a.k / a.block, weights.data());
       const char* w = reinterpret_cast<const char*>(weights.data());
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
         const bool two = rt + 1 < row_tiles;
@@ -656,7 +667,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const GemmArgs& a, const 
             const int64_t row = (rt + i) * kRowTile + r;
             if (row >= rows) break;
             __m512 v[1][C];
-            for (int c = 0; c < C; ++c) v[0][c] = _mm512_load_ps(cbuf[2 * i + c][r]);
+            for (int c = 0; c < C; ++c) v[0][c] = _mm512_permutexvar_ps(unpermute, _mm512_load_ps(cbuf[2 * i + c][r]));
             if (a.act >= 0) act_epilogue<1, C>(a, v, row, tile, gate.data() + row * C * 16);
             else store_rows<1, C>(a, v, row, tile);
           }

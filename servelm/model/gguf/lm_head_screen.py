@@ -218,6 +218,9 @@ FULL_HEAD = "full head"
 INT8 = "int8"
 """The two ways a screen finds a row's candidates: its 5-bit copy (``screen_candidates``) or the int8
 GEMM (``I8Screen``)."""
+INT8_AMX = "int8 amx"
+"""The int8 screen with its GEMM on AMX tiles (``I8Screen.amx``: the same candidates, bit for bit; measured
+against the VNNI one by ``ScreenChoice`` like every way, since the tiles pay only from some rows)."""
 KERNEL_ONLY = "int16 kernel"
 """No candidates: every argmax row gets the int16 kernel's logits of every token, whose argmax the
 screen gives (``head_logits``: the full head's way at a step the screen could take, where the head's own
@@ -285,15 +288,24 @@ class I8Screen:
             self.bound_sum[rows] = per_block.sum(-1)
         self.coefficient = i8_screen_coefficient(hidden, gguf_i8gemm.activation_levels(self.packed))
         self.vocab = vocab
+        permitted = getattr(kernel, "amx_permitted", None)
+        self.amx = permitted is not None and bool(permitted())
+        """Whether ``candidates`` may run the GEMM on AMX tiles (the VNNI build on a CPU with AMX-INT8)."""
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.bound_max.nbytes + self.bound_sum.nbytes
 
-    def candidates(self, x: torch.Tensor, max_candidates: int) -> list[torch.Tensor]:
-        """[counts, then each row's candidate ids], as the 5-bit screen's ``screen_candidates``."""
+    def candidates(self, x: torch.Tensor, max_candidates: int, amx: bool = False) -> list[torch.Tensor]:
+        """[counts, then each row's candidate ids], as the 5-bit screen's ``screen_candidates``; ``amx``: the
+        GEMM on AMX tiles (where ``self.amx``; the same result)."""
+        kwargs = {**self.packed.call_kwargs, **({"amx": True} if amx else {})}
         return self.kernel.i8_screen(x, self.codes, self.scales, self.vocab, self.bound_max, self.bound_sum,
-                                     self.coefficient, max_candidates, **self.packed.call_kwargs)
+                                     self.coefficient, max_candidates, **kwargs)
+
+    def ways(self) -> tuple[str, ...]:
+        """The int8 screen's ways (``head_logits``): its VNNI or AVX2 GEMM, and the AMX one where it runs."""
+        return (INT8, INT8_AMX) if self.amx else (INT8,)
 
 
 class LMHeadScreen:
@@ -360,7 +372,7 @@ class LMHeadScreen:
         candidates' exact logits (``-inf`` elsewhere), whose argmax is that of the head's int16
         kernel on the row (a row over the candidate limit: that kernel's logits of every token);
         the other rows get the full head's logits of those rows alone (``head`` on them). ``way``:
-        the candidates from the 5-bit copy (FIVE_BITS) or the int8 GEMM (INT8, ``self.i8``).
+        the candidates from the 5-bit copy (FIVE_BITS) or the int8 GEMM (INT8, ``self.i8``; INT8_AMX on AMX tiles).
         ``tokens`` (when given) receives, for each screened row that kept its candidates, that
         argmax: ``tokens[row] == int(logits[row].argmax())`` (ties to the lowest id)."""
         n = hidden.shape[0]
@@ -374,9 +386,9 @@ class LMHeadScreen:
         if way == KERNEL_ONLY:
             out = torch.empty((n, vocab), dtype=torch.float32)
             return self._unscreened(out, head, hidden, x, screened, list(range(len(screened))))
-        if way == INT8:
+        if way in (INT8, INT8_AMX):
             assert self.i8 is not None, "the int8 screen is built"
-            counts_tensor, *row_candidates = self.i8.candidates(x, self.max_candidates)
+            counts_tensor, *row_candidates = self.i8.candidates(x, self.max_candidates, amx=way == INT8_AMX)
         else:
             counts_tensor, *row_candidates = self.screen_kernel.screen_candidates(
                 x, self.packed, self.tiled_scales, vocab, self.code_error, self.max_candidates)
@@ -587,9 +599,12 @@ def head_logits(screen: LMHeadScreen | None, model: nn.Module, rows: torch.Tenso
     if screen is None or way is None:
         return full()
     count = len(argmax_rows)
-    # where both screens take the step, all three ways are measured (the same token either way)
-    ways = ((FIVE_BITS, INT8, FULL_HEAD) if way == FIVE_BITS and int8_screen_suits(screen, model, rows, argmax_rows)
-            else (way, FULL_HEAD))
+    # where both screens take the step, every way of both is measured (the same token either way)
+    if way == FIVE_BITS:
+        int8_ways = screen.i8.ways() if int8_screen_suits(screen, model, rows, argmax_rows) else ()  # type: ignore[union-attr]
+        ways: tuple[str, ...] = (FIVE_BITS, *int8_ways, FULL_HEAD)
+    else:
+        ways = (*screen.i8.ways(), FULL_HEAD)  # type: ignore[union-attr]
     taken = screen.choice.pick(count, ways)
     start = time.perf_counter()
     if taken != FULL_HEAD:

@@ -644,3 +644,25 @@ def test_a_qkv_projections_queries_take_the_avx2_int8_gemm_beside_the_float_tile
                                                      bias=None if bias is None else bias[:64]))
     assert torch.equal(out[:, 64:], whole[:, 64:]) and not torch.equal(out[:, :64], whole[:, :64])
     assert torch.equal(method.apply(layer, x, bias, PassRows.of([1] * 40, [True] * 40)), whole)
+
+
+def test_the_screens_amx_gemm_keeps_the_same_candidates(kernel) -> None:
+    """``i8_screen(..., amx=True)`` (the screen's GEMM on AMX tiles) gives the VNNI GEMM's candidates and counts
+    bit for bit: the same int32 block dots and the same float32 epilogue, at every row count (padded row
+    tiles), on a vocabulary ending inside a tile, a row that is not finite with none; a bound wide enough that
+    rows keep many candidates, so that their upper bounds' last bits decide membership."""
+    if not kernel.amx_permitted():
+        pytest.skip("no AMX int8 tiles on this CPU (or not granted to the process)")
+    weight = random_block_weight(1000, 256, 32, False, 7)   # 1,000 outputs: the last tile padded
+    codes, scales, _ = gguf_i8gemm.screen_pack(kernel, weight)
+    generator = torch.Generator().manual_seed(8)
+    bound_max = torch.rand(1000, generator=generator) * 2
+    bound_sum = bound_max * 4
+    x = torch.randn(40, 256, generator=generator)
+    x[6, 3] = float("nan")
+    for m in (1, 7, 16, 17, 33, 40):
+        rows = x[:m].contiguous()
+        vnni = kernel.i8_screen(rows, codes, scales, 1000, bound_max, bound_sum, 0.5, 1000)
+        tiles = kernel.i8_screen(rows, codes, scales, 1000, bound_max, bound_sum, 0.5, 1000, amx=True)
+        assert len(tiles) == m + 1 and all(torch.equal(a, b) for a, b in zip(vnni, tiles)), m
+        assert int(vnni[0].max()) > 3 and (m <= 6 or int(vnni[0][6]) == 0)
