@@ -68,8 +68,10 @@ MEASURE_MIN_BYTES = 96 << 20
 last-level cache, as in serving, where a step reads every layer's weights once."""
 MEASURE_MAX_COPIES = 64
 """Clones of a small shape's weight at most (``cold_copies``)."""
-MEASUREMENT = 3
-"""The measuring method's version, in the table's key: 3 keeps no cell timed while other processes kept
+MEASUREMENT = 4
+"""The measuring method's version, in the table's key: 4 times the rows kernel's prefetch first
+(``PREFETCH_CELL``) and every cell with the faster set (3's cells were timed with non-temporal prefetches,
+1.7-2.8x slow at one row on an Intel Xeon with AMX); 3 keeps no cell timed while other processes kept
 the engine's cores busy (2 kept them: a 2-thread table measured beside a busy core ranked a Gemma 3
 QKV's dense copy first at one row, 7.1 ms against 5.0 for calls that take 0.09-0.12 ms quiet, which
 sent every one-row step off the flat decode); 2 times cold copies with the model's code range (1, a
@@ -85,6 +87,13 @@ DENSE_SPLIT_ROWS = 2 * DENSE_CALL_ROWS
 request alone or several requests' chunks together take more)."""
 DENSE_SPLIT_MARGIN = 0.05
 """How much faster the cut calls must be to be taken (the timing's noise on a shared VM)."""
+
+PREFETCH_CELL = "rows kernel prefetch"
+"""The table's cell timing one row on the rows kernel with its codes prefetched non-temporal (``nta``) and
+into every cache level (``t0``) (gguf_rows.cpp ``set_nta_prefetch``; times only, ``RouteTable.nta_prefetch``):
+measured first, and the faster set on the kernel before any route cell is timed. Non-temporal lines made
+one-row steps 5-16% faster on an AMD Zen 4 VM; on an Intel Xeon with AMX (session 47) the same calls took
+1.7-2.8x as long as with T0 prefetches."""
 
 HEAD_ROW_CLASSES = tuple(rows for rows in ROW_CLASSES if rows <= 128)
 """The LM head's rows are logits rows: one per running stream (plus verify and logprob rows)."""
@@ -112,6 +121,12 @@ class RouteTable:
         """The cell timing ``DENSE_SPLIT_ROWS`` rows on the dense copy in one call (``whole``) and in
         calls of ``DENSE_CALL_ROWS`` (``cut``)."""
         return f"{RouteTable.cell_name(shape, x_bf16, DENSE_SPLIT_ROWS)} dense calls"
+
+    def nta_prefetch(self) -> bool:
+        """Whether the rows kernel prefetches a one-group call's codes non-temporal: where ``PREFETCH_CELL``
+        measured that faster, or (the earlier constant) where the cell was not measured."""
+        times = self.times_us.get(PREFETCH_CELL, {})
+        return times["nta"] < times["t0"] if "nta" in times and "t0" in times else True
 
     def ranking(self, fallback: Ranking) -> MeasuredRanking:
         """The table as a ``Ranking`` (a call of m rows takes the smallest measured class >= m;
@@ -319,6 +334,32 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     return finished
 
 
+def measure_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, table: RouteTable,
+                     deadline: float, working_bytes: int = MEASURE_MIN_BYTES) -> None:
+    """``PREFETCH_CELL``, where the rows kernel takes the setting and the table lacks the cell: one row
+    of the model's largest layer on the copy the rows kernel reads (the bit-width one where built, else
+    the byte copy), cold copies cycled (``cold_copies``), each way set before each call."""
+    kernel = method.rows_kernel
+    if kernel is None or not hasattr(kernel, "set_nta_prefetch") or PREFETCH_CELL in table.times_us:
+        return
+    candidates = [spec for spec in specs if not spec.shape.is_head
+                  and {Route.ROWS, Route.PACKED} & method.available(spec.shape, spec.block)]
+    if not candidates or time.perf_counter() > deadline:
+        return
+    spec = max(candidates, key=lambda spec: spec.shape.in_features * spec.shape.out_features)
+    route = Route.PACKED if Route.PACKED in method.available(spec.shape, spec.block) else Route.ROWS
+    weight = synthetic_weight(spec.shape, spec.block, spec.has_offsets, spec.code_range)
+    turn = itertools.cycle(cold_copies(method, weight, spec.shape, working_bytes))
+    x = torch.randn(1, spec.shape.in_features, generator=torch.Generator().manual_seed(1)).to(model_dtype)
+
+    def call(nta: bool) -> None:
+        kernel.set_nta_prefetch(nta)
+        method.run_route(route, next(turn), x, None, False)
+
+    times = time_candidates({"nta": lambda: call(True), "t0": lambda: call(False)})
+    table.times_us[PREFETCH_CELL] = {name: round(us, 1) for name, us in times.items()}
+
+
 @dataclass(frozen=True)
 class ShapeSpec:
     """A distinct GGUF linear of the model, as the table needs it."""
@@ -342,6 +383,9 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
     before = {name: dict(times) for name, times in table.times_us.items()}
     deadline = float("inf") if budget_s is None else started + budget_s
+    measure_prefetch(method, specs, model_dtype, table, deadline, min(working_bytes, MEASURE_MIN_BYTES))
+    if method.rows_kernel is not None and hasattr(method.rows_kernel, "set_nta_prefetch"):
+        method.rows_kernel.set_nta_prefetch(table.nta_prefetch())   # before any cell is timed: they depend on it
     complete_table = True
     for row_cells in (True, False):   # every shape's route cells first, then the dense copy's calls
         for spec in specs:
@@ -362,6 +406,8 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     source = (f"{cached} cells from {table.path(cache_dir)}, {measured} measured in {seconds:.1f} s"
               if cached else f"{measured} cells measured in {seconds:.1f} s"
               + (f", saved to {table.path(cache_dir)}" if measured else ""))
+    if PREFETCH_CELL in table.times_us:
+        source += f"; rows kernel prefetch: {'non-temporal' if table.nta_prefetch() else 'T0'} (measured faster)"
     if table.busy:
         source += (f"; {len(table.busy)} cells were timed while other processes kept up to "
                    f"{max(table.busy.values()):.1f} of this process's cores busy: not kept, they take the defaults "

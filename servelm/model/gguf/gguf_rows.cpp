@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -362,11 +363,14 @@ inline __m512 block_scales(const GemmArgs& a, const void* base, int64_t tile, in
 
 constexpr int64_t kPrefetchPairs = 160;   // how far ahead the weight streams are prefetched
 
-// The codes ahead: where the call reads them once (a few rows: one group), as non-temporal lines, so
-// that the stream (the whole weight, each decode step) does not evict what the step's other work
-// keeps in the caches (its activations, the next calls' code and data): 5-16% faster one-row steps in
-// 8 of 10 alternated runs (AMD Zen 4 VM, Gemma 3 270M and Qwen2.5-Coder 0.5B); where several row
-// groups pass over a panel of tiles, kept in the caches for the next group.
+// The codes ahead: where the call reads them once (a few rows: one group) and ``nta_prefetch`` is on, as
+// non-temporal lines, so that the stream (the whole weight, each decode step) does not evict what the
+// step's other work keeps in the caches (its activations, the next calls' code and data): 5-16% faster
+// one-row steps in 8 of 10 alternated runs (AMD Zen 4 VM, Gemma 3 270M and Qwen2.5-Coder 0.5B); on an
+// Intel Xeon with AMX (session 47) the same calls took 1.7-2.8x as long as with T0 prefetches, so the
+// route table measures both (model/routes.py ``PREFETCH_CELL``) and sets the faster (``set_nta_prefetch``).
+// Where several row groups pass over a panel of tiles, kept in the caches for the next group.
+std::atomic<bool> nta_prefetch{true};
 inline void prefetch_codes(const GemmArgs& a, const char* line) {
   if (a.once) _mm_prefetch(line, _MM_HINT_NTA);
   else _mm_prefetch(line, _MM_HINT_T0);
@@ -765,7 +769,8 @@ torch::Tensor gemm_on(bool on_amx, torch::Tensor x, torch::Tensor codes, torch::
              sums.data(), k, n, block, bf16_out ? nullptr : out.data_ptr<float>(),
              bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr, false,
              sub_scaled ? kSubScales : scales.dtype() == torch::kFloat16 ? kF16Scales : kF32Scales,
-             on_amx || rows <= kGemmRows,   // one row group (run_gemm), or amx: each code read once
+             // one row group (run_gemm): each code read once, prefetched non-temporal where that measured faster
+             !on_amx && rows <= kGemmRows && nta_prefetch.load(std::memory_order_relaxed),
              has_bias && bias->dtype() == torch::kFloat32 ? bias->data_ptr<float>() : nullptr,
              has_bias && bias->dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
              static_cast<int>(act), n / 2 / kTileOutputs};
@@ -825,6 +830,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("block"),
         py::arg("bf16_out") = false, py::arg("n") = -1, py::arg("bias") = py::none(), py::arg("act") = -1);
   m.def("amx_permitted", &amx::permitted, "whether the kernel granted this process the AMX tile state");
+  m.def("set_nta_prefetch", [](bool on) { nta_prefetch.store(on); },
+        "whether a call of one row group prefetches its codes non-temporal (else into every cache level)",
+        py::arg("on"));
+  m.def("nta_prefetch", [] { return nta_prefetch.load(); }, "set_nta_prefetch's setting");
   m.def("rows_call",
         [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
            int64_t block, bool bf16_out, c10::optional<torch::Tensor> bias) {

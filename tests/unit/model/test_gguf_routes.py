@@ -261,6 +261,50 @@ def test_the_route_table_is_measured_once_per_key(tmp_path, monkeypatch) -> None
     assert other.cells[other.cell_name(shape, False, 64)][0] == "dense"
 
 
+class PrefetchRowsKernel(TorchRowsKernel):
+    """The rows kernel's stand-in with its prefetch setting (gguf_rows.cpp ``set_nta_prefetch``), recording the
+    setting each call ran under."""
+
+    def __init__(self) -> None:
+        self.nta, self.calls = True, []
+
+    def set_nta_prefetch(self, on):
+        self.nta = on
+
+    def rows_gemm(self, *args, **kwargs):
+        self.calls.append(self.nta)
+        return super().rows_gemm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("faster", ["nta", "t0"])
+def test_the_rows_kernels_prefetch_is_measured_first_and_the_faster_set(tmp_path, monkeypatch, faster: str) -> None:
+    """``PREFETCH_CELL``: one row on the rows kernel timed with non-temporal and with T0 prefetches before any
+    route cell (the cells' times depend on it), the faster set on the kernel, kept with the table (a cached
+    table sets it again without timing); a table without the cell keeps the earlier constant (non-temporal)."""
+    kernel = PrefetchRowsKernel()
+    method = GGUFBlockLinearMethod(TorchBlockKernel(), torch.bfloat16, "int16", kernel, TorchI8Kernel())
+    shape = LinearShape(128, 64, "Q4_K", False, True)
+    specs = [route_table.ShapeSpec(shape, 32, True, (0, 15))]
+    timed: list[set[str]] = []
+
+    def fake(candidates, **_):
+        timed.append(set(candidates))
+        for run in candidates.values():
+            run()
+        return {name: (1.0 if name in (faster, "amx") else 2.0) for name in candidates}
+
+    monkeypatch.setattr(route_table, "time_candidates", fake)
+    table, source = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+    assert timed[0] == {"nta", "t0"} and True in kernel.calls and False in kernel.calls
+    assert table.nta_prefetch() is (faster == "nta") and kernel.nta is (faster == "nta")
+    assert ("non-temporal" if faster == "nta" else "T0") in source
+    kernel.set_nta_prefetch(faster != "nta")
+    monkeypatch.setattr(route_table, "time_candidates", lambda *a, **k: pytest.fail("a cached key was timed again"))
+    route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+    assert kernel.nta is (faster == "nta")
+    assert route_table.RouteTable({}).nta_prefetch()
+
+
 def test_writers_saving_one_table_at_once_never_fail(tmp_path) -> None:
     """Two ranks of one machine may save the same table together (a test's ranks are threads of one
     process): each writes a temporary file of its own, so none renames another's away."""

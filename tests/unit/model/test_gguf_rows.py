@@ -223,6 +223,25 @@ def test_amx_gemm_is_the_dense_bf16_copys_product_row_by_row(rows_kernel, block:
         rows_kernel.amx_gemm(torch.zeros(2, 48).bfloat16(), *packed(short, rows_kernel, form), 16, False, 64)
 
 
+@pytest.mark.parametrize("form", list(CODE_FORMS))
+def test_the_prefetch_setting_changes_no_result(rows_kernel, form: str) -> None:
+    """``set_nta_prefetch`` (the route table's measured choice) changes only how a one-group call's codes
+    are prefetched: the same bits either way, at one row group and several."""
+    weight = in_form(block_weight(64, 256, 32, True, seed=5), form)
+    codes, scales, offs = packed(weight, rows_kernel, form)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    before = rows_kernel.nta_prefetch()
+    try:
+        results = []
+        for nta in (True, False):
+            rows_kernel.set_nta_prefetch(nta)
+            assert rows_kernel.nta_prefetch() is nta
+            results.append([rows_kernel.rows_gemm(x[:m].contiguous(), codes, scales, offs, 32, False, 64) for m in (1, 8, 20)])
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+    finally:
+        rows_kernel.set_nta_prefetch(before)
+
+
 def test_rows_gemm_streams_large_results_and_takes_every_packed_output(rows_kernel) -> None:
     """A result of >= 4 MiB is written with non-temporal stores: the same values."""
     weight = block_weight(33_000, 64, 32, False, seed=9)
