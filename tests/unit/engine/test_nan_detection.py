@@ -91,3 +91,46 @@ def test_nan_fill_is_only_where_nan() -> None:
 
     filled = logits.masked_fill(torch.isnan(logits), NAN_FILL)
     assert filled.tolist() == [[1.0, NAN_FILL, float("-inf")]]
+
+
+class ScreenedRunner(NaNRunner):
+    """The LM-head screen's contract: for the GOOD request's rows the runner gives the token in
+    ``plan.argmax_tokens``, as the screen does for a row whose values are finite; a NaN is then planted
+    in that row's logits (which the screen never leaves) to show the check does not read them."""
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        logits = super().execute(plan)
+        row = 0
+        for seq in plan.sequences:
+            if self.slots[self._slot(seq.block_ids, 0)] != BAD:
+                for r in range(row, row + seq.num_logits):
+                    best = int(logits[r].argmax())
+                    plan.argmax_tokens[r] = best
+                    logits[r, (best + 1) % self.vocab_size] = float("nan")
+            row += seq.num_logits
+        return logits
+
+
+def test_rows_the_screen_answered_are_not_read_by_the_check(caplog: pytest.LogCaptureFixture) -> None:
+    """The check reads only the rows without a screened token (a 32-stream step's logits are nearly all
+    screened rows: -inf but for their candidates): the other request's NaN is still found and logged."""
+    runner = ScreenedRunner()
+    engine = LLMEngine(EngineConfig(observability=ObservabilityConfig(enable_nan_detection=True)), runner=runner,
+                       tokenizer=None, eos_token_ids=[EOS], context_length=512)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("good", GOOD_PROMPT, params)
+    engine.add_request("bad", BAD_PROMPT, params)
+    logger = logging.getLogger("servelm.engine.executor")
+    logger.addHandler(caplog.handler)
+    tokens: dict[str, list[int]] = {"good": [], "bad": []}
+    try:
+        with caplog.at_level(logging.WARNING, logger="servelm.engine.executor"):
+            while engine.has_unfinished():
+                for output in engine.step():
+                    tokens[output.request_id] += output.new_token_ids
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert tokens == {"good": runner.reference(GOOD_PROMPT, 4), "bad": runner.reference(BAD_PROMPT, 4)}
+    records = {id(r): r for r in caplog.records}.values()
+    warnings = [r.getMessage() for r in records if "NaN in the logits" in r.getMessage()]
+    assert len(warnings) == 4 and all("1 row(s)" in line and "['bad']" in line for line in warnings)

@@ -462,16 +462,22 @@ def test_a_mixed_batch_is_the_same_with_and_without_the_screen(engine: LLMEngine
 def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
     """The hidden states the LM head saw while decoding real prompts, screened 1 to 16 at a time:
     each row's argmax is the head's int16 kernel's."""
+    from servelm.model import runner as runner_module
+
     model = engine.runner.model
     captured: list[torch.Tensor] = []
-    compute_logits = model.compute_logits
-    model.compute_logits = lambda hidden, *rest: (captured.append(hidden.detach().clone()),
-                                                   compute_logits(hidden, *rest))[1]
+    head_logits_of = runner_module.head_logits   # the rows the LM head gets, whichever way takes them
+
+    def capturing(screen, model, rows, *rest, **kwargs):
+        captured.append(rows.detach().clone())
+        return head_logits_of(screen, model, rows, *rest, **kwargs)
+
+    runner_module.head_logits = capturing
     try:
         run(engine, [(engine.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
                      for p in PROMPTS], False)
     finally:
-        model.compute_logits = compute_logits
+        runner_module.head_logits = head_logits_of
     hidden = torch.cat(captured).float()
     screen = engine.runner.lm_head_screen
     weight = screen.weight
@@ -484,8 +490,9 @@ def test_real_hidden_states_at_several_row_counts(engine: LLMEngine) -> None:
             for m in (8, 32, 64):
                 x = hidden.repeat(m // len(hidden) + 1, 1)[:m].contiguous()
                 full = screen.kernel.block_linear_a16(x, weight.codes, weight.scales, None, 32)
-                logits = screen.logits(model.lm_head, x, list(range(m)), INT8)
-                assert torch.equal(logits.argmax(-1), full.argmax(-1))
+                for way in screen.i8.ways():   # its GEMM on VNNI, and on AMX tiles where they run
+                    logits = screen.logits(model.lm_head, x, list(range(m)), way)
+                    assert torch.equal(logits.argmax(-1), full.argmax(-1)), (m, way)
             assert screen.stats.fallbacks == 0
 
 
