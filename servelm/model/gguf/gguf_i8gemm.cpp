@@ -28,11 +28,9 @@
 #include <mutex>
 #include <utility>
 #include <vector>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "servelm_i8gemm.h"
+#include "servelm_amx.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -376,21 +374,11 @@ namespace amx {
 
 constexpr int64_t kRowTile = 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using servelm_amx::TileConfig;
 
 bool permitted() {
-  static const bool granted = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return granted;
+  static const bool ok = servelm_amx::granted(servelm_amx::kTile | servelm_amx::kInt8);
+  return ok;
 }
 
 // Tiles [begin, end) of the screen for every row (block 32, no offsets), the thread's results met by its

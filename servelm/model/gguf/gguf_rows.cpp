@@ -27,12 +27,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "servelm_activation.h"
 #include "servelm_parallel.h"
+#include "servelm_amx.h"
 #include "servelm_simd.h"
 
 namespace {
@@ -564,13 +562,7 @@ namespace amx {
 constexpr int64_t kRowTile = 16;   // rows of an A tile (and of a C tile)
 constexpr int64_t kChunk = 32;     // inputs a tdpbf16ps takes (16 pairs: the rows of a B tile)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using servelm_amx::TileConfig;
 
 // Tiles: C(i, c) = 2 i + c (row tile i of the pair taken together, output vector c), A(i) = 4 + i, B(c) = 6 + c;
 // every one 16 rows of 64 bytes.
@@ -702,12 +694,8 @@ void run_form(const GemmArgs& a, int64_t rows, bool has_offsets) {
 // Whether this process may use AMX bf16 tiles: the CPU has them (CPUID leaf 7: AMX-BF16, EDX bit 22; AMX-TILE,
 // bit 24) and Linux granted the process the tile state (asked once; a kernel before 5.16 has no such request).
 bool permitted() {
-  static const bool granted = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 22)) || !(edx & (1u << 24))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return granted;
+  static const bool ok = servelm_amx::granted(servelm_amx::kTile | servelm_amx::kBf16);
+  return ok;
 }
 
 }  // namespace amx
