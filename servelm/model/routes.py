@@ -338,7 +338,8 @@ def measure_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dty
                      deadline: float, working_bytes: int = MEASURE_MIN_BYTES) -> None:
     """``PREFETCH_CELL``, where the rows kernel takes the setting and the table lacks the cell: one row
     of the model's largest layer on the copy the rows kernel reads (the bit-width one where built, else
-    the byte copy), cold copies cycled (``cold_copies``), each way set before each call."""
+    the byte copy), cold copies cycled (``cold_copies``), each way set before each call; not kept where other
+    processes kept a core of this process busy meanwhile (``measure_shape``'s rule: ``table.busy``)."""
     kernel = method.rows_kernel
     if kernel is None or not hasattr(kernel, "set_nta_prefetch") or PREFETCH_CELL in table.times_us:
         return
@@ -356,7 +357,13 @@ def measure_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dty
         kernel.set_nta_prefetch(nta)
         method.run_route(route, next(turn), x, None, False)
 
+    probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
+    before = probe.sample() if probe is not None else None
     times = time_candidates({"nta": lambda: call(True), "t0": lambda: call(False)})
+    others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
+    if probe is not None and probe.target(others) < probe.max_threads:   # timed beside a busy core: not kept
+        table.busy[PREFETCH_CELL] = others
+        return
     table.times_us[PREFETCH_CELL] = {name: round(us, 1) for name, us in times.items()}
 
 

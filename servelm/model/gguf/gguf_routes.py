@@ -165,13 +165,13 @@ head alone (not the screen beside it) would otherwise hand those steps to the ti
 
 
 AMX_FIRST_ROW = 8
-"""Rows from which the ``amx`` route is offered: it widens every weight of the call to bf16 (~0.13 ns a weight
+"""Rows from which the ``amx`` route is offered: it widens every weight of the call to bf16 (~0.08 ns a weight
 on 2 threads of the Xeon of sessions 46-47), which only a batch's rows pay back against the dense copy's 2
 bytes a weight (benchmarks/RESULTS.md "Session 47"); fewer rows keep the prepared decode calls of the other
 routes."""
 AMX_LAST_ROW = 128
 """Rows up to which the ``amx`` route is offered (batched decode and short prompt chunks): on the Xeon of
-session 47 its cells won some layers' 512-row class in the table, yet a Gemma 3 prefill took 4% longer
+session 47 its cells won some layers' 512-row class in the table, yet a Gemma 3 prefill took 4-8% longer
 with them than on the dense copy, whose GEMM a long chunk keeps busy."""
 
 

@@ -294,6 +294,7 @@ def test_the_rows_kernels_prefetch_is_measured_first_and_the_faster_set(tmp_path
         return {name: (1.0 if name in (faster, "amx") else 2.0) for name in candidates}
 
     monkeypatch.setattr(route_table, "time_candidates", fake)
+    monkeypatch.setattr(route_table.ThreadGovernor, "supported", staticmethod(lambda: False))   # no busy-core rule here
     table, source = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
     assert timed[0] == {"nta", "t0"} and True in kernel.calls and False in kernel.calls
     assert table.nta_prefetch() is (faster == "nta") and kernel.nta is (faster == "nta")
@@ -303,6 +304,32 @@ def test_the_rows_kernels_prefetch_is_measured_first_and_the_faster_set(tmp_path
     route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
     assert kernel.nta is (faster == "nta")
     assert route_table.RouteTable({}).nta_prefetch()
+
+
+def test_the_prefetch_timed_beside_busy_cores_is_not_kept(tmp_path, monkeypatch) -> None:
+    """``PREFETCH_CELL`` follows the cells' rule: timed while other processes kept a core busy, it is not kept
+    (the earlier constant, non-temporal, serves) and a quiet start measures it."""
+    kernel = PrefetchRowsKernel()
+    method = GGUFBlockLinearMethod(TorchBlockKernel(), torch.bfloat16, "int16", kernel, TorchI8Kernel())
+    specs = [route_table.ShapeSpec(LinearShape(128, 64, "Q4_K", False, True), 32, True, (0, 15))]
+    monkeypatch.setattr(route_table, "time_candidates",
+                        lambda candidates, **_: {name: (1.0 if name in ("t0", "amx") else 2.0) for name in candidates})
+    others = [1.0]
+    monkeypatch.setattr(route_table.ThreadGovernor, "supported", staticmethod(lambda: True))
+    monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now, slack_ticks=0: others[0])
+    monkeypatch.setattr(route_table.ThreadGovernor, "target",
+                        lambda self, used: self.max_threads - (1 if used >= 0.4 else 0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+        assert route_table.PREFETCH_CELL in table.busy and route_table.PREFETCH_CELL not in table.times_us
+        assert kernel.nta   # not measured: the earlier constant
+        others[0] = 0.1
+        table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+        assert table.times_us[route_table.PREFETCH_CELL] == {"nta": 2.0, "t0": 1.0} and not kernel.nta
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_writers_saving_one_table_at_once_never_fail(tmp_path) -> None:
