@@ -236,14 +236,12 @@ class Executor:
         LM-head screen gave (``plan.argmax_tokens``) are not read: the screen gives none to a row with a
         value that is not finite, and the rest of such a row is -inf (a 32-stream step's [32, 262,144]
         logits were ~2 ms of reading, nearly all of them screened rows)."""
-        known = output.plan.argmax_tokens
-        rest = [row for row in range(logits.shape[0]) if row not in known] if known else None
-        quick = logits if rest is None else logits[torch.tensor(rest, dtype=torch.long, device=logits.device)]
+        screened = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        screened[list(output.plan.argmax_tokens)] = True
+        quick = logits[~screened] if output.plan.argmax_tokens else logits
         if quick.numel() == 0 or not bool(torch.isnan(quick.sum(dim=-1)).any()):
             return logits
-        is_nan = torch.isnan(logits)
-        if rest is not None:   # the screened rows' entries are left as they are (see above)
-            is_nan[torch.tensor(sorted(known), dtype=torch.long, device=logits.device)] = False
+        is_nan = torch.isnan(logits) & ~screened[:, None]   # the screened rows' entries are left as they are
         bad_rows = is_nan.any(dim=-1)
         if not bool(bad_rows.any()):
             return logits

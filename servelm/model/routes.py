@@ -270,6 +270,24 @@ def dense_cold_copies(method: Any, weight: BlockWeight, working_bytes: int = MEA
     return [dense] + [dense.clone() for _ in range(copies - 1)]
 
 
+class BusyWindow:
+    """How many cores other processes took from this one over a timing window (``ThreadGovernor``'s reading
+    from the window's start to ``others``), and whether that was enough to cost a thread: a timing made
+    then ranks its candidates by which suffers least from a lost core, so it is not kept."""
+
+    def __init__(self) -> None:
+        self.probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
+        self.before = self.probe.sample() if self.probe is not None else None
+
+    def busy_cores(self) -> float | None:
+        """Others' cores over the window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks) where they
+        cost this process a thread, else None."""
+        if self.probe is None or not self.before:
+            return None
+        others = self.probe.others_cores(self.before, self.probe.sample(), slack_ticks=2)
+        return others if self.probe.target(others) < self.probe.max_threads else None
+
+
 def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool, model_dtype: torch.dtype,
                   table: RouteTable, deadline: float, code_range: tuple[int, int] = (-127, 127),
                   working_bytes: int = MEASURE_MIN_BYTES, row_cells: bool = True, dense_calls_cell: bool = True
@@ -299,8 +317,7 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     weight = synthetic_weight(shape, block, has_offsets, code_range)
     layers = cold_copies(method, weight, shape, working_bytes) if todo else []
     run = method.run_route
-    probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
-    before = probe.sample() if probe is not None else None
+    window = BusyWindow()
     measured: dict[str, dict[str, float]] = {}
     finished = True
     for rows in todo:
@@ -321,12 +338,10 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
         turn = itertools.cycle([layer.gguf_dense for layer in layers] or dense_cold_copies(method, weight, working_bytes))
         measured[split] = time_candidates({name: (lambda rows=rows: dense_calls(x, next(turn), rows))
                                            for name, rows in (("whole", 0), ("cut", DENSE_CALL_ROWS))})
-    # others' use over the shape's whole window (0.1-1 s: a cell's alone is a few of /proc's 10 ms ticks)
-    others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
-    busy = probe is not None and probe.target(others) < probe.max_threads
+    busy = window.busy_cores()   # over the shape's whole window
     for name, times in measured.items():
-        if busy:
-            table.busy[name] = others
+        if busy is not None:
+            table.busy[name] = busy
             continue
         if name != split:   # the dense calls' cell is times only (``MeasuredRanking.dense_call_rows``)
             table.cells[name] = sorted(times, key=lambda route: times[route] * (1 + COPY_MARGIN[Route(route)]))
@@ -334,21 +349,29 @@ def measure_shape(method: Any, shape: LinearShape, block: int, has_offsets: bool
     return finished
 
 
-def measure_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, table: RouteTable,
-                     deadline: float, working_bytes: int = MEASURE_MIN_BYTES) -> None:
-    """``PREFETCH_CELL``, where the rows kernel takes the setting and the table lacks the cell: one row
-    of the model's largest layer on the copy the rows kernel reads (the bit-width one where built, else
-    the byte copy), cold copies cycled (``cold_copies``), each way set before each call; not kept where other
-    processes kept a core of this process busy meanwhile (``measure_shape``'s rule: ``table.busy``)."""
+def set_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, table: RouteTable,
+                 deadline: float, working_bytes: int = MEASURE_MIN_BYTES) -> None:
+    """Where the rows kernel takes the setting: ``PREFETCH_CELL`` measured if the table lacks it (one row of
+    the model's largest layer on the copy the rows kernel reads, the bit-width one where built, else the byte
+    copy; cold copies cycled, ``cold_copies``; each way set before each call; not kept where other processes
+    kept a core of this process busy meanwhile, ``BusyWindow``), then the table's choice set on the kernel
+    (``RouteTable.nta_prefetch``): before any cell is timed, since their times depend on it."""
     kernel = method.rows_kernel
-    if kernel is None or not hasattr(kernel, "set_nta_prefetch") or PREFETCH_CELL in table.times_us:
+    if kernel is None or not hasattr(kernel, "set_nta_prefetch"):
         return
-    candidates = [spec for spec in specs if not spec.shape.is_head
-                  and {Route.ROWS, Route.PACKED} & method.available(spec.shape, spec.block)]
-    if not candidates or time.perf_counter() > deadline:
+    if PREFETCH_CELL not in table.times_us and time.perf_counter() <= deadline:
+        _measure_prefetch(method, kernel, specs, model_dtype, table, working_bytes)
+    kernel.set_nta_prefetch(table.nta_prefetch())
+
+
+def _measure_prefetch(method: Any, kernel: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, table: RouteTable,
+                      working_bytes: int) -> None:
+    held = [(spec, method.available(spec.shape, spec.block)) for spec in specs if not spec.shape.is_head]
+    held = [(spec, routes) for spec, routes in held if {Route.ROWS, Route.PACKED} & routes]
+    if not held:
         return
-    spec = max(candidates, key=lambda spec: spec.shape.in_features * spec.shape.out_features)
-    route = Route.PACKED if Route.PACKED in method.available(spec.shape, spec.block) else Route.ROWS
+    spec, routes = max(held, key=lambda pair: pair[0].shape.in_features * pair[0].shape.out_features)
+    route = Route.PACKED if Route.PACKED in routes else Route.ROWS
     weight = synthetic_weight(spec.shape, spec.block, spec.has_offsets, spec.code_range)
     turn = itertools.cycle(cold_copies(method, weight, spec.shape, working_bytes))
     x = torch.randn(1, spec.shape.in_features, generator=torch.Generator().manual_seed(1)).to(model_dtype)
@@ -357,14 +380,13 @@ def measure_prefetch(method: Any, specs: list[ShapeSpec], model_dtype: torch.dty
         kernel.set_nta_prefetch(nta)
         method.run_route(route, next(turn), x, None, False)
 
-    probe = ThreadGovernor(torch.get_num_threads()) if ThreadGovernor.supported() else None
-    before = probe.sample() if probe is not None else None
+    window = BusyWindow()
     times = time_candidates({"nta": lambda: call(True), "t0": lambda: call(False)})
-    others = probe.others_cores(before, probe.sample(), slack_ticks=2) if probe is not None and before else 0.0
-    if probe is not None and probe.target(others) < probe.max_threads:   # timed beside a busy core: not kept
-        table.busy[PREFETCH_CELL] = others
-        return
-    table.times_us[PREFETCH_CELL] = {name: round(us, 1) for name, us in times.items()}
+    busy = window.busy_cores()
+    if busy is not None:
+        table.busy[PREFETCH_CELL] = busy
+    else:
+        table.times_us[PREFETCH_CELL] = {name: round(us, 1) for name, us in times.items()}
 
 
 @dataclass(frozen=True)
@@ -390,9 +412,7 @@ def build_table(method: Any, specs: list[ShapeSpec], model_dtype: torch.dtype, b
     table = RouteTable(key) if fresh else RouteTable.load(key, cache_dir)
     before = {name: dict(times) for name, times in table.times_us.items()}
     deadline = float("inf") if budget_s is None else started + budget_s
-    measure_prefetch(method, specs, model_dtype, table, deadline, min(working_bytes, MEASURE_MIN_BYTES))
-    if method.rows_kernel is not None and hasattr(method.rows_kernel, "set_nta_prefetch"):
-        method.rows_kernel.set_nta_prefetch(table.nta_prefetch())   # before any cell is timed: they depend on it
+    set_prefetch(method, specs, model_dtype, table, deadline, min(working_bytes, MEASURE_MIN_BYTES))
     complete_table = True
     for row_cells in (True, False):   # every shape's route cells first, then the dense copy's calls
         for spec in specs:

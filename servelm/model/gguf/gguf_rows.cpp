@@ -573,8 +573,7 @@ inline TileConfig config() {
   return cfg;
 }
 
-// Blocks [first, last) of ``tile``'s weights (2 vectors of 16 outputs) as bf16, [pairs][2][32]: pair p of vector c
-// at (2 (p - the first block's first pair) + c),
+// The weights of ``tile`` (2 vectors of 16 outputs) as bf16, [K / 2][2][32]: pair p of vector c at (2 p + c),
 // its 16 columns (an output's two weights each) in the order ``kColumns``. A pair vector's 32 bf16 (code +
 // code_bias) go to float32 by interleaving with zeros (the bf16 bits become the high half of a float's:
 // the same value), which takes elements 0-3, 8-11, 16-19, 24-27 (low) and 4-7, 12-15, ... (high): no
@@ -582,7 +581,7 @@ inline TileConfig config() {
 // permuted (outputs kColumns[n]), which the epilogue undoes once a row (``kUnpermute``).
 constexpr int kColumns[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
 template <Codes kCodes, bool kOffsets>
-inline void widen_blocks(const GemmArgs& a, int64_t tile, int64_t first, int64_t last, __m512i* out) {
+inline void widen_tile(const GemmArgs& a, int64_t tile, __m512i* out) {
   constexpr int C = 2;
   const int64_t nb = a.k / a.block, per_block = a.block / 2;
   // the output of each float lane: low half element 8 (l / 4) + l % 4, high half 4 more; an output per pair
@@ -590,7 +589,7 @@ inline void widen_blocks(const GemmArgs& a, int64_t tile, int64_t first, int64_t
   const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(2));
   const __m512 bias = _mm512_set1_ps(code_bias(kCodes));
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t b = first; b < last; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     __m512 s[C][2], o[C][2];
     for (int c = 0; c < C; ++c) {
       const __m512 sv = block_scales(a, a.scales, tile, b, c, C, nb);
@@ -613,7 +612,7 @@ inline void widen_blocks(const GemmArgs& a, int64_t tile, int64_t first, int64_t
           f[h] = _mm512_mul_ps(kCodes == Codes::kInt8 ? v : _mm512_sub_ps(v, bias), s[c][h]);
           if constexpr (kOffsets) f[h] = _mm512_add_ps(f[h], o[c][h]);
         }
-        _mm512_store_si512(out + 2 * (p - first * per_block) + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
+        _mm512_store_si512(out + 2 * p + c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
       }
     }
   }
@@ -636,7 +635,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const GemmArgs& a, const 
   for (int64_t item = begin; item < end; ++item)
     for (int64_t part = 0; part < per_item; ++part) {
       const int64_t tile = item + part * a.half_tiles;
-      widen_blocks<kCodes, kOffsets>(a, tile, 0, a.k / a.block, weights.data());
+      widen_tile<kCodes, kOffsets>(a, tile, weights.data());
       const char* w = reinterpret_cast<const char*>(weights.data());
       for (int64_t rt = 0; rt < row_tiles; rt += 2) {
         const bool two = rt + 1 < row_tiles;
@@ -796,7 +795,7 @@ torch::Tensor rows_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 }
 
 // Python: amx_gemm(...): rows_gemm's arguments and result on AMX tiles (``amx`` above); amx_permitted():
-// whether the process may use them (callers check /proc/cpuinfo's amx_tile and amx_bf16 first).
+// whether the process may use them (CPUID's AMX-TILE and AMX-BF16, the tile state granted: servelm_amx.h).
 torch::Tensor amx_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                        c10::optional<torch::Tensor> offsets, int64_t block, bool bf16_out, int64_t n,
                        c10::optional<torch::Tensor> bias, int64_t act) {

@@ -276,15 +276,19 @@ class PrefetchRowsKernel(TorchRowsKernel):
         return super().rows_gemm(*args, **kwargs)
 
 
+def prefetch_method() -> tuple[PrefetchRowsKernel, GGUFBlockLinearMethod, list]:
+    """A method on ``PrefetchRowsKernel`` and one Q4_K layer's spec (it has the bit-width copy)."""
+    kernel = PrefetchRowsKernel()
+    method = GGUFBlockLinearMethod(TorchBlockKernel(), torch.bfloat16, "int16", kernel, TorchI8Kernel())
+    return kernel, method, [route_table.ShapeSpec(LinearShape(128, 64, "Q4_K", False, True), 32, True, (0, 15))]
+
+
 @pytest.mark.parametrize("faster", ["nta", "t0"])
 def test_the_rows_kernels_prefetch_is_measured_first_and_the_faster_set(tmp_path, monkeypatch, faster: str) -> None:
     """``PREFETCH_CELL``: one row on the rows kernel timed with non-temporal and with T0 prefetches before any
     route cell (the cells' times depend on it), the faster set on the kernel, kept with the table (a cached
     table sets it again without timing); a table without the cell keeps the earlier constant (non-temporal)."""
-    kernel = PrefetchRowsKernel()
-    method = GGUFBlockLinearMethod(TorchBlockKernel(), torch.bfloat16, "int16", kernel, TorchI8Kernel())
-    shape = LinearShape(128, 64, "Q4_K", False, True)
-    specs = [route_table.ShapeSpec(shape, 32, True, (0, 15))]
+    kernel, method, specs = prefetch_method()
     timed: list[set[str]] = []
 
     def fake(candidates, **_):
@@ -306,14 +310,10 @@ def test_the_rows_kernels_prefetch_is_measured_first_and_the_faster_set(tmp_path
     assert route_table.RouteTable({}).nta_prefetch()
 
 
-def test_the_prefetch_timed_beside_busy_cores_is_not_kept(tmp_path, monkeypatch) -> None:
-    """``PREFETCH_CELL`` follows the cells' rule: timed while other processes kept a core busy, it is not kept
-    (the earlier constant, non-temporal, serves) and a quiet start measures it."""
-    kernel = PrefetchRowsKernel()
-    method = GGUFBlockLinearMethod(TorchBlockKernel(), torch.bfloat16, "int16", kernel, TorchI8Kernel())
-    specs = [route_table.ShapeSpec(LinearShape(128, 64, "Q4_K", False, True), 32, True, (0, 15))]
-    monkeypatch.setattr(route_table, "time_candidates",
-                        lambda candidates, **_: {name: (1.0 if name in ("t0", "amx") else 2.0) for name in candidates})
+@pytest.fixture
+def busy_cores(monkeypatch):
+    """Two threads, and the thread governor reading ``others[0]`` cores taken by other processes (0.4 or more
+    costs this process a thread): the list, to change between builds."""
     others = [1.0]
     monkeypatch.setattr(route_table.ThreadGovernor, "supported", staticmethod(lambda: True))
     monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now, slack_ticks=0: others[0])
@@ -321,15 +321,22 @@ def test_the_prefetch_timed_beside_busy_cores_is_not_kept(tmp_path, monkeypatch)
                         lambda self, used: self.max_threads - (1 if used >= 0.4 else 0))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
-        assert route_table.PREFETCH_CELL in table.busy and route_table.PREFETCH_CELL not in table.times_us
-        assert kernel.nta   # not measured: the earlier constant
-        others[0] = 0.1
-        table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
-        assert table.times_us[route_table.PREFETCH_CELL] == {"nta": 2.0, "t0": 1.0} and not kernel.nta
-    finally:
-        torch.set_num_threads(threads)
+    yield others
+    torch.set_num_threads(threads)
+
+
+def test_the_prefetch_timed_beside_busy_cores_is_not_kept(tmp_path, monkeypatch, busy_cores) -> None:
+    """``PREFETCH_CELL`` follows the cells' rule: timed while other processes kept a core busy, it is not kept
+    (the earlier constant, non-temporal, serves) and a quiet start measures it."""
+    kernel, method, specs = prefetch_method()
+    monkeypatch.setattr(route_table, "time_candidates",
+                        lambda candidates, **_: {name: (1.0 if name in ("t0", "amx") else 2.0) for name in candidates})
+    table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+    assert route_table.PREFETCH_CELL in table.busy and route_table.PREFETCH_CELL not in table.times_us
+    assert kernel.nta   # not measured: the earlier constant
+    busy_cores[0] = 0.1
+    table, _ = route_table.build_table(method, specs, torch.bfloat16, None, tmp_path)
+    assert table.times_us[route_table.PREFETCH_CELL] == {"nta": 2.0, "t0": 1.0} and not kernel.nta
 
 
 def test_writers_saving_one_table_at_once_never_fail(tmp_path) -> None:
@@ -369,31 +376,22 @@ def test_over_the_budget_the_defaults_serve(tmp_path) -> None:
     assert ranking(shape, False, 600) == method.default_ranking(shape, False, 600)
 
 
-def test_cells_timed_beside_busy_cores_are_not_kept(tmp_path, monkeypatch) -> None:
+def test_cells_timed_beside_busy_cores_are_not_kept(tmp_path, busy_cores) -> None:
     """A cell timed while other processes kept one of the engine's two cores busy (the thread
     governor's reading) is neither kept nor saved: the defaults serve it, the log line says why, and a
     quiet start measures it."""
     method = torch_method(dense_dtype=torch.float32)
     shape = LinearShape(128, 64, "Q8_0", False, True)
     specs = [route_table.ShapeSpec(shape, 32, False)]
-    others = [1.0]
-    monkeypatch.setattr(route_table.ThreadGovernor, "others_cores", lambda self, before, now, slack_ticks=0: others[0])
-    monkeypatch.setattr(route_table.ThreadGovernor, "target",
-                        lambda self, used: self.max_threads - (1 if used >= 0.4 else 0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
-        # every row class and the dense copy's calls at a long chunk (``split_cell_name``)
-        assert not table.cells and len(table.busy) == len(ROW_CLASSES) + 1 and "cores busy" in source
-        assert not table.path(tmp_path).exists()
-        assert table.ranking(method.default_ranking)(shape, False, 1) == method.default_ranking(shape, False, 1)
-        others[0] = 0.1   # the front end's small share: quiet enough
-        table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
-        assert len(table.cells) == len(ROW_CLASSES) and not table.busy and "cores busy" not in source
-        assert table.path(tmp_path).exists()
-    finally:
-        torch.set_num_threads(threads)
+    table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+    # every row class and the dense copy's calls at a long chunk (``split_cell_name``)
+    assert not table.cells and len(table.busy) == len(ROW_CLASSES) + 1 and "cores busy" in source
+    assert not table.path(tmp_path).exists()
+    assert table.ranking(method.default_ranking)(shape, False, 1) == method.default_ranking(shape, False, 1)
+    busy_cores[0] = 0.1   # the front end's small share: quiet enough
+    table, source = route_table.build_table(method, specs, torch.float32, None, tmp_path)
+    assert len(table.cells) == len(ROW_CLASSES) and not table.busy and "cores busy" not in source
+    assert table.path(tmp_path).exists()
 
 
 def test_a_shape_with_one_route_is_never_timed(tmp_path) -> None:
